@@ -1,0 +1,38 @@
+"""The ``dynabatch`` command: one sub-command per module.
+
+Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; modules are
+imported lazily so ``dynabatch --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "data-report": ("dynabatch.data.report", "per-task length statistics and baseline padding efficiency"),
+    "profile": ("dynabatch.cost.profile_cli", "profile per-layer time and memory on this device"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dynabatch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        args = parser.parse_args(argv)
+        parser.print_help()
+        return 0 if not argv else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    p = argparse.ArgumentParser(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1])
+    module.add_arguments(p)
+    args = p.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
