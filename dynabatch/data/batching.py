@@ -1,0 +1,180 @@
+"""Global batches by token budget, with length limits and a policy for over-long samples.
+
+A global batch is the set of samples of one optimizer step. It is formed by a *token budget*
+(inputs + targets, e.g. 65,536), not a sample count: samples are drawn from the mixture sampler
+and added while the batch stays within the budget; the first sample that does not fit opens the
+next batch. The batcher's position (sampler state + that held-over sample) is its ``state_dict``,
+so batches resume exactly at any step.
+
+Length limits: encoder-decoder samples have separate input and target limits; decoder-only
+samples have one limit on inputs + targets. An over-long sample is truncated (default; counted),
+dropped (counted) or raises an error naming it (policy ``error``). Truncation keeps the start of
+the text and the final EOS; for decoder-only samples the targets keep at least half the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from dynabatch.data.pipeline import MixtureData
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
+
+OVERLONG_POLICIES = ("truncate", "drop", "error")
+
+
+class OverlongSampleError(ValueError):
+    """A sample exceeds the length limits under policy ``error``."""
+
+
+@dataclass(frozen=True)
+class LengthLimits:
+    """Per-sample length limits in tokens (EOS included)."""
+
+    family: str
+    """``t5`` (separate encoder/decoder limits) or ``gpt2`` (one limit on inputs + targets)."""
+    max_input_len: int = 1024
+    """T5: encoder tokens."""
+    max_target_len: int = 256
+    """T5: decoder tokens."""
+    max_seq_len: int = 1024
+    """GPT-2: inputs + targets."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_len", "max_target_len", "max_seq_len"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens a single sample can have after truncation."""
+        return self.max_input_len + self.max_target_len if self.family == "t5" else self.max_seq_len
+
+    def is_overlong(self, input_len: int, target_len: int) -> bool:
+        if self.family == "t5":
+            return input_len > self.max_input_len or target_len > self.max_target_len
+        return input_len + target_len > self.max_seq_len
+
+    def truncated_lengths(self, input_len: int, target_len: int) -> tuple[int, int]:
+        """Lengths after truncation (unchanged when within the limits)."""
+        if self.family == "t5":
+            return min(input_len, self.max_input_len), min(target_len, self.max_target_len)
+        limit = self.max_seq_len
+        keep_target = min(target_len, max(limit - input_len, limit // 2))
+        return min(input_len, limit - keep_target), keep_target
+
+    def describe(self) -> str:
+        if self.family == "t5":
+            return f"max_input_len={self.max_input_len}, max_target_len={self.max_target_len}"
+        return f"max_seq_len={self.max_seq_len}"
+
+
+def _cut(ids: np.ndarray, n: int, eos: int) -> np.ndarray:
+    """First ``n`` tokens, keeping a final EOS if the sequence had one."""
+    if len(ids) <= n:
+        return ids
+    if n > 0 and len(ids) and ids[-1] == eos:
+        return np.concatenate([ids[: n - 1], ids[-1:]])
+    return ids[:n]
+
+
+def truncate_sample(sample: TokenizedSample, limits: LengthLimits, eos: int) -> TokenizedSample:
+    n_in, n_tg = limits.truncated_lengths(sample.input_len, sample.target_len)
+    return replace(sample, input_ids=_cut(sample.input_ids, n_in, eos), target_ids=_cut(sample.target_ids, n_tg, eos))
+
+
+@dataclass
+class GlobalBatcher:
+    """Endless, resumable stream of :class:`GlobalBatch` by token budget."""
+
+    data: MixtureData
+    limits: LengthLimits
+    token_budget: int = 65_536
+    """Real tokens (inputs + targets) per global batch."""
+    overlong: str = "truncate"
+    """``truncate`` | ``drop`` | ``error``."""
+    _sampler: Any = field(init=False, repr=False)
+    _pending: tuple[int, int] | None = field(init=False, default=None, repr=False)
+    step: int = field(init=False, default=0)
+    num_truncated: int = field(init=False, default=0)
+    """Samples truncated so far."""
+    num_dropped: int = field(init=False, default=0)
+    """Samples dropped so far."""
+
+    def __post_init__(self) -> None:
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
+        if self.limits.family != self.data.family:
+            raise ValueError(f"length limits are for {self.limits.family!r} but the data is tokenized for {self.data.family!r}")
+        if self.token_budget < self.limits.max_tokens:
+            raise ValueError(
+                f"token_budget {self.token_budget} is smaller than one maximal sample ({self.limits.describe()}, "
+                f"{self.limits.max_tokens} tokens); raise the budget or lower the limits"
+            )
+        self._sampler = self.data.sampler()
+
+    def _prepare(self, source: int, row: int) -> TokenizedSample | None:
+        """The sample ready for a batch, or ``None`` if the policy drops it."""
+        sample = self.data.sample(source, row)
+        if not self.limits.is_overlong(sample.input_len, sample.target_len):
+            return sample
+        if self.overlong == "error":
+            raise OverlongSampleError(
+                f"sample {row} of source {self.data.sources[source].name!r} has {sample.input_len} input and "
+                f"{sample.target_len} target tokens, over the limits ({self.limits.describe()}); "
+                "raise the limits, or use overlong='truncate' or 'drop'"
+            )
+        if self.overlong == "drop":
+            return None
+        return truncate_sample(sample, self.limits, self.data.tokens.eos_id)
+
+    def next_batch(self) -> GlobalBatch:
+        samples: list[TokenizedSample] = []
+        total = truncated = dropped = 0
+        while True:
+            source, row = self._pending if self._pending is not None else self._sampler.draw()
+            self._pending = None
+            sample = self._prepare(source, row)
+            if sample is None:
+                dropped += 1
+                continue
+            if samples and total + sample.num_tokens > self.token_budget:
+                self._pending = (source, row)
+                break
+            samples.append(sample)
+            total += sample.num_tokens
+            truncated += sample.input_len + sample.target_len < self._raw_num_tokens(source, row)
+        batch = GlobalBatch(step=self.step, samples=tuple(samples), num_truncated=truncated, num_dropped=dropped)
+        self.step += 1
+        self.num_truncated += truncated
+        self.num_dropped += dropped
+        return batch
+
+    def _raw_num_tokens(self, source: int, row: int) -> int:
+        src = self.data.sources[source]
+        return int(src.input_ids.offsets[row + 1] - src.input_ids.offsets[row]) + int(
+            src.target_ids.offsets[row + 1] - src.target_ids.offsets[row]
+        )
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sampler": self._sampler.state_dict(),
+            "pending": list(self._pending) if self._pending is not None else None,
+            "step": self.step,
+            "num_truncated": self.num_truncated,
+            "num_dropped": self.num_dropped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sampler.load_state_dict(state["sampler"])
+        self._pending = tuple(state["pending"]) if state["pending"] is not None else None
+        self.step = int(state["step"])
+        self.num_truncated = int(state["num_truncated"])
+        self.num_dropped = int(state["num_dropped"])

@@ -1,0 +1,115 @@
+"""``dynabatch data-report``: what a mixture looks like and what each baseline would waste.
+
+Prints, per task, the example count, mixing rate, input/target length percentiles and a length
+histogram, then the padding efficiency (real / computed tokens) of every baseline batcher on a few
+global batches at several maximum lengths. For T5 a max length L limits inputs to L and targets
+to L/4 (override with ``--max-target-len``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+from tqdm import tqdm
+
+from dynabatch.data.baselines import BATCHERS, make_batcher
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.mixture import MixtureSpec
+from dynabatch.data.pipeline import MixtureData
+from dynabatch.data.sources import SourceSpec
+from dynabatch.data.tokenize import FAMILIES, load_tokenizer
+
+PERCENTILES = (50, 90, 95, 99)
+HIST_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--mixture", default=None, help="mixture spec (.yaml/.json); default: the built-in mixture")
+    src.add_argument("--data", default=None, help="a single data file (json/jsonl/parquet/arrow/csv) instead of a mixture")
+    p.add_argument("--tokenizer", default="builtin", help="builtin | gpt2 | byt5 | local tokenizer dir")
+    p.add_argument("--family", default="both", choices=[*FAMILIES, "both"], help="model family to tokenize for")
+    p.add_argument("--max-lens", default="512,1024,2048", help="comma-separated maximum lengths to report")
+    p.add_argument("--max-target-len", type=int, default=None, help="T5 target limit (default: max length / 4)")
+    p.add_argument("--token-budget", type=int, default=65_536, help="tokens per global batch")
+    p.add_argument("--num-batches", type=int, default=4, help="global batches per measurement")
+    p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped micro-batch size")
+    p.add_argument("--bad-rows", default="error", choices=["error", "skip"], help="malformed rows: fail or skip+count")
+
+
+def default_mixture_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "..", "..", "data", "flan_mini.yaml"), os.path.join(here, "..", "assets", "flan_mini.yaml")):
+        if os.path.exists(candidate):
+            return os.path.normpath(candidate)
+    raise FileNotFoundError("built-in mixture spec flan_mini.yaml not found; pass --mixture")
+
+
+def _spec(args: argparse.Namespace) -> MixtureSpec:
+    if args.data:
+        task = os.path.splitext(os.path.basename(args.data))[0]
+        return MixtureSpec(sources=(SourceSpec(task=task, data_files=(os.path.abspath(args.data),)),))
+    return MixtureSpec.from_file(args.mixture or default_mixture_path())
+
+
+def _pct(x: np.ndarray) -> str:
+    return " ".join(f"{int(v):>5d}" for v in np.percentile(x, PERCENTILES)) + f" {int(x.max()):>6d}"
+
+
+def _histogram(lengths: np.ndarray) -> str:
+    counts, _ = np.histogram(lengths, bins=[*HIST_EDGES, np.inf])
+    peak = max(counts.max(), 1)
+    bars = "".join(" ▁▂▃▄▅▆▇█"[int(np.ceil(8 * c / peak))] for c in counts)
+    return f"|{bars}|"
+
+
+def print_task_table(data: MixtureData) -> None:
+    labels = ",".join(str(e) for e in HIST_EDGES[1:])
+    print(f"\n== tasks ({data.family}, {len(data.sources)} sources) ==")
+    header = f"{'task':<22} {'rows':>6} {'rate':>6} | inputs p{'/p'.join(map(str, PERCENTILES))} max | targets p{'/p'.join(map(str, PERCENTILES))} max | hist(total, bins <{labels},+)"
+    print(header)
+    for src, rate in zip(data.sources, data.rates):
+        e, d = src.input_ids.lengths, src.target_ids.lengths
+        print(f"{src.name:<22} {len(src):>6d} {rate:>6.3f} | {_pct(e)} | {_pct(d)} | {_histogram(e + d)}")
+        if src.num_skipped:
+            print(f"  ({src.num_skipped} malformed rows skipped)")
+
+
+def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
+    max_lens = [int(x) for x in args.max_lens.split(",") if x]
+    print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.token_budget} tokens) ==")
+    print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in BATCHERS) + f" {'truncated':>10}")
+    for max_len in tqdm(max_lens, desc=f"baselines {data.family}", leave=False):
+        target_len = args.max_target_len or max(max_len // 4, 2)
+        limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
+        batcher = GlobalBatcher(data, limits, token_budget=max(args.token_budget, limits.max_tokens))
+        batches = [batcher.next_batch() for _ in range(args.num_batches)]
+        options = {
+            "padding": {"samples_per_micro_batch": args.samples_per_micro_batch},
+            "length_grouped": {"samples_per_micro_batch": args.samples_per_micro_batch},
+            "token_budget": {"max_tokens": max(8192, limits.max_tokens)},
+            "packing": {},
+        }
+        cells = []
+        for name in BATCHERS:
+            b = make_batcher(name, limits, data.tokens, **options[name])
+            stats = [b.stats(gb) for gb in batches]
+            real = sum(s.real_tokens for s in stats)
+            computed = sum(s.computed_tokens for s in stats)
+            cells.append(f"{real / computed:>15.3f}")
+        n = sum(len(gb) for gb in batches)
+        print(f"{max_len:>8} " + " ".join(cells) + f" {batcher.num_truncated:>4d}/{n:<5d}")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    families = FAMILIES if args.family == "both" else (args.family,)
+    print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
+    for family in families:
+        data = MixtureData.load(spec, tokenizer, family, bad_rows=args.bad_rows)
+        print_task_table(data)
+        print_efficiency(data, args)
+    return 0

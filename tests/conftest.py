@@ -1,0 +1,79 @@
+"""Shared fixtures. Everything is offline: datasets cache in a temp dir, hub access disabled."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dynabatch-hf-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def random_rows(task: str, n: int, seed: int, mean_in: int, mean_tg: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        k_in = max(1, int(rng.lognormal(np.log(mean_in), 0.6)))
+        k_tg = max(1, int(rng.lognormal(np.log(mean_tg), 0.4)))
+        rows.append(
+            {
+                "task": task,
+                "inputs": " ".join(rng.choice(WORDS, k_in)),
+                "targets": " ".join(rng.choice(WORDS, k_tg)),
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="session")
+def toy_mixture_dir(tmp_path_factory) -> str:
+    """Three local jsonl tasks of 40, 150 and 600 rows with different length profiles, plus a spec."""
+    d = tmp_path_factory.mktemp("mixture")
+    write_jsonl(d / "short.jsonl", random_rows("short", 40, 1, 4, 2))
+    write_jsonl(d / "classify.jsonl", random_rows("classify", 150, 2, 30, 1))
+    write_jsonl(d / "summarize.jsonl", random_rows("summarize", 600, 3, 60, 12))
+    spec = {
+        "name": "toy",
+        "rule": "examples_proportional",
+        "cap": 300,
+        "seed": 7,
+        "sources": [
+            {"task": "short", "data_files": "short.jsonl"},
+            {"task": "classify", "data_files": "classify.jsonl"},
+            {"task": "summarize", "data_files": "summarize.jsonl"},
+        ],
+    }
+    with open(d / "toy.json", "w") as f:
+        json.dump(spec, f)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def byt5():
+    from dynabatch.data.tokenize import load_tokenizer
+
+    return load_tokenizer("byt5")
+
+
+@pytest.fixture(scope="session", params=["t5", "gpt2"])
+def toy_data(request, toy_mixture_dir, byt5):
+    from dynabatch.data.mixture import MixtureSpec
+    from dynabatch.data.pipeline import MixtureData
+
+    spec = MixtureSpec.from_file(os.path.join(toy_mixture_dir, "toy.json"))
+    return MixtureData.load(spec, byt5, request.param)

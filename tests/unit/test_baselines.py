@@ -1,0 +1,89 @@
+"""Baseline batchers on T5 and GPT-2 layouts: coverage, shapes, masks, token accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynabatch.data.baselines import BATCHERS, make_batcher
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.microbatch import IGNORE_INDEX, CausalMicroBatch, Seq2SeqMicroBatch
+
+OPTIONS = {
+    "padding": {"samples_per_micro_batch": 4},
+    "length_grouped": {"samples_per_micro_batch": 4},
+    "token_budget": {"max_tokens": 512},
+    "packing": {"rows_per_micro_batch": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def batch_and_limits(toy_data):
+    limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=64, max_seq_len=128)
+    return toy_data, GlobalBatcher(toy_data, limits, token_budget=3000).next_batch(), limits
+
+
+@pytest.mark.parametrize("name", list(BATCHERS))
+def test_every_sample_exactly_once_and_tokens_accounted(batch_and_limits, name):
+    data, batch, limits = batch_and_limits
+    batcher = make_batcher(name, limits, data.tokens, **OPTIONS[name])
+    micro = batcher(batch)
+    seen = sorted(i for mb in micro for row in mb.sample_ids for i in row)
+    assert seen == list(range(len(batch)))
+    stats = batcher.stats(batch)
+    assert stats.num_micro_batches == len(micro)
+    assert stats.real_tokens == sum(mb.num_real_tokens for mb in micro) == batch.num_tokens
+    assert stats.computed_tokens == sum(mb.num_computed_tokens for mb in micro)
+    assert 0 < stats.efficiency <= 1
+    if name == "token_budget":
+        assert all(mb.num_computed_tokens <= 512 for mb in micro)
+    if name in ("padding", "length_grouped"):
+        assert all(len(mb.sample_ids) <= 4 for mb in micro)
+    if name == "packing":
+        assert any(len(row) > 1 for mb in micro for row in mb.sample_ids)  # rows really are packed
+        for mb in micro:
+            if isinstance(mb, Seq2SeqMicroBatch):
+                assert mb.shape[1:] == (128, 64)
+            else:
+                assert mb.shape[1] == 128
+
+
+def test_length_grouping_beats_plain_padding(batch_and_limits):
+    data, batch, limits = batch_and_limits
+    plain = make_batcher("padding", limits, data.tokens, samples_per_micro_batch=4).stats(batch)
+    grouped = make_batcher("length_grouped", limits, data.tokens, samples_per_micro_batch=4).stats(batch)
+    assert grouped.efficiency > plain.efficiency
+
+
+def test_micro_batch_tensors_match_samples(batch_and_limits):
+    data, batch, limits = batch_and_limits
+    for mb in make_batcher("packing", limits, data.tokens, rows_per_micro_batch=3)(batch):
+        for r, row in enumerate(mb.sample_ids):
+            for seg, i in enumerate(row, start=1):
+                s = batch.samples[i]
+                if isinstance(mb, Seq2SeqMicroBatch):
+                    enc = mb.encoder_segment_ids[r] == seg
+                    dec = mb.decoder_segment_ids[r] == seg
+                    assert torch.equal(mb.input_ids[r][enc], torch.tensor(s.input_ids.tolist()))
+                    assert torch.equal(mb.labels[r][dec], torch.tensor(s.target_ids.tolist()))
+                    assert mb.decoder_input_ids[r][dec][0] == data.tokens.decoder_start_id
+                    assert torch.equal(mb.decoder_input_ids[r][dec][1:], mb.labels[r][dec][:-1])
+                    assert torch.equal(mb.encoder_position_ids[r][enc], torch.arange(s.input_len))
+                else:
+                    assert isinstance(mb, CausalMicroBatch)
+                    m = mb.segment_ids[r] == seg
+                    seq = torch.as_tensor(list(s.input_ids) + list(s.target_ids), dtype=torch.long)
+                    assert torch.equal(mb.input_ids[r][m], seq)
+                    assert torch.equal(mb.position_ids[r][m], torch.arange(len(seq)))
+                    targets = mb.target_ids[r][m]
+                    # Loss on target tokens only, shifted by one, never across the sample end.
+                    assert torch.equal(targets[s.input_len - 1 : -1], seq[s.input_len :])
+                    assert (targets[: s.input_len - 1] == IGNORE_INDEX).all() and targets[-1] == IGNORE_INDEX
+
+
+def test_unknown_batcher_lists_options(batch_and_limits):
+    data, _, limits = batch_and_limits
+    with pytest.raises(ValueError, match="valid: padding, length_grouped, token_budget, packing"):
+        make_batcher("pack", limits, data.tokens)
+    with pytest.raises(ValueError, match="cannot hold one maximal sample"):
+        make_batcher("token_budget", limits, data.tokens, max_tokens=10)

@@ -1,0 +1,68 @@
+"""Loading sources through `datasets`: column mapping, templates, malformed rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_jsonl
+from dynabatch.data.sources import BadRowError, SourceSpec, load_source
+
+
+def test_column_mapping_and_template(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "why?", "answer": "because", "ctx": "c1"}])
+    spec = SourceSpec(
+        task="qa",
+        data_files=(path,),
+        columns={"targets": "answer"},
+        template={"inputs": "Context: {ctx}\nQuestion: {question}"},
+    )
+    ds, skipped = load_source(spec)
+    assert skipped == 0
+    assert ds[0] == {"task": "qa", "inputs": "Context: c1\nQuestion: why?", "targets": "because"}
+
+
+def test_parquet_source(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"inputs": ["a", "b"], "targets": ["x", "y"]}).to_parquet(str(tmp_path / "d.parquet"))
+    ds, _ = load_source(SourceSpec(task="p", data_files=(str(tmp_path / "d.parquet"),)))
+    assert ds["targets"][:] == ["x", "y"] and ds["task"][:] == ["p", "p"]
+
+
+@pytest.mark.parametrize(
+    "row, problem",
+    [
+        ({"inputs": "a"}, "missing field 'targets'"),
+        ({"inputs": "a", "targets": "   "}, "empty 'targets'"),
+        ({"inputs": ["a", "b"], "targets": "x"}, "must be a string"),
+    ],
+)
+def test_malformed_rows_error_names_row(tmp_path, row, problem):
+    good = {"inputs": "fine", "targets": "ok"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, row, good])
+    with pytest.raises(BadRowError) as info:
+        load_source(SourceSpec(task="bad", data_files=(path,)))
+    message = str(info.value)
+    assert "'bad'" in message and "row 2" in message and problem in message and "bad_rows: skip" in message
+
+
+def test_malformed_rows_skipped_and_counted(tmp_path):
+    good = {"inputs": "fine", "targets": "ok"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, {"inputs": "a", "targets": ""}, good])
+    ds, skipped = load_source(SourceSpec(task="bad", data_files=(path,)), bad_rows="skip")
+    assert skipped == 1 and len(ds) == 2
+
+
+def test_missing_column_and_file(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "a", "targets": "b"}])
+    with pytest.raises(BadRowError, match="column 'inputs'.*columns are"):
+        load_source(SourceSpec(task="q", data_files=(path,)))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_source(SourceSpec(task="q", data_files=(str(tmp_path / "nope.jsonl"),)))
+
+
+def test_invalid_file_gives_clear_error(tmp_path):
+    p = tmp_path / "broken.jsonl"
+    p.write_bytes(b'{"inputs": "a", "targets": "b"}\n{"inputs": "\xff\xfe broken\n')
+    with pytest.raises(BadRowError, match="could not read"):
+        load_source(SourceSpec(task="broken", data_files=(str(p),)))
