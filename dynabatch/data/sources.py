@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynabatch import __version__
+
 FIELDS = ("inputs", "targets")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 BAD_ROW_POLICIES = ("error", "skip")
@@ -35,6 +37,8 @@ class SourceSpec:
     """Name of a built-in offline task (see :mod:`dynabatch.data.builtin`)."""
     num_examples: int = 2000
     """Examples generated for a built-in task."""
+    seed: int = 0
+    """Seed of a built-in task's generator."""
     split: str = "train"
     columns: dict[str, str] = field(default_factory=dict)
     """Map from our field (``task``, ``inputs``, ``targets``) to the source's column name."""
@@ -78,6 +82,12 @@ class SourceSpec:
         return SourceSpec(**raw)
 
 
+def _builtin_rows(task: str, num_examples: int, seed: int, version: str):
+    from dynabatch.data.builtin import generate_examples
+
+    yield from generate_examples(task, num_examples, seed)
+
+
 class BadRowError(ValueError):
     """A row of a source cannot be used."""
 
@@ -100,12 +110,13 @@ def _load_raw(spec: SourceSpec):
     import datasets
 
     if spec.builtin:
-        from dynabatch.data.builtin import generate_examples
+        from dynabatch.data.builtin import BUILTIN_TASKS
 
-        return datasets.Dataset.from_generator(
-            generate_examples,
-            gen_kwargs={"task": spec.builtin, "num_examples": spec.num_examples, "seed": 0},
-        )
+        if spec.builtin not in BUILTIN_TASKS:
+            raise ValueError(f"source {spec.task!r}: unknown built-in task {spec.builtin!r}; valid: {', '.join(BUILTIN_TASKS)}")
+        # The package version is part of the cache key, so an upgrade never reuses stale rows.
+        kwargs = {"task": spec.builtin, "num_examples": spec.num_examples, "seed": spec.seed, "version": __version__}
+        return datasets.Dataset.from_generator(_builtin_rows, gen_kwargs=kwargs)
     if spec.hf:
         return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
     missing = [f for f in spec.data_files if not os.path.exists(f)]
