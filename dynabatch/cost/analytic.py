@@ -1,0 +1,349 @@
+"""Analytic per-layer cost model: time, memory and traffic of a micro-batch on hardware you do not have.
+
+For a micro-batch of ``b`` samples padded to encoder length ``E`` (GPT: sequence length) and decoder
+length ``D`` (T5), each layer kind (see :mod:`dynabatch.cost.model_specs`) is written out as the list of
+kernels it runs in the forward pass, each with FLOPs and bytes of memory traffic:
+
+* GEMMs ``(m, k) @ (k, n)``: ``2 m n k`` FLOPs, ``p (mk + kn + mn)`` bytes (``p`` = dtype bytes).
+  One block's GEMMs are QKV/out projections ``2 bT d a`` each per output width, FFN ``2 bT d f`` per
+  matrix (3 matrices when gated); the attention core adds ``QK^T`` and ``AV`` at ``2 b h Tq Tk d_kv``
+  each (self-attention ``Tq = Tk = T``, T5 cross-attention ``Tq = D, Tk = E``). With ``a = d, f = 4d``
+  a GPT block is ``24 bTd^2 + 4 bT^2 d`` forward FLOPs (Narayanan et al. 2021). Causal masks are not
+  exploited (dense kernels compute the full square).
+* Memory-bound kernels (norms, softmax, dropout, residual adds, activation, loss): bytes only.
+
+A kernel takes ``max(flops / (peak * eff), bytes / (bandwidth * mem_eff)) + launch`` (a roofline per
+kernel; kernels of one stream run one after another, so the layer time is their sum). ``eff`` is the
+hardware's matmul or attention efficiency. The backward pass costs 2x the forward per kernel (input and
+weight gradients are one GEMM each of the forward's size; elementwise backward reads the saved input and
+the incoming gradient and writes one gradient), 2.5x for a fused (flash) attention kernel, which recomputes
+the scores. With full activation recomputation a block's forward runs again in backward.
+
+Activations stored for backward follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", Eq. 1 with t = 1): ``s b h (34 + 5 a s / h)`` bytes per GPT layer with
+16-bit activations and 1-byte dropout masks. Term by term, generalised to ``p`` bytes, attention width
+``a = h d_kv`` (here ``h`` = heads), FFN width ``f``, query length ``Tq`` and key length ``Tk``:
+
+* each norm: its input ``p bT d``;
+* attention: projection input ``p bTq d``; Q, K, V ``p b (Tq + 2 Tk) a``; softmax output ``p b h Tq Tk``,
+  dropout mask ``b h Tq Tk`` and dropout output ``p b h Tq Tk``; out-projection input ``p bTq a``; output
+  dropout mask ``bTq d``. Fused attention replaces the ``Tq Tk`` terms by the fp32 log-sum-exp ``4 b h Tq``;
+* FFN: input ``p bT d``, activation input and output ``2 p bT f`` (gated: ``3 p bT f``), dropout mask ``bT d``.
+
+A T5 decoder layer adds a norm and a cross-attention (``Tq = D, Tk = E``, per-layer K and V of the
+encoder output). The encoder output itself is one tensor shared by every decoder layer, so
+:meth:`AnalyticCostModel.stage_cost` counts ``p b E d`` once per stage holding decoder layers. The loss
+keeps HF's fp32 log-probabilities (``4 bT V``). Peak extra bytes are the transient buffers of the layer's
+backward: incoming and outgoing hidden-state gradients plus the larger of the FFN's gradient buffers and
+the attention-score gradients (eager attention: ``2 p b h Tq Tk``).
+
+Between stages, a stage whose last layer is a GPT block or a T5 encoder layer sends the hidden states
+``p b E d``; one ending in the T5 decoder sends the decoder hidden states and the encoder output,
+``p b (D + E) d``. The gradient sent back has the same size. A message takes ``latency + bytes /
+(bandwidth * link_eff)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+
+from dynabatch.cost.hardware import HardwareSpec, hardware_spec
+from dynabatch.cost.model_specs import (
+    TransformerSpec,
+    check_kind,
+    layer_kinds,
+    layer_param_count,
+    model_spec,
+    num_params,
+)
+
+ArrayLike = Union[float, int, np.ndarray, Sequence[float]]
+Value = Union[float, np.ndarray]
+
+LINKS = ("intra", "inter")
+OPTIMIZER_STATE_BYTES = {"adam": 8, "momentum": 4, "sgd": 0}
+"""fp32 optimizer-state bytes per parameter (Adam: first and second moments)."""
+_LOSS_BYTES = 4  # fp32 log-probabilities, as Hugging Face computes the loss
+_IDS_BYTES = 8  # int64 token ids saved for the embedding backward
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer (or a stage of layers) for one micro-batch; arrays when the inputs were arrays."""
+
+    fwd_time_s: Value
+    """Forward time in seconds."""
+    bwd_time_s: Value
+    """Backward time in seconds (including recomputation when enabled)."""
+    fwd_flops: Value
+    """Forward GEMM and attention-core FLOPs (model FLOPs; the backward does about twice as many)."""
+    stored_activation_bytes: Value
+    """Bytes kept from the forward until the backward of this micro-batch."""
+    peak_extra_bytes: Value
+    """Transient bytes on top of the stored activations while the layer runs (a stage takes the maximum)."""
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One forward kernel: FLOPs, bytes moved, which efficiency applies and its backward multiplier."""
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    unit: str  # "matmul", "attention" or "memory"
+    bwd_factor: float = 2.0
+
+
+def _gemm(m, n, k, p: int, batch=1.0, unit: str = "matmul") -> _Op:
+    """``batch`` GEMMs of ``(m, k) @ (k, n)``."""
+    return _Op(2.0 * batch * m * n * k, p * batch * (m * k + k * n + m * n), unit)
+
+
+def _mem(num_bytes) -> _Op:
+    return _Op(np.zeros_like(num_bytes), num_bytes, "memory")
+
+
+@dataclass(frozen=True)
+class AnalyticCostModel:
+    """Predicts per-layer time and memory of a :class:`TransformerSpec` on a :class:`HardwareSpec`."""
+
+    spec: TransformerSpec
+    """Model shape."""
+    hardware: HardwareSpec
+    """Device and links."""
+    flash_attention: bool = False
+    """Fused attention: no ``Tq x Tk`` score tensors stored or moved (HF T5 with position bias runs eager)."""
+    dropout: bool = True
+    """Dropout is active (masks stored, as in Korthikanti et al.'s formula)."""
+    recompute: bool = False
+    """Full activation recomputation of transformer blocks: only the block input is stored."""
+
+    @classmethod
+    def from_names(cls, model: str, hardware: str, **options) -> "AnalyticCostModel":
+        """A model from preset names, e.g. ``from_names("gpt3-175b", "a100-80gb")``."""
+        return cls(model_spec(model), hardware_spec(hardware), **options)
+
+    # ---------------------------------------------------------------- public API
+
+    def layer_cost(self, kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> LayerCost:
+        """Cost of one ``kind`` layer for ``b`` samples of encoder length ``E`` and decoder length ``D``.
+
+        ``b``, ``E`` and ``D`` broadcast against each other; scalars in, floats out. GPT uses ``E`` as the
+        sequence length and ignores ``D``.
+        """
+        check_kind(self.spec, kind)
+        scalar, (b, E, D) = self._inputs(kind, b, E, D)
+        ops = self._ops(kind, b, E, D)
+        fwd = sum(self._op_time(op) for op in ops)
+        bwd = sum(self._op_time(op) * op.bwd_factor for op in ops)
+        flops = sum(op.flops for op in ops)
+        stored = self._stored(kind, b, E, D)
+        peak = self._peak_extra(kind, b, E, D)
+        if self.recompute and kind in ("gpt", "t5_encoder", "t5_decoder"):
+            bwd = bwd + fwd
+            peak = peak + stored
+            stored = self.spec.dtype_bytes * b * (D if kind == "t5_decoder" else E) * self.spec.d_model
+        out = [np.broadcast_to(x, b.shape) for x in (fwd, bwd, flops, stored, peak)]
+        return LayerCost(*[float(x) if scalar else x.copy() for x in out])
+
+    def stage_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> LayerCost:
+        """Cost of a pipeline stage made of ``kinds``: times, FLOPs and stored bytes add up, the peak
+        extra is the largest layer's, and a stage with decoder layers stores the encoder output once."""
+        if len(kinds) == 0:
+            raise ValueError("a stage needs at least one layer kind, got an empty list")
+        costs = [(self.layer_cost(kind, b, E, D), n) for kind, n in Counter(kinds).items()]
+
+        def total(field: str):
+            return sum(getattr(cost, field) * count for cost, count in costs)
+
+        stored = total("stored_activation_bytes")
+        if "t5_decoder" in kinds:
+            stored = stored + self.spec.dtype_bytes * np.asarray(b, float) * np.asarray(E, float) * self.spec.d_model
+        peak = costs[0][0].peak_extra_bytes
+        for c, _ in costs[1:]:
+            peak = np.maximum(peak, c.peak_extra_bytes)
+        out = (total("fwd_time_s"), total("bwd_time_s"), total("fwd_flops"), stored, peak)
+        return LayerCost(*[float(x) if np.ndim(x) == 0 else x for x in out])
+
+    def send_bytes(self, last_kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> Value:
+        """Activation bytes a stage whose last layer is ``last_kind`` sends downstream (its gradient, of the
+        same size, comes back): ``p b E d`` after encoder/GPT layers, ``p b (E + D) d`` after the decoder
+        has started, 0 after ``lm_head``."""
+        check_kind(self.spec, last_kind)
+        scalar, (b, E, D) = self._inputs(last_kind, b, E, D)
+        tokens = {"lm_head": 0.0, "decoder_embedding": E + D, "t5_decoder": E + D}.get(last_kind, E)
+        out = np.broadcast_to(self.spec.dtype_bytes * b * tokens * self.spec.d_model, b.shape)
+        return float(out) if scalar else out.copy()
+
+    def send_time(self, num_bytes: ArrayLike, link: str = "intra") -> Value:
+        """Seconds to send ``num_bytes`` to a pipeline neighbour over ``link`` (``intra`` or ``inter`` node);
+        ``latency + bytes / (bandwidth * link_efficiency)``, 0 for an empty message."""
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; valid links: {', '.join(LINKS)}")
+        hw = self.hardware
+        bandwidth, latency = (
+            (hw.intra_node_bandwidth, hw.intra_node_latency_s)
+            if link == "intra"
+            else (hw.inter_node_bandwidth, hw.inter_node_latency_s)
+        )
+        scalar = np.ndim(num_bytes) == 0
+        num_bytes = np.asarray(num_bytes, dtype=np.float64)
+        if np.any(num_bytes < 0):
+            raise ValueError(f"num_bytes must be >= 0, got min {num_bytes.min()}")
+        t = np.where(num_bytes > 0, latency + num_bytes / (bandwidth * hw.link_efficiency), 0.0)
+        return float(t) if scalar else t
+
+    def model_state_bytes(self, num_params: ArrayLike, optimizer: str = "adam", mixed_precision: bool = True) -> Value:
+        """Bytes of parameters, gradients and optimizer state for ``num_params`` parameters.
+
+        Mixed precision (Rajbhandari et al. 2020, ZeRO, Sec. 3.1): 2 (16-bit weights) + 2 (16-bit
+        gradients) + 4 (fp32 master weights) + fp32 states, i.e. 16 bytes/param for Adam; fp32 training:
+        4 + 4 + states (also 16 for Adam). States: Adam 8, momentum SGD 4, plain SGD 0.
+        """
+        if optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATE_BYTES)}")
+        per_param = (2 + 2 + 4 if mixed_precision else 4 + 4) + OPTIMIZER_STATE_BYTES[optimizer]
+        if np.any(np.asarray(num_params) < 0):
+            raise ValueError(f"num_params must be >= 0, got {num_params}")
+        out = np.asarray(num_params, dtype=np.float64) * per_param
+        return float(out) if out.ndim == 0 else out
+
+    def param_count(self, kind: str) -> int:
+        """Parameters of one ``kind`` layer (matches the Hugging Face block)."""
+        return layer_param_count(self.spec, kind)
+
+    def num_params(self) -> int:
+        """Parameters of the whole model."""
+        return num_params(self.spec)
+
+    def layer_kinds(self) -> list[str]:
+        """The whole model as an ordered list of layer kinds."""
+        return layer_kinds(self.spec)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _inputs(self, kind: str, b, E, D) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Validated float64 arrays broadcast to one shape, and whether all inputs were scalars."""
+        needs_d = self.spec.family == "t5" and kind in ("decoder_embedding", "t5_decoder", "lm_head")
+        if needs_d and D is None:
+            raise ValueError(f"layer kind {kind!r} of a t5 model needs the decoder length D, got None")
+        if self.spec.family == "gpt" and D is not None and np.any(np.asarray(D) != 0):
+            warnings.warn("D (decoder length) has no effect for a gpt model; the sequence length is E", stacklevel=3)
+        scalar = all(np.ndim(x) == 0 for x in (b, E, D) if x is not None)
+        arrays = [np.asarray(x if x is not None else 1.0, dtype=np.float64) for x in (b, E, D)]
+        for name, x in zip("bED", arrays):
+            if x.size and not (np.all(np.isfinite(x)) and np.all(x >= 1)):
+                raise ValueError(f"{name} must be finite and >= 1, got min {x.min()} in {x if x.size < 8 else x.shape}")
+        return scalar, tuple(np.broadcast_arrays(*arrays))  # type: ignore[return-value]
+
+    def _op_time(self, op: _Op) -> np.ndarray:
+        hw = self.hardware
+        eff = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency, "memory": 1.0}[op.unit]
+        compute = op.flops / (hw.peak_flops * eff)
+        memory = op.bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+        return np.maximum(compute, memory) + hw.kernel_launch_s
+
+    def _residual(self, n_tokens) -> _Op:
+        """Bias, dropout and residual add over ``n_tokens`` hidden states (one fused kernel)."""
+        p, d = self.spec.dtype_bytes, self.spec.d_model
+        return _mem((3 * p + (1 if self.dropout else 0)) * n_tokens * d)
+
+    def _attention_ops(self, b, Tq, Tk, is_self: bool) -> list[_Op]:
+        """Projections, attention core and output projection of one attention sub-layer."""
+        s, p = self.spec, self.spec.dtype_bytes
+        d, a, h = s.d_model, s.d_attn, s.num_heads
+        if is_self:
+            proj = [_gemm(b * Tq, 3 * a, d, p)]
+        else:  # Q from the decoder, K and V from the encoder output
+            proj = [_gemm(b * Tq, a, d, p), _gemm(b * Tk, 2 * a, d, p)]
+        if self.flash_attention:
+            core = [_Op(4.0 * b * h * Tq * Tk * s.d_kv, p * b * 2 * (Tq + Tk) * a, "attention", bwd_factor=2.5)]
+        else:
+            scores = b * h * Tq * Tk
+            core = [_gemm(Tq, Tk, s.d_kv, p, batch=b * h, unit="attention"), _mem(2 * p * scores)]
+            core += self._dropout(scores) + [_gemm(Tq, s.d_kv, Tk, p, batch=b * h, unit="attention")]
+        return [_mem(2 * p * b * Tq * d)] + proj + core + [_gemm(b * Tq, d, a, p), self._residual(b * Tq)]
+
+    def _ffn_ops(self, b, T) -> list[_Op]:
+        s, p = self.spec, self.spec.dtype_bytes
+        n, width = b * T, s.d_ff * (2 if s.gated_ffn else 1)
+        act = _mem((3 if s.gated_ffn else 2) * p * n * s.d_ff)
+        norm = _mem(2 * p * n * s.d_model)
+        return [norm, _gemm(n, width, s.d_model, p), act, _gemm(n, s.d_model, s.d_ff, p), self._residual(n)]
+
+    def _dropout(self, n_elements) -> list[_Op]:
+        """A standalone dropout kernel (read, write, 1-byte mask), none when dropout is off."""
+        return [_mem((2 * self.spec.dtype_bytes + 1) * n_elements)] if self.dropout else []
+
+    def _ops(self, kind: str, b, E, D) -> list[_Op]:
+        s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
+        if kind in ("gpt", "t5_encoder"):
+            return self._attention_ops(b, E, E, True) + self._ffn_ops(b, E)
+        if kind == "t5_decoder":
+            return self._attention_ops(b, D, D, True) + self._attention_ops(b, D, E, False) + self._ffn_ops(b, D)
+        if kind == "embedding":  # gather (+ GPT position add), dropout
+            n = b * E
+            positions = [_mem(3 * p * n * d)] if s.family == "gpt" else []
+            return [_mem(2 * p * n * d)] + positions + self._dropout(n * d)
+        if kind == "decoder_embedding":  # encoder final norm + dropout, decoder gather + dropout
+            encoder_final = [_mem(2 * p * b * E * d)] + self._dropout(b * E * d)
+            return encoder_final + [_mem(2 * p * b * D * d)] + self._dropout(b * D * d)
+        # lm_head: final norm (+ T5 dropout), logits GEMM, fp32 log-softmax + NLL (about three passes)
+        n = b * (D if s.family == "t5" else E)
+        ops = [_mem(2 * p * n * d)] + (self._dropout(n * d) if s.family == "t5" else [])
+        return ops + [_gemm(n, s.vocab_size, d, p), _mem((p + 2 * _LOSS_BYTES) * n * s.vocab_size)]
+
+    def _attention_stored(self, b, Tq, Tk):
+        s, p = self.spec, self.spec.dtype_bytes
+        d, a, h = s.d_model, s.d_attn, s.num_heads
+        mask = 1 if self.dropout else 0
+        if self.flash_attention:
+            core = 4 * b * h * Tq
+        else:
+            core = (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
+        return p * b * Tq * d + p * b * (Tq + 2 * Tk) * a + core + p * b * Tq * a + mask * b * Tq * d
+
+    def _ffn_stored(self, b, T):
+        s, p = self.spec, self.spec.dtype_bytes
+        mask = 1 if self.dropout else 0
+        return p * b * T * s.d_model + (3 if s.gated_ffn else 2) * p * b * T * s.d_ff + mask * b * T * s.d_model
+
+    def _stored(self, kind: str, b, E, D):
+        s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
+        mask = 1 if self.dropout else 0
+        if kind in ("gpt", "t5_encoder"):
+            return 2 * p * b * E * d + self._attention_stored(b, E, E) + self._ffn_stored(b, E)
+        if kind == "t5_decoder":
+            attention = self._attention_stored(b, D, D) + self._attention_stored(b, D, E)
+            return 3 * p * b * D * d + attention + self._ffn_stored(b, D)
+        if kind == "embedding":
+            return (_IDS_BYTES + mask * d) * b * E
+        if kind == "decoder_embedding":
+            return (p + mask) * b * E * d + (_IDS_BYTES + mask * d) * b * D
+        n = b * (D if s.family == "t5" else E)
+        t5_mask = mask if s.family == "t5" else 0
+        return (2 * p + t5_mask) * n * d + _LOSS_BYTES * n * s.vocab_size
+
+    def _peak_extra(self, kind: str, b, E, D):
+        s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
+        a, h = s.d_attn, s.num_heads
+        if kind in ("embedding", "decoder_embedding"):
+            return p * b * (E + (D if kind == "decoder_embedding" else 0)) * d
+        if kind == "lm_head":
+            n = b * (D if s.family == "t5" else E)
+            return (p + _LOSS_BYTES) * n * s.vocab_size + p * n * d
+
+        def attention(Tq, Tk):
+            if self.flash_attention:
+                return p * b * (Tq + 2 * Tk) * a + 4 * b * h * Tq
+            return 2 * p * b * h * Tq * Tk
+
+        T = D if kind == "t5_decoder" else E
+        transient = np.maximum(attention(T, T), (3 if s.gated_ffn else 2) * p * b * T * s.d_ff)
+        if kind == "t5_decoder":  # cross-attention buffers and the encoder-output gradient
+            transient = np.maximum(transient, attention(D, E)) + p * b * E * d
+        return 2 * p * b * T * d + transient

@@ -1,0 +1,107 @@
+"""Accelerator and interconnect presets for the analytic cost model.
+
+Peak throughput, memory size and bandwidth and link speeds are public datasheet numbers
+(NVIDIA A100 / H100 / H200 SXM datasheets, NVLink and InfiniBand HDR/NDR line rates), one
+device's share, one direction. The efficiency fields are not datasheet numbers: they are the
+fractions of peak that well-shaped kernels typically reach (large bf16 GEMMs reach 70-85% of peak on
+A100/H100, attention kernels 35-70%, streaming elementwise kernels ~80% of HBM bandwidth, NCCL p2p
+~85% of link rate) and are the knobs to calibrate against a profile. The ``cpu`` preset is a rough
+stand-in for a 16-core AVX-512 server running fp32, for the CPU test tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator and the links a pipeline stage uses to reach its neighbours."""
+
+    name: str
+    """Preset name, e.g. ``h100-80gb``."""
+    peak_flops: float
+    """Dense bf16 tensor-core FLOP/s (datasheet, without sparsity); fp32 for ``cpu``."""
+    memory_bytes: int
+    """Device memory in bytes, as the driver reports it (nvidia-smi total)."""
+    memory_bandwidth: float
+    """Device memory bandwidth in bytes/s (datasheet)."""
+    intra_node_bandwidth: float
+    """Bytes/s one device can send to a peer in the same node, one direction (NVLink: half the quoted
+    bidirectional total)."""
+    intra_node_latency_s: float
+    """Fixed cost of one intra-node p2p message (rough NCCL small-message latency)."""
+    inter_node_bandwidth: float
+    """Bytes/s one device can send to a peer in another node, one direction (one NIC per device)."""
+    inter_node_latency_s: float
+    """Fixed cost of one inter-node p2p message."""
+    matmul_efficiency: float = 0.7
+    """Fraction of ``peak_flops`` reached by the model's GEMMs."""
+    attention_efficiency: float = 0.45
+    """Fraction of ``peak_flops`` reached by the attention core (QK^T, AV or a fused kernel)."""
+    memory_efficiency: float = 0.8
+    """Fraction of ``memory_bandwidth`` reached by streaming kernels (norms, softmax, residuals)."""
+    link_efficiency: float = 0.85
+    """Fraction of a link's bandwidth reached by large p2p transfers."""
+    kernel_launch_s: float = 5e-6
+    """Fixed cost of one kernel (launch and framework dispatch), which dominates tiny micro-batches."""
+    devices_per_node: int = 8
+    """Devices sharing the fast intra-node link (8 in DGX/HGX nodes)."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "link_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.memory_bytes < 1 or self.devices_per_node < 1:
+            raise ValueError(
+                f"memory_bytes and devices_per_node must be >= 1, got {self.memory_bytes} and {self.devices_per_node}"
+            )
+        if min(self.intra_node_latency_s, self.inter_node_latency_s, self.kernel_launch_s) < 0:
+            raise ValueError(
+                f"latencies must be >= 0, got intra {self.intra_node_latency_s}, inter {self.inter_node_latency_s}, "
+                f"kernel launch {self.kernel_launch_s}"
+            )
+
+
+_NVLINK3 = 300e9  # A100: 12 links x 50 GB/s = 600 GB/s bidirectional
+_NVLINK4 = 450e9  # H100/H200: 18 links, 900 GB/s bidirectional
+_HDR = 25e9  # InfiniBand HDR 200 Gb/s
+_NDR = 50e9  # InfiniBand NDR 400 Gb/s
+
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    "a100-40gb": HardwareSpec("a100-40gb", 312e12, 40960 * MIB, 1555e9, _NVLINK3, 8e-6, _HDR, 15e-6),
+    "a100-80gb": HardwareSpec("a100-80gb", 312e12, 81920 * MIB, 2039e9, _NVLINK3, 8e-6, _HDR, 15e-6),
+    "h100-80gb": HardwareSpec("h100-80gb", 989e12, 81559 * MIB, 3.35e12, _NVLINK4, 8e-6, _NDR, 15e-6),
+    "h200": HardwareSpec("h200", 989e12, 143771 * MIB, 4.8e12, _NVLINK4, 8e-6, _NDR, 15e-6),
+    # Rough: 16 cores x 2 AVX-512 FMA units x 16 fp32 lanes x 2 FLOP x ~2 GHz; processes on one host
+    # talk through gloo over loopback, hosts through 10 GbE.
+    "cpu": HardwareSpec(
+        "cpu",
+        peak_flops=2e12,
+        memory_bytes=64 * 2**30,
+        memory_bandwidth=100e9,
+        intra_node_bandwidth=5e9,
+        intra_node_latency_s=50e-6,
+        inter_node_bandwidth=1.25e9,
+        inter_node_latency_s=100e-6,
+        matmul_efficiency=0.4,
+        attention_efficiency=0.25,
+        memory_efficiency=0.5,
+        link_efficiency=0.5,
+        kernel_launch_s=10e-6,
+        devices_per_node=4,
+    ),
+}
+"""Named hardware; ``h200`` is the H200 SXM (141 GB HBM3e, 4.8 TB/s)."""
+
+
+def hardware_spec(name: str) -> HardwareSpec:
+    """The preset called ``name`` (see :data:`HARDWARE_PRESETS`)."""
+    if name not in HARDWARE_PRESETS:
+        raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE_PRESETS)}")
+    return HARDWARE_PRESETS[name]

@@ -1,0 +1,232 @@
+"""Transformer shapes for the analytic cost model: a spec, named presets, and parameter counts.
+
+A :class:`TransformerSpec` holds only what the cost model needs (widths, depths, vocabulary,
+FFN type, storage dtype). Presets give the published shapes of the models in the DynaPipe
+(T5, GPT) and TeraPipe (GPT-3 13B/175B) papers; :func:`spec_from_hf_config` reads a Hugging Face
+``T5Config`` / ``GPT2Config``.
+
+A model is a sequence of *layer kinds* (:func:`layer_kinds`)::
+
+    gpt:  embedding, gpt x L, lm_head
+    t5:   embedding, t5_encoder x L_enc, decoder_embedding, t5_decoder x L_dec, lm_head
+
+``embedding`` owns the token table (and GPT's learned positions, T5's encoder relative-position
+bias table); ``decoder_embedding`` is the seam of T5's two stacks: the encoder's final norm, the
+decoder-side lookup into the shared table and the decoder's relative-position bias table;
+``lm_head`` is the final norm, the output projection (its weight counted only when untied) and the
+loss. :func:`layer_param_count` matches the parameter counts of Hugging Face's ``T5Block`` /
+``GPT2Block`` (built without a relative-position bias) exactly, and the sum over
+:func:`layer_kinds` matches ``T5ForConditionalGeneration`` / ``GPT2LMHeadModel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAMILIES = ("t5", "gpt")
+LAYER_KINDS: dict[str, tuple[str, ...]] = {
+    "t5": ("embedding", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head"),
+    "gpt": ("embedding", "gpt", "lm_head"),
+}
+"""The layer kinds each family is made of."""
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """The shape of a T5 (encoder-decoder) or GPT (decoder-only) transformer.
+
+    T5 layers have no biases and use RMSNorm (one weight vector); GPT layers have biases and
+    LayerNorm (weight and bias), as in the Hugging Face and Megatron implementations.
+    """
+
+    family: str
+    """``t5`` or ``gpt``."""
+    d_model: int
+    """Hidden size."""
+    num_heads: int
+    """Attention heads."""
+    d_kv: int
+    """Width of one head; ``num_heads * d_kv`` is the attention inner width (T5-11B: 128 x 128 over d_model 1024)."""
+    d_ff: int
+    """FFN inner width."""
+    num_layers: int
+    """Encoder layers (T5) or transformer blocks (GPT)."""
+    num_decoder_layers: int
+    """Decoder layers (T5); 0 for GPT."""
+    vocab_size: int
+    """Rows of the token table and columns of the logits."""
+    gated_ffn: bool = False
+    """Gated FFN (T5 v1.1 gated-GELU: two input projections and an elementwise product)."""
+    dtype_bytes: int = 2
+    """Bytes per parameter / activation element in the compute dtype (2 for bf16/fp16, 4 for fp32)."""
+    tie_embeddings: bool = True
+    """Output projection shares the token table (original T5, GPT); T5 v1.1 unties it."""
+    max_positions: int = 0
+    """Rows of GPT's learned position table; 0 for T5 (relative positions)."""
+    relative_attention_num_buckets: int = 32
+    """T5's relative-position buckets (a ``buckets x heads`` table per stack); unused for GPT."""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r} is not supported; valid families: {', '.join(FAMILIES)}")
+        for name in ("d_model", "num_heads", "d_kv", "d_ff", "num_layers", "vocab_size", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.family == "gpt" and self.num_decoder_layers != 0:
+            raise ValueError(
+                f"a gpt spec has no decoder stack; num_decoder_layers must be 0, got {self.num_decoder_layers}"
+            )
+        if self.family == "t5" and self.num_decoder_layers < 1:
+            raise ValueError(f"a t5 spec needs num_decoder_layers >= 1, got {self.num_decoder_layers}")
+        if self.family == "gpt" and self.gated_ffn:
+            raise ValueError("gated_ffn is only modelled for t5 (v1.1 gated-GELU); got gated_ffn=True for gpt")
+        if self.max_positions < 0 or self.relative_attention_num_buckets < 0:
+            raise ValueError(
+                f"max_positions and relative_attention_num_buckets must be >= 0, "
+                f"got {self.max_positions} and {self.relative_attention_num_buckets}"
+            )
+
+    @property
+    def d_attn(self) -> int:
+        """Attention inner width ``num_heads * d_kv``."""
+        return self.num_heads * self.d_kv
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Kinds valid for this family (see :data:`LAYER_KINDS`)."""
+        return LAYER_KINDS[self.family]
+
+
+def _t5(d_model: int, heads: int, d_kv: int, d_ff: int, layers: int, v1_1: bool) -> TransformerSpec:
+    return TransformerSpec(
+        "t5", d_model, heads, d_kv, d_ff, layers, layers, vocab_size=32128, gated_ffn=v1_1, tie_embeddings=not v1_1
+    )
+
+
+def _gpt(d_model: int, heads: int, layers: int, positions: int = 2048) -> TransformerSpec:
+    return TransformerSpec(
+        "gpt", d_model, heads, d_model // heads, 4 * d_model, layers, 0, vocab_size=50257, max_positions=positions
+    )
+
+
+PRESETS: dict[str, TransformerSpec] = {
+    # Original T5 (Raffel et al. 2020, Table 14; HF t5-base .. t5-11b configs): ReLU FFN, tied head.
+    "t5-base": _t5(768, 12, 64, 3072, 12, v1_1=False),  # 223M
+    "t5-large": _t5(1024, 16, 64, 4096, 24, v1_1=False),  # 738M
+    "t5-3b": _t5(1024, 32, 128, 16384, 24, v1_1=False),  # 2.85B
+    "t5-11b": _t5(1024, 128, 128, 65536, 24, v1_1=False),  # 11.3B
+    # T5 v1.1 (HF google/t5-v1_1-*): gated-GELU FFN, untied head.
+    "t5-v1_1-base": _t5(768, 12, 64, 2048, 12, v1_1=True),  # 248M
+    "t5-v1_1-large": _t5(1024, 16, 64, 2816, 24, v1_1=True),  # 783M
+    "t5-v1_1-xl": _t5(2048, 32, 64, 5120, 24, v1_1=True),  # 2.85B
+    "t5-v1_1-xxl": _t5(4096, 64, 64, 10240, 24, v1_1=True),  # 11.1B
+    # GPT-3 family shapes (Brown et al. 2020, Table 2.1), GPT-2 vocabulary, 2048 positions, d_ff = 4 d.
+    # The paper lists 1.3B with 24 heads of 128 (inconsistent with d=2048); 16 x 128 is used, as in
+    # GPT-Neo 1.3B. 13B lists d=5140; 5120 = 40 x 128 is used, as in TeraPipe and Megatron.
+    "gpt-350m": _gpt(1024, 16, 24),  # 356M (GPT-2 medium shape)
+    "gpt-760m": _gpt(1536, 16, 24),  # 760M
+    "gpt-1.3b": _gpt(2048, 16, 24),  # 1.32B
+    "gpt-2.7b": _gpt(2560, 32, 32),  # 2.65B
+    "gpt-6.7b": _gpt(4096, 32, 32),  # 6.66B
+    "gpt3-13b": _gpt(5120, 40, 40),  # 12.9B
+    "gpt3-175b": _gpt(12288, 96, 96),  # 174.6B
+}
+"""Named model shapes; comments give the parameter count :func:`num_params` computes."""
+
+
+def model_spec(name: str) -> TransformerSpec:
+    """The preset called ``name`` (see :data:`PRESETS`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model spec {name!r}; valid names: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def spec_from_hf_config(config, dtype_bytes: int = 2) -> TransformerSpec:
+    """A spec from a Hugging Face ``T5Config`` or ``GPT2Config``.
+
+    Only the config's attributes are read, so transformers is never imported here. The head is tied
+    when ``config.tie_word_embeddings`` says so; transformers 5 forces this for every T5 config (the
+    module it builds is tied), while the ``t5-v1_1-*`` presets keep the published untied head.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type == "t5":
+        return TransformerSpec(
+            "t5",
+            d_model=config.d_model,
+            num_heads=config.num_heads,
+            d_kv=config.d_kv,
+            d_ff=config.d_ff,
+            num_layers=config.num_layers,
+            num_decoder_layers=config.num_decoder_layers,
+            vocab_size=config.vocab_size,
+            gated_ffn=bool(config.is_gated_act),
+            dtype_bytes=dtype_bytes,
+            tie_embeddings=bool(config.tie_word_embeddings),
+            relative_attention_num_buckets=config.relative_attention_num_buckets,
+        )
+    if model_type == "gpt2":
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
+        return TransformerSpec(
+            "gpt",
+            d_model=config.n_embd,
+            num_heads=config.n_head,
+            d_kv=config.n_embd // config.n_head,
+            d_ff=config.n_inner or 4 * config.n_embd,
+            num_layers=config.n_layer,
+            num_decoder_layers=0,
+            vocab_size=config.vocab_size,
+            dtype_bytes=dtype_bytes,
+            tie_embeddings=bool(config.tie_word_embeddings),
+            max_positions=config.n_positions,
+        )
+    raise ValueError(f"model type {model_type!r} is not supported; supported model types: t5, gpt2")
+
+
+def check_kind(spec: TransformerSpec, kind: str) -> None:
+    """``ValueError`` naming the valid kinds when ``kind`` is not one of ``spec``'s."""
+    if kind not in spec.layer_kinds:
+        valid = ", ".join(spec.layer_kinds)
+        raise ValueError(f"unknown layer kind {kind!r} for a {spec.family} model; valid kinds: {valid}")
+
+
+def layer_param_count(spec: TransformerSpec, kind: str) -> int:
+    """Parameters of one layer of ``kind`` (see the module docstring for what each kind holds)."""
+    check_kind(spec, kind)
+    d, a, f, v = spec.d_model, spec.d_attn, spec.d_ff, spec.vocab_size
+    if spec.family == "gpt":
+        if kind == "gpt":  # ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj (all with biases)
+            return 2 * d + (d * 3 * a + 3 * a) + (a * d + d) + 2 * d + (d * f + f) + (f * d + d)
+        if kind == "embedding":
+            return v * d + spec.max_positions * d
+        return 2 * d + (0 if spec.tie_embeddings else v * d)  # lm_head: ln_f (+ untied head)
+    ffn = d * f * (3 if spec.gated_ffn else 2)
+    attention = 4 * d * a + d  # q, k, v, o and the sub-layer's norm
+    bias_table = spec.relative_attention_num_buckets * spec.num_heads
+    if kind == "t5_encoder":
+        return attention + ffn + d
+    if kind == "t5_decoder":
+        return 2 * attention + ffn + d
+    if kind == "embedding":
+        return v * d + bias_table
+    if kind == "decoder_embedding":
+        return d + bias_table  # encoder final norm + decoder relative-position bias table
+    return d + (0 if spec.tie_embeddings else v * d)  # lm_head: decoder final norm (+ untied head)
+
+
+def layer_kinds(spec: TransformerSpec) -> list[str]:
+    """The whole model as an ordered list of layer kinds (what a pipeline partitioner splits)."""
+    if spec.family == "gpt":
+        return ["embedding"] + ["gpt"] * spec.num_layers + ["lm_head"]
+    return (
+        ["embedding"]
+        + ["t5_encoder"] * spec.num_layers
+        + ["decoder_embedding"]
+        + ["t5_decoder"] * spec.num_decoder_layers
+        + ["lm_head"]
+    )
+
+
+def num_params(spec: TransformerSpec) -> int:
+    """Parameters of the whole model (the sum over :func:`layer_kinds`)."""
+    return sum(layer_param_count(spec, kind) for kind in layer_kinds(spec))
