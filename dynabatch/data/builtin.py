@@ -15,12 +15,13 @@ Three families (token lengths measured with the shipped tokenizer, 2,000 example
 no EOS; p50/p95 of inputs | of targets):
 
 * ``ni`` — Natural-Instructions style: definition + passage + question, short answer.
-  ``ni_word_count`` 294/802 | 5/5, ``ni_residence_qa`` 312/827 | 7/8, ``ni_sentiment`` 294/803 | 4/4,
-  ``ni_topic`` 293/795 | 5/6, ``ni_pet_owners`` 322/822 | 6/10.
-* ``generation`` — summarisation / translation / data-to-text with long, heavy-tailed inputs.
-  ``sum_keyword`` 658/3149 | 94/374, ``sum_lead`` 439/1708 | 77/261,
-  ``translate_cipher`` 71/257 | 145/556, ``data_to_text`` 91/359 | 75/297.
-* ``short`` — ``arith_add`` 12/13 | 2/2, ``sort_numbers`` 33/59 | 21/45, ``reverse_words`` 23/38 | 13/23.
+  ``ni_word_count`` 313/776 | 5/5, ``ni_residence_qa`` 294/792 | 6/7, ``ni_sentiment`` 298/758 | 5/5,
+  ``ni_topic`` 279/724 | 5/5, ``ni_pet_owners`` 290/716 | 5/9.
+* ``generation`` — summarisation / translation / data-to-text; inputs from tens to ~4,000 tokens.
+  ``sum_keyword`` 551/2707 | 59/313, ``sum_lead`` 370/1529 | 64/268,
+  ``translate_cipher`` 59/193 | 43/177, ``data_to_text`` 76/268 | 57/226.
+  The NI family together: inputs p50 294 / p95 753, targets p50 5 / p95 7.
+* ``short`` — ``arith_add`` 6/8 | 2/3, ``sort_numbers`` 30/47 | 23/39, ``reverse_words`` 21/30 | 14/24.
 
 All 12 tasks x 2,000 examples generate in about 3 s on one CPU core.
 """
@@ -36,7 +37,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+from dynabatch.data.tokenize import BUILTIN_TOKENIZER_DIR
+
+DEFAULT_TOKENIZER_DIR = Path(BUILTIN_TOKENIZER_DIR)
 """The offline default tokenizer (byte-level BPE, 8192 tokens, pad 0 / eos 1 / unk 2)."""
 
 # ---------------------------------------------------------------------------------------------
@@ -76,16 +79,20 @@ _TOPICS: dict[str, tuple[str, ...]] = {
     "cooking": tuple("soup oven recipe flour pepper onion bread sauce spoon kettle dough butter".split()),
     "weather": tuple("rain wind storm thunder snow fog frost drizzle hail forecast rainbow breeze".split()),
     "music": tuple("violin drum melody choir concert piano song rhythm trumpet guitar chorus orchestra".split()),
-    "travel": tuple("ticket luggage passport journey hotel airport suitcase ferry tourist guide voyage cruise".split()),
-    "science": tuple("experiment microscope laboratory molecule theory sample telescope equation crystal magnet atom hypothesis".split()),
+    "travel": tuple("ticket luggage passport journey hotel airport suitcase ferry tourist guide voyage "
+                    "cruise".split()),
+    "science": tuple("experiment microscope laboratory molecule theory sample telescope equation crystal "
+                     "magnet atom hypothesis".split()),
     "farming": tuple("tractor harvest cattle wheat plough seed barley sheep hay silo pasture goat".split()),
-    "trade": tuple("merchant price invoice cargo profit warehouse customer contract bargain auction shipment ledger".split()),
+    "trade": tuple("merchant price invoice cargo profit warehouse customer contract bargain auction shipment "
+                   "ledger".split()),
 }
 _ANIMALS = tuple("cat dog horse parrot rabbit hamster turtle canary pony ferret goldfish lizard".split())
 _JOBS = tuple("baker farmer teacher sailor painter doctor miller tailor carpenter potter weaver gardener".split())
 _PRODUCTS = tuple("toaster radio backpack phone blender bicycle umbrella watch jacket speaker heater camera".split())
 _PARTS = tuple("handle screen battery lid strap button color design packaging manual zipper delivery".split())
-_POSITIVE = tuple("wonderful excellent delightful superb lovely pleasant fantastic charming impressive reliable".split())
+_POSITIVE = tuple("wonderful excellent delightful superb lovely pleasant fantastic charming impressive "
+                  "reliable".split())
 _NEGATIVE = tuple("terrible awful dreadful horrible disappointing flimsy annoying useless broken unpleasant".split())
 
 _FILLER_TEMPLATES = (
@@ -100,9 +107,10 @@ _FILLER_TEMPLATES = (
 )
 
 
-def _pseudo_word(rng: np.random.Generator, onsets: list[str], vowels: list[str], codas: list[str], num_syllables: int) -> str:
-    return "".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))] + codas[rng.integers(len(codas))]
-                   for _ in range(num_syllables))
+def _pseudo_word(rng: np.random.Generator, onsets: list[str], vowels: list[str], codas: list[str],
+                 num_syllables: int) -> str:
+    return "".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))]
+                   + codas[rng.integers(len(codas))] for _ in range(num_syllables))
 
 
 def _pseudo_words(rng: np.random.Generator, syllables: list[int], onsets: str, vowels: str, codas: str,
@@ -177,11 +185,8 @@ def _insert(rng: np.random.Generator, filler: list[str], special: list[str]) -> 
     """Filler with ``special`` sentences placed at random positions, keeping their order."""
     total = len(filler) + len(special)
     slots = np.sort(rng.choice(total, size=len(special), replace=False)).tolist()
-    out, f, s = [], iter(filler), iter(special)
-    slot_set = set(slots)
-    for i in range(total):
-        out.append(next(s) if i in slot_set else next(f))
-    return out
+    slot_set, f, s = set(slots), iter(filler), iter(special)
+    return [next(s) if i in slot_set else next(f) for i in range(total)]
 
 
 def _ni(definition: str, passage: list[str], question: str) -> str:
@@ -190,7 +195,7 @@ def _ni(definition: str, passage: list[str], question: str) -> str:
 
 
 def _ni_passage_len(rng: np.random.Generator) -> int:
-    return _lognormal_count(rng, 19.0, 0.62, 3, 120)
+    return _lognormal_count(rng, 22.0, 0.68, 3, 120)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +208,7 @@ def _ni_word_count(rng: np.random.Generator) -> tuple[str, str]:
                for _ in range(k)]
     passage = _insert(rng, _filler(rng, _ni_passage_len(rng)), special)
     definition = (f'In this task you are given a passage. Count how many times the word "{word}" '
-                  "appears in the passage and answer with a number.")
+                  "appears in the passage.")
     return _ni(definition, passage, f'How many times does "{word}" appear?'), f"It appears {k} times."
 
 
@@ -272,8 +277,8 @@ def _sum_keyword(rng: np.random.Generator) -> tuple[str, str]:
     n = _lognormal_count(rng, 45.0, 0.95, 4, 320)
     keyword = _pick(rng, _ANIMALS)
     k = max(1, int(rng.binomial(n, rng.uniform(0.08, 0.25))))
-    special = [f"{_pick(rng, _NAMES)} {_pick(rng, _VERBS)} the {_pick(rng, _ADJECTIVES)} {keyword} {_pick(rng, _TIMES)}."
-               for _ in range(k)]
+    special = [f"{_pick(rng, _NAMES)} {_pick(rng, _VERBS)} the {_pick(rng, _ADJECTIVES)} {keyword} "
+               f"{_pick(rng, _TIMES)}." for _ in range(k)]
     sentences = _insert(rng, _filler(rng, n), special)
     summary = " ".join(s for s in sentences if f" {keyword} " in s)
     return (f"Summarize the report below, keeping only the sentences about the {keyword}.\n\n"
@@ -281,7 +286,7 @@ def _sum_keyword(rng: np.random.Generator) -> tuple[str, str]:
 
 
 def _sum_lead(rng: np.random.Generator) -> tuple[str, str]:
-    num_paragraphs = _lognormal_count(rng, 5.0, 0.85, 1, 60)
+    num_paragraphs = _lognormal_count(rng, 6.0, 0.85, 1, 60)
     paragraphs = [_filler(rng, int(rng.integers(2, 10))) for _ in range(num_paragraphs)]
     title = f"News from {_pick(rng, _PLACES)}"
     body = "\n\n".join(" ".join(p) for p in paragraphs)
@@ -382,18 +387,30 @@ def _task(name: str, family: TaskFamily, description: str, profile: tuple[int, i
 
 _NI, _GEN, _SHORT = TaskFamily.NI, TaskFamily.GENERATION, TaskFamily.SHORT
 BUILTIN_TASKS: dict[str, BuiltinTask] = dict([
-    _task("ni_word_count", _NI, "Count the occurrences of an animal word in a passage.", (294, 802, 5, 5), _ni_word_count),
-    _task("ni_residence_qa", _NI, "Answer 'where does X live?' from 'X lives in Y.' facts among filler.", (312, 827, 7, 8), _ni_residence_qa),
-    _task("ni_sentiment", _NI, "Review polarity = majority of positive vs negative marker words.", (294, 803, 4, 4), _ni_sentiment),
-    _task("ni_topic", _NI, "Topic (1 of 8) from topic-specific nouns mixed into the passage.", (293, 795, 5, 6), _ni_topic),
-    _task("ni_pet_owners", _NI, "List, in order, the people whose 'X owns a <animal>.' fact matches.", (322, 822, 6, 10), _ni_pet_owners),
-    _task("sum_keyword", _GEN, "Extractive summary: the sentences of a long report that mention a keyword.", (658, 3149, 94, 374), _sum_keyword),
-    _task("sum_lead", _GEN, "Summary = the first sentence of every paragraph of an article.", (439, 1708, 77, 261), _sum_lead),
-    _task("translate_cipher", _GEN, "Word-by-word translation into the Zorbish cipher (names copied).", (71, 257, 145, 556), _translate_cipher),
-    _task("data_to_text", _GEN, "Verbalise 'name | city | job | pet' records, one sentence each.", (91, 359, 75, 297), _data_to_text),
-    _task("arith_add", _SHORT, "Add two integers of 1-4 digits.", (12, 13, 2, 2), _arith_add),
-    _task("sort_numbers", _SHORT, "Sort 3-20 integers in [0, 999] ascending.", (33, 59, 21, 45), _sort_numbers),
-    _task("reverse_words", _SHORT, "Reverse a list of 3-24 words.", (23, 38, 13, 23), _reverse_words),
+    _task("ni_word_count", _NI, "Count the occurrences of an animal word in a passage.",
+          (313, 776, 5, 5), _ni_word_count),
+    _task("ni_residence_qa", _NI, "Answer 'where does X live?' from 'X lives in Y.' facts among filler.",
+          (294, 792, 6, 7), _ni_residence_qa),
+    _task("ni_sentiment", _NI, "Review polarity = majority of positive vs negative marker words.",
+          (298, 758, 5, 5), _ni_sentiment),
+    _task("ni_topic", _NI, "Topic (1 of 8) from topic-specific nouns mixed into the passage.",
+          (279, 724, 5, 5), _ni_topic),
+    _task("ni_pet_owners", _NI, "List, in order, the people whose 'X owns a <animal>.' fact matches.",
+          (290, 716, 5, 9), _ni_pet_owners),
+    _task("sum_keyword", _GEN, "Extractive summary: the sentences of a long report that mention a keyword.",
+          (551, 2707, 59, 313), _sum_keyword),
+    _task("sum_lead", _GEN, "Summary = the first sentence of every paragraph of an article.",
+          (370, 1529, 64, 268), _sum_lead),
+    _task("translate_cipher", _GEN, "Word-by-word translation into the Zorbish cipher (names copied).",
+          (59, 193, 43, 177), _translate_cipher),
+    _task("data_to_text", _GEN, "Verbalise 'name | city | job | pet' records, one sentence each.",
+          (76, 268, 57, 226), _data_to_text),
+    _task("arith_add", _SHORT, "Add two integers of 1-4 digits.",
+          (6, 8, 2, 3), _arith_add),
+    _task("sort_numbers", _SHORT, "Sort 3-20 integers in [0, 999] ascending.",
+          (30, 47, 23, 39), _sort_numbers),
+    _task("reverse_words", _SHORT, "Reverse a list of 3-24 words.",
+          (21, 30, 14, 24), _reverse_words),
 ])
 
 

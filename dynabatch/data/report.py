@@ -100,7 +100,7 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
             computed = sum(s.computed_tokens for s in stats)
             cells.append(f"{real / computed:>15.3f}")
         n = sum(len(gb) for gb in batches)
-        print(f"{max_len:>8} " + " ".join(cells) + f" {batcher.num_truncated:>4d}/{n:<5d}")
+        tqdm.write(f"{max_len:>8} " + " ".join(cells) + f" {batcher.num_truncated:>4d}/{n:<5d}")
 
 
 def run(args: argparse.Namespace) -> int:
