@@ -1,0 +1,79 @@
+"""Tokenizers, tokenization of sources, built-in sources and the data-report command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import random_rows, write_jsonl
+from dynabatch.cli import main
+from dynabatch.data.mixture import MixtureSpec
+from dynabatch.data.pipeline import MixtureData
+from dynabatch.data.sources import SourceSpec, load_source
+from dynabatch.data.tokenize import load_tokenizer, tokenize_dataset, tokenizer_info
+
+
+def test_gpt2_tokenizer_is_real_and_offline():
+    tok = load_tokenizer("gpt2")
+    assert len(tok) == 50257
+    assert tok("Hello world", add_special_tokens=False)["input_ids"] == [15496, 995]
+    assert tokenizer_info(tok).eos_id == 50256
+
+
+def test_builtin_tokenizer_info():
+    info = tokenizer_info(load_tokenizer("builtin"))
+    assert (info.pad_id, info.eos_id, info.decoder_start_id, info.vocab_size) == (0, 1, 0, 8192)
+
+
+def test_unknown_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="neither one of"):
+        load_tokenizer(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_tokenize_appends_eos_per_family(tmp_path, family):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"inputs": "ab", "targets": "c"}])
+    ds, _ = load_source(SourceSpec(task="a", data_files=(path,)))
+    tok = load_tokenizer("byt5")  # bytes + 3: a=100, b=101, c=102; eos=1
+    row = tokenize_dataset(ds, tok, family)[0]
+    assert row["target_ids"] == [102, 1]
+    assert row["input_ids"] == ([100, 101, 1] if family == "t5" else [100, 101])
+
+
+def test_builtin_source_loads_and_is_cached():
+    spec = MixtureSpec(sources=(SourceSpec(task="add", builtin="arith_add", num_examples=50),
+                                SourceSpec(task="rev", builtin="reverse_words", num_examples=30)))
+    tok = load_tokenizer("builtin")
+    a = MixtureData.load(spec, tok, "gpt2")
+    b = MixtureData.load(spec, tok, "gpt2")
+    assert [len(s) for s in a.sources] == [50, 30]
+    np.testing.assert_array_equal(a.sources[1].input_ids.values, b.sources[1].input_ids.values)
+    np.testing.assert_allclose(a.rates, [50 / 80, 30 / 80])
+    with pytest.raises(ValueError, match="unknown built-in task 'nope'; valid: ni_word_count"):
+        load_source(SourceSpec(task="x", builtin="nope"))
+
+
+def test_data_report_on_a_file(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "mytask.jsonl", random_rows("mytask", 60, 5, 40, 5))
+    code = main(["data-report", "--data", path, "--tokenizer", "byt5", "--family", "gpt2",
+                 "--max-lens", "128,256", "--token-budget", "4096", "--num-batches", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "mytask" in out and "padding efficiency" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("128", "256"))]
+    assert len(rows) == 2
+    for row in rows:
+        eff = [float(x) for x in row[1:5]]
+        assert all(0 < e <= 1 for e in eff)
+        assert eff[1] >= eff[0]  # length grouping never loses to plain padding here
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run([sys.executable, "-m", "dynabatch", "--help"], capture_output=True, text=True, check=True)
+    assert "data-report" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "dynabatch", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2
