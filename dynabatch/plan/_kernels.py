@@ -1,0 +1,327 @@
+"""numba kernels of the planner: arrays in, arrays out, no validation (the public wrappers validate).
+
+Every kernel has a slow pure-Python twin in ``tests/reference/plan_reference.py``; tests compare them.
+
+Candidate runs are indexed by their *last* sample: ``T[j, w - 1]`` is the time of the run of ``w``
+ordered samples ``j - w + 1 .. j``, and ``L[j]`` is how many lengths ``w = 1 .. L[j]`` are feasible.
+``T[j, :L[j]]`` must be non-decreasing (a longer run pads at least as much), which lets the DP stop
+scanning a row at the first run over the cap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# --------------------------------------------------------------------------- partition
+
+
+@njit(cache=True)
+def _run_shapes(e, d, ends, w_lo, w_hi):
+    """Padded shapes ``(b, E, D)`` of runs ending at ``ends[k]`` with lengths ``w_lo .. w_hi - 1``.
+
+    Returns three (K, w_hi - w_lo) int64 arrays; runs that would start before sample 0 get ``b = 0``.
+    """
+    num_ends = ends.shape[0]
+    width = w_hi - w_lo
+    b = np.zeros((num_ends, width), dtype=np.int64)
+    E = np.zeros((num_ends, width), dtype=np.int64)
+    D = np.zeros((num_ends, width), dtype=np.int64)
+    for k in range(num_ends):
+        j = ends[k]
+        max_e = 0
+        max_d = 0
+        for w in range(1, min(w_hi - 1, j + 1) + 1):
+            i = j - w + 1
+            if e[i] > max_e:
+                max_e = e[i]
+            if d[i] > max_d:
+                max_d = d[i]
+            if w >= w_lo:
+                b[k, w - w_lo] = w
+                E[k, w - w_lo] = max_e
+                D[k, w - w_lo] = max_d
+    return b, E, D
+
+
+@njit(cache=True)
+def _min_max_dp(T, L):
+    """Smallest achievable max run time over all partitions (the bottleneck value)."""
+    n = T.shape[0]
+    g = np.empty(n + 1)
+    g[0] = 0.0
+    for j in range(n):
+        best = np.inf
+        for w in range(1, L[j] + 1):
+            t = T[j, w - 1]
+            if t >= best:
+                break
+            v = max(g[j + 1 - w], t)
+            if v < best:
+                best = v
+        g[j + 1] = best
+    return g[n]
+
+
+@njit(cache=True)
+def _min_sum_dp(T, L, cap, f, m, choice):
+    """Min total time over partitions whose runs all take ``<= cap``; fills ``f``, ``m``, ``choice``.
+
+    ``f[k]``: best sum over the first ``k`` samples; ``m[k]``: max run time on that path (ties in the
+    sum prefer the smaller max); ``choice[j]``: length of the last run ending at ``j``.
+    Returns ``(f[n], m[n])``; ``f[n]`` is inf when no partition fits the cap.
+    """
+    n = T.shape[0]
+    f[0] = 0.0
+    m[0] = 0.0
+    for j in range(n):
+        best = np.inf
+        best_m = np.inf
+        best_w = 0
+        for w in range(1, L[j] + 1):
+            t = T[j, w - 1]
+            if t > cap:
+                break
+            prev = f[j + 1 - w]
+            if prev == np.inf:
+                continue
+            s = prev + t
+            mm = max(m[j + 1 - w], t)
+            if s < best or (s == best and mm < best_m):
+                best = s
+                best_m = mm
+                best_w = w
+        f[j + 1] = best
+        m[j + 1] = best_m
+        choice[j] = best_w
+    return f[n], m[n]
+
+
+@njit(cache=True)
+def _cap_candidates(T, L, lo, hi, tol):
+    """Sorted run times in ``[lo, hi]``, thinned so consecutive caps differ by more than ``tol``.
+
+    Greedy cover: from the smallest uncovered value ``v`` take the largest value ``<= v (1 + tol)``,
+    so every value is within a factor ``1 + tol`` below some cap.
+    """
+    n = T.shape[0]
+    count = 0
+    for j in range(n):
+        for w in range(L[j]):
+            t = T[j, w]
+            if lo <= t <= hi:
+                count += 1
+    values = np.empty(count)
+    k = 0
+    for j in range(n):
+        for w in range(L[j]):
+            t = T[j, w]
+            if lo <= t <= hi:
+                values[k] = t
+                k += 1
+    values.sort()
+    caps = np.empty(count)
+    num_caps = 0
+    i = 0
+    while i < count:
+        limit = values[i] * (1.0 + tol)
+        while i + 1 < count and values[i + 1] <= limit:
+            i += 1
+        caps[num_caps] = values[i]
+        num_caps += 1
+        i += 1
+    return caps[:num_caps]
+
+
+@njit(cache=True)
+def _lengths_from_choice(choice):
+    """Run lengths, first run first, from the DP's last-run choices."""
+    n = choice.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    k = 0
+    j = n - 1
+    while j >= 0:
+        out[k] = choice[j]
+        j -= choice[j]
+        k += 1
+    return out[:k][::-1].copy()
+
+
+@njit(cache=True)
+def _solve_partition(T, L, num_stages, tol):
+    """Contiguous partition minimising ``sum(t) + (num_stages - 1) * max(t)``.
+
+    Returns ``(run_lengths, objective, num_caps_tried)``. ``F(c)``, the min sum over partitions whose
+    runs all take ``<= c``, is non-increasing in ``c``; the DP under cap ``c`` gives ``F(c)`` and a path
+    whose objective (with the path's actual max) is a candidate. Caps are the run times between the
+    bottleneck value and ``(U - F(inf)) / (S - 1)`` (``U``: objective of the unconstrained min-sum path),
+    thinned by ``tol``. Instead of trying them in order, branch and bound on intervals of the sorted
+    caps: every partition whose cap lies strictly between evaluated caps ``lo < hi`` costs more than
+    ``F(hi) + (S - 1) * lo``; the interval with the lowest bound is split at its middle cap until
+    no bound is below the best objective.
+    """
+    n = T.shape[0]
+    f = np.empty(n + 1)
+    m = np.empty(n + 1)
+    choice = np.zeros(n, dtype=np.int64)
+    sum_min, max_at_min = _min_sum_dp(T, L, np.inf, f, m, choice)
+    best_obj = sum_min + (num_stages - 1) * max_at_min
+    best_choice = choice.copy()
+    if num_stages == 1:
+        return _lengths_from_choice(best_choice), best_obj, 0
+    slope = num_stages - 1.0
+    lo_cap = _min_max_dp(T, L)
+    caps = _cap_candidates(T, L, lo_cap, (best_obj - sum_min) / slope, tol)
+    k = caps.shape[0]
+    if k == 0:
+        return _lengths_from_choice(best_choice), best_obj, 0
+    F = np.empty(k + 1)  # F[k]: the unconstrained min sum, a virtual cap above all others
+    F[k] = sum_min
+    s, mx = _min_sum_dp(T, L, caps[0], f, m, choice)
+    F[0] = s
+    num_tried = 1
+    if s + slope * mx < best_obj:
+        best_obj = s + slope * mx
+        best_choice[:] = choice
+    lo_stack = np.empty(k + 1, dtype=np.int64)
+    hi_stack = np.empty(k + 1, dtype=np.int64)
+    num_open = 0
+    if k > 1:
+        lo_stack[0] = 0
+        hi_stack[0] = k
+        num_open = 1
+    while num_open > 0:
+        pick = 0
+        bound = np.inf
+        for q in range(num_open):
+            v = F[hi_stack[q]] + slope * caps[lo_stack[q]]
+            if v < bound:
+                bound = v
+                pick = q
+        if bound >= best_obj:
+            break
+        lo = lo_stack[pick]
+        hi = hi_stack[pick]
+        num_open -= 1
+        lo_stack[pick] = lo_stack[num_open]
+        hi_stack[pick] = hi_stack[num_open]
+        mid = (lo + hi) // 2
+        s, mx = _min_sum_dp(T, L, caps[mid], f, m, choice)
+        F[mid] = s
+        num_tried += 1
+        if s + slope * mx < best_obj:
+            best_obj = s + slope * mx
+            best_choice[:] = choice
+        if mid - lo > 1:
+            lo_stack[num_open] = lo
+            hi_stack[num_open] = mid
+            num_open += 1
+        if hi - mid > 1:
+            lo_stack[num_open] = mid
+            hi_stack[num_open] = hi
+            num_open += 1
+    return _lengths_from_choice(best_choice), best_obj, num_tried
+
+
+# --------------------------------------------------------------------------- orderings
+
+
+@njit(cache=True)
+def _morton_keys(x, y):
+    """Z-order (Morton) keys of non-negative int coordinates: bits of ``x`` and ``y`` interleaved."""
+    n = x.shape[0]
+    keys = np.empty(n, dtype=np.int64)
+    for k in range(n):
+        key = 0
+        for bit in range(31):
+            key |= ((x[k] >> bit) & 1) << (2 * bit + 1)
+            key |= ((y[k] >> bit) & 1) << (2 * bit)
+        keys[k] = key
+    return keys
+
+
+@njit(cache=True)
+def _hilbert_keys(x, y, order):
+    """Hilbert-curve index of each ``(x, y)`` on the ``2**order`` square grid (classic xy2d)."""
+    n = x.shape[0]
+    keys = np.empty(n, dtype=np.int64)
+    side = np.int64(1) << order
+    for k in range(n):
+        px = x[k]
+        py = y[k]
+        key = 0
+        s = side >> 1
+        while s > 0:
+            rx = 1 if (px & s) > 0 else 0
+            ry = 1 if (py & s) > 0 else 0
+            key += s * s * ((3 * rx) ^ ry)
+            if ry == 0:  # rotate the quadrant
+                if rx == 1:
+                    px = side - 1 - px
+                    py = side - 1 - py
+                px, py = py, px
+            s >>= 1
+        keys[k] = key
+    return keys
+
+
+@njit(cache=True)
+def _nearest_neighbour_path(x, y, start):
+    """Greedy open path: from ``start``, repeatedly the closest unvisited point in L1 (ties: lowest index)."""
+    n = x.shape[0]
+    path = np.empty(n, dtype=np.int64)
+    visited = np.zeros(n, dtype=np.bool_)
+    cur = start
+    for k in range(n):
+        path[k] = cur
+        visited[cur] = True
+        best = -1
+        best_dist = np.int64(0)
+        for c in range(n):
+            if visited[c]:
+                continue
+            dist = abs(x[c] - x[cur]) + abs(y[c] - y[cur])
+            if best < 0 or dist < best_dist:
+                best = c
+                best_dist = dist
+        cur = best
+    return path
+
+
+@njit(cache=True)
+def _two_opt(path, x, y, window, max_passes):
+    """Improve an open path in place by 2-opt segment reversals (L1 distances, integers, exact).
+
+    Reversing ``path[i..k]`` replaces edges ``(i-1, i)`` and ``(k, k+1)`` by ``(i-1, k)`` and
+    ``(i, k+1)`` (a missing edge at either end of the path counts 0). Only ``k - i < window`` is tried;
+    first improvement is taken; stops after a pass without improvement or ``max_passes`` passes.
+    Returns the number of passes run.
+    """
+    n = path.shape[0]
+    passes = 0
+    improved = True
+    while improved and passes < max_passes:
+        improved = False
+        passes += 1
+        for i in range(n - 1):
+            for k in range(i + 1, min(n, i + window)):
+                a = path[i]
+                b = path[k]
+                delta = np.int64(0)
+                if i > 0:
+                    p = path[i - 1]
+                    delta += abs(x[p] - x[b]) + abs(y[p] - y[b]) - abs(x[p] - x[a]) - abs(y[p] - y[a])
+                if k < n - 1:
+                    q = path[k + 1]
+                    delta += abs(x[a] - x[q]) + abs(y[a] - y[q]) - abs(x[b] - x[q]) - abs(y[b] - y[q])
+                if delta < 0:
+                    lo = i
+                    hi = k
+                    while lo < hi:
+                        tmp = path[lo]
+                        path[lo] = path[hi]
+                        path[hi] = tmp
+                        lo += 1
+                        hi -= 1
+                    improved = True
+    return passes

@@ -1,0 +1,99 @@
+"""What the planner needs to know about a micro-batch: its time and its activation memory.
+
+The planner never profiles anything. It asks a :class:`MicroBatchCostModel` about *padded* micro-batch
+shapes ``(b, E, D)``: ``b`` samples padded to encoder length ``E`` and decoder length ``D`` (decoder-only
+models: ``E`` is the sequence length, inputs + targets, and ``D = 0``). One vectorised call answers for
+every candidate micro-batch at once, so a cost model can be a dense table lookup, an analytic roofline or
+the polynomial below; the profiled tables of :mod:`dynabatch.cost` are adapted to this interface.
+
+Contract (the planner relies on it):
+
+* ``evaluate`` returns three float64 arrays shaped like ``b``: the forward + backward time in seconds of
+  the *bottleneck* pipeline stage, the activation bytes that stage stores per micro-batch until its
+  backward, and the extra transient (peak) bytes while it runs one micro-batch's forward or backward.
+* All three are finite, >= 0 and non-decreasing in ``b``, ``E`` and ``D`` (a bigger or longer micro-batch
+  never costs less). The planner makes times non-decreasing along each run anyway, so a slightly noisy
+  table only loses exactness, never feasibility.
+* ``memory_budget_bytes`` is the activation memory of one stage: device memory minus model states
+  (parameters, gradients, optimizer states) minus a safety margin.
+
+:class:`PolynomialCostModel` is a small analytic stand-in for tests and benchmarks. Its defaults describe
+one stage of a T5-base-sized model (d = 768, 6 layers per stage of 4) on an accelerator sustaining
+1e14 FLOP/s, activations after Korthikanti et al. 2022 (16-bit, no recomputation)::
+
+    time   = overhead + time_per_token * b (E + D) + time_per_token_pair * b (E^2 + D^2 + E D)
+    stored = stored_per_token * b (E + D) + stored_per_token_pair * b (E^2 + D^2 + E D)
+    peak   = peak_per_token * b (E + D) + peak_per_token_pair * b (E^2 + D^2 + E D)
+
+``E^2``, ``D^2`` and ``E D`` are encoder self-, decoder self- and cross-attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class MicroBatchCostModel(Protocol):
+    """Time and activation memory of padded micro-batches on the bottleneck pipeline stage."""
+
+    memory_budget_bytes: float
+    """Activation memory available per stage (device memory left after model states)."""
+
+    def evaluate(self, b: np.ndarray, E: np.ndarray, D: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(time_s, stored_bytes, peak_bytes)`` for micro-batches of ``b`` samples padded to ``(E, D)``.
+
+        Inputs are int64 arrays of one shape; outputs are float64 arrays of that shape.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class PolynomialCostModel:
+    """Analytic cost of one pipeline stage, polynomial in the padded shape (see the module docstring)."""
+
+    memory_budget_bytes: float = 16 * 2**30
+    """Activation memory per stage in bytes (default 16 GiB)."""
+    overhead_s: float = 5e-4
+    """Fixed time per micro-batch: kernel launches, p2p latency, small-batch inefficiency."""
+    time_per_token_s: float = 2.5e-6
+    """Linear layers, fwd + bwd: 72 d^2 FLOPs per padded token per layer x 6 layers / 1e14 FLOP/s."""
+    time_per_token_pair_s: float = 5.5e-10
+    """Attention scores, fwd + bwd: 12 d FLOPs per (query, key) pair per layer x 6 layers / 1e14 FLOP/s."""
+    stored_per_token_bytes: float = 6 * 34 * 768
+    """Korthikanti Eq. 1 linear term: 34 d bytes per token per layer x 6 layers."""
+    stored_per_token_pair_bytes: float = 6 * 5 * 12
+    """Korthikanti Eq. 1 attention term: 5 bytes per head per (query, key) pair, 12 heads, 6 layers."""
+    peak_per_token_bytes: float = 8 * 768 * 2
+    """Transient backward buffers: a few hidden-state gradients (16-bit) per token."""
+    peak_per_token_pair_bytes: float = 2 * 2 * 12
+    """Attention-score gradient of one layer: 16-bit, 12 heads, twice."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "memory_budget_bytes",
+            "overhead_s",
+            "time_per_token_s",
+            "time_per_token_pair_s",
+            "stored_per_token_bytes",
+            "stored_per_token_pair_bytes",
+            "peak_per_token_bytes",
+            "peak_per_token_pair_bytes",
+        ):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value >= 0):
+                raise ValueError(f"PolynomialCostModel.{name} must be finite and >= 0, got {value}")
+
+    def evaluate(self, b: np.ndarray, E: np.ndarray, D: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        b = np.asarray(b, dtype=np.float64)
+        E = np.asarray(E, dtype=np.float64)
+        D = np.asarray(D, dtype=np.float64)
+        tokens = b * (E + D)
+        pairs = b * (E * E + D * D + E * D)
+        time_s = self.overhead_s + self.time_per_token_s * tokens + self.time_per_token_pair_s * pairs
+        stored = self.stored_per_token_bytes * tokens + self.stored_per_token_pair_bytes * pairs
+        peak = self.peak_per_token_bytes * tokens + self.peak_per_token_pair_bytes * pairs
+        return time_s, stored, peak

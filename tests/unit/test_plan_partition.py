@@ -1,0 +1,287 @@
+"""Partition DP: optimal vs brute force, kernels vs pure-Python twins, limits, plans, error messages."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dynabatch.data.baselines import RowGroup
+from dynabatch.data.collate import collate_causal, collate_seq2seq
+from dynabatch.data.sample import TokenizedSample
+from dynabatch.plan import _kernels as K
+from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
+from dynabatch.plan.partition import PartitionPlan, plan_partition
+from reference import plan_reference as ref  # tests/ is on sys.path via its conftest.py
+
+COST = PolynomialCostModel()
+
+
+def random_lengths(rng, n, family):
+    e = rng.integers(1, 400, n)
+    d = rng.integers(1, 60, n) if family == "t5" else rng.integers(1, 200, n)
+    return e.astype(np.int64), d.astype(np.int64)
+
+
+def random_bands(rng, n, w_max, integer_times):
+    """Monotone rows: times non-decreasing in the run length, as the planner guarantees."""
+    steps = rng.integers(0, 4, (n, w_max)) if integer_times else rng.random((n, w_max))
+    T = np.cumsum(steps, axis=1).astype(np.float64) + 1.0
+    L = np.array([rng.integers(1, min(w_max, j + 1) + 1) for j in range(n)], dtype=np.int64)
+    return T, L
+
+
+def padded(e, d, family):
+    return (e, d) if family == "t5" else (e + d, np.zeros_like(e))
+
+
+def brute_force_plan(e, d, family, cost, num_stages, in_flight, max_samples=None, max_tokens=None):
+    """Best ``sum + (S-1) max`` over contiguous partitions of samples already in planner order."""
+    E, D = padded(e, d, family)
+    n = len(e)
+    best = np.inf
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        bounds = [0] + [k + 1 for k, c in enumerate(cuts) if c] + [n]
+        times, ok = [], True
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            b, me, md = hi - lo, E[lo:hi].max(), D[lo:hi].max()
+            t, s, p = (float(x[0]) for x in cost.evaluate(np.array([b]), np.array([me]), np.array([md])))
+            ok &= in_flight * s + p <= cost.memory_budget_bytes
+            ok &= max_samples is None or b <= max_samples
+            ok &= max_tokens is None or b * (me + md) <= max_tokens
+            times.append(t)
+        if ok:
+            total = 0.0
+            for t in times:
+                total += t
+            best = min(best, total + (num_stages - 1) * max(times))
+    return best
+
+
+# --------------------------------------------------------------------------- kernels vs twins
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solve_partition_kernel_matches_twin(seed):
+    rng = np.random.default_rng(seed)
+    n, w_max = int(rng.integers(1, 40)), int(rng.integers(1, 12))
+    T, L = random_bands(rng, n, w_max, integer_times=seed % 2 == 0)
+    for num_stages, tol in itertools.product((1, 2, 4, 8), (0.0, 0.05, 0.5)):
+        lengths, obj, tried = K._solve_partition(T, L, num_stages, tol)
+        ref_lengths, ref_obj, ref_tried = ref.solve_partition(T, L, num_stages, tol)
+        assert lengths.tolist() == ref_lengths
+        assert obj == ref_obj and tried == ref_tried
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_kernels_match_twins(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 30))
+    e, d = rng.integers(0, 500, n), rng.integers(0, 50, n)
+    ends = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
+    w_lo = int(rng.integers(1, 5))
+    w_hi = w_lo + int(rng.integers(1, 8))
+    got = K._run_shapes(e, d, ends, w_lo, w_hi)
+    want = ref.run_shapes(e, d, ends.tolist(), w_lo, w_hi)
+    for g, w in zip(got, want):
+        assert g.tolist() == w
+    T, L = random_bands(rng, n, 6, integer_times=True)
+    assert K._min_max_dp(T, L) == ref.min_max_dp(T.tolist(), L.tolist())
+    for tol in (0.0, 0.1, 1.0):
+        want = ref.cap_candidates(T.tolist(), L.tolist(), 2.0, 9.0, tol)
+        assert K._cap_candidates(T, L, 2.0, 9.0, tol).tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_exact_dp_equals_brute_force_on_bands(seed):
+    rng = np.random.default_rng(200 + seed)
+    n = int(rng.integers(1, 11))
+    T, L = random_bands(rng, n, int(rng.integers(1, n + 1)), integer_times=seed % 2 == 1)
+    for num_stages in (1, 2, 3, 5):
+        lengths, obj, _ = K._solve_partition(T, L, num_stages, 0.0)
+        best, _ = ref.brute_force_partition(T.tolist(), L.tolist(), num_stages)
+        assert obj == pytest.approx(best, rel=1e-12)
+        assert sum(lengths) == n
+
+
+@pytest.mark.parametrize("first_band", [1, 3, 16])
+def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band):
+    """Bands grown by doubling equal the longest run (all suffixes within limits) found run by run."""
+    from dynabatch.plan import partition
+
+    monkeypatch.setattr(partition, "FIRST_BAND", first_band)
+    rng = np.random.default_rng(300 + first_band)
+    e, d = np.sort(rng.integers(1, 300, 90)), rng.integers(1, 40, 90)
+    cost = PolynomialCostModel(memory_budget_bytes=6e9)
+    limits = partition._Limits(cost.memory_budget_bytes, 3, 70, 20000)
+    perm = np.arange(90)
+    T, L = partition._candidate_runs(e, d, cost, limits, perm, e, d)
+    for j in range(90):
+        w = 0
+        while w < min(j + 1, 70):
+            b, me, md = w + 1, e[j - w : j + 1].max(), d[j - w : j + 1].max()
+            t, s, p = cost.evaluate(np.array([b]), np.array([me]), np.array([md]))
+            if 3 * s[0] + p[0] > cost.memory_budget_bytes or b * (me + md) > 20000:
+                break
+            assert T[j, w] == t[0]
+            w += 1
+        assert L[j] == w, j
+    assert L.max() > 2 * first_band and L.max() < 70  # several doubling rounds ran, limits bind
+
+
+# --------------------------------------------------------------------------- planner vs brute force
+
+BUDGETS = {"none": 1e18, "tight": 2.0e9}
+BOUNDS = {"none": {}, "samples": {"max_samples": 3}, "tokens": {"max_tokens": 1200}}
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("bound", list(BOUNDS))
+def test_plan_is_optimal_over_contiguous_partitions(family, budget, bound):
+    cost = PolynomialCostModel(memory_budget_bytes=BUDGETS[budget], overhead_s=2e-3)
+    rng = np.random.default_rng([7, len(family), list(BUDGETS).index(budget), list(BOUNDS).index(bound)])
+    for trial in range(6):
+        n = int(rng.integers(1, 13))
+        e, d = random_lengths(rng, n, family)
+        if bound == "tokens":  # every sample must fit alone
+            e, d = np.minimum(e, 900), np.minimum(d, 100)
+        num_stages = int(rng.choice([1, 2, 4]))
+        plan = plan_partition(e, d, cost, num_stages, family=family, cap_tolerance=0.0, **BOUNDS[bound])
+        want = brute_force_plan(e[plan.order], d[plan.order], family, cost, num_stages, num_stages, **BOUNDS[bound])
+        assert plan.objective_s == pytest.approx(want, rel=1e-12), (trial, n)
+        check_plan(plan, e, d, cost, **BOUNDS[bound])
+
+
+def check_plan(plan: PartitionPlan, e, d, cost, max_samples=None, max_tokens=None):
+    n = len(e)
+    flat = [i for mb in plan.micro_batches for i in mb]
+    assert sorted(flat) == list(range(n)), "every sample exactly once"
+    assert flat == plan.order.tolist()
+    E, D = padded(e, d, plan.family)
+    for mb, (b, me, md) in zip(plan.micro_batches, plan.shapes.tolist()):
+        assert b == len(mb) and me == E[list(mb)].max() and md == D[list(mb)].max()
+    t, s, p = cost.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2])
+    np.testing.assert_allclose(plan.times_s, t, rtol=1e-12)
+    np.testing.assert_allclose(plan.stored_bytes, s, rtol=1e-12)
+    assert np.all(plan.in_flight * s + p <= cost.memory_budget_bytes)
+    if max_samples is not None:
+        assert plan.shapes[:, 0].max() <= max_samples
+    if max_tokens is not None:
+        assert (plan.shapes[:, 0] * (plan.shapes[:, 1] + plan.shapes[:, 2])).max() <= max_tokens
+    total = float(np.cumsum(plan.times_s)[-1])
+    assert plan.objective_s == pytest.approx(total + (plan.num_stages - 1) * plan.times_s.max(), rel=1e-12)
+
+
+def flan_like(rng, n):
+    e = np.clip(rng.lognormal(np.log(300), 1.0, n), 4, 2048).astype(np.int64)
+    d = np.clip(rng.lognormal(np.log(5), 1.2, n), 1, 256).astype(np.int64)
+    return e, d
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_tolerance_bound_and_limits_on_a_realistic_batch(family):
+    rng = np.random.default_rng(3)
+    e, d = flan_like(rng, 400)
+    cost = PolynomialCostModel(memory_budget_bytes=12 * 2**30)
+    exact = plan_partition(e, d, cost, 4, family=family, cap_tolerance=0.0)
+    for tol in (0.01, 0.1):
+        approx = plan_partition(e, d, cost, 4, family=family, cap_tolerance=tol)
+        assert exact.objective_s <= approx.objective_s + 1e-12
+        assert approx.objective_s <= exact.objective_s + tol * 3 * exact.times_s.max() + 1e-12
+        assert approx.num_cap_candidates_tried <= exact.num_cap_candidates_tried
+        check_plan(approx, e, d, cost)
+    bounded = plan_partition(e, d, cost, 4, family=family, max_samples=5, max_tokens=6000, in_flight=6)
+    check_plan(bounded, e, d, cost, max_samples=5, max_tokens=6000)
+    assert bounded.objective_s >= exact.objective_s
+
+
+def test_more_stages_make_micro_batches_smaller():
+    e, d = flan_like(np.random.default_rng(4), 300)
+    sizes = [
+        plan_partition(e, d, COST, s, family="t5", cap_tolerance=0.0, in_flight=1).times_s.max() for s in (1, 4, 16)
+    ]
+    assert sizes[0] >= sizes[1] >= sizes[2]
+
+
+# --------------------------------------------------------------------------- plan -> row groups
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_row_groups_collate_to_the_planned_shapes(family):
+    rng = np.random.default_rng(5)
+    e, d = random_lengths(rng, 30, family)
+    samples = [
+        TokenizedSample("task", rng.integers(3, 100, a).astype(np.int32), rng.integers(3, 100, b).astype(np.int32))
+        for a, b in zip(e, d)
+    ]
+    plan = plan_partition(e, d, COST, 4, family=family)
+    groups = plan.to_row_groups()
+    assert all(isinstance(g, RowGroup) for g in groups) and len(groups) == plan.num_micro_batches
+    for g, (b, me, md) in zip(groups, plan.shapes.tolist()):
+        if family == "t5":
+            mb = collate_seq2seq(samples, g.rows, 0, 0, g.encoder_len, g.decoder_len)
+            assert tuple(mb.input_ids.shape) == (b, me) and tuple(mb.labels.shape) == (b, md)
+        else:
+            mb = collate_causal(samples, g.rows, 0, g.encoder_len)
+            assert tuple(mb.input_ids.shape) == (b, me) and md == 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_too_small_memory_names_the_sample_and_the_budget_that_works():
+    e = np.array([10, 2000, 30, 1500])
+    d = np.array([5, 200, 7, 100])
+    _, s, p = COST.evaluate(np.ones(4, dtype=np.int64), e, d)
+    need = 4 * s + p
+    cost = PolynomialCostModel(memory_budget_bytes=float(need[3]))  # sample 1 does not fit
+    with pytest.raises(ValueError) as info:
+        plan_partition(e, d, cost, 4, family="t5")
+    msg = str(info.value)
+    assert "sample 1 (input_len=2000, target_len=200)" in msg
+    assert f"{need[1] / 2**30:.3f} GiB" in msg and f"({int(np.ceil(need[1]))} bytes)" in msg
+    assert "1 sample(s) do not fit alone" in msg
+    plan = plan_partition(e, d, PolynomialCostModel(memory_budget_bytes=float(np.ceil(need[1]))), 4, family="t5")
+    assert plan.shapes[:, 0].tolist().count(1) >= 1
+
+
+def test_token_bound_below_one_sample_names_it():
+    with pytest.raises(ValueError, match=r"sample 2 \(input_len=900, target_len=10\) has 910 padded tokens"):
+        plan_partition(np.array([10, 20, 900]), np.array([1, 2, 10]), COST, 2, family="t5", max_tokens=500)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"family": "bert"}, "unknown model family 'bert'; valid: t5, gpt2"),
+        ({"family": "t5", "order": "random"}, "valid: auto, lex, morton, hilbert, nn2opt"),
+        ({"family": "gpt2", "order": "lex"}, "valid: auto, length"),
+        ({"family": "t5", "cap_tolerance": -0.1}, "cap_tolerance"),
+        ({"family": "t5", "max_samples": 0}, "max_samples must be an int >= 1"),
+        ({"family": "t5", "in_flight": 1.5}, "in_flight must be an int >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_partition(np.array([3, 4]), np.array([1, 2]), COST, 2, **kwargs)
+
+
+def test_bad_lengths_and_cost_model():
+    with pytest.raises(ValueError, match="1-D of one length"):
+        plan_partition(np.array([3, 4]), np.array([1]), COST, 2, family="t5")
+    with pytest.raises(ValueError, match="empty batch"):
+        plan_partition(np.array([], dtype=int), np.array([], dtype=int), COST, 2, family="t5")
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
+        plan_partition(np.array([3]), np.array([1]), COST, 0, family="t5")
+
+    class Broken:
+        memory_budget_bytes = 1e12
+
+        def evaluate(self, b, E, D):
+            return np.full(b.shape, np.nan), np.zeros(b.shape), np.zeros(b.shape)
+
+    assert isinstance(Broken(), MicroBatchCostModel)
+    with pytest.raises(ValueError, match="time_s must be finite"):
+        plan_partition(np.array([3, 4]), np.array([1, 2]), Broken(), 2, family="t5")
