@@ -1,0 +1,169 @@
+"""Pipeline stages from a layer-level cost model: balanced layer split and per-stage micro-batch costs.
+
+A model is an ordered list of layer kinds (``embedding, gpt x L, lm_head`` or ``embedding,
+t5_encoder x L, decoder_embedding, t5_decoder x L, lm_head``). :func:`balanced_layout` cuts it into
+``S`` contiguous stages minimising the largest stage time at a reference micro-batch shape (a small
+exact DP over cut points; every stage gets at least one transformer block). :class:`StageCostModel`
+then answers, for arrays of padded shapes ``(b, E, D)``, every stage's forward/backward time, stored
+and peak activation bytes and the bytes it sends downstream (:meth:`per_stage`, for the simulator),
+and the planner's :class:`~dynabatch.plan.costs.MicroBatchCostModel` view (:meth:`evaluate`):
+bottleneck-stage fwd + bwd time, and the largest stored / peak bytes of any stage against the
+smallest per-stage memory budget (conservative when stages differ).
+
+Any layer-level model with ``stage_cost(kinds, b, E, D)``, ``send_bytes(last_kind, b, E, D)``,
+``param_count(kind)``, ``model_state_bytes(n)`` and ``layer_kinds()`` works: the analytic model does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Layer kinds of each pipeline stage, in model order."""
+
+    stages: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.stages or any(len(s) == 0 for s in self.stages):
+            raise ValueError(f"every stage needs at least one layer, got {[len(s) for s in self.stages]}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def describe(self) -> str:
+        parts = []
+        for s in self.stages:
+            counts: dict[str, int] = {}
+            for k in s:
+                counts[k] = counts.get(k, 0) + 1
+            parts.append("+".join(f"{k}x{n}" if n > 1 else k for k, n in counts.items()))
+        return " | ".join(parts)
+
+
+def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4, 512, 128)) -> StageLayout:
+    """Cut ``model.layer_kinds()`` into ``num_stages`` contiguous stages minimising the slowest stage.
+
+    Time is fwd + bwd at ``ref_shape`` (b, E, D). Cut points fall only just before a transformer
+    block (embeddings and the head attach to their neighbouring block), so each stage holds >= 1 block.
+    """
+    kinds = list(model.layer_kinds())
+    blocks = [i for i, k in enumerate(kinds) if k in BLOCK_KINDS]
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > len(blocks):
+        raise ValueError(
+            f"{num_stages} pipeline stages but the model has only {len(blocks)} transformer blocks; "
+            f"use at most {len(blocks)} stages"
+        )
+    b, e, d = ref_shape
+    d = d if "t5_decoder" in kinds else None
+    layer_time = np.array([_time(model.stage_cost([k], b, e, d)) for k in kinds])
+    # Units between cut points: a unit starts at every block except the first (which owns the prefix).
+    starts = [0] + blocks[1:]
+    bounds = starts + [len(kinds)]
+    unit_time = np.array([layer_time[bounds[u] : bounds[u + 1]].sum() for u in range(len(starts))])
+    cuts = _min_max_partition(unit_time, num_stages)
+    stages = tuple(tuple(kinds[bounds[a] : bounds[z]]) for a, z in zip(cuts[:-1], cuts[1:]))
+    return StageLayout(stages)
+
+
+def _time(cost) -> float:
+    return float(cost.fwd_time_s + cost.bwd_time_s)
+
+
+def _min_max_partition(weights: np.ndarray, parts: int) -> list[int]:
+    """Cut points ``0 = c_0 < ... < c_parts = n`` minimising the largest part sum (exact O(parts n^2) DP)."""
+    n = len(weights)
+    prefix = np.concatenate([[0.0], np.cumsum(weights)])
+    best = np.full((parts + 1, n + 1), np.inf)
+    arg = np.zeros((parts + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for p in range(1, parts + 1):
+        for j in range(p, n - (parts - p) + 1):
+            for i in range(p - 1, j):
+                v = max(best[p - 1, i], prefix[j] - prefix[i])
+                if v < best[p, j]:
+                    best[p, j], arg[p, j] = v, i
+    cuts = [n]
+    for p in range(parts, 0, -1):
+        cuts.append(int(arg[p, cuts[-1]]))
+    return cuts[::-1]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage costs of micro-batches: every array is (S, *shape of the queries)."""
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    stored_bytes: np.ndarray
+    peak_bytes: np.ndarray
+    send_bytes: np.ndarray
+    """Activation bytes stage s sends to stage s + 1 (the gradient coming back is the same size)."""
+
+
+@dataclass(frozen=True)
+class StageCostModel:
+    """Per-stage and bottleneck costs of padded micro-batches for one stage layout."""
+
+    model: object
+    """Layer-level cost model (e.g. :class:`~dynabatch.cost.analytic.AnalyticCostModel`)."""
+    layout: StageLayout
+    device_memory_bytes: float
+    """Memory of one device."""
+    optimizer: str = "adam"
+    memory_margin: float = 0.1
+    """Fraction of device memory kept free (allocator fragmentation, workspace)."""
+    model_state_bytes: tuple[float, ...] = field(init=False)
+    """Parameters + gradients + optimizer states of each stage."""
+    memory_budget_bytes: float = field(init=False)
+    """Activation memory left on the tightest stage."""
+
+    def __post_init__(self) -> None:
+        states = tuple(
+            float(self.model.model_state_bytes(sum(self.model.param_count(k) for k in s), optimizer=self.optimizer))
+            for s in self.layout.stages
+        )
+        object.__setattr__(self, "model_state_bytes", states)
+        budget = self.device_memory_bytes * (1 - self.memory_margin) - max(states)
+        if budget <= 0:
+            worst = int(np.argmax(states))
+            raise ValueError(
+                f"stage {worst} needs {states[worst] / 2**30:.1f} GiB for model states alone but a device has "
+                f"{self.device_memory_bytes / 2**30:.1f} GiB ({self.memory_margin:.0%} kept free); use more stages"
+            )
+        object.__setattr__(self, "memory_budget_bytes", float(budget))
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    def per_stage(self, b, E, D) -> StageCosts:
+        b, E, D = (np.asarray(x, dtype=np.float64) for x in (b, E, D))
+        if not any("t5_decoder" in s for s in self.layout.stages):
+            D = None  # decoder-only: E is the sequence length
+        costs = [self.model.stage_cost(list(s), b, E, D) for s in self.layout.stages]
+        sends = [self.model.send_bytes(s[-1], b, E, D) for s in self.layout.stages]
+
+        def stack(values) -> np.ndarray:
+            return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), b.shape) for v in values])
+
+        return StageCosts(
+            fwd_s=stack(c.fwd_time_s for c in costs),
+            bwd_s=stack(c.bwd_time_s for c in costs),
+            stored_bytes=stack(c.stored_activation_bytes for c in costs),
+            peak_bytes=stack(c.peak_extra_bytes for c in costs),
+            send_bytes=stack(sends),
+        )
+
+    def evaluate(self, b, E, D) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages."""
+        c = self.per_stage(b, E, D)
+        return (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0)
