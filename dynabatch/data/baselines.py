@@ -80,16 +80,10 @@ class Batcher:
     def stats(self, batch: GlobalBatch) -> BatchStats:
         """Real and computed tokens of this batching, from lengths alone."""
         groups = self.group(batch)
-        e, d = batch.input_lens, batch.target_lens
         computed = 0
         for g in groups:
-            if self.family == "t5":
-                enc = g.encoder_len or max(sum(e[i] for i in r) for r in g.rows)
-                dec = g.decoder_len or max(sum(d[i] for i in r) for r in g.rows)
-                computed += len(g.rows) * int(enc + dec)
-            else:
-                seq = g.encoder_len or max(sum(e[i] + d[i] for i in r) for r in g.rows)
-                computed += len(g.rows) * int(seq)
+            rows, e, d = group_shape(batch, g, self.family)
+            computed += rows * (e + d)
         return BatchStats(num_micro_batches=len(groups), real_tokens=batch.num_tokens, computed_tokens=computed)
 
     def _sort_key(self, batch: GlobalBatch):
@@ -97,6 +91,17 @@ class Batcher:
         if self.family == "t5":
             return lambda i: (-batch.input_lens[i], -batch.target_lens[i], i)
         return lambda i: (-(batch.input_lens[i] + batch.target_lens[i]), i)
+
+
+def group_shape(batch: GlobalBatch, g: RowGroup, family: str) -> tuple[int, int, int]:
+    """Computed shape ``(rows, E, D)`` of a row group (GPT: ``E`` = row length, ``D`` = 0)."""
+    e, d = batch.input_lens, batch.target_lens
+    if family == "t5":
+        enc = g.encoder_len or max(int(sum(e[i] for i in r)) for r in g.rows)
+        dec = g.decoder_len or max(int(sum(d[i] for i in r)) for r in g.rows)
+        return len(g.rows), int(enc), int(dec)
+    seq = g.encoder_len or max(int(sum(e[i] + d[i] for i in r)) for r in g.rows)
+    return len(g.rows), int(seq), 0
 
 
 def _chunks(indices: list[int], size: int) -> list[RowGroup]:

@@ -1,0 +1,1 @@
+"""Sub-commands that span several layers (plan, simulate); each exposes add_arguments and run."""

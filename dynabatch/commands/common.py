@@ -1,0 +1,62 @@
+"""Arguments shared by ``dynabatch plan`` and ``dynabatch simulate``: workload, model, cluster."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from dynabatch.data.batching import LengthLimits
+from dynabatch.workload import MODEL_FAMILIES, BaselineOptions
+
+DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b"}
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default=None,
+                   help=".npz (input_len, target_len[, task]) or .jsonl lengths file, or a mixture spec (.yaml/.json); "
+                        "default: the built-in mixture")
+    p.add_argument("--model", default="t5", choices=sorted(MODEL_FAMILIES), help="model family")
+    p.add_argument("--preset", default=None,
+                   help="analytic model preset (default: t5-large / gpt-1.3b); see dynabatch.cost.model_specs.PRESETS")
+    p.add_argument("--hardware", default="a100-40gb", help="hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    p.add_argument("--max-input-len", type=int, default=1024, help="T5 encoder limit; GPT sequence limit")
+    p.add_argument("--max-target-len", type=int, default=256, help="T5 decoder limit")
+    p.add_argument("--global-batch-tokens", type=int, default=65_536, help="real tokens per global batch")
+    p.add_argument("--num-batches", type=int, default=8, help="global batches to plan")
+    p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped baseline")
+    p.add_argument("--token-budget-tokens", type=int, default=8192, help="token_budget baseline: padded tokens per micro-batch")
+    p.add_argument("--packing-rows", type=int, default=4, help="packing baseline: rows per micro-batch")
+    p.add_argument("--tokenizer", default="builtin", help="tokenizer for mixture specs")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the shared arguments resolve to."""
+
+    path: str
+    family: str
+    limits: LengthLimits
+    cost_model: object
+    """A StageCostModel over the analytic model (planner and simulator view)."""
+    options: BaselineOptions
+
+
+def resolve(args: argparse.Namespace) -> Workload:
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.data.report import default_mixture_path
+
+    family = MODEL_FAMILIES[args.model]
+    limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
+                          max_seq_len=args.max_input_len)
+    preset = args.preset or DEFAULT_PRESETS["t5" if family == "t5" else "gpt"]
+    model = AnalyticCostModel.from_names(preset, args.hardware)
+    if (model.spec.family == "t5") != (family == "t5"):
+        raise ValueError(f"preset {preset!r} is a {model.spec.family} model but --model is {args.model}")
+    e_ref = min(args.max_input_len, 512)
+    layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))
+    cost = StageCostModel(model, layout, model.hardware.memory_bytes)
+    options = BaselineOptions(args.samples_per_micro_batch, args.token_budget_tokens, args.packing_rows)
+    return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)

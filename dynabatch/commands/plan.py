@@ -1,0 +1,72 @@
+"""``dynabatch plan``: plan global batches with every method and compare them.
+
+Forms global batches by the token budget (over-long samples truncated) from a lengths file or a
+mixture, cuts each with the dynamic planner and with every baseline, prices every micro-batch with
+the same analytic cost model, and prints per method: real tokens, computed tokens, micro-batches,
+predicted step time ``sum(t) + (S - 1) max(t)`` and the method's own wall time per global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from dynabatch.commands.common import add_workload_arguments, resolve
+from dynabatch.workload import METHODS, global_batches, method_micro_batches
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    w = resolve(args)
+    batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
+    stages = w.cost_model.num_stages
+    rows = {}
+    for method in METHODS:
+        real = computed = micro = 0
+        step_times, wall = [], []
+        for batch in batches:
+            plan = method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options)
+            t, _, _ = w.cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2])
+            step_times.append(float(t.sum() + (stages - 1) * t.max()))
+            real += plan.real_tokens
+            computed += plan.computed_tokens
+            micro += plan.num_micro_batches
+            wall.append(plan.plan_time_s)
+        rows[method] = {
+            "real_tokens": real,
+            "computed_tokens": computed,
+            "efficiency": real / computed,
+            "micro_batches": micro,
+            "predicted_step_s": float(np.mean(step_times)),
+            "plan_wall_ms_median": 1e3 * float(np.median(wall)),
+            "plan_wall_ms_max": 1e3 * float(np.max(wall)),
+        }
+    best_baseline = min(v["predicted_step_s"] for k, v in rows.items() if k != "dynamic")
+    summary = {
+        "workload": w.path,
+        "model": args.model,
+        "layout": w.cost_model.layout.describe(),
+        "stages": stages,
+        "global_batches": len(batches),
+        "samples": sum(len(b) for b in batches),
+        "truncated": sum(b.num_truncated for b in batches),
+        "methods": rows,
+        "dynamic_speedup_vs_best_baseline": best_baseline / rows["dynamic"]["predicted_step_s"],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
+          f"{stages} stages: {summary['layout']}")
+    print(f"{'method':<15} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'plan ms p50/max':>16}")
+    for method, r in rows.items():
+        print(f"{method:<15} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "
+              f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} "
+              f"{r['plan_wall_ms_median']:>7.1f}/{r['plan_wall_ms_max']:<8.1f}")
+    print(f"dynamic vs best baseline (predicted step time): {summary['dynamic_speedup_vs_best_baseline']:.2f}x")
+    return 0

@@ -1,0 +1,206 @@
+"""Workloads for planning, simulation and benchmarks: global batches from lengths or mixtures, and
+the micro-batches every batching method makes of them.
+
+A workload is a stream of samples known by their lengths only (a ``.npz`` with integer arrays
+``input_len``/``target_len`` and optional ``task``; a ``.jsonl`` with those fields; or a mixture spec,
+tokenized). :func:`global_batches` cuts it into token-budget global batches with the same length
+limits and truncation as training (:mod:`dynabatch.data.batching`). :func:`method_micro_batches`
+then applies one method (``dynamic``, the planner, or a baseline) and returns the padded/packed
+shapes ``(rows, E, D)`` the model would compute on, with real and computed token counts, so that
+every method is priced by the same cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
+from dynabatch.data.batching import LengthLimits, truncate_sample
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
+
+METHODS = ("dynamic", "padding", "length_grouped", "token_budget", "packing")
+MODEL_FAMILIES = {"t5": "t5", "gpt": "gpt2", "gpt2": "gpt2"}
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Sample lengths of a workload, in stream order."""
+
+    input_len: np.ndarray
+    target_len: np.ndarray
+    task: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.input_len.shape != self.target_len.shape or self.input_len.ndim != 1:
+            raise ValueError(f"input_len {self.input_len.shape} and target_len {self.target_len.shape} must be equal 1-D")
+        if len(self.input_len) == 0:
+            raise ValueError("the lengths file holds no samples")
+        if (self.input_len < 0).any() or (self.target_len < 1).any():
+            bad = int(np.flatnonzero((self.input_len < 0) | (self.target_len < 1))[0])
+            raise ValueError(
+                f"sample {bad} has input_len {self.input_len[bad]} and target_len {self.target_len[bad]}; "
+                "input lengths must be >= 0 and target lengths >= 1"
+            )
+
+
+def load_lengths(path: str) -> Lengths:
+    """Read a ``.npz`` (arrays ``input_len``, ``target_len``[, ``task``]) or ``.jsonl`` lengths file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"lengths file {path!r} not found")
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as f:
+            missing = {"input_len", "target_len"} - set(f.files)
+            if missing:
+                raise ValueError(f"{path}: missing arrays {sorted(missing)}; found {f.files}")
+            task = f["task"] if "task" in f.files else None
+            return Lengths(f["input_len"].astype(np.int64), f["target_len"].astype(np.int64), task)
+    if path.endswith(".jsonl"):
+        inputs, targets, tasks = [], [], []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    inputs.append(int(row["input_len"]))
+                    targets.append(int(row["target_len"]))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}, line {line_no}: need integer fields input_len and target_len ({e})") from e
+                tasks.append(str(row.get("task", "")))
+        return Lengths(np.array(inputs, dtype=np.int64), np.array(targets, dtype=np.int64), np.array(tasks))
+    raise ValueError(f"{path}: lengths files are .npz or .jsonl (mixture specs are .yaml/.json)")
+
+
+def is_mixture_spec(path: str) -> bool:
+    return path.endswith((".yaml", ".yml", ".json"))
+
+
+def global_batches(
+    path: str,
+    family: str,
+    limits: LengthLimits,
+    token_budget: int,
+    num_batches: int,
+    tokenizer: str = "builtin",
+) -> list[GlobalBatch]:
+    """The first ``num_batches`` global batches of a lengths file or a mixture spec.
+
+    Lengths files are read in file order; over-long samples are truncated (counted in the batches).
+    Samples carry zero token ids of the right lengths: only their lengths matter here.
+    """
+    from dynabatch.data.batching import GlobalBatcher
+
+    if is_mixture_spec(path):
+        from dynabatch.data.mixture import MixtureSpec
+        from dynabatch.data.pipeline import MixtureData
+        from dynabatch.data.tokenize import load_tokenizer
+
+        data = MixtureData.load(MixtureSpec.from_file(path), load_tokenizer(tokenizer), family)
+        batcher = GlobalBatcher(data, limits, token_budget=token_budget)
+        return [batcher.next_batch() for _ in range(num_batches)]
+    lengths = load_lengths(path)
+    if token_budget < limits.max_tokens:
+        raise ValueError(f"global batch of {token_budget} tokens cannot hold one maximal sample ({limits.max_tokens})")
+    batches: list[GlobalBatch] = []
+    current: list[TokenizedSample] = []
+    total = truncated = 0
+    for i in range(len(lengths.input_len)):
+        e, d = int(lengths.input_len[i]), int(lengths.target_len[i])
+        task = str(lengths.task[i]) if lengths.task is not None else ""
+        sample = TokenizedSample(task, np.zeros(e, np.int32), np.zeros(d, np.int32), 0, i)
+        over = limits.is_overlong(e, d)
+        if over:
+            sample = truncate_sample(sample, limits, eos=-1)
+        if current and total + sample.num_tokens > token_budget:
+            batches.append(GlobalBatch(step=len(batches), samples=tuple(current), num_truncated=truncated))
+            current, total, truncated = [], 0, 0
+            if len(batches) == num_batches:
+                return batches
+        current.append(sample)
+        total += sample.num_tokens
+        truncated += over
+    if current and len(batches) < num_batches:
+        batches.append(GlobalBatch(step=len(batches), samples=tuple(current), num_truncated=truncated))
+    return batches
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """The micro-batches one method makes of one global batch."""
+
+    method: str
+    groups: tuple[RowGroup, ...]
+    shapes: np.ndarray
+    """(M, 3) int64 computed shape ``(rows, E, D)`` of each micro-batch (GPT: ``D`` = 0)."""
+    real_tokens: int
+    plan_time_s: float
+    """Wall time the method took to decide (the planner's own cost)."""
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.groups)
+
+    @property
+    def computed_tokens(self) -> int:
+        return int((self.shapes[:, 0] * (self.shapes[:, 1] + self.shapes[:, 2])).sum())
+
+    @property
+    def efficiency(self) -> float:
+        return self.real_tokens / self.computed_tokens
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Micro-batch sizes of the baselines (what a user would tune)."""
+
+    samples_per_micro_batch: int = 8
+    token_budget_tokens: int = 8192
+    packing_rows: int = 4
+
+
+def method_micro_batches(
+    method: str,
+    batch: GlobalBatch,
+    limits: LengthLimits,
+    cost_model=None,
+    num_stages: int = 1,
+    options: BaselineOptions = BaselineOptions(),
+    **planner_options,
+) -> MethodPlan:
+    """Apply ``method`` to ``batch``. ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    family = limits.family
+    start = time.perf_counter()
+    if method == "dynamic":
+        from dynabatch.plan.partition import plan_partition
+
+        if cost_model is None:
+            raise ValueError("method 'dynamic' needs a cost model")
+        plan = plan_partition(batch.input_lens, batch.target_lens, cost_model, num_stages, family=family, **planner_options)
+        groups = tuple(plan.to_row_groups())
+    else:
+        kwargs = {
+            "padding": {"samples_per_micro_batch": options.samples_per_micro_batch},
+            "length_grouped": {"samples_per_micro_batch": options.samples_per_micro_batch},
+            "token_budget": {"max_tokens": max(options.token_budget_tokens, limits.max_tokens)},
+            "packing": {"rows_per_micro_batch": options.packing_rows},
+        }[method]
+        groups = tuple(make_batcher(method, limits, _NO_TOKENS, **kwargs).group(batch))
+    elapsed = time.perf_counter() - start
+    shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)
+    return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed)
+
+
+def _tokens():
+    from dynabatch.data.tokenize import TokenizerInfo
+
+    return TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)
+
+
+_NO_TOKENS = _tokens()
