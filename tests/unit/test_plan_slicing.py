@@ -1,0 +1,352 @@
+"""Token-slicing DP: optimal vs brute force, kernels vs pure-Python twins, memory, cost models, decisions."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.plan import _slicing_kernels as K
+from dynabatch.plan.slicing import (
+    MAX_GRID_POINTS,
+    AnalyticSliceCostModel,
+    PolynomialSliceCostModel,
+    SliceCostModel,
+    SlicePlan,
+    causal_pairs,
+    plan_slices,
+    slice_long_samples,
+)
+from reference import slicing_reference as ref  # tests/ is on sys.path via its conftest.py
+
+# Small-number model where slicing, its overhead and the memory limit all matter for L <= 12.
+TOY = dict(
+    overhead_s=1.0,
+    time_per_token_s=0.5,
+    time_per_pair_s=0.07,
+    stored_per_token_bytes=10.0,
+    stored_per_pair_bytes=3.0,
+    peak_per_token_bytes=4.0,
+    peak_per_pair_bytes=2.0,
+    peak_per_context_token_bytes=1.0,
+)
+
+
+def toy(budget=1e18, **changes) -> PolynomialSliceCostModel:
+    return PolynomialSliceCostModel(memory_budget_bytes=budget, **{**TOY, **changes})
+
+
+def whole_memory(cost, length, b=1):
+    _, stored, peak = ref.slice_cost(cost, b, length, 0)
+    return stored + peak
+
+
+def random_matrix(rng, n, integer_times, infeasible=0.2):
+    """(n + 1, n + 1) slice times indexed [end, start], inf above the diagonal and at random cells."""
+    T = np.full((n + 1, n + 1), np.inf)
+    ends, starts = np.tril_indices(n + 1, k=-1)
+    vals = rng.integers(1, 9, ends.size).astype(float) if integer_times else rng.random(ends.size) + 0.1
+    vals[rng.random(ends.size) < infeasible] = np.inf
+    T[ends, starts] = vals
+    return T
+
+
+def check_plan(plan: SlicePlan, cost, reserved=0.0):
+    """Slices cover [0, L) on the grid; times and memory match the cost model; objective adds up."""
+    x = plan.boundaries
+    assert x[0] == 0 and x[-1] == plan.length and np.all(np.diff(x) > 0)
+    assert np.all(x[:-1] % plan.granularity == 0)
+    assert plan.slice_lengths.sum() == plan.length and plan.contexts.tolist() == x[:-1].tolist()
+    b = np.full(plan.num_slices, plan.batch_size)
+    t, stored, peak = cost.evaluate(b, plan.slice_lengths, plan.contexts)
+    np.testing.assert_allclose(plan.times_s, t, rtol=1e-12)
+    np.testing.assert_allclose(plan.stored_bytes, stored, rtol=1e-12)
+    prefix = [ref.slice_cost(cost, plan.batch_size, int(c), 0)[1] if c else 0.0 for c in plan.contexts]
+    np.testing.assert_allclose(plan.memory_bound_bytes, np.array(prefix) + stored + peak + reserved, rtol=1e-12)
+    assert np.all(plan.memory_bound_bytes <= cost.memory_budget_bytes)
+    total = float(np.cumsum(plan.times_s)[-1])
+    assert plan.objective_s == pytest.approx(total + (plan.num_stages - 1) * plan.times_s.max(), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- kernels vs twins
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solve_slices_kernel_matches_twin(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 14))
+    T = random_matrix(rng, n, integer_times=seed % 2 == 0, infeasible=0.0 if seed < 2 else 0.3)
+    for num_stages, tol, max_slices in itertools.product((1, 2, 4, 8), (0.0, 0.05, 0.5), (n, 1, 2, 4)):
+        path, obj, tried = K._solve_slices(T, num_stages, tol, max_slices)
+        ref_path, ref_obj, ref_tried = ref.solve_slices(T, num_stages, tol, max_slices)
+        assert path.tolist() == ref_path
+        assert obj == ref_obj and tried == ref_tried
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_kernels_match_twins(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 12))
+    T = random_matrix(rng, n, integer_times=True)
+    rows = T.tolist()
+    for max_slices in (n, 1, 3):
+        assert K._min_max_value(T, max_slices) == ref.min_max_value(rows, max_slices)
+        for cap in (np.inf, 4.0, 7.0):
+            s, m, path = K._min_sum_path(T, cap, max_slices)
+            assert (s, m, path.tolist()) == ref.min_sum_path(rows, cap, max_slices)
+    for tol in (0.0, 0.1, 1.0):
+        assert K._cap_candidates(T, 2.0, 7.0, tol).tolist() == ref.cap_candidates(rows, 2.0, 7.0, tol)
+
+
+# --------------------------------------------------------------------------- plan_slices vs brute force
+
+
+@pytest.mark.parametrize("granularity", [1, 3])
+@pytest.mark.parametrize("limited", [False, True])
+def test_plan_is_optimal_over_all_boundary_sets(granularity, limited):
+    rng = np.random.default_rng([granularity, int(limited)])
+    for trial in range(8):
+        length = int(rng.integers(1, 13))
+        num_stages = int(rng.choice([1, 2, 4, 8]))
+        batch_size = int(rng.integers(1, 3))
+        cost = toy(time_per_pair_s=float(rng.choice([0.02, 0.07, 0.3])))
+        max_slices, reserved = None, 0.0
+        if limited:  # a budget the whole sequence breaks, some reserved memory, sometimes a slice cap
+            reserved = 5.0
+            budget = 0.8 * whole_memory(cost, length, batch_size) + reserved
+            cost = toy(budget=budget, time_per_pair_s=cost.time_per_pair_s)
+            max_slices = int(rng.integers(2, 6)) if trial % 2 else None
+        want, bounds = ref.brute_force_slices(length, cost, num_stages, batch_size, granularity, max_slices, reserved)
+        if want == np.inf:
+            with pytest.raises(ValueError, match=f"length {length}"):
+                plan_slices(length, cost, num_stages, batch_size=batch_size, granularity=granularity,
+                            max_slices=max_slices, reserved_bytes=reserved)
+            continue
+        plan = plan_slices(length, cost, num_stages, batch_size=batch_size, granularity=granularity,
+                           max_slices=max_slices, reserved_bytes=reserved)
+        assert plan.objective_s == pytest.approx(want, rel=1e-12), (trial, length, bounds, plan.boundaries)
+        check_plan(plan, cost, reserved)
+        if max_slices is not None:
+            assert plan.num_slices <= max_slices
+        if limited and length >= 2 * granularity:
+            assert plan.unsliced_objective_s == np.inf
+
+
+def test_brute_force_cases_exercise_slicing_and_memory():
+    """The toy model really slices at L = 12 and the tight budget really binds."""
+    free = plan_slices(12, toy(), 4)
+    assert free.num_slices > 2 and free.objective_s < free.unsliced_objective_s
+    budget = 0.8 * whole_memory(toy(), 12)
+    tight = plan_slices(12, toy(budget=budget), 1)
+    assert tight.num_slices > 1 and tight.unsliced_objective_s == np.inf
+
+
+# --------------------------------------------------------------------------- realistic behaviour
+
+
+def test_long_sequence_on_four_stages_is_sliced():
+    cost = PolynomialSliceCostModel()
+    plan = plan_slices(4096, cost, 4, granularity=64)
+    check_plan(plan, cost)
+    assert plan.num_slices >= 4
+    assert plan.objective_s < 0.6 * plan.unsliced_objective_s and plan.speedup > 1.6
+    # later slices see more context, so they are not longer than earlier ones (up to the grid)
+    assert plan.slice_lengths[-1] <= plan.slice_lengths[0]
+    one_stage = plan_slices(4096, cost, 1, granularity=64)
+    assert one_stage.num_slices == 1 and one_stage.objective_s == one_stage.unsliced_objective_s
+
+
+def test_sequence_too_big_to_fit_whole_is_sliced_to_fit():
+    base = PolynomialSliceCostModel()
+    _, stored, peak = ref.slice_cost(base, 1, 8192, 0)
+    cost = PolynomialSliceCostModel(memory_budget_bytes=stored + 0.3 * peak)
+    plan = plan_slices(8192, cost, 4, granularity=128)
+    check_plan(plan, cost)
+    assert plan.unsliced_objective_s == np.inf and plan.speedup == np.inf
+    assert plan.num_slices > 1
+    capped = plan_slices(8192, cost, 4, granularity=128, max_slices=3)
+    check_plan(capped, cost)
+    assert capped.num_slices <= 3 and capped.objective_s >= plan.objective_s
+
+
+def test_impossible_budget_raises_naming_length_and_budget():
+    base = PolynomialSliceCostModel()
+    first = whole_memory(base, 64)
+    cost = PolynomialSliceCostModel(memory_budget_bytes=0.5 * first)  # not even 64 tokens at context 0
+    with pytest.raises(ValueError, match=r"length 4096 .*budget of .* GiB.*past token 0"):
+        plan_slices(4096, cost, 4, granularity=64)
+    _, stored, _ = ref.slice_cost(base, 1, 4096, 0)
+    cost = PolynomialSliceCostModel(memory_budget_bytes=0.9 * stored)  # the last tokens never fit
+    with pytest.raises(ValueError, match=r"length 4096 .*no slice reaches past token [1-9]"):
+        plan_slices(4096, cost, 4, granularity=64)
+    fits_sliced = PolynomialSliceCostModel(memory_budget_bytes=stored + 0.3 * ref.slice_cost(base, 1, 4096, 0)[2])
+    with pytest.raises(ValueError, match="max_slices=1"):
+        plan_slices(4096, fits_sliced, 4, granularity=64, max_slices=1)
+
+
+def test_reserved_memory_tightens_the_plan():
+    cost = PolynomialSliceCostModel()
+    _, stored, peak = ref.slice_cost(cost, 2, 4096, 0)
+    free = plan_slices(4096, cost, 2, batch_size=2, granularity=256)
+    reserved = cost.memory_budget_bytes - stored - 0.3 * peak
+    tight = plan_slices(4096, cost, 2, batch_size=2, granularity=256, reserved_bytes=reserved)
+    check_plan(tight, cost, reserved)
+    assert tight.unsliced_objective_s == np.inf and tight.objective_s >= free.objective_s
+
+
+def test_tolerance_trades_exactness_for_fewer_caps():
+    cost = PolynomialSliceCostModel()
+    exact = plan_slices(4096, cost, 8, granularity=32)
+    for tol in (0.01, 0.1):
+        approx = plan_slices(4096, cost, 8, granularity=32, cap_tolerance=tol)
+        assert exact.objective_s <= approx.objective_s <= exact.objective_s + tol * 7 * exact.times_s.max() + 1e-12
+        assert approx.num_cap_candidates_tried <= exact.num_cap_candidates_tried
+
+
+def test_granularity_grid_and_short_tail():
+    cost = PolynomialSliceCostModel()
+    plan = plan_slices(1000, cost, 8, granularity=96)
+    check_plan(plan, cost)
+    assert set(plan.boundaries[1:-1].tolist()) <= set(range(96, 1000, 96))
+    single = plan_slices(50, cost, 4, granularity=64)  # granularity above the length: one slice
+    assert single.boundaries.tolist() == [0, 50] and single.objective_s == single.unsliced_objective_s
+
+
+def test_deterministic():
+    cost = PolynomialSliceCostModel()
+    a = plan_slices(3000, cost, 4, granularity=16, cap_tolerance=0.01)
+    b = plan_slices(3000, cost, 4, granularity=16, cap_tolerance=0.01)
+    assert a.boundaries.tolist() == b.boundaries.tolist() and a.objective_s == b.objective_s
+    assert a.num_cap_candidates_tried == b.num_cap_candidates_tried
+
+
+# --------------------------------------------------------------------------- cost models
+
+
+def test_polynomial_model_contract():
+    cost = PolynomialSliceCostModel()
+    assert isinstance(cost, SliceCostModel)
+    bounds = np.array([0, 100, 350, 1024])
+    s, c = np.diff(bounds), bounds[:-1]
+    assert causal_pairs(s, c).sum() == 1024 * 1025 / 2  # causal pairs telescope
+    t, stored, _ = cost.evaluate(np.ones(3, dtype=np.int64), s, c)
+    t0, stored0, _ = cost.evaluate(np.array([1]), np.array([1024]), np.array([0]))
+    assert stored.sum() == pytest.approx(stored0[0], rel=1e-12)  # prefix bound is exact here
+    assert t.sum() == pytest.approx(t0[0] + 2 * cost.overhead_s, rel=1e-12)
+    with pytest.raises(ValueError, match="overhead_s"):
+        PolynomialSliceCostModel(overhead_s=-1.0)
+
+
+GPT = AnalyticCostModel.from_names("gpt-350m", "a100-80gb")
+STAGE = ("embedding", "gpt", "gpt", "lm_head")
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"flash_attention": True}, {"recompute": True}, {"dropout": False, "flash_attention": True}]
+)
+@pytest.mark.parametrize("attention", ["dense", "causal"])
+def test_analytic_slice_at_zero_context_is_the_unsliced_stage(options, attention):
+    model = AnalyticCostModel(GPT.spec, GPT.hardware, **options)
+    sliced = AnalyticSliceCostModel(model, STAGE, 40 * 2**30, attention=attention)
+    b, s = np.array([1, 2, 4, 3]), np.array([1, 100, 700, 2048])
+    t, stored, peak = sliced.evaluate(b, s, np.zeros_like(s))
+    whole = model.stage_cost(list(STAGE), b, s)
+    np.testing.assert_allclose(t, whole.fwd_time_s + whole.bwd_time_s, rtol=1e-12)
+    np.testing.assert_allclose(stored, whole.stored_activation_bytes, rtol=1e-12)
+    np.testing.assert_allclose(peak, whole.peak_extra_bytes, rtol=1e-12)
+    np.testing.assert_allclose(sliced.fwd_flops(b, s, 0 * s), whole.fwd_flops, rtol=1e-12)
+    # more context never costs less
+    more = sliced.evaluate(b, s, s)
+    assert all(np.all(x >= y) for x, y in zip(more, (t, stored, peak)))
+
+
+def test_analytic_slices_add_up_to_the_unsliced_flops():
+    bounds = np.array([0, 300, 800, 1200, 1500, 2048])
+    s, c, b = np.diff(bounds), bounds[:-1], np.ones(5, dtype=np.int64)
+    L, spec = 2048, GPT.spec
+    whole = GPT.stage_cost(list(STAGE), 1, L).fwd_flops
+    causal = AnalyticSliceCostModel(GPT, STAGE, 40 * 2**30, attention="causal")
+    assert causal.fwd_flops(b, s, c).sum() == pytest.approx(whole, rel=1e-12)
+    dense = AnalyticSliceCostModel(GPT, STAGE, 40 * 2**30)
+    skipped = 2 * 4 * spec.num_heads * spec.d_kv * (L * L - (s * (c + s)).sum())  # 2 blocks, masked blocks
+    assert dense.fwd_flops(b, s, c).sum() == pytest.approx(whole - skipped, rel=1e-12)
+    assert skipped > 0
+    # stored activations: exact for the causal share, an over-estimate of the prefix for dense
+    _, st_causal, _ = causal.evaluate(b, s, c)
+    _, st_whole, _ = causal.evaluate(1, L, 0)
+    assert st_causal.sum() == pytest.approx(float(st_whole), rel=1e-12)
+    _, st_dense, _ = dense.evaluate(b, s, c)
+    assert st_dense.sum() < float(st_whole)
+
+
+def test_analytic_adapter_validates_and_plans():
+    with pytest.raises(ValueError, match="decoder-only"):
+        AnalyticSliceCostModel(AnalyticCostModel.from_names("t5-base", "a100-80gb"), ("t5_encoder",), 1e9)
+    with pytest.raises(ValueError, match="valid kinds"):
+        AnalyticSliceCostModel(GPT, ("gpt", "t5_decoder"), 1e9)
+    with pytest.raises(ValueError, match="attention"):
+        AnalyticSliceCostModel(GPT, ("gpt",), 1e9, attention="flash")
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+
+    stages = StageCostModel(GPT, balanced_layout(GPT, 4), GPT.hardware.memory_bytes)
+    cost = AnalyticSliceCostModel.from_stage_model(stages)
+    assert cost.memory_budget_bytes == stages.memory_budget_bytes and "gpt" in cost.stage_kinds
+    plan = plan_slices(2048, cost, 4, granularity=64)
+    check_plan(plan, cost)
+    assert plan.num_slices > 2 and plan.speedup > 1.5
+
+
+# --------------------------------------------------------------------------- decisions and errors
+
+
+def test_slice_long_samples_picks_bubble_and_memory_samples():
+    base = PolynomialSliceCostModel()
+    lengths = np.array([200] * 40 + [6000, 300, 9000, 6000])
+    _, stored, peak = ref.slice_cost(base, 1, 9000, 0)
+    cost = PolynomialSliceCostModel(memory_budget_bytes=stored + 0.5 * peak)  # 9000 does not fit whole
+    decision = slice_long_samples(lengths, cost, 4, granularity=64)
+    assert decision.sample_indices.tolist() == [40, 42, 43]
+    assert decision.reasons == ("bubble", "memory", "bubble")
+    assert decision.plan_of(40) is decision.plan_of(43) and decision.plan_of(0) is None
+    assert decision.plan_of(42).unsliced_objective_s == np.inf
+    for i, plan in zip(decision.sample_indices, decision.plans):
+        assert plan.length == lengths[i] and plan.num_slices > 1
+    # one stage: no bubble to fight, only the sample that does not fit is sliced
+    assert slice_long_samples(lengths, cost, 1, granularity=64).reasons == ("memory",)
+    # a large step estimate makes every bubble small
+    big = slice_long_samples(lengths, cost, 4, granularity=64, step_time_s=100.0)
+    assert big.sample_indices.tolist() == [42]
+    with pytest.raises(ValueError, match="sample 1: sequence of length 9000"):
+        slice_long_samples([100, 9000], PolynomialSliceCostModel(memory_budget_bytes=0.9 * stored), 4, granularity=64)
+
+
+class _BadCost:
+    memory_budget_bytes = 1e9
+
+    def evaluate(self, b, s, c):
+        return np.full(s.shape, np.nan), np.zeros(s.shape), np.zeros(s.shape)
+
+
+def test_argument_errors():
+    cost = PolynomialSliceCostModel()
+    for kwargs, match in [
+        ({"length": 0}, "length"),
+        ({"num_stages": 0}, "num_stages"),
+        ({"batch_size": 1.5}, "batch_size"),
+        ({"granularity": 0}, "granularity"),
+        ({"max_slices": 0}, "max_slices"),
+        ({"cap_tolerance": -0.1}, "cap_tolerance"),
+        ({"reserved_bytes": np.inf}, "reserved_bytes"),
+        ({"length": MAX_GRID_POINTS * 4 + 1, "granularity": 4}, "MAX_GRID_POINTS"),
+    ]:
+        args = {"length": 100, "num_stages": 4, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            plan_slices(args.pop("length"), cost, args.pop("num_stages"), **args)
+    with pytest.raises(ValueError, match="time_s must be finite"):
+        plan_slices(10, _BadCost(), 2)
+    with pytest.raises(ValueError, match="lengths"):
+        slice_long_samples([], cost, 4)
+    with pytest.raises(ValueError, match="bubble_fraction"):
+        slice_long_samples([10], cost, 4, bubble_fraction=0)
