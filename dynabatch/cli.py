@@ -1,13 +1,15 @@
 """The ``dynabatch`` command: one sub-command per module.
 
 Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; modules are
-imported lazily so ``dynabatch --help`` stays fast.
+imported lazily so ``dynabatch --help`` stays fast. Bad user input (``ValueError``,
+``FileNotFoundError``) prints one clear line and exits 2; set ``DYNABATCH_DEBUG=1`` for the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,7 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # user input: a message, not a traceback
+        if os.environ.get("DYNABATCH_DEBUG"):
+            raise
+        print(f"dynabatch {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

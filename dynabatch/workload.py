@@ -140,6 +140,10 @@ class MethodPlan:
     real_tokens: int
     plan_time_s: float
     """Wall time the method took to decide (the planner's own cost)."""
+    predicted_times_s: np.ndarray | None = None
+    """(M,) bottleneck-stage times from the planner (``dynamic`` only; slices priced with their context)."""
+    num_sliced_samples: int = 0
+    """Samples the planner cut into token slices (``dynamic`` with slicing)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -170,20 +174,29 @@ def method_micro_batches(
     cost_model=None,
     num_stages: int = 1,
     options: BaselineOptions = BaselineOptions(),
+    slice_cost_model=None,
     **planner_options,
 ) -> MethodPlan:
-    """Apply ``method`` to ``batch``. ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel)."""
+    """Apply ``method`` to ``batch``. ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel) and runs
+    :func:`~dynabatch.plan.step.plan_step` (token slicing when ``slice_cost_model`` is given)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     family = limits.family
     start = time.perf_counter()
     if method == "dynamic":
-        from dynabatch.plan.partition import plan_partition
+        from dynabatch.plan.step import plan_step
 
         if cost_model is None:
             raise ValueError("method 'dynamic' needs a cost model")
-        plan = plan_partition(batch.input_lens, batch.target_lens, cost_model, num_stages, family=family, **planner_options)
-        groups = tuple(plan.to_row_groups())
+        step = plan_step(batch.input_lens, batch.target_lens, cost_model, num_stages, family=family,
+                         slice_cost_model=slice_cost_model, **planner_options)
+        pieces = step.replicas[0]
+        elapsed = time.perf_counter() - start
+        groups = tuple(RowGroup(rows=tuple((i,) for i in p.sample_ids), encoder_len=p.shape[1],
+                                decoder_len=p.shape[2] if family == "t5" else None) for p in pieces)
+        shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
+        times = np.array([p.time_s for p in pieces])
+        return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples))
     else:
         kwargs = {
             "padding": {"samples_per_micro_batch": options.samples_per_micro_batch},

@@ -19,19 +19,39 @@ from dynabatch.workload import METHODS, global_batches, method_micro_batches
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
+    p.add_argument("--slice-long", action="store_true",
+                   help="GPT: cut samples that dominate the bubble or do not fit memory into token slices (TeraPipe)")
 
 
 def run(args: argparse.Namespace) -> int:
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     stages = w.cost_model.num_stages
+    slice_model = None
+    if args.slice_long:
+        if w.family != "gpt2":
+            raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
+        from dynabatch.plan.slicing import AnalyticSliceCostModel
+
+        slice_model = AnalyticSliceCostModel.from_stage_model(w.cost_model)
     rows = {}
+    try:
+        _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options, slice_cost_model=slice_model)
+             for b in batches[:1]]
+    except ValueError as e:
+        hint = " (or pass --slice-long to cut such samples into token slices)" if w.family == "gpt2" and not args.slice_long else ""
+        raise ValueError(f"{e}{hint}") from e
     for method in METHODS:
-        real = computed = micro = 0
+        real = computed = micro = sliced = 0
         step_times, wall = [], []
         for batch in batches:
-            plan = method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options)
-            t, _, _ = w.cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2])
+            plan = method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options,
+                                        slice_cost_model=slice_model if method == "dynamic" else None)
+            if plan.predicted_times_s is not None:
+                t = plan.predicted_times_s
+            else:
+                t, _, _ = w.cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2])
+            sliced += plan.num_sliced_samples
             step_times.append(float(t.sum() + (stages - 1) * t.max()))
             real += plan.real_tokens
             computed += plan.computed_tokens
@@ -42,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             "computed_tokens": computed,
             "efficiency": real / computed,
             "micro_batches": micro,
+            "sliced_samples": sliced,
             "predicted_step_s": float(np.mean(step_times)),
             "plan_wall_ms_median": 1e3 * float(np.median(wall)),
             "plan_wall_ms_max": 1e3 * float(np.max(wall)),

@@ -1,0 +1,140 @@
+"""One step's whole plan: token slicing for long decoder-only samples, the partition DP for the
+rest, and the split over data-parallel replicas.
+
+``plan_step`` is what the trainer calls for every global batch:
+
+1. Decoder-only models with a slice cost model: :func:`~dynabatch.plan.slicing.slice_long_samples`
+   picks the samples that do not fit in memory whole, or whose single-sample time would dominate
+   the pipeline bubble, and plans their token slices (TeraPipe). A sliced sample becomes a chain of
+   *pieces* ``(sample, token range)`` that must run in order on one pipeline.
+2. The remaining samples are cut into micro-batches by the partition DP, split over replicas
+   (:func:`~dynabatch.plan.replicas.plan_replicas`; ``R = 1`` is plain ``plan_partition``).
+3. Each sliced sample goes, whole, to the replica with the smallest predicted time (longest first).
+   Every replica's micro-batches are finally put in fill/drain order (small ones at the ends).
+
+The result lists, per replica, :class:`Piece` objects: a micro-batch of whole samples, or one token
+slice of one sample, with its padded shape and predicted bottleneck-stage time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynabatch.plan.costs import MicroBatchCostModel
+from dynabatch.plan.order import check_lengths
+from dynabatch.plan.replicas import plan_replicas
+from dynabatch.plan.rowpack import order_for_fill_drain
+from dynabatch.plan.slicing import SliceCostModel, slice_long_samples
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A unit of pipeline work: whole samples padded together, or one token slice of one sample."""
+
+    sample_ids: tuple[int, ...]
+    """Global-batch indices of the samples (one for a slice)."""
+    shape: tuple[int, int, int]
+    """Padded ``(b, E, D)``; for a slice ``(1, slice length, 0)``."""
+    time_s: float
+    """Predicted bottleneck-stage forward + backward time."""
+    token_range: tuple[int, int] | None = None
+    """For a slice: tokens ``[start, end)`` of the sample (``start`` is its context length)."""
+
+    @property
+    def is_slice(self) -> bool:
+        return self.token_range is not None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Per replica, the pieces of one global batch in execution order."""
+
+    family: str
+    num_stages: int
+    replicas: tuple[tuple[Piece, ...], ...]
+    sliced_samples: tuple[int, ...]
+    """Samples that run token-sliced."""
+
+    @property
+    def times_s(self) -> np.ndarray:
+        """Predicted step time of each replica: ``sum(t) + (S - 1) max(t)``."""
+        out = []
+        for pieces in self.replicas:
+            t = np.array([p.time_s for p in pieces]) if pieces else np.zeros(1)
+            out.append(t.sum() + (self.num_stages - 1) * t.max())
+        return np.array(out)
+
+    @property
+    def objective_s(self) -> float:
+        return float(self.times_s.max())
+
+    def samples_of(self, replica: int) -> list[int]:
+        return sorted({i for p in self.replicas[replica] for i in p.sample_ids})
+
+
+def plan_step(
+    input_lens,
+    target_lens,
+    cost_model: MicroBatchCostModel,
+    num_stages: int,
+    *,
+    family: str,
+    num_replicas: int = 1,
+    slice_cost_model: SliceCostModel | None = None,
+    slice_granularity: int = 16,
+    bubble_fraction: float = 0.1,
+    fill_drain_order: bool = True,
+    **partition_options,
+) -> StepPlan:
+    """Plan one global batch end to end (see the module docstring)."""
+    e, d = check_lengths(input_lens, target_lens)
+    n = len(e)
+    if num_replicas < 1 or n < num_replicas:
+        raise ValueError(f"need 1 <= num_replicas <= number of samples, got {num_replicas} replicas for {n} samples")
+    sliced: list[tuple[int, list[Piece]]] = []
+    keep = np.arange(n)
+    if slice_cost_model is not None:
+        if family != "gpt2":
+            raise ValueError(f"token slicing needs a decoder-only model (family 'gpt2'), got {family!r}")
+        decision = slice_long_samples(
+            e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity
+        )
+        for i, plan in zip(decision.sample_indices.tolist(), decision.plans):
+            bounds = plan.boundaries.tolist()
+            sliced.append(
+                (i, [Piece((i,), (1, hi - lo, 0), float(t), (lo, hi)) for lo, hi, t in zip(bounds[:-1], bounds[1:], plan.times_s)])
+            )
+        keep = np.setdiff1d(keep, decision.sample_indices)
+        if len(keep) < num_replicas:
+            raise ValueError(f"only {len(keep)} unsliced samples for {num_replicas} replicas; lower the replica count")
+    replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
+    if len(keep):
+        rp = plan_replicas(e[keep], d[keep], cost_model, num_stages, num_replicas, family=family, **partition_options)
+        for r, part in enumerate(rp.replicas):
+            for ids, shape, t in zip(part.micro_batches, part.shapes.tolist(), part.times_s.tolist()):
+                replica_pieces[r].append(Piece(tuple(int(keep[i]) for i in ids), tuple(shape), float(t)))
+    # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
+    for i, pieces in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
+        loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]
+        replica_pieces[int(np.argmin(loads))].extend(pieces)
+    if fill_drain_order:
+        replica_pieces = [_fill_drain(pieces) for pieces in replica_pieces]
+    return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(i for i, _ in sliced))
+
+
+def _time(times: list[float], num_stages: int) -> float:
+    return sum(times) + (num_stages - 1) * max(times) if times else 0.0
+
+
+def _fill_drain(pieces: list[Piece]) -> list[Piece]:
+    """Fill/drain order over whole micro-batches; a sliced sample's slices stay consecutive and in order."""
+    units: list[list[Piece]] = []
+    for p in pieces:
+        if p.is_slice and units and units[-1][0].is_slice and units[-1][0].sample_ids == p.sample_ids:
+            units[-1].append(p)
+        else:
+            units.append([p])
+    order = order_for_fill_drain(np.array([sum(p.time_s for p in u) for u in units]))
+    return [p for k in order.tolist() for p in units[k]]

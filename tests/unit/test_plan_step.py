@@ -1,0 +1,99 @@
+"""The whole-step planner (slicing + partition + replicas) and the `dynabatch plan` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dynabatch.cli import main
+from dynabatch.plan.costs import PolynomialCostModel
+from dynabatch.plan.partition import plan_partition
+from dynabatch.plan.slicing import PolynomialSliceCostModel
+from dynabatch.plan.step import plan_step
+
+
+def _lengths(seed: int, n: int = 150):
+    rng = np.random.default_rng(seed)
+    e = rng.integers(5, 400, n)
+    d = rng.integers(1, 30, n)
+    return e, d
+
+
+def _check_cover(step, e, d):
+    """Whole samples appear once; a sliced sample's slices tile [0, L) in order on one replica."""
+    whole, slices = [], {}
+    for r, pieces in enumerate(step.replicas):
+        for p in pieces:
+            if p.is_slice:
+                slices.setdefault(p.sample_ids[0], []).append((r, p.token_range))
+            else:
+                whole.extend(p.sample_ids)
+    assert sorted(whole + list(slices)) == list(range(len(e)))
+    for i, parts in slices.items():
+        assert len({r for r, _ in parts}) == 1
+        ranges = [rng for _, rng in parts]
+        assert ranges[0][0] == 0 and ranges[-1][1] == e[i] + d[i]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_every_sample_once_across_replicas(replicas):
+    e, d = _lengths(replicas)
+    step = plan_step(e, d, PolynomialCostModel(), 4, family="t5", num_replicas=replicas)
+    _check_cover(step, e, d)
+    assert len(step.replicas) == replicas and not step.sliced_samples
+
+
+def test_single_replica_matches_partition():
+    e, d = _lengths(7)
+    cost = PolynomialCostModel()
+    step = plan_step(e, d, cost, 4, family="gpt2")
+    part = plan_partition(e, d, cost, 4, family="gpt2")
+    assert sorted(p.sample_ids for p in step.replicas[0]) == sorted(part.micro_batches)
+    assert step.objective_s == pytest.approx(part.objective_s)
+
+
+def test_slicing_rescues_a_sample_too_long_for_memory():
+    e, d = _lengths(3)
+    e[5] = 4000
+    cost = PolynomialCostModel(memory_budget_bytes=4 * 2**30)
+    with pytest.raises(ValueError, match="do not fit alone"):
+        plan_step(e, d, cost, 4, family="gpt2")
+    step = plan_step(e, d, cost, 4, family="gpt2", num_replicas=2,
+                     slice_cost_model=PolynomialSliceCostModel(memory_budget_bytes=4 * 2**30))
+    assert 5 in step.sliced_samples
+    _check_cover(step, e, d)
+    assert sum(1 for p in step.replicas[0] + step.replicas[1] if p.is_slice) >= 2
+
+
+def test_slicing_is_for_decoder_only():
+    e, d = _lengths(1)
+    with pytest.raises(ValueError, match="decoder-only"):
+        plan_step(e, d, PolynomialCostModel(), 4, family="t5", slice_cost_model=PolynomialSliceCostModel())
+
+
+def test_plan_command_json(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    n = 3000
+    path = tmp_path / "lens.npz"
+    np.savez(path, input_len=rng.lognormal(np.log(200), 1.0, n).astype(int) + 1,
+             target_len=rng.lognormal(np.log(6), 1.2, n).astype(int) + 1)
+    code = main(["plan", "--lengths", str(path), "--model", "t5", "--num-batches", "2", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    methods = out["methods"]
+    assert set(methods) == {"dynamic", "padding", "length_grouped", "token_budget", "packing"}
+    for r in methods.values():
+        assert r["real_tokens"] == methods["dynamic"]["real_tokens"]
+        assert 0 < r["efficiency"] <= 1 and r["predicted_step_s"] > 0
+    assert methods["dynamic"]["predicted_step_s"] < methods["padding"]["predicted_step_s"]
+    assert methods["dynamic"]["efficiency"] > methods["padding"]["efficiency"]
+
+
+def test_plan_command_bad_lengths_file(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_len": 3, "target_len": 2}\n{"input_len": "x"}\n')
+    assert main(["plan", "--lengths", str(path), "--num-batches", "1"]) == 2
+    assert "bad.jsonl, line 2: need integer fields input_len and target_len" in capsys.readouterr().err
