@@ -1,0 +1,53 @@
+"""The contract between pipeline stage modules and the runtime executor.
+
+A Hugging Face model is split into ``S`` :class:`StageModule`s (``dynabatch.models.split``). For
+each micro-batch the executor calls ``stage(received, loaded)``:
+
+* ``received``: tensors from the previous stage, by the names of
+  :meth:`dynabatch.schedule.ir.PipelineSpec.send_tensors` (``hidden`` for GPT-2, ``enc_hidden`` for
+  T5 encoder stages, ``dec_hidden`` + ``enc_out`` for T5 decoder stages); empty on stage 0.
+* ``loaded``: host inputs by the names of :meth:`PipelineSpec.load_tensors` (``segment_ids``,
+  ``input_ids``, ``position_ids``, ``decoder_segment_ids``, ``decoder_input_ids``, ``labels``).
+
+It returns a :class:`StageOutput`: the tensors to send downstream (same names as the next stage
+receives), or, on the last stage, the summed token loss and the number of loss tokens. The executor
+backpropagates ``loss_sum / total loss tokens of the global batch`` on the last stage and, elsewhere,
+``torch.autograd.backward(outputs, grads received)``.
+
+Parameters that several stages hold copies of (tied embeddings, T5's relative-position bias that
+every layer of a stack uses) are listed by :meth:`StageModule.tied_parameters`; the runtime sums
+their gradients across the stages that hold them so every copy takes the same optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StageOutput:
+    """What a stage produces for one micro-batch."""
+
+    sends: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Activations for the next stage (empty on the last stage)."""
+    loss_sum: torch.Tensor | None = None
+    """Last stage only: sum of token cross-entropies (fp32 scalar, differentiable)."""
+    num_loss_tokens: int = 0
+    """Last stage only: tokens that carry loss."""
+
+
+class StageModule(torch.nn.Module):
+    """One pipeline stage of a split model (see the module docstring)."""
+
+    stage_index: int
+    num_stages: int
+
+    def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:  # noqa: D102
+        raise NotImplementedError
+
+    def tied_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Parameters shared with other stages, keyed by a group name the same on every stage
+        (e.g. ``shared_embedding``, ``encoder_relative_bias``)."""
+        return {}
