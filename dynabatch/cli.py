@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data-report": ("dynabatch.data.report", "per-task length statistics and baseline padding efficiency"),
     "profile": ("dynabatch.cost.profile_cli", "profile per-layer time and memory on this device"),
     "plan": ("dynabatch.commands.plan", "plan global batches with every method and compare predicted step times"),
+    "simulate": ("dynabatch.commands.simulate", "plan, schedule and simulate global batches with every method"),
 }
 
 

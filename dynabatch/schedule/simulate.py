@@ -1,0 +1,258 @@
+"""Replay a compute schedule against per-stage costs: op start/end times, busy time, bubbles, memory.
+
+Semantics (event-driven, one compute stream per stage, communication overlapped with compute):
+
+* a stage runs its ops strictly in its list order, each as soon as the stage is free and its input
+  has arrived: ``start = max(stage free, ready)``, ``end = start + duration``;
+* ``F_m`` on stage ``s > 0`` is ready when ``F_m`` on ``s - 1`` has ended plus the send time of
+  ``s - 1``'s activations; ``B_m`` on ``s < S - 1`` is ready when ``B_m`` on ``s + 1`` has ended plus
+  the same send time (the gradient has the size of the activation); ``B_m`` on the last stage is
+  ready when its own ``F_m`` has ended. Messages do not contend for links (each neighbour pair has a
+  link per direction and sends overlap compute);
+* memory of stage ``s`` = model states + stored activations of every micro-batch whose ``F`` has
+  started and whose ``B`` has not ended + the transient peak of the running op. Memory therefore
+  depends only on each stage's op order, not on timing. Message buffers count only when folded into
+  the stored bytes by :func:`with_message_buffers` (an upper bound of the lowering's buffer slots, so
+  a schedule that fits here also passes the validator's memory check).
+
+Busy time of a stage is the sum of its op durations; bubble fraction is
+``1 - sum(busy) / (S * makespan)``. With ``M`` equal micro-batches of forward ``f`` and backward ``b``
+per stage and zero send time, GPipe and 1F1B both take ``(M + S - 1)(f + b)`` and their bubble
+fraction is ``(S - 1) / (M + S - 1)`` (tests check this exactly).
+
+Stages may order micro-batches differently; orders whose waits form a cycle (stage 0 ``F0 B0 F1 B1``,
+stage 1 ``F1 F0 B0 B1``) raise ``ValueError`` naming the op each stage is blocked on. Pure Python over
+lists: about 0.3 ms for ``S = 4, M = 30`` and 0.7 ms for ``M = 100`` (800 ops) on one CPU core, fast
+enough to try dozens of candidates per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Union
+
+import numpy as np
+
+from dynabatch.cost.stages import StageCosts
+from dynabatch.schedule.compute import ComputeSchedule, Phase
+
+SendTime = Union[None, float, np.ndarray, Callable[[np.ndarray], np.ndarray]]
+"""Send time: ``None`` (free), seconds per message, an ``(S, M)`` array of seconds (message from stage
+``s`` to ``s + 1`` for micro-batch ``m``; the gradient back takes the same), or a function of bytes."""
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Simulated timeline and memory of one training step."""
+
+    schedule: ComputeSchedule
+    """The compute schedule that was replayed."""
+    makespan_s: float
+    """Time from the first op's start (0) to the last op's end."""
+    busy_s: np.ndarray
+    """(S,) float64 seconds each stage spends computing."""
+    bubble_fraction: float
+    """``1 - sum(busy_s) / (S * makespan_s)``: idle share of all stages over the step."""
+    start_s: np.ndarray
+    """(S, 2M) float64 start time of each op, aligned with ``schedule.stages[s]``."""
+    end_s: np.ndarray
+    """(S, 2M) float64 end time of each op, aligned with ``schedule.stages[s]``."""
+    op_memory_bytes: np.ndarray
+    """(S, 2M) float64 memory of the stage while each op runs (model states + live stored + op peak)."""
+    after_memory_bytes: np.ndarray
+    """(S, 2M) float64 memory of the stage after each op ends (model states + live stored)."""
+    peak_memory_bytes: np.ndarray
+    """(S,) float64 largest memory of each stage over the step, model states included."""
+    memory_limit_bytes: np.ndarray | None
+    """(S,) float64 per-device limit the step was checked against, or ``None`` (no limit)."""
+    fits_memory: bool
+    """Every stage stays within ``memory_limit_bytes`` (``True`` without a limit)."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.schedule.num_micro_batches
+
+
+def with_message_buffers(costs: StageCosts) -> StageCosts:
+    """``costs`` whose stored bytes also count each micro-batch's message buffers on the stage while it
+    is in flight: the activation received from ``s - 1`` and the gradient sent back to it
+    (``2 send_bytes[s - 1]``), the activation sent to ``s + 1`` and the gradient received from it
+    (``2 send_bytes[s]``). An upper bound of what the lowering keeps in a micro-batch's buffer slot
+    (it also holds the loaded token ids, which are far smaller), so a schedule that fits with these
+    costs also fits the validator's memory check."""
+    check_costs(costs)
+    send = np.asarray(costs.send_bytes, dtype=np.float64)  # (S, M)
+    received = np.vstack([np.zeros((1, send.shape[1])), send[:-1]])  # (S, M): bytes from stage s - 1
+    return replace(costs, stored_bytes=np.asarray(costs.stored_bytes, dtype=np.float64) + 2.0 * (received + send))
+
+
+def stage_send_times(costs: StageCosts, send_time: SendTime) -> np.ndarray:
+    """(S, M) seconds of the message stage ``s`` sends to ``s + 1`` for each micro-batch."""
+    shape = np.shape(costs.fwd_s)
+    if send_time is None:
+        return np.zeros(shape)
+    if callable(send_time):
+        out = np.asarray(send_time(np.asarray(costs.send_bytes, dtype=np.float64)), dtype=np.float64)
+    else:
+        out = np.asarray(send_time, dtype=np.float64)
+    out = np.broadcast_to(out, shape) if out.ndim == 0 else out
+    if out.shape != shape:
+        raise ValueError(f"send times have shape {out.shape}, expected (S, M) = {shape}")
+    if not np.all(np.isfinite(out) & (out >= 0)):
+        raise ValueError(f"send times must be finite and >= 0, got min {out.min()} max {out.max()}")
+    return out
+
+
+def per_stage_values(value, num_stages: int, name: str) -> np.ndarray:
+    """A scalar or ``(S,)`` sequence as an ``(S,)`` float64 array, checked finite and >= 0."""
+    arr = np.asarray(value, dtype=np.float64)
+    arr = np.full(num_stages, float(arr)) if arr.ndim == 0 else arr
+    if arr.shape != (num_stages,):
+        raise ValueError(f"{name} must be a scalar or have {num_stages} entries (one per stage), got shape {arr.shape}")
+    if not np.all(np.isfinite(arr) & (arr >= 0)):
+        raise ValueError(f"{name} must be finite and >= 0, got {arr.tolist()}")
+    return arr
+
+
+def check_costs(
+    costs: StageCosts, num_stages: int | None = None, num_micro_batches: int | None = None
+) -> tuple[int, int]:
+    """``(S, M)`` of ``costs``; ``ValueError`` when arrays disagree, are negative or do not match the schedule."""
+    shape = np.shape(costs.fwd_s)
+    if len(shape) != 2:
+        raise ValueError(f"stage costs must be (S, M) arrays, got fwd_s of shape {shape}")
+    for name in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes", "send_bytes"):
+        a = np.asarray(getattr(costs, name))
+        if a.shape != shape:
+            raise ValueError(f"stage costs {name} has shape {a.shape}, expected {shape} like fwd_s")
+        if not np.all(np.isfinite(a) & (a >= 0)):
+            raise ValueError(f"stage costs {name} must be finite and >= 0, got min {a.min()}")
+    if num_stages is not None and (num_stages, num_micro_batches) != shape:
+        raise ValueError(
+            f"schedule has {num_stages} stages x {num_micro_batches} micro-batches "
+            f"but costs are {shape[0]} x {shape[1]}"
+        )
+    return shape
+
+
+def simulate(
+    schedule: ComputeSchedule,
+    costs: StageCosts,
+    *,
+    send_time: SendTime = None,
+    model_state_bytes=0.0,
+    memory_limit_bytes=None,
+) -> SimResult:
+    """Replay ``schedule`` with ``costs`` (arrays ``(S, M)``) and return its timeline and memory.
+
+    ``model_state_bytes`` and ``memory_limit_bytes`` are scalars or one value per stage; the limit is
+    the whole device (model states included). Raises ``ValueError`` on mismatched shapes and when the
+    per-stage orders deadlock.
+    """
+    num_stages, num_mb = schedule.num_stages, schedule.num_micro_batches
+    check_costs(costs, num_stages, num_mb)
+    send = stage_send_times(costs, send_time)
+    states = per_stage_values(model_state_bytes, num_stages, "model_state_bytes")
+    limit = None
+    if memory_limit_bytes is not None:
+        limit = per_stage_values(memory_limit_bytes, num_stages, "memory_limit_bytes")
+    codes = [[2 * op.micro_batch + (op.phase is Phase.BACKWARD) for op in ops] for ops in schedule.stages]
+    fwd, bwd, stored, peak = (np.asarray(x, dtype=np.float64).tolist()
+                              for x in (costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes))
+    start, end = _replay(codes, fwd, bwd, send.tolist(), num_mb)
+    op_mem, after = _op_memory(codes, stored, peak, states.tolist(), True)
+    start_a, end_a, mem_a, after_a = (
+        np.array(x, dtype=np.float64).reshape(num_stages, 2 * num_mb) for x in (start, end, op_mem, after)
+    )
+    makespan = float(end_a.max()) if end_a.size else 0.0
+    busy = (end_a - start_a).sum(axis=1)
+    bubble = 1.0 - float(busy.sum()) / (num_stages * makespan) if makespan > 0 else 0.0
+    peak = mem_a.max(axis=1) if num_mb else states.copy()
+    fits = True if limit is None else bool(np.all(peak <= limit))
+    return SimResult(schedule, makespan, busy, bubble, start_a, end_a, mem_a, after_a, peak, limit, fits)
+
+
+def _replay(codes, fwd, bwd, send, num_mb: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Start/end times of every op; ``codes[s][k] = 2 m + (1 if backward)``. Pure Python on lists."""
+    num_stages = len(codes)
+    last = num_stages - 1
+    f_end = [[-1.0] * num_mb for _ in range(num_stages)]
+    b_end = [[-1.0] * num_mb for _ in range(num_stages)]
+    starts = [[0.0] * len(c) for c in codes]
+    ends = [[0.0] * len(c) for c in codes]
+    ptr = [0] * num_stages
+    free = [0.0] * num_stages
+    remaining = sum(len(c) for c in codes)
+    while remaining:
+        progressed = False
+        for s in range(num_stages):
+            ops, k, t = codes[s], ptr[s], free[s]
+            n = len(ops)
+            f_s, b_s, st, en = f_end[s], b_end[s], starts[s], ends[s]
+            f_prev = f_end[s - 1] if s > 0 else None
+            b_next = b_end[s + 1] if s < last else None
+            while k < n:
+                code = ops[k]
+                m = code >> 1
+                if code & 1:
+                    if s == last:
+                        ready = f_s[m]
+                    else:
+                        ready = b_next[m]
+                        if ready < 0:
+                            break
+                        ready += send[s][m]
+                    t0 = t if t > ready else ready
+                    t = t0 + bwd[s][m]
+                    b_s[m] = t
+                else:
+                    if s == 0:
+                        ready = 0.0
+                    else:
+                        ready = f_prev[m]
+                        if ready < 0:
+                            break
+                        ready += send[s - 1][m]
+                    t0 = t if t > ready else ready
+                    t = t0 + fwd[s][m]
+                    f_s[m] = t
+                st[k], en[k] = t0, t
+                k += 1
+            if k > ptr[s]:
+                remaining -= k - ptr[s]
+                ptr[s], free[s] = k, t
+                progressed = True
+        if not progressed:
+            blocked = [
+                f"stage {s} waits at {'FB'[codes[s][ptr[s]] & 1]}{codes[s][ptr[s]] >> 1}"
+                for s in range(num_stages)
+                if ptr[s] < len(codes[s])
+            ]
+            raise ValueError(f"schedule deadlocks: {'; '.join(blocked)}")
+    return starts, ends
+
+
+def _op_memory(codes, stored, peak, states, with_after: bool = False):
+    """Memory of each stage while each of its ops runs (depends on the op order only); with
+    ``with_after`` also the memory after each op ends."""
+    out, out_after = [], []
+    for s, ops in enumerate(codes):
+        live = states[s]
+        st, pk = stored[s], peak[s]
+        row, row_after = [], []
+        for code in ops:
+            m = code >> 1
+            if code & 1:
+                row.append(live + pk[m])
+                live -= st[m]
+            else:
+                live += st[m]
+                row.append(live + pk[m])
+            row_after.append(live)
+        out.append(row)
+        out_after.append(row_after)
+    return (out, out_after) if with_after else out
