@@ -1,0 +1,102 @@
+"""One pipeline stage of a Hugging Face ``GPT2LMHeadModel``.
+
+A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`` (see
+:mod:`dynabatch.cost.model_specs`) and runs exactly what ``GPT2Model.forward`` runs for them:
+
+* ``embedding``: ``drop(wte(input_ids) + wpe(position_ids))`` with the per-sample position ids;
+* ``gpt`` blocks: each ``GPT2Block`` called directly as GPT2Model calls it, with the 4-D additive
+  block-diagonal causal mask built from ``segment_ids`` (:func:`~dynabatch.models.forward.causal_segment_mask`),
+  no cache, no cross-attention;
+* ``lm_head``: ``ln_f``, ``lm_head`` (tied to ``wte`` unless the model unties it) and the fp32 token
+  loss sum against the micro-batch's pre-shifted ``target_ids`` (loaded as ``labels``).
+
+Chained stages reproduce :func:`~dynabatch.models.forward.causal_lm_forward` on the whole model, loss
+and gradients (tests/unit/test_stage_split.py). The constructor references the model's own
+submodules; :func:`dynabatch.models.split.build_stage` deep-copies the result so the stage owns its
+parameters and fills :attr:`GPT2Stage.parameter_map`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynabatch.data.microbatch import IGNORE_INDEX
+from dynabatch.models.forward import _token_losses, causal_segment_mask
+from dynabatch.models.stage import StageModule, StageOutput
+
+SHARED_EMBEDDING = "shared_embedding"
+"""Tied-parameter group of the token table and the tied output projection."""
+
+
+def gpt2_tied_groups(kinds: tuple[str, ...], tied_head: bool) -> tuple[str, ...]:
+    """Tied-parameter groups a GPT-2 stage with layer ``kinds`` holds (``tied_head``: lm_head is wte)."""
+    holds_table = "embedding" in kinds or (tied_head and "lm_head" in kinds)
+    return (SHARED_EMBEDDING,) if holds_table and tied_head else ()
+
+
+class GPT2Stage(StageModule):
+    """Stage ``stage_index`` of a GPT-2 pipeline cut by a :class:`~dynabatch.cost.stages.StageLayout`.
+
+    Receives ``hidden`` (B, T, d) unless it holds the embedding; sends ``hidden`` unless it is the
+    last stage. Loads ``segment_ids`` always, ``input_ids`` + ``position_ids`` with the embedding and
+    ``labels`` with the head.
+    """
+
+    parameter_map: dict[str, str]
+    """Stage parameter name -> the original model's parameter name (tied copies map to the canonical
+    name, ``transformer.wte.weight``); filled by :func:`dynabatch.models.split.build_stage`."""
+
+    def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
+        super().__init__()
+        kinds = tuple(layout.stages[stage_index])
+        first_block = sum(k == "gpt" for s in layout.stages[:stage_index] for k in s)
+        num_blocks = sum(k == "gpt" for k in kinds)
+        transformer = model.transformer
+        self.stage_index = stage_index
+        self.num_stages = layout.num_stages
+        self.kinds = kinds
+        self.has_embedding = "embedding" in kinds
+        self.has_head = "lm_head" in kinds
+        self.tied_head = model.lm_head.weight is transformer.wte.weight
+        self.parameter_map = {}
+        if self.has_embedding:
+            self.wte = transformer.wte
+            self.wpe = transformer.wpe
+            self.drop = transformer.drop
+        self.blocks = nn.ModuleList(transformer.h[first_block : first_block + num_blocks])
+        if self.has_head:
+            self.ln_f = transformer.ln_f
+            self.lm_head = model.lm_head
+
+    def original_names(self) -> dict[str, str]:
+        """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""
+        return dict(self.parameter_map)
+
+    def tied_parameters(self) -> dict[str, nn.Parameter]:
+        """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage)."""
+        groups = gpt2_tied_groups(self.kinds, self.tied_head)
+        if not groups:
+            return {}
+        weight = self.wte.weight if self.has_embedding else self.lm_head.weight
+        return {SHARED_EMBEDDING: weight}
+
+    def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:
+        weight = next(self.parameters())
+        device, dtype = weight.device, weight.dtype
+        segment_ids = loaded["segment_ids"].to(device, non_blocking=True)  # (B, T)
+        if self.has_embedding:
+            input_ids = loaded["input_ids"].to(device, non_blocking=True)  # (B, T)
+            position_ids = loaded["position_ids"].to(device, non_blocking=True)  # (B, T)
+            hidden = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, d)
+        else:
+            hidden = received["hidden"]  # (B, T, d)
+        mask = causal_segment_mask(segment_ids, dtype)  # (B, 1, T, T)
+        for block in self.blocks:
+            hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False)  # (B, T, d)
+        if not self.has_head:
+            return StageOutput(sends={"hidden": hidden})
+        labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
+        logits = self.lm_head(self.ln_f(hidden))  # (B, T, V)
+        loss_sum = _token_losses(logits, labels).sum()
+        return StageOutput(loss_sum=loss_sum, num_loss_tokens=int((labels != IGNORE_INDEX).sum()))

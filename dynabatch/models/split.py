@@ -1,0 +1,216 @@
+"""Split a Hugging Face GPT-2 or T5 model into pipeline stage modules.
+
+1. :func:`layout_for` cuts the model's layer kinds (``embedding, gpt x L, lm_head`` or
+   ``embedding, t5_encoder x L, decoder_embedding, t5_decoder x L, lm_head``) into ``S`` contiguous
+   stages with :func:`~dynabatch.cost.stages.balanced_layout` under the analytic cost model (CPU
+   preset; only the relative layer times matter for the cut).
+2. :func:`build_stage` builds one :class:`~dynabatch.models.stage.StageModule` that references the
+   model's submodules for its layers, then deep-copies it, so the stage owns its parameters (ties
+   inside one stage survive the copy) and the full model can be dropped. Each runtime rank builds only
+   its own stage from an identically seeded full model. Parameters several stages hold (the token
+   table / tied head, T5's relative-position tables) are reported by ``tied_parameters()`` under group
+   names; :func:`tied_parameter_stages` says which stages hold each group without building them.
+3. ``stage.parameter_map`` (also ``stage.original_names()``) maps every stage parameter name to the
+   original model's parameter name (the canonical one ``model.named_parameters()`` yields, e.g.
+   ``transformer.wte.weight`` for GPT-2's tied head). Summing the gradients of the stage parameters that
+   map to one name gives the unsplit model's gradient of that name (tests/unit/test_stage_split.py).
+4. :func:`micro_batch_inputs` maps a micro-batch to a stage's ``loaded`` dict by the names of
+   :meth:`~dynabatch.schedule.ir.PipelineSpec.load_tensors` (GPT's ``labels`` are the pre-shifted
+   ``target_ids``; T5's ``segment_ids`` are the encoder segment ids).
+
+Dropout. Each stage draws dropout masks from the global torch RNG. To make them reproducible per
+(step, micro-batch, stage) the executor calls ``torch.manual_seed(seed_for(base_seed, step,
+micro_batch, stage))`` right before a stage's forward (inside :func:`forked_rng` so other RNG users
+are not disturbed) and, if it ever recomputes a forward, seeds the same value again before it.
+With dropout 0 nothing depends on the RNG and chained stages equal the unsplit model exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.cost.hardware import hardware_spec
+from dynabatch.cost.model_specs import layer_kinds, spec_from_hf_config
+from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout
+from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
+from dynabatch.models.gpt2_stages import GPT2Stage, gpt2_tied_groups
+from dynabatch.models.presets import model_family
+from dynabatch.models.stage import StageModule
+from dynabatch.models.t5_stages import T5Stage, t5_tied_groups
+from dynabatch.schedule.ir import PipelineSpec
+
+_MASK64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout and spec
+# ----------------------------------------------------------------------------------------------
+
+
+def _num_blocks(model: nn.Module) -> int:
+    config = model.config
+    if model_family(config) == "gpt2":
+        return int(config.n_layer)
+    return int(config.num_layers + config.num_decoder_layers)
+
+
+def layout_for(model: nn.Module, num_stages: int) -> StageLayout:
+    """Balanced stage layout of ``model`` (``GPT2LMHeadModel`` / ``T5ForConditionalGeneration``)."""
+    num_blocks = _num_blocks(model)
+    if not 1 <= num_stages <= num_blocks:
+        raise ValueError(
+            f"num_stages must be between 1 and the number of transformer blocks of this "
+            f"{model.config.model_type} model ({num_blocks}), got {num_stages}"
+        )
+    dtype_bytes = next(model.parameters()).element_size()
+    cost_model = AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes), hardware_spec("cpu"))
+    return balanced_layout(cost_model, num_stages)
+
+
+def pipeline_spec_for(model: nn.Module, layout: StageLayout, dtype: str = "float32") -> PipelineSpec:
+    """What the stages of ``layout`` exchange (roles from the layer kinds, ``d_model`` from the config)."""
+    config = model.config
+    d_model = config.n_embd if model_family(config) == "gpt2" else config.d_model
+    return PipelineSpec.from_layout(layout, d_model, dtype)
+
+
+def _check_layout(model: nn.Module, layout: StageLayout) -> None:
+    expected = layer_kinds(spec_from_hf_config(model.config))
+    got = [k for s in layout.stages for k in s]
+    if got != expected:
+        raise ValueError(
+            f"layout {layout.describe()!r} does not cover this {model.config.model_type} model's layers "
+            f"in order; expected {len(expected)} layers {' '.join(expected)}"
+        )
+    empty = [i for i, s in enumerate(layout.stages) if not any(k in BLOCK_KINDS for k in s)]
+    if empty:
+        raise ValueError(
+            f"stages {empty} of layout {layout.describe()!r} hold no transformer block; every stage needs one"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages
+# ----------------------------------------------------------------------------------------------
+
+
+def _own_copy(stage: StageModule, model: nn.Module) -> StageModule:
+    """Deep-copy ``stage`` (which references ``model``'s submodules) and fill its ``parameter_map``."""
+    canonical = {id(p): name for name, p in model.named_parameters()}  # tied params: first name only
+    names = {name: canonical[id(p)] for name, p in stage.named_parameters()}
+    owned = copy.deepcopy(stage)
+    assert [n for n, _ in owned.named_parameters()] == list(names)  # deepcopy keeps order and ties
+    owned.parameter_map = names
+    return owned
+
+
+def build_stage(model: nn.Module, layout: StageLayout, stage_index: int) -> StageModule:
+    """Stage ``stage_index`` of ``layout``, owning deep copies of the parameters it needs.
+
+    The model is not modified. The stage is in the model's train/eval mode, dtype and device.
+    """
+    if not 0 <= stage_index < layout.num_stages:
+        raise ValueError(f"stage_index must be in [0, {layout.num_stages}), got {stage_index}")
+    _check_layout(model, layout)
+    cls = GPT2Stage if model_family(model.config) == "gpt2" else T5Stage
+    stage = cls(model, layout, stage_index)
+    return _own_copy(stage, model).train(model.training)
+
+
+def build_stages(model: nn.Module, layout: StageLayout) -> list[StageModule]:
+    """Every stage of ``layout`` (for single-process tests and tools; the runtime builds one per rank)."""
+    return [build_stage(model, layout, i) for i in range(layout.num_stages)]
+
+
+def tied_parameter_stages(model: nn.Module, layout: StageLayout) -> dict[str, tuple[int, ...]]:
+    """Tied-parameter group -> indices of the stages holding a copy (groups held by one stage included).
+
+    The runtime sums each group's gradient over these stages (within a replica) before the optimizer step.
+    """
+    tied_head = model.lm_head.weight is model.get_input_embeddings().weight
+    groups_of = gpt2_tied_groups if model_family(model.config) == "gpt2" else t5_tied_groups
+    out: dict[str, list[int]] = {}
+    for i, kinds in enumerate(layout.stages):
+        for group in groups_of(tuple(kinds), tied_head):
+            out.setdefault(group, []).append(i)
+    return {g: tuple(v) for g, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def micro_batch_inputs(mb: MicroBatch, spec: PipelineSpec, stage_index: int) -> dict[str, torch.Tensor]:
+    """The ``loaded`` dict of stage ``stage_index`` for ``mb``, keyed by ``spec.load_tensors`` names."""
+    if isinstance(mb, CausalMicroBatch):
+        if spec.family != "gpt":
+            raise ValueError(f"a CausalMicroBatch needs a gpt pipeline spec, got family {spec.family!r}")
+        b, e = mb.shape
+        d = 0
+        source = {
+            "segment_ids": mb.segment_ids,
+            "input_ids": mb.input_ids,
+            "position_ids": mb.position_ids,
+            "labels": mb.target_ids,  # already shifted
+        }
+    elif isinstance(mb, Seq2SeqMicroBatch):
+        if spec.family != "t5":
+            raise ValueError(f"a Seq2SeqMicroBatch needs a t5 pipeline spec, got family {spec.family!r}")
+        b, e, d = mb.shape
+        source = {
+            "segment_ids": mb.encoder_segment_ids,
+            "input_ids": mb.input_ids,
+            "decoder_segment_ids": mb.decoder_segment_ids,
+            "decoder_input_ids": mb.decoder_input_ids,
+            "labels": mb.labels,
+        }
+    else:
+        valid = "CausalMicroBatch, Seq2SeqMicroBatch"
+        raise ValueError(f"unsupported micro-batch type {type(mb).__name__}; valid: {valid}")
+    if not 0 <= stage_index < spec.num_stages:
+        raise ValueError(f"stage_index must be in [0, {spec.num_stages}), got {stage_index}")
+    return {t.name: source[t.name] for t in spec.load_tensors(stage_index, b, e, d)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout seeds
+# ----------------------------------------------------------------------------------------------
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seed_for(base_seed: int, step: int, micro_batch: int, stage: int) -> int:
+    """Deterministic dropout seed of one stage forward: splitmix64 chained over the four ints.
+
+    The same on every process and run (no Python ``hash``), in ``[0, 2**63)`` for ``torch.manual_seed``.
+    """
+    for name, value in (("base_seed", base_seed), ("step", step), ("micro_batch", micro_batch), ("stage", stage)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    x = 0
+    for value in (base_seed, step, micro_batch, stage):
+        x = _splitmix64(x ^ (value & _MASK64))
+    return x >> 1
+
+
+@contextlib.contextmanager
+def forked_rng(seed: int, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run the body with the RNG of the CPU (and of ``device`` if it is CUDA) seeded to ``seed``,
+    restoring the previous RNG states afterwards."""
+    device = torch.device(device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,208 @@
+"""One pipeline stage of a Hugging Face ``T5ForConditionalGeneration``.
+
+A stage holds a contiguous run of ``embedding, t5_encoder x L, decoder_embedding, t5_decoder x L,
+lm_head`` and runs, in that order, what HF runs for those layers:
+
+* ``embedding``: ``dropout(shared(input_ids))`` (the encoder stack's input);
+* ``t5_encoder``: ``T5Block`` s with the bidirectional segment mask (B, 1, E, E);
+* ``decoder_embedding`` (the seam): ``enc_out = dropout(encoder.final_layer_norm(h))`` and the decoder
+  input ``dropout(shared(decoder_input_ids))``;
+* ``t5_decoder``: ``T5Block`` s with the causal segment mask (B, 1, D, D), cross-attending to
+  ``enc_out`` under the cross mask (B, 1, D, E) (decoder segment k sees encoder segment k only);
+* ``lm_head``: ``dropout(decoder.final_layer_norm(h))``, times ``d_model ** -0.5`` when
+  ``config.scale_decoder_outputs`` (tied head), ``lm_head``, fp32 token-loss sum against ``labels``.
+
+Relative position bias. HF computes it in layer 0 of each stack (the only one with a
+``relative_attention_bias`` table) and hands the (1, H, Q, K) tensor to the later layers. A pipeline
+stage may hold later layers without layer 0, so every stage with layers of a stack keeps that stack's
+table (a copy, or on the stage that holds layer 0, the very same embedding module) and computes the bias
+itself with HF's bucketing, then passes it to all its blocks (layer 0 then skips its own
+``compute_bias``). The bias depends on in-row index differences only; inside one packed segment they
+equal the per-sample differences, and cross-segment entries are masked. The copies are tied groups
+``encoder_relative_bias`` / ``decoder_relative_bias`` (and the token table / tied head
+``shared_embedding``), whose gradients the runtime sums across stages. The cross-attention bias is zero
+(HF builds zeros in decoder layer 0 and passes them on; so do we, per stage).
+
+Gradient of ``enc_out``. Every decoder layer cross-attends to ``enc_out``, so its gradient is the sum
+over all decoder stages. A decoder stage that receives ``enc_out`` sends ``enc_out.view_as(enc_out)``
+(an identity node) downstream. The executor marks received tensors ``requires_grad`` and calls
+``torch.autograd.backward([dec_hidden, enc_out_sent], [grad_dec, grad_enc])``: the downstream gradient
+enters through the identity node and the stage's own cross-attention gradient through ``dec_hidden``'s
+graph; autograd adds both into the received ``enc_out``'s ``.grad``, which is what the stage sends back.
+The seam stage produces ``enc_out`` itself, so there both gradients flow on into its encoder layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from dynabatch.data.microbatch import IGNORE_INDEX
+from dynabatch.models.forward import (
+    _token_losses,
+    bidirectional_segment_mask,
+    causal_segment_mask,
+    cross_segment_mask,
+)
+from dynabatch.models.stage import StageModule, StageOutput
+
+SHARED_EMBEDDING = "shared_embedding"
+ENCODER_RELATIVE_BIAS = "encoder_relative_bias"
+DECODER_RELATIVE_BIAS = "decoder_relative_bias"
+DECODER_KINDS = ("decoder_embedding", "t5_decoder", "lm_head")
+
+
+def t5_tied_groups(kinds: tuple[str, ...], tied_head: bool) -> tuple[str, ...]:
+    """Tied-parameter groups a T5 stage with layer ``kinds`` holds (``tied_head``: lm_head is the table)."""
+    groups = []
+    if "embedding" in kinds or "decoder_embedding" in kinds or (tied_head and "lm_head" in kinds):
+        groups.append(SHARED_EMBEDDING)
+    if "t5_encoder" in kinds:
+        groups.append(ENCODER_RELATIVE_BIAS)
+    if "t5_decoder" in kinds:
+        groups.append(DECODER_RELATIVE_BIAS)
+    return tuple(groups)
+
+
+def relative_position_bias(table: nn.Embedding, config, query_length: int, key_length: int, bidirectional: bool):
+    """T5's bucketed relative position bias, (1, H, Q, K): ``T5Attention.compute_bias`` with no cache."""
+    device = table.weight.device
+    context = torch.arange(query_length, dtype=torch.long, device=device)[:, None]  # (Q, 1)
+    memory = torch.arange(key_length, dtype=torch.long, device=device)[None, :]  # (1, K)
+    buckets = T5Attention._relative_position_bucket(
+        memory - context,  # (Q, K)
+        bidirectional=bidirectional,
+        num_buckets=config.relative_attention_num_buckets,
+        max_distance=config.relative_attention_max_distance,
+    )
+    return table(buckets).permute([2, 0, 1]).unsqueeze(0)  # (Q, K, H) -> (1, H, Q, K)
+
+
+def _blocks_before(layout, stage_index: int, kind: str) -> int:
+    return sum(k == kind for s in layout.stages[:stage_index] for k in s)
+
+
+class T5Stage(StageModule):
+    """Stage ``stage_index`` of a T5 pipeline cut by a :class:`~dynabatch.cost.stages.StageLayout`.
+
+    A stage with any decoder kind has role ``decoder`` (:meth:`PipelineSpec.from_layout`): it sends
+    ``dec_hidden`` (B, D, d) and ``enc_out`` (B, E, d). Other stages send ``enc_hidden`` (B, E, d).
+    A stage that starts in the encoder (or at the seam) receives ``enc_hidden``; one that starts in
+    the decoder receives ``dec_hidden`` + ``enc_out``.
+    """
+
+    parameter_map: dict[str, str]
+    """Stage parameter name -> the original model's parameter name (tied copies map to the canonical
+    names ``shared.weight`` and ``{encoder,decoder}.block.0.layer.0.SelfAttention.relative_attention_bias.weight``);
+    filled by :func:`dynabatch.models.split.build_stage`."""
+
+    def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
+        super().__init__()
+        kinds = tuple(layout.stages[stage_index])
+        self.stage_index = stage_index
+        self.num_stages = layout.num_stages
+        self.kinds = kinds
+        self.config = model.config
+        self.has_embedding = "embedding" in kinds
+        self.has_seam = "decoder_embedding" in kinds
+        self.has_head = "lm_head" in kinds
+        self.is_decoder_role = any(k in DECODER_KINDS for k in kinds)
+        self.starts_in_decoder = kinds[0] in ("t5_decoder", "lm_head")
+        self.tied_head = model.lm_head.weight is model.shared.weight
+        self.parameter_map = {}
+        if self.has_embedding or self.has_seam or self.has_head and self.tied_head:
+            self.shared = model.shared
+        # Relative-bias tables are registered before the blocks: on the stage holding layer 0 the
+        # table is layer 0's own module, and the stage-level name is the one named_parameters keeps.
+        first_enc, first_dec = (_blocks_before(layout, stage_index, k) for k in ("t5_encoder", "t5_decoder"))
+        num_enc, num_dec = kinds.count("t5_encoder"), kinds.count("t5_decoder")
+        if num_enc:
+            self.encoder_relative_bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
+        if num_dec:
+            self.decoder_relative_bias = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
+        if self.has_embedding or self.has_seam:
+            self.encoder_dropout = model.encoder.dropout
+        self.encoder_blocks = nn.ModuleList(model.encoder.block[first_enc : first_enc + num_enc])
+        if self.has_seam:
+            self.encoder_final_layer_norm = model.encoder.final_layer_norm
+        if self.has_seam or self.has_head:
+            self.decoder_dropout = model.decoder.dropout
+        self.decoder_blocks = nn.ModuleList(model.decoder.block[first_dec : first_dec + num_dec])
+        if self.has_head:
+            self.decoder_final_layer_norm = model.decoder.final_layer_norm
+            self.lm_head = model.lm_head
+
+    def original_names(self) -> dict[str, str]:
+        """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""
+        return dict(self.parameter_map)
+
+    def tied_parameters(self) -> dict[str, nn.Parameter]:
+        """The stage's copies of ``shared_embedding``, ``encoder_relative_bias``, ``decoder_relative_bias``."""
+        out = {}
+        for group in t5_tied_groups(self.kinds, self.tied_head):
+            if group == SHARED_EMBEDDING:
+                out[group] = self.shared.weight
+            elif group == ENCODER_RELATIVE_BIAS:
+                out[group] = self.encoder_relative_bias.weight
+            else:
+                out[group] = self.decoder_relative_bias.weight
+        return out
+
+    def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:
+        weight = next(self.parameters())
+        device, dtype = weight.device, weight.dtype
+        enc_seg = loaded["segment_ids"].to(device, non_blocking=True)  # (B, E)
+        dec_seg = loaded["decoder_segment_ids"].to(device, non_blocking=True) if self.is_decoder_role else None
+        enc_hidden = received.get("enc_hidden")  # (B, E, d) on stages that start in the encoder
+        dec_hidden = received.get("dec_hidden")  # (B, D, d) on stages that start in the decoder
+        enc_out = received.get("enc_out")  # (B, E, d) likewise
+        if self.has_embedding:
+            input_ids = loaded["input_ids"].to(device, non_blocking=True)  # (B, E)
+            enc_hidden = self.encoder_dropout(self.shared(input_ids))  # (B, E, d)
+        if self.encoder_blocks:
+            enc_hidden = self._run_encoder(enc_hidden, enc_seg, dtype)
+        if self.has_seam:
+            enc_out = self.encoder_dropout(self.encoder_final_layer_norm(enc_hidden))  # (B, E, d)
+            decoder_input_ids = loaded["decoder_input_ids"].to(device, non_blocking=True)  # (B, D)
+            dec_hidden = self.decoder_dropout(self.shared(decoder_input_ids))  # (B, D, d)
+        if self.decoder_blocks:
+            dec_hidden = self._run_decoder(dec_hidden, enc_out, dec_seg, enc_seg, dtype)
+        if self.has_head:
+            return self._loss(dec_hidden, loaded["labels"].to(device, non_blocking=True))
+        if not self.is_decoder_role:
+            return StageOutput(sends={"enc_hidden": enc_hidden})
+        if self.starts_in_decoder:  # relay the received enc_out through an identity node (module docstring)
+            enc_out = enc_out.view_as(enc_out)
+        return StageOutput(sends={"dec_hidden": dec_hidden, "enc_out": enc_out})
+
+    def _run_encoder(self, hidden: torch.Tensor, enc_seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Encoder blocks on (B, E, d) with the bidirectional segment mask and the stack's position bias."""
+        e = hidden.shape[1]
+        mask = bidirectional_segment_mask(enc_seg, dtype)  # (B, 1, E, E)
+        bias = relative_position_bias(self.encoder_relative_bias, self.config, e, e, bidirectional=True)
+        # bias: (1, H, E, E)
+        for block in self.encoder_blocks:
+            hidden = block(hidden, mask, bias, cache=None)[0]  # (B, E, d)
+        return hidden
+
+    def _run_decoder(self, hidden, enc_out, dec_seg, enc_seg, dtype: torch.dtype) -> torch.Tensor:
+        """Decoder blocks on (B, D, d): causal self-attention with position bias, cross-attention to enc_out."""
+        d = hidden.shape[1]
+        self_mask = causal_segment_mask(dec_seg, dtype)  # (B, 1, D, D)
+        cross_mask = cross_segment_mask(dec_seg, enc_seg, dtype)  # (B, 1, D, E)
+        bias = relative_position_bias(self.decoder_relative_bias, self.config, d, d, bidirectional=False)
+        # bias: (1, H, D, D)
+        cross_bias = None  # the first block builds zeros (1, H, D, E), as HF's decoder layer 0 does
+        for block in self.decoder_blocks:
+            hidden, _, cross_bias = block(hidden, self_mask, bias, enc_out, cross_mask, cross_bias, cache=None)
+        return hidden  # (B, D, d)
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> StageOutput:
+        """Final norm, dropout, tied-head rescale, lm_head and the fp32 token-loss sum."""
+        hidden = self.decoder_dropout(self.decoder_final_layer_norm(hidden))  # (B, D, d)
+        if self.config.scale_decoder_outputs:  # tied embeddings: same rescale as T5ForConditionalGeneration
+            hidden = hidden * (self.config.d_model**-0.5)
+        logits = self.lm_head(hidden)  # (B, D, V)
+        loss_sum = _token_losses(logits, labels).sum()
+        return StageOutput(loss_sum=loss_sum, num_loss_tokens=int((labels != IGNORE_INDEX).sum()))
