@@ -164,8 +164,7 @@ def test_policy_arguments_are_checked():
 def test_adaptive_schedules_lower_and_validate_within_memory():
     """Integration with the lowering: an adaptive schedule that fits in the simulator (message buffers
     counted by with_message_buffers) lowers to per-rank plans that the validator accepts, memory included."""
-    lower = pytest.importorskip("dynabatch.schedule.lower")
-    validate = pytest.importorskip("dynabatch.schedule.validate")
+    from dynabatch.schedule import lower, validate
     from dynabatch.schedule.ir import PipelineSpec
     from dynabatch.schedule.simulate import with_message_buffers
 
