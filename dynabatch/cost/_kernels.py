@@ -1,0 +1,321 @@
+"""numba kernels for cost-table lookups (private: arrays in, numbers out, no validation).
+
+The planner's DP kernels call these inside their own ``@njit`` loops; ``dynabatch.cost.tables`` wraps
+them for Python callers and checks inputs. Slow pure-Python twins live in
+``tests/reference/cost_reference.py``.
+
+Interpolation, one axis at a time:
+  1. along each length axis (D first, then E): log-log, ``log f`` linear in ``log x``, which is exact
+     for power laws (attention ~ L^2, linear layers ~ L) and within ~1% for their sums; when either
+     neighbour is <= 0 (e.g. a kind with no backward) the step is plain linear;
+  2. along b: linear (costs are affine in the micro-batch size).
+A weight of exactly 0 or 1 uses one neighbour only, so grid points are reproduced exactly even next
+to a missing neighbour. Out of range: below the first grid value a query is clamped to it (an upper
+bound, costs being non-decreasing in every axis); above the last value, at NaN queries, or when a
+needed neighbour is missing (NaN: not profiled or out of memory) the result is ``+inf``, which
+callers treat as infeasible.
+
+Stage composition (``_stage_cost``): sums ``count x value`` over kinds for forward time, backward time
+and stored bytes; peak bytes = stored + the largest per-kind transient (``peak - stored``), the memory
+high-water mark when layers run one after another and each keeps only its saved tensors.
+The stage kernels take *packed* tables (``pack_tables``): ``(num_kinds, 8, nb, nE)``, ``(num_kinds, 8,
+nb, nD)`` and ``(num_kinds, 8, nb, nE, nD)`` holding FWD, BWD, STORED, PEAK and then their natural logs,
+so a lookup costs two ``exp`` per metric instead of six transcendental calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+FWD, BWD, STORED, PEAK = 0, 1, 2, 3
+INF = np.inf
+
+
+@njit(cache=True, nogil=True)
+def _locate(axis, x):
+    """(i, x') with axis[i] <= x' <= axis[i + 1]; x below the axis is clamped; i = -1 if above or NaN."""
+    n = axis.shape[0]
+    if not x <= axis[n - 1]:
+        return -1, x
+    if x <= axis[0]:
+        return 0, axis[0]
+    lo, hi = 0, n - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if axis[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    return lo, x
+
+
+@njit(cache=True, nogil=True)
+def _lerp(v0, v1, t):
+    if t == 0.0:
+        return v0
+    if t == 1.0:
+        return v1
+    return v0 + t * (v1 - v0)
+
+
+@njit(cache=True, nogil=True)
+def _loglerp(v0, v1, t_log, t_lin):
+    """Interpolate two neighbours along a length axis: log-log if both > 0, else linear."""
+    if t_lin == 0.0:
+        return v0
+    if t_lin == 1.0:
+        return v1
+    if v0 > 0.0 and v1 > 0.0:
+        return math.exp(math.log(v0) + t_log * (math.log(v1) - math.log(v0)))
+    return v0 + t_lin * (v1 - v0)
+
+
+@njit(cache=True, nogil=True)
+def _weights(axis, i, x):
+    """(t_log, t_lin) of x between axis[i] and axis[i + 1]."""
+    x0, x1 = axis[i], axis[i + 1]
+    if x == x0:
+        return 0.0, 0.0
+    if x == x1:
+        return 1.0, 1.0
+    return math.log(x / x0) / math.log(x1 / x0), (x - x0) / (x1 - x0)
+
+
+@njit(cache=True, nogil=True)
+def _interp2(axis_b, axis_l, table, b, l):
+    """Interpolate ``table[nb, nl]`` at (b, l): log-log along l, linear along b; ``+inf`` if infeasible."""
+    ib, b = _locate(axis_b, b)
+    il, l = _locate(axis_l, l)
+    if ib < 0 or il < 0:
+        return INF
+    tl, tn = _weights(axis_l, il, l)
+    tb = (b - axis_b[ib]) / (axis_b[ib + 1] - axis_b[ib])
+    v0 = _loglerp(table[ib, il], table[ib, il + 1], tl, tn) if tb != 1.0 else 0.0
+    v1 = _loglerp(table[ib + 1, il], table[ib + 1, il + 1], tl, tn) if tb != 0.0 else 0.0
+    v = _lerp(v0, v1, tb)
+    return INF if math.isnan(v) else v
+
+
+@njit(cache=True, nogil=True)
+def _plane(plane, ie, id_, te_log, te_lin, td_log, td_lin):
+    """Along D at E[ie] and E[ie + 1], then along E (log-log both)."""
+    v0 = _loglerp(plane[ie, id_], plane[ie, id_ + 1], td_log, td_lin) if te_lin != 1.0 else 0.0
+    v1 = _loglerp(plane[ie + 1, id_], plane[ie + 1, id_ + 1], td_log, td_lin) if te_lin != 0.0 else 0.0
+    return _loglerp(v0, v1, te_log, te_lin)
+
+
+@njit(cache=True, nogil=True)
+def _interp3(axis_b, axis_e, axis_d, table, b, e, d):
+    """Interpolate ``table[nb, nE, nD]`` at (b, e, d): log-log along d then e, linear along b."""
+    ib, b = _locate(axis_b, b)
+    ie, e = _locate(axis_e, e)
+    id_, d = _locate(axis_d, d)
+    if ib < 0 or ie < 0 or id_ < 0:
+        return INF
+    te_log, te_lin = _weights(axis_e, ie, e)
+    td_log, td_lin = _weights(axis_d, id_, d)
+    tb = (b - axis_b[ib]) / (axis_b[ib + 1] - axis_b[ib])
+    v0 = _plane(table[ib], ie, id_, te_log, te_lin, td_log, td_lin) if tb != 1.0 else 0.0
+    v1 = _plane(table[ib + 1], ie, id_, te_log, te_lin, td_log, td_lin) if tb != 0.0 else 0.0
+    v = _lerp(v0, v1, tb)
+    return INF if math.isnan(v) else v
+
+
+@njit(cache=True, nogil=True)
+def _cell(axis, x):
+    """(i, t_log, t_lin) of x on a length axis; i = -1 when infeasible (above the axis or NaN)."""
+    i, x = _locate(axis, x)
+    if i < 0:
+        return -1, 0.0, 0.0
+    t_log, t_lin = _weights(axis, i, x)
+    return i, t_log, t_lin
+
+
+# The packed helpers index the stacked tables with full scalar indices: slicing out views would cost
+# a reference-count increment and decrement per view, which was ~2/3 of a stage lookup.
+
+
+@njit(cache=True, nogil=True)
+def _row2(tab, k, m, r, i, t_log, t_lin):
+    """Along the length axis in row (k, m, r) of a packed (K, 8, nb, nl) table."""
+    v0 = tab[k, m, r, i]
+    if t_lin == 0.0:
+        return v0
+    v1 = tab[k, m, r, i + 1]
+    if t_lin == 1.0:
+        return v1
+    if v0 > 0.0 and v1 > 0.0:
+        l0 = tab[k, m + 4, r, i]
+        return math.exp(l0 + t_log * (tab[k, m + 4, r, i + 1] - l0))
+    return v0 + t_lin * (v1 - v0)
+
+
+@njit(cache=True, nogil=True)
+def _metric2(tab, k, m, ib, tb, il, tl, tn):
+    """Metric ``m`` of kind ``k`` of a packed (K, 8, nb, nl) table at a located (b, l)."""
+    v0 = _row2(tab, k, m, ib, il, tl, tn) if tb != 1.0 else 0.0
+    v1 = _row2(tab, k, m, ib + 1, il, tl, tn) if tb != 0.0 else 0.0
+    return _lerp(v0, v1, tb)
+
+
+@njit(cache=True, nogil=True)
+def _row3(tab, k, m, r, ie, i, t_log, t_lin):
+    """Along D in row (k, m, r, ie) of a packed (K, 8, nb, nE, nD) table."""
+    v0 = tab[k, m, r, ie, i]
+    if t_lin == 0.0:
+        return v0
+    v1 = tab[k, m, r, ie, i + 1]
+    if t_lin == 1.0:
+        return v1
+    if v0 > 0.0 and v1 > 0.0:
+        l0 = tab[k, m + 4, r, ie, i]
+        return math.exp(l0 + t_log * (tab[k, m + 4, r, ie, i + 1] - l0))
+    return v0 + t_lin * (v1 - v0)
+
+
+@njit(cache=True, nogil=True)
+def _plane3(tab, k, m, r, ie, te_log, te_lin, id_, td_log, td_lin):
+    """(E, D) plane r of kind k: one ``exp`` of the bilinear log corners when all four are positive and
+    both weights are strictly inside (0, 1), else along D then along E as in ``_plane``."""
+    if 0.0 < te_lin < 1.0 and 0.0 < td_lin < 1.0:
+        if (tab[k, m, r, ie, id_] > 0.0 and tab[k, m, r, ie, id_ + 1] > 0.0
+                and tab[k, m, r, ie + 1, id_] > 0.0 and tab[k, m, r, ie + 1, id_ + 1] > 0.0):
+            g = m + 4
+            l0 = tab[k, g, r, ie, id_] + td_log * (tab[k, g, r, ie, id_ + 1] - tab[k, g, r, ie, id_])
+            l1 = tab[k, g, r, ie + 1, id_] + td_log * (tab[k, g, r, ie + 1, id_ + 1] - tab[k, g, r, ie + 1, id_])
+            return math.exp(l0 + te_log * (l1 - l0))
+    v0 = _row3(tab, k, m, r, ie, id_, td_log, td_lin) if te_lin != 1.0 else 0.0
+    v1 = _row3(tab, k, m, r, ie + 1, id_, td_log, td_lin) if te_lin != 0.0 else 0.0
+    return _loglerp(v0, v1, te_log, te_lin)
+
+
+@njit(cache=True, nogil=True)
+def _metric3(tab, k, m, ib, tb, ie, te_log, te_lin, id_, td_log, td_lin):
+    """Metric ``m`` of kind ``k`` of a packed (K, 8, nb, nE, nD) table at a located (b, e, d)."""
+    v0 = _plane3(tab, k, m, ib, ie, te_log, te_lin, id_, td_log, td_lin) if tb != 1.0 else 0.0
+    v1 = _plane3(tab, k, m, ib + 1, ie, te_log, te_lin, id_, td_log, td_lin) if tb != 0.0 else 0.0
+    return _lerp(v0, v1, tb)
+
+
+@njit(cache=True, nogil=True)
+def _stage_cost(axis_b, axis_e, axis_d, tab_be, cnt_be, tab_bd, cnt_bd, tab_bed, cnt_bed, b, e, d):
+    """(fwd_s, bwd_s, stored_bytes, peak_bytes) of a stage: kinds weighted by counts (see module doc).
+
+    Tables are packed (``pack_tables``): ``tab_be`` (K, 8, nb, nE), ``tab_bd`` (K, 8, nb, nD),
+    ``tab_bed`` (K, 8, nb, nE, nD); metric m in 0..3 (FWD, BWD, STORED, PEAK), its natural log in m + 4.
+    Cells are located once per call; the numbers equal ``_interp2`` / ``_interp3`` on the plain tables.
+    """
+    ib, b = _locate(axis_b, b)
+    ie, te_log, te_lin = _cell(axis_e, e)
+    id_, td_log, td_lin = _cell(axis_d, d)
+    if ib < 0:
+        return INF, INF, INF, INF
+    tb = (b - axis_b[ib]) / (axis_b[ib + 1] - axis_b[ib])
+    fwd = 0.0
+    bwd = 0.0
+    stored = 0.0
+    transient = 0.0
+    for k in range(cnt_be.shape[0]):
+        c = cnt_be[k]
+        if c == 0.0:
+            continue
+        if ie < 0:
+            return INF, INF, INF, INF
+        s = _metric2(tab_be, k, STORED, ib, tb, ie, te_log, te_lin)
+        fwd += c * _metric2(tab_be, k, FWD, ib, tb, ie, te_log, te_lin)
+        bwd += c * _metric2(tab_be, k, BWD, ib, tb, ie, te_log, te_lin)
+        stored += c * s
+        transient = max(transient, _metric2(tab_be, k, PEAK, ib, tb, ie, te_log, te_lin) - s)
+    for k in range(cnt_bd.shape[0]):
+        c = cnt_bd[k]
+        if c == 0.0:
+            continue
+        if id_ < 0:
+            return INF, INF, INF, INF
+        s = _metric2(tab_bd, k, STORED, ib, tb, id_, td_log, td_lin)
+        fwd += c * _metric2(tab_bd, k, FWD, ib, tb, id_, td_log, td_lin)
+        bwd += c * _metric2(tab_bd, k, BWD, ib, tb, id_, td_log, td_lin)
+        stored += c * s
+        transient = max(transient, _metric2(tab_bd, k, PEAK, ib, tb, id_, td_log, td_lin) - s)
+    for k in range(cnt_bed.shape[0]):
+        c = cnt_bed[k]
+        if c == 0.0:
+            continue
+        if ie < 0 or id_ < 0:
+            return INF, INF, INF, INF
+        loc = (ib, tb, ie, te_log, te_lin, id_, td_log, td_lin)
+        s = _metric3(tab_bed, k, STORED, *loc)
+        fwd += c * _metric3(tab_bed, k, FWD, *loc)
+        bwd += c * _metric3(tab_bed, k, BWD, *loc)
+        stored += c * s
+        transient = max(transient, _metric3(tab_bed, k, PEAK, *loc) - s)
+    if not (math.isfinite(fwd) and math.isfinite(bwd) and math.isfinite(stored) and math.isfinite(transient)):
+        return INF, INF, INF, INF
+    return fwd, bwd, stored, stored + transient
+
+
+def pack_tables(tables: np.ndarray) -> np.ndarray:
+    """(K, 4, ...) metric tables -> (K, 8, ...) with natural logs appended (0 where not positive)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.where(tables > 0, np.log(np.where(tables > 0, tables, 1.0)), 0.0)
+    return np.ascontiguousarray(np.concatenate([tables, logs], axis=1))
+
+
+@njit(cache=True, nogil=True)
+def _p2p_time(sizes, times, nbytes):
+    """One-way send seconds for ``nbytes``: piecewise linear in bytes; below the first size the first
+    time (latency floor); above the last size the last segment's slope continues (bandwidth-bound)."""
+    n = sizes.shape[0]
+    if not nbytes >= 0.0:
+        return INF
+    if nbytes <= sizes[0]:
+        return times[0]
+    i = n - 2
+    if nbytes < sizes[n - 1]:
+        i, nbytes = _locate(sizes, nbytes)
+    slope = max(0.0, (times[i + 1] - times[i]) / (sizes[i + 1] - sizes[i]))
+    return times[i] + slope * (nbytes - sizes[i])
+
+
+@njit(cache=True, nogil=True)
+def _evaluate_stages(axis_b, axis_e, axis_d, tab_be, cnts_be, tab_bd, cnts_bd, tab_bed, cnts_bed, b, e, d,
+                     out_time, out_stored, out_transient):
+    """Bottleneck over stages for each shape i: max of fwd + bwd, max of stored, max of peak - stored.
+
+    ``cnts_*`` are (num_stages, num_kinds) count arrays; ``b, e, d`` float64 arrays of one length.
+    Infeasible shapes get ``+inf`` in all three outputs.
+    """
+    num_stages = cnts_be.shape[0]
+    for i in range(b.shape[0]):
+        t = 0.0
+        s = 0.0
+        p = 0.0
+        for st in range(num_stages):
+            f, g, so, pk = _stage_cost(axis_b, axis_e, axis_d, tab_be, cnts_be[st], tab_bd, cnts_bd[st], tab_bed,
+                                       cnts_bed[st], b[i], e[i], d[i])
+            if math.isinf(f):
+                t = INF
+                s = INF
+                p = INF
+                break
+            t = max(t, f + g)
+            s = max(s, so)
+            p = max(p, pk - so)
+        out_time[i] = t
+        out_stored[i] = s
+        out_transient[i] = p
+
+
+@njit(cache=True, nogil=True)
+def _stage_cost_many(axis_b, axis_e, axis_d, tab_be, cnt_be, tab_bd, cnt_bd, tab_bed, cnt_bed, b, e, d, out):
+    """``_stage_cost`` for every shape i of the float64 arrays ``b, e, d``; writes ``out[:, i]`` (4, n)."""
+    for i in range(b.shape[0]):
+        f, g, s, p = _stage_cost(axis_b, axis_e, axis_d, tab_be, cnt_be, tab_bd, cnt_bd, tab_bed, cnt_bed,
+                                 b[i], e[i], d[i])
+        out[FWD, i] = f
+        out[BWD, i] = g
+        out[STORED, i] = s
+        out[PEAK, i] = p

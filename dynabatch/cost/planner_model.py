@@ -1,0 +1,160 @@
+"""Profiled cost tables behind the planner's and the stage layer's interfaces.
+
+``ProfiledLayerModel(tables)`` speaks the layer-level protocol of ``dynabatch.cost.stages`` (the one
+``AnalyticCostModel`` implements: ``stage_cost(kinds, b, E, D)``, ``send_bytes``, ``param_count``,
+``model_state_bytes``, ``layer_kinds``), so ``balanced_layout`` and ``StageCostModel`` run on measured
+tables. Its kinds map to profiled kinds: ``embedding`` -> the (encoder) embedding, ``gpt`` /
+``t5_encoder`` / ``t5_decoder`` -> blocks, ``decoder_embedding`` -> the decoder embedding plus the
+encoder's final norm (both sit between the stacks), ``lm_head`` -> the head; a stage with blocks of a
+stack also pays that stack's context kind once.
+
+``ProfiledCostModel(tables, stages, memory_budget_bytes).evaluate(b, E, D)`` returns, per padded shape,
+the bottleneck over the pipeline stages: the largest forward + backward time, the largest stored
+activation bytes and the largest transient bytes (``peak - stored``), each maximised separately (a
+conservative reading when different stages are the bottleneck for time and memory). p2p time is not
+included. The loop over shapes and stages runs in one numba kernel (``_kernels._evaluate_stages``).
+
+The planner requires finite outputs, so shapes the tables cannot answer -- beyond the grid, or in a
+cell that was not profiled or ran out of memory -- get ``INFEASIBLE`` (1e30) for time and bytes: far
+over any memory budget, so the planner drops those runs. Costs stay non-decreasing because the missing
+cells always dominate the profiled ones (``max_tokens`` cap and out-of-memory are monotone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynabatch.cost import _kernels
+from dynabatch.cost.tables import CostTables, StageSpec, model_state_bytes
+
+INFEASIBLE = 1e30
+"""Finite stand-in for ``+inf`` (the planner rejects non-finite costs)."""
+
+
+@dataclass(frozen=True)
+class ProfiledCostModel:
+    """Bottleneck-stage costs of micro-batch shapes from profiled tables."""
+
+    tables: CostTables
+    stages: tuple[StageSpec, ...]
+    """The pipeline's stages, first to last (e.g. from ``CostTables.stage_spec``)."""
+    memory_budget_bytes: float
+    """Activation memory per stage: device memory minus model states minus a margin."""
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("need at least one stage")
+        if not (self.memory_budget_bytes > 0 and np.isfinite(self.memory_budget_bytes)):
+            raise ValueError(f"memory_budget_bytes must be finite and > 0, got {self.memory_budget_bytes}")
+        counts = [self.tables.stage_counts(s) for s in self.stages]  # validates kinds
+        object.__setattr__(self, "_counts", tuple(np.ascontiguousarray(np.stack(c)) for c in zip(*counts)))
+
+    @classmethod
+    def even_split(cls, tables: CostTables, num_stages: int, memory_budget_bytes: float) -> "ProfiledCostModel":
+        """Blocks split as evenly as possible over ``num_stages`` stages (earlier stages get the extra block)."""
+        total = sum(tables.num_layers)
+        if not 1 <= num_stages <= total:
+            raise ValueError(f"num_stages must be in [1, {total}], got {num_stages}")
+        bounds = [round(i * total / num_stages) for i in range(num_stages + 1)]
+        return cls(tables, tuple(tables.stage_spec(a, z) for a, z in zip(bounds, bounds[1:])), memory_budget_bytes)
+
+    def evaluate(self, b, E, D):  # noqa: N803 - planner's names
+        """``(time_s, stored_bytes, transient_bytes)`` float64 arrays shaped like ``b``."""
+        b = np.asarray(b, dtype=np.float64)
+        shape = b.shape
+        b = np.ascontiguousarray(b.ravel())
+        e = np.ascontiguousarray(np.asarray(E, dtype=np.float64).ravel())
+        d = np.ascontiguousarray(np.asarray(D, dtype=np.float64).ravel())
+        if not (b.shape == e.shape == d.shape):
+            raise ValueError(f"b, E, D must have one shape, got {shape}, {np.shape(E)}, {np.shape(D)}")
+        if self.tables.family == "gpt2":
+            d = np.ones_like(d)
+        a = self.tables.kernel_arrays()
+        cnt_be, cnt_bd, cnt_bed = self._counts
+        out = [np.empty_like(b) for _ in range(3)]
+        _kernels._evaluate_stages(a.axis_b, a.axis_e, a.axis_d, a.tab_be, cnt_be, a.tab_bd, cnt_bd, a.tab_bed,
+                                  cnt_bed, b, e, d, *out)
+        return tuple(np.where(np.isfinite(o), o, INFEASIBLE).reshape(shape) for o in out)
+
+
+_ANALYTIC_KINDS = {
+    "gpt2": {"embedding": ("gpt2_embedding",), "gpt": ("gpt2_block",), "lm_head": ("gpt2_head",)},
+    "t5": {"embedding": ("t5_encoder_embedding",), "t5_encoder": ("t5_encoder_block",),
+           "decoder_embedding": ("t5_encoder_final", "t5_decoder_embedding"), "t5_decoder": ("t5_decoder_block",),
+           "lm_head": ("t5_head",)},
+}
+_CONTEXT = {"gpt": "gpt2_context", "t5_encoder": "t5_encoder_context", "t5_decoder": "t5_decoder_context"}
+
+
+@dataclass(frozen=True)
+class LayerModelCost:
+    """Costs in the field names of ``dynabatch.cost.stages`` (floats for scalar queries, else arrays)."""
+
+    fwd_time_s: object
+    bwd_time_s: object
+    stored_activation_bytes: object
+    peak_extra_bytes: object
+    """Transient bytes above the stored ones (``peak - stored``)."""
+
+
+@dataclass(frozen=True)
+class ProfiledLayerModel:
+    """Profiled tables as a layer-level cost model for ``balanced_layout`` / ``StageCostModel``."""
+
+    tables: CostTables
+
+    def layer_kinds(self) -> list[str]:
+        n_enc, n_dec = self.tables.num_layers
+        if self.tables.family == "gpt2":
+            return ["embedding", *["gpt"] * n_enc, "lm_head"]
+        return ["embedding", *["t5_encoder"] * n_enc, "decoder_embedding", *["t5_decoder"] * n_dec, "lm_head"]
+
+    def spec(self, kinds) -> StageSpec:
+        """The profiled ``StageSpec`` of a stage given in analytic kind names."""
+        mapping = _ANALYTIC_KINDS[self.tables.family]
+        counts: dict[str, int] = {}
+        for kind in kinds:
+            if kind not in mapping:
+                raise ValueError(f"unknown layer kind {kind!r}; valid for {self.tables.family}: {sorted(mapping)}")
+            for name in mapping[kind] + ((_CONTEXT[kind],) if kind in _CONTEXT else ()):
+                counts[name] = counts.get(name, 0) + 1
+        counts.update({c: 1 for c in _CONTEXT.values() if c in counts})  # once per stage
+        return StageSpec.of(**counts)
+
+    def stage_cost(self, kinds, b, E, D=None) -> LayerModelCost:  # noqa: N803
+        """Vectorised stage cost; infeasible shapes get ``INFEASIBLE``."""
+        scalar = all(np.ndim(x) == 0 for x in (b, E, D) if x is not None)
+        b, e, d = np.broadcast_arrays(*(np.asarray(1.0 if x is None else x, dtype=np.float64) for x in (b, E, D)))
+        shape = b.shape
+        cnt = self.tables.stage_counts(self.spec(kinds))
+        a = self.tables.kernel_arrays()
+        out = np.empty((4, b.size))
+        _kernels._stage_cost_many(a.axis_b, a.axis_e, a.axis_d, a.tab_be, cnt[0], a.tab_bd, cnt[1], a.tab_bed, cnt[2],
+                                  np.ascontiguousarray(b.ravel()), np.ascontiguousarray(e.ravel()),
+                                  np.ascontiguousarray(d.ravel()), out)
+        out = np.where(np.isfinite(out), out, INFEASIBLE)
+        fwd, bwd, stored, peak = (x.reshape(shape) for x in out)
+        vals = (fwd, bwd, stored, np.where(stored >= INFEASIBLE, INFEASIBLE, peak - stored))
+        return LayerModelCost(*(float(v) if scalar else v for v in vals))
+
+    def send_bytes(self, last_kind: str, b, E, D=None):  # noqa: N803
+        """Bytes a stage ending in ``last_kind`` sends on: hidden states of E tokens, E + D once the decoder
+        has started, none after the head (profile dtype and d_model)."""
+        cfg = self.tables.meta.get("config", {})
+        d_model = cfg.get("d_model") or cfg.get("n_embd")
+        if not d_model:
+            raise ValueError("the profile's model config has no d_model / n_embd")
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[self.tables.meta["model"].get("dtype", "float32")]
+        b, E = np.asarray(b, dtype=np.float64), np.asarray(E, dtype=np.float64)
+        D = np.zeros_like(E) if D is None else np.asarray(D, dtype=np.float64)
+        tokens = {"lm_head": 0.0 * E, "decoder_embedding": E + D, "t5_decoder": E + D}.get(last_kind, E)
+        out = dtype_bytes * b * tokens * d_model
+        return float(out) if np.ndim(out) == 0 else out
+
+    def param_count(self, kind: str) -> int:
+        return self.tables.stage_params(self.spec([kind]))
+
+    def model_state_bytes(self, num_params, optimizer: str = "adam") -> float:
+        return float(model_state_bytes(int(num_params), optimizer))
