@@ -13,6 +13,7 @@ import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
     "data-report": ("dynabatch.data.report", "per-task length statistics and baseline padding efficiency"),
     "profile": ("dynabatch.cost.profile_cli", "profile per-layer time and memory on this device"),
     "plan": ("dynabatch.commands.plan", "plan global batches with every method and compare predicted step times"),

@@ -1,0 +1,22 @@
+"""``dynabatch train``: train a T5 or GPT-2 on a mixture with dynamic micro-batching.
+
+Launch directly for one process, or with ``torchrun --nproc-per-node STAGES*REPLICAS`` for a pipeline.
+Every field of :class:`dynabatch.config.TrainConfig` is a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dynabatch.config import add_config_arguments, config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynabatch.runtime.trainer import train
+
+    train(config_from_args(args))
+    return 0

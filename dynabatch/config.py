@@ -1,0 +1,185 @@
+"""Typed configuration of a training run (``dynabatch train``).
+
+A :class:`TrainConfig` comes from defaults, then an optional YAML/JSON file (``--config``), then
+command-line flags; every field is a flag (``--global-batch-tokens 8192``). Cross-field checks run in
+``__post_init__`` and raise ``ValueError`` with the actual values. The defaults train a small T5 on the
+built-in mixture on this CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("dynamic", "padding", "length_grouped", "token_budget", "packing")
+POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs."""
+
+    model: str = "t5-tiny"
+    """Model preset (t5-tiny, t5-mini, t5-small, gpt2-tiny, gpt2-mini, gpt2-small) or a local HF checkpoint dir."""
+    tokenizer: str = "builtin"
+    """builtin | gpt2 | byt5 | a local tokenizer dir."""
+    mixture: str | None = None
+    """Mixture spec (.yaml/.json); default: the built-in offline mixture."""
+    stages: int = 1
+    """Pipeline stages per replica."""
+    replicas: int = 1
+    """Data-parallel replicas; the world size must be stages x replicas."""
+    method: str = "dynamic"
+    """Batching: dynamic (the planner) or a baseline (padding, length_grouped, token_budget, packing)."""
+    policy: str = "auto"
+    """Pipeline schedule: gpipe, 1f1b, adaptive or auto (best simulated per step)."""
+    global_batch_tokens: int = 8192
+    """Real tokens (inputs + targets) per optimizer step."""
+    max_input_len: int = 512
+    """T5 encoder limit; GPT sequence limit (inputs + targets)."""
+    max_target_len: int = 128
+    """T5 decoder limit."""
+    overlong: str = "truncate"
+    """Over-long samples: truncate, drop or error."""
+    samples_per_micro_batch: int = 8
+    """padding / length_grouped baselines."""
+    token_budget_tokens: int = 2048
+    """token_budget baseline: padded tokens per micro-batch."""
+    packing_rows: int = 4
+    """packing baseline: rows per micro-batch."""
+    memory_gib: float = 4.0
+    """Device memory per rank the planner may use (activations + model states)."""
+    max_micro_batch_samples: int = 64
+    """Upper bound on samples per planned micro-batch (keeps CPU micro-batches cache-friendly)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 5
+    lr_schedule: str = "linear"
+    """constant | linear (decay to 0 at ``steps``) | cosine."""
+    max_grad_norm: float = 1.0
+    dropout: float = 0.0
+    steps: int = 20
+    """Optimizer steps to train (in total, counting resumed ones)."""
+    seed: int = 0
+    output_dir: str = "runs/train"
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``output_dir/checkpoints``."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    plan_ahead: int = 2
+    """Steps the background planner prepares ahead of training."""
+    log_every: int = 1
+    timeout_s: float = 120.0
+    """Seconds before a silent peer counts as dead."""
+    threads: int = 1
+    """torch intra-op threads per rank (the cost profile's setting)."""
+    compare_method: str | None = None
+    """Also train ``steps`` steps with this method from the same start and report the speed ratio."""
+    timeline: bool = True
+    """Write the last step's measured timeline next to its simulated twin (Chrome trace + PNG)."""
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, METHODS)
+        _choice("policy", self.policy, POLICIES)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("overlong", self.overlong, ("truncate", "drop", "error"))
+        if self.compare_method is not None:
+            _choice("compare_method", self.compare_method, METHODS)
+        for name in ("stages", "replicas", "steps", "global_batch_tokens", "threads", "plan_ahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_tokens < self.max_input_len + self.max_target_len:
+            raise ValueError(
+                f"global_batch_tokens={self.global_batch_tokens} cannot hold one maximal sample "
+                f"(max_input_len {self.max_input_len} + max_target_len {self.max_target_len}); raise it"
+            )
+        if not self.lr > 0 or self.max_grad_norm <= 0 or self.memory_gib <= 0:
+            raise ValueError(
+                f"lr, max_grad_norm and memory_gib must be > 0, got {self.lr}, {self.max_grad_norm}, {self.memory_gib}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.replicas
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(options)}; got {value!r}")
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per field (``--global-batch-tokens``), all defaulting to 'not given'."""
+    p.add_argument("--config", default=None, help="YAML/JSON file with TrainConfig fields")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        doc = _field_doc(f.name)
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        else:
+            p.add_argument(flag, dest=f.name, default=None, type=_parser(f), help=doc)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values: dict[str, Any] = {}
+    if args.config:
+        values.update(load_config_file(args.config))
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return TrainConfig(**values)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path!r} not found")
+    with open(path, encoding="utf-8") as fh:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            raw = yaml.safe_load(fh) or {}
+        else:
+            raw = json.load(fh)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown config keys {sorted(unknown)}; valid: {sorted(known)}")
+    return raw
+
+
+def _parser(f: dataclasses.Field):
+    t = str(f.type)
+    if "int" in t and "float" not in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+_DOCS: dict[str, str] = {}
+
+
+def _field_doc(name: str) -> str:
+    """The docstring under a field (parsed once from this module's source)."""
+    if not _DOCS:
+        import ast
+        import inspect
+        import sys
+
+        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+        body = cls.body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+                _DOCS[a.target.id] = str(b.value.value).split("\n")[0]
+    return _DOCS.get(name, "")

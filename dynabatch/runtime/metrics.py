@@ -1,0 +1,86 @@
+"""Per-step metrics: one JSON object per line in ``OUTPUT/metrics.jsonl``, and the run summary.
+
+The writer never loses the run over its own output: if the disk fills or the file becomes
+unwritable, it warns once (naming the file and the error), keeps the metrics in memory for the
+summary and goes on training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (Linux ``ru_maxrss`` is in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class MetricsWriter:
+    """Appends step records to a JSONL file; keeps them for the summary."""
+
+    path: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    failed: bool = False
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.failed:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self.failed = True
+            warnings.warn(
+                f"could not write metrics to {self.path} ({e}); training continues, metrics stay in memory "
+                "and in the final summary",
+                stacklevel=2,
+            )
+
+
+def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
+    """Loss at the start and end, throughput and efficiency over a run's step records."""
+    if not records:
+        return {"method": method, "steps": 0}
+    losses = [r["loss"] for r in records]
+    k = max(1, min(3, len(losses) // 3))
+    steady = records[1:] if len(records) > 2 else records  # step 0 pays warm-up (numba, allocator)
+    real = sum(r["real_tokens"] for r in steady)
+    seconds = sum(r["step_time_s"] for r in steady)
+    return {
+        "method": method,
+        "steps": len(records),
+        "loss_start": float(np.mean(losses[:k])),
+        "loss_end": float(np.mean(losses[-k:])),
+        "tokens_per_s": real / seconds if seconds > 0 else 0.0,
+        "padding_efficiency": float(sum(r["real_tokens"] for r in records) / sum(r["computed_tokens"] for r in records)),
+        "bubble_fraction_predicted": float(np.mean([r["bubble_fraction_predicted"] for r in records])),
+        "step_time_s_median": float(np.median([r["step_time_s"] for r in steady])),
+        "predicted_step_s_median": float(np.median([r["predicted_step_s"] for r in steady])),
+        "plan_time_s_median": float(np.median([r["plan_time_s"] for r in records])),
+        "plan_wait_s_total": float(sum(r["plan_wait_s"] for r in steady)),
+        "micro_batches_per_step": float(np.mean([r["num_micro_batches"] for r in records])),
+        "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in records)),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    if not s.get("steps"):
+        return f"{s['method']}: no steps"
+    return (
+        f"{s['method']}: {s['steps']} steps, loss {s['loss_start']:.3f} -> {s['loss_end']:.3f}, "
+        f"{s['tokens_per_s']:.0f} real tokens/s, padding efficiency {s['padding_efficiency']:.3f}, "
+        f"predicted bubble {s['bubble_fraction_predicted']:.3f}, {s['micro_batches_per_step']:.1f} micro-batches/step, "
+        f"step {s['step_time_s_median']:.3f} s measured vs {s['predicted_step_s_median']:.3f} s predicted, "
+        f"plan {1e3 * s['plan_time_s_median']:.1f} ms/step, waited {s['plan_wait_s_total']:.2f} s for plans, "
+        f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )

@@ -1,0 +1,194 @@
+"""Rank 0's step planner: global batch -> micro-batches per replica -> collated tensors, ahead of time.
+
+:class:`StepPlanner` makes one :class:`PlannedStep` per call: it draws the next global batch, cuts it
+with the configured method (``dynamic``: :func:`dynabatch.plan.step.plan_step` with the stage cost
+model; a baseline: its batcher, micro-batches dealt to replicas longest-first), collates each replica's
+micro-batches into tensors, prices them per stage, picks the compute schedule the runtime will run
+and simulates it (the *predicted* step time and bubble, the measured step's twin).
+
+:class:`PlanAhead` runs a planner in a background thread, ``depth`` steps ahead, so the training loop
+never waits on planning in the steady state; ``get()`` reports how long it did wait. numba kernels and
+numpy release the GIL for most of the planning work. The batcher position recorded with each step is
+the position *after* its global batch, which is what a checkpoint taken after that step must store.
+Plans are deterministic, so the threaded path delivers exactly the plans of the synchronous one
+(tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dynabatch.config import TrainConfig
+from dynabatch.cost.stages import StageCostModel, StageCosts
+from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.collate import collate_causal, collate_seq2seq
+from dynabatch.data.microbatch import MicroBatch
+from dynabatch.data.sample import GlobalBatch
+from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.plan.step import plan_step
+from dynabatch.schedule.simulate import simulate
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """Everything rank 0 needs to run and report one step."""
+
+    step: int
+    batch: GlobalBatch
+    replica_micro_batches: tuple[tuple[MicroBatch, ...], ...]
+    shapes: tuple[tuple[tuple[int, int, int], ...], ...]
+    """Per replica, the ``(b, E, D)`` of each micro-batch."""
+    costs: tuple[StageCosts, ...]
+    """Per replica, predicted per-stage costs of its micro-batches (drive the schedule)."""
+    predicted_step_s: float
+    """Simulated makespan of the slowest replica under the schedule the runtime will run."""
+    bubble_fraction: float
+    computed_tokens: int
+    plan_time_s: float
+    batcher_state_after: dict[str, Any]
+    """Global batcher position after this step's batch: what a checkpoint taken after this step stores."""
+
+    @property
+    def real_tokens(self) -> int:
+        return self.batch.num_tokens
+
+    @property
+    def num_micro_batches(self) -> int:
+        return sum(len(s) for s in self.shapes)
+
+
+class StepPlanner:
+    """Deterministic producer of :class:`PlannedStep` (see the module docstring)."""
+
+    def __init__(self, batcher: GlobalBatcher, cfg: TrainConfig, cost_model: StageCostModel, tokens: TokenizerInfo):
+        self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
+        self.limits: LengthLimits = batcher.limits
+        self.family = self.limits.family
+        self.step = batcher.step
+
+    def __call__(self) -> PlannedStep:
+        start = time.perf_counter()
+        batch = self.batcher.next_batch()
+        state = copy.deepcopy(self.batcher.state_dict())
+        groups = self._groups(batch)
+        replicas = tuple(tuple(self._collate(batch, g) for g in gs) for gs in groups)
+        shapes = tuple(tuple(group_shape(batch, g, self.family) for g in gs) for gs in groups)
+        costs, predicted, bubble = self._predict(shapes)
+        computed = sum(b * (e + d) for s in shapes for b, e, d in s)
+        planned = PlannedStep(
+            step=self.step, batch=batch, replica_micro_batches=replicas, shapes=shapes, costs=costs,
+            predicted_step_s=predicted, bubble_fraction=bubble, computed_tokens=computed,
+            plan_time_s=time.perf_counter() - start, batcher_state_after=state,
+        )
+        self.step += 1
+        return planned
+
+    def _groups(self, batch: GlobalBatch) -> list[list[RowGroup]]:
+        cfg, R = self.cfg, self.cfg.replicas
+        if cfg.method == "dynamic":
+            plan = plan_step(
+                batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
+                num_replicas=R, max_samples=cfg.max_micro_batch_samples,
+            )
+            t5 = self.family == "t5"
+            return [
+                [RowGroup(tuple((i,) for i in p.sample_ids), p.shape[1], p.shape[2] if t5 else None) for p in pieces]
+                for pieces in plan.replicas
+            ]
+        options = {
+            "padding": {"samples_per_micro_batch": cfg.samples_per_micro_batch},
+            "length_grouped": {"samples_per_micro_batch": cfg.samples_per_micro_batch},
+            "token_budget": {"max_tokens": max(cfg.token_budget_tokens, self.limits.max_tokens)},
+            "packing": {"rows_per_micro_batch": cfg.packing_rows},
+        }[cfg.method]
+        groups = make_batcher(cfg.method, self.limits, self.tokens, **options).group(batch)
+        return deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)
+
+    def _tokens(self, batch: GlobalBatch, g: RowGroup) -> int:
+        b, e, d = group_shape(batch, g, self.family)
+        return b * (e + d)
+
+    def _collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
+        t = self.tokens
+        if self.family == "t5":
+            return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
+        return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
+
+    def _predict(self, shapes) -> tuple[tuple[StageCosts, ...], float, float]:
+        from dynabatch.runtime.step import compute_schedule
+
+        costs, makespans, bubbles = [], [], []
+        memory = self.cfg.memory_gib * 2**30
+        for s in shapes:
+            arr = np.asarray(s, dtype=np.float64).reshape(-1, 3)
+            c = self.cost_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2])
+            schedule = compute_schedule(self.cfg.policy, arr.astype(np.int64), self.cfg.stages, c, memory)
+            result = simulate(schedule, c, model_state_bytes=np.array(self.cost_model.model_state_bytes))
+            costs.append(c)
+            makespans.append(result.makespan_s)
+            bubbles.append(result.bubble_fraction)
+        return tuple(costs), float(max(makespans)), float(np.mean(bubbles))
+
+
+def deal_to_replicas(groups: list[RowGroup], sizes: list[int], num_replicas: int) -> list[list[RowGroup]]:
+    """Baseline micro-batches to replicas, largest first to the least-loaded replica (order kept)."""
+    if len(groups) < num_replicas:
+        raise ValueError(f"{len(groups)} micro-batches cannot feed {num_replicas} replicas; raise global_batch_tokens")
+    load = [0] * num_replicas
+    owner = [0] * len(groups)
+    for k in sorted(range(len(groups)), key=lambda k: (-sizes[k], k)):
+        r = min(range(num_replicas), key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += sizes[k]
+    return [[g for g, o in zip(groups, owner) if o == r] for r in range(num_replicas)]
+
+
+class PlanAhead:
+    """Runs a :class:`StepPlanner` in a background thread, ``depth`` steps ahead."""
+
+    def __init__(self, planner: StepPlanner, num_steps: int, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(planner, num_steps), daemon=True, name="dynabatch-planner")
+        self._thread.start()
+
+    def _run(self, planner: StepPlanner, num_steps: int) -> None:
+        try:
+            for _ in range(num_steps):
+                item = planner()
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # delivered to the consumer, never lost in the thread
+            self._queue.put(e)
+
+    def get(self, timeout_s: float = 600.0) -> tuple[PlannedStep, float]:
+        """The next planned step and the seconds the caller waited for it."""
+        start = time.perf_counter()
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            alive = self._thread.is_alive()
+            raise RuntimeError(
+                f"the background planner produced no step within {timeout_s:.0f} s "
+                f"({'still running' if alive else 'its thread died'})"
+            ) from None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"the background planner failed: {type(item).__name__}: {item}") from item
+        return item, time.perf_counter() - start
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,329 @@
+"""``dynabatch train``: the training loop on every rank.
+
+Every rank builds the same seeded model, keeps only its own pipeline stage (``models.split``) and an
+:class:`~dynabatch.runtime.executor.Executor` with AdamW and a warm-up + decay LR schedule. Rank 0
+also owns the data: it loads and tokenizes the mixture, and a background
+:class:`~dynabatch.runtime.planner.PlanAhead` prepares the next steps' micro-batches, costs and
+schedules while the current step trains. Each step, :func:`~dynabatch.runtime.step.train_step`
+delivers plans and host tensors and runs them everywhere. Rank 0 logs one JSON record per step
+(loss, real tokens/s, padding efficiency, micro-batch shapes, plan time and wait, predicted vs
+measured step time, peak memory) and shows a progress bar. Checkpoints are per-rank shards plus a
+manifest with the data position (``runtime.checkpoint``); ``--resume`` continues from the newest
+complete one, so later losses match an uninterrupted run and no sample is skipped or repeated.
+At the end the last step's measured timeline is written next to its simulated twin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dynabatch.config import TrainConfig
+from dynabatch.runtime.checkpoint import (
+    latest_checkpoint,
+    load_shard,
+    prune,
+    rng_state,
+    save_shard,
+    set_rng_state,
+    write_manifest,
+)
+from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
+from dynabatch.runtime.metrics import MetricsWriter, format_summary, peak_rss_bytes, summarize
+
+
+@dataclass
+class _Run:
+    """The per-method state of a run on this rank."""
+
+    cfg: TrainConfig
+    ctx: DistContext
+    stage: torch.nn.Module
+    spec: Any
+    layout: Any
+    executor: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batcher: Any = None
+    planner: Any = None
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return 1.0 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def connect(cfg: TrainConfig) -> DistContext:
+    """Join torchrun's world, or make a world of one when launched directly."""
+    if "RANK" in os.environ:
+        return init_distributed(cfg.stages, cfg.replicas, timeout_s=cfg.timeout_s)
+    if cfg.world_size != 1:
+        raise ValueError(
+            f"{cfg.stages} stages x {cfg.replicas} replicas need {cfg.world_size} processes: launch with "
+            f"`torchrun --nproc-per-node {cfg.world_size} -m dynabatch train ...`"
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return init_distributed(1, 1, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", timeout_s=cfg.timeout_s)
+
+
+def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
+    """Model stage, optimizer and executor on every rank; data and planner on rank 0."""
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
+    from dynabatch.models.presets import build_model, model_family
+    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.runtime.executor import Executor
+
+    torch.set_num_threads(cfg.threads)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    info = tokenizer_info(tokenizer)
+    model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
+    if model.config.vocab_size < info.vocab_size:
+        raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
+    family = model_family(model.config)
+    layout = layout_for(model, cfg.stages)
+    spec = pipeline_spec_for(model, layout, "float32")
+    stage = build_stage(model, layout, ctx.stage_index).to(ctx.device)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed)
+    run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler)
+    if ctx.is_planner:
+        from dynabatch.data.batching import GlobalBatcher, LengthLimits
+        from dynabatch.data.mixture import MixtureSpec
+        from dynabatch.data.pipeline import MixtureData
+        from dynabatch.data.report import default_mixture_path
+        from dynabatch.runtime.planner import StepPlanner
+
+        data = MixtureData.load(MixtureSpec.from_file(cfg.mixture or default_mixture_path()), tokenizer, family)
+        limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                              max_seq_len=cfg.max_input_len)
+        run.batcher = GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
+        analytic = AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes=4), hardware_spec("cpu"), dropout=cfg.dropout > 0)
+        cost_model = StageCostModel(analytic, layout, cfg.memory_gib * 2**30, memory_margin=0.0)
+        run.planner = StepPlanner(run.batcher, cfg, cost_model, data.tokens)
+    return run
+
+
+def _checkpoint_root(cfg: TrainConfig) -> str:
+    return os.path.join(cfg.output_dir, "checkpoints")
+
+
+def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> None:
+    """Collective: every rank writes its shard, rank 0 the manifest (after all shards exist)."""
+    root = _checkpoint_root(run.cfg)
+    shard = {
+        "stage": run.stage.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng": rng_state(),
+        "step": step,
+    }
+    info = save_shard(root, step, run.ctx.rank, shard)
+    infos: list = [None] * run.ctx.world_size
+    dist.all_gather_object(infos, info, group=run.ctx.delivery_group)
+    if run.ctx.is_planner:
+        extra = {"data": batcher_state, "config": run.cfg.to_dict(),
+                 "world": {"stages": run.cfg.stages, "replicas": run.cfg.replicas}}
+        write_manifest(root, step, infos, extra)
+        prune(root, run.cfg.keep_checkpoints)
+    dist.barrier(group=run.ctx.delivery_group)
+
+
+def resume(run: _Run) -> int:
+    """Load the newest complete checkpoint; returns the step to continue from (0 if none)."""
+    info = latest_checkpoint(_checkpoint_root(run.cfg))
+    if info is None:
+        if run.ctx.is_planner:
+            warnings.warn(f"--resume: no complete checkpoint in {_checkpoint_root(run.cfg)}; starting from step 0",
+                          stacklevel=2)
+        return 0
+    world = info.manifest.get("world", {})
+    if (world.get("stages"), world.get("replicas")) != (run.cfg.stages, run.cfg.replicas):
+        raise ValueError(
+            f"checkpoint {info.path} was written by {world.get('stages')} stages x {world.get('replicas')} replicas; "
+            f"this run has {run.cfg.stages} x {run.cfg.replicas}"
+        )
+    shard = load_shard(info, run.ctx.rank, map_location=run.ctx.device)
+    run.stage.load_state_dict(shard["stage"])
+    run.optimizer.load_state_dict(shard["optimizer"])
+    run.scheduler.load_state_dict(shard["scheduler"])
+    set_rng_state(shard["rng"])
+    if run.ctx.is_planner:
+        run.batcher.load_state_dict(info.manifest["data"])
+        run.planner.step = info.step
+    return info.step
+
+
+def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True) -> dict | None:
+    """Train ``cfg.steps`` steps with ``cfg.method``; rank 0 returns the summary."""
+    from tqdm import tqdm
+
+    from dynabatch.runtime.planner import PlanAhead
+    from dynabatch.runtime.step import train_step
+
+    run = build_run(cfg, ctx)
+    start = resume(run) if cfg.resume else 0
+    memory = cfg.memory_gib * 2**30
+    writer = MetricsWriter(os.path.join(cfg.output_dir, "metrics.jsonl")) if ctx.is_planner else None
+    ahead = PlanAhead(run.planner, cfg.steps - start, cfg.plan_ahead) if ctx.is_planner else None
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
+    planned = result = None
+    try:
+        for step in range(start, cfg.steps):
+            wait = 0.0
+            if ctx.is_planner:
+                planned, wait = ahead.get(timeout_s=max(600.0, cfg.timeout_s))
+                assert planned.step == step, (planned.step, step)
+            t0 = time.perf_counter()
+            result = train_step(
+                run.executor, ctx, step,
+                planned.replica_micro_batches if ctx.is_planner else None,
+                spec=run.spec, policy=cfg.policy,
+                costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
+            )
+            elapsed = time.perf_counter() - t0
+            if ctx.is_planner:
+                record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
+                writer.write(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if cfg.log_every and (step + 1) % cfg.log_every == 0:
+                    bar.write(json.dumps({k: record[k] for k in _SHOWN}))
+            last = step + 1 == cfg.steps
+            if checkpoints and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
+                save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
+        if cfg.timeline and result is not None:
+            _write_timeline(run, result, planned)
+    finally:
+        bar.close()
+        if ahead is not None:
+            ahead.close()
+    if not ctx.is_planner:
+        return None
+    return summarize(writer.records, cfg.method)
+
+
+_SHOWN = ("step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s", "predicted_step_s",
+          "plan_wait_s")
+
+
+def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> dict[str, Any]:
+    return {
+        "step": step,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": lr,
+        "real_tokens": planned.real_tokens,
+        "computed_tokens": planned.computed_tokens,
+        "padding_efficiency": planned.real_tokens / planned.computed_tokens,
+        "loss_tokens": result.num_loss_tokens,
+        "num_samples": len(planned.batch),
+        "num_micro_batches": planned.num_micro_batches,
+        "micro_batch_shapes": [list(map(list, s)) for s in planned.shapes],
+        "tokens_per_s": planned.real_tokens / elapsed,
+        "step_time_s": elapsed,
+        "predicted_step_s": planned.predicted_step_s,
+        "bubble_fraction_predicted": planned.bubble_fraction,
+        "plan_time_s": planned.plan_time_s,
+        "plan_wait_s": wait,
+        "truncated": planned.batch.num_truncated,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def _write_timeline(run: _Run, result, planned) -> None:
+    """Collective: the last step's measured timeline (replica 0) next to its simulated twin."""
+    import numpy as np
+
+    from dynabatch.runtime.step import compute_schedule
+    from dynabatch.runtime.timeline import gather_timelines
+    from dynabatch.schedule.simulate import simulate
+    from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
+
+    measured = gather_timelines(run.ctx, result)
+    if not run.ctx.is_planner:
+        return
+    shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
+    costs = planned.costs[0]
+    schedule = compute_schedule(run.cfg.policy, shapes, run.cfg.stages, costs, run.cfg.memory_gib * 2**30)
+    simulated = simulate(schedule, costs)
+    out = run.cfg.output_dir
+    trace = to_chrome_trace(measured[0], shapes=shapes, pid=0, process_name=f"measured step {planned.step}")
+    twin = to_chrome_trace(simulated, shapes=shapes, pid=1, process_name=f"simulated step {planned.step}")
+    trace["traceEvents"] += twin["traceEvents"]
+    with open(os.path.join(out, "timeline.json"), "w", encoding="utf-8") as f:
+        json.dump(trace, f)
+    paths = [os.path.join(out, "timeline_measured.png"), os.path.join(out, "timeline_simulated.png")]
+    plot_timeline(measured[0], paths[0], title=f"measured step {planned.step} ({run.cfg.method})", memory=False)
+    plot_timeline(simulated, paths[1], title=f"simulated twin (cost model), makespan {simulated.makespan_s:.3f} s",
+                  memory=False)
+    _stack_pngs(paths, os.path.join(out, "timeline.png"))
+
+
+def _stack_pngs(paths: list[str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = [plt.imread(p) for p in paths]
+    fig, axes = plt.subplots(len(images), 1, figsize=(12, 3.2 * len(images)))
+    for ax, img in zip(axes, images):
+        ax.imshow(img)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig) -> dict | None:
+    """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 prints and returns the summary."""
+    ctx = connect(cfg)
+    try:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        summaries = [train_method(cfg, ctx)]
+        if cfg.compare_method:
+            other = dataclasses.replace(cfg, method=cfg.compare_method, resume=False, timeline=False,
+                                        output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
+            os.makedirs(other.output_dir, exist_ok=True)
+            summaries.append(train_method(other, ctx, checkpoints=False))
+        if not ctx.is_planner:
+            return None
+        summary = {"runs": summaries, "config": cfg.to_dict()}
+        print("\n== summary ==")
+        for s in summaries:
+            print(format_summary(s))
+        if len(summaries) == 2 and summaries[1]["tokens_per_s"] > 0:
+            ratio = summaries[0]["tokens_per_s"] / summaries[1]["tokens_per_s"]
+            summary["speedup_vs_compare"] = ratio
+            print(f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same batches): {ratio:.2f}x")
+        if cfg.timeline:
+            print(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+        return summary
+    finally:
+        shutdown()
