@@ -193,6 +193,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     planned = result = None
     try:
         for step in range(start, cfg.steps):
+            _maybe_crash(step, ctx.rank)
             wait = 0.0
             if ctx.is_planner:
                 planned, wait = ahead.get(timeout_s=max(600.0, cfg.timeout_s))
@@ -226,6 +227,15 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     return summarize(writer.records, cfg.method)
 
 
+def _maybe_crash(step: int, rank: int) -> None:
+    """Fault injection for tests: ``DYNABATCH_CRASH_AT=STEP[:RANK]`` kills this process at that step."""
+    spec = os.environ.get("DYNABATCH_CRASH_AT")
+    if spec:
+        at, _, who = spec.partition(":")
+        if int(at) == step and (not who or int(who) == rank):
+            os._exit(17)
+
+
 _SHOWN = ("step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s", "predicted_step_s",
           "plan_wait_s")
 
@@ -250,8 +260,17 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "plan_time_s": planned.plan_time_s,
         "plan_wait_s": wait,
         "truncated": planned.batch.num_truncated,
+        "samples_digest": _digest(planned.batch),
         "peak_rss_bytes": peak_rss_bytes(),
     }
+
+
+def _digest(batch) -> str:
+    """Short hash of the (source, row) ids of a global batch: equal digests = the same samples."""
+    import hashlib
+
+    ids = ",".join(f"{s.source_index}:{s.row_index}" for s in batch.samples)
+    return hashlib.sha1(ids.encode()).hexdigest()[:16]
 
 
 def _write_timeline(run: _Run, result, planned) -> None:

@@ -1,0 +1,218 @@
+"""Process groups of a pipeline-parallel x data-parallel run (the only module that creates them).
+
+World = ``num_replicas`` data-parallel copies of a ``num_stages``-stage pipeline; replica ``p`` runs
+stage ``s`` on global rank ``p * S + s`` (the layout of :class:`~dynabatch.schedule.ir.ExecutionPlan`).
+:func:`init_distributed` reads torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
+``MASTER_PORT`` (or takes explicit arguments, for tests) and builds, on every rank, in one fixed order:
+
+* ``pipeline_group``: the ``S`` ranks of this rank's replica (grad-norm and loss all-reduce);
+* ``dp_group``: the ``R`` ranks holding this rank's stage (gradient all-reduce);
+* ``delivery_group``: every rank, always gloo (plans and host tensors travel on the CPU even when the
+  training backend is NCCL; its own group keeps its tags apart from the pipeline's p2p tags);
+* tied groups (:func:`tied_groups`): per tied-parameter group name, the ranks of one replica whose
+  stages hold a copy.
+
+Backend: NCCL when CUDA is available, else gloo. Every group gets ``timeout_s``; under gloo a
+transfer or collective with a dead or silent peer raises within it (a crashed peer usually much
+sooner: its sockets close). The runtime turns those errors into :class:`PipelineError` messages that
+name the rank, step, instruction and peer; :func:`exit_on_error` prints one and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class PipelineError(RuntimeError):
+    """A distributed step failed: a peer died or timed out, or an instruction raised."""
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """The ranks of one replica that hold a copy of a tied parameter group."""
+
+    name: str
+    ranks: tuple[int, ...]
+    group: object | None
+    """Process group over ``ranks``; ``None`` when this rank is the only holder."""
+    is_owner: bool
+    """This rank is the lowest holder: the copy counted once in the gradient norm."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This rank's place in the world and its process groups."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    num_stages: int
+    num_replicas: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+    pipeline_group: object = field(repr=False)
+    dp_group: object = field(repr=False)
+    delivery_group: object = field(repr=False)
+
+    @property
+    def stage_index(self) -> int:
+        return self.rank % self.num_stages
+
+    @property
+    def replica_index(self) -> int:
+        return self.rank // self.num_stages
+
+    @property
+    def pipeline_ranks(self) -> tuple[int, ...]:
+        first = self.replica_index * self.num_stages
+        return tuple(range(first, first + self.num_stages))
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        return tuple(p * self.num_stages + self.stage_index for p in range(self.num_replicas))
+
+    @property
+    def is_planner(self) -> bool:
+        """Rank 0 holds the global batch and the plans (:mod:`dynabatch.runtime.delivery`)."""
+        return self.rank == 0
+
+    def rank_of(self, replica_index: int, stage_index: int) -> int:
+        return replica_index * self.num_stages + stage_index
+
+
+def check_world(world_size: int, num_stages: int, num_replicas: int | None) -> int:
+    """The replica count for ``world_size`` ranks; ``ValueError`` naming all three numbers if they
+    do not factor (``num_replicas=None`` infers it)."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    if num_replicas is None:
+        if world_size % num_stages:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of num_stages {num_stages}; "
+                f"launch num_stages x num_replicas processes"
+            )
+        return world_size // num_stages
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if world_size != num_stages * num_replicas:
+        raise ValueError(
+            f"world size {world_size} != num_stages {num_stages} x num_replicas {num_replicas} "
+            f"(= {num_stages * num_replicas}); launch that many processes or change the configuration"
+        )
+    return num_replicas
+
+
+def _env_int(name: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    if name not in os.environ:
+        raise ValueError(f"{name} is not set: launch with torchrun, or pass rank/world_size explicitly")
+    return int(os.environ[name])
+
+
+def init_distributed(
+    num_stages: int,
+    num_replicas: int | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    init_method: str | None = None,
+) -> DistContext:
+    """Join the world and build this rank's groups (collective: every rank calls it together).
+
+    Defaults come from torchrun's environment (``init_method="env://"`` reads ``MASTER_ADDR`` and
+    ``MASTER_PORT``). Tests pass ``rank``, ``world_size`` and ``init_method="file://..."`` or
+    ``"tcp://127.0.0.1:PORT"``. Raises ``ValueError`` before joining when the world size does not
+    factor as ``num_stages x num_replicas``.
+    """
+    rank = _env_int("RANK", rank)
+    world_size = _env_int("WORLD_SIZE", world_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+    num_replicas = check_world(world_size, num_stages, num_replicas)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}; valid: gloo, nccl")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised; call shutdown() first")
+    dist.init_process_group(
+        backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
+    )
+    S, R = num_stages, num_replicas
+    pipeline_group = dp_group = None
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    for p in range(R):
+        g = dist.new_group(list(range(p * S, (p + 1) * S)), timeout=timeout)
+        if rank // S == p:
+            pipeline_group = g
+    for s in range(S):
+        g = dist.new_group([p * S + s for p in range(R)], timeout=timeout)
+        if rank % S == s:
+            dp_group = g
+    delivery_group = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
+    return DistContext(
+        rank, world_size, local_rank, S, R, backend, device, float(timeout_s), pipeline_group, dp_group, delivery_group
+    )
+
+
+def tied_groups(ctx: DistContext, names: Iterable[str]) -> dict[str, TiedGroup]:
+    """Process groups for the tied-parameter groups this rank's stage holds (``names``, e.g. the keys
+    of ``StageModule.tied_parameters()``). Collective over the world: every rank passes its own names;
+    the ranks are gathered, and one group is created per (name, replica) with two or more holders."""
+    mine = sorted(set(names))
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (ctx.rank, mine), group=ctx.delivery_group)
+    holders: dict[tuple[str, int], list[int]] = {}
+    for r, group_names in sorted(gathered):
+        for name in group_names:
+            holders.setdefault((name, r // ctx.num_stages), []).append(r)
+    out: dict[str, TiedGroup] = {}
+    timeout = timedelta(seconds=ctx.timeout_s)
+    for (name, replica), ranks in sorted(holders.items()):
+        group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+        if ctx.rank in ranks:
+            out[name] = TiedGroup(name, tuple(ranks), group, ctx.rank == ranks[0])
+    return out
+
+
+def shutdown() -> None:
+    """Destroy the process groups (after the last step)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_on_error(fn: Callable, *args, **kwargs):
+    """Run ``fn``; on any exception print ``rank N failed: ...`` with the traceback to stderr and exit
+    with status 1 at once (``os._exit``: a process group with a dead peer can hang normal shutdown)."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - the whole point is to exit non-zero on anything
+        rank = os.environ.get("RANK", "?") if not dist.is_initialized() else dist.get_rank()
+        sys.stderr.write(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)

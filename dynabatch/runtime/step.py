@@ -1,0 +1,173 @@
+"""One distributed training step: plan on rank 0, deliver, execute everywhere.
+
+:func:`train_step` is what the trainer and the multi-process tests call on every rank. On rank 0 it
+takes each replica's micro-batches, builds a compute schedule per replica with the chosen policy
+(:func:`compute_schedule`), lowers it to per-rank plans (:func:`dynabatch.schedule.lower.lower`,
+validated), cuts each rank's host tensors out of the micro-batches (only the tensors the rank's stage
+loads), and starts delivering them (:mod:`dynabatch.runtime.delivery`); then every rank runs its plan
+on its :class:`~dynabatch.runtime.executor.Executor`. Rank 0 waits for its deliveries at the end of
+its own step, so it never waits for a slow last stage before starting its forwards.
+
+Policies: ``gpipe``, ``1f1b``, ``adaptive`` (memory-aware list schedule) and ``auto``
+(:func:`~dynabatch.schedule.policies.choose_schedule`: best simulated makespan over policies and
+orders). Without a measured cost model, ``adaptive``/``auto`` use :func:`token_costs`, which prices a
+micro-batch by its computed tokens (enough to order work; the trainer passes real stage costs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dynabatch.cost.stages import StageCosts
+from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch
+from dynabatch.runtime.delivery import StepInputs, receive_step, send_step
+from dynabatch.runtime.dist import DistContext, PipelineError
+from dynabatch.runtime.executor import Executor, StepResult
+from dynabatch.schedule.compute import ComputeSchedule
+from dynabatch.schedule.ir import ExecutionPlan, PipelineSpec
+from dynabatch.schedule.lower import lower
+from dynabatch.schedule.policies import adaptive, choose_schedule, gpipe, one_f_one_b
+
+POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
+InputsFn = Callable[[MicroBatch, PipelineSpec, int], dict]
+"""``(micro_batch, spec, stage_index) -> loaded dict`` (:func:`dynabatch.models.split.micro_batch_inputs`)."""
+
+
+def micro_batch_shape(mb: MicroBatch) -> tuple[int, int, int]:
+    """Padded ``(b, E, D)`` of a micro-batch (``D = 0`` for decoder-only)."""
+    if isinstance(mb, CausalMicroBatch):
+        b, t = mb.shape
+        return (b, t, 0)
+    return mb.shape
+
+
+def token_costs(shapes, num_stages: int) -> StageCosts:
+    """Stand-in stage costs proportional to computed tokens ``b (E + D)`` (forward 1, backward 2 per
+    token, 1 KB stored per token); for policies that need costs when no cost model is at hand."""
+    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+    tokens = arr[:, 0] * (arr[:, 1] + arr[:, 2])  # (M,)
+    per_stage = np.tile(tokens, (num_stages, 1))  # (S, M)
+    return StageCosts(
+        fwd_s=per_stage * 1e-6,
+        bwd_s=per_stage * 2e-6,
+        stored_bytes=per_stage * 1024.0,
+        peak_bytes=per_stage * 2048.0,
+        send_bytes=per_stage * 4.0,
+    )
+
+
+def compute_schedule(
+    policy: str, shapes, num_stages: int, costs: StageCosts | None = None, memory_limit_bytes=None
+) -> ComputeSchedule:
+    """The compute schedule of one replica's micro-batches under ``policy`` (one of :data:`POLICIES`)."""
+    num_mb = len(shapes)
+    if policy == "gpipe":
+        return gpipe(num_mb, num_stages)
+    if policy == "1f1b":
+        return one_f_one_b(num_mb, num_stages)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
+    costs = costs if costs is not None else token_costs(shapes, num_stages)
+    if policy == "adaptive":
+        return adaptive(costs, memory_limit_bytes)
+    return choose_schedule(costs, memory_limit_bytes)[0]
+
+
+def plan_step(
+    replica_shapes: Sequence,
+    spec: PipelineSpec,
+    *,
+    policy: str = "1f1b",
+    step: int = 0,
+    costs: Sequence[StageCosts] | None = None,
+    memory_limit_bytes=None,
+) -> dict[int, ExecutionPlan]:
+    """Validated plans of every rank: replica ``p`` runs the micro-batches of shapes ``replica_shapes[p]``
+    (``(M_p, 3)``, each ``M_p >= 1``); ``costs[p]`` (default :func:`token_costs`) drives the adaptive
+    policies and the order of messages on links."""
+    num_replicas = len(replica_shapes)
+    plans: dict[int, ExecutionPlan] = {}
+    for p, shapes in enumerate(replica_shapes):
+        shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+        if len(shapes) == 0:
+            raise ValueError(f"replica {p} has no micro-batches; every replica needs at least one")
+        c = costs[p] if costs is not None else token_costs(shapes, spec.num_stages)
+        schedule = compute_schedule(policy, shapes, spec.num_stages, c, memory_limit_bytes)
+        plans.update(
+            lower(
+                schedule,
+                shapes,
+                spec,
+                replica_index=p,
+                num_replicas=num_replicas,
+                step=step,
+                fwd_s=c.fwd_s,
+                bwd_s=c.bwd_s,
+            )
+        )
+    return plans
+
+
+def step_payloads(
+    plans: dict[int, ExecutionPlan],
+    replica_micro_batches: Sequence[Sequence[MicroBatch]],
+    spec: PipelineSpec,
+    inputs_fn: InputsFn | None = None,
+) -> dict[int, StepInputs]:
+    """Per rank, its plan and the host tensors its stage loads for its replica's micro-batches."""
+    if inputs_fn is None:
+        from dynabatch.models.split import micro_batch_inputs as inputs_fn
+    tokens = sum(mb.num_loss_tokens for mbs in replica_micro_batches for mb in mbs)
+    out = {}
+    for rank, plan in plans.items():
+        mbs = replica_micro_batches[plan.replica_index]
+        loaded = {m: inputs_fn(mb, spec, plan.stage) for m, mb in enumerate(mbs)}
+        out[rank] = StepInputs(plan, loaded, tokens)
+    return out
+
+
+def train_step(
+    executor: Executor,
+    ctx: DistContext,
+    step: int,
+    replica_micro_batches: Sequence[Sequence[MicroBatch]] | None = None,
+    *,
+    spec: PipelineSpec | None = None,
+    policy: str = "1f1b",
+    costs: Sequence[StageCosts] | None = None,
+    memory_limit_bytes=None,
+    inputs_fn: InputsFn | None = None,
+) -> StepResult:
+    """Run training step ``step`` on this rank (every rank calls it).
+
+    Rank 0 passes ``replica_micro_batches`` (one list per replica, in execution order) and ``spec``;
+    other ranks pass neither and receive their plan and tensors from rank 0.
+    """
+    if ctx.is_planner:
+        if replica_micro_batches is None or spec is None:
+            raise ValueError("rank 0 (the planner) needs replica_micro_batches and spec")
+        if len(replica_micro_batches) != ctx.num_replicas:
+            raise ValueError(
+                f"got micro-batches for {len(replica_micro_batches)} replicas, the world has {ctx.num_replicas}"
+            )
+        shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
+        plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes)
+        own, pending = send_step(step_payloads(plans, replica_micro_batches, spec, inputs_fn), ctx.delivery_group,
+                                 ctx.world_size)
+        result = executor.run(own)
+        try:
+            pending.wait()
+        except Exception as e:
+            raise PipelineError(f"rank 0, step {step}: delivering plans to the other ranks failed: {e}") from e
+        return result
+    try:
+        inputs = receive_step(ctx.delivery_group)
+    except Exception as e:
+        raise PipelineError(
+            f"rank {ctx.rank}, step {step}: receiving the plan from rank 0 (the planner) failed: {e}"
+        ) from e
+    if inputs.plan.step != step:
+        raise PipelineError(f"rank {ctx.rank} expected the plan of step {step}, rank 0 sent step {inputs.plan.step}")
+    return executor.run(inputs)

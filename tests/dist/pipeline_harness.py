@@ -1,0 +1,339 @@
+"""Multi-process harness for the runtime tests: scenarios, data, workers, launcher, references.
+
+One launch of ``world`` spawned processes runs a list of :class:`Scenario` s in sequence; each joins
+its own process group (``file://`` rendezvous in the work dir, no ports) with the ranks it needs and
+the others skip it. Rank 0 makes the global batch of each step (micro-batches of different shapes,
+padded and packed rows), splits it over replicas and delivers; every rank saves its stage's
+gradients and parameters under the original HF parameter names after each step. The parent process
+computes the single-process references (:func:`reference_run`, :func:`singles_grads`) and compares.
+Spawning costs ~5 s of imports per process on 2 cores, so tests share launches.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+VOCAB = 1024
+NUM_MICRO_BATCHES = 6
+LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    family: str  # "gpt2" | "t5"
+    preset: str
+    num_stages: int
+    num_replicas: int = 1
+    policy: str = "1f1b"
+    num_steps: int = 1
+    max_grad_norm: float | None = None
+    seed: int = 0
+    timeout_s: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.num_replicas
+
+
+def _s(family, stages, policy, replicas=1, steps=1, clip=None, seed=0):
+    preset = {"gpt2": "gpt2-tiny" if stages <= 2 else "gpt2-mini", "t5": "t5-tiny" if stages <= 2 else "t5-mini"}[family]
+    name = f"{family}-S{stages}xR{replicas}-{policy}-{steps}step"
+    return Scenario(name, family, preset, stages, replicas, policy, steps, clip, seed)
+
+
+SCENARIOS = {
+    sc.name: sc
+    for sc in [
+        *(_s(f, s, p) for f in ("gpt2", "t5") for s in (2, 4) for p in ("gpipe", "1f1b", "adaptive")),
+        _s("gpt2", 2, "1f1b", replicas=2, steps=3, clip=0.5, seed=1),
+        _s("t5", 2, "adaptive", replicas=2, steps=3, clip=0.5, seed=2),
+        _s("t5", 4, "1f1b", steps=3, clip=1.0, seed=3),
+    ]
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Data and models (the same in workers and in the parent)
+# ----------------------------------------------------------------------------------------------
+
+
+def make_model(sc: Scenario):
+    from dynabatch.models.presets import build_model
+
+    return build_model(sc.preset, vocab_size=VOCAB, dropout=0.0, seed=0).train()
+
+
+def _sample(rng):
+    from dynabatch.data.sample import TokenizedSample
+    from dynabatch.models.presets import EOS_ID
+
+    n_in, n_tgt = int(rng.integers(2, 12)), int(rng.integers(2, 8))
+    inputs = np.append(rng.integers(3, VOCAB, n_in - 1), EOS_ID).astype(np.int32)
+    targets = np.append(rng.integers(3, VOCAB, n_tgt - 1), EOS_ID).astype(np.int32)
+    return TokenizedSample(task="t", input_ids=inputs, target_ids=targets)
+
+
+def _collate(family, samples, rows, slack=0):
+    from dynabatch.data.collate import collate_causal, collate_seq2seq
+    from dynabatch.models.presets import PAD_ID
+
+    if family == "gpt2":
+        row_len = max(sum(samples[i].num_tokens for i in r) for r in rows) + slack
+        return collate_causal(samples, rows, pad_id=PAD_ID, row_len=row_len)
+    enc = max(sum(samples[i].input_len for i in r) for r in rows) + slack
+    dec = max(sum(samples[i].target_len for i in r) for r in rows) + slack
+    return collate_seq2seq(samples, rows, pad_id=PAD_ID, decoder_start_id=PAD_ID, encoder_len=enc, decoder_len=dec)
+
+
+def step_batch(family: str, seed: int, step: int, num_micro_batches: int = NUM_MICRO_BATCHES):
+    """Samples and micro-batches of one global batch: rows of 1-3 samples (padding or packing),
+    1-3 rows, sometimes extra padding; shapes differ between micro-batches."""
+    rng = np.random.default_rng([seed, step])
+    samples, mbs = [], []
+    for _ in range(num_micro_batches):
+        rows = []
+        for _ in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(1, 4))
+            rows.append(list(range(len(samples), len(samples) + k)))
+            samples += [_sample(rng) for _ in range(k)]
+        mbs.append((rows, int(rng.integers(0, 3))))
+    return samples, [_collate(family, samples, rows, slack) for rows, slack in mbs]
+
+
+def split_replicas(mbs, num_replicas: int):
+    return [mbs[p::num_replicas] for p in range(num_replicas)]
+
+
+def make_optimizer(params, num_steps: int):
+    # eps 1e-6: with the default 1e-8 a gradient of ~1e-8 (summation-order noise ~1e-10) moves a
+    # parameter by a visibly different amount, which would test Adam, not the pipeline.
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / (num_steps + 1))
+    return opt, sched
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers
+# ----------------------------------------------------------------------------------------------
+
+
+def _setup_worker() -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None) -> None:
+    """One scenario on this rank (a no-op for ranks outside its world)."""
+    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.runtime.dist import init_distributed, shutdown
+    from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.step import train_step
+    from dynabatch.runtime.timeline import gather_timelines
+
+    if rank >= sc.world_size:
+        return
+    ctx = init_distributed(
+        sc.num_stages, sc.num_replicas, rank=rank, world_size=sc.world_size,
+        init_method=f"file://{workdir}/{sc.name}.init", timeout_s=sc.timeout_s,
+    )
+    model = make_model(sc)
+    layout = layout_for(model, sc.num_stages)
+    spec = pipeline_spec_for(model, layout, "float32")
+    stage = build_stage(model, layout, ctx.stage_index)
+    del model
+    names = dict(stage.parameter_map)
+    if wrap_stage is not None:
+        stage = wrap_stage(stage, ctx)
+    opt, sched = make_optimizer(stage.parameters(), sc.num_steps)
+    ex = Executor(stage, ctx, opt, scheduler=sched, max_grad_norm=sc.max_grad_norm)
+    record = {"grads": [], "params": [], "loss": [], "grad_norm": [], "layout": layout.describe(), "timelines": []}
+    named = list(stage.inner.named_parameters() if hasattr(stage, "inner") else stage.named_parameters())
+    for step in range(sc.num_steps):
+        replica_mbs = None
+        if ctx.is_planner:
+            replica_mbs = split_replicas(step_batch(sc.family, sc.seed, step)[1], sc.num_replicas)
+        result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy)
+        record["grads"].append({names[n]: p.grad.detach().clone() for n, p in named})
+        record["params"].append({names[n]: p.detach().clone() for n, p in named})
+        record["loss"].append(result.loss)
+        record["grad_norm"].append(result.grad_norm)
+        timelines = gather_timelines(ctx, result)  # rank 0: {replica: [TimelineOp]}
+        if timelines is not None:
+            record["timelines"].append(timelines)
+    torch.save(record, os.path.join(workdir, f"{sc.name}.rank{rank}.pt"))
+    shutdown()
+
+
+def _report_failure(workdir: str, rank: int, e: BaseException) -> None:
+    with open(os.path.join(workdir, f"rank{rank}.err"), "w") as f:
+        f.write(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    sys.stderr.write(f"rank {rank} failed: {type(e).__name__}: {e}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def scenarios_worker(rank: int, names: list[str], workdir: str) -> None:
+    _setup_worker()
+    try:
+        for name in names:
+            run_scenario(rank, SCENARIOS[name], workdir)
+    except BaseException as e:  # noqa: BLE001
+        _report_failure(workdir, rank, e)
+
+
+class DyingStage(torch.nn.Module):
+    """Wraps a stage; its ``calls``-th forward ends the process (``os._exit(17)``) or, with ``hang_s``,
+    sleeps that long (a silent peer) and then exits with 18."""
+
+    def __init__(self, inner, calls: int, hang_s: float | None = None, stamp_path: str | None = None) -> None:
+        super().__init__()
+        self.inner, self.calls, self.hang_s, self.stamp_path = inner, calls, hang_s, stamp_path
+        self.stage_index, self.num_stages = inner.stage_index, inner.num_stages
+        self.num_forwards = 0
+
+    def tied_parameters(self):
+        return self.inner.tied_parameters()
+
+    def forward(self, received, loaded):
+        self.num_forwards += 1
+        if self.num_forwards == self.calls:
+            if self.stamp_path:  # when it stopped, for the others' reaction time
+                with open(self.stamp_path, "w") as f:
+                    f.write(repr(time.time()))
+            if self.hang_s is not None:
+                time.sleep(self.hang_s)
+                os._exit(18)
+            os._exit(17)
+        return self.inner(received, loaded)
+
+
+def dead_rank_worker(rank: int, workdir: str, die_rank: int, timeout_s: float, hang_s: float | None = None) -> None:
+    """2 x 2 GPT-2, two steps; rank ``die_rank`` dies (or hangs ``hang_s``) in its 2nd forward of step 1."""
+    _setup_worker()
+    sc = Scenario("dead-rank", "gpt2", "gpt2-tiny", 2, 2, "1f1b", num_steps=2, timeout_s=timeout_s)
+    forwards_per_step = len(split_replicas(list(range(NUM_MICRO_BATCHES)), 2)[die_rank // 2])
+
+    def wrap(stage, ctx):
+        if ctx.rank != die_rank:
+            return stage
+        return DyingStage(stage, forwards_per_step + 2, hang_s, os.path.join(workdir, "stopped_at"))
+
+    from dynabatch.runtime.dist import exit_on_error
+
+    sys.stderr = open(os.path.join(workdir, f"rank{rank}.err"), "w")  # exit_on_error reports here
+    exit_on_error(run_scenario, rank, sc, workdir, wrap_stage=wrap)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+PRELOAD = ["torch", "transformers", "dynabatch.models.split", "dynabatch.runtime.step", "pipeline_harness"]
+
+
+def launch(world_size: int, target, args: tuple, deadline_s: float) -> tuple[list[int | None], float]:
+    """Start ``world_size`` processes ``target(rank, *args)``; join them within ``deadline_s``
+    (stragglers are killed and reported as ``None``). Returns exit codes and elapsed seconds.
+
+    ``forkserver`` with the heavy modules preloaded: the server imports torch and transformers once
+    (about 8 s on 2 cores) and every worker is a fork of it, instead of importing them again.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(world_size)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(max(0.0, deadline_s - (time.monotonic() - start)))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    return codes, time.monotonic() - start
+
+
+def failures(workdir: str, world_size: int) -> str:
+    out = []
+    for r in range(world_size):
+        path = os.path.join(workdir, f"rank{r}.err")
+        if os.path.exists(path):
+            out.append(f"--- rank {r}\n" + open(path).read())
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# References (parent process)
+# ----------------------------------------------------------------------------------------------
+
+
+def load_results(workdir: str, sc: Scenario) -> dict:
+    """Per step, the gradients and parameters by HF name, checked equal across tied copies and replicas."""
+    records = [torch.load(os.path.join(workdir, f"{sc.name}.rank{r}.pt"), weights_only=False)  # our own files
+               for r in range(sc.world_size)]
+    out = {"grads": [], "params": [], "loss": records[-1]["loss"], "grad_norm": records[0]["grad_norm"],
+           "layout": records[0]["layout"], "records": records}
+    for step in range(sc.num_steps):
+        for key in ("grads", "params"):
+            merged: dict[str, torch.Tensor] = {}
+            for r, rec in enumerate(records):
+                for name, t in rec[key][step].items():
+                    if name in merged:  # a tied copy or another replica: must be identical
+                        torch.testing.assert_close(t, merged[name], rtol=0, atol=0, msg=f"{key} {name} rank {r}")
+                    else:
+                        merged[name] = t
+            out[key].append(merged)
+    return out
+
+
+def reference_run(sc: Scenario) -> dict:
+    """The unsplit HF model over the same micro-batches, gradient accumulation of ``loss_sum / tokens``."""
+    from dynabatch.models.forward import forward_loss
+
+    model = make_model(sc)
+    opt, sched = make_optimizer(model.parameters(), sc.num_steps)
+    out = {"grads": [], "params": [], "loss": [], "grad_norm": []}
+    for step in range(sc.num_steps):
+        _, mbs = step_batch(sc.family, sc.seed, step)
+        total = sum(mb.num_loss_tokens for mb in mbs)
+        opt.zero_grad(set_to_none=True)
+        loss = 0.0
+        for mb in mbs:
+            res = forward_loss(model, mb)
+            (res.loss_sum / total).backward()
+            loss += float(res.loss_sum.detach())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.max_grad_norm or float("inf"))
+        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        sched.step()
+        out["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+        out["loss"].append(loss / total)
+        out["grad_norm"].append(float(norm))
+    return out
+
+
+def singles_grads(sc: Scenario, step: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients of step ``step`` with every sample run alone and unpadded (batch of one)."""
+    from dynabatch.models.forward import forward_loss
+
+    model = make_model(sc)
+    samples, mbs = step_batch(sc.family, sc.seed, step)
+    total = sum(mb.num_loss_tokens for mb in mbs)
+    for i in range(len(samples)):
+        mb = _collate(sc.family, samples, [[i]])
+        (forward_loss(model, mb).loss_sum / total).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}

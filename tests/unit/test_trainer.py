@@ -1,0 +1,97 @@
+"""`dynabatch train`: resume after a kill matches an uninterrupted run; plan-ahead equals synchronous."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynabatch.config import TrainConfig
+
+
+def _train(tmp_path, toy_mixture_dir, out: str, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "dynabatch", "train", "--model", "t5-tiny", "--tokenizer", "byt5",
+           "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "1024",
+           "--max-input-len", "128", "--max-target-len", "32", "--output-dir", str(tmp_path / out),
+           "--log-every", "0", "--no-timeline", "--lr", "3e-3", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _records(tmp_path, out: str) -> list[dict]:
+    with open(tmp_path / out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_kill_and_resume_matches_uninterrupted(tmp_path, toy_mixture_dir):
+    full = _train(tmp_path, toy_mixture_dir, "full", "--steps", "6")
+    assert full.returncode == 0, full.stderr[-2000:]
+    crashed = _train(tmp_path, toy_mixture_dir, "crash", "--steps", "6", "--checkpoint-every", "3",
+                     env_extra={"DYNABATCH_CRASH_AT": "4"})
+    assert crashed.returncode != 0
+    assert [r["step"] for r in _records(tmp_path, "crash")] == [0, 1, 2, 3]
+    resumed = _train(tmp_path, toy_mixture_dir, "crash", "--steps", "6", "--checkpoint-every", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = {r["step"]: r for r in _records(tmp_path, "full")}
+    b = {r["step"]: r for r in _records(tmp_path, "crash")}  # steps 0-3, then 3-5 again after resume
+    for step in (3, 4, 5):
+        assert b[step]["samples_digest"] == a[step]["samples_digest"]
+        np.testing.assert_allclose(b[step]["loss"], a[step]["loss"], rtol=1e-6)
+    assert a[5]["loss"] < a[0]["loss"]
+
+
+def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, toy_mixture_dir):
+    out = _train(tmp_path, toy_mixture_dir, "fresh", "--steps", "1", "--resume")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no complete checkpoint" in out.stderr
+
+
+def test_world_size_mismatch_is_a_clear_error(tmp_path, toy_mixture_dir):
+    out = _train(tmp_path, toy_mixture_dir, "bad", "--stages", "2", "--steps", "1")
+    assert out.returncode == 2
+    assert "need 2 processes: launch with `torchrun --nproc-per-node 2" in out.stderr
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="method must be one of"):
+        TrainConfig(method="magic")
+    with pytest.raises(ValueError, match="cannot hold one maximal sample"):
+        TrainConfig(global_batch_tokens=100)
+
+
+def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.models.presets import build_config
+    from dynabatch.models.split import layout_for
+    from dynabatch.models.presets import build_model
+    from dynabatch.runtime.planner import PlanAhead, StepPlanner
+
+    preset = "t5-tiny" if toy_data.family == "t5" else "gpt2-tiny"
+    cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32)
+    model = build_model(preset, vocab_size=toy_data.tokens.vocab_size)
+    layout = layout_for(model, 2)
+    cost = StageCostModel(AnalyticCostModel(spec_from_hf_config(build_config(preset)), hardware_spec("cpu")), layout, 4 * 2**30)
+    limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=32, max_seq_len=128)
+
+    def planner():
+        return StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, cost, toy_data.tokens)
+
+    sync = planner()
+    expected = [sync() for _ in range(5)]
+    ahead = PlanAhead(planner(), 5, depth=2)
+    got = [ahead.get()[0] for _ in range(5)]
+    ahead.close()
+    for e, g in zip(expected, got):
+        assert e.step == g.step and e.shapes == g.shapes
+        assert [s.row_index for s in e.batch.samples] == [s.row_index for s in g.batch.samples]
+        for mbs_e, mbs_g in zip(e.replica_micro_batches, g.replica_micro_batches):
+            assert [m.sample_ids for m in mbs_e] == [m.sample_ids for m in mbs_g]
