@@ -1,0 +1,313 @@
+"""Dynamic micro-batches for any PyTorch training loop: one :class:`StepBatch` per optimizer step.
+
+:class:`DynaBatchDataLoader` draws token-budget global batches from a mixture
+(:class:`~dynabatch.data.batching.GlobalBatcher`), cuts each into variable-size micro-batches and
+collates the ones of its data-parallel replica, each padded only to its own longest sample (``packing``:
+to its fixed row length):
+
+* ``dynamic`` (default): :func:`~dynabatch.plan.step.plan_step` with one pipeline stage and
+  ``num_replicas`` replicas. The partition DP groups samples of similar length and sizes every
+  micro-batch to the memory budget of the cost model, so the number and shapes of micro-batches
+  change from step to step. The plan is deterministic, so every rank builds the same loader with its
+  own ``replica_index``, plans the whole global batch and keeps its share; no rank talks to another.
+* any baseline of :mod:`dynabatch.data.baselines` (``padding``, ``length_grouped``, ``token_budget``,
+  ``packing``): its micro-batches are dealt to replicas round-robin (micro-batch ``k`` to replica
+  ``k mod R``; a replica may get none when there are fewer micro-batches than replicas).
+
+Loss normalisation: micro-batch ``i`` gets the weight ``loss_tokens_i / T`` where ``T`` counts the loss
+tokens of the whole global batch over all replicas (from the sample lengths, without collating the
+other replicas' tensors). ``sum_i loss_sum_i / T`` over a replica's micro-batches, summed over
+replicas (the gradient all-reduce with SUM), is the token-normalised loss of the global batch: every
+target token weighs the same, however the batch was cut.
+
+The cost model for ``dynamic`` defaults to the analytic model of the Hugging Face ``model_config``
+(:func:`~dynabatch.cost.model_specs.spec_from_hf_config`, one stage, the device's memory minus
+parameters, gradients and Adam states; ``hardware="auto"`` picks the preset from the CUDA device name,
+``cpu`` without one) or, without a config, to
+:class:`~dynabatch.plan.costs.PolynomialCostModel`. Planning a global batch of a few hundred samples
+takes ~1-20 ms (numba, warm); collating is numpy + ``torch.from_numpy``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+from dynabatch.data.baselines import BATCHERS, Batcher, RowGroup, make_batcher
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.microbatch import MicroBatch
+from dynabatch.data.pipeline import MixtureData
+from dynabatch.data.sample import GlobalBatch
+from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
+
+METHODS = ("dynamic", *BATCHERS)
+MODEL_TYPE_FAMILIES = {"t5": "t5", "gpt2": "gpt2"}
+"""Hugging Face ``model_type`` -> data family."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Token accounting of one replica's share of a step."""
+
+    num_micro_batches: int
+    num_samples: int
+    """Samples in this replica's micro-batches."""
+    real_tokens: int
+    """Inputs + targets of those samples."""
+    computed_tokens: int
+    """Tokens the model computes on, padding included (``sum b (E + D)``)."""
+    plan_time_s: float
+    """Wall time spent cutting the global batch (the planner or the baseline's grouping)."""
+
+    @property
+    def efficiency(self) -> float:
+        """Padding efficiency: real / computed tokens (1.0 for an empty share)."""
+        return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """What one optimizer step consumes on one replica."""
+
+    step: int
+    """0-based index of the global batch in the stream."""
+    micro_batches: tuple[MicroBatch, ...]
+    """Collated micro-batches of this replica, in execution order, each padded to its own longest sample."""
+    weights: tuple[float, ...]
+    """Per micro-batch: its loss tokens / :attr:`num_loss_tokens` (sums to 1 over all replicas)."""
+    num_loss_tokens: int
+    """Loss tokens of the whole global batch, all replicas together: the loss denominator."""
+    stats: StepStats
+    batch: GlobalBatch
+    """The global batch (all samples; ``micro_batches[i].sample_ids`` index into it)."""
+    replica_index: int
+    num_replicas: int
+
+
+def sample_loss_tokens(batch: GlobalBatch, family: str, loss_on_inputs: bool = False) -> list[int]:
+    """Loss tokens of each sample, from lengths alone, exactly as collate lays them out.
+
+    Encoder-decoder: every target token. Decoder-only: the tokens after the first loss position,
+    ``n - max(input_len, 1)`` (``n - 1`` with ``loss_on_inputs``), since a sample's first token is
+    never predicted.
+    """
+    if family == "t5":
+        return batch.target_lens.tolist()
+    out = []
+    for e, d in zip(batch.input_lens.tolist(), batch.target_lens.tolist()):
+        first_loss = 1 if loss_on_inputs else max(e, 1)
+        out.append(e + d - first_loss)
+    return out
+
+
+def detect_hardware() -> tuple[str, float | None]:
+    """``(preset, device memory or None)`` for this machine: ``cpu`` without CUDA; else the preset named
+    like the device (H200, H100, A100) with the device's own memory, ``a100-80gb`` for other GPUs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = props.name.upper()
+    if "H200" in name:
+        preset = "h200"
+    elif "H100" in name:
+        preset = "h100-80gb"
+    elif "A100" in name and props.total_memory < 50 * 2**30:
+        preset = "a100-40gb"
+    else:
+        preset = "a100-80gb"
+    return preset, float(props.total_memory)
+
+
+def default_cost_model(
+    model_config=None, hardware: str = "auto", device_memory_bytes: float | None = None
+) -> MicroBatchCostModel:
+    """One-stage analytic cost model of ``model_config`` on ``hardware``; polynomial without a config.
+
+    The memory budget is ``device_memory_bytes`` (default: the device's, or the preset's) less 10% and
+    less the whole model's parameters, gradients and Adam states (:class:`~dynabatch.cost.stages.StageCostModel`).
+    """
+    if model_config is None:
+        return PolynomialCostModel()
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+
+    detected_memory = None
+    if hardware == "auto":
+        hardware, detected_memory = detect_hardware()
+    model = AnalyticCostModel(spec_from_hf_config(model_config), hardware_spec(hardware))
+    memory = device_memory_bytes if device_memory_bytes is not None else detected_memory
+    return StageCostModel(model, balanced_layout(model, 1), float(memory if memory is not None else model.hardware.memory_bytes))
+
+
+@dataclass(eq=False)
+class DynaBatchDataLoader:
+    """Endless (or ``max_steps``-long) iterable of :class:`StepBatch`, one per optimizer step."""
+
+    data: MixtureData | GlobalBatcher = field(repr=False)
+    """A tokenized mixture, or a batcher (its position is shared: the loader advances it)."""
+    limits: LengthLimits | None = None
+    """Per-sample length limits; required with ``MixtureData``, taken from a ``GlobalBatcher``."""
+    _: KW_ONLY
+    token_budget: int | None = None
+    """Real tokens per global batch; required with ``MixtureData``, taken from a ``GlobalBatcher``."""
+    method: str = "dynamic"
+    """``dynamic`` (the planner) or a baseline name (see :data:`METHODS`)."""
+    cost_model: MicroBatchCostModel | None = None
+    """Planner cost model (``dynamic``); default: see :func:`default_cost_model`."""
+    model_config: Any = None
+    """Hugging Face ``T5Config`` / ``GPT2Config`` for the default analytic cost model."""
+    hardware: str = "auto"
+    """Hardware preset of the default analytic cost model (``dynabatch.cost.hardware``); ``auto``: :func:`detect_hardware`."""
+    device_memory_bytes: float | None = None
+    """Device memory for the default analytic cost model (default: the detected device's, else the preset's)."""
+    method_options: Mapping[str, Any] = field(default_factory=dict)
+    """Fields of the baseline batcher, e.g. ``{"samples_per_micro_batch": 8}``."""
+    planner_options: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keyword options of :func:`~dynabatch.plan.step.plan_step` (e.g. ``cap_tolerance``)."""
+    loss_on_inputs: bool = False
+    """Decoder-only: also take loss on input tokens."""
+    num_replicas: int = 1
+    """Data-parallel replicas (processes) sharing each global batch."""
+    replica_index: int = 0
+    """This process's replica, ``0 <= replica_index < num_replicas``."""
+    max_steps: int | None = None
+    """Steps per iteration (and ``len``); ``None``: endless, no ``len``."""
+    restart_on_iter: bool = False
+    """Every iteration starts again at the position the loader was built at (evaluation loaders)."""
+    batcher: GlobalBatcher = field(init=False, repr=False)
+    _collator: Batcher = field(init=False, repr=False)
+    _start_state: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, GlobalBatcher):
+            self._check_same("limits", self.limits, self.data.limits)
+            self._check_same("token_budget", self.token_budget, self.data.token_budget)
+            self.batcher = self.data
+        elif isinstance(self.data, MixtureData):
+            if self.limits is None or self.token_budget is None:
+                raise ValueError(
+                    f"with MixtureData give limits and token_budget (got limits={self.limits}, token_budget={self.token_budget})"
+                )
+            self.batcher = GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
+        else:
+            raise ValueError(f"data must be MixtureData or GlobalBatcher, got {type(self.data).__name__}")
+        self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
+        if self.method not in METHODS:
+            raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")
+        if self.num_replicas < 1 or not 0 <= self.replica_index < self.num_replicas:
+            raise ValueError(
+                f"need num_replicas >= 1 and 0 <= replica_index < num_replicas, "
+                f"got replica_index={self.replica_index}, num_replicas={self.num_replicas}"
+            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if self.restart_on_iter and self.max_steps is None:
+            raise ValueError("restart_on_iter=True needs max_steps (an endless loader would never restart)")
+        if self.model_config is not None:
+            family = MODEL_TYPE_FAMILIES.get(getattr(self.model_config, "model_type", None))
+            if family != self.family:
+                raise ValueError(
+                    f"model_config is a {getattr(self.model_config, 'model_type', None)!r} model but the data is "
+                    f"tokenized for {self.family!r}; supported model types: {', '.join(MODEL_TYPE_FAMILIES)}"
+                )
+        tokens = self.batcher.data.tokens
+        unused = {k: v for k, v in (("hardware", self.hardware), ("device_memory_bytes", self.device_memory_bytes))
+                  if v not in (None, "auto")}
+        if unused and (self.method != "dynamic" or self.cost_model is not None or self.model_config is None):
+            warnings.warn(
+                f"{unused} only shape the analytic cost model built from model_config for method 'dynamic' "
+                "without a cost_model; they have no effect here"
+            )
+        if self.method == "dynamic":
+            if self.method_options:
+                raise ValueError(f"method_options {dict(self.method_options)} apply to baselines, not 'dynamic'")
+            if self.cost_model is None:
+                self.cost_model = default_cost_model(self.model_config, self.hardware, self.device_memory_bytes)
+            self._collator = Batcher(limits=self.limits, tokens=tokens, loss_on_inputs=self.loss_on_inputs)
+        else:
+            if self.cost_model is not None or self.planner_options:
+                raise ValueError(f"cost_model and planner_options apply to method 'dynamic', not {self.method!r}")
+            self._collator = make_batcher(
+                self.method, self.limits, tokens, loss_on_inputs=self.loss_on_inputs, **self.method_options
+            )
+        self._start_state = self.batcher.state_dict()
+
+    @staticmethod
+    def _check_same(name: str, given, actual) -> None:
+        if given is not None and given != actual:
+            raise ValueError(f"{name}={given} differs from the GlobalBatcher's {actual}; leave it unset")
+
+    @property
+    def family(self) -> str:
+        return self.batcher.limits.family
+
+    # ------------------------------------------------------------------ planning and collation
+
+    def plan(self, batch: GlobalBatch) -> tuple[tuple[RowGroup, ...], ...]:
+        """Every replica's micro-batches as row groups (sample indices only, no tensors)."""
+        if self.method == "dynamic":
+            from dynabatch.plan.step import plan_step
+
+            step = plan_step(
+                batch.input_lens,
+                batch.target_lens,
+                self.cost_model,
+                1,
+                family=self.family,
+                num_replicas=self.num_replicas,
+                **self.planner_options,
+            )
+            assert not step.sliced_samples, "token slicing is not requested, so no piece is a slice"
+            return tuple(tuple(RowGroup(rows=tuple((i,) for i in p.sample_ids)) for p in pieces) for pieces in step.replicas)
+        groups = self._collator.group(batch)
+        return tuple(tuple(groups[r :: self.num_replicas]) for r in range(self.num_replicas))
+
+    def step_batch(self, batch: GlobalBatch) -> StepBatch:
+        """Plan ``batch`` and collate this replica's micro-batches."""
+        start = time.perf_counter()
+        groups = self.plan(batch)[self.replica_index]
+        plan_time = time.perf_counter() - start
+        micro_batches = tuple(self._collator.collate(batch, g) for g in groups)
+        total = sum(sample_loss_tokens(batch, self.family, self.loss_on_inputs))
+        weights = tuple(mb.num_loss_tokens / total if total else 0.0 for mb in micro_batches)
+        stats = StepStats(
+            num_micro_batches=len(micro_batches),
+            num_samples=sum(mb.num_samples for mb in micro_batches),
+            real_tokens=sum(mb.num_real_tokens for mb in micro_batches),
+            computed_tokens=sum(mb.num_computed_tokens for mb in micro_batches),
+            plan_time_s=plan_time,
+        )
+        return StepBatch(batch.step, micro_batches, weights, total, stats, batch, self.replica_index, self.num_replicas)
+
+    def next_step(self) -> StepBatch:
+        """The next global batch of the stream, planned and collated."""
+        return self.step_batch(self.batcher.next_batch())
+
+    # ------------------------------------------------------------------ iteration and state
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        if self.restart_on_iter:
+            self.batcher.load_state_dict(self._start_state)
+        num_steps = 0
+        while self.max_steps is None or num_steps < self.max_steps:
+            yield self.next_step()
+            num_steps += 1
+
+    def __len__(self) -> int:
+        if self.max_steps is None:
+            raise TypeError("an endless DynaBatchDataLoader has no len(); set max_steps")
+        return self.max_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position (the GlobalBatcher's state): the next step is the next global batch."""
+        return self.batcher.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batcher.load_state_dict(state)

@@ -1,0 +1,307 @@
+"""``DynaBatchTrainer``: a Hugging Face ``Trainer`` whose optimizer step is one dynamic global batch.
+
+The stock ``Trainer`` accumulates a fixed number of equal-shape batches per step and normalises each
+by its own size. Here one step is one :class:`~dynabatch.integrations.dataloader.StepBatch`: a
+variable number of variable-shape micro-batches, normalised by the loss tokens of the whole global
+batch. The override is deliberately narrow, so logging, checkpoints, evaluation, LR schedules,
+clipping, callbacks and mixed precision stay the Trainer's own:
+
+* ``get_train_dataloader`` returns the :class:`DynaBatchDataLoader`; each "batch" the Trainer pulls
+  is a ``StepBatch`` and ``gradient_accumulation_steps`` must be 1 (the token budget sets the step).
+* ``get_batch_samples`` skips HF's label counting (``num_items_in_batch`` is not needed: the
+  denominator comes with the step).
+* ``training_step`` runs, per micro-batch, ``forward_loss(model, mb).loss_sum / T`` (``T``: the global
+  batch's loss tokens over all replicas) and a backward, freeing each micro-batch's activations before
+  the next; it returns the step's token-normalised loss, which the Trainer logs as ``loss``.
+* Data parallelism (torchrun, one process per device): DDP's per-backward all-reduce cannot work when
+  ranks run different numbers of micro-batches (a rank with more backwards would wait forever). All
+  micro-batches run under ``no_sync`` and on the unwrapped module, and after the last one the
+  gradients (and the loss) are summed over ranks in flat buckets. Since each rank's
+  loss is already divided by the global ``T``, the sum is exactly the gradient of the global batch's
+  token-normalised loss, with no division by the world size.
+* ``evaluate`` runs an eval loader (or a dict of them) and reports ``eval_loss`` = summed token loss /
+  loss tokens over the whole evaluation set.
+* Checkpoints also hold the loader's stream position (``dynabatch_loader.json``); resuming restores it
+  instead of replaying batches (``TrainingArguments(ignore_data_skip=True)`` is required for that).
+
+Logs also carry ``padding_efficiency`` (real / computed tokens), ``micro_batches_per_step`` and
+``plan_time_s`` of this process's replica, averaged since the previous log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, speed_metrics
+
+from dynabatch.integrations.dataloader import MODEL_TYPE_FAMILIES, DynaBatchDataLoader, StepBatch
+from dynabatch.models.forward import forward_loss
+
+LOADER_STATE_NAME = "dynabatch_loader.json"
+"""File in each checkpoint folder holding the train loader's stream position."""
+ALL_REDUCE_BUCKET_NUMEL = 2**25
+"""Gradient elements per flat all-reduce (128 MiB of fp32): bounds the extra memory of the copy."""
+_NOT_ACCEPTED = ("train_dataset", "eval_dataset", "data_collator")
+
+
+class DynaBatchTrainer(Trainer):
+    """``Trainer`` that trains on a :class:`DynaBatchDataLoader` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model=None,
+        args: TrainingArguments | None = None,
+        train_loader: DynaBatchDataLoader | None = None,
+        eval_loader: DynaBatchDataLoader | Mapping[str, DynaBatchDataLoader] | None = None,
+        **kwargs,
+    ):
+        given = [k for k in _NOT_ACCEPTED if kwargs.get(k) is not None]
+        if given:
+            raise ValueError(f"DynaBatchTrainer takes train_loader= and eval_loader=, not {given}")
+        super().__init__(model=model, args=args, eval_dataset=eval_loader, **kwargs)
+        self.train_loader = train_loader
+        self._check_setup(train_loader, eval_loader)
+        self._num_non_embedding_params: int | None = None
+        self._reset_step_stats()
+
+    # ------------------------------------------------------------------ set-up checks
+
+    def _check_setup(self, train_loader, eval_loader) -> None:
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one StepBatch is one optimizer "
+                "step already (its size is the loader's token_budget); set gradient_accumulation_steps=1"
+            )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"{args.n_gpu} GPUs in one process (nn.DataParallel) are not supported; "
+                "run one process per device with torchrun"
+            )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and args.world_size == 1:
+            warnings.warn(
+                f"launched with WORLD_SIZE={launched} but TrainingArguments is not distributed, so every process "
+                "trains alone on the whole batch; on CPU set TrainingArguments(use_cpu=True)"
+            )
+        loaders = {"train_loader": train_loader}
+        if isinstance(eval_loader, Mapping):
+            loaders.update({f"eval_loader[{k!r}]": v for k, v in eval_loader.items()})
+        else:
+            loaders["eval_loader"] = eval_loader
+        model_type = getattr(getattr(self.model, "config", None), "model_type", None)
+        for name, loader in loaders.items():
+            if loader is None:
+                continue
+            if not isinstance(loader, DynaBatchDataLoader):
+                raise ValueError(f"{name} must be a DynaBatchDataLoader, got {type(loader).__name__}")
+            if (loader.num_replicas, loader.replica_index) != (args.world_size, args.process_index):
+                raise ValueError(
+                    f"{name} is replica {loader.replica_index} of {loader.num_replicas} but this process is "
+                    f"{args.process_index} of {args.world_size}; build it with num_replicas=args.world_size, "
+                    "replica_index=args.process_index"
+                )
+            if model_type is not None and MODEL_TYPE_FAMILIES.get(model_type) != loader.family:
+                raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
+            if name != "train_loader" and loader.max_steps is None:
+                raise ValueError(f"{name} is endless; give eval loaders max_steps (and restart_on_iter=True)")
+
+    # ------------------------------------------------------------------ training
+
+    def get_train_dataloader(self) -> DynaBatchDataLoader:
+        if self.train_loader is None:
+            raise ValueError("DynaBatchTrainer: training needs train_loader=DynaBatchDataLoader(...)")
+        return self.train_loader
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device) -> tuple[list, None]:
+        """The next ``num_batches`` (= 1) StepBatches; no label counting, the step carries its denominator."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, None
+
+    def training_step(self, model: torch.nn.Module, inputs: StepBatch, num_items_in_batch=None) -> torch.Tensor:
+        """Forward + backward of every micro-batch of the step; gradients summed over replicas at the end."""
+        if not isinstance(inputs, StepBatch):
+            raise TypeError(f"DynaBatchTrainer trains on StepBatch inputs, got {type(inputs).__name__}")
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        module = self.accelerator.unwrap_model(model)
+        denominator = max(inputs.num_loss_tokens, 1)
+        loss_total = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        with self.accelerator.no_sync(model):
+            for mb in inputs.micro_batches:
+                with self.compute_loss_context_manager(), self.accelerator.autocast():
+                    loss = forward_loss(module, mb).loss_sum / denominator
+                self.accelerator.backward(loss)
+                loss_total += loss.detach().to(loss_total.device)
+        if inputs.num_replicas > 1:
+            _all_reduce_sum(module, loss_total)
+        self._record_step_stats(inputs)
+        return loss_total
+
+    def compute_loss(self, model, inputs: StepBatch, return_outputs: bool = False, num_items_in_batch=None):
+        """Token-normalised loss of this replica's share of a step (forward only, graph kept)."""
+        module = self.accelerator.unwrap_model(model)
+        denominator = max(inputs.num_loss_tokens, 1)
+        outputs = []
+        with self.accelerator.autocast():
+            for mb in inputs.micro_batches:
+                outputs.append(forward_loss(module, mb))
+        loss = sum((o.loss_sum for o in outputs), torch.zeros((), device=self.args.device)) / denominator
+        return (loss, outputs) if return_outputs else loss
+
+    def floating_point_ops(self, inputs) -> int:
+        """HF's estimate ``6 x tokens x non-embedding parameters``, over computed (padded) tokens."""
+        if not isinstance(inputs, StepBatch) or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._num_non_embedding_params is None:
+            self._num_non_embedding_params = int(self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs.stats.computed_tokens * self._num_non_embedding_params
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """``num_input_tokens_seen``: inputs + targets, real (``non_padding``) or computed (``all``)."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no" or not isinstance(inputs, StepBatch):
+            return
+        count = inputs.stats.real_tokens if mode == "non_padding" else inputs.stats.computed_tokens
+        tokens = torch.tensor(count, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item())
+
+    # ------------------------------------------------------------------ logging
+
+    def _reset_step_stats(self) -> None:
+        self._stat_steps = self._stat_micro_batches = self._stat_real = self._stat_computed = 0
+        self._stat_plan_s = 0.0
+
+    def _record_step_stats(self, step: StepBatch) -> None:
+        self._stat_steps += 1
+        self._stat_micro_batches += step.stats.num_micro_batches
+        self._stat_real += step.stats.real_tokens
+        self._stat_computed += step.stats.computed_tokens
+        self._stat_plan_s += step.stats.plan_time_s
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._stat_steps:
+            logs["padding_efficiency"] = self._stat_real / max(self._stat_computed, 1)
+            logs["micro_batches_per_step"] = self._stat_micro_batches / self._stat_steps
+            logs["plan_time_s"] = self._stat_plan_s / self._stat_steps
+            self._reset_step_stats()
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """``{prefix}_loss``: summed token loss / loss tokens over every step of the eval loader(s)."""
+        loader = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if loader is None:
+            raise ValueError("DynaBatchTrainer: evaluation needs eval_loader=DynaBatchDataLoader(..., max_steps=N)")
+        if isinstance(loader, Mapping):
+            metrics: dict[str, float] = {}
+            for name, sub in loader.items():
+                metrics.update(self.evaluate(sub, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if not isinstance(loader, DynaBatchDataLoader) or loader.max_steps is None:
+            raise ValueError(f"evaluate() needs a DynaBatchDataLoader with max_steps, got {loader!r:.120}")
+        self._memory_tracker.start()
+        start = time.time()
+        module = self.model
+        was_training = module.training
+        module.eval()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.args.device)
+        num_tokens = num_samples = num_steps = 0
+        with torch.no_grad():
+            for step in loader:
+                for mb in step.micro_batches:
+                    with self.accelerator.autocast():
+                        loss_sum += forward_loss(module, mb).loss_sum.float().to(loss_sum.device)
+                num_tokens += step.num_loss_tokens
+                num_samples += len(step.batch)
+                num_steps += 1
+        if loader.num_replicas > 1:
+            torch.distributed.all_reduce(loss_sum)
+        module.train(was_training)
+        metrics = {f"{metric_key_prefix}_loss": loss_sum.item() / max(num_tokens, 1), f"{metric_key_prefix}_loss_tokens": num_tokens}
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples, num_steps=num_steps))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self._memory_tracker.stop_and_update_metrics(metrics)
+        return metrics
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("DynaBatchTrainer has no predict(); use evaluate() for token-normalised loss")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.train_loader is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, LOADER_STATE_NAME), "w", encoding="utf-8") as f:
+                json.dump(self.train_loader.state_dict(), f)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``Trainer.train``; when resuming, the train loader continues at the checkpoint's stream position."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer.train raises its own error
+        if isinstance(checkpoint, str) and self.train_loader is not None:
+            if not self.args.ignore_data_skip:
+                raise ValueError(
+                    "resuming a DynaBatchTrainer needs TrainingArguments(ignore_data_skip=True): the loader's stream "
+                    f"position is restored from {LOADER_STATE_NAME} instead of replaying batches"
+                )
+            path = os.path.join(checkpoint, LOADER_STATE_NAME)
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    self.train_loader.load_state_dict(json.load(f))
+            else:
+                warnings.warn(f"{checkpoint} has no {LOADER_STATE_NAME}; the data stream continues from where the loader is")
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
+
+
+def _all_reduce_sum(module: torch.nn.Module, loss: torch.Tensor) -> None:
+    """Sum every gradient and ``loss`` over the default process group.
+
+    Missing gradients become zeros, so every rank runs the same collectives. Gradients go in flat
+    buckets of at most :data:`ALL_REDUCE_BUCKET_NUMEL` elements per (device, dtype), in parameter
+    order (the same on every rank).
+    """
+    import torch.distributed as dist
+
+    buckets: list[list[torch.Tensor]] = []
+    sizes: list[int] = []
+    filling: dict[tuple, int] = {}  # (device, dtype) -> index of the bucket being filled
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        key = (p.grad.device, p.grad.dtype)
+        k = filling.get(key)
+        if k is None or sizes[k] + p.grad.numel() > ALL_REDUCE_BUCKET_NUMEL:
+            k = filling[key] = len(buckets)
+            buckets.append([])
+            sizes.append(0)
+        buckets[k].append(p.grad)
+        sizes[k] += p.grad.numel()
+    for grads in buckets:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (numel,)
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    dist.all_reduce(loss)

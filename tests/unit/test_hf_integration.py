@@ -1,0 +1,301 @@
+"""Hugging Face integration: DynaBatchDataLoader coverage, weights, replicas and resumption;
+DynaBatchTrainer training tiny T5 / GPT-2 with the logged loss equal to the manual token-normalised loss,
+evaluation, checkpoints and resuming at the same data position."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_jsonl
+
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.mixture import MixtureSpec
+from dynabatch.data.pipeline import MixtureData
+from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, sample_loss_tokens
+from dynabatch.models.forward import forward_loss
+from dynabatch.models.presets import build_config, build_model
+from dynabatch.plan.costs import PolynomialCostModel
+
+LOADER_METHODS = {
+    "dynamic": {},
+    "padding": {"samples_per_micro_batch": 4},
+    "token_budget": {"max_tokens": 1024},
+    "packing": {"rows_per_micro_batch": 2},
+}
+
+
+def limits_for(family: str) -> LengthLimits:
+    return LengthLimits(family, max_input_len=128, max_target_len=64, max_seq_len=192)
+
+
+def make_loader(data, method="dynamic", **kwargs) -> DynaBatchDataLoader:
+    options = dict(token_budget=3000, method=method, method_options=LOADER_METHODS[method])
+    if method == "dynamic":
+        options.update(hardware="cpu", model_config=build_config("t5-tiny" if data.family == "t5" else "gpt2-tiny"))
+    options.update(kwargs)
+    return DynaBatchDataLoader(data, limits_for(data.family), **options)
+
+
+def sample_keys(batch, ids) -> list[tuple[int, int]]:
+    return [(batch.samples[i].source_index, batch.samples[i].row_index) for i in ids]
+
+
+def step_sample_ids(step: StepBatch) -> list[int]:
+    return [i for mb in step.micro_batches for row in mb.sample_ids for i in row]
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+
+@pytest.mark.parametrize("method", list(LOADER_METHODS))
+def test_micro_batches_cover_each_global_batch_exactly_once(toy_data, method):
+    loader = make_loader(toy_data, method, max_steps=3)
+    steps = list(loader)
+    assert len(steps) == len(loader) == 3
+    for k, step in enumerate(steps):
+        assert step.step == k
+        assert sorted(step_sample_ids(step)) == list(range(len(step.batch)))
+        assert step.num_loss_tokens == sum(sample_loss_tokens(step.batch, toy_data.family))
+        assert sum(mb.num_loss_tokens for mb in step.micro_batches) == step.num_loss_tokens
+        assert sum(step.weights) == pytest.approx(1.0)
+        assert step.stats.real_tokens == step.batch.num_tokens
+        assert step.stats.num_micro_batches == len(step.micro_batches)
+        assert 0 < step.stats.efficiency <= 1
+        if method != "packing":  # each micro-batch padded to its own longest sample only
+            for mb in step.micro_batches:
+                ids = [row[0] for row in mb.sample_ids]
+                e, d = step.batch.input_lens[ids], step.batch.target_lens[ids]
+                if toy_data.family == "t5":
+                    assert mb.shape[1:] == (e.max(), d.max())
+                else:
+                    assert mb.shape[1] == (e + d).max()
+    if method == "dynamic":
+        assert max(s.stats.num_micro_batches for s in steps) > 1  # the cpu preset's budget splits these batches
+
+
+@pytest.mark.parametrize("method", ["dynamic", "padding"])
+def test_replicas_are_disjoint_and_cover_the_batch(toy_data, method):
+    loaders = [make_loader(toy_data, method, num_replicas=2, replica_index=r, max_steps=2) for r in range(2)]
+    for s0, s1 in zip(*loaders):
+        assert sample_keys(s0.batch, range(len(s0.batch))) == sample_keys(s1.batch, range(len(s1.batch)))
+        ids0, ids1 = step_sample_ids(s0), step_sample_ids(s1)
+        assert ids0 and ids1 and not set(ids0) & set(ids1)
+        assert sorted(ids0 + ids1) == list(range(len(s0.batch)))
+        assert s0.num_loss_tokens == s1.num_loss_tokens
+        assert sum(s0.weights) + sum(s1.weights) == pytest.approx(1.0)
+        assert (s0.replica_index, s1.replica_index, s0.num_replicas) == (0, 1, 2)
+
+
+def test_deterministic_and_resumable(toy_data):
+    a, b = make_loader(toy_data), make_loader(toy_data)
+    first_a, first_b = a.next_step(), b.next_step()
+    for x, y in zip(first_a.micro_batches, first_b.micro_batches, strict=True):
+        assert x.sample_ids == y.sample_ids and torch.equal(x.input_ids, y.input_ids)
+    state = a.state_dict()
+    expected = [a.next_step() for _ in range(2)]
+    c = make_loader(toy_data)
+    c.load_state_dict(state)
+    for want, got in zip(expected, [c.next_step() for _ in range(2)]):
+        assert got.step == want.step
+        assert sample_keys(got.batch, range(len(got.batch))) == sample_keys(want.batch, range(len(want.batch)))
+        assert [mb.sample_ids for mb in got.micro_batches] == [mb.sample_ids for mb in want.micro_batches]
+
+
+def test_length_restart_and_shared_batcher(toy_data):
+    endless = make_loader(toy_data)
+    with pytest.raises(TypeError, match="max_steps"):
+        len(endless)
+    evaluation = make_loader(toy_data, max_steps=2, restart_on_iter=True)
+    first = [sample_keys(s.batch, range(len(s.batch))) for s in evaluation]
+    assert first == [sample_keys(s.batch, range(len(s.batch))) for s in evaluation]
+    batcher = GlobalBatcher(toy_data, limits_for(toy_data.family), token_budget=3000)
+    loader = DynaBatchDataLoader(batcher)
+    loader.next_step()
+    assert batcher.step == 1  # the loader advances the batcher it was given
+
+
+def test_smaller_memory_gives_more_micro_batches(toy_data):
+    counts = []
+    for memory in (2**36, 2**26):
+        loader = make_loader(toy_data, hardware="a100-80gb", device_memory_bytes=memory, max_steps=2)
+        counts.append(sum(s.stats.num_micro_batches for s in loader))
+    assert counts[1] > counts[0]
+
+
+def test_loader_rejects_bad_settings(toy_data):
+    limits = limits_for(toy_data.family)
+    with pytest.raises(ValueError, match="valid: dynamic"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, method="bucket")
+    with pytest.raises(ValueError, match="replica_index=2, num_replicas=2"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, num_replicas=2, replica_index=2)
+    with pytest.raises(ValueError, match="token_budget"):
+        DynaBatchDataLoader(toy_data, limits)
+    other = "gpt2-tiny" if toy_data.family == "t5" else "t5-tiny"
+    with pytest.raises(ValueError, match="tokenized for"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, model_config=build_config(other))
+    with pytest.raises(ValueError, match="restart_on_iter"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, restart_on_iter=True)
+    with pytest.raises(ValueError, match="baselines"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, method_options={"samples_per_micro_batch": 2})
+    with pytest.warns(UserWarning, match="no effect"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, method="padding", hardware="cpu")
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+WORDS = "red green blue cyan black white gold pink".split()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models are dispatch-bound: one thread is several times faster than two on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def copy_spec(tmp_path_factory) -> MixtureSpec:
+    """A small learnable task (copy 1-12 words) so that the loss falls within a few steps."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(48):
+        words = " ".join(rng.choice(WORDS, int(rng.integers(1, 13))))
+        rows.append({"task": "copy", "inputs": f"copy: {words}", "targets": words})
+    folder = tmp_path_factory.mktemp("copy")
+    write_jsonl(folder / "copy.jsonl", rows)
+    return MixtureSpec.from_dict({"name": "copy", "seed": 3, "sources": [{"task": "copy", "data_files": "copy.jsonl"}]}, str(folder))
+
+
+def trainer_setup(copy_spec, byt5, family: str, tmp_path, **arg_overrides):
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, family)
+    model = build_model("t5-tiny" if family == "t5" else "gpt2-tiny", vocab_size=len(byt5))
+    # A small activation budget cuts each ~800-token batch into 3-4 micro-batches of varying count.
+    options = dict(token_budget=800, cost_model=PolynomialCostModel(memory_budget_bytes=64 * 2**20))
+    train = DynaBatchDataLoader(data, limits_for(family), **options)
+    twin = DynaBatchDataLoader(data, limits_for(family), **options)  # the same StepBatches, for manual checks
+    evaluation = DynaBatchDataLoader(data, limits_for(family), max_steps=2, restart_on_iter=True, **options)
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(arg_overrides)
+    trainer = DynaBatchTrainer(model=model, args=TrainingArguments(**settings), train_loader=train, eval_loader=evaluation)
+    return trainer, twin, evaluation
+
+
+def manual_loss(model, step: StepBatch) -> float:
+    with torch.no_grad():
+        return sum(forward_loss(model, mb).loss_sum.item() for mb in step.micro_batches) / step.num_loss_tokens
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_trainer_loss_falls_and_equals_manual_token_normalised_loss(copy_spec, byt5, family, tmp_path):
+    from transformers import TrainerCallback
+
+    trainer, twin, _ = trainer_setup(copy_spec, byt5, family, tmp_path)
+    manual, num_micro_batches = [], []
+    twin_steps = iter(twin)
+
+    class Manual(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            step = next(twin_steps)  # the batch the trainer is about to train on
+            manual.append(manual_loss(copy.deepcopy(model), step))  # with the weights before the update
+            num_micro_batches.append(len(step.micro_batches))
+
+    trainer.add_callback(Manual())
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == len(manual) == 8
+    np.testing.assert_allclose(logged, manual, rtol=1e-5)
+    assert max(num_micro_batches) > 1 and len(set(num_micro_batches)) > 1  # variable micro-batch counts
+    assert np.mean(logged[-2:]) < 0.8 * logged[0]
+    first = next(h for h in trainer.state.log_history if "loss" in h)
+    assert 0 < first["padding_efficiency"] <= 1 and first["micro_batches_per_step"] >= 1
+
+
+def test_trainer_evaluates_saves_and_resumes_at_the_same_data(copy_spec, byt5, tmp_path):
+    settings = dict(max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, ignore_data_skip=True)
+    trainer, _, evaluation = trainer_setup(copy_spec, byt5, "t5", tmp_path, **settings)
+    trainer.train()
+    history = trainer.state.log_history
+    evals = [h["eval_loss"] for h in history if "eval_loss" in h]
+    assert len(evals) == 2
+    steps = list(evaluation)
+    with torch.no_grad():
+        loss_sum = sum(forward_loss(trainer.model, mb).loss_sum.item() for s in steps for mb in s.micro_batches)
+    expected = loss_sum / sum(s.num_loss_tokens for s in steps)
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert evals[-1] == pytest.approx(expected, rel=1e-5)  # the last evaluation saw the final weights
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "dynabatch_loader.json").exists() and (checkpoint / "model.safetensors").exists()
+
+    resumed, _, _ = trainer_setup(copy_spec, byt5, "t5", tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    train_losses = {h["step"]: h["loss"] for h in history if "loss" in h}
+    resumed_losses = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 2}
+    assert sorted(resumed_losses) == [3, 4]
+    for k, loss in resumed_losses.items():
+        assert loss == pytest.approx(train_losses[k], rel=1e-5)
+
+
+def test_trainer_rejects_gradient_accumulation_and_wrong_replica(copy_spec, byt5, tmp_path):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+        trainer_setup(copy_spec, byt5, "t5", tmp_path, gradient_accumulation_steps=2)
+    trainer, _, _ = trainer_setup(copy_spec, byt5, "t5", tmp_path, save_strategy="steps", save_steps=2)
+    with pytest.raises(ValueError, match="ignore_data_skip=True"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    loader = DynaBatchDataLoader(
+        trainer.train_loader.batcher, num_replicas=2, replica_index=1
+    )
+    with pytest.raises(ValueError, match="replica 1 of 2 but this process is 0 of 1"):
+        DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=loader)
+
+
+def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path):
+    """torchrun, 2 CPU processes (gloo): each rank trains its share of every global batch, gradients are
+    summed after a different number of micro-batches per rank, and the logged losses equal one process's."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_trainer.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single, parallel = tmp_path / "single", tmp_path / "parallel"
+    common = [script, "--steps", "4"]
+    subprocess.run([sys.executable, *common, "--output-dir", str(single)], env=env, check=True, capture_output=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    subprocess.run([*torchrun, *common, "--output-dir", str(parallel)], env=env, check=True, capture_output=True)
+
+    def losses(folder):
+        with open(folder / "checkpoint-4" / "trainer_state.json") as f:
+            history = json.load(f)["log_history"]
+        train = [h for h in history if "loss" in h]
+        evals = [h["eval_loss"] for h in history if "eval_loss" in h]
+        return [h["loss"] for h in train], evals, sum(h["micro_batches_per_step"] for h in train)
+
+    (train_1, eval_1, micro_1), (train_2, eval_2, micro_2) = losses(single), losses(parallel)
+    assert len(train_1) == 4 and len(eval_1) == 2
+    assert micro_2 < micro_1  # rank 0 really ran only its share (a non-distributed run would match trivially)
+    np.testing.assert_allclose(train_2, train_1, rtol=1e-5)
+    np.testing.assert_allclose(eval_2, eval_1, rtol=1e-5)
