@@ -200,6 +200,27 @@ def _metric3(tab, k, m, ib, tb, ie, te_log, te_lin, id_, td_log, td_lin):
     return _lerp(v0, v1, tb)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _add_kinds2(tab, cnt, ib, tb, il, tl, tn, fwd, bwd, stored, transient):
+    """Add the kinds of a packed (K, 8, nb, nl) table with non-zero counts to a stage's running sums.
+
+    Returns ``(ok, fwd, bwd, stored, transient)``; ``ok`` is False when such a kind needs a length that
+    is off the axis (``il < 0``): the stage is infeasible.
+    """
+    for k in range(cnt.shape[0]):
+        c = cnt[k]
+        if c == 0.0:
+            continue
+        if il < 0:
+            return False, fwd, bwd, stored, transient
+        s = _metric2(tab, k, STORED, ib, tb, il, tl, tn)
+        fwd += c * _metric2(tab, k, FWD, ib, tb, il, tl, tn)
+        bwd += c * _metric2(tab, k, BWD, ib, tb, il, tl, tn)
+        stored += c * s
+        transient = max(transient, _metric2(tab, k, PEAK, ib, tb, il, tl, tn) - s)
+    return True, fwd, bwd, stored, transient
+
+
 @njit(cache=True, nogil=True)
 def _stage_cost(axis_b, axis_e, axis_d, tab_be, cnt_be, tab_bd, cnt_bd, tab_bed, cnt_bed, b, e, d):
     """(fwd_s, bwd_s, stored_bytes, peak_bytes) of a stage: kinds weighted by counts (see module doc).
@@ -214,32 +235,13 @@ def _stage_cost(axis_b, axis_e, axis_d, tab_be, cnt_be, tab_bd, cnt_bd, tab_bed,
     if ib < 0:
         return INF, INF, INF, INF
     tb = (b - axis_b[ib]) / (axis_b[ib + 1] - axis_b[ib])
-    fwd = 0.0
-    bwd = 0.0
-    stored = 0.0
-    transient = 0.0
-    for k in range(cnt_be.shape[0]):
-        c = cnt_be[k]
-        if c == 0.0:
-            continue
-        if ie < 0:
-            return INF, INF, INF, INF
-        s = _metric2(tab_be, k, STORED, ib, tb, ie, te_log, te_lin)
-        fwd += c * _metric2(tab_be, k, FWD, ib, tb, ie, te_log, te_lin)
-        bwd += c * _metric2(tab_be, k, BWD, ib, tb, ie, te_log, te_lin)
-        stored += c * s
-        transient = max(transient, _metric2(tab_be, k, PEAK, ib, tb, ie, te_log, te_lin) - s)
-    for k in range(cnt_bd.shape[0]):
-        c = cnt_bd[k]
-        if c == 0.0:
-            continue
-        if id_ < 0:
-            return INF, INF, INF, INF
-        s = _metric2(tab_bd, k, STORED, ib, tb, id_, td_log, td_lin)
-        fwd += c * _metric2(tab_bd, k, FWD, ib, tb, id_, td_log, td_lin)
-        bwd += c * _metric2(tab_bd, k, BWD, ib, tb, id_, td_log, td_lin)
-        stored += c * s
-        transient = max(transient, _metric2(tab_bd, k, PEAK, ib, tb, id_, td_log, td_lin) - s)
+    ok, fwd, bwd, stored, transient = _add_kinds2(tab_be, cnt_be, ib, tb, ie, te_log, te_lin, 0.0, 0.0, 0.0, 0.0)
+    if not ok:
+        return INF, INF, INF, INF
+    ok, fwd, bwd, stored, transient = _add_kinds2(tab_bd, cnt_bd, ib, tb, id_, td_log, td_lin,
+                                                  fwd, bwd, stored, transient)
+    if not ok:
+        return INF, INF, INF, INF
     for k in range(cnt_bed.shape[0]):
         c = cnt_bed[k]
         if c == 0.0:

@@ -8,11 +8,19 @@ tables. Its kinds map to profiled kinds: ``embedding`` -> the (encoder) embeddin
 encoder's final norm (both sit between the stacks), ``lm_head`` -> the head; a stage with blocks of a
 stack also pays that stack's context kind once.
 
-``ProfiledCostModel(tables, stages, memory_budget_bytes).evaluate(b, E, D)`` returns, per padded shape,
-the bottleneck over the pipeline stages: the largest forward + backward time, the largest stored
-activation bytes and the largest transient bytes (``peak - stored``), each maximised separately (a
-conservative reading when different stages are the bottleneck for time and memory). p2p time is not
-included. The loop over shapes and stages runs in one numba kernel (``_kernels._evaluate_stages``).
+The planner's view, per padded shape, is the bottleneck over the pipeline stages: the largest forward +
+backward time, the largest stored activation bytes and the largest transient bytes, each maximised
+separately (a conservative reading when different stages are the bottleneck for time and memory); p2p
+time is not included. One numba kernel (``_kernels._evaluate_stages``) loops over shapes and stages,
+and :func:`bottleneck_costs` wraps it for both entry points:
+``StageCostModel(ProfiledLayerModel(tables), layout, device_memory).evaluate`` (stages in layer kinds,
+budget from device memory less model states) and ``ProfiledCostModel(tables, stages,
+memory_budget_bytes).evaluate`` (stages as profiled ``StageSpec``, budget given).
+
+Peak convention: the tables' (and ``CostTables.stage_cost``'s) peak bytes *include* the stored bytes
+(``stored + largest per-kind transient``); the planner's and the stage layer's third number
+(``peak_extra_bytes``, ``StageCosts.peak_bytes``) is the transient *on top* of the stored bytes,
+``peak - stored``.
 
 The planner requires finite outputs, so shapes the tables cannot answer -- beyond the grid, or in a
 cell that was not profiled or ran out of memory -- get ``INFEASIBLE`` (1e30) for time and bytes: far
@@ -33,9 +41,37 @@ INFEASIBLE = 1e30
 """Finite stand-in for ``+inf`` (the planner rejects non-finite costs)."""
 
 
+def bottleneck_costs(tables: CostTables, counts, b, e, d) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(time_s, stored_bytes, transient_bytes)`` of the bottleneck over the stages whose kind counts are
+    ``counts`` (from :func:`stage_count_arrays`), shaped like ``b``; ``e`` and ``d`` hold as many queries.
+    Infeasible shapes get ``INFEASIBLE`` in all three."""
+    shape = np.shape(b)
+    b, e, d = (np.ascontiguousarray(np.asarray(x, dtype=np.float64).ravel()) for x in (b, e, d))
+    if tables.family == "gpt2":
+        d = np.ones_like(d)
+    cnt_be, cnt_bd, cnt_bed = counts
+    a = tables.kernel_arrays()
+    out = [np.empty_like(b) for _ in range(3)]
+    _kernels._evaluate_stages(a.axis_b, a.axis_e, a.axis_d, a.tab_be, cnt_be, a.tab_bd, cnt_bd, a.tab_bed,
+                              cnt_bed, b, e, d, *out)
+    return tuple(np.where(np.isfinite(o), o, INFEASIBLE).reshape(shape) for o in out)
+
+
+def stage_count_arrays(tables: CostTables, stages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(num_stages, num_kinds) count arrays per kernel table (``_evaluate_stages``' ``cnts_*``) of the
+    ``StageSpec`` list ``stages``; validates kinds."""
+    counts = [tables.stage_counts(s) for s in stages]
+    return tuple(np.ascontiguousarray(np.stack(c)) for c in zip(*counts))
+
+
 @dataclass(frozen=True)
 class ProfiledCostModel:
-    """Bottleneck-stage costs of micro-batch shapes from profiled tables."""
+    """Bottleneck-stage costs of micro-batch shapes from profiled tables, for given stages and budget.
+
+    The same numbers as ``StageCostModel(ProfiledLayerModel(tables), layout, ...).evaluate`` for the
+    equivalent layout (one code path, :func:`bottleneck_costs`); this one takes the stages as profiled
+    ``StageSpec`` objects and the activation budget directly.
+    """
 
     tables: CostTables
     stages: tuple[StageSpec, ...]
@@ -48,8 +84,7 @@ class ProfiledCostModel:
             raise ValueError("need at least one stage")
         if not (self.memory_budget_bytes > 0 and np.isfinite(self.memory_budget_bytes)):
             raise ValueError(f"memory_budget_bytes must be finite and > 0, got {self.memory_budget_bytes}")
-        counts = [self.tables.stage_counts(s) for s in self.stages]  # validates kinds
-        object.__setattr__(self, "_counts", tuple(np.ascontiguousarray(np.stack(c)) for c in zip(*counts)))
+        object.__setattr__(self, "_counts", stage_count_arrays(self.tables, self.stages))  # validates kinds
 
     @classmethod
     def even_split(cls, tables: CostTables, num_stages: int, memory_budget_bytes: float) -> "ProfiledCostModel":
@@ -62,21 +97,9 @@ class ProfiledCostModel:
 
     def evaluate(self, b, E, D):  # noqa: N803 - planner's names
         """``(time_s, stored_bytes, transient_bytes)`` float64 arrays shaped like ``b``."""
-        b = np.asarray(b, dtype=np.float64)
-        shape = b.shape
-        b = np.ascontiguousarray(b.ravel())
-        e = np.ascontiguousarray(np.asarray(E, dtype=np.float64).ravel())
-        d = np.ascontiguousarray(np.asarray(D, dtype=np.float64).ravel())
-        if not (b.shape == e.shape == d.shape):
-            raise ValueError(f"b, E, D must have one shape, got {shape}, {np.shape(E)}, {np.shape(D)}")
-        if self.tables.family == "gpt2":
-            d = np.ones_like(d)
-        a = self.tables.kernel_arrays()
-        cnt_be, cnt_bd, cnt_bed = self._counts
-        out = [np.empty_like(b) for _ in range(3)]
-        _kernels._evaluate_stages(a.axis_b, a.axis_e, a.axis_d, a.tab_be, cnt_be, a.tab_bd, cnt_bd, a.tab_bed,
-                                  cnt_bed, b, e, d, *out)
-        return tuple(np.where(np.isfinite(o), o, INFEASIBLE).reshape(shape) for o in out)
+        if not (np.size(b) == np.size(E) == np.size(D)):
+            raise ValueError(f"b, E, D must have one shape, got {np.shape(b)}, {np.shape(E)}, {np.shape(D)}")
+        return bottleneck_costs(self.tables, self._counts, b, E, D)
 
 
 _ANALYTIC_KINDS = {
@@ -138,6 +161,13 @@ class ProfiledLayerModel:
         fwd, bwd, stored, peak = (x.reshape(shape) for x in out)
         vals = (fwd, bwd, stored, np.where(stored >= INFEASIBLE, INFEASIBLE, peak - stored))
         return LayerModelCost(*(float(v) if scalar else v for v in vals))
+
+    def bottleneck_cost(self, stages, b, E, D=None):  # noqa: N803
+        """``StageCostModel.evaluate``'s planner view in one kernel pass: ``(time_s, stored_bytes,
+        transient_bytes)`` of the bottleneck over ``stages`` (each a list of layer kinds), broadcast shapes."""
+        b, e, d = np.broadcast_arrays(*(np.asarray(1.0 if x is None else x, dtype=np.float64) for x in (b, E, D)))
+        counts = stage_count_arrays(self.tables, [self.spec(s) for s in stages])
+        return bottleneck_costs(self.tables, counts, b, e, d)
 
     def send_bytes(self, last_kind: str, b, E, D=None):  # noqa: N803
         """Bytes a stage ending in ``last_kind`` sends on: hidden states of E tokens, E + D once the decoder

@@ -164,6 +164,13 @@ class StageCostModel:
         )
 
     def evaluate(self, b, E, D) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages."""
+        """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages.
+
+        A layer model with ``bottleneck_cost(stages, b, E, D)`` (the profiled tables' fused kernel)
+        answers it in one call; otherwise it is reduced from :meth:`per_stage`.
+        """
+        fused = getattr(self.model, "bottleneck_cost", None)
+        if fused is not None:
+            return fused(self.layout.stages, b, E, D)
         c = self.per_stage(b, E, D)
         return (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0)

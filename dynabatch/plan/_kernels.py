@@ -99,11 +99,7 @@ def _min_sum_dp(T, L, cap, f, m, choice):
 
 @njit(cache=True)
 def _cap_candidates(T, L, lo, hi, tol):
-    """Sorted run times in ``[lo, hi]``, thinned so consecutive caps differ by more than ``tol``.
-
-    Greedy cover: from the smallest uncovered value ``v`` take the largest value ``<= v (1 + tol)``,
-    so every value is within a factor ``1 + tol`` below some cap.
-    """
+    """Sorted run times in ``[lo, hi]``, thinned by ``_thin_caps`` so consecutive caps differ by more than ``tol``."""
     n = T.shape[0]
     count = 0
     for j in range(n):
@@ -119,7 +115,15 @@ def _cap_candidates(T, L, lo, hi, tol):
             if lo <= t <= hi:
                 values[k] = t
                 k += 1
+    return _thin_caps(values, tol)
+
+
+@njit(cache=True)
+def _thin_caps(values, tol):
+    """Sort ``values`` in place and thin them: from the smallest uncovered value ``v`` take the largest
+    value ``<= v (1 + tol)``, so every value is within a factor ``1 + tol`` below some cap."""
     values.sort()
+    count = values.shape[0]
     caps = np.empty(count)
     num_caps = 0
     i = 0
@@ -175,52 +179,78 @@ def _solve_partition(T, L, num_stages, tol):
     k = caps.shape[0]
     if k == 0:
         return _lengths_from_choice(best_choice), best_obj, 0
-    F = np.empty(k + 1)  # F[k]: the unconstrained min sum, a virtual cap above all others
-    F[k] = sum_min
-    s, mx = _min_sum_dp(T, L, caps[0], f, m, choice)
-    F[0] = s
-    num_tried = 1
-    if s + slope * mx < best_obj:
-        best_obj = s + slope * mx
-        best_choice[:] = choice
-    lo_stack = np.empty(k + 1, dtype=np.int64)
-    hi_stack = np.empty(k + 1, dtype=np.int64)
+    F, stack = _new_cap_search(k, sum_min)
     num_open = 0
-    if k > 1:
-        lo_stack[0] = 0
-        hi_stack[0] = k
-        num_open = 1
-    while num_open > 0:
-        pick = 0
-        bound = np.inf
-        for q in range(num_open):
-            v = F[hi_stack[q]] + slope * caps[lo_stack[q]]
-            if v < bound:
-                bound = v
-                pick = q
-        if bound >= best_obj:
-            break
-        lo = lo_stack[pick]
-        hi = hi_stack[pick]
-        num_open -= 1
-        lo_stack[pick] = lo_stack[num_open]
-        hi_stack[pick] = hi_stack[num_open]
-        mid = (lo + hi) // 2
+    num_tried = 0
+    lo, mid, hi = 0, 0, k  # caps[0] first; splitting the virtual (0, k) there opens (0, k)
+    while lo >= 0:
         s, mx = _min_sum_dp(T, L, caps[mid], f, m, choice)
         F[mid] = s
         num_tried += 1
         if s + slope * mx < best_obj:
             best_obj = s + slope * mx
             best_choice[:] = choice
-        if mid - lo > 1:
-            lo_stack[num_open] = lo
-            hi_stack[num_open] = mid
-            num_open += 1
-        if hi - mid > 1:
-            lo_stack[num_open] = mid
-            hi_stack[num_open] = hi
-            num_open += 1
+        num_open = _push_halves(stack, num_open, lo, mid, hi)
+        lo, mid, hi, num_open = _pop_best_interval(stack, num_open, F, caps, slope, best_obj)
     return _lengths_from_choice(best_choice), best_obj, num_tried
+
+
+# --------------------------------------------------------------------------- best-first cap search
+# Shared by ``_solve_partition`` and ``_slicing_kernels._solve_slices``; each runs its own DP under a cap.
+# ``F[i]`` is the min sum under ``caps[i]`` once evaluated (``F[k]``, past the last cap, the unconstrained
+# one); a cap strictly inside an open interval ``(lo, hi)`` of cap indices scores more than
+# ``F[hi] + slope * caps[lo]``. A solver loop: evaluate ``caps[mid]``, ``_push_halves``,
+# ``_pop_best_interval``, until it returns ``lo = -1``.
+
+
+@njit(cache=True)
+def _new_cap_search(k, sum_min):
+    """``(F, stack)`` for ``k`` caps: ``F`` (k + 1,) with ``F[k] = sum_min``; ``stack`` (k + 1, 2) of open
+    intervals ``(lo, hi)``, empty (at most one interval per cap is open at once)."""
+    F = np.empty(k + 1)
+    F[k] = sum_min
+    return F, np.empty((k + 1, 2), dtype=np.int64)
+
+
+@njit(cache=True)
+def _pop_best_interval(stack, num_open, F, caps, slope, best_obj):
+    """Remove the open interval with the lowest bound ``F[hi] + slope * caps[lo]`` (first on ties).
+
+    Returns ``(lo, mid, hi, num_open)`` with ``mid = (lo + hi) // 2`` the cap to evaluate next; ``lo = -1``
+    (nothing removed) when no interval is open or no bound is below ``best_obj``: the search is over.
+    Removal swaps the last interval into the hole.
+    """
+    if num_open == 0:
+        return -1, -1, -1, num_open
+    pick = 0
+    bound = np.inf
+    for q in range(num_open):
+        v = F[stack[q, 1]] + slope * caps[stack[q, 0]]
+        if v < bound:
+            bound = v
+            pick = q
+    if bound >= best_obj:
+        return -1, -1, -1, num_open
+    lo = stack[pick, 0]
+    hi = stack[pick, 1]
+    num_open -= 1
+    stack[pick, 0] = stack[num_open, 0]
+    stack[pick, 1] = stack[num_open, 1]
+    return lo, (lo + hi) // 2, hi, num_open
+
+
+@njit(cache=True)
+def _push_halves(stack, num_open, lo, mid, hi):
+    """Push ``(lo, mid)`` and ``(mid, hi)``, each only if a cap lies strictly inside; returns ``num_open``."""
+    if mid - lo > 1:
+        stack[num_open, 0] = lo
+        stack[num_open, 1] = mid
+        num_open += 1
+    if hi - mid > 1:
+        stack[num_open, 0] = mid
+        stack[num_open, 1] = hi
+        num_open += 1
+    return num_open
 
 
 # --------------------------------------------------------------------------- orderings

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from dynabatch.plan._kernels import _new_cap_search, _pop_best_interval, _push_halves, _thin_caps
+
 
 @njit(cache=True)
 def _walk_back(choice_row_of, n):
@@ -153,8 +155,8 @@ def _min_max_value(T, max_slices):
 def _cap_candidates(T, lo, hi, tol):
     """Sorted finite slice times in ``[lo, hi]``, thinned so consecutive caps differ by more than ``tol``.
 
-    Greedy cover, as in the partition DP: from the smallest uncovered value ``v`` take the largest value
-    ``<= v (1 + tol)``, so every value is within a factor ``1 + tol`` below some cap.
+    Greedy cover shared with the partition DP (``_kernels._thin_caps``): every value is within a factor
+    ``1 + tol`` below some cap.
     """
     n = T.shape[0] - 1
     count = 0
@@ -171,18 +173,7 @@ def _cap_candidates(T, lo, hi, tol):
             if lo <= t <= hi and t < np.inf:
                 values[k] = t
                 k += 1
-    values.sort()
-    caps = np.empty(count)
-    num_caps = 0
-    q = 0
-    while q < count:
-        limit = values[q] * (1.0 + tol)
-        while q + 1 < count and values[q + 1] <= limit:
-            q += 1
-        caps[num_caps] = values[q]
-        num_caps += 1
-        q += 1
-    return caps[:num_caps]
+    return _thin_caps(values, tol)
 
 
 @njit(cache=True)
@@ -209,49 +200,17 @@ def _solve_slices(T, num_stages, tol, max_slices):
     k = caps.shape[0]
     if k == 0:
         return best_path, best_obj, 0
-    F = np.empty(k + 1)  # F[k]: the unconstrained min sum, a virtual cap above all others
-    F[k] = sum_min
-    s, mx, path = _min_sum_path(T, caps[0], max_slices)
-    F[0] = s
-    num_tried = 1
-    if s + slope * mx < best_obj:
-        best_obj = s + slope * mx
-        best_path = path
-    lo_stack = np.empty(k + 1, dtype=np.int64)
-    hi_stack = np.empty(k + 1, dtype=np.int64)
+    F, stack = _new_cap_search(k, sum_min)
     num_open = 0
-    if k > 1:
-        lo_stack[0] = 0
-        hi_stack[0] = k
-        num_open = 1
-    while num_open > 0:
-        pick = 0
-        bound = np.inf
-        for q in range(num_open):
-            v = F[hi_stack[q]] + slope * caps[lo_stack[q]]
-            if v < bound:
-                bound = v
-                pick = q
-        if bound >= best_obj:
-            break
-        lo = lo_stack[pick]
-        hi = hi_stack[pick]
-        num_open -= 1
-        lo_stack[pick] = lo_stack[num_open]
-        hi_stack[pick] = hi_stack[num_open]
-        mid = (lo + hi) // 2
+    num_tried = 0
+    lo, mid, hi = 0, 0, k  # caps[0] first; splitting the virtual (0, k) there opens (0, k)
+    while lo >= 0:
         s, mx, path = _min_sum_path(T, caps[mid], max_slices)
         F[mid] = s
         num_tried += 1
         if s + slope * mx < best_obj:
             best_obj = s + slope * mx
             best_path = path
-        if mid - lo > 1:
-            lo_stack[num_open] = lo
-            hi_stack[num_open] = mid
-            num_open += 1
-        if hi - mid > 1:
-            lo_stack[num_open] = mid
-            hi_stack[num_open] = hi
-            num_open += 1
+        num_open = _push_halves(stack, num_open, lo, mid, hi)
+        lo, mid, hi, num_open = _pop_best_interval(stack, num_open, F, caps, slope, best_obj)
     return best_path, best_obj, num_tried

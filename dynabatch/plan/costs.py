@@ -30,6 +30,7 @@ one stage of a T5-base-sized model (d = 768, 6 layers per stage of 4) on an acce
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -73,19 +74,7 @@ class PolynomialCostModel:
     """Attention-score gradient of one layer: 16-bit, 12 heads, twice."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "memory_budget_bytes",
-            "overhead_s",
-            "time_per_token_s",
-            "time_per_token_pair_s",
-            "stored_per_token_bytes",
-            "stored_per_token_pair_bytes",
-            "peak_per_token_bytes",
-            "peak_per_token_pair_bytes",
-        ):
-            value = getattr(self, name)
-            if not (np.isfinite(value) and value >= 0):
-                raise ValueError(f"PolynomialCostModel.{name} must be finite and >= 0, got {value}")
+        check_non_negative_fields(self)
 
     def evaluate(self, b: np.ndarray, E: np.ndarray, D: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = np.asarray(b, dtype=np.float64)
@@ -97,3 +86,50 @@ class PolynomialCostModel:
         stored = self.stored_per_token_bytes * tokens + self.stored_per_token_pair_bytes * pairs
         peak = self.peak_per_token_bytes * tokens + self.peak_per_token_pair_bytes * pairs
         return time_s, stored, peak
+
+
+# --------------------------------------------------------------------------- checks shared by the planners
+
+
+def check_int(name: str, value) -> None:
+    """``ValueError`` unless ``value`` is an int >= 1 (``bool`` is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_non_negative(name: str, value) -> None:
+    """``ValueError`` unless ``value`` is finite and >= 0."""
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+
+def check_non_negative_fields(obj) -> None:
+    """:func:`check_non_negative` on every dataclass field of ``obj``, named ``Class.field``."""
+    for f in dataclasses.fields(obj):
+        check_non_negative(f"{type(obj).__name__}.{f.name}", getattr(obj, f.name))
+
+
+def evaluate_costs(
+    cost_model, b, x, y, *, what: str = "cost model", axes: tuple[str, str] = ("E", "D")
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``cost_model.evaluate(b, x, y)`` as three float64 arrays shaped like ``b``, checked against the contract.
+
+    Serves :class:`MicroBatchCostModel` (``x, y = E, D``) and the slice cost model (``what="slice cost
+    model", axes=("s", "c")``). Raises ``ValueError`` on a wrong return type or shape, and names the first
+    query whose output is not finite and >= 0.
+    """
+    out = cost_model.evaluate(b, x, y)
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError(f"{what} evaluate must return (time_s, stored_bytes, peak_bytes), got {type(out)}")
+    arrays = tuple(np.asarray(a, dtype=np.float64) for a in out)
+    for name, a in zip(("time_s", "stored_bytes", "peak_bytes"), arrays):
+        if a.shape != b.shape:
+            raise ValueError(f"{what} {name} has shape {a.shape}, expected {b.shape}")
+        bad = ~(np.isfinite(a) & (a >= 0))
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(
+                f"{what} {name} must be finite and >= 0; got {a.flat[k]} for shape "
+                f"(b={b.flat[k]}, {axes[0]}={x.flat[k]}, {axes[1]}={y.flat[k]})"
+            )
+    return arrays  # type: ignore[return-value]

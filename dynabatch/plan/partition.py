@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dynabatch.plan._kernels import _run_shapes, _solve_partition
-from dynabatch.plan.costs import MicroBatchCostModel
+from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
 
 if TYPE_CHECKING:
@@ -136,14 +136,13 @@ def plan_partition(
     arguments and when a single sample alone breaks the memory budget or ``max_tokens``.
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
-    _check_int("num_stages", num_stages)
+    check_int("num_stages", num_stages)
     in_flight = num_stages if in_flight is None else in_flight
-    _check_int("in_flight", in_flight)
+    check_int("in_flight", in_flight)
     for name, value in (("max_samples", max_samples), ("max_tokens", max_tokens)):
         if value is not None:
-            _check_int(name, value)
-    if not (np.isfinite(cap_tolerance) and cap_tolerance >= 0):
-        raise ValueError(f"cap_tolerance must be finite and >= 0, got {cap_tolerance}")
+            check_int(name, value)
+    check_non_negative("cap_tolerance", cap_tolerance)
     budget = float(cost_model.memory_budget_bytes)
     if not budget > 0:
         raise ValueError(f"cost model memory_budget_bytes must be > 0, got {budget}")
@@ -159,7 +158,7 @@ def plan_partition(
     starts, ends = boundaries[:-1], boundaries[1:] - 1
     shapes = np.stack([lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts)], axis=1)
     times = T[ends, lengths - 1].copy()
-    _, stored, peak = _evaluate(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
     return PartitionPlan(
         family=family,
@@ -185,29 +184,6 @@ class _Limits:
     max_tokens: int | None
 
 
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _evaluate(cost_model, b, E, D) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    out = cost_model.evaluate(b, E, D)
-    if not (isinstance(out, tuple) and len(out) == 3):
-        raise ValueError(f"cost model evaluate must return (time_s, stored_bytes, peak_bytes), got {type(out)}")
-    arrays = tuple(np.asarray(a, dtype=np.float64) for a in out)
-    for name, a in zip(("time_s", "stored_bytes", "peak_bytes"), arrays):
-        if a.shape != b.shape:
-            raise ValueError(f"cost model {name} has shape {a.shape}, expected {b.shape}")
-        bad = ~(np.isfinite(a) & (a >= 0))
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise ValueError(
-                f"cost model {name} must be finite and >= 0; got {a.flat[k]} for shape "
-                f"(b={b.flat[k]}, E={E.flat[k]}, D={D.flat[k]})"
-            )
-    return arrays  # type: ignore[return-value]
-
-
 def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tuple[np.ndarray, np.ndarray]:
     """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths."""
     n = e.size
@@ -221,7 +197,7 @@ def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tu
         exists = b > 0
         times = np.full(b.shape, np.inf)
         fits = np.zeros(b.shape, dtype=bool)
-        t, stored, peak = _evaluate(cost_model, b[exists], E[exists], D[exists])
+        t, stored, peak = evaluate_costs(cost_model, b[exists], E[exists], D[exists])
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= b[exists] * (E[exists] + D[exists]) <= limits.max_tokens
@@ -246,23 +222,27 @@ def _raise_single_sample(cost_model, limits: _Limits, perm, e_raw, d_raw, e, d) 
     """``ValueError`` naming the sample that cannot form a micro-batch on its own."""
     tokens = e + d
     if limits.max_tokens is not None and tokens.max() > limits.max_tokens:
-        j = int(np.argmax(tokens))
-        sample = int(perm[j])
+        j, sample = _worst_sample(tokens, perm, e_raw, d_raw)
         raise ValueError(
-            f"sample {sample} (input_len={int(e_raw[sample])}, target_len={int(d_raw[sample])}) has "
-            f"{int(tokens[j])} padded tokens alone, over max_tokens={limits.max_tokens}; "
+            f"{sample} has {int(tokens[j])} padded tokens alone, over max_tokens={limits.max_tokens}; "
             f"{int((tokens > limits.max_tokens).sum())} sample(s) do not fit alone. Raise max_tokens to at "
             f"least {int(tokens.max())}"
         )
-    _, stored, peak = _evaluate(cost_model, np.ones_like(e), e, d)
+    _, stored, peak = evaluate_costs(cost_model, np.ones_like(e), e, d)
     need = limits.in_flight * stored + peak
-    j = int(np.argmax(need))
-    sample = int(perm[j])
+    j, sample = _worst_sample(need, perm, e_raw, d_raw)
     raise ValueError(
-        f"sample {sample} (input_len={int(e_raw[sample])}, target_len={int(d_raw[sample])}) alone needs "
-        f"{need[j] / 2**30:.3f} GiB of activation memory per stage (in_flight={limits.in_flight} x stored "
-        f"{stored[j] / 2**30:.3f} GiB + peak {peak[j] / 2**30:.3f} GiB) but the budget is "
+        f"{sample} alone needs {need[j] / 2**30:.3f} GiB of activation memory per stage (in_flight="
+        f"{limits.in_flight} x stored {stored[j] / 2**30:.3f} GiB + peak {peak[j] / 2**30:.3f} GiB) but the budget is "
         f"{limits.budget / 2**30:.3f} GiB; {int((need > limits.budget).sum())} sample(s) do not fit alone. "
         f"The smallest budget that fits every sample is {need[j] / 2**30:.3f} GiB ({int(np.ceil(need[j]))} "
         f"bytes); or lower in_flight, shorten the length limits, or use more pipeline stages"
     )
+
+
+def _worst_sample(values, perm, e_raw, d_raw) -> tuple[int, str]:
+    """Planner position ``j`` of the largest of ``values``, and that sample as ``sample i (input_len=..,
+    target_len=..)``."""
+    j = int(np.argmax(values))
+    i = int(perm[j])
+    return j, f"sample {i} (input_len={int(e_raw[i])}, target_len={int(d_raw[i])})"

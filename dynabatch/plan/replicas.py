@@ -49,9 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.plan._replica_kernels import _lpt_assign, _refine, _replica_times
-from dynabatch.plan.costs import MicroBatchCostModel
+from dynabatch.plan.costs import MicroBatchCostModel, check_int, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
-from dynabatch.plan.partition import PartitionPlan, _check_int, _evaluate, plan_partition
+from dynabatch.plan.partition import PartitionPlan, plan_partition
 
 METHODS = ("assign", "split")
 REFINE_MAX_ROUNDS = 100_000
@@ -108,8 +108,8 @@ def plan_replicas(
     arguments and when there are fewer samples than replicas.
     """
     e, d = check_lengths(input_lens, target_lens)
-    _check_int("num_stages", num_stages)
-    _check_int("num_replicas", num_replicas)
+    check_int("num_stages", num_stages)
+    check_int("num_replicas", num_replicas)
     padded_lengths(e, d, family)  # validates family
     if method not in METHODS:
         raise ValueError(f"unknown replica method {method!r}; valid: {', '.join(METHODS)}")
@@ -174,7 +174,7 @@ def _split_then_partition(e, d, cost_model, num_stages, num_replicas, family, op
 
 def _each_sample_fits(e, d, cost_model, family, options) -> bool:
     e_pad, d_pad = padded_lengths(e, d, family)
-    _, stored, peak = _evaluate(cost_model, np.ones_like(e_pad), e_pad, d_pad)
+    _, stored, peak = evaluate_costs(cost_model, np.ones_like(e_pad), e_pad, d_pad)
     fits = options["in_flight"] * stored + peak <= float(cost_model.memory_budget_bytes)
     if options.get("max_tokens") is not None:
         fits &= e_pad + d_pad <= options["max_tokens"]
@@ -185,8 +185,8 @@ def assign_micro_batches(times_s, num_replicas: int, num_stages: int) -> np.ndar
     """Replica of each micro-batch: LPT, then the local search; minimises the slowest replica's
     ``sum(t) + (S - 1) max(t)``. ``times_s`` (M,) with ``M >= num_replicas``; returns (M,) int64."""
     times = np.asarray(times_s, dtype=np.float64)
-    _check_int("num_replicas", num_replicas)
-    _check_int("num_stages", num_stages)
+    check_int("num_replicas", num_replicas)
+    check_int("num_stages", num_stages)
     if times.ndim != 1 or times.size < num_replicas:
         raise ValueError(f"need a 1-D array of at least num_replicas={num_replicas} times, got shape {times.shape}")
     if not (np.isfinite(times).all() and (times >= 0).all()):
@@ -201,8 +201,8 @@ def replica_times(times_s, assign, num_replicas: int, num_stages: int) -> np.nda
     """(R,) predicted ``sum(t) + (S - 1) max(t)`` per replica for an assignment of micro-batches."""
     times = np.asarray(times_s, dtype=np.float64)
     replica = np.asarray(assign)
-    _check_int("num_replicas", num_replicas)
-    _check_int("num_stages", num_stages)
+    check_int("num_replicas", num_replicas)
+    check_int("num_stages", num_stages)
     if replica.shape != times.shape or times.ndim != 1 or not np.issubdtype(replica.dtype, np.integer):
         raise ValueError(f"need 1-D times and integer replicas of one shape, got {times.shape} and {replica.shape}")
     if replica.size and (replica.min() < 0 or replica.max() >= num_replicas):
@@ -212,14 +212,14 @@ def replica_times(times_s, assign, num_replicas: int, num_stages: int) -> np.nda
 
 def _shapes_and_times(groups, e_pad, d_pad, cost_model) -> tuple[np.ndarray, np.ndarray]:
     shapes = np.array([[g.size, e_pad[g].max(), d_pad[g].max()] for g in groups], dtype=np.int64)  # (M, 3)
-    times, _, _ = _evaluate(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    times, _, _ = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
     return shapes, times
 
 
 def _sub_plan(plan: PartitionPlan, num_stages, groups, e_pad, d_pad, cost_model) -> PartitionPlan:
     """The micro-batches ``groups`` (in planner order) of ``plan`` as a plan of one ``S``-stage replica."""
     shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model)
-    _, stored, peak = _evaluate(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
     return dataclasses.replace(
         plan,
         num_stages=num_stages,

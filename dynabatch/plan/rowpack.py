@@ -57,9 +57,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynabatch.plan.costs import MicroBatchCostModel
+from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
-from dynabatch.plan.partition import PartitionPlan, _evaluate
+from dynabatch.plan.partition import PartitionPlan
 
 if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup
@@ -165,7 +165,7 @@ def _pack_all(e_all, d_all, groups: list[np.ndarray], cost_model) -> list[RowPac
     caps = np.array([[e_all[g].max(), d_all[g].max()] for g in groups], dtype=np.int64)  # (M, 2)
     rows = [_first_fit_decreasing(e_all[g], d_all[g], int(ce), int(cd)) for g, (ce, cd) in zip(groups, caps)]
     b = np.array([g.size for g in groups] + [len(r) for r in rows], dtype=np.int64)  # (2M,) padded, packed
-    t, _, _ = _evaluate(cost_model, b, np.tile(caps[:, 0], 2), np.tile(caps[:, 1], 2))
+    t, _, _ = evaluate_costs(cost_model, b, np.tile(caps[:, 0], 2), np.tile(caps[:, 1], 2))
     m = len(groups)
     out = []
     for k, (g, row_list) in enumerate(zip(groups, rows)):

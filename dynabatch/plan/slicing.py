@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from dynabatch.plan._slicing_kernels import _solve_slices
+from dynabatch.plan.costs import check_int, check_non_negative, check_non_negative_fields, evaluate_costs
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel
@@ -56,6 +57,8 @@ MAX_GRID_POINTS = 2048
 
 SLICE_KINDS = ("embedding", "gpt", "lm_head")
 """Layer kinds a decoder-only stage may hold."""
+
+_WHAT = "slice cost model"  # names the model in evaluate_costs' errors
 
 
 # --------------------------------------------------------------------------- cost interface
@@ -124,10 +127,7 @@ class PolynomialSliceCostModel:
     """Gradients of the context's keys and values, 16-bit, for every layer of the stage."""
 
     def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if not (np.isfinite(value) and value >= 0):
-                raise ValueError(f"PolynomialSliceCostModel.{name} must be finite and >= 0, got {value}")
+        check_non_negative_fields(self)
 
     def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = np.asarray(b, dtype=np.float64)
@@ -325,14 +325,12 @@ def plan_slices(
     names the length, the budget and the slice that cannot fit).
     """
     for name, value in (("length", length), ("num_stages", num_stages), ("batch_size", batch_size)):
-        _check_int(name, value)
-    _check_int("granularity", granularity)
+        check_int(name, value)
+    check_int("granularity", granularity)
     if max_slices is not None:
-        _check_int("max_slices", max_slices)
-    if not (np.isfinite(cap_tolerance) and cap_tolerance >= 0):
-        raise ValueError(f"cap_tolerance must be finite and >= 0, got {cap_tolerance}")
-    if not (np.isfinite(reserved_bytes) and reserved_bytes >= 0):
-        raise ValueError(f"reserved_bytes must be finite and >= 0, got {reserved_bytes}")
+        check_int("max_slices", max_slices)
+    check_non_negative("cap_tolerance", cap_tolerance)
+    check_non_negative("reserved_bytes", reserved_bytes)
     budget = float(cost_model.memory_budget_bytes)
     if not (np.isfinite(budget) and budget > 0):
         raise ValueError(f"cost model memory_budget_bytes must be finite and > 0, got {budget}")
@@ -347,7 +345,7 @@ def plan_slices(
     points = np.minimum(np.arange(n + 1, dtype=np.int64) * granularity, length)
     ends, starts = np.tril_indices(n + 1, k=-1)  # slice (start i -> end j), i < j, flat index j (j-1)/2 + i
     s, c = points[ends] - points[starts], points[starts]
-    t, stored, peak = _evaluate(cost_model, np.full_like(s, batch_size), s, c)
+    t, stored, peak = evaluate_costs(cost_model, np.full_like(s, batch_size), s, c, what=_WHAT, axes=("s", "c"))
     prefix = np.concatenate(([0.0], stored[starts == 0]))  # stored(b, x_i, 0) at grid point i
     memory = prefix[starts] + stored + peak + float(reserved_bytes)
     T = np.full((n + 1, n + 1), np.inf)
@@ -373,29 +371,6 @@ def plan_slices(
         unsliced_objective_s=float(unsliced),
         num_cap_candidates_tried=int(num_tried),
     )
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _evaluate(cost_model, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    out = cost_model.evaluate(b, s, c)
-    if not (isinstance(out, tuple) and len(out) == 3):
-        raise ValueError(f"slice cost model evaluate must return (time_s, stored_bytes, peak_bytes), got {type(out)}")
-    arrays = tuple(np.asarray(x, dtype=np.float64) for x in out)
-    for name, x in zip(("time_s", "stored_bytes", "peak_bytes"), arrays):
-        if x.shape != s.shape:
-            raise ValueError(f"slice cost model {name} has shape {x.shape}, expected {s.shape}")
-        bad = ~(np.isfinite(x) & (x >= 0))
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise ValueError(
-                f"slice cost model {name} must be finite and >= 0; got {x.flat[k]} for "
-                f"(b={b.flat[k]}, s={s.flat[k]}, c={c.flat[k]})"
-            )
-    return arrays  # type: ignore[return-value]
 
 
 def _raise_infeasible(length, batch_size, granularity, max_slices, budget, reserved, T, points, memory) -> None:
@@ -474,12 +449,14 @@ def slice_long_samples(
     lens = np.asarray(lengths)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer) or lens.min() < 1:
         raise ValueError(f"lengths must be a non-empty 1-D sequence of ints >= 1, got {lengths!r:.200}")
-    _check_int("num_stages", num_stages)
+    check_int("num_stages", num_stages)
     if not (np.isfinite(bubble_fraction) and bubble_fraction > 0):
         raise ValueError(f"bubble_fraction must be finite and > 0, got {bubble_fraction}")
     lens = lens.astype(np.int64)
     unique, inverse = np.unique(lens, return_inverse=True)
-    t, stored, peak = _evaluate(cost_model, np.ones_like(unique), unique, np.zeros_like(unique))
+    t, stored, peak = evaluate_costs(
+        cost_model, np.ones_like(unique), unique, np.zeros_like(unique), what=_WHAT, axes=("s", "c")
+    )
     fits = stored + peak + reserved_bytes <= float(cost_model.memory_budget_bytes)
     if step_time_s is None:
         step_time_s = float(t[inverse].sum() + (num_stages - 1) * t.max())

@@ -58,7 +58,12 @@ def min_sum_dp(T, L, cap):
 
 
 def cap_candidates(T, L, lo, hi, tol):
-    values = sorted(T[j][w] for j in range(len(L)) for w in range(L[j]) if lo <= T[j][w] <= hi)
+    return thin_caps([T[j][w] for j in range(len(L)) for w in range(L[j]) if lo <= T[j][w] <= hi], tol)
+
+
+def thin_caps(values, tol):
+    """Twin of ``_thin_caps`` (shared by both solvers): sorted, greedily thinned to a relative step ``tol``."""
+    values = sorted(values)
     caps, i = [], 0
     while i < len(values):
         limit = values[i] * (1.0 + tol)
@@ -90,13 +95,32 @@ def solve_partition(T, L, num_stages, tol):
     k = len(caps)
     if k == 0:
         return lengths_from_choice(best_choice), best_obj, 0
-    F = {k: sum_min}
-    s, mx, choice = min_sum_dp(T, L, caps[0])
-    F[0], num_tried = s, 1
-    if s + slope * mx < best_obj:
-        best_obj, best_choice = s + slope * mx, choice
-    open_ = [(0, k)] if k > 1 else []
-    while open_:
+    best_choice, best_obj, num_tried = search_caps(caps, sum_min, best_obj, best_choice, slope,
+                                                   lambda cap: min_sum_dp(T, L, cap))
+    return lengths_from_choice(best_choice), best_obj, num_tried
+
+
+def search_caps(caps, sum_min, best_obj, best, slope, solve):
+    """Twin of the best-first cap search shared by ``_solve_partition`` and ``_solve_slices``.
+
+    ``solve(cap) -> (sum, max, result)`` is the solver's DP under a cap; ``best`` / ``best_obj`` the
+    unconstrained DP's result and objective, ``sum_min`` its sum. Returns ``(best, best_obj, num_tried)``.
+    """
+    k = len(caps)
+    F, open_, num_tried = {k: sum_min}, [], 0
+    lo, mid, hi = 0, 0, k  # caps[0] first; splitting the virtual (0, k) there opens (0, k)
+    while True:
+        s, mx, result = solve(caps[mid])
+        F[mid] = s
+        num_tried += 1
+        if s + slope * mx < best_obj:
+            best_obj, best = s + slope * mx, result
+        if mid - lo > 1:  # _push_halves
+            open_.append((lo, mid))
+        if hi - mid > 1:
+            open_.append((mid, hi))
+        if not open_:  # _pop_best_interval
+            break
         bounds = [F[hi] + slope * caps[lo] for lo, hi in open_]
         pick = min(range(len(open_)), key=lambda q: (bounds[q], q))
         if bounds[pick] >= best_obj:
@@ -105,16 +129,15 @@ def solve_partition(T, L, num_stages, tol):
         open_[pick] = open_[-1]  # swap-remove, as the kernel does
         open_.pop()
         mid = (lo + hi) // 2
-        s, mx, choice = min_sum_dp(T, L, caps[mid])
-        F[mid] = s
-        num_tried += 1
-        if s + slope * mx < best_obj:
-            best_obj, best_choice = s + slope * mx, choice
-        if mid - lo > 1:
-            open_.append((lo, mid))
-        if hi - mid > 1:
-            open_.append((mid, hi))
-    return lengths_from_choice(best_choice), best_obj, num_tried
+    return best, best_obj, num_tried
+
+
+def pipeline_objective(times, num_stages):
+    """``sum(times) + (num_stages - 1) * max(times)``, the sum taken left to right."""
+    total = 0.0
+    for t in times:
+        total += t
+    return total + (num_stages - 1) * max(times)
 
 
 def brute_force_partition(T, L, num_stages):
@@ -126,11 +149,7 @@ def brute_force_partition(T, L, num_stages):
         lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
         if any(w > L[hi - 1] for w, hi in zip(lengths, bounds[1:])):
             continue
-        times = [float(T[hi - 1][w - 1]) for w, hi in zip(lengths, bounds[1:])]
-        total = 0.0
-        for t in times:
-            total += t
-        obj = total + (num_stages - 1) * max(times)
+        obj = pipeline_objective([float(T[hi - 1][w - 1]) for w, hi in zip(lengths, bounds[1:])], num_stages)
         if obj < best[0]:
             best = (obj, lengths)
     return best

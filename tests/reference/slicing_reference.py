@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from reference.plan_reference import pipeline_objective, search_caps, thin_caps
+
 INF = math.inf
 
 
@@ -86,15 +88,7 @@ def min_max_value(T, max_slices):
 
 def cap_candidates(T, lo, hi, tol):
     n = len(T) - 1
-    values = sorted(T[j][i] for j in range(1, n + 1) for i in range(j) if lo <= T[j][i] <= hi and T[j][i] < INF)
-    caps, q = [], 0
-    while q < len(values):
-        limit = values[q] * (1.0 + tol)
-        while q + 1 < len(values) and values[q + 1] <= limit:
-            q += 1
-        caps.append(values[q])
-        q += 1
-    return caps
+    return thin_caps([T[j][i] for j in range(1, n + 1) for i in range(j) if lo <= T[j][i] <= hi and T[j][i] < INF], tol)
 
 
 def solve_slices(T, num_stages, tol, max_slices):
@@ -111,31 +105,7 @@ def solve_slices(T, num_stages, tol, max_slices):
     k = len(caps)
     if k == 0:
         return best_path, best_obj, 0
-    F = {k: sum_min}
-    s, mx, path = min_sum_path(T, caps[0], max_slices)
-    F[0], num_tried = s, 1
-    if s + slope * mx < best_obj:
-        best_obj, best_path = s + slope * mx, path
-    open_ = [(0, k)] if k > 1 else []
-    while open_:
-        bounds = [F[hi] + slope * caps[lo] for lo, hi in open_]
-        pick = min(range(len(open_)), key=lambda q: (bounds[q], q))
-        if bounds[pick] >= best_obj:
-            break
-        lo, hi = open_[pick]
-        open_[pick] = open_[-1]  # swap-remove, as the kernel does
-        open_.pop()
-        mid = (lo + hi) // 2
-        s, mx, path = min_sum_path(T, caps[mid], max_slices)
-        F[mid] = s
-        num_tried += 1
-        if s + slope * mx < best_obj:
-            best_obj, best_path = s + slope * mx, path
-        if mid - lo > 1:
-            open_.append((lo, mid))
-        if hi - mid > 1:
-            open_.append((mid, hi))
-    return best_path, best_obj, num_tried
+    return search_caps(caps, sum_min, best_obj, best_path, slope, lambda cap: min_sum_path(T, cap, max_slices))
 
 
 def slice_cost(cost_model, b, s, c):
@@ -164,10 +134,7 @@ def brute_force_slices(length, cost_model, num_stages, batch_size=1, granularity
             times.append(t)
         if not ok:
             continue
-        total = 0.0
-        for t in times:
-            total += t
-        obj = total + (num_stages - 1) * max(times)
+        obj = pipeline_objective(times, num_stages)
         if obj < best[0]:
             best = (obj, bounds)
     return best

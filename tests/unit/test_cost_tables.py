@@ -293,3 +293,29 @@ def test_layer_model_adapter_runs_the_stage_layer(family):
         assert stored[i] == pytest.approx(max(c.stored_bytes for c in costs), rel=1e-12)
         assert transient[i] == pytest.approx(max(c.peak_bytes - c.stored_bytes for c in costs), rel=1e-12)
     assert time_s[2] >= INFEASIBLE and stored[2] == INFEASIBLE
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_stage_layer_and_planner_adapter_share_one_path(family):
+    """``StageCostModel(ProfiledLayerModel)`` answers through the fused kernel: equal to reducing its own
+    ``per_stage`` over stages, and to ``ProfiledCostModel`` on the same stages."""
+    from dynabatch.cost.planner_model import ProfiledLayerModel
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+
+    t = CostTables.from_profile(synthetic_profile(family, max_tokens=2048))
+    lm = ProfiledLayerModel(t)
+    model = StageCostModel(lm, balanced_layout(lm, 3, ref_shape=(4, 64, 32)), device_memory_bytes=1e12)
+    rng = np.random.default_rng(5)
+    b, e, d = rng.integers(1, 20, 500), rng.integers(4, 300, 500), rng.integers(4, 150, 500)
+    d = d if family == "t5" else np.zeros(500)
+    fused = model.evaluate(b, e, d)
+    per = model.per_stage(b, e, d)
+    reduced = ((per.fwd_s + per.bwd_s).max(axis=0), per.stored_bytes.max(axis=0), per.peak_bytes.max(axis=0))
+    feasible = reduced[1] < INFEASIBLE
+    assert 0 < feasible.sum() < 500
+    for got, want in zip(fused, reduced):
+        np.testing.assert_array_equal(got[feasible], want[feasible])
+        assert np.all(got[~feasible] == INFEASIBLE)
+    planner = ProfiledCostModel(t, tuple(lm.spec(s) for s in model.layout.stages), model.memory_budget_bytes)
+    for got, want in zip(planner.evaluate(b, e, d), fused):
+        np.testing.assert_array_equal(got, want)
