@@ -95,3 +95,26 @@ def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
         assert [s.row_index for s in e.batch.samples] == [s.row_index for s in g.batch.samples]
         for mbs_e, mbs_g in zip(e.replica_micro_batches, g.replica_micro_batches):
             assert [m.sample_ids for m in mbs_e] == [m.sample_ids for m in mbs_g]
+
+
+def test_export_to_hugging_face(tmp_path, toy_mixture_dir):
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    from dynabatch.models.presets import build_model
+    from dynabatch.runtime.checkpoint import latest_checkpoint, load_shard
+    from dynabatch.runtime.export import export_checkpoint
+
+    out = _train(tmp_path, toy_mixture_dir, "exp", "--steps", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    hf_dir = export_checkpoint(str(tmp_path / "exp" / "checkpoints"), str(tmp_path / "hf"))
+    model = T5ForConditionalGeneration.from_pretrained(hf_dir)
+    shard = load_shard(latest_checkpoint(str(tmp_path / "exp" / "checkpoints")), 0)["stage"]
+    fresh = build_model("t5-tiny", vocab_size=model.config.vocab_size, seed=0)
+    params = dict(model.named_parameters())
+    changed = 0
+    for name, p in fresh.named_parameters():
+        trained = params[name]
+        changed += not torch.equal(trained, p)
+    assert changed > 0  # training moved the weights
+    assert any(torch.equal(params["shared.weight"], w) for w in shard.values() if w.shape == params["shared.weight"].shape)
