@@ -75,6 +75,8 @@ class TrainConfig:
     plan_ahead: int = 2
     """Steps the background planner prepares ahead of training."""
     log_every: int = 1
+    task_loss_every: int = 10
+    """Log the mean token loss of every task (from the last stage's per-sample losses) every N steps (0: never)."""
     timeout_s: float = 120.0
     """Seconds before a silent peer counts as dead."""
     threads: int = 1

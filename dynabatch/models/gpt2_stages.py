@@ -23,7 +23,7 @@ from torch import nn
 
 from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.forward import _token_losses, causal_segment_mask
-from dynabatch.models.stage import StageModule, StageOutput
+from dynabatch.models.stage import StageModule, StageOutput, segment_losses
 
 SHARED_EMBEDDING = "shared_embedding"
 """Tied-parameter group of the token table and the tied output projection."""
@@ -98,5 +98,6 @@ class GPT2Stage(StageModule):
             return StageOutput(sends={"hidden": hidden})
         labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
         logits = self.lm_head(self.ln_f(hidden))  # (B, T, V)
-        loss_sum = _token_losses(logits, labels).sum()
-        return StageOutput(loss_sum=loss_sum, num_loss_tokens=int((labels != IGNORE_INDEX).sum()))
+        token_losses = _token_losses(logits, labels)  # (B, T)
+        return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
+                           segment_losses=segment_losses(token_losses, labels, segment_ids))

@@ -36,6 +36,27 @@ class StageOutput:
     """Last stage only: sum of token cross-entropies (fp32 scalar, differentiable)."""
     num_loss_tokens: int = 0
     """Last stage only: tokens that carry loss."""
+    segment_losses: torch.Tensor | None = None
+    """Last stage only: (B, K, 2) float64 per row and segment: summed token loss and loss-token count
+    (segment k + 1 of row b), for per-sample and per-task loss reporting. Detached."""
+
+
+def segment_losses(token_losses: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses and count of loss tokens per (row, segment): (B, K, 2) float64 on the CPU.
+
+    ``token_losses``, ``labels`` and ``segment_ids`` are (B, T) aligned with the targets; ``K`` is the
+    largest segment id. Padding (segment 0) and ignored targets are left out.
+    """
+    from dynabatch.data.microbatch import IGNORE_INDEX
+
+    seg = segment_ids.long()  # (B, T)
+    k = max(int(seg.max()), 1)
+    valid = (labels != IGNORE_INDEX) & (seg > 0)  # (B, T)
+    index = (seg - 1).clamp(min=0)  # (B, T)
+    out = torch.zeros(seg.shape[0], k, 2, dtype=torch.float64, device=seg.device)  # (B, K, 2)
+    out[:, :, 0].scatter_add_(1, index, torch.where(valid, token_losses.detach().double(), 0.0))
+    out[:, :, 1].scatter_add_(1, index, valid.double())
+    return out.cpu()
 
 
 class StageModule(torch.nn.Module):

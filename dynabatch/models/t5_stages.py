@@ -45,7 +45,7 @@ from dynabatch.models.forward import (
     causal_segment_mask,
     cross_segment_mask,
 )
-from dynabatch.models.stage import StageModule, StageOutput
+from dynabatch.models.stage import StageModule, StageOutput, segment_losses
 
 SHARED_EMBEDDING = "shared_embedding"
 ENCODER_RELATIVE_BIAS = "encoder_relative_bias"
@@ -169,7 +169,7 @@ class T5Stage(StageModule):
         if self.decoder_blocks:
             dec_hidden = self._run_decoder(dec_hidden, enc_out, dec_seg, enc_seg, dtype)
         if self.has_head:
-            return self._loss(dec_hidden, loaded["labels"].to(device, non_blocking=True))
+            return self._loss(dec_hidden, loaded["labels"].to(device, non_blocking=True), dec_seg)
         if not self.is_decoder_role:
             return StageOutput(sends={"enc_hidden": enc_hidden})
         if self.starts_in_decoder:  # relay the received enc_out through an identity node (module docstring)
@@ -198,11 +198,12 @@ class T5Stage(StageModule):
             hidden, _, cross_bias = block(hidden, self_mask, bias, enc_out, cross_mask, cross_bias, cache=None)
         return hidden  # (B, D, d)
 
-    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> StageOutput:
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> StageOutput:
         """Final norm, dropout, tied-head rescale, lm_head and the fp32 token-loss sum."""
         hidden = self.decoder_dropout(self.decoder_final_layer_norm(hidden))  # (B, D, d)
         if self.config.scale_decoder_outputs:  # tied embeddings: same rescale as T5ForConditionalGeneration
             hidden = hidden * (self.config.d_model**-0.5)
         logits = self.lm_head(hidden)  # (B, D, V)
-        loss_sum = _token_losses(logits, labels).sum()
-        return StageOutput(loss_sum=loss_sum, num_loss_tokens=int((labels != IGNORE_INDEX).sum()))
+        token_losses = _token_losses(logits, labels)  # (B, D)
+        return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
+                           segment_losses=segment_losses(token_losses, labels, segment_ids))

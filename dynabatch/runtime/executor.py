@@ -65,6 +65,8 @@ class StepResult:
     """Loss-carrying tokens of the global batch (all replicas): the loss normaliser."""
     timeline: list[tuple[str, float, float]]
     """Per executed instruction: ``(key, start, end)`` in ``time.perf_counter`` seconds."""
+    segment_losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Last stage only: per micro-batch, (B, K, 2) summed token loss and loss-token count per row segment."""
 
 
 @dataclass
@@ -132,6 +134,7 @@ class Executor:
         self.pending: dict[tuple[Op, int], _Transfer] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.num_loss_tokens = 0
+        self.segment_losses: dict[int, torch.Tensor] = {}
         self.grad_norm = 0.0
         self.loss = 0.0
 
@@ -151,6 +154,7 @@ class Executor:
         self.states, self.pending = {}, {}
         self.loss_sum.zero_()
         self.num_loss_tokens = 0
+        self.segment_losses = {}
         for p in self.params:  # zeroed at the start, so the step's gradients stay readable after it
             p.grad = None
         timeline: list[tuple[str, float, float]] = []
@@ -180,7 +184,7 @@ class Executor:
         finally:
             self.inputs = None
             self.states, self.pending = {}, {}
-        return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline)
+        return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses)
 
     def _peers(self, ins: Instr) -> str:
         """Who an instruction talks to, for error messages."""
@@ -246,6 +250,8 @@ def _exec_forward(ex: Executor, ins: Instr) -> None:
             raise ValueError("the last stage returned no loss_sum")
         ex.loss_sum += out.loss_sum.detach()
         ex.num_loss_tokens += out.num_loss_tokens
+        if out.segment_losses is not None:
+            ex.segment_losses[ins.micro_batch] = out.segment_losses
 
 
 def _exec_backward(ex: Executor, ins: Instr) -> None:

@@ -206,8 +206,14 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
             )
             elapsed = time.perf_counter() - t0
+            task_loss = None
+            if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.steps):
+                task_loss = gather_task_losses(ctx, result, planned)  # collective
             if ctx.is_planner:
                 record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
+                if task_loss is not None:
+                    record["task_loss"] = task_loss
+                    bar.write(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
                 writer.write(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -225,6 +231,25 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if not ctx.is_planner:
         return None
     return summarize(writer.records, cfg.method)
+
+
+def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | None:
+    """Collective: rank 0 gets the step's mean token loss per task, from every replica's last stage."""
+    payload = {m: t.numpy() for m, t in result.segment_losses.items()}
+    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
+    dist.gather_object(payload, gathered, dst=0, group=ctx.delivery_group)
+    if not ctx.is_planner:
+        return None
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for r in range(ctx.num_replicas):
+        for m, arr in gathered[ctx.rank_of(r, ctx.num_stages - 1)].items():
+            for row, ids in enumerate(planned.replica_micro_batches[r][m].sample_ids):
+                for k, i in enumerate(ids):
+                    task = planned.batch.samples[i].task
+                    sums[task] = sums.get(task, 0.0) + float(arr[row, k, 0])
+                    counts[task] = counts.get(task, 0.0) + float(arr[row, k, 1])
+    return {t: sums[t] / counts[t] for t in sorted(sums) if counts[t] > 0}
 
 
 def _maybe_crash(step: int, rank: int) -> None:

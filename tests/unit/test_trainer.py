@@ -118,3 +118,12 @@ def test_export_to_hugging_face(tmp_path, toy_mixture_dir):
         changed += not torch.equal(trained, p)
     assert changed > 0  # training moved the weights
     assert any(torch.equal(params["shared.weight"], w) for w in shard.values() if w.shape == params["shared.weight"].shape)
+
+
+def test_task_losses_average_to_the_step_loss(tmp_path, toy_mixture_dir):
+    out = _train(tmp_path, toy_mixture_dir, "tasks", "--steps", "2", "--task-loss-every", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for r in _records(tmp_path, "tasks"):
+        assert set(r["task_loss"]) <= {"short", "classify", "summarize"} and len(r["task_loss"]) >= 2
+        losses = list(r["task_loss"].values())
+        assert min(losses) <= r["loss"] <= max(losses)  # the step loss is a token-weighted mean of them
