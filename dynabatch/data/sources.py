@@ -122,6 +122,11 @@ def _load_raw(spec: SourceSpec):
     missing = [f for f in spec.data_files if not os.path.exists(f)]
     if missing:
         raise FileNotFoundError(f"source {spec.task!r}: data file(s) not found: {missing}")
+    if spec.data_files and all(os.path.getsize(f) == 0 for f in spec.data_files):
+        raise ValueError(
+            f"source {spec.task!r} has no rows: {list(spec.data_files)} is empty; "
+            "remove the source from the mixture or fix its files"
+        )
     exts = {os.path.splitext(f)[1].lower() for f in spec.data_files}
     builders = {FILE_BUILDERS.get(e) for e in exts}
     if None in builders or len(builders) != 1:
@@ -177,7 +182,14 @@ def load_source(spec: SourceSpec, bad_rows: str = "error", num_proc: int | None 
             out["_bad"].append(problem is not None)
         return out
 
-    ds = ds.map(normalise, batched=True, with_indices=True, remove_columns=ds.column_names, desc=f"validate {spec.task}")
+    try:
+        ds = ds.map(normalise, batched=True, with_indices=True, remove_columns=ds.column_names,
+                    desc=f"validate {spec.task}")
+    except UnicodeDecodeError as e:  # a value that is not UTF-8 surfaces only when rows are read
+        where = list(spec.data_files) or spec.hf or spec.builtin
+        raise BadRowError(
+            f"source {spec.task!r}: {where} has text that is not valid UTF-8 ({e}); re-encode the file as UTF-8"
+        ) from e
     num_bad = int(sum(ds["_bad"]))
     if num_bad:
         ds = ds.filter(lambda b: [not x for x in b], input_columns="_bad", batched=True)

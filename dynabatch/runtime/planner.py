@@ -17,6 +17,7 @@ Plans are deterministic, so the threaded path delivers exactly the plans of the 
 from __future__ import annotations
 
 import copy
+import os
 import queue
 import threading
 import time
@@ -75,6 +76,7 @@ class StepPlanner:
         self.step = batcher.step
 
     def __call__(self) -> PlannedStep:
+        _maybe_crash(self.step)
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
@@ -138,6 +140,13 @@ class StepPlanner:
         return tuple(costs), float(max(makespans)), float(np.mean(bubbles))
 
 
+def _maybe_crash(step: int) -> None:
+    """Fault injection for tests: ``DYNABATCH_PLANNER_CRASH_AT=STEP`` makes planning that step raise."""
+    at = os.environ.get("DYNABATCH_PLANNER_CRASH_AT")
+    if at and int(at) == step:
+        raise RuntimeError(f"injected planner crash at step {step} (DYNABATCH_PLANNER_CRASH_AT)")
+
+
 def deal_to_replicas(groups: list[RowGroup], sizes: list[int], num_replicas: int) -> list[list[RowGroup]]:
     """Baseline micro-batches to replicas, largest first to the least-loaded replica (order kept)."""
     if len(groups) < num_replicas:
@@ -187,7 +196,10 @@ class PlanAhead:
                 f"({'still running' if alive else 'its thread died'})"
             ) from None
         if isinstance(item, BaseException):
-            raise RuntimeError(f"the background planner failed: {type(item).__name__}: {item}") from item
+            # Bad user input (ValueError: an over-long sample with overlong=error, a sample that does not
+            # fit memory) stays a ValueError, so the CLI prints it as a one-line error with exit code 2.
+            kind = ValueError if isinstance(item, ValueError) else RuntimeError
+            raise kind(f"the background planner failed: {type(item).__name__}: {item}") from item
         return item, time.perf_counter() - start
 
     def close(self) -> None:
