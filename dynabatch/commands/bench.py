@@ -1,0 +1,366 @@
+"""``dynabatch bench``: measured training throughput of every batching method on the same executor.
+
+What runs: one seeded model (``--model``, a ``dynabatch.models.presets`` name) cut into ``--stages``
+pipeline stages; for each method (``dynamic`` and the baselines ``packing``, ``padding``,
+``token_budget``, ``length_grouped``) every rank builds its own copy of its stage from the *same seed*
+(identical initial weights), its own AdamW and its own :class:`~dynabatch.runtime.executor.Executor`.
+All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
+mixture spec, or a lengths file ``.npz``/``.jsonl`` whose samples get random token ids of exactly
+those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
+analytic stage cost model and scheduled by ``--policy`` exactly as in ``dynabatch train``.
+
+Fairness: the steps are interleaved -- step ``i`` of every method runs before step ``i + 1`` of any,
+in an order rotated every step -- so slow phases of a shared machine hit all methods alike. Each
+method really trains (its optimizer steps), so a method's step ``i`` sees its own weights; with equal
+shapes the step time does not depend on the weights. Planning is done before the timed loop (in
+``dynabatch train`` it runs ahead in a background thread) and is reported separately.
+
+Timing: per step ``barrier; t0; train_step; barrier; t1`` (rank 0 reports), after ``--warmup`` steps
+that are not timed. Reported per method: real tokens/s (sum of real tokens / sum of step times, and the
+median and the 10-90% range of the per-step rates), padding efficiency (real / computed tokens),
+predicted bubble fraction (the simulated twin of the step), predicted peak memory per device (cost
+model), measured peak memory (CUDA: max allocated over ranks; CPU: peak RSS of the process, shared by
+all methods, so only one number), micro-batches per step, plan time, and the ratio of real tokens/s to
+the best baseline.
+
+Launch: ``--stages 1`` runs in this process; with more stages and no torchrun environment the command
+re-launches itself with ``python -m torch.distributed.run --nproc-per-node STAGES`` (gloo on CPU, NCCL
+on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("dynamic", "packing", "padding", "token_budget", "length_grouped")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="t5-tiny", help="model preset (t5-tiny, t5-mini, gpt2-tiny, gpt2-mini, ...)")
+    p.add_argument("--lengths", default=None,
+                   help="mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, target_len; "
+                        "random token ids of exactly those lengths); default: the built-in mixture")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of methods")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (one process each)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
+    p.add_argument("--policy", default="auto", help="pipeline schedule policy (gpipe, 1f1b, adaptive, auto)")
+    p.add_argument("--global-batch-tokens", type=int, default=8192)
+    p.add_argument("--max-input-len", type=int, default=512, help="T5 encoder limit; GPT sequence limit")
+    p.add_argument("--max-target-len", type=int, default=128, help="T5 decoder limit")
+    p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped")
+    p.add_argument("--token-budget-tokens", type=int, default=2048, help="token_budget: padded tokens per micro-batch")
+    p.add_argument("--packing-rows", type=int, default=4, help="packing: rows per micro-batch")
+    p.add_argument("--memory-gib", type=float, default=4.0, help="device memory per rank the planner may use")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no table (with --json)")
+
+
+_FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "global_batch_tokens",
+          "max_input_len", "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
+          "memory_gib", "threads", "seed", "json")
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in _FLAGS:
+        v = getattr(args, name)
+        if v is not None:
+            out += ["--" + name.replace("_", "-"), str(v)]
+    return out + (["--quiet"] if args.quiet else [])
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
+    if args.steps < 1 or args.warmup < 0 or args.stages < 1:
+        raise ValueError(f"need steps >= 1, warmup >= 0, stages >= 1; got {args.steps}, {args.warmup}, {args.stages}")
+    if args.stages > 1 and "RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.stages),
+               "-m", "dynabatch.commands.bench", *_argv(args)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        return subprocess.run(cmd, env=env, check=False).returncode
+    result = bench(args, methods)
+    if result is None:
+        return 0
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if not args.quiet:
+        print_table(result)
+    return 0
+
+
+@dataclass
+class _Method:
+    name: str
+    executor: object
+    planned: list
+    spec: object
+    cfg: object
+
+
+def _config(args, method: str):
+    from dynabatch.config import TrainConfig
+
+    return TrainConfig(
+        model=args.model, stages=args.stages, method=method, policy=args.policy,
+        global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
+        max_target_len=args.max_target_len, samples_per_micro_batch=args.samples_per_micro_batch,
+        token_budget_tokens=args.token_budget_tokens, packing_rows=args.packing_rows, memory_gib=args.memory_gib,
+        threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
+        timeline=False,
+    )
+
+
+class _ListBatcher:
+    """The batcher interface :class:`StepPlanner` needs, over a fixed list of global batches."""
+
+    def __init__(self, batches, limits) -> None:
+        self.batches, self.limits, self.step = batches, limits, 0
+
+    def next_batch(self):
+        batch = self.batches[self.step % len(self.batches)]
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+
+def load_batches(args, family: str, limits, info, num_batches: int) -> list:
+    """``num_batches`` global batches of the workload; lengths files get random ids of their exact lengths."""
+    from dynabatch.data.report import default_mixture_path
+    from dynabatch.data.sample import GlobalBatch, TokenizedSample
+    from dynabatch.workload import global_batches, is_mixture_spec
+
+    path = args.lengths or default_mixture_path()
+    batches = global_batches(path, family, limits, args.global_batch_tokens, num_batches, tokenizer="builtin")
+    if not batches:
+        raise ValueError(f"{path}: no global batch could be formed")
+    if is_mixture_spec(path):
+        return batches
+    rng = np.random.default_rng(args.seed)
+    special = max(info.pad_id, info.eos_id, info.decoder_start_id) + 1
+    low = min(special, info.vocab_size - 1)
+
+    def ids(n: int) -> np.ndarray:
+        return rng.integers(low, info.vocab_size, size=n, dtype=np.int64).astype(np.int32)
+
+    out = []
+    for b in batches:
+        samples = tuple(TokenizedSample(s.task, ids(s.input_len), ids(s.target_len), s.source_index, s.row_index)
+                        for s in b.samples)
+        out.append(GlobalBatch(step=b.step, samples=samples, num_truncated=b.num_truncated))
+    return out
+
+
+def _predicted_peak_bytes(planned, cfg, cost_model) -> float:
+    from dynabatch.runtime.step import compute_schedule
+    from dynabatch.schedule.simulate import simulate
+
+    memory = cfg.memory_gib * 2**30
+    peak = 0.0
+    for shapes, costs in zip(planned.shapes, planned.costs):
+        arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+        schedule = compute_schedule(cfg.policy, arr, cfg.stages, costs, memory)
+        result = simulate(schedule, costs, model_state_bytes=np.array(cost_model.model_state_bytes))
+        peak = max(peak, float(result.peak_memory_bytes.max()))
+    return peak
+
+
+def bench(args, methods: list[str]) -> dict | None:
+    """Build one executor per method, plan every step, run the steps interleaved; rank 0 returns results."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.data.batching import LengthLimits
+    from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
+    from dynabatch.models.presets import build_model, model_family
+    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.runtime.dist import shutdown
+    from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.metrics import peak_rss_bytes
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.step import train_step
+    from dynabatch.runtime.trainer import connect
+
+    cfgs = {m: _config(args, m) for m in methods}
+    cfg0 = cfgs[methods[0]]
+    num_steps = args.warmup + args.steps
+    ctx = connect(cfg0)
+    try:
+        torch.set_num_threads(args.threads)
+        info = tokenizer_info(load_tokenizer("builtin"))
+        model = build_model(args.model, vocab_size=info.vocab_size, dropout=0.0, seed=args.seed)
+        family = model_family(model.config)
+        layout = layout_for(model, args.stages)
+        spec = pipeline_spec_for(model, layout, "float32")
+        base = build_stage(model, layout, ctx.stage_index)
+        runs: dict[str, _Method] = {}
+        for m in methods:
+            stage = copy.deepcopy(base).to(ctx.device)
+            opt = torch.optim.AdamW(stage.parameters(), lr=cfgs[m].lr, weight_decay=cfgs[m].weight_decay)
+            ex = Executor(stage, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm, dropout_seed=args.seed)
+            runs[m] = _Method(m, ex, [], spec, cfgs[m])
+        cost_model = None
+        batches = []
+        if ctx.is_planner:
+            limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
+                                  max_seq_len=args.max_input_len)
+            batches = load_batches(args, family, limits, info, num_steps)
+            analytic = AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes=4), hardware_spec("cpu"))
+            cost_model = StageCostModel(analytic, layout, args.memory_gib * 2**30, memory_margin=0.0)
+            for m in methods:
+                planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info)
+                runs[m].planned = [planner() for _ in range(num_steps)]
+        del model
+        cuda = ctx.device.type == "cuda"
+        times = {m: [] for m in methods}
+        losses = {m: [] for m in methods}
+        peaks = {m: 0 for m in methods}
+        for step in range(num_steps):
+            k = step % len(methods)
+            for m in methods[k:] + methods[:k]:  # rotated order: no method always runs first
+                r = runs[m]
+                planned = r.planned[step] if ctx.is_planner else None
+                if cuda:
+                    torch.cuda.synchronize(ctx.device)
+                    torch.cuda.reset_peak_memory_stats(ctx.device)
+                dist.barrier(group=ctx.delivery_group)
+                t0 = time.perf_counter()
+                result = train_step(
+                    r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
+                    policy=r.cfg.policy, costs=planned.costs if planned else None,
+                    memory_limit_bytes=r.cfg.memory_gib * 2**30,
+                )
+                if cuda:
+                    torch.cuda.synchronize(ctx.device)
+                dist.barrier(group=ctx.delivery_group)
+                elapsed = time.perf_counter() - t0
+                if cuda:
+                    peaks[m] = max(peaks[m], int(torch.cuda.max_memory_allocated(ctx.device)))
+                if step >= args.warmup:
+                    times[m].append(elapsed)
+                losses[m].append(float(result.loss) if ctx.is_planner else 0.0)
+        all_peaks: list = [None] * ctx.world_size
+        dist.all_gather_object(all_peaks, peaks, group=ctx.delivery_group)
+        if not ctx.is_planner:
+            return None
+        measured_peak = {m: max(p[m] for p in all_peaks) for m in methods} if cuda else None
+        return _results(args, methods, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
+                        str(ctx.device))
+    finally:
+        shutdown()
+
+
+def _spread(values) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    return {"median": float(np.median(v)), "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90)),
+            "min": float(v.min()), "max": float(v.max())}
+
+
+def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device) -> dict:
+    import platform
+
+    import torch
+
+    w = args.warmup
+    rows = {}
+    for m in methods:
+        timed = runs[m].planned[w:]
+        real = np.array([p.real_tokens for p in timed], dtype=np.float64)
+        t = np.array(times[m])
+        computed = sum(p.computed_tokens for p in runs[m].planned)
+        rows[m] = {
+            "tokens_per_s": float(real.sum() / t.sum()),
+            "tokens_per_s_per_step": _spread(real / t),
+            "step_time_s": _spread(t),
+            "padding_efficiency": float(sum(p.real_tokens for p in runs[m].planned) / computed),
+            "bubble_fraction_predicted": float(np.mean([p.bubble_fraction for p in timed])),
+            "predicted_step_s_median": float(np.median([p.predicted_step_s for p in timed])),
+            "predicted_peak_memory_mib": max(_predicted_peak_bytes(p, runs[m].cfg, cost_model) for p in timed) / 2**20,
+            "measured_peak_memory_mib": measured_peak[m] / 2**20 if measured_peak else None,
+            "micro_batches_per_step": float(np.mean([p.num_micro_batches for p in timed])),
+            "plan_ms_median": 1e3 * float(np.median([p.plan_time_s for p in runs[m].planned])),
+            "loss_first": losses[m][0],
+            "loss_last": losses[m][-1],
+        }
+    baselines = [m for m in methods if m != "dynamic"]
+    best = max(baselines, key=lambda m: rows[m]["tokens_per_s"]) if baselines else None
+    for m in methods:
+        if best is not None:
+            rows[m]["ratio_to_best_baseline"] = rows[m]["tokens_per_s"] / rows[best]["tokens_per_s"]
+            paired = np.array(times[best]) / np.array(times[m])  # same global batch, same step: real tokens cancel
+            rows[m]["paired_ratio_to_best_baseline"] = _spread(paired)
+    return {
+        "config": {k: getattr(args, k) for k in _FLAGS if k != "json"},
+        "machine": {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "platform": platform.platform(), "processor": platform.processor()},
+        "global_batches": len(batches),
+        "samples_per_step": float(np.mean([len(b) for b in batches])),
+        "real_tokens_per_step": float(np.mean([b.num_tokens for b in batches])),
+        "peak_rss_mib_rank0": rss / 2**20,
+        "best_baseline": best,
+        "methods": rows,
+    }
+
+
+def print_table(result: dict) -> None:
+    c = result["config"]
+    print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
+          f"{c['steps']} timed steps (+{c['warmup']} warm-up) per method, interleaved; "
+          f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
+          f"device {result['machine']['device']}")
+    print(f"{'method':<15} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
+          f"{'mbs':>5} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21}")
+    for m, r in result["methods"].items():
+        s = r["tokens_per_s_per_step"]
+        peak = r["measured_peak_memory_mib"] if r["measured_peak_memory_mib"] is not None else r["predicted_peak_memory_mib"]
+        paired = r.get("paired_ratio_to_best_baseline")
+        pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
+        print(f"{m:<15} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
+              f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} "
+              f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
+              f"{r.get('ratio_to_best_baseline', float('nan')):>6.2f}x {pr:>21}")
+    kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
+        "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
+    print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
+          f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dynabatch.commands.bench`` (what the torchrun re-launch and the script call)."""
+    p = argparse.ArgumentParser(prog="dynabatch bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("DYNABATCH_DEBUG"):
+            raise
+        print(f"dynabatch bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`dynabatch bench`: runs every method on the same executor and reports the fields; lengths files give
+samples of exactly their lengths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from dynabatch.commands.bench import add_arguments, load_batches
+
+FIELDS = ("tokens_per_s", "tokens_per_s_per_step", "step_time_s", "padding_efficiency", "bubble_fraction_predicted",
+          "predicted_peak_memory_mib", "micro_batches_per_step", "ratio_to_best_baseline",
+          "paired_ratio_to_best_baseline")
+
+
+def _lengths_file(path, n: int = 200, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    np.savez(path, input_len=rng.integers(1, 200, n), target_len=rng.integers(1, 40, n))
+
+
+def test_lengths_file_batches_have_exact_lengths_and_random_ids(tmp_path):
+    from dynabatch.data.batching import LengthLimits
+    from dynabatch.data.tokenize import TokenizerInfo
+
+    path = str(tmp_path / "lengths.npz")
+    _lengths_file(path)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--lengths", path, "--global-batch-tokens", "1024", "--max-input-len", "256"])
+    limits = LengthLimits("gpt2", max_input_len=256, max_target_len=64, max_seq_len=256)
+    info = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=100)
+    batches = load_batches(args, "gpt2", limits, info, 3)
+    with np.load(path) as f:
+        e, d = f["input_len"], f["target_len"]
+    samples = [s for b in batches for s in b.samples]
+    assert len(batches) == 3 and all(b.num_tokens <= 1024 for b in batches)
+    assert [s.input_len for s in samples] == list(e[: len(samples)])
+    assert [s.target_len for s in samples] == list(d[: len(samples)])
+    ids = np.concatenate([np.concatenate([s.input_ids, s.target_ids]) for s in samples])
+    assert ids.min() >= 2 and ids.max() < 100 and len(np.unique(ids)) > 50
+
+
+def test_bench_two_ranks_reports_every_field(tmp_path):
+    path = str(tmp_path / "lengths.npz")
+    _lengths_file(path)
+    out = str(tmp_path / "bench.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path,
+           "--methods", "dynamic,packing,padding", "--stages", "2", "--steps", "2", "--warmup", "0",
+           "--global-batch-tokens", "1024", "--max-input-len", "256", "--json", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "best baseline" in proc.stdout
+    with open(out) as f:
+        result = json.load(f)
+    assert set(result["methods"]) == {"dynamic", "packing", "padding"}
+    assert result["best_baseline"] in ("packing", "padding")
+    for row in result["methods"].values():
+        for field in FIELDS:
+            assert field in row, field
+        assert row["tokens_per_s"] > 0 and 0 < row["padding_efficiency"] <= 1
+        assert 0 <= row["bubble_fraction_predicted"] < 1
+        assert np.isfinite(row["loss_first"])
+    assert result["methods"][result["best_baseline"]]["ratio_to_best_baseline"] == 1.0
+
+
+def test_bench_rejects_unknown_method():
+    env = {**os.environ}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "dynabatch.commands.bench", "--methods", "dynamic,nope"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "unknown method 'nope'" in proc.stderr
