@@ -54,6 +54,8 @@ class TrainConfig:
     """packing baseline: rows per micro-batch."""
     memory_gib: float = 4.0
     """Device memory per rank the planner may use (activations + model states)."""
+    cost_profile: str | None = None
+    """profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model."""
     max_micro_batch_samples: int = 64
     """Upper bound on samples per planned micro-batch (keeps CPU micro-batches cache-friendly)."""
     lr: float = 1e-3

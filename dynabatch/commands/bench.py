@@ -7,7 +7,8 @@ pipeline stages; for each method (``dynamic`` and the baselines ``packing``, ``p
 All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
 mixture spec, or a lengths file ``.npz``/``.jsonl`` whose samples get random token ids of exactly
 those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
-analytic stage cost model and scheduled by ``--policy`` exactly as in ``dynabatch train``.
+planner's stage cost model (analytic, or ``--cost-profile``'s measured tables) and scheduled by
+``--policy`` exactly as in ``dynabatch train``.
 
 Fairness: the steps are interleaved -- step ``i`` of every method runs before step ``i + 1`` of any,
 in an order rotated every step -- so slow phases of a shared machine hit all methods alike. Each
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packing-rows", type=int, default=4, help="packing: rows per micro-batch")
     p.add_argument("--memory-gib", type=float, default=4.0, help="device memory per rank the planner may use")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--cost-profile", default=None,
+                   help="profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no table (with --json)")
@@ -69,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "global_batch_tokens",
           "max_input_len", "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
-          "memory_gib", "threads", "seed", "json")
+          "memory_gib", "threads", "seed", "json", "cost_profile")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -122,7 +125,7 @@ def _config(args, method: str):
         max_target_len=args.max_target_len, samples_per_micro_batch=args.samples_per_micro_batch,
         token_budget_tokens=args.token_budget_tokens, packing_rows=args.packing_rows, memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
-        timeline=False,
+        timeline=False, cost_profile=getattr(args, "cost_profile", None),
     )
 
 
@@ -189,10 +192,6 @@ def bench(args, methods: list[str]) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.hardware import hardware_spec
-    from dynabatch.cost.model_specs import spec_from_hf_config
-    from dynabatch.cost.stages import StageCostModel
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model, model_family
@@ -202,7 +201,7 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.runtime.metrics import peak_rss_bytes
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.step import train_step
-    from dynabatch.runtime.trainer import connect
+    from dynabatch.runtime.trainer import connect, planner_cost_model
 
     cfgs = {m: _config(args, m) for m in methods}
     cfg0 = cfgs[methods[0]]
@@ -228,8 +227,7 @@ def bench(args, methods: list[str]) -> dict | None:
             limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                                   max_seq_len=args.max_input_len)
             batches = load_batches(args, family, limits, info, num_steps)
-            analytic = AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes=4), hardware_spec("cpu"))
-            cost_model = StageCostModel(analytic, layout, args.memory_gib * 2**30, memory_margin=0.0)
+            cost_model = planner_cost_model(cfg0, model.config, layout)
             for m in methods:
                 planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info)
                 runs[m].planned = [planner() for _ in range(num_steps)]

@@ -85,12 +85,48 @@ def connect(cfg: TrainConfig) -> DistContext:
     return init_distributed(1, 1, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", timeout_s=cfg.timeout_s)
 
 
+# Architecture fields a profile's model config must share with the trained model (those present in either).
+_PROFILE_CONFIG_KEYS = (
+    "model_type", "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+    "feed_forward_proj", "relative_attention_num_buckets", "relative_attention_max_distance", "tie_word_embeddings",
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "activation_function",
+)
+
+
+def check_profile_config(profile_config: dict, model_config: dict, path: str = "the profile") -> None:
+    """Raise ``ValueError`` naming every architecture field where the profile's model config differs."""
+    diffs = [f"{k}: profile {profile_config.get(k)!r} != model {model_config.get(k)!r}"
+             for k in _PROFILE_CONFIG_KEYS
+             if (k in profile_config or k in model_config) and profile_config.get(k) != model_config.get(k)]
+    if diffs:
+        raise ValueError(f"cost profile {path} was measured on a different model config ({'; '.join(diffs)}); "
+                         "profile this model with `dynabatch profile --model ...`")
+
+
+def planner_cost_model(cfg: TrainConfig, model_config, layout):
+    """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
+    must match ``model_config``), else the analytic model with the rough ``cpu`` preset."""
+    from dynabatch.cost.stages import StageCostModel
+
+    if cfg.cost_profile:
+        from dynabatch.cost.planner_model import ProfiledLayerModel
+        from dynabatch.cost.tables import CostTables
+
+        tables = CostTables.load(cfg.cost_profile)
+        check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
+        layer_model = ProfiledLayerModel(tables)
+    else:
+        from dynabatch.cost.analytic import AnalyticCostModel
+        from dynabatch.cost.hardware import hardware_spec
+        from dynabatch.cost.model_specs import spec_from_hf_config
+
+        layer_model = AnalyticCostModel(spec_from_hf_config(model_config, dtype_bytes=4), hardware_spec("cpu"),
+                                        dropout=cfg.dropout > 0)
+    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0)
+
+
 def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
     """Model stage, optimizer and executor on every rank; data and planner on rank 0."""
-    from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.hardware import hardware_spec
-    from dynabatch.cost.model_specs import spec_from_hf_config
-    from dynabatch.cost.stages import StageCostModel
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model, model_family
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
@@ -121,8 +157,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
         limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                               max_seq_len=cfg.max_input_len)
         run.batcher = GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
-        analytic = AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes=4), hardware_spec("cpu"), dropout=cfg.dropout > 0)
-        cost_model = StageCostModel(analytic, layout, cfg.memory_gib * 2**30, memory_margin=0.0)
+        cost_model = planner_cost_model(cfg, model.config, layout)
         run.planner = StepPlanner(run.batcher, cfg, cost_model, data.tokens)
     return run
 

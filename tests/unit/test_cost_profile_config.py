@@ -1,0 +1,53 @@
+"""`TrainConfig.cost_profile`: the planner's stage cost model runs on the profile's tables; a profile of a
+different model config is a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_cost_tables import synthetic_profile
+
+from dynabatch.config import TrainConfig
+from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.cost.planner_model import ProfiledLayerModel
+from dynabatch.models.presets import build_model
+from dynabatch.models.split import layout_for
+from dynabatch.runtime.trainer import planner_cost_model
+
+
+@pytest.fixture(scope="module")
+def t5_tiny():
+    model = build_model("t5-tiny")
+    return model.config, layout_for(model, 2)
+
+
+def _profile(tmp_path, config: dict) -> str:
+    p = synthetic_profile("t5")
+    p["model"]["config"] = config
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(p))
+    return str(path)
+
+
+def test_cost_profile_plans_with_measured_tables(tmp_path, t5_tiny):
+    config, layout = t5_tiny
+    assert isinstance(planner_cost_model(TrainConfig(stages=2), config, layout).model, AnalyticCostModel)
+    cfg = TrainConfig(stages=2, cost_profile=_profile(tmp_path, config.to_dict()))
+    cost_model = planner_cost_model(cfg, config, layout)
+    assert isinstance(cost_model.model, ProfiledLayerModel)
+    b, e, d = np.array([1.0, 4.0, 16.0]), np.array([20.0, 100.0, 200.0]), np.array([10.0, 50.0, 100.0])
+    got = cost_model.evaluate(b, e, d)
+    want = cost_model.model.bottleneck_cost(layout.stages, b, e, d)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-12)
+    assert np.all(got[0] > 0) and np.all(got[0] < 1.0)  # the synthetic tables' seconds, not the analytic ones
+
+
+def test_mismatched_cost_profile_is_a_clear_error(tmp_path, t5_tiny):
+    config, layout = t5_tiny
+    other = {**config.to_dict(), "d_model": config.d_model * 2, "vocab_size": config.vocab_size + 1}
+    cfg = TrainConfig(stages=2, cost_profile=_profile(tmp_path, other))
+    with pytest.raises(ValueError, match=r"different model config.*vocab_size.*d_model: profile 128 != model 64"):
+        planner_cost_model(cfg, config, layout)
