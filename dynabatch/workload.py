@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
+from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 
@@ -158,15 +158,6 @@ class MethodPlan:
         return self.real_tokens / self.computed_tokens
 
 
-@dataclass(frozen=True)
-class BaselineOptions:
-    """Micro-batch sizes of the baselines (what a user would tune)."""
-
-    samples_per_micro_batch: int = 8
-    token_budget_tokens: int = 8192
-    packing_rows: int = 4
-
-
 def method_micro_batches(
     method: str,
     batch: GlobalBatch,
@@ -192,19 +183,11 @@ def method_micro_batches(
                          slice_cost_model=slice_cost_model, **planner_options)
         pieces = step.replicas[0]
         elapsed = time.perf_counter() - start
-        groups = tuple(RowGroup(rows=tuple((i,) for i in p.sample_ids), encoder_len=p.shape[1],
-                                decoder_len=p.shape[2] if family == "t5" else None) for p in pieces)
+        groups = tuple(step.to_row_groups(0))
         shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
         times = np.array([p.time_s for p in pieces])
         return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples))
-    else:
-        kwargs = {
-            "padding": {"samples_per_micro_batch": options.samples_per_micro_batch},
-            "length_grouped": {"samples_per_micro_batch": options.samples_per_micro_batch},
-            "token_budget": {"max_tokens": max(options.token_budget_tokens, limits.max_tokens)},
-            "packing": {"rows_per_micro_batch": options.packing_rows},
-        }[method]
-        groups = tuple(make_batcher(method, limits, _NO_TOKENS, **kwargs).group(batch))
+    groups = tuple(make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits)).group(batch))
     elapsed = time.perf_counter() - start
     shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)
     return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed)

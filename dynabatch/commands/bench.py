@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -348,16 +347,9 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m dynabatch.commands.bench`` (what the torchrun re-launch and the script call)."""
-    p = argparse.ArgumentParser(prog="dynabatch bench", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, FileNotFoundError) as e:
-        if os.environ.get("DYNABATCH_DEBUG"):
-            raise
-        print(f"dynabatch bench: error: {e}", file=sys.stderr)
-        return 2
+    from dynabatch.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from dynabatch.data.batching import LengthLimits
-from dynabatch.workload import MODEL_FAMILIES, BaselineOptions
+from dynabatch.data.baselines import BaselineOptions
+from dynabatch.workload import MODEL_FAMILIES
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b"}
 

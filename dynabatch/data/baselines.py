@@ -196,6 +196,28 @@ BATCHERS: dict[str, type[Batcher]] = {
 }
 
 
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Micro-batch sizes of the baselines (what a user would tune)."""
+
+    samples_per_micro_batch: int = 8
+    """``padding`` and ``length_grouped``."""
+    token_budget_tokens: int = 8192
+    """``token_budget``: padded tokens per micro-batch (raised to one maximal sample if smaller)."""
+    packing_rows: int = 4
+    """``packing``: rows per micro-batch."""
+
+    def batcher_options(self, name: str, limits: LengthLimits) -> dict:
+        """The fields :func:`make_batcher` takes for baseline ``name``."""
+        if name in ("padding", "length_grouped"):
+            return {"samples_per_micro_batch": self.samples_per_micro_batch}
+        if name == "token_budget":
+            return {"max_tokens": max(self.token_budget_tokens, limits.max_tokens)}
+        if name == "packing":
+            return {"rows_per_micro_batch": self.packing_rows}
+        raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BATCHERS)}")
+
+
 def make_batcher(name: str, limits: LengthLimits, tokens: TokenizerInfo, **options) -> Batcher:
     """A baseline batcher by name; ``options`` are its fields (e.g. ``samples_per_micro_batch``)."""
     if name not in BATCHERS:

@@ -14,7 +14,7 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from dynabatch.data.baselines import BATCHERS, make_batcher
+from dynabatch.data.baselines import BATCHERS, BaselineOptions, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
@@ -86,15 +86,10 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
         limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
         batcher = GlobalBatcher(data, limits, token_budget=max(args.token_budget, limits.max_tokens))
         batches = [batcher.next_batch() for _ in range(args.num_batches)]
-        options = {
-            "padding": {"samples_per_micro_batch": args.samples_per_micro_batch},
-            "length_grouped": {"samples_per_micro_batch": args.samples_per_micro_batch},
-            "token_budget": {"max_tokens": max(8192, limits.max_tokens)},
-            "packing": {},
-        }
+        options = BaselineOptions(samples_per_micro_batch=args.samples_per_micro_batch)
         cells = []
         for name in BATCHERS:
-            b = make_batcher(name, limits, data.tokens, **options[name])
+            b = make_batcher(name, limits, data.tokens, **options.batcher_options(name, limits))
             stats = [b.stats(gb) for gb in batches]
             real = sum(s.real_tokens for s in stats)
             computed = sum(s.computed_tokens for s in stats)

@@ -265,7 +265,7 @@ class DynaBatchDataLoader:
                 **self.planner_options,
             )
             assert not step.sliced_samples, "token slicing is not requested, so no piece is a slice"
-            return tuple(tuple(RowGroup(rows=tuple((i,) for i in p.sample_ids)) for p in pieces) for pieces in step.replicas)
+            return tuple(tuple(step.to_row_groups(r)) for r in range(self.num_replicas))
         groups = self._collator.group(batch)
         return tuple(tuple(groups[r :: self.num_replicas]) for r in range(self.num_replicas))
 

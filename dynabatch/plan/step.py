@@ -70,6 +70,17 @@ class StepPlan:
     def objective_s(self) -> float:
         return float(self.times_s.max())
 
+    def to_row_groups(self, replica: int) -> list:
+        """One :class:`~dynabatch.data.baselines.RowGroup` per piece of ``replica``, one sample per row,
+        padded to the planned shape (slices keep their token length as the row length)."""
+        from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
+
+        t5 = self.family == "t5"
+        return [
+            RowGroup(tuple((i,) for i in p.sample_ids), p.shape[1], p.shape[2] if t5 else None)
+            for p in self.replicas[replica]
+        ]
+
     def samples_of(self, replica: int) -> list[int]:
         return sorted({i for p in self.replicas[replica] for i in p.sample_ids})
 

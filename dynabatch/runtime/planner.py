@@ -28,7 +28,7 @@ import numpy as np
 
 from dynabatch.config import TrainConfig
 from dynabatch.cost.stages import StageCostModel, StageCosts
-from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
+from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch
@@ -100,18 +100,9 @@ class StepPlanner:
                 batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
                 num_replicas=R, max_samples=cfg.max_micro_batch_samples,
             )
-            t5 = self.family == "t5"
-            return [
-                [RowGroup(tuple((i,) for i in p.sample_ids), p.shape[1], p.shape[2] if t5 else None) for p in pieces]
-                for pieces in plan.replicas
-            ]
-        options = {
-            "padding": {"samples_per_micro_batch": cfg.samples_per_micro_batch},
-            "length_grouped": {"samples_per_micro_batch": cfg.samples_per_micro_batch},
-            "token_budget": {"max_tokens": max(cfg.token_budget_tokens, self.limits.max_tokens)},
-            "packing": {"rows_per_micro_batch": cfg.packing_rows},
-        }[cfg.method]
-        groups = make_batcher(cfg.method, self.limits, self.tokens, **options).group(batch)
+            return [plan.to_row_groups(r) for r in range(R)]
+        options = BaselineOptions(cfg.samples_per_micro_batch, cfg.token_budget_tokens, cfg.packing_rows)
+        groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
         return deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)
 
     def _tokens(self, batch: GlobalBatch, g: RowGroup) -> int:
