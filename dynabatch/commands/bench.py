@@ -249,6 +249,7 @@ def bench(args, methods: list[str]) -> dict | None:
                     r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
                     policy=r.cfg.policy, costs=planned.costs if planned else None,
                     memory_limit_bytes=r.cfg.memory_gib * 2**30,
+                    schedules=planned.schedules if planned else None,
                 )
                 if cuda:
                     torch.cuda.synchronize(ctx.device)

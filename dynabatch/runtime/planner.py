@@ -35,6 +35,7 @@ from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.step import plan_step
+from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate
 
 
@@ -49,6 +50,8 @@ class PlannedStep:
     """Per replica, the ``(b, E, D)`` of each micro-batch."""
     costs: tuple[StageCosts, ...]
     """Per replica, predicted per-stage costs of its micro-batches (drive the schedule)."""
+    schedules: tuple[ComputeSchedule, ...]
+    """Per replica, the compute schedule chosen for ``policy`` (the runtime runs exactly these)."""
     predicted_step_s: float
     """Simulated makespan of the slowest replica under the schedule the runtime will run."""
     bubble_fraction: float
@@ -83,10 +86,10 @@ class StepPlanner:
         groups = self._groups(batch)
         replicas = tuple(tuple(self._collate(batch, g) for g in gs) for gs in groups)
         shapes = tuple(tuple(group_shape(batch, g, self.family) for g in gs) for gs in groups)
-        costs, predicted, bubble = self._predict(shapes)
+        costs, schedules, predicted, bubble = self._predict(shapes)
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
         planned = PlannedStep(
-            step=self.step, batch=batch, replica_micro_batches=replicas, shapes=shapes, costs=costs,
+            step=self.step, batch=batch, replica_micro_batches=replicas, shapes=shapes, costs=costs, schedules=schedules,
             predicted_step_s=predicted, bubble_fraction=bubble, computed_tokens=computed,
             plan_time_s=time.perf_counter() - start, batcher_state_after=state,
         )
@@ -115,10 +118,10 @@ class StepPlanner:
             return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
         return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
 
-    def _predict(self, shapes) -> tuple[tuple[StageCosts, ...], float, float]:
+    def _predict(self, shapes) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
         from dynabatch.runtime.step import compute_schedule
 
-        costs, makespans, bubbles = [], [], []
+        costs, schedules, makespans, bubbles = [], [], [], []
         memory = self.cfg.memory_gib * 2**30
         for s in shapes:
             arr = np.asarray(s, dtype=np.float64).reshape(-1, 3)
@@ -126,9 +129,10 @@ class StepPlanner:
             schedule = compute_schedule(self.cfg.policy, arr.astype(np.int64), self.cfg.stages, c, memory)
             result = simulate(schedule, c, model_state_bytes=np.array(self.cost_model.model_state_bytes))
             costs.append(c)
+            schedules.append(schedule)
             makespans.append(result.makespan_s)
             bubbles.append(result.bubble_fraction)
-        return tuple(costs), float(max(makespans)), float(np.mean(bubbles))
+        return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
 
 
 def _maybe_crash(step: int) -> None:

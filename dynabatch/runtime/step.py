@@ -83,10 +83,12 @@ def plan_step(
     step: int = 0,
     costs: Sequence[StageCosts] | None = None,
     memory_limit_bytes=None,
+    schedules: Sequence[ComputeSchedule] | None = None,
 ) -> dict[int, ExecutionPlan]:
     """Validated plans of every rank: replica ``p`` runs the micro-batches of shapes ``replica_shapes[p]``
     (``(M_p, 3)``, each ``M_p >= 1``); ``costs[p]`` (default :func:`token_costs`) drives the adaptive
-    policies and the order of messages on links."""
+    policies and the order of messages on links. ``schedules[p]``, when given (the trainer's planner
+    already chose them ahead of time), is used instead of computing the policy's schedule again."""
     num_replicas = len(replica_shapes)
     plans: dict[int, ExecutionPlan] = {}
     for p, shapes in enumerate(replica_shapes):
@@ -94,7 +96,10 @@ def plan_step(
         if len(shapes) == 0:
             raise ValueError(f"replica {p} has no micro-batches; every replica needs at least one")
         c = costs[p] if costs is not None else token_costs(shapes, spec.num_stages)
-        schedule = compute_schedule(policy, shapes, spec.num_stages, c, memory_limit_bytes)
+        if schedules is not None:
+            schedule = schedules[p]
+        else:
+            schedule = compute_schedule(policy, shapes, spec.num_stages, c, memory_limit_bytes)
         plans.update(
             lower(
                 schedule,
@@ -138,6 +143,7 @@ def train_step(
     policy: str = "1f1b",
     costs: Sequence[StageCosts] | None = None,
     memory_limit_bytes=None,
+    schedules: Sequence[ComputeSchedule] | None = None,
     inputs_fn: InputsFn | None = None,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
@@ -153,7 +159,8 @@ def train_step(
                 f"got micro-batches for {len(replica_micro_batches)} replicas, the world has {ctx.num_replicas}"
             )
         shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
-        plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes)
+        plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
+                          schedules=schedules)
         own, pending = send_step(step_payloads(plans, replica_micro_batches, spec, inputs_fn), ctx.delivery_group,
                                  ctx.world_size)
         result = executor.run(own)

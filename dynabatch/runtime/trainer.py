@@ -239,6 +239,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 planned.replica_micro_batches if ctx.is_planner else None,
                 spec=run.spec, policy=cfg.policy,
                 costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
+                schedules=planned.schedules if ctx.is_planner else None,
             )
             elapsed = time.perf_counter() - t0
             task_loss = None
@@ -337,7 +338,6 @@ def _write_timeline(run: _Run, result, planned) -> None:
     """Collective: the last step's measured timeline (replica 0) next to its simulated twin."""
     import numpy as np
 
-    from dynabatch.runtime.step import compute_schedule
     from dynabatch.runtime.timeline import gather_timelines
     from dynabatch.schedule.simulate import simulate
     from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
@@ -347,8 +347,7 @@ def _write_timeline(run: _Run, result, planned) -> None:
         return
     shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
     costs = planned.costs[0]
-    schedule = compute_schedule(run.cfg.policy, shapes, run.cfg.stages, costs, run.cfg.memory_gib * 2**30)
-    simulated = simulate(schedule, costs)
+    simulated = simulate(planned.schedules[0], costs)
     out = run.cfg.output_dir
     trace = to_chrome_trace(measured[0], shapes=shapes, pid=0, process_name=f"measured step {planned.step}")
     twin = to_chrome_trace(simulated, shapes=shapes, pid=1, process_name=f"simulated step {planned.step}")
