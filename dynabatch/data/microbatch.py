@@ -105,3 +105,26 @@ class Seq2SeqMicroBatch:
 
 
 MicroBatch = CausalMicroBatch | Seq2SeqMicroBatch
+
+
+def token_slices(mb: CausalMicroBatch, bounds) -> list[CausalMicroBatch]:
+    """Cut every row of ``mb`` at the token positions ``bounds`` (``0 = x_0 < x_1 < ... < x_k = T``)
+    into ``k`` token slices (TeraPipe): slice ``j`` holds columns ``[x_{j-1}, x_j)``, keeps the rows'
+    position ids (so positions continue where the previous slice stopped) and targets, and attends to
+    the earlier columns through the keys/values its previous slices leave on each stage. The slices'
+    loss tokens add up to ``mb``'s, so a step's loss normaliser does not change.
+    """
+    bounds = [int(x) for x in bounds]
+    t = mb.shape[1]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != t or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"slice bounds must rise strictly from 0 to the row length {t}, got {bounds}")
+    return [
+        CausalMicroBatch(
+            mb.input_ids[:, lo:hi].contiguous(),
+            mb.target_ids[:, lo:hi].contiguous(),
+            mb.position_ids[:, lo:hi].contiguous(),
+            mb.segment_ids[:, lo:hi].contiguous(),
+            mb.sample_ids,
+        )
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]

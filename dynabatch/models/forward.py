@@ -61,15 +61,21 @@ def bidirectional_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype = t
     return _to_additive(_same_segment(segment_ids, segment_ids), dtype)
 
 
-def causal_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Block-diagonal causal mask (GPT-2, T5 decoder self-attention); (B, T) -> (B, 1, T, T).
+def causal_segment_mask(
+    segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32, context_segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Block-diagonal causal mask (GPT-2, T5 decoder self-attention); (B, T) -> (B, 1, T, C + T).
 
     Segments are contiguous in a row, so "earlier in the row and same segment" is "earlier in the
     same sample". Pad queries keep their full (non-causal) row so that no row is empty.
+    ``context_segment_ids`` (B, C): a token slice's queries also see the ``C`` earlier tokens of their
+    rows (keys are context then slice; the causal diagonal is aligned bottom-right, so query ``i``
+    sees keys ``<= C + i``).
     """
-    t = segment_ids.shape[1]
-    earlier = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()  # (T, T)
-    allowed = _same_segment(segment_ids, segment_ids) & (earlier | (segment_ids == 0)[:, :, None])
+    keys = segment_ids if context_segment_ids is None else torch.cat([context_segment_ids, segment_ids], dim=1)
+    t, c = segment_ids.shape[1], keys.shape[1] - segment_ids.shape[1]
+    earlier = torch.ones(t, c + t, dtype=torch.bool, device=segment_ids.device).tril(diagonal=c)  # (T, C + T)
+    allowed = _same_segment(segment_ids, keys) & (earlier | (segment_ids == 0)[:, :, None])
     return _to_additive(allowed, dtype)
 
 

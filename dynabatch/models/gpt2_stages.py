@@ -6,7 +6,9 @@ A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`
 * ``embedding``: ``drop(wte(input_ids) + wpe(position_ids))`` with the per-sample position ids;
 * ``gpt`` blocks: each ``GPT2Block`` called directly as GPT2Model calls it, with the 4-D additive
   block-diagonal causal mask built from ``segment_ids`` (:func:`~dynabatch.models.forward.causal_segment_mask`),
-  no cache, no cross-attention;
+  no cache, no cross-attention; a token slice (TeraPipe) instead passes a
+  :class:`~dynabatch.models.slice_kv.SliceCache` as the blocks' cache, so attention also sees the keys
+  and values of the chain's earlier slices, with the causal mask aligned bottom-right;
 * ``lm_head``: ``ln_f``, ``lm_head`` (tied to ``wte`` unless the model unties it) and the fp32 token
   loss sum against the micro-batch's pre-shifted ``target_ids`` (loaded as ``labels``).
 
@@ -23,6 +25,7 @@ from torch import nn
 
 from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.forward import _token_losses, causal_segment_mask
+from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, segment_losses
 
 SHARED_EMBEDDING = "shared_embedding"
@@ -81,7 +84,16 @@ class GPT2Stage(StageModule):
         weight = self.wte.weight if self.has_embedding else self.lm_head.weight
         return {SHARED_EMBEDDING: weight}
 
-    def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:
+    supports_slices = True
+
+    def forward(
+        self,
+        received: dict[str, torch.Tensor],
+        loaded: dict[str, torch.Tensor],
+        context: SliceContext | None = None,
+        *,
+        sliced: bool = False,
+    ) -> StageOutput:
         weight = next(self.parameters())
         device, dtype = weight.device, weight.dtype
         segment_ids = loaded["segment_ids"].to(device, non_blocking=True)  # (B, T)
@@ -91,13 +103,16 @@ class GPT2Stage(StageModule):
             hidden = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, d)
         else:
             hidden = received["hidden"]  # (B, T, d)
-        mask = causal_segment_mask(segment_ids, dtype)  # (B, 1, T, T)
+        cache = SliceCache(context, [b.attn.layer_idx for b in self.blocks]) if sliced else None
+        context_ids = context.segment_ids if context is not None else None
+        mask = causal_segment_mask(segment_ids, dtype, context_ids)  # (B, 1, T, C + T)
         for block in self.blocks:
-            hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False)  # (B, T, d)
+            hidden = block(hidden, cache, mask, None, encoder_attention_mask=None, use_cache=False)  # (B, T, d)
+        record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
-            return StageOutput(sends={"hidden": hidden})
+            return StageOutput(sends={"hidden": hidden}, slice_record=record)
         labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
         logits = self.lm_head(self.ln_f(hidden))  # (B, T, V)
         token_losses = _token_losses(logits, labels)  # (B, T)
         return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-                           segment_losses=segment_losses(token_losses, labels, segment_ids))
+                           segment_losses=segment_losses(token_losses, labels, segment_ids), slice_record=record)

@@ -22,8 +22,12 @@ their gradients across the stages that hold them so every copy takes the same op
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dynabatch.models.slice_kv import SliceRecord
 
 
 @dataclass
@@ -39,6 +43,8 @@ class StageOutput:
     segment_losses: torch.Tensor | None = None
     """Last stage only: (B, K, 2) float64 per row and segment: summed token loss and loss-token count
     (segment k + 1 of row b), for per-sample and per-task loss reporting. Detached."""
+    slice_record: "SliceRecord | None" = None
+    """Token slices only: the slice's keys/values on this stage (:mod:`dynabatch.models.slice_kv`)."""
 
 
 def segment_losses(token_losses: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
@@ -60,10 +66,16 @@ def segment_losses(token_losses: torch.Tensor, labels: torch.Tensor, segment_ids
 
 
 class StageModule(torch.nn.Module):
-    """One pipeline stage of a split model (see the module docstring)."""
+    """One pipeline stage of a split model (see the module docstring).
+
+    Stages of causal models may run token slices (:attr:`supports_slices`): ``forward(received,
+    loaded, context, sliced=True)`` also attends to ``context`` (the keys/values of the earlier slices
+    of the same rows, or ``None`` for a chain's first slice) and returns a ``slice_record``.
+    """
 
     stage_index: int
     num_stages: int
+    supports_slices: bool = False
 
     def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:  # noqa: D102
         raise NotImplementedError

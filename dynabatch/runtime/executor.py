@@ -11,6 +11,12 @@ an opcode without a handler raises ``ValueError`` naming it. Per step the execut
   names. Receive buffers are allocated exactly from the instruction's tensor specs; send tensors are
   held here until their ``WAIT``.
 
+Token slices (TeraPipe; the plan's ``slice_links``, :mod:`dynabatch.schedule.chains`): a slice's
+forward hands the stage the keys/values its previous slice left in ``contexts`` and leaves its own
+extended context for the next slice; its backward adds its own keys/values with the gradient the
+later slices carried back (``kv_grads``) as extra backward roots, then leaves the gradient of its
+context for the previous slice (:mod:`dynabatch.models.slice_kv`).
+
 Loss: the last stage backpropagates ``loss_sum / global_loss_tokens`` per micro-batch, where the
 count covers every micro-batch of every replica (delivered with the plan), so the summed gradients
 are those of the global batch's mean token loss, not a mean of micro-batch means. ``REDUCE`` sums
@@ -49,6 +55,7 @@ from dynabatch.models.stage import StageModule, StageOutput
 from dynabatch.runtime.delivery import StepInputs
 from dynabatch.runtime.dist import DistContext, PipelineError, tied_groups
 from dynabatch.runtime.p2p import TORCH_DTYPES, allocate, start_recv, start_send, wait_all
+from dynabatch.schedule.chains import successors
 from dynabatch.schedule.ir import Instr, Op
 
 
@@ -137,6 +144,12 @@ class Executor:
         self.segment_losses: dict[int, torch.Tensor] = {}
         self.grad_norm = 0.0
         self.loss = 0.0
+        self.links: tuple[int, ...] = ()
+        self.next_slice: dict[int, int] = {}
+        self.contexts: dict = {}
+        """Slice -> the keys/values of its chain's earlier slices (left by the previous slice's F)."""
+        self.kv_grads: dict = {}
+        """Slice -> the key/value gradient the later slices carried back (left by the next slice's B)."""
 
     # ------------------------------------------------------------------------------------------
 
@@ -150,8 +163,13 @@ class Executor:
             )
         if inputs.global_loss_tokens < 1:
             raise ValueError(f"step {plan.step}: the global batch has {inputs.global_loss_tokens} loss tokens")
+        if any(p >= 0 for p in plan.slice_links) and not getattr(self.stage, "supports_slices", False):
+            raise ValueError(f"the plan has token slices but {type(self.stage).__name__} cannot run them (GPT-2 stages can)")
         self.inputs = inputs
         self.states, self.pending = {}, {}
+        self.links = plan.slice_links
+        self.next_slice = successors(plan.slice_links)
+        self.contexts, self.kv_grads = {}, {}
         self.loss_sum.zero_()
         self.num_loss_tokens = 0
         self.segment_losses = {}
@@ -170,10 +188,11 @@ class Executor:
                 t0 = clock()
                 handler(self, ins)
                 timeline.append((ins.key, t0, clock()))
-            if self.pending or self.states:
+            if self.pending or self.states or self.contexts or self.kv_grads:
                 raise ValueError(
-                    f"plan ended with transfers {sorted(str(k) for k in self.pending)} not waited and "
-                    f"micro-batches {sorted(self.states)} not freed"
+                    f"plan ended with transfers {sorted(str(k) for k in self.pending)} not waited, "
+                    f"micro-batches {sorted(self.states)} not freed and slice keys/values "
+                    f"{sorted(self.contexts)}/{sorted(self.kv_grads)} not consumed"
                 )
         except PipelineError:
             raise
@@ -184,6 +203,7 @@ class Executor:
         finally:
             self.inputs = None
             self.states, self.pending = {}, {}
+            self.contexts, self.kv_grads = {}, {}
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses)
 
     def _peers(self, ins: Instr) -> str:
@@ -241,9 +261,18 @@ def _exec_wait(ex: Executor, ins: Instr) -> None:
 
 
 def _exec_forward(ex: Executor, ins: Instr) -> None:
-    st = ex._state(ins.micro_batch)
-    with ex._forward_context(ins.micro_batch):
-        out = ex.stage(st.received, st.loaded)
+    m = ins.micro_batch
+    st = ex._state(m)
+    prev = ex.links[m] if ex.links else -1
+    with ex._forward_context(m):
+        if prev >= 0 or m in ex.next_slice:
+            if prev >= 0 and m not in ex.contexts:
+                raise ValueError(f"token slice {m} runs before slice {prev}, whose keys/values it extends")
+            out = ex.stage(st.received, st.loaded, ex.contexts.pop(m, None), sliced=True)
+            if m in ex.next_slice:
+                ex.contexts[ex.next_slice[m]] = out.slice_record.extend()
+        else:
+            out = ex.stage(st.received, st.loaded)
     st.output, st.loaded = out, None
     if ex.is_last:
         if out.loss_sum is None:
@@ -255,19 +284,32 @@ def _exec_forward(ex: Executor, ins: Instr) -> None:
 
 
 def _exec_backward(ex: Executor, ins: Instr) -> None:
-    st = ex._state(ins.micro_batch)
+    m = ins.micro_batch
+    st = ex._state(m)
     out = st.output
+    tensors, grads = [], []
     if ex.is_last:
-        (out.loss_sum / ex.inputs.global_loss_tokens).backward()
+        tensors.append(out.loss_sum / ex.inputs.global_loss_tokens)
+        grads.append(None)
     else:
-        tensors, grads = [], []
         for name, t in out.sends.items():
             if t.requires_grad:
                 g = st.grads[name]
                 tensors.append(t)
                 grads.append(g if g.dtype == t.dtype else g.to(t.dtype))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+    record, carried = out.slice_record, None
+    if record is not None:
+        if m in ex.next_slice:
+            if m not in ex.kv_grads:
+                raise ValueError(f"token slice {m} runs its backward before slice {ex.next_slice[m]}'s")
+            carried = ex.kv_grads.pop(m)
+        extra, extra_grads = record.backward_roots(carried)
+        tensors += extra
+        grads += extra_grads
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+    if record is not None and ex.links[m] >= 0:
+        ex.kv_grads[ex.links[m]] = record.context_grads(carried)
     st.input_grads = {n: t.grad for n, t in st.received.items()}
     st.output, st.received, st.grads = None, {}, {}
 

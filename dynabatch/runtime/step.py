@@ -59,20 +59,21 @@ def token_costs(shapes, num_stages: int) -> StageCosts:
 
 
 def compute_schedule(
-    policy: str, shapes, num_stages: int, costs: StageCosts | None = None, memory_limit_bytes=None
+    policy: str, shapes, num_stages: int, costs: StageCosts | None = None, memory_limit_bytes=None, links=()
 ) -> ComputeSchedule:
-    """The compute schedule of one replica's micro-batches under ``policy`` (one of :data:`POLICIES`)."""
+    """The compute schedule of one replica's micro-batches under ``policy`` (one of :data:`POLICIES`);
+    ``links``: token-slice chains (:mod:`dynabatch.schedule.chains`)."""
     num_mb = len(shapes)
     if policy == "gpipe":
-        return gpipe(num_mb, num_stages)
+        return gpipe(num_mb, num_stages, links=links)
     if policy == "1f1b":
-        return one_f_one_b(num_mb, num_stages)
+        return one_f_one_b(num_mb, num_stages, links=links)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
     costs = costs if costs is not None else token_costs(shapes, num_stages)
     if policy == "adaptive":
-        return adaptive(costs, memory_limit_bytes)
-    return choose_schedule(costs, memory_limit_bytes)[0]
+        return adaptive(costs, memory_limit_bytes, links=links)
+    return choose_schedule(costs, memory_limit_bytes, links=links)[0]
 
 
 def plan_step(
@@ -84,22 +85,25 @@ def plan_step(
     costs: Sequence[StageCosts] | None = None,
     memory_limit_bytes=None,
     schedules: Sequence[ComputeSchedule] | None = None,
+    slice_links: Sequence[Sequence[int]] | None = None,
 ) -> dict[int, ExecutionPlan]:
     """Validated plans of every rank: replica ``p`` runs the micro-batches of shapes ``replica_shapes[p]``
     (``(M_p, 3)``, each ``M_p >= 1``); ``costs[p]`` (default :func:`token_costs`) drives the adaptive
     policies and the order of messages on links. ``schedules[p]``, when given (the trainer's planner
-    already chose them ahead of time), is used instead of computing the policy's schedule again."""
+    already chose them ahead of time), is used instead of computing the policy's schedule again.
+    ``slice_links[p]``: replica ``p``'s token-slice chains (:mod:`dynabatch.schedule.chains`)."""
     num_replicas = len(replica_shapes)
     plans: dict[int, ExecutionPlan] = {}
     for p, shapes in enumerate(replica_shapes):
         shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
         if len(shapes) == 0:
             raise ValueError(f"replica {p} has no micro-batches; every replica needs at least one")
+        links = tuple(slice_links[p]) if slice_links is not None else ()
         c = costs[p] if costs is not None else token_costs(shapes, spec.num_stages)
         if schedules is not None:
             schedule = schedules[p]
         else:
-            schedule = compute_schedule(policy, shapes, spec.num_stages, c, memory_limit_bytes)
+            schedule = compute_schedule(policy, shapes, spec.num_stages, c, memory_limit_bytes, links)
         plans.update(
             lower(
                 schedule,
@@ -110,6 +114,7 @@ def plan_step(
                 step=step,
                 fwd_s=c.fwd_s,
                 bwd_s=c.bwd_s,
+                links=links,
             )
         )
     return plans
@@ -145,11 +150,14 @@ def train_step(
     memory_limit_bytes=None,
     schedules: Sequence[ComputeSchedule] | None = None,
     inputs_fn: InputsFn | None = None,
+    slice_links: Sequence[Sequence[int]] | None = None,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
     Rank 0 passes ``replica_micro_batches`` (one list per replica, in execution order) and ``spec``;
-    other ranks pass neither and receive their plan and tensors from rank 0.
+    other ranks pass neither and receive their plan and tensors from rank 0. ``slice_links[p]``
+    (rank 0): for each micro-batch of replica ``p``, the micro-batch whose keys/values it extends
+    (a token slice, :func:`dynabatch.data.microbatch.token_slices`) or -1.
     """
     if ctx.is_planner:
         if replica_micro_batches is None or spec is None:
@@ -160,7 +168,7 @@ def train_step(
             )
         shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
         plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
-                          schedules=schedules)
+                          schedules=schedules, slice_links=slice_links)
         own, pending = send_step(step_payloads(plans, replica_micro_batches, spec, inputs_fn), ctx.delivery_group,
                                  ctx.world_size)
         result = executor.run(own)

@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from dynabatch.schedule.chains import check_links
+
 DTYPE_BYTES = {
     "float64": 8,
     "float32": 4,
@@ -355,9 +357,15 @@ class ExecutionPlan:
     instructions: tuple[Instr, ...]
     step: int = 0
     """Training step the plan belongs to."""
+    slice_links: tuple[int, ...] = ()
+    """Token-slice chains of the replica (:mod:`dynabatch.schedule.chains`): per micro-batch, the
+    micro-batch whose keys/values it extends, or -1; empty when no micro-batch is a slice."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instructions", tuple(self.instructions))
+        object.__setattr__(self, "slice_links", tuple(int(x) for x in self.slice_links))
+        if self.slice_links:
+            check_links(self.slice_links, self.num_micro_batches)
         if not (0 <= self.stage < self.num_stages and 0 <= self.replica_index < self.num_replicas):
             raise ValueError(
                 f"stage {self.stage} / replica {self.replica_index} out of range "

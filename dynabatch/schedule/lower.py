@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.schedule.chains import check_schedule
 from dynabatch.schedule.compute import ComputeSchedule, Phase
 from dynabatch.schedule.ir import ExecutionPlan, Instr, Op, PipelineSpec, message_tag
 
@@ -343,13 +344,15 @@ def lower(
     fwd_s=None,
     bwd_s=None,
     check: bool = True,
+    links=(),
 ) -> dict[int, ExecutionPlan]:
     """Per-rank plans of one pipeline replica; rank ``replica_index * S + s`` runs stage ``s``.
 
     ``shapes``: ``(M, 3)`` padded ``(b, E, D)`` per micro-batch (``PartitionPlan.shapes``; GPT ``D`` is
     ignored). ``fwd_s``/``bwd_s``: optional ``(S, M)`` op times (e.g. ``StageCosts.fwd_s``) used to
     order messages on links and to post receives. ``check`` validates the result (deadlock, pairing,
-    dependencies; see :func:`~dynabatch.schedule.validate.validate_or_raise`).
+    dependencies; see :func:`~dynabatch.schedule.validate.validate_or_raise`). ``links``: token-slice
+    chains (:mod:`dynabatch.schedule.chains`); the schedule must respect them and every plan carries them.
     """
     S, M = schedule.num_stages, schedule.num_micro_batches
     if spec.num_stages != S:
@@ -361,15 +364,16 @@ def lower(
         )
     if not (0 <= replica_index < num_replicas):
         raise ValueError(f"replica_index must be in [0, {num_replicas}), got {replica_index}")
+    check_schedule(schedule, links)
     offset = replica_index * S
     times = dataflow_times(schedule, fwd_s, bwd_s)
-    links = link_orders(schedule, times)
-    lists = add_send_waits(add_comms(schedule, arr.tolist(), spec, times, links, offset), offset)
+    messages = link_orders(schedule, times)
+    lists = add_send_waits(add_comms(schedule, arr.tolist(), spec, times, messages, offset), offset)
     plans = {}
     for s, instrs in enumerate(lists):
         instrs, num_slots = assign_slots(instrs)
         plans[offset + s] = ExecutionPlan(
-            offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step
+            offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links)
         )
     if check:
         from dynabatch.schedule.validate import validate_or_raise

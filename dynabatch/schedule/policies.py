@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from dynabatch.cost.stages import StageCosts
+from dynabatch.schedule.chains import backward_order, chain_order, check_links, successors
 from dynabatch.schedule.compute import ComputeOp, ComputeSchedule, Phase
 from dynabatch.schedule.simulate import (
     SendTime,
@@ -55,19 +56,29 @@ DEFAULT_SLACKS: tuple[int | None, ...] = (0, 2, None)
 """In-flight slacks :func:`choose_schedule` tries for the adaptive policy (``None``: memory only)."""
 
 
-def gpipe(num_micro_batches: int, num_stages: int, order: Sequence[int] | None = None) -> ComputeSchedule:
-    """All forwards, then all backwards, in ``order`` on every stage."""
-    order = _check_order(order, num_micro_batches, num_stages)
-    return _schedule(_gpipe_codes(order, num_stages), num_micro_batches, "gpipe")
+def gpipe(
+    num_micro_batches: int, num_stages: int, order: Sequence[int] | None = None, *, links: Sequence[int] = ()
+) -> ComputeSchedule:
+    """All forwards, then all backwards, in ``order`` on every stage (a token-slice chain's backwards
+    in reverse slice order; ``links``: see :mod:`dynabatch.schedule.chains`)."""
+    links = check_links(links, num_micro_batches)
+    order = _check_order(order, num_micro_batches, num_stages, links)
+    return _schedule(_gpipe_codes(order, num_stages, links), num_micro_batches, "gpipe")
 
 
-def one_f_one_b(num_micro_batches: int, num_stages: int, order: Sequence[int] | None = None) -> ComputeSchedule:
+def one_f_one_b(
+    num_micro_batches: int, num_stages: int, order: Sequence[int] | None = None, *, links: Sequence[int] = ()
+) -> ComputeSchedule:
     """1F1B: stage ``s`` warms up with ``min(S - s, M)`` forwards, then alternates B and F, then drains.
 
-    For ``S = 2, M = 3``: stage 0 ``F0 F1 B0 F2 B1 B2``, stage 1 ``F0 B0 F1 B1 F2 B2``.
+    For ``S = 2, M = 3``: stage 0 ``F0 F1 B0 F2 B1 B2``, stage 1 ``F0 B0 F1 B1 F2 B2``. With token-slice
+    chains (``links``) the fixed pattern cannot hold (a chain's first backward needs all its forwards),
+    so it is the list schedule with the same in-flight cap of ``S - s`` micro-batches, exceeded only
+    by the slices of a chain in flight, on unit op times.
     """
-    order = _check_order(order, num_micro_batches, num_stages)
-    return _schedule(_1f1b_codes(order, num_stages), num_micro_batches, "1f1b")
+    links = check_links(links, num_micro_batches)
+    order = _check_order(order, num_micro_batches, num_stages, links)
+    return _schedule(_1f1b_codes(order, num_stages, links), num_micro_batches, "1f1b")
 
 
 def adaptive(
@@ -79,19 +90,24 @@ def adaptive(
     model_state_bytes=0.0,
     in_flight_slack: int | None = None,
     lookahead: int = 1,
+    links: Sequence[int] = (),
 ) -> ComputeSchedule:
     """Memory-aware list schedule (see the module docstring); ``memory_limit_bytes`` is per device,
     model states included, a scalar or one value per stage; ``None`` means unlimited.
 
     ``lookahead`` > 1 lets stage 0 admit a later micro-batch of ``order`` when the next one does not
-    fit (later stages follow stage 0's order).
+    fit (later stages follow stage 0's order). ``links``: token-slice chains
+    (:mod:`dynabatch.schedule.chains`); a stage admits a chain's next slice right after the previous
+    one (so a chain never waits behind the memory check it was planned under) and runs a chain's
+    backwards in reverse slice order.
     """
     num_stages, num_mb = check_costs(costs)
-    order = _check_order(order, num_mb, num_stages)
+    links = check_links(links, num_mb)
+    order = _check_order(order, num_mb, num_stages, links)
     _check_slack(in_flight_slack)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
         raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
-    inputs = _Inputs.make(costs, send_time, model_state_bytes, memory_limit_bytes)
+    inputs = _Inputs.make(costs, send_time, model_state_bytes, memory_limit_bytes, links)
     codes = inputs.adaptive_codes(order, in_flight_slack, lookahead)
     return _schedule(codes, num_mb, _adaptive_name(in_flight_slack))
 
@@ -131,6 +147,7 @@ def choose_schedule(
     num_random_orders: int = 2,
     num_search_steps: int = 24,
     seed: int = 0,
+    links: Sequence[int] = (),
 ) -> tuple[ComputeSchedule, SimResult]:
     """The policy and micro-batch order with the smallest simulated makespan that fits memory.
 
@@ -138,9 +155,11 @@ def choose_schedule(
     per slack in ``adaptive_slacks``; then ``num_search_steps`` seeded moves (swap two micro-batches or
     move one to the front or the back) on the best candidate's order, each kept if it lowers the
     makespan and still fits. When nothing fits, the candidate with the smallest memory overflow wins.
+    Every order keeps token-slice chains (``links``) together (:func:`~dynabatch.schedule.chains.chain_order`).
     Returns the schedule and its full simulation.
     """
     num_stages, num_mb = check_costs(costs)
+    links = check_links(links, num_mb)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise ValueError(f"unknown policies {unknown or list(policies)}; valid: {', '.join(POLICIES)}")
@@ -150,13 +169,13 @@ def choose_schedule(
         )
     for slack in adaptive_slacks:
         _check_slack(slack)
-    inputs = _Inputs.make(costs, send_time, model_state_bytes, memory_limit_bytes)
+    inputs = _Inputs.make(costs, send_time, model_state_bytes, memory_limit_bytes, links)
     variants = [(p, None) for p in policies if p != "adaptive"]
     if "adaptive" in policies:
         variants += [("adaptive", slack) for slack in adaptive_slacks]
     if orders is None:
         orders = candidate_orders(costs, num_random=num_random_orders, seed=seed)
-    orders = [_check_order(o, num_mb, num_stages) for o in orders]
+    orders = [_check_order(o, num_mb, num_stages, links) for o in orders]
 
     best = None  # (score, variant, order, codes)
     for order in orders:
@@ -168,7 +187,7 @@ def choose_schedule(
     score, variant, order, codes = best
     rng = np.random.default_rng(seed + 1)
     for _ in range(num_search_steps if num_mb >= 2 else 0):
-        trial_order = _move(list(order), rng)
+        trial_order = chain_order(_move(list(order), rng), links)
         trial = inputs.codes(variant, trial_order)
         trial_score = inputs.score(trial)
         if trial_score < score:
@@ -192,9 +211,10 @@ class _Inputs:
     send_array: np.ndarray
     states: list
     limit: list | None
+    links: tuple[int, ...] = ()
 
     @staticmethod
-    def make(costs: StageCosts, send_time, model_state_bytes, memory_limit_bytes) -> "_Inputs":
+    def make(costs: StageCosts, send_time, model_state_bytes, memory_limit_bytes, links=()) -> "_Inputs":
         num_stages, _ = check_costs(costs)
         send = stage_send_times(costs, send_time)
         states = per_stage_values(model_state_bytes, num_stages, "model_state_bytes")
@@ -202,21 +222,21 @@ class _Inputs:
                                                                          "memory_limit_bytes").tolist()
         fwd, bwd, stored, peak = (np.asarray(x, dtype=np.float64).tolist()
                                   for x in (costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes))
-        return _Inputs(fwd, bwd, stored, peak, send.tolist(), send, states.tolist(), limit)
+        return _Inputs(fwd, bwd, stored, peak, send.tolist(), send, states.tolist(), limit, tuple(links))
 
     def codes(self, variant: tuple[str, int | None], order: list[int]) -> list[list[int]]:
         policy, slack = variant
         if policy == "gpipe":
-            return _gpipe_codes(order, len(self.fwd))
+            return _gpipe_codes(order, len(self.fwd), self.links)
         if policy == "1f1b":
-            return _1f1b_codes(order, len(self.fwd))
+            return _1f1b_codes(order, len(self.fwd), self.links)
         return self.adaptive_codes(order, slack)
 
     def adaptive_codes(self, order: list[int], slack: int | None, lookahead: int = 1) -> list[list[int]]:
         num_stages = len(self.fwd)
         caps = None if slack is None else [num_stages - s + slack for s in range(num_stages)]
         return _list_schedule(order, self.fwd, self.bwd, self.stored, self.peak, self.send, self.states,
-                              self.limit, caps, lookahead)
+                              self.limit, caps, lookahead, self.links)
 
     def score(self, codes: list[list[int]]) -> tuple[float, float]:
         """(memory overflow over the limit, makespan): smaller is better."""
@@ -241,16 +261,23 @@ def _move(order: list[int], rng: np.random.Generator) -> list[int]:
     return order
 
 
-def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, lookahead=1) -> list[list[int]]:
+def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, lookahead=1, links=()) -> list[list[int]]:
     """Per-stage op codes (``2 m + 1`` for backward) of the adaptive policy, by joint simulation in time.
 
     Stage 0 may admit any of the next ``lookahead`` micro-batches of ``order`` (the first that fits);
     later stages run forwards in the order stage 0 did. Each stage keeps its next decision (time and
     forward candidate); only the stage that ran an op and the neighbour it sent to are re-evaluated.
+
+    Token-slice chains (``links``): the slice after one just admitted is admitted next, whatever the
+    memory check or cap says (the planner sized the chain to fit; refusing it would stall the stage
+    holding its earlier slices), and a slice's backward becomes ready only once the backward of the
+    slice extending it ran on the same stage.
     """
     num_stages, num_mb = len(fwd), len(order)
     last = num_stages - 1
     inf = float("inf")
+    nxt = successors(links) if links else {}
+    prev = links if links else (-1,) * num_mb
     free = [0.0] * num_stages
     f_end = [[-1.0] * num_mb for _ in range(num_stages)]
     waiting = list(order)  # not yet admitted on stage 0
@@ -258,6 +285,8 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
     rank = [0] * num_mb  # position in seq: backward priority
     next_f = [0] * num_stages  # index into seq of each later stage's next forward
     pending_b: list[list[tuple[float, int, int]]] = [[] for _ in range(num_stages)]  # (ready, rank, m)
+    held_b: list[dict[int, float]] = [{} for _ in range(num_stages)]  # gradient arrived, later slice's B not run
+    b_done: list[set[int]] = [set() for _ in range(num_stages)]
     live: list[list[int]] = [[] for _ in range(num_stages)]
     live_stored = [0.0] * num_stages
     live_peak = [0.0] * num_stages  # largest op peak among the live micro-batches
@@ -267,7 +296,7 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
 
     def admits(s: int, m: int) -> bool:
         n = len(live[s])
-        if n == 0:
+        if n == 0 or prev[m] >= 0:  # an empty stage, or the next slice of a chain in flight
             return True
         if caps is not None and n >= caps[s]:
             return False
@@ -276,12 +305,20 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
         p = peak[s][m]
         return states[s] + live_stored[s] + stored[s][m] + (p if p > live_peak[s] else live_peak[s]) <= limit[s]
 
+    def arrive(s: int, ready: float, m: int) -> None:
+        """The output gradient of ``m`` is at stage ``s`` at ``ready`` (the loss, on the last stage)."""
+        if m in nxt and nxt[m] not in b_done[s]:
+            held_b[s][m] = ready
+        else:
+            pending_b[s].append((ready, rank[m], m))
+
     def update(s: int) -> None:
         """Recompute stage ``s``'s forward candidate and decision time."""
         t, m_next = inf, -1
         if s == 0:
-            for m in waiting[:lookahead]:
-                if admits(0, m):
+            chained = seq and seq[-1] in nxt and nxt[seq[-1]] in waiting
+            for m in [nxt[seq[-1]]] if chained else waiting[:lookahead]:
+                if (prev[m] < 0 or chained) and admits(0, m):
                     t, m_next = 0.0, m
                     break
         elif next_f[s] < len(seq):
@@ -314,8 +351,12 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
             live_stored[s] -= stored[s][m]
             live_peak[s] = max((peak[s][j] for j in live[s]), default=0.0)
             out[s].append(2 * m + 1)
+            b_done[s].add(m)
+            if prev[m] in held_b[s]:  # the previous slice's key/value gradients are now complete
+                p = prev[m]
+                pending_b[s].append((max(held_b[s].pop(p), end), rank[p], p))
             if s > 0:
-                pending_b[s - 1].append((end + send[s - 1][m], rank[m], m))
+                arrive(s - 1, end + send[s - 1][m], m)
                 update(s - 1)
         else:
             m = cand[s]
@@ -333,7 +374,7 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
                 live_peak[s] = peak[s][m]
             out[s].append(2 * m)
             if s == last:
-                pending_b[s].append((end, rank[m], m))
+                arrive(s, end, m)
             else:
                 update(s + 1)
         free[s] = end
@@ -341,13 +382,19 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
     return out
 
 
-def _gpipe_codes(order: list[int], num_stages: int) -> list[list[int]]:
-    ops = [2 * m for m in order] + [2 * m + 1 for m in order]
+def _gpipe_codes(order: list[int], num_stages: int, links=()) -> list[list[int]]:
+    ops = [2 * m for m in order] + [2 * m + 1 for m in backward_order(order, links)]
     return [list(ops) for _ in range(num_stages)]
 
 
-def _1f1b_codes(order: list[int], num_stages: int) -> list[list[int]]:
+def _1f1b_codes(order: list[int], num_stages: int, links=()) -> list[list[int]]:
     num_mb = len(order)
+    if any(p >= 0 for p in links):
+        unit = [[1.0] * num_mb for _ in range(num_stages)]
+        zero = [[0.0] * num_mb for _ in range(num_stages)]
+        caps = [num_stages - s for s in range(num_stages)]
+        return _list_schedule(order, unit, [[2.0] * num_mb for _ in range(num_stages)], zero, zero, zero,
+                              [0.0] * num_stages, None, caps, 1, links)
     out = []
     for s in range(num_stages):
         warm = min(num_stages - s, num_mb)
@@ -373,16 +420,16 @@ def _check_slack(slack) -> None:
         raise ValueError(f"in_flight_slack must be None or an int >= 0, got {slack!r}")
 
 
-def _check_order(order, num_micro_batches: int, num_stages: int) -> list[int]:
+def _check_order(order, num_micro_batches: int, num_stages: int, links=()) -> list[int]:
     for name, v in (("num_micro_batches", num_micro_batches), ("num_stages", num_stages)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if order is None:
-        return list(range(num_micro_batches))
+        return chain_order(range(num_micro_batches), links)
     out = [int(m) for m in order]
     if sorted(out) != list(range(num_micro_batches)):
         raise ValueError(f"order must be a permutation of 0..{num_micro_batches - 1}, got {out}")
-    return out
+    return chain_order(out, links)
 
 
 _PHASES = (Phase.FORWARD, Phase.BACKWARD)

@@ -13,7 +13,8 @@ Checks, each reported as a readable error naming ranks and instructions:
   the replicas of a stage present. If ranks stop, each blocked rank is reported with its instruction
   and what it waits for (a cyclic compute order, a swapped receive order, two ends sending first);
 * data dependencies on each rank: ``F`` after its ``LOAD`` and received activation, ``B`` after its
-  ``F`` and received gradient, a send after the compute producing it, ``REDUCE`` after every ``B``,
+  ``F`` and received gradient, a token slice's ``F`` after its previous slice's and its ``B`` after
+  the next slice's (:mod:`~dynabatch.schedule.chains`), a send after the compute producing it, ``REDUCE`` after every ``B``,
   ``STEP`` after ``REDUCE``; every micro-batch runs ``F`` and ``B`` exactly once; every transfer is
   waited once; no use of a slot after its ``FREE``, no ``FREE`` of a buffer with a transfer in
   flight, no slot shared by two micro-batches at once, every slot freed by the end;
@@ -272,6 +273,9 @@ class _Simulation:
             self._err(st, ins, "forward before LOAD of its inputs")
         if st.plan.stage > 0 and m not in st.act_in:
             self._err(st, ins, "forward before its input activation arrived (no completed WAIT_RECV_F)")
+        links = st.plan.slice_links
+        if links and links[m] >= 0 and links[m] not in st.fwd:
+            self._err(st, ins, f"token slice forward before F{links[m]}, the slice whose keys/values it extends")
         self._check_memory(st, ins, st.mem.peak[m] if st.mem.peak is not None else 0.0)
         st.fwd.add(m)
         if st.mem.stored is not None:
@@ -287,6 +291,9 @@ class _Simulation:
             self._err(st, ins, "runs the backward twice")
         if st.plan.stage < st.plan.num_stages - 1 and m not in st.grad_in:
             self._err(st, ins, "backward before its output gradient arrived (no completed WAIT_RECV_B)")
+        if st.plan.slice_links and m in st.plan.slice_links and st.plan.slice_links.index(m) not in st.bwd:
+            later = st.plan.slice_links.index(m)
+            self._err(st, ins, f"token slice backward before B{later}, whose key/value gradients it needs")
         self._check_memory(st, ins, st.mem.peak[m] if st.mem.peak is not None else 0.0)
         if st.mem.stored is not None and m in st.fwd:
             st.live -= st.mem.stored[m]

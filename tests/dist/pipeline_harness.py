@@ -112,6 +112,81 @@ def split_replicas(mbs, num_replicas: int):
     return [mbs[p::num_replicas] for p in range(num_replicas)]
 
 
+# Token-slice scenarios (TeraPipe): long samples cut into chains of slices, mixed with ordinary micro-batches.
+SLICE_BOUNDS = (
+    (0, 1, 2, 9, 30),  # uneven, two slices of length 1
+    (0, 3, 6, 9, 12, 15, 18, 21, 24),  # many slices (8 + the rest), two rows: several samples per slice
+    (0, 17),  # two slices
+)
+
+
+def sliced_units(seed: int, step: int):
+    """Units of one sliced global batch: ``(micro_batch, bounds or None)``; a unit with bounds runs as
+    a chain of token slices. Three ordinary micro-batches (padded and packed rows), a long sample cut
+    unevenly with slices of length 1, two rows (one packed with two samples, one padded) cut into
+    many slices, and a long sample cut in two."""
+    from dynabatch.data.sample import TokenizedSample
+    from dynabatch.models.presets import EOS_ID
+
+    rng = np.random.default_rng([seed, step, 7])
+    samples, mbs = step_batch("gpt2", seed, step, num_micro_batches=3)
+
+    def long(n_in, n_tgt):
+        inputs = np.append(rng.integers(3, VOCAB, n_in - 1), EOS_ID).astype(np.int32)
+        targets = np.append(rng.integers(3, VOCAB, n_tgt - 1), EOS_ID).astype(np.int32)
+        samples.append(TokenizedSample(task="t", input_ids=inputs, target_ids=targets))
+        return len(samples) - 1
+
+    a = long(25, 12)
+    b1, b2, b3 = long(14, 6), long(6, 4), long(9, 9)
+    c = long(20, 19)
+    chains = [_collate("gpt2", samples, [[a]]), _collate("gpt2", samples, [[b1, b2], [b3]], slack=3),
+              _collate("gpt2", samples, [[c]])]
+    units = [(mbs[0], None)]
+    for mb, bounds, plain in zip(chains, SLICE_BOUNDS, [mbs[1], mbs[2], None]):
+        units.append((mb, bounds + (mb.shape[1],)))
+        if plain is not None:
+            units.append((plain, None))
+    return units
+
+
+def sliced_step(sc: "Scenario", step: int):
+    """Per replica, the micro-batches (slices expanded) and their slice links."""
+    from dynabatch.data.microbatch import token_slices
+    from dynabatch.schedule.chains import links_for
+
+    units = sliced_units(sc.seed, step)
+    replica_mbs, replica_links = [], []
+    for p in range(sc.num_replicas):
+        mine = units[p::sc.num_replicas]
+        pieces = [token_slices(mb, bounds) if bounds else [mb] for mb, bounds in mine]
+        replica_mbs.append([x for ps in pieces for x in ps])
+        replica_links.append(links_for([len(ps) for ps in pieces]))
+    return replica_mbs, replica_links
+
+
+def plain_step(sc: "Scenario", step: int):
+    return split_replicas(step_batch(sc.family, sc.seed, step)[1], sc.num_replicas), None
+
+
+def sliced_parents(sc: "Scenario", step: int):
+    """The unsliced micro-batches of a sliced step (the reference runs them whole)."""
+    return [mb for mb, _ in sliced_units(sc.seed, step)]
+
+
+def _sl(stages, policy, replicas=1, steps=1):
+    return Scenario(f"sliced-gpt2-S{stages}xR{replicas}-{policy}-{steps}step", "gpt2",
+                    "gpt2-tiny" if stages <= 2 else "gpt2-mini", stages, replicas, policy, steps, seed=5)
+
+
+SLICED_SCENARIOS = {
+    sc.name: sc
+    for sc in [_sl(2, "gpipe"), _sl(2, "1f1b"), _sl(2, "auto", steps=2), _sl(4, "1f1b"), _sl(4, "adaptive"),
+               _sl(2, "1f1b", replicas=2)]
+}
+DROP_KV_GRAD = _sl(2, "1f1b")
+
+
 def make_optimizer(params, num_steps: int):
     # eps 1e-6: with the default 1e-8 a gradient of ~1e-8 (summation-order noise ~1e-10) moves a
     # parameter by a visibly different amount, which would test Adam, not the pipeline.
@@ -130,8 +205,9 @@ def _setup_worker() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None) -> None:
-    """One scenario on this rank (a no-op for ranks outside its world)."""
+def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_step=plain_step, tag: str = "") -> None:
+    """One scenario on this rank (a no-op for ranks outside its world). ``make_step(sc, step)`` gives
+    rank 0 the replicas' micro-batches and slice links; results go to ``<name><tag>.rank<r>.pt``."""
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
@@ -142,7 +218,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None) -> None
         return
     ctx = init_distributed(
         sc.num_stages, sc.num_replicas, rank=rank, world_size=sc.world_size,
-        init_method=f"file://{workdir}/{sc.name}.init", timeout_s=sc.timeout_s,
+        init_method=f"file://{workdir}/{sc.name}{tag}.init", timeout_s=sc.timeout_s,
     )
     model = make_model(sc)
     layout = layout_for(model, sc.num_stages)
@@ -157,10 +233,10 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None) -> None
     record = {"grads": [], "params": [], "loss": [], "grad_norm": [], "layout": layout.describe(), "timelines": []}
     named = list(stage.inner.named_parameters() if hasattr(stage, "inner") else stage.named_parameters())
     for step in range(sc.num_steps):
-        replica_mbs = None
+        replica_mbs = links = None
         if ctx.is_planner:
-            replica_mbs = split_replicas(step_batch(sc.family, sc.seed, step)[1], sc.num_replicas)
-        result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy)
+            replica_mbs, links = make_step(sc, step)
+        result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy, slice_links=links)
         record["grads"].append({names[n]: p.grad.detach().clone() for n, p in named})
         record["params"].append({names[n]: p.detach().clone() for n, p in named})
         record["loss"].append(result.loss)
@@ -168,7 +244,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None) -> None
         timelines = gather_timelines(ctx, result)  # rank 0: {replica: [TimelineOp]}
         if timelines is not None:
             record["timelines"].append(timelines)
-    torch.save(record, os.path.join(workdir, f"{sc.name}.rank{rank}.pt"))
+    torch.save(record, os.path.join(workdir, f"{sc.name}{tag}.rank{rank}.pt"))
     shutdown()
 
 
@@ -185,6 +261,21 @@ def scenarios_worker(rank: int, names: list[str], workdir: str) -> None:
     try:
         for name in names:
             run_scenario(rank, SCENARIOS[name], workdir)
+    except BaseException as e:  # noqa: BLE001
+        _report_failure(workdir, rank, e)
+
+
+def sliced_worker(rank: int, names: list[str], workdir: str) -> None:
+    """The token-slice scenarios, then :data:`DROP_KV_GRAD` again with the carried key/value gradient
+    dropped (each slice's own keys/values get no gradient from the later slices; tag ``-dropped``)."""
+    _setup_worker()
+    try:
+        for name in names:
+            run_scenario(rank, SLICED_SCENARIOS[name], workdir, make_step=sliced_step)
+        from dynabatch.models.slice_kv import SliceRecord
+
+        SliceRecord.backward_roots = lambda self, carried: ([], [])
+        run_scenario(rank, DROP_KV_GRAD, workdir, make_step=sliced_step, tag="-dropped")
     except BaseException as e:  # noqa: BLE001
         _report_failure(workdir, rank, e)
 
@@ -281,9 +372,9 @@ def failures(workdir: str, world_size: int) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def load_results(workdir: str, sc: Scenario) -> dict:
+def load_results(workdir: str, sc: Scenario, tag: str = "") -> dict:
     """Per step, the gradients and parameters by HF name, checked equal across tied copies and replicas."""
-    records = [torch.load(os.path.join(workdir, f"{sc.name}.rank{r}.pt"), weights_only=False)  # our own files
+    records = [torch.load(os.path.join(workdir, f"{sc.name}{tag}.rank{r}.pt"), weights_only=False)  # our own files
                for r in range(sc.world_size)]
     out = {"grads": [], "params": [], "loss": records[-1]["loss"], "grad_norm": records[0]["grad_norm"],
            "layout": records[0]["layout"], "records": records}
@@ -300,15 +391,16 @@ def load_results(workdir: str, sc: Scenario) -> dict:
     return out
 
 
-def reference_run(sc: Scenario) -> dict:
-    """The unsplit HF model over the same micro-batches, gradient accumulation of ``loss_sum / tokens``."""
+def reference_run(sc: Scenario, parents=None) -> dict:
+    """The unsplit HF model over the same micro-batches, gradient accumulation of ``loss_sum / tokens``
+    (``parents(sc, step)``: the step's micro-batches, unsliced; default the plain step's)."""
     from dynabatch.models.forward import forward_loss
 
     model = make_model(sc)
     opt, sched = make_optimizer(model.parameters(), sc.num_steps)
     out = {"grads": [], "params": [], "loss": [], "grad_norm": []}
     for step in range(sc.num_steps):
-        _, mbs = step_batch(sc.family, sc.seed, step)
+        mbs = parents(sc, step) if parents is not None else step_batch(sc.family, sc.seed, step)[1]
         total = sum(mb.num_loss_tokens for mb in mbs)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
