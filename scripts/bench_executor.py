@@ -11,9 +11,11 @@ What is compared (every rank holds both, built from the same seeded model, and r
   step: ``executor``), and the full ``train_step`` (planning, lowering, validation and delivery from
   rank 0 every step: ``train_step``). The step includes ``REDUCE`` (a no-op: one replica, no tied
   parameters) and ``STEP`` (a 2-float all-reduce for loss and grad norm, ``optimizer.step``);
-* theirs: ``PipelineStage`` over a thin wrapper running the same ``GPT2Stage`` submodules (the last
-  stage returns logits; ``loss_fn`` is the same fp32 token-loss sum / tokens), ``Schedule1F1B`` with
-  ``scale_grads=False``, then ``optimizer.step()`` and ``zero_grad``.
+* theirs: :class:`dynabatch.runtime.torch_pipelining.TorchPipeliningPeer` (also ``dynabatch bench``'s
+  method ``pipelining``): ``PipelineStage`` (static shapes) over the same ``GPT2Stage`` module, the
+  segment ids and labels travelling with the activations, the last stage's token-loss sum divided by
+  the step's tokens in ``loss_fn``, ``Schedule1F1B`` with ``scale_grads=False``, then the grad-norm
+  all-reduce and ``optimizer.step()`` (no clipping here, like ours).
 
 Timing: per step ``barrier; t0; step; barrier; t1`` on every rank (rank 0 reports), after warm-up
 steps, the implementations interleaved step by step so that machine noise hits both alike; the
@@ -65,43 +67,14 @@ def build_model(args):
     return GPT2LMHeadModel(config)
 
 
-class PlainStage(torch.nn.Module):
-    """A ``GPT2Stage`` as a one-tensor-in, one-tensor-out module for torch.distributed.pipelining."""
-
-    def __init__(self, stage, rows: int, seq: int) -> None:
-        super().__init__()
-        self.stage = stage
-        self.register_buffer("segment_ids", torch.ones(rows, seq, dtype=torch.long), persistent=False)
-        self.register_buffer("position_ids", torch.arange(seq).expand(rows, seq).contiguous(), persistent=False)
-
-    def forward(self, x):
-        from dynabatch.models.forward import causal_segment_mask
-
-        st = self.stage
-        loaded = {"segment_ids": self.segment_ids}
-        if st.has_embedding:
-            loaded.update(input_ids=x, position_ids=self.position_ids)
-        received = {} if st.has_embedding else {"hidden": x}
-        if not st.has_head:
-            return st(received, loaded).sends["hidden"]
-        hidden = received.get("hidden")
-        if st.has_embedding:
-            hidden = st.drop(st.wte(x) + st.wpe(self.position_ids))
-        mask = causal_segment_mask(self.segment_ids, hidden.dtype)  # (B, 1, T, T), as GPT2Stage builds it
-        for block in st.blocks:
-            hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False)
-        return st.lm_head(st.ln_f(hidden))  # (B, T, V)
-
-
 def worker(rank: int, world: int, args, init_method: str) -> None:
     from dynabatch.data.microbatch import CausalMicroBatch
-    from dynabatch.models.forward import _token_losses
     from dynabatch.models.split import build_stage, layout_for, micro_batch_inputs, pipeline_spec_for
     from dynabatch.runtime.delivery import receive_step, send_step
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.step import plan_step, step_payloads, train_step
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
 
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
@@ -148,27 +121,11 @@ def worker(rank: int, world: int, args, init_method: str) -> None:
 
     # theirs
     opt_theirs = torch.optim.AdamW(theirs_stage.parameters(), lr=1e-4)
-    wrapped = PlainStage(theirs_stage, args.rows, args.seq).to(device)
-    pstage = PipelineStage(wrapped, ctx.stage_index, S, device)
-
-    def loss_fn(logits, target):
-        return _token_losses(logits, target).sum() / total_tokens
-
-    schedule = Schedule1F1B(pstage, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    peer = TorchPipeliningPeer(theirs_stage, spec, ctx, opt_theirs)
+    fixed = fixed_shape_inputs(mbs, spec, args.rows)[0] if ctx.stage_index == 0 else None
 
     def theirs():
-        losses: list = []
-        with autocast if autocast is not None else _null():
-            if ctx.stage_index == 0:
-                schedule.step(inputs.to(device))
-            elif ctx.stage_index == S - 1:
-                schedule.step(target=targets.to(device), losses=losses, return_outputs=False)
-            else:
-                schedule.step()
-        opt_theirs.step()
-        opt_theirs.zero_grad(set_to_none=True)
-        return float(sum(l.detach().float() for l in losses)) if losses else float("nan")
+        return peer.step(M, (args.rows, args.seq, 0), total_tokens, fixed)
 
     impls = {"executor": ours_executor, "train_step": ours_train_step, "pipelining_1f1b": theirs}
     first_loss = {}
@@ -206,14 +163,6 @@ def worker(rank: int, world: int, args, init_method: str) -> None:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
     shutdown()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _free_port() -> int:

@@ -24,6 +24,18 @@ model), measured peak memory (CUDA: max allocated over ranks; CPU: peak RSS of t
 all methods, so only one number), micro-batches per step, plan time, and the ratio of real tokens/s to
 the best baseline.
 
+External peer (method ``pipelining``): ``torch.distributed.pipelining``'s ``Schedule1F1B`` over the same
+stage modules (:mod:`dynabatch.runtime.torch_pipelining`), fed packing's rows as fixed-shape
+micro-batches (``--packing-rows`` rows of the maximal lengths each, fewer when a step has fewer than
+``packing-rows x stages`` rows, as 1F1B needs a micro-batch per stage; the last micro-batch of a step is
+filled with empty rows, PyTorch's schedules need equal chunks). Its step includes the same tied-gradient
+sum, clipping and AdamW step. Its inputs are prepared before the timed loop (like the other methods'
+plans); it is not counted as a baseline in ``best_baseline`` (the ratio targets are over the batching
+methods) but every method also reports ``ratio_to_pipelining``.
+
+Models: ``--model t5`` / ``gpt`` are the benchmark presets ``t5-d256`` (d_model 256, 4 + 4 layers) and
+``gpt2-d256`` (d_model 256, 8 layers); any preset name or local checkpoint works.
+
 Launch: ``--stages 1`` runs in this process; with more stages and no torchrun environment the command
 re-launches itself with ``python -m torch.distributed.run --nproc-per-node STAGES`` (gloo on CPU, NCCL
 on GPUs).
@@ -41,11 +53,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("dynamic", "packing", "padding", "token_budget", "length_grouped")
+BASELINES = ("packing", "padding", "token_budget", "length_grouped")
+METHODS = ("dynamic", *BASELINES, "pipelining")
+PEER = "pipelining"
+MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256"}
+"""``--model`` short names: the benchmark presets of similar size."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="t5-tiny", help="model preset (t5-tiny, t5-mini, gpt2-tiny, gpt2-mini, ...)")
+    p.add_argument("--model", default="t5",
+                   help="t5 (= t5-d256), gpt (= gpt2-d256), or any model preset (t5-tiny, gpt2-mini, ...)")
     p.add_argument("--lengths", default=None,
                    help="mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, target_len; "
                         "random token ids of exactly those lengths); default: the built-in mixture")
@@ -54,9 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     p.add_argument("--policy", default="auto", help="pipeline schedule policy (gpipe, 1f1b, adaptive, auto)")
-    p.add_argument("--global-batch-tokens", type=int, default=8192)
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="real tokens per global batch; default max(8192, 16 x max input length)")
     p.add_argument("--max-input-len", type=int, default=512, help="T5 encoder limit; GPT sequence limit")
-    p.add_argument("--max-target-len", type=int, default=128, help="T5 decoder limit")
+    p.add_argument("--max-target-len", type=int, default=None, help="T5 decoder limit; default max input length / 4")
     p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped")
     p.add_argument("--token-budget-tokens", type=int, default=2048, help="token_budget: padded tokens per micro-batch")
     p.add_argument("--packing-rows", type=int, default=4, help="packing: rows per micro-batch")
@@ -83,7 +101,17 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return out + (["--quiet"] if args.quiet else [])
 
 
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Model aliases and the length-dependent defaults (in place)."""
+    args.model = MODEL_ALIASES.get(args.model, args.model)
+    if args.max_target_len is None:
+        args.max_target_len = max(1, args.max_input_len // 4)
+    if args.global_batch_tokens is None:
+        args.global_batch_tokens = max(8192, 16 * args.max_input_len)
+
+
 def run(args: argparse.Namespace) -> int:
+    resolve_defaults(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
@@ -103,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
     if not args.quiet:
         print_table(result)
+    print(summary_line(result), flush=True)
     return 0
 
 
@@ -110,9 +139,13 @@ def run(args: argparse.Namespace) -> int:
 class _Method:
     name: str
     executor: object
+    """Our :class:`Executor`, or the :class:`TorchPipeliningPeer` for ``pipelining``."""
     planned: list
     spec: object
     cfg: object
+    peer_steps: list | None = None
+    """``pipelining`` only: per step ``(num micro-batches, (rows, E, D), global loss tokens, inputs)``
+    (inputs on rank 0 only)."""
 
 
 def _config(args, method: str):
@@ -170,18 +203,72 @@ def load_batches(args, family: str, limits, info, num_batches: int) -> list:
     return out
 
 
-def _predicted_peak_bytes(planned, cfg, cost_model) -> float:
+def _simulated(shapes, policy: str, cfg, cost_model):
+    """Schedule (``policy``) and simulated run of one replica's micro-batch shapes under the planner's cost model."""
     from dynabatch.runtime.step import compute_schedule
     from dynabatch.schedule.simulate import simulate
 
-    memory = cfg.memory_gib * 2**30
-    peak = 0.0
-    for shapes, costs in zip(planned.shapes, planned.costs):
-        arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
-        schedule = compute_schedule(cfg.policy, arr, cfg.stages, costs, memory)
-        result = simulate(schedule, costs, model_state_bytes=np.array(cost_model.model_state_bytes))
-        peak = max(peak, float(result.peak_memory_bytes.max()))
-    return peak
+    arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+    costs = cost_model.per_stage(*(arr[:, i].astype(np.float64) for i in range(3)))
+    schedule = compute_schedule(policy, arr, cfg.stages, costs, cfg.memory_gib * 2**30)
+    return simulate(schedule, costs, model_state_bytes=np.array(cost_model.model_state_bytes))
+
+
+def _step_stats(r: _Method, cost_model) -> list[dict]:
+    """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
+    out = []
+    for i, p in enumerate(r.planned):
+        if r.peer_steps is not None:  # fixed shapes, 1F1B
+            num, (b, e, d), _, _ = r.peer_steps[i]
+            shapes, policy = [(b, e, d)] * num, "1f1b"
+        else:
+            (shapes,), policy = p.shapes, r.cfg.policy
+        sim = _simulated(shapes, policy, r.cfg, cost_model)
+        out.append({"real": p.real_tokens, "computed": sum(b * (e + d) for b, e, d in shapes), "mbs": len(shapes),
+                     "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
+                     "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s})
+    return out
+
+
+def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list:
+    """The ``pipelining`` method's steps from packing's planned steps: fixed-shape inputs on rank 0, and the
+    micro-batch count, shape and loss-token count broadcast to every rank (before the timed loop).
+
+    ``Schedule1F1B`` needs at least as many micro-batches as stages: a step with fewer packed rows than
+    ``rows`` x stages gets ``ceil(rows of the step / stages)`` rows per micro-batch instead."""
+    import torch.distributed as dist
+
+    from dynabatch.runtime.torch_pipelining import fixed_shape_inputs
+
+    meta: list = [None]
+    inputs = []
+    if is_planner:
+        meta[0] = []
+        for p in planned:
+            (mbs,) = p.replica_micro_batches
+            total = sum(mb.shape[0] for mb in mbs)
+            b = rows if -(-total // rows) >= spec.num_stages else -(-total // spec.num_stages)
+            x, num = fixed_shape_inputs(list(mbs), spec, b)
+            e_d = (*mbs[0].shape[1:], 0)[:2]
+            meta[0].append((num, (b, *e_d), sum(mb.num_loss_tokens for mb in mbs)))
+            inputs.append(x)
+    dist.broadcast_object_list(meta, src=0, group=group)
+    return [(*m, inputs[i] if is_planner else None) for i, m in enumerate(meta[0])]
+
+
+def _run_step(r: _Method, ctx, step: int, planned):
+    """One training step of method ``r``; returns its loss (on rank 0)."""
+    from dynabatch.runtime.step import train_step
+
+    if r.peer_steps is not None:
+        num, shape, tokens, inputs = r.peer_steps[step]
+        return r.executor.step(num, shape, tokens, inputs)
+    result = train_step(
+        r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
+        policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
+        schedules=planned.schedules if planned else None,
+    )
+    return float(result.loss)
 
 
 def bench(args, methods: list[str]) -> dict | None:
@@ -199,10 +286,11 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.metrics import peak_rss_bytes
     from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.step import train_step
+    from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer
     from dynabatch.runtime.trainer import connect, planner_cost_model
 
-    cfgs = {m: _config(args, m) for m in methods}
+    # the peer runs packing's rows: plan it as packing
+    cfgs = {m: _config(args, "packing" if m == PEER else m) for m in methods}
     cfg0 = cfgs[methods[0]]
     num_steps = args.warmup + args.steps
     ctx = connect(cfg0)
@@ -215,10 +303,13 @@ def bench(args, methods: list[str]) -> dict | None:
         spec = pipeline_spec_for(model, layout, "float32")
         base = build_stage(model, layout, ctx.stage_index)
         runs: dict[str, _Method] = {}
-        for m in methods:
+        for m in methods:  # every rank builds the methods in the same order (construction is collective)
             stage = copy.deepcopy(base).to(ctx.device)
             opt = torch.optim.AdamW(stage.parameters(), lr=cfgs[m].lr, weight_decay=cfgs[m].weight_decay)
-            ex = Executor(stage, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm, dropout_seed=args.seed)
+            if m == PEER:
+                ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm)
+            else:
+                ex = Executor(stage, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm, dropout_seed=args.seed)
             runs[m] = _Method(m, ex, [], spec, cfgs[m])
         cost_model = None
         batches = []
@@ -230,6 +321,9 @@ def bench(args, methods: list[str]) -> dict | None:
             for m in methods:
                 planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info)
                 runs[m].planned = [planner() for _ in range(num_steps)]
+        if PEER in runs:
+            runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
+                                                ctx.delivery_group)
         del model
         cuda = ctx.device.type == "cuda"
         times = {m: [] for m in methods}
@@ -239,18 +333,12 @@ def bench(args, methods: list[str]) -> dict | None:
             k = step % len(methods)
             for m in methods[k:] + methods[:k]:  # rotated order: no method always runs first
                 r = runs[m]
-                planned = r.planned[step] if ctx.is_planner else None
                 if cuda:
                     torch.cuda.synchronize(ctx.device)
                     torch.cuda.reset_peak_memory_stats(ctx.device)
                 dist.barrier(group=ctx.delivery_group)
                 t0 = time.perf_counter()
-                result = train_step(
-                    r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
-                    policy=r.cfg.policy, costs=planned.costs if planned else None,
-                    memory_limit_bytes=r.cfg.memory_gib * 2**30,
-                    schedules=planned.schedules if planned else None,
-                )
+                loss = _run_step(r, ctx, step, r.planned[step] if ctx.is_planner else None)
                 if cuda:
                     torch.cuda.synchronize(ctx.device)
                 dist.barrier(group=ctx.delivery_group)
@@ -259,12 +347,12 @@ def bench(args, methods: list[str]) -> dict | None:
                     peaks[m] = max(peaks[m], int(torch.cuda.max_memory_allocated(ctx.device)))
                 if step >= args.warmup:
                     times[m].append(elapsed)
-                losses[m].append(float(result.loss) if ctx.is_planner else 0.0)
-        all_peaks: list = [None] * ctx.world_size
-        dist.all_gather_object(all_peaks, peaks, group=ctx.delivery_group)
+                losses[m].append(loss)
+        gathered: list = [None] * ctx.world_size
+        dist.all_gather_object(gathered, peaks, group=ctx.delivery_group)
         if not ctx.is_planner:
             return None
-        measured_peak = {m: max(p[m] for p in all_peaks) for m in methods} if cuda else None
+        measured_peak = {m: max(p[m] for p in gathered) for m in methods} if cuda else None
         return _results(args, methods, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
                         str(ctx.device))
     finally:
@@ -285,31 +373,32 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
     w = args.warmup
     rows = {}
     for m in methods:
-        timed = runs[m].planned[w:]
-        real = np.array([p.real_tokens for p in timed], dtype=np.float64)
+        stats = _step_stats(runs[m], cost_model)
+        timed = stats[w:]
+        real = np.array([x["real"] for x in timed], dtype=np.float64)
         t = np.array(times[m])
-        computed = sum(p.computed_tokens for p in runs[m].planned)
         rows[m] = {
             "tokens_per_s": float(real.sum() / t.sum()),
             "tokens_per_s_per_step": _spread(real / t),
             "step_time_s": _spread(t),
-            "padding_efficiency": float(sum(p.real_tokens for p in runs[m].planned) / computed),
-            "bubble_fraction_predicted": float(np.mean([p.bubble_fraction for p in timed])),
-            "predicted_step_s_median": float(np.median([p.predicted_step_s for p in timed])),
-            "predicted_peak_memory_mib": max(_predicted_peak_bytes(p, runs[m].cfg, cost_model) for p in timed) / 2**20,
+            "padding_efficiency": float(sum(x["real"] for x in stats) / sum(x["computed"] for x in stats)),
+            "bubble_fraction_predicted": float(np.mean([x["bubble"] for x in timed])),
+            "predicted_step_s_median": float(np.median([x["predicted_s"] for x in timed])),
+            "predicted_peak_memory_mib": max(x["peak"] for x in timed) / 2**20,
             "measured_peak_memory_mib": measured_peak[m] / 2**20 if measured_peak else None,
-            "micro_batches_per_step": float(np.mean([p.num_micro_batches for p in timed])),
-            "plan_ms_median": 1e3 * float(np.median([p.plan_time_s for p in runs[m].planned])),
+            "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
+            "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],
         }
-    baselines = [m for m in methods if m != "dynamic"]
+    baselines = [m for m in methods if m in BASELINES]
     best = max(baselines, key=lambda m: rows[m]["tokens_per_s"]) if baselines else None
     for m in methods:
-        if best is not None:
-            rows[m]["ratio_to_best_baseline"] = rows[m]["tokens_per_s"] / rows[best]["tokens_per_s"]
-            paired = np.array(times[best]) / np.array(times[m])  # same global batch, same step: real tokens cancel
-            rows[m]["paired_ratio_to_best_baseline"] = _spread(paired)
+        for key, ref in (("best_baseline", best), ("pipelining", PEER if PEER in methods else None)):
+            if ref is not None:
+                rows[m][f"ratio_to_{key}"] = rows[m]["tokens_per_s"] / rows[ref]["tokens_per_s"]
+                paired = np.array(times[ref]) / np.array(times[m])  # same global batch, same step: tokens cancel
+                rows[m][f"paired_ratio_to_{key}"] = _spread(paired)
     return {
         "config": {k: getattr(args, k) for k in _FLAGS if k != "json"},
         "machine": {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -323,6 +412,18 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
     }
 
 
+def summary_line(result: dict) -> str:
+    """The last line ``dynabatch bench`` prints: one JSON object a script can check."""
+    c, rows = result["config"], result["methods"]
+    return json.dumps({
+        "model": c["model"], "max_input_len": c["max_input_len"], "max_target_len": c["max_target_len"],
+        "stages": c["stages"], "lengths": c["lengths"], "best_baseline": result["best_baseline"],
+        "tokens_per_s": {m: round(r["tokens_per_s"], 1) for m, r in rows.items()},
+        "ratio_to_best_baseline": {m: round(r["ratio_to_best_baseline"], 4) for m, r in rows.items()
+                                   if "ratio_to_best_baseline" in r},
+    })
+
+
 def print_table(result: dict) -> None:
     c = result["config"]
     print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
@@ -330,7 +431,7 @@ def print_table(result: dict) -> None:
           f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
           f"device {result['machine']['device']}")
     print(f"{'method':<15} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
-          f"{'mbs':>5} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21}")
+          f"{'mbs':>5} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21} {'vs pipe':>7}")
     for m, r in result["methods"].items():
         s = r["tokens_per_s_per_step"]
         peak = r["measured_peak_memory_mib"] if r["measured_peak_memory_mib"] is not None else r["predicted_peak_memory_mib"]
@@ -339,11 +440,15 @@ def print_table(result: dict) -> None:
         print(f"{m:<15} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
               f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} "
               f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
-              f"{r.get('ratio_to_best_baseline', float('nan')):>6.2f}x {pr:>21}")
+              f"{r.get('ratio_to_best_baseline', float('nan')):>6.2f}x {pr:>21} "
+              f"{r.get('ratio_to_pipelining', float('nan')):>6.2f}x")
     kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
+    if PEER in result["methods"]:
+        print(f"{PEER}: torch.distributed.pipelining Schedule1F1B on packing's rows as fixed-shape micro-batches "
+              f"({c['packing_rows']} rows each); not a baseline of 'vs best'")
 
 
 def main(argv: list[str] | None = None) -> int:

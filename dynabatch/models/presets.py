@@ -38,6 +38,10 @@ PRESETS: dict[str, ModelPreset] = {
     "gpt2-tiny": ModelPreset("gpt2", d_model=64, num_layers=2, num_heads=4, d_ff=256),
     "gpt2-mini": ModelPreset("gpt2", d_model=128, num_layers=4, num_heads=4, d_ff=512),
     "gpt2-small": ModelPreset("gpt2", d_model=768, num_layers=12, num_heads=12, d_ff=3072),
+    # The benchmark models of `dynabatch bench --model t5 / gpt` (issue 9's "small T5, about d_model 256,
+    # 4+4 layers" and a GPT-2 of similar size: 8 blocks, about the same parameters).
+    "t5-d256": ModelPreset("t5", d_model=256, num_layers=4, num_heads=4, d_ff=1024),
+    "gpt2-d256": ModelPreset("gpt2", d_model=256, num_layers=8, num_heads=4, d_ff=1024),
 }
 
 

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from dynabatch.commands.bench import add_arguments, load_batches
+from dynabatch.commands.bench import add_arguments, load_batches, resolve_defaults
 
 FIELDS = ("tokens_per_s", "tokens_per_s_per_step", "step_time_s", "padding_efficiency", "bubble_fraction_predicted",
           "predicted_peak_memory_mib", "micro_batches_per_step", "ratio_to_best_baseline",
@@ -52,22 +52,33 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path,
-           "--methods", "dynamic,packing,padding", "--stages", "2", "--steps", "2", "--warmup", "0",
+           "--methods", "dynamic,packing,padding,pipelining", "--stages", "2", "--steps", "2", "--warmup", "0",
            "--global-batch-tokens", "1024", "--max-input-len", "256", "--json", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "best baseline" in proc.stdout
     with open(out) as f:
         result = json.load(f)
-    assert set(result["methods"]) == {"dynamic", "packing", "padding"}
-    assert result["best_baseline"] in ("packing", "padding")
+    assert set(result["methods"]) == {"dynamic", "packing", "padding", "pipelining"}
+    assert result["best_baseline"] in ("packing", "padding")  # the external peer is not a baseline
     for row in result["methods"].values():
         for field in FIELDS:
             assert field in row, field
         assert row["tokens_per_s"] > 0 and 0 < row["padding_efficiency"] <= 1
         assert 0 <= row["bubble_fraction_predicted"] < 1
         assert np.isfinite(row["loss_first"])
-    assert result["methods"][result["best_baseline"]]["ratio_to_best_baseline"] == 1.0
+    rows = result["methods"]
+    assert rows[result["best_baseline"]]["ratio_to_best_baseline"] == 1.0
+    assert rows["pipelining"]["ratio_to_pipelining"] == 1.0
+    # the peer runs packing's rows as fixed shapes: at least one micro-batch per stage, never less padding;
+    # same model, same data and the same first step, so the same first loss
+    assert rows["pipelining"]["micro_batches_per_step"] >= max(2, rows["packing"]["micro_batches_per_step"])
+    assert rows["pipelining"]["padding_efficiency"] <= rows["packing"]["padding_efficiency"]
+    assert abs(rows["pipelining"]["loss_first"] - rows["packing"]["loss_first"]) < 1e-4
+    # the last line is the JSON summary with per-method real tokens/s
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["tokens_per_s"] == {m: round(r["tokens_per_s"], 1) for m, r in rows.items()}
+    assert summary["model"] == "gpt2-tiny" and summary["stages"] == 2
 
 
 def test_bench_rejects_unknown_method():
@@ -76,3 +87,28 @@ def test_bench_rejects_unknown_method():
     proc = subprocess.run([sys.executable, "-m", "dynabatch.commands.bench", "--methods", "dynamic,nope"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "unknown method 'nope'" in proc.stderr
+
+
+def test_model_aliases_and_length_defaults():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", "gpt", "--max-input-len", "2048"])
+    resolve_defaults(args)
+    assert (args.model, args.max_target_len, args.global_batch_tokens) == ("gpt2-d256", 512, 32768)
+    args = p.parse_args([])
+    resolve_defaults(args)
+    assert (args.model, args.max_input_len, args.max_target_len, args.global_batch_tokens) == ("t5-d256", 512, 128, 8192)
+    args = p.parse_args(["--model", "t5-tiny", "--max-target-len", "7", "--global-batch-tokens", "100"])
+    resolve_defaults(args)
+    assert (args.model, args.max_target_len, args.global_batch_tokens) == ("t5-tiny", 7, 100)
+
+
+def test_benchmark_presets_are_the_issue_sizes():
+    from dynabatch.models.presets import build_model
+
+    t5 = build_model("t5-d256")
+    gpt = build_model("gpt2-d256")
+    assert (t5.config.d_model, t5.config.num_layers, t5.config.num_decoder_layers) == (256, 4, 4)
+    assert (gpt.config.n_embd, gpt.config.n_layer) == (256, 8)
+    n_t5, n_gpt = (sum(p.numel() for p in m.parameters()) for m in (t5, gpt))
+    assert 0.8 < n_gpt / n_t5 < 1.25  # "GPT-2 of similar size"
