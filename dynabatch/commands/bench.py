@@ -437,11 +437,12 @@ def print_table(result: dict) -> None:
         peak = r["measured_peak_memory_mib"] if r["measured_peak_memory_mib"] is not None else r["predicted_peak_memory_mib"]
         paired = r.get("paired_ratio_to_best_baseline")
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
+        vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
         print(f"{m:<15} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
               f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} "
               f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
               f"{r.get('ratio_to_best_baseline', float('nan')):>6.2f}x {pr:>21} "
-              f"{r.get('ratio_to_pipelining', float('nan')):>6.2f}x")
+              f"{vs_pipe:>7}")
     kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
