@@ -58,6 +58,8 @@ class TrainConfig:
     """profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model."""
     max_micro_batch_samples: int = 64
     """Upper bound on samples per planned micro-batch (keeps CPU micro-batches cache-friendly)."""
+    slice_long: bool = False
+    """GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory into token slices (TeraPipe)."""
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup_steps: int = 5
@@ -103,6 +105,10 @@ class TrainConfig:
                 f"global_batch_tokens={self.global_batch_tokens} cannot hold one maximal sample "
                 f"(max_input_len {self.max_input_len} + max_target_len {self.max_target_len}); raise it"
             )
+        if self.slice_long and self.method != "dynamic":
+            raise ValueError(f"slice_long plans token slices with the dynamic planner; got method {self.method!r}")
+        if self.slice_long and self.cost_profile:
+            raise ValueError("slice_long prices slices with the analytic cost model; drop cost_profile or slice_long")
         if not self.lr > 0 or self.max_grad_norm <= 0 or self.memory_gib <= 0:
             raise ValueError(
                 f"lr, max_grad_norm and memory_gib must be > 0, got {self.lr}, {self.max_grad_norm}, {self.memory_gib}"

@@ -436,9 +436,11 @@ def slice_long_samples(
     cap_tolerance: float = 0.0,
     max_slices: int | None = None,
     reserved_bytes: float = 0.0,
+    in_flight: int = 1,
 ) -> SliceDecision:
     """Which samples to token-slice, and how: those that do not fit in memory whole (they must be
-    sliced), and those whose unsliced bubble ``(S - 1) t(1, L, 0)`` exceeds ``bubble_fraction *
+    sliced; ``in_flight`` copies of the stored activations plus the peak, the partition planner's
+    test, so a sample left whole always fits its micro-batch), and those whose unsliced bubble ``(S - 1) t(1, L, 0)`` exceeds ``bubble_fraction *
     step_time_s`` when slicing lowers their own objective.
 
     ``step_time_s`` defaults to ``sum_i t_i + (S - 1) max_i t_i`` over the unsliced samples (one
@@ -457,7 +459,8 @@ def slice_long_samples(
     t, stored, peak = evaluate_costs(
         cost_model, np.ones_like(unique), unique, np.zeros_like(unique), what=_WHAT, axes=("s", "c")
     )
-    fits = stored + peak + reserved_bytes <= float(cost_model.memory_budget_bytes)
+    check_int("in_flight", in_flight)
+    fits = in_flight * stored + peak + reserved_bytes <= float(cost_model.memory_budget_bytes)
     if step_time_s is None:
         step_time_s = float(t[inverse].sum() + (num_stages - 1) * t.max())
     if not (np.isfinite(step_time_s) and step_time_s > 0):

@@ -110,7 +110,8 @@ def plan_step(
         if family != "gpt2":
             raise ValueError(f"token slicing needs a decoder-only model (family 'gpt2'), got {family!r}")
         decision = slice_long_samples(
-            e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity
+            e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
+            in_flight=partition_options.get("in_flight") or num_stages,
         )
         for i, plan in zip(decision.sample_indices.tolist(), decision.plans):
             bounds = plan.boundaries.tolist()

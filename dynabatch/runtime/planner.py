@@ -31,10 +31,12 @@ from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
-from dynabatch.data.microbatch import MicroBatch
+from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.step import plan_step
+from dynabatch.runtime.step import micro_batch_shape
+from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate
 
@@ -52,6 +54,8 @@ class PlannedStep:
     """Per replica, predicted per-stage costs of its micro-batches (drive the schedule)."""
     schedules: tuple[ComputeSchedule, ...]
     """Per replica, the compute schedule chosen for ``policy`` (the runtime runs exactly these)."""
+    slice_links: tuple[tuple[int, ...], ...]
+    """Per replica, token-slice links of its micro-batches (:mod:`dynabatch.schedule.chains`); ``()`` when none."""
     predicted_step_s: float
     """Simulated makespan of the slowest replica under the schedule the runtime will run."""
     bubble_fraction: float
@@ -68,6 +72,11 @@ class PlannedStep:
     def num_micro_batches(self) -> int:
         return sum(len(s) for s in self.shapes)
 
+    @property
+    def num_sliced_samples(self) -> int:
+        """Samples that run as chains of token slices (each chain's first slice has no link)."""
+        return sum(len(chains(links)) for links in self.slice_links)
+
 
 class StepPlanner:
     """Deterministic producer of :class:`PlannedStep` (see the module docstring)."""
@@ -77,36 +86,50 @@ class StepPlanner:
         self.limits: LengthLimits = batcher.limits
         self.family = self.limits.family
         self.step = batcher.step
+        self.slice_model = None
+        if cfg.slice_long:
+            from dynabatch.plan.slicing import AnalyticSliceCostModel
+
+            self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
 
     def __call__(self) -> PlannedStep:
         _maybe_crash(self.step)
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
-        groups = self._groups(batch)
-        replicas = tuple(tuple(self._collate(batch, g) for g in gs) for gs in groups)
-        shapes = tuple(tuple(group_shape(batch, g, self.family) for g in gs) for gs in groups)
-        costs, schedules, predicted, bubble = self._predict(shapes)
+        units = self._units(batch)
+        replicas, links, contexts = [], [], []
+        for us in units:
+            pieces = [self._collate_unit(batch, u) for u in us]
+            replicas.append(tuple(mb for ps in pieces for mb in ps))
+            links.append(links_for([len(ps) for ps in pieces]) if any(u.bounds for u in us) else ())
+            contexts.append([c for u in us for c in (u.bounds[:-1] if u.bounds else (0,))])
+        shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
+        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts)
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
         planned = PlannedStep(
-            step=self.step, batch=batch, replica_micro_batches=replicas, shapes=shapes, costs=costs, schedules=schedules,
-            predicted_step_s=predicted, bubble_fraction=bubble, computed_tokens=computed,
-            plan_time_s=time.perf_counter() - start, batcher_state_after=state,
+            step=self.step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
+            schedules=schedules, slice_links=tuple(links), predicted_step_s=predicted, bubble_fraction=bubble,
+            computed_tokens=computed, plan_time_s=time.perf_counter() - start, batcher_state_after=state,
         )
         self.step += 1
         return planned
 
-    def _groups(self, batch: GlobalBatch) -> list[list[RowGroup]]:
+    def _units(self, batch: GlobalBatch) -> list[list[_Unit]]:
         cfg, R = self.cfg, self.cfg.replicas
         if cfg.method == "dynamic":
             plan = plan_step(
                 batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
-                num_replicas=R, max_samples=cfg.max_micro_batch_samples,
+                num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
             )
-            return [plan.to_row_groups(r) for r in range(R)]
+            return [_plan_units(plan, r) for r in range(R)]
         options = BaselineOptions(cfg.samples_per_micro_batch, cfg.token_budget_tokens, cfg.packing_rows)
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
-        return deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)
+        return [[_Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
+
+    def _collate_unit(self, batch: GlobalBatch, unit: "_Unit") -> list[MicroBatch]:
+        mb = self._collate(batch, unit.group)
+        return token_slices(mb, unit.bounds) if unit.bounds else [mb]
 
     def _tokens(self, batch: GlobalBatch, g: RowGroup) -> int:
         b, e, d = group_shape(batch, g, self.family)
@@ -118,21 +141,72 @@ class StepPlanner:
             return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
         return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
 
-    def _predict(self, shapes) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
+    def _predict(self, shapes, links, contexts) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
         from dynabatch.runtime.step import compute_schedule
 
         costs, schedules, makespans, bubbles = [], [], [], []
         memory = self.cfg.memory_gib * 2**30
-        for s in shapes:
+        for s, lk, ctx in zip(shapes, links, contexts):
             arr = np.asarray(s, dtype=np.float64).reshape(-1, 3)
             c = self.cost_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2])
-            schedule = compute_schedule(self.cfg.policy, arr.astype(np.int64), self.cfg.stages, c, memory)
+            if lk:
+                c = slice_stage_costs(c, self.slice_model, arr[:, 0], arr[:, 1], np.asarray(ctx, dtype=np.float64))
+            schedule = compute_schedule(self.cfg.policy, arr.astype(np.int64), self.cfg.stages, c, memory, lk)
             result = simulate(schedule, c, model_state_bytes=np.array(self.cost_model.model_state_bytes))
             costs.append(c)
             schedules.append(schedule)
             makespans.append(result.makespan_s)
             bubbles.append(result.bubble_fraction)
         return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Rows to collate as one micro-batch, or, with ``bounds``, as a chain of token slices."""
+
+    group: RowGroup
+    bounds: tuple[int, ...] | None = None
+    """Token slice boundaries ``0 < ... < length`` of a sliced sample (TeraPipe)."""
+
+
+def _plan_units(plan, replica: int) -> list[_Unit]:
+    """A replica's planned pieces as units: each run of slices of one sample becomes one unit, collated
+    whole (one row of its full length) and cut at the slices' token ranges."""
+    pieces, groups = plan.replicas[replica], plan.to_row_groups(replica)
+    out: list[_Unit] = []
+    i = 0
+    while i < len(pieces):
+        if not pieces[i].is_slice:
+            out.append(_Unit(groups[i]))
+            i += 1
+            continue
+        j = i
+        while j < len(pieces) and pieces[j].is_slice and pieces[j].sample_ids == pieces[i].sample_ids:
+            j += 1
+        out.append(_Unit(RowGroup(groups[i].rows), (0, *(p.token_range[1] for p in pieces[i:j]))))
+        i = j
+    return out
+
+
+def slice_stage_costs(costs: StageCosts, slice_model, b, s, c) -> StageCosts:
+    """Per-stage costs of token slices: the unsliced costs of ``(b, s)`` (``costs``, every micro-batch)
+    scaled, where ``c > 0``, by the slice cost model's ratio ``t(b, s, c) / t(b, s, 0)`` for times and
+    stored bytes, with the context's key/value gradients added to the peak. Ordinary micro-batches
+    (``c = 0``) keep their costs."""
+    if slice_model is None:
+        raise ValueError("token slices need a slice cost model (slice_long)")
+    bi, si, ci = (np.asarray(x, dtype=np.int64) for x in (b, s, c))
+    t1, st1, pk1 = slice_model.evaluate(bi, si, ci)
+    t0, st0, pk0 = slice_model.evaluate(bi, si, np.zeros_like(ci))
+    time_ratio = np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0)  # (M,)
+    stored_ratio = np.where(st0 > 0, st1 / np.maximum(st0, 1e-30), 1.0)
+    return StageCosts(
+        fwd_s=costs.fwd_s * time_ratio,
+        bwd_s=costs.bwd_s * time_ratio,
+        stored_bytes=costs.stored_bytes * stored_ratio,
+        peak_bytes=costs.peak_bytes + np.maximum(pk1 - pk0, 0.0),
+        send_bytes=costs.send_bytes,
+    )
 
 
 def _maybe_crash(step: int) -> None:

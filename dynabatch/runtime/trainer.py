@@ -139,6 +139,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
     family = model_family(model.config)
+    if cfg.slice_long and family != "gpt2":
+        raise ValueError(f"slice_long cuts decoder-only samples into token slices; {cfg.model} is a {family} model")
     layout = layout_for(model, cfg.stages)
     spec = pipeline_spec_for(model, layout, "float32")
     stage = build_stage(model, layout, ctx.stage_index).to(ctx.device)
@@ -240,6 +242,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 spec=run.spec, policy=cfg.policy,
                 costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
                 schedules=planned.schedules if ctx.is_planner else None,
+                slice_links=planned.slice_links if ctx.is_planner else None,
             )
             elapsed = time.perf_counter() - t0
             task_loss = None
@@ -281,7 +284,7 @@ def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | 
     for r in range(ctx.num_replicas):
         for m, arr in gathered[ctx.rank_of(r, ctx.num_stages - 1)].items():
             for row, ids in enumerate(planned.replica_micro_batches[r][m].sample_ids):
-                for k, i in enumerate(ids):
+                for k, i in enumerate(ids[: arr.shape[1]]):  # a token slice may hold a row's first segments only
                     task = planned.batch.samples[i].task
                     sums[task] = sums.get(task, 0.0) + float(arr[row, k, 0])
                     counts[task] = counts.get(task, 0.0) + float(arr[row, k, 1])
@@ -313,6 +316,7 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "loss_tokens": result.num_loss_tokens,
         "num_samples": len(planned.batch),
         "num_micro_batches": planned.num_micro_batches,
+        "sliced_samples": planned.num_sliced_samples,
         "micro_batch_shapes": [list(map(list, s)) for s in planned.shapes],
         "tokens_per_s": planned.real_tokens / elapsed,
         "step_time_s": elapsed,
@@ -384,7 +388,7 @@ def train(cfg: TrainConfig) -> dict | None:
         os.makedirs(cfg.output_dir, exist_ok=True)
         summaries = [train_method(cfg, ctx)]
         if cfg.compare_method:
-            other = dataclasses.replace(cfg, method=cfg.compare_method, resume=False, timeline=False,
+            other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume=False, timeline=False,
                                         output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
             os.makedirs(other.output_dir, exist_ok=True)
             summaries.append(train_method(other, ctx, checkpoints=False))
