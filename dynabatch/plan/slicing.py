@@ -51,6 +51,7 @@ from dynabatch.plan.costs import check_int, check_non_negative, check_non_negati
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.stages import StageCosts
 
 MAX_GRID_POINTS = 2048
 """Largest ``ceil(length / granularity)``: the DP holds dense (n + 1)^2 float64 matrices (33 MiB at 2048)."""
@@ -239,6 +240,15 @@ class AnalyticSliceCostModel:
             peak = np.maximum(peak, pk)
         peak = peak + num_blocks * 2 * p * b * c * a
         return time, stored, peak
+
+    def context_kv_bytes(self, b, c) -> np.ndarray:
+        """Keys and values of ``c`` context tokens over the stage's blocks: what the runtime's attention
+        saves once more per slice (it concatenates context and own keys/values, then keeps the result for
+        its backward), on top of :meth:`evaluate`'s stored bytes, which count a cache appended in place."""
+        b, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, c))
+        spec = self.model.spec
+        blocks = sum(n for kind, n in self._counts if kind == "gpt")
+        return blocks * 2.0 * spec.dtype_bytes * b * c * spec.d_attn
 
     def fwd_flops(self, b, s, c) -> np.ndarray:
         """Forward GEMM and attention-core FLOPs of the stage on the slice (the analytic model's accounting)."""
@@ -488,4 +498,31 @@ def slice_long_samples(
         reasons=tuple(r for _, r in picked),
         step_time_s=float(step_time_s),
         threshold_s=float(threshold),
+    )
+
+
+def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c) -> "StageCosts":
+    """Per-stage costs of token slices for the runtime's schedule and memory checks: the unsliced costs
+    of ``(b, s)`` (``costs``, every micro-batch) scaled, where ``c > 0``, by the slice cost model's ratio
+    ``t(b, s, c) / t(b, s, 0)`` for times and stored bytes, plus the carried keys/values: the context's
+    key/value gradients in the peak, and, when the model says (``context_kv_bytes``), the concatenated
+    context keys/values each slice's attention keeps for its backward in the stored bytes (the
+    bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs."""
+    from dynabatch.cost.stages import StageCosts
+
+    if slice_model is None:
+        raise ValueError("token slices need a slice cost model (slice_long)")
+    bi, si, ci = (np.asarray(x, dtype=np.int64) for x in (b, s, c))
+    t1, st1, pk1 = slice_model.evaluate(bi, si, ci)
+    t0, st0, pk0 = slice_model.evaluate(bi, si, np.zeros_like(ci))
+    time_ratio = np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0)  # (M,)
+    stored_ratio = np.where(st0 > 0, st1 / np.maximum(st0, 1e-30), 1.0)
+    kv = getattr(slice_model, "context_kv_bytes", None)
+    copies = kv(bi, ci) if kv is not None else 0.0
+    return StageCosts(
+        fwd_s=costs.fwd_s * time_ratio,
+        bwd_s=costs.bwd_s * time_ratio,
+        stored_bytes=costs.stored_bytes * stored_ratio + copies,
+        peak_bytes=costs.peak_bytes + np.maximum(pk1 - pk0, 0.0),
+        send_bytes=costs.send_bytes,
     )

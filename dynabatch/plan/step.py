@@ -81,6 +81,20 @@ class StepPlan:
             for p in self.replicas[replica]
         ]
 
+    def slice_links(self, replica: int) -> tuple[int, ...]:
+        """Token-slice links of ``replica``'s pieces (:mod:`dynabatch.schedule.chains`): each slice
+        points at the previous slice of its sample; ``()`` when the replica has no slices."""
+        pieces = self.replicas[replica]
+        out = [
+            m - 1 if p.is_slice and m > 0 and pieces[m - 1].is_slice and pieces[m - 1].sample_ids == p.sample_ids else -1
+            for m, p in enumerate(pieces)
+        ]
+        return tuple(out) if any(x >= 0 for x in out) else ()
+
+    def contexts(self, replica: int) -> np.ndarray:
+        """(M,) tokens before each piece of ``replica`` (a slice's context length; 0 otherwise)."""
+        return np.array([p.token_range[0] if p.is_slice else 0 for p in self.replicas[replica]], dtype=np.int64)
+
     def samples_of(self, replica: int) -> list[int]:
         return sorted({i for p in self.replicas[replica] for i in p.sample_ids})
 

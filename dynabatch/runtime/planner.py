@@ -34,6 +34,7 @@ from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.plan.slicing import slice_stage_costs
 from dynabatch.plan.step import plan_step
 from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
@@ -170,43 +171,19 @@ class _Unit:
 
 
 def _plan_units(plan, replica: int) -> list[_Unit]:
-    """A replica's planned pieces as units: each run of slices of one sample becomes one unit, collated
-    whole (one row of its full length) and cut at the slices' token ranges."""
+    """A replica's planned pieces as units: the slices of one sample become one unit, collated whole
+    (one row of its full length) and cut at the slices' token ranges."""
     pieces, groups = plan.replicas[replica], plan.to_row_groups(replica)
+    links = plan.slice_links(replica) or (-1,) * len(pieces)
     out: list[_Unit] = []
-    i = 0
-    while i < len(pieces):
-        if not pieces[i].is_slice:
-            out.append(_Unit(groups[i]))
-            i += 1
-            continue
-        j = i
-        while j < len(pieces) and pieces[j].is_slice and pieces[j].sample_ids == pieces[i].sample_ids:
-            j += 1
-        out.append(_Unit(RowGroup(groups[i].rows), (0, *(p.token_range[1] for p in pieces[i:j]))))
-        i = j
+    for piece, group, prev in zip(pieces, groups, links):
+        if prev >= 0:
+            out[-1] = _Unit(out[-1].group, (*out[-1].bounds, piece.token_range[1]))
+        elif piece.is_slice:
+            out.append(_Unit(RowGroup(group.rows), (0, piece.token_range[1])))
+        else:
+            out.append(_Unit(group))
     return out
-
-
-def slice_stage_costs(costs: StageCosts, slice_model, b, s, c) -> StageCosts:
-    """Per-stage costs of token slices: the unsliced costs of ``(b, s)`` (``costs``, every micro-batch)
-    scaled, where ``c > 0``, by the slice cost model's ratio ``t(b, s, c) / t(b, s, 0)`` for times and
-    stored bytes, with the context's key/value gradients added to the peak. Ordinary micro-batches
-    (``c = 0``) keep their costs."""
-    if slice_model is None:
-        raise ValueError("token slices need a slice cost model (slice_long)")
-    bi, si, ci = (np.asarray(x, dtype=np.int64) for x in (b, s, c))
-    t1, st1, pk1 = slice_model.evaluate(bi, si, ci)
-    t0, st0, pk0 = slice_model.evaluate(bi, si, np.zeros_like(ci))
-    time_ratio = np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0)  # (M,)
-    stored_ratio = np.where(st0 > 0, st1 / np.maximum(st0, 1e-30), 1.0)
-    return StageCosts(
-        fwd_s=costs.fwd_s * time_ratio,
-        bwd_s=costs.bwd_s * time_ratio,
-        stored_bytes=costs.stored_bytes * stored_ratio,
-        peak_bytes=costs.peak_bytes + np.maximum(pk1 - pk0, 0.0),
-        send_bytes=costs.send_bytes,
-    )
 
 
 def _maybe_crash(step: int) -> None:
