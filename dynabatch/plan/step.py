@@ -6,7 +6,9 @@ rest, and the split over data-parallel replicas.
 1. Decoder-only models with a slice cost model: :func:`~dynabatch.plan.slicing.slice_long_samples`
    picks the samples that do not fit in memory whole, or whose single-sample time would dominate
    the pipeline bubble, and plans their token slices (TeraPipe). A sliced sample becomes a chain of
-   *pieces* ``(sample, token range)`` that must run in order on one pipeline.
+   *pieces* ``(sample, token range)`` that must run in order on one pipeline. Samples sliced for the
+   bubble alone stay sliced only if the whole step scores better that way (``score``: the predicted
+   step time; with many micro-batches per step the bubble is already small and slices add overhead).
 2. The remaining samples are cut into micro-batches by the partition DP, split over replicas
    (:func:`~dynabatch.plan.replicas.plan_replicas`; ``R = 1`` is plain ``plan_partition``).
 3. Each sliced sample goes, whole, to the replica with the smallest predicted time (longest first).
@@ -18,6 +20,7 @@ slice of one sample, with its padded shape and predicted bottleneck-stage time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,30 +114,49 @@ def plan_step(
     slice_granularity: int = 16,
     bubble_fraction: float = 0.1,
     fill_drain_order: bool = True,
+    score: Callable[[StepPlan], float] | None = None,
     **partition_options,
 ) -> StepPlan:
-    """Plan one global batch end to end (see the module docstring)."""
+    """Plan one global batch end to end (see the module docstring). ``score(plan)`` (lower is better;
+    default :attr:`StepPlan.objective_s`) decides whether slicing for the bubble pays off; the trainer
+    passes the simulated step time (:func:`dynabatch.runtime.planner.simulated_step_time`)."""
     e, d = check_lengths(input_lens, target_lens)
     n = len(e)
     if num_replicas < 1 or n < num_replicas:
         raise ValueError(f"need 1 <= num_replicas <= number of samples, got {num_replicas} replicas for {n} samples")
-    sliced: list[tuple[int, list[Piece]]] = []
-    keep = np.arange(n)
-    if slice_cost_model is not None:
-        if family != "gpt2":
-            raise ValueError(f"token slicing needs a decoder-only model (family 'gpt2'), got {family!r}")
-        decision = slice_long_samples(
-            e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
-            in_flight=partition_options.get("in_flight") or num_stages,
-        )
-        for i, plan in zip(decision.sample_indices.tolist(), decision.plans):
-            bounds = plan.boundaries.tolist()
-            sliced.append(
-                (i, [Piece((i,), (1, hi - lo, 0), float(t), (lo, hi)) for lo, hi, t in zip(bounds[:-1], bounds[1:], plan.times_s)])
-            )
-        keep = np.setdiff1d(keep, decision.sample_indices)
-        if len(keep) < num_replicas:
-            raise ValueError(f"only {len(keep)} unsliced samples for {num_replicas} replicas; lower the replica count")
+    if slice_cost_model is None:
+        return _plan(e, d, [], cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options)
+    if family != "gpt2":
+        raise ValueError(f"token slicing needs a decoder-only model (family 'gpt2'), got {family!r}")
+    decision = slice_long_samples(
+        e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
+        in_flight=partition_options.get("in_flight") or num_stages,
+    )
+    sliced = [
+        (i, [Piece((i,), (1, hi - lo, 0), float(t), (lo, hi)) for lo, hi, t in zip(b[:-1], b[1:], plan.times_s)], why)
+        for i, plan, why in zip(decision.sample_indices.tolist(), decision.plans, decision.reasons)
+        for b in [plan.boundaries.tolist()]
+    ]
+    best = _plan(e, d, sliced, cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options)
+    # Which samples must run sliced is the partition's own memory test (the slice model prices one stage).
+    in_flight = partition_options.get("in_flight") or num_stages
+    lens = (e + d)[[i for i, _, _ in sliced]].astype(np.float64)
+    _, stored, peak = cost_model.evaluate(np.ones_like(lens), lens, np.zeros_like(lens))
+    whole_fits = in_flight * np.asarray(stored) + np.asarray(peak) <= float(cost_model.memory_budget_bytes)
+    forced = [x for x, fits in zip(sliced, whole_fits) if not fits]
+    if len(forced) < len(sliced):  # slicing for the bubble alone must pay off for the whole step
+        fewer = _plan(e, d, forced, cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options)
+        score = score or (lambda plan: plan.objective_s)
+        if score(fewer) <= score(best):
+            best = fewer
+    return best
+
+
+def _plan(e, d, sliced, cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options) -> StepPlan:
+    """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices."""
+    keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
+    if len(keep) < num_replicas:
+        raise ValueError(f"only {len(keep)} unsliced samples for {num_replicas} replicas; lower the replica count")
     replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
     if len(keep):
         rp = plan_replicas(e[keep], d[keep], cost_model, num_stages, num_replicas, family=family, **partition_options)
@@ -142,12 +164,12 @@ def plan_step(
             for ids, shape, t in zip(part.micro_batches, part.shapes.tolist(), part.times_s.tolist()):
                 replica_pieces[r].append(Piece(tuple(int(keep[i]) for i in ids), tuple(shape), float(t)))
     # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
-    for i, pieces in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
+    for i, pieces, _ in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
         loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]
         replica_pieces[int(np.argmin(loads))].extend(pieces)
     if fill_drain_order:
         replica_pieces = [_fill_drain(pieces) for pieces in replica_pieces]
-    return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(i for i, _ in sliced))
+    return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(i for i, _, _ in sliced))
 
 
 def _time(times: list[float], num_stages: int) -> float:

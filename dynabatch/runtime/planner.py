@@ -98,13 +98,12 @@ class StepPlanner:
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
-        units = self._units(batch)
         replicas, links, contexts = [], [], []
-        for us in units:
-            pieces = [self._collate_unit(batch, u) for u in us]
-            replicas.append(tuple(mb for ps in pieces for mb in ps))
-            links.append(links_for([len(ps) for ps in pieces]) if any(u.bounds for u in us) else ())
-            contexts.append([c for u in us for c in (u.bounds[:-1] if u.bounds else (0,))])
+        for units in self._units(batch):
+            mbs, lk, ctx = micro_batches_of(units, lambda g: self._collate(batch, g))
+            replicas.append(tuple(mbs))
+            links.append(lk)
+            contexts.append(ctx)
         shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
         costs, schedules, predicted, bubble = self._predict(shapes, links, contexts)
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
@@ -116,21 +115,19 @@ class StepPlanner:
         self.step += 1
         return planned
 
-    def _units(self, batch: GlobalBatch) -> list[list[_Unit]]:
+    def _units(self, batch: GlobalBatch) -> list[list[Unit]]:
         cfg, R = self.cfg, self.cfg.replicas
         if cfg.method == "dynamic":
             plan = plan_step(
                 batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
                 num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
+                score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30),
             )
-            return [_plan_units(plan, r) for r in range(R)]
+            return [plan_units(plan, r) for r in range(R)]
         options = BaselineOptions(cfg.samples_per_micro_batch, cfg.token_budget_tokens, cfg.packing_rows)
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
-        return [[_Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
+        return [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
 
-    def _collate_unit(self, batch: GlobalBatch, unit: "_Unit") -> list[MicroBatch]:
-        mb = self._collate(batch, unit.group)
-        return token_slices(mb, unit.bounds) if unit.bounds else [mb]
 
     def _tokens(self, batch: GlobalBatch, g: RowGroup) -> int:
         b, e, d = group_shape(batch, g, self.family)
@@ -148,11 +145,9 @@ class StepPlanner:
         costs, schedules, makespans, bubbles = [], [], [], []
         memory = self.cfg.memory_gib * 2**30
         for s, lk, ctx in zip(shapes, links, contexts):
-            arr = np.asarray(s, dtype=np.float64).reshape(-1, 3)
-            c = self.cost_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2])
-            if lk:
-                c = slice_stage_costs(c, self.slice_model, arr[:, 0], arr[:, 1], np.asarray(ctx, dtype=np.float64))
-            schedule = compute_schedule(self.cfg.policy, arr.astype(np.int64), self.cfg.stages, c, memory, lk)
+            c = piece_costs(self.cost_model, self.slice_model, s, ctx, lk)
+            schedule = compute_schedule(self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages,
+                                        c, memory, lk)
             result = simulate(schedule, c, model_state_bytes=np.array(self.cost_model.model_state_bytes))
             costs.append(c)
             schedules.append(schedule)
@@ -161,8 +156,38 @@ class StepPlanner:
         return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
 
 
+def piece_costs(stage_model: StageCostModel, slice_model, shapes, contexts, links) -> StageCosts:
+    """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)``; with slice
+    ``links``, later slices priced with their ``contexts`` (:func:`~dynabatch.plan.slicing.slice_stage_costs`)."""
+    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+    costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2])
+    if links:
+        costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], np.asarray(contexts, dtype=np.float64))
+    return costs
+
+
+def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None):
+    """``score(plan)`` for :func:`~dynabatch.plan.step.plan_step`: the simulated makespan of the slowest
+    replica under the adaptive schedule (a few ms; the step formula ``sum + (S - 1) max`` misjudges
+    token slices, whose chains cannot overlap their own backward)."""
+    from dynabatch.schedule.policies import adaptive
+
+    states = np.array(stage_model.model_state_bytes)
+
+    def score(plan) -> float:
+        worst = 0.0
+        for r in range(len(plan.replicas)):
+            links = plan.slice_links(r)
+            costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links)
+            schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states)
+            worst = max(worst, simulate(schedule, costs, model_state_bytes=states).makespan_s)
+        return worst
+
+    return score
+
+
 @dataclass(frozen=True)
-class _Unit:
+class Unit:
     """Rows to collate as one micro-batch, or, with ``bounds``, as a chain of token slices."""
 
     group: RowGroup
@@ -170,19 +195,31 @@ class _Unit:
     """Token slice boundaries ``0 < ... < length`` of a sliced sample (TeraPipe)."""
 
 
-def _plan_units(plan, replica: int) -> list[_Unit]:
+def micro_batches_of(units: list[Unit], collate) -> tuple[list[MicroBatch], tuple[int, ...], list[int]]:
+    """Collate units (``collate(RowGroup) -> MicroBatch``): the micro-batches in order, their token-slice
+    links (``()`` without slices) and each one's context length (0 unless a later slice)."""
+    pieces = []
+    for u in units:
+        mb = collate(u.group)
+        pieces.append(token_slices(mb, u.bounds) if u.bounds else [mb])
+    links = links_for([len(ps) for ps in pieces]) if any(u.bounds for u in units) else ()
+    contexts = [c for u in units for c in (u.bounds[:-1] if u.bounds else (0,))]
+    return [mb for ps in pieces for mb in ps], links, contexts
+
+
+def plan_units(plan, replica: int) -> list[Unit]:
     """A replica's planned pieces as units: the slices of one sample become one unit, collated whole
     (one row of its full length) and cut at the slices' token ranges."""
     pieces, groups = plan.replicas[replica], plan.to_row_groups(replica)
     links = plan.slice_links(replica) or (-1,) * len(pieces)
-    out: list[_Unit] = []
+    out: list[Unit] = []
     for piece, group, prev in zip(pieces, groups, links):
         if prev >= 0:
-            out[-1] = _Unit(out[-1].group, (*out[-1].bounds, piece.token_range[1]))
+            out[-1] = Unit(out[-1].group, (*out[-1].bounds, piece.token_range[1]))
         elif piece.is_slice:
-            out.append(_Unit(RowGroup(group.rows), (0, piece.token_range[1])))
+            out.append(Unit(RowGroup(group.rows), (0, piece.token_range[1])))
         else:
-            out.append(_Unit(group))
+            out.append(Unit(group))
     return out
 
 

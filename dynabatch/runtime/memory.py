@@ -1,0 +1,76 @@
+"""Peak activation memory on any device: bytes autograd keeps for backward, metered by saved-tensor hooks.
+
+CUDA has ``torch.cuda.max_memory_allocated``; the CPU allocator reports nothing comparable, and a
+process's peak RSS only grows. :class:`SavedActivationMeter` instead counts the storages autograd saves
+for backward while it is active (``torch.autograd.graph.saved_tensors_hooks``): a storage counts once
+however many ops save views of it, from the first save until the last graph node holding it is freed
+(after its backward), and parameters (``exclude``) never count. That is the activation memory that
+micro-batch sizes, schedules and token slicing change; transient buffers inside one op (and tensors
+kept outside autograd, such as the executor's received buffers or a slice chain's carried keys/values)
+are not in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class SavedActivationMeter:
+    """``with SavedActivationMeter(exclude=model.parameters()) as meter: ...``; then ``meter.peak_bytes``."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def __enter__(self) -> "SavedActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or key == 0:
+            return t
+        n = self._refs.get(key, 0)
+        if n == 0:
+            self._sizes[key] = storage.nbytes()
+            self.live_bytes += self._sizes[key]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] = n + 1
+        return _Saved(t, key, self)
+
+    def _release(self, key: int) -> None:
+        n = self._refs[key] - 1
+        if n:
+            self._refs[key] = n
+        else:
+            del self._refs[key]
+            self.live_bytes -= self._sizes.pop(key)
+
+
+class _Saved:
+    """A saved tensor; when autograd drops it (graph freed), the meter stops counting its storage."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedActivationMeter) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed
