@@ -37,6 +37,18 @@ keeps HF's fp32 log-probabilities (``4 bT V``). Peak extra bytes are the transie
 backward: incoming and outgoing hidden-state gradients plus the larger of the FFN's gradient buffers and
 the attention-score gradients (eager attention: ``2 p b h Tq Tk``).
 
+Per-stage context of T5 (``context_costs``, on by default). Every T5 stage builds, once per micro-batch,
+what its blocks share: the additive segment masks (encoder ``b E^2``, decoder ``b (D^2 + D E)`` elements:
+compare, select, write) and each stack's relative position bias ``(1, h, T, T)``:
+HF's bucketing runs about a dozen int64 / float passes over the ``T^2`` index grid, the table gather writes
+``h T^2`` values and its backward scatters ``h T^2`` gradients into the table. The bias does not depend on
+``b``: a micro-batch of one 2048-token sample pays the same ~0.37 s on one CPU core (t5-d256, measured) as
+one of eight, which the per-layer terms miss and which makes many small long micro-batches dearer than
+they look. Written as memory traffic: ``MASK_BYTES`` per mask element and ``BIAS_BYTES_PER_PAIR + 4 h p``
+per query-key pair of the bias, backward ``BIAS_BWD_FACTOR`` x forward (masks have no backward),
+calibrated on the ``cpu`` preset to the measured mask and bias costs relative to the blocks'. (GPT's
+causal mask, ``b T^2`` elements, costs a few % of its attention and is left out.)
+
 Between stages, a stage whose last layer is a GPT block or a T5 encoder layer sends the hidden states
 ``p b E d``; one ending in the T5 decoder sends the decoder hidden states and the encoder output,
 ``p b (D + E) d``. The gradient sent back has the same size. A message takes ``latency + bytes /
@@ -107,6 +119,14 @@ def _mem(num_bytes) -> _Op:
     return _Op(np.zeros_like(num_bytes), num_bytes, "memory")
 
 
+MASK_BYTES = 24.0
+"""Memory traffic per element of an additive segment mask (segment compare, select, float write)."""
+BIAS_BYTES_PER_PAIR = 160.0
+"""Memory traffic per query-key pair of HF's relative-position bucketing (int64 / float passes)."""
+BIAS_BWD_FACTOR = 2.0
+"""Position-bias backward (gradient permute + scatter into the table) over its forward."""
+
+
 @dataclass(frozen=True)
 class AnalyticCostModel:
     """Predicts per-layer time and memory of a :class:`TransformerSpec` on a :class:`HardwareSpec`."""
@@ -121,6 +141,8 @@ class AnalyticCostModel:
     """Dropout is active (masks stored, as in Korthikanti et al.'s formula)."""
     recompute: bool = False
     """Full activation recomputation of transformer blocks: only the block input is stored."""
+    context_costs: bool = True
+    """Add each stage's once-per-micro-batch masks and T5 position bias (module docstring)."""
 
     @classmethod
     def from_names(cls, model: str, hardware: str, **options) -> "AnalyticCostModel":
@@ -160,14 +182,38 @@ class AnalyticCostModel:
         def total(field: str):
             return sum(getattr(cost, field) * count for cost, count in costs)
 
+        fwd, bwd = total("fwd_time_s"), total("bwd_time_s")
+        if self.context_costs:
+            ctx_fwd, ctx_bwd = self.context_cost(kinds, b, E, D)
+            fwd, bwd = fwd + ctx_fwd, bwd + ctx_bwd
         stored = total("stored_activation_bytes")
         if "t5_decoder" in kinds:
             stored = stored + self.spec.dtype_bytes * np.asarray(b, float) * np.asarray(E, float) * self.spec.d_model
         peak = costs[0][0].peak_extra_bytes
         for c, _ in costs[1:]:
             peak = np.maximum(peak, c.peak_extra_bytes)
-        out = (total("fwd_time_s"), total("bwd_time_s"), total("fwd_flops"), stored, peak)
+        out = (fwd, bwd, total("fwd_flops"), stored, peak)
         return LayerCost(*[float(x) if np.ndim(x) == 0 else x for x in out])
+
+    def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None):
+        """(forward, backward) seconds of the masks and position biases a T5 stage of ``kinds`` builds once
+        per micro-batch (module docstring); zero for a stage without T5 blocks and for GPT."""
+        s, p = self.spec, self.spec.dtype_bytes
+        kind = next((k for k in kinds if k in ("t5_decoder", "t5_encoder")), None)
+        if kind is None:
+            return 0.0, 0.0
+        _, (b, E, D) = self._inputs(kind, b, E, D)
+        masks, pairs = np.zeros_like(b), []
+        if "t5_encoder" in kinds:
+            masks, pairs = masks + b * E * E, pairs + [E * E]
+        if "t5_decoder" in kinds:
+            masks, pairs = masks + b * (D * D + D * E), pairs + [D * D]
+        fwd = self._op_time(_mem(MASK_BYTES * masks))
+        bwd = np.zeros_like(fwd)
+        for n in pairs:
+            bias = self._op_time(_mem((BIAS_BYTES_PER_PAIR + 4 * s.num_heads * p) * n))
+            fwd, bwd = fwd + bias, bwd + BIAS_BWD_FACTOR * bias
+        return fwd, bwd
 
     def send_bytes(self, last_kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> Value:
         """Activation bytes a stage whose last layer is ``last_kind`` sends downstream (its gradient, of the

@@ -189,7 +189,10 @@ def test_stage_cost_sums_layers_and_stores_encoder_output_once():
     b, E, D = np.array([2, 4]), np.array([16, 32]), np.array([8, 8])
     stage = model.stage_cost(kinds, b, E, D)
     layers = [model.layer_cost(k, b, E, D) for k in kinds]
-    np.testing.assert_allclose(stage.fwd_time_s, sum(c.fwd_time_s for c in layers))
+    ctx_fwd, ctx_bwd = model.context_cost(kinds, b, E, D)  # masks and position bias, once per stage
+    assert np.all(ctx_fwd > 0) and np.all(ctx_bwd > 0)
+    np.testing.assert_allclose(stage.fwd_time_s, sum(c.fwd_time_s for c in layers) + ctx_fwd)
+    np.testing.assert_allclose(stage.bwd_time_s, sum(c.bwd_time_s for c in layers) + ctx_bwd)
     np.testing.assert_allclose(stage.fwd_flops, sum(c.fwd_flops for c in layers))
     encoder_output = 2 * b * E * T5_SMALL.d_model
     np.testing.assert_allclose(stage.stored_activation_bytes,
@@ -258,3 +261,23 @@ def test_hardware_presets_are_sane():
 def test_analytic_model_does_not_import_torch():
     code = "import sys, dynabatch.cost.analytic as m; assert not {'torch', 'transformers'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_t5_context_cost_bias_is_per_micro_batch_not_per_sample():
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import model_spec
+
+    model = AnalyticCostModel(model_spec("t5-base"), hardware_spec("cpu"))
+    (f1, b1), (f8, b8) = (model.context_cost(["t5_encoder"], b, 2048, None) for b in (1, 8))
+    assert b1 == pytest.approx(b8) and b1 > 0  # the bias backward does not grow with the samples
+    assert f8 > f1  # the masks do
+    # eight micro-batches of one long sample pay the bias eight times: dearer than one of eight samples
+    assert 8 * (f1 + b1) > 1.5 * (f8 + b8)
+    # a decoder stage pays its own bias (D x D) and masks; GPT stages and stages without blocks pay nothing
+    assert model.context_cost(["t5_decoder", "lm_head"], 1, 64, 512)[1] > model.context_cost(["t5_decoder"], 1, 64, 16)[1]
+    gpt = AnalyticCostModel(model_spec("gpt-350m"), hardware_spec("cpu"))
+    assert gpt.context_cost(["gpt"], 4, 1024, None) == (0.0, 0.0)
+    assert model.context_cost(["lm_head"], 4, 64, 16) == (0.0, 0.0)
+    off = AnalyticCostModel(model_spec("t5-base"), hardware_spec("cpu"), context_costs=False)
+    on = model.stage_cost(["t5_encoder"], 2, 1024, None).fwd_time_s
+    assert off.stage_cost(["t5_encoder"], 2, 1024, None).fwd_time_s == pytest.approx(on - model.context_cost(["t5_encoder"], 2, 1024, None)[0])
