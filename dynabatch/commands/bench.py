@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     p.add_argument("--policy", default="auto", help="pipeline schedule policy (gpipe, 1f1b, adaptive, auto)")
-    p.add_argument("--global-batch-tokens", type=int, default=None,
-                   help="real tokens per global batch; default max(8192, 16 x max input length)")
+    p.add_argument("--global-batch-tokens", type=int, default=8192,
+                   help="real tokens per global batch (the same at every max length, as in the simulated sweep)")
     p.add_argument("--max-input-len", type=int, default=512, help="T5 encoder limit; GPT sequence limit")
     p.add_argument("--max-target-len", type=int, default=None, help="T5 decoder limit; default max input length / 4")
     p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped")
@@ -102,12 +102,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
-    """Model aliases and the length-dependent defaults (in place)."""
+    """Model aliases and the length-dependent default of ``--max-target-len`` (in place)."""
     args.model = MODEL_ALIASES.get(args.model, args.model)
     if args.max_target_len is None:
         args.max_target_len = max(1, args.max_input_len // 4)
-    if args.global_batch_tokens is None:
-        args.global_batch_tokens = max(8192, 16 * args.max_input_len)
 
 
 def run(args: argparse.Namespace) -> int:

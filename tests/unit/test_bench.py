@@ -94,7 +94,7 @@ def test_model_aliases_and_length_defaults():
     add_arguments(p)
     args = p.parse_args(["--model", "gpt", "--max-input-len", "2048"])
     resolve_defaults(args)
-    assert (args.model, args.max_target_len, args.global_batch_tokens) == ("gpt2-d256", 512, 32768)
+    assert (args.model, args.max_target_len, args.global_batch_tokens) == ("gpt2-d256", 512, 8192)
     args = p.parse_args([])
     resolve_defaults(args)
     assert (args.model, args.max_input_len, args.max_target_len, args.global_batch_tokens) == ("t5-d256", 512, 128, 8192)
