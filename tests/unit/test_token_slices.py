@@ -212,7 +212,8 @@ def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.trainer import planner_cost_model
 
-    cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=2048, max_input_len=512, slice_long=True)
+    cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=2048, max_input_len=512, slice_long=True,
+                      memory_gib=0.02)  # the longest samples do not fit whole
     model = build_model("gpt2-tiny", vocab_size=toy_data.tokens.vocab_size)
     layout = layout_for(model, 2)
     limits = LengthLimits("gpt2", max_input_len=512, max_target_len=128, max_seq_len=512)
@@ -261,3 +262,31 @@ def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixt
     sliced, whole = train("0.02"), train("0.03")
     assert sum(r["sliced_samples"] for r in sliced) > 0 and sum(r["sliced_samples"] for r in whole) == 0
     np.testing.assert_allclose([r["loss"] for r in sliced], [r["loss"] for r in whole], rtol=1e-6)
+
+
+def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
+    """GPT-1.3B on 8 A100-80GB stages: two 4,000-token samples among short ones. In a small global batch
+    they dominate the bubble and slicing them shortens the simulated step; among 600 short samples the
+    bubble is amortised, so the planner keeps them whole."""
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import model_spec
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.plan.slicing import AnalyticSliceCostModel
+    from dynabatch.plan.step import plan_step as plan_batch
+    from dynabatch.runtime.planner import simulated_step_time
+
+    model = AnalyticCostModel(model_spec("gpt-1.3b"), hardware_spec("a100-80gb"))
+    stages = StageCostModel(model, balanced_layout(model, 8, ref_shape=(1, 4096, 0)), model.hardware.memory_bytes)
+    slicer = AnalyticSliceCostModel.from_stage_model(stages, ref_length=4096)
+    score = simulated_step_time(stages, slicer, model.hardware.memory_bytes)
+    rng = np.random.default_rng(0)
+    for num_short, expect_sliced in ((30, True), (600, False)):
+        lens = np.concatenate([[4000, 3900], rng.integers(100, 300, num_short)])
+        e, d = lens - lens // 8, lens // 8
+        whole = plan_batch(e, d, stages, 8, family="gpt2")
+        sliced = plan_batch(e, d, stages, 8, family="gpt2", slice_cost_model=slicer, score=score)
+        assert bool(sliced.sliced_samples) == expect_sliced
+        assert score(sliced) <= score(whole)
+        if expect_sliced:
+            assert set(sliced.sliced_samples) == {0, 1} and score(sliced) < 0.95 * score(whole)
