@@ -290,3 +290,12 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
         assert score(sliced) <= score(whole)
         if expect_sliced:
             assert set(sliced.sliced_samples) == {0, 1} and score(sliced) < 0.95 * score(whole)
+
+
+def test_slice_long_config_errors_are_clear():
+    from dynabatch.config import TrainConfig
+
+    with pytest.raises(ValueError, match="slice_long plans token slices with the dynamic planner"):
+        TrainConfig(model="gpt2-tiny", slice_long=True, method="packing")
+    with pytest.raises(ValueError, match="drop cost_profile or slice_long"):
+        TrainConfig(model="gpt2-tiny", slice_long=True, cost_profile="profile.json")
