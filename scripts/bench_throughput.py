@@ -1,10 +1,12 @@
 """Measured real-token throughput of every batching method on the same executor (``dynabatch bench``).
 
-    python scripts/bench_throughput.py --model t5-tiny --stages 2 --steps 10 --json t5.json
-    python scripts/bench_throughput.py --model gpt2-tiny --lengths my_lengths.npz --json gpt.json
+    python scripts/bench_throughput.py --model t5 --max-input-len 2048 --steps 10 --json t5.json
+    python scripts/bench_throughput.py --model gpt --lengths my_lengths.npz --json gpt.json
     python scripts/bench_throughput.py --plot docs/bench_cpu.png t5.json gpt.json   # plot saved results
 
-See :mod:`dynabatch.commands.bench` for what is measured and how the methods are interleaved. The plot
+See :mod:`dynabatch.commands.bench` for what is measured and how the methods are interleaved (``dynamic``,
+the four baselines and the external peer ``pipelining``, torch.distributed.pipelining's Schedule1F1B).
+The last line printed is a JSON object with every method's real tokens/s. The plot
 shows, per results file, each method's real tokens/s relative to the best baseline (bars: the ratio of
 summed tokens over summed time; whiskers: the 10-90% range of the per-step paired ratios).
 """

@@ -389,6 +389,8 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],
         }
+        if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran
+            rows[m]["fixed_shapes"] = sorted({tuple(step[1]) for step in runs[m].peer_steps})
     baselines = [m for m in methods if m in BASELINES]
     best = max(baselines, key=lambda m: rows[m]["tokens_per_s"]) if baselines else None
     for m in methods:
@@ -446,8 +448,9 @@ def print_table(result: dict) -> None:
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
     if PEER in result["methods"]:
+        shapes = ", ".join("x".join(map(str, s)) for s in result["methods"][PEER].get("fixed_shapes", []))
         print(f"{PEER}: torch.distributed.pipelining Schedule1F1B on packing's rows as fixed-shape micro-batches "
-              f"({c['packing_rows']} rows each); not a baseline of 'vs best'")
+              f"(rows x E x D: {shapes}); not a baseline of 'vs best'")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,6 +75,7 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     assert rows["pipelining"]["micro_batches_per_step"] >= max(2, rows["packing"]["micro_batches_per_step"])
     assert rows["pipelining"]["padding_efficiency"] <= rows["packing"]["padding_efficiency"]
     assert abs(rows["pipelining"]["loss_first"] - rows["packing"]["loss_first"]) < 1e-4
+    assert all(b >= 1 and e == 256 and d == 0 for b, e, d in rows["pipelining"]["fixed_shapes"])  # GPT rows of max len
     # the last line is the JSON summary with per-method real tokens/s
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["tokens_per_s"] == {m: round(r["tokens_per_s"], 1) for m, r in rows.items()}
