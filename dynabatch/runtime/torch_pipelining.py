@@ -194,14 +194,13 @@ class TorchPipeliningPeer:
             p.grad = None
         cuda = ctx.device.type == "cuda"
         with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+            args = ()
             if ctx.stage_index == 0:
                 if inputs is None:
                     raise ValueError("stage 0 needs the step's inputs")
-                schedule.step(*(inputs[n].to(ctx.device) for n in carried_names(self.spec, 0)))
-            elif ctx.stage_index == ctx.num_stages - 1:
-                schedule.step(target=torch.zeros(num_micro_batches, device=ctx.device))
-            else:
-                schedule.step()
+                args = tuple(inputs[n].to(ctx.device) for n in carried_names(self.spec, 0))
+            last = ctx.stage_index == ctx.num_stages - 1  # a 1-stage pipeline is first and last
+            schedule.step(*args, **({"target": torch.zeros(num_micro_batches, device=ctx.device)} if last else {}))
         # finish like our executor: its REDUCE_GRADS and OPTIMIZER_STEP handlers
         ex.loss_sum = self.loss_sum
         ex.inputs = StepInputs(plan=None, loaded={}, global_loss_tokens=global_loss_tokens)

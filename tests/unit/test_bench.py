@@ -113,3 +113,23 @@ def test_benchmark_presets_are_the_issue_sizes():
     assert (gpt.config.n_embd, gpt.config.n_layer) == (256, 8)
     n_t5, n_gpt = (sum(p.numel() for p in m.parameters()) for m in (t5, gpt))
     assert 0.8 < n_gpt / n_t5 < 1.25  # "GPT-2 of similar size"
+
+
+def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):
+    """One process (stage 0 is also the last: the peer passes both inputs and target), T5, a lengths file."""
+    path = str(tmp_path / "lengths.npz")
+    _lengths_file(path, n=80)
+    out = str(tmp_path / "bench.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "t5-tiny", "--lengths", path, "--stages", "1",
+           "--methods", "packing,pipelining", "--steps", "1", "--warmup", "0", "--global-batch-tokens", "1024",
+           "--max-input-len", "256", "--json", out, "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    assert set(rows) == {"packing", "pipelining"} and min(rows.values()) > 0
+    with open(out) as f:
+        result = json.load(f)["methods"]
+    assert result["pipelining"]["fixed_shapes"] == [[4, 256, 64]]  # packing rows x max lengths (target L/4)
+    assert abs(result["pipelining"]["loss_first"] - result["packing"]["loss_first"]) < 1e-4
