@@ -39,14 +39,15 @@ the attention-score gradients (eager attention: ``2 p b h Tq Tk``).
 
 Per-stage context of T5 (``context_costs``, on by default). Every T5 stage builds, once per micro-batch,
 what its blocks share: the additive segment masks (encoder ``b E^2``, decoder ``b (D^2 + D E)`` elements:
-compare, select, write) and each stack's relative position bias ``(1, h, T, T)``:
-HF's bucketing runs about a dozen int64 / float passes over the ``T^2`` index grid, the table gather writes
-``h T^2`` values and its backward scatters ``h T^2`` gradients into the table. The bias does not depend on
-``b``: a micro-batch of one 2048-token sample pays the same ~0.37 s on one CPU core (t5-d256, measured) as
-one of eight, which the per-layer terms miss and which makes many small long micro-batches dearer than
-they look. Written as memory traffic: ``MASK_BYTES`` per mask element and ``BIAS_BYTES_PER_PAIR + 4 h p``
-per query-key pair of the bias, backward ``BIAS_BWD_FACTOR`` x forward (masks have no backward),
-calibrated on the ``cpu`` preset to the measured mask and bias costs relative to the blocks'. (GPT's
+compare, select, write) and each stack's relative position bias ``(1, h, T, T)``. The stages bucket the
+``2T - 1`` distinct offsets only and window the result (``t5_stages.relative_position_bias``), so the bias
+costs one ``h T^2`` copy forward and a window sum backward; HF's own bucketing of the full ``T^2`` grid and
+its scatter of ``h T^2`` gradients cost about 2.5x more (0.68 s against 0.27 s per 2048-token stack on one
+CPU core, 4 heads, measured). The bias does not depend on ``b``: a micro-batch of one 2048-token sample
+pays it like one of eight, which the per-layer terms miss and which makes many small long micro-batches
+dearer than they look. Written as memory traffic: ``MASK_BYTES`` per mask element and
+``BIAS_BYTES_PER_PAIR + 4 h p`` per query-key pair of the bias, backward ``BIAS_BWD_FACTOR`` x forward
+(masks have no backward), calibrated on the ``cpu`` preset to the measured mask and bias costs. (GPT's
 causal mask, ``b T^2`` elements, costs a few % of its attention and is left out.)
 
 Between stages, a stage whose last layer is a GPT block or a T5 encoder layer sends the hidden states
@@ -121,10 +122,11 @@ def _mem(num_bytes) -> _Op:
 
 MASK_BYTES = 24.0
 """Memory traffic per element of an additive segment mask (segment compare, select, float write)."""
-BIAS_BYTES_PER_PAIR = 160.0
-"""Memory traffic per query-key pair of HF's relative-position bucketing (int64 / float passes)."""
-BIAS_BWD_FACTOR = 2.0
-"""Position-bias backward (gradient permute + scatter into the table) over its forward."""
+BIAS_BYTES_PER_PAIR = 0.0
+"""Memory traffic per query-key pair of the relative-position bucketing beyond the bias copy itself
+(0: buckets are computed per distinct offset; HF's per-pair bucketing measured as 160)."""
+BIAS_BWD_FACTOR = 1.5
+"""Position-bias backward (window sum of the gradient, then a gather of 2T - 1 rows) over its forward."""
 
 
 @dataclass(frozen=True)

@@ -66,17 +66,26 @@ def t5_tied_groups(kinds: tuple[str, ...], tied_head: bool) -> tuple[str, ...]:
 
 
 def relative_position_bias(table: nn.Embedding, config, query_length: int, key_length: int, bidirectional: bool):
-    """T5's bucketed relative position bias, (1, H, Q, K): ``T5Attention.compute_bias`` with no cache."""
-    device = table.weight.device
-    context = torch.arange(query_length, dtype=torch.long, device=device)[:, None]  # (Q, 1)
-    memory = torch.arange(key_length, dtype=torch.long, device=device)[None, :]  # (1, K)
+    """T5's bucketed relative position bias, (1, H, Q, K): the values of ``T5Attention.compute_bias`` with
+    no cache, computed from the ``Q + K - 1`` distinct offsets instead of all ``Q x K`` pairs.
+
+    The bias is Toeplitz (it depends on ``j - i`` only): bucket and look up each offset once, ``vals``
+    (Q + K - 1, H), then window it (``unfold``: row ``i`` is ``vals[Q - 1 - i : Q - 1 - i + K]``). The
+    backward then sums the windows' gradients (``unfold``'s native backward) into Q + K - 1 rows before
+    the embedding's scatter, instead of scattering Q x K x H values; at Q = K = 2048 with 4 heads that
+    takes the bias's forward + backward from about 0.8-1.0 s to 0.1-0.3 s on one CPU core. Values are
+    bitwise HF's; gradients equal up to summation order (tests/unit/test_stage_split.py).
+    """
+    offsets = torch.arange(-(query_length - 1), key_length, dtype=torch.long, device=table.weight.device)
     buckets = T5Attention._relative_position_bucket(
-        memory - context,  # (Q, K)
+        offsets,  # (Q + K - 1,) = memory - context for every distinct pair
         bidirectional=bidirectional,
         num_buckets=config.relative_attention_num_buckets,
         max_distance=config.relative_attention_max_distance,
     )
-    return table(buckets).permute([2, 0, 1]).unsqueeze(0)  # (Q, K, H) -> (1, H, Q, K)
+    vals = table(buckets)  # (Q + K - 1, H)
+    windows = vals.unfold(0, key_length, 1)  # (Q, H, K): windows[k, h, j] = vals[k + j, h]
+    return windows.flip(0).permute(1, 0, 2).unsqueeze(0)  # [i, j] = vals[Q - 1 - i + j]: (1, H, Q, K)
 
 
 def _blocks_before(layout, stage_index: int, kind: str) -> int:
