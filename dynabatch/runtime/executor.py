@@ -206,6 +206,48 @@ class Executor:
             self.contexts, self.kv_grads = {}, {}
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses)
 
+    def reduce_gradients(self) -> None:
+        """``REDUCE``: sum tied-parameter gradients over their stages, then gradients over the replicas."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for name in sorted(self.tied):
+            group = self.tied[name].group
+            if group is not None:
+                dist.all_reduce(self.tied_params[name].grad, group=group)
+        if self.ctx.num_replicas > 1:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in self.params:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                flat = _flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=self.ctx.dp_group)
+                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(reduced)
+
+    def optimizer_step(self, global_loss_tokens: int) -> None:
+        """``STEP``: world-wide gradient norm and loss, clipping, optimizer and LR-scheduler step."""
+        ctx = self.ctx
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:
+            norms = torch._foreach_norm(grads)
+            sq = torch.stack([n.double() for n in norms]).square().sum()
+        totals = torch.stack([sq, self.loss_sum if self.is_last else torch.zeros_like(self.loss_sum)])
+        if ctx.world_size > 1:
+            dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss
+        sq_total, loss_total = totals.tolist()
+        self.grad_norm = math.sqrt(sq_total / ctx.num_replicas)
+        self.loss = loss_total / global_loss_tokens
+        if self.max_grad_norm is not None:
+            coef = min(self.max_grad_norm / (self.grad_norm + 1e-6), 1.0)
+            all_grads = [p.grad for p in self.params if p.grad is not None]
+            if coef < 1.0 and all_grads:
+                torch._foreach_mul_(all_grads, coef)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
     def _peers(self, ins: Instr) -> str:
         """Who an instruction talks to, for error messages."""
         if ins.peer >= 0:
@@ -348,45 +390,11 @@ def _exec_free(ex: Executor, ins: Instr) -> None:
 
 
 def _exec_reduce(ex: Executor, ins: Instr) -> None:
-    for p in ex.params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for name in sorted(ex.tied):
-        group = ex.tied[name].group
-        if group is not None:
-            dist.all_reduce(ex.tied_params[name].grad, group=group)
-    if ex.ctx.num_replicas > 1:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in ex.params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=ex.ctx.dp_group)
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+    ex.reduce_gradients()
 
 
 def _exec_step(ex: Executor, ins: Instr) -> None:
-    ctx = ex.ctx
-    grads = [p.grad for p in ex.norm_params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64, device=ex.device)
-    if grads:
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack([n.double() for n in norms]).square().sum()
-    totals = torch.stack([sq, ex.loss_sum if ex.is_last else torch.zeros_like(ex.loss_sum)])
-    if ctx.world_size > 1:
-        dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss
-    sq_total, loss_total = totals.tolist()
-    ex.grad_norm = math.sqrt(sq_total / ctx.num_replicas)
-    ex.loss = loss_total / ex.inputs.global_loss_tokens
-    if ex.max_grad_norm is not None:
-        coef = min(ex.max_grad_norm / (ex.grad_norm + 1e-6), 1.0)
-        all_grads = [p.grad for p in ex.params if p.grad is not None]
-        if coef < 1.0 and all_grads:
-            torch._foreach_mul_(all_grads, coef)
-    ex.optimizer.step()
-    if ex.scheduler is not None:
-        ex.scheduler.step()
+    ex.optimizer_step(ex.inputs.global_loss_tokens)
 
 
 HANDLERS = {

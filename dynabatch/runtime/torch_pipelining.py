@@ -137,7 +137,7 @@ class TorchPipeliningPeer:
     """One rank's side of ``Schedule1F1B`` over ``stage`` (see the module docstring).
 
     Construction is collective over the world (it builds an :class:`Executor` for the stage, whose
-    ``REDUCE_GRADS`` and ``OPTIMIZER_STEP`` handlers finish each step: tied-gradient sums, clipping, loss
+    ``reduce_gradients`` and ``optimizer_step`` (what its ``REDUCE`` and ``STEP`` run) finish each step: tied-gradient sums, clipping, loss
     and grad-norm all-reduce, optimizer step). :meth:`step` is called on every rank of the pipeline with
     the same micro-batch count and shape; stage 0 passes the inputs of :func:`fixed_shape_inputs`. One
     ``Schedule1F1B`` (and ``PipelineStage``, static shapes) is built per (count, shape), on first use.
@@ -182,10 +182,6 @@ class TorchPipeliningPeer:
              inputs: dict[str, torch.Tensor] | None = None) -> float:
         """One training step of ``num_micro_batches`` micro-batches of ``shape`` = ``(rows, E, D)`` (GPT: D = 0);
         returns the step's mean token loss (the same on every rank)."""
-        from dynabatch.runtime.delivery import StepInputs
-        from dynabatch.runtime.executor import HANDLERS
-        from dynabatch.schedule.ir import Op
-
         ctx, ex = self.ctx, self.executor
         schedule = self._schedule(num_micro_batches, tuple(int(x) for x in shape))
         self.global_loss_tokens = global_loss_tokens
@@ -201,12 +197,8 @@ class TorchPipeliningPeer:
                 args = tuple(inputs[n].to(ctx.device) for n in carried_names(self.spec, 0))
             last = ctx.stage_index == ctx.num_stages - 1  # a 1-stage pipeline is first and last
             schedule.step(*args, **({"target": torch.zeros(num_micro_batches, device=ctx.device)} if last else {}))
-        # finish like our executor: its REDUCE_GRADS and OPTIMIZER_STEP handlers
+        # finish like our executor's REDUCE and STEP instructions
         ex.loss_sum = self.loss_sum
-        ex.inputs = StepInputs(plan=None, loaded={}, global_loss_tokens=global_loss_tokens)
-        try:
-            HANDLERS[Op.REDUCE_GRADS](ex, None)
-            HANDLERS[Op.OPTIMIZER_STEP](ex, None)
-        finally:
-            ex.inputs = None
+        ex.reduce_gradients()
+        ex.optimizer_step(global_loss_tokens)
         return ex.loss

@@ -42,6 +42,7 @@ from dynabatch.schedule._validate_static import (
     _Memory,
     _memory_tables,
 )
+from dynabatch.schedule.chains import successors
 from dynabatch.schedule.ir import SEND_OPS, ExecutionPlan, Instr, Op
 
 _RECV_ACT, _RECV_GRAD = Op.RECV_ACT, Op.RECV_GRAD  # enum member lookups are slow in hot loops
@@ -150,13 +151,15 @@ class _Rank:
     over_limit: int = 0
     reduced: bool = False
     stepped: bool = False
+    next_slice: dict = field(default_factory=dict)
+    """Token slice -> the slice that extends it (from the plan's ``slice_links``)."""
 
 
 class _Simulation:
     def __init__(
         self, by_rank: dict[int, ExecutionPlan], mem: dict[int, _Memory], errors: _Errors, in_order: bool
     ) -> None:
-        self.ranks = {r: _Rank(p, mem[r]) for r, p in by_rank.items()}
+        self.ranks = {r: _Rank(p, mem[r], next_slice=successors(p.slice_links)) for r, p in by_rank.items()}
         self.errors = errors
         self.in_order = in_order
         self.queues: dict[tuple[int, int], deque] = {}
@@ -291,8 +294,8 @@ class _Simulation:
             self._err(st, ins, "runs the backward twice")
         if st.plan.stage < st.plan.num_stages - 1 and m not in st.grad_in:
             self._err(st, ins, "backward before its output gradient arrived (no completed WAIT_RECV_B)")
-        if st.plan.slice_links and m in st.plan.slice_links and st.plan.slice_links.index(m) not in st.bwd:
-            later = st.plan.slice_links.index(m)
+        later = st.next_slice.get(m)
+        if later is not None and later not in st.bwd:
             self._err(st, ins, f"token slice backward before B{later}, whose key/value gradients it needs")
         self._check_memory(st, ins, st.mem.peak[m] if st.mem.peak is not None else 0.0)
         if st.mem.stored is not None and m in st.fwd:
