@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -36,8 +37,10 @@ def test_failed_rank_stops_every_other_rank(tmp_path, mode, timeout_s, hang_s, c
     for r, text in messages.items():
         assert f"rank {r} failed: PipelineError: " in text, f"rank {r}: {text}"  # exit_on_error
         assert f"PipelineError: rank {r} " in text and "step 1" in text, text
-    # the neighbour names the instruction and the peer
-    assert "(peer rank 1)" in messages[0] and "WAIT" in messages[0], messages[0]
+    # the neighbour names the instruction and the peer: a transfer with rank 1, usually the WAIT on it, but
+    # gloo may already report the closed connection when the next send or receive is started
+    assert "(peer rank 1)" in messages[0], messages[0]
+    assert re.search(r"instruction 0(WAIT_)?(SEND|RECV)_[FB]\d+ ", messages[0]), messages[0]
     if mode == "hang":
         assert "Timed out" in messages[0], messages[0]
     # every survivor reported (its .err file written just before exiting) within the timeout of the stop
