@@ -283,9 +283,10 @@ def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single, parallel = tmp_path / "single", tmp_path / "parallel"
     common = [script, "--steps", "4"]
-    subprocess.run([sys.executable, *common, "--output-dir", str(single)], env=env, check=True, capture_output=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    subprocess.run([*torchrun, *common, "--output-dir", str(parallel)], env=env, check=True, capture_output=True)
+    for cmd in ([sys.executable, *common, "--output-dir", str(single)], [*torchrun, *common, "--output-dir", str(parallel)]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
     def losses(folder):
         with open(folder / "checkpoint-4" / "trainer_state.json") as f:
