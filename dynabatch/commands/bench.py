@@ -1,8 +1,9 @@
 """``dynabatch bench``: measured training throughput of every batching method on the same executor.
 
 What runs: one seeded model (``--model``, a ``dynabatch.models.presets`` name) cut into ``--stages``
-pipeline stages; for each method (``dynamic`` and the baselines ``packing``, ``padding``,
-``token_budget``, ``length_grouped``) every rank builds its own copy of its stage from the *same seed*
+pipeline stages; for each method (``dynamic``; for GPT models ``dynamic_sliced``, the same planner allowed
+to cut long samples into token slices as ``dynamic train --slice-long`` does; and the baselines
+``packing``, ``padding``, ``token_budget``, ``length_grouped``) every rank builds its own copy of its stage from the *same seed*
 (identical initial weights), its own AdamW and its own :class:`~dynabatch.runtime.executor.Executor`.
 All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
 mixture spec, or a lengths file ``.npz``/``.jsonl`` whose samples get random token ids of exactly
@@ -54,7 +55,8 @@ from dataclasses import dataclass
 import numpy as np
 
 BASELINES = ("packing", "padding", "token_budget", "length_grouped")
-METHODS = ("dynamic", *BASELINES, "pipelining")
+SLICED = "dynamic_sliced"
+METHODS = ("dynamic", SLICED, *BASELINES, "pipelining")
 PEER = "pipelining"
 MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256"}
 """``--model`` short names: the benchmark presets of similar size."""
@@ -66,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=None,
                    help="mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, target_len; "
                         "random token ids of exactly those lengths); default: the built-in mixture")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of methods")
+    p.add_argument("--methods", default=None,
+                   help=f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: GPT models only)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (one process each)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
@@ -104,8 +107,22 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def resolve_defaults(args: argparse.Namespace) -> None:
     """Model aliases and the length-dependent default of ``--max-target-len`` (in place)."""
     args.model = MODEL_ALIASES.get(args.model, args.model)
+    if args.methods is None:
+        sliced = _family(args.model) == "gpt2" and not args.cost_profile  # slices are priced analytically
+        args.methods = ",".join(m for m in METHODS if m != SLICED or sliced)
     if args.max_target_len is None:
         args.max_target_len = max(1, args.max_input_len // 4)
+
+
+def _family(model: str) -> str:
+    """``t5`` or ``gpt2`` for a preset name or a local checkpoint directory."""
+    from dynabatch.models.presets import PRESETS, model_family
+
+    if model in PRESETS:
+        return PRESETS[model].family
+    from transformers import AutoConfig
+
+    return model_family(AutoConfig.from_pretrained(model, local_files_only=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
+    if SLICED in methods and _family(args.model) != "gpt2":
+        raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a GPT model "
+                         f"(drop {SLICED} from --methods)")
     if args.steps < 1 or args.warmup < 0 or args.stages < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, stages >= 1; got {args.steps}, {args.warmup}, {args.stages}")
     if args.stages > 1 and "RANK" not in os.environ:
@@ -150,12 +170,13 @@ def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method=method, policy=args.policy,
+        model=args.model, stages=args.stages, method="dynamic" if method == SLICED else method, policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, samples_per_micro_batch=args.samples_per_micro_batch,
         token_budget_tokens=args.token_budget_tokens, packing_rows=args.packing_rows, memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
         timeline=False, cost_profile=getattr(args, "cost_profile", None),
+        slice_long=method == SLICED,
     )
 
 
@@ -214,17 +235,21 @@ def _simulated(shapes, policy: str, cfg, cost_model):
 
 def _step_stats(r: _Method, cost_model) -> list[dict]:
     """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
+    from dynabatch.schedule.simulate import simulate
+
     out = []
     for i, p in enumerate(r.planned):
         if r.peer_steps is not None:  # fixed shapes, 1F1B
             num, (b, e, d), _, _ = r.peer_steps[i]
-            shapes, policy = [(b, e, d)] * num, "1f1b"
-        else:
-            (shapes,), policy = p.shapes, r.cfg.policy
-        sim = _simulated(shapes, policy, r.cfg, cost_model)
+            shapes = [(b, e, d)] * num
+            sim = _simulated(shapes, "1f1b", r.cfg, cost_model)
+        else:  # the schedule and costs the runtime ran (token slices priced with their context)
+            (shapes,) = p.shapes
+            sim = simulate(p.schedules[0], p.costs[0], model_state_bytes=np.array(cost_model.model_state_bytes))
         out.append({"real": p.real_tokens, "computed": sum(b * (e + d) for b, e, d in shapes), "mbs": len(shapes),
                      "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
-                     "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s})
+                     "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s,
+                     "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples})
     return out
 
 
@@ -265,6 +290,7 @@ def _run_step(r: _Method, ctx, step: int, planned):
         r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
         policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
         schedules=planned.schedules if planned else None,
+        slice_links=planned.slice_links if planned else None,
     )
     return float(result.loss)
 
@@ -385,9 +411,14 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
             "predicted_peak_memory_mib": max(x["peak"] for x in timed) / 2**20,
             "measured_peak_memory_mib": measured_peak[m] / 2**20 if measured_peak else None,
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
+            "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],
+            "per_step": [{"time_s": float(ts), "predicted_s": float(x["predicted_s"]), "micro_batches": int(x["mbs"]),
+                          "real_tokens": int(x["real"]), "computed_tokens": int(x["computed"]),
+                          "sliced_samples": int(x["sliced"])}
+                         for ts, x in zip(t, timed)],
         }
         if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran
             rows[m]["fixed_shapes"] = sorted({tuple(step[1]) for step in runs[m].peer_steps})
@@ -424,6 +455,10 @@ def summary_line(result: dict) -> str:
     })
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def print_table(result: dict) -> None:
     c = result["config"]
     print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
@@ -431,7 +466,7 @@ def print_table(result: dict) -> None:
           f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
           f"device {result['machine']['device']}")
     print(f"{'method':<15} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
-          f"{'mbs':>5} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21} {'vs pipe':>7}")
+          f"{'mbs':>5} {'slc':>4} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21} {'vs pipe':>7}")
     for m, r in result["methods"].items():
         s = r["tokens_per_s_per_step"]
         peak = r["measured_peak_memory_mib"] if r["measured_peak_memory_mib"] is not None else r["predicted_peak_memory_mib"]
@@ -439,9 +474,9 @@ def print_table(result: dict) -> None:
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
         vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
         print(f"{m:<15} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
-              f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} "
+              f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
               f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
-              f"{r.get('ratio_to_best_baseline', float('nan')):>6.2f}x {pr:>21} "
+              f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
               f"{vs_pipe:>7}")
     kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"

@@ -155,11 +155,12 @@ def plan_step(
 def _plan(e, d, sliced, cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options) -> StepPlan:
     """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices."""
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
-    if len(keep) < num_replicas:
-        raise ValueError(f"only {len(keep)} unsliced samples for {num_replicas} replicas; lower the replica count")
     replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
     if len(keep):
-        rp = plan_replicas(e[keep], d[keep], cost_model, num_stages, num_replicas, family=family, **partition_options)
+        # Fewer unsliced samples than replicas (every sample long): the DP fills as many replicas as it can,
+        # the sliced samples below go to the empty ones first (their predicted time is 0).
+        rp = plan_replicas(e[keep], d[keep], cost_model, num_stages, min(num_replicas, len(keep)), family=family,
+                           **partition_options)
         for r, part in enumerate(rp.replicas):
             for ids, shape, t in zip(part.micro_batches, part.shapes.tolist(), part.times_s.tolist()):
                 replica_pieces[r].append(Piece(tuple(int(keep[i]) for i in ids), tuple(shape), float(t)))

@@ -82,6 +82,31 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     assert summary["model"] == "gpt2-tiny" and summary["stages"] == 2
 
 
+def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path):
+    """GPT, 2 ranks: steps of two 1024-token samples; slicing them shortens the simulated step (pipeline
+    fill and drain), so ``dynamic_sliced`` runs token-slice chains, and its loss equals ``dynamic``'s
+    (slices compute the same function; same model, same data)."""
+    path = str(tmp_path / "long.npz")
+    np.savez(path, input_len=np.full(40, 1023), target_len=np.ones(40, dtype=np.int64))
+    out = str(tmp_path / "bench.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path,
+           "--methods", "dynamic,dynamic_sliced,token_budget", "--stages", "2", "--steps", "2", "--warmup", "0",
+           "--global-batch-tokens", "2048", "--max-input-len", "1024", "--json", out, "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        rows = json.load(f)["methods"]
+    assert rows["dynamic"]["sliced_samples_per_step"] == 0
+    assert rows["dynamic_sliced"]["sliced_samples_per_step"] >= 1
+    assert rows["dynamic_sliced"]["micro_batches_per_step"] > rows["dynamic"]["micro_batches_per_step"]
+    assert rows["dynamic_sliced"]["bubble_fraction_predicted"] < rows["dynamic"]["bubble_fraction_predicted"]
+    assert abs(rows["dynamic_sliced"]["loss_first"] - rows["dynamic"]["loss_first"]) < 1e-4
+    for s in rows["dynamic_sliced"]["per_step"]:
+        assert s["real_tokens"] == s["computed_tokens"] and s["time_s"] > 0  # equal lengths: no padding
+
+
 def test_bench_rejects_unknown_method():
     env = {**os.environ}
     env.pop("RANK", None)
@@ -96,9 +121,11 @@ def test_model_aliases_and_length_defaults():
     args = p.parse_args(["--model", "gpt", "--max-input-len", "2048"])
     resolve_defaults(args)
     assert (args.model, args.max_target_len, args.global_batch_tokens) == ("gpt2-d256", 512, 8192)
+    assert args.methods.split(",")[:2] == ["dynamic", "dynamic_sliced"]
     args = p.parse_args([])
     resolve_defaults(args)
     assert (args.model, args.max_input_len, args.max_target_len, args.global_batch_tokens) == ("t5-d256", 512, 128, 8192)
+    assert "dynamic_sliced" not in args.methods.split(",")  # T5 samples cannot be cut into causal slices
     args = p.parse_args(["--model", "t5-tiny", "--max-target-len", "7", "--global-batch-tokens", "100"])
     resolve_defaults(args)
     assert (args.model, args.max_target_len, args.global_batch_tokens) == ("t5-tiny", 7, 100)

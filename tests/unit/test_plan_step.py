@@ -68,6 +68,24 @@ def test_slicing_rescues_a_sample_too_long_for_memory():
     assert sum(1 for p in step.replicas[0] + step.replicas[1] if p.is_slice) >= 2
 
 
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_every_sample_sliced_still_fills_every_replica(replicas):
+    """All samples too long to run whole: no unsliced sample is left for the DP, and with fewer unsliced
+    samples than replicas the sliced ones fill the empty replicas (this used to raise)."""
+    e, d = np.full(4, 4000), np.zeros(4, dtype=np.int64)
+    e[0] = 30  # one short sample: fewer unsliced samples than replicas when replicas > 1
+    cost = PolynomialCostModel(memory_budget_bytes=4 * 2**30)
+    step = plan_step(e, d, cost, 4, family="gpt2", num_replicas=replicas,
+                     slice_cost_model=PolynomialSliceCostModel(memory_budget_bytes=4 * 2**30))
+    assert sorted(step.sliced_samples) == [1, 2, 3]
+    _check_cover(step, e, d)
+    assert len(step.replicas) == replicas and all(step.replicas)
+    step = plan_step(e[1:], d[1:], cost, 4, family="gpt2", num_replicas=replicas,
+                     slice_cost_model=PolynomialSliceCostModel(memory_budget_bytes=4 * 2**30))
+    assert sorted(step.sliced_samples) == [0, 1, 2] and all(step.replicas)
+    _check_cover(step, e[1:], d[1:])
+
+
 def test_slicing_is_for_decoder_only():
     e, d = _lengths(1)
     with pytest.raises(ValueError, match="decoder-only"):
