@@ -82,7 +82,15 @@ class TrainConfig:
     task_loss_every: int = 10
     """Log the mean token loss of every task (from the last stage's per-sample losses) every N steps (0: never)."""
     timeout_s: float = 120.0
-    """Seconds before a silent peer counts as dead."""
+    """Seconds before a silent peer counts as dead (each step's transfers and collectives)."""
+    startup_timeout_s: float = 3600.0
+    """Seconds the other ranks wait for rank 0 to load and tokenize the data and plan the first step."""
+    max_bad_steps: int = 3
+    """Stop the run after this many steps in a row with a non-finite loss or gradient norm (each is skipped)."""
+    overwrite_output_dir: bool = False
+    """Start a fresh run in an output folder that holds another run's checkpoints or metrics (they are deleted)."""
+    bad_rows: str | None = None
+    """Malformed rows: error or skip (drop and count); default: the mixture spec's ``bad_rows`` (error)."""
     threads: int = 1
     """torch intra-op threads per rank (the cost profile's setting)."""
     compare_method: str | None = None
