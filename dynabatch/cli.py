@@ -3,6 +3,8 @@
 Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; modules are
 imported lazily so ``dynabatch --help`` stays fast. Bad user input (``ValueError``,
 ``FileNotFoundError``) prints one clear line and exits 2; set ``DYNABATCH_DEBUG=1`` for the traceback.
+Under torchrun, a failing rank prints its own line, prefixed ``[rank N]``, and exits at once
+(:mod:`dynabatch.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import importlib
 import os
 import sys
+
+from dynabatch.runtime.faults import error_line, is_user_error, user_message  # no torch import: `dynabatch --help` stays fast
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
@@ -40,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
-    except (ValueError, FileNotFoundError) as e:  # user input: a message, not a traceback
-        if os.environ.get("DYNABATCH_DEBUG"):
+    except Exception as e:  # user input (or a full disk): a message, not a traceback
+        if not is_user_error(e) or os.environ.get("DYNABATCH_DEBUG"):
             raise
-        print(f"dynabatch {argv[0]}: error: {e}", file=sys.stderr)
+        print(error_line(f"dynabatch {argv[0]}", user_message(e)), file=sys.stderr)
         return 2
 
 

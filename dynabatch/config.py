@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,9 +106,20 @@ class TrainConfig:
         _choice("overlong", self.overlong, ("truncate", "drop", "error"))
         if self.compare_method is not None:
             _choice("compare_method", self.compare_method, METHODS)
-        for name in ("stages", "replicas", "steps", "global_batch_tokens", "threads", "plan_ahead"):
+        _check_types(self)
+        for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in _NON_NEGATIVE:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.bad_rows is not None:
+            _choice("bad_rows", self.bad_rows, ("error", "skip"))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be at least 1 second, got {getattr(self, name)}")
         if self.global_batch_tokens < self.max_input_len + self.max_target_len:
             raise ValueError(
                 f"global_batch_tokens={self.global_batch_tokens} cannot hold one maximal sample "
@@ -130,6 +142,44 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+_AT_LEAST_ONE = ("stages", "replicas", "steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",
+                 "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
+                 "max_micro_batch_samples", "keep_checkpoints", "max_bad_steps")
+_NON_NEGATIVE = ("seed", "warmup_steps", "checkpoint_every", "log_every", "task_loss_every", "weight_decay")
+
+FIXED_ON_RESUME = ("model", "tokenizer", "mixture", "stages", "replicas", "global_batch_tokens", "max_input_len",
+                   "max_target_len", "overlong", "bad_rows", "seed", "dropout")
+"""Fields a ``--resume`` may not change: they decide the model, the data stream or the world shape (an
+error names the old and new values). Every other field may change and the change is logged; ``lr`` and
+``weight_decay`` then replace the values restored with the optimizer state."""
+
+
+def _type_name(annotation: str) -> tuple[type, ...] | None:
+    """The Python types a field annotation (a string under ``from __future__ import annotations``) admits."""
+    kinds = {"int": int, "float": float, "str": str, "bool": bool}
+    parts = [p.strip() for p in annotation.split("|")]
+    types_ = tuple(kinds[p] for p in parts if p in kinds)
+    return types_ or None
+
+
+def _check_types(cfg: "TrainConfig") -> None:
+    """Every field holds a value of its declared type (ints are accepted for floats); floats are finite."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        allowed = _type_name(str(f.type))
+        if allowed is None or (value is None and "None" in str(f.type)):
+            continue
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok and float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(cfg, f.name, float(value))
+            value, ok = float(value), True
+        if not ok:
+            want = " or ".join(t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {want}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+
+
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ValueError(f"{name} must be one of {', '.join(options)}; got {value!r}")
@@ -149,30 +199,61 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = {}
-    if args.config:
-        values.update(load_config_file(args.config))
+    from_file = load_config_file(args.config) if args.config else {}
+    values.update(from_file)
     for f in dataclasses.fields(TrainConfig):
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
-    return TrainConfig(**values)
+            from_file.pop(f.name, None)
+    try:
+        return TrainConfig(**values)
+    except ValueError as e:  # name the file when the offending field came from it
+        if any(str(e).startswith(f"{name} ") for name in from_file):
+            raise ValueError(f"config file {args.config}: {e}") from None
+        raise
 
 
 def load_config_file(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path!r} not found")
+    if os.path.isdir(path):
+        raise ValueError(f"config file {path!r} is a folder; pass a YAML or JSON file of TrainConfig fields")
     with open(path, encoding="utf-8") as fh:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+        text = fh.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
 
-            raw = yaml.safe_load(fh) or {}
-        else:
-            raw = json.load(fh)
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"config file {path}: YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path}: JSON syntax error at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path} must hold a mapping of TrainConfig fields, got {type(raw).__name__}")
+    raw = {k: _coerce(path, k, v) for k, v in raw.items()}
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"{path}: unknown config keys {sorted(unknown)}; valid: {sorted(known)}")
     return raw
+
+
+def _coerce(path: str, name: str, value: Any) -> Any:
+    """YAML 1.1 reads ``lr: 3e-4`` as a string: turn numeric strings into the field's number type."""
+    field_type = next((str(f.type) for f in dataclasses.fields(TrainConfig) if f.name == name), "")
+    if isinstance(value, str) and ("float" in field_type or "int" in field_type):
+        try:
+            return float(value) if "float" in field_type else int(value)
+        except ValueError:
+            raise ValueError(f"config file {path}: {name} must be a number, got {value!r}") from None
+    return value
 
 
 def _parser(f: dataclasses.Field):

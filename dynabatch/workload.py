@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,37 +44,76 @@ class Lengths:
         if (self.input_len < 0).any() or (self.target_len < 1).any():
             bad = int(np.flatnonzero((self.input_len < 0) | (self.target_len < 1))[0])
             raise ValueError(
-                f"sample {bad} has input_len {self.input_len[bad]} and target_len {self.target_len[bad]}; "
-                "input lengths must be >= 0 and target lengths >= 1"
+                f"row {bad} (from 0) has input_len {self.input_len[bad]} and target_len "
+                f"{self.target_len[bad]}; input lengths must be >= 0 and target lengths >= 1"
             )
+
+
+LENGTHS_FORMATS = (
+    "a .npz of integer arrays input_len and target_len (np.savez(path, input_len=..., target_len=...[, task=...])) "
+    "or a .jsonl with one {\"input_len\": E, \"target_len\": D} object per line"
+)
+"""What a lengths file is, for error messages."""
 
 
 def load_lengths(path: str) -> Lengths:
     """Read a ``.npz`` (arrays ``input_len``, ``target_len``[, ``task``]) or ``.jsonl`` lengths file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"lengths file {path!r} not found")
+    if os.path.isdir(path):
+        raise ValueError(f"lengths file {path!r} is a directory; expected {LENGTHS_FORMATS}")
+    where = f"lengths file {path}"
     if path.endswith(".npz"):
+        columns = _read_npz_lengths(path, where)
+    elif path.endswith(".jsonl"):
+        columns = _read_jsonl_lengths(path, where)
+    else:
+        raise ValueError(f"{path}: lengths files are .npz or .jsonl (mixture specs are .yaml/.json)")
+    try:
+        return Lengths(*columns)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _read_npz_lengths(path: str, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    if not zipfile.is_zipfile(path):  # np.load would try to unpickle it and suggest allow_pickle
+        raise ValueError(f"{where}: not a valid .npz (zip) file; expected {LENGTHS_FORMATS}")
+    try:
         with np.load(path, allow_pickle=False) as f:
             missing = {"input_len", "target_len"} - set(f.files)
             if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)}; found {f.files}")
-            task = f["task"] if "task" in f.files else None
-            return Lengths(f["input_len"].astype(np.int64), f["target_len"].astype(np.int64), task)
-    if path.endswith(".jsonl"):
-        inputs, targets, tasks = [], [], []
-        with open(path, encoding="utf-8") as f:
+                raise ValueError(f"{where}: missing arrays {sorted(missing)}; found {f.files}; expected {LENGTHS_FORMATS}")
+            arrays = {name: f[name] for name in ("input_len", "target_len", "task") if name in f.files}
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{where}: not a readable .npz file ({e}); expected {LENGTHS_FORMATS}") from e
+    except ValueError as e:
+        if "pickle" not in str(e):
+            raise
+        raise ValueError(f"{where}: holds object (pickled) arrays, not integer ones; expected {LENGTHS_FORMATS}") from e
+    for name in ("input_len", "target_len"):
+        if arrays[name].dtype.kind not in "iu":
+            raise ValueError(f"{where}: array {name!r} has dtype {arrays[name].dtype}, not integers; "
+                             f"expected {LENGTHS_FORMATS}")
+    return arrays["input_len"].astype(np.int64), arrays["target_len"].astype(np.int64), arrays.get("task")
+
+
+def _read_jsonl_lengths(path: str, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    inputs, targets, tasks = [], [], []
+    with open(path, encoding="utf-8") as f:
+        line_no = 0
+        try:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                    inputs.append(int(row["input_len"]))
-                    targets.append(int(row["target_len"]))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}, line {line_no}: need integer fields input_len and target_len ({e})") from e
+                row = json.loads(line)
+                inputs.append(int(row["input_len"]))
+                targets.append(int(row["target_len"]))
                 tasks.append(str(row.get("task", "")))
-        return Lengths(np.array(inputs, dtype=np.int64), np.array(targets, dtype=np.int64), np.array(tasks))
-    raise ValueError(f"{path}: lengths files are .npz or .jsonl (mixture specs are .yaml/.json)")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text ({e}); expected {LENGTHS_FORMATS}") from e
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{where}, line {line_no}: need integer fields input_len and target_len ({e})") from e
+    return np.array(inputs, dtype=np.int64), np.array(targets, dtype=np.int64), np.array(tasks)
 
 
 def is_mixture_spec(path: str) -> bool:
@@ -95,6 +135,8 @@ def global_batches(
     """
     from dynabatch.data.batching import GlobalBatcher
 
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
     if is_mixture_spec(path):
         from dynabatch.data.mixture import MixtureSpec
         from dynabatch.data.pipeline import MixtureData
@@ -179,8 +221,13 @@ def method_micro_batches(
 
         if cost_model is None:
             raise ValueError("method 'dynamic' needs a cost model")
-        step = plan_step(batch.input_lens, batch.target_lens, cost_model, num_stages, family=family,
-                         slice_cost_model=slice_cost_model, **planner_options)
+        from dynabatch.data.pipeline import locate_sample_error
+
+        try:
+            step = plan_step(batch.input_lens, batch.target_lens, cost_model, num_stages, family=family,
+                             slice_cost_model=slice_cost_model, **planner_options)
+        except ValueError as e:
+            raise locate_sample_error(e, batch) from e
         pieces = step.replicas[0]
         elapsed = time.perf_counter() - start
         groups = tuple(step.to_row_groups(0))

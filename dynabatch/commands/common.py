@@ -32,6 +32,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """``ValueError`` naming the first ``--flag`` among ``names`` (attribute names) whose value is set and < 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 @dataclass(frozen=True)
 class Workload:
     """What the shared arguments resolve to."""
@@ -49,6 +57,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.data.report import default_mixture_path
 
+    check_positive(args, "num_batches", "stages", "global_batch_tokens", "samples_per_micro_batch",
+                   "token_budget_tokens", "packing_rows")
     family = MODEL_FAMILIES[args.model]
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import add_workload_arguments, resolve
+from dynabatch.commands.common import add_workload_arguments, check_positive, resolve
 from dynabatch.workload import METHODS, global_batches
 
 AMORTISED_TOKENS = 8192
@@ -127,6 +127,9 @@ class SimulateOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_positive(args, "in_flight", "max_samples")
+    if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
+        raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     options = SimulateOptions(

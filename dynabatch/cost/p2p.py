@@ -1,6 +1,7 @@
 """Point-to-point send time versus message size for the torch.distributed backend in use.
 
-Two processes (``torch.multiprocessing`` spawn, localhost TCP rendezvous) ping-pong a float32 tensor of
+Two processes (``torch.multiprocessing`` spawn, a rendezvous store that listens on 127.0.0.1 only,
+:func:`loopback_store`) ping-pong a float32 tensor of
 each size: rank 0 sends and waits for the echo, rank 1 receives and sends back. One-way time is half
 the round trip; the median over ``repeats`` (after ``warmup`` untimed round trips) is reported.
 gloo on CPU tensors; nccl needs two CUDA devices and is skipped otherwise. On a 2-core machine the two
@@ -11,11 +12,11 @@ the minimum is recorded too.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -35,19 +36,33 @@ class P2PResult:
     """Fastest one-way time per size: the loopback cost when neither process was descheduled."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, backend: str, sizes, warmup: int, repeats: int, queue) -> None:
+def loopback_store(world_size: int, timeout_s: float):
+    """A ``TCPStore`` server for a rendezvous of processes on this machine that accepts connections on
+    127.0.0.1 only (its port: ``store.port``). A plain ``TCPStore(is_master=True)`` listens on every
+    interface (``::``), unauthenticated, whatever host name it is given; here the listening socket is
+    bound to loopback first and handed to the store (``master_listen_fd``), which then owns it."""
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True, timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+        sock.detach()  # the store closes the socket
+    return store
+
+
+def _worker(rank: int, ports, backend: str, sizes, warmup: int, repeats: int, timeout_s: float, queue) -> None:
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=2)
+    if rank == 0:  # serves the rendezvous on loopback and tells rank 1 its port
+        store = loopback_store(2, timeout_s)
+        ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(), 2, False, timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
     try:
         medians, minima = [], []
         for nbytes in sizes:
@@ -92,9 +107,9 @@ def measure_p2p(backend: str = "gloo", sizes: tuple[int, ...] = DEFAULT_SIZES, w
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, backend, sizes, warmup, repeats, queue)) for r in range(2)]
+    queue, ports = ctx.SimpleQueue(), ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, ports, backend, sizes, warmup, repeats, timeout_s, queue))
+             for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

@@ -8,7 +8,8 @@ so batches resume exactly at any step.
 
 Length limits: encoder-decoder samples have separate input and target limits; decoder-only
 samples have one limit on inputs + targets. An over-long sample is truncated (default; counted),
-dropped (counted) or raises an error naming it (policy ``error``). Truncation keeps the start of
+dropped (counted; a batcher whose every drawable sample is over-long refuses to start instead of
+looping forever) or raises an error naming it (policy ``error``). Truncation keeps the start of
 the text and the final EOS; for decoder-only samples the targets keep at least half the limit.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch.data.mixture import require_keys
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 
@@ -54,9 +56,13 @@ class LengthLimits:
         return self.max_input_len + self.max_target_len if self.family == "t5" else self.max_seq_len
 
     def is_overlong(self, input_len: int, target_len: int) -> bool:
+        return bool(self.overlong_mask(input_len, target_len))
+
+    def overlong_mask(self, input_lens, target_lens):
+        """Elementwise :meth:`is_overlong` of length arrays (or scalars)."""
         if self.family == "t5":
-            return input_len > self.max_input_len or target_len > self.max_target_len
-        return input_len + target_len > self.max_seq_len
+            return np.greater(input_lens, self.max_input_len) | np.greater(target_lens, self.max_target_len)
+        return np.greater(np.add(input_lens, target_lens), self.max_seq_len)
 
     def truncated_lengths(self, input_len: int, target_len: int) -> tuple[int, int]:
         """Lengths after truncation (unchanged when within the limits)."""
@@ -102,7 +108,7 @@ class GlobalBatcher:
     num_truncated: int = field(init=False, default=0)
     """Samples truncated so far."""
     num_dropped: int = field(init=False, default=0)
-    """Samples dropped so far."""
+    """Samples dropped so far (policy ``drop``; kept in :meth:`state_dict`)."""
 
     def __post_init__(self) -> None:
         if self.overlong not in OVERLONG_POLICIES:
@@ -114,6 +120,8 @@ class GlobalBatcher:
                 f"token_budget {self.token_budget} is smaller than one maximal sample ({self.limits.describe()}, "
                 f"{self.limits.max_tokens} tokens); raise the budget or lower the limits"
             )
+        if self.overlong == "drop":
+            self._check_something_fits()
         self._sampler = self.data.sampler()
 
     def _prepare(self, source: int, row: int) -> TokenizedSample | None:
@@ -123,13 +131,31 @@ class GlobalBatcher:
             return sample
         if self.overlong == "error":
             raise OverlongSampleError(
-                f"sample {row} of source {self.data.sources[source].name!r} has {sample.input_len} input and "
+                f"{self.data.sources[source].describe_row(row)} has {sample.input_len} input and "
                 f"{sample.target_len} target tokens, over the limits ({self.limits.describe()}); "
                 "raise the limits, or use overlong='truncate' or 'drop'"
             )
         if self.overlong == "drop":
             return None
         return truncate_sample(sample, self.limits, self.data.tokens.eos_id)
+
+    def _check_something_fits(self) -> None:
+        """``ValueError`` when no sample the sampler can draw is within the limits (``drop`` would loop forever).
+
+        Exact, from the length columns of the sources with a positive rate (vectorised: milliseconds for
+        millions of rows), so a mixture where most but not all samples are over-long is never refused.
+        """
+        drawable = [(src, rate) for src, rate in zip(self.data.sources, self.data.rates) if rate > 0]
+        usable = sum(int((~self.limits.overlong_mask(s.input_ids.lengths, s.target_ids.lengths)).sum()) for s, _ in drawable)
+        if usable == 0:
+            total = sum(len(s) for s, _ in drawable)
+            min_in = min(int(s.input_ids.lengths.min()) for s, _ in drawable)
+            min_tg = min(int(s.target_ids.lengths.min()) for s, _ in drawable)
+            raise ValueError(
+                f"every one of the {total} samples the mixture can draw is over the length limits "
+                f"({self.limits.describe()}; the shortest input has {min_in} tokens, the shortest target {min_tg}, "
+                "EOS included), so overlong='drop' would drop them all; raise the limits or use overlong='truncate'"
+            )
 
     def next_batch(self) -> GlobalBatch:
         samples: list[TokenizedSample] = []
@@ -173,6 +199,9 @@ class GlobalBatcher:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the position of a :meth:`state_dict` (of a batcher or loader over the same mixture)."""
+        require_keys("batcher state", state, ("sampler", "pending", "step", "num_truncated", "num_dropped"),
+                     "a GlobalBatcher or DynaBatchDataLoader")
         self._sampler.load_state_dict(state["sampler"])
         self._pending = tuple(state["pending"]) if state["pending"] is not None else None
         self.step = int(state["step"])

@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch.data.sources import SourceSpec
+from dynabatch.data.sources import BAD_ROW_POLICIES, SourceSpec, check_finite, check_spec_types
 
 RATE_RULES = ("examples_proportional", "fixed")
+MIXTURE_KINDS = {"rule": "a string", "cap": "a number", "seed": "an integer", "name": "a string", "bad_rows": "a string"}
+"""The kind of every top-level mixture key except ``sources`` (a list)."""
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,19 @@ class MixtureSpec:
     seed: int = 0
     """Seed of the interleaving."""
     name: str = "mixture"
+    bad_rows: str = "error"
+    """Malformed rows: ``error`` (name the row) or ``skip`` (drop and count); a source's own ``bad_rows`` wins."""
 
     def __post_init__(self) -> None:
         if not self.sources:
             raise ValueError("a mixture needs at least one source")
         if self.rule not in RATE_RULES:
             raise ValueError(f"mixture rule must be one of {RATE_RULES}, got {self.rule!r}")
-        if self.cap is not None and self.cap <= 0:
-            raise ValueError(f"mixture cap must be > 0, got {self.cap}")
+        check_finite("mixture cap", self.cap, 0, inclusive=False)
+        if self.seed < 0:
+            raise ValueError(f"mixture seed must be >= 0, got {self.seed}")
+        if self.bad_rows not in BAD_ROW_POLICIES:
+            raise ValueError(f"mixture bad_rows must be one of {BAD_ROW_POLICIES}, got {self.bad_rows!r}")
         with_rate = [s.task for s in self.sources if s.rate is not None]
         if self.rule == "fixed" and len(with_rate) != len(self.sources):
             missing = [s.task for s in self.sources if s.rate is None]
@@ -55,28 +62,74 @@ class MixtureSpec:
 
     @staticmethod
     def from_file(path: str) -> "MixtureSpec":
-        """Read a ``.json`` or ``.yaml``/``.yml`` spec; relative data paths resolve against its folder."""
+        """Read a ``.json`` or ``.yaml``/``.yml`` spec; relative data paths resolve against its folder.
+
+        Every problem with the file (syntax, types, values) is a one-line ``ValueError`` naming it.
+        """
         if not os.path.exists(path):
             raise FileNotFoundError(f"mixture spec {path!r} not found")
-        with open(path, encoding="utf-8") as f:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
-
-                raw = yaml.safe_load(f)
-            else:
-                raw = json.load(f)
-        return MixtureSpec.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+        if os.path.isdir(path):
+            specs = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml", ".json")))
+            hint = f" (it holds {', '.join(specs[:5])})" if specs else ""
+            raise ValueError(f"mixture spec {path!r} is a directory{hint}; pass a .yaml/.yml or .json spec file")
+        raw = _read_spec_file(path)
+        try:
+            return MixtureSpec.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+        except ValueError as e:
+            raise ValueError(f"mixture spec {path}: {e}") from e
 
     @staticmethod
     def from_dict(raw: dict[str, Any], base_dir: str = ".") -> "MixtureSpec":
         if not isinstance(raw, dict) or "sources" not in raw:
-            raise ValueError("a mixture spec is a mapping with a 'sources' list")
-        known = {"sources", "rule", "cap", "seed", "name"}
+            got = "an empty file" if raw is None else f"{type(raw).__name__} {raw!r:.60}"
+            raise ValueError(f"a mixture spec is a mapping with a 'sources' list, got {got}")
+        known = {"sources", *MIXTURE_KINDS}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown mixture keys {sorted(unknown)}; valid: {sorted(known)}")
+        if not isinstance(raw["sources"], list):
+            raise ValueError(f"'sources' must be a list of sources, got {type(raw['sources']).__name__} {raw['sources']!r:.60}")
+        check_spec_types(raw, MIXTURE_KINDS, nullable={"cap"})
         sources = tuple(SourceSpec.from_dict(s, base_dir) for s in raw["sources"])
         return MixtureSpec(sources=sources, **{k: v for k, v in raw.items() if k != "sources"})
+
+
+def _read_spec_file(path: str) -> Any:
+    """The parsed content of a spec file; syntax errors name the file, line and column (1-based)."""
+    is_yaml = path.endswith((".yaml", ".yml"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"mixture spec {path}: not UTF-8 text ({e}); a spec is a .yaml/.yml or .json text file") from e
+    if is_yaml:
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"mixture spec {path}: YAML syntax error{where}: {what}; fix the file") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        kind = "JSON" if path.endswith(".json") else "JSON (specs that are not .yaml/.yml are read as JSON)"
+        raise ValueError(
+            f"mixture spec {path}: {kind} syntax error at line {e.lineno}, column {e.colno}: {e.msg}; fix the file"
+        ) from e
+
+
+def require_keys(what: str, state: Any, keys: tuple[str, ...], owner: str) -> None:
+    """``ValueError`` unless ``state`` is a dict holding ``keys``; says where such a state comes from."""
+    missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
+    if missing:
+        got = f"keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"{what} is missing {missing} (got {got}); pass the dict returned by state_dict() of {owner} "
+            "over the same mixture (e.g. the 'data' entry of a checkpoint manifest)"
+        )
 
 
 def mixture_rates(spec: MixtureSpec, num_examples: list[int]) -> np.ndarray:
@@ -88,7 +141,10 @@ def mixture_rates(spec: MixtureSpec, num_examples: list[int]) -> np.ndarray:
     else:
         counts = np.asarray(num_examples, dtype=np.float64)
         weights = np.minimum(counts, spec.cap) if spec.cap is not None else counts
-    total = weights.sum()
+    with np.errstate(over="ignore"):
+        total = weights.sum()
+    if not np.isfinite(total):
+        raise ValueError(f"mixture weights {weights.tolist()} sum to {total}; use finite rates of a sane size")
     if total <= 0:
         raise ValueError(f"mixture rates sum to zero (weights {weights.tolist()})")
     return weights / total
@@ -151,10 +207,18 @@ class MixtureSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        require_keys("sampler state", state, ("seed", "rng", "cursors", "epochs", "num_drawn"), "a MixtureSampler")
         if state["seed"] != self.seed or len(state["cursors"]) != len(self.rates):
             raise ValueError(
                 f"sampler state is for seed {state['seed']} with {len(state['cursors'])} sources; "
                 f"this sampler has seed {self.seed} with {len(self.rates)} sources"
+            )
+        beyond = [i for i, (c, n) in enumerate(zip(state["cursors"], self.num_examples)) if not 0 <= c < max(n, 1)]
+        if beyond:
+            i = beyond[0]
+            raise ValueError(
+                f"sampler state has cursor {state['cursors'][i]} for source {i}, which has {self.num_examples[i]} rows: "
+                "the state is from another mixture (or other data files)"
             )
         self._rng.bit_generator.state = copy.deepcopy(state["rng"])
         self._cursors = list(state["cursors"])

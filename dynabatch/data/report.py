@@ -14,11 +14,12 @@ import os
 import numpy as np
 from tqdm import tqdm
 
+from dynabatch.commands.common import check_positive
 from dynabatch.data.baselines import BATCHERS, BaselineOptions, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import SourceSpec
+from dynabatch.data.sources import BAD_ROW_POLICIES, SourceSpec
 from dynabatch.data.tokenize import FAMILIES, load_tokenizer
 
 PERCENTILES = (50, 90, 95, 99)
@@ -36,7 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=65_536, help="tokens per global batch")
     p.add_argument("--num-batches", type=int, default=4, help="global batches per measurement")
     p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped micro-batch size")
-    p.add_argument("--bad-rows", default="error", choices=["error", "skip"], help="malformed rows: fail or skip+count")
+    p.add_argument("--bad-rows", default=None, choices=BAD_ROW_POLICIES,
+                   help="malformed rows: fail or skip+count (default: the spec's bad_rows, else error)")
+    p.add_argument("--overlong", default="truncate", choices=("truncate", "drop"),
+                   help="over-long samples in the efficiency table: truncate or drop (both counted)")
 
 
 def default_mixture_path() -> str:
@@ -77,14 +81,26 @@ def print_task_table(data: MixtureData) -> None:
             print(f"  ({src.num_skipped} malformed rows skipped)")
 
 
+def parse_max_lens(text: str) -> list[int]:
+    """``--max-lens``: a comma list of integers >= 2."""
+    try:
+        max_lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        max_lens = []
+    if not max_lens or min(max_lens) < 2:
+        raise ValueError(f"--max-lens takes a comma list of integers >= 2 (e.g. 512,1024), got {text!r}")
+    return max_lens
+
+
 def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
-    max_lens = [int(x) for x in args.max_lens.split(",") if x]
-    print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.token_budget} tokens) ==")
-    print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in BATCHERS) + f" {'truncated':>10}")
+    max_lens = parse_max_lens(args.max_lens)
+    print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.token_budget} tokens, "
+          f"over-long samples: {args.overlong}) ==")
+    print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in BATCHERS) + f" {'truncated':>10} {'dropped':>8}")
     for max_len in tqdm(max_lens, desc=f"baselines {data.family}", leave=False):
         target_len = args.max_target_len or max(max_len // 4, 2)
         limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
-        batcher = GlobalBatcher(data, limits, token_budget=max(args.token_budget, limits.max_tokens))
+        batcher = GlobalBatcher(data, limits, token_budget=max(args.token_budget, limits.max_tokens), overlong=args.overlong)
         batches = [batcher.next_batch() for _ in range(args.num_batches)]
         options = BaselineOptions(samples_per_micro_batch=args.samples_per_micro_batch)
         cells = []
@@ -95,10 +111,12 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
             computed = sum(s.computed_tokens for s in stats)
             cells.append(f"{real / computed:>15.3f}")
         n = sum(len(gb) for gb in batches)
-        tqdm.write(f"{max_len:>8} " + " ".join(cells) + f" {batcher.num_truncated:>4d}/{n:<5d}")
+        tqdm.write(f"{max_len:>8} " + " ".join(cells) + f" {batcher.num_truncated:>4d}/{n:<5d} {batcher.num_dropped:>8d}")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_positive(args, "token_budget", "num_batches", "samples_per_micro_batch")
+    parse_max_lens(args.max_lens)
     spec = _spec(args)
     tokenizer = load_tokenizer(args.tokenizer)
     families = FAMILIES if args.family == "both" else (args.family,)

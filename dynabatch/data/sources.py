@@ -4,14 +4,17 @@ A source is a Hugging Face hub dataset (``hf:``), local files (``data_files:``: 
 parquet, arrow, csv) or a built-in offline generator (``builtin:``). Every source is loaded through
 ``datasets`` so its rows are cached on disk, then normalised: columns renamed by ``columns``
 (FLAN names ``inputs``/``targets`` by default), an optional ``template`` applied, and every row
-validated. A malformed row (missing field, non-string, empty target) is an error naming the source,
-the row and the fix, or - with ``bad_rows: skip`` - is dropped and counted.
+validated. Numbers (a CSV's numeric column) become their text. A malformed row (missing field, a
+value that is neither text nor a number, empty target) is an error naming the source, the row and
+the fix, or - with ``bad_rows: skip`` - is dropped and counted.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dynabatch import __version__
@@ -19,6 +22,50 @@ from dynabatch import __version__
 FIELDS = ("inputs", "targets")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 BAD_ROW_POLICIES = ("error", "skip")
+BAD_ROW_ADVICE = "set bad_rows: skip in the mixture spec (or pass --bad-rows skip) to drop and count such rows"
+"""How to skip malformed rows, for error messages: the spec key and the command-line flag both exist."""
+
+SPEC_KINDS: dict[str, Callable[[Any], bool]] = {
+    "a string": lambda v: isinstance(v, str),
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a mapping of names to strings": lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
+    "a file path or a list of file paths": lambda v: isinstance(v, str) or (
+        isinstance(v, list) and all(isinstance(x, str) for x in v)),
+}
+"""What a spec value may be, by the description used in error messages."""
+
+
+def check_spec_types(raw: dict[str, Any], kinds: dict[str, str], nullable: set[str], where: str = "") -> None:
+    """``ValueError`` naming the first key of ``raw`` whose value is not of its kind in ``kinds``.
+
+    ``where`` follows the key in the message (e.g. `` of source 'qa'``); keys in ``nullable`` may be null.
+    """
+    for key, kind in kinds.items():
+        if key not in raw or (raw[key] is None and key in nullable):
+            continue
+        value = raw[key]
+        if not SPEC_KINDS[kind](value):
+            raise ValueError(f"{key!r}{where} must be {kind}, got {type(value).__name__} {value!r:.60}")
+
+
+def check_finite(name: str, value: float | None, minimum: float, inclusive: bool = True) -> None:
+    """``ValueError`` unless ``value`` is ``None`` or a finite number ``>= minimum`` (``>`` if not inclusive)."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {minimum:g}, got {value}")
+
+
+SOURCE_KINDS = {
+    "task": "a string", "hf": "a string", "hf_config": "a string", "data_files": "a file path or a list of file paths",
+    "builtin": "a string", "num_examples": "an integer", "seed": "an integer", "split": "a string",
+    "columns": "a mapping of names to strings", "template": "a mapping of names to strings", "rate": "a number",
+    "max_examples": "an integer", "bad_rows": "a string",
+}
+"""The kind of every :class:`SourceSpec` key in a spec file."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +95,8 @@ class SourceSpec:
     """Fixed mixing rate (all sources or none must set it)."""
     max_examples: int | None = None
     """Use at most this many rows of the source."""
+    bad_rows: str | None = None
+    """Malformed rows of this source: ``error`` or ``skip`` (``None``: the mixture's ``bad_rows``)."""
 
     def __post_init__(self) -> None:
         kinds = [k for k, v in (("hf", self.hf), ("data_files", self.data_files), ("builtin", self.builtin)) if v]
@@ -61,20 +110,27 @@ class SourceSpec:
         unknown = set(self.template) - set(FIELDS)
         if unknown:
             raise ValueError(f"source {self.task!r}: unknown keys in 'template': {sorted(unknown)}; valid: inputs, targets")
-        if self.rate is not None and not self.rate >= 0:
-            raise ValueError(f"source {self.task!r}: rate must be >= 0, got {self.rate}")
+        check_finite(f"source {self.task!r}: rate", self.rate, 0)
         if self.builtin and self.num_examples <= 0:
             raise ValueError(f"source {self.task!r}: num_examples must be > 0, got {self.num_examples}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError(f"source {self.task!r}: max_examples must be >= 1, got {self.max_examples}")
+        if self.seed < 0:
+            raise ValueError(f"source {self.task!r}: seed must be >= 0, got {self.seed}")
+        if self.bad_rows is not None and self.bad_rows not in BAD_ROW_POLICIES:
+            raise ValueError(f"source {self.task!r}: bad_rows must be one of {BAD_ROW_POLICIES}, got {self.bad_rows!r}")
 
     @staticmethod
     def from_dict(raw: dict[str, Any], base_dir: str = ".") -> "SourceSpec":
-        """Build from a spec-file entry; ``data_files`` may be a string or list."""
-        if not isinstance(raw, dict) or "task" not in raw:
-            raise ValueError(f"each mixture source needs a 'task' name, got {raw!r}")
+        """Build from a spec-file entry; ``data_files`` may be a string or list. Types are checked first."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("task"), str) or not raw["task"].strip():
+            raise ValueError(f"each mixture source is a mapping with a 'task' name (a non-empty string), got {raw!r:.80}")
         known = set(SourceSpec.__dataclass_fields__)
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"source {raw['task']!r}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+        nullable = {f.name for f in fields(SourceSpec) if f.default is None} | {"data_files"}
+        check_spec_types(raw, SOURCE_KINDS, nullable, where=f" of source {raw['task']!r}")
         raw = dict(raw)
         files = raw.get("data_files") or ()
         files = [files] if isinstance(files, str) else list(files)
@@ -98,12 +154,41 @@ def check_row(row: dict[str, Any], source: str, row_index: int) -> str | None:
         if name not in row or row[name] is None:
             return f"missing field {name!r}"
         if not isinstance(row[name], str):
-            return f"field {name!r} must be a string, got {type(row[name]).__name__} {row[name]!r:.40}"
+            return f"field {name!r} must be text or a number, got {type(row[name]).__name__} {row[name]!r:.40}"
     if not row["targets"].strip():
         return "empty 'targets'"
     if not row["task"].strip():
         return "empty 'task'"
     return None
+
+
+def as_text(value: Any) -> Any:
+    """A number (a CSV's numeric column) as its text, NaN (an empty numeric cell) as missing, else ``value``."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, (int, float)):  # bool included: "True" / "False"
+        return str(value)
+    return value
+
+
+def _load_hub(spec: SourceSpec):
+    """``datasets.load_dataset`` of an ``hf:`` source; offline or unknown datasets are one-line errors."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    name = spec.hf + (f" (config {spec.hf_config!r})" if spec.hf_config else "")
+    try:
+        return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
+    except ConnectionError as e:  # offline mode, or the hub unreachable, with no local cache of the dataset
+        raise ValueError(
+            f"source {spec.task!r}: hub dataset {name} cannot be loaded: it needs internet access or a local "
+            f"Hugging Face cache of it ({e}); download it once online, or give the source data_files: with local copies"
+        ) from e
+    except DatasetNotFoundError as e:
+        raise FileNotFoundError(
+            f"source {spec.task!r}: hub dataset {name} not found ({' '.join(str(e).split())}); check the name, "
+            "or give the source data_files: with local copies"
+        ) from e
 
 
 def _load_raw(spec: SourceSpec):
@@ -118,7 +203,7 @@ def _load_raw(spec: SourceSpec):
         kwargs = {"task": spec.builtin, "num_examples": spec.num_examples, "seed": spec.seed, "version": __version__}
         return datasets.Dataset.from_generator(_builtin_rows, gen_kwargs=kwargs)
     if spec.hf:
-        return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
+        return _load_hub(spec)
     missing = [f for f in spec.data_files if not os.path.exists(f)]
     if missing:
         raise FileNotFoundError(f"source {spec.task!r}: data file(s) not found: {missing}")
@@ -143,12 +228,17 @@ def _load_raw(spec: SourceSpec):
         ) from e
 
 
-def load_source(spec: SourceSpec, bad_rows: str = "error", num_proc: int | None = None):
+def load_source(spec: SourceSpec, bad_rows: str | None = None, num_proc: int | None = None):
     """Load one source as a ``datasets.Dataset`` with string columns ``task``, ``inputs``, ``targets``.
 
     Returns ``(dataset, num_skipped)``. Rows are validated after renaming and templating; with
-    ``bad_rows="error"`` the first malformed row raises :class:`BadRowError` naming it.
+    ``bad_rows="error"`` the first malformed row raises :class:`BadRowError` naming it, with ``skip``
+    malformed rows are dropped, counted, and the kept rows' original row numbers are in an int64
+    column ``source_row`` (absent when nothing was skipped: row ``i`` is then source row ``i``).
+    ``bad_rows=None`` uses the source's own ``bad_rows`` (default ``error``).
     """
+    if bad_rows is None:
+        bad_rows = spec.bad_rows or "error"
     if bad_rows not in BAD_ROW_POLICIES:
         raise ValueError(f"bad_rows must be one of {BAD_ROW_POLICIES}, got {bad_rows!r}")
     ds = _load_raw(spec)
@@ -165,42 +255,65 @@ def load_source(spec: SourceSpec, bad_rows: str = "error", num_proc: int | None 
             )
 
     def normalise(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {"task": [], "inputs": [], "targets": [], "_bad": []}
+        out: dict[str, list] = {"task": [], "inputs": [], "targets": [], "_bad": [], "source_row": []}
         for k, idx in enumerate(indices):
             row = {c: batch[c][k] for c in batch}
-            new = {"task": row.get(names["task"]) or spec.task}
+            new = {"task": as_text(row.get(names["task"])) or spec.task}
             for f in FIELDS:
-                new[f] = spec.template[f].format_map(_Missing(row)) if f in spec.template else row.get(names[f])
+                new[f] = _apply_template(spec, f, row) if f in spec.template else as_text(row.get(names[f]))
             problem = check_row(new, spec.task, idx)
             if problem is not None and bad_rows == "error":
                 raise BadRowError(
                     f"source {spec.task!r}, row {idx}: {problem}. Fix the row, map the right column with "
-                    f"'columns', or set bad_rows: skip to drop and count such rows."
+                    f"'columns', or {BAD_ROW_ADVICE}."
                 )
             for f in ("task", *FIELDS):
                 out[f].append(new[f] if isinstance(new[f], str) else "")
             out["_bad"].append(problem is not None)
+            out["source_row"].append(idx)
         return out
 
     try:
         ds = ds.map(normalise, batched=True, with_indices=True, remove_columns=ds.column_names,
-                    desc=f"validate {spec.task}")
+                    features=_normalised_features(), desc=f"validate {spec.task}")
     except UnicodeDecodeError as e:  # a value that is not UTF-8 surfaces only when rows are read
         where = list(spec.data_files) or spec.hf or spec.builtin
         raise BadRowError(
             f"source {spec.task!r}: {where} has text that is not valid UTF-8 ({e}); re-encode the file as UTF-8"
         ) from e
     num_bad = int(sum(ds["_bad"]))
+    if num_bad == len(ds):
+        raise ValueError(
+            f"source {spec.task!r}: all {num_bad} rows are malformed; fix the rows or map the right columns with 'columns'"
+        )
     if num_bad:
         ds = ds.filter(lambda b: [not x for x in b], input_columns="_bad", batched=True)
-    ds = ds.remove_columns("_bad")
-    if len(ds) == 0:
-        raise ValueError(f"source {spec.task!r}: all {num_bad} rows are malformed")
-    return ds, num_bad
+    return ds.remove_columns(["_bad"] if num_bad else ["_bad", "source_row"]), num_bad
+
+
+def _normalised_features():
+    """Features of a normalised source, given to ``map`` explicitly: it would otherwise cast a returned column
+    back to the type of the input column of the same name (a CSV's numeric ``targets`` to float64 again)."""
+    from datasets import Features, Value
+
+    return Features({"task": Value("string"), "inputs": Value("string"), "targets": Value("string"),
+                     "_bad": Value("bool"), "source_row": Value("int64")})
+
+
+def _apply_template(spec: SourceSpec, name: str, row: dict[str, Any]) -> str:
+    """``spec.template[name]`` filled from the row's columns; a template that cannot apply is a clear error."""
+    template = spec.template[name]
+    try:
+        return template.format_map(_Missing(row))
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:  # str.format's ways to fail
+        raise BadRowError(
+            f"source {spec.task!r}: template for {name!r} ({template!r:.60}) cannot be applied: {e}; "
+            "a template uses {column} fields naming the source's columns"
+        ) from e
 
 
 class _Missing(dict):
     """format_map mapping that reports a missing template column clearly."""
 
     def __missing__(self, key: str) -> str:
-        raise BadRowError(f"template refers to column {key!r} which the row does not have; columns: {sorted(self)}")
+        raise BadRowError(f"no column {key!r}; the columns are {sorted(self)}")

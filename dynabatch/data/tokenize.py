@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 BUILTIN_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
 TOKENIZER_NAMES = ("builtin", "gpt2", "byt5")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model", "vocab.model")
+"""Files of which a tokenizer folder must hold at least one (fast ``tokenizer.json`` or a slow tokenizer's)."""
+EXPECTED_FILES = "tokenizer.json (a fast tokenizer) or a slow tokenizer's files (vocab.json + merges.txt, spiece.model, vocab.txt)"
 FAMILIES = ("t5", "gpt2")
 
 
@@ -44,9 +48,26 @@ def load_tokenizer(name_or_path: str = "builtin"):
             f"tokenizer {name_or_path!r} is neither one of {TOKENIZER_NAMES} nor a local directory; "
             "pass a folder containing tokenizer.json (or a slow tokenizer's files)"
         )
+    return _folder_tokenizer(name_or_path)
+
+
+def _folder_tokenizer(folder: str):
+    """``AutoTokenizer`` of a local folder; a folder without a loadable tokenizer is a one-line error."""
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        # transformers would build an empty-vocabulary tokenizer from a lone config.json, or fail in several lines
+        raise ValueError(
+            f"tokenizer folder {folder!r} has no tokenizer files: it needs {EXPECTED_FILES}; save one there with "
+            "tokenizer.save_pretrained(folder), or use --tokenizer builtin, gpt2 or byt5"
+        )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # the ways transformers reports unusable files
+        raise ValueError(
+            f"tokenizer folder {folder!r} could not be loaded ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+            f"it needs {EXPECTED_FILES}, e.g. written by tokenizer.save_pretrained(folder)"
+        ) from e
 
 
 def _gpt2_tokenizer():

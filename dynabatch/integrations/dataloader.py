@@ -253,17 +253,21 @@ class DynaBatchDataLoader:
     def plan(self, batch: GlobalBatch) -> tuple[tuple[RowGroup, ...], ...]:
         """Every replica's micro-batches as row groups (sample indices only, no tensors)."""
         if self.method == "dynamic":
+            from dynabatch.data.pipeline import locate_sample_error
             from dynabatch.plan.step import plan_step
 
-            step = plan_step(
-                batch.input_lens,
-                batch.target_lens,
-                self.cost_model,
-                1,
-                family=self.family,
-                num_replicas=self.num_replicas,
-                **self.planner_options,
-            )
+            try:
+                step = plan_step(
+                    batch.input_lens,
+                    batch.target_lens,
+                    self.cost_model,
+                    1,
+                    family=self.family,
+                    num_replicas=self.num_replicas,
+                    **self.planner_options,
+                )
+            except ValueError as e:
+                raise locate_sample_error(e, batch, self.batcher.data) from e
             assert not step.sliced_samples, "token slicing is not requested, so no piece is a slice"
             return tuple(tuple(step.to_row_groups(r)) for r in range(self.num_replicas))
         groups = self._collator.group(batch)
@@ -310,4 +314,5 @@ class DynaBatchDataLoader:
         return self.batcher.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a :meth:`state_dict` position; a dict that is not one is a ``ValueError`` naming what it lacks."""
         self.batcher.load_state_dict(state)

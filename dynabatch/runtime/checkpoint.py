@@ -12,29 +12,54 @@ Layout of ``OUTPUT/checkpoints/step-000120/``:
 A checkpoint counts only when its manifest exists and every shard matches its recorded size and
 checksum; :func:`latest_checkpoint` returns the newest such one, so a crash during a save falls back
 to the previous checkpoint. Shards load with ``torch.load(weights_only=True)``: only tensors and
-plain containers, never pickled code.
+plain containers, never pickled code; a manifest can only name shard files inside its own folder.
+
+:func:`save_collective` is the whole save protocol. Every rank first checks its weights and optimizer
+state: if any rank holds a NaN or inf, nothing is written and every rank raises
+:class:`NonFiniteError`, so a checkpoint is always finite (the manifest says ``"finite": true``). A
+save that fails with an ``OSError`` (disk full, read-only, permissions) removes what it created and
+raises :class:`CheckpointWriteError` on every rank; the earlier checkpoints stay.
+
+Every checkpoint records the id of the run that wrote it (``"run_id"``, from :func:`new_run_id` at a
+fresh run's first save; a resumed run keeps its checkpoint's id). The step folder holds the id from
+the start of the save (``run_id`` file), so an unfinished save is known to its run too. :func:`prune`
+only ever deletes the current run's folders, keeps the newest ``keep`` of its complete checkpoints and
+never the newest finite one.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 MANIFEST = "manifest.json"
+RUN_ID_FILE = "run_id"
+"""Written into a step folder when its save starts: the id of the run the folder belongs to."""
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or corrupt."""
+
+
+class CheckpointWriteError(ValueError):
+    """A checkpoint could not be written (disk full, read-only folder, no permission)."""
+
+
+class NonFiniteError(ValueError):
+    """Weights or optimizer state hold NaN or inf: such a checkpoint is never written."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +69,16 @@ class CheckpointInfo:
     path: str
     step: int
     manifest: dict[str, Any]
+
+    @property
+    def run_id(self) -> str | None:
+        """The id of the run that wrote it (``None`` for checkpoints older than run ids)."""
+        return self.manifest.get("run_id")
+
+
+def new_run_id() -> str:
+    """A random id for a fresh run (16 hex digits)."""
+    return secrets.token_hex(8)
 
 
 def step_dir(root: str, step: int) -> str:
@@ -96,8 +131,23 @@ def write_manifest(root: str, step: int, shards: list[dict[str, Any]], extra: di
     return path
 
 
+def _shard_path(folder: str, name: Any) -> str:
+    """The path of shard ``name`` of the checkpoint in ``folder``; :class:`CheckpointError` unless the name
+    is a plain file name whose file (after symbolic links) lies in ``folder`` itself."""
+    plain = (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+             and "/" not in name and not (os.altsep and os.altsep in name) and "\0" not in name)
+    path = os.path.join(folder, name) if plain else ""
+    if not plain or os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
+        raise CheckpointError(
+            f"checkpoint {folder}: the manifest names shard {name!r}, which is not a file inside the checkpoint "
+            "folder; the manifest is corrupt or was edited: use another checkpoint"
+        )
+    return path
+
+
 def verify(path: str) -> CheckpointInfo:
-    """Check a checkpoint folder; raises :class:`CheckpointError` saying what is wrong."""
+    """Check a checkpoint folder; raises :class:`CheckpointError` saying what is wrong. Reads no file
+    outside ``path``."""
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save did not finish)")
@@ -106,12 +156,18 @@ def verify(path: str) -> CheckpointInfo:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e})") from e
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
+        raise CheckpointError(f"checkpoint {path}: malformed manifest (not an object with an integer 'step')")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has format version {manifest.get('format_version')}; this dynabatch reads {FORMAT_VERSION}"
         )
-    for shard in manifest["shards"]:
-        spath = os.path.join(path, shard["file"])
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(sh, dict) and {"file", "bytes", "sha256"} <= set(sh)
+                                               for sh in shards):
+        raise CheckpointError(f"checkpoint {path}: malformed manifest (no valid 'shards' list)")
+    for shard in shards:
+        spath = _shard_path(path, shard["file"])
         if not os.path.exists(spath):
             raise CheckpointError(f"checkpoint {path}: shard {shard['file']} is missing")
         size = os.path.getsize(spath)
@@ -147,9 +203,11 @@ def latest_checkpoint(root: str, fallback: bool = True) -> CheckpointInfo | None
 
 
 def load_shard(info: CheckpointInfo, rank: int, map_location="cpu") -> dict[str, Any]:
-    """This rank's shard of a verified checkpoint (``torch.load(weights_only=True)``)."""
-    path = os.path.join(info.path, shard_name(rank))
-    if not os.path.exists(path):
+    """This rank's shard of a verified checkpoint (``torch.load(weights_only=True)``); only a shard its
+    manifest lists, inside its folder."""
+    listed = {shard["file"] for shard in info.manifest["shards"]}
+    path = _shard_path(info.path, shard_name(rank))
+    if shard_name(rank) not in listed or not os.path.exists(path):
         raise CheckpointError(
             f"checkpoint {info.path} has no shard for rank {rank}: it was written by "
             f"{len(info.manifest['shards'])} ranks; resume with the same stages x replicas"
@@ -157,15 +215,124 @@ def load_shard(info: CheckpointInfo, rank: int, map_location="cpu") -> dict[str,
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def prune(root: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints (incomplete older ones too)."""
-    paths = list_checkpoints(root)
-    complete = [p for p in paths if os.path.exists(os.path.join(p, MANIFEST))]
-    keep_set = set(complete[-keep:]) if keep > 0 else set()
-    newest = paths[-1] if paths else None
-    for p in paths:
-        if p not in keep_set and p != newest:
+def _read_manifest(path: str) -> dict[str, Any] | None:
+    """The parsed manifest of step folder ``path``, or ``None`` when it has none or it is unreadable."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def folder_run_id(path: str) -> str | None:
+    """The id of the run step folder ``path`` belongs to: its manifest's, else the one its save started
+    with; ``None`` when neither says (checkpoints older than run ids)."""
+    manifest = _read_manifest(path)
+    if manifest is not None:
+        return manifest.get("run_id")
+    try:
+        with open(os.path.join(path, RUN_ID_FILE), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def prune(root: str, keep: int, run_id: str) -> None:
+    """Delete run ``run_id``'s step folders except its newest ``keep`` complete checkpoints, its newest
+    finite one and its newest folder (a save in progress). Another run's folders, and folders of no
+    known run, are never touched."""
+    if not run_id:
+        raise ValueError("prune needs the id of the run whose checkpoints it may delete")
+    ours = [p for p in list_checkpoints(root) if folder_run_id(p) == run_id]
+    manifests = {p: _read_manifest(p) for p in ours}
+    complete = [p for p in ours if manifests[p] is not None]
+    finite = [p for p in complete if manifests[p].get("finite") is True]
+    protected = set(complete[-keep:]) if keep > 0 else set()
+    protected.update(finite[-1:] + ours[-1:])
+    for p in ours:
+        if p not in protected:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def first_non_finite(state: Any, prefix: str = "") -> str | None:
+    """The dotted name of the first floating-point tensor in ``state`` (nested dicts, lists and tuples of
+    tensors, e.g. a shard) that holds a NaN or an inf; ``None`` when all are finite."""
+    if isinstance(state, torch.Tensor):
+        floating = state.is_floating_point() or state.is_complex()
+        return prefix if floating and not bool(torch.isfinite(state).all()) else None
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return None
+    for key, value in items:
+        name = first_non_finite(value, f"{prefix}.{key}" if prefix else str(key))
+        if name is not None:
+            return name
+    return None
+
+
+def _os_error(e: OSError) -> str:
+    code = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
+    return f"{e.strerror} ({code})" if e.strerror and code else str(e)
+
+
+def save_collective(root: str, step: int, rank: int, state: dict[str, Any], *, gather: Callable[[Any], list],
+                    manifest_extra: dict[str, Any] | None, run_id: str | None, keep: int) -> str:
+    """Save checkpoint ``step`` under ``root``; collective: every rank calls it with its own shard
+    ``state``, and ``gather(obj)`` must return every rank's ``obj`` in rank order (e.g.
+    ``all_gather_object`` on a CPU group). Rank 0 (whose ``run_id`` and ``manifest_extra`` count) marks
+    the folder with the run id, writes the manifest after every shard and prunes (:func:`prune`).
+    Returns the step folder. Raises on every rank: :class:`NonFiniteError` (any rank's state holds a NaN
+    or inf; nothing is written) or :class:`CheckpointWriteError` (an ``OSError`` on any rank; the step
+    folder is removed if this save created it, earlier checkpoints stay)."""
+    if rank == 0 and not run_id:
+        raise ValueError("save_collective: rank 0 needs the run id (new_run_id() for a fresh run)")
+    folder = step_dir(root, step)
+    created = rank == 0 and not os.path.exists(folder)  # no rank writes before the first gather returns
+    bad = [(r, name) for r, name in enumerate(gather(first_non_finite(state))) if name is not None]
+    if bad:
+        where = ", ".join(f"rank {r} {name!r}" for r, name in bad[:4]) + (" and more" if len(bad) > 4 else "")
+        raise NonFiniteError(
+            f"step {step}: not writing checkpoint {folder}: non-finite values (NaN or inf) in {where}; nothing was "
+            "written and the earlier checkpoints are kept. Lower --lr or --max-grad-norm and --resume from the "
+            "newest checkpoint"
+        )
+    try:
+        if rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            atomic_write(os.path.join(folder, RUN_ID_FILE), lambda f: f.write(str(run_id).encode("utf-8")))
+        entry = save_shard(root, step, rank, state)
+    except OSError as e:
+        entry = {"error": f"rank {rank}: {_os_error(e)}"}
+    entries = gather(entry)
+    problem = _finish_save(root, step, entries, manifest_extra or {}, run_id, keep, created) if rank == 0 else None
+    problem = gather(problem)[0]
+    if problem is not None:
+        raise CheckpointWriteError(problem)
+    return folder
+
+
+def _finish_save(root: str, step: int, entries: list[dict[str, Any]], extra: dict[str, Any], run_id: str | None,
+                 keep: int, created: bool) -> str | None:
+    """Rank 0's part after every shard: manifest and pruning, or cleanup; returns the error line or ``None``."""
+    errors = [e["error"] for e in entries if "error" in e]
+    if not errors:
+        try:
+            write_manifest(root, step, entries, {**extra, "run_id": run_id, "finite": True})
+        except OSError as e:
+            errors = [f"rank 0: {_os_error(e)}"]
+    folder = step_dir(root, step)
+    if errors:
+        if created:
+            shutil.rmtree(folder, ignore_errors=True)
+        return (f"could not write checkpoint {folder} ({'; '.join(errors)}); nothing of it was kept and the earlier "
+                "checkpoints are intact: free disk space (or fix the folder's permissions) and rerun with --resume, "
+                "or pass another --output-dir")
+    prune(root, keep, run_id)
+    return None
 
 
 def rng_state() -> dict[str, Any]:

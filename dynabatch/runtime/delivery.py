@@ -19,6 +19,7 @@ tensors. The global loss-token count (all micro-batches of all replicas) rides i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -133,10 +134,20 @@ def send_step(payloads: dict[int, StepInputs], group, world_size: int) -> tuple[
     return own, pending
 
 
-def receive_step(group) -> StepInputs:
-    """Any rank but 0: receive this step's :class:`StepInputs` from rank 0 (blocks; raises on timeout)."""
+def receive_step(group, timeout_s: float | None = None) -> StepInputs:
+    """Any rank but 0: receive this step's :class:`StepInputs` from rank 0 (blocks; raises on timeout).
+    ``timeout_s`` replaces the group's timeout for this step (gloo's ``Work.wait(timeout)`` overrides it
+    either way): the first step waits for rank 0 to load the data."""
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+
+    def wait(work) -> None:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.irecv(header, src=0, group=group, tag=_HEADER_TAG).wait()
+    wait(dist.irecv(header, src=0, group=group, tag=_HEADER_TAG))
     payload = torch.empty(int(header[4]), dtype=torch.uint8)
-    dist.irecv(payload, src=0, group=group, tag=_PAYLOAD_TAG).wait()
+    wait(dist.irecv(payload, src=0, group=group, tag=_PAYLOAD_TAG))
     return unpack(header, payload)

@@ -15,7 +15,10 @@ stage ``s`` on global rank ``p * S + s`` (the layout of :class:`~dynabatch.sched
 Backend: NCCL when CUDA is available, else gloo. Every group gets ``timeout_s``; under gloo a
 transfer or collective with a dead or silent peer raises within it (a crashed peer usually much
 sooner: its sockets close). The runtime turns those errors into :class:`PipelineError` messages that
-name the rank, step, instruction and peer; :func:`exit_on_error` prints one and exits non-zero.
+name the rank, step, instruction and peer; :func:`exit_on_error` prints one and exits non-zero (the
+trainer's ranks use :func:`dynabatch.runtime.faults.fail_fast`, which also ends stopped peers and makes
+torchrun name the rank that failed first). The plan delivery of a run's first step waits under its own,
+longer timeout (``TrainConfig.startup_timeout_s``) while rank 0 loads the data.
 """
 
 from __future__ import annotations
@@ -131,12 +134,15 @@ def init_distributed(
     world_size: int | None = None,
     local_rank: int | None = None,
     init_method: str | None = None,
+    store=None,
 ) -> DistContext:
     """Join the world and build this rank's groups (collective: every rank calls it together).
 
     Defaults come from torchrun's environment (``init_method="env://"`` reads ``MASTER_ADDR`` and
     ``MASTER_PORT``). Tests pass ``rank``, ``world_size`` and ``init_method="file://..."`` or
-    ``"tcp://127.0.0.1:PORT"``. Raises ``ValueError`` before joining when the world size does not
+    ``"tcp://127.0.0.1:PORT"``, or a ready rendezvous ``store`` instead (e.g.
+    :func:`dynabatch.cost.p2p.loopback_store`, which listens on 127.0.0.1 only; a ``tcp://`` init method's
+    store listens on every interface). Raises ``ValueError`` before joining when the world size does not
     factor as ``num_stages x num_replicas``.
     """
     rank = _env_int("RANK", rank)
@@ -159,9 +165,10 @@ def init_distributed(
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; call shutdown() first")
-    dist.init_process_group(
-        backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
-    )
+    if store is not None and init_method is not None:
+        raise ValueError("pass init_method or store, not both")
+    rendezvous = {"store": store} if store is not None else {"init_method": init_method or "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous)
     S, R = num_stages, num_replicas
     pipeline_group = dp_group = None
     # Every rank creates every group, in the same order (torch.distributed requires it).

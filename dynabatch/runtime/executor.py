@@ -24,7 +24,9 @@ tied-parameter gradients over the stages of the replica that hold a copy, then s
 over the data-parallel replicas (SUM: the loss is already globally normalised). ``STEP`` all-reduces
 ``[squared grad norm, loss sum]`` over the world (each tied group counted once per replica; the
 norm sum is divided by the replica count, whose gradients are equal), clips to ``max_grad_norm``
-like ``clip_grad_norm_`` and steps the optimizer and the LR scheduler. Gradients are dropped at the
+like ``clip_grad_norm_`` and steps the optimizer and the LR scheduler; when the loss or the norm is not
+finite (NaN/inf, e.g. a diverging learning rate) the optimizer step is skipped on every rank (they
+all see the same reduced totals) and :attr:`StepResult.skipped` says so. Gradients are dropped at the
 start of the next step (so tests and logging can read a step's reduced, clipped gradients). On CUDA,
 forwards run under bf16 autocast by default; activations travel in the plan's dtype and gradients
 are cast back to the dtype of the tensor they belong to.
@@ -74,6 +76,8 @@ class StepResult:
     """Per executed instruction: ``(key, start, end)`` in ``time.perf_counter`` seconds."""
     segment_losses: dict[int, torch.Tensor] = field(default_factory=dict)
     """Last stage only: per micro-batch, (B, K, 2) summed token loss and loss-token count per row segment."""
+    skipped: bool = False
+    """The loss or the gradient norm was not finite: the optimizer step was not applied (every rank agrees)."""
 
 
 @dataclass
@@ -144,6 +148,7 @@ class Executor:
         self.segment_losses: dict[int, torch.Tensor] = {}
         self.grad_norm = 0.0
         self.loss = 0.0
+        self.skipped = False
         self.links: tuple[int, ...] = ()
         self.next_slice: dict[int, int] = {}
         self.contexts: dict = {}
@@ -173,6 +178,7 @@ class Executor:
         self.loss_sum.zero_()
         self.num_loss_tokens = 0
         self.segment_losses = {}
+        self.skipped = False
         for p in self.params:  # zeroed at the start, so the step's gradients stay readable after it
             p.grad = None
         timeline: list[tuple[str, float, float]] = []
@@ -204,7 +210,8 @@ class Executor:
             self.inputs = None
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
-        return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses)
+        return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses,
+                          self.skipped)
 
     def reduce_gradients(self) -> None:
         """``REDUCE``: sum tied-parameter gradients over their stages, then gradients over the replicas."""
@@ -237,8 +244,14 @@ class Executor:
         if ctx.world_size > 1:
             dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss
         sq_total, loss_total = totals.tolist()
-        self.grad_norm = math.sqrt(sq_total / ctx.num_replicas)
+        self.grad_norm = math.sqrt(sq_total / ctx.num_replicas) if sq_total >= 0 else math.nan
         self.loss = loss_total / global_loss_tokens
+        # Every rank holds the same all-reduced totals, so every rank takes the same decision.
+        self.skipped = not (math.isfinite(self.grad_norm) and math.isfinite(self.loss))
+        if self.skipped:  # a non-finite loss or gradient: keep the weights and the optimizer state
+            if self.scheduler is not None:
+                self.scheduler.step()  # the LR schedule follows the step number, skipped or not
+            return
         if self.max_grad_norm is not None:
             coef = min(self.max_grad_norm / (self.grad_norm + 1e-6), 1.0)
             all_grads = [p.grad for p in self.params if p.grad is not None]

@@ -6,26 +6,56 @@ the trainer did to learn its ``parameter_map`` (stage name -> HF name), copies e
 into the model under their HF names (tied copies are identical, so any holder serves), checks that
 every model parameter was covered, and calls ``save_pretrained``. The result loads with
 ``T5ForConditionalGeneration.from_pretrained(out)`` / ``GPT2LMHeadModel.from_pretrained(out)``.
+
+Weights with a NaN or inf are refused (nothing is written), and so is an output folder that is not
+empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
 
 from dynabatch.config import TrainConfig
-from dynabatch.runtime.checkpoint import CheckpointError, latest_checkpoint, load_shard, verify
+from dynabatch.runtime.checkpoint import (
+    CheckpointError,
+    first_non_finite,
+    latest_checkpoint,
+    load_shard,
+    shard_name,
+    verify,
+)
+
+EXPORT_MARKER = "dynabatch_export.json"
+"""Written into every export folder: which checkpoint it came from (and that a re-export may overwrite it)."""
 
 
-def export_checkpoint(checkpoint: str, out_dir: str) -> str:
+def check_out_dir(out_dir: str, force: bool = False) -> None:
+    """``ValueError`` if ``out_dir`` is a file, or a non-empty folder that holds no earlier export
+    (unless ``force``)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"output folder {out_dir!r} is a file, not a folder; pass a folder path")
+    if force or not os.path.isdir(out_dir) or os.path.exists(os.path.join(out_dir, EXPORT_MARKER)):
+        return
+    found = sorted(os.listdir(out_dir))
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ValueError(f"output folder {out_dir!r} is not empty and holds no earlier export (it holds "
+                         f"{shown}); pass a new or empty folder, or --force to write into it")
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str:
     """Write the HF model of ``checkpoint`` (a ``step-N`` folder, or a run's ``checkpoints`` folder for
-    the newest complete one) to ``out_dir``; returns ``out_dir``."""
+    the newest complete one) to ``out_dir``; returns ``out_dir``. ``CheckpointError`` (nothing written)
+    if a weight is not finite; ``ValueError`` for an output folder :func:`check_out_dir` refuses."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for
 
+    check_out_dir(out_dir, force)
     info = latest_checkpoint(checkpoint) if not os.path.exists(os.path.join(checkpoint, "manifest.json")) else verify(checkpoint)
     if info is None:
         raise CheckpointError(f"no complete checkpoint in {checkpoint}")
@@ -39,6 +69,13 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
         for stage_index in range(cfg.stages):  # replica 0 holds ranks 0..S-1
             stage = build_stage(model, layout, stage_index)
             weights = load_shard(info, stage_index)["stage"]
+            bad = first_non_finite(weights)
+            if bad is not None:
+                raise CheckpointError(
+                    f"checkpoint {info.path} holds non-finite weights (NaN or inf), first in parameter "
+                    f"{stage.parameter_map.get(bad, bad)!r} ({shard_name(stage_index)}); nothing was exported: "
+                    "export an earlier step-NNNNNN folder"
+                )
             for local, hf_name in stage.parameter_map.items():
                 params[hf_name].copy_(weights[local])
                 covered.add(hf_name)
@@ -48,15 +85,18 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     load_tokenizer(cfg.tokenizer).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, EXPORT_MARKER), "w", encoding="utf-8") as f:
+        json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id}, f, indent=1)
     return out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNN) or a run's checkpoints/ folder (newest)")
-    p.add_argument("out", help="output directory for save_pretrained")
+    p.add_argument("out", help="output directory for save_pretrained (new, empty, or an earlier export)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT that holds no earlier export")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = export_checkpoint(args.checkpoint, args.out, force=args.force)
     print(f"wrote Hugging Face model and tokenizer to {out}")
     return 0

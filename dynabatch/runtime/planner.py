@@ -32,6 +32,7 @@ from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, mak
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices
+from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.slicing import slice_stage_costs
@@ -118,11 +119,14 @@ class StepPlanner:
     def _units(self, batch: GlobalBatch) -> list[list[Unit]]:
         cfg, R = self.cfg, self.cfg.replicas
         if cfg.method == "dynamic":
-            plan = plan_step(
-                batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
-                num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
-                score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30),
-            )
+            try:
+                plan = plan_step(
+                    batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
+                    num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
+                    score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30),
+                )
+            except ValueError as e:  # "sample K ..." -> which global batch, which source row
+                raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
             return [plan_units(plan, r) for r in range(R)]
         options = BaselineOptions(cfg.samples_per_micro_batch, cfg.token_budget_tokens, cfg.packing_rows)
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)

@@ -138,6 +138,15 @@ def step_payloads(
     return out
 
 
+def _receive_failure(rank: int, step: int, timeout_s: float | None, error: Exception) -> str:
+    """The message of a failed plan receive; a first-step timeout points at rank 0's data loading."""
+    if timeout_s is not None and "Timed out" in str(error):
+        return (f"rank {rank}, step {step}: rank 0 did not finish loading the data and planning the first step "
+                f"within startup_timeout_s={timeout_s:g} s; raise --startup-timeout-s if the mixture takes longer "
+                f"to load and tokenize ({error})")
+    return f"rank {rank}, step {step}: receiving the plan from rank 0 (the planner) failed: {error}"
+
+
 def train_step(
     executor: Executor,
     ctx: DistContext,
@@ -151,13 +160,16 @@ def train_step(
     schedules: Sequence[ComputeSchedule] | None = None,
     inputs_fn: InputsFn | None = None,
     slice_links: Sequence[Sequence[int]] | None = None,
+    receive_timeout_s: float | None = None,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
     Rank 0 passes ``replica_micro_batches`` (one list per replica, in execution order) and ``spec``;
     other ranks pass neither and receive their plan and tensors from rank 0. ``slice_links[p]``
     (rank 0): for each micro-batch of replica ``p``, the micro-batch whose keys/values it extends
-    (a token slice, :func:`dynabatch.data.microbatch.token_slices`) or -1.
+    (a token slice, :func:`dynabatch.data.microbatch.token_slices`) or -1. ``receive_timeout_s`` (other
+    ranks): how long to wait for rank 0's plan instead of the group timeout; the trainer passes
+    ``TrainConfig.startup_timeout_s`` on a run's first step, while rank 0 is still loading the data.
     """
     if ctx.is_planner:
         if replica_micro_batches is None or spec is None:
@@ -178,11 +190,9 @@ def train_step(
             raise PipelineError(f"rank 0, step {step}: delivering plans to the other ranks failed: {e}") from e
         return result
     try:
-        inputs = receive_step(ctx.delivery_group)
+        inputs = receive_step(ctx.delivery_group, receive_timeout_s)
     except Exception as e:
-        raise PipelineError(
-            f"rank {ctx.rank}, step {step}: receiving the plan from rank 0 (the planner) failed: {e}"
-        ) from e
+        raise PipelineError(_receive_failure(ctx.rank, step, receive_timeout_s, e)) from e
     if inputs.plan.step != step:
         raise PipelineError(f"rank {ctx.rank} expected the plan of step {step}, rank 0 sent step {inputs.plan.step}")
     return executor.run(inputs)

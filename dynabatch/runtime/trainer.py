@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,11 +31,10 @@ from dynabatch.config import TrainConfig
 from dynabatch.runtime.checkpoint import (
     latest_checkpoint,
     load_shard,
-    prune,
+    new_run_id,
     rng_state,
-    save_shard,
+    save_collective,
     set_rng_state,
-    write_manifest,
 )
 from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
 from dynabatch.runtime.metrics import MetricsWriter, format_summary, peak_rss_bytes, summarize
@@ -56,6 +54,8 @@ class _Run:
     scheduler: Any
     batcher: Any = None
     planner: Any = None
+    run_id: str | None = None
+    """Written into every checkpoint's manifest; a resumed run keeps its checkpoint's (pruning touches only it)."""
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -79,10 +79,10 @@ def connect(cfg: TrainConfig) -> DistContext:
             f"{cfg.stages} stages x {cfg.replicas} replicas need {cfg.world_size} processes: launch with "
             f"`torchrun --nproc-per-node {cfg.world_size} -m dynabatch train ...`"
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return init_distributed(1, 1, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", timeout_s=cfg.timeout_s)
+    from dynabatch.cost.p2p import loopback_store
+
+    store = loopback_store(1, cfg.timeout_s)  # listens on 127.0.0.1 only, for the whole run
+    return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s)
 
 
 # Architecture fields a profile's model config must share with the trained model (those present in either).
@@ -153,9 +153,12 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
         from dynabatch.data.mixture import MixtureSpec
         from dynabatch.data.pipeline import MixtureData
         from dynabatch.data.report import default_mixture_path
+        from dynabatch.runtime.faults import maybe_slow_start
         from dynabatch.runtime.planner import StepPlanner
 
-        data = MixtureData.load(MixtureSpec.from_file(cfg.mixture or default_mixture_path()), tokenizer, family)
+        data = MixtureData.load(MixtureSpec.from_file(cfg.mixture or default_mixture_path()), tokenizer, family,
+                               bad_rows=cfg.bad_rows)
+        maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
         limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                               max_seq_len=cfg.max_input_len)
         run.batcher = GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
@@ -168,9 +171,13 @@ def _checkpoint_root(cfg: TrainConfig) -> str:
     return os.path.join(cfg.output_dir, "checkpoints")
 
 
-def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> None:
-    """Collective: every rank writes its shard, rank 0 the manifest (after all shards exist)."""
-    root = _checkpoint_root(run.cfg)
+def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> str:
+    """Collective: every rank checks its state is finite and writes its shard, rank 0 the manifest (after
+    all shards exist) and prunes this run's old checkpoints (:func:`~dynabatch.runtime.checkpoint.save_collective`:
+    ``NonFiniteError`` or ``CheckpointWriteError`` on every rank). A fresh run gets its id
+    (``run.run_id``) at its first save; a resumed run keeps its checkpoint's. Returns the step folder."""
+    if not run.run_id:
+        run.run_id = new_run_id()  # only rank 0's id is written
     shard = {
         "stage": run.stage.state_dict(),
         "optimizer": run.optimizer.state_dict(),
@@ -178,24 +185,47 @@ def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> None:
         "rng": rng_state(),
         "step": step,
     }
-    info = save_shard(root, step, run.ctx.rank, shard)
-    infos: list = [None] * run.ctx.world_size
-    dist.all_gather_object(infos, info, group=run.ctx.delivery_group)
+    extra = None
     if run.ctx.is_planner:
         extra = {"data": batcher_state, "config": run.cfg.to_dict(),
                  "world": {"stages": run.cfg.stages, "replicas": run.cfg.replicas}}
-        write_manifest(root, step, infos, extra)
-        prune(root, run.cfg.keep_checkpoints)
-    dist.barrier(group=run.ctx.delivery_group)
+
+    def gather(obj) -> list:
+        out: list = [None] * run.ctx.world_size
+        dist.all_gather_object(out, obj, group=run.ctx.delivery_group)
+        return out
+
+    return save_collective(_checkpoint_root(run.cfg), step, run.ctx.rank, shard, gather=gather, manifest_extra=extra,
+                           run_id=run.run_id, keep=run.cfg.keep_checkpoints)
 
 
-def resume(run: _Run) -> int:
-    """Load the newest complete checkpoint; returns the step to continue from (0 if none)."""
-    info = latest_checkpoint(_checkpoint_root(run.cfg))
+def find_resume_checkpoint(cfg: TrainConfig, ctx: DistContext):
+    """The checkpoint ``--resume`` continues from (``None``: start at step 0, with a warning), after
+    checking that no setting that cannot change did (:mod:`dynabatch.runtime.resume`); changed
+    settings that may change are logged. Runs before any data is loaded."""
+    from dynabatch.runtime.resume import compare_configs
+
+    info = latest_checkpoint(_checkpoint_root(cfg))
     if info is None:
-        if run.ctx.is_planner:
-            warnings.warn(f"--resume: no complete checkpoint in {_checkpoint_root(run.cfg)}; starting from step 0",
+        if ctx.is_planner:
+            warnings.warn(f"--resume: no complete checkpoint in {_checkpoint_root(cfg)}; starting from step 0",
                           stacklevel=2)
+        return None
+    if info.step > cfg.steps:
+        raise ValueError(f"--resume: the newest checkpoint {info.path} is at step {info.step}, past --steps "
+                         f"{cfg.steps}; raise --steps to train further")
+    notes = compare_configs(info.manifest.get("config", {}), cfg, info.path)
+    if notes and ctx.is_planner:
+        print(f"--resume from {info.path}: changed settings apply from step {info.step}: {'; '.join(notes)}",
+              flush=True)
+    return info
+
+
+def resume(run: _Run, info) -> int:
+    """Load checkpoint ``info`` (from :func:`find_resume_checkpoint`); returns the step to continue from."""
+    from dynabatch.runtime.resume import apply_hyperparameters
+
+    if info is None:
         return 0
     world = info.manifest.get("world", {})
     if (world.get("stages"), world.get("replicas")) != (run.cfg.stages, run.cfg.replicas):
@@ -207,6 +237,8 @@ def resume(run: _Run) -> int:
     run.stage.load_state_dict(shard["stage"])
     run.optimizer.load_state_dict(shard["optimizer"])
     run.scheduler.load_state_dict(shard["scheduler"])
+    apply_hyperparameters(run.optimizer, run.scheduler, run.cfg, _lr_lambda(run.cfg))
+    run.run_id = info.manifest.get("run_id")
     set_rng_state(shard["rng"])
     if run.ctx.is_planner:
         run.batcher.load_state_dict(info.manifest["data"])
@@ -221,16 +253,26 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     from dynabatch.runtime.planner import PlanAhead
     from dynabatch.runtime.step import train_step
 
+    from dynabatch.runtime.faults import maybe_crash
+    from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
+
+    if checkpoints:
+        prepare_output_dir(cfg, ctx)
+    info = find_resume_checkpoint(cfg, ctx) if cfg.resume else None
     run = build_run(cfg, ctx)
-    start = resume(run) if cfg.resume else 0
+    start = resume(run, info)
     memory = cfg.memory_gib * 2**30
-    writer = MetricsWriter(os.path.join(cfg.output_dir, "metrics.jsonl")) if ctx.is_planner else None
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if ctx.is_planner:
+        truncate_metrics(metrics_path, start)  # steps the earlier run logged after its last checkpoint
+    writer = MetricsWriter(metrics_path) if ctx.is_planner else None
+    bad_steps = 0
     ahead = PlanAhead(run.planner, cfg.steps - start, cfg.plan_ahead) if ctx.is_planner else None
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
     planned = result = None
     try:
         for step in range(start, cfg.steps):
-            _maybe_crash(step, ctx.rank)
+            maybe_crash(step, ctx.rank)
             wait = 0.0
             if ctx.is_planner:
                 planned, wait = ahead.get(timeout_s=max(600.0, cfg.timeout_s))
@@ -243,8 +285,13 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
                 schedules=planned.schedules if ctx.is_planner else None,
                 slice_links=planned.slice_links if ctx.is_planner else None,
+                receive_timeout_s=cfg.startup_timeout_s if step == start else None,  # rank 0 may still be loading
             )
             elapsed = time.perf_counter() - t0
+            bad_steps = bad_steps + 1 if result.skipped else 0
+            if result.skipped and ctx.is_planner:
+                bar.write(f"warning: step {step}: {_non_finite(result)}; the optimizer step was skipped "
+                          f"({bad_steps} in a row; the run stops at --max-bad-steps {cfg.max_bad_steps})")
             task_loss = None
             if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.steps):
                 task_loss = gather_task_losses(ctx, result, planned)  # collective
@@ -258,6 +305,13 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if cfg.log_every and (step + 1) % cfg.log_every == 0:
                     bar.write(json.dumps({k: record[k] for k in _SHOWN}))
+            if bad_steps >= cfg.max_bad_steps:
+                raise TrainingDivergedError(
+                    f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
+                    f"gradient norm (step {step}: {_non_finite(result)}) and were skipped (--max-bad-steps "
+                    f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --lr (now {cfg.lr:g}) or "
+                    "--max-grad-norm, or check the data; --resume continues from the newest checkpoint"
+                )
             last = step + 1 == cfg.steps
             if checkpoints and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
                 save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
@@ -270,6 +324,14 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if not ctx.is_planner:
         return None
     return summarize(writer.records, cfg.method)
+
+
+class TrainingDivergedError(ValueError):
+    """``max_bad_steps`` steps in a row had a non-finite loss or gradient norm (the settings diverge)."""
+
+
+def _non_finite(result) -> str:
+    return f"loss {result.loss} and gradient norm {result.grad_norm}"
 
 
 def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | None:
@@ -289,15 +351,6 @@ def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | 
                     sums[task] = sums.get(task, 0.0) + float(arr[row, k, 0])
                     counts[task] = counts.get(task, 0.0) + float(arr[row, k, 1])
     return {t: sums[t] / counts[t] for t in sorted(sums) if counts[t] > 0}
-
-
-def _maybe_crash(step: int, rank: int) -> None:
-    """Fault injection for tests: ``DYNABATCH_CRASH_AT=STEP[:RANK]`` kills this process at that step."""
-    spec = os.environ.get("DYNABATCH_CRASH_AT")
-    if spec:
-        at, _, who = spec.partition(":")
-        if int(at) == step and (not who or int(who) == rank):
-            os._exit(17)
 
 
 _SHOWN = ("step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s", "predicted_step_s",
@@ -324,7 +377,9 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "bubble_fraction_predicted": planned.bubble_fraction,
         "plan_time_s": planned.plan_time_s,
         "plan_wait_s": wait,
+        "skipped": result.skipped,
         "truncated": planned.batch.num_truncated,
+        "dropped": planned.batch.num_dropped,
         "samples_digest": _digest(planned.batch),
         "peak_rss_bytes": peak_rss_bytes(),
     }
@@ -382,30 +437,36 @@ def _stack_pngs(paths: list[str], out: str) -> None:
 
 
 def train(cfg: TrainConfig) -> dict | None:
-    """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 prints and returns the summary."""
+    """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 prints and returns the summary.
+    With several ranks, an error ends this process at once with one line of its own
+    (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print."""
+    from dynabatch.runtime.faults import fail_fast
+
     ctx = connect(cfg)
     try:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        summaries = [train_method(cfg, ctx)]
-        if cfg.compare_method:
-            other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume=False, timeline=False,
-                                        output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
-            os.makedirs(other.output_dir, exist_ok=True)
-            summaries.append(train_method(other, ctx, checkpoints=False))
-        if not ctx.is_planner:
-            return None
-        summary = {"runs": summaries, "config": cfg.to_dict()}
-        print("\n== summary ==")
-        for s in summaries:
-            print(format_summary(s))
-        if len(summaries) == 2 and summaries[1]["tokens_per_s"] > 0:
-            ratio = summaries[0]["tokens_per_s"] / summaries[1]["tokens_per_s"]
-            summary["speedup_vs_compare"] = ratio
-            print(f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same batches): {ratio:.2f}x")
-        if cfg.timeline:
-            print(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-        return summary
+        # With peers, a failure prints this rank's line and exits at once, groups left up (runtime.faults).
+        with fail_fast(ctx):
+            summaries = [train_method(cfg, ctx)]  # creates and checks the output folder first
+            if cfg.compare_method:
+                other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume=False,
+                                            timeline=False,
+                                            output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
+                os.makedirs(other.output_dir, exist_ok=True)
+                summaries.append(train_method(other, ctx, checkpoints=False))
+            if not ctx.is_planner:
+                return None
+            summary = {"runs": summaries, "config": cfg.to_dict()}
+            print("\n== summary ==")
+            for s in summaries:
+                print(format_summary(s))
+            if len(summaries) == 2 and summaries[1]["tokens_per_s"] > 0:
+                ratio = summaries[0]["tokens_per_s"] / summaries[1]["tokens_per_s"]
+                summary["speedup_vs_compare"] = ratio
+                print(f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same batches): {ratio:.2f}x")
+            if cfg.timeline:
+                print(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
+            with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1)
+            return summary
     finally:
         shutdown()

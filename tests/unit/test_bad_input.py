@@ -82,6 +82,9 @@ def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     ctx = types.SimpleNamespace(rank=0, world_size=3, stage_index=0, device="cpu", is_planner=True)
     monkeypatch.setattr(trainer, "connect", lambda cfg: ctx)
     monkeypatch.setattr(trainer, "shutdown", lambda: None)
+    import dynabatch.runtime.outputs as outputs
+
+    monkeypatch.setattr(outputs, "prepare_output_dir", lambda cfg, ctx: None)  # broadcasts in a real world of 3
     msg = _train_error(tmp_path, capsys, "--stages", "3", "--model", "gpt2-tiny")
     assert "number of transformer blocks of this gpt2 model (2), got 3" in msg
 
@@ -96,6 +99,6 @@ def test_gpt_sample_too_big_for_memory_names_it_and_hints_slicing(tmp_path, caps
             "--max-input-len", "8192", "--num-batches", "1", "--global-batch-tokens", "20000"]
     assert main(args) == 2
     msg = capsys.readouterr().err
-    assert "dynabatch plan: error: sample 5 (input_len=8000, target_len=" in msg
+    assert "dynabatch plan: error: sample 5 of global batch 0 (input_len=8000, target_len=" in msg
     assert "The smallest budget that fits every sample is" in msg
     assert "(or pass --slice-long to cut such samples into token slices)" in msg

@@ -63,7 +63,7 @@ def test_drop_policy_counts(toy_data):
 
 def test_error_policy_names_the_sample(toy_data):
     batcher = GlobalBatcher(toy_data, _limits(toy_data.family, 32), token_budget=4000, overlong="error")
-    with pytest.raises(OverlongSampleError, match=r"sample \d+ of source '\w+' has \d+ input and \d+ target tokens"):
+    with pytest.raises(OverlongSampleError, match=r"row \d+ of source '\w+' has \d+ input and \d+ target tokens"):
         for _ in range(10):
             batcher.next_batch()
 

@@ -34,7 +34,7 @@ def test_parquet_source(tmp_path):
     [
         ({"inputs": "a"}, "missing field 'targets'"),
         ({"inputs": "a", "targets": "   "}, "empty 'targets'"),
-        ({"inputs": ["a", "b"], "targets": "x"}, "must be a string"),
+        ({"inputs": ["a", "b"], "targets": "x"}, "must be text or a number, got list"),
     ],
 )
 def test_malformed_rows_error_names_row(tmp_path, row, problem):

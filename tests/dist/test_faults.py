@@ -1,0 +1,196 @@
+"""Faults of a 2-rank ``dynabatch train`` under torchrun, with real processes and real signals.
+
+* slow start: rank 0 takes longer than ``--timeout-s`` to load its data (``DYNABATCH_SLOW_START_S``);
+  rank 1 waits for the first plan under ``--startup-timeout-s`` instead, so the run trains; with a
+  startup timeout shorter than the load, rank 1's error says rank 0 did not finish loading in time;
+* a rank stopped with SIGSTOP mid-run ends the whole job within ``--timeout-s`` + 10 s (torchrun
+  alone would wait 30 s more: a stopped worker never handles its SIGTERM), and the output names it;
+* a user error that only rank 0 sees (a malformed row in the mixture): rank 0 prints its own
+  ``[rank 0]`` line and exits 2, and torchrun's root cause is rank 0, not the peer that exited after it;
+* (no torchrun) only stopped processes whose pid and start time match a peer's are killed.
+
+The slow-start tests need the trainer to call ``runtime.faults.maybe_slow_start`` after loading the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import random_rows, write_jsonl
+
+STAGES = 2
+
+
+def _cmd(mixture: str, out: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(STAGES),
+            "-m", "dynabatch", "train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--mixture", mixture,
+            "--global-batch-tokens", "1024", "--max-input-len", "128", "--stages", str(STAGES), "--output-dir", out,
+            "--log-every", "0", "--no-timeline", "--task-loss-every", "0", *extra]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DYNABATCH_DEBUG")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(mixture: str, out: str, *extra: str, env_extra: dict | None = None, timeout: float = 120):
+    return subprocess.run(_cmd(mixture, out, *extra), capture_output=True, text=True, env=_env(**(env_extra or {})),
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory) -> str:
+    """Two small sources: a fast start-up."""
+    d = tmp_path_factory.mktemp("faults-mixture")
+    write_jsonl(d / "a.jsonl", random_rows("a", 60, 1, 20, 4))
+    write_jsonl(d / "b.jsonl", random_rows("b", 60, 2, 40, 8))
+    spec = {"name": "faults", "sources": [{"task": t, "data_files": f"{t}.jsonl"} for t in ("a", "b")]}
+    with open(d / "mix.json", "w") as f:
+        json.dump(spec, f)
+    return str(d / "mix.json")
+
+
+def _steps(out: str) -> list[int]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def test_slow_data_loading_waits_under_the_startup_timeout(tmp_path, mixture):
+    out = str(tmp_path / "run")
+    r = torchrun(mixture, out, "--steps", "2", "--timeout-s", "3", env_extra={"DYNABATCH_SLOW_START_S": "8"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(out) == [0, 1]
+
+
+def test_startup_timeout_names_rank_0_loading(tmp_path, mixture):
+    out = str(tmp_path / "run")
+    r = torchrun(mixture, out, "--steps", "2", "--timeout-s", "3", "--startup-timeout-s", "2",
+                 env_extra={"DYNABATCH_SLOW_START_S": "20"})
+    assert r.returncode != 0
+    assert ("dynabatch train: error: [rank 1] PipelineError: rank 1, step 0: rank 0 did not finish loading the data "
+            "and planning the first step within startup_timeout_s=2 s; raise --startup-timeout-s") in r.stderr, \
+        r.stderr[-3000:]
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with ``RANK=rank`` (a child of the launcher)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+def test_stopped_rank_ends_the_job_within_the_timeout(tmp_path, mixture):
+    timeout_s = 5
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(_cmd(mixture, out, "--steps", "100000", "--timeout-s", str(timeout_s)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    victim = None
+    try:
+        deadline = time.monotonic() + 90
+        while not _steps(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None and _steps(out), "the run did not reach its first step"
+        victim = _worker_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        output, _ = proc.communicate(timeout=timeout_s + 30)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if victim is not None:  # never leave a stopped process behind
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(victim, sig)
+                except OSError:
+                    pass
+    assert proc.returncode != 0
+    assert took < timeout_s + 10, f"the job took {took:.1f} s to end after the stop\n{output[-3000:]}"
+    assert "dynabatch train: error: [rank 0] PipelineError: rank 0 (stage 0, replica 0)" in output, output[-3000:]
+    assert "Timed out" in output, output[-3000:]  # a transfer or collective with rank 1, whichever came first
+    assert f"killed rank 1 (pid {victim}), which was stopped (SIGSTOP)" in output, output[-3000:]
+
+
+def _wait_state(pid: int, state: str) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == state:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never reached state {state}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_kill_stopped_peers_kills_only_stopped_processes_it_knows():
+    from dynabatch.runtime.faults import ProcessId, current_process, kill_stopped_peers
+
+    stopped, running, reused = (subprocess.Popen(["sleep", "30"]) for _ in range(3))
+    try:
+        for p in (stopped, reused):
+            os.kill(p.pid, signal.SIGSTOP)
+            _wait_state(p.pid, "T")
+        me = current_process()
+        ids = [me]
+        for p in (stopped, running, reused):
+            with open(f"/proc/{p.pid}/stat") as f:
+                ids.append(ProcessId(me.host, p.pid, int(f.read().rsplit(")", 1)[1].split()[19])))
+        ids[3] = ProcessId(me.host, reused.pid, ids[3].start_ticks + 1)  # same pid, another process
+        assert kill_stopped_peers(0, tuple(ids)) == [(1, stopped.pid)]
+        assert stopped.wait(timeout=5) == -signal.SIGKILL
+        assert running.poll() is None and reused.poll() is None
+    finally:
+        for p in (stopped, running, reused):
+            p.kill()
+            p.wait()
+
+
+def _root_cause(stderr: str) -> str:
+    assert "Root Cause (first observed failure):" in stderr, stderr[-3000:]
+    return stderr.split("Root Cause (first observed failure):", 1)[1]
+
+
+def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixture):
+    d = tmp_path / "bad"
+    d.mkdir()
+    rows = random_rows("a", 20, 1, 20, 4)
+    del rows[7]["targets"]
+    write_jsonl(d / "a.jsonl", rows)
+    with open(d / "bad.json", "w") as f:
+        json.dump({"name": "bad", "sources": [{"task": "a", "data_files": "a.jsonl"}]}, f)
+    r = torchrun(str(d / "bad.json"), str(tmp_path / "run"), "--steps", "2", "--timeout-s", "20")
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 0] ")]
+    assert len(lines) == 1 and "source 'a', row 7: missing field 'targets'" in lines[0], r.stderr[-3000:]
+    ours = r.stderr.split(" failed (exitcode: ", 1)[0]  # what the ranks wrote before torchrun's report
+    assert "Traceback" not in ours, ours[-3000:]
+    root = _root_cause(r.stderr)
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2" in root, root
+    assert "[rank 0] source 'a', row 7: missing field 'targets'" in root, root  # our line, from the error file
+    # rank 1 learns of it when rank 0 exits: it says so, unless torchrun's SIGTERM came first
+    rank1 = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 1] ")]
+    assert all("stopped because rank 0 failed first (source 'a', row 7: missing field" in ln for ln in rank1), rank1
+    assert rank1 or "Signal 15 (SIGTERM) received by PID" in r.stderr, r.stderr[-3000:]

@@ -1,0 +1,249 @@
+"""Reliability of `dynabatch train` (issue 19): divergence, output folders, resume settings, config errors.
+
+Through the real CLI: subprocesses where the run trains, in-process ``cli.main`` where it must stop
+before any data is loaded. Two-rank (torchrun) divergence lives in tests/dist/test_faults_training.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dynabatch.cli import main
+
+BASE = ["--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128", "--max-target-len", "32",
+        "--log-every", "0", "--no-timeline"]
+
+
+def _cli(tmp_path, toy_mixture_dir, out: str, *extra: str, model: str = "t5-tiny") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    cmd = [sys.executable, "-m", "dynabatch", "train", "--model", model, *BASE,
+           "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--output-dir", str(tmp_path / out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _records(path) -> list[dict]:
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _error_line(err: str, command: str = "train") -> str:
+    lines = [line for line in err.splitlines() if f"dynabatch {command}: error:" in line]
+    assert len(lines) >= 1, err[-3000:]
+    return lines[-1]
+
+
+def _tree_digest(folder) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- divergence
+
+
+@pytest.mark.parametrize("model", ["t5-tiny", "gpt2-tiny"])
+def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_checkpoints(tmp_path, toy_mixture_dir, model):
+    from dynabatch.runtime.checkpoint import latest_checkpoint, list_checkpoints, load_shard
+
+    out = _cli(tmp_path, toy_mixture_dir, "div", "--steps", "12", "--lr", "1e6", "--checkpoint-every", "1",
+               "--keep-checkpoints", "2", "--max-bad-steps", "2", model=model)
+    assert out.returncode == 2, out.stderr[-3000:]
+    msg = _error_line(out.stderr)
+    assert "training diverged" in msg and "non-finite" in msg and "--max-bad-steps 2" in msg and "--lr" in msg
+    records = _records(tmp_path / "div")
+    skipped = [r["step"] for r in records if r["skipped"]]
+    assert len(skipped) >= 2 and skipped[-2:] == [records[-2]["step"], records[-1]["step"]]
+    assert f"up to step {records[-1]['step']}" in msg
+    assert f"warning: step {skipped[0]}:" in out.stderr + out.stdout
+    root = str(tmp_path / "div" / "checkpoints")
+    info = latest_checkpoint(root)
+    assert info is not None and len(list_checkpoints(root)) >= 1
+    weights = load_shard(info, 0)["stage"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_skipped_step_leaves_weights_and_optimizer_untouched():
+    """One process: a NaN loss skips the optimizer step (weights and AdamW state unchanged); a finite one applies."""
+    from dynabatch.data.collate import collate_causal
+    from dynabatch.data.sample import TokenizedSample
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.runtime.dist import init_distributed, shutdown
+    from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.step import train_step
+
+    ctx = init_distributed(1, 1, rank=0, world_size=1, init_method=f"file://{os.getcwd()}/.pg-{os.getpid()}")
+    try:
+        model = build_model("gpt2-tiny", vocab_size=300, seed=0)
+        layout = layout_for(model, 1)
+        stage = build_stage(model, layout, 0)
+        opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+        ex = Executor(stage, ctx, opt)
+        spec = pipeline_spec_for(model, layout, "float32")
+        samples = [TokenizedSample(task="t", input_ids=np.arange(3, 10 + i, dtype=np.int32),
+                                   target_ids=np.array([5, 6, 1], dtype=np.int32)) for i in range(3)]
+        mb = collate_causal(samples, [[0], [1, 2]], pad_id=0)
+        first = train_step(ex, ctx, 0, [[mb]], spec=spec)
+        assert not first.skipped and len(opt.state) > 0
+        before = {k: v.clone() for k, v in stage.state_dict().items()}
+        steps_before = [s["step"].clone() for s in opt.state.values()]
+        stage.register_forward_hook(lambda m, i, o: setattr(o, "loss_sum", o.loss_sum * float("nan")) or o)
+        bad = train_step(ex, ctx, 1, [[mb]], spec=spec)
+        assert bad.skipped and bad.loss != bad.loss
+        for k, v in stage.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        assert all(torch.equal(s["step"], b) for s, b in zip(opt.state.values(), steps_before))
+    finally:
+        shutdown()
+        if os.path.exists(f".pg-{os.getpid()}"):
+            os.remove(f".pg-{os.getpid()}")
+
+
+# ------------------------------------------------------------------------------------------ output folders
+
+
+def _train_inproc(tmp_path, capsys, out_dir, *extra: str) -> tuple[int, str]:
+    code = main(["train", "--model", "t5-tiny", *BASE, "--steps", "1", "--output-dir", str(out_dir), *extra])
+    return code, capsys.readouterr().err
+
+
+def test_fresh_run_into_a_used_folder_is_refused_and_touches_nothing(tmp_path, capsys):
+    out = tmp_path / "old"
+    (out / "checkpoints" / "step-000010").mkdir(parents=True)
+    (out / "checkpoints" / "step-000010" / "manifest.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 9}\n')
+    (out / "notes.txt").write_text("mine")
+    before = _tree_digest(out)
+    code, err = _train_inproc(tmp_path, capsys, out)
+    assert code == 2, err[-2000:]
+    msg = _error_line(err)
+    assert "is not empty" in msg and "checkpoints" in msg and "--resume" in msg and "--overwrite-output-dir" in msg
+    assert _tree_digest(out) == before
+
+
+def test_overwrite_output_dir_replaces_only_run_files(tmp_path, toy_mixture_dir):
+    out = tmp_path / "old"
+    (out / "checkpoints" / "step-000010").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 9}\n')
+    (out / "notes.txt").write_text("mine")
+    run = _cli(tmp_path, toy_mixture_dir, "old", "--steps", "2", "--overwrite-output-dir")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert [r["step"] for r in _records(out)] == [0, 1]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-000002"]
+
+
+def test_output_dir_that_is_a_file_or_unwritable_is_one_line(tmp_path, capsys):
+    path = tmp_path / "a-file"
+    path.write_text("keep me")
+    code, err = _train_inproc(tmp_path, capsys, path)
+    assert code == 2 and "is a file, not a folder" in _error_line(err)
+    assert path.read_text() == "keep me"
+    code, err = _train_inproc(tmp_path, capsys, "/sys/dynabatch-cannot-write-here")
+    assert code == 2 and "is not writable" in _error_line(err)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy_mixture_dir):
+    first = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "2", "--lr", "1e-3", "--warmup-steps", "0",
+                 "--lr-schedule", "constant")
+    assert first.returncode == 0, first.stderr[-3000:]
+    bad = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--max-input-len", "96",
+               "--global-batch-tokens", "2048", "--lr-schedule", "constant")
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    msg = _error_line(bad.stderr)
+    assert "max_input_len: 128 -> 96" in msg and "global_batch_tokens: 1024 -> 2048" in msg and "cannot change" in msg
+    model = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--model", "t5-mini")
+    assert model.returncode == 2 and "model: 't5-tiny' -> 't5-mini'" in _error_line(model.stderr)
+    ok = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--lr", "5e-4", "--warmup-steps", "0",
+              "--lr-schedule", "constant")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "lr: 0.001 -> 0.0005" in ok.stdout + ok.stderr
+    lrs = {r["step"]: r["lr"] for r in _records(tmp_path / "run")}
+    assert sorted(lrs) == [0, 1, 2, 3]  # every step once
+    assert lrs[1] == pytest.approx(1e-3) and lrs[2] == pytest.approx(5e-4) and lrs[3] == pytest.approx(5e-4)
+    past = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "3", "--resume", "--lr", "5e-4", "--warmup-steps", "0",
+                "--lr-schedule", "constant")
+    assert past.returncode == 2 and "past --steps 3" in _error_line(past.stderr)
+
+
+# ------------------------------------------------------------------------------------------ config errors
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--seed", "-1"], "seed must be >= 0, got -1"),
+    (["--timeout-s", "nan"], "timeout_s must be a finite number"),
+    (["--timeout-s", "0.01"], "timeout_s must be at least 1 second"),
+    (["--max-bad-steps", "0"], "max_bad_steps must be >= 1"),
+    (["--bad-rows", "maybe"], "bad_rows must be one of error, skip"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+])
+def test_bad_flag_values_are_one_line(tmp_path, capsys, flags, expected):
+    code, err = _train_inproc(tmp_path, capsys, tmp_path / "out", *flags)
+    assert code == 2, err[-2000:]
+    assert expected in _error_line(err)
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("steps: [1, 2\nlr: 3", "YAML syntax error at line"),
+    ("steps: x", "steps must be a number, got 'x'"),
+    ("- steps\n- 3", "must hold a mapping of TrainConfig fields"),
+    ("mixture: 5", "mixture must be str, got 5 (int)"),
+    ("stepz: 3", "unknown config keys ['stepz']"),
+])
+def test_bad_config_files_are_one_line(tmp_path, capsys, text, expected):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    code, err = _train_inproc(tmp_path, capsys, tmp_path / "out", "--config", str(path))
+    assert code == 2, err[-2000:]
+    msg = _error_line(err)
+    assert expected in msg and "run.yaml" in msg
+
+
+def test_yaml_scientific_notation_is_a_number(tmp_path):
+    from dynabatch.config import TrainConfig, load_config_file
+
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 3e-4\nsteps: '7'\n")
+    cfg = TrainConfig(**load_config_file(str(path)))
+    assert cfg.lr == pytest.approx(3e-4) and cfg.steps == 7
+    bad = tmp_path / "run.json"
+    bad.write_text('{"lr": 1e-3,}')
+    with pytest.raises(ValueError, match=r"run.json: JSON syntax error at line 1"):
+        load_config_file(str(bad))
+
+
+def test_full_disk_anywhere_is_one_line_with_exit_2(capsys, monkeypatch):
+    import errno
+
+    import dynabatch.commands.plan as plan_command
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/summary.json")
+
+    monkeypatch.setattr(plan_command, "run", full)
+    assert main(["plan"]) == 2
+    msg = _error_line(capsys.readouterr().err, "plan")
+    assert "No space left on device writing '/data/run/summary.json'; free disk space" in msg
+
+    def bug(args):
+        raise OSError(errno.EBADF, "Bad file descriptor")  # not the storage's fault: a traceback
+
+    monkeypatch.setattr(plan_command, "run", bug)
+    with pytest.raises(OSError):
+        main(["plan"])

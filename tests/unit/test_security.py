@@ -1,0 +1,160 @@
+"""Security: rendezvous stores accept connections on 127.0.0.1 only; a checkpoint manifest cannot make
+``verify`` read a file outside its folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from dynabatch.runtime.checkpoint import MANIFEST, CheckpointError, save_shard, step_dir, verify, write_manifest
+
+LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc/net/tcp")
+
+
+def _ip(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} (little-endian 32-bit words) as text."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(words) == 4 else socket.AF_INET6, words)
+
+
+def _listening(pids=None) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets in LISTEN state, owned by ``pids`` (default: every process)."""
+    inodes = None
+    if pids is not None:
+        inodes = set()
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and (inodes is None or fields[9] in inodes):  # 0A: LISTEN
+                    addr, port = fields[1].split(":")
+                    out.append((_ip(addr), int(port, 16)))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+@needs_proc
+def test_loopback_store_listens_on_127_0_0_1_only():
+    import torch.distributed as dist
+
+    from dynabatch.cost.p2p import loopback_store
+
+    store = loopback_store(2, timeout_s=10)
+    assert [addr for addr, port in _listening() if port == store.port] == ["127.0.0.1"]
+    client = dist.TCPStore("127.0.0.1", store.port, 2, False)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+@needs_proc
+def test_single_process_train_world_listens_on_loopback_only(monkeypatch):
+    from dynabatch.config import TrainConfig
+    from dynabatch.runtime.dist import shutdown
+    from dynabatch.runtime.trainer import connect
+
+    monkeypatch.delenv("RANK", raising=False)
+    before = set(_listening([os.getpid()]))
+    ctx = connect(TrainConfig(timeout_s=30))
+    try:
+        opened = set(_listening([os.getpid()])) - before
+        assert ctx.world_size == 1 and opened
+        # The store (and, where the host name resolves to loopback, gloo's own sockets): never a wildcard address.
+        assert not [a for a, _ in opened if a in ("0.0.0.0", "::")], opened
+        assert any(a == "127.0.0.1" for a, _ in opened), opened
+    finally:
+        shutdown()
+
+
+@pytest.mark.slow  # ~10 s of spawning; test_loopback_store_listens_on_127_0_0_1_only covers the store it uses
+@needs_proc
+def test_p2p_profiler_rendezvous_listens_on_loopback_only():
+    from dynabatch.cost.p2p import measure_p2p
+
+    result, seen = {}, set()
+    worker = threading.Thread(target=lambda: result.update(r=measure_p2p(
+        "gloo", sizes=(1024, 1 << 20), warmup=1, repeats=30, timeout_s=90)))
+    worker.start()
+    while worker.is_alive():
+        seen.update(_listening(_children(os.getpid())))
+        time.sleep(0.02)
+    worker.join()
+    assert result["r"].send_s and seen, seen
+    assert all(addr in LOOPBACK for addr, _ in seen), seen
+
+
+def _checkpoint_with_shard_name(tmp_path, name: str) -> str:
+    """A complete one-shard checkpoint whose manifest names ``name``, with the size and checksum of a
+    file outside the folder (so only the name check can refuse it)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"secret outside the checkpoint")
+    root = tmp_path / "run" / "checkpoints"
+    entry = save_shard(str(root), 1, 0, {"w": torch.zeros(1)})
+    entry.update(file=name, bytes=outside.stat().st_size, sha256=hashlib.sha256(outside.read_bytes()).hexdigest())
+    write_manifest(str(root), 1, [entry], {})
+    return step_dir(str(root), 1)
+
+
+@pytest.mark.parametrize("name", ["../../../outside.txt", "ABSOLUTE", "./../../../outside.txt", "..", ""])
+def test_manifest_shard_names_are_confined_to_the_folder(tmp_path, name):
+    if name == "ABSOLUTE":
+        name = str(tmp_path / "outside.txt")
+    folder = _checkpoint_with_shard_name(tmp_path, name)
+    with pytest.raises(CheckpointError, match="which is not a file inside the checkpoint folder"):
+        verify(folder)
+
+
+def test_symlinked_shard_pointing_outside_is_refused(tmp_path):
+    folder = _checkpoint_with_shard_name(tmp_path, "rank-00000.pt")
+    os.remove(os.path.join(folder, "rank-00000.pt"))
+    os.symlink(tmp_path / "outside.txt", os.path.join(folder, "rank-00000.pt"))
+    with pytest.raises(CheckpointError, match="not a file inside the checkpoint folder"):
+        verify(folder)
+
+
+def test_malformed_shard_list_is_a_checkpoint_error(tmp_path):
+    folder = _checkpoint_with_shard_name(tmp_path, "rank-00000.pt")
+    with open(os.path.join(folder, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["shards"] = [{"file": "rank-00000.pt"}]
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CheckpointError, match="malformed manifest"):
+        verify(folder)
