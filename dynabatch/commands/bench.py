@@ -291,6 +291,7 @@ def _run_step(r: _Method, ctx, step: int, planned):
         policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
         schedules=planned.schedules if planned else None,
         slice_links=planned.slice_links if planned else None,
+        model_state_bytes=planned.model_state_bytes if planned else 0.0,
     )
     return float(result.loss)
 

@@ -136,8 +136,8 @@ class StageCostModel:
         if budget <= 0:
             worst = int(np.argmax(states))
             raise ValueError(
-                f"stage {worst} needs {states[worst] / 2**30:.1f} GiB for model states alone but a device has "
-                f"{self.device_memory_bytes / 2**30:.1f} GiB ({self.memory_margin:.0%} kept free); use more stages"
+                f"stage {worst} needs {states[worst] / 2**30:.3f} GiB for model states alone but a device has "
+                f"{self.device_memory_bytes / 2**30:.3f} GiB ({self.memory_margin:.0%} kept free); use more stages"
             )
         object.__setattr__(self, "memory_budget_bytes", float(budget))
 
@@ -166,11 +166,33 @@ class StageCostModel:
     def evaluate(self, b, E, D) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages.
 
-        A layer model with ``bottleneck_cost(stages, b, E, D)`` (the profiled tables' fused kernel)
-        answers it in one call; otherwise it is reduced from :meth:`per_stage`.
+        Stored bytes also count the largest stage's message buffers for the micro-batch while it is in
+        flight (the activation received and sent, and their gradients: :func:`message_buffer_bytes`), as
+        the schedule and the validator count them, so a partition that fits here also fits there (max
+        stored + max buffers: the safe side of the largest sum). A layer model with
+        ``bottleneck_cost(stages, b, E, D)`` (the profiled tables' fused kernel) answers the rest in one
+        call; otherwise it is reduced from :meth:`per_stage`.
         """
         fused = getattr(self.model, "bottleneck_cost", None)
         if fused is not None:
-            return fused(self.layout.stages, b, E, D)
-        c = self.per_stage(b, E, D)
-        return (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0)
+            t, stored, peak = fused(self.layout.stages, b, E, D)
+            sends = self._send_bytes(*(np.asarray(x, dtype=np.float64) for x in (b, E, D)))
+        else:
+            c = self.per_stage(b, E, D)
+            t, stored, peak, sends = (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0), c.send_bytes
+        return t, stored + message_buffer_bytes(sends).max(axis=0), peak
+
+    def _send_bytes(self, b, E, D) -> np.ndarray:
+        if not any("t5_decoder" in s for s in self.layout.stages):
+            D = None
+        return np.stack([np.broadcast_to(np.asarray(self.model.send_bytes(s[-1], b, E, D), dtype=np.float64), b.shape)
+                         for s in self.layout.stages])
+
+
+def message_buffer_bytes(send_bytes) -> np.ndarray:
+    """``(S, ...)`` bytes of a micro-batch's message buffers on each stage while it is in flight: the
+    activation received from ``s - 1`` and the gradient sent back (``2 send[s - 1]``), the activation
+    sent to ``s + 1`` and the gradient received from it (``2 send[s]``)."""
+    send = np.asarray(send_bytes, dtype=np.float64)
+    received = np.concatenate([np.zeros_like(send[:1]), send[:-1]])
+    return 2.0 * (received + send)

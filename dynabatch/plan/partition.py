@@ -236,8 +236,33 @@ def _raise_single_sample(cost_model, limits: _Limits, perm, e_raw, d_raw, e, d) 
         f"{limits.in_flight} x stored {stored[j] / 2**30:.3f} GiB + peak {peak[j] / 2**30:.3f} GiB) but the budget is "
         f"{limits.budget / 2**30:.3f} GiB; {int((need > limits.budget).sum())} sample(s) do not fit alone. "
         f"The smallest budget that fits every sample is {need[j] / 2**30:.3f} GiB ({int(np.ceil(need[j]))} "
-        f"bytes); or lower in_flight, shorten the length limits, or use more pipeline stages"
+        f"bytes) of activation memory{_device_advice(cost_model, need[j])}; or lower in_flight, shorten the length "
+        f"limits, or use more pipeline stages"
     )
+
+
+def device_memory_for(cost_model, activation_bytes: float) -> float | None:
+    """The device memory whose activation budget is ``activation_bytes``: the largest stage's model
+    states and the kept-free margin added back (``None`` for a cost model without a device, e.g. a
+    bare budget)."""
+    device = getattr(cost_model, "device_memory_bytes", None)
+    states = getattr(cost_model, "model_state_bytes", None)
+    if device is None or states is None:
+        return None
+    margin = float(getattr(cost_model, "memory_margin", 0.0))
+    return (float(activation_bytes) + max(states)) / (1.0 - margin)
+
+
+def _device_advice(cost_model, activation_bytes: float) -> str:
+    device = device_memory_for(cost_model, activation_bytes)
+    if device is None:
+        return ""
+    gib = 2**30
+    states = max(cost_model.model_state_bytes)
+    # round up so that passing the printed value fits (GiB with 3 decimals)
+    shown = np.ceil(device / gib * 1000) / 1000
+    return (f", i.e. a device memory (--memory-gib) of at least {shown:.3f} GiB with this stage split's model "
+            f"states ({states / gib:.3f} GiB on its largest stage) and {cost_model.memory_margin:.0%} kept free")
 
 
 def _worst_sample(values, perm, e_raw, d_raw) -> tuple[int, str]:

@@ -404,8 +404,7 @@ def _raise_infeasible(length, batch_size, granularity, max_slices, budget, reser
         f"reserved {reserved / gib:.3f} GiB) even when sliced at granularity {granularity}: no slice reaches "
         f"past token {int(points[frontier])}; the smallest, tokens [{int(points[frontier])}, "
         f"{int(points[frontier + 1])}), needs {memory[flat] / gib:.3f} GiB (stored prefix + its stored + "
-        f"peak + reserved). Use more pipeline stages, activation recomputation, a larger budget or shorter "
-        f"sequences"
+        f"peak + reserved). Use more pipeline stages, a larger budget or shorter sequences"
     )
 
 

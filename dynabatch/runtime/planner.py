@@ -40,7 +40,7 @@ from dynabatch.plan.step import plan_step
 from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
-from dynabatch.schedule.simulate import simulate
+from dynabatch.schedule.simulate import simulate, with_message_buffers
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ class PlannedStep:
     plan_time_s: float
     batcher_state_after: dict[str, Any]
     """Global batcher position after this step's batch: what a checkpoint taken after this step stores."""
+    model_state_bytes: tuple[float, ...] = ()
+    """Per stage, the parameter, gradient and optimizer bytes the schedule's memory was priced with
+    (the validator takes them off the device memory)."""
 
     @property
     def real_tokens(self) -> int:
@@ -112,6 +115,7 @@ class StepPlanner:
             step=self.step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
             schedules=schedules, slice_links=tuple(links), predicted_step_s=predicted, bubble_fraction=bubble,
             computed_tokens=computed, plan_time_s=time.perf_counter() - start, batcher_state_after=state,
+            model_state_bytes=tuple(self.cost_model.model_state_bytes),
         )
         self.step += 1
         return planned
@@ -148,11 +152,13 @@ class StepPlanner:
 
         costs, schedules, makespans, bubbles = [], [], [], []
         memory = self.cfg.memory_gib * 2**30
+        states, send = np.array(self.cost_model.model_state_bytes), send_time_of(self.cost_model)
         for s, lk, ctx in zip(shapes, links, contexts):
             c = piece_costs(self.cost_model, self.slice_model, s, ctx, lk)
+            buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
             schedule = compute_schedule(self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages,
-                                        c, memory, lk)
-            result = simulate(schedule, c, model_state_bytes=np.array(self.cost_model.model_state_bytes))
+                                        buffered, memory, lk, send_time=send, model_state_bytes=states)
+            result = simulate(schedule, buffered, send_time=send, model_state_bytes=states)
             costs.append(c)
             schedules.append(schedule)
             makespans.append(result.makespan_s)
@@ -170,21 +176,29 @@ def piece_costs(stage_model: StageCostModel, slice_model, shapes, contexts, link
     return costs
 
 
+def send_time_of(stage_model: StageCostModel):
+    """Seconds to send a message of ``n`` bytes to a pipeline neighbour, as the layer model prices it
+    (the analytic model's intra-node link); ``None`` (free) for a model without link costs."""
+    send_time = getattr(stage_model.model, "send_time", None)
+    return None if send_time is None else (lambda num_bytes: send_time(num_bytes, "intra"))
+
+
 def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None):
     """``score(plan)`` for :func:`~dynabatch.plan.step.plan_step`: the simulated makespan of the slowest
     replica under the adaptive schedule (a few ms; the step formula ``sum + (S - 1) max`` misjudges
     token slices, whose chains cannot overlap their own backward)."""
     from dynabatch.schedule.policies import adaptive
 
-    states = np.array(stage_model.model_state_bytes)
+    states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
 
     def score(plan) -> float:
         worst = 0.0
         for r in range(len(plan.replicas)):
             links = plan.slice_links(r)
             costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links)
-            schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states)
-            worst = max(worst, simulate(schedule, costs, model_state_bytes=states).makespan_s)
+            costs = with_message_buffers(costs)
+            schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
+            worst = max(worst, simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s)
         return worst
 
     return score

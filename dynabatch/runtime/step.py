@@ -29,6 +29,8 @@ from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.ir import ExecutionPlan, PipelineSpec
 from dynabatch.schedule.lower import lower
 from dynabatch.schedule.policies import adaptive, choose_schedule, gpipe, one_f_one_b
+from dynabatch.schedule.simulate import per_stage_values, with_message_buffers
+from dynabatch.schedule.validate import PlanValidationError, validate, validate_or_raise
 
 POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
 InputsFn = Callable[[MicroBatch, PipelineSpec, int], dict]
@@ -59,10 +61,15 @@ def token_costs(shapes, num_stages: int) -> StageCosts:
 
 
 def compute_schedule(
-    policy: str, shapes, num_stages: int, costs: StageCosts | None = None, memory_limit_bytes=None, links=()
+    policy: str, shapes, num_stages: int, costs: StageCosts | None = None, memory_limit_bytes=None, links=(),
+    *, send_time=None, model_state_bytes=0.0,
 ) -> ComputeSchedule:
     """The compute schedule of one replica's micro-batches under ``policy`` (one of :data:`POLICIES`);
-    ``links``: token-slice chains (:mod:`dynabatch.schedule.chains`)."""
+    ``links``: token-slice chains (:mod:`dynabatch.schedule.chains`). The memory-aware policies price
+    memory as ``dynabatch simulate`` does: ``memory_limit_bytes`` is the whole device, of which each
+    stage's ``model_state_bytes`` (scalar or per stage) are taken first; ``costs.stored_bytes`` should
+    include the message buffers (:func:`~dynabatch.schedule.simulate.with_message_buffers`); ``send_time``
+    (seconds per message, or a function of its bytes) delays the receiving stage."""
     num_mb = len(shapes)
     if policy == "gpipe":
         return gpipe(num_mb, num_stages, links=links)
@@ -72,8 +79,9 @@ def compute_schedule(
         raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
     costs = costs if costs is not None else token_costs(shapes, num_stages)
     if policy == "adaptive":
-        return adaptive(costs, memory_limit_bytes, links=links)
-    return choose_schedule(costs, memory_limit_bytes, links=links)[0]
+        return adaptive(costs, memory_limit_bytes, links=links, send_time=send_time, model_state_bytes=model_state_bytes)
+    return choose_schedule(costs, memory_limit_bytes, links=links, send_time=send_time,
+                           model_state_bytes=model_state_bytes)[0]
 
 
 def plan_step(
@@ -86,12 +94,18 @@ def plan_step(
     memory_limit_bytes=None,
     schedules: Sequence[ComputeSchedule] | None = None,
     slice_links: Sequence[Sequence[int]] | None = None,
+    model_state_bytes=0.0,
 ) -> dict[int, ExecutionPlan]:
     """Validated plans of every rank: replica ``p`` runs the micro-batches of shapes ``replica_shapes[p]``
     (``(M_p, 3)``, each ``M_p >= 1``); ``costs[p]`` (default :func:`token_costs`) drives the adaptive
     policies and the order of messages on links. ``schedules[p]``, when given (the trainer's planner
     already chose them ahead of time), is used instead of computing the policy's schedule again.
-    ``slice_links[p]``: replica ``p``'s token-slice chains (:mod:`dynabatch.schedule.chains`)."""
+    ``slice_links[p]``: replica ``p``'s token-slice chains (:mod:`dynabatch.schedule.chains`).
+
+    Every plan is validated (pairing, deadlock, data dependencies); with ``costs`` and
+    ``memory_limit_bytes`` (the whole device, of which each stage's ``model_state_bytes`` are taken
+    first) the validator also checks every rank's memory: the exact message and load buffers of the
+    plan plus the stored and peak activation bytes of ``costs`` (:func:`check_step_memory`)."""
     num_replicas = len(replica_shapes)
     plans: dict[int, ExecutionPlan] = {}
     for p, shapes in enumerate(replica_shapes):
@@ -103,7 +117,8 @@ def plan_step(
         if schedules is not None:
             schedule = schedules[p]
         else:
-            schedule = compute_schedule(policy, shapes, spec.num_stages, c, memory_limit_bytes, links)
+            schedule = compute_schedule(policy, shapes, spec.num_stages, with_message_buffers(c), memory_limit_bytes,
+                                        links, model_state_bytes=model_state_bytes)
         plans.update(
             lower(
                 schedule,
@@ -115,9 +130,45 @@ def plan_step(
                 fwd_s=c.fwd_s,
                 bwd_s=c.bwd_s,
                 links=links,
+                check=False,
             )
         )
+    if costs is not None and memory_limit_bytes is not None and all(_priced(c) for c in costs):
+        check_step_memory(plans, costs, memory_limit_bytes, model_state_bytes, step=step, policy=policy)
+    else:  # no limit, or a shape the cost model cannot price (outside a profile's grid): no memory check
+        validate_or_raise(plans)
     return plans
+
+
+def _priced(costs: StageCosts) -> bool:
+    """Every micro-batch's memory is known (a profile prices shapes beyond its grid as ``INFEASIBLE``)."""
+    from dynabatch.cost.planner_model import INFEASIBLE
+
+    arrays = (np.asarray(costs.stored_bytes), np.asarray(costs.peak_bytes))
+    return all(bool(np.all(np.isfinite(a) & (a < INFEASIBLE))) for a in arrays)
+
+
+def check_step_memory(plans, costs: Sequence[StageCosts], memory_limit_bytes, model_state_bytes, *, step: int,
+                      policy: str) -> None:
+    """Validate ``plans`` with memory: each stage may hold ``memory_limit_bytes - model_state_bytes[s]`` of
+    buffers and activations. A plan over it is a one-line ``ValueError`` naming the step, the stage and
+    the bytes; any other finding raises :class:`~dynabatch.schedule.validate.PlanValidationError`."""
+    num_stages = next(iter(plans.values())).num_stages
+    states = per_stage_values(model_state_bytes, num_stages, "model_state_bytes")
+    limits = per_stage_values(memory_limit_bytes, num_stages, "memory_limit_bytes") - states
+    report = validate(plans, stored_bytes={p: c.stored_bytes for p, c in enumerate(costs)},
+                      peak_bytes={p: c.peak_bytes for p, c in enumerate(costs)}, memory_limit_bytes=limits)
+    if report.ok:
+        return
+    memory = [e for e in report.errors if "> limit" in e]
+    if len(memory) != len(report.errors):
+        raise PlanValidationError(report)
+    gib = 2**30
+    raise ValueError(
+        f"step {step}: the {policy} schedule does not fit the device memory ({np.max(memory_limit_bytes) / gib:.3f} "
+        f"GiB, model states {np.max(states) / gib:.3f} GiB on the largest stage): {memory[0]}; use --policy "
+        "adaptive or auto (memory-aware), raise --memory-gib or use more stages"
+    )
 
 
 def step_payloads(
@@ -161,6 +212,7 @@ def train_step(
     inputs_fn: InputsFn | None = None,
     slice_links: Sequence[Sequence[int]] | None = None,
     receive_timeout_s: float | None = None,
+    model_state_bytes=0.0,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
@@ -180,7 +232,7 @@ def train_step(
             )
         shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
         plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
-                          schedules=schedules, slice_links=slice_links)
+                          schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes)
         own, pending = send_step(step_payloads(plans, replica_micro_batches, spec, inputs_fn), ctx.delivery_group,
                                  ctx.world_size)
         result = executor.run(own)

@@ -286,6 +286,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 schedules=planned.schedules if ctx.is_planner else None,
                 slice_links=planned.slice_links if ctx.is_planner else None,
                 receive_timeout_s=cfg.startup_timeout_s if step == start else None,  # rank 0 may still be loading
+                model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0,
             )
             elapsed = time.perf_counter() - t0
             bad_steps = bad_steps + 1 if result.skipped else 0

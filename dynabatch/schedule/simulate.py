@@ -33,7 +33,7 @@ from typing import Callable, Union
 
 import numpy as np
 
-from dynabatch.cost.stages import StageCosts
+from dynabatch.cost.stages import StageCosts, message_buffer_bytes
 from dynabatch.schedule.compute import ComputeSchedule, Phase
 
 SendTime = Union[None, float, np.ndarray, Callable[[np.ndarray], np.ndarray]]
@@ -85,9 +85,8 @@ def with_message_buffers(costs: StageCosts) -> StageCosts:
     (it also holds the loaded token ids, which are far smaller), so a schedule that fits with these
     costs also fits the validator's memory check."""
     check_costs(costs)
-    send = np.asarray(costs.send_bytes, dtype=np.float64)  # (S, M)
-    received = np.vstack([np.zeros((1, send.shape[1])), send[:-1]])  # (S, M): bytes from stage s - 1
-    return replace(costs, stored_bytes=np.asarray(costs.stored_bytes, dtype=np.float64) + 2.0 * (received + send))
+    return replace(costs, stored_bytes=np.asarray(costs.stored_bytes, dtype=np.float64)
+                   + message_buffer_bytes(costs.send_bytes))
 
 
 def stage_send_times(costs: StageCosts, send_time: SendTime) -> np.ndarray:

@@ -1,0 +1,101 @@
+"""Training schedules priced as `dynabatch simulate` prices them (model states, message buffers, send
+time), validated with memory on every step, and "does not fit" advice that really fits."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from dynabatch.config import TrainConfig
+
+GIB = 2**30
+
+
+def _planner(toy_data, memory_gib: float, policy: str = "adaptive"):
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    cfg = TrainConfig(model="gpt2-tiny", stages=2, policy=policy, global_batch_tokens=8192, max_input_len=128,
+                      memory_gib=memory_gib)
+    model = build_model("gpt2-tiny", vocab_size=toy_data.tokens.vocab_size)
+    cost_model = planner_cost_model(cfg, model.config, layout_for(model, 2))
+    limits = LengthLimits("gpt2", max_input_len=128, max_target_len=32, max_seq_len=128)
+    return StepPlanner(GlobalBatcher(toy_data, limits, token_budget=8192), cfg, cost_model, toy_data.tokens), model
+
+
+@pytest.fixture(scope="module")
+def gpt_data(toy_mixture_dir, byt5):
+    import os
+
+    from dynabatch.data.mixture import MixtureSpec
+    from dynabatch.data.pipeline import MixtureData
+
+    return MixtureData.load(MixtureSpec.from_file(os.path.join(toy_mixture_dir, "toy.json")), byt5, "gpt2")
+
+
+def test_planned_training_schedule_fits_once_model_states_count(gpt_data):
+    """The trainer's planner schedules within the device memory with model states and message buffers
+    counted; a schedule priced without model states (the old training path) overflows the same device."""
+    from dynabatch.runtime.planner import send_time_of
+    from dynabatch.runtime.step import compute_schedule
+    from dynabatch.schedule.simulate import simulate, with_message_buffers
+
+    memory = 0.012
+    planner, _ = _planner(gpt_data, memory)
+    step = planner()
+    states = np.array(planner.cost_model.model_state_bytes)
+    assert states.max() > 0.3 * memory * GIB  # model states are a large share of this device
+    costs = with_message_buffers(step.costs[0])
+    send = send_time_of(planner.cost_model)
+    planned = simulate(step.schedules[0], costs, model_state_bytes=states, send_time=send)
+    assert max(planned.peak_memory_bytes) <= memory * GIB
+    assert step.model_state_bytes == tuple(planner.cost_model.model_state_bytes)
+    shapes = np.asarray(step.shapes[0], dtype=np.int64).reshape(-1, 3)
+    blind = compute_schedule("adaptive", shapes, 2, costs, memory * GIB, send_time=send)  # states left out
+    assert max(simulate(blind, costs, model_state_bytes=states).peak_memory_bytes) > memory * GIB
+
+
+def test_training_plans_are_validated_with_model_states(gpt_data):
+    """`plan_step` on the training path checks memory on every rank: a GPipe step that fits the buffers and
+    activations but not those plus the model states is refused with one line naming the step and stage."""
+    from dynabatch.models.split import layout_for, pipeline_spec_for
+    from dynabatch.runtime.step import plan_step
+    from dynabatch.schedule.validate import validate
+
+    planner, model = _planner(gpt_data, 0.012)
+    step = planner()
+    spec = pipeline_spec_for(model, layout_for(model, 2), "float32")
+    costs = step.costs[0]
+    shapes = [np.asarray(step.shapes[0], dtype=np.int64).reshape(-1, 3)]
+    plans = plan_step(shapes, spec, policy="gpipe", costs=[costs])  # no memory limit: no memory check
+    report = validate(plans, stored_bytes={0: costs.stored_bytes}, peak_bytes={0: costs.peak_bytes})
+    peaks = np.array([report.peak_memory_bytes[r] for r in range(2)])  # (S,) buffers + activations per stage
+    states = np.array(step.model_state_bytes)
+    tight = peaks * 1.01
+    plan_step(shapes, spec, policy="gpipe", costs=[costs], memory_limit_bytes=tight + states, model_state_bytes=states)
+    plan_step(shapes, spec, policy="gpipe", costs=[costs], memory_limit_bytes=tight)  # states not counted: fits
+    with pytest.raises(ValueError, match=r"step 7: the gpipe schedule does not fit the device memory .* > limit "
+                                         r".*stage 0.*use --policy adaptive or auto"):
+        plan_step(shapes, spec, policy="gpipe", step=7, costs=[costs], memory_limit_bytes=tight,
+                  model_state_bytes=states)
+
+
+def test_does_not_fit_advice_gives_a_device_memory_that_fits(gpt_data):
+    """The single-sample error names the --memory-gib that fits (model states included); planning with
+    exactly that value succeeds, while the bare activation figure the old message gave does not."""
+    with pytest.raises(ValueError) as info:
+        _planner(gpt_data, 0.006)[0]()
+    msg = str(info.value)
+    assert "alone needs" in msg and "model states" in msg and "recomput" not in msg
+    activations = float(re.search(r"smallest budget that fits every sample is ([\d.]+) GiB", msg).group(1))
+    device = float(re.search(r"\(--memory-gib\) of at least ([\d.]+) GiB", msg).group(1))
+    assert device > activations
+    planner, _ = _planner(gpt_data, device)
+    planner()  # fits
+    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB"):  # the old advice: model states left out
+        _planner(gpt_data, activations + 1e-3)[0]()
