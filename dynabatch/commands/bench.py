@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.sequence import is_seq2seq
+
 BASELINES = ("packing", "padding", "token_budget", "length_grouped")
 SLICED = "dynamic_sliced"
 METHODS = ("dynamic", SLICED, *BASELINES, "pipelining")
@@ -108,7 +110,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Model aliases and the length-dependent default of ``--max-target-len`` (in place)."""
     args.model = MODEL_ALIASES.get(args.model, args.model)
     if args.methods is None:
-        sliced = _family(args.model) == "gpt2" and not args.cost_profile  # slices are priced analytically
+        sliced = not is_seq2seq(_family(args.model)) and not args.cost_profile  # slices are priced analytically
         args.methods = ",".join(m for m in METHODS if m != SLICED or sliced)
     if args.max_target_len is None:
         args.max_target_len = max(1, args.max_input_len // 4)
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
-    if SLICED in methods and _family(args.model) != "gpt2":
+    if SLICED in methods and is_seq2seq(_family(args.model)):
         raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a GPT model "
                          f"(drop {SLICED} from --methods)")
     if args.steps < 1 or args.warmup < 0 or args.stages < 1:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.baselines import BaselineOptions
+from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import MODEL_FAMILIES
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b"}
@@ -52,9 +53,9 @@ def resolve(args: argparse.Namespace) -> Workload:
     family = MODEL_FAMILIES[args.model]
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
-    preset = args.preset or DEFAULT_PRESETS["t5" if family == "t5" else "gpt"]
+    preset = args.preset or DEFAULT_PRESETS["t5" if is_seq2seq(family) else "gpt"]
     model = AnalyticCostModel.from_names(preset, args.hardware)
-    if (model.spec.family == "t5") != (family == "t5"):
+    if (is_seq2seq(model.spec.family)) != (is_seq2seq(family)):
         raise ValueError(f"preset {preset!r} is a {model.spec.family} model but --model is {args.model}")
     e_ref = min(args.max_input_len, 512)
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))

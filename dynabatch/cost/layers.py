@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dynabatch.cost.tables import GPT2_ANALYTIC_KINDS, T5_ANALYTIC_KINDS
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -67,7 +69,6 @@ T5_KINDS = (
     KindSpec("t5_head", ("b", "D")),
 )
 
-
 @dataclass
 class Step:
     """One kind at one shape: a forward closure plus what the measurement needs to know."""
@@ -93,6 +94,7 @@ class ModelLayers:
 
     name: str
     family: str
+    """Registered family name (``gpt2``, ``t5``, ``llama``)."""
     model: nn.Module
     kinds: tuple[KindSpec, ...]
     makers: dict[str, Callable[[int, int, int], Step]]
@@ -100,6 +102,12 @@ class ModelLayers:
     """Parameters held by one use of each kind."""
     tied_params: dict[str, int]
     """Parameters of the (tied) token embedding that a kind holds; shared when two such kinds sit in one stage."""
+    sequence_kind: str = "causal"
+    """``causal`` or ``seq2seq`` (written to the profile so the tables need no family name)."""
+    analytic_kinds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Analytic layer kind (``dynabatch.cost.model_specs``) -> the profiled kinds it is made of."""
+    context_kinds: dict[str, str] = field(default_factory=dict)
+    """Analytic block kind -> the profiled per-stage context kind its stage pays once."""
 
     @property
     def param_ptrs(self) -> frozenset[int]:
@@ -128,36 +136,26 @@ def _count(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return sum(p.numel() for n, p in module.named_parameters() if not any(s in n for s in skip))
 
 
-def build_layers(model: str | object, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 dropout: float = 0.0, seed: int = 0) -> ModelLayers:
-    """Build the HF model and the step makers of its kinds.
+def build_layers(model: str | object, builder: Callable, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, dropout: float = 0.0, seed: int = 0) -> ModelLayers:
+    """Build the HF model and run ``builder(name, hf_model, device, dtype) -> ModelLayers`` on it.
 
-    ``model`` is a preset name or local checkpoint (resolved by ``dynabatch.models.presets``, imported
-    lazily: the profiler's only dependency on ``dynabatch.models``) or a T5 / GPT-2 HF config
-    (``dropout`` is then taken from the config).
+    ``model`` is a preset name or local checkpoint (:mod:`dynabatch.model_presets`) or an HF config
+    (``dropout`` is then taken from the config). ``builder`` is the model family's profiler layer
+    builder (``dynabatch.models.families``: ``family.profile_layers``), so this module knows no family.
     """
-    if isinstance(model, str):
-        from dynabatch.models.presets import build_model
+    from dynabatch.model_presets import build_model, model_class
 
+    if isinstance(model, str):
         name, hf_model = model, build_model(model, dropout=dropout, seed=seed)
     else:
-        from transformers import GPT2LMHeadModel, T5ForConditionalGeneration
-
-        classes = {"t5": T5ForConditionalGeneration, "gpt2": GPT2LMHeadModel}
-        model_type = getattr(model, "model_type", None)
-        if model_type not in classes:
-            raise ValueError(f"model type {model_type!r} is not supported; valid: t5, gpt2")
         torch.manual_seed(seed)
-        name, hf_model = model_type, classes[model_type](model)
+        name, hf_model = model.model_type, model_class(model).from_config(model)
     hf_model = hf_model.to(device=device, dtype=dtype).train()
-    family = hf_model.config.model_type
-    if family not in ("t5", "gpt2"):
-        raise ValueError(f"model type {family!r} is not supported; valid: t5, gpt2")
-    build = _gpt2_layers if family == "gpt2" else _t5_layers
-    return build(name, hf_model, torch.device(device), dtype)
+    return builder(name, hf_model, torch.device(device), dtype)
 
 
-def _gpt2_layers(name: str, model, device, dtype) -> ModelLayers:
+def gpt2_layers(name: str, model, device, dtype) -> ModelLayers:
     from transformers.masking_utils import create_causal_mask
 
     from transformers.loss.loss_utils import ForCausalLMLoss as causal_lm_loss  # what GPT2LMHeadModel uses
@@ -206,10 +204,13 @@ def _gpt2_layers(name: str, model, device, dtype) -> ModelLayers:
         num_params={"gpt2_embedding": _count(tr.wte) + _count(tr.wpe), "gpt2_context": 0,
                     "gpt2_block": _count(block), "gpt2_head": _count(tr.ln_f) + emb},
         tied_params={"gpt2_embedding": emb, "gpt2_head": emb},
+        sequence_kind="causal",
+        analytic_kinds=GPT2_ANALYTIC_KINDS,
+        context_kinds={"gpt": "gpt2_context"},
     )
 
 
-def _t5_layers(name: str, model, device, dtype) -> ModelLayers:
+def t5_layers(name: str, model, device, dtype) -> ModelLayers:
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     cfg, enc, dec = model.config, model.encoder, model.decoder
@@ -217,7 +218,7 @@ def _t5_layers(name: str, model, device, dtype) -> ModelLayers:
     enc_block = enc.block[min(1, len(enc.block) - 1)]
     dec_block = dec.block[min(1, len(dec.block) - 1)]
     enc_bias, dec_bias = enc.block[0].layer[0].SelfAttention, dec.block[0].layer[0].SelfAttention
-    scale = getattr(cfg, "scale_decoder_outputs", cfg.tie_word_embeddings)
+    scale = getattr(cfg, "scale_decoder_outputs", False)  # T5 with a tied head; mT5 never rescales
 
     def enc_context(x, b, e):
         mask = create_bidirectional_mask(config=enc.config, inputs_embeds=x, attention_mask=padding_mask(b, e, device))
@@ -309,4 +310,7 @@ def _t5_layers(name: str, model, device, dtype) -> ModelLayers:
                     "t5_head": _count(dec.final_layer_norm) + _count(model.lm_head)},
         tied_params={"t5_encoder_embedding": emb, "t5_decoder_embedding": emb,
                      **({"t5_head": emb} if cfg.tie_word_embeddings else {})},
+        sequence_kind="seq2seq",
+        analytic_kinds=T5_ANALYTIC_KINDS,
+        context_kinds={"t5_encoder": "t5_encoder_context", "t5_decoder": "t5_decoder_context"},
     )

@@ -14,9 +14,12 @@ import json
 import os
 from dataclasses import dataclass
 
+from dynabatch.sequence import SEQUENCE_KINDS, is_seq2seq, sequence_kind
+
 BUILTIN_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
 TOKENIZER_NAMES = ("builtin", "gpt2", "byt5")
-FAMILIES = ("t5", "gpt2")
+FAMILIES = SEQUENCE_KINDS
+"""Sequence kinds data is tokenized for (legacy names ``t5``/``gpt2`` are accepted too)."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,9 @@ def tokenize_dataset(ds, tokenizer, family: str, num_proc: int | None = None, de
     Encoder-decoder (``t5``): inputs + EOS go to the encoder, targets + EOS are the labels.
     Decoder-only (``gpt2``): the sequence is inputs + targets + EOS; loss on targets by default.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"model family must be one of {FAMILIES}, got {family!r}")
+    sequence_kind(family)  # ValueError naming the valid kinds
     eos = tokenizer_info(tokenizer).eos_id
-    input_eos = [eos] if family == "t5" else []
+    input_eos = [eos] if is_seq2seq(family) else []
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         inputs = tokenizer(batch["inputs"], add_special_tokens=False)["input_ids"]

@@ -48,6 +48,7 @@ import numpy as np
 
 from dynabatch.plan._slicing_kernels import _solve_slices
 from dynabatch.plan.costs import check_int, check_non_negative, check_non_negative_fields, evaluate_costs
+from dynabatch.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel
@@ -176,7 +177,7 @@ class AnalyticSliceCostModel:
 
     def __post_init__(self) -> None:
         family = getattr(getattr(self.model, "spec", None), "family", None)
-        if family != "gpt":
+        if is_seq2seq(family):
             raise ValueError(f"token slicing needs a decoder-only model (spec.family 'gpt'), got {family!r}")
         kinds = tuple(self.stage_kinds)
         if not kinds:

@@ -11,13 +11,13 @@ import pytest
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import HARDWARE_PRESETS, hardware_spec
+from dynabatch.models.families import analytic_spec
 from dynabatch.cost.model_specs import (
     PRESETS,
     TransformerSpec,
     layer_kinds,
     model_spec,
     num_params,
-    spec_from_hf_config,
 )
 
 A100 = hardware_spec("a100-80gb")
@@ -78,7 +78,7 @@ def test_t5_param_counts_match_hf(spec):
     assert model.param_count("t5_decoder") == _count(T5Block(_hf_t5_config(spec, is_decoder=True)))
     hf_model = T5ForConditionalGeneration(_hf_t5_config(spec, is_decoder=False))
     # transformers 5 always ties T5's head (v1.1 checkpoints included); the spec follows the config.
-    hf_spec = spec_from_hf_config(hf_model.config)
+    hf_spec = analytic_spec(hf_model.config)
     assert hf_spec == replace(spec, tie_embeddings=hf_model.config.tie_word_embeddings)
     assert num_params(hf_spec) == _count(hf_model)
     untied_head = 0 if spec.tie_embeddings or hf_spec.tie_embeddings is False else spec.vocab_size * spec.d_model
@@ -93,7 +93,7 @@ def test_gpt_param_counts_match_hf():
     model = AnalyticCostModel(GPT_SMALL, A100)
     assert model.param_count("gpt") == _count(GPT2Block(config))
     assert model.num_params() == _count(GPT2LMHeadModel(config))
-    assert spec_from_hf_config(config) == GPT_SMALL
+    assert analytic_spec(config) == GPT_SMALL
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def _kinds_and_models():
 def test_vectorised_equals_scalar_and_monotone(model, kind):
     rng = np.random.default_rng(0)
     b, E, D = rng.integers(1, 64, 20), rng.integers(1, 512, 20), rng.integers(1, 256, 20)
-    D_arg = D if model.spec.family == "t5" else None
+    D_arg = D if model.spec.family == "seq2seq" else None
     vec = model.layer_cost(kind, b, E, D_arg)
     for i in range(len(b)):
         one = model.layer_cost(kind, int(b[i]), int(E[i]), None if D_arg is None else int(D[i]))
@@ -132,7 +132,7 @@ def test_vectorised_equals_scalar_and_monotone(model, kind):
             assert isinstance(getattr(one, field), float)
             assert getattr(vec, field)[i] == pytest.approx(getattr(one, field), rel=1e-12)
     grid = np.array([1, 2, 4, 8, 16, 64, 256])
-    t5 = model.spec.family == "t5"
+    t5 = model.spec.family == "seq2seq"
     uses_d = t5 and kind in ("decoder_embedding", "t5_decoder", "lm_head")
     sweeps = {"b": ((grid, 64, 32), True), "E": ((4, grid, 32), not (t5 and kind == "lm_head"))}
     if t5:
@@ -247,8 +247,8 @@ def test_bad_input_raises_with_valid_options():
         model.layer_cost("gpt", 1, 8, 4)
     with pytest.raises(ValueError, match="num_decoder_layers must be 0"):
         TransformerSpec("gpt", 64, 4, 16, 256, 2, 2, 100)
-    with pytest.raises(ValueError, match="supported model types"):
-        spec_from_hf_config(object())
+    with pytest.raises(ValueError, match="model type None is not supported; dynabatch supports the families"):
+        analytic_spec(object())
 
 
 def test_hardware_presets_are_sane():

@@ -36,7 +36,7 @@ def limits_for(family: str) -> LengthLimits:
 def make_loader(data, method="dynamic", **kwargs) -> DynaBatchDataLoader:
     options = dict(token_budget=3000, method=method, method_options=LOADER_METHODS[method])
     if method == "dynamic":
-        options.update(hardware="cpu", model_config=build_config("t5-tiny" if data.family == "t5" else "gpt2-tiny"))
+        options.update(hardware="cpu", model_config=build_config("t5-tiny" if data.family == "seq2seq" else "gpt2-tiny"))
     options.update(kwargs)
     return DynaBatchDataLoader(data, limits_for(data.family), **options)
 
@@ -70,7 +70,7 @@ def test_micro_batches_cover_each_global_batch_exactly_once(toy_data, method):
             for mb in step.micro_batches:
                 ids = [row[0] for row in mb.sample_ids]
                 e, d = step.batch.input_lens[ids], step.batch.target_lens[ids]
-                if toy_data.family == "t5":
+                if toy_data.family == "seq2seq":
                     assert mb.shape[1:] == (e.max(), d.max())
                 else:
                     assert mb.shape[1] == (e + d).max()
@@ -135,7 +135,7 @@ def test_loader_rejects_bad_settings(toy_data):
         DynaBatchDataLoader(toy_data, limits, token_budget=3000, num_replicas=2, replica_index=2)
     with pytest.raises(ValueError, match="token_budget"):
         DynaBatchDataLoader(toy_data, limits)
-    other = "gpt2-tiny" if toy_data.family == "t5" else "t5-tiny"
+    other = "gpt2-tiny" if toy_data.family == "seq2seq" else "t5-tiny"
     with pytest.raises(ValueError, match="tokenized for"):
         DynaBatchDataLoader(toy_data, limits, token_budget=3000, model_config=build_config(other))
     with pytest.raises(ValueError, match="restart_on_iter"):

@@ -12,6 +12,7 @@ from dynabatch.cost.layers import Step
 from dynabatch.cost.measure import MeasureSettings, measure_memory, measure_step, saved_bytes
 from dynabatch.cost.profile import ProfileGrid, count_points, run_profile, save_profile
 from dynabatch.cost.tables import CostTables
+from dynabatch.models.families import layer_builder
 
 TINY_GRID = ProfileGrid(batch_sizes=(1, 2), enc_lengths=(8, 16), dec_lengths=(4, 8), max_tokens=64)
 ONE_REPEAT = MeasureSettings(min_repeats=1, max_repeats=1, min_time_s=0.0)
@@ -26,7 +27,8 @@ def _one_thread():
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
 def test_tiny_profile_round_trips_into_tables(model, tmp_path):
-    profile = run_profile(model, TINY_GRID, ONE_REPEAT, num_threads=1, p2p_backend=None, show_progress=False)
+    profile = run_profile(model, TINY_GRID, ONE_REPEAT, num_threads=1, p2p_backend=None, show_progress=False,
+                          layer_builder=layer_builder(model))
     path = save_profile(profile, tmp_path / "p.json")
     data = json.loads(path.read_text())
     assert data["format"] == "dynabatch.profile" and data["version"] == 1
