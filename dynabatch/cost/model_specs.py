@@ -138,6 +138,14 @@ def _gpt(d_model: int, heads: int, layers: int, positions: int = 2048) -> Transf
     )
 
 
+def _llama(d_model: int, layers: int, heads: int, kv_heads: int, d_ff: int, vocab: int, tied: bool,
+           qkv_bias: bool = False) -> TransformerSpec:
+    """A Llama-style decoder: RMSNorm, gated SiLU MLP, grouped-query attention, rotary positions."""
+    return TransformerSpec(CAUSAL, d_model, heads, d_model // heads, d_ff, layers, 0, vocab_size=vocab, gated_ffn=True,
+                           tie_embeddings=tied, max_positions=0, num_kv_heads=kv_heads, norm="rms",
+                           biases="qkv" if qkv_bias else "none")
+
+
 PRESETS: dict[str, TransformerSpec] = {
     # Original T5 (Raffel et al. 2020, Table 14; HF t5-base .. t5-11b configs): ReLU FFN, tied head.
     "t5-base": _t5(768, 12, 64, 3072, 12, v1_1=False),  # 223M
@@ -159,6 +167,14 @@ PRESETS: dict[str, TransformerSpec] = {
     "gpt-6.7b": _gpt(4096, 32, 32),  # 6.66B
     "gpt3-13b": _gpt(5120, 40, 40),  # 12.9B
     "gpt3-175b": _gpt(12288, 96, 96),  # 174.6B
+    # Llama-style decoders (HF config.json of meta-llama/Llama-3.2-1B, Meta-Llama-3-8B, Meta-Llama-3-70B,
+    # Qwen/Qwen2.5-0.5B, Qwen2.5-7B, mistralai/Mistral-7B-v0.1): GQA, gated MLP, RMSNorm, rotary.
+    "llama3.2-1b": _llama(2048, 16, 32, 8, 8192, 128256, tied=True),  # 1.24B
+    "llama3-8b": _llama(4096, 32, 32, 8, 14336, 128256, tied=False),  # 8.03B
+    "llama3-70b": _llama(8192, 80, 64, 8, 28672, 128256, tied=False),  # 70.55B
+    "qwen2.5-0.5b": _llama(896, 24, 14, 2, 4864, 151936, tied=True, qkv_bias=True),  # 494M
+    "qwen2.5-7b": _llama(3584, 28, 28, 4, 18944, 152064, tied=False, qkv_bias=True),  # 7.62B
+    "mistral-7b": _llama(4096, 32, 32, 8, 14336, 32000, tied=False),  # 7.24B
 }
 """Named model shapes; comments give the parameter count :func:`num_params` computes."""
 

@@ -96,6 +96,51 @@ def test_gpt_param_counts_match_hf():
     assert analytic_spec(config) == GPT_SMALL
 
 
+LLAMA_STYLE_CONFIGS = {
+    # The HF config.json fields of the published checkpoints (shapes only).
+    "llama3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                  intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)),
+    "llama3-70b": ("llama", dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                 intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                 intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                   intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_STYLE_CONFIGS))
+def test_llama_style_presets_match_hf_models_on_meta_device(name):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = LLAMA_STYLE_CONFIGS[name]
+    config = AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        hf_params = _count(AutoModelForCausalLM.from_config(config))
+    assert num_params(model_spec(name)) == pytest.approx(hf_params, rel=0.005)
+    assert analytic_spec(config) == model_spec(name)
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("mistral", False)])
+def test_llama_style_layer_param_counts_are_exact(model_type, tie):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=96, vocab_size=100, tie_word_embeddings=tie)
+    hf_model = AutoModelForCausalLM.from_config(config)
+    model = AnalyticCostModel(analytic_spec(config), A100)
+    assert model.param_count("gpt") == _count(hf_model.model.layers[0])
+    assert model.num_params() == _count(hf_model)
+    gqa = model.layer_cost("gpt", 2, 64)
+    mha = AnalyticCostModel(replace(model.spec, num_kv_heads=4), A100).layer_cost("gpt", 2, 64)
+    assert gqa.fwd_flops < mha.fwd_flops and gqa.stored_activation_bytes < mha.stored_activation_bytes
+
+
 @pytest.mark.parametrize(
     "name, size, rel",
     [("gpt3-175b", 175e9, 0.02), ("gpt3-13b", 13e9, 0.02), ("gpt-6.7b", 6.7e9, 0.02), ("gpt-2.7b", 2.7e9, 0.03),

@@ -163,11 +163,11 @@ def check_length_limit(config, max_len: int, what: str = "the length limit") -> 
         family.check_config(config, max_len)
 
 
-def check_model(name_or_path: str, max_len: int, slice_long: bool = False) -> ModelFamily:
+def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False) -> ModelFamily:
     """Start-up checks of a model to train, from its config alone (before any weights or data load).
 
     The model type must be supported (:func:`family_for_config`); a causal model's per-sample token
-    limit ``max_len`` must fit its positions (:func:`check_length_limit`); token slices need a causal model.
+    limit ``max_len`` (None: not checked) must fit its positions (:func:`check_length_limit`); token slices need a causal model.
     """
     from dynabatch.model_presets import load_config
 
@@ -178,7 +178,7 @@ def check_model(name_or_path: str, max_len: int, slice_long: bool = False) -> Mo
             f"slice_long cuts decoder-only samples into token slices; {name_or_path} is a {family.sequence_kind} "
             f"({family.name}) model"
         )
-    if family.sequence_kind == CAUSAL:
+    if family.sequence_kind == CAUSAL and max_len is not None:
         check_length_limit(config, max_len, what="the length limit (--max-input-len)")
     return family
 
