@@ -220,7 +220,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
     if backend:
         p2p = asdict(measure_p2p(backend))
     axes = {"b": list(grid.batch_sizes), "E": list(grid.enc_lengths)}
-    if is_seq2seq(layers.family):
+    if is_seq2seq(layers.sequence_kind):
         axes["D"] = list(grid.dec_lengths)
     import transformers
 

@@ -201,7 +201,8 @@ class CostTables:
             kinds[name] = KindTable(dims, values, int(rec["num_params"]), int(rec.get("tied_params", 0)))
         model = profile["model"]
         cfg = model.get("config", {})
-        if is_seq2seq(model["family"]):
+        kind = sequence_kind(model.get("sequence_kind", model["family"]))  # older profiles: the family name
+        if is_seq2seq(kind):
             num_layers = (int(cfg.get("num_layers", 0)), int(cfg.get("num_decoder_layers") or cfg.get("num_layers", 0)))
         else:
             num_layers = (int(cfg.get("n_layer") or cfg.get("num_hidden_layers", 0)), 0)
@@ -215,7 +216,7 @@ class CostTables:
         meta = {k: profile.get(k) for k in ("device", "versions", "num_threads", "settings", "created")}
         meta["model"] = {k: v for k, v in model.items() if k != "config"}
         meta["config"] = cfg
-        return cls(sequence_kind(model.get("sequence_kind", model["family"])), axes["b"], axes["E"], axes.get("D", np.array([1.0, 2.0])), kinds, num_layers,
+        return cls(kind, axes["b"], axes["E"], axes.get("D", np.array([1.0, 2.0])), kinds, num_layers,
                    sizes, times, meta)
 
     # ----- stage composition --------------------------------------------------------------------

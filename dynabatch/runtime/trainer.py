@@ -90,6 +90,8 @@ _PROFILE_CONFIG_KEYS = (
     "model_type", "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
     "feed_forward_proj", "relative_attention_num_buckets", "relative_attention_max_distance", "tie_word_embeddings",
     "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "activation_function",
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
+    "hidden_act",
 )
 
 

@@ -25,7 +25,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny", "llama-tiny"])
 def test_tiny_profile_round_trips_into_tables(model, tmp_path):
     profile = run_profile(model, TINY_GRID, ONE_REPEAT, num_threads=1, p2p_backend=None, show_progress=False,
                           layer_builder=layer_builder(model))
@@ -44,7 +44,7 @@ def test_tiny_profile_round_trips_into_tables(model, tmp_path):
     off_grid = t.stage_cost(stage, 1.5, 11, 6)
     assert at_grid.feasible and off_grid.feasible
     assert 0 < at_grid.fwd_s and 0 < at_grid.stored_bytes <= at_grid.peak_bytes
-    block = "gpt2_block" if model.startswith("gpt2") else "t5_encoder_block"
+    block = {"gpt2": "gpt2_block", "t5": "t5_encoder_block", "llama": "llama_block"}[model.split("-")[0]]
     assert t.layer_cost(block, 2, 16).stored_bytes > t.layer_cost(block, 1, 8).stored_bytes
     assert t.stage_params(stage) == sum(p.numel() for p in _model_params(model))
 
