@@ -100,7 +100,7 @@ def test_grid_cap_keeps_cells_complete():
     assert not g2.included(("b", "E"), (2, 2)) and g2.included(("b", "E"), (1, 1))
     with pytest.raises(ValueError):
         ProfileGrid(batch_sizes=(2, 1))
-    from dynabatch.cost.layers import GPT2_KINDS
+    from dynabatch.models.families.gpt2 import GPT2_KINDS
 
     assert count_points(GPT2_KINDS, g) == 4 * 9
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynabatch.cost.layers import KindSpec, ModelLayers, Step, _count, _hidden, padding_mask, token_ids
+from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hidden_input, padding_mask, token_ids
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.families import ModelFamily, register_family
@@ -176,19 +176,19 @@ def llama_layers(name: str, model, device, dtype) -> ModelLayers:
 
     def context(b, e, _d):
         x = torch.zeros(b, e, d, device=device, dtype=dtype)
-        h = _hidden(b, e, d, device, dtype)
+        h = hidden_input(b, e, d, device, dtype)
         return Step(run=lambda: ((), (*_flat(context_of(x, b, e)),)),
                     consumer=lambda outs: block(h, attention_mask=outs[0], position_embeddings=(outs[1], outs[2])))
 
     def block_step(b, e, _d):
-        h = _hidden(b, e, d, device, dtype)
+        h = hidden_input(b, e, d, device, dtype)
         with torch.no_grad():
             mask, rotary = context_of(h, b, e)
         return Step(run=lambda: ((block(h, attention_mask=mask, position_embeddings=rotary),), ()),
                     leaves=(h,), shared=(mask, *rotary))
 
     def head(b, e, _d):
-        h = _hidden(b, e, d, device, dtype)
+        h = hidden_input(b, e, d, device, dtype)
         labels = token_ids(b, e, vocab, device)
         labels[-1, -1] = IGNORE_INDEX
         return Step(run=lambda: ((_token_losses(model.lm_head(inner.norm(h)), labels).sum(),), ()), leaves=(h,))
@@ -198,8 +198,8 @@ def llama_layers(name: str, model, device, dtype) -> ModelLayers:
     return ModelLayers(
         name, "llama", model, LLAMA_KINDS,
         makers={"llama_embedding": embedding, "llama_context": context, "llama_block": block_step, "llama_head": head},
-        num_params={"llama_embedding": emb, "llama_context": 0, "llama_block": _count(block),
-                    "llama_head": _count(inner.norm) + _count(model.lm_head)},
+        num_params={"llama_embedding": emb, "llama_context": 0, "llama_block": count_params(block),
+                    "llama_head": count_params(inner.norm) + count_params(model.lm_head)},
         tied_params={"llama_embedding": emb, **({"llama_head": emb} if tied else {})},
         sequence_kind=CAUSAL,
         analytic_kinds={"embedding": ("llama_embedding",), "gpt": ("llama_block",), "lm_head": ("llama_head",)},
