@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-
 from dynabatch.cli import main
 from family_configs import build, decoder_config
 
