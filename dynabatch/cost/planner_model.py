@@ -180,7 +180,7 @@ class ProfiledLayerModel:
         """Bytes a stage ending in ``last_kind`` sends on: hidden states of E tokens, E + D once the decoder
         has started, none after the head (profile dtype and d_model)."""
         cfg = self.tables.meta.get("config", {})
-        d_model = cfg.get("d_model") or cfg.get("n_embd")
+        d_model = (self.tables.meta.get("model") or {}).get("d_model") or cfg.get("d_model") or cfg.get("n_embd")
         if not d_model:
             raise ValueError("the profile's model config has no d_model / n_embd")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[self.tables.meta["model"].get("dtype", "float32")]

@@ -234,6 +234,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
                      "python": sys.version.split()[0]},
         "model": {"name": model, "family": layers.family, "sequence_kind": layers.sequence_kind,
                   "analytic_kinds": layers.analytic_kinds, "context_kinds": layers.context_kinds,
+                  "d_model": layers.model.get_input_embeddings().embedding_dim,
                   "dtype": dtype, "dropout": dropout, "config": layers.model.config.to_dict()},
         "settings": {**asdict(settings), "clock": resolve_clock(settings.clock, dev), "max_tokens": grid.max_tokens,
                      "seed": seed},

@@ -47,6 +47,12 @@ def test_tiny_profile_round_trips_into_tables(model, tmp_path):
     block = {"gpt2": "gpt2_block", "t5": "t5_encoder_block", "llama": "llama_block"}[model.split("-")[0]]
     assert t.layer_cost(block, 2, 16).stored_bytes > t.layer_cost(block, 1, 8).stored_bytes
     assert t.stage_params(stage) == sum(p.numel() for p in _model_params(model))
+    from dynabatch.cost.planner_model import ProfiledLayerModel
+
+    planner_view = ProfiledLayerModel(t)  # the profile's own kind mapping and width, no family name
+    kinds = planner_view.layer_kinds()
+    assert planner_view.spec(kinds[:2]).counts() and data["model"]["d_model"] == 64
+    assert planner_view.send_bytes(kinds[1], 2, 16) == 4 * 2 * 16 * 64  # fp32 hidden states of E tokens
 
 
 def _model_params(model):
