@@ -79,6 +79,8 @@ class TransformerSpec:
     Seq2seq (T5) always uses RMSNorm."""
     biases: str = "all"
     """Causal blocks: linear-layer biases, ``all`` (GPT-2), ``qkv`` (Qwen2: Q/K/V only) or ``none`` (Llama)."""
+    qk_norm: bool = False
+    """Causal blocks: RMSNorm over each head of Q and K (Qwen3; ``2 d_kv`` weights per block)."""
 
     def __post_init__(self) -> None:
         try:
@@ -203,7 +205,8 @@ def layer_param_count(spec: TransformerSpec, kind: str) -> int:
             kv = spec.d_kv_attn
             ffn = d * f * (3 if spec.gated_ffn else 2)
             bias = {"all": (a + 2 * kv) + d + f * (2 if spec.gated_ffn else 1) + d, "qkv": a + 2 * kv, "none": 0}
-            return 2 * norm + d * (a + 2 * kv) + a * d + ffn + bias[spec.biases]
+            qk_norm = 2 * spec.d_kv if spec.qk_norm else 0
+            return 2 * norm + d * (a + 2 * kv) + a * d + ffn + bias[spec.biases] + qk_norm
         if kind == "embedding":
             return v * d + spec.max_positions * d
         return norm + (0 if spec.tie_embeddings else v * d)  # lm_head: final norm (+ untied head)

@@ -126,7 +126,7 @@ def test_llama_style_presets_match_hf_models_on_meta_device(name):
     assert analytic_spec(config) == model_spec(name)
 
 
-@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("mistral", False)])
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)])
 def test_llama_style_layer_param_counts_are_exact(model_type, tie):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Llama-style decoders (Llama, Qwen2, Mistral), Flan-T5 / T5 v1.1 and mT5 through the family registry.
+"""Llama-style decoders (Llama, Qwen2, Qwen3, Mistral), Flan-T5 / T5 v1.1 and mT5 through the family registry.
 
 Chained stages equal the unsplit HF model (loss and every gradient, fp32 defaults) for GQA configs
 with untied and tied heads on 1-3 stages, padded and packed; packing equals one sample per row (the
@@ -20,7 +20,7 @@ from test_stage_split import ROWS, _check_chained, _samples
 
 DECODER_CASES = [
     ("llama", 1, False), ("llama", 2, False), ("llama", 3, True),
-    ("qwen2", 2, False), ("qwen2", 3, True), ("mistral", 2, False),
+    ("qwen2", 2, False), ("qwen2", 3, True), ("qwen3", 2, False), ("mistral", 2, False),
 ]
 
 

@@ -11,7 +11,7 @@ its CPU presets. Families registered here:
 * ``t5`` (:mod:`.t5`): ``T5ForConditionalGeneration`` (T5, T5 v1.1 / Flan-T5 gated-GELU) and
   ``MT5ForConditionalGeneration``;
 * ``llama`` (:mod:`.llama`): Llama-style decoders whose decoder layer is called like Llama's
-  (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``).
+  (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``).
 
 Adding a family is one module here that builds its :class:`ModelFamily` and calls
 :func:`register_family`, plus its tests (README, "Adding a model family").

@@ -1,4 +1,5 @@
-"""The ``llama`` family: Llama-style decoders (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``).
+"""The ``llama`` family: Llama-style decoders (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``MistralForCausalLM``).
 
 What they share, and what a stage runs exactly as ``LlamaModel.forward`` does for its layers:
 
@@ -17,8 +18,9 @@ the attention calls ``cache.update`` with its keys *after* the rotary rotation, 
 keys/values (``(B, num_key_value_heads, C, head_dim)``) hold the positions of the earlier slices and
 the slice's own position ids continue the sample's (tests/dist/test_llama_pipeline.py).
 
-Qwen2 adds Q/K/V biases; Mistral's sliding window is not modelled by the dense mask, so a length limit
-above ``sliding_window`` is refused at start. Tried: Llama, Qwen2 and Mistral (tests/unit/test_llama_family.py).
+Qwen2 adds Q/K/V biases, Qwen3 a per-head RMSNorm of Q and K inside the attention (the layer is called
+the same way); Mistral's sliding window is not modelled by the dense mask, so a length limit above
+``sliding_window`` is refused at start. Tried: Llama, Qwen2, Qwen3 and Mistral (tests/unit/test_llama_family.py).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def llama_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         norm="rms",
         biases="qkv" if qkv_bias else "none",
+        qk_norm=config.model_type == "qwen3",
     )
 
 
@@ -214,8 +217,8 @@ def _flat(context) -> tuple[torch.Tensor, ...]:
 
 LLAMA = register_family(ModelFamily(
     name="llama",
-    model_types=("llama", "qwen2", "mistral"),
-    model_classes=("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
+    model_types=("llama", "qwen2", "qwen3", "mistral"),
+    model_classes=("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
     sequence_kind=CAUSAL,
     stage_class=LlamaStage,
     tied_groups=llama_tied_groups,
