@@ -128,7 +128,7 @@ def plan_step(
     if slice_cost_model is None:
         return _plan(e, d, [], cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options)
     if is_seq2seq(family):
-        raise ValueError(f"token slicing needs a decoder-only model (family 'gpt2'), got {family!r}")
+        raise ValueError(f"token slicing needs a decoder-only (causal) model, got {family!r}")
     decision = slice_long_samples(
         e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
         in_flight=partition_options.get("in_flight") or num_stages,
