@@ -90,3 +90,17 @@ def test_seq2seq_forward_equals_hf_loss_for_flan_t5_and_mt5(variant):
         out = forward_loss(model, mb)
         hf = model(input_ids=mb.input_ids, labels=mb.labels).loss
     torch.testing.assert_close(out.loss_sum / out.num_loss_tokens, hf)
+
+
+def test_lower_floors_do_not_import_models():
+    """cost/, data/, plan/, schedule/ and the presets work without dynabatch.models (one-way imports)."""
+    import subprocess
+    import sys
+
+    modules = ("dynabatch.cost.profile", "dynabatch.cost.calibrate", "dynabatch.cost.planner_model",
+               "dynabatch.data.pipeline", "dynabatch.data.baselines", "dynabatch.plan.step", "dynabatch.schedule.lower",
+               "dynabatch.model_presets", "dynabatch.workload")
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('dynabatch.models')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
