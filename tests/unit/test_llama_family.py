@@ -79,7 +79,7 @@ def test_registry_names_unsupported_models_and_checks_lengths():
     with pytest.warns(UserWarning, match="trained for 512 positions"):
         check_length_limit(decoder_config("qwen2"), 1024)
     with pytest.raises(ValueError, match="sliding-window attention over 256 tokens"):
-        check_length_limit(decoder_config("mistral", sliding_window=256), 1024)
+        check_length_limit(decoder_config("mistral", sliding_window=256, max_position_embeddings=4096), 1024)
 
 
 @pytest.mark.parametrize("variant", ["gated", "mt5"])
