@@ -25,7 +25,8 @@ from dynabatch.data.batching import LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 
 METHODS = ("dynamic", "padding", "length_grouped", "token_budget", "packing")
-MODEL_FAMILIES = {"t5": "t5", "gpt": "gpt2", "gpt2": "gpt2"}
+MODEL_FAMILIES = {"t5": "seq2seq", "gpt": "causal", "gpt2": "causal", "llama": "causal"}
+"""``--model`` of ``plan``/``simulate``: a model family name -> its sequence kind (the analytic preset gives the shape)."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from numba import njit  # noqa: E402
 
 from dynabatch.cost import _kernels as K  # noqa: E402
 from dynabatch.cost.calibrate import format_summary, run_check, summarize  # noqa: E402
-from dynabatch.cost.layers import GPT2_KINDS, T5_KINDS  # noqa: E402
+from dynabatch.cost.layers import KindSpec  # noqa: E402
+from dynabatch.models.families import layer_builder  # noqa: E402
 from dynabatch.cost.profile import ProfileGrid, count_points, run_profile, save_profile  # noqa: E402
 from dynabatch.cost.tables import CostTables  # noqa: E402
 
@@ -101,13 +102,13 @@ def main() -> int:
         path = os.path.join(args.profile_dir, f"{model}.cpu.json")
         print(f"\n=== {model} ===")
         if not (args.reuse and os.path.exists(path)):
-            profile = run_profile(model, num_threads=1, show_progress=False)
+            profile = run_profile(model, num_threads=1, show_progress=False, layer_builder=layer_builder(model))
             save_profile(profile, path)
         t = CostTables.load(path)
         meta = t.meta
         with open(path) as f:
             raw = json.load(f)
-        points = count_points(GPT2_KINDS if t.family == "gpt2" else T5_KINDS, ProfileGrid())
+        points = count_points(tuple(KindSpec(k, tuple(v["dims"])) for k, v in raw["layers"].items()), ProfileGrid())
         per_kind = ", ".join(f"{k} {v.get('time_s', 0):.1f}s" for k, v in raw["layers"].items())
         print(f"profile: {raw['profile_time_s']:.1f} s for {points} points ({meta['device']['name']}, "
               f"{meta['num_threads']} thread, clock {meta['settings']['clock']}; p2p included)")
@@ -118,7 +119,7 @@ def main() -> int:
                                                      for n, s, m in zip(p["sizes_bytes"], p["send_s"],
                                                                         p["send_min_s"])))
         start = time.perf_counter()
-        rows = run_check(t, args.num_shapes, args.seed, progress=False)
+        rows = run_check(t, layer_builder(model), args.num_shapes, args.seed, progress=False)
         print(f"check: {args.num_shapes} off-grid shapes in {time.perf_counter() - start:.1f} s")
         print(format_summary(summarize(rows)))
         print(f"lookup cost inside an @njit loop ({args.lookups:.0e} random queries, thread CPU time, best of 7):")

@@ -160,7 +160,7 @@ def _worker(rank: int, a, workdir: str) -> None:
 
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
-    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.models.families import analytic_spec
     from dynabatch.cost.stages import StageCostModel
     from dynabatch.data.collate import collate_causal
     from dynabatch.models.presets import PAD_ID, build_model
@@ -181,7 +181,7 @@ def _worker(rank: int, a, workdir: str) -> None:
     stage = build_stage(model, layout, ctx.stage_index)
     opt = torch.optim.SGD(stage.parameters(), lr=0.0)  # lr 0: both variants see the same weights every step
     ex = Executor(stage, ctx, opt)
-    stage_model = StageCostModel(AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes=4), hardware_spec("cpu")),
+    stage_model = StageCostModel(AnalyticCostModel(analytic_spec(model.config, dtype_bytes=4), hardware_spec("cpu")),
                                  layout, 4 * 2**30, memory_margin=0.0)
     slicer = AnalyticSliceCostModel.from_stage_model(stage_model, ref_length=a.cpu_max_len)
     del model

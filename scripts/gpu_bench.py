@@ -69,15 +69,16 @@ def profile(settings: dict, model: str, device: str, out: str) -> tuple[str, dic
     from dynabatch.cost.measure import MeasureSettings
     from dynabatch.cost.profile import ProfileGrid, run_profile, save_profile
     from dynabatch.cost.tables import CostTables
+    from dynabatch.models.families import layer_builder
 
     cuda = device.startswith("cuda")
     start = time.perf_counter()
     prof = run_profile(model, ProfileGrid(**settings["grid"]), MeasureSettings(min_repeats=2, max_repeats=10, min_time_s=0.02),
                        device=device, dtype="bfloat16" if cuda else "float32", num_threads=None if cuda else 1,
-                       p2p_backend=None, show_progress=False)
+                       p2p_backend=None, show_progress=False, layer_builder=layer_builder(model))
     path = str(save_profile(prof, os.path.join(out, "profile.json")))
     print(f"profile: {model} on {prof['device']['name']} in {time.perf_counter() - start:.1f} s -> {path}", flush=True)
-    rows = run_check(CostTables.load(path), num_shapes=settings["check_shapes"], device=device, progress=False)
+    rows = run_check(CostTables.load(path), layer_builder(model), num_shapes=settings["check_shapes"], device=device, progress=False)
     summary = summarize(rows)
     print(format_summary(summary), flush=True)
     with open(os.path.join(out, "profile_check.json"), "w", encoding="utf-8") as f:

@@ -54,22 +54,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.sequence import is_seq2seq
+
 BASELINES = ("packing", "padding", "token_budget", "length_grouped")
 SLICED = "dynamic_sliced"
 METHODS = ("dynamic", SLICED, *BASELINES, "pipelining")
 PEER = "pipelining"
-MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256"}
-"""``--model`` short names: the benchmark presets of similar size."""
+MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
+"""``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="t5",
-                   help="t5 (= t5-d256), gpt (= gpt2-d256), or any model preset (t5-tiny, gpt2-mini, ...)")
+                   help="t5 (= t5-d256), gpt (= gpt2-d256), llama (= llama-d256), any model preset "
+                        "(t5-tiny, gpt2-mini, llama-tiny, ...) or a local checkpoint folder")
     p.add_argument("--lengths", default=None,
                    help="mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, target_len; "
                         "random token ids of exactly those lengths); default: the built-in mixture")
     p.add_argument("--methods", default=None,
-                   help=f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: GPT models only)")
+                   help=f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: decoder-only models only)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (one process each)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
@@ -108,21 +111,17 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Model aliases and the length-dependent default of ``--max-target-len`` (in place)."""
     args.model = MODEL_ALIASES.get(args.model, args.model)
     if args.methods is None:
-        sliced = _family(args.model) == "gpt2" and not args.cost_profile  # slices are priced analytically
+        sliced = not is_seq2seq(_family(args.model)) and not args.cost_profile  # slices are priced analytically
         args.methods = ",".join(m for m in METHODS if m != SLICED or sliced)
     if args.max_target_len is None:
         args.max_target_len = max(1, args.max_input_len // 4)
 
 
 def _family(model: str) -> str:
-    """``t5`` or ``gpt2`` for a preset name or a local checkpoint directory."""
-    from dynabatch.models.presets import PRESETS, model_family
+    """The sequence kind (``causal``/``seq2seq``) of a preset name or a local checkpoint directory."""
+    from dynabatch.models.families import check_model
 
-    if model in PRESETS:
-        return PRESETS[model].family
-    from transformers import AutoConfig
-
-    return model_family(AutoConfig.from_pretrained(model, local_files_only=True))
+    return check_model(model, None).sequence_kind
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
-    if SLICED in methods and _family(args.model) != "gpt2":
-        raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a GPT model "
+    if SLICED in methods and is_seq2seq(_family(args.model)):
+        raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a decoder-only model "
                          f"(drop {SLICED} from --methods)")
     if args.steps < 1 or args.warmup < 0 or args.stages < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, stages >= 1; got {args.steps}, {args.warmup}, {args.stages}")
@@ -305,7 +304,8 @@ def bench(args, methods: list[str]) -> dict | None:
 
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
-    from dynabatch.models.presets import build_model, model_family
+    from dynabatch.models.families import check_model
+    from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.runtime.dist import shutdown
     from dynabatch.runtime.executor import Executor
@@ -322,8 +322,8 @@ def bench(args, methods: list[str]) -> dict | None:
     try:
         torch.set_num_threads(args.threads)
         info = tokenizer_info(load_tokenizer("builtin"))
+        family = check_model(args.model, args.max_input_len).sequence_kind
         model = build_model(args.model, vocab_size=info.vocab_size, dropout=0.0, seed=args.seed)
-        family = model_family(model.config)
         layout = layout_for(model, args.stages)
         spec = pipeline_spec_for(model, layout, "float32")
         base = build_stage(model, layout, ctx.stage_index)

@@ -9,7 +9,8 @@ from dynabatch.data.batching import LengthLimits
 from dynabatch.data.baselines import BaselineOptions
 from dynabatch.workload import MODEL_FAMILIES
 
-DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b"}
+DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
+"""Analytic preset of each ``--model`` when ``--preset`` is not given."""
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +19,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the built-in mixture")
     p.add_argument("--model", default="t5", choices=sorted(MODEL_FAMILIES), help="model family")
     p.add_argument("--preset", default=None,
-                   help="analytic model preset (default: t5-large / gpt-1.3b); see dynabatch.cost.model_specs.PRESETS")
+                   help="analytic model preset (default: t5-large / gpt-1.3b / llama3-8b); see "
+                        "dynabatch.cost.model_specs.PRESETS (llama3-8b, qwen2.5-7b, mistral-7b, ...)")
     p.add_argument("--hardware", default="a100-40gb", help="hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages")
     p.add_argument("--max-input-len", type=int, default=1024, help="T5 encoder limit; GPT sequence limit")
@@ -62,9 +64,9 @@ def resolve(args: argparse.Namespace) -> Workload:
     family = MODEL_FAMILIES[args.model]
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
-    preset = args.preset or DEFAULT_PRESETS["t5" if family == "t5" else "gpt"]
+    preset = args.preset or DEFAULT_PRESETS[args.model]
     model = AnalyticCostModel.from_names(preset, args.hardware)
-    if (model.spec.family == "t5") != (family == "t5"):
+    if model.spec.family != family:
         raise ValueError(f"preset {preset!r} is a {model.spec.family} model but --model is {args.model}")
     e_ref = min(args.max_input_len, 512)
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))

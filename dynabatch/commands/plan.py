@@ -14,6 +14,7 @@ import json
 import numpy as np
 
 from dynabatch.commands.common import add_workload_arguments, resolve
+from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches, method_micro_batches
 
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     slice_model = None
     if args.slice_long:
-        if w.family != "gpt2":
+        if is_seq2seq(w.family):
             raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
         from dynabatch.plan.slicing import AnalyticSliceCostModel
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options, slice_cost_model=slice_model)
              for b in batches[:1]]
     except ValueError as e:
-        hint = " (or pass --slice-long to cut such samples into token slices)" if w.family == "gpt2" and not args.slice_long else ""
+        hint = " (or pass --slice-long to cut such samples into token slices)" if not is_seq2seq(w.family) and not args.slice_long else ""
         raise ValueError(f"{e}{hint}") from e
     for method in METHODS:
         real = computed = micro = sliced = 0

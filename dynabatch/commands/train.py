@@ -1,4 +1,4 @@
-"""``dynabatch train``: train a T5 or GPT-2 on a mixture with dynamic micro-batching.
+"""``dynabatch train``: train a T5, GPT-2 or Llama-style model on a mixture with dynamic micro-batching.
 
 Launch directly for one process, or with ``torchrun --nproc-per-node STAGES*REPLICAS`` for a pipeline.
 Every field of :class:`dynabatch.config.TrainConfig` is a flag.

@@ -5,7 +5,8 @@ length ``D`` (T5), each layer kind (see :mod:`dynabatch.cost.model_specs`) is wr
 kernels it runs in the forward pass, each with FLOPs and bytes of memory traffic:
 
 * GEMMs ``(m, k) @ (k, n)``: ``2 m n k`` FLOPs, ``p (mk + kn + mn)`` bytes (``p`` = dtype bytes).
-  One block's GEMMs are QKV/out projections ``2 bT d a`` each per output width, FFN ``2 bT d f`` per
+  One block's GEMMs are QKV/out projections ``2 bT d a`` each per output width (K and V
+  ``2 bT d a_kv`` under grouped-query attention, ``a_kv = kv_heads d_kv``), FFN ``2 bT d f`` per
   matrix (3 matrices when gated); the attention core adds ``QK^T`` and ``AV`` at ``2 b h Tq Tk d_kv``
   each (self-attention ``Tq = Tk = T``, T5 cross-attention ``Tq = D, Tk = E``). With ``a = d, f = 4d``
   a GPT block is ``24 bTd^2 + 4 bT^2 d`` forward FLOPs (Narayanan et al. 2021). Causal masks are not
@@ -74,6 +75,7 @@ from dynabatch.cost.model_specs import (
     model_spec,
     num_params,
 )
+from dynabatch.sequence import is_seq2seq
 
 ArrayLike = Union[float, int, np.ndarray, Sequence[float]]
 Value = Union[float, np.ndarray]
@@ -276,10 +278,10 @@ class AnalyticCostModel:
 
     def _inputs(self, kind: str, b, E, D) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Validated float64 arrays broadcast to one shape, and whether all inputs were scalars."""
-        needs_d = self.spec.family == "t5" and kind in ("decoder_embedding", "t5_decoder", "lm_head")
+        needs_d = is_seq2seq(self.spec.family) and kind in ("decoder_embedding", "t5_decoder", "lm_head")
         if needs_d and D is None:
             raise ValueError(f"layer kind {kind!r} of a t5 model needs the decoder length D, got None")
-        if self.spec.family == "gpt" and D is not None and np.any(np.asarray(D) != 0):
+        if not is_seq2seq(self.spec.family) and D is not None and np.any(np.asarray(D) != 0):
             warnings.warn("D (decoder length) has no effect for a gpt model; the sequence length is E", stacklevel=3)
         scalar = all(np.ndim(x) == 0 for x in (b, E, D) if x is not None)
         arrays = [np.asarray(x if x is not None else 1.0, dtype=np.float64) for x in (b, E, D)]
@@ -303,13 +305,13 @@ class AnalyticCostModel:
     def _attention_ops(self, b, Tq, Tk, is_self: bool) -> list[_Op]:
         """Projections, attention core and output projection of one attention sub-layer."""
         s, p = self.spec, self.spec.dtype_bytes
-        d, a, h = s.d_model, s.d_attn, s.num_heads
-        if is_self:
-            proj = [_gemm(b * Tq, 3 * a, d, p)]
+        d, a, h, kv = s.d_model, s.d_attn, s.num_heads, s.d_kv_attn
+        if is_self:  # Q (a wide) and K, V (kv wide each: narrower under grouped-query attention)
+            proj = [_gemm(b * Tq, a + 2 * kv, d, p)]
         else:  # Q from the decoder, K and V from the encoder output
             proj = [_gemm(b * Tq, a, d, p), _gemm(b * Tk, 2 * a, d, p)]
         if self.flash_attention:
-            core = [_Op(4.0 * b * h * Tq * Tk * s.d_kv, p * b * 2 * (Tq + Tk) * a, "attention", bwd_factor=2.5)]
+            core = [_Op(4.0 * b * h * Tq * Tk * s.d_kv, p * b * 2 * (Tq * a + Tk * kv), "attention", bwd_factor=2.5)]
         else:
             scores = b * h * Tq * Tk
             core = [_gemm(Tq, Tk, s.d_kv, p, batch=b * h, unit="attention"), _mem(2 * p * scores)]
@@ -335,25 +337,25 @@ class AnalyticCostModel:
             return self._attention_ops(b, D, D, True) + self._attention_ops(b, D, E, False) + self._ffn_ops(b, D)
         if kind == "embedding":  # gather (+ GPT position add), dropout
             n = b * E
-            positions = [_mem(3 * p * n * d)] if s.family == "gpt" else []
+            positions = [_mem(3 * p * n * d)] if s.max_positions else []  # learned position table (GPT-2)
             return [_mem(2 * p * n * d)] + positions + self._dropout(n * d)
         if kind == "decoder_embedding":  # encoder final norm + dropout, decoder gather + dropout
             encoder_final = [_mem(2 * p * b * E * d)] + self._dropout(b * E * d)
             return encoder_final + [_mem(2 * p * b * D * d)] + self._dropout(b * D * d)
         # lm_head: final norm (+ T5 dropout), logits GEMM, fp32 log-softmax + NLL (about three passes)
-        n = b * (D if s.family == "t5" else E)
-        ops = [_mem(2 * p * n * d)] + (self._dropout(n * d) if s.family == "t5" else [])
+        n = b * (D if is_seq2seq(s.family) else E)
+        ops = [_mem(2 * p * n * d)] + (self._dropout(n * d) if is_seq2seq(s.family) else [])
         return ops + [_gemm(n, s.vocab_size, d, p), _mem((p + 2 * _LOSS_BYTES) * n * s.vocab_size)]
 
     def _attention_stored(self, b, Tq, Tk):
         s, p = self.spec, self.spec.dtype_bytes
-        d, a, h = s.d_model, s.d_attn, s.num_heads
+        d, a, h, kv = s.d_model, s.d_attn, s.num_heads, s.d_kv_attn
         mask = 1 if self.dropout else 0
         if self.flash_attention:
             core = 4 * b * h * Tq
         else:
             core = (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
-        return p * b * Tq * d + p * b * (Tq + 2 * Tk) * a + core + p * b * Tq * a + mask * b * Tq * d
+        return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
 
     def _ffn_stored(self, b, T):
         s, p = self.spec, self.spec.dtype_bytes
@@ -372,22 +374,22 @@ class AnalyticCostModel:
             return (_IDS_BYTES + mask * d) * b * E
         if kind == "decoder_embedding":
             return (p + mask) * b * E * d + (_IDS_BYTES + mask * d) * b * D
-        n = b * (D if s.family == "t5" else E)
-        t5_mask = mask if s.family == "t5" else 0
+        n = b * (D if is_seq2seq(s.family) else E)
+        t5_mask = mask if is_seq2seq(s.family) else 0
         return (2 * p + t5_mask) * n * d + _LOSS_BYTES * n * s.vocab_size
 
     def _peak_extra(self, kind: str, b, E, D):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
-        a, h = s.d_attn, s.num_heads
+        a, h, kv = s.d_attn, s.num_heads, s.d_kv_attn
         if kind in ("embedding", "decoder_embedding"):
             return p * b * (E + (D if kind == "decoder_embedding" else 0)) * d
         if kind == "lm_head":
-            n = b * (D if s.family == "t5" else E)
+            n = b * (D if is_seq2seq(s.family) else E)
             return (p + _LOSS_BYTES) * n * s.vocab_size + p * n * d
 
         def attention(Tq, Tk):
             if self.flash_attention:
-                return p * b * (Tq + 2 * Tk) * a + 4 * b * h * Tq
+                return p * b * (Tq * a + 2 * Tk * kv) + 4 * b * h * Tq
             return 2 * p * b * h * Tq * Tk
 
         T = D if kind == "t5_decoder" else E

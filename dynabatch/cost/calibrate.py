@@ -27,6 +27,7 @@ import torch
 from dynabatch.cost.layers import Step, build_layers, padding_mask, token_ids
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, settle_cpu_allocator
 from dynabatch.cost.tables import CostTables
+from dynabatch.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def sample_shapes(tables: CostTables, num: int, seed: int = 0) -> list[tuple[int
     """``num`` off-grid shapes inside the profiled, feasible region."""
     rng = np.random.default_rng(seed)
     cap = tables.meta.get("settings", {}).get("max_tokens", math.inf)
-    t5 = tables.family == "t5"
+    t5 = is_seq2seq(tables.family)
     grid_e, grid_d = (set(a.astype(int).tolist()) for a in (tables.axis_e, tables.axis_d))
 
     def length(axis):
@@ -86,7 +87,7 @@ def sample_shapes(tables: CostTables, num: int, seed: int = 0) -> list[tuple[int
 
 def _model_step(model, family: str, b: int, e: int, d: int) -> Step:
     vocab, device = model.config.vocab_size, next(model.parameters()).device
-    if family == "gpt2":
+    if not is_seq2seq(family):
         ids, mask = token_ids(b, e, vocab, device), padding_mask(b, e, device)
         labels = ids.masked_fill(mask == 0, -100)
         return Step(run=lambda: ((model(input_ids=ids, attention_mask=mask, labels=labels).loss,), ()))
@@ -97,9 +98,12 @@ def _model_step(model, family: str, b: int, e: int, d: int) -> Step:
                                     decoder_attention_mask=dec_mask, labels=labels).loss,), ()))
 
 
-def run_check(tables: CostTables, num_shapes: int = 20, seed: int = 0, layers: bool = True,
+def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int = 0, layers: bool = True,
               device: str = "cpu", progress: bool = True) -> list[CheckRow]:
-    """Measure ``num_shapes`` off-grid shapes and compare with the tables' predictions."""
+    """Measure ``num_shapes`` off-grid shapes and compare with the tables' predictions.
+
+    ``layer_builder``: the model family's profiler layer builder (``dynabatch.models.families.layer_builder``).
+    """
     from tqdm.auto import tqdm
 
     thp = (tables.meta.get("device") or {}).get("thp_mem_alloc")
@@ -114,7 +118,7 @@ def run_check(tables: CostTables, num_shapes: int = 20, seed: int = 0, layers: b
                                s.get("clock", "auto"))
     model_meta = tables.meta["model"]
     dtype = getattr(torch, model_meta.get("dtype", "float32"))
-    built = build_layers(model_meta["name"], device, dtype, dropout=model_meta.get("dropout", 0.0),
+    built = build_layers(model_meta["name"], layer_builder, device, dtype, dropout=model_meta.get("dropout", 0.0),
                          seed=s.get("seed", 0))
     prepare_params(built.model)
     if torch.device(device).type == "cpu":
@@ -125,7 +129,7 @@ def run_check(tables: CostTables, num_shapes: int = 20, seed: int = 0, layers: b
     shapes = sample_shapes(tables, num_shapes, seed)
     for b, e, d in tqdm(shapes, desc="check", unit="shape", disable=not progress):
         pred = tables.stage_cost(whole, b, e, d)
-        m = measure_step(_model_step(built.model, built.family, b, e, d), ptrs, dev, settings)
+        m = measure_step(_model_step(built.model, built.sequence_kind, b, e, d), ptrs, dev, settings)
         rows.append(CheckRow("model", (b, e, d), pred.fwd_s + pred.bwd_s, m.fwd_s + m.bwd_s,
                              pred.stored_bytes, m.stored_bytes, pred.peak_bytes, m.peak_bytes))
         if not layers:

@@ -1,14 +1,17 @@
 """Transformer shapes for the analytic cost model: a spec, named presets, and parameter counts.
 
 A :class:`TransformerSpec` holds only what the cost model needs (widths, depths, vocabulary,
-FFN type, storage dtype). Presets give the published shapes of the models in the DynaPipe
-(T5, GPT) and TeraPipe (GPT-3 13B/175B) papers; :func:`spec_from_hf_config` reads a Hugging Face
-``T5Config`` / ``GPT2Config``.
+FFN type, key/value heads, norm and bias layout, storage dtype). Presets give the published shapes
+of the models in the DynaPipe (T5, GPT) and TeraPipe (GPT-3 13B/175B) papers and of the Llama-style
+decoders people fine-tune today (Llama 3, Qwen2.5, Mistral); each model family builds a spec from a
+Hugging Face config (``dynabatch.models.families.analytic_spec``).
 
-A model is a sequence of *layer kinds* (:func:`layer_kinds`)::
+A model is a sequence of *layer kinds* (:func:`layer_kinds`); ``gpt`` is any decoder-only block
+(GPT-2: LayerNorm, biases, GELU MLP; Llama-style: RMSNorm, no biases, gated MLP, grouped-query
+attention, rotary positions, the spec's fields say which)::
 
-    gpt:  embedding, gpt x L, lm_head
-    t5:   embedding, t5_encoder x L_enc, decoder_embedding, t5_decoder x L_dec, lm_head
+    causal:   embedding, gpt x L, lm_head
+    seq2seq:  embedding, t5_encoder x L_enc, decoder_embedding, t5_decoder x L_dec, lm_head
 
 ``embedding`` owns the token table (and GPT's learned positions, T5's encoder relative-position
 bias table); ``decoder_embedding`` is the seam of T5's two stacks: the encoder's final norm, the
@@ -23,12 +26,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAMILIES = ("t5", "gpt")
+from dynabatch.sequence import CAUSAL, SEQ2SEQ, SEQUENCE_KINDS, is_seq2seq, sequence_kind
+
+FAMILIES = SEQUENCE_KINDS
 LAYER_KINDS: dict[str, tuple[str, ...]] = {
-    "t5": ("embedding", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head"),
-    "gpt": ("embedding", "gpt", "lm_head"),
+    SEQ2SEQ: ("embedding", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head"),
+    CAUSAL: ("embedding", "gpt", "lm_head"),
 }
-"""The layer kinds each family is made of."""
+"""The layer kinds each sequence kind is made of."""
+NORMS = ("layer", "rms")
+BIASES = ("all", "qkv", "none")
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class TransformerSpec:
     """
 
     family: str
-    """``t5`` or ``gpt``."""
+    """Sequence kind, ``causal`` or ``seq2seq`` (legacy ``gpt``/``t5`` accepted)."""
     d_model: int
     """Hidden size."""
     num_heads: int
@@ -65,21 +72,35 @@ class TransformerSpec:
     """Rows of GPT's learned position table; 0 for T5 (relative positions)."""
     relative_attention_num_buckets: int = 32
     """T5's relative-position buckets (a ``buckets x heads`` table per stack); unused for GPT."""
+    num_kv_heads: int = 0
+    """Key/value heads of grouped-query attention (Llama 3, Qwen2, Mistral); 0 = ``num_heads``."""
+    norm: str = "layer"
+    """Causal blocks: ``layer`` (LayerNorm, weight and bias: GPT-2) or ``rms`` (RMSNorm, weight: Llama).
+    Seq2seq (T5) always uses RMSNorm."""
+    biases: str = "all"
+    """Causal blocks: linear-layer biases, ``all`` (GPT-2), ``qkv`` (Qwen2: Q/K/V only) or ``none`` (Llama)."""
+    qk_norm: bool = False
+    """Causal blocks: RMSNorm over each head of Q and K (Qwen3; ``2 d_kv`` weights per block)."""
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family {self.family!r} is not supported; valid families: {', '.join(FAMILIES)}")
+        try:
+            object.__setattr__(self, "family", sequence_kind(self.family))
+        except ValueError:
+            raise ValueError(f"family {self.family!r} is not supported; valid families: {', '.join(FAMILIES)}") from None
+        if self.norm not in NORMS or self.biases not in BIASES:
+            raise ValueError(f"norm must be one of {NORMS} and biases one of {BIASES}, got {self.norm!r}, {self.biases!r}")
         for name in ("d_model", "num_heads", "d_kv", "d_ff", "num_layers", "vocab_size", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.family == "gpt" and self.num_decoder_layers != 0:
+        if not is_seq2seq(self.family) and self.num_decoder_layers != 0:
             raise ValueError(
                 f"a gpt spec has no decoder stack; num_decoder_layers must be 0, got {self.num_decoder_layers}"
             )
-        if self.family == "t5" and self.num_decoder_layers < 1:
+        if is_seq2seq(self.family) and self.num_decoder_layers < 1:
             raise ValueError(f"a t5 spec needs num_decoder_layers >= 1, got {self.num_decoder_layers}")
-        if self.family == "gpt" and self.gated_ffn:
-            raise ValueError("gated_ffn is only modelled for t5 (v1.1 gated-GELU); got gated_ffn=True for gpt")
+        kv = self.kv_heads
+        if kv < 1 or self.num_heads % kv:
+            raise ValueError(f"num_kv_heads must divide num_heads {self.num_heads}, got {self.num_kv_heads}")
         if self.max_positions < 0 or self.relative_attention_num_buckets < 0:
             raise ValueError(
                 f"max_positions and relative_attention_num_buckets must be >= 0, "
@@ -90,6 +111,16 @@ class TransformerSpec:
     def d_attn(self) -> int:
         """Attention inner width ``num_heads * d_kv``."""
         return self.num_heads * self.d_kv
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_heads`` without grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def d_kv_attn(self) -> int:
+        """Width of the key (and of the value) projection, ``kv_heads * d_kv``."""
+        return self.kv_heads * self.d_kv
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -107,6 +138,14 @@ def _gpt(d_model: int, heads: int, layers: int, positions: int = 2048) -> Transf
     return TransformerSpec(
         "gpt", d_model, heads, d_model // heads, 4 * d_model, layers, 0, vocab_size=50257, max_positions=positions
     )
+
+
+def _llama(d_model: int, layers: int, heads: int, kv_heads: int, d_ff: int, vocab: int, tied: bool,
+           qkv_bias: bool = False) -> TransformerSpec:
+    """A Llama-style decoder: RMSNorm, gated SiLU MLP, grouped-query attention, rotary positions."""
+    return TransformerSpec(CAUSAL, d_model, heads, d_model // heads, d_ff, layers, 0, vocab_size=vocab, gated_ffn=True,
+                           tie_embeddings=tied, max_positions=0, num_kv_heads=kv_heads, norm="rms",
+                           biases="qkv" if qkv_bias else "none")
 
 
 PRESETS: dict[str, TransformerSpec] = {
@@ -130,6 +169,14 @@ PRESETS: dict[str, TransformerSpec] = {
     "gpt-6.7b": _gpt(4096, 32, 32),  # 6.66B
     "gpt3-13b": _gpt(5120, 40, 40),  # 12.9B
     "gpt3-175b": _gpt(12288, 96, 96),  # 174.6B
+    # Llama-style decoders (HF config.json of meta-llama/Llama-3.2-1B, Meta-Llama-3-8B, Meta-Llama-3-70B,
+    # Qwen/Qwen2.5-0.5B, Qwen2.5-7B, mistralai/Mistral-7B-v0.1): GQA, gated MLP, RMSNorm, rotary.
+    "llama3.2-1b": _llama(2048, 16, 32, 8, 8192, 128256, tied=True),  # 1.24B
+    "llama3-8b": _llama(4096, 32, 32, 8, 14336, 128256, tied=False),  # 8.03B
+    "llama3-70b": _llama(8192, 80, 64, 8, 28672, 128256, tied=False),  # 70.55B
+    "qwen2.5-0.5b": _llama(896, 24, 14, 2, 4864, 151936, tied=True, qkv_bias=True),  # 494M
+    "qwen2.5-7b": _llama(3584, 28, 28, 4, 18944, 152064, tied=False, qkv_bias=True),  # 7.62B
+    "mistral-7b": _llama(4096, 32, 32, 8, 14336, 32000, tied=False),  # 7.24B
 }
 """Named model shapes; comments give the parameter count :func:`num_params` computes."""
 
@@ -139,48 +186,6 @@ def model_spec(name: str) -> TransformerSpec:
     if name not in PRESETS:
         raise ValueError(f"unknown model spec {name!r}; valid names: {', '.join(PRESETS)}")
     return PRESETS[name]
-
-
-def spec_from_hf_config(config, dtype_bytes: int = 2) -> TransformerSpec:
-    """A spec from a Hugging Face ``T5Config`` or ``GPT2Config``.
-
-    Only the config's attributes are read, so transformers is never imported here. The head is tied
-    when ``config.tie_word_embeddings`` says so; transformers 5 forces this for every T5 config (the
-    module it builds is tied), while the ``t5-v1_1-*`` presets keep the published untied head.
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type == "t5":
-        return TransformerSpec(
-            "t5",
-            d_model=config.d_model,
-            num_heads=config.num_heads,
-            d_kv=config.d_kv,
-            d_ff=config.d_ff,
-            num_layers=config.num_layers,
-            num_decoder_layers=config.num_decoder_layers,
-            vocab_size=config.vocab_size,
-            gated_ffn=bool(config.is_gated_act),
-            dtype_bytes=dtype_bytes,
-            tie_embeddings=bool(config.tie_word_embeddings),
-            relative_attention_num_buckets=config.relative_attention_num_buckets,
-        )
-    if model_type == "gpt2":
-        if config.n_embd % config.n_head:
-            raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
-        return TransformerSpec(
-            "gpt",
-            d_model=config.n_embd,
-            num_heads=config.n_head,
-            d_kv=config.n_embd // config.n_head,
-            d_ff=config.n_inner or 4 * config.n_embd,
-            num_layers=config.n_layer,
-            num_decoder_layers=0,
-            vocab_size=config.vocab_size,
-            dtype_bytes=dtype_bytes,
-            tie_embeddings=bool(config.tie_word_embeddings),
-            max_positions=config.n_positions,
-        )
-    raise ValueError(f"model type {model_type!r} is not supported; supported model types: t5, gpt2")
 
 
 def check_kind(spec: TransformerSpec, kind: str) -> None:
@@ -194,12 +199,17 @@ def layer_param_count(spec: TransformerSpec, kind: str) -> int:
     """Parameters of one layer of ``kind`` (see the module docstring for what each kind holds)."""
     check_kind(spec, kind)
     d, a, f, v = spec.d_model, spec.d_attn, spec.d_ff, spec.vocab_size
-    if spec.family == "gpt":
-        if kind == "gpt":  # ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj (all with biases)
-            return 2 * d + (d * 3 * a + 3 * a) + (a * d + d) + 2 * d + (d * f + f) + (f * d + d)
+    if not is_seq2seq(spec.family):
+        norm = 2 * d if spec.norm == "layer" else d  # LayerNorm: weight + bias; RMSNorm: weight
+        if kind == "gpt":  # 2 norms, Q/K/V and output projections, FFN (2 or 3 matrices), biases
+            kv = spec.d_kv_attn
+            ffn = d * f * (3 if spec.gated_ffn else 2)
+            bias = {"all": (a + 2 * kv) + d + f * (2 if spec.gated_ffn else 1) + d, "qkv": a + 2 * kv, "none": 0}
+            qk_norm = 2 * spec.d_kv if spec.qk_norm else 0
+            return 2 * norm + d * (a + 2 * kv) + a * d + ffn + bias[spec.biases] + qk_norm
         if kind == "embedding":
             return v * d + spec.max_positions * d
-        return 2 * d + (0 if spec.tie_embeddings else v * d)  # lm_head: ln_f (+ untied head)
+        return norm + (0 if spec.tie_embeddings else v * d)  # lm_head: final norm (+ untied head)
     ffn = d * f * (3 if spec.gated_ffn else 2)
     attention = 4 * d * a + d  # q, k, v, o and the sub-layer's norm
     bias_table = spec.relative_attention_num_buckets * spec.num_heads
@@ -216,7 +226,7 @@ def layer_param_count(spec: TransformerSpec, kind: str) -> int:
 
 def layer_kinds(spec: TransformerSpec) -> list[str]:
     """The whole model as an ordered list of layer kinds (what a pipeline partitioner splits)."""
-    if spec.family == "gpt":
+    if not is_seq2seq(spec.family):
         return ["embedding"] + ["gpt"] * spec.num_layers + ["lm_head"]
     return (
         ["embedding"]

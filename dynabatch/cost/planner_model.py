@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.cost import _kernels
-from dynabatch.cost.tables import CostTables, StageSpec, model_state_bytes
+from dynabatch.cost.tables import GPT2_ANALYTIC_KINDS, T5_ANALYTIC_KINDS, CostTables, StageSpec, model_state_bytes
+from dynabatch.sequence import is_seq2seq
 
 INFEASIBLE = 1e30
 """Finite stand-in for ``+inf`` (the planner rejects non-finite costs)."""
@@ -47,7 +48,7 @@ def bottleneck_costs(tables: CostTables, counts, b, e, d) -> tuple[np.ndarray, n
     Infeasible shapes get ``INFEASIBLE`` in all three."""
     shape = np.shape(b)
     b, e, d = (np.ascontiguousarray(np.asarray(x, dtype=np.float64).ravel()) for x in (b, e, d))
-    if tables.family == "gpt2":
+    if not is_seq2seq(tables.family):
         d = np.ones_like(d)
     cnt_be, cnt_bd, cnt_bed = counts
     a = tables.kernel_arrays()
@@ -102,13 +103,19 @@ class ProfiledCostModel:
         return bottleneck_costs(self.tables, self._counts, b, E, D)
 
 
-_ANALYTIC_KINDS = {
-    "gpt2": {"embedding": ("gpt2_embedding",), "gpt": ("gpt2_block",), "lm_head": ("gpt2_head",)},
-    "t5": {"embedding": ("t5_encoder_embedding",), "t5_encoder": ("t5_encoder_block",),
-           "decoder_embedding": ("t5_encoder_final", "t5_decoder_embedding"), "t5_decoder": ("t5_decoder_block",),
-           "lm_head": ("t5_head",)},
+_LEGACY_KINDS = {
+    "causal": (GPT2_ANALYTIC_KINDS, {"gpt": "gpt2_context"}),
+    "seq2seq": (T5_ANALYTIC_KINDS, {"t5_encoder": "t5_encoder_context", "t5_decoder": "t5_decoder_context"}),
 }
-_CONTEXT = {"gpt": "gpt2_context", "t5_encoder": "t5_encoder_context", "t5_decoder": "t5_decoder_context"}
+"""Analytic -> profiled kinds of profiles that do not record them (GPT-2 and T5 profiles)."""
+
+
+def _kind_mapping(tables: CostTables) -> tuple[dict, dict]:
+    """(analytic kind -> profiled kinds, block kind -> per-stage context kind) of a profile."""
+    model = tables.meta.get("model") or {}
+    if model.get("analytic_kinds"):
+        return {k: tuple(v) for k, v in model["analytic_kinds"].items()}, dict(model.get("context_kinds") or {})
+    return _LEGACY_KINDS[tables.family]
 
 
 @dataclass(frozen=True)
@@ -130,20 +137,20 @@ class ProfiledLayerModel:
 
     def layer_kinds(self) -> list[str]:
         n_enc, n_dec = self.tables.num_layers
-        if self.tables.family == "gpt2":
+        if not is_seq2seq(self.tables.family):
             return ["embedding", *["gpt"] * n_enc, "lm_head"]
         return ["embedding", *["t5_encoder"] * n_enc, "decoder_embedding", *["t5_decoder"] * n_dec, "lm_head"]
 
     def spec(self, kinds) -> StageSpec:
         """The profiled ``StageSpec`` of a stage given in analytic kind names."""
-        mapping = _ANALYTIC_KINDS[self.tables.family]
+        mapping, context = _kind_mapping(self.tables)
         counts: dict[str, int] = {}
         for kind in kinds:
             if kind not in mapping:
                 raise ValueError(f"unknown layer kind {kind!r}; valid for {self.tables.family}: {sorted(mapping)}")
-            for name in mapping[kind] + ((_CONTEXT[kind],) if kind in _CONTEXT else ()):
+            for name in mapping[kind] + ((context[kind],) if kind in context else ()):
                 counts[name] = counts.get(name, 0) + 1
-        counts.update({c: 1 for c in _CONTEXT.values() if c in counts})  # once per stage
+        counts.update({c: 1 for c in context.values() if c in counts})  # once per stage
         return StageSpec.of(**counts)
 
     def stage_cost(self, kinds, b, E, D=None) -> LayerModelCost:  # noqa: N803
@@ -173,7 +180,7 @@ class ProfiledLayerModel:
         """Bytes a stage ending in ``last_kind`` sends on: hidden states of E tokens, E + D once the decoder
         has started, none after the head (profile dtype and d_model)."""
         cfg = self.tables.meta.get("config", {})
-        d_model = cfg.get("d_model") or cfg.get("n_embd")
+        d_model = (self.tables.meta.get("model") or {}).get("d_model") or cfg.get("d_model") or cfg.get("n_embd")
         if not d_model:
             raise ValueError("the profile's model config has no d_model / n_embd")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[self.tables.meta["model"].get("dtype", "float32")]

@@ -16,7 +16,7 @@ VM, one thread, including the p2p sweep: gpt2-mini 156 points in ~65 s, t5-mini 
 lengths are clamped to the first grid value downstream, longer ones need ``--lengths``.
 
 JSON fields: ``time_s`` per kind is its share of the sweep; ``device.thp_mem_alloc`` records the
-``THP_MEM_ALLOC_ENABLE`` variable (see ``profile_cli``); ``p2p.send_min_s`` is the fastest send.
+``THP_MEM_ALLOC_ENABLE`` variable (see ``dynabatch.commands.profile``); ``p2p.send_min_s`` is the fastest send.
 
 JSON (``format`` = ``dynabatch.profile``, ``version`` = 1)::
 
@@ -44,11 +44,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, resolve_clock, settle_cpu_allocator
+from dynabatch.sequence import is_seq2seq
 
 FORMAT = "dynabatch.profile"
 FORMAT_VERSION = 1
@@ -171,8 +173,15 @@ def device_description(device: torch.device) -> dict:
 def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: MeasureSettings = MeasureSettings(),
                 device: str = "cpu", dtype: str = "float32", num_threads: int | None = None, dropout: float = 0.0,
                 kinds: tuple[str, ...] | None = None, p2p_backend: str | None = "auto", seed: int = 0,
-                show_progress: bool = True) -> dict:
-    """Profile ``model`` (preset name or local checkpoint) and return the JSON-ready profile dict."""
+                show_progress: bool = True, layer_builder: Callable | None = None) -> dict:
+    """Profile ``model`` (preset name or local checkpoint) and return the JSON-ready profile dict.
+
+    ``layer_builder`` is the model family's profiler layer builder
+    (``dynabatch.models.families.layer_builder(model)``); this module knows no family.
+    """
+    if layer_builder is None:
+        raise ValueError("run_profile needs the model family's layer_builder "
+                         "(dynabatch.models.families.layer_builder(model))")
     from tqdm.auto import tqdm
 
     from dynabatch.cost.p2p import default_backend, measure_p2p
@@ -189,7 +198,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
         settle_cpu_allocator()
     start = time.perf_counter()
     torch.manual_seed(seed)
-    layers = build_layers(model, dev, torch_dtype, dropout=dropout, seed=seed)
+    layers = build_layers(model, layer_builder, dev, torch_dtype, dropout=dropout, seed=seed)
     prepare_params(layers.model)
     selected = layers.kinds
     if kinds is not None:
@@ -211,7 +220,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
     if backend:
         p2p = asdict(measure_p2p(backend))
     axes = {"b": list(grid.batch_sizes), "E": list(grid.enc_lengths)}
-    if layers.family == "t5":
+    if is_seq2seq(layers.sequence_kind):
         axes["D"] = list(grid.dec_lengths)
     import transformers
 
@@ -223,8 +232,10 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
         "device": device_description(dev),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": sys.version.split()[0]},
-        "model": {"name": model, "family": layers.family, "dtype": dtype, "dropout": dropout,
-                  "config": layers.model.config.to_dict()},
+        "model": {"name": model, "family": layers.family, "sequence_kind": layers.sequence_kind,
+                  "analytic_kinds": layers.analytic_kinds, "context_kinds": layers.context_kinds,
+                  "d_model": layers.model.get_input_embeddings().embedding_dim,
+                  "dtype": dtype, "dropout": dropout, "config": layers.model.config.to_dict()},
         "settings": {**asdict(settings), "clock": resolve_clock(settings.clock, dev), "max_tokens": grid.max_tokens,
                      "seed": seed},
         "axes": axes,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynabatch.cost import _kernels
+from dynabatch.sequence import is_seq2seq, sequence_kind
 
 FORMAT, FORMAT_VERSION = "dynabatch.profile", 1
 METRICS = ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes")
@@ -135,6 +136,14 @@ class KernelArrays:
     kinds_bed: tuple[str, ...]
 
 
+GPT2_ANALYTIC_KINDS = {"embedding": ("gpt2_embedding",), "gpt": ("gpt2_block",), "lm_head": ("gpt2_head",)}
+T5_ANALYTIC_KINDS = {"embedding": ("t5_encoder_embedding",), "t5_encoder": ("t5_encoder_block",),
+                     "decoder_embedding": ("t5_encoder_final", "t5_decoder_embedding"),
+                     "t5_decoder": ("t5_decoder_block",), "lm_head": ("t5_head",)}
+"""Analytic layer kind -> profiled kinds, for GPT-2 and T5 (also the reading of profiles written before
+the profile recorded its mapping)."""
+
+
 def _array(nested, shape: tuple[int, ...]) -> np.ndarray:
     a = np.array(nested, dtype=object)
     out = np.where(a == None, np.nan, a).astype(np.float64)  # noqa: E711 - elementwise None test
@@ -148,6 +157,7 @@ class CostTables:
     """Profiled per-layer costs of one model on one device."""
 
     family: str
+    """Sequence kind of the profiled model, ``causal`` or ``seq2seq`` (its family name is in ``meta``)."""
     axis_b: np.ndarray
     axis_e: np.ndarray
     axis_d: np.ndarray
@@ -191,10 +201,11 @@ class CostTables:
             kinds[name] = KindTable(dims, values, int(rec["num_params"]), int(rec.get("tied_params", 0)))
         model = profile["model"]
         cfg = model.get("config", {})
-        if model["family"] == "t5":
+        kind = sequence_kind(model.get("sequence_kind", model["family"]))  # older profiles: the family name
+        if is_seq2seq(kind):
             num_layers = (int(cfg.get("num_layers", 0)), int(cfg.get("num_decoder_layers") or cfg.get("num_layers", 0)))
         else:
-            num_layers = (int(cfg.get("n_layer", 0)), 0)
+            num_layers = (int(cfg.get("n_layer") or cfg.get("num_hidden_layers", 0)), 0)
         p2p = profile.get("p2p")
         sizes = times = None
         if p2p:
@@ -205,7 +216,7 @@ class CostTables:
         meta = {k: profile.get(k) for k in ("device", "versions", "num_threads", "settings", "created")}
         meta["model"] = {k: v for k, v in model.items() if k != "config"}
         meta["config"] = cfg
-        return cls(model["family"], axes["b"], axes["E"], axes.get("D", np.array([1.0, 2.0])), kinds, num_layers,
+        return cls(kind, axes["b"], axes["E"], axes.get("D", np.array([1.0, 2.0])), kinds, num_layers,
                    sizes, times, meta)
 
     # ----- stage composition --------------------------------------------------------------------
@@ -215,9 +226,12 @@ class CostTables:
         total = n_enc + n_dec
         if not 0 <= start < stop <= total:
             raise ValueError(f"need 0 <= start < stop <= {total} blocks, got [{start}, {stop})")
-        if self.family == "gpt2":
-            c = {"gpt2_embedding": int(start == 0), "gpt2_context": 1, "gpt2_block": stop - start,
-                 "gpt2_head": int(stop == total)}
+        if not is_seq2seq(self.family):
+            model = self.meta.get("model") or {}
+            kinds = model.get("analytic_kinds") or GPT2_ANALYTIC_KINDS
+            context = (model.get("context_kinds") or {"gpt": "gpt2_context"})["gpt"]
+            c = {kinds["embedding"][0]: int(start == 0), context: 1, kinds["gpt"][0]: stop - start,
+                 kinds["lm_head"][0]: int(stop == total)}
         else:
             enc = max(0, min(stop, n_enc) - start)
             dec = max(0, stop - max(start, n_enc))

@@ -23,6 +23,7 @@ from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Batcher:
         return [self.collate(batch, g) for g in self.group(batch)]
 
     def collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
-        if self.family == "t5":
+        if is_seq2seq(self.family):
             return collate_seq2seq(
                 batch.samples, g.rows, self.tokens.pad_id, self.tokens.decoder_start_id, g.encoder_len, g.decoder_len
             )
@@ -88,7 +89,7 @@ class Batcher:
 
     def _sort_key(self, batch: GlobalBatch):
         """Longest first: by total length (GPT) or by (input, target) length (T5); ties by index."""
-        if self.family == "t5":
+        if is_seq2seq(self.family):
             return lambda i: (-batch.input_lens[i], -batch.target_lens[i], i)
         return lambda i: (-(batch.input_lens[i] + batch.target_lens[i]), i)
 
@@ -96,7 +97,7 @@ class Batcher:
 def group_shape(batch: GlobalBatch, g: RowGroup, family: str) -> tuple[int, int, int]:
     """Computed shape ``(rows, E, D)`` of a row group (GPT: ``E`` = row length, ``D`` = 0)."""
     e, d = batch.input_lens, batch.target_lens
-    if family == "t5":
+    if is_seq2seq(family):
         enc = g.encoder_len or max(int(sum(e[i] for i in r)) for r in g.rows)
         dec = g.decoder_len or max(int(sum(d[i] for i in r)) for r in g.rows)
         return len(g.rows), int(enc), int(dec)
@@ -142,7 +143,7 @@ class TokenBudget(Batcher):
         max_e = max_d = 0
         for i in sorted(range(len(batch)), key=self._sort_key(batch)):
             e, d = int(batch.input_lens[i]), int(batch.target_lens[i])
-            if self.family != "t5":  # one sequence: inputs + targets
+            if not is_seq2seq(self.family):  # one sequence: inputs + targets
                 e, d = e + d, 0
             new_e, new_d = max(max_e, e), max(max_d, d)
             if current and (len(current) + 1) * (new_e + new_d) > self.max_tokens:
@@ -160,7 +161,7 @@ class Packing(Batcher):
     rows_per_micro_batch: int = 4
 
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        t5 = self.family == "t5"
+        t5 = is_seq2seq(self.family)
         cap_e = self.limits.max_input_len if t5 else self.limits.max_seq_len
         cap_d = self.limits.max_target_len if t5 else 0
         rows: list[list[int]] = []

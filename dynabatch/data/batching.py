@@ -24,6 +24,7 @@ import numpy as np
 from dynabatch.data.mixture import require_keys
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.sequence import is_seq2seq, sequence_kind
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
 
@@ -37,7 +38,8 @@ class LengthLimits:
     """Per-sample length limits in tokens (EOS included)."""
 
     family: str
-    """``t5`` (separate encoder/decoder limits) or ``gpt2`` (one limit on inputs + targets)."""
+    """Sequence kind: ``seq2seq`` (separate encoder/decoder limits) or ``causal`` (one limit on inputs +
+    targets); the legacy names ``t5``/``gpt2`` are accepted and stored as the kind."""
     max_input_len: int = 1024
     """T5: encoder tokens."""
     max_target_len: int = 256
@@ -46,6 +48,7 @@ class LengthLimits:
     """GPT-2: inputs + targets."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "family", sequence_kind(self.family))
         for name in ("max_input_len", "max_target_len", "max_seq_len"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
@@ -53,27 +56,27 @@ class LengthLimits:
     @property
     def max_tokens(self) -> int:
         """Most tokens a single sample can have after truncation."""
-        return self.max_input_len + self.max_target_len if self.family == "t5" else self.max_seq_len
+        return self.max_input_len + self.max_target_len if is_seq2seq(self.family) else self.max_seq_len
 
     def is_overlong(self, input_len: int, target_len: int) -> bool:
         return bool(self.overlong_mask(input_len, target_len))
 
     def overlong_mask(self, input_lens, target_lens):
         """Elementwise :meth:`is_overlong` of length arrays (or scalars)."""
-        if self.family == "t5":
+        if is_seq2seq(self.family):
             return np.greater(input_lens, self.max_input_len) | np.greater(target_lens, self.max_target_len)
         return np.greater(np.add(input_lens, target_lens), self.max_seq_len)
 
     def truncated_lengths(self, input_len: int, target_len: int) -> tuple[int, int]:
         """Lengths after truncation (unchanged when within the limits)."""
-        if self.family == "t5":
+        if is_seq2seq(self.family):
             return min(input_len, self.max_input_len), min(target_len, self.max_target_len)
         limit = self.max_seq_len
         keep_target = min(target_len, max(limit - input_len, limit // 2))
         return min(input_len, limit - keep_target), keep_target
 
     def describe(self) -> str:
-        if self.family == "t5":
+        if is_seq2seq(self.family):
             return f"max_input_len={self.max_input_len}, max_target_len={self.max_target_len}"
         return f"max_seq_len={self.max_seq_len}"
 

@@ -16,6 +16,7 @@ from dynabatch.data.mixture import MixtureSampler, MixtureSpec, mixture_rates
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.sources import load_source
 from dynabatch.data.tokenize import TokenizerInfo, tokenize_dataset, tokenizer_info
+from dynabatch.sequence import sequence_kind
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class MixtureData:
                 )
             )
         rates = mixture_rates(spec, [len(s) for s in sources])
-        return MixtureData(spec=spec, family=family, sources=tuple(sources), rates=rates, tokens=tokenizer_info(tokenizer))
+        return MixtureData(spec=spec, family=sequence_kind(family), sources=tuple(sources), rates=rates, tokens=tokenizer_info(tokenizer))
 
     def sampler(self) -> MixtureSampler:
         return MixtureSampler(rates=self.rates, num_examples=[len(s) for s in self.sources], seed=self.spec.seed)

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--mixture", default=None, help="mixture spec (.yaml/.json); default: the built-in mixture")
     src.add_argument("--data", default=None, help="a single data file (json/jsonl/parquet/arrow/csv) instead of a mixture")
     p.add_argument("--tokenizer", default="builtin", help="builtin | gpt2 | byt5 | local tokenizer dir")
-    p.add_argument("--family", default="both", choices=[*FAMILIES, "both"], help="model family to tokenize for")
+    p.add_argument("--family", default="both", choices=[*FAMILIES, "t5", "gpt2", "both"],
+                   help="sequence kind to tokenize for (t5 = seq2seq, gpt2 = causal)")
     p.add_argument("--max-lens", default="512,1024,2048", help="comma-separated maximum lengths to report")
     p.add_argument("--max-target-len", type=int, default=None, help="T5 target limit (default: max length / 4)")
     p.add_argument("--token-budget", type=int, default=65_536, help="tokens per global batch")

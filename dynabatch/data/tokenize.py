@@ -14,13 +14,16 @@ import json
 import os
 from dataclasses import dataclass
 
+from dynabatch.sequence import SEQUENCE_KINDS, is_seq2seq, sequence_kind
+
 BUILTIN_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
 TOKENIZER_NAMES = ("builtin", "gpt2", "byt5")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model", "vocab.model")
 """Files of which a tokenizer folder must hold at least one (fast ``tokenizer.json`` or a slow tokenizer's)."""
 EXPECTED_FILES = "tokenizer.json (a fast tokenizer) or a slow tokenizer's files (vocab.json + merges.txt, spiece.model, vocab.txt)"
-FAMILIES = ("t5", "gpt2")
+FAMILIES = SEQUENCE_KINDS
+"""Sequence kinds data is tokenized for (legacy names ``t5``/``gpt2`` are accepted too)."""
 
 
 @dataclass(frozen=True)
@@ -100,10 +103,9 @@ def tokenize_dataset(ds, tokenizer, family: str, num_proc: int | None = None, de
     Encoder-decoder (``t5``): inputs + EOS go to the encoder, targets + EOS are the labels.
     Decoder-only (``gpt2``): the sequence is inputs + targets + EOS; loss on targets by default.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"model family must be one of {FAMILIES}, got {family!r}")
+    sequence_kind(family)  # ValueError naming the valid kinds
     eos = tokenizer_info(tokenizer).eos_id
-    input_eos = [eos] if family == "t5" else []
+    input_eos = [eos] if is_seq2seq(family) else []
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         inputs = tokenizer(batch["inputs"], add_special_tokens=False)["input_ids"]

@@ -21,7 +21,7 @@ replicas (the gradient all-reduce with SUM), is the token-normalised loss of the
 target token weighs the same, however the batch was cut.
 
 The cost model for ``dynamic`` defaults to the analytic model of the Hugging Face ``model_config``
-(:func:`~dynabatch.cost.model_specs.spec_from_hf_config`, one stage, the device's memory minus
+(:func:`~dynabatch.models.families.analytic_spec`, one stage, the device's memory minus
 parameters, gradients and Adam states; ``hardware="auto"`` picks the preset from the CUDA device name,
 ``cpu`` without one) or, without a config, to
 :class:`~dynabatch.plan.costs.PolynomialCostModel`. Planning a global batch of a few hundred samples
@@ -42,10 +42,17 @@ from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
+from dynabatch.sequence import is_seq2seq
 
 METHODS = ("dynamic", *BATCHERS)
-MODEL_TYPE_FAMILIES = {"t5": "t5", "gpt2": "gpt2"}
-"""Hugging Face ``model_type`` -> data family."""
+
+
+def model_sequence_kind(config) -> str:
+    """The sequence kind (``causal``/``seq2seq``) of a supported HF config; ``ValueError`` naming the
+    supported families otherwise (the family registry, :mod:`dynabatch.models.families`)."""
+    from dynabatch.models.families import family_for_config
+
+    return family_for_config(config).sequence_kind
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ def sample_loss_tokens(batch: GlobalBatch, family: str, loss_on_inputs: bool = F
     ``n - max(input_len, 1)`` (``n - 1`` with ``loss_on_inputs``), since a sample's first token is
     never predicted.
     """
-    if family == "t5":
+    if is_seq2seq(family):
         return batch.target_lens.tolist()
     out = []
     for e, d in zip(batch.input_lens.tolist(), batch.target_lens.tolist()):
@@ -135,13 +142,13 @@ def default_cost_model(
         return PolynomialCostModel()
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
-    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.models.families import analytic_spec
     from dynabatch.cost.stages import StageCostModel, balanced_layout
 
     detected_memory = None
     if hardware == "auto":
         hardware, detected_memory = detect_hardware()
-    model = AnalyticCostModel(spec_from_hf_config(model_config), hardware_spec(hardware))
+    model = AnalyticCostModel(analytic_spec(model_config), hardware_spec(hardware))
     memory = device_memory_bytes if device_memory_bytes is not None else detected_memory
     return StageCostModel(model, balanced_layout(model, 1), float(memory if memory is not None else model.hardware.memory_bytes))
 
@@ -211,11 +218,11 @@ class DynaBatchDataLoader:
         if self.restart_on_iter and self.max_steps is None:
             raise ValueError("restart_on_iter=True needs max_steps (an endless loader would never restart)")
         if self.model_config is not None:
-            family = MODEL_TYPE_FAMILIES.get(getattr(self.model_config, "model_type", None))
-            if family != self.family:
+            kind = model_sequence_kind(self.model_config)
+            if kind != self.family:
                 raise ValueError(
-                    f"model_config is a {getattr(self.model_config, 'model_type', None)!r} model but the data is "
-                    f"tokenized for {self.family!r}; supported model types: {', '.join(MODEL_TYPE_FAMILIES)}"
+                    f"model_config is a {getattr(self.model_config, 'model_type', None)!r} model ({kind}) but the "
+                    f"data is tokenized for {self.family!r} models"
                 )
         tokens = self.batcher.data.tokens
         unused = {k: v for k, v in (("hardware", self.hardware), ("device_memory_bytes", self.device_memory_bytes))

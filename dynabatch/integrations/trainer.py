@@ -40,7 +40,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, speed_metrics
 
-from dynabatch.integrations.dataloader import MODEL_TYPE_FAMILIES, DynaBatchDataLoader, StepBatch
+from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.models.forward import forward_loss
 
 LOADER_STATE_NAME = "dynabatch_loader.json"
@@ -107,7 +107,7 @@ class DynaBatchTrainer(Trainer):
                     f"{args.process_index} of {args.world_size}; build it with num_replicas=args.world_size, "
                     "replica_index=args.process_index"
                 )
-            if model_type is not None and MODEL_TYPE_FAMILIES.get(model_type) != loader.family:
+            if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
                 raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; give eval loaders max_steps (and restart_on_iter=True)")

@@ -154,7 +154,7 @@ def seq2seq_forward(model: torch.nn.Module, mb: Seq2SeqMicroBatch) -> LossOutput
         encoder_attention_mask=cross_segment_mask(dec_seg, enc_seg, dtype),  # (B, 1, D, E)
         use_cache=False,
     ).last_hidden_state  # (B, D, d_model)
-    if model.config.scale_decoder_outputs:  # tied embeddings: same rescale as T5ForConditionalGeneration
+    if getattr(model.config, "scale_decoder_outputs", False):  # tied T5 (not mT5): as T5ForConditionalGeneration
         decoder_states = decoder_states * (model.config.d_model**-0.5)
     logits = model.lm_head(decoder_states)  # (B, D, V)
     token_losses = _token_losses(logits, mb.labels.to(device, non_blocking=True))

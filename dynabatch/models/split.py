@@ -1,4 +1,7 @@
-"""Split a Hugging Face GPT-2 or T5 model into pipeline stage modules.
+"""Split a Hugging Face model of a registered family (GPT-2, T5, Llama-style) into pipeline stage modules.
+
+The family registry (:mod:`dynabatch.models.families`) says which stage module, tied groups, analytic
+spec and stage inputs a model has; this module only composes them.
 
 1. :func:`layout_for` cuts the model's layer kinds (``embedding, gpt x L, lm_head`` or
    ``embedding, t5_encoder x L, decoder_embedding, t5_decoder x L, lm_head``) into ``S`` contiguous
@@ -36,14 +39,13 @@ from torch import nn
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
-from dynabatch.cost.model_specs import layer_kinds, spec_from_hf_config
+from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
-from dynabatch.models.gpt2_stages import GPT2Stage, gpt2_tied_groups
-from dynabatch.models.presets import model_family
+from dynabatch.models.families import analytic_spec, family_for_config
 from dynabatch.models.stage import StageModule
-from dynabatch.models.t5_stages import T5Stage, t5_tied_groups
 from dynabatch.schedule.ir import PipelineSpec
+from dynabatch.sequence import CAUSAL, SEQ2SEQ
 
 _MASK64 = (1 << 64) - 1
 
@@ -54,14 +56,12 @@ _MASK64 = (1 << 64) - 1
 
 
 def _num_blocks(model: nn.Module) -> int:
-    config = model.config
-    if model_family(config) == "gpt2":
-        return int(config.n_layer)
-    return int(config.num_layers + config.num_decoder_layers)
+    spec = analytic_spec(model.config)
+    return spec.num_layers + spec.num_decoder_layers
 
 
 def layout_for(model: nn.Module, num_stages: int) -> StageLayout:
-    """Balanced stage layout of ``model`` (``GPT2LMHeadModel`` / ``T5ForConditionalGeneration``)."""
+    """Balanced stage layout of ``model`` (any registered family's HF model)."""
     num_blocks = _num_blocks(model)
     if not 1 <= num_stages <= num_blocks:
         raise ValueError(
@@ -69,19 +69,19 @@ def layout_for(model: nn.Module, num_stages: int) -> StageLayout:
             f"{model.config.model_type} model ({num_blocks}), got {num_stages}"
         )
     dtype_bytes = next(model.parameters()).element_size()
-    cost_model = AnalyticCostModel(spec_from_hf_config(model.config, dtype_bytes), hardware_spec("cpu"))
+    cost_model = AnalyticCostModel(analytic_spec(model.config, dtype_bytes), hardware_spec("cpu"))
     return balanced_layout(cost_model, num_stages)
 
 
 def pipeline_spec_for(model: nn.Module, layout: StageLayout, dtype: str = "float32") -> PipelineSpec:
-    """What the stages of ``layout`` exchange (roles from the layer kinds, ``d_model`` from the config)."""
-    config = model.config
-    d_model = config.n_embd if model_family(config) == "gpt2" else config.d_model
-    return PipelineSpec.from_layout(layout, d_model, dtype)
+    """What the stages of ``layout`` exchange (roles from the layer kinds; width and whether every stage
+    loads position ids from the model's family)."""
+    family = family_for_config(model.config)
+    return PipelineSpec.from_layout(layout, family.d_model(model.config), dtype, family.positions_every_stage)
 
 
 def _check_layout(model: nn.Module, layout: StageLayout) -> None:
-    expected = layer_kinds(spec_from_hf_config(model.config))
+    expected = layer_kinds(analytic_spec(model.config))
     got = [k for s in layout.stages for k in s]
     if got != expected:
         raise ValueError(
@@ -118,8 +118,7 @@ def build_stage(model: nn.Module, layout: StageLayout, stage_index: int) -> Stag
     if not 0 <= stage_index < layout.num_stages:
         raise ValueError(f"stage_index must be in [0, {layout.num_stages}), got {stage_index}")
     _check_layout(model, layout)
-    cls = GPT2Stage if model_family(model.config) == "gpt2" else T5Stage
-    stage = cls(model, layout, stage_index)
+    stage = family_for_config(model.config).stage_class(model, layout, stage_index)
     return _own_copy(stage, model).train(model.training)
 
 
@@ -134,7 +133,7 @@ def tied_parameter_stages(model: nn.Module, layout: StageLayout) -> dict[str, tu
     The runtime sums each group's gradient over these stages (within a replica) before the optimizer step.
     """
     tied_head = model.lm_head.weight is model.get_input_embeddings().weight
-    groups_of = gpt2_tied_groups if model_family(model.config) == "gpt2" else t5_tied_groups
+    groups_of = family_for_config(model.config).tied_groups
     out: dict[str, list[int]] = {}
     for i, kinds in enumerate(layout.stages):
         for group in groups_of(tuple(kinds), tied_head):
@@ -150,8 +149,8 @@ def tied_parameter_stages(model: nn.Module, layout: StageLayout) -> dict[str, tu
 def micro_batch_inputs(mb: MicroBatch, spec: PipelineSpec, stage_index: int) -> dict[str, torch.Tensor]:
     """The ``loaded`` dict of stage ``stage_index`` for ``mb``, keyed by ``spec.load_tensors`` names."""
     if isinstance(mb, CausalMicroBatch):
-        if spec.family != "gpt":
-            raise ValueError(f"a CausalMicroBatch needs a gpt pipeline spec, got family {spec.family!r}")
+        if spec.family != CAUSAL:
+            raise ValueError(f"a CausalMicroBatch needs a causal pipeline spec, got {spec.family!r}")
         b, e = mb.shape
         d = 0
         source = {
@@ -161,8 +160,8 @@ def micro_batch_inputs(mb: MicroBatch, spec: PipelineSpec, stage_index: int) -> 
             "labels": mb.target_ids,  # already shifted
         }
     elif isinstance(mb, Seq2SeqMicroBatch):
-        if spec.family != "t5":
-            raise ValueError(f"a Seq2SeqMicroBatch needs a t5 pipeline spec, got family {spec.family!r}")
+        if spec.family != SEQ2SEQ:
+            raise ValueError(f"a Seq2SeqMicroBatch needs a seq2seq pipeline spec, got {spec.family!r}")
         b, e, d = mb.shape
         source = {
             "segment_ids": mb.encoder_segment_ids,

@@ -210,7 +210,7 @@ class T5Stage(StageModule):
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> StageOutput:
         """Final norm, dropout, tied-head rescale, lm_head and the fp32 token-loss sum."""
         hidden = self.decoder_dropout(self.decoder_final_layer_norm(hidden))  # (B, D, d)
-        if self.config.scale_decoder_outputs:  # tied embeddings: same rescale as T5ForConditionalGeneration
+        if getattr(self.config, "scale_decoder_outputs", False):  # tied T5 (not mT5): as T5ForConditionalGeneration
             hidden = hidden * (self.config.d_model**-0.5)
         logits = self.lm_head(hidden)  # (B, D, V)
         token_losses = _token_losses(logits, labels)  # (B, D)

@@ -29,8 +29,10 @@ from __future__ import annotations
 import numpy as np
 
 from dynabatch.plan._kernels import _hilbert_keys, _morton_keys, _nearest_neighbour_path, _two_opt
+from dynabatch.sequence import SEQUENCE_KINDS, is_seq2seq
 
-FAMILIES = ("t5", "gpt2")
+FAMILIES = SEQUENCE_KINDS
+"""Valid ``family`` arguments: sequence kinds (legacy names ``t5``/``gpt2`` are accepted too)."""
 T5_ORDERS = ("lex", "morton", "hilbert", "nn2opt")
 GPT_ORDERS = ("length",)
 TWO_OPT_WINDOW = 64
@@ -55,18 +57,14 @@ def check_lengths(input_lens, target_lens) -> tuple[np.ndarray, np.ndarray]:
 
 
 def padded_lengths(input_lens: np.ndarray, target_lens: np.ndarray, family: str) -> tuple[np.ndarray, np.ndarray]:
-    """The ``(E, D)`` each sample pads: T5 ``(input, target)``, GPT ``(input + target, 0)``."""
-    if family == "t5":
+    """The ``(E, D)`` each sample pads: seq2seq ``(input, target)``, causal ``(input + target, 0)``."""
+    if is_seq2seq(family):
         return input_lens, target_lens
-    if family == "gpt2":
-        return input_lens + target_lens, np.zeros_like(input_lens)
-    raise ValueError(f"unknown model family {family!r}; valid: {', '.join(FAMILIES)}")
+    return input_lens + target_lens, np.zeros_like(input_lens)
 
 
 def valid_orders(family: str) -> tuple[str, ...]:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(FAMILIES)}")
-    return ("auto",) + (T5_ORDERS if family == "t5" else GPT_ORDERS)
+    return ("auto",) + (T5_ORDERS if is_seq2seq(family) else GPT_ORDERS)
 
 
 def order_samples(input_lens, target_lens, family: str, order: str = "auto") -> np.ndarray:
@@ -75,7 +73,7 @@ def order_samples(input_lens, target_lens, family: str, order: str = "auto") -> 
     if order not in valid_orders(family):
         raise ValueError(f"unknown {family} ordering {order!r}; valid: {', '.join(valid_orders(family))}")
     if order == "auto":
-        order = "hilbert" if family == "t5" else "length"
+        order = "hilbert" if is_seq2seq(family) else "length"
     index = np.arange(e.size)
     if order in ("length", "lex"):
         return np.lexsort((index, d, e)).astype(np.int64)  # last key is primary

@@ -47,6 +47,7 @@ import numpy as np
 from dynabatch.plan._kernels import _run_shapes, _solve_partition
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
+from dynabatch.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup
@@ -110,7 +111,7 @@ class PartitionPlan:
                 RowGroup(
                     rows=tuple((i,) for i in rows),
                     encoder_len=e,
-                    decoder_len=d if self.family == "t5" else None,
+                    decoder_len=d if is_seq2seq(self.family) else None,
                 )
             )
         return groups

@@ -60,6 +60,7 @@ import numpy as np
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.partition import PartitionPlan
+from dynabatch.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup
@@ -112,7 +113,7 @@ class RowPackedPlan:
         from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
 
         return [
-            RowGroup(rows=p.rows, encoder_len=p.shape[1], decoder_len=p.shape[2] if self.family == "t5" else None)
+            RowGroup(rows=p.rows, encoder_len=p.shape[1], decoder_len=p.shape[2] if is_seq2seq(self.family) else None)
             for p in self.packings
         ]
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from dynabatch.plan._slicing_kernels import _solve_slices
 from dynabatch.plan.costs import check_int, check_non_negative, check_non_negative_fields, evaluate_costs
+from dynabatch.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel
@@ -158,14 +159,14 @@ class AnalyticSliceCostModel:
     values (stored by earlier slices); with recomputation only the block input ``p b s d``. Peak bytes
     are the largest layer's backward buffers at ``(s, T_k)`` (recomputation adds the block's stored
     activations, as in the analytic model) plus the gradients of the context's keys and values,
-    ``2 p b c a`` per block of the stage. ``embedding`` and ``lm_head`` cost per token (length ``s``).
+    ``2 p b c a_kv`` per block of the stage (``a_kv``: the key/value width, narrower under GQA). ``embedding`` and ``lm_head`` cost per token (length ``s``).
     Cached keys/values the kernels read (``p b h c d_kv`` per GEMM) count in the kernels' bytes.
     The ``gpt`` kernels come from the analytic model's own (private) kernel builders, so the two models
     cannot drift apart; tests pin ``c = 0`` to ``stage_cost`` exactly.
     """
 
     model: "AnalyticCostModel"
-    """Layer-level model of a decoder-only (``gpt`` family) transformer."""
+    """Layer-level model of a decoder-only (causal) transformer."""
     stage_kinds: tuple[str, ...]
     """Layer kinds of the bottleneck stage, e.g. ``("embedding",) + ("gpt",) * 6``."""
     memory_budget_bytes: float
@@ -176,8 +177,8 @@ class AnalyticSliceCostModel:
 
     def __post_init__(self) -> None:
         family = getattr(getattr(self.model, "spec", None), "family", None)
-        if family != "gpt":
-            raise ValueError(f"token slicing needs a decoder-only model (spec.family 'gpt'), got {family!r}")
+        if is_seq2seq(family):
+            raise ValueError(f"token slicing needs a decoder-only model (a causal spec), got {family!r}")
         kinds = tuple(self.stage_kinds)
         if not kinds:
             raise ValueError("stage_kinds needs at least one layer kind, got an empty sequence")
@@ -208,7 +209,7 @@ class AnalyticSliceCostModel:
     def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
         m, spec = self.model, self.model.spec
-        p, d, a, h = spec.dtype_bytes, spec.d_model, spec.d_attn, spec.num_heads
+        p, d, a, h, kv = spec.dtype_bytes, spec.d_model, spec.d_attn, spec.num_heads, spec.d_kv_attn  # kv: K/V width (GQA)
         keys = self._keys(s, c)
         time = np.zeros_like(s)
         stored = np.zeros_like(s)
@@ -219,10 +220,10 @@ class AnalyticSliceCostModel:
                 ops = m._attention_ops(b, s, keys, True) + m._ffn_ops(b, s)
                 fwd = sum(m._op_time(op) for op in ops)
                 bwd = sum(m._op_time(op) * op.bwd_factor for op in ops)
-                st = 2 * p * b * s * d + m._attention_stored(b, s, keys) - 2 * p * b * (keys - s) * a
+                st = 2 * p * b * s * d + m._attention_stored(b, s, keys) - 2 * p * b * (keys - s) * kv
                 st = st + m._ffn_stored(b, s)
                 if m.flash_attention:
-                    scores = p * b * (s + 2 * keys) * a + 4 * b * h * s
+                    scores = p * b * (s * a + 2 * keys * kv) + 4 * b * h * s
                 else:
                     scores = 2 * p * b * h * s * keys
                 ffn = (3 if spec.gated_ffn else 2) * p * b * s * spec.d_ff
@@ -238,7 +239,7 @@ class AnalyticSliceCostModel:
             time = time + count * (fwd + bwd)
             stored = stored + count * st
             peak = np.maximum(peak, pk)
-        peak = peak + num_blocks * 2 * p * b * c * a
+        peak = peak + num_blocks * 2 * p * b * c * kv
         return time, stored, peak
 
     def context_kv_bytes(self, b, c) -> np.ndarray:
@@ -248,7 +249,7 @@ class AnalyticSliceCostModel:
         b, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, c))
         spec = self.model.spec
         blocks = sum(n for kind, n in self._counts if kind == "gpt")
-        return blocks * 2.0 * spec.dtype_bytes * b * c * spec.d_attn
+        return blocks * 2.0 * spec.dtype_bytes * b * c * spec.d_kv_attn
 
     def fwd_flops(self, b, s, c) -> np.ndarray:
         """Forward GEMM and attention-core FLOPs of the stage on the slice (the analytic model's accounting)."""

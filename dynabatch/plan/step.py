@@ -30,6 +30,7 @@ from dynabatch.plan.order import check_lengths
 from dynabatch.plan.replicas import plan_replicas
 from dynabatch.plan.rowpack import order_for_fill_drain
 from dynabatch.plan.slicing import SliceCostModel, slice_long_samples
+from dynabatch.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class StepPlan:
         padded to the planned shape (slices keep their token length as the row length)."""
         from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
 
-        t5 = self.family == "t5"
+        t5 = is_seq2seq(self.family)
         return [
             RowGroup(tuple((i,) for i in p.sample_ids), p.shape[1], p.shape[2] if t5 else None)
             for p in self.replicas[replica]
@@ -126,8 +127,8 @@ def plan_step(
         raise ValueError(f"need 1 <= num_replicas <= number of samples, got {num_replicas} replicas for {n} samples")
     if slice_cost_model is None:
         return _plan(e, d, [], cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options)
-    if family != "gpt2":
-        raise ValueError(f"token slicing needs a decoder-only model (family 'gpt2'), got {family!r}")
+    if is_seq2seq(family):
+        raise ValueError(f"token slicing needs a decoder-only (causal) model, got {family!r}")
     decision = slice_long_samples(
         e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
         in_flight=partition_options.get("in_flight") or num_stages,

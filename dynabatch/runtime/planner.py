@@ -41,6 +41,7 @@ from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
+from dynabatch.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class StepPlanner:
 
     def _collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
         t = self.tokens
-        if self.family == "t5":
+        if is_seq2seq(self.family):
             return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
         return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
 

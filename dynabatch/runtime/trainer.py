@@ -90,6 +90,8 @@ _PROFILE_CONFIG_KEYS = (
     "model_type", "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
     "feed_forward_proj", "relative_attention_num_buckets", "relative_attention_max_distance", "tie_word_embeddings",
     "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "activation_function",
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
+    "hidden_act",
 )
 
 
@@ -118,9 +120,9 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     else:
         from dynabatch.cost.analytic import AnalyticCostModel
         from dynabatch.cost.hardware import hardware_spec
-        from dynabatch.cost.model_specs import spec_from_hf_config
+        from dynabatch.models.families import analytic_spec
 
-        layer_model = AnalyticCostModel(spec_from_hf_config(model_config, dtype_bytes=4), hardware_spec("cpu"),
+        layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=4), hardware_spec("cpu"),
                                         dropout=cfg.dropout > 0)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0)
 
@@ -128,19 +130,18 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
 def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
     """Model stage, optimizer and executor on every rank; data and planner on rank 0."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
-    from dynabatch.models.presets import build_model, model_family
+    from dynabatch.models.families import check_model
+    from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
 
+    family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
     torch.set_num_threads(cfg.threads)
     tokenizer = load_tokenizer(cfg.tokenizer)
     info = tokenizer_info(tokenizer)
     model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
-    family = model_family(model.config)
-    if cfg.slice_long and family != "gpt2":
-        raise ValueError(f"slice_long cuts decoder-only samples into token slices; {cfg.model} is a {family} model")
     layout = layout_for(model, cfg.stages)
     spec = pipeline_spec_for(model, layout, "float32")
     stage = build_stage(model, layout, ctx.stage_index).to(ctx.device)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dynabatch.schedule.chains import check_links
+from dynabatch.sequence import CAUSAL, SEQ2SEQ, sequence_kind
 
 DTYPE_BYTES = {
     "float64": 8,
@@ -241,34 +242,38 @@ ROLES = ("gpt", "encoder", "decoder")
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """What the stages of one pipeline exchange: model family, each stage's role, width and dtype."""
+    """What the stages of one pipeline exchange: sequence kind, each stage's role, width and dtype."""
 
     family: str
-    """``gpt`` (decoder-only; ``gpt2`` is accepted) or ``t5``."""
+    """Sequence kind, ``causal`` (decoder-only) or ``seq2seq`` (encoder-decoder); the legacy names
+    ``gpt``/``gpt2``/``t5`` are accepted (:func:`dynabatch.sequence.sequence_kind`)."""
     stage_roles: tuple[str, ...]
-    """Per stage, the part of the model its last block belongs to: all ``gpt``, or for T5 one or more
-    ``encoder`` stages followed by one or more ``decoder`` stages."""
+    """Per stage, the part of the model its last block belongs to: all ``gpt`` (decoder-only blocks),
+    or for seq2seq one or more ``encoder`` stages followed by one or more ``decoder`` stages."""
     d_model: int
     dtype: str = "bfloat16"
     """Activation dtype on the wire."""
     index_dtype: str = "int64"
     """Dtype of loaded token ids, segment ids and labels."""
+    positions_every_stage: bool = False
+    """Causal models with rotary positions (Llama-style): every stage loads ``position_ids``, not only
+    the first (the model family says so, :mod:`dynabatch.models.families`)."""
 
     def __post_init__(self) -> None:
-        family = "gpt" if self.family == "gpt2" else self.family
+        family = sequence_kind(self.family)
         object.__setattr__(self, "family", family)
         object.__setattr__(self, "stage_roles", tuple(self.stage_roles))
         roles = self.stage_roles
-        if family not in ("gpt", "t5"):
-            raise ValueError(f"unknown family {self.family!r}; valid families: gpt, t5")
         if not roles or any(r not in ROLES for r in roles):
             raise ValueError(f"stage_roles must be a non-empty sequence of {ROLES}, got {roles}")
-        if family == "gpt" and set(roles) != {"gpt"}:
-            raise ValueError(f"a gpt pipeline has only gpt stages, got {roles}")
-        if family == "t5":
+        if family == CAUSAL and set(roles) != {"gpt"}:
+            raise ValueError(f"a causal pipeline has only gpt stages, got {roles}")
+        if family == SEQ2SEQ:
             k = roles.count("encoder")
             if roles != ("encoder",) * k + ("decoder",) * (len(roles) - k) or k == len(roles):
-                raise ValueError(f"t5 stages must be encoder stages then >= 1 decoder stages, got {roles}")
+                raise ValueError(f"seq2seq stages must be encoder stages then >= 1 decoder stages, got {roles}")
+            if self.positions_every_stage:
+                raise ValueError("positions_every_stage is for causal pipelines; got a seq2seq spec")
         for name in ("dtype", "index_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid dtypes: {', '.join(DTYPE_BYTES)}")
@@ -280,22 +285,28 @@ class PipelineSpec:
         return len(self.stage_roles)
 
     @staticmethod
-    def gpt(num_stages: int, d_model: int, dtype: str = "bfloat16") -> "PipelineSpec":
-        return PipelineSpec("gpt", ("gpt",) * num_stages, d_model, dtype)
+    def gpt(num_stages: int, d_model: int, dtype: str = "bfloat16", positions_every_stage: bool = False) -> "PipelineSpec":
+        """A causal (decoder-only) pipeline of ``num_stages`` stages."""
+        return PipelineSpec(CAUSAL, ("gpt",) * num_stages, d_model, dtype, positions_every_stage=positions_every_stage)
+
+    causal = gpt
 
     @staticmethod
     def t5(num_encoder_stages: int, num_decoder_stages: int, d_model: int, dtype: str = "bfloat16") -> "PipelineSpec":
-        return PipelineSpec("t5", ("encoder",) * num_encoder_stages + ("decoder",) * num_decoder_stages, d_model, dtype)
+        """A seq2seq pipeline: encoder stages then decoder stages."""
+        return PipelineSpec(SEQ2SEQ, ("encoder",) * num_encoder_stages + ("decoder",) * num_decoder_stages, d_model, dtype)
+
+    seq2seq = t5
 
     @staticmethod
-    def from_layout(layout, d_model: int, dtype: str = "bfloat16") -> "PipelineSpec":
+    def from_layout(layout, d_model: int, dtype: str = "bfloat16", positions_every_stage: bool = False) -> "PipelineSpec":
         """From a :class:`~dynabatch.cost.stages.StageLayout` (layer kinds per stage)."""
         stages = [tuple(s) for s in layout.stages]
         if not any(k.startswith("t5_") for s in stages for k in s):
-            return PipelineSpec.gpt(len(stages), d_model, dtype)
+            return PipelineSpec.gpt(len(stages), d_model, dtype, positions_every_stage)
         decoder_kinds = ("decoder_embedding", "t5_decoder", "lm_head")
         roles = tuple("decoder" if any(k in decoder_kinds for k in s) else "encoder" for s in stages)
-        return PipelineSpec("t5", roles, d_model, dtype)
+        return PipelineSpec(SEQ2SEQ, roles, d_model, dtype)
 
     def send_tensors(self, stage: int, b: int, E: int, D: int) -> tuple[TensorSpec, ...]:
         """Tensors stage ``stage`` sends to ``stage + 1`` for a micro-batch of padded shape ``(b, E, D)``
@@ -313,12 +324,15 @@ class PipelineSpec:
     def load_tensors(self, stage: int, b: int, E: int, D: int) -> tuple[TensorSpec, ...]:
         """Host inputs stage ``stage`` loads for a micro-batch: segment ids on every stage (attention
         masks), token ids on the first stage (and decoder ids on the first T5 decoder stage), labels on
-        the last stage; GPT's first stage also loads position ids."""
+        the last stage; a causal pipeline's first stage (every stage with ``positions_every_stage``) also
+        loads position ids."""
         i, last = self.index_dtype, self.num_stages - 1
-        if self.family == "gpt":
+        if self.family == CAUSAL:
             out = [TensorSpec("segment_ids", (b, E), i)]
             if stage == 0:
-                out += [TensorSpec("input_ids", (b, E), i), TensorSpec("position_ids", (b, E), i)]
+                out.append(TensorSpec("input_ids", (b, E), i))
+            if stage == 0 or self.positions_every_stage:
+                out.append(TensorSpec("position_ids", (b, E), i))
             if stage == last:
                 out.append(TensorSpec("labels", (b, E), i))
             return tuple(out)

@@ -28,7 +28,7 @@ LR, WEIGHT_DECAY = 1e-3, 0.01
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    family: str  # "gpt2" | "t5"
+    family: str  # "gpt2" | "t5" | "llama" | "qwen2" (the last two: tiny GQA configs of family_configs.py)
     preset: str
     num_stages: int
     num_replicas: int = 1
@@ -66,9 +66,20 @@ SCENARIOS = {
 
 
 def make_model(sc: Scenario):
+    if sc.preset in DECODER_CONFIGS:
+        from family_configs import build, decoder_config
+
+        return build(decoder_config(vocab_size=VOCAB, **DECODER_CONFIGS[sc.preset]), seed=0)
     from dynabatch.models.presets import build_model
 
     return build_model(sc.preset, vocab_size=VOCAB, dropout=0.0, seed=0).train()
+
+
+DECODER_CONFIGS = {
+    "llama-gqa": dict(model_type="llama", num_heads=4, num_kv_heads=2, tie=False),  # untied head
+    "qwen2-gqa": dict(model_type="qwen2", num_heads=4, num_kv_heads=1, tie=True),  # Q/K/V biases, tied head
+}
+"""Llama-style scenario models: 4 layers, d_model 64, grouped-query attention."""
 
 
 def _sample(rng):
@@ -85,7 +96,7 @@ def _collate(family, samples, rows, slack=0):
     from dynabatch.data.collate import collate_causal, collate_seq2seq
     from dynabatch.models.presets import PAD_ID
 
-    if family == "gpt2":
+    if family != "t5":  # causal: gpt2, llama, qwen2
         row_len = max(sum(samples[i].num_tokens for i in r) for r in rows) + slack
         return collate_causal(samples, rows, pad_id=PAD_ID, row_len=row_len)
     enc = max(sum(samples[i].input_len for i in r) for r in rows) + slack
@@ -187,6 +198,23 @@ SLICED_SCENARIOS = {
 DROP_KV_GRAD = _sl(2, "1f1b")
 
 
+def _ll(model_type, stages, policy, replicas=1, steps=1, sliced=False, clip=None):
+    kind = "sliced-" if sliced else ""
+    return Scenario(f"{kind}{model_type}-S{stages}xR{replicas}-{policy}-{steps}step", model_type, f"{model_type}-gqa",
+                    stages, replicas, policy, steps, clip, seed=5 if sliced else 4)
+
+
+LLAMA_SCENARIOS = {
+    sc.name: sc
+    for sc in [_ll("llama", 2, "gpipe"), _ll("llama", 4, "1f1b"), _ll("qwen2", 2, "adaptive"), _ll("qwen2", 4, "gpipe"),
+               _ll("llama", 2, "1f1b", replicas=2, steps=3, clip=0.5), _ll("qwen2", 2, "adaptive", replicas=2, steps=3),
+               _ll("llama", 2, "1f1b", sliced=True), _ll("qwen2", 4, "adaptive", sliced=True),
+               _ll("llama", 4, "gpipe", sliced=True), _ll("qwen2", 2, "1f1b", replicas=2, steps=3, sliced=True)]
+}
+"""Llama and Qwen2 (GQA) pipelines: S = 2 and 4, gpipe / 1f1b / adaptive, 2 replicas x 2 stages over 3
+AdamW steps, plain steps and steps mixing ordinary micro-batches with token-sliced chains."""
+
+
 def make_optimizer(params, num_steps: int):
     # eps 1e-6: with the default 1e-8 a gradient of ~1e-8 (summation-order noise ~1e-10) moves a
     # parameter by a visibly different amount, which would test Adam, not the pipeline.
@@ -276,6 +304,17 @@ def sliced_worker(rank: int, names: list[str], workdir: str) -> None:
 
         SliceRecord.backward_roots = lambda self, carried: ([], [])
         run_scenario(rank, DROP_KV_GRAD, workdir, make_step=sliced_step, tag="-dropped")
+    except BaseException as e:  # noqa: BLE001
+        _report_failure(workdir, rank, e)
+
+
+def llama_worker(rank: int, names: list[str], workdir: str) -> None:
+    """The :data:`LLAMA_SCENARIOS`, sliced ones with :func:`sliced_step`."""
+    _setup_worker()
+    try:
+        for name in names:
+            sc = LLAMA_SCENARIOS[name]
+            run_scenario(rank, sc, workdir, make_step=sliced_step if name.startswith("sliced-") else plain_step)
     except BaseException as e:  # noqa: BLE001
         _report_failure(workdir, rank, e)
 

@@ -11,13 +11,13 @@ import pytest
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import HARDWARE_PRESETS, hardware_spec
+from dynabatch.models.families import analytic_spec
 from dynabatch.cost.model_specs import (
     PRESETS,
     TransformerSpec,
     layer_kinds,
     model_spec,
     num_params,
-    spec_from_hf_config,
 )
 
 A100 = hardware_spec("a100-80gb")
@@ -78,7 +78,7 @@ def test_t5_param_counts_match_hf(spec):
     assert model.param_count("t5_decoder") == _count(T5Block(_hf_t5_config(spec, is_decoder=True)))
     hf_model = T5ForConditionalGeneration(_hf_t5_config(spec, is_decoder=False))
     # transformers 5 always ties T5's head (v1.1 checkpoints included); the spec follows the config.
-    hf_spec = spec_from_hf_config(hf_model.config)
+    hf_spec = analytic_spec(hf_model.config)
     assert hf_spec == replace(spec, tie_embeddings=hf_model.config.tie_word_embeddings)
     assert num_params(hf_spec) == _count(hf_model)
     untied_head = 0 if spec.tie_embeddings or hf_spec.tie_embeddings is False else spec.vocab_size * spec.d_model
@@ -93,7 +93,52 @@ def test_gpt_param_counts_match_hf():
     model = AnalyticCostModel(GPT_SMALL, A100)
     assert model.param_count("gpt") == _count(GPT2Block(config))
     assert model.num_params() == _count(GPT2LMHeadModel(config))
-    assert spec_from_hf_config(config) == GPT_SMALL
+    assert analytic_spec(config) == GPT_SMALL
+
+
+LLAMA_STYLE_CONFIGS = {
+    # The HF config.json fields of the published checkpoints (shapes only).
+    "llama3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                  intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)),
+    "llama3-70b": ("llama", dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                 intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                 intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                   intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_STYLE_CONFIGS))
+def test_llama_style_presets_match_hf_models_on_meta_device(name):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = LLAMA_STYLE_CONFIGS[name]
+    config = AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        hf_params = _count(AutoModelForCausalLM.from_config(config))
+    assert num_params(model_spec(name)) == pytest.approx(hf_params, rel=0.005)
+    assert analytic_spec(config) == model_spec(name)
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)])
+def test_llama_style_layer_param_counts_are_exact(model_type, tie):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=96, vocab_size=100, tie_word_embeddings=tie)
+    hf_model = AutoModelForCausalLM.from_config(config)
+    model = AnalyticCostModel(analytic_spec(config), A100)
+    assert model.param_count("gpt") == _count(hf_model.model.layers[0])
+    assert model.num_params() == _count(hf_model)
+    gqa = model.layer_cost("gpt", 2, 64)
+    mha = AnalyticCostModel(replace(model.spec, num_kv_heads=4), A100).layer_cost("gpt", 2, 64)
+    assert gqa.fwd_flops < mha.fwd_flops and gqa.stored_activation_bytes < mha.stored_activation_bytes
 
 
 @pytest.mark.parametrize(
@@ -124,7 +169,7 @@ def _kinds_and_models():
 def test_vectorised_equals_scalar_and_monotone(model, kind):
     rng = np.random.default_rng(0)
     b, E, D = rng.integers(1, 64, 20), rng.integers(1, 512, 20), rng.integers(1, 256, 20)
-    D_arg = D if model.spec.family == "t5" else None
+    D_arg = D if model.spec.family == "seq2seq" else None
     vec = model.layer_cost(kind, b, E, D_arg)
     for i in range(len(b)):
         one = model.layer_cost(kind, int(b[i]), int(E[i]), None if D_arg is None else int(D[i]))
@@ -132,7 +177,7 @@ def test_vectorised_equals_scalar_and_monotone(model, kind):
             assert isinstance(getattr(one, field), float)
             assert getattr(vec, field)[i] == pytest.approx(getattr(one, field), rel=1e-12)
     grid = np.array([1, 2, 4, 8, 16, 64, 256])
-    t5 = model.spec.family == "t5"
+    t5 = model.spec.family == "seq2seq"
     uses_d = t5 and kind in ("decoder_embedding", "t5_decoder", "lm_head")
     sweeps = {"b": ((grid, 64, 32), True), "E": ((4, grid, 32), not (t5 and kind == "lm_head"))}
     if t5:
@@ -247,8 +292,8 @@ def test_bad_input_raises_with_valid_options():
         model.layer_cost("gpt", 1, 8, 4)
     with pytest.raises(ValueError, match="num_decoder_layers must be 0"):
         TransformerSpec("gpt", 64, 4, 16, 256, 2, 2, 100)
-    with pytest.raises(ValueError, match="supported model types"):
-        spec_from_hf_config(object())
+    with pytest.raises(ValueError, match="model type None is not supported; dynabatch supports the families"):
+        analytic_spec(object())
 
 
 def test_hardware_presets_are_sane():

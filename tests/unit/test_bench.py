@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from dynabatch.commands.bench import add_arguments, load_batches, resolve_defaults
 
@@ -82,8 +83,9 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     assert summary["model"] == "gpt2-tiny" and summary["stages"] == 2
 
 
-def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path):
-    """GPT, 2 ranks: steps of two 1024-token samples; slicing them shortens the simulated step (pipeline
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
+def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path, model):
+    """GPT-2 and Llama (GQA, rotary), 2 ranks: steps of two 1024-token samples; slicing them shortens the simulated step (pipeline
     fill and drain), so ``dynamic_sliced`` runs token-slice chains, and its loss equals ``dynamic``'s
     (slices compute the same function; same model, same data)."""
     path = str(tmp_path / "long.npz")
@@ -91,7 +93,7 @@ def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path)
     out = str(tmp_path / "bench.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path,
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", model, "--lengths", path,
            "--methods", "dynamic,dynamic_sliced,token_budget", "--stages", "2", "--steps", "2", "--warmup", "0",
            "--global-batch-tokens", "2048", "--max-input-len", "1024", "--json", out, "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -122,6 +124,9 @@ def test_model_aliases_and_length_defaults():
     resolve_defaults(args)
     assert (args.model, args.max_target_len, args.global_batch_tokens) == ("gpt2-d256", 512, 8192)
     assert args.methods.split(",")[:2] == ["dynamic", "dynamic_sliced"]
+    args = p.parse_args(["--model", "llama"])
+    resolve_defaults(args)
+    assert args.model == "llama-d256" and "dynamic_sliced" in args.methods.split(",")
     args = p.parse_args([])
     resolve_defaults(args)
     assert (args.model, args.max_input_len, args.max_target_len, args.global_batch_tokens) == ("t5-d256", 512, 128, 8192)
@@ -136,10 +141,13 @@ def test_benchmark_presets_are_the_issue_sizes():
 
     t5 = build_model("t5-d256")
     gpt = build_model("gpt2-d256")
+    llama = build_model("llama-d256")
     assert (t5.config.d_model, t5.config.num_layers, t5.config.num_decoder_layers) == (256, 4, 4)
     assert (gpt.config.n_embd, gpt.config.n_layer) == (256, 8)
-    n_t5, n_gpt = (sum(p.numel() for p in m.parameters()) for m in (t5, gpt))
+    assert (llama.config.hidden_size, llama.config.num_hidden_layers, llama.config.num_key_value_heads) == (256, 8, 2)
+    n_t5, n_gpt, n_llama = (sum(p.numel() for p in m.parameters()) for m in (t5, gpt, llama))
     assert 0.8 < n_gpt / n_t5 < 1.25  # "GPT-2 of similar size"
+    assert 0.9 < n_llama / n_gpt < 1.1  # "llama-d256 about the size of gpt2-d256"
 
 
 def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):

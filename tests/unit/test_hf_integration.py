@@ -36,7 +36,7 @@ def limits_for(family: str) -> LengthLimits:
 def make_loader(data, method="dynamic", **kwargs) -> DynaBatchDataLoader:
     options = dict(token_budget=3000, method=method, method_options=LOADER_METHODS[method])
     if method == "dynamic":
-        options.update(hardware="cpu", model_config=build_config("t5-tiny" if data.family == "t5" else "gpt2-tiny"))
+        options.update(hardware="cpu", model_config=build_config("t5-tiny" if data.family == "seq2seq" else "gpt2-tiny"))
     options.update(kwargs)
     return DynaBatchDataLoader(data, limits_for(data.family), **options)
 
@@ -70,7 +70,7 @@ def test_micro_batches_cover_each_global_batch_exactly_once(toy_data, method):
             for mb in step.micro_batches:
                 ids = [row[0] for row in mb.sample_ids]
                 e, d = step.batch.input_lens[ids], step.batch.target_lens[ids]
-                if toy_data.family == "t5":
+                if toy_data.family == "seq2seq":
                     assert mb.shape[1:] == (e.max(), d.max())
                 else:
                     assert mb.shape[1] == (e + d).max()
@@ -135,7 +135,7 @@ def test_loader_rejects_bad_settings(toy_data):
         DynaBatchDataLoader(toy_data, limits, token_budget=3000, num_replicas=2, replica_index=2)
     with pytest.raises(ValueError, match="token_budget"):
         DynaBatchDataLoader(toy_data, limits)
-    other = "gpt2-tiny" if toy_data.family == "t5" else "t5-tiny"
+    other = "gpt2-tiny" if toy_data.family == "seq2seq" else "t5-tiny"
     with pytest.raises(ValueError, match="tokenized for"):
         DynaBatchDataLoader(toy_data, limits, token_budget=3000, model_config=build_config(other))
     with pytest.raises(ValueError, match="restart_on_iter"):
@@ -173,13 +173,13 @@ def copy_spec(tmp_path_factory) -> MixtureSpec:
     return MixtureSpec.from_dict({"name": "copy", "seed": 3, "sources": [{"task": "copy", "data_files": "copy.jsonl"}]}, str(folder))
 
 
-def trainer_setup(copy_spec, byt5, family: str, tmp_path, **arg_overrides):
+def trainer_setup(copy_spec, byt5, family: str, tmp_path, model_name: str | None = None, **arg_overrides):
     from transformers import TrainingArguments
 
     from dynabatch.integrations.trainer import DynaBatchTrainer
 
     data = MixtureData.load(copy_spec, byt5, family)
-    model = build_model("t5-tiny" if family == "t5" else "gpt2-tiny", vocab_size=len(byt5))
+    model = build_model(model_name or ("t5-tiny" if family == "t5" else "gpt2-tiny"), vocab_size=len(byt5))
     # A small activation budget cuts each ~800-token batch into 3-4 micro-batches of varying count.
     options = dict(token_budget=800, cost_model=PolynomialCostModel(memory_budget_bytes=64 * 2**20))
     train = DynaBatchDataLoader(data, limits_for(family), **options)
@@ -207,11 +207,11 @@ def manual_loss(model, step: StepBatch) -> float:
         return sum(forward_loss(model, mb).loss_sum.item() for mb in step.micro_batches) / step.num_loss_tokens
 
 
-@pytest.mark.parametrize("family", ["t5", "gpt2"])
-def test_trainer_loss_falls_and_equals_manual_token_normalised_loss(copy_spec, byt5, family, tmp_path):
+@pytest.mark.parametrize("family,model_name", [("t5", "t5-tiny"), ("gpt2", "gpt2-tiny"), ("causal", "llama-tiny")])
+def test_trainer_loss_falls_and_equals_manual_token_normalised_loss(copy_spec, byt5, family, model_name, tmp_path):
     from transformers import TrainerCallback
 
-    trainer, twin, _ = trainer_setup(copy_spec, byt5, family, tmp_path)
+    trainer, twin, _ = trainer_setup(copy_spec, byt5, family, tmp_path, model_name)
     manual, num_micro_batches = [], []
     twin_steps = iter(twin)
 
@@ -300,3 +300,17 @@ def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path):
     assert micro_2 < micro_1  # rank 0 really ran only its share (a non-distributed run would match trivially)
     np.testing.assert_allclose(train_2, train_1, rtol=1e-5)
     np.testing.assert_allclose(eval_2, eval_1, rtol=1e-5)
+
+
+def test_loader_plans_for_a_llama_config_and_checks_the_sequence_kind(copy_spec, byt5):
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    loader = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu",
+                                 model_config=build_config("llama-tiny"), max_steps=1)
+    (step,) = list(loader)
+    assert step.micro_batches and sorted(step_sample_ids(step)) == list(range(len(step.batch)))
+    with pytest.raises(ValueError, match=r"'t5' model \(seq2seq\) but the data is tokenized for 'causal'"):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, model_config=build_config("t5-tiny"))
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="model type 'bart' is not supported"):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, model_config=AutoConfig.for_model("bart"))

@@ -255,7 +255,7 @@ def test_token_bound_below_one_sample_names_it():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"family": "bert"}, "unknown model family 'bert'; valid: t5, gpt2"),
+        ({"family": "bert"}, "unknown sequence kind 'bert'; valid: causal, seq2seq"),
         ({"family": "t5", "order": "random"}, "valid: auto, lex, morton, hilbert, nn2opt"),
         ({"family": "gpt2", "order": "lex"}, "valid: auto, length"),
         ({"family": "t5", "cap_tolerance": -0.1}, "cap_tolerance"),

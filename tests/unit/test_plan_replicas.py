@@ -172,7 +172,7 @@ def test_errors_name_the_values():
         plan_replicas(e, d, COST, 2, 2, family="t5", method="greedy")
     with pytest.raises(ValueError, match="num_replicas must be an int >= 1, got 0"):
         plan_replicas(e, d, COST, 2, 0, family="t5")
-    with pytest.raises(ValueError, match="unknown model family 'bert'"):
+    with pytest.raises(ValueError, match="unknown sequence kind 'bert'; valid: causal, seq2seq"):
         plan_replicas(e, d, COST, 2, 2, family="bert")
     with pytest.raises(ValueError, match="cap_tolerance must be finite"):
         plan_replicas(e, d, COST, 2, 2, family="t5", cap_tolerance=-1.0)

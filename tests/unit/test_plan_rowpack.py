@@ -149,7 +149,7 @@ def test_pack_rows_errors():
         pack_rows(e, d, [1, 1], COST, family="t5")
     with pytest.raises(ValueError, match="non-empty 1-D integer"):
         pack_rows(e, d, [], COST, family="t5")
-    with pytest.raises(ValueError, match="unknown model family 'bert'"):
+    with pytest.raises(ValueError, match="unknown sequence kind 'bert'; valid: causal, seq2seq"):
         pack_rows(e, d, [0], COST, family="bert")
 
 

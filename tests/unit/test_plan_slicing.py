@@ -240,6 +240,7 @@ def test_polynomial_model_contract():
 
 
 GPT = AnalyticCostModel.from_names("gpt-350m", "a100-80gb")
+LLAMA = AnalyticCostModel.from_names("llama3-8b", "a100-80gb")  # GQA: K/V 8 of 32 heads wide, gated MLP
 STAGE = ("embedding", "gpt", "gpt", "lm_head")
 
 
@@ -247,8 +248,9 @@ STAGE = ("embedding", "gpt", "gpt", "lm_head")
     "options", [{}, {"flash_attention": True}, {"recompute": True}, {"dropout": False, "flash_attention": True}]
 )
 @pytest.mark.parametrize("attention", ["dense", "causal"])
-def test_analytic_slice_at_zero_context_is_the_unsliced_stage(options, attention):
-    model = AnalyticCostModel(GPT.spec, GPT.hardware, **options)
+@pytest.mark.parametrize("base", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_analytic_slice_at_zero_context_is_the_unsliced_stage(options, attention, base):
+    model = AnalyticCostModel(base.spec, base.hardware, **options)
     sliced = AnalyticSliceCostModel(model, STAGE, 40 * 2**30, attention=attention)
     b, s = np.array([1, 2, 4, 3]), np.array([1, 100, 700, 2048])
     t, stored, peak = sliced.evaluate(b, s, np.zeros_like(s))
@@ -262,7 +264,8 @@ def test_analytic_slice_at_zero_context_is_the_unsliced_stage(options, attention
     assert all(np.all(x >= y) for x, y in zip(more, (t, stored, peak)))
 
 
-def test_analytic_slices_add_up_to_the_unsliced_flops():
+@pytest.mark.parametrize("GPT", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_analytic_slices_add_up_to_the_unsliced_flops(GPT):  # noqa: N803 - the module's GPT, or a Llama
     bounds = np.array([0, 300, 800, 1200, 1500, 2048])
     s, c, b = np.diff(bounds), bounds[:-1], np.ones(5, dtype=np.int64)
     L, spec = 2048, GPT.spec

@@ -12,6 +12,7 @@ from dynabatch.cost.layers import Step
 from dynabatch.cost.measure import MeasureSettings, measure_memory, measure_step, saved_bytes
 from dynabatch.cost.profile import ProfileGrid, count_points, run_profile, save_profile
 from dynabatch.cost.tables import CostTables
+from dynabatch.models.families import layer_builder
 
 TINY_GRID = ProfileGrid(batch_sizes=(1, 2), enc_lengths=(8, 16), dec_lengths=(4, 8), max_tokens=64)
 ONE_REPEAT = MeasureSettings(min_repeats=1, max_repeats=1, min_time_s=0.0)
@@ -24,9 +25,10 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny", "llama-tiny"])
 def test_tiny_profile_round_trips_into_tables(model, tmp_path):
-    profile = run_profile(model, TINY_GRID, ONE_REPEAT, num_threads=1, p2p_backend=None, show_progress=False)
+    profile = run_profile(model, TINY_GRID, ONE_REPEAT, num_threads=1, p2p_backend=None, show_progress=False,
+                          layer_builder=layer_builder(model))
     path = save_profile(profile, tmp_path / "p.json")
     data = json.loads(path.read_text())
     assert data["format"] == "dynabatch.profile" and data["version"] == 1
@@ -42,9 +44,15 @@ def test_tiny_profile_round_trips_into_tables(model, tmp_path):
     off_grid = t.stage_cost(stage, 1.5, 11, 6)
     assert at_grid.feasible and off_grid.feasible
     assert 0 < at_grid.fwd_s and 0 < at_grid.stored_bytes <= at_grid.peak_bytes
-    block = "gpt2_block" if model.startswith("gpt2") else "t5_encoder_block"
+    block = {"gpt2": "gpt2_block", "t5": "t5_encoder_block", "llama": "llama_block"}[model.split("-")[0]]
     assert t.layer_cost(block, 2, 16).stored_bytes > t.layer_cost(block, 1, 8).stored_bytes
     assert t.stage_params(stage) == sum(p.numel() for p in _model_params(model))
+    from dynabatch.cost.planner_model import ProfiledLayerModel
+
+    planner_view = ProfiledLayerModel(t)  # the profile's own kind mapping and width, no family name
+    kinds = planner_view.layer_kinds()
+    assert planner_view.spec(kinds[:2]).counts() and data["model"]["d_model"] == 64
+    assert planner_view.send_bytes(kinds[1], 2, 16) == 4 * 2 * 16 * 64  # fp32 hidden states of E tokens
 
 
 def _model_params(model):
@@ -98,7 +106,7 @@ def test_grid_cap_keeps_cells_complete():
     assert not g2.included(("b", "E"), (2, 2)) and g2.included(("b", "E"), (1, 1))
     with pytest.raises(ValueError):
         ProfileGrid(batch_sizes=(2, 1))
-    from dynabatch.cost.layers import GPT2_KINDS
+    from dynabatch.models.families.gpt2 import GPT2_KINDS
 
     assert count_points(GPT2_KINDS, g) == 4 * 9
 

@@ -149,7 +149,7 @@ def test_t5_decoder_stages_relay_the_encoder_output():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(family="bert", stage_roles=("gpt",), d_model=8), "valid families"),
+        (dict(family="bert", stage_roles=("gpt",), d_model=8), "unknown sequence kind .bert.; valid: causal, seq2seq"),
         (dict(family="gpt", stage_roles=("encoder",), d_model=8), "only gpt stages"),
         (dict(family="t5", stage_roles=("decoder", "encoder"), d_model=8), "encoder stages then"),
         (dict(family="t5", stage_roles=("encoder",), d_model=8), "encoder stages then"),

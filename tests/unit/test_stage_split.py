@@ -191,7 +191,7 @@ def test_micro_batch_inputs_follow_load_tensors():
     gpt_spec = pipeline_spec_for(gpt, layout_for(gpt, 2))
     gmb = _micro_batch("gpt2-tiny", "packed")
     assert micro_batch_inputs(gmb, gpt_spec, 1)["labels"] is gmb.target_ids  # pre-shifted targets
-    with pytest.raises(ValueError, match="gpt pipeline spec"):
+    with pytest.raises(ValueError, match="needs a causal pipeline spec, got .seq2seq."):
         micro_batch_inputs(gmb, spec, 0)
 
 

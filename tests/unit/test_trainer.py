@@ -67,7 +67,7 @@ def test_config_validation():
 def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
-    from dynabatch.cost.model_specs import spec_from_hf_config
+    from dynabatch.models.families import analytic_spec as spec_from_hf_config
     from dynabatch.cost.stages import StageCostModel
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_config
@@ -75,7 +75,7 @@ def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
     from dynabatch.models.presets import build_model
     from dynabatch.runtime.planner import PlanAhead, StepPlanner
 
-    preset = "t5-tiny" if toy_data.family == "t5" else "gpt2-tiny"
+    preset = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
     cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32)
     model = build_model(preset, vocab_size=toy_data.tokens.vocab_size)
     layout = layout_for(model, 2)

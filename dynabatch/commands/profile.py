@@ -77,12 +77,13 @@ def _check(args) -> int:
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
     from dynabatch.cost.calibrate import format_summary, run_check, summarize
+    from dynabatch.models.families import layer_builder
 
     meta = tables.meta
     print(f"profile {args.check}: {meta['model']['name']} on {meta['device']['name']}, "
           f"{meta['num_threads']} thread(s), clock {meta['settings'].get('clock')}")
     start = time.perf_counter()
-    rows = run_check(tables, args.num_shapes, args.seed, layers=not args.model_only, device=args.device,
+    rows = run_check(tables, layer_builder(tables.meta["model"]["name"]), args.num_shapes, args.seed, layers=not args.model_only, device=args.device,
                      progress=not args.no_progress)
     print(format_summary(summarize(rows)))
     print(f"{len(rows)} comparisons on {args.num_shapes} shapes in {time.perf_counter() - start:.1f} s "
@@ -97,6 +98,7 @@ def run(args) -> int:
         _set_thp("1")
     from dynabatch.cost.measure import MeasureSettings
     from dynabatch.cost.profile import ProfileGrid, run_profile, save_profile
+    from dynabatch.models.families import layer_builder
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     try:
@@ -106,7 +108,7 @@ def run(args) -> int:
         p2p = None if args.p2p == "none" else args.p2p
         profile = run_profile(args.model, grid, settings, device=args.device, dtype=args.dtype, num_threads=threads,
                               dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
-                              show_progress=not args.no_progress)
+                              show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

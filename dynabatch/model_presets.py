@@ -1,0 +1,109 @@
+"""Small model configurations that run on a CPU, and loading of local checkpoints (bottom floor).
+
+``build_config("t5-tiny")`` returns a Hugging Face config; ``build_model(name_or_path)`` returns a
+randomly initialised model for a preset name, or ``from_pretrained`` of a local directory. A preset
+is data only (an HF ``model_type`` and config fields), so this module knows no model family: the
+family registry (:mod:`dynabatch.models.families`) lists which presets belong to which family and
+checks that a loaded config is supported. ``cost/`` and ``models/`` both import this module.
+Vocabulary and special ids default to the built-in offline tokenizer (pad 0, eos 1, unk 2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+BUILTIN_VOCAB_SIZE = 8192
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A named model shape: a Hugging Face ``model_type`` and the config fields that give its shape."""
+
+    model_type: str
+    """The HF ``model_type`` (``t5``, ``gpt2``, ``llama``, ...)."""
+    fields: dict = field(default_factory=dict)
+    """Config fields of the shape (widths, depths, heads)."""
+    dropout_fields: tuple[str, ...] = ()
+    """Config fields that ``build_config(dropout=...)`` sets."""
+
+
+_SPECIAL_IDS = dict(pad_token_id=PAD_ID, eos_token_id=EOS_ID, use_cache=False)
+
+
+def _t5(d_model: int, num_layers: int, num_heads: int, d_ff: int) -> ModelPreset:
+    fields = dict(d_model=d_model, d_kv=d_model // num_heads, d_ff=d_ff, num_layers=num_layers,
+                  num_decoder_layers=num_layers, num_heads=num_heads, decoder_start_token_id=PAD_ID,
+                  feed_forward_proj="relu", tie_word_embeddings=True, **_SPECIAL_IDS)
+    return ModelPreset("t5", fields, ("dropout_rate",))
+
+
+def _gpt2(d_model: int, num_layers: int, num_heads: int, d_ff: int, max_positions: int = 4096) -> ModelPreset:
+    fields = dict(n_positions=max_positions, n_embd=d_model, n_layer=num_layers, n_head=num_heads, n_inner=d_ff,
+                  bos_token_id=EOS_ID, **_SPECIAL_IDS)
+    return ModelPreset("gpt2", fields, ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+
+
+def _llama(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, d_ff: int) -> ModelPreset:
+    """A Llama-3-style decoder: GQA, RMSNorm, gated SiLU MLP, rotary positions, untied head."""
+    fields = dict(hidden_size=d_model, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, intermediate_size=d_ff, max_position_embeddings=4096,
+                  rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=EOS_ID, **_SPECIAL_IDS)
+    return ModelPreset("llama", fields, ("attention_dropout",))
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "t5-tiny": _t5(64, 2, 4, 128),
+    "t5-mini": _t5(128, 4, 4, 512),
+    "t5-small": _t5(512, 6, 8, 2048),
+    "gpt2-tiny": _gpt2(64, 2, 4, 256),
+    "gpt2-mini": _gpt2(128, 4, 4, 512),
+    "gpt2-small": _gpt2(768, 12, 12, 3072),
+    "llama-tiny": _llama(64, 2, 4, 2, 128),
+    # The benchmark models of `dynabatch bench --model t5 / gpt / llama` (issue 9's "small T5, about
+    # d_model 256, 4+4 layers", a GPT-2 of similar size: 8 blocks, and a Llama-3-style decoder of about
+    # the same parameters: 8 blocks, 4 query / 2 key-value heads, gated MLP 688 wide, untied head).
+    "t5-d256": _t5(256, 4, 4, 1024),
+    "gpt2-d256": _gpt2(256, 8, 4, 1024),
+    "llama-d256": _llama(256, 8, 4, 2, 688),
+}
+
+
+def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0):
+    """The Hugging Face config of a preset. ``dropout`` applies to every dropout in the model."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)} (or a local checkpoint dir)")
+    p = PRESETS[name]
+    return AutoConfig.for_model(p.model_type, vocab_size=vocab_size, **p.fields,
+                                **{key: dropout for key in p.dropout_fields})
+
+
+def model_class(config):
+    """The HF auto class for ``config``: ``AutoModelForSeq2SeqLM`` for encoder-decoders, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+
+
+def load_config(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0):
+    """The config of a preset name or of a local checkpoint directory (without loading weights)."""
+    if os.path.isdir(name_or_path):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    return build_config(name_or_path, vocab_size=vocab_size, dropout=dropout)
+
+
+def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0):
+    """A preset built from config (random init, seeded) or a local checkpoint directory."""
+    import torch
+
+    if os.path.isdir(name_or_path):
+        config = load_config(name_or_path)
+        return model_class(config).from_pretrained(name_or_path, local_files_only=True)
+    config = build_config(name_or_path, vocab_size=vocab_size, dropout=dropout)
+    torch.manual_seed(seed)
+    return model_class(config).from_config(config)
