@@ -78,6 +78,9 @@ class StepResult:
     """Last stage only: per micro-batch, (B, K, 2) summed token loss and loss-token count per row segment."""
     skipped: bool = False
     """The loss or the gradient norm was not finite: the optimizer step was not applied (every rank agrees)."""
+    saved_peak_bytes: int | None = None
+    """With ``measure_memory``: the largest bytes autograd held for backward on this rank during the step
+    (:class:`~dynabatch.runtime.memory.SavedActivationMeter`), the activation memory the schedule predicts."""
 
 
 @dataclass
@@ -104,7 +107,8 @@ class Executor:
     Construction is collective over the world (it creates the tied-parameter groups): every rank
     builds its executor at the same point. ``autocast_dtype="auto"`` means bf16 on CUDA, none on CPU.
     ``dropout_seed``: when set, each forward runs under ``forked_rng(seed_for(dropout_seed, step,
-    micro_batch, rank))`` so dropout masks are reproducible.
+    micro_batch, rank))`` so dropout masks are reproducible. ``measure_memory``: meter the bytes
+    autograd saves for backward during each step (:attr:`StepResult.saved_peak_bytes`).
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class Executor:
         max_grad_norm: float | None = None,
         autocast_dtype: torch.dtype | str | None = "auto",
         dropout_seed: int | None = None,
+        measure_memory: bool = False,
     ) -> None:
         if stage.stage_index != ctx.stage_index or stage.num_stages != ctx.num_stages:
             raise ValueError(
@@ -132,6 +137,7 @@ class Executor:
             autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype
         self.dropout_seed = dropout_seed
+        self.measure_memory = measure_memory
         self.is_last = ctx.stage_index == ctx.num_stages - 1
         self.params = [p for p in stage.parameters() if p.requires_grad]
         tied = stage.tied_parameters()
@@ -140,6 +146,8 @@ class Executor:
         skip = {id(tied[n]) for n, g in self.tied.items() if not g.is_owner}
         self.norm_params = [p for p in self.params if id(p) not in skip]
         # per-step state
+        self._current: Instr | None = None
+        """The instruction running (for error messages)."""
         self.inputs: StepInputs | None = None
         self.states: dict[int, _MicroBatchState] = {}
         self.pending: dict[tuple[Op, int], _Transfer] = {}
@@ -183,17 +191,15 @@ class Executor:
             p.grad = None
         timeline: list[tuple[str, float, float]] = []
         clock = time.perf_counter
-        ins = None
+        self._current = None
+        meter = None
+        if self.measure_memory:
+            from dynabatch.runtime.memory import SavedActivationMeter
+
+            meter = SavedActivationMeter(exclude=self.stage.parameters())
         try:
-            for ins in plan.instructions:
-                handler = HANDLERS.get(ins.op)
-                if handler is None:
-                    raise ValueError(
-                        f"no handler for opcode {ins.op!r} in {ins}; handled: {', '.join(o.value for o in HANDLERS)}"
-                    )
-                t0 = clock()
-                handler(self, ins)
-                timeline.append((ins.key, t0, clock()))
+            with meter if meter is not None else contextlib.nullcontext():
+                self._run_instructions(plan, timeline, clock)
             if self.pending or self.states or self.contexts or self.kv_grads:
                 raise ValueError(
                     f"plan ended with transfers {sorted(str(k) for k in self.pending)} not waited, "
@@ -203,6 +209,7 @@ class Executor:
         except PipelineError:
             raise
         except Exception as e:
+            ins = self._current
             where = f"rank {ctx.rank} (stage {ctx.stage_index}, replica {ctx.replica_index}), step {plan.step}"
             what = f"instruction {ins.to_text()} ({self._peers(ins)})" if ins is not None else "plan"
             raise PipelineError(f"{where}, {what} failed: {type(e).__name__}: {e}") from e
@@ -211,7 +218,22 @@ class Executor:
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses,
-                          self.skipped)
+                          self.skipped, meter.peak_bytes if meter is not None else None)
+
+    def _run_instructions(self, plan, timeline: list, clock) -> None:
+        """Run every instruction of ``plan`` through its handler, timing each (``self._current`` names
+        the instruction running, for the error message)."""
+        for ins in plan.instructions:
+            self._current = ins
+            handler = HANDLERS.get(ins.op)
+            if handler is None:
+                raise ValueError(
+                    f"no handler for opcode {ins.op!r} in {ins}; handled: {', '.join(o.value for o in HANDLERS)}"
+                )
+            t0 = clock()
+            handler(self, ins)
+            timeline.append((ins.key, t0, clock()))
+        self._current = None
 
     def reduce_gradients(self) -> None:
         """``REDUCE``: sum tied-parameter gradients over their stages, then gradients over the replicas."""

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,9 @@ class PlannedStep:
     plan_time_s: float
     batcher_state_after: dict[str, Any]
     """Global batcher position after this step's batch: what a checkpoint taken after this step stores."""
+    predicted_saved_bytes: tuple[float, ...] = ()
+    """Replica 0, per stage: the simulated peak of the activations its schedule keeps for backward
+    (stored bytes only: what :class:`~dynabatch.runtime.memory.SavedActivationMeter` measures)."""
     model_state_bytes: tuple[float, ...] = ()
     """Per stage, the parameter, gradient and optimizer bytes the schedule's memory was priced with
     (the validator takes them off the device memory)."""
@@ -111,12 +114,14 @@ class StepPlanner:
             contexts.append(ctx)
         shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
         costs, schedules, predicted, bubble = self._predict(shapes, links, contexts)
+        saved = simulate(schedules[0], replace(costs[0], peak_bytes=np.zeros_like(costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
         planned = PlannedStep(
             step=self.step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
             schedules=schedules, slice_links=tuple(links), predicted_step_s=predicted, bubble_fraction=bubble,
             computed_tokens=computed, plan_time_s=time.perf_counter() - start, batcher_state_after=state,
             model_state_bytes=tuple(self.cost_model.model_state_bytes),
+            predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes),
         )
         self.step += 1
         return planned

@@ -147,7 +147,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
     stage = build_stage(model, layout, ctx.stage_index).to(ctx.device)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed)
+    executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
+                        measure_memory=True)
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler)
     if ctx.is_planner:
         from dynabatch.data.batching import GlobalBatcher, LengthLimits
@@ -255,6 +256,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     from dynabatch.runtime.step import train_step
 
     from dynabatch.runtime.faults import maybe_crash
+    from dynabatch.runtime.memory import gather_stage_peaks
     from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
 
     if checkpoints:
@@ -290,6 +292,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0,
             )
             elapsed = time.perf_counter() - t0
+            saved_peaks = gather_stage_peaks(ctx, result.saved_peak_bytes)  # collective
             bad_steps = bad_steps + 1 if result.skipped else 0
             if result.skipped and ctx.is_planner:
                 bar.write(f"warning: step {step}: {_non_finite(result)}; the optimizer step was skipped "
@@ -299,6 +302,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 task_loss = gather_task_losses(ctx, result, planned)  # collective
             if ctx.is_planner:
                 record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
+                record["memory_measured_bytes"] = saved_peaks
+                record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 if task_loss is not None:
                     record["task_loss"] = task_loss
                     bar.write(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
