@@ -278,13 +278,14 @@ def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list
     return [(*m, inputs[i] if is_planner else None) for i, m in enumerate(meta[0])]
 
 
-def _run_step(r: _Method, ctx, step: int, planned):
-    """One training step of method ``r``; returns its loss (on rank 0)."""
+def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None]:
+    """One training step of method ``r``; returns its loss (on rank 0) and this rank's peak bytes saved for
+    backward (``None`` for the torch pipelining peer, which is not metered)."""
     from dynabatch.runtime.step import train_step
 
     if r.peer_steps is not None:
         num, shape, tokens, inputs = r.peer_steps[step]
-        return r.executor.step(num, shape, tokens, inputs)
+        return r.executor.step(num, shape, tokens, inputs), None
     result = train_step(
         r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
         policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
@@ -292,7 +293,7 @@ def _run_step(r: _Method, ctx, step: int, planned):
         slice_links=planned.slice_links if planned else None,
         model_state_bytes=planned.model_state_bytes if planned else 0.0,
     )
-    return float(result.loss)
+    return float(result.loss), result.saved_peak_bytes
 
 
 def bench(args, methods: list[str]) -> dict | None:
@@ -334,7 +335,8 @@ def bench(args, methods: list[str]) -> dict | None:
             if m == PEER:
                 ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm)
             else:
-                ex = Executor(stage, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm, dropout_seed=args.seed)
+                ex = Executor(stage, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm, dropout_seed=args.seed,
+                              measure_memory=True)
             runs[m] = _Method(m, ex, [], spec, cfgs[m])
         cost_model = None
         batches = []
@@ -354,6 +356,7 @@ def bench(args, methods: list[str]) -> dict | None:
         times = {m: [] for m in methods}
         losses = {m: [] for m in methods}
         peaks = {m: 0 for m in methods}
+        saved = {m: None for m in methods}
         for step in range(num_steps):
             k = step % len(methods)
             for m in methods[k:] + methods[:k]:  # rotated order: no method always runs first
@@ -363,7 +366,9 @@ def bench(args, methods: list[str]) -> dict | None:
                     torch.cuda.reset_peak_memory_stats(ctx.device)
                 dist.barrier(group=ctx.delivery_group)
                 t0 = time.perf_counter()
-                loss = _run_step(r, ctx, step, r.planned[step] if ctx.is_planner else None)
+                loss, saved_peak = _run_step(r, ctx, step, r.planned[step] if ctx.is_planner else None)
+                if saved_peak is not None and step >= args.warmup:
+                    saved[m] = max(saved[m] or 0, saved_peak)
                 if cuda:
                     torch.cuda.synchronize(ctx.device)
                 dist.barrier(group=ctx.delivery_group)
@@ -374,14 +379,24 @@ def bench(args, methods: list[str]) -> dict | None:
                     times[m].append(elapsed)
                 losses[m].append(loss)
         gathered: list = [None] * ctx.world_size
-        dist.all_gather_object(gathered, peaks, group=ctx.delivery_group)
+        dist.all_gather_object(gathered, (peaks, saved), group=ctx.delivery_group)
         if not ctx.is_planner:
             return None
-        measured_peak = {m: max(p[m] for p in gathered) for m in methods} if cuda else None
+        measured_peak = {m: max(p[m] for p, _ in gathered) for m in methods} if cuda else None
+        measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in methods}
         return _results(args, methods, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
-                        str(ctx.device))
+                        str(ctx.device), measured_saved)
     finally:
         shutdown()
+
+
+def _predicted_saved_mib(run: _Method, warmup: int) -> float | None:
+    """Largest simulated peak of stored activation bytes on any stage over the timed steps (replica 0):
+    what the measured ``SavedActivationMeter`` peak is compared with; ``None`` for the peer."""
+    if run.peer_steps is not None or not run.planned:
+        return None
+    values = [max(p.predicted_saved_bytes) for p in run.planned[warmup:] if p is not None and p.predicted_saved_bytes]
+    return max(values) / 2**20 if values else None
 
 
 def _spread(values) -> dict:
@@ -390,7 +405,8 @@ def _spread(values) -> dict:
             "min": float(v.min()), "max": float(v.max())}
 
 
-def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device) -> dict:
+def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device,
+             measured_saved=None) -> dict:
     import platform
 
     import torch
@@ -411,6 +427,9 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
             "predicted_step_s_median": float(np.median([x["predicted_s"] for x in timed])),
             "predicted_peak_memory_mib": max(x["peak"] for x in timed) / 2**20,
             "measured_peak_memory_mib": measured_peak[m] / 2**20 if measured_peak else None,
+            "measured_saved_activation_mib": (measured_saved[m] / 2**20
+                                              if measured_saved and measured_saved[m] is not None else None),
+            "predicted_saved_activation_mib": _predicted_saved_mib(runs[m], w),
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
@@ -483,6 +502,11 @@ def print_table(result: dict) -> None:
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
+    saved = [f"{m} {r['measured_saved_activation_mib']:.1f}/{r['predicted_saved_activation_mib']:.1f}"
+             for m, r in result["methods"].items()
+             if r.get("measured_saved_activation_mib") is not None and r.get("predicted_saved_activation_mib")]
+    if saved:
+        print("activations saved for backward, largest stage, measured/predicted MiB: " + ", ".join(saved))
     if PEER in result["methods"]:
         shapes = ", ".join("x".join(map(str, s)) for s in result["methods"][PEER].get("fixed_shapes", []))
         print(f"{PEER}: torch.distributed.pipelining Schedule1F1B on packing's rows as fixed-shape micro-batches "

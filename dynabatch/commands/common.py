@@ -22,6 +22,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="analytic model preset (default: t5-large / gpt-1.3b / llama3-8b); see "
                         "dynabatch.cost.model_specs.PRESETS (llama3-8b, qwen2.5-7b, mistral-7b, ...)")
     p.add_argument("--hardware", default="a100-40gb", help="hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="device memory per stage in GiB, model states included (default: the hardware preset's)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages")
     p.add_argument("--max-input-len", type=int, default=1024, help="T5 encoder limit; GPT sequence limit")
     p.add_argument("--max-target-len", type=int, default=256, help="T5 decoder limit")
@@ -61,6 +63,8 @@ def resolve(args: argparse.Namespace) -> Workload:
 
     check_positive(args, "num_batches", "stages", "global_batch_tokens", "samples_per_micro_batch",
                    "token_budget_tokens", "packing_rows")
+    if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
+        raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
     family = MODEL_FAMILIES[args.model]
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
@@ -70,6 +74,8 @@ def resolve(args: argparse.Namespace) -> Workload:
         raise ValueError(f"preset {preset!r} is a {model.spec.family} model but --model is {args.model}")
     e_ref = min(args.max_input_len, 512)
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))
-    cost = StageCostModel(model, layout, model.hardware.memory_bytes)
+    memory_gib = getattr(args, "memory_gib", None)
+    memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
+    cost = StageCostModel(model, layout, memory)
     options = BaselineOptions(args.samples_per_micro_batch, args.token_budget_tokens, args.packing_rows)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)

@@ -268,9 +268,11 @@ class SingleSampleRelief:
     in_flight: int
     """The ``in_flight`` the planner is called with."""
 
-    @property
-    def memory_budget_bytes(self) -> float:
-        return self.cost_model.memory_budget_bytes
+    def __getattr__(self, name: str):
+        """Everything but ``evaluate`` is the wrapped model's (budget, device memory, model states, ...)."""
+        if name == "cost_model":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.cost_model, name)
 
     def evaluate(self, b, E, D):
         t, stored, peak = self.cost_model.evaluate(b, E, D)

@@ -77,6 +77,12 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     assert rows["pipelining"]["padding_efficiency"] <= rows["packing"]["padding_efficiency"]
     assert abs(rows["pipelining"]["loss_first"] - rows["packing"]["loss_first"]) < 1e-4
     assert all(b >= 1 and e == 256 and d == 0 for b, e, d in rows["pipelining"]["fixed_shapes"])  # GPT rows of max len
+    # activations saved for backward: measured by the executor's meter, next to the schedule's prediction
+    for m in ("dynamic", "packing", "padding"):
+        measured, predicted = rows[m]["measured_saved_activation_mib"], rows[m]["predicted_saved_activation_mib"]
+        assert measured > 0 and measured == pytest.approx(predicted, rel=0.10), (m, measured, predicted)
+    assert rows["pipelining"]["measured_saved_activation_mib"] is None
+    assert "activations saved for backward, largest stage, measured/predicted MiB: dynamic" in proc.stdout
     # the last line is the JSON summary with per-method real tokens/s
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["tokens_per_s"] == {m: round(r["tokens_per_s"], 1) for m, r in rows.items()}
