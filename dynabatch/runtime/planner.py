@@ -289,7 +289,12 @@ class PlanAhead:
                 if self._stop.is_set():
                     return
         except BaseException as e:  # delivered to the consumer, never lost in the thread
-            self._queue.put(e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(e, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
 
     def get(self, timeout_s: float = 600.0) -> tuple[PlannedStep, float]:
         """The next planned step and the seconds the caller waited for it."""
@@ -309,5 +314,9 @@ class PlanAhead:
             raise kind(f"the background planner failed: {type(item).__name__}: {item}") from item
         return item, time.perf_counter() - start
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop planning and wait for the thread to finish the step it is on: a process must not exit
+        while the thread is inside torch or numba (seen as ``terminate called without an active exception``
+        when a run stopped early on an error while the planner was still ahead)."""
         self._stop.set()
+        self._thread.join(timeout_s)
