@@ -154,7 +154,7 @@ error names the old and new values). Every other field may change and the change
 ``weight_decay`` then replace the values restored with the optimizer state."""
 
 
-def _type_name(annotation: str) -> tuple[type, ...] | None:
+def _annotation_types(annotation: str) -> tuple[type, ...] | None:
     """The Python types a field annotation (a string under ``from __future__ import annotations``) admits."""
     kinds = {"int": int, "float": float, "str": str, "bool": bool}
     parts = [p.strip() for p in annotation.split("|")]
@@ -162,11 +162,17 @@ def _type_name(annotation: str) -> tuple[type, ...] | None:
     return types_ or None
 
 
+def _number_type(annotation: str) -> type | None:
+    """``float`` or ``int`` for a numeric field annotation (float wins), else ``None``."""
+    types_ = _annotation_types(annotation) or ()
+    return float if float in types_ else int if int in types_ else None
+
+
 def _check_types(cfg: "TrainConfig") -> None:
     """Every field holds a value of its declared type (ints are accepted for floats); floats are finite."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        allowed = _type_name(str(f.type))
+        allowed = _annotation_types(str(f.type))
         if allowed is None or (value is None and "None" in str(f.type)):
             continue
         ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
@@ -247,22 +253,17 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def _coerce(path: str, name: str, value: Any) -> Any:
     """YAML 1.1 reads ``lr: 3e-4`` as a string: turn numeric strings into the field's number type."""
-    field_type = next((str(f.type) for f in dataclasses.fields(TrainConfig) if f.name == name), "")
-    if isinstance(value, str) and ("float" in field_type or "int" in field_type):
+    number = next((_number_type(str(f.type)) for f in dataclasses.fields(TrainConfig) if f.name == name), None)
+    if isinstance(value, str) and number is not None:
         try:
-            return float(value) if "float" in field_type else int(value)
+            return number(value)
         except ValueError:
             raise ValueError(f"config file {path}: {name} must be a number, got {value!r}") from None
     return value
 
 
 def _parser(f: dataclasses.Field):
-    t = str(f.type)
-    if "int" in t and "float" not in t:
-        return int
-    if "float" in t:
-        return float
-    return str
+    return _number_type(str(f.type)) or str
 
 
 _DOCS: dict[str, str] = {}

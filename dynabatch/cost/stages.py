@@ -146,21 +146,14 @@ class StageCostModel:
         return self.layout.num_stages
 
     def per_stage(self, b, E, D) -> StageCosts:
-        b, E, D = (np.asarray(x, dtype=np.float64) for x in (b, E, D))
-        if not any("t5_decoder" in s for s in self.layout.stages):
-            D = None  # decoder-only: E is the sequence length
+        b, E, D = self._inputs(b, E, D)
         costs = [self.model.stage_cost(list(s), b, E, D) for s in self.layout.stages]
-        sends = [self.model.send_bytes(s[-1], b, E, D) for s in self.layout.stages]
-
-        def stack(values) -> np.ndarray:
-            return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), b.shape) for v in values])
-
         return StageCosts(
-            fwd_s=stack(c.fwd_time_s for c in costs),
-            bwd_s=stack(c.bwd_time_s for c in costs),
-            stored_bytes=stack(c.stored_activation_bytes for c in costs),
-            peak_bytes=stack(c.peak_extra_bytes for c in costs),
-            send_bytes=stack(sends),
+            fwd_s=_stack((c.fwd_time_s for c in costs), b.shape),
+            bwd_s=_stack((c.bwd_time_s for c in costs), b.shape),
+            stored_bytes=_stack((c.stored_activation_bytes for c in costs), b.shape),
+            peak_bytes=_stack((c.peak_extra_bytes for c in costs), b.shape),
+            send_bytes=self._send_bytes(b, E, D),
         )
 
     def evaluate(self, b, E, D) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -176,17 +169,25 @@ class StageCostModel:
         fused = getattr(self.model, "bottleneck_cost", None)
         if fused is not None:
             t, stored, peak = fused(self.layout.stages, b, E, D)
-            sends = self._send_bytes(*(np.asarray(x, dtype=np.float64) for x in (b, E, D)))
+            sends = self._send_bytes(*self._inputs(b, E, D))
         else:
             c = self.per_stage(b, E, D)
             t, stored, peak, sends = (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0), c.send_bytes
         return t, stored + message_buffer_bytes(sends).max(axis=0), peak
 
+    def _inputs(self, b, E, D):
+        """Float arrays ``(b, E, D)``; ``D = None`` for a decoder-only layout (E is the sequence length)."""
+        b, E, D = (np.asarray(x, dtype=np.float64) for x in (b, E, D))
+        return b, E, (D if any("t5_decoder" in s for s in self.layout.stages) else None)
+
     def _send_bytes(self, b, E, D) -> np.ndarray:
-        if not any("t5_decoder" in s for s in self.layout.stages):
-            D = None
-        return np.stack([np.broadcast_to(np.asarray(self.model.send_bytes(s[-1], b, E, D), dtype=np.float64), b.shape)
-                         for s in self.layout.stages])
+        """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays)."""
+        return _stack((self.model.send_bytes(s[-1], b, E, D) for s in self.layout.stages), b.shape)
+
+
+def _stack(values, shape) -> np.ndarray:
+    """One float64 row per stage, each broadcast to ``shape``."""
+    return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for v in values])
 
 
 def message_buffer_bytes(send_bytes) -> np.ndarray:

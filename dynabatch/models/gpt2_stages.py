@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynabatch.data.microbatch import IGNORE_INDEX
-from dynabatch.models.forward import _token_losses, causal_segment_mask
+from dynabatch.models.forward import causal_segment_mask
 from dynabatch.models.slice_kv import SliceCache, SliceContext
-from dynabatch.models.stage import StageModule, StageOutput, segment_losses
+from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
 SHARED_EMBEDDING = "shared_embedding"
 """Tied-parameter group of the token table and the tied output projection."""
@@ -112,7 +111,4 @@ class GPT2Stage(StageModule):
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)
         labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
-        logits = self.lm_head(self.ln_f(hidden))  # (B, T, V)
-        token_losses = _token_losses(logits, labels)  # (B, T)
-        return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-                           segment_losses=segment_losses(token_losses, labels, segment_ids), slice_record=record)
+        return loss_output(self.lm_head(self.ln_f(hidden)), labels, segment_ids, record)  # logits (B, T, V)

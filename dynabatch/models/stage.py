@@ -65,6 +65,18 @@ def segment_losses(token_losses: torch.Tensor, labels: torch.Tensor, segment_ids
     return out.cpu()
 
 
+def loss_output(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor,
+                slice_record: "SliceRecord | None" = None) -> StageOutput:
+    """The last stage's :class:`StageOutput` from its logits (B, T, V) and pre-shifted ``labels`` (B, T):
+    the fp32 token-loss sum, the loss-token count and the per-segment losses."""
+    from dynabatch.data.microbatch import IGNORE_INDEX
+    from dynabatch.models.forward import _token_losses
+
+    token_losses = _token_losses(logits, labels)  # (B, T)
+    return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
+                       segment_losses=segment_losses(token_losses, labels, segment_ids), slice_record=slice_record)
+
+
 class StageModule(torch.nn.Module):
     """One pipeline stage of a split model (see the module docstring).
 

@@ -38,14 +38,12 @@ import torch
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.forward import (
-    _token_losses,
     bidirectional_segment_mask,
     causal_segment_mask,
     cross_segment_mask,
 )
-from dynabatch.models.stage import StageModule, StageOutput, segment_losses
+from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
 SHARED_EMBEDDING = "shared_embedding"
 ENCODER_RELATIVE_BIAS = "encoder_relative_bias"
@@ -212,7 +210,4 @@ class T5Stage(StageModule):
         hidden = self.decoder_dropout(self.decoder_final_layer_norm(hidden))  # (B, D, d)
         if getattr(self.config, "scale_decoder_outputs", False):  # tied T5 (not mT5): as T5ForConditionalGeneration
             hidden = hidden * (self.config.d_model**-0.5)
-        logits = self.lm_head(hidden)  # (B, D, V)
-        token_losses = _token_losses(logits, labels)  # (B, D)
-        return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-                           segment_losses=segment_losses(token_losses, labels, segment_ids))
+        return loss_output(self.lm_head(hidden), labels, segment_ids)  # logits (B, D, V)

@@ -138,16 +138,9 @@ def receive_step(group, timeout_s: float | None = None) -> StepInputs:
     """Any rank but 0: receive this step's :class:`StepInputs` from rank 0 (blocks; raises on timeout).
     ``timeout_s`` replaces the group's timeout for this step (gloo's ``Work.wait(timeout)`` overrides it
     either way): the first step waits for rank 0 to load the data."""
-    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-
-    def wait(work) -> None:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout)
-
+    wait = () if timeout_s is None else (timedelta(seconds=timeout_s),)
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    wait(dist.irecv(header, src=0, group=group, tag=_HEADER_TAG))
+    dist.irecv(header, src=0, group=group, tag=_HEADER_TAG).wait(*wait)
     payload = torch.empty(int(header[4]), dtype=torch.uint8)
-    wait(dist.irecv(payload, src=0, group=group, tag=_PAYLOAD_TAG))
+    dist.irecv(payload, src=0, group=group, tag=_PAYLOAD_TAG).wait(*wait)
     return unpack(header, payload)

@@ -279,22 +279,20 @@ class PlanAhead:
     def _run(self, planner: StepPlanner, num_steps: int) -> None:
         try:
             for _ in range(num_steps):
-                item = planner()
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if self._stop.is_set() or not self._offer(planner()):
                     return
         except BaseException as e:  # delivered to the consumer, never lost in the thread
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(e, timeout=0.1)
-                    return
-                except queue.Full:
-                    continue
+            self._offer(e)
+
+    def _offer(self, item) -> bool:
+        """Queue ``item`` as soon as there is room; ``False`` when :meth:`close` stopped the planner first."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def get(self, timeout_s: float = 600.0) -> tuple[PlannedStep, float]:
         """The next planned step and the seconds the caller waited for it."""

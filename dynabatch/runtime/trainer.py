@@ -229,18 +229,12 @@ def resume(run: _Run, info) -> int:
 
     if info is None:
         return 0
-    world = info.manifest.get("world", {})
-    if (world.get("stages"), world.get("replicas")) != (run.cfg.stages, run.cfg.replicas):
-        raise ValueError(
-            f"checkpoint {info.path} was written by {world.get('stages')} stages x {world.get('replicas')} replicas; "
-            f"this run has {run.cfg.stages} x {run.cfg.replicas}"
-        )
     shard = load_shard(info, run.ctx.rank, map_location=run.ctx.device)
     run.stage.load_state_dict(shard["stage"])
     run.optimizer.load_state_dict(shard["optimizer"])
     run.scheduler.load_state_dict(shard["scheduler"])
     apply_hyperparameters(run.optimizer, run.scheduler, run.cfg, _lr_lambda(run.cfg))
-    run.run_id = info.manifest.get("run_id")
+    run.run_id = info.run_id
     set_rng_state(shard["rng"])
     if run.ctx.is_planner:
         run.batcher.load_state_dict(info.manifest["data"])

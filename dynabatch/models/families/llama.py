@@ -35,7 +35,7 @@ from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.forward import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
 from dynabatch.models.slice_kv import SliceCache, SliceContext
-from dynabatch.models.stage import StageModule, StageOutput, segment_losses
+from dynabatch.models.stage import StageModule, StageOutput, loss_output
 from dynabatch.sequence import CAUSAL
 
 llama_tied_groups = gpt2_tied_groups
@@ -112,9 +112,7 @@ class LlamaStage(StageModule):
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)
         labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
-        token_losses = _token_losses(self.lm_head(self.norm(hidden)), labels)  # (B, T)
-        return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-                           segment_losses=segment_losses(token_losses, labels, segment_ids), slice_record=record)
+        return loss_output(self.lm_head(self.norm(hidden)), labels, segment_ids, record)  # logits (B, T, V)
 
 
 def llama_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
