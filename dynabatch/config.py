@@ -18,6 +18,8 @@ from typing import Any
 
 METHODS = ("dynamic", "padding", "length_grouped", "token_budget", "packing")
 POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
+ATTENTION_PATHS = ("segments", "dense")
+"""``--attention``: as :data:`dynabatch.models.attention.ATTENTION_PATHS` (config does not import models)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -61,6 +63,8 @@ class TrainConfig:
     """Upper bound on samples per planned micro-batch (keeps CPU micro-batches cache-friendly)."""
     slice_long: bool = False
     """GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory into token slices (TeraPipe)."""
+    attention: str = "segments"
+    """Attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on pad) or dense (4-D block-diagonal masks, the reference)."""
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup_steps: int = 5
@@ -102,6 +106,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
         _choice("policy", self.policy, POLICIES)
+        _choice("attention", self.attention, ATTENTION_PATHS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("overlong", self.overlong, ("truncate", "drop", "error"))
         if self.compare_method is not None:

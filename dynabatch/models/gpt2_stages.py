@@ -4,7 +4,8 @@ A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`
 :mod:`dynabatch.cost.model_specs`) and runs exactly what ``GPT2Model.forward`` runs for them:
 
 * ``embedding``: ``drop(wte(input_ids) + wpe(position_ids))`` with the per-sample position ids;
-* ``gpt`` blocks: each ``GPT2Block`` called directly as GPT2Model calls it, with the 4-D additive
+* ``gpt`` blocks: each ``GPT2Block`` called directly as GPT2Model calls it, with padding-free per-sample
+  causal attention (:mod:`dynabatch.models.attention`) or, on a ``dense`` stage, the 4-D additive
   block-diagonal causal mask built from ``segment_ids`` (:func:`~dynabatch.models.forward.causal_segment_mask`),
   no cache, no cross-attention; a token slice (TeraPipe) instead passes a
   :class:`~dynabatch.models.slice_kv.SliceCache` as the blocks' cache, so attention also sees the keys
@@ -23,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynabatch.models.forward import causal_segment_mask
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
@@ -104,7 +104,7 @@ class GPT2Stage(StageModule):
             hidden = received["hidden"]  # (B, T, d)
         cache = SliceCache(context, [b.attn.layer_idx for b in self.blocks]) if sliced else None
         context_ids = context.segment_ids if context is not None else None
-        mask = causal_segment_mask(segment_ids, dtype, context_ids)  # (B, 1, T, C + T)
+        mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
             hidden = block(hidden, cache, mask, None, encoder_attention_mask=None, use_cache=False)  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None

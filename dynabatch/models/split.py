@@ -42,6 +42,7 @@ from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
+from dynabatch.models.attention import check_attention_path, use_segment_attention
 from dynabatch.models.families import analytic_spec, family_for_config
 from dynabatch.models.stage import StageModule
 from dynabatch.schedule.ir import PipelineSpec
@@ -110,21 +111,28 @@ def _own_copy(stage: StageModule, model: nn.Module) -> StageModule:
     return owned
 
 
-def build_stage(model: nn.Module, layout: StageLayout, stage_index: int) -> StageModule:
+def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attention: str = "segments") -> StageModule:
     """Stage ``stage_index`` of ``layout``, owning deep copies of the parameters it needs.
 
-    The model is not modified. The stage is in the model's train/eval mode, dtype and device.
+    ``attention``: ``segments`` (padding-free, :mod:`dynabatch.models.attention`; the stage's own copy of
+    the config is pointed at it) or ``dense`` (4-D masks under the model's own attention implementation,
+    the reference). The model is not modified. The stage is in the model's train/eval mode, dtype and device.
     """
     if not 0 <= stage_index < layout.num_stages:
         raise ValueError(f"stage_index must be in [0, {layout.num_stages}), got {stage_index}")
+    check_attention_path(attention)
     _check_layout(model, layout)
     stage = family_for_config(model.config).stage_class(model, layout, stage_index)
-    return _own_copy(stage, model).train(model.training)
+    owned = _own_copy(stage, model).train(model.training)
+    owned.attention = attention
+    if attention == "segments":
+        use_segment_attention(owned)
+    return owned
 
 
-def build_stages(model: nn.Module, layout: StageLayout) -> list[StageModule]:
+def build_stages(model: nn.Module, layout: StageLayout, attention: str = "segments") -> list[StageModule]:
     """Every stage of ``layout`` (for single-process tests and tools; the runtime builds one per rank)."""
-    return [build_stage(model, layout, i) for i in range(layout.num_stages)]
+    return [build_stage(model, layout, i, attention) for i in range(layout.num_stages)]
 
 
 def tied_parameter_stages(model: nn.Module, layout: StageLayout) -> dict[str, tuple[int, ...]]:

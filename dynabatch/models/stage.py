@@ -88,6 +88,24 @@ class StageModule(torch.nn.Module):
     stage_index: int
     num_stages: int
     supports_slices: bool = False
+    attention: str = "dense"
+    """``segments`` (padding-free) or ``dense`` (4-D masks); set by :func:`dynabatch.models.split.build_stage`."""
+
+    def self_attention_mask(self, kind: str, segment_ids: torch.Tensor, dtype: torch.dtype, device,
+                            context_segment_ids: torch.Tensor | None = None):
+        """What the stage's layers get as ``attention_mask`` for self-attention of ``kind`` (``causal`` or
+        ``bidirectional``) over host (B, T) ``segment_ids``: a :class:`~dynabatch.models.attention.Segments`
+        layout, or the dense (B, 1, T, C + T) additive mask."""
+        from dynabatch.models.attention import build_segments
+        from dynabatch.models.forward import bidirectional_segment_mask, causal_segment_mask
+
+        if self.attention == "segments":
+            return build_segments(kind, segment_ids, context_segment_ids=context_segment_ids, device=device)
+        ids = segment_ids.to(device, non_blocking=True)
+        if kind == "bidirectional":
+            return bidirectional_segment_mask(ids, dtype)
+        context = None if context_segment_ids is None else context_segment_ids.to(device)
+        return causal_segment_mask(ids, dtype, context)
 
     def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:  # noqa: D102
         raise NotImplementedError

@@ -38,11 +38,8 @@ import torch
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from dynabatch.models.forward import (
-    bidirectional_segment_mask,
-    causal_segment_mask,
-    cross_segment_mask,
-)
+from dynabatch.models.attention import Segments, build_segments
+from dynabatch.models.forward import cross_segment_mask
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
 SHARED_EMBEDDING = "shared_embedding"
@@ -159,8 +156,8 @@ class T5Stage(StageModule):
     def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:
         weight = next(self.parameters())
         device, dtype = weight.device, weight.dtype
-        enc_seg = loaded["segment_ids"].to(device, non_blocking=True)  # (B, E)
-        dec_seg = loaded["decoder_segment_ids"].to(device, non_blocking=True) if self.is_decoder_role else None
+        enc_seg = loaded["segment_ids"]  # (B, E), host: masks are built from it
+        dec_seg = loaded["decoder_segment_ids"] if self.is_decoder_role else None  # (B, D), host
         enc_hidden = received.get("enc_hidden")  # (B, E, d) on stages that start in the encoder
         dec_hidden = received.get("dec_hidden")  # (B, D, d) on stages that start in the decoder
         enc_out = received.get("enc_out")  # (B, E, d) likewise
@@ -176,7 +173,7 @@ class T5Stage(StageModule):
         if self.decoder_blocks:
             dec_hidden = self._run_decoder(dec_hidden, enc_out, dec_seg, enc_seg, dtype)
         if self.has_head:
-            return self._loss(dec_hidden, loaded["labels"].to(device, non_blocking=True), dec_seg)
+            return self._loss(dec_hidden, loaded["labels"].to(device, non_blocking=True), dec_seg.to(device))
         if not self.is_decoder_role:
             return StageOutput(sends={"enc_hidden": enc_hidden})
         if self.starts_in_decoder:  # relay the received enc_out through an identity node (module docstring)
@@ -184,22 +181,25 @@ class T5Stage(StageModule):
         return StageOutput(sends={"dec_hidden": dec_hidden, "enc_out": enc_out})
 
     def _run_encoder(self, hidden: torch.Tensor, enc_seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Encoder blocks on (B, E, d) with the bidirectional segment mask and the stack's position bias."""
-        e = hidden.shape[1]
-        mask = bidirectional_segment_mask(enc_seg, dtype)  # (B, 1, E, E)
-        bias = relative_position_bias(self.encoder_relative_bias, self.config, e, e, bidirectional=True)
-        # bias: (1, H, E, E)
+        """Encoder blocks on (B, E, d) with the bidirectional segment mask (or Segments) and the stack's bias."""
+        mask = self.self_attention_mask("bidirectional", enc_seg, dtype, hidden.device)
+        n = mask.max_len if isinstance(mask, Segments) else hidden.shape[1]  # Segments: the longest sample's window
+        bias = relative_position_bias(self.encoder_relative_bias, self.config, n, n, bidirectional=True)  # (1, H, n, n)
         for block in self.encoder_blocks:
             hidden = block(hidden, mask, bias, cache=None)[0]  # (B, E, d)
         return hidden
 
     def _run_decoder(self, hidden, enc_out, dec_seg, enc_seg, dtype: torch.dtype) -> torch.Tensor:
         """Decoder blocks on (B, D, d): causal self-attention with position bias, cross-attention to enc_out."""
-        d = hidden.shape[1]
-        self_mask = causal_segment_mask(dec_seg, dtype)  # (B, 1, D, D)
-        cross_mask = cross_segment_mask(dec_seg, enc_seg, dtype)  # (B, 1, D, E)
-        bias = relative_position_bias(self.decoder_relative_bias, self.config, d, d, bidirectional=False)
-        # bias: (1, H, D, D)
+        device = hidden.device
+        self_mask = self.self_attention_mask("causal", dec_seg, dtype, device)
+        if isinstance(self_mask, Segments):
+            cross_mask = build_segments("cross", dec_seg, enc_seg, device=device)
+            n = self_mask.max_len
+        else:
+            cross_mask = cross_segment_mask(dec_seg.to(device), enc_seg.to(device), dtype)  # (B, 1, D, E)
+            n = hidden.shape[1]
+        bias = relative_position_bias(self.decoder_relative_bias, self.config, n, n, bidirectional=False)  # (1, H, n, n)
         cross_bias = None  # the first block builds zeros (1, H, D, E), as HF's decoder layer 0 does
         for block in self.decoder_blocks:
             hidden, _, cross_bias = block(hidden, self_mask, bias, enc_out, cross_mask, cross_bias, cache=None)

@@ -119,7 +119,10 @@ def _check_chained(model, layout: StageLayout, mb) -> None:
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     assert grads.keys() == ref_grads.keys()  # every parameter lives on some stage, nothing extra
     for n, g in ref_grads.items():
-        torch.testing.assert_close(grads[n], g, msg=lambda m, n=n: f"{n}: {m}")
+        # Unnormalised token-loss sums give gradients up to ~50; padding-free attention sums in another
+        # order than the dense reference, so the absolute tolerance scales with the gradient (fp32 ~1e-6).
+        atol = max(1e-5, 2e-6 * float(g.abs().max()))
+        torch.testing.assert_close(grads[n], g, rtol=1.3e-6, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("packing", ["padded", "packed"])

@@ -8,8 +8,9 @@ What they share, and what a stage runs exactly as ``LlamaModel.forward`` does fo
   with rotary ``position_embeddings = rotary_emb(hidden, position_ids)`` from the per-sample position
   ids (restarting at 0 in every packed sample, so every stage loads them:
   ``PipelineSpec.positions_every_stage``), grouped-query attention (``num_key_value_heads`` may be
-  below ``num_attention_heads``), RMSNorm, gated SiLU MLP, and the 4-D additive block-diagonal causal
-  mask built from the segment ids (:func:`~dynabatch.models.forward.causal_segment_mask`), no cache;
+  below ``num_attention_heads``), RMSNorm, gated SiLU MLP, and padding-free per-sample causal attention
+  (:mod:`dynabatch.models.attention`; a ``dense`` stage: the 4-D additive block-diagonal causal mask
+  built from the segment ids, :func:`~dynabatch.models.forward.causal_segment_mask`), no cache;
 * ``lm_head``: final RMSNorm, ``lm_head`` (tied to ``embed_tokens`` or not) and the fp32 token-loss
   sum against the pre-shifted targets.
 
@@ -104,7 +105,7 @@ class LlamaStage(StageModule):
         rotary = self.rotary_emb(hidden, position_ids)  # cos, sin: (B, T, head_dim)
         cache = SliceCache(context, [b.self_attn.layer_idx for b in self.blocks]) if sliced else None
         context_ids = context.segment_ids if context is not None else None
-        mask = causal_segment_mask(segment_ids, dtype, context_ids)  # (B, 1, T, C + T)
+        mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
             hidden = block(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=False,
                            position_embeddings=rotary)  # (B, T, d)

@@ -1,0 +1,332 @@
+"""Padding-free attention: every sample of a micro-batch attends only to its own tokens, and pad is never computed.
+
+A micro-batch row holds one sample (padded dynamic micro-batches, ``padding``, ``token_budget``) or several
+(``packing``, ``packing_free``, packed rows of the planner), laid out left to right with segment ids 1.. and
+0 for pad (:mod:`dynabatch.data.collate`). The dense reference (:mod:`dynabatch.models.forward`) runs
+attention over whole rows with a (B, 1, Q, K) additive mask: ``B x Q x K`` score pairs, most of them
+masked in a packed row. This module runs it per *segment* instead:
+
+1. :class:`Segments` is built once per stage call from the CPU segment ids: for every sample, its row, the
+   start and length of its queries and of its keys. Self-attention: the sample's own span. A token slice
+   (TeraPipe): the keys are the chain's earlier tokens (``context``) then the slice, so a sample's key span
+   ends where its query span ends and the causal diagonal is aligned bottom-right. T5 cross-attention:
+   decoder segment ``k`` against encoder segment ``k`` of the same row.
+2. Samples with the same ``(query length, key length)`` form one group; :func:`segment_attention` makes one
+   ``scaled_dot_product_attention`` call per group (the group's queries, keys and values gathered with
+   advanced indexing into ``(n, heads, L, head_dim)``, or plain views for a group of one, or the whole
+   tensors when every row is one unpadded sample of the same length), then writes each group's output
+   back into a zero ``(B, Q, heads, head_dim)`` tensor: pad outputs are zero, which no loss reads and no
+   real query attends.
+3. Masks are per group and small: none for bidirectional attention, ``is_causal`` for causal
+   self-attention (the flash/efficient kernels apply, CPU and CUDA), an explicit bottom-right ``(Lq, Lk)``
+   triangle for slices, and T5's relative-position bias as the additive mask. The bias depends on
+   ``j - i`` only (Toeplitz), so one ``(1, H, L, L)`` bias of the longest segment serves every segment
+   through its top-left ``(Lq, Lk)`` window. T5's cross-attention bias is zero (HF builds zeros), so it
+   is dropped.
+
+HF layers reach this through ``transformers.AttentionInterface``: :data:`SEGMENT_ATTENTION` is registered
+as an attention implementation, a stage built with ``attention="segments"`` sets it on its copy of the
+config, and passes a :class:`Segments` where HF passes ``attention_mask``; GPT-2, Llama/Qwen2/Mistral and
+T5 layers hand it unchanged to the attention function. Outputs, losses and gradients equal the dense
+path's on real tokens (fp32 ``assert_close``, tests/unit/test_attention.py); a sample's loss has exactly
+zero gradient with respect to another sample's inputs in the same row.
+
+Measured (``scripts/bench_attention.py``): see the README's "Padding-free attention" section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dynabatch.config import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
+
+SEGMENT_ATTENTION = "dynabatch_segments"
+"""The name of the padding-free attention implementation in ``transformers.AttentionInterface``."""
+
+AttentionKind = Literal["bidirectional", "causal", "cross"]
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """Samples attended in one SDPA call, each padded to the group's query and key lengths."""
+
+    query_len: int
+    """Lq: the longest query span of the group."""
+    key_len: int
+    """Lk: the longest key span of the group."""
+    rows: torch.Tensor
+    """(n,) row of each sample."""
+    query_starts: torch.Tensor
+    """(n,) first query position of each sample in its row."""
+    key_starts: torch.Tensor
+    """(n,) first key position of each sample in its row (the key tensor's coordinates)."""
+    query_lens: torch.Tensor
+    """(n,) each sample's own query length (<= Lq)."""
+    key_lens: torch.Tensor
+    """(n,) each sample's own key length (<= Lk)."""
+    first: tuple[int, int, int]
+    """``(row, query_start, key_start)`` of the group's first sample (host ints, for a group of one)."""
+    uniform: bool
+    """Every sample has exactly ``(Lq, Lk)``: no padding inside the group, so no key mask."""
+
+    @property
+    def size(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where each sample's queries and keys lie in a micro-batch: passed to HF layers as ``attention_mask``."""
+
+    kind: AttentionKind
+    num_rows: int
+    query_len: int
+    """Q: the query tensor's length (padded row length, or a slice's length)."""
+    key_len: int
+    """K: the key tensor's length (context + slice for token slices, the encoder row for cross-attention)."""
+    groups: tuple[SegmentGroup, ...]
+    max_len: int
+    """Longest query or key span: the size of the relative-position bias a T5 stage computes."""
+
+    @property
+    def is_dense_rows(self) -> bool:
+        """Every row is one unpadded sample of the whole length: attention needs no mask and no gathering."""
+        if len(self.groups) != 1:
+            return False
+        g = self.groups[0]
+        return g.uniform and g.size == self.num_rows and g.query_len == self.query_len and g.key_len == self.key_len
+
+    @property
+    def num_pairs(self) -> int:
+        """Query-key score pairs computed (the dense path computes ``num_rows * query_len * key_len``)."""
+        return sum(g.size * g.query_len * g.key_len for g in self.groups)
+
+
+def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of one non-zero segment id in each row of (B, T) ``ids``: rows, starts, lengths, ids."""
+    b, t = ids.shape
+    change = np.ones((b, t), dtype=bool)
+    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    rows, starts = np.nonzero(change)  # row-major: runs in row order
+    same_row_next = np.append(rows[1:] == rows[:-1], False)
+    ends = np.where(same_row_next, np.append(starts[1:], t), t)
+    run_ids = ids[rows, starts]
+    keep = run_ids > 0
+    return rows[keep], starts[keep], (ends - starts)[keep], run_ids[keep]
+
+
+def _host(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    return ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+
+
+def build_segments(
+    kind: AttentionKind,
+    query_segment_ids,
+    key_segment_ids=None,
+    *,
+    context_segment_ids=None,
+    device: torch.device | str = "cpu",
+) -> Segments:
+    """The :class:`Segments` of one attention call from (B, Q) query segment ids.
+
+    ``bidirectional`` / ``causal`` self-attention use the query ids as keys, behind ``context_segment_ids``
+    (B, C) for a token slice (causal only). ``cross`` needs ``key_segment_ids`` (B, K): query segment ``k``
+    attends key segment ``k`` of its row. Ids may be torch tensors (read on the host) or arrays.
+    """
+    q_ids = _host(query_segment_ids)
+    if kind == "cross":
+        if key_segment_ids is None:
+            raise ValueError("cross-attention segments need the key (encoder) segment ids")
+        k_ids = _host(key_segment_ids)
+    elif context_segment_ids is not None:
+        if kind != "causal":
+            raise ValueError(f"a context (token slice) needs causal attention, got {kind!r}")
+        k_ids = np.concatenate([_host(context_segment_ids), q_ids], axis=1)
+    else:
+        k_ids = None
+    rows, q_starts, q_lens, seg = _runs(q_ids)
+    if k_ids is None:
+        k_starts, k_lens = q_starts, q_lens
+    else:
+        k_rows, k_starts_all, k_lens_all, k_seg = _runs(k_ids)
+        width = int(max(q_ids.max(initial=0), k_ids.max(initial=0))) + 1
+        k_keys = k_rows * width + k_seg
+        order = np.argsort(k_keys, kind="stable")
+        pos = np.searchsorted(k_keys[order], rows * width + seg)
+        found = (pos < len(order)) & (k_keys[order[np.minimum(pos, len(order) - 1)]] == rows * width + seg)
+        if not found.all():
+            i = int(np.flatnonzero(~found)[0])
+            raise ValueError(f"segment {seg[i]} of row {rows[i]} has queries but no keys")
+        match = order[pos]
+        k_starts, k_lens = k_starts_all[match], k_lens_all[match]
+        if kind == "causal":  # a slice's sample: its keys end where its queries end (bottom-right alignment)
+            context = k_ids.shape[1] - q_ids.shape[1]
+            if not np.array_equal(k_starts + k_lens, q_starts + q_lens + context):
+                raise ValueError("a token slice's segments must continue its context's segments")
+    return _grouped(kind, q_ids.shape[0], q_ids.shape[1], q_ids.shape[1] if k_ids is None else k_ids.shape[1],
+                    rows, q_starts, q_lens, k_starts, k_lens, device)
+
+
+PAD_TOLERANCE = 0.25
+"""Samples whose query and key lengths are within this fraction of a group's longest share its SDPA call,
+padded to it under a key mask (pad pairs only, never another sample's keys): fewer, larger calls. Chosen by
+``scripts/bench_attention.py`` (README, "Padding-free attention")."""
+
+
+def _grouped(kind, num_rows, query_len, key_len, rows, q_starts, q_lens, k_starts, k_lens, device) -> Segments:
+    """Greedy groups, longest first: a sample joins the open group while both its lengths are at least
+    ``1 - PAD_TOLERANCE`` of the group's (0: exactly equal lengths only; 1: one group)."""
+    tolerance = PAD_TOLERANCE
+    order = np.lexsort((q_lens, k_lens))[::-1]  # longest key span first, then longest query span
+    groups, members = [], []
+
+    def close():
+        m = np.asarray(members)
+        i = int(m[0])
+
+        def index(a):
+            return torch.from_numpy(np.ascontiguousarray(a[m])).to(device)
+
+        uniform = bool((q_lens[m] == q_lens[i]).all() and (k_lens[m] == k_lens[i]).all())
+        groups.append(SegmentGroup(int(q_lens[m].max()), int(k_lens[i]), index(rows), index(q_starts),
+                                   index(k_starts), index(q_lens), index(k_lens),
+                                   (int(rows[i]), int(q_starts[i]), int(k_starts[i])), uniform))
+
+    top_q = top_k = 0
+    for j in order:
+        fits = members and k_lens[j] >= (1 - tolerance) * top_k and q_lens[j] >= (1 - tolerance) * top_q
+        if members and not fits:
+            close()
+            members = []
+        if not members:
+            top_q, top_k = q_lens[j], k_lens[j]
+        members.append(j)
+        top_q = max(top_q, q_lens[j])
+    if members:
+        close()
+    max_len = int(max(q_lens.max(initial=0), k_lens.max(initial=0)))
+    return Segments(kind, num_rows, query_len, key_len, tuple(groups), max_len)
+
+
+def _take(x: torch.Tensor, g: SegmentGroup, starts: torch.Tensor, length: int, first_start: int) -> torch.Tensor:
+    """(B, H, T, Dh) -> the group's (n, H, length, Dh): a view for one sample, a gather otherwise."""
+    if g.size == 1:
+        row = g.first[0]
+        return x[row : row + 1, :, first_start : first_start + length]
+    positions = (starts[:, None] + torch.arange(length, device=starts.device)).clamp(max=x.shape[2] - 1)  # (n, length)
+    return x[g.rows[:, None], :, positions].transpose(1, 2)  # (n, length, H, Dh) -> (n, H, length, Dh)
+
+
+def _group_mask(kind: AttentionKind, g: SegmentGroup, bias: torch.Tensor | None, dtype: torch.dtype):
+    """``(attn_mask, is_causal)`` for one group (module docstring, point 3).
+
+    Sample ``s`` of a padded group may see key ``j < Lk_s``; causally also ``j <= i + Lk_s - Lq_s`` (its
+    queries are the tail of its keys: bottom-right alignment, which for self-attention is ``j <= i``).
+    """
+    lq, lk = g.query_len, g.key_len
+    window = None if bias is None or kind == "cross" else bias[:, :, :lq, :lk]  # (1, H, lq, lk), Toeplitz
+    device = g.rows.device
+    if g.uniform:
+        if kind == "cross" or (kind == "bidirectional"):
+            return window, False
+        if window is None and lq == lk:
+            return None, True
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)  # bottom-right
+    else:
+        keys = torch.arange(lk, device=device)
+        allowed = (keys < g.key_lens[:, None])[:, None, None, :]  # (n, 1, 1, lk)
+        if kind == "causal":
+            offset = (g.key_lens - g.query_lens)[:, None, None, None]  # (n, 1, 1, 1)
+            allowed = allowed & (keys[None, None, None, :] <= torch.arange(lq, device=device)[:, None] + offset)
+    if window is None:
+        return allowed, False
+    return torch.where(allowed, window, torch.finfo(dtype).min), False
+
+
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of (B, H, Q, Dh) queries over (B, Hk, K, Dh) keys/values within each sample's span.
+
+    ``bias``: T5's (1, H, L, L) relative-position bias for self-attention, ``L >= segments.max_len``.
+    Grouped-query attention (``Hk < H``) is handled by SDPA. Returns (B, Q, H, Dh), zero at pad queries.
+    """
+    kind = segments.kind
+    gqa = query.shape[1] != key.shape[1]
+    if segments.is_dense_rows:
+        mask, causal = _group_mask(kind, segments.groups[0], bias, query.dtype)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
+                                             dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)  # (B, Q, H, Dh)
+    b, h, q_len, head_dim = query.shape
+    out = query.new_zeros(b, q_len, h, head_dim)  # (B, Q, H, Dh)
+    for g in segments.groups:
+        _, qs, ks = g.first
+        q = _take(query, g, g.query_starts, g.query_len, qs)
+        k = _take(key, g, g.key_starts, g.key_len, ks)
+        v = _take(value, g, g.key_starts, g.key_len, ks)
+        mask, causal = _group_mask(kind, g, bias, query.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
+                                           scale=scale, enable_gqa=gqa).transpose(1, 2)  # (n, lq, H, Dh)
+        if g.size == 1:
+            out[g.first[0], qs : qs + g.query_len] = o[0]
+        elif g.uniform:
+            positions = g.query_starts[:, None] + torch.arange(g.query_len, device=out.device)  # (n, lq)
+            out[g.rows[:, None], positions] = o
+        else:  # padded group: write each sample's own queries only
+            steps = torch.arange(g.query_len, device=out.device)
+            real = steps < g.query_lens[:, None]  # (n, lq)
+            rows = g.rows[:, None].expand(-1, g.query_len)
+            out[rows[real], (g.query_starts[:, None] + steps)[real]] = o[real]
+    return out
+
+
+def segment_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                              position_bias=None, **kwargs):
+    """The ``transformers.AttentionInterface`` entry (HF's signature): ``attention_mask`` is a :class:`Segments`.
+
+    T5 passes its relative-position ``position_bias``; it is used for self-attention and ignored for
+    cross-attention, where HF's is all zeros.
+    """
+    if not isinstance(attention_mask, Segments):
+        raise TypeError(
+            f"the {SEGMENT_ATTENTION!r} attention implementation needs a Segments layout as attention_mask, "
+            f"got {type(attention_mask).__name__}; build the stage with attention='dense' for 4-D masks"
+        )
+    bias = position_bias if attention_mask.kind != "cross" else None
+    out = segment_attention(query, key, value, attention_mask, scale=scaling, dropout_p=dropout, bias=bias)
+    return out, None
+
+
+def register() -> None:
+    """Register :data:`SEGMENT_ATTENTION` with ``transformers.AttentionInterface`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention_forward)
+
+
+def use_segment_attention(module: torch.nn.Module) -> None:
+    """Point every HF config inside ``module`` (a stage's own copy) at the padding-free implementation."""
+    register()
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) != SEGMENT_ATTENTION:
+            config._attn_implementation = SEGMENT_ATTENTION
+
+
+def check_attention_path(path: str) -> str:
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"unknown attention path {path!r}; valid: {', '.join(ATTENTION_PATHS)}")
+    return path

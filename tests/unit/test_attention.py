@@ -1,0 +1,190 @@
+"""Padding-free attention (dynabatch.models.attention) against the dense-mask reference.
+
+Segments are read correctly from segment ids (runs, groups, token-slice context, cross-attention); for
+GPT-2, Llama (GQA) and T5 a stage built with ``attention="segments"`` gives the loss and gradients of the
+same stage built with ``attention="dense"`` on padded, packed and (causal) token-sliced micro-batches; in a
+packed row one sample's loss has exactly zero gradient with respect to another sample's input embeddings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dynabatch.data.collate import collate_causal, collate_seq2seq
+from dynabatch.data.microbatch import IGNORE_INDEX, token_slices
+from dynabatch.data.sample import TokenizedSample
+from dynabatch.models import attention
+from dynabatch.models.attention import SEGMENT_ATTENTION, build_segments, segment_attention_forward
+from dynabatch.models.presets import PAD_ID, build_model
+from dynabatch.models.split import build_stage, build_stages, layout_for, micro_batch_inputs, pipeline_spec_for
+from family_configs import build, decoder_config, t5_config
+from test_stage_split import _run_pipeline, _summed_stage_grads
+
+ROWS = {"padded": [[0], [1], [2], [3], [4]], "packed": [[0, 1, 2], [3, 4]], "mixed": [[0], [1, 2, 3], [4]]}
+
+
+def _samples(seed: int = 0, num: int = 5) -> list[TokenizedSample]:
+    rng = np.random.default_rng(seed)
+    return [TokenizedSample("t", rng.integers(3, 500, int(rng.integers(2, 12))).astype(np.int32),
+                            rng.integers(3, 500, int(rng.integers(2, 8))).astype(np.int32)) for _ in range(num)]
+
+
+MODELS = {
+    "gpt2": lambda: build_model("gpt2-tiny", vocab_size=512, dropout=0.0, seed=0).train(),
+    "llama": lambda: build(decoder_config("llama")),
+    "t5": lambda: build(t5_config("gated")),
+}
+
+
+def _micro_batch(family: str, rows):
+    if family == "t5":
+        return collate_seq2seq(_samples(), rows, pad_id=PAD_ID, decoder_start_id=PAD_ID)
+    return collate_causal(_samples(), rows, pad_id=PAD_ID)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    atol = max(1e-5, 2e-6 * float(want.abs().max()))  # unnormalised loss sums: gradients up to ~50
+    torch.testing.assert_close(got, want, rtol=1.3e-6, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+
+def test_segments_are_read_from_segment_ids():
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 3, 0]])
+    seg = build_segments("causal", ids)
+    spans = sorted((int(r), int(s), g.query_len) for g in seg.groups for r, s in zip(g.rows, g.query_starts))
+    assert spans == [(0, 0, 3), (0, 3, 2), (1, 0, 6), (2, 0, 2), (2, 2, 2), (2, 4, 1)]
+    assert sorted(g.query_len for g in seg.groups) == [1, 2, 3, 6]  # one SDPA call per distinct length
+    assert seg.max_len == 6 and not seg.is_dense_rows
+    assert seg.num_pairs == 9 + 4 + 36 + 4 + 4 + 1  # the dense mask would cover 3 x 6 x 6 = 108 pairs
+    assert build_segments("bidirectional", torch.ones(4, 5, dtype=torch.long)).is_dense_rows
+
+
+def test_slice_and_cross_segments_find_their_keys():
+    context = torch.tensor([[1, 1, 1, 1], [1, 1, 2, 2]])
+    ids = torch.tensor([[1, 1, 2], [2, 3, 3]])  # row 0: sample 1 continues, sample 2 starts; row 1 likewise
+    seg = build_segments("causal", ids, context_segment_ids=context)
+    found = {(int(r), int(q)): (g.query_len, int(k), g.key_len)
+             for g in seg.groups for r, q, k in zip(g.rows, g.query_starts, g.key_starts)}
+    assert found == {(0, 0): (2, 0, 6), (0, 2): (1, 6, 1), (1, 0): (1, 2, 3), (1, 1): (2, 5, 2)}
+    cross = build_segments("cross", torch.tensor([[1, 1, 2, 0]]), torch.tensor([[1, 2, 2, 2, 0]]))
+    found = {int(q): (g.query_len, int(k), g.key_len) for g in cross.groups for q, k in zip(g.query_starts, g.key_starts)}
+    assert found == {0: (2, 0, 1), 2: (1, 1, 3)}
+    with pytest.raises(ValueError, match="segment 3 of row 0 has queries but no keys"):
+        build_segments("cross", torch.tensor([[1, 3]]), torch.tensor([[1, 2]]))
+
+
+def test_near_equal_lengths_share_one_padded_call(monkeypatch):
+    ids = torch.tensor([[1] * 8 + [2] * 7 + [3] * 3, [1] * 6 + [0] * 12])
+    seg = build_segments("causal", ids)
+    assert [(g.size, g.query_len, g.uniform) for g in seg.groups] == [(3, 8, False), (1, 3, True)]
+    monkeypatch.setattr(attention, "PAD_TOLERANCE", 0.0)
+    assert [g.size for g in build_segments("causal", ids).groups] == [1, 1, 1, 1]
+
+
+def test_the_attention_function_refuses_a_dense_mask():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(TypeError, match="needs a Segments layout"):
+        segment_attention_forward(None, q, q, q, torch.zeros(1, 1, 3, 3))
+
+
+# ------------------------------------------------------------------------------------------ equality
+
+
+@pytest.mark.parametrize("rows,tolerance", [(r, None) for r in ROWS] + [("mixed", 0.0), ("mixed", 1.0)])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_segments_equal_the_dense_path(family, rows, tolerance, monkeypatch):
+    if tolerance is not None:  # 0: one SDPA call per exact length; 1: every sample padded into one call
+        monkeypatch.setattr(attention, "PAD_TOLERANCE", tolerance)
+    model = MODELS[family]()
+    layout = layout_for(model, 2)
+    spec, mb = pipeline_spec_for(model, layout), _micro_batch(family, ROWS[rows])
+    results = {}
+    for path in ("dense", "segments"):
+        stages = build_stages(model, layout, path)
+        assert all(s.attention == path for s in stages)
+        loss, _ = _run_pipeline(stages, spec, mb)
+        results[path] = (loss.detach(), _summed_stage_grads(stages))
+    configs = [m.config for m in stages[0].modules() if hasattr(m, "config")]
+    assert configs and all(c._attn_implementation == SEGMENT_ATTENTION for c in configs)
+    assert model.config._attn_implementation != SEGMENT_ATTENTION  # the model itself is not modified
+    _close(results["segments"][0], results["dense"][0], "loss")
+    for name, grad in results["dense"][1].items():
+        _close(results["segments"][1][name], grad, name)
+
+
+def _sliced_grads(stage, spec, mb, bounds):
+    stage.zero_grad(set_to_none=True)
+    outs, context = [], None
+    for piece in token_slices(mb, bounds):
+        out = stage({}, micro_batch_inputs(piece, spec, 0), context, sliced=True)
+        context = out.slice_record.extend()
+        outs.append(out)
+    carried = None
+    for out in reversed(outs):
+        extra, grads = out.slice_record.backward_roots(carried)
+        torch.autograd.backward([out.loss_sum, *extra], [None, *grads])
+        carried = out.slice_record.context_grads(carried)
+    loss = sum(o.loss_sum.detach() for o in outs)
+    return loss, {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+@pytest.mark.parametrize("tolerance", [None, 1.0])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_sliced_segments_equal_the_unsliced_dense_stage(family, tolerance, monkeypatch):
+    if tolerance is not None:  # every sample of a slice padded into one call: per-sample bottom-right offsets
+        monkeypatch.setattr(attention, "PAD_TOLERANCE", tolerance)
+    model = MODELS[family]()
+    layout = layout_for(model, 1)
+    spec, mb = pipeline_spec_for(model, layout), _micro_batch(family, ROWS["mixed"])
+    dense = build_stage(model, layout, 0, "dense")
+    want = dense({}, micro_batch_inputs(mb, spec, 0))
+    want.loss_sum.backward()
+    want_grads = {n: p.grad for n, p in dense.named_parameters()}
+    width = mb.shape[1]
+    stage = build_stage(model, layout, 0, "segments")
+    for bounds in ([0, 1, 4, 9, width], [0, width // 2, width]):  # slices cut inside samples and between them
+        loss, grads = _sliced_grads(stage, spec, mb, bounds)
+        _close(loss, want.loss_sum.detach(), f"loss {bounds}")
+        for name, grad in want_grads.items():
+            _close(grads[name], grad, f"{name} {bounds}")
+
+
+# ------------------------------------------------------------------------------------------ isolation
+
+
+def _embedding_outputs(stage) -> list[torch.Tensor]:
+    """Capture (and keep the gradients of) every output of the stage's token embedding."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_module, _inputs, output):
+        output.retain_grad()
+        captured.append(output)
+
+    stage.get_submodule({"gpt2": "wte", "llama": "embed_tokens", "t5": "shared"}[stage.family]).register_forward_hook(hook)
+    return captured
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_one_samples_loss_has_zero_gradient_on_other_samples_inputs(family):
+    model = MODELS[family]()
+    layout = layout_for(model, 1)
+    spec, mb = pipeline_spec_for(model, layout), _micro_batch(family, [[0, 1, 2]])
+    stage = build_stage(model, layout, 0, "segments")
+    stage.family = family
+    captured = _embedding_outputs(stage)
+    loaded = micro_batch_inputs(mb, spec, 0)
+    seg_of_labels = loaded["decoder_segment_ids"] if family == "t5" else loaded["segment_ids"]
+    loaded["labels"] = torch.where(seg_of_labels == 2, loaded["labels"], IGNORE_INDEX)  # sample 2's loss only
+    out = stage({}, loaded)
+    assert out.num_loss_tokens > 0
+    out.loss_sum.backward()
+    id_rows = [loaded["segment_ids"]] + ([loaded["decoder_segment_ids"]] if family == "t5" else [])
+    for emb, ids in zip(captured, id_rows):
+        grad = emb.grad[0]  # (T, d) of the one packed row
+        others = (ids[0] != 2) & (ids[0] > 0)
+        assert torch.count_nonzero(grad[others]) == 0  # exactly zero, not merely small
+        assert torch.count_nonzero(grad[ids[0] == 2]) > 0
