@@ -16,7 +16,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("dynamic", "padding", "length_grouped", "token_budget", "packing")
+from dynabatch.data.baselines import BASELINES
+
+METHODS = ("dynamic", *BASELINES)
+"""``--method``: the dynamic planner or any baseline of :data:`dynabatch.data.baselines.BASELINES`."""
 POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
 ATTENTION_PATHS = ("segments", "dense")
 """``--attention``: as :data:`dynabatch.models.attention.ATTENTION_PATHS` (config does not import models)."""
@@ -38,7 +41,7 @@ class TrainConfig:
     replicas: int = 1
     """Data-parallel replicas; the world size must be stages x replicas."""
     method: str = "dynamic"
-    """Batching: dynamic (the planner) or a baseline (padding, length_grouped, token_budget, packing)."""
+    """Batching: dynamic (the planner) or a baseline batcher."""
     policy: str = "auto"
     """Pipeline schedule: gpipe, 1f1b, adaptive or auto (best simulated per step)."""
     global_batch_tokens: int = 8192
@@ -54,7 +57,9 @@ class TrainConfig:
     token_budget_tokens: int = 2048
     """token_budget baseline: padded tokens per micro-batch."""
     packing_rows: int = 4
-    """packing baseline: rows per micro-batch."""
+    """packing baseline (dense rows of the max length): rows per micro-batch."""
+    packing_free_rows: int = 4
+    """packing_free baseline (TRL's bfd + padding_free): rows per micro-batch."""
     memory_gib: float = 4.0
     """Device memory per rank the planner may use (activations + model states)."""
     cost_profile: str | None = None
@@ -149,7 +154,7 @@ class TrainConfig:
 
 _AT_LEAST_ONE = ("stages", "replicas", "steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",
                  "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
-                 "max_micro_batch_samples", "keep_checkpoints", "max_bad_steps")
+                 "packing_free_rows", "max_micro_batch_samples", "keep_checkpoints", "max_bad_steps")
 _NON_NEGATIVE = ("seed", "warmup_steps", "checkpoint_every", "log_every", "task_loss_every", "weight_decay")
 
 FIXED_ON_RESUME = ("model", "tokenizer", "mixture", "stages", "replicas", "global_batch_tokens", "max_input_len",
@@ -205,7 +210,11 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
         if f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
         else:
-            p.add_argument(flag, dest=f.name, default=None, type=_parser(f), help=doc)
+            p.add_argument(flag, dest=f.name, default=None, type=_parser(f), help=doc, choices=_CHOICES.get(f.name))
+
+
+_CHOICES = {"method": METHODS, "compare_method": METHODS}
+"""Flags whose argparse choices come from a registry (their values are checked again in ``__post_init__``)."""
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -36,12 +36,10 @@ from dynabatch.commands.common import add_workload_arguments, resolve  # noqa: E
 from dynabatch.workload import METHODS, global_batches  # noqa: E402
 
 
-KNOBS = {  # each baseline's micro-batch size knob and the values tried (--tune)
-    "packing": ("packing_rows", (1, 2, 4, 8)),
-    "padding": ("samples_per_micro_batch", (2, 4, 8, 16, 32)),
-    "length_grouped": ("samples_per_micro_batch", (2, 4, 8, 16, 32)),
-    "token_budget": ("token_budget_tokens", (2048, 4096, 8192, 16384, 32768)),
-}
+from dynabatch.data.baselines import BASELINES  # noqa: E402
+
+KNOBS = {name: (spec.option, spec.grid) for name, spec in BASELINES.items()}
+"""Each baseline's micro-batch size knob and the values tried (--tune): the registry's grids."""
 
 
 def simulate_tuned(batches, w, options=None, tune: bool = True) -> dict:

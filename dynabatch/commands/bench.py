@@ -2,8 +2,9 @@
 
 What runs: one seeded model (``--model``, a ``dynabatch.models.presets`` name) cut into ``--stages``
 pipeline stages; for each method (``dynamic``; for GPT models ``dynamic_sliced``, the same planner allowed
-to cut long samples into token slices as ``dynamic train --slice-long`` does; and the baselines
-``packing``, ``padding``, ``token_budget``, ``length_grouped``) every rank builds its own copy of its stage from the *same seed*
+to cut long samples into token slices as ``dynamic train --slice-long`` does; and every baseline of
+:data:`~dynabatch.data.baselines.BASELINES`: ``padding``, ``length_grouped``, ``token_budget``,
+``packing``, ``packing_free``) every rank builds its own copy of its stage from the *same seed*
 (identical initial weights), its own AdamW and its own :class:`~dynabatch.runtime.executor.Executor`.
 All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
 mixture spec, or a lengths file ``.npz``/``.jsonl`` whose samples get random token ids of exactly
@@ -25,6 +26,15 @@ model), measured peak memory (CUDA: max allocated over ranks; CPU: peak RSS of t
 all methods, so only one number), micro-batches per step, plan time, and the ratio of real tokens/s to
 the best baseline.
 
+Tuned baselines (``--tune-baselines``): each baseline in ``--methods`` also sweeps its knob over its
+registry grid on the first global batches (``--tune-steps`` timed steps per value, after one untimed
+step when ``--warmup`` > 0, all values interleaved on one scratch executor; values over ``--memory-gib``
+by the runtime's memory check, or with the same micro-batches as another value, are skipped and
+reported), and its best value is then timed for the full ``--steps`` with the others; the faster of
+it and the default is the tuned setting (:mod:`dynabatch.commands.tuning`). ``tokens_per_s`` stays
+keyed by ``--methods`` at their flags' values; ``tuned`` adds per baseline the knob, both values and
+the tuned setting's tokens/s, and every method gets ``ratio_to_best_tuned_baseline``.
+
 External peer (method ``pipelining``): ``torch.distributed.pipelining``'s ``Schedule1F1B`` over the same
 stage modules (:mod:`dynabatch.runtime.torch_pipelining`), fed packing's rows as fixed-shape
 micro-batches (``--packing-rows`` rows of the maximal lengths each, fewer when a step has fewer than
@@ -45,6 +55,7 @@ on GPUs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -54,9 +65,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.commands.common import add_baseline_arguments, parse_methods
+from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
+from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.sequence import is_seq2seq
 
-BASELINES = ("packing", "padding", "token_budget", "length_grouped")
+BASELINES = tuple(BASELINE_SPECS)
 SLICED = "dynamic_sliced"
 METHODS = ("dynamic", SLICED, *BASELINES, "pipelining")
 PEER = "pipelining"
@@ -81,9 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="real tokens per global batch (the same at every max length, as in the simulated sweep)")
     p.add_argument("--max-input-len", type=int, default=512, help="T5 encoder limit; GPT sequence limit")
     p.add_argument("--max-target-len", type=int, default=None, help="T5 decoder limit; default max input length / 4")
-    p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped")
-    p.add_argument("--token-budget-tokens", type=int, default=2048, help="token_budget: padded tokens per micro-batch")
-    p.add_argument("--packing-rows", type=int, default=4, help="packing: rows per micro-batch")
+    add_baseline_arguments(p, BaselineOptions(token_budget_tokens=2048))
+    p.add_argument("--tune-baselines", action="store_true",
+                   help="also sweep each baseline's knob over its grid and time its best setting that fits memory")
+    p.add_argument("--tune-steps", type=int, default=2, help="--tune-baselines: timed steps per knob value")
     p.add_argument("--memory-gib", type=float, default=4.0, help="device memory per rank the planner may use")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--cost-profile", default=None,
@@ -94,8 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "global_batch_tokens",
-          "max_input_len", "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
-          "memory_gib", "threads", "seed", "json", "cost_profile")
+          "max_input_len", "max_target_len", *option_users(), "memory_gib", "threads", "seed", "json", "cost_profile",
+          "tune_steps")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -104,7 +119,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         v = getattr(args, name)
         if v is not None:
             out += ["--" + name.replace("_", "-"), str(v)]
-    return out + (["--quiet"] if args.quiet else [])
+    return out + (["--quiet"] if args.quiet else []) + (["--tune-baselines"] if args.tune_baselines else [])
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
@@ -126,15 +141,13 @@ def _family(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
+    methods = parse_methods(args.methods, METHODS)
     if SLICED in methods and is_seq2seq(_family(args.model)):
         raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a decoder-only model "
                          f"(drop {SLICED} from --methods)")
-    if args.steps < 1 or args.warmup < 0 or args.stages < 1:
-        raise ValueError(f"need steps >= 1, warmup >= 0, stages >= 1; got {args.steps}, {args.warmup}, {args.stages}")
+    if args.steps < 1 or args.warmup < 0 or args.stages < 1 or args.tune_steps < 1:
+        raise ValueError(f"need steps >= 1, warmup >= 0, stages >= 1, tune-steps >= 1; got {args.steps}, {args.warmup}, "
+                         f"{args.stages}, {args.tune_steps}")
     if args.stages > 1 and "RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.stages),
                "-m", "dynabatch.commands.bench", *_argv(args)]
@@ -171,8 +184,7 @@ def _config(args, method: str):
     return TrainConfig(
         model=args.model, stages=args.stages, method="dynamic" if method == SLICED else method, policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
-        max_target_len=args.max_target_len, samples_per_micro_batch=args.samples_per_micro_batch,
-        token_budget_tokens=args.token_budget_tokens, packing_rows=args.packing_rows, memory_gib=args.memory_gib,
+        max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
         timeline=False, cost_profile=getattr(args, "cost_profile", None),
         slice_long=method == SLICED,
@@ -328,53 +340,58 @@ def bench(args, methods: list[str]) -> dict | None:
         layout = layout_for(model, args.stages)
         spec = pipeline_spec_for(model, layout, "float32")
         base = build_stage(model, layout, ctx.stage_index)
-        runs: dict[str, _Method] = {}
-        for m in methods:  # every rank builds the methods in the same order (construction is collective)
+
+        def new_run(name: str, cfg, measure_memory: bool = True) -> _Method:
+            """Collective: every rank builds the runs in the same order."""
             stage = copy.deepcopy(base).to(ctx.device)
-            opt = torch.optim.AdamW(stage.parameters(), lr=cfgs[m].lr, weight_decay=cfgs[m].weight_decay)
-            if m == PEER:
-                ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm)
+            opt = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            if name == PEER:
+                ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfg.max_grad_norm)
             else:
-                ex = Executor(stage, ctx, opt, max_grad_norm=cfgs[m].max_grad_norm, dropout_seed=args.seed,
-                              measure_memory=True)
-            runs[m] = _Method(m, ex, [], spec, cfgs[m])
+                ex = Executor(stage, ctx, opt, max_grad_norm=cfg.max_grad_norm, dropout_seed=args.seed,
+                              measure_memory=measure_memory)
+            return _Method(name, ex, [], spec, cfg)
+
+        runs: dict[str, _Method] = {m: new_run(m, cfgs[m]) for m in methods}
         cost_model = None
         batches = []
+        limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
+                              max_seq_len=args.max_input_len)
         if ctx.is_planner:
-            limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
-                                  max_seq_len=args.max_input_len)
             batches = load_batches(args, family, limits, info, num_steps)
             cost_model = planner_cost_model(cfg0, model.config, layout)
+
+        def plan(cfg, n: int) -> list:
+            """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
+            planner = StepPlanner(_ListBatcher(batches, limits), cfg, cost_model, info)
+            return [planner() for _ in range(n)]
+
+        if ctx.is_planner:
             for m in methods:
-                planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info)
-                runs[m].planned = [planner() for _ in range(num_steps)]
+                runs[m].planned = plan(cfgs[m], num_steps)
         if PEER in runs:
             runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
                                                 ctx.delivery_group)
         del model
         cuda = ctx.device.type == "cuda"
-        times = {m: [] for m in methods}
-        losses = {m: [] for m in methods}
-        peaks = {m: 0 for m in methods}
-        saved = {m: None for m in methods}
+        tuned = {}
+        if args.tune_baselines:
+            tuned = _tune(args, [m for m in methods if m in BASELINES], cfgs, ctx, spec, batches, limits, new_run,
+                          plan, runs, cuda)
+        order = list(runs)
+        times = {m: [] for m in order}
+        losses = {m: [] for m in order}
+        peaks = {m: 0 for m in order}
+        saved = {m: None for m in order}
         for step in range(num_steps):
-            k = step % len(methods)
-            for m in methods[k:] + methods[:k]:  # rotated order: no method always runs first
+            k = step % len(order)
+            for m in order[k:] + order[:k]:  # rotated order: no method always runs first
                 r = runs[m]
-                if cuda:
-                    torch.cuda.synchronize(ctx.device)
-                    torch.cuda.reset_peak_memory_stats(ctx.device)
-                dist.barrier(group=ctx.delivery_group)
-                t0 = time.perf_counter()
-                loss, saved_peak = _run_step(r, ctx, step, r.planned[step] if ctx.is_planner else None)
+                elapsed, loss, saved_peak, peak = _timed_step(r, ctx, step, r.planned[step] if ctx.is_planner else None,
+                                                              cuda)
                 if saved_peak is not None and step >= args.warmup:
                     saved[m] = max(saved[m] or 0, saved_peak)
-                if cuda:
-                    torch.cuda.synchronize(ctx.device)
-                dist.barrier(group=ctx.delivery_group)
-                elapsed = time.perf_counter() - t0
-                if cuda:
-                    peaks[m] = max(peaks[m], int(torch.cuda.max_memory_allocated(ctx.device)))
+                peaks[m] = max(peaks[m], peak)
                 if step >= args.warmup:
                     times[m].append(elapsed)
                 losses[m].append(loss)
@@ -382,12 +399,96 @@ def bench(args, methods: list[str]) -> dict | None:
         dist.all_gather_object(gathered, (peaks, saved), group=ctx.delivery_group)
         if not ctx.is_planner:
             return None
-        measured_peak = {m: max(p[m] for p, _ in gathered) for m in methods} if cuda else None
-        measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in methods}
-        return _results(args, methods, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
-                        str(ctx.device), measured_saved)
+        measured_peak = {m: max(p[m] for p, _ in gathered) for m in order} if cuda else None
+        measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
+        result = _results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
+                          str(ctx.device), measured_saved)
+        return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
+
+
+def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float, float, int | None, int]:
+    """``barrier; t0; train_step; barrier; t1``: ``(seconds, loss, saved-for-backward peak, CUDA peak bytes)``."""
+    import torch
+    import torch.distributed as dist
+
+    if cuda:
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    dist.barrier(group=ctx.delivery_group)
+    t0 = time.perf_counter()
+    loss, saved_peak = _run_step(r, ctx, step, planned)
+    if cuda:
+        torch.cuda.synchronize(ctx.device)
+    dist.barrier(group=ctx.delivery_group)
+    elapsed = time.perf_counter() - t0
+    return elapsed, loss, saved_peak, int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0
+
+
+def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs, cuda) -> dict:
+    """``--tune-baselines`` (:mod:`dynabatch.commands.tuning`): sweep every baseline's knob on one scratch
+    executor, then add a run of each baseline's best value (when it is not the default) to ``runs``.
+    Returns the rank-0 :class:`~dynabatch.commands.tuning.Tuned` per baseline (``{}`` on other ranks)."""
+    import torch.distributed as dist
+
+    from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key
+
+    warmup = min(args.warmup, 1)
+    sweep_steps = warmup + args.tune_steps
+    skipped, candidates, meta = {}, [], [None]
+    if ctx.is_planner:
+        skipped, candidates = sweep_settings(baselines, cfgs, args, batches[:sweep_steps], limits,
+                                             lambda cfg: plan(cfg, sweep_steps), spec)
+        meta[0] = [cfg for _, _, cfg, _ in candidates]
+    dist.broadcast_object_list(meta, src=0, group=ctx.delivery_group)
+    cfg_of = meta[0]
+    times: list[list[float]] = [[] for _ in cfg_of]
+    if cfg_of:  # one scratch executor for every value: the step time does not depend on the weights
+        scratch = new_run("sweep", cfg_of[0], measure_memory=False).executor
+        sweep = [_Method(f"sweep{k}", scratch, candidates[k][3] if ctx.is_planner else [], spec, cfg)
+                 for k, cfg in enumerate(cfg_of)]
+        for step in range(sweep_steps):
+            k0 = step % len(sweep)
+            for k in [*range(k0, len(sweep)), *range(k0)]:  # rotated, like the timed loop
+                elapsed = _timed_step(sweep[k], ctx, step, sweep[k].planned[step] if ctx.is_planner else None, cuda)[0]
+                if step >= warmup:
+                    times[k].append(elapsed)
+        del sweep, scratch
+    tuned = sweep_results(baselines, args, skipped, candidates, times) if ctx.is_planner else {}
+    choices: list = [{m: t.value for m, t in tuned.items() if t.value is not None and t.value != t.default}]
+    dist.broadcast_object_list(choices, src=0, group=ctx.delivery_group)
+    for m, value in choices[0].items():
+        cfg = dataclasses.replace(cfgs[m], **{BASELINE_SPECS[m].option: value})
+        runs[tuned_key(m)] = new_run(tuned_key(m), cfg)
+        if ctx.is_planner:
+            runs[tuned_key(m)].planned = plan(cfg, args.warmup + args.steps)
+    return tuned
+
+
+def _with_tuned(result: dict, tuned: dict) -> dict:
+    """Move the tuned runs' rows out of ``methods`` into ``tuned`` (with every baseline's sweep) and add each
+    method's ratio to the best tuned baseline. A baseline's tuned value is the sweep's pick or, when the pick's
+    full run was slower than the default's (same steps, same batches), the default."""
+    from dynabatch.commands.tuning import best_tuned, tuned_key
+
+    rows = result["methods"]
+    for m, t in list(tuned.items()):
+        row = rows.pop(tuned_key(m), None)
+        default = rows[m]["tokens_per_s"]
+        if row is not None and row["tokens_per_s"] >= default:
+            tuned[m] = dataclasses.replace(t, tokens_per_s=row["tokens_per_s"], extra=row)
+        elif row is not None:
+            tuned[m] = dataclasses.replace(t, value=t.default, tokens_per_s=default, sweep_value=t.value, extra=row)
+        elif t.value is not None:  # the default is the best value: its own full run
+            tuned[m] = dataclasses.replace(t, tokens_per_s=default)
+    top = best_tuned(tuned)
+    result["tuned"] = {m: t.to_dict() for m, t in tuned.items()}
+    result["best_tuned_baseline"] = top
+    if top is not None:
+        for row in rows.values():
+            row["ratio_to_best_tuned_baseline"] = row["tokens_per_s"] / tuned[top].tokens_per_s
+    return result
 
 
 def _predicted_saved_mib(run: _Method, warmup: int) -> float | None:
@@ -466,13 +567,20 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
 def summary_line(result: dict) -> str:
     """The last line ``dynabatch bench`` prints: one JSON object a script can check."""
     c, rows = result["config"], result["methods"]
-    return json.dumps({
+    line = {
         "model": c["model"], "max_input_len": c["max_input_len"], "max_target_len": c["max_target_len"],
         "stages": c["stages"], "lengths": c["lengths"], "best_baseline": result["best_baseline"],
         "tokens_per_s": {m: round(r["tokens_per_s"], 1) for m, r in rows.items()},
         "ratio_to_best_baseline": {m: round(r["ratio_to_best_baseline"], 4) for m, r in rows.items()
                                    if "ratio_to_best_baseline" in r},
-    })
+    }
+    if "tuned" in result:  # --tune-baselines: each baseline's best knob value and its measured tokens/s
+        line["tuned"] = {m: {t["knob"]: t["value"], "tokens_per_s": None if t["tokens_per_s"] is None
+                             else round(t["tokens_per_s"], 1)} for m, t in result["tuned"].items()}
+        line["best_tuned_baseline"] = result["best_tuned_baseline"]
+        line["ratio_to_best_tuned_baseline"] = {m: round(r["ratio_to_best_tuned_baseline"], 4)
+                                                for m, r in rows.items() if "ratio_to_best_tuned_baseline" in r}
+    return json.dumps(line)
 
 
 def _ratio(x: float | None) -> str:
@@ -502,6 +610,17 @@ def print_table(result: dict) -> None:
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
+    if "tuned" in result:
+        from dynabatch.commands.tuning import describe
+
+        print(f"tuned baselines (fastest knob value that fits --memory-gib over {c['tune_steps']} measured steps each, "
+              f"then timed for {c['steps']} steps; the default if that was faster):")
+        for m, t in result["tuned"].items():
+            print("  " + describe(m, t, result["methods"][m]["tokens_per_s"]))
+        top = result["best_tuned_baseline"]
+        if top is not None and "dynamic" in result["methods"]:
+            print(f"dynamic vs best tuned baseline ({top}, {result['tuned'][top]['knob']} "
+                  f"{result['tuned'][top]['value']}): {result['methods']['dynamic']['ratio_to_best_tuned_baseline']:.2f}x")
     saved = [f"{m} {r['measured_saved_activation_mib']:.1f}/{r['predicted_saved_activation_mib']:.1f}"
              for m, r in result["methods"].items()
              if r.get("measured_saved_activation_mib") is not None and r.get("predicted_saved_activation_mib")]

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from dynabatch.data.batching import LengthLimits
-from dynabatch.data.baselines import BaselineOptions
-from dynabatch.workload import MODEL_FAMILIES
+from dynabatch.data.baselines import BASELINES, BaselineOptions, option_users
+from dynabatch.workload import METHODS, MODEL_FAMILIES
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
 """Analytic preset of each ``--model`` when ``--preset`` is not given."""
@@ -29,11 +29,30 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-target-len", type=int, default=256, help="T5 decoder limit")
     p.add_argument("--global-batch-tokens", type=int, default=65_536, help="real tokens per global batch")
     p.add_argument("--num-batches", type=int, default=8, help="global batches to plan")
-    p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped baseline")
-    p.add_argument("--token-budget-tokens", type=int, default=8192, help="token_budget baseline: padded tokens per micro-batch")
-    p.add_argument("--packing-rows", type=int, default=4, help="packing baseline: rows per micro-batch")
+    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(METHODS)} (default: all)")
+    add_baseline_arguments(p)
     p.add_argument("--tokenizer", default="builtin", help="tokenizer for mixture specs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_baseline_arguments(p: argparse.ArgumentParser, defaults: BaselineOptions = BaselineOptions()) -> None:
+    """One flag per :class:`BaselineOptions` field (``--packing-rows``), its help from the registry."""
+    for option, names in option_users().items():
+        p.add_argument("--" + option.replace("_", "-"), type=int, default=getattr(defaults, option),
+                       help=f"{' / '.join(names)} baseline: {BASELINES[names[0]].help}")
+
+
+def parse_methods(text: str | None, valid: tuple[str, ...]) -> list[str]:
+    """``--methods``: a comma list of names from ``valid`` (``None``: all of them, in registry order)."""
+    if text is None:
+        return list(valid)
+    methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    for m in methods:
+        if m not in valid:
+            raise ValueError(f"unknown method {m!r}; valid: {', '.join(valid)}")
+    if not methods:
+        raise ValueError(f"--methods needs at least one of {', '.join(valid)}")
+    return methods
 
 
 def check_positive(args: argparse.Namespace, *names: str) -> None:
@@ -61,8 +80,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.data.report import default_mixture_path
 
-    check_positive(args, "num_batches", "stages", "global_batch_tokens", "samples_per_micro_batch",
-                   "token_budget_tokens", "packing_rows")
+    check_positive(args, "num_batches", "stages", "global_batch_tokens", *option_users())
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
     family = MODEL_FAMILIES[args.model]
@@ -77,5 +95,5 @@ def resolve(args: argparse.Namespace) -> Workload:
     memory_gib = getattr(args, "memory_gib", None)
     memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
     cost = StageCostModel(model, layout, memory)
-    options = BaselineOptions(args.samples_per_micro_batch, args.token_budget_tokens, args.packing_rows)
+    options = BaselineOptions.of(args)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)

@@ -22,6 +22,10 @@ Dynamic planner options: ``--objective-stages`` (default ``S,2``) plans each ste
 fastest (the adaptive schedule hides most of a large micro-batch's fill behind other work, so a smaller
 max penalty than the real ``S - 1`` often wins); one-sample micro-batches only need to fit alone
 (:class:`SingleSampleRelief`), since the adaptive policy admits micro-batches by actual memory.
+
+``--methods`` picks the methods (default: ``dynamic`` and every baseline of the registry);
+``--tune-baselines`` also simulates each baseline at every value of its knob's grid and reports its
+fastest setting that fits memory next to the default (:mod:`dynabatch.commands.tuning`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import add_workload_arguments, check_positive, resolve
+from dynabatch.commands.common import add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.workload import METHODS, global_batches
 
 AMORTISED_TOKENS = 8192
@@ -56,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", default=None,
                    help="write Chrome traces (.json, open in Perfetto) and PNG timelines of the first global "
                         "batch for the dynamic and packing methods")
+    p.add_argument("--tune-baselines", action="store_true",
+                   help="also run each baseline at every value of its knob's grid on the same global batches and "
+                        "report its best setting that fits memory (dynabatch.commands.tuning)")
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, "in_flight", "max_samples")
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
+    methods = parse_methods(args.methods, METHODS)
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     options = SimulateOptions(
@@ -138,14 +146,19 @@ def run(args: argparse.Namespace) -> int:
         link=args.link, search_steps=args.search_steps,
     )
     rows = {}
-    for method in METHODS:
+    for method in methods:
         trace_dir = args.trace_dir if method in ("dynamic", "packing") else None
         rows[method] = simulate_method(method, batches, w, options, trace_dir=trace_dir)
-    summary = _summary(args, w, batches, rows)
+    tuned = {}
+    if args.tune_baselines:
+        from dynabatch.commands.tuning import tune_simulated
+
+        tuned = {m: tune_simulated(m, batches, w, options, rows[m]) for m in methods if m != "dynamic"}
+    summary = _summary(args, w, batches, rows, tuned)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    _print_table(summary, rows)
+    _print_table(summary, rows, tuned)
     return 0
 
 
@@ -289,11 +302,14 @@ def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
     plot_timeline(result, base + ".png", title=f"{method}: simulated step 0 ({result.schedule.policy})")
 
 
-def _summary(args, w, batches, rows) -> dict:
+def _summary(args, w, batches, rows, tuned=None) -> dict:
+    from dynabatch.commands.tuning import best_tuned
+
     baselines = {k: v for k, v in rows.items() if k != "dynamic"}
     fitting = {k: v for k, v in baselines.items() if v.fits_memory} or baselines
-    best = max(fitting.values(), key=lambda r: r.tokens_per_s)
-    return {
+    best = max(fitting.values(), key=lambda r: r.tokens_per_s) if baselines else None
+    dynamic = rows["dynamic"].tokens_per_s if "dynamic" in rows else None
+    out = {
         "workload": w.path,
         "model": args.model,
         "layout": w.cost_model.layout.describe(),
@@ -303,12 +319,19 @@ def _summary(args, w, batches, rows) -> dict:
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
         "methods": {k: asdict(v) for k, v in rows.items()},
-        "best_baseline": best.method,
-        "dynamic_throughput_vs_best_baseline": rows["dynamic"].tokens_per_s / best.tokens_per_s,
+        "best_baseline": best.method if best else None,
+        "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
+    if tuned:
+        top = best_tuned(tuned)
+        out["tuned"] = {m: t.to_dict() for m, t in tuned.items()}
+        out["best_tuned_baseline"] = top
+        out["dynamic_throughput_vs_best_tuned_baseline"] = (dynamic / tuned[top].tokens_per_s
+                                                            if top and dynamic else None)
+    return out
 
 
-def _print_table(summary: dict, rows: dict) -> None:
+def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
           f"({summary['truncated']} truncated), "
           f"{summary['stages']} stages: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device")
@@ -322,5 +345,15 @@ def _print_table(summary: dict, rows: dict) -> None:
               f"{r.bubble_fraction:>6.3f} {r.step_s:>7.3f} {r.peak_memory_gib:>8.1f} "
               f"{'yes' if r.fits_memory else 'NO':>4} "
               f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} {pol}")
-    print(f"dynamic vs best baseline ({summary['best_baseline']}), real tokens/s: "
-          f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
+    if summary["dynamic_throughput_vs_best_baseline"] is not None:
+        print(f"dynamic vs best baseline ({summary['best_baseline']}), real tokens/s: "
+              f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
+    if tuned:
+        from dynabatch.commands.tuning import describe
+
+        print("tuned baselines (best knob value that fits memory, simulated tokens/s):")
+        for m, t in tuned.items():
+            print("  " + describe(m, t.to_dict(), rows[m].tokens_per_s))
+        if summary["dynamic_throughput_vs_best_tuned_baseline"] is not None:
+            print(f"dynamic vs best tuned baseline ({summary['best_tuned_baseline']}), real tokens/s: "
+                  f"{summary['dynamic_throughput_vs_best_tuned_baseline']:.2f}x")

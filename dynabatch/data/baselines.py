@@ -8,22 +8,31 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 - ``length_grouped``: like HF ``group_by_length``: sort the global batch by length, then chunk.
 - ``token_budget``: like fairseq ``max_tokens``: sorted, each micro-batch holds as many samples as
   fit ``max_tokens`` *padded* tokens.
-- ``packing``: fixed-length rows filled best-fit-decreasing, several samples per row with
-  positions restarting and attention confined to each sample. GPT: one row length for
+- ``packing``: the DynaPipe paper's packing baseline: fixed-length rows filled best-fit-decreasing,
+  several samples per row with positions restarting and a dense block-diagonal mask confining
+  attention to each sample; every row is computed at the full row length. GPT: one row length for
   inputs + targets. T5 (seqio-style): inputs pack into encoder rows and targets into decoder rows
   of the same row, a sample fits a row only if both fit.
-"""
+- ``packing_free``: what TRL users run today (``SFTConfig(packing=True, packing_strategy="bfd",
+  padding_free=True)``): the same best-fit-decreasing rows, but not padded to the row length
+  (a micro-batch is padded only to its longest row; padding-free attention kernels skip the rest)
+  and attention never crosses a sample (per-segment / varlen attention).
 
+:data:`BASELINES` is the one registry of these methods: every command's method list, its knob
+flags (``--packing-rows``, ...) and the ``--tune-baselines`` grids are derived from it.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, ClassVar
 
 from dynabatch.data.batching import LengthLimits
-from dynabatch.data.collate import collate_causal, collate_seq2seq
-from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.sequence import is_seq2seq
+
+if TYPE_CHECKING:  # torch-free at import: dynabatch.config imports the registry (`train --help` stays fast)
+    from dynabatch.data.microbatch import MicroBatch
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class Batcher:
         return [self.collate(batch, g) for g in self.group(batch)]
 
     def collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
+        from dynabatch.data.collate import collate_causal, collate_seq2seq
+
         if is_seq2seq(self.family):
             return collate_seq2seq(
                 batch.samples, g.rows, self.tokens.pad_id, self.tokens.decoder_start_id, g.encoder_len, g.decoder_len
@@ -156,50 +167,141 @@ class TokenBudget(Batcher):
         return groups
 
 
+def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
+    """Rows of sample indices filled best-fit-decreasing (samples in ``key`` order, longest first).
+
+    A row holds ``limits.max_seq_len`` tokens (GPT: inputs + targets) or, for T5, ``max_input_len``
+    encoder and ``max_target_len`` decoder tokens; each sample goes to the open row it leaves the least
+    room in (the relative room left on both sides, for T5), the first such row on ties, or opens a row.
+    Samples are within the limits already (the global batcher truncates, drops or rejects over-long
+    ones, as TRL's ``bfd`` truncates); one that is not is a ``ValueError`` naming it.
+    """
+    t5 = is_seq2seq(limits.family)
+    cap_e = limits.max_input_len if t5 else limits.max_seq_len
+    cap_d = limits.max_target_len if t5 else 0
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # remaining (encoder, decoder) capacity per row
+    for i in sorted(range(len(batch)), key=key):
+        e, d = int(batch.input_lens[i]), int(batch.target_lens[i])
+        if not t5:
+            e, d = e + d, 0
+        if e > cap_e or d > cap_d:
+            raise ValueError(f"sample {i} (input_len={batch.input_lens[i]}, target_len={batch.target_lens[i]}) "
+                             f"does not fit a packed row ({limits.describe()}); truncate it to the limits first")
+        best, best_left = -1, None
+        for r, (fe, fd) in enumerate(free):
+            if e <= fe and d <= fd:
+                left = (fe - e) / cap_e + ((fd - d) / cap_d if t5 else 0.0)
+                if best_left is None or left < best_left:
+                    best, best_left = r, left
+        if best < 0:
+            rows.append([])
+            free.append((cap_e, cap_d))
+            best = len(rows) - 1
+        rows[best].append(i)
+        free[best] = (free[best][0] - e, free[best][1] - d)
+    return rows
+
+
 @dataclass(frozen=True)
 class Packing(Batcher):
+    """The DynaPipe paper's packing baseline: best-fit-decreasing rows (:func:`pack_rows`), every row
+    computed at the full row length (a dense block-diagonal mask keeps samples apart)."""
+
     rows_per_micro_batch: int = 4
+    fixed_row_length: ClassVar[bool] = True
+    """Rows are padded to the row length (``packing``), or only to the micro-batch's longest row."""
 
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        t5 = is_seq2seq(self.family)
-        cap_e = self.limits.max_input_len if t5 else self.limits.max_seq_len
-        cap_d = self.limits.max_target_len if t5 else 0
-        rows: list[list[int]] = []
-        free: list[tuple[int, int]] = []  # remaining (encoder, decoder) capacity per row
-        for i in sorted(range(len(batch)), key=self._sort_key(batch)):
-            e, d = int(batch.input_lens[i]), int(batch.target_lens[i])
-            if not t5:
-                e, d = e + d, 0
-            best, best_left = -1, None
-            for r, (fe, fd) in enumerate(free):
-                if e <= fe and d <= fd:
-                    left = (fe - e) / cap_e + ((fd - d) / cap_d if t5 else 0.0)
-                    if best_left is None or left < best_left:
-                        best, best_left = r, left
-            if best < 0:
-                rows.append([])
-                free.append((cap_e, cap_d))
-                best = len(rows) - 1
-            rows[best].append(i)
-            free[best] = (free[best][0] - e, free[best][1] - d)
+        rows = pack_rows(batch, self.limits, self._sort_key(batch))
+        enc = dec = None
+        if self.fixed_row_length:
+            t5 = is_seq2seq(self.family)
+            enc = self.limits.max_input_len if t5 else self.limits.max_seq_len
+            dec = self.limits.max_target_len if t5 else None
         n = self.rows_per_micro_batch
-        return [
-            RowGroup(rows=tuple(tuple(r) for r in rows[k : k + n]), encoder_len=cap_e, decoder_len=cap_d if t5 else None)
-            for k in range(0, len(rows), n)
-        ]
+        return [RowGroup(rows=tuple(tuple(r) for r in rows[k : k + n]), encoder_len=enc, decoder_len=dec)
+                for k in range(0, len(rows), n)]
 
 
-BATCHERS: dict[str, type[Batcher]] = {
-    "padding": Padding,
-    "length_grouped": LengthGrouped,
-    "token_budget": TokenBudget,
-    "packing": Packing,
-}
+@dataclass(frozen=True)
+class PackingFree(Packing):
+    """TRL's default packing, ``packing_strategy="bfd"`` with ``padding_free=True``.
+
+    The rows of :class:`Packing` (best-fit-decreasing up to the row length: TRL's ``max_length``;
+    GPT one row for inputs + targets, T5 inputs into encoder and targets into decoder rows, a sample
+    fits only where both fit), positions restarting per sample and no attention across samples
+    (``DataCollatorWithFlattening`` + FlashAttention varlen in TRL, per-segment attention here). A
+    micro-batch is padded only to its longest row: padding-free kernels skip the pad.
+
+    Knob: ``rows_per_micro_batch``, because that is what TRL users tune: with ``padding_free`` a
+    device's micro-batch is ``per_device_train_batch_size`` packed rows of up to ``max_length`` tokens
+    flattened into one sequence, and ``max_length`` is the length limit (here the row length), fixed
+    by the data rather than tuned for speed. Rows follow their creation order, longest samples'
+    rows first (TRL shuffles the packed rows; with rows this full it changes little padding).
+    """
+
+    fixed_row_length: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class BaselineSpec:
+    """One baseline method: its batcher and the micro-batch size knob a user tunes."""
+
+    name: str
+    batcher: type[Batcher]
+    knob: str
+    """The batcher field that sizes its micro-batches (``rows_per_micro_batch``, ...)."""
+    option: str
+    """The :class:`BaselineOptions` / ``TrainConfig`` field (and flag) that sets ``knob``; baselines
+    with the same knob share it."""
+    grid: tuple[int, ...]
+    """Values ``--tune-baselines`` tries."""
+    help: str
+    """What the knob is, for flag help texts."""
+    at_least_one_sample: bool = False
+    """The value is raised to one maximal sample's tokens (``token_budget``)."""
+
+
+_SIZES = (1, 2, 4, 8, 16, 32)
+_ROWS = (1, 2, 4, 8, 16)
+_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+BASELINES: dict[str, BaselineSpec] = {s.name: s for s in (
+    BaselineSpec("padding", Padding, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
+                 "samples per micro-batch"),
+    BaselineSpec("length_grouped", LengthGrouped, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
+                 "samples per micro-batch"),
+    BaselineSpec("token_budget", TokenBudget, "max_tokens", "token_budget_tokens", _TOKENS,
+                 "padded tokens per micro-batch", at_least_one_sample=True),
+    BaselineSpec("packing", Packing, "rows_per_micro_batch", "packing_rows", _ROWS,
+                 "rows per micro-batch (dense rows of the max length, DynaPipe's baseline)"),
+    BaselineSpec("packing_free", PackingFree, "rows_per_micro_batch", "packing_free_rows", _ROWS,
+                 "rows per micro-batch (TRL's per_device_train_batch_size with padding_free)"),
+)}
+"""Every baseline by name, in the order commands list them."""
+
+BATCHERS: dict[str, type[Batcher]] = {name: spec.batcher for name, spec in BASELINES.items()}
+
+
+def baseline_spec(name: str) -> BaselineSpec:
+    if name not in BASELINES:
+        raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BASELINES)}")
+    return BASELINES[name]
+
+
+def option_users() -> dict[str, list[str]]:
+    """Each :class:`BaselineOptions` field and the baselines it sizes (``packing_rows -> [packing]``)."""
+    out: dict[str, list[str]] = {}
+    for spec in BASELINES.values():
+        out.setdefault(spec.option, []).append(spec.name)
+    return out
 
 
 @dataclass(frozen=True)
 class BaselineOptions:
-    """Micro-batch sizes of the baselines (what a user would tune)."""
+    """Micro-batch sizes of the baselines (what a user would tune); one field per
+    :attr:`BaselineSpec.option` of :data:`BASELINES`."""
 
     samples_per_micro_batch: int = 8
     """``padding`` and ``length_grouped``."""
@@ -207,20 +309,84 @@ class BaselineOptions:
     """``token_budget``: padded tokens per micro-batch (raised to one maximal sample if smaller)."""
     packing_rows: int = 4
     """``packing``: rows per micro-batch."""
+    packing_free_rows: int = 4
+    """``packing_free``: rows per micro-batch."""
+
+    @classmethod
+    def of(cls, source) -> "BaselineOptions":
+        """The options held by ``source``'s attributes of the same names (a ``TrainConfig``, parsed flags)."""
+        return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if getattr(source, f.name, None) is not None})
+
+    def value(self, name: str) -> int:
+        """The knob value of baseline ``name``."""
+        return getattr(self, baseline_spec(name).option)
+
+    def with_value(self, name: str, value: int) -> "BaselineOptions":
+        """These options with baseline ``name``'s knob set to ``value`` (shared knobs change for all their users)."""
+        return replace(self, **{baseline_spec(name).option: value})
 
     def batcher_options(self, name: str, limits: LengthLimits) -> dict:
         """The fields :func:`make_batcher` takes for baseline ``name``."""
-        if name in ("padding", "length_grouped"):
-            return {"samples_per_micro_batch": self.samples_per_micro_batch}
-        if name == "token_budget":
-            return {"max_tokens": max(self.token_budget_tokens, limits.max_tokens)}
-        if name == "packing":
-            return {"rows_per_micro_batch": self.packing_rows}
-        raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BATCHERS)}")
+        spec = baseline_spec(name)
+        value = self.value(name)
+        return {spec.knob: max(value, limits.max_tokens) if spec.at_least_one_sample else value}
 
 
 def make_batcher(name: str, limits: LengthLimits, tokens: TokenizerInfo, **options) -> Batcher:
     """A baseline batcher by name; ``options`` are its fields (e.g. ``samples_per_micro_batch``)."""
-    if name not in BATCHERS:
-        raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BATCHERS)}")
-    return BATCHERS[name](limits=limits, tokens=tokens, **options)
+    return baseline_spec(name).batcher(limits=limits, tokens=tokens, **options)
+
+
+def grid_settings(name: str, batches, limits: LengthLimits, options: BaselineOptions = BaselineOptions()
+                  ) -> list[tuple[int, int | None]]:
+    """``(value, same_as)`` for every value of baseline ``name``'s grid and its value in ``options`` (the
+    default), in increasing order. ``same_as`` names the value (the default first, else a smaller one)
+    whose micro-batches on ``batches`` are identical, nothing to measure again; else it is ``None``.
+    Token budgets below one maximal sample count as one."""
+    default = options.value(name)
+    seen: dict[tuple, int] = {}
+    out: list[tuple[int, int | None]] = []
+    for value in [default, *sorted(set(baseline_spec(name).grid) - {default})]:
+        opts = options.with_value(name, value)
+        batcher = make_batcher(name, limits, _NO_TOKENS, **opts.batcher_options(name, limits))
+        key = tuple(tuple(batcher.group(b)) for b in batches)
+        out.append((value, seen.get(key)))
+        seen.setdefault(key, value)
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting of a baseline's knob tried by ``--tune-baselines``."""
+
+    value: int
+    tokens_per_s: float | None = None
+    """Real tokens per second (simulated or measured); ``None`` when the setting was not run."""
+    feasible: bool = True
+    """Fits the memory limit."""
+    note: str = ""
+    """Why it was not run or not counted (does not fit memory, same micro-batches as another value)."""
+    same_as: int | None = None
+    """The value with the same micro-batches (then not run again: same speed, same memory)."""
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "tokens_per_s": self.tokens_per_s, "feasible": self.feasible, "note": self.note}
+
+
+def with_twins(trials: dict[int, Trial], same_as: dict[int, int]) -> tuple[Trial, ...]:
+    """``trials`` of the values that ran (or were refused) plus one for each value with the same
+    micro-batches as another (``same_as``), marked feasible as its twin is; in increasing order."""
+    out = dict(trials)
+    for value, twin in same_as.items():
+        out[value] = Trial(value, feasible=trials[twin].feasible, note=f"same micro-batches as {twin}", same_as=twin)
+    return tuple(out[v] for v in sorted(out))
+
+
+def best_trial(trials) -> Trial | None:
+    """The fastest feasible trial (the smallest value on ties); ``None`` when none is feasible."""
+    ran = [t for t in trials if t.feasible and t.tokens_per_s is not None]
+    return max(ran, key=lambda t: (t.tokens_per_s, -t.value)) if ran else None
+
+
+_NO_TOKENS = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)
+"""Token ids for grouping by lengths only (no collation)."""

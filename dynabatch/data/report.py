@@ -14,8 +14,8 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from dynabatch.commands.common import check_positive
-from dynabatch.data.baselines import BATCHERS, BaselineOptions, make_batcher
+from dynabatch.commands.common import add_baseline_arguments, check_positive, parse_methods
+from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-target-len", type=int, default=None, help="T5 target limit (default: max length / 4)")
     p.add_argument("--token-budget", type=int, default=65_536, help="tokens per global batch")
     p.add_argument("--num-batches", type=int, default=4, help="global batches per measurement")
-    p.add_argument("--samples-per-micro-batch", type=int, default=8, help="padding / length_grouped micro-batch size")
+    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(BASELINES)} (default: all)")
+    add_baseline_arguments(p)
     p.add_argument("--bad-rows", default=None, choices=BAD_ROW_POLICIES,
                    help="malformed rows: fail or skip+count (default: the spec's bad_rows, else error)")
     p.add_argument("--overlong", default="truncate", choices=("truncate", "drop"),
@@ -95,17 +96,18 @@ def parse_max_lens(text: str) -> list[int]:
 
 def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
     max_lens = parse_max_lens(args.max_lens)
+    methods = parse_methods(args.methods, tuple(BASELINES))
+    options = BaselineOptions.of(args)
     print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.token_budget} tokens, "
           f"over-long samples: {args.overlong}) ==")
-    print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in BATCHERS) + f" {'truncated':>10} {'dropped':>8}")
+    print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in methods) + f" {'truncated':>10} {'dropped':>8}")
     for max_len in tqdm(max_lens, desc=f"baselines {data.family}", leave=False):
         target_len = args.max_target_len or max(max_len // 4, 2)
         limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
         batcher = GlobalBatcher(data, limits, token_budget=max(args.token_budget, limits.max_tokens), overlong=args.overlong)
         batches = [batcher.next_batch() for _ in range(args.num_batches)]
-        options = BaselineOptions(samples_per_micro_batch=args.samples_per_micro_batch)
         cells = []
-        for name in BATCHERS:
+        for name in methods:
             b = make_batcher(name, limits, data.tokens, **options.batcher_options(name, limits))
             stats = [b.stats(gb) for gb in batches]
             real = sum(s.real_tokens for s in stats)
@@ -116,8 +118,9 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_positive(args, "token_budget", "num_batches", "samples_per_micro_batch")
+    check_positive(args, "token_budget", "num_batches", *option_users())
     parse_max_lens(args.max_lens)
+    parse_methods(args.methods, tuple(BASELINES))
     spec = _spec(args)
     tokenizer = load_tokenizer(args.tokenizer)
     families = FAMILIES if args.family == "both" else (args.family,)

@@ -3,16 +3,17 @@
 :class:`DynaBatchDataLoader` draws token-budget global batches from a mixture
 (:class:`~dynabatch.data.batching.GlobalBatcher`), cuts each into variable-size micro-batches and
 collates the ones of its data-parallel replica, each padded only to its own longest sample (``packing``:
-to its fixed row length):
+to its fixed row length; ``packing_free``: to its longest packed row):
 
 * ``dynamic`` (default): :func:`~dynabatch.plan.step.plan_step` with one pipeline stage and
   ``num_replicas`` replicas. The partition DP groups samples of similar length and sizes every
   micro-batch to the memory budget of the cost model, so the number and shapes of micro-batches
   change from step to step. The plan is deterministic, so every rank builds the same loader with its
   own ``replica_index``, plans the whole global batch and keeps its share; no rank talks to another.
-* any baseline of :mod:`dynabatch.data.baselines` (``padding``, ``length_grouped``, ``token_budget``,
-  ``packing``): its micro-batches are dealt to replicas round-robin (micro-batch ``k`` to replica
-  ``k mod R``; a replica may get none when there are fewer micro-batches than replicas).
+* any baseline of :data:`dynabatch.data.baselines.BASELINES` (``padding``, ``length_grouped``,
+  ``token_budget``, ``packing``, ``packing_free``): its micro-batches are dealt to replicas
+  round-robin (micro-batch ``k`` to replica ``k mod R``; a replica may get none when there are fewer
+  micro-batches than replicas).
 
 Loss normalisation: micro-batch ``i`` gets the weight ``loss_tokens_i / T`` where ``T`` counts the loss
 tokens of the whole global batch over all replicas (from the sample lengths, without collating the
@@ -36,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from dynabatch.data.baselines import BATCHERS, Batcher, RowGroup, make_batcher
+from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
@@ -44,7 +45,7 @@ from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
 from dynabatch.sequence import is_seq2seq
 
-METHODS = ("dynamic", *BATCHERS)
+METHODS = ("dynamic", *BASELINES)
 
 
 def model_sequence_kind(config) -> str:

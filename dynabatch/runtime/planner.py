@@ -138,7 +138,7 @@ class StepPlanner:
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
                 raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
             return [plan_units(plan, r) for r in range(R)]
-        options = BaselineOptions(cfg.samples_per_micro_batch, cfg.token_budget_tokens, cfg.packing_rows)
+        options = BaselineOptions.of(cfg)
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
         return [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
 
