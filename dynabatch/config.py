@@ -108,6 +108,13 @@ class TrainConfig:
     timeline: bool = True
     """Write the last step's measured timeline next to its simulated twin (Chrome trace + PNG)."""
 
+    @property
+    def attention_path(self) -> str:
+        """The attention path this run uses (``packing``, the dense-mask baseline, always ``dense``)."""
+        from dynabatch.data.baselines import attention_for
+
+        return attention_for(self.method, self.attention)
+
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
         _choice("policy", self.policy, POLICIES)

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.commands.common import add_baseline_arguments, parse_methods
+from dynabatch.config import ATTENTION_PATHS
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.sequence import is_seq2seq
@@ -91,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     p.add_argument("--policy", default="auto", help="pipeline schedule policy (gpipe, 1f1b, adaptive, auto)")
+    p.add_argument("--attention", default="segments", choices=ATTENTION_PATHS,
+                   help="segments: padding-free per-sample attention (default); dense: 4-D masks. packing, "
+                        "DynaPipe's dense-mask baseline, always runs dense")
     p.add_argument("--global-batch-tokens", type=int, default=8192,
                    help="real tokens per global batch (the same at every max length, as in the simulated sweep)")
     p.add_argument("--max-input-len", type=int, default=512, help="T5 encoder limit; GPT sequence limit")
@@ -108,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no table (with --json)")
 
 
-_FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "global_batch_tokens",
+_FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "attention", "global_batch_tokens",
           "max_input_len", "max_target_len", *option_users(), "memory_gib", "threads", "seed", "json", "cost_profile",
           "tune_steps")
 
@@ -187,7 +191,7 @@ def _config(args, method: str):
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
         timeline=False, cost_profile=getattr(args, "cost_profile", None),
-        slice_long=method == SLICED,
+        slice_long=method == SLICED, attention=args.attention,
     )
 
 
@@ -344,6 +348,7 @@ def bench(args, methods: list[str]) -> dict | None:
         def new_run(name: str, cfg, measure_memory: bool = True) -> _Method:
             """Collective: every rank builds the runs in the same order."""
             stage = copy.deepcopy(base).to(ctx.device)
+            stage.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
             opt = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             if name == PEER:
                 ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfg.max_grad_norm)

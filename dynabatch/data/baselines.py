@@ -261,6 +261,9 @@ class BaselineSpec:
     """What the knob is, for flag help texts."""
     at_least_one_sample: bool = False
     """The value is raised to one maximal sample's tokens (``token_budget``)."""
+    dense_attention: bool = False
+    """Runs (and is priced) with dense 4-D block-diagonal masks whatever ``--attention`` says: ``packing``, the
+    DynaPipe paper's baseline; ``packing_free`` is its padding-free counterpart."""
 
 
 _SIZES = (1, 2, 4, 8, 16, 32)
@@ -275,7 +278,7 @@ BASELINES: dict[str, BaselineSpec] = {s.name: s for s in (
     BaselineSpec("token_budget", TokenBudget, "max_tokens", "token_budget_tokens", _TOKENS,
                  "padded tokens per micro-batch", at_least_one_sample=True),
     BaselineSpec("packing", Packing, "rows_per_micro_batch", "packing_rows", _ROWS,
-                 "rows per micro-batch (dense rows of the max length, DynaPipe's baseline)"),
+                 "rows per micro-batch (dense rows of the max length, DynaPipe's baseline)", dense_attention=True),
     BaselineSpec("packing_free", PackingFree, "rows_per_micro_batch", "packing_free_rows", _ROWS,
                  "rows per micro-batch (TRL's per_device_train_batch_size with padding_free)"),
 )}
@@ -288,6 +291,12 @@ def baseline_spec(name: str) -> BaselineSpec:
     if name not in BASELINES:
         raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BASELINES)}")
     return BASELINES[name]
+
+
+def attention_for(method: str, requested: str) -> str:
+    """The attention path a run of ``method`` uses: ``dense`` for a dense-mask baseline, else ``requested``."""
+    spec = BASELINES.get(method)
+    return "dense" if spec is not None and spec.dense_attention else requested
 
 
 def option_users() -> dict[str, list[str]]:

@@ -10,7 +10,8 @@ clipping, callbacks and mixed precision stay the Trainer's own:
   is a ``StepBatch`` and ``gradient_accumulation_steps`` must be 1 (the token budget sets the step).
 * ``get_batch_samples`` skips HF's label counting (``num_items_in_batch`` is not needed: the
   denominator comes with the step).
-* ``training_step`` runs, per micro-batch, ``forward_loss(model, mb).loss_sum / T`` (``T``: the global
+* ``training_step`` runs, per micro-batch, ``forward_loss(model, mb, attention).loss_sum / T`` (padding-free
+  attention by default, ``attention="dense"`` for 4-D masks; ``T``: the global
   batch's loss tokens over all replicas) and a backward, freeing each micro-batch's activations before
   the next; it returns the step's token-normalised loss, which the Trainer logs as ``loss``.
 * Data parallelism (torchrun, one process per device): DDP's per-backward all-reduce cannot work when
@@ -59,6 +60,7 @@ class DynaBatchTrainer(Trainer):
         args: TrainingArguments | None = None,
         train_loader: DynaBatchDataLoader | None = None,
         eval_loader: DynaBatchDataLoader | Mapping[str, DynaBatchDataLoader] | None = None,
+        attention: str = "segments",
         **kwargs,
     ):
         given = [k for k in _NOT_ACCEPTED if kwargs.get(k) is not None]
@@ -66,6 +68,8 @@ class DynaBatchTrainer(Trainer):
             raise ValueError(f"DynaBatchTrainer takes train_loader= and eval_loader=, not {given}")
         super().__init__(model=model, args=args, eval_dataset=eval_loader, **kwargs)
         self.train_loader = train_loader
+        self.attention = attention
+        """``segments`` (padding-free, :mod:`dynabatch.models.attention`) or ``dense`` (4-D masks)."""
         self._check_setup(train_loader, eval_loader)
         self._num_non_embedding_params: int | None = None
         self._reset_step_stats()
@@ -142,7 +146,7 @@ class DynaBatchTrainer(Trainer):
         with self.accelerator.no_sync(model):
             for mb in inputs.micro_batches:
                 with self.compute_loss_context_manager(), self.accelerator.autocast():
-                    loss = forward_loss(module, mb).loss_sum / denominator
+                    loss = forward_loss(module, mb, self.attention).loss_sum / denominator
                 self.accelerator.backward(loss)
                 loss_total += loss.detach().to(loss_total.device)
         if inputs.num_replicas > 1:
@@ -157,7 +161,7 @@ class DynaBatchTrainer(Trainer):
         outputs = []
         with self.accelerator.autocast():
             for mb in inputs.micro_batches:
-                outputs.append(forward_loss(module, mb))
+                outputs.append(forward_loss(module, mb, self.attention))
         loss = sum((o.loss_sum for o in outputs), torch.zeros((), device=self.args.device)) / denominator
         return (loss, outputs) if return_outputs else loss
 
@@ -224,7 +228,7 @@ class DynaBatchTrainer(Trainer):
             for step in loader:
                 for mb in step.micro_batches:
                     with self.accelerator.autocast():
-                        loss_sum += forward_loss(module, mb).loss_sum.float().to(loss_sum.device)
+                        loss_sum += forward_loss(module, mb, self.attention).loss_sum.float().to(loss_sum.device)
                 num_tokens += step.num_loss_tokens
                 num_samples += len(step.batch)
                 num_steps += 1

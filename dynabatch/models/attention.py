@@ -36,6 +36,8 @@ Measured (``scripts/bench_attention.py``): see the README's "Padding-free attent
 
 from __future__ import annotations
 
+import sys
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,6 +75,11 @@ class SegmentGroup:
     """``(row, query_start, key_start)`` of the group's first sample (host ints, for a group of one)."""
     uniform: bool
     """Every sample has exactly ``(Lq, Lk)``: no padding inside the group, so no key mask."""
+    whole_rows: bool = False
+    """Every sample is the only one of its row and starts it (queries and keys): the group is row slices
+    ``x[rows, :, :L]``, no gathering, and its padded tail is that row's own pad. Rows in ascending order."""
+    all_rows: bool = False
+    """``whole_rows`` and the group is every row of the micro-batch: plain views ``x[:, :, :L]``."""
 
     @property
     def size(self) -> int:
@@ -99,7 +106,7 @@ class Segments:
         if len(self.groups) != 1:
             return False
         g = self.groups[0]
-        return g.uniform and g.size == self.num_rows and g.query_len == self.query_len and g.key_len == self.key_len
+        return g.uniform and g.all_rows and g.query_len == self.query_len and g.key_len == self.key_len
 
     @property
     def num_pairs(self) -> int:
@@ -180,41 +187,50 @@ padded to it under a key mask (pad pairs only, never another sample's keys): few
 
 def _grouped(kind, num_rows, query_len, key_len, rows, q_starts, q_lens, k_starts, k_lens, device) -> Segments:
     """Greedy groups, longest first: a sample joins the open group while both its lengths are at least
-    ``1 - PAD_TOLERANCE`` of the group's (0: exactly equal lengths only; 1: one group)."""
-    tolerance = PAD_TOLERANCE
-    order = np.lexsort((q_lens, k_lens))[::-1]  # longest key span first, then longest query span
-    groups, members = [], []
+    ``1 - PAD_TOLERANCE`` of the group's (0: exactly equal lengths only; 1: one group). Samples alone in
+    their rows (``whole_rows``) and samples sharing a row are grouped apart."""
+    alone = (np.bincount(rows, minlength=num_rows)[rows] == 1) & (q_starts == 0) & (k_starts == 0)
+    groups = []
 
-    def close():
-        m = np.asarray(members)
-        i = int(m[0])
+    def close(m: np.ndarray, whole: bool) -> None:
+        if whole:
+            m = m[np.argsort(rows[m], kind="stable")]
+        i = int(np.argmax(k_lens[m]))
 
         def index(a):
             return torch.from_numpy(np.ascontiguousarray(a[m])).to(device)
 
-        uniform = bool((q_lens[m] == q_lens[i]).all() and (k_lens[m] == k_lens[i]).all())
-        groups.append(SegmentGroup(int(q_lens[m].max()), int(k_lens[i]), index(rows), index(q_starts),
+        uniform = bool((q_lens[m] == q_lens[m[0]]).all() and (k_lens[m] == k_lens[m[0]]).all())
+        first = int(m[0])
+        groups.append(SegmentGroup(int(q_lens[m].max()), int(k_lens[m[i]]), index(rows), index(q_starts),
                                    index(k_starts), index(q_lens), index(k_lens),
-                                   (int(rows[i]), int(q_starts[i]), int(k_starts[i])), uniform))
+                                   (int(rows[first]), int(q_starts[first]), int(k_starts[first])), uniform,
+                                   whole_rows=whole, all_rows=whole and len(m) == num_rows))
 
-    top_q = top_k = 0
-    for j in order:
-        fits = members and k_lens[j] >= (1 - tolerance) * top_k and q_lens[j] >= (1 - tolerance) * top_q
-        if members and not fits:
-            close()
-            members = []
-        if not members:
-            top_q, top_k = q_lens[j], k_lens[j]
-        members.append(j)
-        top_q = max(top_q, q_lens[j])
-    if members:
-        close()
+    tolerance = PAD_TOLERANCE
+    for whole in (True, False):
+        candidates = np.flatnonzero(alone == whole)
+        order = candidates[np.lexsort((q_lens[candidates], k_lens[candidates]))[::-1]]  # longest first
+        members: list[int] = []
+        top_q = top_k = 0
+        for j in order:
+            if members and not (k_lens[j] >= (1 - tolerance) * top_k and q_lens[j] >= (1 - tolerance) * top_q):
+                close(np.asarray(members), whole)
+                members = []
+            if not members:
+                top_q, top_k = q_lens[j], k_lens[j]
+            members.append(int(j))
+            top_q = max(top_q, q_lens[j])
+        if members:
+            close(np.asarray(members), whole)
     max_len = int(max(q_lens.max(initial=0), k_lens.max(initial=0)))
     return Segments(kind, num_rows, query_len, key_len, tuple(groups), max_len)
 
 
 def _take(x: torch.Tensor, g: SegmentGroup, starts: torch.Tensor, length: int, first_start: int) -> torch.Tensor:
-    """(B, H, T, Dh) -> the group's (n, H, length, Dh): a view for one sample, a gather otherwise."""
+    """(B, H, T, Dh) -> the group's (n, H, length, Dh): row slices, a view for one sample, a gather otherwise."""
+    if g.whole_rows:
+        return (x if g.all_rows else x.index_select(0, g.rows))[:, :, :length]
     if g.size == 1:
         row = g.first[0]
         return x[row : row + 1, :, first_start : first_start + length]
@@ -265,7 +281,7 @@ def segment_attention(
     """
     kind = segments.kind
     gqa = query.shape[1] != key.shape[1]
-    if segments.is_dense_rows:
+    if segments.is_dense_rows:  # every row one unpadded sample: no mask, no copies
         mask, causal = _group_mask(kind, segments.groups[0], bias, query.dtype)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
@@ -280,34 +296,58 @@ def segment_attention(
         mask, causal = _group_mask(kind, g, bias, query.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
                                            scale=scale, enable_gqa=gqa).transpose(1, 2)  # (n, lq, H, Dh)
-        if g.size == 1:
-            out[g.first[0], qs : qs + g.query_len] = o[0]
-        elif g.uniform:
-            positions = g.query_starts[:, None] + torch.arange(g.query_len, device=out.device)  # (n, lq)
-            out[g.rows[:, None], positions] = o
-        else:  # padded group: write each sample's own queries only
-            steps = torch.arange(g.query_len, device=out.device)
-            real = steps < g.query_lens[:, None]  # (n, lq)
-            rows = g.rows[:, None].expand(-1, g.query_len)
-            out[rows[real], (g.query_starts[:, None] + steps)[real]] = o[real]
+        _put(out, o, g)
     return out
+
+
+def _put(out: torch.Tensor, o: torch.Tensor, g: SegmentGroup) -> None:
+    """Write a group's (n, Lq, H, Dh) output into (B, Q, H, Dh) ``out`` at its samples' query positions."""
+    lq = g.query_len
+    if g.whole_rows:  # the padded tail is the row's own pad
+        if g.all_rows:
+            out[:, :lq] = o
+        else:
+            out[g.rows, :lq] = o
+    elif g.size == 1:
+        row, qs, _ = g.first
+        out[row, qs : qs + lq] = o[0]
+    elif g.uniform:
+        out[g.rows[:, None], g.query_starts[:, None] + torch.arange(lq, device=out.device)] = o
+    else:  # padded group of samples sharing rows: write each sample's own queries only
+        steps = torch.arange(lq, device=out.device)
+        real = steps < g.query_lens[:, None]  # (n, lq)
+        rows = g.rows[:, None].expand(-1, lq)
+        out[rows[real], (g.query_starts[:, None] + steps)[real]] = o[real]
 
 
 def segment_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                               position_bias=None, **kwargs):
-    """The ``transformers.AttentionInterface`` entry (HF's signature): ``attention_mask`` is a :class:`Segments`.
+    """The ``transformers.AttentionInterface`` entry (HF's signature).
 
-    T5 passes its relative-position ``position_bias``; it is used for self-attention and ignored for
-    cross-attention, where HF's is all zeros.
+    A :class:`Segments` ``attention_mask`` runs :func:`segment_attention`; T5's ``position_bias`` is used for
+    self-attention and ignored for cross-attention, where HF's is all zeros. Anything else (a 4-D tensor,
+    ``None`` during generation) goes to the implementation the config had before
+    :func:`use_segment_attention` switched it, so a switched model still runs every HF code path.
     """
     if not isinstance(attention_mask, Segments):
-        raise TypeError(
-            f"the {SEGMENT_ATTENTION!r} attention implementation needs a Segments layout as attention_mask, "
-            f"got {type(attention_mask).__name__}; build the stage with attention='dense' for 4-D masks"
-        )
+        extra = {} if position_bias is None else {"position_bias": position_bias}
+        return _dense_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                        **extra, **kwargs)
     bias = position_bias if attention_mask.kind != "cross" else None
     out = segment_attention(query, key, value, attention_mask, scale=scaling, dropout_p=dropout, bias=bias)
     return out, None
+
+
+_DENSE_IMPLEMENTATION: dict[int, str] = {}
+"""id(config) -> the attention implementation it had before it was switched (kept while the config lives)."""
+
+
+def _dense_attention(module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = _DENSE_IMPLEMENTATION.get(id(module.config), "sdpa")
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # each HF modeling file defines one
+    return eager if name == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
 
 
 def register() -> None:
@@ -318,11 +358,15 @@ def register() -> None:
 
 
 def use_segment_attention(module: torch.nn.Module) -> None:
-    """Point every HF config inside ``module`` (a stage's own copy) at the padding-free implementation."""
+    """Point every HF config inside ``module`` at :data:`SEGMENT_ATTENTION` (dense masks still work: they are
+    handed to the previous implementation, see :func:`segment_attention_forward`)."""
     register()
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if config is not None and getattr(config, "_attn_implementation", None) != SEGMENT_ATTENTION:
+    configs = {id(c): c for sub in module.modules() if (c := getattr(sub, "config", None)) is not None}
+    for key, config in configs.items():
+        current = getattr(config, "_attn_implementation", None)
+        if current != SEGMENT_ATTENTION:
+            _DENSE_IMPLEMENTATION[key] = current or "eager"
+            weakref.finalize(config, _DENSE_IMPLEMENTATION.pop, key, None)
             config._attn_implementation = SEGMENT_ATTENTION
 
 

@@ -30,6 +30,7 @@ equal to HF's own ``labels=`` loss.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -161,13 +162,47 @@ def seq2seq_forward(model: torch.nn.Module, mb: Seq2SeqMicroBatch) -> LossOutput
     return LossOutput(loss_sum=token_losses.sum(), num_loss_tokens=mb.num_loss_tokens, token_losses=token_losses)
 
 
-def forward_loss(model: torch.nn.Module, mb: MicroBatch) -> LossOutput:
-    """Dispatch on the micro-batch type: causal -> :func:`causal_lm_forward`, seq2seq -> :func:`seq2seq_forward`."""
+def forward_loss(model: torch.nn.Module, mb: MicroBatch, attention: str = "dense") -> LossOutput:
+    """The summed token loss of ``mb`` on the whole ``model``.
+
+    ``dense`` (the reference): :func:`causal_lm_forward` / :func:`seq2seq_forward` with 4-D masks.
+    ``segments``: padding-free (:mod:`dynabatch.models.attention`), through the model's one-stage view
+    (:func:`whole_model_stage`), the same code the pipeline stages run.
+    """
+    if attention == "segments":
+        from dynabatch.models.split import micro_batch_inputs
+
+        stage, spec = whole_model_stage(model)
+        out = stage({}, micro_batch_inputs(mb, spec, 0))
+        return LossOutput(loss_sum=out.loss_sum, num_loss_tokens=out.num_loss_tokens, token_losses=out.token_losses)
+    if attention != "dense":
+        raise ValueError(f"unknown attention path {attention!r}; valid: segments, dense")
     if isinstance(mb, CausalMicroBatch):
         return causal_lm_forward(model, mb)
     if isinstance(mb, Seq2SeqMicroBatch):
         return seq2seq_forward(model, mb)
     raise ValueError(f"unsupported micro-batch type {type(mb).__name__}; valid: CausalMicroBatch, Seq2SeqMicroBatch")
+
+
+_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def whole_model_stage(model: torch.nn.Module):
+    """``(stage, spec)``: the whole model as one padding-free stage that *references* its modules (no copy:
+    gradients land on the model's own parameters). Built once per model; switches the model's attention
+    implementation to the padding-free one, which hands dense masks and generation to the previous one."""
+    view = _VIEWS.get(model)
+    if view is None:
+        from dynabatch.models.attention import use_segment_attention
+        from dynabatch.models.families import family_for_config
+        from dynabatch.models.split import layout_for, pipeline_spec_for
+
+        layout = layout_for(model, 1)
+        stage = family_for_config(model.config).stage_class(model, layout, 0)
+        stage.attention = "segments"
+        use_segment_attention(model)
+        view = _VIEWS[model] = (stage, pipeline_spec_for(model, layout))
+    return view
 
 
 def per_sample_losses(mb: MicroBatch, out: LossOutput) -> dict[int, float]:

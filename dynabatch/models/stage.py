@@ -45,6 +45,8 @@ class StageOutput:
     (segment k + 1 of row b), for per-sample and per-task loss reporting. Detached."""
     slice_record: "SliceRecord | None" = None
     """Token slices only: the slice's keys/values on this stage (:mod:`dynabatch.models.slice_kv`)."""
+    token_losses: torch.Tensor | None = None
+    """Last stage only: (B, T) fp32 per-token losses shaped like the labels, 0 where ignored."""
 
 
 def segment_losses(token_losses: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,8 @@ def loss_output(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.T
 
     token_losses = _token_losses(logits, labels)  # (B, T)
     return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-                       segment_losses=segment_losses(token_losses, labels, segment_ids), slice_record=slice_record)
+                       segment_losses=segment_losses(token_losses, labels, segment_ids), slice_record=slice_record,
+                       token_losses=token_losses)
 
 
 class StageModule(torch.nn.Module):

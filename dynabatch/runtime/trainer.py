@@ -144,7 +144,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
     layout = layout_for(model, cfg.stages)
     spec = pipeline_spec_for(model, layout, "float32")
-    stage = build_stage(model, layout, ctx.stage_index, cfg.attention).to(ctx.device)
+    stage = build_stage(model, layout, ctx.stage_index, cfg.attention_path).to(ctx.device)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,

@@ -16,7 +16,8 @@ from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import IGNORE_INDEX, token_slices
 from dynabatch.data.sample import TokenizedSample
 from dynabatch.models import attention
-from dynabatch.models.attention import SEGMENT_ATTENTION, build_segments, segment_attention_forward
+from dynabatch.models.attention import SEGMENT_ATTENTION, build_segments
+from dynabatch.models.forward import forward_loss
 from dynabatch.models.presets import PAD_ID, build_model
 from dynabatch.models.split import build_stage, build_stages, layout_for, micro_batch_inputs, pipeline_spec_for
 from family_configs import build, decoder_config, t5_config
@@ -45,7 +46,7 @@ def _micro_batch(family: str, rows):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    atol = max(1e-5, 2e-6 * float(want.abs().max()))  # unnormalised loss sums: gradients up to ~50
+    atol = max(1e-5, 2e-6 * float(want.detach().abs().max()))  # unnormalised loss sums: gradients up to ~50
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -79,16 +80,47 @@ def test_slice_and_cross_segments_find_their_keys():
 
 def test_near_equal_lengths_share_one_padded_call(monkeypatch):
     ids = torch.tensor([[1] * 8 + [2] * 7 + [3] * 3, [1] * 6 + [0] * 12])
-    seg = build_segments("causal", ids)
-    assert [(g.size, g.query_len, g.uniform) for g in seg.groups] == [(3, 8, False), (1, 3, True)]
+    seg = build_segments("causal", ids)  # samples alone in their rows are grouped apart from packed ones
+    assert [(g.size, g.query_len, g.uniform, g.whole_rows) for g in seg.groups] == [
+        (1, 6, True, True), (2, 8, False, False), (1, 3, True, False)]
+    lone = build_segments("bidirectional", torch.tensor([[1] * 8, [1] * 7 + [0], [1] * 8]))
+    assert [(g.size, g.uniform, g.all_rows) for g in lone.groups] == [(3, False, True)]
+    assert lone.groups[0].rows.tolist() == [0, 1, 2] and not lone.is_dense_rows
     monkeypatch.setattr(attention, "PAD_TOLERANCE", 0.0)
     assert [g.size for g in build_segments("causal", ids).groups] == [1, 1, 1, 1]
 
 
-def test_the_attention_function_refuses_a_dense_mask():
-    q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(TypeError, match="needs a Segments layout"):
-        segment_attention_forward(None, q, q, q, torch.zeros(1, 1, 3, 3))
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_switched_model_still_runs_dense_masks_and_generation(implementation):
+    model = MODELS["gpt2"]().eval()
+    model.config._attn_implementation = implementation
+    mb = _micro_batch("gpt2", ROWS["packed"])
+    with torch.no_grad():
+        want = forward_loss(model, mb).loss_sum
+        ids = torch.tensor([[5, 6, 7]])
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID)
+        attention.use_segment_attention(model)
+        assert model.config._attn_implementation == SEGMENT_ATTENTION
+        assert attention._DENSE_IMPLEMENTATION[id(model.config)] == implementation
+        torch.testing.assert_close(forward_loss(model, mb).loss_sum, want)  # 4-D masks: the old implementation
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID), generated)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_whole_model_padding_free_loss_equals_the_dense_one(family):
+    model = MODELS[family]()
+    mb = _micro_batch(family, ROWS["mixed"])
+    want = forward_loss(model, mb)
+    want.loss_sum.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got = forward_loss(model, mb, attention="segments")
+    got.loss_sum.backward()
+    _close(got.loss_sum, want.loss_sum, "loss")
+    assert got.num_loss_tokens == want.num_loss_tokens
+    _close(got.token_losses.detach(), want.token_losses.detach(), "token losses")
+    for name, p in model.named_parameters():
+        _close(p.grad, want_grads[name], name)
 
 
 # ------------------------------------------------------------------------------------------ equality

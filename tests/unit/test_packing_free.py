@@ -280,6 +280,8 @@ def test_train_packing_free_matches_packing(tmp_path, toy_mixture_dir):
         assert all(e == 128 for s in b["micro_batch_shapes"] for _, e, _ in s)
         assert all(e <= 128 for s in a["micro_batch_shapes"] for _, e, _ in s) and a["computed_tokens"] < b["computed_tokens"]
     assert np.isfinite(free[1]["loss"]) and free[0]["loss"] == pytest.approx(dense[0]["loss"], rel=1e-4)
+    # packing is DynaPipe's dense-mask baseline whatever --attention says; packing_free is padding-free
+    assert {r["attention"] for r in free} == {"segments"} and {r["attention"] for r in dense} == {"dense"}
 
 
 def test_hf_dataloader_runs_packing_free(toy_data):
