@@ -1,4 +1,4 @@
-"""One-GPU benchmark: dynamic micro-batching vs packing vs padding (bf16), plus a cost-model profile.
+"""One-GPU benchmark: dynamic micro-batching vs packing_free vs packing vs padding (bf16, padding-free attention), plus a cost-model profile.
 
     python scripts/gpu_bench.py                       # CUDA, bf16 autocast, about 5-8 minutes on one GPU
     python scripts/gpu_bench.py --device cpu --quick  # smoke run of the same code path (tests/unit/test_gpu_bench.py)
@@ -22,7 +22,7 @@ a 1-stage pipeline (the executor with no p2p): it measures what dynamic micro-ba
 device* -- less padding than padding / token budgets, no attention over whole packed rows, micro-batch
 sizes chosen by measured cost and memory -- but not the bubble reduction across stages, which the CPU
 benchmark (``dynabatch bench --stages 2``) and the simulator cover. The JSON line at the end has, per
-method, real tokens/s and the ratio to the best of packing / padding / token budget.
+method, real tokens/s and the ratio to the best baseline (packing_free, packing, padding, token budget).
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(os.path.ab
 
 # (model, max input len, global batch tokens, profile grid) for the full run and for --quick
 FULL = {"model": "t5-small", "max_input_len": 2048, "global_batch_tokens": 131072, "steps": 8, "warmup": 2,
-        "token_budget_tokens": 16384, "packing_rows": 4, "samples_per_micro_batch": 16, "memory_gib": 60.0,
+        "token_budget_tokens": 16384, "packing_rows": 4, "packing_free_rows": 8, "samples_per_micro_batch": 16,
+        "memory_gib": 60.0,
         "grid": {"batch_sizes": (1, 2, 4, 8, 16, 32, 64), "enc_lengths": (32, 64, 128, 256, 512, 1024, 2048),
                  "dec_lengths": (8, 32, 128, 512), "max_tokens": 32768},
         "check_shapes": 12}
 QUICK = {"model": "t5-tiny", "max_input_len": 128, "global_batch_tokens": 2048, "steps": 2, "warmup": 1,
-         "token_budget_tokens": 512, "packing_rows": 2, "samples_per_micro_batch": 8, "memory_gib": 2.0,
+         "token_budget_tokens": 512, "packing_rows": 2, "packing_free_rows": 2, "samples_per_micro_batch": 8,
+         "memory_gib": 2.0,
          "grid": {"batch_sizes": (1, 4), "enc_lengths": (16, 128), "dec_lengths": (4, 32), "max_tokens": 512},
          "check_shapes": 2}
 
@@ -56,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-input-len", type=int, default=None)
     p.add_argument("--global-batch-tokens", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per method")
-    p.add_argument("--methods", default="dynamic,packing,padding,token_budget")
+    p.add_argument("--methods", default="dynamic,packing_free,packing,padding,token_budget")
     p.add_argument("--analytic", action="store_true", help="also run dynamic planned with the analytic cost model")
     p.add_argument("--skip-profile", action="store_true", help="no profile: dynamic plans with the analytic model")
     p.add_argument("--out", default="runs/gpu_bench", help="output directory")
@@ -94,7 +96,7 @@ def bench_args(settings: dict, model: str, methods: str, cost_profile: str | Non
     argv = ["--model", model, "--stages", "1", "--methods", methods, "--max-input-len", str(settings["max_input_len"]),
             "--global-batch-tokens", str(settings["global_batch_tokens"]), "--steps", str(settings["steps"]),
             "--warmup", str(settings["warmup"]), "--token-budget-tokens", str(settings["token_budget_tokens"]),
-            "--packing-rows", str(settings["packing_rows"]),
+            "--packing-rows", str(settings["packing_rows"]), "--packing-free-rows", str(settings["packing_free_rows"]),
             "--samples-per-micro-batch", str(settings["samples_per_micro_batch"]),
             "--memory-gib", str(settings["memory_gib"]), "--json", out_json]
     if cost_profile:

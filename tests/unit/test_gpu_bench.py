@@ -20,13 +20,13 @@ def test_gpu_bench_cpu_quick_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["device"] == "cpu" and summary["stages"] == 1 and summary["planned_with"] == "profile"
-    assert set(summary["tokens_per_s"]) == {"dynamic", "packing", "padding", "token_budget"}
+    assert set(summary["tokens_per_s"]) == {"dynamic", "packing_free", "packing", "padding", "token_budget"}
     assert all(v > 0 for v in summary["tokens_per_s"].values())
     assert 0 <= summary["profile_check_time_median_rel_err"] < 10
     with open(os.path.join(out, "bench_main.json")) as f:
         result = json.load(f)
     assert result["config"]["cost_profile"] == os.path.join(out, "profile.json")  # dynamic planned with the profile
-    assert result["best_baseline"] in ("packing", "padding", "token_budget")
+    assert result["best_baseline"] in ("packing_free", "packing", "padding", "token_budget")
     from dynabatch.cost.tables import CostTables
 
     tables = CostTables.load(os.path.join(out, "profile.json"))
