@@ -23,6 +23,8 @@ METHODS = ("dynamic", *BASELINES)
 POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
 ATTENTION_PATHS = ("segments", "dense")
 """``--attention``: as :data:`dynabatch.models.attention.ATTENTION_PATHS` (config does not import models)."""
+PACK_ROWS = ("auto", "off")
+"""``--pack-rows``: as :data:`dynabatch.plan.step.PACK_ROWS` (config does not import the planner)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -68,6 +70,8 @@ class TrainConfig:
     """Upper bound on samples per planned micro-batch (keeps CPU micro-batches cache-friendly)."""
     slice_long: bool = False
     """GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory into token slices (TeraPipe)."""
+    pack_rows: str = "off"
+    """dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the best plan; off = one sample per row (default, by the measurement in the README's "Row packing in the planner"). Only with attention=segments."""
     attention: str = "segments"
     """Attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on pad) or dense (4-D block-diagonal masks, the reference)."""
     lr: float = 1e-3
@@ -119,6 +123,7 @@ class TrainConfig:
         _choice("method", self.method, METHODS)
         _choice("policy", self.policy, POLICIES)
         _choice("attention", self.attention, ATTENTION_PATHS)
+        _choice("pack_rows", self.pack_rows, PACK_ROWS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("overlong", self.overlong, ("truncate", "drop", "error"))
         if self.compare_method is not None:

@@ -6,8 +6,9 @@ A workload is a stream of samples known by their lengths only (a ``.npz`` with i
 tokenized). :func:`global_batches` cuts it into token-budget global batches with the same length
 limits and truncation as training (:mod:`dynabatch.data.batching`). :func:`method_micro_batches`
 then applies one method (``dynamic``, the planner, or a baseline) and returns the padded/packed
-shapes ``(rows, E, D)`` the model would compute on, with real and computed token counts, so that
-every method is priced by the same cost model.
+shapes ``(rows, E, D)`` the model would compute on, with real and computed token counts and the
+attention pairs the padding-free runtime computes (:attr:`MethodPlan.pairs`), so that every method is
+priced by the same cost model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.data.baselines import BASELINES, BaselineOptions, RowGroup, group_shape, make_batcher
+from dynabatch.cost.pairs import AttentionPairs
+from dynabatch.data.baselines import BASELINES, BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
 from dynabatch.data.batching import LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 
@@ -188,6 +190,11 @@ class MethodPlan:
     """(M,) bottleneck-stage times from the planner (``dynamic`` only; slices priced with their context)."""
     num_sliced_samples: int = 0
     """Samples the planner cut into token slices (``dynamic`` with slicing)."""
+    pairs: AttentionPairs | None = None
+    """(M,) attention score pairs of each micro-batch as the padding-free runtime computes them (per
+    sample of each row, :func:`~dynabatch.cost.pairs.row_pairs`; a token slice: its dense ``s^2``); what
+    ``dynabatch plan`` and ``simulate`` price the micro-batches with. ``None``: dense (the ``packing``
+    baseline, which runs with dense block-diagonal masks)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -235,11 +242,33 @@ def method_micro_batches(
         groups = tuple(step.to_row_groups(0))
         shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
         times = np.array([p.time_s for p in pieces])
-        return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples))
+        pairs = micro_batch_pairs(batch, groups, family, [p.shape if p.is_slice else None for p in pieces])
+        return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples), pairs)
     groups = tuple(make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits)).group(batch))
     elapsed = time.perf_counter() - start
     shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)
-    return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed)
+    # attention per segment, as the padding-free runtime computes it; a dense-mask baseline (packing) stays dense
+    padding_free = attention_for(method, "segments") == "segments"
+    pairs = micro_batch_pairs(batch, groups, family) if padding_free else None
+    return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, pairs=pairs)
+
+
+def micro_batch_pairs(batch: GlobalBatch, groups, family: str, slice_shapes=None) -> AttentionPairs:
+    """(M,) attention pairs and calls of micro-batches given as row groups of ``batch``: per-sample blocks
+    of every row (:func:`~dynabatch.cost.pairs.groups_pairs`, inputs + targets as one sequence for GPT).
+    Entries of ``slice_shapes`` that are not None mark token slices, priced dense on their ``(1, s, 0)``."""
+    from dynabatch.cost.pairs import groups_pairs
+
+    pairs = groups_pairs([g.rows for g in groups], batch.input_lens, batch.target_lens, family)
+    if not any(s is not None for s in slice_shapes or []):
+        return pairs
+    values = np.stack([pairs.encoder, pairs.decoder, pairs.cross], axis=1)  # (M, 3), a copy
+    calls = np.stack(pairs.calls, axis=1)
+    for k, sliced in enumerate(slice_shapes):
+        if sliced is not None:
+            b, e, d = (float(x) for x in sliced)
+            values[k], calls[k] = (b * e * e, b * d * d, b * d * e), 1.0
+    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]))
 
 
 def _tokens():

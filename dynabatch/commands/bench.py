@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     p.add_argument("--policy", default="auto", help="pipeline schedule policy (gpipe, 1f1b, adaptive, auto)")
+    p.add_argument("--pack-rows", default="off", choices=("auto", "off"),
+                   help="dynamic: also plan with several short samples per row (padding-free pricing) and keep "
+                        "the best (auto), or one sample per row (off, default); only with --attention segments")
     p.add_argument("--attention", default="segments", choices=ATTENTION_PATHS,
                    help="segments: padding-free per-sample attention (default); dense: 4-D masks. packing, "
                         "DynaPipe's dense-mask baseline, always runs dense")
@@ -191,7 +194,7 @@ def _config(args, method: str):
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
         timeline=False, cost_profile=getattr(args, "cost_profile", None),
-        slice_long=method == SLICED, attention=args.attention,
+        slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
     )
 
 

@@ -2,7 +2,7 @@
 
 Forms global batches by the token budget (over-long samples truncated) from a lengths file or a
 mixture, cuts each with the dynamic planner and with every baseline, prices every micro-batch with
-the same analytic cost model, and prints per method: real tokens, computed tokens, micro-batches,
+the same analytic cost model (attention per segment, as the padding-free runtime computes it), and prints per method: real tokens, computed tokens, micro-batches,
 predicted step time ``sum(t) + (S - 1) max(t)`` and the method's own wall time per global batch.
 """
 
@@ -14,6 +14,7 @@ import json
 import numpy as np
 
 from dynabatch.commands.common import add_workload_arguments, parse_methods, resolve
+from dynabatch.plan.step import DEFAULT_PACK_ROWS, PACK_ROWS
 from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches, method_micro_batches
 
@@ -22,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     p.add_argument("--slice-long", action="store_true",
                    help="GPT: cut samples that dominate the bubble or do not fit memory into token slices (TeraPipe)")
+    p.add_argument("--pack-rows", default=DEFAULT_PACK_ROWS, choices=PACK_ROWS,
+                   help="dynamic planner: auto = also plan with several short samples per row (padding-free "
+                        f"pricing) and keep the best; off = one sample per row, dense pricing (default {DEFAULT_PACK_ROWS})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         slice_model = AnalyticSliceCostModel.from_stage_model(w.cost_model)
     rows = {}
     try:
-        _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options, slice_cost_model=slice_model)
+        _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options, slice_cost_model=slice_model,
+                                  pack_rows=args.pack_rows)
              for b in batches[:1] if "dynamic" in methods]
     except ValueError as e:
         hint = " (or pass --slice-long to cut such samples into token slices)" if not is_seq2seq(w.family) and not args.slice_long else ""
@@ -47,12 +52,13 @@ def run(args: argparse.Namespace) -> int:
         real = computed = micro = sliced = 0
         step_times, wall = [], []
         for batch in batches:
-            plan = method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options,
-                                        slice_cost_model=slice_model if method == "dynamic" else None)
-            if plan.predicted_times_s is not None:
-                t = plan.predicted_times_s
-            else:
-                t, _, _ = w.cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2])
+            extra = {"slice_cost_model": slice_model, "pack_rows": args.pack_rows} if method == "dynamic" else {}
+            plan = method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options, **extra)
+            if plan.predicted_times_s is not None and plan.num_sliced_samples:
+                t = plan.predicted_times_s  # token slices are priced with their context by the planner
+            else:  # per-segment (padding-free) attention, as the runtime computes it
+                t, _, _ = w.cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
+                                                pairs=plan.pairs)
             sliced += plan.num_sliced_samples
             step_times.append(float(t.sum() + (stages - 1) * t.max()))
             real += plan.real_tokens

@@ -1,7 +1,8 @@
 """``dynabatch simulate``: plan and schedule global batches with every method, simulate each step.
 
 For each method (the dynamic planner and every baseline) and each global batch: micro-batches ->
-per-stage analytic costs -> :func:`~dynabatch.schedule.policies.choose_schedule` (GPipe, 1F1B and the
+per-stage analytic costs, attention priced per segment as the padding-free runtime computes it (each
+sample's own block of every row, :attr:`~dynabatch.workload.MethodPlan.pairs`) -> :func:`~dynabatch.schedule.policies.choose_schedule` (GPipe, 1F1B and the
 memory-aware adaptive policy over a few micro-batch orders) -> simulated step. Prints per method:
 real tokens/s (real tokens / simulated step time), padding efficiency (real / computed tokens),
 bubble fraction, the busiest stage's utilisation, peak memory per device (and whether every step
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dynabatch.commands.common import add_workload_arguments, check_positive, parse_methods, resolve
+from dynabatch.plan.step import DEFAULT_PACK_ROWS, PACK_ROWS
 from dynabatch.workload import METHODS, global_batches
 
 AMORTISED_TOKENS = 8192
@@ -52,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one-sample micro-batches only need to fit alone)")
     p.add_argument("--cap-tolerance", type=float, default=0.01, help="dynamic planner: cap thinning tolerance")
     p.add_argument("--max-samples", type=int, default=None, help="dynamic planner: samples per micro-batch at most")
+    p.add_argument("--pack-rows", default=DEFAULT_PACK_ROWS, choices=PACK_ROWS,
+                   help="dynamic planner: auto = also plan with several short samples per row (padding-free "
+                        f"pricing) and keep the best; off = one sample per row, dense pricing (default {DEFAULT_PACK_ROWS})")
     p.add_argument("--link", default="intra", choices=("intra", "inter"), help="link between pipeline neighbours")
     p.add_argument("--objective-stages", default="S,2",
                    help="dynamic planner: comma list of S' for the objective sum(t) + (S'-1) max(t) ('S': the real "
@@ -125,6 +130,8 @@ class SimulateOptions:
     """Link between pipeline neighbours (``intra`` or ``inter`` node)."""
     search_steps: int = 24
     """Local-search moves of ``choose_schedule`` per step."""
+    pack_rows: str = DEFAULT_PACK_ROWS
+    """Dynamic planner: ``auto`` also plans with packed rows (per-segment pricing), ``off`` does not."""
 
     def __post_init__(self) -> None:
         if not self.objective_stages or any(v is not None and v < 1 for v in self.objective_stages):
@@ -143,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
-        link=args.link, search_steps=args.search_steps,
+        link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows,
     )
     rows = {}
     for method in methods:
@@ -226,7 +233,7 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
         plan = _plan(method, batch, w, options, objective_stages)
         plan_s += plan.plan_time_s
         b, e, d = plan.shapes.T
-        costs = with_message_buffers(cm.per_stage(b, e, d))
+        costs = with_message_buffers(cm.per_stage(b, e, d, plan.pairs))  # per-segment (padding-free) attention
         send = cm.model.send_time(costs.send_bytes, options.link)
         start = time.perf_counter()
         schedule, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
@@ -263,7 +270,8 @@ def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int
     in_flight = stages if options.in_flight is None else options.in_flight
     view = SingleSampleRelief(w.cost_model, in_flight)
     return method_micro_batches(method, batch, w.limits, view, objective_stages, w.options, in_flight=in_flight,
-                                cap_tolerance=options.cap_tolerance, max_samples=options.max_samples)
+                                cap_tolerance=options.cap_tolerance, max_samples=options.max_samples,
+                                pack_rows=options.pack_rows)
 
 
 @dataclass(frozen=True)
@@ -287,8 +295,8 @@ class SingleSampleRelief:
             raise AttributeError(name)
         return getattr(self.cost_model, name)
 
-    def evaluate(self, b, E, D):
-        t, stored, peak = self.cost_model.evaluate(b, E, D)
+    def evaluate(self, b, E, D, pairs=None):
+        t, stored, peak = self.cost_model.evaluate(b, E, D, **({} if pairs is None else {"pairs": pairs}))
         stored = np.where(np.asarray(b) == 1, stored / self.in_flight, stored)
         return t, stored, peak
 

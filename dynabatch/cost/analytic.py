@@ -38,6 +38,15 @@ keeps HF's fp32 log-probabilities (``4 bT V``). Peak extra bytes are the transie
 backward: incoming and outgoing hidden-state gradients plus the larger of the FFN's gradient buffers and
 the attention-score gradients (eager attention: ``2 p b h Tq Tk``).
 
+Per-segment (padding-free) attention: ``pairs=`` (:class:`~dynabatch.cost.pairs.AttentionPairs`) gives the
+score pairs each attention kind computes, summed over rows and over the samples packed in a row (``sum
+L_q L_k``, at most the dense ``b Tq Tk``). The attention core then costs ``2 h P d_kv`` FLOPs per GEMM
+(``P`` pairs; Q, K and V are still read per padded token), the softmax/dropout traffic, the stored
+softmax output and dropout mask (non-flash) and the score-gradient transient are ``h P`` elements, and a
+T5 stage's mask elements are the pairs; projections, FFNs, norms and the position bias keep the padded
+shape. With ``pairs.calls`` the core's kernels are launched once per call. ``pairs=None`` is the dense
+count, computed exactly as before (same floating-point expressions).
+
 Per-stage context of T5 (``context_costs``, on by default). Every T5 stage builds, once per micro-batch,
 what its blocks share: the additive segment masks (encoder ``b E^2``, decoder ``b (D^2 + D E)`` elements:
 compare, select, write) and each stack's relative position bias ``(1, h, T, T)``. The stages bucket the
@@ -59,6 +68,7 @@ Between stages, a stage whose last layer is a GPT block or a T5 encoder layer se
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -75,6 +85,7 @@ from dynabatch.cost.model_specs import (
     model_spec,
     num_params,
 )
+from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.sequence import is_seq2seq
 
 ArrayLike = Union[float, int, np.ndarray, Sequence[float]]
@@ -111,6 +122,8 @@ class _Op:
     bytes: np.ndarray
     unit: str  # "matmul", "attention" or "memory"
     bwd_factor: float = 2.0
+    launches: object = 1.0
+    """Kernel launches (the attention core of per-segment attention: one per call)."""
 
 
 def _gemm(m, n, k, p: int, batch=1.0, unit: str = "matmul") -> _Op:
@@ -120,6 +133,18 @@ def _gemm(m, n, k, p: int, batch=1.0, unit: str = "matmul") -> _Op:
 
 def _mem(num_bytes) -> _Op:
     return _Op(np.zeros_like(num_bytes), num_bytes, "memory")
+
+
+def _broadcast_pairs(pairs: AttentionPairs | None, shape) -> AttentionPairs | None:
+    """``pairs`` broadcast to the inputs' shape; ``ValueError`` for anything but :class:`AttentionPairs`."""
+    if pairs is None:
+        return None
+    if not isinstance(pairs, AttentionPairs):
+        raise ValueError(f"pairs must be an AttentionPairs (dynabatch.cost.pairs) or None, got {type(pairs).__name__}")
+    try:
+        return pairs.broadcast_to(shape)
+    except ValueError as e:
+        raise ValueError(f"pairs of shape {pairs.shape} do not broadcast to the micro-batch shape {shape}") from e
 
 
 MASK_BYTES = 24.0
@@ -155,20 +180,25 @@ class AnalyticCostModel:
 
     # ---------------------------------------------------------------- public API
 
-    def layer_cost(self, kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> LayerCost:
+    def layer_cost(self, kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
+                   pairs: AttentionPairs | None = None) -> LayerCost:
         """Cost of one ``kind`` layer for ``b`` samples of encoder length ``E`` and decoder length ``D``.
 
         ``b``, ``E`` and ``D`` broadcast against each other; scalars in, floats out. GPT uses ``E`` as the
-        sequence length and ignores ``D``.
+        sequence length and ignores ``D``. ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, shaped
+        like the broadcast inputs) prices the attention cores by the score pairs they compute (padding-free,
+        per-segment attention) instead of the dense ``b x Tq x Tk``: core FLOPs, score bytes stored without
+        flash attention and the score-gradient transient scale with the pairs (module docstring).
         """
         check_kind(self.spec, kind)
         scalar, (b, E, D) = self._inputs(kind, b, E, D)
-        ops = self._ops(kind, b, E, D)
+        pairs = _broadcast_pairs(pairs, b.shape)
+        ops = self._ops(kind, b, E, D, pairs)
         fwd = sum(self._op_time(op) for op in ops)
         bwd = sum(self._op_time(op) * op.bwd_factor for op in ops)
         flops = sum(op.flops for op in ops)
-        stored = self._stored(kind, b, E, D)
-        peak = self._peak_extra(kind, b, E, D)
+        stored = self._stored(kind, b, E, D, pairs)
+        peak = self._peak_extra(kind, b, E, D, pairs)
         if self.recompute and kind in ("gpt", "t5_encoder", "t5_decoder"):
             bwd = bwd + fwd
             peak = peak + stored
@@ -176,19 +206,21 @@ class AnalyticCostModel:
         out = [np.broadcast_to(x, b.shape) for x in (fwd, bwd, flops, stored, peak)]
         return LayerCost(*[float(x) if scalar else x.copy() for x in out])
 
-    def stage_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> LayerCost:
+    def stage_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
+                   pairs: AttentionPairs | None = None) -> LayerCost:
         """Cost of a pipeline stage made of ``kinds``: times, FLOPs and stored bytes add up, the peak
-        extra is the largest layer's, and a stage with decoder layers stores the encoder output once."""
+        extra is the largest layer's, and a stage with decoder layers stores the encoder output once.
+        ``pairs``: per-segment attention work (:meth:`layer_cost`); ``None`` is dense."""
         if len(kinds) == 0:
             raise ValueError("a stage needs at least one layer kind, got an empty list")
-        costs = [(self.layer_cost(kind, b, E, D), n) for kind, n in Counter(kinds).items()]
+        costs = [(self.layer_cost(kind, b, E, D, pairs), n) for kind, n in Counter(kinds).items()]
 
         def total(field: str):
             return sum(getattr(cost, field) * count for cost, count in costs)
 
         fwd, bwd = total("fwd_time_s"), total("bwd_time_s")
         if self.context_costs:
-            ctx_fwd, ctx_bwd = self.context_cost(kinds, b, E, D)
+            ctx_fwd, ctx_bwd = self.context_cost(kinds, b, E, D, pairs)
             fwd, bwd = fwd + ctx_fwd, bwd + ctx_bwd
         stored = total("stored_activation_bytes")
         if "t5_decoder" in kinds:
@@ -199,22 +231,27 @@ class AnalyticCostModel:
         out = (fwd, bwd, total("fwd_flops"), stored, peak)
         return LayerCost(*[float(x) if np.ndim(x) == 0 else x for x in out])
 
-    def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None):
+    def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
+                     pairs: AttentionPairs | None = None):
         """(forward, backward) seconds of the masks and position biases a T5 stage of ``kinds`` builds once
-        per micro-batch (module docstring); zero for a stage without T5 blocks and for GPT."""
+        per micro-batch (module docstring); zero for a stage without T5 blocks and for GPT. With ``pairs``
+        the mask elements are the pairs (per-segment masks); the bias keeps its ``(1, h, T, T)`` size."""
         s, p = self.spec, self.spec.dtype_bytes
         kind = next((k for k in kinds if k in ("t5_decoder", "t5_encoder")), None)
         if kind is None:
             return 0.0, 0.0
         _, (b, E, D) = self._inputs(kind, b, E, D)
-        masks, pairs = np.zeros_like(b), []
+        work = _broadcast_pairs(pairs, b.shape)
+        masks, bias_pairs = np.zeros_like(b), []
         if "t5_encoder" in kinds:
-            masks, pairs = masks + b * E * E, pairs + [E * E]
+            masks = masks + (b * E * E if work is None else work.encoder)
+            bias_pairs.append(E * E)
         if "t5_decoder" in kinds:
-            masks, pairs = masks + b * (D * D + D * E), pairs + [D * D]
+            masks = masks + (b * (D * D + D * E) if work is None else work.decoder + work.cross)
+            bias_pairs.append(D * D)
         fwd = self._op_time(_mem(MASK_BYTES * masks))
         bwd = np.zeros_like(fwd)
-        for n in pairs:
+        for n in bias_pairs:
             bias = self._op_time(_mem((BIAS_BYTES_PER_PAIR + 4 * s.num_heads * p) * n))
             fwd, bwd = fwd + bias, bwd + BIAS_BWD_FACTOR * bias
         return fwd, bwd
@@ -295,15 +332,17 @@ class AnalyticCostModel:
         eff = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency, "memory": 1.0}[op.unit]
         compute = op.flops / (hw.peak_flops * eff)
         memory = op.bytes / (hw.memory_bandwidth * hw.memory_efficiency)
-        return np.maximum(compute, memory) + hw.kernel_launch_s
+        return np.maximum(compute, memory) + op.launches * hw.kernel_launch_s
 
     def _residual(self, n_tokens) -> _Op:
         """Bias, dropout and residual add over ``n_tokens`` hidden states (one fused kernel)."""
         p, d = self.spec.dtype_bytes, self.spec.d_model
         return _mem((3 * p + (1 if self.dropout else 0)) * n_tokens * d)
 
-    def _attention_ops(self, b, Tq, Tk, is_self: bool) -> list[_Op]:
-        """Projections, attention core and output projection of one attention sub-layer."""
+    def _attention_ops(self, b, Tq, Tk, is_self: bool, pairs=None, calls=None) -> list[_Op]:
+        """Projections, attention core and output projection of one attention sub-layer; ``pairs`` (an
+        array like ``b``, or None for the dense ``b Tq Tk``) are the score pairs the core computes, in
+        ``calls`` calls (None: one; each call launches the core's kernels again)."""
         s, p = self.spec, self.spec.dtype_bytes
         d, a, h, kv = s.d_model, s.d_attn, s.num_heads, s.d_kv_attn
         if is_self:  # Q (a wide) and K, V (kv wide each: narrower under grouped-query attention)
@@ -311,11 +350,18 @@ class AnalyticCostModel:
         else:  # Q from the decoder, K and V from the encoder output
             proj = [_gemm(b * Tq, a, d, p), _gemm(b * Tk, 2 * a, d, p)]
         if self.flash_attention:
-            core = [_Op(4.0 * b * h * Tq * Tk * s.d_kv, p * b * 2 * (Tq * a + Tk * kv), "attention", bwd_factor=2.5)]
-        else:
+            flops = 4.0 * b * h * Tq * Tk * s.d_kv if pairs is None else 4.0 * h * pairs * s.d_kv
+            core = [_Op(flops, p * b * 2 * (Tq * a + Tk * kv), "attention", bwd_factor=2.5)]
+        elif pairs is None:
             scores = b * h * Tq * Tk
             core = [_gemm(Tq, Tk, s.d_kv, p, batch=b * h, unit="attention"), _mem(2 * p * scores)]
             core += self._dropout(scores) + [_gemm(Tq, s.d_kv, Tk, p, batch=b * h, unit="attention")]
+        else:  # QK^T and AV over each segment's block: FLOPs and score bytes per pair, Q/K/V bytes per token
+            scores = h * pairs
+            gemm = _Op(2.0 * scores * s.d_kv, p * (scores + h * b * (Tq + Tk) * s.d_kv), "attention")
+            core = [gemm, _mem(2 * p * scores)] + self._dropout(scores) + [gemm]
+        if calls is not None:
+            core = [dataclasses.replace(op, launches=calls) for op in core]
         return [_mem(2 * p * b * Tq * d)] + proj + core + [_gemm(b * Tq, d, a, p), self._residual(b * Tq)]
 
     def _ffn_ops(self, b, T) -> list[_Op]:
@@ -329,12 +375,15 @@ class AnalyticCostModel:
         """A standalone dropout kernel (read, write, 1-byte mask), none when dropout is off."""
         return [_mem((2 * self.spec.dtype_bytes + 1) * n_elements)] if self.dropout else []
 
-    def _ops(self, kind: str, b, E, D) -> list[_Op]:
+    def _ops(self, kind: str, b, E, D, pairs=None) -> list[_Op]:
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
+        enc, dec, cross = ((None, None), (None, None), (None, None)) if pairs is None else (
+            pairs.role("encoder"), pairs.role("decoder"), pairs.role("cross"))
         if kind in ("gpt", "t5_encoder"):
-            return self._attention_ops(b, E, E, True) + self._ffn_ops(b, E)
+            return self._attention_ops(b, E, E, True, *enc) + self._ffn_ops(b, E)
         if kind == "t5_decoder":
-            return self._attention_ops(b, D, D, True) + self._attention_ops(b, D, E, False) + self._ffn_ops(b, D)
+            return (self._attention_ops(b, D, D, True, *dec) + self._attention_ops(b, D, E, False, *cross)
+                    + self._ffn_ops(b, D))
         if kind == "embedding":  # gather (+ GPT position add), dropout
             n = b * E
             positions = [_mem(3 * p * n * d)] if s.max_positions else []  # learned position table (GPT-2)
@@ -347,14 +396,16 @@ class AnalyticCostModel:
         ops = [_mem(2 * p * n * d)] + (self._dropout(n * d) if is_seq2seq(s.family) else [])
         return ops + [_gemm(n, s.vocab_size, d, p), _mem((p + 2 * _LOSS_BYTES) * n * s.vocab_size)]
 
-    def _attention_stored(self, b, Tq, Tk):
+    def _attention_stored(self, b, Tq, Tk, pairs=None):
         s, p = self.spec, self.spec.dtype_bytes
         d, a, h, kv = s.d_model, s.d_attn, s.num_heads, s.d_kv_attn
         mask = 1 if self.dropout else 0
         if self.flash_attention:
             core = 4 * b * h * Tq
-        else:
+        elif pairs is None:
             core = (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
+        else:
+            core = (p + (mask + p) * mask) * h * pairs
         return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
 
     def _ffn_stored(self, b, T):
@@ -362,13 +413,14 @@ class AnalyticCostModel:
         mask = 1 if self.dropout else 0
         return p * b * T * s.d_model + (3 if s.gated_ffn else 2) * p * b * T * s.d_ff + mask * b * T * s.d_model
 
-    def _stored(self, kind: str, b, E, D):
+    def _stored(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         mask = 1 if self.dropout else 0
+        enc, dec, cross = (None, None, None) if pairs is None else (pairs.encoder, pairs.decoder, pairs.cross)
         if kind in ("gpt", "t5_encoder"):
-            return 2 * p * b * E * d + self._attention_stored(b, E, E) + self._ffn_stored(b, E)
+            return 2 * p * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)
         if kind == "t5_decoder":
-            attention = self._attention_stored(b, D, D) + self._attention_stored(b, D, E)
+            attention = self._attention_stored(b, D, D, dec) + self._attention_stored(b, D, E, cross)
             return 3 * p * b * D * d + attention + self._ffn_stored(b, D)
         if kind == "embedding":
             return (_IDS_BYTES + mask * d) * b * E
@@ -378,7 +430,7 @@ class AnalyticCostModel:
         t5_mask = mask if is_seq2seq(s.family) else 0
         return (2 * p + t5_mask) * n * d + _LOSS_BYTES * n * s.vocab_size
 
-    def _peak_extra(self, kind: str, b, E, D):
+    def _peak_extra(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         a, h, kv = s.d_attn, s.num_heads, s.d_kv_attn
         if kind in ("embedding", "decoder_embedding"):
@@ -387,13 +439,15 @@ class AnalyticCostModel:
             n = b * (D if is_seq2seq(s.family) else E)
             return (p + _LOSS_BYTES) * n * s.vocab_size + p * n * d
 
-        def attention(Tq, Tk):
+        def attention(Tq, Tk, n_pairs):
             if self.flash_attention:
                 return p * b * (Tq * a + 2 * Tk * kv) + 4 * b * h * Tq
-            return 2 * p * b * h * Tq * Tk
+            return 2 * p * b * h * Tq * Tk if n_pairs is None else 2 * p * h * n_pairs
 
         T = D if kind == "t5_decoder" else E
-        transient = np.maximum(attention(T, T), (3 if s.gated_ffn else 2) * p * b * T * s.d_ff)
+        own = None if pairs is None else (pairs.decoder if kind == "t5_decoder" else pairs.encoder)
+        transient = np.maximum(attention(T, T, own), (3 if s.gated_ffn else 2) * p * b * T * s.d_ff)
         if kind == "t5_decoder":  # cross-attention buffers and the encoder-output gradient
-            transient = np.maximum(transient, attention(D, E)) + p * b * E * d
+            cross = None if pairs is None else pairs.cross
+            transient = np.maximum(transient, attention(D, E, cross)) + p * b * E * d
         return 2 * p * b * T * d + transient

@@ -10,6 +10,16 @@ same threads, clock and measurement method as the profile:
   a padding mask) as one stage against ``stage_cost(stage_spec(0, num_blocks))`` (interpolation plus
   composition error: the stage is predicted as the sum of its layers).
 
+* ``segments`` (profiles with attention cores, :mod:`dynabatch.cost.attention_cores`): each block's
+  attention cores computing only per-segment blocks. Row ``r`` of the shape is cut into ``k_r`` equal
+  segments (``k_r`` cycling through :data:`SEGMENT_SPLITS`, fewer where a segment would be shorter than
+  the grid's shortest length; T5: encoder and decoder rows alike), the
+  segments of one length run as one dense core call (as the padding-free runtime groups them), and the
+  sum is compared with the tables' per-segment price ``core(b, E) + core_delta(pairs)``
+  (:mod:`dynabatch.cost.segments`: the equivalent-dense-shape lookup plus the per-call cost of each
+  further call), time only. ``saving`` compares the predicted ratio per-segment / dense with the
+  measured one (the dense core measured at the same shape), free of the machine's speed drift.
+
 Relative error is ``|predicted - measured| / measured`` of forward + backward time and of stored and
 peak bytes; the report gives median and p90 per group.
 """
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dynabatch.cost.attention_cores import add_attention_cores
 from dynabatch.cost.layers import Step, build_layers, padding_mask, token_ids
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, settle_cpu_allocator
 from dynabatch.cost.tables import CostTables
@@ -123,6 +134,11 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
     prepare_params(built.model)
     if torch.device(device).type == "cpu":
         settle_cpu_allocator()
+    from dynabatch.cost.segments import attention_cores
+
+    cores = attention_cores(tables)
+    if cores:
+        built = add_attention_cores(built)
     dev, ptrs = torch.device(device), built.param_ptrs
     whole = tables.stage_spec(0, sum(tables.num_layers))
     rows: list[CheckRow] = []
@@ -135,19 +151,73 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
         if not layers:
             continue
         for kind in built.kinds:
+            if kind.name not in tables.kinds:
+                continue
             pred = tables.layer_cost(kind.name, b, e, d)
             m = measure_step(built.makers[kind.name](b, e, d), ptrs, dev, settings)
             rows.append(CheckRow(kind.name, (b, e, d), pred.fwd_s + pred.bwd_s, m.fwd_s + m.bwd_s,
                                  pred.stored_bytes, m.stored_bytes, pred.peak_bytes, m.peak_bytes))
+        for roles in cores.values():
+            for role, core in roles.items():
+                rows += _segment_rows(tables, built, core, role, (b, e, d), ptrs, dev, settings)
     return rows
 
 
+SEGMENT_SPLITS = (2, 4, 8, 16)
+"""Segments per row of the ``segments`` check, cycling over the rows of a shape."""
+
+
+def segment_split(b: int, e: int, d: int, min_e: int = 1, min_d: int = 1) -> list[list[tuple[int, int]]]:
+    """Per row, its ``(encoder, decoder)`` segment lengths: ``k`` equal parts (the last takes the rest),
+    ``k`` from :data:`SEGMENT_SPLITS` by row, fewer where parts would be shorter than ``min_e`` / ``min_d``
+    (the profiled grid's shortest lengths; decoder-only: ``d = 0``)."""
+    out = []
+    for r in range(b):
+        k = max(1, min(SEGMENT_SPLITS[r % len(SEGMENT_SPLITS)], e // min_e, (d // min_d) if d else e))
+        le, ld = e // k, d // k
+        out.append([(le, ld)] * (k - 1) + [(e - le * (k - 1), d - ld * (k - 1))])
+    return out
+
+
+def _segment_rows(tables, built, core: str, role: str, shape, ptrs, dev, settings) -> list[CheckRow]:
+    """The ``segments:`` row, and a ``saving:`` row comparing the predicted per-segment / dense ratio with
+    the measured one (the dense core measured at the shape right before), which machine-speed drift
+    between the profile and the check cancels out of."""
+    from dynabatch.cost.pairs import AttentionPairs
+    from dynabatch.cost.segments import core_delta, kind_values
+
+    b, e, d = shape
+    split = segment_split(b, e, d, int(tables.axis_e[0]), int(tables.axis_d[0]) if d else 1)
+    segments = [s for row in split for s in row]
+    groups: dict[tuple[int, int], int] = {}  # one core call per group of equal lengths, as the runtime runs them
+    for x, y in segments:
+        key = {"encoder": (x, y), "decoder": (y, y), "cross": (x, y)}[role]
+        groups[key] = groups.get(key, 0) + 1
+    calls = (float(len(groups)),) * 3
+    pairs = AttentionPairs(sum(x * x for x, _ in segments), sum(y * y for _, y in segments),
+                           sum(x * y for x, y in segments), calls).map(lambda a: np.atleast_1d(a))
+    q = [np.array([float(v)]) for v in (b, e, d if d else 1)]
+    pred = (kind_values(tables, core, *q) + core_delta(tables, core, role, *q, pairs))[:, 0]
+    dense = measure_step(built.makers[core](b, e, d), ptrs, dev, settings)
+    total = 0.0
+    for (x, y), n in groups.items():
+        m = measure_step(built.makers[core](n, x, y), ptrs, dev, settings)
+        total += m.fwd_s + m.bwd_s
+    pred_dense = kind_values(tables, core, *q)[:, 0]
+    ratio = float(pred[0] + pred[1]) / float(pred_dense[0] + pred_dense[1])
+    return [CheckRow(f"segments:{core}", shape, float(pred[0] + pred[1]), total, 0.0, 0.0, 0.0, 0.0),
+            CheckRow(f"saving:{core}", shape, ratio * (dense.fwd_s + dense.bwd_s), total, 0.0, 0.0, 0.0, 0.0)]
+
+
 def summarize(rows: list[CheckRow]) -> dict[str, dict[str, float]]:
-    """Per group (``model``, ``layers`` = all kinds pooled, and each kind): median/p90 of the errors."""
+    """Per group (``model``, ``layers`` = all kinds pooled, ``segments`` / ``saving`` = the per-segment
+    checks pooled, and each kind): median/p90 of the errors."""
     groups: dict[str, list[CheckRow]] = {}
     for r in rows:
         groups.setdefault(r.group, []).append(r)
-        if r.group != "model":
+        if r.group.startswith(("segments:", "saving:")):
+            groups.setdefault(r.group.split(":")[0], []).append(r)
+        elif r.group != "model":
             groups.setdefault("layers", []).append(r)
     out = {}
     for name, rs in groups.items():
@@ -164,7 +234,8 @@ def format_summary(summary: dict[str, dict[str, float]]) -> str:
     head = f"{'group':24s} {'n':>4s}  {'time med':>8s} {'time p90':>8s}  {'stored med':>10s} {'stored p90':>10s}  " \
            f"{'peak med':>8s} {'peak p90':>8s}"
     lines = [head, "-" * len(head)]
-    order = ["model", "layers"] + sorted(k for k in summary if k not in ("model", "layers"))
+    pooled = ("model", "layers", "segments", "saving")
+    order = list(pooled) + sorted(k for k in summary if k not in pooled)
     for name in order:
         if name not in summary:
             continue

@@ -17,6 +17,10 @@ and :func:`bottleneck_costs` wraps it for both entry points:
 budget from device memory less model states) and ``ProfiledCostModel(tables, stages,
 memory_budget_bytes).evaluate`` (stages as profiled ``StageSpec``, budget given).
 
+Per-segment attention: every entry point takes an optional ``pairs``
+(:class:`~dynabatch.cost.pairs.AttentionPairs`); with a profile that has attention cores the blocks'
+attention is then priced by its pairs (:mod:`dynabatch.cost.segments`), without it exactly as before.
+
 Peak convention: the tables' (and ``CostTables.stage_cost``'s) peak bytes *include* the stored bytes
 (``stored + largest per-kind transient``); the planner's and the stage layer's third number
 (``peak_extra_bytes``, ``StageCosts.peak_bytes``) is the transient *on top* of the stored bytes,
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.cost import _kernels
+from dynabatch.cost.segments import bottleneck_costs_pairs, stage_cost_pairs
 from dynabatch.cost.tables import GPT2_ANALYTIC_KINDS, T5_ANALYTIC_KINDS, CostTables, StageSpec, model_state_bytes
 from dynabatch.sequence import is_seq2seq
 
@@ -42,14 +47,18 @@ INFEASIBLE = 1e30
 """Finite stand-in for ``+inf`` (the planner rejects non-finite costs)."""
 
 
-def bottleneck_costs(tables: CostTables, counts, b, e, d) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def bottleneck_costs(tables: CostTables, counts, b, e, d, pairs=None, stages=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(time_s, stored_bytes, transient_bytes)`` of the bottleneck over the stages whose kind counts are
     ``counts`` (from :func:`stage_count_arrays`), shaped like ``b``; ``e`` and ``d`` hold as many queries.
-    Infeasible shapes get ``INFEASIBLE`` in all three."""
+    Infeasible shapes get ``INFEASIBLE`` in all three. ``pairs`` (per-segment attention work, with the
+    ``StageSpec`` list ``stages``) takes the numpy path of :mod:`dynabatch.cost.segments`."""
     shape = np.shape(b)
     b, e, d = (np.ascontiguousarray(np.asarray(x, dtype=np.float64).ravel()) for x in (b, e, d))
     if not is_seq2seq(tables.family):
         d = np.ones_like(d)
+    if pairs is not None:
+        out = bottleneck_costs_pairs(tables, stages, b, e, d, pairs.map(lambda x: np.broadcast_to(x, shape).ravel()))
+        return tuple(np.where(np.isfinite(o), o, INFEASIBLE).reshape(shape) for o in out)
     cnt_be, cnt_bd, cnt_bed = counts
     a = tables.kernel_arrays()
     out = [np.empty_like(b) for _ in range(3)]
@@ -96,11 +105,12 @@ class ProfiledCostModel:
         bounds = [round(i * total / num_stages) for i in range(num_stages + 1)]
         return cls(tables, tuple(tables.stage_spec(a, z) for a, z in zip(bounds, bounds[1:])), memory_budget_bytes)
 
-    def evaluate(self, b, E, D):  # noqa: N803 - planner's names
-        """``(time_s, stored_bytes, transient_bytes)`` float64 arrays shaped like ``b``."""
+    def evaluate(self, b, E, D, pairs=None):  # noqa: N803 - planner's names
+        """``(time_s, stored_bytes, transient_bytes)`` float64 arrays shaped like ``b``; ``pairs``: per-segment
+        attention work (:mod:`dynabatch.cost.segments`), ``None`` dense."""
         if not (np.size(b) == np.size(E) == np.size(D)):
             raise ValueError(f"b, E, D must have one shape, got {np.shape(b)}, {np.shape(E)}, {np.shape(D)}")
-        return bottleneck_costs(self.tables, self._counts, b, E, D)
+        return bottleneck_costs(self.tables, self._counts, b, E, D, pairs, self.stages)
 
 
 _LEGACY_KINDS = {
@@ -153,28 +163,34 @@ class ProfiledLayerModel:
         counts.update({c: 1 for c in context.values() if c in counts})  # once per stage
         return StageSpec.of(**counts)
 
-    def stage_cost(self, kinds, b, E, D=None) -> LayerModelCost:  # noqa: N803
-        """Vectorised stage cost; infeasible shapes get ``INFEASIBLE``."""
+    def stage_cost(self, kinds, b, E, D=None, pairs=None) -> LayerModelCost:  # noqa: N803
+        """Vectorised stage cost; infeasible shapes get ``INFEASIBLE``. ``pairs``: per-segment attention
+        work (:mod:`dynabatch.cost.segments`), ``None`` dense."""
         scalar = all(np.ndim(x) == 0 for x in (b, E, D) if x is not None)
         b, e, d = np.broadcast_arrays(*(np.asarray(1.0 if x is None else x, dtype=np.float64) for x in (b, E, D)))
         shape = b.shape
-        cnt = self.tables.stage_counts(self.spec(kinds))
-        a = self.tables.kernel_arrays()
-        out = np.empty((4, b.size))
-        _kernels._stage_cost_many(a.axis_b, a.axis_e, a.axis_d, a.tab_be, cnt[0], a.tab_bd, cnt[1], a.tab_bed, cnt[2],
-                                  np.ascontiguousarray(b.ravel()), np.ascontiguousarray(e.ravel()),
-                                  np.ascontiguousarray(d.ravel()), out)
+        if pairs is not None:
+            out = stage_cost_pairs(self.tables, self.spec(kinds), b, e, d, pairs.broadcast_to(shape))
+        else:
+            cnt = self.tables.stage_counts(self.spec(kinds))
+            a = self.tables.kernel_arrays()
+            out = np.empty((4, b.size))
+            _kernels._stage_cost_many(a.axis_b, a.axis_e, a.axis_d, a.tab_be, cnt[0], a.tab_bd, cnt[1], a.tab_bed,
+                                      cnt[2], np.ascontiguousarray(b.ravel()), np.ascontiguousarray(e.ravel()),
+                                      np.ascontiguousarray(d.ravel()), out)
         out = np.where(np.isfinite(out), out, INFEASIBLE)
         fwd, bwd, stored, peak = (x.reshape(shape) for x in out)
         vals = (fwd, bwd, stored, np.where(stored >= INFEASIBLE, INFEASIBLE, peak - stored))
         return LayerModelCost(*(float(v) if scalar else v for v in vals))
 
-    def bottleneck_cost(self, stages, b, E, D=None):  # noqa: N803
+    def bottleneck_cost(self, stages, b, E, D=None, pairs=None):  # noqa: N803
         """``StageCostModel.evaluate``'s planner view in one kernel pass: ``(time_s, stored_bytes,
-        transient_bytes)`` of the bottleneck over ``stages`` (each a list of layer kinds), broadcast shapes."""
+        transient_bytes)`` of the bottleneck over ``stages`` (each a list of layer kinds), broadcast shapes;
+        ``pairs``: per-segment attention work (numpy path)."""
         b, e, d = np.broadcast_arrays(*(np.asarray(1.0 if x is None else x, dtype=np.float64) for x in (b, E, D)))
-        counts = stage_count_arrays(self.tables, [self.spec(s) for s in stages])
-        return bottleneck_costs(self.tables, counts, b, e, d)
+        specs = [self.spec(s) for s in stages]
+        counts = stage_count_arrays(self.tables, specs)
+        return bottleneck_costs(self.tables, counts, b, e, d, pairs, specs)
 
     def send_bytes(self, last_kind: str, b, E, D=None):  # noqa: N803
         """Bytes a stage ending in ``last_kind`` sends on: hidden states of E tokens, E + D once the decoder

@@ -15,6 +15,10 @@ VM, one thread, including the p2p sweep: gpt2-mini 156 points in ~65 s, t5-mini 
 ~80 s, t5-tiny ~60 s (the LM head, 8192-word vocabulary, is the most expensive kind). Shorter
 lengths are clamped to the first grid value downstream, longer ones need ``--lengths``.
 
+Attention cores (``attention_cores=True``, the default): every block's attention core is profiled as its
+own kind as well (:mod:`dynabatch.cost.attention_cores`), and ``model.attention_cores`` maps each block kind
+to its core kinds; the tables use them to price per-segment (padding-free) attention.
+
 JSON fields: ``time_s`` per kind is its share of the sweep; ``device.thp_mem_alloc`` records the
 ``THP_MEM_ALLOC_ENABLE`` variable (see ``dynabatch.commands.profile``); ``p2p.send_min_s`` is the fastest send.
 
@@ -22,7 +26,8 @@ JSON (``format`` = ``dynabatch.profile``, ``version`` = 1)::
 
     created, profile_time_s, num_threads,
     device {type, name, num_threads, thp_mem_alloc}, versions {torch, transformers, python},
-    model {name, family, dtype, dropout, config},
+    model {name, family, sequence_kind, analytic_kinds, context_kinds, attention_cores, d_model, dtype,
+           dropout, config},
     settings {min_repeats, max_repeats, min_time_s, clock, max_tokens, seed},
     axes {b, E[, D]},
     layers {kind: {dims, num_params, tied_params, time_s,
@@ -48,6 +53,7 @@ from typing import Callable
 
 import torch
 
+from dynabatch.cost.attention_cores import add_attention_cores, attention_core_kinds
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, resolve_clock, settle_cpu_allocator
 from dynabatch.sequence import is_seq2seq
@@ -173,11 +179,14 @@ def device_description(device: torch.device) -> dict:
 def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: MeasureSettings = MeasureSettings(),
                 device: str = "cpu", dtype: str = "float32", num_threads: int | None = None, dropout: float = 0.0,
                 kinds: tuple[str, ...] | None = None, p2p_backend: str | None = "auto", seed: int = 0,
-                show_progress: bool = True, layer_builder: Callable | None = None) -> dict:
+                show_progress: bool = True, layer_builder: Callable | None = None,
+                attention_cores: bool = True) -> dict:
     """Profile ``model`` (preset name or local checkpoint) and return the JSON-ready profile dict.
 
     ``layer_builder`` is the model family's profiler layer builder
-    (``dynabatch.models.families.layer_builder(model)``); this module knows no family.
+    (``dynabatch.models.families.layer_builder(model)``); this module knows no family. ``attention_cores``
+    also profiles each block's attention core as its own kind (:mod:`dynabatch.cost.attention_cores`: the
+    per-segment term of the tables).
     """
     if layer_builder is None:
         raise ValueError("run_profile needs the model family's layer_builder "
@@ -199,6 +208,8 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
     start = time.perf_counter()
     torch.manual_seed(seed)
     layers = build_layers(model, layer_builder, dev, torch_dtype, dropout=dropout, seed=seed)
+    if attention_cores:
+        layers = add_attention_cores(layers)
     prepare_params(layers.model)
     selected = layers.kinds
     if kinds is not None:
@@ -234,6 +245,8 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
                      "python": sys.version.split()[0]},
         "model": {"name": model, "family": layers.family, "sequence_kind": layers.sequence_kind,
                   "analytic_kinds": layers.analytic_kinds, "context_kinds": layers.context_kinds,
+                  "attention_cores": {block: cores for block, cores in attention_core_kinds(layers).items()
+                                      if all(k in records for k in cores.values())},
                   "d_model": layers.model.get_input_embeddings().embedding_dim,
                   "dtype": dtype, "dropout": dropout, "config": layers.model.config.to_dict()},
         "settings": {**asdict(settings), "clock": resolve_clock(settings.clock, dev), "max_tokens": grid.max_tokens,

@@ -10,6 +10,10 @@ and the planner's :class:`~dynabatch.plan.costs.MicroBatchCostModel` view (:meth
 bottleneck-stage fwd + bwd time, and the largest stored / peak bytes of any stage against the
 smallest per-stage memory budget (conservative when stages differ).
 
+Both take an optional ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`): the score pairs of
+per-segment (padding-free) attention, passed on to the layer model's ``stage_cost``; without it every
+micro-batch is priced with dense ``b x Tq x Tk`` attention, exactly as before.
+
 Any layer-level model with ``stage_cost(kinds, b, E, D)``, ``send_bytes(last_kind, b, E, D)``,
 ``param_count(kind)``, ``model_state_bytes(n)`` and ``layer_kinds()`` works: the analytic model does.
 """
@@ -145,9 +149,13 @@ class StageCostModel:
     def num_stages(self) -> int:
         return self.layout.num_stages
 
-    def per_stage(self, b, E, D) -> StageCosts:
+    def per_stage(self, b, E, D, pairs=None) -> StageCosts:
+        """Every stage's costs of micro-batches ``(b, E, D)``; ``pairs``
+        (:class:`~dynabatch.cost.pairs.AttentionPairs` shaped like ``b``) prices per-segment attention,
+        ``None`` the dense ``b x Tq x Tk``."""
         b, E, D = self._inputs(b, E, D)
-        costs = [self.model.stage_cost(list(s), b, E, D) for s in self.layout.stages]
+        extra = {} if pairs is None else {"pairs": pairs}
+        costs = [self.model.stage_cost(list(s), b, E, D, **extra) for s in self.layout.stages]
         return StageCosts(
             fwd_s=_stack((c.fwd_time_s for c in costs), b.shape),
             bwd_s=_stack((c.bwd_time_s for c in costs), b.shape),
@@ -156,8 +164,9 @@ class StageCostModel:
             send_bytes=self._send_bytes(b, E, D),
         )
 
-    def evaluate(self, b, E, D) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def evaluate(self, b, E, D, pairs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages.
+        ``pairs``: per-segment attention work as in :meth:`per_stage` (``None``: dense).
 
         Stored bytes also count the largest stage's message buffers for the micro-batch while it is in
         flight (the activation received and sent, and their gradients: :func:`message_buffer_bytes`), as
@@ -168,10 +177,10 @@ class StageCostModel:
         """
         fused = getattr(self.model, "bottleneck_cost", None)
         if fused is not None:
-            t, stored, peak = fused(self.layout.stages, b, E, D)
+            t, stored, peak = fused(self.layout.stages, b, E, D, **({} if pairs is None else {"pairs": pairs}))
             sends = self._send_bytes(*self._inputs(b, E, D))
         else:
-            c = self.per_stage(b, E, D)
+            c = self.per_stage(b, E, D, pairs)
             t, stored, peak, sends = (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0), c.send_bytes
         return t, stored + message_buffer_bytes(sends).max(axis=0), peak
 

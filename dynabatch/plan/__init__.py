@@ -20,7 +20,15 @@ from dynabatch.plan.slicing import (
     plan_slices,
     slice_long_samples,
 )
-from dynabatch.plan.rowpack import RowPackedPlan, RowPacking, apply_row_packing, order_for_fill_drain, pack_rows
+from dynabatch.plan.rowpack import (
+    PackedUnits,
+    RowPackedPlan,
+    RowPacking,
+    apply_row_packing,
+    order_for_fill_drain,
+    pack_rows,
+    pack_units,
+)
 
 __all__ = [
     "AnalyticSliceCostModel",
@@ -31,6 +39,7 @@ __all__ = [
     "plan_slices",
     "slice_long_samples",
     "MicroBatchCostModel",
+    "PackedUnits",
     "PartitionPlan",
     "PolynomialCostModel",
     "ReplicaPlan",
@@ -41,6 +50,7 @@ __all__ = [
     "order_for_fill_drain",
     "order_samples",
     "pack_rows",
+    "pack_units",
     "plan_partition",
     "plan_replicas",
 ]

@@ -355,3 +355,43 @@ def _two_opt(path, x, y, window, max_passes):
                         hi -= 1
                     improved = True
     return passes
+
+
+# --------------------------------------------------------------------------- row packing
+
+
+@njit(cache=True)
+def _best_fit_rows(e, d, order, cap_e, cap_d):
+    """Best-fit-decreasing rows: visit samples in ``order`` (largest first), put each into the open row
+    whose normalised room left ``(free_e - e) / cap_e + (free_d - d) / cap_d`` is smallest among the rows
+    where both lengths fit (the first such row on ties), else open a row. A sample over a cap opens a row
+    that nothing else joins. ``cap_d = 0``: one length (decoder-only). Returns (N,) int64 row of each
+    sample, rows numbered in opening order."""
+    n = e.shape[0]
+    row = np.empty(n, dtype=np.int64)
+    free_e = np.empty(n, dtype=np.int64)
+    free_d = np.empty(n, dtype=np.int64)
+    num_rows = 0
+    for k in range(n):
+        i = order[k]
+        best = -1
+        best_left = np.inf
+        for r in range(num_rows):
+            if e[i] <= free_e[r] and d[i] <= free_d[r]:
+                left = (free_e[r] - e[i]) / cap_e
+                if cap_d > 0:
+                    left += (free_d[r] - d[i]) / cap_d
+                if left < best_left:
+                    best, best_left = r, left
+        if best < 0:
+            best = num_rows
+            num_rows += 1
+            free_e[best] = max(cap_e - e[i], -1)
+            free_d[best] = max(cap_d - d[i], -1)
+            if e[i] > cap_e or d[i] > cap_d:
+                free_e[best] = -1
+        else:
+            free_e[best] -= e[i]
+            free_d[best] -= d[i]
+        row[i] = best
+    return row

@@ -16,6 +16,11 @@ Contract (the planner relies on it):
   table only loses exactness, never feasibility.
 * ``memory_budget_bytes`` is the activation memory of one stage: device memory minus model states
   (parameters, gradients, optimizer states) minus a safety margin.
+* Optionally ``evaluate(b, E, D, pairs=...)`` takes :class:`~dynabatch.cost.pairs.AttentionPairs` shaped
+  like ``b``: the score pairs per-segment (padding-free) attention computes, summed over the rows and the
+  samples packed in them. Without it a model prices dense ``b x Tq x Tk`` attention. The planner passes
+  pairs only when it packs rows (``plan_step(pack_rows="auto")``); every cost model of ``dynabatch.cost``
+  and :class:`PolynomialCostModel` accept them.
 
 :class:`PolynomialCostModel` is a small analytic stand-in for tests and benchmarks. Its defaults describe
 one stage of a T5-base-sized model (d = 768, 6 layers per stage of 4) on an accelerator sustaining
@@ -25,7 +30,8 @@ one stage of a T5-base-sized model (d = 768, 6 layers per stage of 4) on an acce
     stored = stored_per_token * b (E + D) + stored_per_token_pair * b (E^2 + D^2 + E D)
     peak   = peak_per_token * b (E + D) + peak_per_token_pair * b (E^2 + D^2 + E D)
 
-``E^2``, ``D^2`` and ``E D`` are encoder self-, decoder self- and cross-attention.
+``E^2``, ``D^2`` and ``E D`` are encoder self-, decoder self- and cross-attention; with ``pairs`` the
+``b (E^2 + D^2 + E D)`` term is their sum ``pairs.encoder + pairs.decoder + pairs.cross``.
 """
 
 from __future__ import annotations
@@ -76,12 +82,15 @@ class PolynomialCostModel:
     def __post_init__(self) -> None:
         check_non_negative_fields(self)
 
-    def evaluate(self, b: np.ndarray, E: np.ndarray, D: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def evaluate(self, b: np.ndarray, E: np.ndarray, D: np.ndarray, pairs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = np.asarray(b, dtype=np.float64)
         E = np.asarray(E, dtype=np.float64)
         D = np.asarray(D, dtype=np.float64)
         tokens = b * (E + D)
-        pairs = b * (E * E + D * D + E * D)
+        if pairs is None:
+            pairs = b * (E * E + D * D + E * D)
+        else:
+            pairs = pairs.encoder + pairs.decoder + pairs.cross
         time_s = self.overhead_s + self.time_per_token_s * tokens + self.time_per_token_pair_s * pairs
         stored = self.stored_per_token_bytes * tokens + self.stored_per_token_pair_bytes * pairs
         peak = self.peak_per_token_bytes * tokens + self.peak_per_token_pair_bytes * pairs
@@ -110,15 +119,25 @@ def check_non_negative_fields(obj) -> None:
 
 
 def evaluate_costs(
-    cost_model, b, x, y, *, what: str = "cost model", axes: tuple[str, str] = ("E", "D")
+    cost_model, b, x, y, *, what: str = "cost model", axes: tuple[str, str] = ("E", "D"), pairs=None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``cost_model.evaluate(b, x, y)`` as three float64 arrays shaped like ``b``, checked against the contract.
 
     Serves :class:`MicroBatchCostModel` (``x, y = E, D``) and the slice cost model (``what="slice cost
-    model", axes=("s", "c")``). Raises ``ValueError`` on a wrong return type or shape, and names the first
-    query whose output is not finite and >= 0.
+    model", axes=("s", "c")``). ``pairs`` (per-segment attention work, module docstring) is passed on
+    only when given. Raises ``ValueError`` on a wrong return type or shape, and names the first query
+    whose output is not finite and >= 0.
     """
-    out = cost_model.evaluate(b, x, y)
+    if pairs is None:
+        out = cost_model.evaluate(b, x, y)
+    else:
+        try:
+            out = cost_model.evaluate(b, x, y, pairs=pairs)
+        except TypeError as e:
+            if "pairs" not in str(e):
+                raise
+            raise ValueError(f"{what} {type(cost_model).__name__} does not price per-segment attention "
+                             f"(evaluate has no pairs argument); plan with pack_rows='off'") from e
     if not (isinstance(out, tuple) and len(out) == 3):
         raise ValueError(f"{what} evaluate must return (time_s, stored_bytes, peak_bytes), got {type(out)}")
     arrays = tuple(np.asarray(a, dtype=np.float64) for a in out)

@@ -129,12 +129,19 @@ def plan_partition(
     max_samples: int | None = None,
     max_tokens: int | None = None,
     in_flight: int | None = None,
+    unit_pairs=None,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
 
     ``in_flight`` defaults to ``num_stages`` (1F1B's first stage). ``max_samples`` also bounds the DP
     band; set it when memory allows very long runs of short samples. Raises ``ValueError`` on bad
     arguments and when a single sample alone breaks the memory budget or ``max_tokens``.
+
+    ``unit_pairs`` ((N, 3) float, one row per "sample", which may be a packed row of several samples:
+    its encoder, decoder and cross-attention score pairs, :mod:`dynabatch.cost.pairs`) prices every run
+    with per-segment attention, the sum of its units' pairs, through ``cost_model.evaluate(..., pairs=)``.
+    Without it (the default) runs are priced with dense ``b x E^2`` attention: an upper bound for sorted
+    single-sample runs, whose rows the padding-free runtime computes only on their real lengths.
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
@@ -152,14 +159,16 @@ def plan_partition(
     e_all, d_all = padded_lengths(e_raw, d_raw, family)
     e, d = e_all[perm], d_all[perm]
     limits = _Limits(budget, in_flight, max_samples, max_tokens)
-    T, L = _candidate_runs(e, d, cost_model, limits, perm, e_raw, d_raw)
+    prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
+    T, L = _candidate_runs(e, d, cost_model, limits, perm, e_raw, d_raw, prefix)
     lengths, _, num_tried = _solve_partition(T, L, num_stages, float(cap_tolerance))
 
     boundaries = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     starts, ends = boundaries[:-1], boundaries[1:] - 1
     shapes = np.stack([lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts)], axis=1)
     times = T[ends, lengths - 1].copy()
-    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    pairs = None if prefix is None else _run_pairs(prefix, ends, lengths)
+    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
     return PartitionPlan(
         family=family,
@@ -185,8 +194,26 @@ class _Limits:
     max_tokens: int | None
 
 
-def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tuple[np.ndarray, np.ndarray]:
-    """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths."""
+def _pair_prefix(unit_pairs, perm, n: int) -> np.ndarray:
+    """(N + 1, 3) prefix sums of the units' attention pairs in planner order."""
+    pairs = np.asarray(unit_pairs, dtype=np.float64)
+    if pairs.shape != (n, 3) or not (np.isfinite(pairs).all() and (pairs >= 0).all()):
+        raise ValueError(f"unit_pairs must be a finite (N, 3) array >= 0 with N = {n}, got shape {pairs.shape}")
+    return np.concatenate([np.zeros((1, 3)), np.cumsum(pairs[perm], axis=0)])
+
+
+def _run_pairs(prefix: np.ndarray, ends, widths):
+    """:class:`~dynabatch.cost.pairs.AttentionPairs` of runs ending at ``ends`` (inclusive) of ``widths`` units."""
+    from dynabatch.cost.pairs import AttentionPairs
+
+    ends, widths = np.asarray(ends), np.asarray(widths)
+    total = prefix[ends + 1] - prefix[np.maximum(ends + 1 - widths, 0)]  # (..., 3)
+    return AttentionPairs(total[..., 0], total[..., 1], total[..., 2])
+
+
+def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw, prefix=None) -> tuple[np.ndarray, np.ndarray]:
+    """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths;
+    with ``prefix`` (:func:`_pair_prefix`) runs are priced with their summed attention pairs."""
     n = e.size
     max_w = min(n, limits.max_samples or n)
     band = np.zeros(n, dtype=np.int64)
@@ -198,7 +225,11 @@ def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tu
         exists = b > 0
         times = np.full(b.shape, np.inf)
         fits = np.zeros(b.shape, dtype=bool)
-        t, stored, peak = evaluate_costs(cost_model, b[exists], E[exists], D[exists])
+        pairs = None
+        if prefix is not None:
+            ends = np.broadcast_to(alive[:, None], b.shape)
+            pairs = _run_pairs(prefix, ends[exists], b[exists])
+        t, stored, peak = evaluate_costs(cost_model, b[exists], E[exists], D[exists], pairs=pairs)
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= b[exists] * (E[exists] + D[exists]) <= limits.max_tokens

@@ -104,7 +104,8 @@ def plan_replicas(
     """Partition a global batch and split it over ``num_replicas`` pipelines that should finish together.
 
     ``partition_options`` go to :func:`plan_partition` (``order``, ``cap_tolerance``, ``max_samples``,
-    ``max_tokens``, ``in_flight``; ``in_flight`` defaults to ``num_stages``). Raises ``ValueError`` on bad
+    ``max_tokens``, ``in_flight``; ``in_flight`` defaults to ``num_stages``; ``unit_pairs`` prices the
+    runs and the replicas' micro-batches with per-segment attention). Raises ``ValueError`` on bad
     arguments and when there are fewer samples than replicas.
     """
     e, d = check_lengths(input_lens, target_lens)
@@ -144,15 +145,17 @@ def _partition_then_assign(e, d, cost_model, num_stages, num_replicas, family, o
     plan = plan_partition(e, d, cost_model, effective_stages, family=family, **options)
     groups = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
     e_pad, d_pad = padded_lengths(e, d, family)
-    shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model)
+    unit_pairs = options.get("unit_pairs")
+    shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs)
     while len(groups) < num_replicas:  # too few micro-batches: halve the slowest splittable one
         k = int(np.argmax(np.where(shapes[:, 0] > 1, times, -np.inf)))
         half = len(groups[k]) // 2
         groups[k : k + 1] = [groups[k][:half], groups[k][half:]]
-        shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model)
+        shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs)
     assign = assign_micro_batches(times, num_replicas, num_stages)
     return [
-        _sub_plan(plan, num_stages, [groups[k] for k in np.flatnonzero(assign == r)], e_pad, d_pad, cost_model)
+        _sub_plan(plan, num_stages, [groups[k] for k in np.flatnonzero(assign == r)], e_pad, d_pad, cost_model,
+                  unit_pairs)
         for r in range(num_replicas)
     ]
 
@@ -167,7 +170,10 @@ def _split_then_partition(e, d, cost_model, num_stages, num_replicas, family, op
     plans = []
     for r in range(num_replicas):
         index = np.sort(perm[replica_of == r])
-        p = plan_partition(e[index], d[index], cost_model, num_stages, family=family, **options)
+        own = dict(options)
+        if options.get("unit_pairs") is not None:
+            own["unit_pairs"] = np.asarray(options["unit_pairs"])[index]
+        p = plan_partition(e[index], d[index], cost_model, num_stages, family=family, **own)
         plans.append(dataclasses.replace(p, order=index[p.order]))
     return plans
 
@@ -210,16 +216,28 @@ def replica_times(times_s, assign, num_replicas: int, num_stages: int) -> np.nda
     return _replica_times(times, replica.astype(np.int64), num_replicas, num_stages)
 
 
-def _shapes_and_times(groups, e_pad, d_pad, cost_model) -> tuple[np.ndarray, np.ndarray]:
+def _group_pairs(groups, unit_pairs):
+    """:class:`~dynabatch.cost.pairs.AttentionPairs` of micro-batches of units, or None (dense pricing)."""
+    if unit_pairs is None:
+        return None
+    from dynabatch.cost.pairs import AttentionPairs
+
+    total = np.array([np.asarray(unit_pairs)[g].sum(axis=0) for g in groups], dtype=np.float64).reshape(-1, 3)
+    return AttentionPairs(total[:, 0], total[:, 1], total[:, 2])
+
+
+def _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs=None) -> tuple[np.ndarray, np.ndarray]:
     shapes = np.array([[g.size, e_pad[g].max(), d_pad[g].max()] for g in groups], dtype=np.int64)  # (M, 3)
-    times, _, _ = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    times, _, _ = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
+                                 pairs=_group_pairs(groups, unit_pairs))
     return shapes, times
 
 
-def _sub_plan(plan: PartitionPlan, num_stages, groups, e_pad, d_pad, cost_model) -> PartitionPlan:
+def _sub_plan(plan: PartitionPlan, num_stages, groups, e_pad, d_pad, cost_model, unit_pairs=None) -> PartitionPlan:
     """The micro-batches ``groups`` (in planner order) of ``plan`` as a plan of one ``S``-stage replica."""
-    shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model)
-    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs)
+    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
+                                     pairs=_group_pairs(groups, unit_pairs))
     return dataclasses.replace(
         plan,
         num_stages=num_stages,

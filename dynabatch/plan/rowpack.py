@@ -1,5 +1,15 @@
 """Inside a planned micro-batch: pack short samples into shared rows, and order micro-batches for 1F1B.
 
+**Rows for the padding-free planner** (:func:`pack_units`, what ``plan_step(pack_rows="auto")`` uses).
+With padding-free attention a row holding samples of lengths ``L_k`` pays attention only on each
+sample's own block, ``sum L_k^2`` score pairs (:mod:`dynabatch.cost.pairs`), so packing short samples
+into long rows no longer costs the row's ``T^2``: it removes their padding (and their rows) at the
+price of coarser micro-batches. :func:`pack_units` fills rows of a given capacity best-first-fit
+decreasing (``_kernels._best_fit_rows``) and returns them as *units*: pseudo-samples with the rows'
+summed lengths and summed attention pairs, which the partition DP then cuts into micro-batches with
+per-segment pricing (``plan_partition(unit_pairs=...)``). :func:`apply_row_packing` below is the older,
+dense-priced pass inside already planned micro-batches.
+
 **Row packing.** A micro-batch of ``b`` samples is padded to ``(E, D)``, its longest input and target
 (GPT: one sequence, ``E`` = longest input + target, ``D = 0``). Packing puts several samples in one row,
 with positions restarting and attention confined to each sample (block-diagonal masks; see
@@ -57,6 +67,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dynabatch.plan._kernels import _best_fit_rows
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.partition import PartitionPlan
@@ -145,6 +156,48 @@ def apply_row_packing(plan: PartitionPlan, input_lens, target_lens, cost_model: 
     times = np.array([p.time_s for p in packings], dtype=np.float64)
     objective = float(np.cumsum(times)[-1] + (plan.num_stages - 1) * times.max())
     return RowPackedPlan(plan.family, plan.num_stages, packings, shapes, times, objective, plan.objective_s)
+
+
+@dataclass(frozen=True)
+class PackedUnits:
+    """Samples packed into rows, each row a unit for the partition DP."""
+
+    rows: tuple[tuple[int, ...], ...]
+    """Sample indices of each row (unit), longest sample first."""
+    input_lens: np.ndarray
+    """(U,) int64 summed input lengths per row (decoder-only: inputs + targets)."""
+    target_lens: np.ndarray
+    """(U,) int64 summed target lengths per row (decoder-only: 0)."""
+    pairs: np.ndarray
+    """(U, 3) float64 attention pairs of each row: encoder (or causal) self, decoder self, cross."""
+
+
+def pack_units(input_lens, target_lens, family: str, capacity: tuple[int, int]) -> PackedUnits:
+    """Rows of at most ``capacity = (E, D)`` tokens (decoder-only: ``(L, 0)``, one sequence of inputs +
+    targets), filled best-fit-decreasing by the normalised size ``e / E + d / D``; a sample over the
+    capacity gets a row of its own. Deterministic (ties by sample index)."""
+    from dynabatch.cost.pairs import sample_pairs
+
+    e_raw, d_raw = check_lengths(input_lens, target_lens)
+    e, d = padded_lengths(e_raw, d_raw, family)
+    cap_e, cap_d = int(capacity[0]), (int(capacity[1]) if is_seq2seq(family) else 0)
+    if cap_e < 1 or (is_seq2seq(family) and cap_d < 1):
+        raise ValueError(f"row capacity must be >= 1 token per side, got {capacity}")
+    size = e / cap_e + (d / cap_d if cap_d else 0.0)
+    order = np.lexsort((np.arange(e.size), -size)).astype(np.int64)
+    row = _best_fit_rows(e, d, order, cap_e, cap_d)
+    num = int(row.max()) + 1
+    members = [[] for _ in range(num)]
+    for i in order.tolist():
+        members[row[i]].append(i)
+    per_sample = sample_pairs(e_raw, d_raw, family)  # (N, 3)
+    pairs = np.zeros((num, 3))
+    np.add.at(pairs, row, per_sample)
+    unit_e = np.bincount(row, weights=e, minlength=num).astype(np.int64)
+    unit_d = np.bincount(row, weights=d, minlength=num).astype(np.int64)
+    if not is_seq2seq(family):  # the DP's padded_lengths adds targets to inputs: keep the sum in inputs
+        unit_d = np.zeros_like(unit_e)
+    return PackedUnits(tuple(tuple(m) for m in members), unit_e, unit_d, pairs)
 
 
 def order_for_fill_drain(times_s) -> np.ndarray:

@@ -3,7 +3,8 @@
 :class:`StepPlanner` makes one :class:`PlannedStep` per call: it draws the next global batch, cuts it
 with the configured method (``dynamic``: :func:`dynabatch.plan.step.plan_step` with the stage cost
 model; a baseline: its batcher, micro-batches dealt to replicas longest-first), collates each replica's
-micro-batches into tensors, prices them per stage, picks the compute schedule the runtime will run
+micro-batches into tensors, prices them per stage (with ``attention=segments``, attention by the pairs
+each micro-batch's rows really compute, :func:`units_pairs`), picks the compute schedule the runtime will run
 and simulates it (the *predicted* step time and bubble, the measured step's twin).
 
 :class:`PlanAhead` runs a planner in a background thread, ``depth`` steps ahead, so the training loop
@@ -95,6 +96,9 @@ class StepPlanner:
         self.limits: LengthLimits = batcher.limits
         self.family = self.limits.family
         self.step = batcher.step
+        # Attention per segment (pad never computed): micro-batches are priced by their attention pairs and
+        # the dynamic planner may pack rows (cfg.pack_rows); the dense path computes whole padded rows.
+        self.padding_free = getattr(cfg, "attention_path", "segments") == "segments"
         self.slice_model = None
         if cfg.slice_long:
             from dynabatch.plan.slicing import AnalyticSliceCostModel
@@ -106,14 +110,15 @@ class StepPlanner:
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
-        replicas, links, contexts = [], [], []
+        replicas, links, contexts, pairs = [], [], [], []
         for units in self._units(batch):
             mbs, lk, ctx = micro_batches_of(units, lambda g: self._collate(batch, g))
             replicas.append(tuple(mbs))
             links.append(lk)
             contexts.append(ctx)
+            pairs.append(units_pairs(batch, units, self.family) if self.padding_free else None)
         shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
-        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts)
+        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs)
         saved = simulate(schedules[0], replace(costs[0], peak_bytes=np.zeros_like(costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
         planned = PlannedStep(
@@ -134,6 +139,7 @@ class StepPlanner:
                     batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
                     num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
                     score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30),
+                    pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
                 )
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
                 raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
@@ -153,14 +159,14 @@ class StepPlanner:
             return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
         return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
 
-    def _predict(self, shapes, links, contexts) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
+    def _predict(self, shapes, links, contexts, pairs) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
         from dynabatch.runtime.step import compute_schedule
 
         costs, schedules, makespans, bubbles = [], [], [], []
         memory = self.cfg.memory_gib * 2**30
         states, send = np.array(self.cost_model.model_state_bytes), send_time_of(self.cost_model)
-        for s, lk, ctx in zip(shapes, links, contexts):
-            c = piece_costs(self.cost_model, self.slice_model, s, ctx, lk)
+        for s, lk, ctx, pr in zip(shapes, links, contexts, pairs):
+            c = piece_costs(self.cost_model, self.slice_model, s, ctx, lk, pr)
             buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
             schedule = compute_schedule(self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages,
                                         buffered, memory, lk, send_time=send, model_state_bytes=states)
@@ -172,11 +178,12 @@ class StepPlanner:
         return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
 
 
-def piece_costs(stage_model: StageCostModel, slice_model, shapes, contexts, links) -> StageCosts:
+def piece_costs(stage_model: StageCostModel, slice_model, shapes, contexts, links, pairs=None) -> StageCosts:
     """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)``; with slice
-    ``links``, later slices priced with their ``contexts`` (:func:`~dynabatch.plan.slicing.slice_stage_costs`)."""
+    ``links``, later slices priced with their ``contexts`` (:func:`~dynabatch.plan.slicing.slice_stage_costs`);
+    ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,)) prices per-segment attention."""
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
-    costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2])
+    costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
     if links:
         costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], np.asarray(contexts, dtype=np.float64))
     return costs
@@ -201,7 +208,8 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
         worst = 0.0
         for r in range(len(plan.replicas)):
             links = plan.slice_links(r)
-            costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links)
+            costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links,
+                                plan.pairs(r))
             costs = with_message_buffers(costs)
             schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
             worst = max(worst, simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s)
@@ -217,6 +225,25 @@ class Unit:
     group: RowGroup
     bounds: tuple[int, ...] | None = None
     """Token slice boundaries ``0 < ... < length`` of a sliced sample (TeraPipe)."""
+
+
+def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
+    """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of the micro-batches :func:`micro_batches_of` makes
+    of ``units``: each sample's own block of every row, one attention call per distinct length; a token
+    slice of ``s`` tokens is priced ``s^2`` in one call (its context is the slice cost model's)."""
+    from dynabatch.cost.pairs import AttentionPairs, row_calls, row_pairs
+
+    values, calls = [], []
+    for u in units:
+        if u.bounds:
+            values += [(float(hi - lo) ** 2, 0.0, 0.0) for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
+            calls += [(1, 1, 1)] * (len(u.bounds) - 1)
+        else:
+            values.append(row_pairs(u.group.rows, batch.input_lens, batch.target_lens, family))
+            calls.append(row_calls(u.group.rows, batch.input_lens, batch.target_lens, family))
+    arr = np.array(values, dtype=np.float64).reshape(-1, 3)
+    n = np.array(calls, dtype=np.float64).reshape(-1, 3)
+    return AttentionPairs(arr[:, 0], arr[:, 1], arr[:, 2], (n[:, 0], n[:, 1], n[:, 2]))
 
 
 def micro_batches_of(units: list[Unit], collate) -> tuple[list[MicroBatch], tuple[int, ...], list[int]]:

@@ -1,0 +1,130 @@
+"""Attention work of a micro-batch: the query-key score pairs its attention cores compute.
+
+A dense micro-batch of ``b`` rows padded to ``(E, D)`` computes ``b E^2`` encoder (GPT: causal) self-attention
+pairs, ``b D^2`` decoder self-attention pairs and ``b D E`` cross-attention pairs. The padding-free runtime
+(``dynabatch.models.attention``: one SDPA call per group of equal-length segments, pad keys never computed)
+computes each sample's own block only: a row holding samples ``k`` with lengths ``(e_k, d_k)`` costs
+``sum e_k^2``, ``sum d_k^2`` and ``sum d_k e_k`` (GPT: ``sum (e_k + d_k)^2``, inputs and targets are one
+sequence). A padded single-sample row is the one-segment case: its real length squared, not the row's.
+
+Causal self-attention is counted as the full ``L x L`` square, as the analytic model prices causal attention
+today (dense kernels compute the square; the flash kernel with ``is_causal`` skips about half of it, which
+this count leaves on the safe side).
+
+:class:`AttentionPairs` holds the three sums as float64 arrays of one shape (one entry per micro-batch); the
+cost models take it as an optional ``pairs=`` argument and price dense ``b x Tq x Tk`` without it.
+Optionally it also counts the attention-core *calls* per layer (``calls``): the runtime makes one SDPA
+call per group of equal-length segments, and on small shapes each call's fixed cost matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynabatch.sequence import is_seq2seq
+
+
+@dataclass(frozen=True)
+class AttentionPairs:
+    """Summed query-key pairs per attention kind, float64 arrays of one shape (one per micro-batch)."""
+
+    encoder: np.ndarray
+    """Encoder self-attention (T5) or the decoder-only model's causal self-attention (GPT): ``sum L^2``."""
+    decoder: np.ndarray
+    """T5 decoder self-attention: ``sum d^2`` (0 for GPT)."""
+    cross: np.ndarray
+    """T5 cross-attention: ``sum d e`` over samples (0 for GPT)."""
+    calls: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """Attention-core calls per layer for each kind (encoder, decoder, cross): the runtime runs one SDPA
+    call per group of samples with equal query and key lengths, so a micro-batch of ``k`` distinct
+    lengths makes ``k`` calls (:func:`row_calls`); ``None``: one call each, as dense attention."""
+
+    def __post_init__(self) -> None:
+        names = ["encoder", "decoder", "cross"]
+        values = [self.encoder, self.decoder, self.cross] + (list(self.calls) if self.calls is not None else [])
+        arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in values))
+        for name, a in zip(names + [f"calls[{k}]" for k in range(3)], arrays):
+            if a.size and not (np.all(np.isfinite(a)) and np.all(a >= 0)):
+                raise ValueError(f"attention pairs ({name}) must be finite and >= 0, got min {a.min()}")
+        for name, a in zip(names, arrays):
+            object.__setattr__(self, name, a)
+        if self.calls is not None:
+            if len(self.calls) != 3:
+                raise ValueError(f"calls needs one array per attention kind (3), got {len(self.calls)}")
+            object.__setattr__(self, "calls", tuple(arrays[3:]))
+
+    @classmethod
+    def dense(cls, b, E, D=None) -> "AttentionPairs":  # noqa: N803 - shape names
+        """The pairs dense attention computes on ``b`` rows padded to ``(E, D)`` (``D`` None or 0: GPT)."""
+        b, E = np.asarray(b, dtype=np.float64), np.asarray(E, dtype=np.float64)
+        D = np.zeros_like(E) if D is None else np.asarray(D, dtype=np.float64)
+        return cls(b * E * E, b * D * D, b * D * E)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.encoder.shape
+
+    def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "AttentionPairs":
+        """The same function applied to each array (indexing, ravel, reshape, broadcast)."""
+        calls = None if self.calls is None else tuple(fn(c) for c in self.calls)
+        return AttentionPairs(fn(self.encoder), fn(self.decoder), fn(self.cross), calls)
+
+    def role(self, role: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(pairs, calls)`` of one attention kind: ``encoder``, ``decoder`` or ``cross``."""
+        k = ("encoder", "decoder", "cross").index(role)
+        return (self.encoder, self.decoder, self.cross)[k], (None if self.calls is None else self.calls[k])
+
+    def __getitem__(self, index) -> "AttentionPairs":
+        return self.map(lambda a: a[index])
+
+    def broadcast_to(self, shape) -> "AttentionPairs":
+        return self.map(lambda a: np.broadcast_to(a, shape))
+
+
+def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[float, float, float]:
+    """``(encoder, decoder, cross)`` pairs of one micro-batch whose rows hold the samples ``rows`` (indices
+    into the length arrays), as the padding-free runtime computes them (module docstring)."""
+    e = np.asarray(input_lens, dtype=np.int64)
+    d = np.asarray(target_lens, dtype=np.int64)
+    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+    if ids.size == 0:
+        raise ValueError("a micro-batch needs at least one sample")
+    ei, di = e[ids].astype(np.float64), d[ids].astype(np.float64)
+    if not is_seq2seq(family):
+        return float(((ei + di) ** 2).sum()), 0.0, 0.0
+    return float((ei * ei).sum()), float((di * di).sum()), float((di * ei).sum())
+
+
+def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int, int]:
+    """``(encoder, decoder, cross)`` attention-core calls per layer of one micro-batch: its distinct
+    sample lengths (GPT: inputs + targets), distinct target lengths and distinct (target, input) pairs."""
+    e = np.asarray(input_lens, dtype=np.int64)
+    d = np.asarray(target_lens, dtype=np.int64)
+    ids = [i for r in rows for i in r]
+    if not is_seq2seq(family):
+        return len({int(e[i] + d[i]) for i in ids}), 1, 1
+    return len({int(e[i]) for i in ids}), len({int(d[i]) for i in ids}), len({(int(d[i]), int(e[i])) for i in ids})
+
+
+def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:
+    """(M,) :class:`AttentionPairs` (with calls) of micro-batches given as rows of sample indices
+    (``RowGroup.rows``)."""
+    groups = list(groups)
+    values = np.array([row_pairs(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
+    calls = np.array([row_calls(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
+    values, calls = values.reshape(-1, 3), calls.reshape(-1, 3)
+    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]))
+
+
+def sample_pairs(input_lens, target_lens, family: str) -> np.ndarray:
+    """(N, 3) pairs of each sample alone (``encoder, decoder, cross``): the per-unit table that prefix sums
+    turn into the pairs of any run of samples."""
+    e = np.asarray(input_lens, dtype=np.float64)
+    d = np.asarray(target_lens, dtype=np.float64)
+    if not is_seq2seq(family):
+        zero = np.zeros_like(e)
+        return np.stack([(e + d) ** 2, zero, zero], axis=1)
+    return np.stack([e * e, d * d, d * e], axis=1)

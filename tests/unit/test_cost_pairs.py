@@ -1,0 +1,251 @@
+"""Per-segment (padding-free) attention pricing: the analytic model and the profiled tables scale the
+attention cores with the score pairs they compute; without pairs nothing changes; micro-batches know
+their pairs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.cost.pairs import AttentionPairs, groups_pairs, row_pairs, sample_pairs
+from dynabatch.cost.planner_model import ProfiledCostModel, ProfiledLayerModel
+from dynabatch.cost.segments import equivalent_shape
+from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.tables import CostTables
+from test_cost_tables import B, D, E, synthetic_profile  # tests/unit is on sys.path (pytest's prepend import)
+
+FIELDS = ("fwd_time_s", "bwd_time_s", "fwd_flops", "stored_activation_bytes", "peak_extra_bytes")
+
+# Whole-model stage costs computed by the analytic model before per-segment pricing existed (git b31e33e),
+# as float.hex: the default (no pairs) must reproduce them bit for bit.
+GOLDEN = {
+    ("t5-large", False, (8, 1000, 200)): ["0x1.61200bec29e78p-4", "0x1.60337379b7466p-3", "0x1.c8a4000000000p+42",
+                                          "0x1.a847eb0000000p+34", "0x1.03c4000000000p+29"],
+    ("t5-large", True, (8, 1000, 200)): ["0x1.99ca6b6cd5cecp-5", "0x1.a6f6a03570f30p-4", "0x1.c8a4000000000p+42",
+                                         "0x1.1972960000000p+33", "0x1.2944000000000p+28"],
+    ("gpt-1.3b", False, (4, 2048, None)): ["0x1.7cb8ae975187fp-3", "0x1.7cb8ae975187fp-2", "0x1.688a200000000p+44",
+                                           "0x1.62e5300000000p+35", "0x1.2a79800000000p+31"],
+    ("gpt-1.3b", True, (4, 2048, None)): ["0x1.1c8734399a19dp-3", "0x1.289e5127357eap-2", "0x1.688a200000000p+44",
+                                          "0x1.cbf4c00000000p+33", "0x1.2a79800000000p+31"],
+    ("llama3-8b", False, (2, 777, None)): ["0x1.0e0345e5b0c04p-3", "0x1.0e0345e5b0c04p-2", "0x1.5ca0c50000000p+44",
+                                           "0x1.ab7bb04800000p+33", "0x1.2026700000000p+30"],
+    ("llama3-8b", True, (2, 777, None)): ["0x1.f23d1489bddc0p-4", "0x1.f70504112bc5cp-3", "0x1.5ca0c50000000p+44",
+                                          "0x1.e6dbd89000000p+32", "0x1.2026700000000p+30"],
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN), ids=lambda k: f"{k[0]}-flash{k[1]}")
+def test_default_is_bitwise_what_it_was(key):
+    preset, flash, shape = key
+    model = AnalyticCostModel.from_names(preset, "a100-40gb", flash_attention=flash)
+    cost = model.stage_cost(model.layer_kinds(), *shape)
+    assert [float(getattr(cost, f)).hex() for f in FIELDS] == GOLDEN[key]
+
+
+@pytest.mark.parametrize("preset", ["gpt-1.3b", "t5-large"])
+@pytest.mark.parametrize("flash", [False, True])
+def test_dense_pairs_price_as_no_pairs(preset, flash):
+    model = AnalyticCostModel.from_names(preset, "a100-40gb", flash_attention=flash)
+    rng = np.random.default_rng(0)
+    b, e, d = (rng.integers(1, hi, 50).astype(float) for hi in (32, 2048, 512))
+    d = d if model.spec.family == "seq2seq" else None
+    dense, paired = (model.stage_cost(model.layer_kinds(), b, e, d, pairs=p) for p in (None, AttentionPairs.dense(b, e, d)))
+    for f in FIELDS:
+        np.testing.assert_allclose(getattr(paired, f), getattr(dense, f), rtol=1e-12)
+
+
+def _core(model, kind, b, e, d, pairs):
+    """Attention-core FLOPs and stored bytes of one layer: the part that grows with the pairs."""
+    zero = AttentionPairs(0.0, 0.0, 0.0)
+    full, none = model.layer_cost(kind, b, e, d, pairs), model.layer_cost(kind, b, e, d, zero)
+    return (full.fwd_flops - none.fwd_flops, full.stored_activation_bytes - none.stored_activation_bytes,
+            full.fwd_time_s - none.fwd_time_s)
+
+
+def test_packed_row_pays_the_sum_of_its_samples_attention():
+    """One row of 32 samples x 64 tokens: the attention core is that of 32 one-sample rows of 64 tokens,
+    1/32 of the dense 2048^2 row's, and the layer is much cheaper than the dense row."""
+    model = AnalyticCostModel.from_names("gpt-1.3b", "a100-40gb")
+    packed = AttentionPairs(32 * 64.0**2, 0.0, 0.0)
+    flops, stored, _ = _core(model, "gpt", 1, 2048, None, packed)
+    one_flops, one_stored, _ = _core(model, "gpt", 1, 64, None, AttentionPairs(64.0**2, 0.0, 0.0))
+    dense_flops, dense_stored, _ = _core(model, "gpt", 1, 2048, None, AttentionPairs.dense(1, 2048))
+    assert flops == pytest.approx(32 * one_flops, rel=1e-12) and stored == pytest.approx(32 * one_stored, rel=1e-12)
+    assert flops == pytest.approx(dense_flops / 32, rel=1e-12) and stored == pytest.approx(dense_stored / 32, rel=1e-12)
+    # the dense 4 b T^2 d attention FLOPs are 1/6 of a 2048-token GPT-1.3B block; per segment they vanish
+    dense_layer = model.layer_cost("gpt", 1, 2048)
+    packed_layer = model.layer_cost("gpt", 1, 2048, pairs=packed)
+    assert packed_layer.fwd_flops < 0.87 * dense_layer.fwd_flops
+    assert packed_layer.fwd_time_s < dense_layer.fwd_time_s and packed_layer.peak_extra_bytes <= dense_layer.peak_extra_bytes
+    # T5: encoder, decoder and cross-attention each follow their own pairs
+    t5 = AnalyticCostModel.from_names("t5-large", "a100-40gb")
+    rows = AttentionPairs(16 * 64.0**2, 16 * 16.0**2, 16 * 64.0 * 16)
+    flops, stored, _ = _core(t5, "t5_decoder", 1, 1024, 256, rows)
+    one = _core(t5, "t5_decoder", 1, 64, 16, AttentionPairs(64.0**2, 16.0**2, 64.0 * 16))
+    assert flops == pytest.approx(16 * one[0], rel=1e-12) and stored == pytest.approx(16 * one[1], rel=1e-12)
+
+
+def test_stage_model_takes_pairs_and_rejects_bad_ones():
+    model = AnalyticCostModel.from_names("gpt-1.3b", "a100-40gb")
+    stages = StageCostModel(model, balanced_layout(model, 4), model.hardware.memory_bytes)
+    b, e = np.array([1.0, 4.0]), np.array([2048.0, 512.0])
+    dense = stages.evaluate(b, e, np.zeros(2))
+    packed = stages.evaluate(b, e, np.zeros(2), pairs=AttentionPairs([32 * 64.0**2, 4 * 512.0**2], 0.0, 0.0))
+    assert packed[0][0] < dense[0][0] and packed[0][1] == pytest.approx(dense[0][1], rel=1e-12)
+    assert np.all(packed[1] <= dense[1]) and np.all(packed[2] <= dense[2])
+    per_stage = stages.per_stage(b, e, np.zeros(2), AttentionPairs.dense(b, e))
+    np.testing.assert_allclose(per_stage.fwd_s, stages.per_stage(b, e, np.zeros(2)).fwd_s, rtol=1e-12)
+    with pytest.raises(ValueError, match="AttentionPairs"):
+        model.layer_cost("gpt", 1, 64, pairs=(1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="broadcast"):
+        model.layer_cost("gpt", b, e, pairs=AttentionPairs(np.ones(3), 0.0, 0.0))
+    with pytest.raises(ValueError, match=">= 0"):
+        AttentionPairs(-1.0, 0.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- profiled tables
+
+A_BLOCK, A_CORE, C_PAIR, K_BLOCK, K_CORE = 1e-6, 2e-7, 1e-9, 1e-4, 3e-5
+
+
+def _pairs_cost(kind, b, e, d):
+    """Blocks and their cores share the per-pair term; a core also has per-token and per-call terms."""
+    if kind.endswith("_attention"):
+        if "cross" in kind:
+            pairs, tokens = b * d * e, b * (d + e)
+        elif "self" in kind:
+            pairs, tokens = b * d * d, b * d
+        else:
+            pairs, tokens = b * e * e, b * e
+        fwd = K_CORE + A_CORE * tokens + C_PAIR * pairs
+        return fwd, 2 * fwd, 100.0 * tokens + 4.0 * pairs, 200.0 * tokens + 8.0 * pairs
+    n = e + d
+    pairs = b * (e * e + d * d + e * d) if "block" in kind else 0.0
+    fwd = K_BLOCK + A_BLOCK * b * n + C_PAIR * pairs
+    return fwd, 2 * fwd, 1000.0 * b * n + 4.0 * pairs, 2000.0 * b * n + 8.0 * pairs
+
+
+def _tables(family: str, cores: bool = True) -> CostTables:
+    profile = synthetic_profile(family, fn=_pairs_cost)
+    if cores:
+        if family == "gpt2":
+            extra, roles = {"gpt2_block_attention": ("b", "E")}, {"gpt2_block": {"encoder": "gpt2_block_attention"}}
+        else:
+            extra = {"t5_encoder_block_attention": ("b", "E"), "t5_decoder_block_self_attention": ("b", "D"),
+                     "t5_decoder_block_cross_attention": ("b", "E", "D")}
+            roles = {"t5_encoder_block": {"encoder": "t5_encoder_block_attention"},
+                     "t5_decoder_block": {"decoder": "t5_decoder_block_self_attention",
+                                          "cross": "t5_decoder_block_cross_attention"}}
+        axes = {"b": B, "E": E, "D": D}
+        for kind, dims in extra.items():
+            grids = [axes[x] for x in dims]
+            vals = np.empty((4, *(len(g) for g in grids)))
+            for idx in np.ndindex(*vals.shape[1:]):
+                v = dict(zip(dims, (g[i] for g, i in zip(grids, idx))))
+                vals[(slice(None), *idx)] = _pairs_cost(kind, v["b"], v.get("E", 0), v.get("D", 0))
+            profile["layers"][kind] = {"dims": list(dims), "num_params": 0, "tied_params": 0,
+                                       "status": np.full(vals.shape[1:], "ok", dtype=object).tolist(),
+                                       **{m: vals[i].tolist() for i, m in
+                                          enumerate(("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"))}}
+        profile["model"]["attention_cores"] = roles
+    return CostTables.from_profile(json.loads(json.dumps(profile)))
+
+
+def test_tables_price_a_packed_row_by_its_pairs():
+    """block(b, E, P) = block(b, E) - core(b, E) + core(equivalent shape): exact here, where the per-pair
+    term is shared and the equivalent shape (8 rows of 32 tokens) lies on the grid."""
+    tables = _tables("gpt2")
+    layer = ProfiledLayerModel(tables)
+    pairs = AttentionPairs(8 * 32.0**2, 0.0, 0.0)  # one 256-token row of 8 samples
+    assert equivalent_shape("encoder", 1.0, 256.0, 1.0, pairs.encoder) == (8.0, 32.0, 1.0)
+    got = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=pairs)
+    dense = layer.stage_cost(["gpt"], 1.0, 256.0)
+    saved = 256**2 - 8 * 32**2  # pairs not computed (the stage's context kind is priced dense either way)
+    assert dense.fwd_time_s - got.fwd_time_s == pytest.approx(C_PAIR * saved, rel=1e-9)
+    assert dense.bwd_time_s - got.bwd_time_s == pytest.approx(2 * C_PAIR * saved, rel=1e-9)
+    assert dense.stored_activation_bytes - got.stored_activation_bytes == pytest.approx(4.0 * saved, rel=1e-9)
+    block = layer.tables.layer_cost("gpt2_block", 1.0, 256.0)
+    assert block.fwd_s == pytest.approx(K_BLOCK + A_BLOCK * 256 + C_PAIR * 256**2, rel=1e-9)
+    # dense pairs and no pairs agree; a profile without cores prices pairs as dense
+    again = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=AttentionPairs.dense(1.0, 256.0))
+    assert again.fwd_time_s == pytest.approx(dense.fwd_time_s, rel=1e-12)
+    plain = ProfiledLayerModel(_tables("gpt2", cores=False)).stage_cost(["gpt"], 1.0, 256.0, pairs=pairs)
+    assert plain.fwd_time_s == pytest.approx(dense.fwd_time_s, rel=1e-12)
+    # beyond the grid's b (16): 2 rows of 32 x 8 tokens -> core(64, 8), priced as 4 x core(16, 16) (lengths
+    # clamped up to the grid, linear in b): cheaper than dense, never below the exact per-pair price
+    wide = layer.stage_cost(["gpt"], 2.0, 256.0, pairs=AttentionPairs(64 * 8.0**2, 0.0, 0.0))
+    wide_dense = layer.stage_cost(["gpt"], 2.0, 256.0)
+    assert wide_dense.fwd_time_s > wide.fwd_time_s > wide_dense.fwd_time_s - C_PAIR * (2 * 256**2 - 64 * 8**2)
+
+
+def test_tables_t5_roles_and_planner_view():
+    tables = _tables("t5")
+    model = ProfiledCostModel.even_split(tables, 2, 1e12)
+    b, e, d = np.array([1.0, 4.0]), np.array([256.0, 128.0]), np.array([128.0, 32.0])
+    pairs = AttentionPairs([8 * 32.0**2, 4 * 128.0**2], [8 * 16.0**2, 4 * 32.0**2], [8 * 32.0 * 16, 4 * 128.0 * 32])
+    t, stored, peak = model.evaluate(b, e, d, pairs=pairs)
+    t0, stored0, peak0 = model.evaluate(b, e, d)
+    assert t[0] < t0[0] and stored[0] < stored0[0]
+    assert t[1] == pytest.approx(t0[1], rel=1e-12) and stored[1] == pytest.approx(stored0[1], rel=1e-12)  # dense
+    # a decoder block: dense minus the pairs its self- and cross-attention cores do not compute
+    layer = ProfiledLayerModel(tables)
+    four = AttentionPairs(4 * 64.0**2, 4 * 32.0**2, 4 * 64.0 * 32)  # 4 samples of (64, 32): grid shapes
+    got = layer.stage_cost(["t5_decoder"], 1.0, 256.0, 128.0, pairs=four)
+    dense = layer.stage_cost(["t5_decoder"], 1.0, 256.0, 128.0)
+    saved = C_PAIR * ((128.0**2 - 4 * 32.0**2) + (128.0 * 256 - 4 * 64.0 * 32))
+    assert dense.fwd_time_s - got.fwd_time_s == pytest.approx(saved, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- pairs of micro-batches
+
+
+def test_pairs_of_rows_by_hand():
+    e, d = np.array([10, 3, 7, 100]), np.array([2, 1, 5, 20])
+    # GPT: one sequence of inputs + targets per sample; row (0, 1) holds 12 + 4 tokens, row (2,) 12
+    assert row_pairs([(0, 1), (2,)], e, d, "causal") == (12**2 + 4**2 + 12**2, 0.0, 0.0)
+    # T5: encoder, decoder and cross blocks per sample
+    assert row_pairs([(0, 1), (2,)], e, d, "seq2seq") == (100 + 9 + 49, 4 + 1 + 25, 20 + 3 + 35)
+    got = groups_pairs([[(0, 1, 2)], [(3,)]], e, d, "seq2seq")
+    np.testing.assert_array_equal(got.encoder, [158.0, 10000.0])
+    np.testing.assert_array_equal(got.cross, [58.0, 2000.0])
+    np.testing.assert_array_equal(sample_pairs(e, d, "causal")[:, 0], (e + d) ** 2)
+
+
+def test_method_plans_carry_their_pairs():
+    from dynabatch.data.baselines import RowGroup
+    from dynabatch.data.batching import LengthLimits
+    from dynabatch.data.sample import GlobalBatch, TokenizedSample
+    from dynabatch.workload import method_micro_batches, micro_batch_pairs
+
+    lens = [(30, 10), (5, 3), (12, 4), (60, 20), (7, 1)]
+    batch = GlobalBatch(0, tuple(TokenizedSample("t", np.zeros(a, np.int32), np.zeros(b, np.int32), 0, i)
+                                 for i, (a, b) in enumerate(lens)), 0)
+    groups = [RowGroup(((0, 1), (2, 4)), 48, None), RowGroup(((3,),), 80, None)]
+    pairs = micro_batch_pairs(batch, groups, "causal")
+    np.testing.assert_array_equal(pairs.encoder, [40**2 + 8**2 + 16**2 + 8**2, 80.0**2])
+    np.testing.assert_array_equal(pairs.calls[0], [3, 1])  # lengths 40, 8, 16, 8: three SDPA calls
+    limits = LengthLimits("causal", max_input_len=128, max_target_len=32, max_seq_len=128)
+    assert method_micro_batches("packing", batch, limits).pairs is None  # dense block-diagonal masks
+    plan = method_micro_batches("packing_free", batch, limits)
+    want = [sum((lens[i][0] + lens[i][1]) ** 2 for row in g.rows for i in row) for g in plan.groups]
+    np.testing.assert_array_equal(plan.pairs.encoder, want)
+    assert plan.pairs.encoder.sum() == sum((a + b) ** 2 for a, b in lens)
+
+
+def test_attention_calls_add_their_fixed_cost():
+    """One SDPA call per group of equal-length segments: each further call launches the core's kernels
+    again (analytic) or pays the core table's intercept along b (profiled); the work is unchanged."""
+    model = AnalyticCostModel.from_names("gpt-1.3b", "a100-40gb")
+    one = model.layer_cost("gpt", 1, 2048, pairs=AttentionPairs(32 * 64.0**2, 0.0, 0.0))
+    many = model.layer_cost("gpt", 1, 2048, pairs=AttentionPairs(32 * 64.0**2, 0.0, 0.0, (5.0, 1.0, 1.0)))
+    assert many.fwd_flops == one.fwd_flops and many.stored_activation_bytes == one.stored_activation_bytes
+    launches = 4 * model.hardware.kernel_launch_s  # QK^T, softmax, dropout, AV
+    assert many.fwd_time_s - one.fwd_time_s == pytest.approx(4 * launches, rel=1e-9)
+    layer = ProfiledLayerModel(_tables("gpt2"))
+    base = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=AttentionPairs(8 * 32.0**2, 0.0, 0.0))
+    three = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=AttentionPairs(8 * 32.0**2, 0.0, 0.0, (3.0, 1.0, 1.0)))
+    assert three.fwd_time_s - base.fwd_time_s == pytest.approx(2 * K_CORE, rel=1e-6)
+    assert three.bwd_time_s - base.bwd_time_s == pytest.approx(4 * K_CORE, rel=1e-6)

@@ -1,0 +1,143 @@
+"""Row packing in the planner (``plan_step(pack_rows="auto")``): best-fit-decreasing rows (the numba
+kernel equals its pure-Python twin), rows as units of the partition DP priced by their attention pairs,
+and plans whose row groups hold every sample exactly once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynabatch.cost.pairs import AttentionPairs, row_pairs
+from dynabatch.plan import _kernels as K
+from dynabatch.plan.costs import PolynomialCostModel
+from dynabatch.plan.partition import plan_partition
+from dynabatch.plan.rowpack import pack_units
+from dynabatch.plan.step import plan_step
+from dynabatch.sequence import is_seq2seq
+from reference import plan_reference as ref  # tests/ is on sys.path via its conftest.py
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_fit_rows_kernel_matches_twin(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    e = rng.integers(1, 300, n).astype(np.int64)
+    two_d = seed % 2 == 0
+    d = rng.integers(1, 80, n).astype(np.int64) if two_d else np.zeros(n, np.int64)
+    cap_e, cap_d = int(rng.integers(100, 400)), (int(rng.integers(20, 100)) if two_d else 0)
+    order = rng.permutation(n).astype(np.int64)
+    assert K._best_fit_rows(e, d, order, cap_e, cap_d).tolist() == ref.best_fit_rows(e, d, order, cap_e, cap_d)
+
+
+@pytest.mark.parametrize("family", ["causal", "seq2seq"])
+def test_pack_units_fill_rows_within_capacity(family):
+    rng = np.random.default_rng(1)
+    e, d = rng.integers(1, 200, 80), rng.integers(1, 40, 80)
+    cap = (256, 64)
+    units = pack_units(e, d, family, cap)
+    flat = sorted(i for row in units.rows for i in row)
+    assert flat == list(range(80))
+    for row, ue, ud, pairs in zip(units.rows, units.input_lens, units.target_lens, units.pairs):
+        if family == "causal":
+            assert ue == sum(e[i] + d[i] for i in row) and ud == 0
+        else:
+            assert (ue, ud) == (sum(e[i] for i in row), sum(d[i] for i in row))
+        assert len(row) == 1 or (ue <= cap[0] and (family == "causal" or ud <= cap[1]))
+        assert tuple(pairs) == row_pairs([row], e, d, family)
+    assert len(units.rows) < 80  # short samples share rows
+
+
+def _check_rows(plan, e, d, family):
+    """Every sample in exactly one row of one micro-batch; rows fit the planned shape; pairs as priced."""
+    seen = []
+    for r in range(len(plan.replicas)):
+        for piece, group in zip(plan.replicas[r], plan.to_row_groups(r)):
+            assert group.rows == piece.row_samples and len(group.rows) == piece.shape[0]
+            for row in group.rows:
+                seen += row
+                if family == "causal":
+                    assert sum(e[i] + d[i] for i in row) <= piece.shape[1]
+                else:
+                    assert sum(e[i] for i in row) <= piece.shape[1] and sum(d[i] for i in row) <= piece.shape[2]
+            if piece.pairs is not None:
+                assert piece.pairs == pytest.approx(row_pairs(group.rows, e, d, family))
+    assert sorted(seen) == list(range(len(e)))
+
+
+def _repriced(plan, cost, e, d, family) -> float:
+    """The plan's objective with every micro-batch priced by its per-segment attention pairs."""
+    pieces = plan.replicas[0]
+    rows = np.array([row_pairs(p.row_samples, e, d, family) for p in pieces])
+    shapes = np.array([p.shape for p in pieces], dtype=np.float64)
+    t, _, _ = cost.evaluate(shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=AttentionPairs(*rows.T))
+    return float(t.sum() + (plan.num_stages - 1) * t.max())
+
+
+@pytest.mark.parametrize("family", ["causal", "seq2seq"])
+def test_planner_packs_short_samples_when_it_is_cheaper(family):
+    """Many short samples of mixed lengths and a few long ones, a large per-micro-batch overhead: packed rows
+    beat one sample per row by a clear margin under the same per-segment pricing."""
+    rng = np.random.default_rng(0)
+    short = rng.integers(8, 120, 120)
+    e = np.concatenate([short, [900, 1000]]).astype(np.int64)
+    d = np.maximum(1, e // 6) if family == "seq2seq" else np.zeros_like(e)
+    cost = PolynomialCostModel(overhead_s=5e-3, memory_budget_bytes=64 * 2**30)
+    off = plan_step(e, d, cost, 4, family=family)
+    auto = plan_step(e, d, cost, 4, family=family, pack_rows="auto")
+    _check_rows(auto, e, d, family)
+    _check_rows(off, e, d, family)
+    assert any(p.rows is not None for p in auto.replicas[0])
+    assert all(p.rows is None and p.pairs is None for p in off.replicas[0])
+    assert auto.objective_s == pytest.approx(_repriced(auto, cost, e, d, family), rel=1e-9)
+    assert auto.objective_s < 0.95 * _repriced(off, cost, e, d, family)
+
+
+def test_pack_rows_off_is_the_dense_planner_and_auto_handles_replicas():
+    rng = np.random.default_rng(3)
+    e, d = rng.integers(10, 400, 200), rng.integers(1, 60, 200)
+    cost = PolynomialCostModel()
+    off = plan_step(e, d, cost, 4, family="seq2seq", pack_rows="off")
+    part = plan_partition(e, d, cost, 4, family="seq2seq")
+    assert sorted(p.time_s for p in off.replicas[0]) == sorted(part.times_s.tolist())
+    auto = plan_step(e, d, cost, 4, family="seq2seq", pack_rows="auto", num_replicas=2)
+    _check_rows(auto, e, d, "seq2seq")
+    assert len(auto.replicas) == 2 and all(auto.replicas)
+    with pytest.raises(ValueError, match="pack_rows"):
+        plan_step(e, d, cost, 4, family="seq2seq", pack_rows="yes")
+
+
+def test_packing_with_token_slices_keeps_slices_whole_samples():
+    from dynabatch.plan.slicing import PolynomialSliceCostModel
+
+    rng = np.random.default_rng(5)
+    e = np.concatenate([rng.integers(8, 100, 60), [3000]]).astype(np.int64)
+    d = np.zeros_like(e)
+    cost = PolynomialCostModel(overhead_s=2e-3)
+    plan = plan_step(e, d, cost, 4, family="causal", pack_rows="auto", slice_cost_model=PolynomialSliceCostModel())
+    seen = [i for p in plan.replicas[0] if not p.is_slice for row in p.row_samples for i in row]
+    assert sorted(seen + list(plan.sliced_samples)) == list(range(len(e)))
+
+
+@pytest.mark.parametrize("pack_rows", ["auto", "off"])
+def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
+    """The runtime planner passes ``TrainConfig.pack_rows`` to plan_step: its collated micro-batches hold
+    every sample of the global batch exactly once (several per row when packed), priced per segment."""
+    from dynabatch.config import TrainConfig
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    t5 = is_seq2seq(toy_data.family)
+    name = "t5-tiny" if t5 else "gpt2-tiny"
+    cfg = TrainConfig(model=name, stages=2, global_batch_tokens=4096, max_input_len=128, max_target_len=32,
+                      memory_gib=4.0, pack_rows=pack_rows)
+    model = build_model(name, vocab_size=toy_data.tokens.vocab_size)
+    cost_model = planner_cost_model(cfg, model.config, layout_for(model, 2))
+    limits = LengthLimits("t5" if t5 else "gpt2", max_input_len=128, max_target_len=32, max_seq_len=128)
+    planned = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=4096), cfg, cost_model, toy_data.tokens)()
+    rows = [row for mb in planned.replica_micro_batches[0] for row in mb.sample_ids]
+    assert sorted(i for row in rows for i in row) == list(range(len(planned.batch)))
+    assert (max(len(r) for r in rows) > 1) == (pack_rows == "auto")  # short toy samples: packing pays here
+    assert planned.predicted_step_s > 0
