@@ -14,7 +14,8 @@ this count leaves on the safe side).
 :class:`AttentionPairs` holds the three sums as float64 arrays of one shape (one entry per micro-batch); the
 cost models take it as an optional ``pairs=`` argument and price dense ``b x Tq x Tk`` without it.
 Optionally it also counts the attention-core *calls* per layer (``calls``): the runtime makes one SDPA
-call per group of equal-length segments, and on small shapes each call's fixed cost matters.
+call per group of near-equal-length segments (:func:`attention_groups`), and on small shapes each call's
+fixed cost matters.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class AttentionPairs:
     """T5 cross-attention: ``sum d e`` over samples (0 for GPT)."""
     calls: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """Attention-core calls per layer for each kind (encoder, decoder, cross): the runtime runs one SDPA
-    call per group of samples with equal query and key lengths, so a micro-batch of ``k`` distinct
-    lengths makes ``k`` calls (:func:`row_calls`); ``None``: one call each, as dense attention."""
+    call per group of samples with near-equal query and key lengths (:func:`attention_groups`,
+    :func:`row_calls`); ``None``: one call each, as dense attention."""
 
     def __post_init__(self) -> None:
         names = ["encoder", "decoder", "cross"]
@@ -98,15 +99,58 @@ def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
     return float((ei * ei).sum()), float((di * di).sum()), float((di * ei).sum())
 
 
+PAD_TOLERANCE = 0.25
+"""Samples whose query and key lengths are within this fraction of a group's longest share one SDPA call,
+padded to it under a key mask (pad pairs only, never another sample's keys): fewer, larger calls. Used by
+the runtime (:mod:`dynabatch.models.attention`) and by :func:`row_calls`, so predicted calls are the
+runtime's. Chosen by ``scripts/bench_attention.py`` (README, "Padding-free attention")."""
+
+
+def attention_groups(query_lens, key_lens, alone) -> list[tuple[np.ndarray, bool]]:
+    """The samples that share one attention-core call, as ``(indices, alone)`` pairs.
+
+    Greedy, longest key span first (then longest query span): a sample joins the open group while both its
+    lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group).
+    Samples alone in their rows (``alone``: the runtime slices their rows instead of gathering) and samples
+    sharing a row are grouped apart.
+    """
+    q = np.asarray(query_lens)
+    k = np.asarray(key_lens)
+    alone = np.asarray(alone, dtype=bool)
+    keep = 1.0 - PAD_TOLERANCE
+    groups: list[tuple[np.ndarray, bool]] = []
+    for flag in (True, False):
+        candidates = np.flatnonzero(alone == flag)
+        order = candidates[np.lexsort((q[candidates], k[candidates]))[::-1]]
+        members: list[int] = []
+        top_q = top_k = 0
+        for j in order:
+            if members and not (k[j] >= keep * top_k and q[j] >= keep * top_q):
+                groups.append((np.asarray(members), flag))
+                members = []
+            if not members:
+                top_q, top_k = q[j], k[j]
+            members.append(int(j))
+            top_q = max(top_q, q[j])
+        if members:
+            groups.append((np.asarray(members), flag))
+    return groups
+
+
 def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int, int]:
-    """``(encoder, decoder, cross)`` attention-core calls per layer of one micro-batch: its distinct
-    sample lengths (GPT: inputs + targets), distinct target lengths and distinct (target, input) pairs."""
+    """``(encoder, decoder, cross)`` attention-core calls per layer of one micro-batch, as the runtime groups
+    its samples (:func:`attention_groups`; GPT: inputs + targets as one sequence)."""
     e = np.asarray(input_lens, dtype=np.int64)
     d = np.asarray(target_lens, dtype=np.int64)
-    ids = [i for r in rows for i in r]
+    rows = [list(r) for r in rows]
+    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+    alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool)
     if not is_seq2seq(family):
-        return len({int(e[i] + d[i]) for i in ids}), 1, 1
-    return len({int(e[i]) for i in ids}), len({int(d[i]) for i in ids}), len({(int(d[i]), int(e[i])) for i in ids})
+        n = e[ids] + d[ids]
+        return len(attention_groups(n, n, alone)), 1, 1
+    ei, di = e[ids], d[ids]
+    return (len(attention_groups(ei, ei, alone)), len(attention_groups(di, di, alone)),
+            len(attention_groups(di, ei, alone)))
 
 
 def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:

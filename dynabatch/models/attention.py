@@ -11,8 +11,10 @@ masked in a packed row. This module runs it per *segment* instead:
    (TeraPipe): the keys are the chain's earlier tokens (``context``) then the slice, so a sample's key span
    ends where its query span ends and the causal diagonal is aligned bottom-right. T5 cross-attention:
    decoder segment ``k`` against encoder segment ``k`` of the same row.
-2. Samples with the same ``(query length, key length)`` form one group; :func:`segment_attention` makes one
-   ``scaled_dot_product_attention`` call per group (the group's queries, keys and values gathered with
+2. Samples with near-equal ``(query length, key length)`` form one group
+   (:func:`dynabatch.cost.pairs.attention_groups`, within ``PAD_TOLERANCE`` = 25% of the group's longest,
+   padded to it under a key mask); :func:`segment_attention` makes one ``scaled_dot_product_attention`` call
+   per group (the group's queries, keys and values gathered with
    advanced indexing into ``(n, heads, L, head_dim)``, or plain views for a group of one, or the whole
    tensors when every row is one unpadded sample of the same length), then writes each group's output
    back into a zero ``(B, Q, heads, head_dim)`` tensor: pad outputs are zero, which no loss reads and no
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from dynabatch.config import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
+from dynabatch.cost.pairs import attention_groups
 
 SEGMENT_ATTENTION = "dynabatch_segments"
 """The name of the padding-free attention implementation in ``transformers.AttentionInterface``."""
@@ -80,6 +83,9 @@ class SegmentGroup:
     ``x[rows, :, :L]``, no gathering, and its padded tail is that row's own pad. Rows in ascending order."""
     all_rows: bool = False
     """``whole_rows`` and the group is every row of the micro-batch: plain views ``x[:, :, :L]``."""
+    aligned: bool = True
+    """Every sample's queries end where its keys end at the group's offset (``Lk_s - Lq_s == Lk - Lq``):
+    always for self-attention; causal attention then needs no key mask (:func:`_group_mask`)."""
 
     @property
     def size(self) -> int:
@@ -99,6 +105,8 @@ class Segments:
     groups: tuple[SegmentGroup, ...]
     max_len: int
     """Longest query or key span: the size of the relative-position bias a T5 stage computes."""
+    masks: dict = field(default_factory=dict, compare=False, repr=False)
+    """Per-group masks built by the first layer and reused by the others (:func:`_cached_mask`)."""
 
     @property
     def is_dense_rows(self) -> bool:
@@ -179,50 +187,25 @@ def build_segments(
                     rows, q_starts, q_lens, k_starts, k_lens, device)
 
 
-PAD_TOLERANCE = 0.25
-"""Samples whose query and key lengths are within this fraction of a group's longest share its SDPA call,
-padded to it under a key mask (pad pairs only, never another sample's keys): fewer, larger calls. Chosen by
-``scripts/bench_attention.py`` (README, "Padding-free attention")."""
-
-
 def _grouped(kind, num_rows, query_len, key_len, rows, q_starts, q_lens, k_starts, k_lens, device) -> Segments:
-    """Greedy groups, longest first: a sample joins the open group while both its lengths are at least
-    ``1 - PAD_TOLERANCE`` of the group's (0: exactly equal lengths only; 1: one group). Samples alone in
-    their rows (``whole_rows``) and samples sharing a row are grouped apart."""
+    """:class:`SegmentGroup` s by :func:`dynabatch.cost.pairs.attention_groups` (the cost model counts the same
+    calls): near-equal lengths share a call; a sample alone in its row (and starting it) is a row slice."""
     alone = (np.bincount(rows, minlength=num_rows)[rows] == 1) & (q_starts == 0) & (k_starts == 0)
     groups = []
-
-    def close(m: np.ndarray, whole: bool) -> None:
+    for m, whole in attention_groups(q_lens, k_lens, alone):
         if whole:
             m = m[np.argsort(rows[m], kind="stable")]
-        i = int(np.argmax(k_lens[m]))
 
         def index(a):
             return torch.from_numpy(np.ascontiguousarray(a[m])).to(device)
 
         uniform = bool((q_lens[m] == q_lens[m[0]]).all() and (k_lens[m] == k_lens[m[0]]).all())
         first = int(m[0])
-        groups.append(SegmentGroup(int(q_lens[m].max()), int(k_lens[m[i]]), index(rows), index(q_starts),
+        groups.append(SegmentGroup(int(q_lens[m].max()), int(k_lens[m].max()), index(rows), index(q_starts),
                                    index(k_starts), index(q_lens), index(k_lens),
                                    (int(rows[first]), int(q_starts[first]), int(k_starts[first])), uniform,
-                                   whole_rows=whole, all_rows=whole and len(m) == num_rows))
-
-    tolerance = PAD_TOLERANCE
-    for whole in (True, False):
-        candidates = np.flatnonzero(alone == whole)
-        order = candidates[np.lexsort((q_lens[candidates], k_lens[candidates]))[::-1]]  # longest first
-        members: list[int] = []
-        top_q = top_k = 0
-        for j in order:
-            if members and not (k_lens[j] >= (1 - tolerance) * top_k and q_lens[j] >= (1 - tolerance) * top_q):
-                close(np.asarray(members), whole)
-                members = []
-            if not members:
-                top_q, top_k = q_lens[j], k_lens[j]
-            members.append(int(j))
-            top_q = max(top_q, q_lens[j])
-        if members:
-            close(np.asarray(members), whole)
+                                   whole_rows=whole, all_rows=whole and len(m) == num_rows,
+                                   aligned=bool(((k_lens[m] - q_lens[m]) == k_lens[m].max() - q_lens[m].max()).all())))
     max_len = int(max(q_lens.max(initial=0), k_lens.max(initial=0)))
     return Segments(kind, num_rows, query_len, key_len, tuple(groups), max_len)
 
@@ -241,18 +224,21 @@ def _take(x: torch.Tensor, g: SegmentGroup, starts: torch.Tensor, length: int, f
 def _group_mask(kind: AttentionKind, g: SegmentGroup, bias: torch.Tensor | None, dtype: torch.dtype):
     """``(attn_mask, is_causal)`` for one group (module docstring, point 3).
 
-    Sample ``s`` of a padded group may see key ``j < Lk_s``; causally also ``j <= i + Lk_s - Lq_s`` (its
-    queries are the tail of its keys: bottom-right alignment, which for self-attention is ``j <= i``).
+    Causal attention of an ``aligned`` group needs no key mask even when it is padded: a real query ``i``
+    of a sample sees keys ``j <= i + Lk - Lq``, all inside its own span (padding, or the next sample of a
+    packed row, lies beyond), so self-attention is plain ``is_causal`` (flash kernels apply) and a slice
+    one shared bottom-right triangle. Otherwise sample ``s`` of a padded group may see keys ``j < Lk_s``
+    (and causally ``j <= i + Lk_s - Lq_s``): a per-sample key mask.
     """
     lq, lk = g.query_len, g.key_len
     window = None if bias is None or kind == "cross" else bias[:, :, :lq, :lk]  # (1, H, lq, lk), Toeplitz
     device = g.rows.device
-    if g.uniform:
-        if kind == "cross" or (kind == "bidirectional"):
-            return window, False
+    if kind == "causal" and g.aligned:
         if window is None and lq == lk:
             return None, True
-        allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)  # bottom-right
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)  # (lq, lk), bottom-right
+    elif g.uniform:
+        return window, False
     else:
         keys = torch.arange(lk, device=device)
         allowed = (keys < g.key_lens[:, None])[:, None, None, :]  # (n, 1, 1, lk)
@@ -262,6 +248,14 @@ def _group_mask(kind: AttentionKind, g: SegmentGroup, bias: torch.Tensor | None,
     if window is None:
         return allowed, False
     return torch.where(allowed, window, torch.finfo(dtype).min), False
+
+
+def _cached_mask(segments: "Segments", index: int, bias: torch.Tensor | None, dtype: torch.dtype):
+    """:func:`_group_mask`, built once per stage call and shared by the stage's layers (same bias tensor)."""
+    key = (index, None if bias is None else id(bias), dtype)
+    if key not in segments.masks:
+        segments.masks[key] = _group_mask(segments.kind, segments.groups[index], bias, dtype)
+    return segments.masks[key]
 
 
 def segment_attention(
@@ -279,21 +273,20 @@ def segment_attention(
     ``bias``: T5's (1, H, L, L) relative-position bias for self-attention, ``L >= segments.max_len``.
     Grouped-query attention (``Hk < H``) is handled by SDPA. Returns (B, Q, H, Dh), zero at pad queries.
     """
-    kind = segments.kind
     gqa = query.shape[1] != key.shape[1]
     if segments.is_dense_rows:  # every row one unpadded sample: no mask, no copies
-        mask, causal = _group_mask(kind, segments.groups[0], bias, query.dtype)
+        mask, causal = _cached_mask(segments, 0, bias, query.dtype)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)  # (B, Q, H, Dh)
     b, h, q_len, head_dim = query.shape
     out = query.new_zeros(b, q_len, h, head_dim)  # (B, Q, H, Dh)
-    for g in segments.groups:
+    for index, g in enumerate(segments.groups):
         _, qs, ks = g.first
         q = _take(query, g, g.query_starts, g.query_len, qs)
         k = _take(key, g, g.key_starts, g.key_len, ks)
         v = _take(value, g, g.key_starts, g.key_len, ks)
-        mask, causal = _group_mask(kind, g, bias, query.dtype)
+        mask, causal = _cached_mask(segments, index, bias, query.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
                                            scale=scale, enable_gqa=gqa).transpose(1, 2)  # (n, lq, H, Dh)
         _put(out, o, g)
