@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.common import add_baseline_arguments, parse_methods
 from dynabatch.config import ATTENTION_PATHS
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
@@ -73,8 +74,7 @@ from dynabatch.sequence import is_seq2seq
 
 BASELINES = tuple(BASELINE_SPECS)
 SLICED = "dynamic_sliced"
-METHODS = ("dynamic", SLICED, *BASELINES, "pipelining")
-PEER = "pipelining"
+METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
 """``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
 
@@ -570,74 +570,6 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
         "best_baseline": best,
         "methods": rows,
     }
-
-
-def summary_line(result: dict) -> str:
-    """The last line ``dynabatch bench`` prints: one JSON object a script can check."""
-    c, rows = result["config"], result["methods"]
-    line = {
-        "model": c["model"], "max_input_len": c["max_input_len"], "max_target_len": c["max_target_len"],
-        "stages": c["stages"], "lengths": c["lengths"], "best_baseline": result["best_baseline"],
-        "tokens_per_s": {m: round(r["tokens_per_s"], 1) for m, r in rows.items()},
-        "ratio_to_best_baseline": {m: round(r["ratio_to_best_baseline"], 4) for m, r in rows.items()
-                                   if "ratio_to_best_baseline" in r},
-    }
-    if "tuned" in result:  # --tune-baselines: each baseline's best knob value and its measured tokens/s
-        line["tuned"] = {m: {t["knob"]: t["value"], "tokens_per_s": None if t["tokens_per_s"] is None
-                             else round(t["tokens_per_s"], 1)} for m, t in result["tuned"].items()}
-        line["best_tuned_baseline"] = result["best_tuned_baseline"]
-        line["ratio_to_best_tuned_baseline"] = {m: round(r["ratio_to_best_tuned_baseline"], 4)
-                                                for m, r in rows.items() if "ratio_to_best_tuned_baseline" in r}
-    return json.dumps(line)
-
-
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
-
-
-def print_table(result: dict) -> None:
-    c = result["config"]
-    print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
-          f"{c['steps']} timed steps (+{c['warmup']} warm-up) per method, interleaved; "
-          f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
-          f"device {result['machine']['device']}")
-    print(f"{'method':<15} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
-          f"{'mbs':>5} {'slc':>4} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21} {'vs pipe':>7}")
-    for m, r in result["methods"].items():
-        s = r["tokens_per_s_per_step"]
-        peak = r["measured_peak_memory_mib"] if r["measured_peak_memory_mib"] is not None else r["predicted_peak_memory_mib"]
-        paired = r.get("paired_ratio_to_best_baseline")
-        pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
-        vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
-        print(f"{m:<15} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
-              f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
-              f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
-              f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
-              f"{vs_pipe:>7}")
-    kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
-        "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
-    print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
-          f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
-    if "tuned" in result:
-        from dynabatch.commands.tuning import describe
-
-        print(f"tuned baselines (fastest knob value that fits --memory-gib over {c['tune_steps']} measured steps each, "
-              f"then timed for {c['steps']} steps; the default if that was faster):")
-        for m, t in result["tuned"].items():
-            print("  " + describe(m, t, result["methods"][m]["tokens_per_s"]))
-        top = result["best_tuned_baseline"]
-        if top is not None and "dynamic" in result["methods"]:
-            print(f"dynamic vs best tuned baseline ({top}, {result['tuned'][top]['knob']} "
-                  f"{result['tuned'][top]['value']}): {result['methods']['dynamic']['ratio_to_best_tuned_baseline']:.2f}x")
-    saved = [f"{m} {r['measured_saved_activation_mib']:.1f}/{r['predicted_saved_activation_mib']:.1f}"
-             for m, r in result["methods"].items()
-             if r.get("measured_saved_activation_mib") is not None and r.get("predicted_saved_activation_mib")]
-    if saved:
-        print("activations saved for backward, largest stage, measured/predicted MiB: " + ", ".join(saved))
-    if PEER in result["methods"]:
-        shapes = ", ".join("x".join(map(str, s)) for s in result["methods"][PEER].get("fixed_shapes", []))
-        print(f"{PEER}: torch.distributed.pipelining Schedule1F1B on packing's rows as fixed-shape micro-batches "
-              f"(rows x E x D: {shapes}); not a baseline of 'vs best'")
 
 
 def main(argv: list[str] | None = None) -> int:
