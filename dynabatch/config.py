@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dynabatch.data.baselines import BASELINES
@@ -22,9 +22,10 @@ METHODS = ("dynamic", *BASELINES)
 """``--method``: the dynamic planner or any baseline of :data:`dynabatch.data.baselines.BASELINES`."""
 POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
 ATTENTION_PATHS = ("segments", "dense")
-"""``--attention``: as :data:`dynabatch.models.attention.ATTENTION_PATHS` (config does not import models)."""
+"""``--attention``: segments (padding-free) or dense (4-D masks); :mod:`dynabatch.models.attention` uses this list."""
 PACK_ROWS = ("auto", "off")
-"""``--pack-rows``: as :data:`dynabatch.plan.step.PACK_ROWS` (config does not import the planner)."""
+"""``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
+(one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 

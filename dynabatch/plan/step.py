@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.config import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
 from dynabatch.cost.pairs import row_calls
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths
@@ -46,9 +47,6 @@ from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
 from dynabatch.plan.slicing import SliceCostModel, slice_long_samples
 from dynabatch.sequence import is_seq2seq
 
-PACK_ROWS = ("auto", "off")
-"""``pack_rows`` choices: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best)
-or ``off`` (one sample per row, dense pricing)."""
 DEFAULT_PACK_ROWS = "off"
 """The commands' and ``TrainConfig``'s default, chosen by the measurement in the README's "Row packing in the
 planner" (with one attention call per group of equal-length segments, ``auto`` simulated 0.986-1.020x of
