@@ -27,6 +27,10 @@ PACK_ROWS = ("auto", "off")
 """``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
 (one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
+CALIBRATIONS = ("auto", "quick", "online", "off")
+"""``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
+online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
+:mod:`dynabatch.runtime.calibration` uses this list."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,10 @@ class TrainConfig:
     """Device memory per rank the planner may use (activations + model states)."""
     cost_profile: str | None = None
     """profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model."""
+    calibrate: str = "auto"
+    """Fit the planner's stage times to what the run measures: auto (quick + online; online only with cost_profile), quick (a few seconds of start-up measurements, then online), online or off."""
+    calibration_file: str | None = None
+    """Warm start from the calibration.json an earlier run on the same device, model and layout wrote."""
     max_micro_batch_samples: int = 64
     """Upper bound on samples per planned micro-batch (keeps CPU micro-batches cache-friendly)."""
     slice_long: bool = False
@@ -114,6 +122,13 @@ class TrainConfig:
     """Write the last step's measured timeline next to its simulated twin (Chrome trace + PNG)."""
 
     @property
+    def calibration_mode(self) -> str:
+        """``calibrate`` with ``auto`` resolved: ``quick`` without a cost profile, ``online`` with one."""
+        if self.calibrate != "auto":
+            return self.calibrate
+        return "online" if self.cost_profile else "quick"
+
+    @property
     def attention_path(self) -> str:
         """The attention path this run uses (``packing``, the dense-mask baseline, always ``dense``)."""
         from dynabatch.data.baselines import attention_for
@@ -126,6 +141,7 @@ class TrainConfig:
         _choice("attention", self.attention, ATTENTION_PATHS)
         _choice("pack_rows", self.pack_rows, PACK_ROWS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("calibrate", self.calibrate, CALIBRATIONS)
         _choice("overlong", self.overlong, ("truncate", "drop", "error"))
         if self.compare_method is not None:
             _choice("compare_method", self.compare_method, METHODS)

@@ -67,13 +67,16 @@ import numpy as np
 
 from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.common import add_baseline_arguments, parse_methods
-from dynabatch.config import ATTENTION_PATHS
+from dynabatch.config import ATTENTION_PATHS, CALIBRATIONS
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.sequence import is_seq2seq
 
 BASELINES = tuple(BASELINE_SPECS)
 SLICED = "dynamic_sliced"
+PROFILED = "dynamic_profiled"
+"""``--compare-profile FILE``: dynamic planned with a `dynabatch profile` table and no calibration, next to the
+calibrated methods (the online calibration's acceptance comparison)."""
 METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
 """``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
@@ -110,6 +113,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--cost-profile", default=None,
                    help="profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model")
+    p.add_argument("--calibrate", default="auto", choices=CALIBRATIONS,
+                   help="fit the planner's stage times to the measured ones as the run goes (one fit shared by every "
+                        "method but pipelining): auto = quick + online (online only with --cost-profile), quick, "
+                        "online or off")
+    p.add_argument("--compare-profile", default=None,
+                   help=f"also run {PROFILED}: dynamic planned with this `dynabatch profile` JSON, no calibration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no table (with --json)")
@@ -117,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "attention", "global_batch_tokens",
           "max_input_len", "max_target_len", *option_users(), "memory_gib", "threads", "seed", "json", "cost_profile",
-          "tune_steps")
+          "tune_steps", "calibrate", "compare_profile")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -149,6 +158,8 @@ def _family(model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     methods = parse_methods(args.methods, METHODS)
+    if args.compare_profile and PROFILED not in methods:
+        methods.append(PROFILED)
     if SLICED in methods and is_seq2seq(_family(args.model)):
         raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a decoder-only model "
                          f"(drop {SLICED} from --methods)")
@@ -193,9 +204,31 @@ def _config(args, method: str):
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
-        timeline=False, cost_profile=getattr(args, "cost_profile", None),
+        timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
+        calibrate="off" if method == PROFILED else getattr(args, "calibrate", "auto"),
     )
+
+
+class _LazyPlans:
+    """A calibrated method's planned steps, planned on first access in step order (the online fit a step is
+    planned with needs the measurements of the steps before it); indexable and iterable like a list."""
+
+    def __init__(self, planner, num_steps: int) -> None:
+        self.planner, self.num_steps, self._plans = planner, num_steps, []
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self.num_steps))]
+        while len(self._plans) <= k:
+            self._plans.append(self.planner())
+        return self._plans[k]
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def __iter__(self):
+        return (self[i] for i in range(self.num_steps))
 
 
 class _ListBatcher:
@@ -297,14 +330,15 @@ def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list
     return [(*m, inputs[i] if is_planner else None) for i, m in enumerate(meta[0])]
 
 
-def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None]:
-    """One training step of method ``r``; returns its loss (on rank 0) and this rank's peak bytes saved for
-    backward (``None`` for the torch pipelining peer, which is not metered)."""
+def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, object]:
+    """One training step of method ``r``; returns its loss (on rank 0), this rank's peak bytes saved for
+    backward (``None`` for the torch pipelining peer, which is not metered) and the executor's
+    :class:`~dynabatch.runtime.executor.StepResult` (``None`` for the peer)."""
     from dynabatch.runtime.step import train_step
 
     if r.peer_steps is not None:
         num, shape, tokens, inputs = r.peer_steps[step]
-        return r.executor.step(num, shape, tokens, inputs), None
+        return r.executor.step(num, shape, tokens, inputs), None, None
     result = train_step(
         r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
         policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
@@ -312,7 +346,7 @@ def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None]:
         slice_links=planned.slice_links if planned else None,
         model_state_bytes=planned.model_state_bytes if planned else 0.0,
     )
-    return float(result.loss), result.saved_peak_bytes
+    return float(result.loss), result.saved_peak_bytes, result
 
 
 def bench(args, methods: list[str]) -> dict | None:
@@ -365,9 +399,16 @@ def bench(args, methods: list[str]) -> dict | None:
         batches = []
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
+        calibrated = [m for m in methods if m not in (PEER, PROFILED)] if cfg0.calibration_mode != "off" else []
+        calibration = None
         if ctx.is_planner:
             batches = load_batches(args, family, limits, info, num_steps)
             cost_model = planner_cost_model(cfg0, model.config, layout)
+            if calibrated:
+                from dynabatch.runtime.calibration import RunCalibration, new_fit
+
+                calibration = RunCalibration(cost_model, new_fit(cost_model, cfg0), cfg0.plan_ahead,
+                                             recorded_through=-2 if cfg0.calibration_mode == "quick" else -1)
 
         def plan(cfg, n: int) -> list:
             """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
@@ -376,7 +417,15 @@ def bench(args, methods: list[str]) -> dict | None:
 
         if ctx.is_planner:
             for m in methods:
-                runs[m].planned = plan(cfgs[m], num_steps)
+                if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
+                    runs[m].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info,
+                                                             calibration=calibration), num_steps)
+                elif m == PROFILED:
+                    profiled = planner_cost_model(cfgs[m], model.config, layout)
+                    planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], profiled, info)
+                    runs[m].planned = [planner() for _ in range(num_steps)]
+                else:
+                    runs[m].planned = plan(cfgs[m], num_steps)
         if PEER in runs:
             runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
                                                 ctx.delivery_group)
@@ -386,6 +435,16 @@ def bench(args, methods: list[str]) -> dict | None:
         if args.tune_baselines:
             tuned = _tune(args, [m for m in methods if m in BASELINES], cfgs, ctx, spec, batches, limits, new_run,
                           plan, runs, cuda)
+            for key in [k for k in runs if k not in methods and calibrated]:  # the tuned baselines: calibrated too
+                calibrated.append(key)
+                if ctx.is_planner:
+                    runs[key].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), runs[key].cfg, cost_model,
+                                                               info, calibration=calibration), num_steps)
+        if calibrated and cfg0.calibration_mode == "quick":
+            from dynabatch.runtime.calibration import quick_calibration
+
+            first = runs[calibrated[0]]
+            quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, spec, 0)
         order = list(runs)
         times = {m: [] for m in order}
         losses = {m: [] for m in order}
@@ -395,8 +454,14 @@ def bench(args, methods: list[str]) -> dict | None:
             k = step % len(order)
             for m in order[k:] + order[:k]:  # rotated order: no method always runs first
                 r = runs[m]
-                elapsed, loss, saved_peak, peak = _timed_step(r, ctx, step, r.planned[step] if ctx.is_planner else None,
-                                                              cuda)
+                planned = r.planned[step] if ctx.is_planner else None
+                elapsed, loss, saved_peak, peak, result = _timed_step(r, ctx, step, planned, cuda)
+                if m in calibrated:
+                    from dynabatch.runtime.calibration import gather_measurements
+
+                    gathered = gather_measurements(ctx, result)  # collective, outside the timed region
+                    if ctx.is_planner:
+                        calibration.record(ctx, planned, gathered, elapsed)
                 if saved_peak is not None and step >= args.warmup:
                     saved[m] = max(saved[m] or 0, saved_peak)
                 peaks[m] = max(peaks[m], peak)
@@ -410,14 +475,15 @@ def bench(args, methods: list[str]) -> dict | None:
         measured_peak = {m: max(p[m] for p, _ in gathered) for m in order} if cuda else None
         measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
         result = _results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
-                          str(ctx.device), measured_saved)
+                          str(ctx.device), measured_saved, calibrated)
         return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
 
 
-def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float, float, int | None, int]:
-    """``barrier; t0; train_step; barrier; t1``: ``(seconds, loss, saved-for-backward peak, CUDA peak bytes)``."""
+def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float, float, int | None, int, object]:
+    """``barrier; t0; train_step; barrier; t1``: ``(seconds, loss, saved-for-backward peak, CUDA peak bytes,
+    StepResult)``."""
     import torch
     import torch.distributed as dist
 
@@ -426,12 +492,12 @@ def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float,
         torch.cuda.reset_peak_memory_stats(ctx.device)
     dist.barrier(group=ctx.delivery_group)
     t0 = time.perf_counter()
-    loss, saved_peak = _run_step(r, ctx, step, planned)
+    loss, saved_peak, result = _run_step(r, ctx, step, planned)
     if cuda:
         torch.cuda.synchronize(ctx.device)
     dist.barrier(group=ctx.delivery_group)
     elapsed = time.perf_counter() - t0
-    return elapsed, loss, saved_peak, int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0
+    return elapsed, loss, saved_peak, int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0, result
 
 
 def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs, cuda) -> dict:
@@ -514,8 +580,16 @@ def _spread(values) -> dict:
             "min": float(v.min()), "max": float(v.max())}
 
 
+def _prediction_error(run: _Method, times, warmup: int) -> float | None:
+    """Median ``|predicted - measured| / measured`` step time over the timed steps (``None`` for the peer)."""
+    if run.peer_steps is not None:
+        return None
+    predicted = np.array([p.predicted_step_s for p in run.planned[warmup:]])
+    return float(np.median(np.abs(predicted - times) / times))
+
+
 def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device,
-             measured_saved=None) -> dict:
+             measured_saved=None, calibrated=()) -> dict:
     import platform
 
     import torch
@@ -542,6 +616,8 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
+            "calibration": runs[m].cfg.calibration_mode if m in calibrated else ("profile" if m == PROFILED else "off"),
+            "prediction_error_median": _prediction_error(runs[m], t, w),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],
             "per_step": [{"time_s": float(ts), "predicted_s": float(x["predicted_s"]), "micro_batches": int(x["mbs"]),

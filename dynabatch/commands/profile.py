@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--p2p", default="auto", help="p2p backend: auto, gloo, nccl or none")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check", metavar="PROFILE", help="calibration check of an existing profile instead")
+    parser.add_argument("--check", metavar="PROFILE_OR_RUN_DIR",
+                        help="calibration check of an existing profile instead; or, given a `dynabatch train` output "
+                             "folder, its predicted against measured step and stage times from metrics.jsonl")
     parser.add_argument("--num-shapes", type=int, default=20, help="--check: random off-grid shapes")
     parser.add_argument("--model-only", action="store_true", help="--check: skip the per-layer comparison")
     parser.add_argument("--no-thp", action="store_true",
@@ -71,9 +73,31 @@ def _set_thp(value: str | None) -> None:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", value)
 
 
+def _check_run(run_dir: str) -> int:
+    """``--check RUN_DIR``: predicted against measured per step and stage, from the run's metrics.jsonl."""
+    import json
+
+    from dynabatch.runtime.metrics import format_prediction_report
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--check {run_dir}: cannot read {path} ({e}); pass a `dynabatch train` output folder") from e
+    records = [r for r in records if "prediction_error" in r]
+    if not records:
+        raise ValueError(f"--check {run_dir}: {path} has no predicted-vs-measured records (written by `dynabatch "
+                         "train` since the online calibration); train again to get them")
+    print(format_prediction_report(records))
+    return 0
+
+
 def _check(args) -> int:
     from dynabatch.cost.tables import CostTables
 
+    if os.path.isdir(args.check):
+        return _check_run(args.check)
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
     from dynabatch.cost.calibrate import format_summary, run_check, summarize

@@ -74,15 +74,3 @@ class _Saved:
 
 def _unpack(packed):
     return packed.tensor if isinstance(packed, _Saved) else packed
-
-
-def gather_stage_peaks(ctx, peak_bytes: int | None) -> list[int] | None:
-    """Collective over the world: rank 0 gets replica 0's per-stage ``peak_bytes`` (one per stage), the
-    other ranks ``None``."""
-    import torch.distributed as dist
-
-    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
-    dist.gather_object(peak_bytes, gathered, dst=0, group=ctx.delivery_group)
-    if not ctx.is_planner:
-        return None
-    return [gathered[ctx.rank_of(0, s)] for s in range(ctx.num_stages)]

@@ -70,7 +70,35 @@ def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
         "plan_wait_s_total": float(sum(r["plan_wait_s"] for r in steady)),
         "micro_batches_per_step": float(np.mean([r["num_micro_batches"] for r in records])),
         "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in records)),
+        **({"prediction_error_median_last10": prediction_summary(records)["last10_median"]}
+           if "prediction_error" in records[0] else {}),
     }
+
+
+def prediction_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Predicted against measured over a run's step records: the median relative step-time error over all
+    steps and over the last 10, and per stage the median relative error of forward + backward seconds."""
+    err = np.array([r["prediction_error"] for r in records])
+    stages = np.array([[abs(p - m) / m if m > 0 else 0.0 for p, m in zip(r["stage_time_predicted_s"], r["stage_time_measured_s"])]
+                       for r in records])
+    return {"steps": len(records), "median": float(np.median(err)), "last10_median": float(np.median(err[-10:])),
+            "stage_median": [float(x) for x in np.median(stages, axis=0)],
+            "calibration": records[-1].get("calibration", "off")}
+
+
+def format_prediction_report(records: list[dict[str, Any]]) -> str:
+    """``dynabatch profile --check RUN_DIR``: one line per step, then the summary."""
+    head = f"{'step':>5s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'median10':>8s}  per stage measured/predicted s"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        stages = "  ".join(f"{m:.3f}/{p:.3f}" for m, p in zip(r["stage_time_measured_s"], r["stage_time_predicted_s"]))
+        lines.append(f"{r['step']:5d} {r['step_time_s']:10.3f} {r['predicted_step_s']:11.3f} {r['prediction_error']:7.1%} "
+                     f"{r['prediction_error_median']:8.1%}  {stages}")
+    s = prediction_summary(records)
+    lines.append(f"{s['steps']} steps ({s['calibration']} at the last): median |predicted - measured| / measured of the "
+                 f"step time {s['median']:.1%}, last 10 steps {s['last10_median']:.1%}; per stage (forward + backward) "
+                 + ", ".join(f"{x:.1%}" for x in s["stage_median"]))
+    return "\n".join(lines)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -83,4 +111,6 @@ def format_summary(s: dict[str, Any]) -> str:
         f"step {s['step_time_s_median']:.3f} s measured vs {s['predicted_step_s_median']:.3f} s predicted, "
         f"plan {1e3 * s['plan_time_s_median']:.1f} ms/step, waited {s['plan_wait_s_total']:.2f} s for plans, "
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
+        + (f", prediction error {s['prediction_error_median_last10']:.1%} (median of the last 10 steps)"
+           if "prediction_error_median_last10" in s else "")
     )

@@ -73,6 +73,12 @@ class PlannedStep:
     model_state_bytes: tuple[float, ...] = ()
     """Per stage, the parameter, gradient and optimizer bytes the schedule's memory was priced with
     (the validator takes them off the device memory)."""
+    predicted_makespan_s: float = 0.0
+    """The simulated makespan alone; ``predicted_step_s`` adds the calibrated step overhead to it."""
+    features: tuple[np.ndarray, ...] = ()
+    """With online calibration, per replica, ``(S, 2, M, F)`` features of each micro-batch's forward and
+    backward on every stage (:meth:`~dynabatch.cost.online.CalibratedStageCostModel.features`; NaN rows for
+    token slices, which the slice cost model prices); ``()`` without calibration."""
 
     @property
     def real_tokens(self) -> int:
@@ -91,8 +97,11 @@ class PlannedStep:
 class StepPlanner:
     """Deterministic producer of :class:`PlannedStep` (see the module docstring)."""
 
-    def __init__(self, batcher: GlobalBatcher, cfg: TrainConfig, cost_model: StageCostModel, tokens: TokenizerInfo):
+    def __init__(self, batcher: GlobalBatcher, cfg: TrainConfig, cost_model: StageCostModel, tokens: TokenizerInfo,
+                 calibration=None):
         self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
+        self.calibration = calibration
+        """:class:`~dynabatch.runtime.calibration.RunCalibration` (online calibration) or ``None``."""
         self.limits: LengthLimits = batcher.limits
         self.family = self.limits.family
         self.step = batcher.step
@@ -107,11 +116,24 @@ class StepPlanner:
 
     def __call__(self) -> PlannedStep:
         _maybe_crash(self.step)
+        if self.calibration is not None:  # may wait for the measurements this step is planned with
+            self.cost_model = self.calibration.cost_model_for(self.step)
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
+        planned = self._planned(self.step, batch, self._units(batch), state, start)
+        self.step += 1
+        return planned
+
+    def synthetic_step(self, step: int) -> PlannedStep:
+        """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
+        the current cost model, for the start-up calibration; the data stream does not move."""
+        batch, units = synthetic_units(self.limits, self.tokens, self.cfg.global_batch_tokens)
+        return self._planned(step, batch, [units] * self.cfg.replicas, {}, time.perf_counter())
+
+    def _planned(self, step: int, batch: GlobalBatch, replica_units, state, start: float) -> PlannedStep:
         replicas, links, contexts, pairs = [], [], [], []
-        for units in self._units(batch):
+        for units in replica_units:
             mbs, lk, ctx = micro_batches_of(units, lambda g: self._collate(batch, g))
             replicas.append(tuple(mbs))
             links.append(lk)
@@ -121,15 +143,30 @@ class StepPlanner:
         costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs)
         saved = simulate(schedules[0], replace(costs[0], peak_bytes=np.zeros_like(costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
-        planned = PlannedStep(
-            step=self.step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
-            schedules=schedules, slice_links=tuple(links), predicted_step_s=predicted, bubble_fraction=bubble,
-            computed_tokens=computed, plan_time_s=time.perf_counter() - start, batcher_state_after=state,
-            model_state_bytes=tuple(self.cost_model.model_state_bytes),
-            predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes),
+        features = ()
+        overhead = 0.0
+        if self.calibration is not None and self.calibration.enabled:
+            features = tuple(self._features(s, lk, pr) for s, lk, pr in zip(shapes, links, pairs))
+            overhead = self.calibration.overhead_for(step)
+        return PlannedStep(
+            step=step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
+            schedules=schedules, slice_links=tuple(links), predicted_step_s=max(predicted + overhead, 0.5 * predicted),
+            bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
+            batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
+            predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes), predicted_makespan_s=predicted,
+            features=features,
         )
-        self.step += 1
-        return planned
+
+    def _features(self, shapes, links, pairs) -> np.ndarray:
+        """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices)."""
+        from dynabatch.cost.online import CalibratedStageCostModel
+
+        arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+        model = CalibratedStageCostModel.of(self.cost_model)
+        x = model.features(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
+        for chain in chains(links) if links else ():
+            x[:, :, list(chain), :] = np.nan
+        return x
 
     def _units(self, batch: GlobalBatch) -> list[list[Unit]]:
         cfg, R = self.cfg, self.cfg.replicas
@@ -225,6 +262,38 @@ class Unit:
     group: RowGroup
     bounds: tuple[int, ...] | None = None
     """Token slice boundaries ``0 < ... < length`` of a sliced sample (TeraPipe)."""
+
+
+def synthetic_units(limits: LengthLimits, tokens: TokenizerInfo, global_batch_tokens: int, num_lengths: int = 5,
+                    seed: int = 0) -> tuple[GlobalBatch, list[Unit]]:
+    """Synthetic samples and micro-batches spanning a run's shapes, for the start-up calibration: for
+    ``num_lengths`` lengths from short to the limit (geometric; T5: encoder and decoder lengths paired
+    short-long and long-short too), one single-sample micro-batch and one of about
+    ``global_batch_tokens / 8`` tokens (at most 64 rows). Random token ids; a quarter of a GPT sequence is
+    target."""
+    from dynabatch.data.sample import TokenizedSample
+
+    rng = np.random.default_rng(seed)
+    seq2seq = is_seq2seq(limits.family)
+    top_e = limits.max_input_len if seq2seq else limits.max_seq_len
+    enc = np.unique(np.geomspace(min(32, top_e), top_e, num_lengths).astype(int))
+    dec = np.unique(np.geomspace(min(8, limits.max_target_len), limits.max_target_len, len(enc)).astype(int))
+    dec = np.resize(dec, len(enc))
+    pairs = [(int(e), int(d)) for e, d in zip(enc, dec)]
+    if seq2seq:
+        pairs += [(int(e), int(d)) for e, d in zip(enc[::2], dec[::-2])]
+    samples, units = [], []
+    per_mb = max(1, global_batch_tokens // 8)
+    for e, d in pairs:
+        for b in sorted({1, int(min(64, max(1, per_mb // (e + (d if seq2seq else 0)))))}):
+            rows = []
+            for _ in range(b):
+                n_in, n_out = (e, d) if seq2seq else (e - max(1, e // 4), max(1, e // 4))
+                ids = rng.integers(3, tokens.vocab_size, size=n_in + n_out).astype(np.int32)
+                samples.append(TokenizedSample("calibration", ids[:n_in], ids[n_in:]))
+                rows.append((len(samples) - 1,))
+            units.append(Unit(RowGroup(tuple(rows))))
+    return GlobalBatch(-1, tuple(samples)), units
 
 
 def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):

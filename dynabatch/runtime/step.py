@@ -189,6 +189,16 @@ def step_payloads(
     return out
 
 
+def without_update(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` without its ``REDUCE`` and ``STEP`` instructions."""
+    from dataclasses import replace
+
+    from dynabatch.schedule.ir import Op
+
+    skip = (Op.REDUCE_GRADS, Op.OPTIMIZER_STEP)
+    return replace(plan, instructions=tuple(i for i in plan.instructions if i.op not in skip))
+
+
 def _receive_failure(rank: int, step: int, timeout_s: float | None, error: Exception) -> str:
     """The message of a failed plan receive; a first-step timeout points at rank 0's data loading."""
     if timeout_s is not None and "Timed out" in str(error):
@@ -213,6 +223,7 @@ def train_step(
     slice_links: Sequence[Sequence[int]] | None = None,
     receive_timeout_s: float | None = None,
     model_state_bytes=0.0,
+    forward_backward_only: bool = False,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
@@ -222,6 +233,9 @@ def train_step(
     (a token slice, :func:`dynabatch.data.microbatch.token_slices`) or -1. ``receive_timeout_s`` (other
     ranks): how long to wait for rank 0's plan instead of the group timeout; the trainer passes
     ``TrainConfig.startup_timeout_s`` on a run's first step, while rank 0 is still loading the data.
+    ``forward_backward_only`` (rank 0): drop the ``REDUCE`` and ``STEP`` instructions from every plan, so the
+    step computes (and times) forwards and backwards but changes no weight, optimizer or scheduler state;
+    its gradients are dropped at the start of the next step (the start-up calibration's passes).
     """
     if ctx.is_planner:
         if replica_micro_batches is None or spec is None:
@@ -233,6 +247,8 @@ def train_step(
         shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
         plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
                           schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes)
+        if forward_backward_only:
+            plans = {r: without_update(p) for r, p in plans.items()}
         own, pending = send_step(step_payloads(plans, replica_micro_batches, spec, inputs_fn), ctx.delivery_group,
                                  ctx.world_size)
         result = executor.run(own)

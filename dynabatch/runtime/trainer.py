@@ -56,6 +56,9 @@ class _Run:
     planner: Any = None
     run_id: str | None = None
     """Written into every checkpoint's manifest; a resumed run keeps its checkpoint's (pruning touches only it)."""
+    calibration: Any = None
+    """Rank 0: the :class:`~dynabatch.runtime.calibration.RunCalibration` the planner plans with."""
+    calibration_key: Any = None
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -165,8 +168,24 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
                               max_seq_len=cfg.max_input_len)
         run.batcher = GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
         cost_model = planner_cost_model(cfg, model.config, layout)
-        run.planner = StepPlanner(run.batcher, cfg, cost_model, data.tokens)
+        run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
+        run.planner = StepPlanner(run.batcher, cfg, cost_model, data.tokens, calibration=run.calibration)
     return run
+
+
+def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
+    """Rank 0's :class:`~dynabatch.runtime.calibration.RunCalibration` (fit ``None`` with ``--calibrate off``;
+    warm-started from ``--calibration-file``) and the key a calibration file of this run carries. A fresh
+    run with the start-up calibration waits for it before planning step 0 (``recorded_through = -2``)."""
+    from dynabatch.runtime.calibration import RunCalibration, calibration_key, load_calibration, new_fit
+
+    key = calibration_key(cfg, model_config, layout)
+    mode = cfg.calibration_mode
+    if mode == "off":
+        return RunCalibration(cost_model, None, cfg.plan_ahead), key
+    warm = load_calibration(cfg.calibration_file, key) if cfg.calibration_file else None
+    fit = new_fit(cost_model, cfg, warm)
+    return RunCalibration(cost_model, fit, cfg.plan_ahead, recorded_through=-2 if mode == "quick" else -1), key
 
 
 def _checkpoint_root(cfg: TrainConfig) -> str:
@@ -189,6 +208,7 @@ def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> str:
     }
     extra = None
     if run.ctx.is_planner:
+        shard["calibration"] = run.calibration.state_dict()  # the fit the next steps are planned with
         extra = {"data": batcher_state, "config": run.cfg.to_dict(),
                  "world": {"stages": run.cfg.stages, "replicas": run.cfg.replicas}}
 
@@ -239,6 +259,11 @@ def resume(run: _Run, info) -> int:
     if run.ctx.is_planner:
         run.batcher.load_state_dict(info.manifest["data"])
         run.planner.step = info.step
+        from dynabatch.cost.online import OnlineFit
+
+        if run.calibration.enabled and shard.get("calibration"):
+            run.calibration.fit = OnlineFit.from_state_dict(shard["calibration"])
+        run.calibration.recorded_through = info.step - 1
     return info.step
 
 
@@ -249,8 +274,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     from dynabatch.runtime.planner import PlanAhead
     from dynabatch.runtime.step import train_step
 
+    from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_peaks
     from dynabatch.runtime.faults import maybe_crash
-    from dynabatch.runtime.memory import gather_stage_peaks
     from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
 
     if checkpoints:
@@ -265,6 +290,14 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     writer = MetricsWriter(metrics_path) if ctx.is_planner else None
     bad_steps = 0
     ahead = PlanAhead(run.planner, cfg.steps - start, cfg.plan_ahead) if ctx.is_planner else None
+    if cfg.calibration_mode == "quick" and info is None and start < cfg.steps:
+        try:
+            quick_calibration(run.executor, ctx, run.planner, run.spec, start)  # collective
+        except BaseException:
+            if ahead is not None:
+                run.calibration.close()
+                ahead.close()
+            raise
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
     planned = result = None
     try:
@@ -286,7 +319,10 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0,
             )
             elapsed = time.perf_counter() - t0
-            saved_peaks = gather_stage_peaks(ctx, result.saved_peak_bytes)  # collective
+            gathered = gather_measurements(ctx, result)  # collective
+            if ctx.is_planner:
+                saved_peaks = stage_peaks(ctx, gathered)
+                run.calibration.record(ctx, planned, gathered, elapsed)
             bad_steps = bad_steps + 1 if result.skipped else 0
             if result.skipped and ctx.is_planner:
                 bar.write(f"warning: step {step}: {_non_finite(result)}; the optimizer step was skipped "
@@ -299,6 +335,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 record["attention"] = run.stage.attention
                 record["memory_measured_bytes"] = saved_peaks
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
+                record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
                 if task_loss is not None:
                     record["task_loss"] = task_loss
                     bar.write(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
@@ -319,9 +356,15 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
         if cfg.timeline and result is not None:
             _write_timeline(run, result, planned)
+        if ctx.is_planner and run.calibration.enabled and result is not None:
+            from dynabatch.runtime.calibration import save_calibration
+
+            save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
+                             cfg.steps - 1)
     finally:
         bar.close()
         if ahead is not None:
+            run.calibration.close()
             ahead.close()
     if not ctx.is_planner:
         return None
@@ -385,6 +428,22 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "samples_digest": _digest(planned.batch),
         "peak_rss_bytes": peak_rss_bytes(),
     }
+
+
+def prediction_record(ctx, gathered, planned, elapsed: float, records: list, calibration) -> dict[str, Any]:
+    """Predicted against measured for one step's record: per stage (replica 0, forward + backward seconds),
+    the step's relative error and its running median over the last 10 steps (``records``: the earlier ones)."""
+    import numpy as np
+
+    from dynabatch.runtime.calibration import stage_times
+
+    err = abs(planned.predicted_step_s - elapsed) / elapsed if elapsed > 0 else 0.0
+    recent = [r["prediction_error"] for r in records[-9:] if "prediction_error" in r] + [err]
+    predicted = (np.asarray(planned.costs[0].fwd_s) + np.asarray(planned.costs[0].bwd_s)).sum(axis=1)
+    out = {"stage_time_measured_s": stage_times(ctx, gathered), "stage_time_predicted_s": [float(x) for x in predicted],
+           "prediction_error": err, "prediction_error_median": float(np.median(recent)),
+           "calibration": "off" if not calibration.enabled else f"online as of step {calibration.as_of(planned.step)}"}
+    return out
 
 
 def _digest(batch) -> str:

@@ -1,0 +1,213 @@
+"""Online cost calibration: the robust fit, the calibrated stage model, deterministic planning with it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dynabatch.config import TrainConfig
+from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit, shape_features
+from dynabatch.cost.robust_fit import fit_relative, nnls
+
+
+def _synthetic(n: int, seed: int):
+    """Features ``[base, 1, tokens, pairs, calls]`` of random GPT-like micro-batches and true constants."""
+    rng = np.random.default_rng(seed)
+    b, e = rng.integers(1, 33, n).astype(float), rng.integers(16, 1025, n).astype(float)
+    x = np.column_stack([1e-6 * b * e, shape_features(b, e, None)])  # base: a rough per-token model
+    true = np.array([0.0, 2e-3, 3e-6, 1e-9, 1e-4])
+    return x, true
+
+
+def test_nnls_matches_the_constrained_optimum():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        a, y = rng.standard_normal((30, 4)), rng.standard_normal(30)
+        x = nnls(a, y)
+        assert np.all(x >= 0)
+        # KKT: zero gradient on free coordinates, non-positive on the bound ones
+        g = a.T @ (y - a @ x)
+        assert np.all(np.abs(g[x > 0]) < 1e-8) and np.all(g[x == 0] < 1e-8)
+
+
+def test_fit_recovers_known_constants_despite_noise_and_outliers():
+    x, true = _synthetic(400, 0)
+    rng = np.random.default_rng(2)
+    t = x @ true * (1 + 0.05 * rng.standard_normal(len(x)))
+    outliers = rng.random(len(x)) < 0.1
+    t[outliers] *= 4.0  # a noisy machine: 10% of the ops lost their core
+    theta = fit_relative(x, t, np.array([1.0, 0, 0, 0, 0]), lam=8.0)
+    ratio = (x @ theta) / (x @ true)
+    assert abs(np.median(ratio) - 1) < 0.03
+    assert np.percentile(np.abs(ratio - 1), 90) < 0.06
+    plain = np.linalg.lstsq(x / t[:, None], np.ones(len(t)), rcond=None)[0]  # the non-robust fit is swung
+    assert abs(np.median((x @ plain) / (x @ true)) - 1) > 2 * abs(np.median(ratio) - 1)
+
+
+def test_no_observations_keep_the_warm_start_exactly():
+    theta0 = np.array([1.0, 0, 0, 0, 0])
+    assert np.array_equal(fit_relative(np.zeros((0, 5)), np.zeros(0), theta0, 8.0), theta0)
+
+
+def test_a_wrong_warm_start_converges_over_steps():
+    x, true = _synthetic(600, 3)
+    fit = OnlineFit(num_stages=1, seq2seq=False, theta0=np.array([[[50.0, 0, 0, 0, 0], [50.0, 0, 0, 0, 0]]]))
+    rng = np.random.default_rng(4)
+    errors = []
+    for step in range(20):
+        rows = slice(30 * step, 30 * step + 30)
+        t = x[rows] @ true * (1 + 0.05 * rng.standard_normal(30))
+        for d in (0, 1):
+            fit.add_times(step, 0, d, x[rows], t)
+        theta = fit.coefficients(step)[0, 0]
+        errors.append(float(np.median(np.abs((x @ theta) / (x @ true) - 1))))
+    start = np.median(np.abs((x @ fit.theta0[0, 0]) / (x @ true) - 1))
+    assert start > 1.0  # the warm start is far off
+    assert errors[-1] < 0.05 and errors[-1] < errors[0] / 3
+
+
+def test_fit_as_of_a_step_ignores_later_steps_and_survives_a_round_trip():
+    x, true = _synthetic(90, 5)
+    fit = OnlineFit(num_stages=2, seq2seq=False, window_steps=2, overhead_steps=2)
+    for step in range(3):
+        for s in range(2):
+            fit.add_times(step, s, 0, x[30 * step:30 * step + 30], (s + 1) * x[30 * step:30 * step + 30] @ true)
+    fit.add_step(1, 2.0, 1.5)
+    as_of_1 = fit.coefficients(1).copy()
+    fit.add_times(3, 0, 0, x[:30], 100 * (x[:30] @ true))
+    assert np.array_equal(fit.coefficients(1), as_of_1)
+    assert not np.array_equal(fit.coefficients(3), as_of_1)
+    again = OnlineFit.from_state_dict(fit.state_dict())
+    for k in range(-1, 4):
+        assert np.array_equal(again.coefficients(k), fit.coefficients(k))
+        assert again.overhead_s(k) == fit.overhead_s(k)
+    assert fit.overhead_s(1) == pytest.approx(0.5)
+    fit.prune(keep_after=3)  # a window of 2 keeps steps 2 and 3 for fits as of 3 and later
+    assert sorted({o[0] for o in fit.observations}) == [2, 3]
+
+
+def _stage_model(preset: str = "gpt2-tiny", stages: int = 2):
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    cfg = TrainConfig(model=preset, stages=stages, max_input_len=128, max_target_len=32, global_batch_tokens=4096)
+    model = build_model(preset, vocab_size=384)
+    return planner_cost_model(cfg, model.config, layout_for(model, stages)), model
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "t5-tiny"])
+def test_calibrated_model_is_the_base_at_the_warm_start_and_follows_its_coefficients(preset):
+    base, _ = _stage_model(preset)
+    fit = OnlineFit(base.num_stages, preset.startswith("t5"))
+    b, e, d = np.array([1.0, 4.0, 16.0]), np.array([128.0, 64.0, 16.0]), np.array([32.0, 16.0, 4.0])
+    warm = CalibratedStageCostModel.of(base, fit.theta0)
+    for got, want in zip(warm.evaluate(b, e, d), base.evaluate(b, e, d)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    theta = fit.theta0.copy()
+    theta[:, :, 0] = 3.0  # three times the base ...
+    theta[:, :, 1] = 1e-3  # ... plus 1 ms per micro-batch
+    scaled = CalibratedStageCostModel.of(base, theta, memory_scale=(1.0, 2.0))
+    c, c0 = scaled.per_stage(b, e, d), base.per_stage(b, e, d)
+    np.testing.assert_allclose(c.fwd_s, 3 * c0.fwd_s + 1e-3, rtol=1e-12)
+    np.testing.assert_allclose(c.stored_bytes[1], 2 * c0.stored_bytes[1])
+    np.testing.assert_allclose(c.stored_bytes[0], c0.stored_bytes[0])
+    assert scaled.model_state_bytes == base.model_state_bytes
+
+
+def test_planner_waits_for_the_measurements_it_plans_with():
+    from dynabatch.runtime.calibration import RunCalibration
+
+    base, _ = _stage_model()
+    cal = RunCalibration(base, OnlineFit(2, False), plan_ahead=2, recorded_through=-1)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(cal.cost_model_for(5)))  # needs step 2 recorded
+    thread.start()
+    time.sleep(0.3)
+    assert not got
+    with cal._cond:
+        cal.recorded_through = 2
+        cal._cond.notify_all()
+    thread.join(5)
+    assert got and isinstance(got[0], CalibratedStageCostModel)
+
+
+def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_one(toy_data):
+    """A run records deterministic 'measured' times; a planner rebuilt at step 4 from the batcher position
+    and the fit's state dict (what a checkpoint holds) makes exactly the plans of the uninterrupted one."""
+    import torch
+
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.runtime.calibration import RunCalibration
+    from dynabatch.runtime.planner import StepPlanner
+
+    preset = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
+    base, _ = _stage_model(preset)
+    cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32,
+                      plan_ahead=1)
+    limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=32, max_seq_len=128)
+    true = np.zeros(base.num_stages * 2 * (8 if preset.startswith("t5") else 5)).reshape(2, 2, -1)
+    true[:, :, 0], true[:, :, 1], true[:, :, 2] = 5.0, 4e-3, 2e-6  # 5x the base + 4 ms + 2 us per token
+
+    class Ctx:  # rank layout of one replica of two stages
+        num_stages = 2
+
+        @staticmethod
+        def rank_of(r, s):
+            return s
+
+    def measured(planned):
+        out = []
+        for s in range(2):
+            x = planned.features[0][s]
+            out.append({op: {m: float(x[d, m] @ true[s, d]) for m in range(x.shape[1])} for d, op in enumerate("FB")}
+                       | {"saved_peak": 1000})
+        return out
+
+    def run(planner, cal, steps):
+        plans = []
+        for _ in range(steps):
+            p = planner()
+            cal.record(Ctx, p, measured(p), p.predicted_makespan_s * 1.1 + 0.01)
+            plans.append(p)
+        return plans
+
+    def new(fit=None, start=0, state=None):
+        cal = RunCalibration(base, fit or OnlineFit(2, preset.startswith("t5")), cfg.plan_ahead, start - 1)
+        batcher = GlobalBatcher(toy_data, limits, token_budget=1024)
+        if state is not None:
+            batcher.load_state_dict(state)
+        planner = StepPlanner(batcher, cfg, base, toy_data.tokens, calibration=cal)
+        planner.step = start
+        return planner, cal
+
+    planner, cal = new()
+    full = run(planner, cal, 8)
+    # the run that stopped after step 3: its checkpoint holds the batcher position and the fit's state
+    planner, cal = new()
+    first = run(planner, cal, 4)
+    saved = torch.load(_roundtrip(cal.state_dict()), weights_only=False)
+    planner, cal = new(OnlineFit.from_state_dict(saved), start=4, state=first[-1].batcher_state_after)
+    resumed = run(planner, cal, 4)
+    for a, b in zip(full[4:], resumed):
+        assert a.step == b.step and a.shapes == b.shapes
+        assert a.predicted_step_s == b.predicted_step_s
+    assert full[-1].predicted_step_s != full[0].predicted_step_s  # the fit moved the predictions
+    uncalibrated = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, base, toy_data.tokens)
+    plain = [uncalibrated() for _ in range(8)]
+    rows = lambda plans: [[s.row_index for s in p.batch.samples] for p in plans]  # noqa: E731
+    assert rows(plain) == rows(full)  # the same data either way; only the cut differs
+
+
+def _roundtrip(state):
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
