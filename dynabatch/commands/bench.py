@@ -77,7 +77,10 @@ SLICED = "dynamic_sliced"
 PROFILED = "dynamic_profiled"
 """``--compare-profile FILE``: dynamic planned with a `dynabatch profile` table and no calibration, next to the
 calibrated methods (the online calibration's acceptance comparison)."""
-METHODS = ("dynamic", SLICED, *BASELINES, PEER)
+UNCALIBRATED = "dynamic_uncalibrated"
+"""dynamic planned with the base model alone (the analytic preset, or --cost-profile's tables), no calibration."""
+METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED)
+DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
 """``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
 
@@ -143,7 +146,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     args.model = MODEL_ALIASES.get(args.model, args.model)
     if args.methods is None:
         sliced = not is_seq2seq(_family(args.model)) and not args.cost_profile  # slices are priced analytically
-        args.methods = ",".join(m for m in METHODS if m != SLICED or sliced)
+        args.methods = ",".join(m for m in DEFAULT_METHODS if m != SLICED or sliced)
     if args.max_target_len is None:
         args.max_target_len = max(1, args.max_input_len // 4)
 
@@ -196,17 +199,22 @@ class _Method:
     (inputs on rank 0 only)."""
 
 
+def _calibrating(args) -> bool:
+    """Whether the bench's calibrated methods calibrate (``--calibrate`` resolved as in ``TrainConfig``)."""
+    return args.calibrate != "off"
+
+
 def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method="dynamic" if method == SLICED else method, policy=args.policy,
+        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, PROFILED, UNCALIBRATED) else method, policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
-        calibrate="off" if method == PROFILED else getattr(args, "calibrate", "auto"),
+        calibrate="off" if method in (PROFILED, UNCALIBRATED) else getattr(args, "calibrate", "auto"),
     )
 
 
@@ -399,16 +407,17 @@ def bench(args, methods: list[str]) -> dict | None:
         batches = []
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
-        calibrated = [m for m in methods if m not in (PEER, PROFILED)] if cfg0.calibration_mode != "off" else []
+        calibrated = [m for m in methods if m not in (PEER, PROFILED, UNCALIBRATED)] if _calibrating(args) else []
         calibration = None
         if ctx.is_planner:
             batches = load_batches(args, family, limits, info, num_steps)
-            cost_model = planner_cost_model(cfg0, model.config, layout)
+            cost_model = planner_cost_model(_config(args, "dynamic"), model.config, layout)  # the base every method shares
             if calibrated:
                 from dynabatch.runtime.calibration import RunCalibration, new_fit
 
+                mode = cfgs[calibrated[0]].calibration_mode
                 calibration = RunCalibration(cost_model, new_fit(cost_model, cfg0), cfg0.plan_ahead,
-                                             recorded_through=-2 if cfg0.calibration_mode == "quick" else -1)
+                                             recorded_through=-2 if mode == "quick" else -1)
 
         def plan(cfg, n: int) -> list:
             """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
@@ -420,9 +429,9 @@ def bench(args, methods: list[str]) -> dict | None:
                 if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
                     runs[m].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info,
                                                              calibration=calibration), num_steps)
-                elif m == PROFILED:
-                    profiled = planner_cost_model(cfgs[m], model.config, layout)
-                    planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], profiled, info)
+                elif m in (PROFILED, UNCALIBRATED):  # planned ahead with their own base model
+                    own = planner_cost_model(cfgs[m], model.config, layout)
+                    planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], own, info)
                     runs[m].planned = [planner() for _ in range(num_steps)]
                 else:
                     runs[m].planned = plan(cfgs[m], num_steps)
@@ -440,7 +449,7 @@ def bench(args, methods: list[str]) -> dict | None:
                 if ctx.is_planner:
                     runs[key].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
-        if calibrated and cfg0.calibration_mode == "quick":
+        if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":
             from dynabatch.runtime.calibration import quick_calibration
 
             first = runs[calibrated[0]]
@@ -616,7 +625,7 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
-            "calibration": runs[m].cfg.calibration_mode if m in calibrated else ("profile" if m == PROFILED else "off"),
+            "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
             "prediction_error_median": _prediction_error(runs[m], t, w),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],

@@ -130,8 +130,15 @@ def plan_partition(
     max_tokens: int | None = None,
     in_flight: int | None = None,
     unit_pairs=None,
+    fill_scale: float = 1.0,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
+
+    ``fill_scale`` weighs the fill-and-drain term: the DP minimises ``sum(t) + fill_scale (S - 1) max(t)``.
+    The formula charges the *largest* micro-batch's bottleneck time to every other stage, while the
+    schedule puts small micro-batches at the ends and a light stage fills faster than the bottleneck,
+    so the real fill and drain cost less; :func:`~dynabatch.plan.step.plan_step` tries smaller weights
+    and keeps the partition whose simulated step is shortest. ``objective_s`` stays the plain formula.
 
     ``in_flight`` defaults to ``num_stages`` (1F1B's first stage). ``max_samples`` also bounds the DP
     band; set it when memory allows very long runs of short samples. Raises ``ValueError`` on bad
@@ -161,7 +168,9 @@ def plan_partition(
     limits = _Limits(budget, in_flight, max_samples, max_tokens)
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
     T, L = _candidate_runs(e, d, cost_model, limits, perm, e_raw, d_raw, prefix)
-    lengths, _, num_tried = _solve_partition(T, L, num_stages, float(cap_tolerance))
+    check_non_negative("fill_scale", fill_scale)
+    weighted_stages = 1.0 + float(fill_scale) * (num_stages - 1)  # the kernel's slope is its argument - 1
+    lengths, _, num_tried = _solve_partition(T, L, weighted_stages, float(cap_tolerance))
 
     boundaries = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     starts, ends = boundaries[:-1], boundaries[1:] - 1

@@ -51,6 +51,11 @@ DEFAULT_PACK_ROWS = "off"
 """The commands' and ``TrainConfig``'s default, chosen by the measurement in the README's "Row packing in the
 planner" (with one attention call per group of equal-length segments, ``auto`` simulated 0.986-1.020x of
 ``off`` at 3-6x the planning time)."""
+FILL_SCALES = (1.0, 0.5, 0.25)
+"""Weights on the partition DP's fill-and-drain term that :func:`plan_step` tries when it has a simulated
+``score`` (the trainer's and bench's planner): with measured (calibrated) costs, the plain formula's
+``(S - 1) max(t)`` over-charges large micro-batches and cut a T5 step into 14-17 micro-batches where 10 ran
+faster (README, "Online calibration")."""
 ROW_CAPACITIES = (1.0, 0.5, 0.25)
 """Row capacities ``pack_rows="auto"`` tries, as fractions of the step's longest sample (T5: of the longest
 input and of the longest target)."""
@@ -164,20 +169,28 @@ def plan_step(
     fill_drain_order: bool = True,
     score: Callable[[StepPlan], float] | None = None,
     pack_rows: str = "off",
+    fill_scales: tuple[float, ...] | None = None,
     **partition_options,
 ) -> StepPlan:
     """Plan one global batch end to end (see the module docstring). ``score(plan)`` (lower is better;
     default :attr:`StepPlan.objective_s`) decides whether slicing for the bubble pays off and, with
     ``pack_rows="auto"``, which row packing to keep; the trainer passes the simulated step time
-    (:func:`dynabatch.runtime.planner.simulated_step_time`)."""
+    (:func:`dynabatch.runtime.planner.simulated_step_time`).
+
+    ``fill_scales``: the partition DP's weights on its fill-and-drain term
+    (:func:`~dynabatch.plan.partition.plan_partition`'s ``fill_scale``); each is planned and the best
+    ``score`` kept. Default :data:`FILL_SCALES` when a ``score`` is given (the simulated step judges
+    them), else the plain formula alone."""
     e, d = check_lengths(input_lens, target_lens)
     n = len(e)
     if num_replicas < 1 or n < num_replicas:
         raise ValueError(f"need 1 <= num_replicas <= number of samples, got {num_replicas} replicas for {n} samples")
     if pack_rows not in PACK_ROWS:
         raise ValueError(f"pack_rows must be one of {', '.join(PACK_ROWS)}; got {pack_rows!r}")
+    if fill_scales is None:
+        fill_scales = FILL_SCALES if score is not None else (1.0,)
     how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows == "auto", score)
+                    pack_rows == "auto", score, tuple(fill_scales))
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -220,9 +233,27 @@ class _Planning:
     """Try row packings with per-segment pricing (``pack_rows="auto"``)."""
     score: Callable[[StepPlan], float] | None
     """The caller's score; ``None``: the predicted step (row packings: re-priced with attention calls)."""
+    fill_scales: tuple[float, ...] = (1.0,)
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
+    """The best-scoring of the plans under each of ``how.fill_scales`` (:func:`_plan_at`)."""
+    from dataclasses import replace
+
+    if len(how.fill_scales) == 1:
+        return _plan_at(e, d, sliced, replace(how, partition_options={**how.partition_options,
+                                                                       "fill_scale": how.fill_scales[0]}))
+    score = how.score or (lambda plan: plan.objective_s)
+    best = None
+    for scale in how.fill_scales:
+        plan = _plan_at(e, d, sliced, replace(how, partition_options={**how.partition_options, "fill_scale": scale}))
+        value = score(plan)
+        if best is None or value < best[0]:
+            best = (value, plan)
+    return best[1]
+
+
+def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices; with
     ``how.pack``, the best-scoring of the row packings (module docstring)."""
     if not how.pack:

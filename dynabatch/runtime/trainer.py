@@ -440,7 +440,8 @@ def prediction_record(ctx, gathered, planned, elapsed: float, records: list, cal
     err = abs(planned.predicted_step_s - elapsed) / elapsed if elapsed > 0 else 0.0
     recent = [r["prediction_error"] for r in records[-9:] if "prediction_error" in r] + [err]
     predicted = (np.asarray(planned.costs[0].fwd_s) + np.asarray(planned.costs[0].bwd_s)).sum(axis=1)
-    out = {"stage_time_measured_s": stage_times(ctx, gathered), "stage_time_predicted_s": [float(x) for x in predicted],
+    out = {"predicted_makespan_s": planned.predicted_makespan_s,
+           "stage_time_measured_s": stage_times(ctx, gathered), "stage_time_predicted_s": [float(x) for x in predicted],
            "prediction_error": err, "prediction_error_median": float(np.median(recent)),
            "calibration": "off" if not calibration.enabled else f"online as of step {calibration.as_of(planned.step)}"}
     return out
