@@ -307,6 +307,7 @@ def _step_stats(r: _Method, cost_model) -> list[dict]:
             sim = simulate(p.schedules[0], p.costs[0], model_state_bytes=np.array(cost_model.model_state_bytes))
         out.append({"real": p.real_tokens, "computed": sum(b * (e + d) for b, e, d in shapes), "mbs": len(shapes),
                      "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
+                     "predicted_step_s": float(sim.makespan_s if r.peer_steps is not None else p.predicted_step_s),
                      "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s,
                      "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples})
     return out
@@ -629,7 +630,8 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
             "prediction_error_median": _prediction_error(runs[m], t, w),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],
-            "per_step": [{"time_s": float(ts), "predicted_s": float(x["predicted_s"]), "micro_batches": int(x["mbs"]),
+            "per_step": [{"time_s": float(ts), "predicted_s": float(x["predicted_s"]),
+                          "predicted_step_s": x["predicted_step_s"], "micro_batches": int(x["mbs"]),
                           "real_tokens": int(x["real"]), "computed_tokens": int(x["computed"]),
                           "sliced_samples": int(x["sliced"])}
                          for ts, x in zip(t, timed)],

@@ -38,7 +38,7 @@ def print_table(result: dict) -> None:
           f"{c['steps']} timed steps (+{c['warmup']} warm-up) per method, interleaved; "
           f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
           f"device {result['machine']['device']}")
-    print(f"{'method':<15} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
+    print(f"{'method':<20} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
           f"{'mbs':>5} {'slc':>4} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21} {'vs pipe':>7}")
     for m, r in result["methods"].items():
         s = r["tokens_per_s_per_step"]
@@ -46,7 +46,7 @@ def print_table(result: dict) -> None:
         paired = r.get("paired_ratio_to_best_baseline")
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
         vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
-        print(f"{m:<15} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
+        print(f"{m:<20} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
               f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
               f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
@@ -71,6 +71,15 @@ def print_table(result: dict) -> None:
              if r.get("measured_saved_activation_mib") is not None and r.get("predicted_saved_activation_mib")]
     if saved:
         print("activations saved for backward, largest stage, measured/predicted MiB: " + ", ".join(saved))
+    errors = [f"{m} {r['prediction_error_median']:.1%} ({r.get('calibration', 'off')})" for m, r in result["methods"].items()
+              if r.get("prediction_error_median") is not None]
+    if errors:
+        print("step time, median |predicted - measured| / measured (calibration): " + ", ".join(errors))
+    rows = result["methods"]
+    for other in ("dynamic_uncalibrated", "dynamic_profiled"):
+        if "dynamic" in rows and other in rows:
+            print(f"dynamic (calibrated) vs {other}: {rows['dynamic']['tokens_per_s'] / rows[other]['tokens_per_s']:.2f}x "
+                  "real tokens/s, interleaved on the same global batches")
     if PEER in result["methods"]:
         shapes = ", ".join("x".join(map(str, s)) for s in result["methods"][PEER].get("fixed_shapes", []))
         print(f"{PEER}: torch.distributed.pipelining Schedule1F1B on packing's rows as fixed-shape micro-batches "

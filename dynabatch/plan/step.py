@@ -264,15 +264,16 @@ def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     for capacity in [None, (0, 0), *_capacities(e[keep], d[keep], how.family)]:
         plan = _plan_units(e, d, sliced, capacity, how)
         if capacity is None:  # the dense planner's plan, priced per segment like the others
-            plan = _with_pairs(plan, e, d)
+            plan = with_pairs(plan, e, d)
         value = score(plan)
         if best is None or value < best[0]:
             best = (value, plan)
     return best[1]
 
 
-def _with_pairs(plan: StepPlan, e, d) -> StepPlan:
-    """``plan`` with the attention pairs and calls of every whole-sample piece (from its rows)."""
+def with_pairs(plan: StepPlan, e, d) -> StepPlan:
+    """``plan`` with the attention pairs and calls of every whole-sample piece (from its rows and the
+    step's input / target lengths ``e``, ``d``): what the padding-free runtime computes."""
     from dataclasses import replace
 
     from dynabatch.cost.pairs import row_pairs

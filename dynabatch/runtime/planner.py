@@ -175,7 +175,8 @@ class StepPlanner:
                 plan = plan_step(
                     batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
                     num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
-                    score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30),
+                    score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30,
+                                              (batch.input_lens, batch.target_lens) if self.padding_free else None),
                     pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
                 )
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
@@ -233,15 +234,22 @@ def send_time_of(stage_model: StageCostModel):
     return None if send_time is None else (lambda num_bytes: send_time(num_bytes, "intra"))
 
 
-def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None):
+def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None, lengths=None):
     """``score(plan)`` for :func:`~dynabatch.plan.step.plan_step`: the simulated makespan of the slowest
     replica under the adaptive schedule (a few ms; the step formula ``sum + (S - 1) max`` misjudges
-    token slices, whose chains cannot overlap their own backward)."""
+    token slices, whose chains cannot overlap their own backward). With the step's ``lengths``
+    ``(input_lens, target_lens)`` (the padding-free runtime) every piece is priced with the attention
+    pairs and calls its rows really compute (:func:`~dynabatch.plan.step.with_pairs`), as the step that
+    runs is: the DP prices dense ``b x E^2`` in one call per layer, and with calibrated per-call costs
+    (several ms on CPU) a run spanning many lengths costs more than the DP sees."""
+    from dynabatch.plan.step import with_pairs
     from dynabatch.schedule.policies import adaptive
 
     states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
 
     def score(plan) -> float:
+        if lengths is not None:
+            plan = with_pairs(plan, *lengths)
         worst = 0.0
         for r in range(len(plan.replicas)):
             links = plan.slice_links(r)

@@ -116,3 +116,22 @@ def test_plan_command_bad_lengths_file(tmp_path, capsys):
     path.write_text('{"input_len": 3, "target_len": 2}\n{"input_len": "x"}\n')
     assert main(["plan", "--lengths", str(path), "--num-batches", "1"]) == 2
     assert "bad.jsonl, line 2: need integer fields input_len and target_len" in capsys.readouterr().err
+
+
+def test_fill_scales_keep_the_best_scoring_partition():
+    """With a score, plan_step plans under every fill-and-drain weight and keeps the best-scoring plan; a
+    smaller weight on (S - 1) max(t) never gives fewer micro-batches (it charges large ones less)."""
+    e, d = _lengths(11, 300)
+    cost = PolynomialCostModel()
+    fill = 5 * max(p.time_s for p in plan_step(e, d, cost, 4, family="t5").replicas[0])
+
+    def score(plan):  # a pipeline whose fill and drain cost a fixed time, not the largest micro-batch's
+        return sum(p.time_s for p in plan.replicas[0]) + fill
+
+    plain = plan_step(e, d, cost, 4, family="t5", fill_scales=(1.0,))
+    counts = [len(plan_step(e, d, cost, 4, family="t5", fill_scales=(s,)).replicas[0]) for s in (1.0, 0.5, 0.25, 0.0)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
+    best = plan_step(e, d, cost, 4, family="t5", score=score)  # default: FILL_SCALES
+    _check_cover(best, e, d)
+    assert score(best) < score(plain)
+    assert score(best) == min(score(plan_step(e, d, cost, 4, family="t5", fill_scales=(s,))) for s in (1.0, 0.5, 0.25))
