@@ -27,6 +27,8 @@ PACK_ROWS = ("auto", "off")
 """``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
 (one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
+PLAN_COSTS = ("base", "calibrated")
+"""``--plan-costs``: plan with the base cost model (default) or with the online fit."""
 CALIBRATIONS = ("auto", "quick", "online", "off")
 """``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
 online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
@@ -73,6 +75,8 @@ class TrainConfig:
     """profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model."""
     calibrate: str = "auto"
     """Fit the planner's stage times to what the run measures: auto (quick + online; online only with cost_profile), quick (a few seconds of start-up measurements, then online), online or off."""
+    plan_costs: str = "base"
+    """What the planner decides with when calibrating: base (the analytic preset or cost_profile; the fit only predicts, by the measurement in the README's "Online calibration") or calibrated (the online fit)."""
     calibration_file: str | None = None
     """Warm start from the calibration.json an earlier run on the same device, model and layout wrote."""
     max_micro_batch_samples: int = 64
@@ -142,6 +146,7 @@ class TrainConfig:
         _choice("pack_rows", self.pack_rows, PACK_ROWS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("calibrate", self.calibrate, CALIBRATIONS)
+        _choice("plan_costs", self.plan_costs, PLAN_COSTS)
         _choice("overlong", self.overlong, ("truncate", "drop", "error"))
         if self.compare_method is not None:
             _choice("compare_method", self.compare_method, METHODS)

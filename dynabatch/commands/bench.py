@@ -67,7 +67,7 @@ import numpy as np
 
 from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.common import add_baseline_arguments, parse_methods
-from dynabatch.config import ATTENTION_PATHS, CALIBRATIONS
+from dynabatch.config import ATTENTION_PATHS, CALIBRATIONS, PLAN_COSTS
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.sequence import is_seq2seq
@@ -120,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fit the planner's stage times to the measured ones as the run goes (one fit shared by every "
                         "method but pipelining): auto = quick + online (online only with --cost-profile), quick, "
                         "online or off")
+    p.add_argument("--plan-costs", default="base", choices=PLAN_COSTS,
+                   help="with --calibrate: plan with the base model and predict with the fit (base, default), or plan "
+                        "with the fit (calibrated)")
     p.add_argument("--compare-profile", default=None,
                    help=f"also run {PROFILED}: dynamic planned with this `dynabatch profile` JSON, no calibration")
     p.add_argument("--seed", type=int, default=0)
@@ -129,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "attention", "global_batch_tokens",
           "max_input_len", "max_target_len", *option_users(), "memory_gib", "threads", "seed", "json", "cost_profile",
-          "tune_steps", "calibrate", "compare_profile")
+          "tune_steps", "calibrate", "plan_costs", "compare_profile")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -215,6 +218,7 @@ def _config(args, method: str):
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
         calibrate="off" if method in (PROFILED, UNCALIBRATED) else getattr(args, "calibrate", "auto"),
+        plan_costs=getattr(args, "plan_costs", "base"),
     )
 
 
@@ -304,7 +308,8 @@ def _step_stats(r: _Method, cost_model) -> list[dict]:
             sim = _simulated(shapes, "1f1b", r.cfg, cost_model)
         else:  # the schedule and costs the runtime ran (token slices priced with their context)
             (shapes,) = p.shapes
-            sim = simulate(p.schedules[0], p.costs[0], model_state_bytes=np.array(cost_model.model_state_bytes))
+            sim = simulate(p.schedules[0], (p.predicted_costs or p.costs)[0],
+                           model_state_bytes=np.array(cost_model.model_state_bytes))
         out.append({"real": p.real_tokens, "computed": sum(b * (e + d) for b, e, d in shapes), "mbs": len(shapes),
                      "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
                      "predicted_step_s": float(sim.makespan_s if r.peer_steps is not None else p.predicted_step_s),
@@ -457,6 +462,7 @@ def bench(args, methods: list[str]) -> dict | None:
             quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, spec, 0)
         order = list(runs)
         times = {m: [] for m in order}
+        stage_compute = {m: [] for m in order}  # per timed step, replica 0's measured fwd + bwd seconds per stage
         losses = {m: [] for m in order}
         peaks = {m: 0 for m in order}
         saved = {m: None for m in order}
@@ -466,12 +472,15 @@ def bench(args, methods: list[str]) -> dict | None:
                 r = runs[m]
                 planned = r.planned[step] if ctx.is_planner else None
                 elapsed, loss, saved_peak, peak, result = _timed_step(r, ctx, step, planned, cuda)
-                if m in calibrated:
-                    from dynabatch.runtime.calibration import gather_measurements
+                if result is not None:  # every method on our executor: measured compute per stage
+                    from dynabatch.runtime.calibration import gather_measurements, stage_times
 
                     gathered = gather_measurements(ctx, result)  # collective, outside the timed region
                     if ctx.is_planner:
-                        calibration.record(ctx, planned, gathered, elapsed)
+                        if step >= args.warmup:
+                            stage_compute[m].append(stage_times(ctx, gathered))
+                        if m in calibrated:
+                            calibration.record(ctx, planned, gathered, elapsed)
                 if saved_peak is not None and step >= args.warmup:
                     saved[m] = max(saved[m] or 0, saved_peak)
                 peaks[m] = max(peaks[m], peak)
@@ -485,7 +494,7 @@ def bench(args, methods: list[str]) -> dict | None:
         measured_peak = {m: max(p[m] for p, _ in gathered) for m in order} if cuda else None
         measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
         result = _results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
-                          str(ctx.device), measured_saved, calibrated)
+                          str(ctx.device), measured_saved, calibrated, stage_compute)
         return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
@@ -599,7 +608,7 @@ def _prediction_error(run: _Method, times, warmup: int) -> float | None:
 
 
 def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device,
-             measured_saved=None, calibrated=()) -> dict:
+             measured_saved=None, calibrated=(), stage_compute=None) -> dict:
     import platform
 
     import torch
@@ -636,6 +645,14 @@ def _results(args, methods, runs, times, losses, measured_peak, rss, cost_model,
                           "sliced_samples": int(x["sliced"])}
                          for ts, x in zip(t, timed)],
         }
+        if stage_compute and stage_compute.get(m):  # where the step goes: compute per stage, predicted and measured
+            measured = np.array(stage_compute[m])
+            predicted = np.array([(np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=1)
+                                  for c in ((p.predicted_costs or p.costs)[0] for p in runs[m].planned[w:])])
+            rows[m]["stage_compute_s_measured"] = np.median(measured, axis=0).tolist()
+            rows[m]["stage_compute_s_predicted"] = np.median(predicted, axis=0).tolist()
+            for x, st in zip(rows[m]["per_step"], measured):
+                x["stage_compute_s_measured"] = [float(v) for v in st]
         if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran
             rows[m]["fixed_shapes"] = sorted({tuple(step[1]) for step in runs[m].peer_steps})
     baselines = [m for m in methods if m in BASELINES]

@@ -75,6 +75,11 @@ def print_table(result: dict) -> None:
               if r.get("prediction_error_median") is not None]
     if errors:
         print("step time, median |predicted - measured| / measured (calibration): " + ", ".join(errors))
+    compute = [f"{m} {'/'.join(f'{x:.2f}' for x in r['stage_compute_s_measured'])} "
+               f"({'/'.join(f'{x:.2f}' for x in r['stage_compute_s_predicted'])})"
+               for m, r in result["methods"].items() if r.get("stage_compute_s_measured")]
+    if compute:
+        print("forward + backward seconds per stage, median step, measured (predicted): " + ", ".join(compute))
     rows = result["methods"]
     for other in ("dynamic_uncalibrated", "dynamic_profiled"):
         if "dynamic" in rows and other in rows:

@@ -37,18 +37,30 @@ RIDGE = 1e-3
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 100) -> np.ndarray:
     """``argmin ||a x - b||`` subject to ``x >= 0`` (Lawson and Hanson's active-set method)."""
-    m, n = a.shape
-    x = np.zeros(n)
-    free = np.zeros(n, dtype=bool)
+    return nnls_gram(a.T @ a, a.T @ b, max_iter)
+
+
+def nnls_gram(g: np.ndarray, c: np.ndarray, max_iter: int = 100, x0: np.ndarray | None = None) -> np.ndarray:
+    """:func:`nnls` from the normal equations: ``argmin x' g x - 2 c' x`` subject to ``x >= 0``, with
+    ``g = a' a`` and ``c = a' b``. Every sub-problem is an F x F solve, so the cost does not grow with the
+    number of observations (the online fit runs once per planned step). ``x0`` (a feasible point, e.g.
+    the previous reweighting pass's answer) starts the active set where it is positive."""
+    n = len(c)
+    x = np.zeros(n) if x0 is None else np.maximum(np.asarray(x0, dtype=np.float64), 0.0)
+    free = x > 0
+    warm = bool(free.any())
     for _ in range(max_iter):
-        grad = a.T @ (b - a @ x)
-        candidates = ~free & (grad > 1e-12 * max(1.0, float(np.abs(grad).max(initial=0.0))))
-        if not candidates.any():
-            break
-        free[int(np.argmax(np.where(candidates, grad, -np.inf)))] = True
+        if not warm:
+            grad = c - g @ x
+            candidates = ~free & (grad > 1e-12 * max(1.0, float(np.abs(grad).max(initial=0.0))))
+            if not candidates.any():
+                break
+            free[int(np.argmax(np.where(candidates, grad, -np.inf)))] = True
+        warm = False
         while True:
             z = np.zeros(n)
-            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            idx = np.flatnonzero(free)
+            z[idx] = np.linalg.lstsq(g[np.ix_(idx, idx)], c[idx], rcond=None)[0]
             if np.all(z[free] > 0):
                 x = z
                 break
@@ -77,8 +89,9 @@ def fit_relative(x: np.ndarray, t: np.ndarray, theta0: np.ndarray, lam: float, *
     w = np.ones(len(t))
     theta_s = prior
     for _ in range(iterations):
-        sw = np.sqrt(w)[:, None]
-        theta_s = nnls(np.vstack([sw * z, reg]), np.concatenate([sw[:, 0], reg @ prior]))
+        zw = z * w[:, None]
+        theta_s = nnls_gram(z.T @ zw + reg.T @ reg, zw.sum(axis=0) + reg.T @ (reg @ prior),
+                            x0=theta_s if theta_s is not prior else None)
         r = 1.0 - z @ theta_s
         s = max(min_scale, 1.4826 * float(np.median(np.abs(r))))
         new_w = np.minimum(1.0, HUBER_K * s / np.maximum(np.abs(r), 1e-12))

@@ -170,6 +170,7 @@ def plan_step(
     score: Callable[[StepPlan], float] | None = None,
     pack_rows: str = "off",
     fill_scales: tuple[float, ...] | None = None,
+    segment_pricing: bool = False,
     **partition_options,
 ) -> StepPlan:
     """Plan one global batch end to end (see the module docstring). ``score(plan)`` (lower is better;
@@ -180,7 +181,12 @@ def plan_step(
     ``fill_scales``: the partition DP's weights on its fill-and-drain term
     (:func:`~dynabatch.plan.partition.plan_partition`'s ``fill_scale``); each is planned and the best
     ``score`` kept. Default :data:`FILL_SCALES` when a ``score`` is given (the simulated step judges
-    them), else the plain formula alone."""
+    them), else the plain formula alone.
+
+    ``segment_pricing`` (the padding-free runtime, ``pack_rows="off"``): the DP prices each run of
+    one-sample rows by the attention pairs its samples really compute (the ``(0, 0)`` capacity of the row
+    packing: each sample's own square) instead of dense ``b x E^2``. Dense pricing charges attention over
+    pad the runtime never computes, so with measured per-pair costs it splits runs only to avoid pad."""
     e, d = check_lengths(input_lens, target_lens)
     n = len(e)
     if num_replicas < 1 or n < num_replicas:
@@ -190,7 +196,7 @@ def plan_step(
     if fill_scales is None:
         fill_scales = FILL_SCALES if score is not None else (1.0,)
     how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows == "auto", score, tuple(fill_scales))
+                    pack_rows == "auto", score, tuple(fill_scales), segment_pricing)
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -234,6 +240,8 @@ class _Planning:
     score: Callable[[StepPlan], float] | None
     """The caller's score; ``None``: the predicted step (row packings: re-priced with attention calls)."""
     fill_scales: tuple[float, ...] = (1.0,)
+    segment_pricing: bool = False
+    """Without row packing: one sample per row priced by its own pairs (``(0, 0)``), not dense."""
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
@@ -257,7 +265,7 @@ def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices; with
     ``how.pack``, the best-scoring of the row packings (module docstring)."""
     if not how.pack:
-        return _plan_units(e, d, sliced, None, how)
+        return _plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
     score = how.score or (lambda plan: _priced_objective(plan, how.cost_model))
     best = None

@@ -73,6 +73,9 @@ class PlannedStep:
     model_state_bytes: tuple[float, ...] = ()
     """Per stage, the parameter, gradient and optimizer bytes the schedule's memory was priced with
     (the validator takes them off the device memory)."""
+    predicted_costs: tuple[StageCosts, ...] = ()
+    """Per replica, the per-stage costs predictions are made with (the online fit when calibrating; the same
+    as ``costs`` otherwise, or with ``plan_costs="calibrated"``)."""
     predicted_makespan_s: float = 0.0
     """The simulated makespan alone; ``predicted_step_s`` adds the calibrated step overhead to it."""
     features: tuple[np.ndarray, ...] = ()
@@ -102,6 +105,9 @@ class StepPlanner:
         self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
         self.calibration = calibration
         """:class:`~dynabatch.runtime.calibration.RunCalibration` (online calibration) or ``None``."""
+        self.predict_model = cost_model
+        """The model predictions are made with: the online fit when calibrating (``cost_model`` plans; it is
+        the fit too with ``plan_costs="calibrated"``, else the base model)."""
         self.limits: LengthLimits = batcher.limits
         self.family = self.limits.family
         self.step = batcher.step
@@ -116,8 +122,9 @@ class StepPlanner:
 
     def __call__(self) -> PlannedStep:
         _maybe_crash(self.step)
-        if self.calibration is not None:  # may wait for the measurements this step is planned with
-            self.cost_model = self.calibration.cost_model_for(self.step)
+        if self.calibration is not None and self.calibration.enabled:  # may wait for the measurements it needs
+            self.predict_model = self.calibration.cost_model_for(self.step)
+            self.cost_model = self.predict_model if self.cfg.plan_costs == "calibrated" else self.calibration.base
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
@@ -141,7 +148,12 @@ class StepPlanner:
             pairs.append(units_pairs(batch, units, self.family) if self.padding_free else None)
         shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
         costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs)
-        saved = simulate(schedules[0], replace(costs[0], peak_bytes=np.zeros_like(costs[0].peak_bytes)))
+        predicted_costs = costs
+        if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
+            predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, self.predict_model,
+                                                                  schedules)
+        saved = simulate(schedules[0], replace(predicted_costs[0],
+                                               peak_bytes=np.zeros_like(predicted_costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
         features = ()
         overhead = 0.0
@@ -154,7 +166,7 @@ class StepPlanner:
             bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
             batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
             predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes), predicted_makespan_s=predicted,
-            features=features,
+            features=features, predicted_costs=predicted_costs,
         )
 
     def _features(self, shapes, links, pairs) -> np.ndarray:
@@ -178,6 +190,7 @@ class StepPlanner:
                     score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30,
                                               (batch.input_lens, batch.target_lens) if self.padding_free else None),
                     pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
+                    segment_pricing=self.padding_free,
                 )
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
                 raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
@@ -197,17 +210,22 @@ class StepPlanner:
             return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
         return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
 
-    def _predict(self, shapes, links, contexts, pairs) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
+    def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None
+                 ) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
+        """Per replica: costs under ``model`` (default the planning model), the compute schedule
+        (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble)."""
         from dynabatch.runtime.step import compute_schedule
 
+        model = model or self.cost_model
         costs, schedules, makespans, bubbles = [], [], [], []
         memory = self.cfg.memory_gib * 2**30
-        states, send = np.array(self.cost_model.model_state_bytes), send_time_of(self.cost_model)
-        for s, lk, ctx, pr in zip(shapes, links, contexts, pairs):
-            c = piece_costs(self.cost_model, self.slice_model, s, ctx, lk, pr)
+        states, send = np.array(model.model_state_bytes), send_time_of(model)
+        for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
+            c = piece_costs(model, self.slice_model, s, ctx, lk, pr)
             buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
-            schedule = compute_schedule(self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages,
-                                        buffered, memory, lk, send_time=send, model_state_bytes=states)
+            schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
+                self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
+                send_time=send, model_state_bytes=states)
             result = simulate(schedule, buffered, send_time=send, model_state_bytes=states)
             costs.append(c)
             schedules.append(schedule)

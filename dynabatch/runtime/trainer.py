@@ -439,7 +439,8 @@ def prediction_record(ctx, gathered, planned, elapsed: float, records: list, cal
 
     err = abs(planned.predicted_step_s - elapsed) / elapsed if elapsed > 0 else 0.0
     recent = [r["prediction_error"] for r in records[-9:] if "prediction_error" in r] + [err]
-    predicted = (np.asarray(planned.costs[0].fwd_s) + np.asarray(planned.costs[0].bwd_s)).sum(axis=1)
+    c = (planned.predicted_costs or planned.costs)[0]
+    predicted = (np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=1)
     out = {"predicted_makespan_s": planned.predicted_makespan_s,
            "stage_time_measured_s": stage_times(ctx, gathered), "stage_time_predicted_s": [float(x) for x in predicted],
            "prediction_error": err, "prediction_error_median": float(np.median(recent)),
@@ -467,7 +468,7 @@ def _write_timeline(run: _Run, result, planned) -> None:
     if not run.ctx.is_planner:
         return
     shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
-    costs = planned.costs[0]
+    costs = (planned.predicted_costs or planned.costs)[0]
     simulated = simulate(planned.schedules[0], costs)
     out = run.cfg.output_dir
     trace = to_chrome_trace(measured[0], shapes=shapes, pid=0, process_name=f"measured step {planned.step}")

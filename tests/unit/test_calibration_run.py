@@ -31,7 +31,7 @@ def _records(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_path, toy_mixture_dir):
+def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_path, toy_mixture_dir, capsys):
     off = _train(tmp_path, toy_mixture_dir, "off", "--steps", "1", "--calibrate", "off")
     quick = _train(tmp_path, toy_mixture_dir, "quick", "--steps", "4", "--calibrate", "quick")
     assert off.returncode == 0, off.stderr[-3000:]
@@ -50,6 +50,15 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
     assert np.median([r["prediction_error"] for r in b]) < np.median([r["prediction_error"] for r in a])
     saved = json.load(open(tmp_path / "quick" / "calibration.json"))
     assert saved["as_of_step"] == 3 and np.array(saved["coefficients"]).shape == (2, 2, 5)
+
+    from dynabatch.cli import main
+
+    assert main(["profile", "--check", str(tmp_path / "quick")]) == 0  # the run folder's prediction report
+    report = capsys.readouterr().out.splitlines()
+    assert len(report) == 2 + 4 + 1 and report[-1].startswith("4 steps (online as of step 0 at the last)")
+    assert f"{np.median([r['prediction_error'] for r in b]):.1%}" in report[-1]
+    assert main(["profile", "--check", str(tmp_path)]) == 2  # a folder without metrics: one clear line
+    assert "pass a `dynabatch train` output folder" in capsys.readouterr().err
 
     warm = _train(tmp_path, toy_mixture_dir, "warm", "--steps", "1", "--calibrate", "online",
                   "--calibration-file", str(tmp_path / "quick" / "calibration.json"))

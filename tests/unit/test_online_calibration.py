@@ -135,7 +135,8 @@ def test_planner_waits_for_the_measurements_it_plans_with():
     assert got and isinstance(got[0], CalibratedStageCostModel)
 
 
-def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_one(toy_data):
+@pytest.mark.parametrize("plan_costs", ["base", "calibrated"])
+def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_one(toy_data, plan_costs):
     """A run records deterministic 'measured' times; a planner rebuilt at step 4 from the batcher position
     and the fit's state dict (what a checkpoint holds) makes exactly the plans of the uninterrupted one."""
     import torch
@@ -147,7 +148,7 @@ def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_on
     preset = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
     base, _ = _stage_model(preset)
     cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32,
-                      plan_ahead=1)
+                      plan_ahead=1, plan_costs=plan_costs)
     limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=32, max_seq_len=128)
     true = np.zeros(base.num_stages * 2 * (8 if preset.startswith("t5") else 5)).reshape(2, 2, -1)
     true[:, :, 0], true[:, :, 1], true[:, :, 2] = 5.0, 4e-3, 2e-6  # 5x the base + 4 ms + 2 us per token
@@ -196,6 +197,8 @@ def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_on
         assert a.step == b.step and a.shapes == b.shapes
         assert a.predicted_step_s == b.predicted_step_s
     assert full[-1].predicted_step_s != full[0].predicted_step_s  # the fit moved the predictions
+    for p in full:  # predictions come from the fit; plans from the fit only with plan_costs="calibrated"
+        assert (p.predicted_costs is p.costs) == (plan_costs == "calibrated")
     uncalibrated = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, base, toy_data.tokens)
     plain = [uncalibrated() for _ in range(8)]
     rows = lambda plans: [[s.row_index for s in p.batch.samples] for p in plans]  # noqa: E731
