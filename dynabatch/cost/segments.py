@@ -139,17 +139,18 @@ def stage_cost_pairs(tables: CostTables, stage: StageSpec, b, e, d, pairs: Atten
     b, e, d = (np.ascontiguousarray(np.asarray(x, dtype=np.float64).ravel()) for x in (b, e, d))
     pairs = pairs.map(lambda x: np.ascontiguousarray(np.broadcast_to(x, b.shape).ravel()))
     fwd, bwd, stored, transient = (np.zeros(b.size) for _ in range(4))
-    for kind in names:
-        c = count[kind]
-        if c == 0:
-            continue
-        v = kind_values(tables, kind, b, e, d)
-        v[3] -= v[2]  # transient
-        for role, core in cores.get(kind, {}).items():
-            v += core_delta(tables, core, role, b, e, d, pairs)
-        np.maximum(v, 0.0, out=v)
-        fwd, bwd, stored = fwd + c * v[0], bwd + c * v[1], stored + c * v[2]
-        transient = np.maximum(transient, v[3])
+    with np.errstate(invalid="ignore"):  # shapes off the grid are inf (inf - inf = nan): infeasible, below
+        for kind in names:
+            c = count[kind]
+            if c == 0:
+                continue
+            v = kind_values(tables, kind, b, e, d)
+            v[3] -= v[2]  # transient
+            for role, core in cores.get(kind, {}).items():
+                v += core_delta(tables, core, role, b, e, d, pairs)
+            np.maximum(v, 0.0, out=v)
+            fwd, bwd, stored = fwd + c * v[0], bwd + c * v[1], stored + c * v[2]
+            transient = np.maximum(transient, v[3])
     out = np.stack([fwd, bwd, stored, stored + transient])
     out[:, ~np.isfinite(out).all(axis=0)] = np.inf
     return out
@@ -163,7 +164,8 @@ def bottleneck_costs_pairs(tables: CostTables, stages, b, e, d, pairs: Attention
     per_stage = [stage_cost_pairs(tables, s, b, e, d, pairs) for s in stages]  # each (4, n)
     t = np.max([c[0] + c[1] for c in per_stage], axis=0)
     stored = np.max([c[2] for c in per_stage], axis=0)
-    transient = np.max([c[3] - c[2] for c in per_stage], axis=0)
+    with np.errstate(invalid="ignore"):  # inf - inf on infeasible shapes, set to inf below
+        transient = np.max([c[3] - c[2] for c in per_stage], axis=0)
     bad = ~np.isfinite(t)
     for x in (stored, transient):
         x[bad] = np.inf
