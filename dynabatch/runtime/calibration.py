@@ -194,9 +194,12 @@ def load_calibration(path: str, key: dict) -> dict:
     return payload
 
 
-def quick_calibration(executor, ctx, planner, spec, step: int, rounds: int = 2) -> None:
+def quick_calibration(executor, ctx, planner, spec, step: int, rounds: int = 2,
+                      startup_timeout_s: float | None = None) -> None:
     """Collective (``--calibrate quick``, module docstring): ``rounds`` forward-and-backward passes of
-    synthetic micro-batches spanning the run's lengths; rank 0 records the last round as step ``step - 1``."""
+    synthetic micro-batches spanning the run's lengths; rank 0 records the last round as step ``step - 1``.
+    ``startup_timeout_s``: how long the other ranks wait for the first round's plan (rank 0 may still be
+    loading and tokenizing the data), as for a run's first step."""
     from dynabatch.runtime.step import train_step
 
     planned = planner.synthetic_step(step) if ctx.is_planner else None
@@ -204,7 +207,7 @@ def quick_calibration(executor, ctx, planner, spec, step: int, rounds: int = 2) 
         result = train_step(executor, ctx, step, planned.replica_micro_batches if planned else None, spec=spec,
                             schedules=planned.schedules if planned else None,
                             costs=planned.costs if planned else None, slice_links=planned.slice_links if planned else None,
-                            forward_backward_only=True)
+                            forward_backward_only=True, receive_timeout_s=startup_timeout_s if k == 0 else None)
         gathered = gather_measurements(ctx, result)
         if ctx.is_planner and k == rounds - 1 and planner.calibration is not None:
             planner.calibration.record(ctx, replace(planned, step=step - 1), gathered, None)

@@ -292,7 +292,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     ahead = PlanAhead(run.planner, cfg.steps - start, cfg.plan_ahead) if ctx.is_planner else None
     if cfg.calibration_mode == "quick" and info is None and start < cfg.steps:
         try:
-            quick_calibration(run.executor, ctx, run.planner, run.spec, start)  # collective
+            quick_calibration(run.executor, ctx, run.planner, run.spec, start,  # collective
+                              startup_timeout_s=cfg.startup_timeout_s)
         except BaseException:
             if ahead is not None:
                 run.calibration.close()

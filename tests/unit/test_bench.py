@@ -89,7 +89,8 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     assert summary["model"] == "gpt2-tiny" and summary["stages"] == 2
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("model", ["gpt2-tiny", pytest.param("llama-tiny", marks=pytest.mark.slow)])
+# llama-tiny is slow-only: the gpt2-tiny run covers bench's slicing path and test_llama_cli's torchrun run llama's slices
 def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path, model):
     """GPT-2 and Llama (GQA, rotary), 2 ranks: steps of two 1024-token samples; slicing them shortens the simulated step (pipeline
     fill and drain), so ``dynamic_sliced`` runs token-slice chains, and its loss equals ``dynamic``'s

@@ -1,6 +1,6 @@
-"""Online calibration in real runs (torchrun, gloo, 2 stages): the start-up calibration changes no weight,
-metrics carry predicted against measured, the calibration file warm-starts a later run, and a resumed run
-plans with the checkpointed fit exactly as the interrupted one did."""
+"""Online calibration in real runs (torchrun, gloo, 2 stages; one process where the pipeline does not matter):
+the start-up calibration changes no weight, metrics carry predicted against measured, the calibration file
+warm-starts a later run, and a resumed run plans with the checkpointed fit exactly as the interrupted one did."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 
 
-def _train(tmp_path, toy_mixture_dir, out: str, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _train(tmp_path, toy_mixture_dir, out: str, *extra: str, env_extra: dict | None = None,
+           stages: int = 2) -> subprocess.CompletedProcess:
+    """``dynabatch train`` on gpt2-tiny: ``stages`` 2 under torchrun, 1 as one plain process (cheaper)."""
     env = {**os.environ, **(env_extra or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dynabatch",
-           "train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", "2",
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+                if stages == 2 else [sys.executable])
+    cmd = [*launcher, "-m", "dynabatch", "train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", str(stages),
            "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "1024",
            "--max-input-len", "128", "--max-target-len", "32", "--output-dir", str(tmp_path / out),
            "--log-every", "0", "--no-timeline", "--task-loss-every", "0", *extra]
@@ -32,7 +35,7 @@ def _records(path) -> list[dict]:
 
 
 def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_path, toy_mixture_dir, capsys):
-    off = _train(tmp_path, toy_mixture_dir, "off", "--steps", "1", "--calibrate", "off")
+    off = _train(tmp_path, toy_mixture_dir, "off", "--steps", "1", "--calibrate", "off", stages=1)  # same loss
     quick = _train(tmp_path, toy_mixture_dir, "quick", "--steps", "4", "--calibrate", "quick")
     assert off.returncode == 0, off.stderr[-3000:]
     assert quick.returncode == 0, quick.stderr[-3000:]
@@ -75,12 +78,12 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
 
 def test_resume_plans_with_the_checkpointed_fit(tmp_path, toy_mixture_dir):
     crashed = _train(tmp_path, toy_mixture_dir, "run", "--steps", "6", "--checkpoint-every", "3",
-                     env_extra={"DYNABATCH_CRASH_AT": "4"})
+                     env_extra={"DYNABATCH_CRASH_AT": "4"}, stages=1)
     assert crashed.returncode != 0
     before = {r["step"]: r for r in _records(tmp_path / "run" / "metrics.jsonl")}
     assert sorted(before) == [0, 1, 2, 3]
     shutil.copy(tmp_path / "run" / "metrics.jsonl", tmp_path / "before.jsonl")
-    resumed = _train(tmp_path, toy_mixture_dir, "run", "--steps", "6", "--checkpoint-every", "3", "--resume")
+    resumed = _train(tmp_path, toy_mixture_dir, "run", "--steps", "6", "--checkpoint-every", "3", "--resume", stages=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = {r["step"]: r for r in _records(tmp_path / "run" / "metrics.jsonl")}
     # step 3 is planned with the fit as of step 0, which the checkpoint after step 2 holds: the same plan and
