@@ -1,0 +1,137 @@
+"""What ``dynabatch bench`` reports per method from its planned and measured steps: per-step statistics
+(:func:`step_stats`), the simulated twin of a fixed-shape run (:func:`simulated`) and the result dict
+(:func:`results`) that :mod:`dynabatch.commands.bench_report` prints and ``--json`` writes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dynabatch.commands.bench_report import PEER
+from dynabatch.data.baselines import BASELINES
+
+
+def simulated(shapes, policy: str, cfg, cost_model):
+    """Schedule (``policy``) and simulated run of one replica's micro-batch shapes under the planner's cost model."""
+    from dynabatch.runtime.step import compute_schedule
+    from dynabatch.schedule.simulate import simulate
+
+    arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+    costs = cost_model.per_stage(*(arr[:, i].astype(np.float64) for i in range(3)))
+    schedule = compute_schedule(policy, arr, cfg.stages, costs, cfg.memory_gib * 2**30)
+    return simulate(schedule, costs, model_state_bytes=np.array(cost_model.model_state_bytes))
+
+
+def step_stats(r, cost_model) -> list[dict]:
+    """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
+    from dynabatch.schedule.simulate import simulate
+
+    out = []
+    for i, p in enumerate(r.planned):
+        if r.peer_steps is not None:  # fixed shapes, 1F1B
+            num, (b, e, d), _, _ = r.peer_steps[i]
+            shapes = [(b, e, d)] * num
+            sim = simulated(shapes, "1f1b", r.cfg, cost_model)
+        else:  # the schedule and costs the runtime ran (token slices priced with their context)
+            (shapes,) = p.shapes
+            sim = simulate(p.schedules[0], (p.predicted_costs or p.costs)[0],
+                           model_state_bytes=np.array(cost_model.model_state_bytes))
+        out.append({"real": p.real_tokens, "computed": sum(b * (e + d) for b, e, d in shapes), "mbs": len(shapes),
+                     "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
+                     "predicted_step_s": float(sim.makespan_s if r.peer_steps is not None else p.predicted_step_s),
+                     "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s,
+                     "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples})
+    return out
+
+
+def _predicted_saved_mib(run, warmup: int) -> float | None:
+    """Largest simulated peak of stored activation bytes on any stage over the timed steps (replica 0):
+    what the measured ``SavedActivationMeter`` peak is compared with; ``None`` for the peer."""
+    if run.peer_steps is not None or not run.planned:
+        return None
+    values = [max(p.predicted_saved_bytes) for p in run.planned[warmup:] if p is not None and p.predicted_saved_bytes]
+    return max(values) / 2**20 if values else None
+
+
+def _spread(values) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    return {"median": float(np.median(v)), "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90)),
+            "min": float(v.min()), "max": float(v.max())}
+
+
+def _prediction_error(run, times, warmup: int) -> float | None:
+    """Median ``|predicted - measured| / measured`` step time over the timed steps (``None`` for the peer)."""
+    if run.peer_steps is not None:
+        return None
+    predicted = np.array([p.predicted_step_s for p in run.planned[warmup:]])
+    return float(np.median(np.abs(predicted - times) / times))
+
+
+def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device,
+             measured_saved=None, calibrated=(), stage_compute=None, flags=()) -> dict:
+    import platform
+
+    import torch
+
+    w = args.warmup
+    rows = {}
+    for m in methods:
+        stats = step_stats(runs[m], cost_model)
+        timed = stats[w:]
+        real = np.array([x["real"] for x in timed], dtype=np.float64)
+        t = np.array(times[m])
+        rows[m] = {
+            "tokens_per_s": float(real.sum() / t.sum()),
+            "tokens_per_s_per_step": _spread(real / t),
+            "step_time_s": _spread(t),
+            "padding_efficiency": float(sum(x["real"] for x in stats) / sum(x["computed"] for x in stats)),
+            "bubble_fraction_predicted": float(np.mean([x["bubble"] for x in timed])),
+            "predicted_step_s_median": float(np.median([x["predicted_s"] for x in timed])),
+            "predicted_peak_memory_mib": max(x["peak"] for x in timed) / 2**20,
+            "measured_peak_memory_mib": measured_peak[m] / 2**20 if measured_peak else None,
+            "measured_saved_activation_mib": (measured_saved[m] / 2**20
+                                              if measured_saved and measured_saved[m] is not None else None),
+            "predicted_saved_activation_mib": _predicted_saved_mib(runs[m], w),
+            "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
+            "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
+            "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
+            "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
+            "prediction_error_median": _prediction_error(runs[m], t, w),
+            "loss_first": losses[m][0],
+            "loss_last": losses[m][-1],
+            "per_step": [{"time_s": float(ts), "predicted_s": float(x["predicted_s"]),
+                          "predicted_step_s": x["predicted_step_s"], "micro_batches": int(x["mbs"]),
+                          "real_tokens": int(x["real"]), "computed_tokens": int(x["computed"]),
+                          "sliced_samples": int(x["sliced"])}
+                         for ts, x in zip(t, timed)],
+        }
+        if stage_compute and stage_compute.get(m):  # where the step goes: compute per stage, predicted and measured
+            measured = np.array(stage_compute[m])
+            predicted = np.array([(np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=1)
+                                  for c in ((p.predicted_costs or p.costs)[0] for p in runs[m].planned[w:])])
+            rows[m]["stage_compute_s_measured"] = np.median(measured, axis=0).tolist()
+            rows[m]["stage_compute_s_predicted"] = np.median(predicted, axis=0).tolist()
+            for x, st in zip(rows[m]["per_step"], measured):
+                x["stage_compute_s_measured"] = [float(v) for v in st]
+        if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran
+            rows[m]["fixed_shapes"] = sorted({tuple(step[1]) for step in runs[m].peer_steps})
+    baselines = [m for m in methods if m in BASELINES]
+    best = max(baselines, key=lambda m: rows[m]["tokens_per_s"]) if baselines else None
+    for m in methods:
+        for key, ref in (("best_baseline", best), ("pipelining", PEER if PEER in methods else None)):
+            if ref is not None:
+                rows[m][f"ratio_to_{key}"] = rows[m]["tokens_per_s"] / rows[ref]["tokens_per_s"]
+                paired = np.array(times[ref]) / np.array(times[m])  # same global batch, same step: tokens cancel
+                rows[m][f"paired_ratio_to_{key}"] = _spread(paired)
+    return {
+        "config": {k: getattr(args, k) for k in flags if k != "json"},
+        "machine": {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "platform": platform.platform(), "processor": platform.processor()},
+        "global_batches": len(batches),
+        "samples_per_step": float(np.mean([len(b) for b in batches])),
+        "real_tokens_per_step": float(np.mean([b.num_tokens for b in batches])),
+        "peak_rss_mib_rank0": rss / 2**20,
+        "best_baseline": best,
+        "methods": rows,
+    }
