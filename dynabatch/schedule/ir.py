@@ -349,6 +349,20 @@ class PipelineSpec:
 
 
 PLAN_FORMAT_VERSION = 1
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation of one micro-batch on one stage, cheapest in time first: ``none`` stores every
+activation; ``selective`` recomputes the attention cores in backward (their inputs stay stored); ``full``
+stores only each transformer block's inputs and reruns the block's forward in backward."""
+
+
+def check_recompute(modes, num_micro_batches: int) -> None:
+    """``ValueError`` unless ``modes`` has one :data:`RECOMPUTE_MODES` entry per micro-batch."""
+    if len(modes) != num_micro_batches:
+        raise ValueError(f"recompute has {len(modes)} entries for {num_micro_batches} micro-batches")
+    bad = [m for m in modes if m not in RECOMPUTE_MODES]
+    if bad:
+        raise ValueError(f"unknown recompute mode {bad[0]!r}; valid: {', '.join(RECOMPUTE_MODES)}")
 """Version of :meth:`ExecutionPlan.to_bytes` / :meth:`ExecutionPlan.to_text`; readers accept only this one."""
 
 
@@ -374,12 +388,21 @@ class ExecutionPlan:
     slice_links: tuple[int, ...] = ()
     """Token-slice chains of the replica (:mod:`dynabatch.schedule.chains`): per micro-batch, the
     micro-batch whose keys/values it extends, or -1; empty when no micro-batch is a slice."""
+    recompute: tuple[str, ...] = ()
+    """Activation recomputation of this rank's stage, per micro-batch: one of :data:`RECOMPUTE_MODES`
+    (``none``; ``selective``: the attention cores; ``full``: every transformer block); empty when no
+    micro-batch recomputes (:mod:`dynabatch.cost.recompute` chooses them)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instructions", tuple(self.instructions))
         object.__setattr__(self, "slice_links", tuple(int(x) for x in self.slice_links))
         if self.slice_links:
             check_links(self.slice_links, self.num_micro_batches)
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+        if any(m != "none" for m in self.recompute):
+            check_recompute(self.recompute, self.num_micro_batches)
+        else:
+            object.__setattr__(self, "recompute", ())
         if not (0 <= self.stage < self.num_stages and 0 <= self.replica_index < self.num_replicas):
             raise ValueError(
                 f"stage {self.stage} / replica {self.replica_index} out of range "

@@ -6,13 +6,14 @@ Binary: ``b"DBXP"``, the format version as a little-endian uint16, then zlib-com
      "tensors": [[name, dtype, [shape...]], ...],        # each distinct TensorSpec once
      "groups": [[tensor index, ...], ...],               # each distinct tensor tuple once
      "instrs": [[op, stage, micro_batch, peer, slot, tag, waits_on or "", group or -1], ...],
-     "links": [previous slice or -1, ...]}               # only when some micro-batch is a token slice
+     "links": [previous slice or -1, ...],               # only when some micro-batch is a token slice
+     "recompute": [mode, ...]}                           # only when some micro-batch recomputes
 
 Opcodes are their stable string values, so the format does not depend on enum order. A 1F1B plan of
 100 micro-batches on a middle stage (about 1000 instructions) is about 6.4 KB.
 
 Text: a header ``dynabatch-plan v1 rank=.. stage=.. ...`` (plus ``links=-1,0,1,-1`` when the step has
-token slices) and one :meth:`Instr.to_text` line per instruction. Both readers raise ``ValueError`` naming the version they found when it is not
+token slices, ``recompute=none,full,..`` when some micro-batch recomputes) and one :meth:`Instr.to_text` line per instruction. Both readers raise ``ValueError`` naming the version they found when it is not
 :data:`~dynabatch.schedule.ir.PLAN_FORMAT_VERSION`.
 """
 
@@ -60,6 +61,8 @@ def plan_to_bytes(plan: ExecutionPlan) -> bytes:
     }
     if plan.slice_links:
         doc["links"] = list(plan.slice_links)
+    if plan.recompute:
+        doc["recompute"] = list(plan.recompute)
     payload = json.dumps(doc, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<H", PLAN_FORMAT_VERSION) + zlib.compress(payload, 6)
 
@@ -79,15 +82,18 @@ def plan_from_bytes(data: bytes) -> ExecutionPlan:
             for op, stage, mb, peer, slot, tag, waits, g in doc["instrs"]
         )
         links = tuple(doc.get("links", ()))
+        recompute = tuple(doc.get("recompute", ()))
     except (zlib.error, ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"corrupt execution plan (format version {version}): {e}") from e
-    return ExecutionPlan(instructions=instrs, slice_links=links, **header)
+    return ExecutionPlan(instructions=instrs, slice_links=links, recompute=recompute, **header)
 
 
 def plan_to_text(plan: ExecutionPlan) -> str:
     header = " ".join(f"{f}={getattr(plan, f)}" for f in _HEADER_FIELDS)
     if plan.slice_links:
         header += " links=" + ",".join(map(str, plan.slice_links))
+    if plan.recompute:
+        header += " recompute=" + ",".join(plan.recompute)
     lines = [f"{TEXT_HEADER} v{PLAN_FORMAT_VERSION} {header}"]
     lines.extend(ins.to_text() for ins in plan.instructions)
     return "\n".join(lines) + "\n"
@@ -99,19 +105,24 @@ def plan_from_text(text: str) -> ExecutionPlan:
     if len(head) < 2 or head[0] != TEXT_HEADER or not head[1].startswith("v") or not head[1][1:].isdigit():
         raise ValueError(f"not a dynabatch execution plan text: first line must start with '{TEXT_HEADER} v<N>'")
     _check_version(int(head[1][1:]))
-    header, links = {}, ()
+    header, links, recompute = {}, (), ()
     for tok in head[2:]:
         key, _, value = tok.partition("=")
         if key == "links":
             links = tuple(int(x) for x in value.split(","))
             continue
+        if key == "recompute":
+            recompute = tuple(value.split(","))
+            continue
         if key not in _HEADER_FIELDS:
-            raise ValueError(f"unknown plan header field {key!r}; valid fields: {', '.join(_HEADER_FIELDS)}, links")
+            raise ValueError(f"unknown plan header field {key!r}; valid fields: "
+                             f"{', '.join(_HEADER_FIELDS)}, links, recompute")
         header[key] = int(value)
     missing = [f for f in _HEADER_FIELDS if f not in header]
     if missing:
         raise ValueError(f"plan header lacks {', '.join(missing)}")
-    return ExecutionPlan(instructions=tuple(Instr.from_str(line) for line in lines[1:]), slice_links=links, **header)
+    return ExecutionPlan(instructions=tuple(Instr.from_str(line) for line in lines[1:]), slice_links=links,
+                         recompute=recompute, **header)
 
 
 def _check_version(version: int) -> None:
