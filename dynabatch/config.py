@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from dynabatch.cost.recompute import RECOMPUTE_POLICIES  # ``recompute`` choices, one list for config and cost model
 from dynabatch.data.baselines import BASELINES
 
 METHODS = ("dynamic", *BASELINES)
@@ -71,6 +72,8 @@ class TrainConfig:
     """packing_free baseline (TRL's bfd + padding_free): rows per micro-batch."""
     memory_gib: float = 4.0
     """Device memory per rank the planner may use (activations + model states)."""
+    recompute: str = "auto"
+    """Activation recomputation: auto (per micro-batch and stage, the fastest of none / selective / full that fits memory: none wherever memory does not bind), none, selective (attention cores) or full (every block) for all."""
     cost_profile: str | None = None
     """profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model."""
     calibrate: str = "auto"
@@ -147,6 +150,7 @@ class TrainConfig:
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("calibrate", self.calibrate, CALIBRATIONS)
         _choice("plan_costs", self.plan_costs, PLAN_COSTS)
+        _choice("recompute", self.recompute, RECOMPUTE_POLICIES)
         _choice("overlong", self.overlong, ("truncate", "drop", "error"))
         if self.compare_method is not None:
             _choice("compare_method", self.compare_method, METHODS)

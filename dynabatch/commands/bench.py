@@ -68,7 +68,7 @@ import numpy as np
 from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import add_baseline_arguments, parse_methods
-from dynabatch.config import ATTENTION_PATHS, CALIBRATIONS, PLAN_COSTS
+from dynabatch.config import ATTENTION_PATHS, CALIBRATIONS, PLAN_COSTS, RECOMPUTE_POLICIES
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.sequence import is_seq2seq
@@ -114,6 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also sweep each baseline's knob over its grid and time its best setting that fits memory")
     p.add_argument("--tune-steps", type=int, default=2, help="--tune-baselines: timed steps per knob value")
     p.add_argument("--memory-gib", type=float, default=4.0, help="device memory per rank the planner may use")
+    p.add_argument("--recompute", default="auto", choices=RECOMPUTE_POLICIES,
+                   help="activation recomputation for every method: auto (per micro-batch and stage, the fastest mode "
+                        "that fits --memory-gib), none, selective (attention cores) or full (every block)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--cost-profile", default=None,
                    help="profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model")
@@ -132,8 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "attention", "global_batch_tokens",
-          "max_input_len", "max_target_len", *option_users(), "memory_gib", "threads", "seed", "json", "cost_profile",
-          "tune_steps", "calibrate", "plan_costs", "compare_profile")
+          "max_input_len", "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "seed", "json",
+          "cost_profile", "tune_steps", "calibrate", "plan_costs", "compare_profile")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -214,7 +217,7 @@ def _config(args, method: str):
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
         calibrate="off" if method in (PROFILED, UNCALIBRATED) else getattr(args, "calibrate", "auto"),
-        plan_costs=getattr(args, "plan_costs", "base"),
+        plan_costs=getattr(args, "plan_costs", "base"), recompute=getattr(args, "recompute", "auto"),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from dynabatch.cost.recompute import RECOMPUTE_POLICIES
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.baselines import BASELINES, BaselineOptions, option_users
 from dynabatch.workload import METHODS, MODEL_FAMILIES
@@ -24,6 +25,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="a100-40gb", help="hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="device memory per stage in GiB, model states included (default: the hardware preset's)")
+    p.add_argument("--recompute", default="auto", choices=RECOMPUTE_POLICIES,
+                   help="activation recomputation: auto (per micro-batch and stage, the fastest mode that fits memory), "
+                        "none, selective (attention cores) or full (every block) everywhere")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages")
     p.add_argument("--max-input-len", type=int, default=1024, help="T5 encoder limit; GPT sequence limit")
     p.add_argument("--max-target-len", type=int, default=256, help="T5 decoder limit")
@@ -94,6 +98,6 @@ def resolve(args: argparse.Namespace) -> Workload:
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))
     memory_gib = getattr(args, "memory_gib", None)
     memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
-    cost = StageCostModel(model, layout, memory)
+    cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"))
     options = BaselineOptions.of(args)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)

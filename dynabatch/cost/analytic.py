@@ -72,7 +72,7 @@ import dataclasses
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
 
@@ -87,6 +87,9 @@ from dynabatch.cost.model_specs import (
 )
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.sequence import is_seq2seq
+
+if TYPE_CHECKING:
+    from dynabatch.cost.recompute import RecomputeTerms
 
 ArrayLike = Union[float, int, np.ndarray, Sequence[float]]
 Value = Union[float, np.ndarray]
@@ -231,6 +234,43 @@ class AnalyticCostModel:
         out = (fwd, bwd, total("fwd_flops"), stored, peak)
         return LayerCost(*[float(x) if np.ndim(x) == 0 else x for x in out])
 
+    def recompute_terms(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
+                        pairs: AttentionPairs | None = None) -> "RecomputeTerms":
+        """What activation recomputation changes on a stage of ``kinds`` (:mod:`dynabatch.cost.recompute`):
+        for ``full``, the transformer blocks' forward time and the bytes they store beyond their input
+        hidden states; for ``selective``, the attention cores' forward time and the bytes they alone store
+        (:meth:`_core_stored`); with the largest single block's (core's) stored bytes, re-materialised while
+        that block runs its backward. Arrays shaped like the broadcast inputs."""
+        from dynabatch.cost.recompute import RecomputeTerms
+
+        p, d = self.spec.dtype_bytes, self.spec.d_model
+        blocks = [k for k in kinds if k in ("gpt", "t5_encoder", "t5_decoder")]
+        kind = blocks[0] if blocks else kinds[0]
+        _, (b, E, D) = self._inputs(kind, b, E, D)
+        work = _broadcast_pairs(pairs, b.shape)
+        zero = np.zeros_like(b)
+
+        def role(name: str):
+            return (None, None) if work is None else work.role(name)
+
+        terms = {f: zero for f in RecomputeTerms.fields()}
+        for k, n in Counter(blocks).items():
+            T = D if k == "t5_decoder" else E
+            stored = self._stored(k, b, E, D, work)
+            cores = ([(D, D, role("decoder")), (D, E, role("cross"))] if k == "t5_decoder"
+                     else [(E, E, role("encoder"))])
+            core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls) in cores
+                           for op in self._core_ops(b, tq, tk, pr, calls))
+            core_stored = sum(self._core_stored(b, tq, tk, pr) for tq, tk, (pr, _) in cores)
+            block_fwd = sum(self._op_time(op) for op in self._ops(k, b, E, D, work))
+            terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
+            terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - p * b * T * d)
+            terms["full_peak_bytes"] = np.maximum(terms["full_peak_bytes"], stored)
+            terms["selective_extra_s"] = terms["selective_extra_s"] + n * core_fwd
+            terms["selective_freed_bytes"] = terms["selective_freed_bytes"] + n * core_stored
+            terms["selective_peak_bytes"] = np.maximum(terms["selective_peak_bytes"], core_stored)
+        return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})
+
     def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
                      pairs: AttentionPairs | None = None):
         """(forward, backward) seconds of the masks and position biases a T5 stage of ``kinds`` builds once
@@ -344,11 +384,19 @@ class AnalyticCostModel:
         array like ``b``, or None for the dense ``b Tq Tk``) are the score pairs the core computes, in
         ``calls`` calls (None: one; each call launches the core's kernels again)."""
         s, p = self.spec, self.spec.dtype_bytes
-        d, a, h, kv = s.d_model, s.d_attn, s.num_heads, s.d_kv_attn
+        d, a, kv = s.d_model, s.d_attn, s.d_kv_attn
         if is_self:  # Q (a wide) and K, V (kv wide each: narrower under grouped-query attention)
             proj = [_gemm(b * Tq, a + 2 * kv, d, p)]
         else:  # Q from the decoder, K and V from the encoder output
             proj = [_gemm(b * Tq, a, d, p), _gemm(b * Tk, 2 * a, d, p)]
+        core = self._core_ops(b, Tq, Tk, pairs, calls)
+        return [_mem(2 * p * b * Tq * d)] + proj + core + [_gemm(b * Tq, d, a, p), self._residual(b * Tq)]
+
+    def _core_ops(self, b, Tq, Tk, pairs=None, calls=None) -> list[_Op]:
+        """The attention core of one attention sub-layer (scores, softmax, dropout, weighted values): what
+        selective recomputation runs again in backward."""
+        s, p = self.spec, self.spec.dtype_bytes
+        a, h, kv = s.d_attn, s.num_heads, s.d_kv_attn
         if self.flash_attention:
             flops = 4.0 * b * h * Tq * Tk * s.d_kv if pairs is None else 4.0 * h * pairs * s.d_kv
             core = [_Op(flops, p * b * 2 * (Tq * a + Tk * kv), "attention", bwd_factor=2.5)]
@@ -362,7 +410,7 @@ class AnalyticCostModel:
             core = [gemm, _mem(2 * p * scores)] + self._dropout(scores) + [gemm]
         if calls is not None:
             core = [dataclasses.replace(op, launches=calls) for op in core]
-        return [_mem(2 * p * b * Tq * d)] + proj + core + [_gemm(b * Tq, d, a, p), self._residual(b * Tq)]
+        return core
 
     def _ffn_ops(self, b, T) -> list[_Op]:
         s, p = self.spec, self.spec.dtype_bytes
@@ -398,15 +446,21 @@ class AnalyticCostModel:
 
     def _attention_stored(self, b, Tq, Tk, pairs=None):
         s, p = self.spec, self.spec.dtype_bytes
-        d, a, h, kv = s.d_model, s.d_attn, s.num_heads, s.d_kv_attn
+        d, a, kv = s.d_model, s.d_attn, s.d_kv_attn
+        mask = 1 if self.dropout else 0
+        core = self._core_stored(b, Tq, Tk, pairs)
+        return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
+
+    def _core_stored(self, b, Tq, Tk, pairs=None):
+        """Bytes the attention core alone stores for backward (beyond its Q, K, V inputs and its output,
+        which the projections around it keep): what selective recomputation frees."""
+        h, p = self.spec.num_heads, self.spec.dtype_bytes
         mask = 1 if self.dropout else 0
         if self.flash_attention:
-            core = 4 * b * h * Tq
-        elif pairs is None:
-            core = (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
-        else:
-            core = (p + (mask + p) * mask) * h * pairs
-        return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
+            return 4 * b * h * Tq
+        if pairs is None:
+            return (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
+        return (p + (mask + p) * mask) * h * pairs
 
     def _ffn_stored(self, b, T):
         s, p = self.spec, self.spec.dtype_bytes

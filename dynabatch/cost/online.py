@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dynabatch.cost.robust_fit import fit_relative
-from dynabatch.cost.stages import StageCostModel, StageCosts, message_buffer_bytes
+from dynabatch.cost.stages import StageCostModel, StageCosts
 
 FEATURES = {
     "causal": ("base", "micro_batch", "tokens", "pairs", "calls"),
@@ -95,21 +95,24 @@ class CalibratedStageCostModel(StageCostModel):
     def of(cls, base: StageCostModel, coefficients=None, memory_scale=None) -> "CalibratedStageCostModel":
         base = base.base if isinstance(base, CalibratedStageCostModel) else base
         return cls(base.model, base.layout, base.device_memory_bytes, base.optimizer, base.memory_margin,
-                   coefficients=coefficients, memory_scale=memory_scale)
+                   base.recompute, coefficients=coefficients, memory_scale=memory_scale)
 
     @property
     def base(self) -> StageCostModel:
-        return StageCostModel(self.model, self.layout, self.device_memory_bytes, self.optimizer, self.memory_margin)
+        return StageCostModel(self.model, self.layout, self.device_memory_bytes, self.optimizer, self.memory_margin,
+                              self.recompute)
 
     @property
     def seq2seq(self) -> bool:
         return any("t5_decoder" in s for s in self.layout.stages)
 
-    def features(self, b, E, D, pairs=None, base: StageCosts | None = None) -> np.ndarray:
+    def features(self, b, E, D, pairs=None, base: StageCosts | None = None, modes=None) -> np.ndarray:
         """``(S, 2, N, F)``: every stage's forward and backward features of micro-batches ``(b, E, D)``
-        (``base``: the base model's :meth:`per_stage` of them, when already at hand)."""
+        (``base``: the base model's costs of them, when already at hand; else the base model's under the
+        recompute ``modes`` they ran with, default none)."""
         bb, EE, DD = self._inputs(b, E, D)
-        base = base if base is not None else super().per_stage(b, E, D, pairs)
+        if base is None:
+            base = self.base._priced(b, E, D, pairs) if modes is None else self.base.per_stage(b, E, D, pairs, modes)
         shape = shape_features(bb, EE, DD, pairs)  # (N, F - 1)
         n, num_stages = shape.shape[0], self.num_stages
         out = np.empty((num_stages, 2, n, shape.shape[1] + 1))
@@ -118,8 +121,8 @@ class CalibratedStageCostModel(StageCostModel):
         out[:, 1, :, 0] = np.asarray(base.bwd_s).reshape(num_stages, n)
         return out
 
-    def per_stage(self, b, E, D, pairs=None) -> StageCosts:
-        costs = super().per_stage(b, E, D, pairs)
+    def _priced(self, b, E, D, pairs=None) -> StageCosts:
+        costs = super()._priced(b, E, D, pairs)
         if self.coefficients is not None:
             x = self.features(b, E, D, pairs, base=costs)
             t = np.einsum("sdnf,sdf->sdn", x, self.coefficients)
@@ -133,9 +136,7 @@ class CalibratedStageCostModel(StageCostModel):
     def evaluate(self, b, E, D, pairs=None):
         if self.coefficients is None and self.memory_scale is None:
             return super().evaluate(b, E, D, pairs)
-        c = self.per_stage(b, E, D, pairs)
-        return ((c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0) + message_buffer_bytes(c.send_bytes).max(axis=0),
-                c.peak_bytes.max(axis=0))
+        return self.reduce(self.per_stage(b, E, D, pairs))
 
 
 @dataclass

@@ -111,6 +111,9 @@ class StageCosts:
     peak_bytes: np.ndarray
     send_bytes: np.ndarray
     """Activation bytes stage s sends to stage s + 1 (the gradient coming back is the same size)."""
+    recompute: np.ndarray | None = None
+    """Activation recomputation each entry is priced with (codes into
+    :data:`~dynabatch.schedule.ir.RECOMPUTE_MODES`, :mod:`dynabatch.cost.recompute`); ``None``: none anywhere."""
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,22 @@ class StageCostModel:
     optimizer: str = "adam"
     memory_margin: float = 0.1
     """Fraction of device memory kept free (allocator fragmentation, workspace)."""
+    recompute: str = "none"
+    """Activation recomputation policy (:data:`~dynabatch.cost.recompute.RECOMPUTE_POLICIES`): ``none``,
+    ``selective`` / ``full`` everywhere, or ``auto``: per micro-batch and stage, the fastest mode that fits
+    (:mod:`dynabatch.cost.recompute`). Needs a layer model with ``recompute_terms`` unless ``none``."""
     model_state_bytes: tuple[float, ...] = field(init=False)
     """Parameters + gradients + optimizer states of each stage."""
     memory_budget_bytes: float = field(init=False)
     """Activation memory left on the tightest stage."""
 
     def __post_init__(self) -> None:
+        from dynabatch.cost.recompute import check_policy
+
+        check_policy(self.recompute)
+        if self.recompute != "none" and not hasattr(self.model, "recompute_terms"):
+            raise ValueError(f"--recompute {self.recompute} needs a cost model that prices recomputation; "
+                             f"{type(self.model).__name__} does not (use the analytic model, or --recompute none)")
         states = tuple(
             float(self.model.model_state_bytes(sum(self.model.param_count(k) for k in s), optimizer=self.optimizer))
             for s in self.layout.stages
@@ -149,10 +162,18 @@ class StageCostModel:
     def num_stages(self) -> int:
         return self.layout.num_stages
 
-    def per_stage(self, b, E, D, pairs=None) -> StageCosts:
+    def per_stage(self, b, E, D, pairs=None, modes=None) -> StageCosts:
         """Every stage's costs of micro-batches ``(b, E, D)``; ``pairs``
         (:class:`~dynabatch.cost.pairs.AttentionPairs` shaped like ``b``) prices per-segment attention,
-        ``None`` the dense ``b x Tq x Tk``."""
+        ``None`` the dense ``b x Tq x Tk``. Activation recomputation as :attr:`recompute` chooses it, or as
+        ``modes`` (mode codes broadcast to ``(S, *b.shape)``) says: the costs of a step that ran with them."""
+        costs = self._priced(b, E, D, pairs)
+        if modes is None and self.recompute == "none":
+            return costs
+        return self._recomputed(costs, b, E, D, pairs, modes)
+
+    def _priced(self, b, E, D, pairs=None) -> StageCosts:
+        """Every stage's costs without recomputation."""
         b, E, D = self._inputs(b, E, D)
         extra = {} if pairs is None else {"pairs": pairs}
         costs = [self.model.stage_cost(list(s), b, E, D, **extra) for s in self.layout.stages]
@@ -163,6 +184,35 @@ class StageCostModel:
             peak_bytes=_stack((c.peak_extra_bytes for c in costs), b.shape),
             send_bytes=self._send_bytes(b, E, D),
         )
+
+    def _recomputed(self, costs: StageCosts, b, E, D, pairs, modes) -> StageCosts:
+        """``costs`` with each entry in its recompute mode (:mod:`dynabatch.cost.recompute`). The layer model's
+        terms are scaled like ``costs`` were from the layer model's own numbers (a calibrated model)."""
+        from dynabatch.cost.recompute import FULL, RECOMPUTE_MODES, RecomputeTerms, apply_mode, choose_modes, select
+
+        if not hasattr(self.model, "recompute_terms"):
+            raise ValueError(f"{type(self.model).__name__} does not price activation recomputation")
+        bb, EE, DD = self._inputs(b, E, D)
+        extra = {} if pairs is None else {"pairs": pairs}
+        per = [self.model.recompute_terms(list(s), bb, EE, DD, **extra) for s in self.layout.stages]
+        overridden = type(self)._priced is not StageCostModel._priced
+        raw = StageCostModel._priced(self, b, E, D, pairs) if overridden else costs
+        time_scale = np.where(raw.fwd_s > 0, costs.fwd_s / np.maximum(raw.fwd_s, 1e-30), 1.0)
+        byte_scale = np.where(raw.stored_bytes > 0, costs.stored_bytes / np.maximum(raw.stored_bytes, 1e-30), 1.0)
+        terms = RecomputeTerms(**{
+            f: _stack((getattr(t, f) for t in per), bb.shape) * (time_scale if f.endswith("_s") else byte_scale)
+            for f in RecomputeTerms.fields()})
+        by_mode = [apply_mode(costs, terms, m) for m in range(len(RECOMPUTE_MODES))]
+        shape = costs.fwd_s.shape
+        if modes is not None:
+            codes = np.broadcast_to(np.asarray(modes, dtype=np.int8), shape)
+        elif self.recompute == "auto":
+            buffers = message_buffer_bytes(costs.send_bytes).max(axis=0)
+            codes = choose_modes(by_mode, buffers, self.num_stages, self.memory_budget_bytes)
+        else:
+            codes = np.full(shape, RECOMPUTE_MODES.index(self.recompute), dtype=np.int8)
+        assert codes.max(initial=0) <= FULL
+        return select(by_mode, codes)
 
     def evaluate(self, b, E, D, pairs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages.
@@ -176,13 +226,27 @@ class StageCostModel:
         call; otherwise it is reduced from :meth:`per_stage`.
         """
         fused = getattr(self.model, "bottleneck_cost", None)
-        if fused is not None:
+        if fused is not None and self.recompute == "none":
             t, stored, peak = fused(self.layout.stages, b, E, D, **({} if pairs is None else {"pairs": pairs}))
-            sends = self._send_bytes(*self._inputs(b, E, D))
-        else:
-            c = self.per_stage(b, E, D, pairs)
-            t, stored, peak, sends = (c.fwd_s + c.bwd_s).max(axis=0), c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0), c.send_bytes
-        return t, stored + message_buffer_bytes(sends).max(axis=0), peak
+            return t, stored + message_buffer_bytes(self._send_bytes(*self._inputs(b, E, D))).max(axis=0), peak
+        return self.reduce(self.per_stage(b, E, D, pairs))
+
+    def reduce(self, c: StageCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The planner view (:meth:`evaluate`) of per-stage costs ``c``: the largest time over the stages, and
+        the largest stored bytes (+ buffers) and peak, each over the stages (the safe side of the largest
+        sum). Where some stage recomputes, each stage chose its mode for its own memory
+        (:mod:`dynabatch.cost.recompute`), and combining the maxima of different stages would refuse a
+        micro-batch that fits on every stage: there stored and peak are the tightest stage's, the one
+        needing the most ``S (stored + buffers) + peak``, the bound the modes were chosen under."""
+        t = (c.fwd_s + c.bwd_s).max(axis=0)
+        buffers = message_buffer_bytes(c.send_bytes).max(axis=0)
+        stored, peak = c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0)
+        if c.recompute is not None:
+            tight = np.expand_dims(np.argmax(self.num_stages * c.stored_bytes + c.peak_bytes, axis=0), 0)
+            recomputes = c.recompute.any(axis=0)
+            stored = np.where(recomputes, np.take_along_axis(c.stored_bytes, tight, 0)[0], stored)
+            peak = np.where(recomputes, np.take_along_axis(c.peak_bytes, tight, 0)[0], peak)
+        return t, stored + buffers, peak
 
     def _inputs(self, b, E, D):
         """Float arrays ``(b, E, D)``; ``D = None`` for a decoder-only layout (E is the sequence length)."""

@@ -525,4 +525,5 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c)
         stored_bytes=costs.stored_bytes * stored_ratio + copies,
         peak_bytes=costs.peak_bytes + np.maximum(pk1 - pk0, 0.0),
         send_bytes=costs.send_bytes,
+        recompute=costs.recompute,
     )

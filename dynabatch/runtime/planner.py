@@ -158,7 +158,7 @@ class StepPlanner:
         features = ()
         overhead = 0.0
         if self.calibration is not None and self.calibration.enabled:
-            features = tuple(self._features(s, lk, pr) for s, lk, pr in zip(shapes, links, pairs))
+            features = tuple(self._features(s, lk, pr, c.recompute) for s, lk, pr, c in zip(shapes, links, pairs, costs))
             overhead = self.calibration.overhead_for(step)
         return PlannedStep(
             step=step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
@@ -169,13 +169,14 @@ class StepPlanner:
             features=features, predicted_costs=predicted_costs,
         )
 
-    def _features(self, shapes, links, pairs) -> np.ndarray:
-        """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices)."""
+    def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
+        """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices), priced
+        with the ``recompute`` modes they run with."""
         from dynabatch.cost.online import CalibratedStageCostModel
 
         arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
         model = CalibratedStageCostModel.of(self.cost_model)
-        x = model.features(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
+        x = model.features(arr[:, 0], arr[:, 1], arr[:, 2], pairs, modes=recompute)
         for chain in chains(links) if links else ():
             x[:, :, list(chain), :] = np.nan
         return x

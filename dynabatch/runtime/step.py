@@ -131,6 +131,7 @@ def plan_step(
                 bwd_s=c.bwd_s,
                 links=links,
                 check=False,
+                recompute=c.recompute,
             )
         )
     if costs is not None and memory_limit_bytes is not None and all(_priced(c) for c in costs):

@@ -110,7 +110,9 @@ def check_profile_config(profile_config: dict, model_config: dict, path: str = "
 
 def planner_cost_model(cfg: TrainConfig, model_config, layout):
     """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
-    must match ``model_config``), else the analytic model with the rough ``cpu`` preset."""
+    must match ``model_config``), else the analytic model with the rough ``cpu`` preset. Activation
+    recomputation as ``cfg.recompute`` says; profiled tables do not price it, so with one ``auto`` is ``none``
+    (an explicit ``selective`` / ``full`` is refused with one line)."""
     from dynabatch.cost.stages import StageCostModel
 
     if cfg.cost_profile:
@@ -120,6 +122,7 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         tables = CostTables.load(cfg.cost_profile)
         check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
         layer_model = ProfiledLayerModel(tables)
+        recompute = "none" if cfg.recompute == "auto" else cfg.recompute
     else:
         from dynabatch.cost.analytic import AnalyticCostModel
         from dynabatch.cost.hardware import hardware_spec
@@ -127,7 +130,8 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
 
         layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=4), hardware_spec("cpu"),
                                         dropout=cfg.dropout > 0)
-    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0)
+        recompute = cfg.recompute
+    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
 
 
 def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:

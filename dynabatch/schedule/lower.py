@@ -45,7 +45,7 @@ import numpy as np
 
 from dynabatch.schedule.chains import check_schedule
 from dynabatch.schedule.compute import ComputeSchedule, Phase
-from dynabatch.schedule.ir import ExecutionPlan, Instr, Op, PipelineSpec, message_tag
+from dynabatch.schedule.ir import RECOMPUTE_MODES, ExecutionPlan, Instr, Op, PipelineSpec, message_tag
 
 _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 
@@ -345,6 +345,7 @@ def lower(
     bwd_s=None,
     check: bool = True,
     links=(),
+    recompute=None,
 ) -> dict[int, ExecutionPlan]:
     """Per-rank plans of one pipeline replica; rank ``replica_index * S + s`` runs stage ``s``.
 
@@ -353,6 +354,8 @@ def lower(
     order messages on links and to post receives. ``check`` validates the result (deadlock, pairing,
     dependencies; see :func:`~dynabatch.schedule.validate.validate_or_raise`). ``links``: token-slice
     chains (:mod:`dynabatch.schedule.chains`); the schedule must respect them and every plan carries them.
+    ``recompute``: optional ``(S, M)`` activation recomputation codes (``StageCosts.recompute``, indices into
+    :data:`~dynabatch.schedule.ir.RECOMPUTE_MODES`); stage ``s``'s plan carries row ``s``.
     """
     S, M = schedule.num_stages, schedule.num_micro_batches
     if spec.num_stages != S:
@@ -372,8 +375,9 @@ def lower(
     plans = {}
     for s, instrs in enumerate(lists):
         instrs, num_slots = assign_slots(instrs)
+        modes = () if recompute is None else tuple(RECOMPUTE_MODES[int(c)] for c in np.asarray(recompute)[s])
         plans[offset + s] = ExecutionPlan(
-            offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links)
+            offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links), modes
         )
     if check:
         from dynabatch.schedule.validate import validate_or_raise

@@ -128,14 +128,17 @@ def test_measured_saved_activations_match_the_prediction(tmp_path, toy_mixture_d
 
 def test_plan_and_simulate_take_memory_gib(capsys):
     """`--memory-gib` overrides the hardware preset's device memory: a budget below one sample's need is
-    the documented error, with the device memory that fits; a bad value is one line."""
+    the documented error, with the device memory that fits; a bad value is one line. With the default
+    `--recompute auto` the samples that do not fit whole run with activation recomputation instead."""
     from dynabatch.cli import main
 
     args = ["simulate", "--model", "gpt", "--preset", "gpt-1.3b", "--stages", "4", "--max-input-len", "2048",
             "--num-batches", "1", "--global-batch-tokens", "16384", "--json"]
     assert main([*args, "--memory-gib", "80"]) == 0
     capsys.readouterr()
-    assert main([*args, "--memory-gib", "8"]) == 2
+    assert main([*args, "--memory-gib", "8"]) == 0  # auto: the long samples recompute
+    capsys.readouterr()
+    assert main([*args, "--memory-gib", "8", "--recompute", "none"]) == 2
     err = capsys.readouterr().err
     assert "alone needs" in err and "(--memory-gib) of at least" in err
     assert main([*args, "--memory-gib", "nan"]) == 2
