@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from dynabatch.config import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
 from dynabatch.cost.pairs import attention_groups
+from dynabatch.models.recompute import run_attention_core
 
 SEGMENT_ATTENTION = "dynabatch_segments"
 """The name of the padding-free attention implementation in ``transformers.AttentionInterface``."""
@@ -247,7 +248,12 @@ def _group_mask(kind: AttentionKind, g: SegmentGroup, bias: torch.Tensor | None,
             allowed = allowed & (keys[None, None, None, :] <= torch.arange(lq, device=device)[:, None] + offset)
     if window is None:
         return allowed, False
-    return torch.where(allowed, window, torch.finfo(dtype).min), False
+    # Additive, not ``torch.where``: an add saves no tensor for backward, so building the mask inside a
+    # checkpointed block (the first layer builds it, the recomputation finds it cached) saves the same
+    # tensors in the forward and its recomputation (:mod:`dynabatch.models.recompute`).
+    blocked = torch.zeros(allowed.shape, dtype=window.dtype, device=device)
+    blocked.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return window + blocked, False
 
 
 def _cached_mask(segments: "Segments", index: int, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -324,10 +330,11 @@ def segment_attention_forward(module, query, key, value, attention_mask, scaling
     """
     if not isinstance(attention_mask, Segments):
         extra = {} if position_bias is None else {"position_bias": position_bias}
-        return _dense_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                        **extra, **kwargs)
+        return run_attention_core(_dense_attention(module), module, query, key, value, attention_mask,
+                                  scaling=scaling, dropout=dropout, **extra, **kwargs)
     bias = position_bias if attention_mask.kind != "cross" else None
-    out = segment_attention(query, key, value, attention_mask, scale=scaling, dropout_p=dropout, bias=bias)
+    out = run_attention_core(segment_attention, query, key, value, attention_mask, scale=scaling, dropout_p=dropout,
+                             bias=bias)
     return out, None
 
 

@@ -7,7 +7,8 @@ A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`
 * ``gpt`` blocks: each ``GPT2Block`` called directly as GPT2Model calls it, with padding-free per-sample
   causal attention (:mod:`dynabatch.models.attention`) or, on a ``dense`` stage, the 4-D additive
   block-diagonal causal mask built from ``segment_ids`` (:func:`~dynabatch.models.forward.causal_segment_mask`),
-  no cache, no cross-attention; a token slice (TeraPipe) instead passes a
+  no cache, no cross-attention, through :func:`~dynabatch.models.recompute.run_block` (activation
+  recomputation under the executor's mode); a token slice (TeraPipe) instead passes a
   :class:`~dynabatch.models.slice_kv.SliceCache` as the blocks' cache, so attention also sees the keys
   and values of the chain's earlier slices, with the causal mask aligned bottom-right;
 * ``lm_head``: ``ln_f``, ``lm_head`` (tied to ``wte`` unless the model unties it) and the fp32 token
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
@@ -106,7 +108,8 @@ class GPT2Stage(StageModule):
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
-            hidden = block(hidden, cache, mask, None, encoder_attention_mask=None, use_cache=False)  # (B, T, d)
+            hidden = run_block(block, hidden, cache, mask, None, encoder_attention_mask=None,
+                               use_cache=False)  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)

@@ -73,14 +73,23 @@ class SliceCache:
         self.context_values: list[torch.Tensor | None] = [None] * n
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Record the slice's own keys/values of block ``layer_idx``; return context + own."""
+        """Record the slice's own keys/values of block ``layer_idx``; return context + own.
+
+        A second call for the same block is the recomputation of a checkpointed block (``full``
+        recomputation, :mod:`dynabatch.models.recompute`): it records nothing and joins the recomputed
+        keys/values to the context leaves of the first call, so the backward roots and the leaves whose
+        gradient goes to the previous slice stay the original forward's.
+        """
         i = self.index[layer_idx]
-        self.own_keys[i], self.own_values[i] = key_states, value_states
+        recomputing = self.own_keys[i] is not None
+        if not recomputing:
+            self.own_keys[i], self.own_values[i] = key_states, value_states
         if self.context is None:
             return key_states, value_states
-        k = self.context.keys[i].detach().requires_grad_()  # (B, H, C, hd) leaf: its .grad is dK_<j
-        v = self.context.values[i].detach().requires_grad_()
-        self.context_keys[i], self.context_values[i] = k, v
+        if not recomputing:
+            self.context_keys[i] = self.context.keys[i].detach().requires_grad_()  # (B, H, C, hd) leaf: .grad is dK_<j
+            self.context_values[i] = self.context.values[i].detach().requires_grad_()
+        k, v = self.context_keys[i], self.context_values[i]
         return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
 
     def record(self, segment_ids: torch.Tensor) -> "SliceRecord":

@@ -24,7 +24,8 @@ spec and stage inputs a model has; this module only composes them.
 Dropout. Each stage draws dropout masks from the global torch RNG. To make them reproducible per
 (step, micro-batch, stage) the executor calls ``torch.manual_seed(seed_for(base_seed, step,
 micro_batch, stage))`` right before a stage's forward (inside :func:`forked_rng` so other RNG users
-are not disturbed) and, if it ever recomputes a forward, seeds the same value again before it.
+are not disturbed). Activation recomputation (:mod:`dynabatch.models.recompute`) restores the RNG state a
+checkpointed block or attention core started from, so its recomputed forward draws the same masks.
 With dropout 0 nothing depends on the RNG and chained stages equal the unsplit model exactly.
 """
 
@@ -114,9 +115,12 @@ def _own_copy(stage: StageModule, model: nn.Module) -> StageModule:
 def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attention: str = "segments") -> StageModule:
     """Stage ``stage_index`` of ``layout``, owning deep copies of the parameters it needs.
 
-    ``attention``: ``segments`` (padding-free, :mod:`dynabatch.models.attention`; the stage's own copy of
-    the config is pointed at it) or ``dense`` (4-D masks under the model's own attention implementation,
-    the reference). The model is not modified. The stage is in the model's train/eval mode, dtype and device.
+    ``attention``: ``segments`` (padding-free, :mod:`dynabatch.models.attention`) or ``dense`` (4-D masks
+    under the model's own attention implementation, the reference). Either way the stage's own copy of the
+    config is pointed at the registered padding-free function, which hands dense masks to the model's own
+    implementation: every attention core then passes :func:`~dynabatch.models.recompute.run_attention_core`
+    (``selective`` recomputation). The model is not modified. The stage is in the model's train/eval mode,
+    dtype and device.
     """
     if not 0 <= stage_index < layout.num_stages:
         raise ValueError(f"stage_index must be in [0, {layout.num_stages}), got {stage_index}")
@@ -125,8 +129,7 @@ def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attenti
     stage = family_for_config(model.config).stage_class(model, layout, stage_index)
     owned = _own_copy(stage, model).train(model.training)
     owned.attention = attention
-    if attention == "segments":
-        use_segment_attention(owned)
+    use_segment_attention(owned)
     return owned
 
 

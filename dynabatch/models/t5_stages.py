@@ -9,6 +9,8 @@ lm_head`` and runs, in that order, what HF runs for those layers:
   input ``dropout(shared(decoder_input_ids))``;
 * ``t5_decoder``: ``T5Block`` s with the causal segment mask (B, 1, D, D), cross-attending to
   ``enc_out`` under the cross mask (B, 1, D, E) (decoder segment k sees encoder segment k only);
+* blocks run through :func:`~dynabatch.models.recompute.run_block` (activation recomputation under the
+  executor's mode; the position bias and ``enc_out`` are inputs every block keeps, stored once);
 * ``lm_head``: ``dropout(decoder.final_layer_norm(h))``, times ``d_model ** -0.5`` when
   ``config.scale_decoder_outputs`` (tied head), ``lm_head``, fp32 token-loss sum against ``labels``.
 
@@ -40,6 +42,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 from dynabatch.models.attention import Segments, build_segments
 from dynabatch.models.forward import cross_segment_mask
+from dynabatch.models.recompute import run_block
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
 SHARED_EMBEDDING = "shared_embedding"
@@ -186,7 +189,7 @@ class T5Stage(StageModule):
         n = mask.max_len if isinstance(mask, Segments) else hidden.shape[1]  # Segments: the longest sample's window
         bias = relative_position_bias(self.encoder_relative_bias, self.config, n, n, bidirectional=True)  # (1, H, n, n)
         for block in self.encoder_blocks:
-            hidden = block(hidden, mask, bias, cache=None)[0]  # (B, E, d)
+            hidden = run_block(block, hidden, mask, bias, cache=None)[0]  # (B, E, d)
         return hidden
 
     def _run_decoder(self, hidden, enc_out, dec_seg, enc_seg, dtype: torch.dtype) -> torch.Tensor:
@@ -202,7 +205,8 @@ class T5Stage(StageModule):
         bias = relative_position_bias(self.decoder_relative_bias, self.config, n, n, bidirectional=False)  # (1, H, n, n)
         cross_bias = None  # the first block builds zeros (1, H, D, E), as HF's decoder layer 0 does
         for block in self.decoder_blocks:
-            hidden, _, cross_bias = block(hidden, self_mask, bias, enc_out, cross_mask, cross_bias, cache=None)
+            hidden, _, cross_bias = run_block(block, hidden, self_mask, bias, enc_out, cross_mask, cross_bias,
+                                              cache=None)
         return hidden  # (B, D, d)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> StageOutput:

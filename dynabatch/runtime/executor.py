@@ -17,6 +17,10 @@ extended context for the next slice; its backward adds its own keys/values with 
 later slices carried back (``kv_grads``) as extra backward roots, then leaves the gradient of its
 context for the previous slice (:mod:`dynabatch.models.slice_kv`).
 
+Activation recomputation: each forward runs under ``recompute_mode(plan.recompute[m])`` (``none`` when
+the plan has none), inside the dropout seeding, so a recomputed block draws the masks of its forward
+(:mod:`dynabatch.models.recompute`); the backward needs nothing more.
+
 Loss: the last stage backpropagates ``loss_sum / global_loss_tokens`` per micro-batch, where the
 count covers every micro-batch of every replica (delivered with the plan), so the summed gradients
 are those of the global batch's mean token loss, not a mean of micro-batch means. ``REDUCE`` sums
@@ -53,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dynabatch.models.recompute import recompute_mode
 from dynabatch.models.stage import StageModule, StageOutput
 from dynabatch.runtime.delivery import StepInputs
 from dynabatch.runtime.dist import DistContext, PipelineError, tied_groups
@@ -341,7 +346,8 @@ def _exec_forward(ex: Executor, ins: Instr) -> None:
     m = ins.micro_batch
     st = ex._state(m)
     prev = ex.links[m] if ex.links else -1
-    with ex._forward_context(m):
+    recompute = ex.inputs.plan.recompute
+    with ex._forward_context(m), recompute_mode(recompute[m] if recompute else "none"):
         if prev >= 0 or m in ex.next_slice:
             if prev >= 0 and m not in ex.contexts:
                 raise ValueError(f"token slice {m} runs before slice {prev}, whose keys/values it extends")

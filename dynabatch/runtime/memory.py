@@ -8,6 +8,14 @@ however many ops save views of it, from the first save until the last graph node
 micro-batch sizes, schedules and token slicing change; transient buffers inside one op (and tensors
 kept outside autograd, such as the executor's received buffers or a slice chain's carried keys/values)
 are not in it.
+
+Activation recomputation (:mod:`dynabatch.models.recompute`): inside a checkpointed block or attention
+core the checkpoint's own hooks replace these, so nothing the region saves internally is seen (it is
+dropped and recomputed in backward). What the region really keeps, its tensor inputs, is saved through an
+identity autograd node in front of it, so the meter counts it like any saved tensor, once per storage, until
+the region's backward has run. The recomputed activations, alive only during one region's backward, are
+not counted. Measured (tests/unit/test_recompute.py): a two-block GPT-2 stage keeps exactly its two
+``(B, T, d)`` block inputs under ``full``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ What they share, and what a stage runs exactly as ``LlamaModel.forward`` does fo
   ``PipelineSpec.positions_every_stage``), grouped-query attention (``num_key_value_heads`` may be
   below ``num_attention_heads``), RMSNorm, gated SiLU MLP, and padding-free per-sample causal attention
   (:mod:`dynabatch.models.attention`; a ``dense`` stage: the 4-D additive block-diagonal causal mask
-  built from the segment ids, :func:`~dynabatch.models.forward.causal_segment_mask`), no cache;
+  built from the segment ids, :func:`~dynabatch.models.forward.causal_segment_mask`), no cache, through
+  :func:`~dynabatch.models.recompute.run_block` (activation recomputation under the executor's mode);
 * ``lm_head``: final RMSNorm, ``lm_head`` (tied to ``embed_tokens`` or not) and the fp32 token-loss
   sum against the pre-shifted targets.
 
@@ -35,6 +36,7 @@ from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.forward import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
+from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 from dynabatch.sequence import CAUSAL
@@ -107,8 +109,8 @@ class LlamaStage(StageModule):
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
-            hidden = block(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=False,
-                           position_embeddings=rotary)  # (B, T, d)
+            hidden = run_block(block, hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
+                               use_cache=False, position_embeddings=rotary)  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)
