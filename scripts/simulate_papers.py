@@ -51,7 +51,7 @@ PAPER = {"t5": 4.39, "gpt": 3.25, "terapipe": 5.0}
 
 def dynapipe_point(path, model, preset, max_len, stages, num_batches, hardware, link) -> dict:
     from dynabatch.commands.common import add_workload_arguments, resolve
-    from dynabatch.commands.simulate import SimulateOptions, simulate_method
+    from dynabatch.commands.simulate import SimulateOptions, simulate_method, simulation_workload
     from dynabatch.workload import global_batches
 
     parser = argparse.ArgumentParser()
@@ -59,7 +59,7 @@ def dynapipe_point(path, model, preset, max_len, stages, num_batches, hardware, 
     args = parser.parse_args(["--lengths", path, "--model", model, "--preset", preset, "--hardware", hardware,
                               "--stages", str(stages), "--max-input-len", str(max_len),
                               "--max-target-len", str(max(64, max_len // 4)), "--num-batches", str(num_batches)])
-    w = resolve(args)
+    w = simulation_workload(resolve(args))
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches)
     options = SimulateOptions(link=link)
     default = {m: simulate_method(m, batches, w, options) for m in ("packing", "padding")}

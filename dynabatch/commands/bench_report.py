@@ -66,6 +66,11 @@ def print_table(result: dict) -> None:
         if top is not None and "dynamic" in result["methods"]:
             print(f"dynamic vs best tuned baseline ({top}, {result['tuned'][top]['knob']} "
                   f"{result['tuned'][top]['value']}): {result['methods']['dynamic']['ratio_to_best_tuned_baseline']:.2f}x")
+    recomputed = [f"{m} {r['recomputed_forwards_per_step']:.1f}" for m, r in result["methods"].items()
+                  if r.get("recomputed_forwards_per_step")]
+    if recomputed:
+        print(f"activation recomputation (--recompute {c.get('recompute', 'auto')}), stage forwards per step that "
+              f"recompute: {', '.join(recomputed)}")
     saved = [f"{m} {r['measured_saved_activation_mib']:.1f}/{r['predicted_saved_activation_mib']:.1f}"
              for m, r in result["methods"].items()
              if r.get("measured_saved_activation_mib") is not None and r.get("predicted_saved_activation_mib")]

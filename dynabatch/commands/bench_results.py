@@ -41,7 +41,8 @@ def step_stats(r, cost_model) -> list[dict]:
                      "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
                      "predicted_step_s": float(sim.makespan_s if r.peer_steps is not None else p.predicted_step_s),
                      "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s,
-                     "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples})
+                     "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples,
+                     "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values())})
     return out
 
 
@@ -95,6 +96,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "predicted_saved_activation_mib": _predicted_saved_mib(runs[m], w),
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
+            "recomputed_forwards_per_step": float(np.mean([x["recomputed"] for x in timed])),
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
             "prediction_error_median": _prediction_error(runs[m], t, w),

@@ -32,6 +32,7 @@ fastest setting that fits memory next to the default (:mod:`dynabatch.commands.t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     methods = parse_methods(args.methods, METHODS)
-    w = resolve(args)
+    w = simulation_workload(resolve(args))
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
@@ -169,6 +170,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulation_workload(w):
+    """``w`` (a resolved Workload) as ``simulate`` plans it: one-sample micro-batches need only fit alone
+    (:class:`SingleSampleRelief`), also when their activation recomputation is chosen."""
+    return dataclasses.replace(w, cost_model=dataclasses.replace(w.cost_model, single_sample_alone=True))
+
+
 def _objective_stages(text: str) -> tuple[int | None, ...]:
     values = []
     for v in text.split(","):
@@ -182,7 +189,12 @@ def _objective_stages(text: str) -> tuple[int | None, ...]:
 def simulate_method(method: str, batches, w, options: SimulateOptions = SimulateOptions(),
                     trace_dir: str | None = None) -> MethodSummary:
     """Plan, schedule and simulate every global batch with one method (``w``: a resolved Workload)."""
+    from dynabatch.cost.recompute import policy_for
+
+    w = dataclasses.replace(w, cost_model=dataclasses.replace(
+        w.cost_model, recompute=policy_for(method, w.cost_model.recompute)))
     cm = w.cost_model
+    ideal_model = dataclasses.replace(cm, recompute="none")  # the ideal never recomputes
     real = computed = micro = 0
     steps, ideals, amortised, bubbles, utils, peaks, sched_wall, plan_wall = [], [], [], [], [], [], [], []
     fits, policies = True, {}
@@ -194,8 +206,8 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         computed += plan.computed_tokens
         micro += plan.num_micro_batches
         steps.append(result.makespan_s)
-        ideals.append(ideal_step_time(batch, cm, w.family))
-        amortised.append(ideal_step_time(batch, cm, w.family, amortise_tokens=AMORTISED_TOKENS))
+        ideals.append(ideal_step_time(batch, ideal_model, w.family))
+        amortised.append(ideal_step_time(batch, ideal_model, w.family, amortise_tokens=AMORTISED_TOKENS))
         bubbles.append(result.bubble_fraction)
         utils.append(float(result.busy_s.max()) / result.makespan_s)
         peaks.append(float(result.peak_memory_bytes.max()))
@@ -228,12 +240,21 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
     limit = cm.device_memory_bytes * (1 - cm.memory_margin)
     variants = [None] if method != "dynamic" else list(dict.fromkeys(
         cm.num_stages if v is None else min(v, cm.num_stages) for v in options.objective_stages))
+    # auto recomputation is judged like the objective: the plan without recomputation (when it can be made) is
+    # a variant too, so the kept step is never slower than --recompute none's (the DP's objective is not the
+    # simulated step: admitting more micro-batches can lose a little)
+    models = [cm] if cm.recompute != "auto" else [cm, dataclasses.replace(cm, recompute="none")]
     best, plan_s, sched_s = None, 0.0, 0.0
-    for objective_stages in variants:
-        plan = _plan(method, batch, w, options, objective_stages)
+    for objective_stages, model in [(v, m) for v in variants for m in models]:
+        try:
+            plan = _plan(method, batch, dataclasses.replace(w, cost_model=model), options, objective_stages)
+        except ValueError:
+            if model is cm:
+                raise
+            continue  # a sample that fits only with recomputation
         plan_s += plan.plan_time_s
         b, e, d = plan.shapes.T
-        costs = with_message_buffers(cm.per_stage(b, e, d, plan.pairs))  # per-segment (padding-free) attention
+        costs = with_message_buffers(model.per_stage(b, e, d, plan.pairs))  # per-segment (padding-free) attention
         send = cm.model.send_time(costs.send_bytes, options.link)
         start = time.perf_counter()
         schedule, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,

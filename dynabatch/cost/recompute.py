@@ -21,8 +21,12 @@ micro-batches fit (the DP sees the recomputing costs through ``evaluate``) and s
 store whole run with recomputation instead of being refused.
 
 Policies (``--recompute``): ``none`` (the default before this module), ``auto``, and ``selective`` /
-``full`` (that mode for every micro-batch on every stage). Token slices (TeraPipe pieces) are priced by
-the slice cost model and never recompute.
+``full`` (that mode for every micro-batch on every stage). ``auto`` is the dynamic planner's: a baseline
+batcher under ``auto`` runs without recomputation (:func:`policy_for`; its knob is what a user tunes to
+fit memory), while an explicit ``selective`` / ``full`` applies to every method (``full`` is what Hugging
+Face's ``gradient_checkpointing`` does). A token slice (TeraPipe piece) runs the mode chosen for its own
+``(1, slice length)`` shape, its costs scaled by the slice cost model like an unsliced piece's
+(:func:`~dynabatch.plan.slicing.slice_stage_costs`); the runtime recomputes slices exactly.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ class RecomputeTerms:
         return tuple(f.name for f in dataclasses.fields(cls))
 
 
+def policy_for(method: str, policy: str) -> str:
+    """The recompute policy ``method`` runs under ``--recompute policy`` (module docstring)."""
+    return "none" if policy == "auto" and method != "dynamic" else check_policy(policy)
+
+
 def check_policy(policy: str) -> str:
     if policy not in RECOMPUTE_POLICIES:
         raise ValueError(f"unknown recompute policy {policy!r}; valid: {', '.join(RECOMPUTE_POLICIES)}")
@@ -80,10 +89,11 @@ def apply_mode(costs, terms: RecomputeTerms, mode: int):
                                peak_bytes=costs.peak_bytes + again)
 
 
-def choose_modes(by_mode: list, buffers: np.ndarray, in_flight: int, budget_bytes: float) -> np.ndarray:
+def choose_modes(by_mode: list, buffers: np.ndarray, in_flight, budget_bytes: float) -> np.ndarray:
     """Per entry of the ``(S, ...)`` costs, the first mode of ``by_mode`` (costs under each mode, fastest
-    first) whose ``in_flight (stored + buffers) + peak`` fits ``budget_bytes``; where none fits, the mode
-    needing the least memory (the planner then drops or refuses that micro-batch as before)."""
+    first) whose ``in_flight (stored + buffers) + peak`` fits ``budget_bytes`` (``in_flight``: an int, or an
+    array broadcast against one stage's entries); where none fits, the mode needing the least memory (the
+    planner then drops or refuses that micro-batch as before)."""
     need = np.stack([in_flight * (c.stored_bytes + buffers) + c.peak_bytes for c in by_mode])  # (K, S, ...)
     fits = need <= budget_bytes
     first = np.argmax(fits, axis=0)

@@ -132,6 +132,11 @@ class StageCostModel:
     """Activation recomputation policy (:data:`~dynabatch.cost.recompute.RECOMPUTE_POLICIES`): ``none``,
     ``selective`` / ``full`` everywhere, or ``auto``: per micro-batch and stage, the fastest mode that fits
     (:mod:`dynabatch.cost.recompute`). Needs a layer model with ``recompute_terms`` unless ``none``."""
+    single_sample_alone: bool = False
+    """``auto`` tests one-sample micro-batches as fitting alone (``stored + peak``, no other micro-batch in
+    flight) instead of ``S`` in flight: the planner view of ``dynabatch simulate``
+    (:class:`~dynabatch.commands.simulate.SingleSampleRelief`), where such a sample runs without recomputation
+    whenever it fits alone."""
     model_state_bytes: tuple[float, ...] = field(init=False)
     """Parameters + gradients + optimizer states of each stage."""
     memory_budget_bytes: float = field(init=False)
@@ -208,7 +213,11 @@ class StageCostModel:
             codes = np.broadcast_to(np.asarray(modes, dtype=np.int8), shape)
         elif self.recompute == "auto":
             buffers = message_buffer_bytes(costs.send_bytes).max(axis=0)
-            codes = choose_modes(by_mode, buffers, self.num_stages, self.memory_budget_bytes)
+            in_flight = np.where(bb == 1, 1, self.num_stages) if self.single_sample_alone else self.num_stages
+            codes = choose_modes(by_mode, buffers, in_flight, self.memory_budget_bytes)
+            # what fits without recomputation under the planner's bound (maxima over stages) stays as it is
+            fits = in_flight * (costs.stored_bytes.max(axis=0) + buffers) + costs.peak_bytes.max(axis=0)
+            codes = np.where(fits <= self.memory_budget_bytes, 0, codes).astype(np.int8)
         else:
             codes = np.full(shape, RECOMPUTE_MODES.index(self.recompute), dtype=np.int8)
         assert codes.max(initial=0) <= FULL
@@ -232,21 +241,22 @@ class StageCostModel:
         return self.reduce(self.per_stage(b, E, D, pairs))
 
     def reduce(self, c: StageCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The planner view (:meth:`evaluate`) of per-stage costs ``c``: the largest time over the stages, and
-        the largest stored bytes (+ buffers) and peak, each over the stages (the safe side of the largest
-        sum). Where some stage recomputes, each stage chose its mode for its own memory
-        (:mod:`dynabatch.cost.recompute`), and combining the maxima of different stages would refuse a
-        micro-batch that fits on every stage: there stored and peak are the tightest stage's, the one
-        needing the most ``S (stored + buffers) + peak``, the bound the modes were chosen under."""
+        """The planner view (:meth:`evaluate`) of per-stage costs ``c``: the largest time over the stages, the
+        largest stored bytes (+ buffers) and the largest peak, each over the stages (the safe side of the
+        largest sum). With a recompute policy, where those maxima do not fit ``S`` in flight the stages chose
+        their modes each for its own memory (:mod:`dynabatch.cost.recompute`), and combining the maxima of
+        different stages (one that stores much, another that peaks high) would refuse a micro-batch that fits
+        on every stage: there stored and peak are the tightest stage's, the one needing the most
+        ``S (stored + buffers) + peak``."""
         t = (c.fwd_s + c.bwd_s).max(axis=0)
         buffers = message_buffer_bytes(c.send_bytes).max(axis=0)
-        stored, peak = c.stored_bytes.max(axis=0), c.peak_bytes.max(axis=0)
-        if c.recompute is not None:
-            tight = np.expand_dims(np.argmax(self.num_stages * c.stored_bytes + c.peak_bytes, axis=0), 0)
-            recomputes = c.recompute.any(axis=0)
-            stored = np.where(recomputes, np.take_along_axis(c.stored_bytes, tight, 0)[0], stored)
-            peak = np.where(recomputes, np.take_along_axis(c.peak_bytes, tight, 0)[0], peak)
-        return t, stored + buffers, peak
+        stored, peak = c.stored_bytes.max(axis=0) + buffers, c.peak_bytes.max(axis=0)
+        if self.recompute == "none":
+            return t, stored, peak
+        tight = np.expand_dims(np.argmax(self.num_stages * c.stored_bytes + c.peak_bytes, axis=0), 0)
+        over = self.num_stages * stored + peak > self.memory_budget_bytes
+        return (t, np.where(over, np.take_along_axis(c.stored_bytes, tight, 0)[0] + buffers, stored),
+                np.where(over, np.take_along_axis(c.peak_bytes, tight, 0)[0], peak))
 
     def _inputs(self, b, E, D):
         """Float arrays ``(b, E, D)``; ``D = None`` for a decoder-only layout (E is the sequence length)."""

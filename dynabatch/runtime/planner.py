@@ -92,6 +92,15 @@ class PlannedStep:
         return sum(len(s) for s in self.shapes)
 
     @property
+    def recompute_counts(self) -> dict[str, int]:
+        """How many (micro-batch, stage) forwards of the step run each recomputing mode (``{}``: none)."""
+        from dynabatch.schedule.ir import RECOMPUTE_MODES
+
+        codes = [c.recompute.ravel() for c in self.costs if c.recompute is not None]
+        counts = np.bincount(np.concatenate(codes), minlength=len(RECOMPUTE_MODES)) if codes else ()
+        return {m: int(n) for m, n in zip(RECOMPUTE_MODES, counts) if m != "none" and n}
+
+    @property
     def num_sliced_samples(self) -> int:
         """Samples that run as chains of token slices (each chain's first slice has no link)."""
         return sum(len(chains(links)) for links in self.slice_links)

@@ -111,8 +111,10 @@ def check_profile_config(profile_config: dict, model_config: dict, path: str = "
 def planner_cost_model(cfg: TrainConfig, model_config, layout):
     """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
     must match ``model_config``), else the analytic model with the rough ``cpu`` preset. Activation
-    recomputation as ``cfg.recompute`` says; profiled tables do not price it, so with one ``auto`` is ``none``
-    (an explicit ``selective`` / ``full`` is refused with one line)."""
+    recomputation as ``cfg.recompute`` says (``auto``: the dynamic planner's, :func:`~dynabatch.cost.recompute.policy_for`);
+    profiled tables do not price it, so with one ``auto`` is ``none`` (an explicit ``selective`` / ``full`` is
+    refused with one line)."""
+    from dynabatch.cost.recompute import policy_for
     from dynabatch.cost.stages import StageCostModel
 
     if cfg.cost_profile:
@@ -130,7 +132,7 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
 
         layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=4), hardware_spec("cpu"),
                                         dropout=cfg.dropout > 0)
-        recompute = cfg.recompute
+        recompute = policy_for(cfg.method, cfg.recompute)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
 
 
@@ -420,6 +422,7 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "num_samples": len(planned.batch),
         "num_micro_batches": planned.num_micro_batches,
         "sliced_samples": planned.num_sliced_samples,
+        "recompute": planned.recompute_counts,
         "micro_batch_shapes": [list(map(list, s)) for s in planned.shapes],
         "tokens_per_s": planned.real_tokens / elapsed,
         "step_time_s": elapsed,

@@ -136,9 +136,9 @@ def test_plan_and_simulate_take_memory_gib(capsys):
             "--num-batches", "1", "--global-batch-tokens", "16384", "--json"]
     assert main([*args, "--memory-gib", "80"]) == 0
     capsys.readouterr()
-    assert main([*args, "--memory-gib", "8"]) == 0  # auto: the long samples recompute
+    assert main([*args, "--memory-gib", "8", "--methods", "dynamic"]) == 0  # auto: the long samples recompute
     capsys.readouterr()
-    assert main([*args, "--memory-gib", "8", "--recompute", "none"]) == 2
+    assert main([*args, "--memory-gib", "8", "--methods", "dynamic", "--recompute", "none"]) == 2
     err = capsys.readouterr().err
     assert "alone needs" in err and "(--memory-gib) of at least" in err
     assert main([*args, "--memory-gib", "nan"]) == 2
