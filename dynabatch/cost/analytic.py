@@ -243,7 +243,7 @@ class AnalyticCostModel:
         that block runs its backward. Arrays shaped like the broadcast inputs."""
         from dynabatch.cost.recompute import RecomputeTerms
 
-        p, d = self.spec.dtype_bytes, self.spec.d_model
+        s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         blocks = [k for k in kinds if k in ("gpt", "t5_encoder", "t5_decoder")]
         kind = blocks[0] if blocks else kinds[0]
         _, (b, E, D) = self._inputs(kind, b, E, D)
@@ -269,6 +269,10 @@ class AnalyticCostModel:
             terms["selective_extra_s"] = terms["selective_extra_s"] + n * core_fwd
             terms["selective_freed_bytes"] = terms["selective_freed_bytes"] + n * core_stored
             terms["selective_peak_bytes"] = np.maximum(terms["selective_peak_bytes"], core_stored)
+        # T5: every checkpointed block of a stack takes the stack's fp32 (1, h, T, T) position bias as an input,
+        # so under full it stays stored once per stack (measured: the bias and its flipped copy)
+        kept = sum(2 * 4 * s.num_heads * T * T for k, T in (("t5_encoder", E), ("t5_decoder", D)) if k in blocks)
+        terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - kept, 0.0)
         return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})
 
     def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
