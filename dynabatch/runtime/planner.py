@@ -194,14 +194,7 @@ class StepPlanner:
         cfg, R = self.cfg, self.cfg.replicas
         if cfg.method == "dynamic":
             try:
-                plan = plan_step(
-                    batch.input_lens, batch.target_lens, self.cost_model, cfg.stages, family=self.family,
-                    num_replicas=R, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
-                    score=simulated_step_time(self.cost_model, self.slice_model, cfg.memory_gib * 2**30,
-                                              (batch.input_lens, batch.target_lens) if self.padding_free else None),
-                    pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
-                    segment_pricing=self.padding_free,
-                )
+                plan = self._plan(batch, self.cost_model)
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
                 raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
             return [plan_units(plan, r) for r in range(R)]
@@ -209,6 +202,28 @@ class StepPlanner:
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
         return [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
 
+
+    def _plan(self, batch: GlobalBatch, model: StageCostModel):
+        """The dynamic planner's plan of ``batch`` under ``model``, judged by the simulated step. Under
+        ``recompute="auto"``, when the plan holds a micro-batch that fits only with recomputation (or only by
+        the per-stage bound), the batch is also planned without recomputation and the better-scoring plan kept,
+        so auto is never slower than none by the simulated step (as in ``dynabatch simulate``)."""
+        cfg = self.cfg
+        lengths = (batch.input_lens, batch.target_lens) if self.padding_free else None
+        score = simulated_step_time(model, self.slice_model, cfg.memory_gib * 2**30, lengths)
+        plan = plan_step(
+            batch.input_lens, batch.target_lens, model, cfg.stages, family=self.family,
+            num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
+            score=score, pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
+            segment_pricing=self.padding_free,
+        )
+        if getattr(model, "recompute", "none") != "auto" or fits_without_recompute(plan, model):
+            return plan
+        try:
+            other = self._plan(batch, replace(model, recompute="none"))
+        except ValueError:  # a sample fits only with recomputation
+            return plan
+        return other if score(other) < score(plan) else plan
 
     def _tokens(self, batch: GlobalBatch, g: RowGroup) -> int:
         b, e, d = group_shape(batch, g, self.family)
@@ -242,6 +257,25 @@ class StepPlanner:
             makespans.append(result.makespan_s)
             bubbles.append(result.bubble_fraction)
         return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
+
+
+def fits_without_recompute(plan, model: StageCostModel) -> bool:
+    """Whether every whole-sample piece of ``plan`` fits ``model``'s memory bound without recomputation (the
+    planner's maxima over stages, ``S`` in flight); token slices are judged by the slice planner."""
+    from dynabatch.plan.costs import evaluate_costs
+
+    none = replace(model, recompute="none")
+    for r, pieces in enumerate(plan.replicas):
+        whole = np.array([not p.is_slice for p in pieces], dtype=bool)
+        if not whole.any():
+            continue
+        shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
+        pairs = plan.pairs(r)
+        _, stored, peak = evaluate_costs(none, shapes[:, 0], shapes[:, 1], shapes[:, 2],
+                                         pairs=None if pairs is None else pairs[whole])
+        if np.any(model.num_stages * stored + peak > model.memory_budget_bytes):
+            return False
+    return True
 
 
 def piece_costs(stage_model: StageCostModel, slice_model, shapes, contexts, links, pairs=None) -> StageCosts:

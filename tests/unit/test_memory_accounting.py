@@ -13,7 +13,7 @@ from dynabatch.config import TrainConfig
 GIB = 2**30
 
 
-def _planner(toy_data, memory_gib: float, policy: str = "adaptive"):
+def _planner(toy_data, memory_gib: float, policy: str = "adaptive", recompute: str = "auto"):
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
@@ -21,7 +21,7 @@ def _planner(toy_data, memory_gib: float, policy: str = "adaptive"):
     from dynabatch.runtime.trainer import planner_cost_model
 
     cfg = TrainConfig(model="gpt2-tiny", stages=2, policy=policy, global_batch_tokens=8192, max_input_len=128,
-                      memory_gib=memory_gib)
+                      memory_gib=memory_gib, recompute=recompute)
     model = build_model("gpt2-tiny", vocab_size=toy_data.tokens.vocab_size)
     cost_model = planner_cost_model(cfg, model.config, layout_for(model, 2))
     limits = LengthLimits("gpt2", max_input_len=128, max_target_len=32, max_seq_len=128)
@@ -58,6 +58,24 @@ def test_planned_training_schedule_fits_once_model_states_count(gpt_data):
     shapes = np.asarray(step.shapes[0], dtype=np.int64).reshape(-1, 3)
     blind = compute_schedule("adaptive", shapes, 2, costs, memory * GIB, send_time=send)  # states left out
     assert max(simulate(blind, costs, model_state_bytes=states).peak_memory_bytes) > memory * GIB
+
+
+def test_auto_recompute_plans_what_none_refuses_and_is_never_slower(gpt_data):
+    """The trainer's planner under --recompute auto: where memory binds it plans steps no recomputation can
+    run (the long samples recompute), and wherever none can plan, auto's simulated step is not slower."""
+    refused = compared = 0
+    for memory in (0.0075, 0.008, 0.009, 0.010, 0.012, 0.02):
+        auto = _planner(gpt_data, memory)[0]()
+        try:
+            none = _planner(gpt_data, memory, recompute="none")[0]()
+        except ValueError as e:
+            assert "alone needs" in str(e)
+            refused += 1
+            assert auto.recompute_counts.get("full", 0) + auto.recompute_counts.get("selective", 0) > 0
+            continue
+        compared += 1
+        assert auto.predicted_step_s <= none.predicted_step_s * (1 + 1e-9)
+    assert refused and compared
 
 
 def test_training_plans_are_validated_with_model_states(gpt_data):
