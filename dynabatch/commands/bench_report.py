@@ -76,6 +76,9 @@ def print_table(result: dict) -> None:
              if r.get("measured_saved_activation_mib") is not None and r.get("predicted_saved_activation_mib")]
     if saved:
         print("activations saved for backward, largest stage, measured/predicted MiB: " + ", ".join(saved))
+        over = [m for m, r in result["methods"].items() if r.get("fits_memory_measured") is False]
+        print(f"measured saved activations + model states within --memory-gib {c['memory_gib']}: "
+              + ("every measured method" if not over else "NOT " + ", ".join(over)))
     errors = [f"{m} {r['prediction_error_median']:.1%} ({r.get('calibration', 'off')})" for m, r in result["methods"].items()
               if r.get("prediction_error_median") is not None]
     if errors:

@@ -55,6 +55,15 @@ def _predicted_saved_mib(run, warmup: int) -> float | None:
     return max(values) / 2**20 if values else None
 
 
+def _fits_measured(measured_saved, method: str, cost_model, memory_gib: float) -> bool | None:
+    """Whether the measured activations saved for backward (largest stage) plus the largest stage's model states
+    stay within ``--memory-gib`` (``None`` when nothing was measured: the peer)."""
+    saved = (measured_saved or {}).get(method)
+    if saved is None:
+        return None
+    return bool(saved + max(cost_model.model_state_bytes) <= memory_gib * 2**30)
+
+
 def _spread(values) -> dict:
     v = np.asarray(values, dtype=np.float64)
     return {"median": float(np.median(v)), "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90)),
@@ -94,6 +103,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "measured_saved_activation_mib": (measured_saved[m] / 2**20
                                               if measured_saved and measured_saved[m] is not None else None),
             "predicted_saved_activation_mib": _predicted_saved_mib(runs[m], w),
+            "fits_memory_measured": _fits_measured(measured_saved, m, cost_model, runs[m].cfg.memory_gib),
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "recomputed_forwards_per_step": float(np.mean([x["recomputed"] for x in timed])),

@@ -278,8 +278,17 @@ def _raise_single_sample(cost_model, limits: _Limits, perm, e_raw, d_raw, e, d) 
         f"{limits.budget / 2**30:.3f} GiB; {int((need > limits.budget).sum())} sample(s) do not fit alone. "
         f"The smallest budget that fits every sample is {need[j] / 2**30:.3f} GiB ({int(np.ceil(need[j]))} "
         f"bytes) of activation memory{_device_advice(cost_model, need[j])}; or lower in_flight, shorten the length "
-        f"limits, or use more pipeline stages"
+        f"limits, {_recompute_advice(cost_model)}or use more pipeline stages"
     )
+
+
+def _recompute_advice(cost_model) -> str:
+    """``--recompute auto`` advice when the cost model could recompute but was told not to; nothing when it already
+    recomputes (the figures above are then with recomputation) or cannot price it."""
+    model = getattr(cost_model, "cost_model", cost_model)  # simulate's SingleSampleRelief view
+    if getattr(model, "recompute", None) == "none" and hasattr(getattr(model, "model", None), "recompute_terms"):
+        return "pass --recompute auto (activation recomputation), "
+    return ""
 
 
 def device_memory_for(cost_model, activation_bytes: float) -> float | None:
