@@ -80,7 +80,12 @@ PROFILED = "dynamic_profiled"
 calibrated methods (the online calibration's acceptance comparison)."""
 UNCALIBRATED = "dynamic_uncalibrated"
 """dynamic planned with the base model alone (the analytic preset, or --cost-profile's tables), no calibration."""
-METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED)
+NORECOMPUTE = "dynamic_norecompute"
+"""dynamic planned and run with ``--recompute none`` (its plans are dynamic's under ``--plan-costs base``), next to
+dynamic's ``--recompute``: what activation recomputation buys under a binding ``--memory-gib``."""
+OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
+"""The dynamic variants planned ahead with their own base cost model and no calibration."""
+METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
 """``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
@@ -210,14 +215,15 @@ def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, PROFILED, UNCALIBRATED) else method, policy=args.policy,
+        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *OWN_BASE) else method, policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
-        calibrate="off" if method in (PROFILED, UNCALIBRATED) else getattr(args, "calibrate", "auto"),
-        plan_costs=getattr(args, "plan_costs", "base"), recompute=getattr(args, "recompute", "auto"),
+        calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
+        plan_costs=getattr(args, "plan_costs", "base"),
+        recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
     )
 
 
@@ -379,7 +385,7 @@ def bench(args, methods: list[str]) -> dict | None:
         batches = []
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
-        calibrated = [m for m in methods if m not in (PEER, PROFILED, UNCALIBRATED)] if args.calibrate != "off" else []
+        calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
         calibration = None
         if ctx.is_planner:
             batches = load_batches(args, family, limits, info, num_steps)
@@ -399,7 +405,7 @@ def bench(args, methods: list[str]) -> dict | None:
                 if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
                     runs[m].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info,
                                                              calibration=calibration), num_steps)
-                elif m in (PROFILED, UNCALIBRATED):  # planned ahead with their own base model
+                elif m in OWN_BASE:  # planned ahead with their own base model
                     own = planner_cost_model(cfgs[m], model.config, layout)
                     planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], own, info)
                     runs[m].planned = [planner() for _ in range(num_steps)]

@@ -89,9 +89,10 @@ def print_table(result: dict) -> None:
     if compute:
         print("forward + backward seconds per stage, median step, measured (predicted): " + ", ".join(compute))
     rows = result["methods"]
-    for other in ("dynamic_uncalibrated", "dynamic_profiled"):
+    for other, what in (("dynamic_uncalibrated", "calibrated"), ("dynamic_profiled", "calibrated"),
+                        ("dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}")):
         if "dynamic" in rows and other in rows:
-            print(f"dynamic (calibrated) vs {other}: {rows['dynamic']['tokens_per_s'] / rows[other]['tokens_per_s']:.2f}x "
+            print(f"dynamic ({what}) vs {other}: {rows['dynamic']['tokens_per_s'] / rows[other]['tokens_per_s']:.2f}x "
                   "real tokens/s, interleaved on the same global batches")
     if PEER in result["methods"]:
         shapes = ", ".join("x".join(map(str, s)) for s in result["methods"][PEER].get("fixed_shapes", []))

@@ -175,3 +175,31 @@ def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):
         result = json.load(f)["methods"]
     assert result["pipelining"]["fixed_shapes"] == [[4, 256, 64]]  # packing rows x max lengths (target L/4)
     assert abs(result["pipelining"]["loss_first"] - result["packing"]["loss_first"]) < 1e-4
+
+
+def test_bench_recompute_against_no_recompute(tmp_path):
+    """One process, GPT-2: dynamic under --recompute full recomputes every stage forward while
+    dynamic_norecompute (its --recompute none twin) recomputes none; both start from the same loss, and their
+    measured saved activations fit --memory-gib and match the prediction (they differ: the cheaper memory of
+    full recomputation lets the planner form larger micro-batches, whose logits the head stores as before)."""
+    path = str(tmp_path / "lengths.npz")
+    _lengths_file(path, n=80)
+    out = str(tmp_path / "bench.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
+           "--methods", "dynamic,dynamic_norecompute", "--recompute", "full", "--steps", "1", "--warmup", "0",
+           "--global-batch-tokens", "1024", "--max-input-len", "256", "--calibrate", "off", "--json", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dynamic (--recompute full) vs dynamic_norecompute:" in proc.stdout
+    with open(out) as f:
+        rows = json.load(f)["methods"]
+    full, none = rows["dynamic"], rows["dynamic_norecompute"]
+    assert full["recomputed_forwards_per_step"] == full["micro_batches_per_step"] > 0
+    assert none["recomputed_forwards_per_step"] == 0
+    assert abs(full["loss_first"] - none["loss_first"]) < 1e-5
+    assert full["fits_memory_measured"] and none["fits_memory_measured"]
+    for row in (full, none):
+        assert row["measured_saved_activation_mib"] == pytest.approx(row["predicted_saved_activation_mib"], rel=0.1)
+    assert full["micro_batches_per_step"] <= none["micro_batches_per_step"]
