@@ -157,22 +157,28 @@ def test_benchmark_presets_are_the_issue_sizes():
     assert 0.9 < n_llama / n_gpt < 1.1  # "llama-d256 about the size of gpt2-d256"
 
 
-def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):
-    """One process (stage 0 is also the last: the peer passes both inputs and target), T5, a lengths file."""
+def _one_process_bench(tmp_path, model: str, methods: str, *flags: str):
+    """``dynabatch bench`` on one stage (one process, no torchrun) over an 80-sample lengths file, 1 timed step:
+    ``(stdout, per-method JSON rows)``."""
     path = str(tmp_path / "lengths.npz")
     _lengths_file(path, n=80)
     out = str(tmp_path / "bench.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "t5-tiny", "--lengths", path, "--stages", "1",
-           "--methods", "packing,pipelining", "--steps", "1", "--warmup", "0", "--global-batch-tokens", "1024",
-           "--max-input-len", "256", "--json", out, "--quiet"]
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", model, "--lengths", path, "--stages", "1",
+           "--methods", methods, "--steps", "1", "--warmup", "0", "--global-batch-tokens", "1024",
+           "--max-input-len", "256", "--json", out, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"]
-    assert set(rows) == {"packing", "pipelining"} and min(rows.values()) > 0
     with open(out) as f:
-        result = json.load(f)["methods"]
+        return proc.stdout, json.load(f)["methods"]
+
+
+def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):
+    """One process (stage 0 is also the last: the peer passes both inputs and target), T5, a lengths file."""
+    stdout, result = _one_process_bench(tmp_path, "t5-tiny", "packing,pipelining", "--quiet")
+    rows = json.loads(stdout.strip().splitlines()[-1])["tokens_per_s"]
+    assert set(rows) == {"packing", "pipelining"} and min(rows.values()) > 0
     assert result["pipelining"]["fixed_shapes"] == [[4, 256, 64]]  # packing rows x max lengths (target L/4)
     assert abs(result["pipelining"]["loss_first"] - result["packing"]["loss_first"]) < 1e-4
 
@@ -182,19 +188,9 @@ def test_bench_recompute_against_no_recompute(tmp_path):
     dynamic_norecompute (its --recompute none twin) recomputes none; both start from the same loss, and their
     measured saved activations fit --memory-gib and match the prediction (they differ: the cheaper memory of
     full recomputation lets the planner form larger micro-batches, whose logits the head stores as before)."""
-    path = str(tmp_path / "lengths.npz")
-    _lengths_file(path, n=80)
-    out = str(tmp_path / "bench.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
-           "--methods", "dynamic,dynamic_norecompute", "--recompute", "full", "--steps", "1", "--warmup", "0",
-           "--global-batch-tokens", "1024", "--max-input-len", "256", "--calibrate", "off", "--json", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dynamic (--recompute full) vs dynamic_norecompute:" in proc.stdout
-    with open(out) as f:
-        rows = json.load(f)["methods"]
+    stdout, rows = _one_process_bench(tmp_path, "gpt2-tiny", "dynamic,dynamic_norecompute", "--recompute", "full",
+                                      "--calibrate", "off")
+    assert "dynamic (--recompute full) vs dynamic_norecompute:" in stdout
     full, none = rows["dynamic"], rows["dynamic_norecompute"]
     assert full["recomputed_forwards_per_step"] == full["micro_batches_per_step"] > 0
     assert none["recomputed_forwards_per_step"] == 0
