@@ -242,7 +242,9 @@ def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
 
 def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixture_dir):
     """`dynabatch train --slice-long`: with 0.022 GiB the longest samples must run sliced, with 0.03 GiB
-    none is; the batches are the same, so the losses of every step must be too (Adam steps included).
+    none is; the batches are the same, so the losses of every step must be too (Adam steps included), also
+    when every stage forward, slices included, recomputes its blocks (`--recompute full` at 0.02 GiB, where
+    the longest samples still run sliced: the slicing DP prices slices without recomputation).
     (At 0.020-0.021 GiB the slicing DP's bound, which omits the key/value gradients later slices hand
     back, plans a step 26-280 KB over the device once model states count, and the training validator
     refuses it.)"""
@@ -251,20 +253,23 @@ def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixt
     import subprocess
     import sys
 
-    def train(memory: str) -> list[dict]:
-        out = tmp_path / memory
+    def train(memory: str, *extra: str) -> list[dict]:
+        out = tmp_path / (memory + "".join(extra))
         cmd = [sys.executable, "-m", "dynabatch", "train", "--model", "gpt2-tiny", "--tokenizer", "byt5",
                "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "2048",
                "--max-input-len", "512", "--steps", "3", "--slice-long", "--memory-gib", memory,
-               "--output-dir", str(out), "--log-every", "0", "--no-timeline"]
+               "--output-dir", str(out), "--log-every", "0", "--no-timeline", *extra]
         env = {k: v for k, v in os.environ.items() if k != "RANK"}
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
-    sliced, whole = train("0.022"), train("0.03")
+    sliced, whole, recomputed = train("0.022"), train("0.03"), train("0.02", "--recompute", "full")
     assert sum(r["sliced_samples"] for r in sliced) > 0 and sum(r["sliced_samples"] for r in whole) == 0
-    np.testing.assert_allclose([r["loss"] for r in sliced], [r["loss"] for r in whole], rtol=1e-6)
+    assert sum(r["sliced_samples"] for r in recomputed) > 0
+    assert all(r["recompute"]["full"] == r["num_micro_batches"] for r in recomputed)  # every forward (one stage)
+    for run in (sliced, recomputed):
+        np.testing.assert_allclose([r["loss"] for r in run], [r["loss"] for r in whole], rtol=1e-6)
 
 
 def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
