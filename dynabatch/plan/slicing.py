@@ -447,6 +447,7 @@ def slice_long_samples(
     max_slices: int | None = None,
     reserved_bytes: float = 0.0,
     in_flight: int = 1,
+    fits_whole: np.ndarray | None = None,
 ) -> SliceDecision:
     """Which samples to token-slice, and how: those that do not fit in memory whole (they must be
     sliced; ``in_flight`` copies of the stored activations plus the peak, the partition planner's
@@ -456,7 +457,9 @@ def slice_long_samples(
     ``step_time_s`` defaults to ``sum_i t_i + (S - 1) max_i t_i`` over the unsliced samples (one
     micro-batch each: a pessimistic step time); pass the partition planner's objective instead when
     known. Samples of one length share one plan. Raises ``ValueError`` naming the sample when one
-    cannot be made to fit.
+    cannot be made to fit. ``fits_whole``: optional (N,) bools, the samples the partition planner can run
+    whole anyway (with activation recomputation, :mod:`dynabatch.cost.recompute`): they are never forced
+    into slices, and one the slicer cannot cut stays whole.
     """
     lens = np.asarray(lengths)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer) or lens.min() < 1:
@@ -471,6 +474,10 @@ def slice_long_samples(
     )
     check_int("in_flight", in_flight)
     fits = in_flight * stored + peak + reserved_bytes <= float(cost_model.memory_budget_bytes)
+    if fits_whole is not None:  # samples of one length share a shape: any of them stands for all
+        whole = np.zeros(len(unique), dtype=bool)
+        np.logical_or.at(whole, inverse, np.asarray(fits_whole, dtype=bool))
+        fits = fits | whole
     if step_time_s is None:
         step_time_s = float(t[inverse].sum() + (num_stages - 1) * t.max())
     if not (np.isfinite(step_time_s) and step_time_s > 0):
@@ -484,6 +491,8 @@ def slice_long_samples(
                 max_slices=max_slices, reserved_bytes=reserved_bytes,
             )
         except ValueError as err:
+            if fits[u]:  # a bubble candidate that cannot be cut runs whole
+                continue
             first = int(np.flatnonzero(lens == unique[u])[0])
             raise ValueError(f"sample {first}: {err}") from err
         if not fits[u]:

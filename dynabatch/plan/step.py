@@ -201,9 +201,15 @@ def plan_step(
         return _plan(e, d, [], how)
     if is_seq2seq(family):
         raise ValueError(f"token slicing needs a decoder-only (causal) model, got {family!r}")
+    # Which samples must run sliced is the partition's own memory test (the slice model prices one stage); with
+    # activation recomputation the samples that fit whole that way are not forced into slices either.
+    in_flight = partition_options.get("in_flight") or num_stages
+    lens = (e + d).astype(np.float64)
+    _, stored, peak = cost_model.evaluate(np.ones_like(lens), lens, np.zeros_like(lens))
+    fits_whole = in_flight * np.asarray(stored) + np.asarray(peak) <= float(cost_model.memory_budget_bytes)
     decision = slice_long_samples(
         e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
-        in_flight=partition_options.get("in_flight") or num_stages,
+        in_flight=in_flight, fits_whole=fits_whole if getattr(cost_model, "recompute", "none") != "none" else None,
     )
     sliced = [
         (i, [Piece((i,), (1, hi - lo, 0), float(t), (lo, hi)) for lo, hi, t in zip(b[:-1], b[1:], plan.times_s)], why)
@@ -211,12 +217,7 @@ def plan_step(
         for b in [plan.boundaries.tolist()]
     ]
     best = _plan(e, d, sliced, how)
-    # Which samples must run sliced is the partition's own memory test (the slice model prices one stage).
-    in_flight = partition_options.get("in_flight") or num_stages
-    lens = (e + d)[[i for i, _, _ in sliced]].astype(np.float64)
-    _, stored, peak = cost_model.evaluate(np.ones_like(lens), lens, np.zeros_like(lens))
-    whole_fits = in_flight * np.asarray(stored) + np.asarray(peak) <= float(cost_model.memory_budget_bytes)
-    forced = [x for x, fits in zip(sliced, whole_fits) if not fits]
+    forced = [x for x in sliced if not fits_whole[x[0]]]
     if len(forced) < len(sliced):  # slicing for the bubble alone must pay off for the whole step
         fewer = _plan(e, d, forced, how)
         score = how.score or (lambda plan: plan.objective_s)
