@@ -323,6 +323,11 @@ def test_slice_long_samples_picks_bubble_and_memory_samples():
     assert big.sample_indices.tolist() == [42]
     with pytest.raises(ValueError, match="sample 1: sequence of length 9000"):
         slice_long_samples([100, 9000], PolynomialSliceCostModel(memory_budget_bytes=0.9 * stored), 4, granularity=64)
+    # what the partition planner can run whole (with activation recomputation) is never forced, nor refused
+    whole = slice_long_samples(lengths, cost, 1, granularity=64, fits_whole=lengths == 9000)
+    assert whole.sample_indices.tolist() == []
+    assert slice_long_samples([100, 9000], PolynomialSliceCostModel(memory_budget_bytes=0.9 * stored), 1,
+                              granularity=64, fits_whole=np.array([True, True])).sample_indices.tolist() == []
 
 
 class _BadCost:
