@@ -40,8 +40,8 @@ from dynabatch.schedule.ir import RECOMPUTE_MODES
 
 RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
 """``--recompute`` choices: a fixed mode (``none``, ``selective``, ``full``) or ``auto`` (per micro-batch)."""
-NONE, SELECTIVE, FULL = range(3)
-"""Mode codes: indices into :data:`RECOMPUTE_MODES`."""
+NONE = RECOMPUTE_MODES.index("none")
+"""Mode codes are indices into :data:`RECOMPUTE_MODES`."""
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dynabatch.schedule.ir import RECOMPUTE_MODES
+from dynabatch.schedule.ir import check_recompute_mode
 
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("dynabatch_recompute_mode", default="none")
-
-
-def check_recompute_mode(mode: str) -> str:
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"unknown recompute mode {mode!r}; valid: {', '.join(RECOMPUTE_MODES)}")
-    return mode
 
 
 @contextlib.contextmanager

@@ -349,6 +349,7 @@ class PipelineSpec:
 
 
 PLAN_FORMAT_VERSION = 1
+"""Version of :meth:`ExecutionPlan.to_bytes` / :meth:`ExecutionPlan.to_text`; readers accept only this one."""
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation recomputation of one micro-batch on one stage, cheapest in time first: ``none`` stores every
@@ -356,14 +357,19 @@ activation; ``selective`` recomputes the attention cores in backward (their inpu
 stores only each transformer block's inputs and reruns the block's forward in backward."""
 
 
+def check_recompute_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`RECOMPUTE_MODES`, else ``ValueError`` naming the valid ones."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; valid: {', '.join(RECOMPUTE_MODES)}")
+    return mode
+
+
 def check_recompute(modes, num_micro_batches: int) -> None:
     """``ValueError`` unless ``modes`` has one :data:`RECOMPUTE_MODES` entry per micro-batch."""
     if len(modes) != num_micro_batches:
         raise ValueError(f"recompute has {len(modes)} entries for {num_micro_batches} micro-batches")
-    bad = [m for m in modes if m not in RECOMPUTE_MODES]
-    if bad:
-        raise ValueError(f"unknown recompute mode {bad[0]!r}; valid: {', '.join(RECOMPUTE_MODES)}")
-"""Version of :meth:`ExecutionPlan.to_bytes` / :meth:`ExecutionPlan.to_text`; readers accept only this one."""
+    for m in modes:
+        check_recompute_mode(m)
 
 
 @dataclass(frozen=True)
