@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
+    args.argv = argv[1:]  # which flags were given (a --config file's values yield only to those)
     try:
         return int(module.run(args) or 0)
     except Exception as e:  # user input (or a full disk): a message, not a traceback

@@ -218,7 +218,7 @@ def _config(args, method: str):
         model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *OWN_BASE) else method, policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
-        threads=args.threads, seed=args.seed, steps=args.warmup + args.steps, warmup_steps=0, lr_schedule="constant",
+        threads=args.threads, seed=args.seed, max_steps=args.warmup + args.steps, warmup_steps=0, lr_scheduler_type="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
@@ -372,7 +372,7 @@ def bench(args, methods: list[str]) -> dict | None:
             """Collective: every rank builds the runs in the same order."""
             stage = copy.deepcopy(base).to(ctx.device)
             stage.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
-            opt = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            opt = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
             if name == PEER:
                 ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfg.max_grad_norm)
             else:

@@ -59,7 +59,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     info = latest_checkpoint(checkpoint) if not os.path.exists(os.path.join(checkpoint, "manifest.json")) else verify(checkpoint)
     if info is None:
         raise CheckpointError(f"no complete checkpoint in {checkpoint}")
-    cfg = TrainConfig(**info.manifest["config"])
+    cfg = TrainConfig.of(**info.manifest["config"])
     vocab = tokenizer_info(load_tokenizer(cfg.tokenizer)).vocab_size
     model = build_model(cfg.model, vocab_size=vocab, dropout=cfg.dropout, seed=cfg.seed)
     layout = layout_for(model, cfg.stages)

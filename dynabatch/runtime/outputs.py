@@ -68,7 +68,7 @@ def prepare_output_dir(cfg, ctx) -> None:
 
     problem = [None]
     if ctx.is_planner:
-        problem[0] = output_dir_problem(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite_output_dir)
+        problem[0] = output_dir_problem(cfg.output_dir, resume=cfg.resume_from_checkpoint, overwrite=cfg.overwrite_output_dir)
     if ctx.world_size > 1:
         dist.broadcast_object_list(problem, src=0, group=ctx.delivery_group)
     if problem[0] is not None:

@@ -65,10 +65,10 @@ def _lr_lambda(cfg: TrainConfig):
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.lr_schedule == "constant":
+        if cfg.lr_scheduler_type == "constant":
             return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        return 1.0 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return 1.0 - progress if cfg.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
 
@@ -154,7 +154,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
     layout = layout_for(model, cfg.stages)
     spec = pipeline_spec_for(model, layout, "float32")
     stage = build_stage(model, layout, ctx.stage_index, cfg.attention_path).to(ctx.device)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
                         measure_memory=True)
@@ -224,7 +224,7 @@ def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> str:
         return out
 
     return save_collective(_checkpoint_root(run.cfg), step, run.ctx.rank, shard, gather=gather, manifest_extra=extra,
-                           run_id=run.run_id, keep=run.cfg.keep_checkpoints)
+                           run_id=run.run_id, keep=run.cfg.save_total_limit)
 
 
 def find_resume_checkpoint(cfg: TrainConfig, ctx: DistContext):
@@ -239,9 +239,9 @@ def find_resume_checkpoint(cfg: TrainConfig, ctx: DistContext):
             warnings.warn(f"--resume: no complete checkpoint in {_checkpoint_root(cfg)}; starting from step 0",
                           stacklevel=2)
         return None
-    if info.step > cfg.steps:
+    if info.step > cfg.max_steps:
         raise ValueError(f"--resume: the newest checkpoint {info.path} is at step {info.step}, past --steps "
-                         f"{cfg.steps}; raise --steps to train further")
+                         f"{cfg.max_steps}; raise --steps to train further")
     notes = compare_configs(info.manifest.get("config", {}), cfg, info.path)
     if notes and ctx.is_planner:
         print(f"--resume from {info.path}: changed settings apply from step {info.step}: {'; '.join(notes)}",
@@ -274,7 +274,7 @@ def resume(run: _Run, info) -> int:
 
 
 def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True) -> dict | None:
-    """Train ``cfg.steps`` steps with ``cfg.method``; rank 0 returns the summary."""
+    """Train ``cfg.max_steps`` steps with ``cfg.method``; rank 0 returns the summary."""
     from tqdm import tqdm
 
     from dynabatch.runtime.planner import PlanAhead
@@ -286,7 +286,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
 
     if checkpoints:
         prepare_output_dir(cfg, ctx)
-    info = find_resume_checkpoint(cfg, ctx) if cfg.resume else None
+    info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
     run = build_run(cfg, ctx)
     start = resume(run, info)
     memory = cfg.memory_gib * 2**30
@@ -295,8 +295,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
         truncate_metrics(metrics_path, start)  # steps the earlier run logged after its last checkpoint
     writer = MetricsWriter(metrics_path) if ctx.is_planner else None
     bad_steps = 0
-    ahead = PlanAhead(run.planner, cfg.steps - start, cfg.plan_ahead) if ctx.is_planner else None
-    if cfg.calibration_mode == "quick" and info is None and start < cfg.steps:
+    ahead = PlanAhead(run.planner, cfg.max_steps - start, cfg.plan_ahead) if ctx.is_planner else None
+    if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
         try:
             quick_calibration(run.executor, ctx, run.planner, run.spec, start,  # collective
                               startup_timeout_s=cfg.startup_timeout_s)
@@ -305,10 +305,10 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 run.calibration.close()
                 ahead.close()
             raise
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
     planned = result = None
     try:
-        for step in range(start, cfg.steps):
+        for step in range(start, cfg.max_steps):
             maybe_crash(step, ctx.rank)
             wait = 0.0
             if ctx.is_planner:
@@ -335,7 +335,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 bar.write(f"warning: step {step}: {_non_finite(result)}; the optimizer step was skipped "
                           f"({bad_steps} in a row; the run stops at --max-bad-steps {cfg.max_bad_steps})")
             task_loss = None
-            if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.steps):
+            if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.max_steps):
                 task_loss = gather_task_losses(ctx, result, planned)  # collective
             if ctx.is_planner:
                 record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
@@ -349,17 +349,17 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 writer.write(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                if cfg.log_every and (step + 1) % cfg.log_every == 0:
+                if cfg.logging_steps and (step + 1) % cfg.logging_steps == 0:
                     bar.write(json.dumps({k: record[k] for k in _SHOWN}))
             if bad_steps >= cfg.max_bad_steps:
                 raise TrainingDivergedError(
                     f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
                     f"gradient norm (step {step}: {_non_finite(result)}) and were skipped (--max-bad-steps "
-                    f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --lr (now {cfg.lr:g}) or "
+                    f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --lr (now {cfg.learning_rate:g}) or "
                     "--max-grad-norm, or check the data; --resume continues from the newest checkpoint"
                 )
-            last = step + 1 == cfg.steps
-            if checkpoints and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
+            last = step + 1 == cfg.max_steps
+            if checkpoints and ((cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last):
                 save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
         if cfg.timeline and result is not None:
             _write_timeline(run, result, planned)
@@ -367,7 +367,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             from dynabatch.runtime.calibration import save_calibration
 
             save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
-                             cfg.steps - 1)
+                             cfg.max_steps - 1)
     finally:
         bar.close()
         if ahead is not None:
@@ -519,7 +519,7 @@ def train(cfg: TrainConfig) -> dict | None:
         with fail_fast(ctx):
             summaries = [train_method(cfg, ctx)]  # creates and checks the output folder first
             if cfg.compare_method:
-                other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume=False,
+                other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None,
                                             timeline=False,
                                             output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
                 os.makedirs(other.output_dir, exist_ok=True)

@@ -265,7 +265,7 @@ def test_train_packing_free_matches_packing(tmp_path, toy_mixture_dir):
 
     cfg = TrainConfig(model="gpt2-tiny", tokenizer="byt5", mixture=os.path.join(toy_mixture_dir, "toy.json"),
                       method="packing_free", compare_method="packing", packing_free_rows=2, packing_rows=2,
-                      global_batch_tokens=1024, max_input_len=128, max_target_len=32, steps=2, log_every=0,
+                      global_batch_tokens=1024, max_input_len=128, max_target_len=32, max_steps=2, logging_steps=0,
                       timeline=False, output_dir=str(tmp_path / "run"))
     train(cfg)
 

@@ -177,7 +177,7 @@ def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy
     ok = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--lr", "5e-4", "--warmup-steps", "0",
               "--lr-schedule", "constant")
     assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "lr: 0.001 -> 0.0005" in ok.stdout + ok.stderr
+    assert "learning_rate: 0.001 -> 0.0005" in ok.stdout + ok.stderr
     lrs = {r["step"]: r["lr"] for r in _records(tmp_path / "run")}
     assert sorted(lrs) == [0, 1, 2, 3]  # every step once
     assert lrs[1] == pytest.approx(1e-3) and lrs[2] == pytest.approx(5e-4) and lrs[3] == pytest.approx(5e-4)
@@ -223,7 +223,7 @@ def test_yaml_scientific_notation_is_a_number(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 3e-4\nsteps: '7'\n")
     cfg = TrainConfig(**load_config_file(str(path)))
-    assert cfg.lr == pytest.approx(3e-4) and cfg.steps == 7
+    assert cfg.learning_rate == pytest.approx(3e-4) and cfg.max_steps == 7
     bad = tmp_path / "run.json"
     bad.write_text('{"lr": 1e-3,}')
     with pytest.raises(ValueError, match=r"run.json: JSON syntax error at line 1"):

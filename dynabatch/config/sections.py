@@ -1,0 +1,190 @@
+"""The sections of a training run's configuration: one typed, frozen dataclass each.
+
+Every field is one flag of every command that uses its section (:mod:`dynabatch.config.flags` generates them
+through ``transformers.HfArgumentParser``): ``--learning-rate`` and ``--learning_rate`` both work, choices come
+from the field's ``Literal`` type, the help text and aliases (today's older names, ``--lr``) from its metadata,
+and ``--help`` shows every default. :class:`~dynabatch.config.TrainConfig` is all sections at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dynabatch.cost.recompute import RECOMPUTE_POLICIES  # ``recompute`` choices, one list for config and cost model
+from dynabatch.data.baselines import BASELINES
+
+METHODS = ("dynamic", *BASELINES)
+"""``--method``: the dynamic planner or any baseline of :data:`dynabatch.data.baselines.BASELINES`."""
+POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
+ATTENTION_PATHS = ("segments", "dense")
+"""``--attention``: segments (padding-free) or dense (4-D masks); :mod:`dynabatch.models.attention` uses this list."""
+PACK_ROWS = ("auto", "off")
+"""``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
+(one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
+LR_SCHEDULES = ("constant", "linear", "cosine")
+PLAN_COSTS = ("base", "calibrated")
+"""``--plan-costs``: plan with the base cost model (default) or with the online fit."""
+CALIBRATIONS = ("auto", "quick", "online", "off")
+"""``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
+online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
+:mod:`dynabatch.runtime.calibration` uses this list."""
+DTYPES = ("fp32", "bf16", "fp16")
+"""``--dtype``: the compute precision (bf16 / fp16 as autocast over fp32 weights)."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+OVERLONG = ("truncate", "drop", "error")
+BAD_ROWS = ("error", "skip")
+TRACKERS = ("tensorboard", "wandb")
+"""``--report-to``: the experiment trackers :mod:`dynabatch.runtime.tracking` writes to."""
+
+
+def arg(default: Any, help: str, *aliases: str, **argparse_kwargs: Any):
+    """A config field: its default, the help line of its flag, older flag names (``"lr"`` gives ``--lr``; they
+    are accepted in config files and :meth:`TrainConfig.of` too) and extra ``argparse`` settings."""
+    flags = [f"--{a}" for name in aliases for a in dict.fromkeys((name, name.replace("_", "-")))]
+    return field(default=default, metadata={"help": help, "aliases": flags, **argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    _argument_group_name = "model"
+
+    model: str = arg("t5-tiny", "model preset (t5-tiny, t5-mini, gpt2-tiny, llama-tiny, ...; see dynabatch.models.presets) "
+                                "or a local Hugging Face checkpoint folder")
+    tokenizer: str = arg("builtin", "builtin, gpt2, byt5 or a local tokenizer folder")
+    attention: Literal[ATTENTION_PATHS] = arg(
+        "segments", "attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on "
+                    "pad) or dense (4-D block-diagonal masks, the reference)")
+    dropout: float = arg(0.0, "dropout probability of the model")
+    dtype: Literal[DTYPES] = arg("fp32", "compute precision: fp32, or bf16 / fp16 autocast over fp32 weights "
+                                         "(bf16 also on CPU)")
+    device: str = arg("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda or cuda:N")
+    threads: int = arg(1, "torch intra-op threads per rank (the cost profile's setting)")
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    _argument_group_name = "data"
+
+    mixture: str | None = arg(None, "mixture spec (.yaml/.json); default: the built-in offline mixture")
+    data: str | None = arg(None, "one data file (json/jsonl/csv/parquet/arrow) or a dataset in the local Hugging Face "
+                                 "cache instead of a mixture")
+    columns: str | None = arg(None, "with --data: map columns, e.g. inputs=question,targets=answer[,task=category]")
+    max_input_len: int = arg(512, "T5 encoder limit; GPT sequence limit (inputs + targets)")
+    max_target_len: int = arg(128, "T5 decoder limit")
+    overlong: Literal[OVERLONG] = arg("truncate", "over-long samples: truncate, drop or error")
+    bad_rows: Literal[BAD_ROWS] | None = arg(None, "malformed rows: error or skip (drop and count); default: the "
+                                                   "mixture spec's bad_rows (error)")
+
+
+@dataclass(frozen=True)
+class BatchingArgs:
+    _argument_group_name = "batching"
+
+    method: Literal[METHODS] = arg("dynamic", "batching: dynamic (the planner) or a baseline batcher")
+    global_batch_tokens: int = arg(8192, "real tokens (inputs + targets) per optimizer step")
+    samples_per_micro_batch: int = arg(8, "padding / length_grouped baselines: samples per micro-batch")
+    token_budget_tokens: int = arg(2048, "token_budget baseline: padded tokens per micro-batch")
+    packing_rows: int = arg(4, "packing baseline (dense rows of the max length): rows per micro-batch")
+    packing_free_rows: int = arg(4, "packing_free baseline (TRL's bfd + padding_free): rows per micro-batch")
+    max_micro_batch_samples: int = arg(64, "dynamic: samples per planned micro-batch at most")
+    pack_rows: Literal[PACK_ROWS] = arg(
+        "off", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the best "
+               "plan; off = one sample per row (by the measurement in the README's \"Row packing in the planner\"); "
+               "only with --attention segments")
+    slice_long: bool = arg(False, "GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory "
+                                  "into token slices (TeraPipe)")
+    compare_method: Literal[METHODS] | None = arg(None, "also train max_steps steps with this method from the same "
+                                                        "start and report the speed ratio")
+
+
+@dataclass(frozen=True)
+class PipelineArgs:
+    _argument_group_name = "pipeline"
+
+    stages: int = arg(1, "pipeline stages per replica")
+    replicas: int = arg(1, "data-parallel replicas; the world size must be stages x replicas")
+    policy: Literal[POLICIES] = arg("auto", "pipeline schedule: gpipe, 1f1b, adaptive or auto (best simulated per step)")
+    memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
+    recompute: Literal[RECOMPUTE_POLICIES] = arg(
+        "auto", "activation recomputation: auto (per micro-batch and stage, the fastest of none / selective / full that "
+                "fits memory: none wherever memory does not bind), none, selective (attention cores) or full "
+                "(every block)")
+    cost_profile: str | None = arg(None, "profile JSON from `dynabatch profile` to plan with measured costs; "
+                                         "default: the analytic model")
+    calibrate: Literal[CALIBRATIONS] = arg(
+        "auto", "fit the planner's stage times to what the run measures: auto (quick + online; online only with "
+                "--cost-profile), quick (a few seconds of start-up measurements, then online), online or off")
+    plan_costs: Literal[PLAN_COSTS] = arg(
+        "base", "what the planner decides with when calibrating: base (the analytic preset or --cost-profile; the fit "
+                "only predicts) or calibrated (the online fit)")
+    calibration_file: str | None = arg(None, "warm start from the calibration.json an earlier run on the same device, "
+                                             "model and layout wrote")
+    plan_ahead: int = arg(2, "steps the background planner prepares ahead of training")
+    timeout_s: float = arg(120.0, "seconds before a silent peer counts as dead (each step's transfers and collectives)")
+    startup_timeout_s: float = arg(3600.0, "seconds the other ranks wait for rank 0 to load and tokenize the data and "
+                                           "plan the first step")
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    _argument_group_name = "optim"
+
+    learning_rate: float = arg(1e-3, "peak learning rate of AdamW", "lr")
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    warmup_steps: int = arg(5, "linear warm-up steps")
+    lr_scheduler_type: Literal[LR_SCHEDULES] = arg(
+        "linear", "constant, linear (decay to 0 at max_steps) or cosine", "lr_schedule")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm")
+    max_steps: int = arg(20, "optimizer steps to train (in total, counting resumed ones)", "steps")
+    seed: int = arg(0, "seed of the model initialisation, the data order and dropout")
+    max_bad_steps: int = arg(3, "stop the run after this many steps in a row with a non-finite loss or gradient norm "
+                                "(each is skipped)")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    _argument_group_name = "checkpoint"
+
+    output_dir: str = arg("runs/train", "run folder: metrics.jsonl, checkpoints/, summary.json, timeline")
+    resume_from_checkpoint: str | None = arg(
+        None, "continue from a checkpoint: no value (or 'latest') = the newest complete one in "
+              "output_dir/checkpoints, or a checkpoint folder (step-NNNNNN) or a checkpoints/ folder",
+        "resume", nargs="?", const="latest", metavar="PATH")
+    save_steps: int = arg(0, "save a checkpoint every N steps (0: only at the end)", "checkpoint_every")
+    save_total_limit: int = arg(2, "checkpoints of this run kept (older ones are deleted)", "keep_checkpoints")
+    overwrite_output_dir: bool = arg(False, "start a fresh run in an output folder that holds another run's "
+                                            "checkpoints or metrics (they are deleted)")
+
+
+@dataclass(frozen=True)
+class LoggingArgs:
+    _argument_group_name = "logging"
+
+    logging_steps: int = arg(1, "print a line of step metrics every N steps (0: never; metrics.jsonl has every step)",
+                             "log_every")
+    task_loss_every: int = arg(10, "log the mean token loss of every task (from the last stage's per-sample losses) "
+                                   "every N steps (0: never)")
+    report_to: str = arg("none", "experiment trackers, comma-separated: tensorboard, wandb (offline unless "
+                                 "WANDB_MODE says otherwise), all or none")
+    log_level: Literal[LOG_LEVELS] = arg("info", "log level of rank 0 (other ranks log warnings and errors)")
+    timeline: bool = arg(True, "write the last step's measured timeline next to its simulated twin "
+                               "(Chrome trace + PNG)")
+
+
+@dataclass(frozen=True)
+class EvalArgs:
+    _argument_group_name = "evaluation"
+
+    eval_mixture: str | None = arg(None, "mixture spec (.yaml/.json) of the evaluation data")
+    eval_holdout: float = arg(0.0, "instead of --eval-mixture: this fraction of every task's rows is held out of "
+                                   "training for evaluation")
+    eval_steps: int = arg(0, "evaluate every N steps and at the end (0: only at the end when eval data is given)",
+                          "eval_every")
+    eval_samples: int = arg(256, "evaluation samples per task at most")
+    generate_every: int = arg(1, "generation metrics (exact match, ROUGE-L) every K evaluations (0: only at the end)")
+    generation_max_new_tokens: int = arg(32, "tokens generate() may add per sample for the generation metrics")
+
+
+SECTIONS = (ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, CheckpointArgs, LoggingArgs, EvalArgs)
+"""Every section, in ``--help`` order; :class:`~dynabatch.config.TrainConfig` inherits them all."""
