@@ -14,7 +14,9 @@ import importlib
 import os
 import sys
 
+from dynabatch.config.flags import HelpFormatter
 from dynabatch.runtime.faults import error_line, is_user_error, user_message  # no torch import: `dynabatch --help` stays fast
+from dynabatch.runtime.log import quiet_third_party, setup_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
@@ -39,10 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    p = argparse.ArgumentParser(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1])
+    p = argparse.ArgumentParser(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1],
+                                formatter_class=HelpFormatter)
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
     args.argv = argv[1:]  # which flags were given (a --config file's values yield only to those)
+    setup_logging()  # info on rank 0 (train applies --log-level), warnings elsewhere (runtime.log)
+    quiet_third_party()
     try:
         return int(module.run(args) or 0)
     except Exception as e:  # user input (or a full disk): a message, not a traceback

@@ -94,8 +94,8 @@ def bench_args(settings: dict, model: str, methods: str, cost_profile: str | Non
     p = argparse.ArgumentParser()
     add_arguments(p)
     argv = ["--model", model, "--stages", "1", "--methods", methods, "--max-input-len", str(settings["max_input_len"]),
-            "--global-batch-tokens", str(settings["global_batch_tokens"]), "--steps", str(settings["steps"]),
-            "--warmup", str(settings["warmup"]), "--token-budget-tokens", str(settings["token_budget_tokens"]),
+            "--global-batch-tokens", str(settings["global_batch_tokens"]), "--timed-steps", str(settings["steps"]),
+            "--untimed-steps", str(settings["warmup"]), "--token-budget-tokens", str(settings["token_budget_tokens"]),
             "--packing-rows", str(settings["packing_rows"]), "--packing-free-rows", str(settings["packing_free_rows"]),
             "--samples-per-micro-batch", str(settings["samples_per_micro_batch"]),
             "--memory-gib", str(settings["memory_gib"]), "--json", out_json]

@@ -18,7 +18,7 @@ method really trains (its optimizer steps), so a method's step ``i`` sees its ow
 shapes the step time does not depend on the weights. Planning is done before the timed loop (in
 ``dynabatch train`` it runs ahead in a background thread) and is reported separately.
 
-Timing: per step ``barrier; t0; train_step; barrier; t1`` (rank 0 reports), after ``--warmup`` steps
+Timing: per step ``barrier; t0; train_step; barrier; t1`` (rank 0 reports), after ``--untimed-steps`` steps
 that are not timed. Reported per method: real tokens/s (sum of real tokens / sum of step times, and the
 median and the 10-90% range of the per-step rates), padding efficiency (real / computed tokens),
 predicted bubble fraction (the simulated twin of the step), predicted peak memory per device (cost
@@ -28,9 +28,9 @@ the best baseline.
 
 Tuned baselines (``--tune-baselines``): each baseline in ``--methods`` also sweeps its knob over its
 registry grid on the first global batches (``--tune-steps`` timed steps per value, after one untimed
-step when ``--warmup`` > 0, all values interleaved on one scratch executor; values over ``--memory-gib``
+step when ``--untimed-steps`` > 0, all values interleaved on one scratch executor; values over ``--memory-gib``
 by the runtime's memory check, or with the same micro-batches as another value, are skipped and
-reported), and its best value is then timed for the full ``--steps`` with the others; the faster of
+reported), and its best value is then timed for the full ``--timed-steps`` with the others; the faster of
 it and the default is the tuned setting (:mod:`dynabatch.commands.tuning`). ``tokens_per_s`` stays
 keyed by ``--methods`` at their flags' values; ``tuned`` adds per baseline the knob, both values and
 the tuned setting's tokens/s, and every method gets ``ratio_to_best_tuned_baseline``.
@@ -67,8 +67,9 @@ import numpy as np
 
 from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.bench_results import results
-from dynabatch.commands.common import add_baseline_arguments, parse_methods
-from dynabatch.config import ATTENTION_PATHS, CALIBRATIONS, PLAN_COSTS, RECOMPUTE_POLICIES
+from dynabatch.commands.common import parse_methods
+from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.sections import arg
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.sequence import is_seq2seq
@@ -91,66 +92,55 @@ MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llam
 """``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
 
 
+@dataclass(frozen=True)
+class BenchArgs:
+    """``bench``'s own flags (the others are the TrainConfig fields of :data:`BENCH_FIELDS`, as in ``train``)."""
+
+    _argument_group_name = "bench"
+
+    lengths: str | None = arg(None, "mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, "
+                                    "target_len; random token ids of exactly those lengths); default: the built-in mixture")
+    methods: str | None = arg(None, f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: decoder-only models only)")
+    timed_steps: int = arg(8, "timed steps per method", "steps")
+    untimed_steps: int = arg(2, "untimed steps per method first", "warmup")
+    tune_baselines: bool = arg(False, "also sweep each baseline's knob over its grid and time its best setting that "
+                                      "fits memory")
+    tune_steps: int = arg(2, "--tune-baselines: timed steps per knob value")
+    compare_profile: str | None = arg(None, f"also run {PROFILED}: dynamic planned with this `dynabatch profile` "
+                                            "JSON, no calibration")
+    json: str | None = arg(None, "also write the results as JSON here")
+    quiet: bool = arg(False, "no table (with --json)")
+
+
+BENCH_FIELDS = ("model", "stages", "policy", "pack_rows", "attention", "global_batch_tokens", "max_input_len",
+                "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
+                "plan_costs", "seed")
+"""The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="t5",
-                   help="t5 (= t5-d256), gpt (= gpt2-d256), llama (= llama-d256), any model preset "
-                        "(t5-tiny, gpt2-mini, llama-tiny, ...) or a local checkpoint folder")
-    p.add_argument("--lengths", default=None,
-                   help="mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, target_len; "
-                        "random token ids of exactly those lengths); default: the built-in mixture")
-    p.add_argument("--methods", default=None,
-                   help=f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: decoder-only models only)")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages (one process each)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per method")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
-    p.add_argument("--policy", default="auto", help="pipeline schedule policy (gpipe, 1f1b, adaptive, auto)")
-    p.add_argument("--pack-rows", default="off", choices=("auto", "off"),
-                   help="dynamic: also plan with several short samples per row (padding-free pricing) and keep "
-                        "the best (auto), or one sample per row (off, default); only with --attention segments")
-    p.add_argument("--attention", default="segments", choices=ATTENTION_PATHS,
-                   help="segments: padding-free per-sample attention (default); dense: 4-D masks. packing, "
-                        "DynaPipe's dense-mask baseline, always runs dense")
-    p.add_argument("--global-batch-tokens", type=int, default=8192,
-                   help="real tokens per global batch (the same at every max length, as in the simulated sweep)")
-    p.add_argument("--max-input-len", type=int, default=512, help="T5 encoder limit; GPT sequence limit")
-    p.add_argument("--max-target-len", type=int, default=None, help="T5 decoder limit; default max input length / 4")
-    add_baseline_arguments(p, BaselineOptions(token_budget_tokens=2048))
-    p.add_argument("--tune-baselines", action="store_true",
-                   help="also sweep each baseline's knob over its grid and time its best setting that fits memory")
-    p.add_argument("--tune-steps", type=int, default=2, help="--tune-baselines: timed steps per knob value")
-    p.add_argument("--memory-gib", type=float, default=4.0, help="device memory per rank the planner may use")
-    p.add_argument("--recompute", default="auto", choices=RECOMPUTE_POLICIES,
-                   help="activation recomputation for every method: auto (per micro-batch and stage, the fastest mode "
-                        "that fits --memory-gib), none, selective (attention cores) or full (every block)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--cost-profile", default=None,
-                   help="profile JSON from `dynabatch profile` to plan with measured costs; default: the analytic model")
-    p.add_argument("--calibrate", default="auto", choices=CALIBRATIONS,
-                   help="fit the planner's stage times to the measured ones as the run goes (one fit shared by every "
-                        "method but pipelining): auto = quick + online (online only with --cost-profile), quick, "
-                        "online or off")
-    p.add_argument("--plan-costs", default="base", choices=PLAN_COSTS,
-                   help="with --calibrate: plan with the base model and predict with the fit (base, default), or plan "
-                        "with the fit (calibrated)")
-    p.add_argument("--compare-profile", default=None,
-                   help=f"also run {PROFILED}: dynamic planned with this `dynabatch profile` JSON, no calibration")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the results as JSON here")
-    p.add_argument("--quiet", action="store_true", help="no table (with --json)")
+    add_fields(p, BENCH_FIELDS, defaults={"model": "t5", "stages": 2, "max_target_len": None}, helps={
+        "model": "t5 (= t5-d256), gpt (= gpt2-d256), llama (= llama-d256), any model preset (t5-tiny, gpt2-mini, "
+                 "llama-tiny, ...) or a local checkpoint folder",
+        "max_target_len": "T5 decoder limit; default: max input length / 4",
+        "recompute": "activation recomputation for every method: auto (per micro-batch and stage, the fastest mode "
+                     "that fits --memory-gib), none, selective (attention cores) or full (every block)",
+    })
+    add_sections(p, [BenchArgs])
 
 
-_FLAGS = ("model", "lengths", "methods", "stages", "steps", "warmup", "policy", "attention", "global_batch_tokens",
-          "max_input_len", "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "seed", "json",
-          "cost_profile", "tune_steps", "calibrate", "plan_costs", "compare_profile")
+def _flag_names() -> tuple[str, ...]:
+    return (*BENCH_FIELDS, *(f.name for f in dataclasses.fields(BenchArgs)))
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
+    """``args`` as flags again (the torchrun re-launch parses them)."""
     out = []
-    for name in _FLAGS:
+    for name in _flag_names():
         v = getattr(args, name)
         if v is not None:
             out += ["--" + name.replace("_", "-"), str(v)]
-    return out + (["--quiet"] if args.quiet else []) + (["--tune-baselines"] if args.tune_baselines else [])
+    return out
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
@@ -178,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if SLICED in methods and is_seq2seq(_family(args.model)):
         raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a decoder-only model "
                          f"(drop {SLICED} from --methods)")
-    if args.steps < 1 or args.warmup < 0 or args.stages < 1 or args.tune_steps < 1:
-        raise ValueError(f"need steps >= 1, warmup >= 0, stages >= 1, tune-steps >= 1; got {args.steps}, {args.warmup}, "
+    if args.timed_steps < 1 or args.untimed_steps < 0 or args.stages < 1 or args.tune_steps < 1:
+        raise ValueError(f"need timed-steps >= 1, untimed-steps >= 0, stages >= 1, tune-steps >= 1; got {args.timed_steps}, {args.untimed_steps}, "
                          f"{args.stages}, {args.tune_steps}")
     if args.stages > 1 and "RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.stages),
@@ -218,7 +208,7 @@ def _config(args, method: str):
         model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *OWN_BASE) else method, policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
-        threads=args.threads, seed=args.seed, max_steps=args.warmup + args.steps, warmup_steps=0, lr_scheduler_type="constant",
+        threads=args.threads, seed=args.seed, max_steps=args.untimed_steps + args.timed_steps, warmup_steps=0, lr_scheduler_type="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
@@ -357,7 +347,7 @@ def bench(args, methods: list[str]) -> dict | None:
     # the peer runs packing's rows: plan it as packing
     cfgs = {m: _config(args, "packing" if m == PEER else m) for m in methods}
     cfg0 = cfgs[methods[0]]
-    num_steps = args.warmup + args.steps
+    num_steps = args.untimed_steps + args.timed_steps
     ctx = connect(cfg0)
     try:
         torch.set_num_threads(args.threads)
@@ -447,14 +437,14 @@ def bench(args, methods: list[str]) -> dict | None:
 
                     gathered = gather_measurements(ctx, result)  # collective, outside the timed region
                     if ctx.is_planner:
-                        if step >= args.warmup:
+                        if step >= args.untimed_steps:
                             stage_compute[m].append(stage_times(ctx, gathered))
                         if m in calibrated:
                             calibration.record(ctx, planned, gathered, elapsed)
-                if saved_peak is not None and step >= args.warmup:
+                if saved_peak is not None and step >= args.untimed_steps:
                     saved[m] = max(saved[m] or 0, saved_peak)
                 peaks[m] = max(peaks[m], peak)
-                if step >= args.warmup:
+                if step >= args.untimed_steps:
                     times[m].append(elapsed)
                 losses[m].append(loss)
         gathered: list = [None] * ctx.world_size
@@ -464,7 +454,7 @@ def bench(args, methods: list[str]) -> dict | None:
         measured_peak = {m: max(p[m] for p, _ in gathered) for m in order} if cuda else None
         measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
         result = results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
-                         str(ctx.device), measured_saved, calibrated, stage_compute, _FLAGS)
+                         str(ctx.device), measured_saved, calibrated, stage_compute, _flag_names())
         return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
@@ -497,7 +487,7 @@ def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs
 
     from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key
 
-    warmup = min(args.warmup, 1)
+    warmup = min(args.untimed_steps, 1)
     sweep_steps = warmup + args.tune_steps
     skipped, candidates, meta = {}, [], [None]
     if ctx.is_planner:
@@ -525,7 +515,7 @@ def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs
         cfg = dataclasses.replace(cfgs[m], **{BASELINE_SPECS[m].option: value})
         runs[tuned_key(m)] = new_run(tuned_key(m), cfg)
         if ctx.is_planner:
-            runs[tuned_key(m)].planned = plan(cfg, args.warmup + args.steps)
+            runs[tuned_key(m)].planned = plan(cfg, args.untimed_steps + args.timed_steps)
     return tuned
 
 

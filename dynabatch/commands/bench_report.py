@@ -35,7 +35,7 @@ def _ratio(x: float | None) -> str:
 def print_table(result: dict) -> None:
     c = result["config"]
     print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
-          f"{c['steps']} timed steps (+{c['warmup']} warm-up) per method, interleaved; "
+          f"{c['timed_steps']} timed steps (+{c['untimed_steps']} untimed) per method, interleaved; "
           f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
           f"device {result['machine']['device']}")
     print(f"{'method':<20} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
@@ -59,7 +59,7 @@ def print_table(result: dict) -> None:
         from dynabatch.commands.tuning import describe
 
         print(f"tuned baselines (fastest knob value that fits --memory-gib over {c['tune_steps']} measured steps each, "
-              f"then timed for {c['steps']} steps; the default if that was faster):")
+              f"then timed for {c['timed_steps']} steps; the default if that was faster):")
         for m, t in result["tuned"].items():
             print("  " + describe(m, t, result["methods"][m]["tokens_per_s"]))
         top = result["best_tuned_baseline"]

@@ -84,7 +84,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
 
     import torch
 
-    w = args.warmup
+    w = args.untimed_steps
     rows = {}
     for m in methods:
         stats = step_stats(runs[m], cost_model)

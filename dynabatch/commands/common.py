@@ -5,45 +5,47 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from dynabatch.cost.recompute import RECOMPUTE_POLICIES
 from dynabatch.data.batching import LengthLimits
-from dynabatch.data.baselines import BASELINES, BaselineOptions, option_users
+from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.sections import arg
+from dynabatch.cost.model_specs import PRESETS
+from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.workload import METHODS, MODEL_FAMILIES
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
 """Analytic preset of each ``--model`` when ``--preset`` is not given."""
 
 
+@dataclass(frozen=True)
+class WorkloadArgs:
+    """The flags of ``plan`` and ``simulate`` beyond the TrainConfig fields they share with ``train``."""
+
+    _argument_group_name = "workload"
+
+    lengths: str | None = arg(None, ".npz (input_len, target_len[, task]) or .jsonl lengths file, or a mixture spec "
+                                    "(.yaml/.json); default: the built-in mixture")
+    preset: str | None = arg(None, "older spelling of an analytic --model preset (with --model a family)")
+    hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
+    num_batches: int = arg(8, "global batches to plan")
+    methods: str | None = arg(None, f"comma list of {', '.join(METHODS)} (default: all)")
+    json: bool = arg(False, "print one JSON object instead of a table")
+
+
+SHARED_FIELDS = ("model", "tokenizer", "stages", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
+                 "recompute", "pack_rows", *option_users())
+"""The TrainConfig fields ``plan`` and ``simulate`` take (the same flags as ``train``'s, at paper scale)."""
+PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_len": 256, "global_batch_tokens": 65_536,
+               "memory_gib": None}
+"""``plan``/``simulate`` defaults: the analytic models of the papers' scale (``train`` trains small models here)."""
+
+
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default=None,
-                   help=".npz (input_len, target_len[, task]) or .jsonl lengths file, or a mixture spec (.yaml/.json); "
-                        "default: the built-in mixture")
-    p.add_argument("--model", default="t5", choices=sorted(MODEL_FAMILIES), help="model family")
-    p.add_argument("--preset", default=None,
-                   help="analytic model preset (default: t5-large / gpt-1.3b / llama3-8b); see "
-                        "dynabatch.cost.model_specs.PRESETS (llama3-8b, qwen2.5-7b, mistral-7b, ...)")
-    p.add_argument("--hardware", default="a100-40gb", help="hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
-    p.add_argument("--memory-gib", type=float, default=None,
-                   help="device memory per stage in GiB, model states included (default: the hardware preset's)")
-    p.add_argument("--recompute", default="auto", choices=RECOMPUTE_POLICIES,
-                   help="activation recomputation: auto (per micro-batch and stage, the fastest mode that fits memory), "
-                        "none, selective (attention cores) or full (every block) everywhere")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages")
-    p.add_argument("--max-input-len", type=int, default=1024, help="T5 encoder limit; GPT sequence limit")
-    p.add_argument("--max-target-len", type=int, default=256, help="T5 decoder limit")
-    p.add_argument("--global-batch-tokens", type=int, default=65_536, help="real tokens per global batch")
-    p.add_argument("--num-batches", type=int, default=8, help="global batches to plan")
-    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(METHODS)} (default: all)")
-    add_baseline_arguments(p)
-    p.add_argument("--tokenizer", default="builtin", help="tokenizer for mixture specs")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-def add_baseline_arguments(p: argparse.ArgumentParser, defaults: BaselineOptions = BaselineOptions()) -> None:
-    """One flag per :class:`BaselineOptions` field (``--packing-rows``), its help from the registry."""
-    for option, names in option_users().items():
-        p.add_argument("--" + option.replace("_", "-"), type=int, default=getattr(defaults, option),
-                       help=f"{' / '.join(names)} baseline: {BASELINES[names[0]].help}")
+    add_fields(p, SHARED_FIELDS, defaults=PAPER_SCALE, helps={
+        "model": f"analytic model preset ({', '.join(sorted(PRESETS))}), or a family ({', '.join(MODEL_FAMILIES)}) "
+                 "for its default preset (t5-large / gpt-1.3b / llama3-8b)",
+        "memory_gib": "device memory per stage in GiB, model states included (default: the hardware preset's)",
+    })
+    add_sections(p, [WorkloadArgs])
 
 
 def parse_methods(text: str | None, valid: tuple[str, ...]) -> list[str]:
@@ -87,13 +89,16 @@ def resolve(args: argparse.Namespace) -> Workload:
     check_positive(args, "num_batches", "stages", "global_batch_tokens", *option_users())
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
-    family = MODEL_FAMILIES[args.model]
+    preset = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
+    if preset not in PRESETS:
+        raise ValueError(f"--model {preset!r} is neither an analytic preset ({', '.join(sorted(PRESETS))}) nor a family "
+                         f"({', '.join(MODEL_FAMILIES)}); plan and simulate price models analytically")
+    model = AnalyticCostModel.from_names(preset, args.hardware)
+    family = model.spec.family
+    if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
+        raise ValueError(f"preset {preset!r} is a {family} model but --model is {args.model}")
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
-    preset = args.preset or DEFAULT_PRESETS[args.model]
-    model = AnalyticCostModel.from_names(preset, args.hardware)
-    if model.spec.family != family:
-        raise ValueError(f"preset {preset!r} is a {model.spec.family} model but --model is {args.model}")
     e_ref = min(args.max_input_len, 512)
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))
     memory_gib = getattr(args, "memory_gib", None)

@@ -14,18 +14,14 @@ import json
 import numpy as np
 
 from dynabatch.commands.common import add_workload_arguments, parse_methods, resolve
-from dynabatch.plan.step import DEFAULT_PACK_ROWS, PACK_ROWS
+from dynabatch.config.flags import add_fields
 from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches, method_micro_batches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.add_argument("--slice-long", action="store_true",
-                   help="GPT: cut samples that dominate the bubble or do not fit memory into token slices (TeraPipe)")
-    p.add_argument("--pack-rows", default=DEFAULT_PACK_ROWS, choices=PACK_ROWS,
-                   help="dynamic planner: auto = also plan with several short samples per row (padding-free "
-                        f"pricing) and keep the best; off = one sample per row, dense pricing (default {DEFAULT_PACK_ROWS})")
+    add_fields(p, ["slice_long"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,54 +17,63 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal
+
+from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.sections import TORCH_DTYPES, arg, resolve_device
+from dynabatch.cost.grid import ProfileGrid
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    return values
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
 
 
 def _count_ok(status) -> int:
     return sum(_count_ok(s) for s in status) if isinstance(status, list) else int(status == "ok")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dynabatch.cost.profile import ProfileGrid
+def _grid_default(name: str) -> str:
+    from dynabatch.cost.grid import ProfileGrid
 
-    g = ProfileGrid()
-    j = lambda v: ",".join(map(str, v))  # noqa: E731
-    parser.add_argument("--model", default="gpt2-mini", help="preset name or local checkpoint dir (default gpt2-mini)")
-    parser.add_argument("--out", help="output JSON (default runs/profiles/<model>.<device>.json)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: 1 on CPU, unchanged on CUDA); recorded in the profile")
-    parser.add_argument("--batch-sizes", type=_ints, default=g.batch_sizes, help=f"b axis (default {j(g.batch_sizes)})")
-    parser.add_argument("--lengths", type=_ints, default=g.enc_lengths,
-                        help=f"sequence / encoder length axis (default {j(g.enc_lengths)})")
-    parser.add_argument("--dec-lengths", type=_ints, default=g.dec_lengths,
-                        help=f"T5 decoder length axis (default {j(g.dec_lengths)})")
-    parser.add_argument("--max-tokens", type=int, default=g.max_tokens,
-                        help=f"profile points whose lower neighbour has b*max(E,D) <= this (default {g.max_tokens})")
-    parser.add_argument("--kinds", help="comma-separated layer kinds to profile (default: all of the model)")
-    parser.add_argument("--min-repeats", type=int, default=3)
-    parser.add_argument("--max-repeats", type=int, default=30)
-    parser.add_argument("--min-time", type=float, default=0.03, help="seconds of timing per point at least")
-    parser.add_argument("--clock", default="auto", choices=["auto", "wall", "thread_cpu"])
-    parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--p2p", default="auto", help="p2p backend: auto, gloo, nccl or none")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check", metavar="PROFILE_OR_RUN_DIR",
-                        help="calibration check of an existing profile instead; or, given a `dynabatch train` output "
-                             "folder, its predicted against measured step and stage times from metrics.jsonl")
-    parser.add_argument("--num-shapes", type=int, default=20, help="--check: random off-grid shapes")
-    parser.add_argument("--model-only", action="store_true", help="--check: skip the per-layer comparison")
-    parser.add_argument("--no-thp", action="store_true",
-                        help="CPU: do not set THP_MEM_ALLOC_ENABLE=1 (huge pages for tensors >= 2 MiB) for the profile")
-    parser.add_argument("--no-progress", action="store_true")
+    return ",".join(map(str, getattr(ProfileGrid(), name)))
+
+
+@dataclass(frozen=True)
+class ProfileArgs:
+    """``profile``'s own flags (model, device, dtype, threads, dropout and seed are ``train``'s)."""
+
+    _argument_group_name = "profile"
+
+    out: str | None = arg(None, "output JSON (default runs/profiles/<model>.<device>.json)")
+    batch_sizes: str = arg(_grid_default("batch_sizes"), "b axis of the grid (comma list)")
+    seq_lengths: str = arg(_grid_default("enc_lengths"), "sequence / encoder length axis (comma list)", "lengths")
+    dec_lengths: str = arg(_grid_default("dec_lengths"), "T5 decoder length axis (comma list)")
+    max_tokens: int = arg(ProfileGrid.max_tokens, "profile points whose lower neighbour has b*max(E,D) <= this")
+    kinds: str | None = arg(None, "comma-separated layer kinds to profile (default: all of the model)")
+    min_repeats: int = arg(3, "timed repeats per point at least")
+    max_repeats: int = arg(30, "timed repeats per point at most")
+    min_time: float = arg(0.03, "seconds of timing per point at least")
+    clock: Literal["auto", "wall", "thread_cpu"] = arg("auto", "timer: wall clock, this thread's CPU time, or auto "
+                                                               "(thread CPU time on CPU)")
+    p2p: str = arg("auto", "p2p backend: auto, gloo, nccl or none")
+    check: str | None = arg(None, "calibration check of an existing profile instead; or, given a `dynabatch train` "
+                                  "output folder, its predicted against measured step and stage times from "
+                                  "metrics.jsonl", metavar="PROFILE_OR_RUN_DIR")
+    num_shapes: int = arg(20, "--check: random off-grid shapes")
+    model_only: bool = arg(False, "--check: skip the per-layer comparison")
+    no_thp: bool = arg(False, "CPU: do not set THP_MEM_ALLOC_ENABLE=1 (huge pages for tensors >= 2 MiB) for the profile")
+    no_progress: bool = arg(False, "no progress bar")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fields(parser, ("model", "device", "dtype", "threads", "dropout", "seed"),
+               defaults={"model": "gpt2-mini", "threads": None}, helps={
+                   "threads": "torch intra-op threads (default: 1 on CPU, unchanged on CUDA); recorded in the profile"})
+    add_sections(parser, [ProfileArgs])
 
 
 def _set_thp(value: str | None) -> None:
@@ -116,21 +125,23 @@ def _check(args) -> int:
 
 
 def run(args) -> int:
+    args.device = resolve_device(args.device)
     if args.check:
         return _check(args)
     if args.device == "cpu" and not args.no_thp:
         _set_thp("1")
     from dynabatch.cost.measure import MeasureSettings
-    from dynabatch.cost.profile import ProfileGrid, run_profile, save_profile
+    from dynabatch.cost.profile import run_profile, save_profile
     from dynabatch.models.families import layer_builder
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     try:
-        grid = ProfileGrid(args.batch_sizes, args.lengths, args.dec_lengths, args.max_tokens)
+        grid = ProfileGrid(_ints(args.batch_sizes, "--batch-sizes"), _ints(args.seq_lengths, "--seq-lengths"),
+                           _ints(args.dec_lengths, "--dec-lengths"), args.max_tokens)
         settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
         kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
         p2p = None if args.p2p == "none" else args.p2p
-        profile = run_profile(args.model, grid, settings, device=args.device, dtype=args.dtype, num_threads=threads,
+        profile = run_profile(args.model, grid, settings, device=args.device, dtype=TORCH_DTYPES[args.dtype], num_threads=threads,
                               dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
                               show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
     except ValueError as exc:

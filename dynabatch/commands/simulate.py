@@ -37,38 +37,44 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 
 from dynabatch.commands.common import add_workload_arguments, check_positive, parse_methods, resolve
-from dynabatch.plan.step import DEFAULT_PACK_ROWS, PACK_ROWS
+from dynabatch.config.flags import add_sections
+from dynabatch.config.sections import arg
+from dynabatch.plan.step import DEFAULT_PACK_ROWS
 from dynabatch.workload import METHODS, global_batches
 
 AMORTISED_TOKENS = 8192
 """Tokens of the batch of identical copies that prices a sample in ``efficiency_amortised``."""
 
 
+@dataclass(frozen=True)
+class SimulateArgs:
+    """``simulate``'s own flags (the workload's are :mod:`dynabatch.commands.common`'s)."""
+
+    _argument_group_name = "simulation"
+
+    in_flight: int | None = arg(None, "dynamic planner: micro-batches assumed live per stage (default: stages; "
+                                      "one-sample micro-batches only need to fit alone)")
+    cap_tolerance: float = arg(0.01, "dynamic planner: cap thinning tolerance")
+    max_samples: int | None = arg(None, "dynamic planner: samples per micro-batch at most")
+    link: Literal["intra", "inter"] = arg("intra", "link between pipeline neighbours")
+    objective_stages: str = arg("S,2", "dynamic planner: comma list of S' for the objective sum(t) + (S'-1) max(t) "
+                                       "('S': the real stages); each is planned and scheduled and the shortest "
+                                       "simulated step is kept")
+    search_steps: int = arg(24, "local-search moves per step in choose_schedule")
+    trace_dir: str | None = arg(None, "write Chrome traces (.json, open in Perfetto) and PNG timelines of the first "
+                                      "global batch for the dynamic and packing methods")
+    tune_baselines: bool = arg(False, "also run each baseline at every value of its knob's grid on the same global "
+                                      "batches and report its best setting that fits memory (dynabatch.commands.tuning)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.add_argument("--in-flight", type=int, default=None,
-                   help="dynamic planner: micro-batches assumed live per stage (default: stages; "
-                        "one-sample micro-batches only need to fit alone)")
-    p.add_argument("--cap-tolerance", type=float, default=0.01, help="dynamic planner: cap thinning tolerance")
-    p.add_argument("--max-samples", type=int, default=None, help="dynamic planner: samples per micro-batch at most")
-    p.add_argument("--pack-rows", default=DEFAULT_PACK_ROWS, choices=PACK_ROWS,
-                   help="dynamic planner: auto = also plan with several short samples per row (padding-free "
-                        f"pricing) and keep the best; off = one sample per row, dense pricing (default {DEFAULT_PACK_ROWS})")
-    p.add_argument("--link", default="intra", choices=("intra", "inter"), help="link between pipeline neighbours")
-    p.add_argument("--objective-stages", default="S,2",
-                   help="dynamic planner: comma list of S' for the objective sum(t) + (S'-1) max(t) ('S': the real "
-                        "stages); each is planned and scheduled and the shortest simulated step is kept")
-    p.add_argument("--search-steps", type=int, default=24, help="local-search moves per step in choose_schedule")
-    p.add_argument("--trace-dir", default=None,
-                   help="write Chrome traces (.json, open in Perfetto) and PNG timelines of the first global "
-                        "batch for the dynamic and packing methods")
-    p.add_argument("--tune-baselines", action="store_true",
-                   help="also run each baseline at every value of its knob's grid on the same global batches and "
-                        "report its best setting that fits memory (dynabatch.commands.tuning)")
+    add_sections(p, [SimulateArgs])
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ again, and a value that does not fit the memory limit is skipped. Both are repor
 - ``bench``: every value is planned as ``dynabatch train`` plans it, checked against ``--memory-gib``
   by the runtime's own memory validation, then measured for ``--tune-steps`` steps, all values
   interleaved on one scratch executor (step time does not depend on the weights); the best value is
-  then timed for the full ``--steps`` next to the default, and the faster of the two is the tuned one.
+  then timed for the full ``--timed-steps`` next to the default, and the faster of the two is the tuned one.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Tuned:
     value: int | None = None
     """Best feasible value; ``None`` when no value fits."""
     tokens_per_s: float | None = None
-    """Real tokens/s at ``value`` (bench: its full ``--steps`` run)."""
+    """Real tokens/s at ``value`` (bench: its full ``--timed-steps`` run)."""
     sweep_value: int | None = None
     """Bench: the sweep's pick, when its full run was slower than the default's (``value`` is then the default)."""
     extra: dict = field(default_factory=dict)

@@ -129,10 +129,11 @@ _AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "thre
 _NON_NEGATIVE = ("seed", "warmup_steps", "save_steps", "logging_steps", "task_loss_every", "weight_decay",
                  "eval_steps", "generate_every")
 
-FIXED_ON_RESUME = ("model", "tokenizer", "mixture", "data", "columns", "stages", "replicas", "global_batch_tokens",
+FIXED_ON_RESUME = ("model", "tokenizer", "mixture", "data", "columns", "global_batch_tokens",
                    "max_input_len", "max_target_len", "overlong", "bad_rows", "seed", "dropout", "eval_holdout")
-"""Fields a resume may not change: they decide the model, the data stream or the world shape (an
-error names the old and new values). Every other field may change and the change is logged;
+"""Fields a resume may not change: they decide the model or the data stream (an error names the old and
+new values). Every other field may change and the change is logged (``stages`` and ``replicas`` too:
+checkpoints are reshardable, :mod:`dynabatch.runtime.reshard`);
 ``learning_rate`` and ``weight_decay`` then replace the values restored with the optimizer state."""
 
 
@@ -160,8 +161,9 @@ def canonical(values: dict[str, Any]) -> dict[str, Any]:
         new = old_names().get(name, name)
         if new == "resume_from_checkpoint" and isinstance(value, bool):
             value = "latest" if value else None
-        if new in out and new != name:
-            raise ValueError(f"{name} is an older name of {new}; give one of them")
+        if new in out:
+            older = name if new != name else next(k for k in values if old_names().get(k) == new)
+            raise ValueError(f"{older} is an older name of {new}; give one of them")
         out[new] = value
     return out
 

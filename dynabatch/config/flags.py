@@ -10,6 +10,7 @@ with every default set to a marker tells which flags were given.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -18,40 +19,70 @@ from typing import Any
 _NOT_GIVEN = object()
 
 
-def add_sections(p: argparse.ArgumentParser, sections, defaults: dict[str, Any] | None = None) -> None:
-    """One flag per field of each section in ``sections`` (an argument group each, named after the section);
-    ``defaults`` overrides a field's default for this command (shown by ``--help``)."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every default shown, except where the help text already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_sections(p: argparse.ArgumentParser, sections, defaults: dict[str, Any] | None = None,
+                 only: set[str] | None = None, helps: dict[str, str] | None = None) -> None:
+    """One flag per field of each section in ``sections`` (an argument group each, named after the section).
+    ``only`` keeps the named fields alone; ``defaults`` and ``helps`` override a field's default and help text
+    for this command (``--help`` shows them)."""
+    import typing
+
     from transformers import HfArgumentParser
 
-    from dynabatch.config import field_types
-
-    hints = field_types()
+    groups = {g.title: g for g in p._action_groups}
     for section in sections:
-        group = p.add_argument_group(section._argument_group_name)
-        for f in dataclasses.fields(section):
-            f.type = hints.get(f.name) or f.type  # HfArgumentParser needs resolved annotations
+        hints = typing.get_type_hints(section)
+        fields = [f for f in dataclasses.fields(section) if only is None or f.name in only]
+        if not fields:
+            continue
+        name = section._argument_group_name
+        group = groups.get(name) or p.add_argument_group(name)
+        groups[name] = group
+        for f in fields:
+            f = copy.copy(f)  # HfArgumentParser rewrites the field's type; the section keeps its own
+            f.type = hints[f.name]
+            if helps and f.name in helps:
+                f.metadata = {**f.metadata, "help": helps[f.name]}
             before = len(p._actions)
             HfArgumentParser._parse_dataclass_field(group, f)
+            main = "--" + f.name.replace("_", "-")
             for action in p._actions[before:]:  # show --dashed-names first (both spellings parse)
-                main = "--" + f.name.replace("_", "-")
                 action.option_strings.sort(key=lambda o: (o not in (main, "--no-" + main[2:]), "_" in o))
     if defaults:
         p.set_defaults(**defaults)
+
+
+def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | None = None,
+               helps: dict[str, str] | None = None) -> None:
+    """The flags of the TrainConfig fields ``names`` (grouped by their sections), for a command that shares
+    them with ``dynabatch train``: the same name means the same thing in every command."""
+    from dynabatch.config import SECTIONS
+
+    names = set(names)
+    known = {f.name for s in SECTIONS for f in dataclasses.fields(s)}
+    assert names <= known, sorted(names - known)
+    add_sections(p, SECTIONS, defaults, only=names, helps=helps)
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Every TrainConfig flag, grouped by section, plus ``--config FILE``."""
     from dynabatch.config import SECTIONS
 
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--config", default=None, help="YAML/JSON file of TrainConfig fields (flat, or nested by section)")
     add_sections(p, SECTIONS)
 
 
 def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The destinations of the flags ``argv`` sets (a parse with every default replaced by a marker)."""
-    import copy
-
     marker = copy.deepcopy(p)
     for action in marker._actions:
         if action.dest != "help":

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dynabatch.cost.recompute import RECOMPUTE_POLICIES  # ``recompute`` choices, one list for config and cost model
-from dynabatch.data.baselines import BASELINES
+from dynabatch.data.baselines import BASELINES, BaselineOptions, option_help
 
 METHODS = ("dynamic", *BASELINES)
 """``--method``: the dynamic planner or any baseline of :data:`dynabatch.data.baselines.BASELINES`."""
@@ -29,13 +29,24 @@ CALIBRATIONS = ("auto", "quick", "online", "off")
 """``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
 online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
 :mod:`dynabatch.runtime.calibration` uses this list."""
-DTYPES = ("fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``--dtype`` -> the torch dtype's name."""
+DTYPES = tuple(TORCH_DTYPES)
 """``--dtype``: the compute precision (bf16 / fp16 as autocast over fp32 weights)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLONG = ("truncate", "drop", "error")
 BAD_ROWS = ("error", "skip")
 TRACKERS = ("tensorboard", "wandb")
 """``--report-to``: the experiment trackers :mod:`dynabatch.runtime.tracking` writes to."""
+
+
+def resolve_device(device: str) -> str:
+    """``--device``: ``auto`` is ``cuda`` when CUDA is available, else ``cpu``; others as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def arg(default: Any, help: str, *aliases: str, **argparse_kwargs: Any):
@@ -82,11 +93,11 @@ class BatchingArgs:
     _argument_group_name = "batching"
 
     method: Literal[METHODS] = arg("dynamic", "batching: dynamic (the planner) or a baseline batcher")
-    global_batch_tokens: int = arg(8192, "real tokens (inputs + targets) per optimizer step")
-    samples_per_micro_batch: int = arg(8, "padding / length_grouped baselines: samples per micro-batch")
-    token_budget_tokens: int = arg(2048, "token_budget baseline: padded tokens per micro-batch")
-    packing_rows: int = arg(4, "packing baseline (dense rows of the max length): rows per micro-batch")
-    packing_free_rows: int = arg(4, "packing_free baseline (TRL's bfd + padding_free): rows per micro-batch")
+    global_batch_tokens: int = arg(8192, "real tokens (inputs + targets) per optimizer step", "token_budget")
+    samples_per_micro_batch: int = arg(BaselineOptions.samples_per_micro_batch, option_help("samples_per_micro_batch"))
+    token_budget_tokens: int = arg(BaselineOptions.token_budget_tokens, option_help("token_budget_tokens"))
+    packing_rows: int = arg(BaselineOptions.packing_rows, option_help("packing_rows"))
+    packing_free_rows: int = arg(BaselineOptions.packing_free_rows, option_help("packing_free_rows"))
     max_micro_batch_samples: int = arg(64, "dynamic: samples per planned micro-batch at most")
     pack_rows: Literal[PACK_ROWS] = arg(
         "off", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the best "

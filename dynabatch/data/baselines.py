@@ -299,6 +299,12 @@ def attention_for(method: str, requested: str) -> str:
     return "dense" if spec is not None and spec.dense_attention else requested
 
 
+def option_help(option: str) -> str:
+    """The flag help of a :class:`BaselineOptions` field: the baselines it sizes and what their knob is."""
+    names = option_users()[option]
+    return f"{' / '.join(names)} baseline: {BASELINES[names[0]].help}"
+
+
 def option_users() -> dict[str, list[str]]:
     """Each :class:`BaselineOptions` field and the baselines it sizes (``packing_rows -> [packing]``)."""
     out: dict[str, list[str]] = {}
@@ -314,7 +320,7 @@ class BaselineOptions:
 
     samples_per_micro_batch: int = 8
     """``padding`` and ``length_grouped``."""
-    token_budget_tokens: int = 8192
+    token_budget_tokens: int = 2048
     """``token_budget``: padded tokens per micro-batch (raised to one maximal sample if smaller)."""
     packing_rows: int = 4
     """``packing``: rows per micro-batch."""

@@ -14,12 +14,14 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from dynabatch.commands.common import add_baseline_arguments, check_positive, parse_methods
+from dynabatch.commands.common import check_positive, parse_methods
+from dynabatch.config.flags import add_fields
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.inputs import data_notes, data_spec, parse_columns
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import BAD_ROW_POLICIES, SourceSpec
+from dynabatch.data.sources import BAD_ROW_POLICIES
 from dynabatch.data.tokenize import FAMILIES, load_tokenizer
 
 PERCENTILES = (50, 90, 95, 99)
@@ -29,16 +31,18 @@ HIST_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--mixture", default=None, help="mixture spec (.yaml/.json); default: the built-in mixture")
-    src.add_argument("--data", default=None, help="a single data file (json/jsonl/parquet/arrow/csv) instead of a mixture")
+    src.add_argument("--data", default=None, help="one data file (json/jsonl/csv/parquet/arrow), a local dataset "
+                                                  "folder or a dataset in the local Hugging Face cache, instead of a mixture")
+    p.add_argument("--columns", default=None, help="with --data: map columns, e.g. inputs=question,targets=answer[,task=category]")
     p.add_argument("--tokenizer", default="builtin", help="builtin | gpt2 | byt5 | local tokenizer dir")
     p.add_argument("--family", default="both", choices=[*FAMILIES, "t5", "gpt2", "both"],
                    help="sequence kind to tokenize for (t5 = seq2seq, gpt2 = causal)")
     p.add_argument("--max-lens", default="512,1024,2048", help="comma-separated maximum lengths to report")
     p.add_argument("--max-target-len", type=int, default=None, help="T5 target limit (default: max length / 4)")
-    p.add_argument("--token-budget", type=int, default=65_536, help="tokens per global batch")
+    add_fields(p, ["global_batch_tokens"], defaults={"global_batch_tokens": 65_536})
     p.add_argument("--num-batches", type=int, default=4, help="global batches per measurement")
     p.add_argument("--methods", default=None, help=f"comma list of {', '.join(BASELINES)} (default: all)")
-    add_baseline_arguments(p)
+    add_fields(p, option_users())
     p.add_argument("--bad-rows", default=None, choices=BAD_ROW_POLICIES,
                    help="malformed rows: fail or skip+count (default: the spec's bad_rows, else error)")
     p.add_argument("--overlong", default="truncate", choices=("truncate", "drop"),
@@ -54,9 +58,10 @@ def default_mixture_path() -> str:
 
 
 def _spec(args: argparse.Namespace) -> MixtureSpec:
+    if args.columns and not args.data:
+        raise ValueError("--columns maps the columns of --data; pass --data FILE (a mixture spec maps its own)")
     if args.data:
-        task = os.path.splitext(os.path.basename(args.data))[0]
-        return MixtureSpec(sources=(SourceSpec(task=task, data_files=(os.path.abspath(args.data),)),))
+        return data_spec(args.data, parse_columns(args.columns))
     return MixtureSpec.from_file(args.mixture or default_mixture_path())
 
 
@@ -79,8 +84,8 @@ def print_task_table(data: MixtureData) -> None:
     for src, rate in zip(data.sources, data.rates):
         e, d = src.input_ids.lengths, src.target_ids.lengths
         print(f"{src.name:<22} {len(src):>6d} {rate:>6.3f} | {_pct(e)} | {_pct(d)} | {_histogram(e + d)}")
-        if src.num_skipped:
-            print(f"  ({src.num_skipped} malformed rows skipped)")
+    for note in data_notes(data):
+        print(f"  {note}")
 
 
 def parse_max_lens(text: str) -> list[int]:
@@ -98,13 +103,13 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
     max_lens = parse_max_lens(args.max_lens)
     methods = parse_methods(args.methods, tuple(BASELINES))
     options = BaselineOptions.of(args)
-    print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.token_budget} tokens, "
+    print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.global_batch_tokens} tokens, "
           f"over-long samples: {args.overlong}) ==")
     print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in methods) + f" {'truncated':>10} {'dropped':>8}")
     for max_len in tqdm(max_lens, desc=f"baselines {data.family}", leave=False):
         target_len = args.max_target_len or max(max_len // 4, 2)
         limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
-        batcher = GlobalBatcher(data, limits, token_budget=max(args.token_budget, limits.max_tokens), overlong=args.overlong)
+        batcher = GlobalBatcher(data, limits, token_budget=max(args.global_batch_tokens, limits.max_tokens), overlong=args.overlong)
         batches = [batcher.next_batch() for _ in range(args.num_batches)]
         cells = []
         for name in methods:
@@ -118,7 +123,7 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_positive(args, "token_budget", "num_batches", *option_users())
+    check_positive(args, "global_batch_tokens", "num_batches", *option_users())
     parse_max_lens(args.max_lens)
     parse_methods(args.methods, tuple(BASELINES))
     spec = _spec(args)

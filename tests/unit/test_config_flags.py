@@ -1,0 +1,133 @@
+"""One configuration (issue 18, item 3): typed sections, one flag generator for every command, HF-style names
+with today's names as aliases, defaults in ``--help``, config files flat or nested by section."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+import pytest
+
+from dynabatch.cli import COMMANDS
+from dynabatch.config import SECTIONS, TrainConfig, canonical
+from dynabatch.config.flags import HelpFormatter, add_config_arguments, load_config_file, parse_config
+
+FLAG_COMMANDS = ("train", "bench", "plan", "simulate", "profile", "data-report")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"dynabatch {command}", formatter_class=HelpFormatter)
+    importlib.import_module(COMMANDS[command][0]).add_arguments(p)
+    return p
+
+
+def _train(argv: list[str]) -> TrainConfig:
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    return parse_config(p, argv)[1]
+
+
+def test_hf_names_and_todays_names_give_the_same_config():
+    new = _train(["--learning-rate", "3e-4", "--max-steps", "7", "--save-steps", "2", "--save-total-limit", "3",
+                  "--logging-steps", "0", "--lr-scheduler-type", "cosine", "--resume-from-checkpoint"])
+    old = _train(["--lr", "3e-4", "--steps", "7", "--checkpoint-every", "2", "--keep-checkpoints", "3",
+                  "--log-every", "0", "--lr-schedule", "cosine", "--resume"])
+    underscores = _train(["--learning_rate", "3e-4", "--max_steps", "7", "--save_steps", "2", "--save_total_limit", "3",
+                          "--logging_steps", "0", "--lr_scheduler_type", "cosine", "--resume_from_checkpoint", "latest"])
+    assert new == old == underscores
+    assert (new.learning_rate, new.max_steps, new.save_steps, new.resume_from_checkpoint) == (3e-4, 7, 2, "latest")
+    assert _train([]).resume_from_checkpoint is None
+    assert _train(["--resume-from-checkpoint", "runs/x/checkpoints/step-000004"]).resume_from_checkpoint.endswith("04")
+    assert TrainConfig.of(lr=1e-4, steps=3, resume=True) == TrainConfig(learning_rate=1e-4, max_steps=3,
+                                                                          resume_from_checkpoint="latest")
+    with pytest.raises(ValueError, match="older name of learning_rate"):
+        canonical({"lr": 1e-3, "learning_rate": 1e-3})
+
+
+def test_bools_and_choices_come_from_the_field_types():
+    cfg = _train(["--no-timeline", "--slice-long", "--model", "gpt2-tiny", "--overwrite-output-dir", "false"])
+    assert (cfg.timeline, cfg.slice_long, cfg.overwrite_output_dir) == (False, True, False)
+    with pytest.raises(SystemExit):  # argparse: not one of the Literal's choices
+        _train(["--policy", "zigzag"])
+    with pytest.raises(ValueError, match="policy must be one of gpipe, 1f1b, adaptive, auto; got 'zigzag'"):
+        TrainConfig(policy="zigzag")
+    with pytest.raises(ValueError, match="report_to: unknown tracker 'mlflow'"):
+        TrainConfig(report_to="tensorboard,mlflow")
+
+
+def test_config_file_flat_or_nested_with_older_names_and_flags_on_top(tmp_path):
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("optim:\n  lr: 3e-4\n  max_steps: 9\npipeline:\n  stages: 2\nmethod: packing\n")
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"learning_rate": 3e-4, "steps": 9, "stages": 2, "method": "packing"}))
+    assert load_config_file(str(nested)) == load_config_file(str(flat)) == {
+        "learning_rate": 3e-4, "max_steps": 9, "stages": 2, "method": "packing"}
+    cfg = _train(["--config", str(nested), "--max-steps", "20"])  # 20 is the default: given, so it wins
+    assert (cfg.learning_rate, cfg.max_steps, cfg.stages) == (3e-4, 20, 2)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  stages: 2\n")
+    with pytest.raises(ValueError, match="section 'optim' has no field 'stages'"):
+        load_config_file(str(bad))
+    # A config's sections round-trip through a nested file.
+    out = tmp_path / "round.json"
+    out.write_text(json.dumps(cfg.sections()))
+    assert TrainConfig(**load_config_file(str(out))) == cfg
+
+
+def test_every_field_is_in_exactly_one_section_with_help():
+    names = [f for s in SECTIONS for f in s.__dataclass_fields__]
+    assert len(names) == len(set(names)) == len(TrainConfig.__dataclass_fields__)
+    for s in SECTIONS:
+        for f in s.__dataclass_fields__.values():
+            assert f.metadata.get("help"), f"{s.__name__}.{f.name} has no help"
+
+
+@pytest.mark.parametrize("command", FLAG_COMMANDS)
+def test_every_flag_has_help_and_help_shows_defaults(command):
+    p = _parser(command)
+    for action in p._actions:
+        if action.dest != "help":
+            assert action.help, f"dynabatch {command} {action.option_strings} has no help"
+    text = p.format_help()
+    assert "(default: " in text
+
+
+def test_a_flag_means_the_same_field_in_every_command():
+    """A flag's main spelling (its first option string) names the same destination wherever it appears,
+    and a field shared with ``train`` keeps train's flag names (older aliases may differ)."""
+    seen: dict[str, tuple[str, str]] = {}
+    train_dests = {a.dest for a in _parser("train")._actions}
+    for command in FLAG_COMMANDS:
+        for action in _parser(command)._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            main = action.option_strings[0]
+            if main in seen:
+                assert seen[main][1] == action.dest, (main, command, seen[main])
+            seen[main] = (command, action.dest)
+            if action.dest in train_dests and main.startswith("--") and not main.startswith("--no-"):
+                assert main == "--" + action.dest.replace("_", "-"), (command, main)
+
+
+def test_baseline_knob_defaults_agree_between_commands():
+    knobs = ("samples_per_micro_batch", "token_budget_tokens", "packing_rows", "packing_free_rows")
+    train = vars(_parser("train").parse_args([]))
+    for command in ("bench", "plan", "simulate", "data-report"):
+        args = vars(_parser(command).parse_args([]))
+        assert {k: args[k] for k in knobs} == {k: train[k] for k in knobs}, command
+
+
+def test_plan_takes_an_analytic_preset_as_model_and_refuses_an_unknown_one(capsys):
+    from dynabatch.cli import main
+
+    assert main(["plan", "--model", "gpt-1.3b", "--num-batches", "1", "--methods", "padding", "--json"]) == 0
+    by_preset = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "gpt", "--preset", "gpt-1.3b", "--num-batches", "1", "--methods", "padding",
+                 "--json"]) == 0
+    keys = ("real_tokens", "computed_tokens", "micro_batches")
+    again = json.loads(capsys.readouterr().out)["methods"]["padding"]
+    assert {k: again[k] for k in keys} == {k: by_preset["methods"]["padding"][k] for k in keys}
+    assert main(["plan", "--model", "gpt-7z", "--num-batches", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neither an analytic preset" in err[0]
