@@ -70,12 +70,19 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+FAMILY_PRESETS = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
+"""``--model t5`` / ``gpt`` / ``llama`` in train, bench and profile: the family's benchmark preset."""
+
+
 def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0):
-    """The Hugging Face config of a preset. ``dropout`` applies to every dropout in the model."""
+    """The Hugging Face config of a preset (or a family name of :data:`FAMILY_PRESETS`). ``dropout`` applies to
+    every dropout in the model."""
     from transformers import AutoConfig
 
+    name = FAMILY_PRESETS.get(name, name)
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)} (or a local checkpoint dir)")
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}, a family "
+                         f"({', '.join(FAMILY_PRESETS)}) or a local checkpoint dir")
     p = PRESETS[name]
     return AutoConfig.for_model(p.model_type, vocab_size=vocab_size, **p.fields,
                                 **{key: dropout for key in p.dropout_fields})

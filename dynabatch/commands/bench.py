@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -67,11 +66,12 @@ import numpy as np
 
 from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.bench_results import results
-from dynabatch.commands.common import parse_methods
+from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
+from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
 
 BASELINES = tuple(BASELINE_SPECS)
@@ -88,8 +88,6 @@ OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
 METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
-MODEL_ALIASES = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "llama": "llama-d256"}
-"""``--model`` short names: the benchmark presets of similar size (each family's ``*-d256`` preset)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class BenchArgs:
     tune_steps: int = arg(2, "--tune-baselines: timed steps per knob value")
     compare_profile: str | None = arg(None, f"also run {PROFILED}: dynamic planned with this `dynabatch profile` "
                                             "JSON, no calibration")
-    json: str | None = arg(None, "also write the results as JSON here")
+    json: str | None = json_arg()
     quiet: bool = arg(False, "no table (with --json)")
 
 
@@ -145,7 +143,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 def resolve_defaults(args: argparse.Namespace) -> None:
     """Model aliases and the length-dependent default of ``--max-target-len`` (in place)."""
-    args.model = MODEL_ALIASES.get(args.model, args.model)
+    args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.methods is None:
         sliced = not is_seq2seq(_family(args.model)) and not args.cost_profile  # slices are priced analytically
         args.methods = ",".join(m for m in DEFAULT_METHODS if m != SLICED or sliced)
@@ -179,9 +177,8 @@ def run(args: argparse.Namespace) -> int:
     result = bench(args, methods)
     if result is None:
         return 0
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    if args.json and write_json(result, args.json, indent=1):
+        return 0
     if not args.quiet:
         print_table(result)
     print(summary_line(result), flush=True)

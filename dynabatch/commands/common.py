@@ -16,6 +16,24 @@ DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "lla
 """Analytic preset of each ``--model`` when ``--preset`` is not given."""
 
 
+def json_arg():
+    """``--json [PATH]`` of every command with results: to PATH, or to stdout instead of the table."""
+    return arg(None, "write the results as JSON to PATH, or to stdout instead of the table when no PATH is given",
+               nargs="?", const="-", metavar="PATH")
+
+
+def write_json(obj, target: str, indent: int = 2) -> bool:
+    """``--json`` output; ``True`` when it went to stdout (the command then prints nothing else)."""
+    import json
+
+    if target == "-":
+        print(json.dumps(obj, indent=indent))
+        return True
+    with open(target, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent)
+    return False
+
+
 @dataclass(frozen=True)
 class WorkloadArgs:
     """The flags of ``plan`` and ``simulate`` beyond the TrainConfig fields they share with ``train``."""
@@ -28,7 +46,7 @@ class WorkloadArgs:
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
     methods: str | None = arg(None, f"comma list of {', '.join(METHODS)} (default: all)")
-    json: bool = arg(False, "print one JSON object instead of a table")
+    json: str | None = json_arg()
 
 
 SHARED_FIELDS = ("model", "tokenizer", "stages", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",

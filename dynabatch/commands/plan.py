@@ -9,11 +9,10 @@ predicted step time ``sum(t) + (S - 1) max(t)`` and the method's own wall time p
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
-from dynabatch.commands.common import add_workload_arguments, parse_methods, resolve
+from dynabatch.commands.common import write_json, add_workload_arguments, parse_methods, resolve
 from dynabatch.config.flags import add_fields
 from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches, method_micro_batches
@@ -84,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
         "methods": rows,
         "dynamic_speedup_vs_best_baseline": speedup,
     }
-    if args.json:
-        print(json.dumps(summary, indent=2))
+    if args.json and write_json(summary, args.json):
         return 0
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
           f"{stages} stages: {summary['layout']}")

@@ -23,6 +23,7 @@ from typing import Literal
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import TORCH_DTYPES, arg, resolve_device
 from dynabatch.cost.grid import ProfileGrid
+from dynabatch.model_presets import FAMILY_PRESETS
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -37,8 +38,6 @@ def _count_ok(status) -> int:
 
 
 def _grid_default(name: str) -> str:
-    from dynabatch.cost.grid import ProfileGrid
-
     return ",".join(map(str, getattr(ProfileGrid(), name)))
 
 
@@ -126,6 +125,7 @@ def _check(args) -> int:
 
 def run(args) -> int:
     args.device = resolve_device(args.device)
+    args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.check:
         return _check(args)
     if args.device == "cpu" and not args.no_thp:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -41,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from dynabatch.commands.common import add_workload_arguments, check_positive, parse_methods, resolve
+from dynabatch.commands.common import write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_sections
 from dynabatch.config.sections import arg
 from dynabatch.plan.step import DEFAULT_PACK_ROWS
@@ -169,8 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
         tuned = {m: tune_simulated(m, batches, w, options, rows[m]) for m in methods if m != "dynamic"}
     summary = _summary(args, w, batches, rows, tuned)
-    if args.json:
-        print(json.dumps(summary, indent=2))
+    if args.json and write_json(summary, args.json):
         return 0
     _print_table(summary, rows, tuned)
     return 0

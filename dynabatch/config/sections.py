@@ -60,8 +60,9 @@ def arg(default: Any, help: str, *aliases: str, **argparse_kwargs: Any):
 class ModelArgs:
     _argument_group_name = "model"
 
-    model: str = arg("t5-tiny", "model preset (t5-tiny, t5-mini, gpt2-tiny, llama-tiny, ...; see dynabatch.models.presets) "
-                                "or a local Hugging Face checkpoint folder")
+    model: str = arg("t5-tiny", "model preset (t5-tiny, t5-mini, gpt2-tiny, llama-tiny, ...; see "
+                                "dynabatch.model_presets; t5 / gpt / llama: the *-d256 benchmark presets) or a local "
+                                "Hugging Face checkpoint folder")
     tokenizer: str = arg("builtin", "builtin, gpt2, byt5 or a local tokenizer folder")
     attention: Literal[ATTENTION_PATHS] = arg(
         "segments", "attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on "
@@ -192,7 +193,8 @@ class EvalArgs:
                                    "training for evaluation")
     eval_steps: int = arg(0, "evaluate every N steps and at the end (0: only at the end when eval data is given)",
                           "eval_every")
-    eval_samples: int = arg(256, "evaluation samples per task at most")
+    eval_samples: int = arg(32, "evaluation samples per task at most (the same ones at every evaluation; more give "
+                                "finer metrics and slower evaluations)")
     generate_every: int = arg(1, "generation metrics (exact match, ROUGE-L) every K evaluations (0: only at the end)")
     generation_max_new_tokens: int = arg(32, "tokens generate() may add per sample for the generation metrics")
 

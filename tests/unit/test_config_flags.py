@@ -131,3 +131,18 @@ def test_plan_takes_an_analytic_preset_as_model_and_refuses_an_unknown_one(capsy
     assert main(["plan", "--model", "gpt-7z", "--num-batches", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "neither an analytic preset" in err[0]
+
+
+@pytest.mark.parametrize("command", ("bench", "plan", "simulate"))
+def test_json_means_stdout_without_a_path_and_a_file_with_one(command, tmp_path):
+    p = _parser(command)
+    assert p.parse_args(["--json"]).json == "-"
+    assert p.parse_args(["--json", str(tmp_path / "r.json")]).json == str(tmp_path / "r.json")
+
+
+def test_simulate_json_to_a_file_also_prints_the_table(tmp_path, capsys):
+    from dynabatch.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--model", "gpt", "--num-batches", "1", "--methods", "padding", "--json", str(out)]) == 0
+    assert "padding" in capsys.readouterr().out and json.loads(out.read_text())["methods"]["padding"]
