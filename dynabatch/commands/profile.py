@@ -14,6 +14,7 @@ of ``ProfileGrid`` and the p2p sweep over gloo. ``--check`` sets the variable as
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -24,6 +25,8 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import TORCH_DTYPES, arg, resolve_device
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
+
+logger = logging.getLogger(__name__)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -150,10 +153,10 @@ def run(args) -> int:
     out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
     path = save_profile(profile, out)
     summary = {k: _count_ok(v["status"]) for k, v in profile["layers"].items()}
-    print(f"wrote {path}: {sum(summary.values())} points over {len(summary)} layer kinds in "
-          f"{profile['profile_time_s']:.1f} s on {profile['device']['name']} with {profile['num_threads']} thread(s)")
+    logger.info(f"wrote {path}: {sum(summary.values())} points over {len(summary)} layer kinds in "
+                f"{profile['profile_time_s']:.1f} s on {profile['device']['name']} with {profile['num_threads']} thread(s)")
     if profile["p2p"]:
         p = profile["p2p"]
         sizes = zip(p["sizes_bytes"], p["send_s"])
-        print(f"p2p {p['backend']} one-way: " + ", ".join(f"{n} B {t * 1e6:.0f} us" for n, t in sizes))
+        logger.info(f"p2p {p['backend']} one-way: " + ", ".join(f"{n} B {t * 1e6:.0f} us" for n, t in sizes))
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 import torch
@@ -28,6 +29,8 @@ from dynabatch.runtime.checkpoint import (
     shard_name,
     verify,
 )
+
+logger = logging.getLogger(__name__)
 
 EXPORT_MARKER = "dynabatch_export.json"
 """Written into every export folder: which checkpoint it came from (and that a re-export may overwrite it)."""
@@ -98,5 +101,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = export_checkpoint(args.checkpoint, args.out, force=args.force)
-    print(f"wrote Hugging Face model and tokenizer to {out}")
+    logger.info(f"wrote Hugging Face model and tokenizer to {out}")
     return 0

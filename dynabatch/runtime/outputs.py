@@ -8,7 +8,7 @@ anything is loaded, rank 0 inspects the folder (:func:`output_dir_problem`):
   found and pointing at ``--resume`` (continue that run) and ``--overwrite-output-dir``; nothing in
   the folder is touched;
 * with ``--overwrite-output-dir`` the entries a dynabatch run writes are deleted first (the
-  checkpoints, metrics, summary, timelines and compare runs of the earlier run); anything else in the
+  checkpoints, metrics, summary, timelines, tracker logs and compare runs of the earlier run); anything else in the
   folder is left alone.
 
 Rank 0 decides and broadcasts the outcome, so every rank raises the same one-line ``ValueError``
@@ -24,7 +24,7 @@ import shutil
 import tempfile
 
 RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "summary.json", "timeline.json", "timeline.png",
-               "timeline_measured.png", "timeline_simulated.png")
+               "timeline_measured.png", "timeline_simulated.png", "runs", "wandb")
 """What a training run writes into its output folder (plus ``compare-<method>/`` folders)."""
 
 

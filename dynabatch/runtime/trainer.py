@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,11 @@ from dynabatch.runtime.checkpoint import (
     set_rng_state,
 )
 from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
+from dynabatch.runtime.log import quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import MetricsWriter, format_summary, peak_rss_bytes, summarize
+from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -236,16 +240,14 @@ def find_resume_checkpoint(cfg: TrainConfig, ctx: DistContext):
     info = latest_checkpoint(_checkpoint_root(cfg))
     if info is None:
         if ctx.is_planner:
-            warnings.warn(f"--resume: no complete checkpoint in {_checkpoint_root(cfg)}; starting from step 0",
-                          stacklevel=2)
+            logger.warning(f"--resume: no complete checkpoint in {_checkpoint_root(cfg)}; starting from step 0")
         return None
     if info.step > cfg.max_steps:
         raise ValueError(f"--resume: the newest checkpoint {info.path} is at step {info.step}, past --steps "
                          f"{cfg.max_steps}; raise --steps to train further")
     notes = compare_configs(info.manifest.get("config", {}), cfg, info.path)
     if notes and ctx.is_planner:
-        print(f"--resume from {info.path}: changed settings apply from step {info.step}: {'; '.join(notes)}",
-              flush=True)
+        logger.info(f"--resume from {info.path}: changed settings apply from step {info.step}: {'; '.join(notes)}")
     return info
 
 
@@ -287,6 +289,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if checkpoints:
         prepare_output_dir(cfg, ctx)
     info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
+    if ctx.is_planner:
+        check_trackers(cfg.report_to)  # a missing tracker package fails before any data is loaded
     run = build_run(cfg, ctx)
     start = resume(run, info)
     memory = cfg.memory_gib * 2**30
@@ -305,9 +309,12 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 run.calibration.close()
                 ahead.close()
             raise
+    tracker = Trackers()  # rank 0: TensorBoard / W&B as --report-to says (runtime.tracking)
     bar = tqdm(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
     planned = result = None
     try:
+        if ctx.is_planner:
+            tracker = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_dict(), start)
         for step in range(start, cfg.max_steps):
             maybe_crash(step, ctx.rank)
             wait = 0.0
@@ -332,8 +339,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 run.calibration.record(ctx, planned, gathered, elapsed)
             bad_steps = bad_steps + 1 if result.skipped else 0
             if result.skipped and ctx.is_planner:
-                bar.write(f"warning: step {step}: {_non_finite(result)}; the optimizer step was skipped "
-                          f"({bad_steps} in a row; the run stops at --max-bad-steps {cfg.max_bad_steps})")
+                logger.warning(f"step {step}: {_non_finite(result)}; the optimizer step was skipped "
+                               f"({bad_steps} in a row; the run stops at --max-bad-steps {cfg.max_bad_steps})")
             task_loss = None
             if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.max_steps):
                 task_loss = gather_task_losses(ctx, result, planned)  # collective
@@ -345,12 +352,13 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
                 if task_loss is not None:
                     record["task_loss"] = task_loss
-                    bar.write(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
+                    logger.info(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
                 writer.write(record)
+                tracker.log(step_scalars(record), step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if cfg.logging_steps and (step + 1) % cfg.logging_steps == 0:
-                    bar.write(json.dumps({k: record[k] for k in _SHOWN}))
+                    logger.info(json.dumps({k: record[k] for k in _SHOWN}))
             if bad_steps >= cfg.max_bad_steps:
                 raise TrainingDivergedError(
                     f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
@@ -370,6 +378,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                              cfg.max_steps - 1)
     finally:
         bar.close()
+        tracker.close()
         if ahead is not None:
             run.calibration.close()
             ahead.close()
@@ -508,12 +517,14 @@ def _stack_pngs(paths: list[str], out: str) -> None:
 
 
 def train(cfg: TrainConfig) -> dict | None:
-    """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 prints and returns the summary.
+    """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 logs and returns the summary.
     With several ranks, an error ends this process at once with one line of its own
     (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print."""
     from dynabatch.runtime.faults import fail_fast
 
     ctx = connect(cfg)
+    setup_logging(cfg.log_level, ctx.rank)
+    quiet_third_party(ctx.rank)
     try:
         # With peers, a failure prints this rank's line and exits at once, groups left up (runtime.faults).
         with fail_fast(ctx):
@@ -527,15 +538,15 @@ def train(cfg: TrainConfig) -> dict | None:
             if not ctx.is_planner:
                 return None
             summary = {"runs": summaries, "config": cfg.to_dict()}
-            print("\n== summary ==")
+            logger.info("== summary ==")
             for s in summaries:
-                print(format_summary(s))
+                logger.info(format_summary(s))
             if len(summaries) == 2 and summaries[1]["tokens_per_s"] > 0:
                 ratio = summaries[0]["tokens_per_s"] / summaries[1]["tokens_per_s"]
                 summary["speedup_vs_compare"] = ratio
-                print(f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same batches): {ratio:.2f}x")
+                logger.info(f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same batches): {ratio:.2f}x")
             if cfg.timeline:
-                print(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
+                logger.info(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
             with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=1)
             return summary

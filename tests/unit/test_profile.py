@@ -119,7 +119,7 @@ def test_cli_profile_and_check(tmp_path, capsys):
                "--max-tokens", "64", "--min-repeats", "1", "--max-repeats", "1", "--min-time", "0", "--p2p", "none",
                "--no-progress"])
     assert rc == 0 and out.exists()
-    assert "wrote" in capsys.readouterr().out
+    assert "wrote" in capsys.readouterr().err  # a log line (stderr)
     rc = main(["profile", "--check", str(out), "--num-shapes", "2", "--model-only", "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0 and "model" in text and "time med" in text

@@ -1,0 +1,98 @@
+"""Logging (``--log-level``): rank-0 filtering, ``[rank N]`` prefixes, lines that keep the progress bar whole,
+and a two-rank run whose log holds every line once and no ``datasets`` progress bars."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+from tqdm import tqdm
+
+from dynabatch.cli import main
+from dynabatch.runtime.log import setup_logging
+
+BASE = ["--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
+        "--max-target-len", "32", "--no-timeline", "--calibrate", "off"]
+THIRD_PARTY_BAR = re.compile(r"^\s*(Map|Filter|Generating|Casting|Flattening)\b")
+"""The start of a ``datasets`` progress-bar line (``Map: 100%|...| 600/600 [...]``)."""
+
+
+def _segments(text: str) -> list[str]:
+    """The lines of captured output, progress-bar redraws (carriage returns) split apart."""
+    return [s for s in re.split(r"[\r\n]", text) if s.strip()]
+
+
+def test_other_ranks_log_warnings_only_with_their_rank(capsys):
+    log = logging.getLogger("dynabatch.runtime.trainer")
+    setup_logging("info", rank=1)
+    log.info("step 0: loss 9.1")
+    log.warning("disk is slow")
+    assert capsys.readouterr().err.splitlines() == ["[rank 1] warning: disk is slow"]
+    setup_logging("warning", rank=0)
+    log.info("step 0: loss 9.1")
+    log.error("checkpoint failed")
+    assert capsys.readouterr().err.splitlines() == ["error: checkpoint failed"]
+    setup_logging("debug", rank=0)
+    setup_logging("info", rank=0)  # replaces the handler: one line per message
+    log.debug("details")
+    log.info("== summary ==")
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["== summary =="] and captured.out == ""
+
+
+def test_a_line_logged_during_the_progress_bar_is_a_line_of_its_own(capsys):
+    setup_logging("info", rank=0)
+    bar = tqdm(total=3, desc="train dynamic", file=sys.stderr)
+    bar.update(1)
+    logging.getLogger("dynabatch.runtime.trainer").info('{"step": 0, "loss": 9.1}')
+    bar.update(1)
+    bar.close()
+    segments = _segments(capsys.readouterr().err)
+    assert '{"step": 0, "loss": 9.1}' in segments  # not glued to a bar redraw
+    assert any(s.startswith("train dynamic") for s in segments)
+
+
+def test_warning_level_shows_warnings_but_no_info_lines(tmp_path, toy_mixture_dir, capsys):
+    code = main(["train", *BASE, "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--output-dir",
+                 str(tmp_path / "o"), "--max-steps", "2", "--logging-steps", "1", "--task-loss-every", "1",
+                 "--log-level", "warning", "--resume-from-checkpoint"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    lines = [s for s in _segments(captured.err) if not s.startswith("train dynamic")]  # the bar stays on rank 0
+    assert lines == [f"warning: --resume-from-checkpoint: no complete checkpoint in {tmp_path / 'o' / 'checkpoints'}; starting from "
+                     "step 0"], lines
+    assert captured.out == ""
+    assert len(_records(tmp_path / "o")) == 2
+
+
+def _records(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_ranks_log_each_line_once_without_third_party_bars(tmp_path, toy_mixture_dir):
+    out = tmp_path / "pipe"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HF_DATASETS_DISABLE_PROGRESS_BARS")}
+    env["OMP_NUM_THREADS"] = "1"  # else torchrun prints a banner about setting it
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "hf-cache")  # a fresh cache: datasets builds (with its bars) again
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dynabatch",
+           "train", *BASE, "--stages", "2", "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
+           "--output-dir", str(out), "--max-steps", "2", "--logging-steps", "1", "--report-to", "tensorboard"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    segments = _segments(run.stdout + run.stderr)
+    lines = [s for s in segments if not s.startswith("train dynamic")]
+    steps = [json.loads(s)["step"] for s in lines if s.startswith('{"step"')]
+    assert steps == [0, 1]  # rank 0's step lines, once each
+    assert lines.count("== summary ==") == 1
+    assert not [s for s in lines if "[rank 1]" in s]
+    assert len(lines) == len(set(lines)), lines
+    assert not [s for s in segments if THIRD_PARTY_BAR.match(s)]
+    events = glob.glob(str(out / "**" / "events.out.tfevents.*"), recursive=True)
+    assert [os.path.dirname(e) for e in events] == [str(out / "runs")]  # rank 0's one event file
