@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.config.flags import add_fields, add_sections
@@ -46,6 +47,9 @@ class WorkloadArgs:
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
     methods: str | None = arg(None, f"comma list of {', '.join(METHODS)} (default: all)")
+    layer_split: Literal["data", "reference"] = arg(
+        "data", "pipeline layer split balanced over the sampled global batches' samples (data) or over one reference "
+                "micro-batch of 4 x min(max input, 512) / min(max target, 128) tokens (reference)")
     json: str | None = json_arg()
 
 
@@ -124,3 +128,15 @@ def resolve(args: argparse.Namespace) -> Workload:
     cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"))
     options = BaselineOptions.of(args)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)
+
+
+def split_from_data(w: Workload, batches) -> Workload:
+    """``w`` with its layer split balanced over the micro-batches the dynamic planner cuts ``batches`` into
+    (planned with ``w``'s reference split; one round: the micro-batches hardly depend on the split)."""
+    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.workload import method_micro_batches
+
+    cm = w.cost_model
+    plans = [method_micro_batches("dynamic", b, w.limits, cm, cm.num_stages, w.options) for b in batches]
+    layout = balanced_layout(cm.model, cm.num_stages, micro_batches=[(p.shapes, p.pairs) for p in plans])
+    return replace(w, cost_model=replace(cm, layout=layout))

@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from dynabatch.commands.common import write_json, add_workload_arguments, parse_methods, resolve
+from dynabatch.commands.common import split_from_data, write_json, add_workload_arguments, parse_methods, resolve
 from dynabatch.config.flags import add_fields
 from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches, method_micro_batches
@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods, METHODS)
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
+    if args.layer_split == "data":
+        w = split_from_data(w, batches)
     stages = w.cost_model.num_stages
     slice_model = None
     if args.slice_long:

@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from dynabatch.commands.common import write_json, add_workload_arguments, check_positive, parse_methods, resolve
+from dynabatch.commands.common import split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_sections
 from dynabatch.config.sections import arg
 from dynabatch.plan.step import DEFAULT_PACK_ROWS
@@ -100,6 +100,12 @@ class MethodSummary:
     efficiency_amortised: float
     """Like ``efficiency`` with each sample priced as its share of a batch of identical copies of it
     (about ``AMORTISED_TOKENS`` tokens): a stricter ideal without per-sample launch and weight-read costs."""
+    efficiency_balanced: float
+    """The physical limit: the whole model's amortised per-sample work (every stage's, summed) divided by the
+    number of devices, over the simulated step time (``efficiency_amortised`` divides by the bottleneck stage's
+    work instead, so it hides an imbalance between stages)."""
+    stage_busy: tuple
+    """Per stage, the mean over steps of its busy time / step time."""
     bubble_fraction: float
     """Mean over steps of the simulated idle share of all stages."""
     bottleneck_utilisation: float
@@ -153,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods, METHODS)
     w = simulation_workload(resolve(args))
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
+    if args.layer_split == "data":
+        w = split_from_data(w, batches)
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
@@ -200,7 +208,8 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
     cm = w.cost_model
     ideal_model = dataclasses.replace(cm, recompute="none")  # the ideal never recomputes
     real = computed = micro = 0
-    steps, ideals, amortised, bubbles, utils, peaks, sched_wall, plan_wall = [], [], [], [], [], [], [], []
+    steps, ideals, amortised, balanced, bubbles, utils, peaks, sched_wall, plan_wall = [], [], [], [], [], [], [], [], []
+    busy = []
     fits, policies = True, {}
     for k, batch in enumerate(batches):
         plan, schedule, result, plan_s, sched_s = simulate_step(method, batch, w, options)
@@ -212,6 +221,8 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         steps.append(result.makespan_s)
         ideals.append(ideal_step_time(batch, ideal_model, w.family))
         amortised.append(ideal_step_time(batch, ideal_model, w.family, amortise_tokens=AMORTISED_TOKENS))
+        balanced.append(ideal_step_time(batch, ideal_model, w.family, amortise_tokens=AMORTISED_TOKENS, balanced=True))
+        busy.append(result.busy_s / result.makespan_s)
         bubbles.append(result.bubble_fraction)
         utils.append(float(result.busy_s.max()) / result.makespan_s)
         peaks.append(float(result.peak_memory_bytes.max()))
@@ -224,6 +235,8 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         step_s=float(np.mean(steps)), ideal_s=float(np.mean(ideals)), tokens_per_s=real / float(np.sum(steps)),
         padding_efficiency=real / computed, efficiency=float(np.sum(ideals) / np.sum(steps)),
         efficiency_amortised=float(np.sum(amortised) / np.sum(steps)),
+        efficiency_balanced=float(np.sum(balanced) / np.sum(steps)),
+        stage_busy=tuple(float(x) for x in np.mean(busy, axis=0)),
         bubble_fraction=float(np.mean(bubbles)), bottleneck_utilisation=float(np.mean(utils)),
         peak_memory_gib=max(peaks) / 2**30, fits_memory=bool(fits),
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
@@ -271,8 +284,10 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
     return plan, schedule, result, plan_s, sched_s
 
 
-def ideal_step_time(batch, cost_model, family: str, amortise_tokens: int | None = None) -> float:
-    """Sum over samples of the unpadded fwd + bwd time of each sample on its slowest stage.
+def ideal_step_time(batch, cost_model, family: str, amortise_tokens: int | None = None, balanced: bool = False) -> float:
+    """Sum over samples of the unpadded fwd + bwd time of each sample on its slowest stage, or with
+    ``balanced`` its whole-model time (every stage's, summed) divided by the number of stages: the step
+    of a perfectly balanced pipeline with no bubble.
 
     Each sample is priced alone, shape ``(1, e_i, d_i)`` (the issue's definition), or with
     ``amortise_tokens`` as ``1/k`` of a micro-batch of ``k = ceil(amortise_tokens / (e_i + d_i))``
@@ -282,7 +297,11 @@ def ideal_step_time(batch, cost_model, family: str, amortise_tokens: int | None 
 
     e, d = padded_lengths(batch.input_lens, batch.target_lens, family)
     k = np.ones_like(e) if amortise_tokens is None else np.maximum(1, -(-amortise_tokens // np.maximum(e + d, 1)))
-    t, _, _ = cost_model.evaluate(k, e, d)
+    if balanced:
+        c = cost_model.per_stage(k, e, d)
+        t = (np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=0) / cost_model.num_stages
+    else:
+        t, _, _ = cost_model.evaluate(k, e, d)
     return float(np.sum(t / k))
 
 
@@ -368,16 +387,18 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
           f"({summary['truncated']} truncated), "
           f"{summary['stages']} stages: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device")
-    print(f"{'method':<15} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'bubble':>6} {'step s':>7} "
+    print(f"{'method':<15} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
+          f"{'step s':>7} "
           f"{'peak GiB':>8} {'fits':>4} "
-          f"{'mbs':>5} {'sched ms p50/max':>16}  policies")
+          f"{'mbs':>5} {'sched ms p50/max':>16}  stage busy  policies")
     for r in rows.values():
         pol = ",".join(f"{k}:{v}" for k, v in sorted(r.policies.items()))
         print(f"{r.method:<15} {r.tokens_per_s:>9.0f} {r.padding_efficiency:>7.3f} {r.efficiency:>6.3f} "
-              f"{r.efficiency_amortised:>6.3f} "
+              f"{r.efficiency_amortised:>6.3f} {r.efficiency_balanced:>7.3f} "
               f"{r.bubble_fraction:>6.3f} {r.step_s:>7.3f} {r.peak_memory_gib:>8.1f} "
               f"{'yes' if r.fits_memory else 'NO':>4} "
-              f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} {pol}")
+              f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} "
+              f"{'/'.join(f'{100 * b:.0f}' for b in r.stage_busy)}%  {pol}")
     if summary["dynamic_throughput_vs_best_baseline"] is not None:
         print(f"dynamic vs best baseline ({summary['best_baseline']}), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")

@@ -51,10 +51,14 @@ class StageLayout:
         return " | ".join(parts)
 
 
-def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4, 512, 128)) -> StageLayout:
+def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4, 512, 128),
+                    micro_batches=None) -> StageLayout:
     """Cut ``model.layer_kinds()`` into ``num_stages`` contiguous stages minimising the slowest stage.
 
-    Time is fwd + bwd at ``ref_shape`` (b, E, D). Cut points fall only just before a transformer
+    Time is fwd + bwd at ``ref_shape`` (b, E, D), or with ``micro_batches`` (``(shapes, pairs)`` of each
+    plan of sampled global batches: ``(M, 3)`` shapes and their attention pairs, ``None`` for dense) summed
+    over every micro-batch: the split balanced over the run's own length distribution, so encoder-heavy and
+    decoder-heavy micro-batches weigh as often as they occur. Cut points fall only just before a transformer
     block (embeddings and the head attach to their neighbouring block), so each stage holds >= 1 block.
     """
     kinds = list(model.layer_kinds())
@@ -66,9 +70,17 @@ def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4
             f"{num_stages} pipeline stages but the model has only {len(blocks)} transformer blocks; "
             f"use at most {len(blocks)} stages"
         )
-    b, e, d = ref_shape
-    d = d if "t5_decoder" in kinds else None
-    layer_time = np.array([_time(model.stage_cost([k], b, e, d)) for k in kinds])
+    if micro_batches is None:
+        b, e, d = ref_shape
+        d = d if "t5_decoder" in kinds else None
+        layer_time = np.array([float(_time(model.stage_cost([k], b, e, d))) for k in kinds])
+    else:
+        layer_time = np.zeros(len(kinds))
+        for shapes, pairs in micro_batches:
+            b, e, d = (np.asarray(x, dtype=np.int64) for x in np.asarray(shapes).reshape(-1, 3).T)
+            d = d if "t5_decoder" in kinds else None
+            extra = {} if pairs is None else {"pairs": pairs}
+            layer_time += [float(np.sum(_time(model.stage_cost([k], b, e, d, **extra)))) for k in kinds]
     # Units between cut points: a unit starts at every block except the first (which owns the prefix).
     starts = [0] + blocks[1:]
     bounds = starts + [len(kinds)]
@@ -78,8 +90,9 @@ def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4
     return StageLayout(stages)
 
 
-def _time(cost) -> float:
-    return float(cost.fwd_time_s + cost.bwd_time_s)
+def _time(cost):
+    """fwd + bwd seconds (an array for array shapes)."""
+    return np.asarray(cost.fwd_time_s) + np.asarray(cost.bwd_time_s)
 
 
 def _min_max_partition(weights: np.ndarray, parts: int) -> list[int]:
