@@ -103,8 +103,17 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:
             raise ValueError(f"give mixture or data, not both (got {self.mixture!r} and {self.data!r})")
-        if self.columns and not self.data:
-            raise ValueError("columns maps the columns of --data; pass --data FILE (a mixture spec maps its own)")
+        if self.columns:  # malformed --columns text is one line before anything loads
+            from dynabatch.data.inputs import parse_columns
+
+            parse_columns(self.columns)
+            if self.mixture:
+                raise ValueError("columns maps the columns of --data (or of datasets given to train()); a mixture "
+                                 "spec maps its own")
+        if self.device != "auto":
+            from dynabatch.runtime.dist import check_device_name
+
+            check_device_name(self.device)
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be at least 1 second, got {getattr(self, name)}")

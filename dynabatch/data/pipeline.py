@@ -3,20 +3,28 @@
 ``MixtureData.load(spec, tokenizer, family)`` loads and validates every source, tokenizes it
 (cached ``datasets.map``), computes the mixing rates and keeps each source's token columns as
 flat Arrow-backed numpy arrays with offsets, so fetching a sample costs two slices.
+``MixtureData.from_datasets({"task": ds, ...}, tokenizer, family)`` does the same for ``datasets.Dataset`` /
+``IterableDataset`` objects in memory (a stream is read up to a row limit: see :meth:`MixtureData.from_datasets`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from dynabatch.data.mixture import MixtureSampler, MixtureSpec, mixture_rates
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.data.sources import load_source
+from dynabatch.data.sources import NormalisedSource, SourceSpec, load_normalised
 from dynabatch.data.tokenize import TokenizerInfo, tokenize_dataset, tokenizer_info
 from dynabatch.sequence import sequence_kind
+
+
+DEFAULT_STREAM_ROWS = 100_000
+"""Rows of a streaming ``IterableDataset`` read into memory by :meth:`MixtureData.from_datasets` by default."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class TokenizedSource:
     """Malformed rows dropped under ``bad_rows: skip``."""
     source_rows: np.ndarray | None = None
     """Row in the source's files of each kept row (``None``: the same index, nothing was skipped)."""
+    casts: dict[str, int] = field(default_factory=dict)
+    """Field -> numbers / bools cast to text in this source's kept rows (only fields with casts)."""
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -94,21 +104,65 @@ class MixtureData:
         ``bad_rows`` (``error`` | ``skip``) overrides the spec for every source (e.g. ``--bad-rows``);
         ``None`` uses each source's ``bad_rows``, else the mixture's (default ``error``).
         """
+        return MixtureData._build(spec, tokenizer, family, bad_rows, num_proc, {})
+
+    @staticmethod
+    def from_datasets(
+        datasets: Mapping[str, Any] | Any,
+        tokenizer,
+        family: str,
+        *,
+        columns: Mapping[str, str] | None = None,
+        rates: Mapping[str, float] | None = None,
+        cap: int | None = None,
+        seed: int = 0,
+        bad_rows: str = "error",
+        max_examples: int | None = None,
+        max_stream_rows: int = DEFAULT_STREAM_ROWS,
+        name: str = "datasets",
+    ) -> "MixtureData":
+        """A mixture of in-memory ``datasets.Dataset`` / ``IterableDataset`` objects, one source per task name.
+
+        ``datasets``: ``{"task": dataset, ...}``, or one dataset (task ``train``; a ``task`` column, or the column
+        ``columns["task"]`` names, labels rows within a source either way). ``columns`` maps ``inputs`` /
+        ``targets`` / ``task`` to column names for every source; numbers and bools are cast to text (counted in
+        :attr:`TokenizedSource.casts`). ``rates``: fixed mixing weights per task (all or none); default the
+        examples-proportional rule with ``cap``. Streaming: the batcher draws rows by task rate and by index, so an
+        ``IterableDataset`` is read into memory up to ``max_stream_rows`` rows (``max_examples`` when given; a
+        warning says when the stream had more). The data position (the row cursors of
+        :class:`~dynabatch.data.mixture.MixtureSampler`) then resumes exactly, since the stream yields the same rows
+        again. ``max_examples`` also caps every in-memory ``Dataset``.
+        """
+        import datasets as hf_datasets
+
+        if isinstance(datasets, (hf_datasets.Dataset, hf_datasets.IterableDataset)):
+            datasets = {"train": datasets}
+        if not isinstance(datasets, Mapping) or not datasets:
+            raise ValueError(f"datasets must be a Dataset, an IterableDataset or a non-empty mapping of task names to "
+                             f"them, got {type(datasets).__name__}")
+        if rates is not None and set(rates) != set(datasets):
+            raise ValueError(f"rates must name every task of the datasets ({sorted(datasets)}), got {sorted(rates)}")
+        def row_limit(ds) -> int | None:
+            return max_examples if max_examples is not None or isinstance(ds, hf_datasets.Dataset) else max_stream_rows
+
+        sources = tuple(
+            SourceSpec(task=task, in_memory=True, columns=dict(columns or {}), max_examples=row_limit(ds),
+                       rate=None if rates is None else rates[task])
+            for task, ds in datasets.items()
+        )
+        spec = MixtureSpec(sources=sources, rule="fixed" if rates is not None else "examples_proportional", cap=cap,
+                           seed=seed, name=name, bad_rows=bad_rows)
+        return MixtureData._build(spec, tokenizer, family, None, None, dict(datasets))
+
+    @staticmethod
+    def _build(spec: MixtureSpec, tokenizer, family: str, bad_rows: str | None, num_proc: int | None,
+               in_memory: dict[str, Any]) -> "MixtureData":
+        """Load (``in_memory``: the rows of in-memory sources by task), normalise and tokenize every source."""
         sources = []
         for s in spec.sources:
-            ds, skipped = load_source(s, bad_rows=bad_rows or s.bad_rows or spec.bad_rows)
-            ds = tokenize_dataset(ds, tokenizer, family, num_proc=num_proc, desc=f"tokenize {s.task}")
-            rows = ds.data.column("source_row").to_numpy() if "source_row" in ds.column_names else None
-            sources.append(
-                TokenizedSource(
-                    name=s.task,
-                    tasks=ds.data.column("task").to_pylist(),
-                    input_ids=TokenColumn.from_dataset(ds, "input_ids"),
-                    target_ids=TokenColumn.from_dataset(ds, "target_ids"),
-                    num_skipped=skipped,
-                    source_rows=rows,
-                )
-            )
+            normalised = load_normalised(s, bad_rows=bad_rows or s.bad_rows or spec.bad_rows,
+                                         dataset=in_memory.get(s.task) if s.in_memory else None)
+            sources.append(_tokenized_source(s.task, normalised, tokenizer, family, num_proc))
         rates = mixture_rates(spec, [len(s) for s in sources])
         return MixtureData(spec=spec, family=sequence_kind(family), sources=tuple(sources), rates=rates, tokens=tokenizer_info(tokenizer))
 
@@ -117,6 +171,21 @@ class MixtureData:
 
     def sample(self, source_index: int, row_index: int) -> TokenizedSample:
         return self.sources[source_index].sample(source_index, row_index)
+
+
+def _tokenized_source(name: str, normalised: NormalisedSource, tokenizer, family: str,
+                      num_proc: int | None) -> TokenizedSource:
+    ds = tokenize_dataset(normalised.dataset, tokenizer, family, num_proc=num_proc, desc=f"tokenize {name}")
+    rows = ds.data.column("source_row").to_numpy() if "source_row" in ds.column_names else None
+    return TokenizedSource(
+        name=name,
+        tasks=ds.data.column("task").to_pylist(),
+        input_ids=TokenColumn.from_dataset(ds, "input_ids"),
+        target_ids=TokenColumn.from_dataset(ds, "target_ids"),
+        num_skipped=normalised.num_skipped,
+        source_rows=rows,
+        casts=normalised.casts,
+    )
 
 
 def locate_sample_error(err: ValueError, batch: GlobalBatch, data: MixtureData | None = None) -> ValueError:

@@ -1,18 +1,22 @@
 """Mixture sources: where rows come from and how they become ``{task, inputs, targets}``.
 
-A source is a Hugging Face hub dataset (``hf:``), local files (``data_files:``: json, jsonl,
-parquet, arrow, csv) or a built-in offline generator (``builtin:``). Every source is loaded through
-``datasets`` so its rows are cached on disk, then normalised: columns renamed by ``columns``
-(FLAN names ``inputs``/``targets`` by default), an optional ``template`` applied, and every row
-validated. Numbers (a CSV's numeric column) become their text. A malformed row (missing field, a
-value that is neither text nor a number, empty target) is an error naming the source, the row and
-the fix, or - with ``bad_rows: skip`` - is dropped and counted.
+A source is a Hugging Face hub dataset (``hf:``: a hub name, read from the local cache when offline, or a local
+dataset folder: one written by ``save_to_disk`` or a folder of data files), local files (``data_files:``: json,
+jsonl, parquet, arrow, csv), a built-in offline generator (``builtin:``) or, from Python only, a
+``datasets.Dataset`` / ``IterableDataset`` handed over in memory (``in_memory``; see
+:meth:`dynabatch.data.pipeline.MixtureData.from_datasets`). Every source is loaded through ``datasets``, then
+normalised: columns renamed by ``columns`` (FLAN names ``inputs``/``targets`` by default), an optional
+``template`` applied, and every row validated. Scalars that are not text (ints, floats, bools: a CSV's numeric
+column) are cast to their text and counted per field (:attr:`NormalisedSource.casts`). A malformed row (missing
+field, ``None``, a list or a mapping, empty target) is an error naming the source, the row and the fix, or -
+with ``bad_rows: skip`` - is dropped and counted.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -75,7 +79,8 @@ class SourceSpec:
     task: str
     """Task name attached to every row of this source (a ``task`` column, if present, wins)."""
     hf: str | None = None
-    """Hub dataset name for ``datasets.load_dataset`` (needs internet, or a local hub cache)."""
+    """Hub dataset name for ``datasets.load_dataset`` (needs internet, or the local Hugging Face cache of it), or a
+    local dataset folder (``save_to_disk`` output, or data files ``load_dataset`` can read)."""
     hf_config: str | None = None
     """Hub dataset configuration name."""
     data_files: tuple[str, ...] = ()
@@ -97,9 +102,13 @@ class SourceSpec:
     """Use at most this many rows of the source."""
     bad_rows: str | None = None
     """Malformed rows of this source: ``error`` or ``skip`` (``None``: the mixture's ``bad_rows``)."""
+    in_memory: bool = False
+    """The rows are a ``datasets.Dataset`` / ``IterableDataset`` given with the spec (Python only, not in spec
+    files): :func:`load_normalised`'s ``dataset``. An ``IterableDataset`` is read up to ``max_examples`` rows."""
 
     def __post_init__(self) -> None:
-        kinds = [k for k, v in (("hf", self.hf), ("data_files", self.data_files), ("builtin", self.builtin)) if v]
+        kinds = [k for k, v in (("hf", self.hf), ("data_files", self.data_files), ("builtin", self.builtin),
+                                ("in_memory", self.in_memory)) if v]
         if len(kinds) != 1:
             raise ValueError(
                 f"source {self.task!r}: give exactly one of 'hf', 'data_files' or 'builtin' (got {kinds or 'none'})"
@@ -125,7 +134,7 @@ class SourceSpec:
         """Build from a spec-file entry; ``data_files`` may be a string or list. Types are checked first."""
         if not isinstance(raw, dict) or not isinstance(raw.get("task"), str) or not raw["task"].strip():
             raise ValueError(f"each mixture source is a mapping with a 'task' name (a non-empty string), got {raw!r:.80}")
-        known = set(SourceSpec.__dataclass_fields__)
+        known = set(SourceSpec.__dataclass_fields__) - {"in_memory"}  # in-memory datasets come from Python only
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"source {raw['task']!r}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
@@ -162,21 +171,54 @@ def check_row(row: dict[str, Any], source: str, row_index: int) -> str | None:
     return None
 
 
-def as_text(value: Any) -> Any:
-    """A number (a CSV's numeric column) as its text, NaN (an empty numeric cell) as missing, else ``value``."""
+def as_text(value: Any) -> tuple[Any, bool]:
+    """``(value as text, whether it was cast)``: an int, float or bool (a CSV's numeric column) becomes its text
+    (cast), NaN (an empty numeric cell) becomes missing; text, ``None``, lists and mappings stay as they are (the
+    latter are malformed rows, :func:`check_row`)."""
     if isinstance(value, float) and math.isnan(value):
-        return None
+        return None, False
     if isinstance(value, (int, float)):  # bool included: "True" / "False"
-        return str(value)
-    return value
+        return str(value), True
+    return value, False
+
+
+CAST_FIELDS = ("task", *FIELDS)
+"""Fields whose casts are counted, in the order of :attr:`NormalisedSource.casts`."""
+
+
+@dataclass(frozen=True)
+class NormalisedSource:
+    """One source, loaded and normalised (:func:`load_normalised`)."""
+
+    dataset: Any
+    """``datasets.Dataset`` with string columns ``task``, ``inputs``, ``targets`` (and ``source_row`` when rows
+    were skipped: the kept rows' original row numbers)."""
+    num_skipped: int = 0
+    """Malformed rows dropped under ``bad_rows: skip``."""
+    casts: dict[str, int] = field(default_factory=dict)
+    """Field -> values of kept rows that were numbers or bools, cast to text (only fields with casts)."""
+
+
+def _is_saved_dataset(folder: str) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (``load_dataset`` refuses those)."""
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("state.json", "dataset_dict.json"))
 
 
 def _load_hub(spec: SourceSpec):
-    """``datasets.load_dataset`` of an ``hf:`` source; offline or unknown datasets are one-line errors."""
+    """``datasets.load_dataset`` of an ``hf:`` source (``load_from_disk`` for a ``save_to_disk`` folder); offline,
+    uncached or unknown datasets are one-line errors."""
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
     name = spec.hf + (f" (config {spec.hf_config!r})" if spec.hf_config else "")
+    if os.path.isdir(spec.hf) and _is_saved_dataset(spec.hf):
+        saved = datasets.load_from_disk(spec.hf)
+        if isinstance(saved, datasets.DatasetDict):
+            if spec.split not in saved:
+                raise ValueError(f"source {spec.task!r}: saved dataset {spec.hf} has no split {spec.split!r}; "
+                                 f"its splits are {sorted(saved)} (set split:)")
+            saved = saved[spec.split]
+        return saved
     try:
         return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
     except ConnectionError as e:  # offline mode, or the hub unreachable, with no local cache of the dataset
@@ -184,16 +226,20 @@ def _load_hub(spec: SourceSpec):
             f"source {spec.task!r}: hub dataset {name} cannot be loaded: it needs internet access or a local "
             f"Hugging Face cache of it ({e}); download it once online, or give the source data_files: with local copies"
         ) from e
-    except DatasetNotFoundError as e:
+    except (DatasetNotFoundError, FileNotFoundError) as e:
         raise FileNotFoundError(
-            f"source {spec.task!r}: hub dataset {name} not found ({' '.join(str(e).split())}); check the name, "
+            f"source {spec.task!r}: hub dataset {name} not found ({' '.join(str(e).split())[:300]}); check the name, "
             "or give the source data_files: with local copies"
         ) from e
 
 
-def _load_raw(spec: SourceSpec):
+def _load_raw(spec: SourceSpec, dataset=None):
     import datasets
 
+    if spec.in_memory:
+        return _in_memory_rows(spec, dataset)
+    if dataset is not None:
+        raise ValueError(f"source {spec.task!r} loads its own rows; a dataset is given only with in_memory=True")
     if spec.builtin:
         from dynabatch.data.builtin import BUILTIN_TASKS
 
@@ -228,48 +274,86 @@ def _load_raw(spec: SourceSpec):
         ) from e
 
 
+def _in_memory_rows(spec: SourceSpec, dataset):
+    """The rows of an in-memory source as a ``datasets.Dataset``: a ``Dataset`` as it is, an ``IterableDataset``
+    (streaming) read up to ``spec.max_examples`` rows into memory, so the sampler can draw rows by index and a
+    checkpoint's data position (row cursors) resumes exactly when the stream yields the same rows again."""
+    import itertools
+
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
+        return dataset
+    if not isinstance(dataset, datasets.IterableDataset):
+        raise ValueError(f"source {spec.task!r}: expected a datasets.Dataset or IterableDataset, got "
+                         f"{type(dataset).__name__}")
+    if spec.max_examples is None:
+        raise ValueError(f"source {spec.task!r}: a streaming IterableDataset needs max_examples (the rows read into "
+                         "memory)")
+    rows = list(itertools.islice(iter(dataset), spec.max_examples + 1))
+    if not rows:
+        raise ValueError(f"source {spec.task!r} has no rows: the IterableDataset yielded none")
+    if len(rows) > spec.max_examples:
+        warnings.warn(f"source {spec.task!r}: the IterableDataset has more than {spec.max_examples} rows; the first "
+                      f"{spec.max_examples} are used (raise max_stream_rows / max_examples to use more)", stacklevel=2)
+        rows.pop()
+    return datasets.Dataset.from_list(rows)
+
+
 def load_source(spec: SourceSpec, bad_rows: str | None = None, num_proc: int | None = None):
+    """``(dataset, num_skipped)`` of :func:`load_normalised` (the casts left out)."""
+    out = load_normalised(spec, bad_rows)
+    return out.dataset, out.num_skipped
+
+
+def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None) -> NormalisedSource:
     """Load one source as a ``datasets.Dataset`` with string columns ``task``, ``inputs``, ``targets``.
 
-    Returns ``(dataset, num_skipped)``. Rows are validated after renaming and templating; with
-    ``bad_rows="error"`` the first malformed row raises :class:`BadRowError` naming it, with ``skip``
-    malformed rows are dropped, counted, and the kept rows' original row numbers are in an int64
-    column ``source_row`` (absent when nothing was skipped: row ``i`` is then source row ``i``).
-    ``bad_rows=None`` uses the source's own ``bad_rows`` (default ``error``).
+    Rows are validated after renaming, templating and casting scalars to text; with ``bad_rows="error"`` the
+    first malformed row raises :class:`BadRowError` naming it, with ``skip`` malformed rows are dropped,
+    counted, and the kept rows' original row numbers are in an int64 column ``source_row`` (absent when
+    nothing was skipped: row ``i`` is then source row ``i``). ``bad_rows=None`` uses the source's own
+    ``bad_rows`` (default ``error``). ``dataset``: the rows of an ``in_memory`` source.
     """
     if bad_rows is None:
         bad_rows = spec.bad_rows or "error"
     if bad_rows not in BAD_ROW_POLICIES:
         raise ValueError(f"bad_rows must be one of {BAD_ROW_POLICIES}, got {bad_rows!r}")
-    ds = _load_raw(spec)
+    ds = _load_raw(spec, dataset)
     if spec.max_examples is not None:
         ds = ds.select(range(min(spec.max_examples, len(ds))))
     if len(ds) == 0:
         raise ValueError(f"source {spec.task!r} has no rows; remove it from the mixture or fix its files")
     names = {"task": spec.columns.get("task", "task"), **{f: spec.columns.get(f, f) for f in FIELDS}}
-    for f in FIELDS:
-        if names[f] not in ds.column_names and f not in spec.template:
+    for f in CAST_FIELDS:
+        if names[f] not in ds.column_names and f not in spec.template and (f != "task" or "task" in spec.columns):
             raise BadRowError(
                 f"source {spec.task!r}: column {names[f]!r} (for {f!r}) not found; columns are {ds.column_names}. "
-                f"Map it with columns: {{{f}: <column>}}."
+                f"Map it with columns: {{{f}: <column>}} in a mixture spec, or --columns {f}=<column> with --data."
             )
 
     def normalise(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {"task": [], "inputs": [], "targets": [], "_bad": [], "source_row": []}
+        out: dict[str, list] = {"task": [], "inputs": [], "targets": [], "_bad": [], "_cast": [], "source_row": []}
         for k, idx in enumerate(indices):
             row = {c: batch[c][k] for c in batch}
-            new = {"task": as_text(row.get(names["task"])) or spec.task}
-            for f in FIELDS:
-                new[f] = _apply_template(spec, f, row) if f in spec.template else as_text(row.get(names[f]))
+            new, cast = {}, 0
+            for bit, f in enumerate(CAST_FIELDS):
+                if f in spec.template:
+                    new[f] = _apply_template(spec, f, row)
+                    continue
+                new[f], was_cast = as_text(row.get(names[f]))
+                cast |= was_cast << bit
+            new["task"] = new["task"] or spec.task  # no task column (or an empty cell): the source's task
             problem = check_row(new, spec.task, idx)
             if problem is not None and bad_rows == "error":
                 raise BadRowError(
                     f"source {spec.task!r}, row {idx}: {problem}. Fix the row, map the right column with "
                     f"'columns', or {BAD_ROW_ADVICE}."
                 )
-            for f in ("task", *FIELDS):
+            for f in CAST_FIELDS:
                 out[f].append(new[f] if isinstance(new[f], str) else "")
             out["_bad"].append(problem is not None)
+            out["_cast"].append(cast)
             out["source_row"].append(idx)
         return out
 
@@ -277,7 +361,7 @@ def load_source(spec: SourceSpec, bad_rows: str | None = None, num_proc: int | N
         ds = ds.map(normalise, batched=True, with_indices=True, remove_columns=ds.column_names,
                     features=_normalised_features(), desc=f"validate {spec.task}")
     except UnicodeDecodeError as e:  # a value that is not UTF-8 surfaces only when rows are read
-        where = list(spec.data_files) or spec.hf or spec.builtin
+        where = list(spec.data_files) or spec.hf or spec.builtin or "the in-memory dataset"
         raise BadRowError(
             f"source {spec.task!r}: {where} has text that is not valid UTF-8 ({e}); re-encode the file as UTF-8"
         ) from e
@@ -288,7 +372,10 @@ def load_source(spec: SourceSpec, bad_rows: str | None = None, num_proc: int | N
         )
     if num_bad:
         ds = ds.filter(lambda b: [not x for x in b], input_columns="_bad", batched=True)
-    return ds.remove_columns(["_bad"] if num_bad else ["_bad", "source_row"]), num_bad
+    bits = ds.data.column("_cast").to_numpy()
+    casts = {f: int(((bits >> i) & 1).sum()) for i, f in enumerate(CAST_FIELDS)}
+    ds = ds.remove_columns(["_bad", "_cast"] if num_bad else ["_bad", "_cast", "source_row"])
+    return NormalisedSource(ds, num_bad, {f: n for f, n in casts.items() if n})
 
 
 def _normalised_features():
@@ -297,7 +384,7 @@ def _normalised_features():
     from datasets import Features, Value
 
     return Features({"task": Value("string"), "inputs": Value("string"), "targets": Value("string"),
-                     "_bad": Value("bool"), "source_row": Value("int64")})
+                     "_bad": Value("bool"), "_cast": Value("int8"), "source_row": Value("int64")})
 
 
 def _apply_template(spec: SourceSpec, name: str, row: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """Dynamic micro-batches for any PyTorch training loop: one :class:`StepBatch` per optimizer step.
 
 :class:`DynaBatchDataLoader` draws token-budget global batches from a mixture
-(:class:`~dynabatch.data.batching.GlobalBatcher`), cuts each into variable-size micro-batches and
+(:class:`~dynabatch.data.batching.GlobalBatcher`; a ``datasets.Dataset`` / ``IterableDataset`` or a mapping of
+task names to them is tokenized into one by :meth:`~dynabatch.data.pipeline.MixtureData.from_datasets`), cuts each into variable-size micro-batches and
 collates the ones of its data-parallel replica, each padded only to its own longest sample (``packing``:
 to its fixed row length; ``packing_free``: to its longest packed row):
 
@@ -158,8 +159,10 @@ def default_cost_model(
 class DynaBatchDataLoader:
     """Endless (or ``max_steps``-long) iterable of :class:`StepBatch`, one per optimizer step."""
 
-    data: MixtureData | GlobalBatcher = field(repr=False)
-    """A tokenized mixture, or a batcher (its position is shared: the loader advances it)."""
+    data: Any = field(repr=False)
+    """A tokenized mixture (``MixtureData``), a batcher (its position is shared: the loader advances it), or
+    ``datasets.Dataset`` / ``IterableDataset`` objects (one, or a mapping of task names to them), tokenized with
+    ``tokenizer`` by :meth:`MixtureData.from_datasets` (a stream is read up to its row limit)."""
     limits: LengthLimits | None = None
     """Per-sample length limits; required with ``MixtureData``, taken from a ``GlobalBatcher``."""
     _: KW_ONLY
@@ -189,6 +192,10 @@ class DynaBatchDataLoader:
     """Steps per iteration (and ``len``); ``None``: endless, no ``len``."""
     restart_on_iter: bool = False
     """Every iteration starts again at the position the loader was built at (evaluation loaders)."""
+    tokenizer: Any = None
+    """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
+    columns: Mapping[str, str] | str | None = None
+    """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
     batcher: GlobalBatcher = field(init=False, repr=False)
     _collator: Batcher = field(init=False, repr=False)
     _start_state: dict = field(init=False, repr=False)
@@ -198,14 +205,13 @@ class DynaBatchDataLoader:
             self._check_same("limits", self.limits, self.data.limits)
             self._check_same("token_budget", self.token_budget, self.data.token_budget)
             self.batcher = self.data
-        elif isinstance(self.data, MixtureData):
-            if self.limits is None or self.token_budget is None:
-                raise ValueError(
-                    f"with MixtureData give limits and token_budget (got limits={self.limits}, token_budget={self.token_budget})"
-                )
-            self.batcher = GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
         else:
-            raise ValueError(f"data must be MixtureData or GlobalBatcher, got {type(self.data).__name__}")
+            if self.limits is None or self.token_budget is None:
+                raise ValueError(f"with MixtureData or datasets give limits and token_budget (got limits={self.limits}, "
+                                 f"token_budget={self.token_budget})")
+            if not isinstance(self.data, MixtureData):
+                self.data = self._tokenized(self.data)
+            self.batcher = GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
         self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
         if self.method not in METHODS:
             raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")
@@ -246,6 +252,19 @@ class DynaBatchDataLoader:
                 self.method, self.limits, tokens, loss_on_inputs=self.loss_on_inputs, **self.method_options
             )
         self._start_state = self.batcher.state_dict()
+
+    def _tokenized(self, datasets) -> MixtureData:
+        """``data`` given as datasets, tokenized with ``tokenizer`` for the family of ``limits``."""
+        import datasets as hf_datasets
+
+        from dynabatch.data.inputs import load_data
+
+        if not isinstance(datasets, (hf_datasets.Dataset, hf_datasets.IterableDataset, Mapping)):
+            raise ValueError(f"data must be MixtureData, a GlobalBatcher, a datasets.Dataset / IterableDataset or a "
+                             f"mapping of task names to them, got {type(datasets).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
+        return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns)
 
     @staticmethod
     def _check_same(name: str, given, actual) -> None:

@@ -12,7 +12,10 @@ stage ``s`` on global rank ``p * S + s`` (the layout of :class:`~dynabatch.sched
 * tied groups (:func:`tied_groups`): per tied-parameter group name, the ranks of one replica whose
   stages hold a copy.
 
-Backend: NCCL when CUDA is available, else gloo. Every group gets ``timeout_s``; under gloo a
+Device and backend (``--device``, :func:`resolve_device`): ``auto`` is ``cuda:LOCAL_RANK`` with NCCL when CUDA is
+available, else the CPU with gloo; ``cpu`` is gloo on the CPU even where CUDA exists; ``cuda`` is
+``cuda:LOCAL_RANK`` and ``cuda:N`` device N (one process per machine), both NCCL, and a one-line error without
+CUDA. Every group gets ``timeout_s``; under gloo a
 transfer or collective with a dead or silent peer raises within it (a crashed peer usually much
 sooner: its sockets close). The runtime turns those errors into :class:`PipelineError` messages that
 name the rank, step, instruction and peer; :func:`exit_on_error` prints one and exits non-zero (the
@@ -116,6 +119,36 @@ def check_world(world_size: int, num_stages: int, num_replicas: int | None) -> i
     return num_replicas
 
 
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+"""``--device`` forms."""
+
+
+def check_device_name(name: str) -> None:
+    """``ValueError`` unless ``name`` is one of :data:`DEVICES` (``N`` a device number)."""
+    index = name[5:] if name.startswith("cuda:") else None
+    if name not in ("auto", "cpu", "cuda") and not (index is not None and index.isdigit()):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N (N a device number), got {name!r}")
+
+
+def resolve_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> tuple[str, torch.device]:
+    """``(backend, device)`` of ``--device name`` for the process with ``local_rank`` (see the module docstring)."""
+    check_device_name(name)
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return "gloo", torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}, "
+                         f"built with CUDA {torch.version.cuda}); use --device cpu or auto")
+    index = local_rank if name in ("auto", "cuda") else int(name[5:])
+    if name.startswith("cuda:") and local_world_size > 1:
+        raise ValueError(f"--device {name} puts every one of the {local_world_size} processes of this machine on "
+                         "one GPU; use --device cuda (process k on cuda:k)")
+    if index >= count:
+        raise ValueError(f"--device {name}: process {local_rank} needs cuda:{index} but this machine has {count} "
+                         f"GPU(s) (cuda:0..cuda:{count - 1}); launch fewer processes per machine or pick another")
+    return "nccl", torch.device("cuda", index)
+
+
 def _env_int(name: str, given: int | None) -> int:
     if given is not None:
         return given
@@ -135,6 +168,7 @@ def init_distributed(
     local_rank: int | None = None,
     init_method: str | None = None,
     store=None,
+    device: str = "auto",
 ) -> DistContext:
     """Join the world and build this rank's groups (collective: every rank calls it together).
 
@@ -143,7 +177,8 @@ def init_distributed(
     ``"tcp://127.0.0.1:PORT"``, or a ready rendezvous ``store`` instead (e.g.
     :func:`dynabatch.cost.p2p.loopback_store`, which listens on 127.0.0.1 only; a ``tcp://`` init method's
     store listens on every interface). Raises ``ValueError`` before joining when the world size does not
-    factor as ``num_stages x num_replicas``.
+    factor as ``num_stages x num_replicas``, or when ``device`` (``--device``, :func:`resolve_device`) cannot be
+    had; ``backend`` (gloo / nccl) overrides the device's.
     """
     rank = _env_int("RANK", rank)
     world_size = _env_int("WORLD_SIZE", world_size)
@@ -153,15 +188,14 @@ def init_distributed(
         raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
+    if backend is not None and backend not in ("gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}; valid: gloo, nccl")
+    if backend is not None:  # an explicit backend (tests) picks its device kind: gloo the CPU, nccl CUDA
+        device = "cpu" if backend == "gloo" else ("cuda" if device in ("auto", "cpu") else device)
+    backend, where = resolve_device(device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(where)
+    device = where
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; call shutdown() first")

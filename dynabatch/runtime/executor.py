@@ -31,9 +31,14 @@ norm sum is divided by the replica count, whose gradients are equal), clips to `
 like ``clip_grad_norm_`` and steps the optimizer and the LR scheduler; when the loss or the norm is not
 finite (NaN/inf, e.g. a diverging learning rate) the optimizer step is skipped on every rank (they
 all see the same reduced totals) and :attr:`StepResult.skipped` says so. Gradients are dropped at the
-start of the next step (so tests and logging can read a step's reduced, clipped gradients). On CUDA,
-forwards run under bf16 autocast by default; activations travel in the plan's dtype and gradients
-are cast back to the dtype of the tensor they belong to.
+start of the next step (so tests and logging can read a step's reduced, clipped gradients).
+
+Precision (:mod:`dynabatch.runtime.precision`): forwards run under ``torch.autocast`` of ``autocast_dtype``
+(the trainer passes ``--dtype``'s; the default ``auto`` is bf16 on CUDA, none on CPU); activations travel in the
+plan's dtype and gradients are cast back to the dtype of the tensor they belong to. Under fp16 the last stage
+backpropagates the loss times :class:`~dynabatch.runtime.precision.LossScaler`'s scale; ``STEP`` divides the
+world-reduced norm by it and unscales the gradients with the clipping factor, and an overflow (a finite loss
+with non-finite gradients) skips the step on every rank and halves the scale (:attr:`StepResult.overflowed`).
 
 Every instruction's wall time is recorded as ``(key, start, end)`` (``time.perf_counter``) in
 :attr:`StepResult.timeline`. Any failure (a dead peer, a timeout, a shape mismatch) is re-raised as
@@ -62,6 +67,7 @@ from dynabatch.models.stage import StageModule, StageOutput
 from dynabatch.runtime.delivery import StepInputs
 from dynabatch.runtime.dist import DistContext, PipelineError, tied_groups
 from dynabatch.runtime.p2p import TORCH_DTYPES, allocate, start_recv, start_send, wait_all
+from dynabatch.runtime.precision import LossScaler
 from dynabatch.schedule.chains import successors
 from dynabatch.schedule.ir import Instr, Op
 
@@ -86,6 +92,10 @@ class StepResult:
     saved_peak_bytes: int | None = None
     """With ``measure_memory``: the largest bytes autograd held for backward on this rank during the step
     (:class:`~dynabatch.runtime.memory.SavedActivationMeter`), the activation memory the schedule predicts."""
+    overflowed: bool = False
+    """fp16: the gradients overflowed at this step's loss scale (the step was skipped and the scale halved)."""
+    loss_scale: float | None = None
+    """fp16: the loss scale this step ran with (``None`` without loss scaling)."""
 
 
 @dataclass
@@ -141,6 +151,8 @@ class Executor:
         if autocast_dtype == "auto":
             autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype
+        self.loss_scaler = LossScaler() if autocast_dtype == torch.float16 else None
+        self.overflowed = False
         self.dropout_seed = dropout_seed
         self.measure_memory = measure_memory
         self.is_last = ctx.stage_index == ctx.num_stages - 1
@@ -191,7 +203,8 @@ class Executor:
         self.loss_sum.zero_()
         self.num_loss_tokens = 0
         self.segment_losses = {}
-        self.skipped = False
+        self.skipped = self.overflowed = False
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         for p in self.params:  # zeroed at the start, so the step's gradients stay readable after it
             p.grad = None
         timeline: list[tuple[str, float, float]] = []
@@ -223,7 +236,7 @@ class Executor:
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses,
-                          self.skipped, meter.peak_bytes if meter is not None else None)
+                          self.skipped, meter.peak_bytes if meter is not None else None, self.overflowed, scale)
 
     def _run_instructions(self, plan, timeline: list, clock) -> None:
         """Run every instruction of ``plan`` through its handler, timing each (``self._current`` names
@@ -271,19 +284,22 @@ class Executor:
         if ctx.world_size > 1:
             dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss
         sq_total, loss_total = totals.tolist()
-        self.grad_norm = math.sqrt(sq_total / ctx.num_replicas) if sq_total >= 0 else math.nan
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.grad_norm = math.sqrt(sq_total / ctx.num_replicas) / scale if sq_total >= 0 else math.nan
         self.loss = loss_total / global_loss_tokens
         # Every rank holds the same all-reduced totals, so every rank takes the same decision.
         self.skipped = not (math.isfinite(self.grad_norm) and math.isfinite(self.loss))
+        if self.loss_scaler is not None:
+            self.overflowed = self.loss_scaler.overflowed(self.loss, self.grad_norm)
+            self.loss_scaler.update(self.skipped)
         if self.skipped:  # a non-finite loss or gradient: keep the weights and the optimizer state
             if self.scheduler is not None:
                 self.scheduler.step()  # the LR schedule follows the step number, skipped or not
             return
-        if self.max_grad_norm is not None:
-            coef = min(self.max_grad_norm / (self.grad_norm + 1e-6), 1.0)
-            all_grads = [p.grad for p in self.params if p.grad is not None]
-            if coef < 1.0 and all_grads:
-                torch._foreach_mul_(all_grads, coef)
+        coef = 1.0 if self.max_grad_norm is None else min(self.max_grad_norm / (self.grad_norm + 1e-6), 1.0)
+        all_grads = [p.grad for p in self.params if p.grad is not None]
+        if coef / scale != 1.0 and all_grads:  # clipping and unscaling in one pass
+            torch._foreach_mul_(all_grads, coef / scale)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -372,7 +388,8 @@ def _exec_backward(ex: Executor, ins: Instr) -> None:
     out = st.output
     tensors, grads = [], []
     if ex.is_last:
-        tensors.append(out.loss_sum / ex.inputs.global_loss_tokens)
+        loss = out.loss_sum / ex.inputs.global_loss_tokens
+        tensors.append(loss if ex.loss_scaler is None else loss * ex.loss_scaler.scale)  # a power of two: exact
         grads.append(None)
     else:
         for name, t in out.sends.items():

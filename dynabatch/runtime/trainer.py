@@ -80,7 +80,7 @@ def _lr_lambda(cfg: TrainConfig):
 def connect(cfg: TrainConfig) -> DistContext:
     """Join torchrun's world, or make a world of one when launched directly."""
     if "RANK" in os.environ:
-        return init_distributed(cfg.stages, cfg.replicas, timeout_s=cfg.timeout_s)
+        return init_distributed(cfg.stages, cfg.replicas, timeout_s=cfg.timeout_s, device=cfg.device)
     if cfg.world_size != 1:
         raise ValueError(
             f"{cfg.stages} stages x {cfg.replicas} replicas need {cfg.world_size} processes: launch with "
@@ -89,7 +89,7 @@ def connect(cfg: TrainConfig) -> DistContext:
     from dynabatch.cost.p2p import loopback_store
 
     store = loopback_store(1, cfg.timeout_s)  # listens on 127.0.0.1 only, for the whole run
-    return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s)
+    return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s, device=cfg.device)
 
 
 # Architecture fields a profile's model config must share with the trained model (those present in either).
@@ -134,19 +134,23 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         from dynabatch.cost.hardware import hardware_spec
         from dynabatch.models.families import analytic_spec
 
-        layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=4), hardware_spec("cpu"),
+        from dynabatch.runtime.precision import DTYPE_BYTES
+
+        layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[cfg.dtype]), hardware_spec("cpu"),
                                         dropout=cfg.dropout > 0)
         recompute = policy_for(cfg.method, cfg.recompute)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
 
 
-def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
-    """Model stage, optimizer and executor on every rank; data and planner on rank 0."""
+def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
+    """Model stage, optimizer and executor on every rank; data (``datasets`` in memory, else as ``cfg`` says:
+    :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.precision import autocast_dtype
 
     family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
     torch.set_num_threads(cfg.threads)
@@ -161,18 +165,17 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> _Run:
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
-                        measure_memory=True)
+                        measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype))
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler)
     if ctx.is_planner:
         from dynabatch.data.batching import GlobalBatcher, LengthLimits
-        from dynabatch.data.mixture import MixtureSpec
-        from dynabatch.data.pipeline import MixtureData
-        from dynabatch.data.report import default_mixture_path
+        from dynabatch.data.inputs import data_notes, load_training_data
         from dynabatch.runtime.faults import maybe_slow_start
         from dynabatch.runtime.planner import StepPlanner
 
-        data = MixtureData.load(MixtureSpec.from_file(cfg.mixture or default_mixture_path()), tokenizer, family,
-                               bad_rows=cfg.bad_rows)
+        data = load_training_data(cfg, tokenizer, family, datasets)
+        for note in data_notes(data):  # numbers cast to text, malformed rows skipped
+            logger.info(f"data: {note}")
         maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
         limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                               max_seq_len=cfg.max_input_len)
@@ -275,8 +278,9 @@ def resume(run: _Run, info) -> int:
     return info.step
 
 
-def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True) -> dict | None:
-    """Train ``cfg.max_steps`` steps with ``cfg.method``; rank 0 returns the summary."""
+def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
+    """Train ``cfg.max_steps`` steps with ``cfg.method`` (on ``datasets`` in memory when given); rank 0 returns the
+    summary."""
     from tqdm import tqdm
 
     from dynabatch.runtime.planner import PlanAhead
@@ -291,7 +295,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
     if ctx.is_planner:
         check_trackers(cfg.report_to)  # a missing tracker package fails before any data is loaded
-    run = build_run(cfg, ctx)
+    run = build_run(cfg, ctx, datasets)
     start = resume(run, info)
     memory = cfg.memory_gib * 2**30
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -337,8 +341,11 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             if ctx.is_planner:
                 saved_peaks = stage_peaks(ctx, gathered)
                 run.calibration.record(ctx, planned, gathered, elapsed)
-            bad_steps = bad_steps + 1 if result.skipped else 0
-            if result.skipped and ctx.is_planner:
+            bad_steps = bad_steps + 1 if result.skipped and not result.overflowed else 0
+            if result.overflowed and ctx.is_planner:
+                logger.info(f"step {step}: fp16 gradients overflowed at loss scale {result.loss_scale:g}; the step was "
+                            "skipped and the scale halved")
+            elif result.skipped and ctx.is_planner:
                 logger.warning(f"step {step}: {_non_finite(result)}; the optimizer step was skipped "
                                f"({bad_steps} in a row; the run stops at --max-bad-steps {cfg.max_bad_steps})")
             task_loss = None
@@ -347,6 +354,9 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             if ctx.is_planner:
                 record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
                 record["attention"] = run.stage.attention
+                record["dtype"] = cfg.dtype
+                if result.loss_scale is not None:
+                    record["loss_scale"] = result.loss_scale
                 record["memory_measured_bytes"] = saved_peaks
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
@@ -516,8 +526,10 @@ def _stack_pngs(paths: list[str], out: str) -> None:
     plt.close(fig)
 
 
-def train(cfg: TrainConfig) -> dict | None:
+def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 logs and returns the summary.
+    ``datasets``: train on a ``datasets.Dataset`` / ``IterableDataset`` (or a mapping of task names to them)
+    instead of ``cfg.mixture`` / ``cfg.data`` (rank 0's are used; ``cfg.columns`` maps their columns).
     With several ranks, an error ends this process at once with one line of its own
     (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print."""
     from dynabatch.runtime.faults import fail_fast
@@ -528,13 +540,13 @@ def train(cfg: TrainConfig) -> dict | None:
     try:
         # With peers, a failure prints this rank's line and exits at once, groups left up (runtime.faults).
         with fail_fast(ctx):
-            summaries = [train_method(cfg, ctx)]  # creates and checks the output folder first
+            summaries = [train_method(cfg, ctx, datasets=datasets)]  # creates and checks the output folder first
             if cfg.compare_method:
                 other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None,
                                             timeline=False,
                                             output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
                 os.makedirs(other.output_dir, exist_ok=True)
-                summaries.append(train_method(other, ctx, checkpoints=False))
+                summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
             if not ctx.is_planner:
                 return None
             summary = {"runs": summaries, "config": cfg.to_dict()}

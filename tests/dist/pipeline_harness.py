@@ -37,6 +37,7 @@ class Scenario:
     max_grad_norm: float | None = None
     seed: int = 0
     timeout_s: float = 60.0
+    dtype: str = "fp32"  # --dtype of the executor (bf16 / fp16: autocast over fp32 weights)
 
     @property
     def world_size(self) -> int:
@@ -215,6 +216,29 @@ LLAMA_SCENARIOS = {
 AdamW steps, plain steps and steps mixing ordinary micro-batches with token-sliced chains."""
 
 
+DTYPE_SCENARIOS = {
+    sc.name: sc
+    for sc in [
+        Scenario("bf16-gpt2-S2xR1-1f1b-2step", "gpt2", "gpt2-tiny", 2, policy="1f1b", num_steps=2, dtype="bf16"),
+        Scenario("bf16-t5-S2xR1-gpipe-2step", "t5", "t5-tiny", 2, policy="gpipe", num_steps=2, dtype="bf16"),
+        Scenario("bf16-sliced-gpt2-S2xR1-1f1b-1step", "gpt2", "gpt2-tiny", 2, policy="1f1b", seed=5, dtype="bf16"),
+        Scenario("fp16-gpt2-S2xR1-1f1b-2step", "gpt2", "gpt2-tiny", 2, policy="1f1b", num_steps=2, dtype="fp16"),
+    ]
+}
+"""2-stage pipelines under bf16 / fp16 autocast on CPU (gloo): plain GPT-2 and T5 steps, a sliced GPT-2 step
+(``sliced-`` in the name: :func:`sliced_step`) and fp16 with loss scaling."""
+
+
+def dtype_worker(rank: int, names: list[str], workdir: str) -> None:
+    _setup_worker()
+    try:
+        for name in names:
+            sc = DTYPE_SCENARIOS[name]
+            run_scenario(rank, sc, workdir, make_step=sliced_step if "sliced-" in name else plain_step)
+    except BaseException as e:  # noqa: BLE001
+        _report_failure(workdir, rank, e)
+
+
 def make_optimizer(params, num_steps: int):
     # eps 1e-6: with the default 1e-8 a gradient of ~1e-8 (summation-order noise ~1e-10) moves a
     # parameter by a visibly different amount, which would test Adam, not the pipeline.
@@ -239,6 +263,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.precision import autocast_dtype
     from dynabatch.runtime.step import train_step
     from dynabatch.runtime.timeline import gather_timelines
 
@@ -257,8 +282,12 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
     if wrap_stage is not None:
         stage = wrap_stage(stage, ctx)
     opt, sched = make_optimizer(stage.parameters(), sc.num_steps)
-    ex = Executor(stage, ctx, opt, scheduler=sched, max_grad_norm=sc.max_grad_norm)
-    record = {"grads": [], "params": [], "loss": [], "grad_norm": [], "layout": layout.describe(), "timelines": []}
+    ex = Executor(stage, ctx, opt, scheduler=sched, max_grad_norm=sc.max_grad_norm, autocast_dtype=autocast_dtype(sc.dtype))
+    record = {"grads": [], "params": [], "loss": [], "grad_norm": [], "layout": layout.describe(), "timelines": [],
+              "compute_dtypes": set(), "loss_scale": []}
+    for module in stage.modules():  # the dtypes the stage's layers compute in (bf16 under bf16 autocast)
+        module.register_forward_hook(lambda m, i, out: record["compute_dtypes"].add(str(out.dtype))
+                                     if isinstance(out, torch.Tensor) and out.is_floating_point() else None)
     named = list(stage.inner.named_parameters() if hasattr(stage, "inner") else stage.named_parameters())
     for step in range(sc.num_steps):
         replica_mbs = links = None
@@ -269,6 +298,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
         record["params"].append({names[n]: p.detach().clone() for n, p in named})
         record["loss"].append(result.loss)
         record["grad_norm"].append(result.grad_norm)
+        record["loss_scale"].append(result.loss_scale)
         timelines = gather_timelines(ctx, result)  # rank 0: {replica: [TimelineOp]}
         if timelines is not None:
             record["timelines"].append(timelines)
