@@ -1,18 +1,22 @@
 """Resumable checkpoints: per-rank shards written atomically, a manifest that marks completion.
 
-Layout of ``OUTPUT/checkpoints/step-000120/``:
+Layout of ``OUTPUT/checkpoints/step-000120/`` (format 2):
 
-* ``rank-00003.pt``: this rank's stage weights, optimizer, LR scheduler and RNG states (written
-  by every rank to a temp file in the same folder, fsynced, then ``os.replace``d: a crash while
-  saving leaves either the old file or none, never half of one);
-* ``manifest.json``: written last, by rank 0, after every rank reported its shard's size and
-  SHA-256 (collected with ``all_gather_object``). It also holds the data position (global batcher
-  state) and the run's config, so a resumed run reads the same next samples.
+* ``*.safetensors``: the tensors of every rank's stage keyed by the *global* model's names (weights,
+  AdamW moments and step counts, each rank's RNG state), written collectively through
+  ``torch.distributed.checkpoint`` (:mod:`dynabatch.runtime.reshard`): a run with another stage or
+  replica count reads the parameters it owns from whichever files hold them;
+* ``manifest.json``: written last, by rank 0, after every rank's write returned, with the size and
+  SHA-256 of every data file. It also holds the data position (global batcher state), the LR
+  scheduler state, rank 0's calibration fit (with its layout key), the world shape and the run's
+  config, so a resumed run reads the same next samples.
 
 A checkpoint counts only when its manifest exists and every shard matches its recorded size and
 checksum; :func:`latest_checkpoint` returns the newest such one, so a crash during a save falls back
-to the previous checkpoint. Shards load with ``torch.load(weights_only=True)``: only tensors and
-plain containers, never pickled code; a manifest can only name shard files inside its own folder.
+to the previous checkpoint. Data files are safetensors (no pickle: a checkpoint cannot hold code); a
+manifest can only name files inside its own folder, and a folder holding a data file its manifest does
+not list is refused (the reader reads every ``*.safetensors`` file of the folder). Format 1 (per-rank
+``rank-NNNNN.pt`` shards of older versions) is refused with one line naming the format.
 
 :func:`save_collective` is the whole save protocol. Every rank first checks its weights and optimizer
 state: if any rank holds a NaN or inf, nothing is written and every rank raises
@@ -46,7 +50,8 @@ import torch
 MANIFEST = "manifest.json"
 RUN_ID_FILE = "run_id"
 """Written into a step folder when its save starts: the id of the run the folder belongs to."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+DATA_SUFFIX = ".safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -85,10 +90,6 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:06d}")
 
 
-def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
-
-
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -113,17 +114,20 @@ def atomic_write(path: str, write) -> None:
         raise
 
 
-def save_shard(root: str, step: int, rank: int, state: dict[str, Any]) -> dict[str, Any]:
-    """Write one rank's shard atomically; returns ``{"file", "bytes", "sha256"}`` for the manifest."""
-    folder = step_dir(root, step)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, shard_name(rank))
-    atomic_write(path, lambda f: torch.save(state, f))
-    return {"file": shard_name(rank), "bytes": os.path.getsize(path), "sha256": _sha256(path)}
+def data_files(folder: str) -> list[str]:
+    """Names of the data files in a step folder (what the checkpoint reader reads), sorted."""
+    return sorted(n for n in os.listdir(folder) if n.endswith(DATA_SUFFIX)) if os.path.isdir(folder) else []
+
+
+def file_entry(folder: str, name: str) -> dict[str, Any]:
+    """``{"file", "bytes", "sha256"}`` of data file ``name`` in ``folder``, for the manifest."""
+    path = os.path.join(folder, name)
+    return {"file": name, "bytes": os.path.getsize(path), "sha256": _sha256(path)}
 
 
 def write_manifest(root: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]) -> str:
-    """Write the manifest (rank 0, after all shards): the checkpoint is complete from this moment."""
+    """Write the manifest (rank 0, after all data files, ``shards`` their :func:`file_entry`): the
+    checkpoint is complete from this moment."""
     manifest = {"format_version": FORMAT_VERSION, "step": step, "shards": shards, **extra}
     path = os.path.join(step_dir(root, step), MANIFEST)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
@@ -159,8 +163,11 @@ def verify(path: str) -> CheckpointInfo:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"checkpoint {path}: malformed manifest (not an object with an integer 'step')")
     if manifest.get("format_version") != FORMAT_VERSION:
+        older = " (per-rank .pt shards locked to their stages x replicas)" if manifest.get("format_version") == 1 else ""
         raise CheckpointError(
-            f"checkpoint {path} has format version {manifest.get('format_version')}; this dynabatch reads {FORMAT_VERSION}"
+            f"checkpoint {path} has format version {manifest.get('format_version')}{older}; this dynabatch reads "
+            f"format {FORMAT_VERSION} (reshardable safetensors): continue it with the dynabatch that wrote it, or "
+            "start a new run"
         )
     shards = manifest.get("shards")
     if not isinstance(shards, list) or not all(isinstance(sh, dict) and {"file", "bytes", "sha256"} <= set(sh)
@@ -176,6 +183,10 @@ def verify(path: str) -> CheckpointInfo:
                 f"checkpoint {path}: shard {shard['file']} is corrupt or truncated "
                 f"({size} bytes, manifest says {shard['bytes']}; checksum mismatch)"
             )
+    unlisted = sorted(set(data_files(path)) - {shard["file"] for shard in shards})
+    if unlisted:
+        raise CheckpointError(f"checkpoint {path} holds data file {unlisted[0]} that its manifest does not list; "
+                              "the folder was edited: use another checkpoint")
     return CheckpointInfo(path=path, step=int(manifest["step"]), manifest=manifest)
 
 
@@ -202,17 +213,20 @@ def latest_checkpoint(root: str, fallback: bool = True) -> CheckpointInfo | None
     return None
 
 
-def load_shard(info: CheckpointInfo, rank: int, map_location="cpu") -> dict[str, Any]:
-    """This rank's shard of a verified checkpoint (``torch.load(weights_only=True)``); only a shard its
-    manifest lists, inside its folder."""
-    listed = {shard["file"] for shard in info.manifest["shards"]}
-    path = _shard_path(info.path, shard_name(rank))
-    if shard_name(rank) not in listed or not os.path.exists(path):
-        raise CheckpointError(
-            f"checkpoint {info.path} has no shard for rank {rank}: it was written by "
-            f"{len(info.manifest['shards'])} ranks; resume with the same stages x replicas"
-        )
-    return torch.load(path, map_location=map_location, weights_only=True)
+def resolve_checkpoint(path: str) -> CheckpointInfo:
+    """The checkpoint ``path`` names: a step folder (verified), or a checkpoints folder's newest complete
+    one (broken newer ones skipped with a warning); :class:`CheckpointError` in one line otherwise."""
+    if os.path.isdir(path) and (_STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+                                or os.path.exists(os.path.join(path, MANIFEST))):
+        return verify(path)
+    if list_checkpoints(path):
+        info = latest_checkpoint(path)
+        if info is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint: every step-NNNNNN folder in it is "
+                                  "incomplete or corrupt")
+        return info
+    raise CheckpointError(f"{path!r} is not a checkpoint: pass a step-NNNNNN folder (with {MANIFEST}) or a run's "
+                          "checkpoints/ folder")
 
 
 def _read_manifest(path: str) -> dict[str, Any] | None:
@@ -280,14 +294,18 @@ def _os_error(e: OSError) -> str:
 
 
 def save_collective(root: str, step: int, rank: int, state: dict[str, Any], *, gather: Callable[[Any], list],
-                    manifest_extra: dict[str, Any] | None, run_id: str | None, keep: int) -> str:
-    """Save checkpoint ``step`` under ``root``; collective: every rank calls it with its own shard
-    ``state``, and ``gather(obj)`` must return every rank's ``obj`` in rank order (e.g.
-    ``all_gather_object`` on a CPU group). Rank 0 (whose ``run_id`` and ``manifest_extra`` count) marks
-    the folder with the run id, writes the manifest after every shard and prunes (:func:`prune`).
+                    write: Callable[[str, dict[str, Any]], None], manifest_extra: dict[str, Any] | None,
+                    run_id: str | None, keep: int) -> str:
+    """Save checkpoint ``step`` under ``root``; collective: every rank calls it with its own ``state``
+    (flat name -> tensor), and ``gather(obj)`` must return every rank's ``obj`` in rank order (e.g.
+    ``all_gather_object`` on a CPU group). ``write(folder, state)`` writes this rank's part as data files
+    into ``folder`` (collective itself where it is DCP's save: every rank calls it or none does) and raises
+    ``OSError`` when this rank could not write. Rank 0 (whose ``run_id`` and ``manifest_extra`` count)
+    first marks the folder with the run id and clears what an unfinished earlier save left in it; after
+    every rank's write it checksums the data files, writes the manifest and prunes (:func:`prune`).
     Returns the step folder. Raises on every rank: :class:`NonFiniteError` (any rank's state holds a NaN
     or inf; nothing is written) or :class:`CheckpointWriteError` (an ``OSError`` on any rank; the step
-    folder is removed if this save created it, earlier checkpoints stay)."""
+    folder is removed if this save created it, else its data files; earlier checkpoints stay)."""
     if rank == 0 and not run_id:
         raise ValueError("save_collective: rank 0 needs the run id (new_run_id() for a fresh run)")
     folder = step_dir(root, step)
@@ -297,40 +315,57 @@ def save_collective(root: str, step: int, rank: int, state: dict[str, Any], *, g
         where = ", ".join(f"rank {r} {name!r}" for r, name in bad[:4]) + (" and more" if len(bad) > 4 else "")
         raise NonFiniteError(
             f"step {step}: not writing checkpoint {folder}: non-finite values (NaN or inf) in {where}; nothing was "
-            "written and the earlier checkpoints are kept. Lower --lr or --max-grad-norm and --resume from the "
-            "newest checkpoint"
+            "written and the earlier checkpoints are kept. Lower --learning-rate or --max-grad-norm and "
+            "--resume-from-checkpoint the newest checkpoint"
         )
-    try:
-        if rank == 0:
-            os.makedirs(folder, exist_ok=True)
-            atomic_write(os.path.join(folder, RUN_ID_FILE), lambda f: f.write(str(run_id).encode("utf-8")))
-        entry = save_shard(root, step, rank, state)
-    except OSError as e:
-        entry = {"error": f"rank {rank}: {_os_error(e)}"}
-    entries = gather(entry)
-    problem = _finish_save(root, step, entries, manifest_extra or {}, run_id, keep, created) if rank == 0 else None
+    error = _prepare_folder(folder, run_id) if rank == 0 else None
+    if gather(error)[0] is None:  # every rank writes, or (rank 0 could not prepare the folder) none does
+        try:
+            write(folder, state)
+        except OSError as e:
+            error = f"rank {rank}: {_os_error(e)}"
+    errors = [e for e in gather(error) if e is not None]
+    problem = _finish_save(root, step, errors, manifest_extra or {}, run_id, keep, created) if rank == 0 else None
     problem = gather(problem)[0]
     if problem is not None:
         raise CheckpointWriteError(problem)
     return folder
 
 
-def _finish_save(root: str, step: int, entries: list[dict[str, Any]], extra: dict[str, Any], run_id: str | None,
+def _prepare_folder(folder: str, run_id: str) -> str | None:
+    """Rank 0, before any write: the step folder with the run id in it, without the manifest and data files
+    of an unfinished (or overwritten) earlier save there; returns the error line or ``None``."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        atomic_write(os.path.join(folder, RUN_ID_FILE), lambda f: f.write(str(run_id).encode("utf-8")))
+        for name in [MANIFEST, *data_files(folder)]:  # the manifest first: the folder stops counting at once
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+    except OSError as e:
+        return f"rank 0: {_os_error(e)}"
+    return None
+
+
+def _finish_save(root: str, step: int, errors: list[str], extra: dict[str, Any], run_id: str | None,
                  keep: int, created: bool) -> str | None:
-    """Rank 0's part after every shard: manifest and pruning, or cleanup; returns the error line or ``None``."""
-    errors = [e["error"] for e in entries if "error" in e]
+    """Rank 0's part after every rank's write: checksums, manifest and pruning, or cleanup; returns the
+    error line or ``None``."""
+    folder = step_dir(root, step)
     if not errors:
         try:
+            entries = [file_entry(folder, name) for name in data_files(folder)]
             write_manifest(root, step, entries, {**extra, "run_id": run_id, "finite": True})
         except OSError as e:
             errors = [f"rank 0: {_os_error(e)}"]
-    folder = step_dir(root, step)
     if errors:
         if created:
             shutil.rmtree(folder, ignore_errors=True)
+        else:  # an earlier folder: only the data files, all of this save's (_prepare_folder removed older ones)
+            for name in data_files(folder):
+                os.remove(os.path.join(folder, name))
         return (f"could not write checkpoint {folder} ({'; '.join(errors)}); nothing of it was kept and the earlier "
-                "checkpoints are intact: free disk space (or fix the folder's permissions) and rerun with --resume, "
-                "or pass another --output-dir")
+                "checkpoints are intact: free disk space (or fix the folder's permissions) and rerun with "
+                "--resume-from-checkpoint, or pass another --output-dir")
     prune(root, keep, run_id)
     return None
 

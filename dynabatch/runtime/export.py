@@ -1,10 +1,10 @@
 """Export a training checkpoint to a plain Hugging Face ``save_pretrained`` directory.
 
-A checkpoint holds one shard per rank with stage-local parameter names. The export rebuilds the
-model from the run's config (stored in the manifest), builds each stage of replica 0 the same way
-the trainer did to learn its ``parameter_map`` (stage name -> HF name), copies every shard's weights
-into the model under their HF names (tied copies are identical, so any holder serves), checks that
-every model parameter was covered, and calls ``save_pretrained``. The result loads with
+A checkpoint holds every weight once under its global (HF) name, whatever the stage count
+(:mod:`dynabatch.runtime.reshard`). The export rebuilds the model from the run's config (stored in the
+manifest), reads the weights (safetensors, through ``torch.distributed.checkpoint``), checks that every
+model parameter is covered and finite, copies them in (a tied head takes its embedding's) and calls
+``save_pretrained``. The result loads with
 ``T5ForConditionalGeneration.from_pretrained(out)`` / ``GPT2LMHeadModel.from_pretrained(out)``.
 
 Weights with a NaN or inf are refused (nothing is written), and so is an output folder that is not
@@ -21,14 +21,7 @@ import os
 import torch
 
 from dynabatch.config import TrainConfig
-from dynabatch.runtime.checkpoint import (
-    CheckpointError,
-    first_non_finite,
-    latest_checkpoint,
-    load_shard,
-    shard_name,
-    verify,
-)
+from dynabatch.runtime.checkpoint import CheckpointError, first_non_finite, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -56,35 +49,25 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     if a weight is not finite; ``ValueError`` for an output folder :func:`check_out_dir` refuses."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model
-    from dynabatch.models.split import build_stage, layout_for
+    from dynabatch.runtime.reshard import model_weights
 
     check_out_dir(out_dir, force)
-    info = latest_checkpoint(checkpoint) if not os.path.exists(os.path.join(checkpoint, "manifest.json")) else verify(checkpoint)
-    if info is None:
-        raise CheckpointError(f"no complete checkpoint in {checkpoint}")
+    info = resolve_checkpoint(checkpoint)
     cfg = TrainConfig.of(**info.manifest["config"])
     vocab = tokenizer_info(load_tokenizer(cfg.tokenizer)).vocab_size
     model = build_model(cfg.model, vocab_size=vocab, dropout=cfg.dropout, seed=cfg.seed)
-    layout = layout_for(model, cfg.stages)
     params = dict(model.named_parameters())
-    covered: set[str] = set()
-    with torch.no_grad():
-        for stage_index in range(cfg.stages):  # replica 0 holds ranks 0..S-1
-            stage = build_stage(model, layout, stage_index)
-            weights = load_shard(info, stage_index)["stage"]
-            bad = first_non_finite(weights)
-            if bad is not None:
-                raise CheckpointError(
-                    f"checkpoint {info.path} holds non-finite weights (NaN or inf), first in parameter "
-                    f"{stage.parameter_map.get(bad, bad)!r} ({shard_name(stage_index)}); nothing was exported: "
-                    "export an earlier step-NNNNNN folder"
-                )
-            for local, hf_name in stage.parameter_map.items():
-                params[hf_name].copy_(weights[local])
-                covered.add(hf_name)
-    missing = sorted(set(params) - covered)
+    weights = model_weights(info.path)
+    missing = sorted(set(params) - set(weights))
     if missing:
         raise CheckpointError(f"checkpoint {info.path} does not cover parameters {missing[:5]}")
+    bad = first_non_finite({name: weights[name] for name in params})
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {info.path} holds non-finite weights (NaN or inf), first in parameter "
+                              f"{bad!r}; nothing was exported: export an earlier step-NNNNNN folder")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     load_tokenizer(cfg.tokenizer).save_pretrained(out_dir)

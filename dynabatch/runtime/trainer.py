@@ -8,8 +8,9 @@ schedules while the current step trains. Each step, :func:`~dynabatch.runtime.st
 delivers plans and host tensors and runs them everywhere. Rank 0 logs one JSON record per step
 (loss, real tokens/s, padding efficiency, micro-batch shapes, plan time and wait, predicted vs
 measured step time, peak memory) and shows a progress bar. Checkpoints are per-rank shards plus a
-manifest with the data position (``runtime.checkpoint``); ``--resume`` continues from the newest
-complete one, so later losses match an uninterrupted run and no sample is skipped or repeated.
+manifest with the data position (``runtime.checkpoint``), keyed by the global model's names so any
+stage and replica count resumes them (``runtime.resume``); ``--resume-from-checkpoint`` continues from
+one, so later losses match an uninterrupted run and no sample is skipped or repeated.
 At the end the last step's measured timeline is written next to its simulated twin.
 """
 
@@ -28,14 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.config import TrainConfig
-from dynabatch.runtime.checkpoint import (
-    latest_checkpoint,
-    load_shard,
-    new_run_id,
-    rng_state,
-    save_collective,
-    set_rng_state,
-)
+from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
 from dynabatch.runtime.log import quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import MetricsWriter, format_summary, peak_rss_bytes, summarize
@@ -201,83 +195,6 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
     return RunCalibration(cost_model, fit, cfg.plan_ahead, recorded_through=-2 if mode == "quick" else -1), key
 
 
-def _checkpoint_root(cfg: TrainConfig) -> str:
-    return os.path.join(cfg.output_dir, "checkpoints")
-
-
-def save_checkpoint(run: _Run, step: int, batcher_state: dict | None) -> str:
-    """Collective: every rank checks its state is finite and writes its shard, rank 0 the manifest (after
-    all shards exist) and prunes this run's old checkpoints (:func:`~dynabatch.runtime.checkpoint.save_collective`:
-    ``NonFiniteError`` or ``CheckpointWriteError`` on every rank). A fresh run gets its id
-    (``run.run_id``) at its first save; a resumed run keeps its checkpoint's. Returns the step folder."""
-    if not run.run_id:
-        run.run_id = new_run_id()  # only rank 0's id is written
-    shard = {
-        "stage": run.stage.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "rng": rng_state(),
-        "step": step,
-    }
-    extra = None
-    if run.ctx.is_planner:
-        shard["calibration"] = run.calibration.state_dict()  # the fit the next steps are planned with
-        extra = {"data": batcher_state, "config": run.cfg.to_dict(),
-                 "world": {"stages": run.cfg.stages, "replicas": run.cfg.replicas}}
-
-    def gather(obj) -> list:
-        out: list = [None] * run.ctx.world_size
-        dist.all_gather_object(out, obj, group=run.ctx.delivery_group)
-        return out
-
-    return save_collective(_checkpoint_root(run.cfg), step, run.ctx.rank, shard, gather=gather, manifest_extra=extra,
-                           run_id=run.run_id, keep=run.cfg.save_total_limit)
-
-
-def find_resume_checkpoint(cfg: TrainConfig, ctx: DistContext):
-    """The checkpoint ``--resume`` continues from (``None``: start at step 0, with a warning), after
-    checking that no setting that cannot change did (:mod:`dynabatch.runtime.resume`); changed
-    settings that may change are logged. Runs before any data is loaded."""
-    from dynabatch.runtime.resume import compare_configs
-
-    info = latest_checkpoint(_checkpoint_root(cfg))
-    if info is None:
-        if ctx.is_planner:
-            logger.warning(f"--resume: no complete checkpoint in {_checkpoint_root(cfg)}; starting from step 0")
-        return None
-    if info.step > cfg.max_steps:
-        raise ValueError(f"--resume: the newest checkpoint {info.path} is at step {info.step}, past --steps "
-                         f"{cfg.max_steps}; raise --steps to train further")
-    notes = compare_configs(info.manifest.get("config", {}), cfg, info.path)
-    if notes and ctx.is_planner:
-        logger.info(f"--resume from {info.path}: changed settings apply from step {info.step}: {'; '.join(notes)}")
-    return info
-
-
-def resume(run: _Run, info) -> int:
-    """Load checkpoint ``info`` (from :func:`find_resume_checkpoint`); returns the step to continue from."""
-    from dynabatch.runtime.resume import apply_hyperparameters
-
-    if info is None:
-        return 0
-    shard = load_shard(info, run.ctx.rank, map_location=run.ctx.device)
-    run.stage.load_state_dict(shard["stage"])
-    run.optimizer.load_state_dict(shard["optimizer"])
-    run.scheduler.load_state_dict(shard["scheduler"])
-    apply_hyperparameters(run.optimizer, run.scheduler, run.cfg, _lr_lambda(run.cfg))
-    run.run_id = info.run_id
-    set_rng_state(shard["rng"])
-    if run.ctx.is_planner:
-        run.batcher.load_state_dict(info.manifest["data"])
-        run.planner.step = info.step
-        from dynabatch.cost.online import OnlineFit
-
-        if run.calibration.enabled and shard.get("calibration"):
-            run.calibration.fit = OnlineFit.from_state_dict(shard["calibration"])
-        run.calibration.recorded_through = info.step - 1
-    return info.step
-
-
 def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
     """Train ``cfg.max_steps`` steps with ``cfg.method`` (on ``datasets`` in memory when given); rank 0 returns the
     summary."""
@@ -296,7 +213,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if ctx.is_planner:
         check_trackers(cfg.report_to)  # a missing tracker package fails before any data is loaded
     run = build_run(cfg, ctx, datasets)
-    start = resume(run, info)
+    start = resume(run, info, _lr_lambda(cfg))
     memory = cfg.memory_gib * 2**30
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if ctx.is_planner:

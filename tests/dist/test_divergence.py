@@ -14,7 +14,8 @@ import torch
 
 @pytest.mark.parametrize("model", ["t5-tiny", "gpt2-tiny"])
 def test_two_stage_divergence_stops_every_rank(tmp_path, toy_mixture_dir, model):
-    from dynabatch.runtime.checkpoint import latest_checkpoint, load_shard
+    from dynabatch.runtime.checkpoint import latest_checkpoint
+    from dynabatch.runtime.reshard import model_weights
 
     out = tmp_path / "div"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -34,6 +35,5 @@ def test_two_stage_divergence_stops_every_rank(tmp_path, toy_mixture_dir, model)
     assert f"up to step {last}" in text
     info = latest_checkpoint(str(out / "checkpoints"))
     assert info is not None and info.step <= last + 1
-    for rank in (0, 1):
-        weights = load_shard(info, rank)["stage"]
-        assert all(torch.isfinite(w).all() for w in weights.values()), rank
+    weights = model_weights(info.path)  # both stages' parameters
+    assert weights and all(torch.isfinite(w).all() for w in weights.values())

@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import pytest
 
+from dynabatch.runtime.checkpoint import data_files
 from dynabatch.runtime.metrics import MetricsWriter
 
 STEPS = 24
@@ -133,14 +134,16 @@ def test_soak_crash_corrupt_checkpoint_resume(tmp_path, toy_mixture_dir):
     assert first.returncode == 17, first.stderr[-2000:]
     before = records(out)
     assert [r["step"] for r in before] == list(range(CRASH_AT))
-    broken = os.path.join(out, "checkpoints", "step-000012", "rank-00000.pt")
-    with open(broken, "r+b") as f:  # truncate the newest shard
+    newest = os.path.join(out, "checkpoints", "step-000012")
+    name = data_files(newest)[0]
+    broken = os.path.join(newest, name)
+    with open(broken, "r+b") as f:  # truncate the newest checkpoint's data file
         f.truncate(os.path.getsize(broken) // 2)
 
     second = train(out, mixture, "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--resume")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "skipping broken checkpoint" in second.stderr and "step-000012" in second.stderr
-    assert "rank-00000.pt is corrupt or truncated" in second.stderr
+    assert f"{name} is corrupt or truncated" in second.stderr
     steps = [r["step"] for r in records(out)]
     assert steps == list(range(STEPS))  # the resume dropped the records of steps 8-13 it trains again
     after = records(out)[8:]  # resumed from the step-8 checkpoint

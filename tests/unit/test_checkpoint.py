@@ -1,5 +1,6 @@
-"""Atomic, verified checkpoints: crash during save, corruption, fallback, weights-only loading; run ids
-and pruning, non-finite weights, a full disk, export guards."""
+"""Atomic, verified, reshardable checkpoints: crash during save, corruption, fallback, unlisted files, an
+older format; run ids and pruning, non-finite weights, a full disk; global names and tied weights across
+layouts; export guards; ``--resume-from-checkpoint PATH`` refusals."""
 
 from __future__ import annotations
 
@@ -10,30 +11,52 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from dynabatch.runtime.checkpoint import (
+    MANIFEST,
     RUN_ID_FILE,
     CheckpointError,
     CheckpointWriteError,
     NonFiniteError,
+    atomic_write,
+    data_files,
+    file_entry,
     first_non_finite,
     folder_run_id,
     latest_checkpoint,
     list_checkpoints,
-    load_shard,
     new_run_id,
     prune,
+    resolve_checkpoint,
     save_collective,
-    save_shard,
     step_dir,
     verify,
     write_manifest,
 )
+from dynabatch.runtime.reshard import dcp_writer, load_stage_state, model_weights, stage_state
+
+
+def _file_writer(rank: int, fail: OSError | None = None):
+    """``write`` of one rank as plain safetensors (the threaded tests have no process group for DCP); with
+    ``fail``, half a file and then that error."""
+    def write(folder, state):
+        path = os.path.join(folder, f"shard-{rank + 1:05d}.safetensors")
+        if fail is not None:
+            with open(path, "wb") as f:
+                f.write(b"half a shard")
+            raise fail
+        save_file(state, path)
+    return write
 
 
 def _save(root, step, ranks=2, value=0.0, run_id="run-a", **extra):
-    shards = [save_shard(root, step, r, {"w": torch.full((3,), value + r), "step": step}) for r in range(ranks)]
-    write_manifest(str(root), step, shards, {"data": {"pending": None}, "run_id": run_id, "finite": True, **extra})
+    folder = step_dir(root, step)
+    os.makedirs(folder, exist_ok=True)
+    for r in range(ranks):
+        _file_writer(r)(folder, {f"model/w{r}": torch.full((3,), value + r)})
+    write_manifest(str(root), step, [file_entry(folder, n) for n in data_files(folder)],
+                   {"data": {"pending": None}, "run_id": run_id, "finite": True, **extra})
 
 
 def _one_rank(obj) -> list:
@@ -50,12 +73,14 @@ def test_round_trip_and_latest(tmp_path):
     _save(tmp_path, 20, value=2.0)
     info = latest_checkpoint(str(tmp_path))
     assert info.step == 20 and info.manifest["data"] == {"pending": None}
-    assert torch.equal(load_shard(info, 1)["w"], torch.full((3,), 3.0))
+    weights = model_weights(info.path)  # read through DCP from both ranks' files
+    assert sorted(weights) == ["w0", "w1"] and torch.equal(weights["w1"], torch.full((3,), 3.0))
 
 
 def test_crash_before_manifest_falls_back(tmp_path):
     _save(tmp_path, 10)
-    save_shard(tmp_path, 20, 0, {"w": torch.zeros(2)})  # rank 1 never wrote, no manifest
+    os.makedirs(step_dir(tmp_path, 20))
+    _file_writer(0)(step_dir(tmp_path, 20), {"model/w0": torch.zeros(2)})  # rank 1 never wrote, no manifest
     with pytest.warns(UserWarning, match="incomplete"):
         info = latest_checkpoint(str(tmp_path))
     assert info.step == 10
@@ -63,69 +88,80 @@ def test_crash_before_manifest_falls_back(tmp_path):
         latest_checkpoint(str(tmp_path), fallback=False)
 
 
-def test_crash_while_writing_leaves_previous_file(tmp_path):
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     _save(tmp_path, 10, value=5.0)
 
     class Boom(Exception):
         pass
 
-    def exploding_save(obj, f):
+    def exploding(f):
         f.write(b"partial bytes")
         raise Boom
 
-    real = torch.save
-    torch.save = exploding_save
-    try:
-        with pytest.raises(Boom):
-            save_shard(tmp_path, 10, 0, {"w": torch.zeros(3)})
-    finally:
-        torch.save = real
+    with pytest.raises(Boom):  # the manifest's own write is atomic: the old one stays
+        atomic_write(os.path.join(step_dir(tmp_path, 10), MANIFEST), exploding)
     assert not [n for n in os.listdir(step_dir(tmp_path, 10)) if n.startswith(".tmp-")]
-    info = verify(step_dir(tmp_path, 10))  # the old shard is intact
-    assert torch.equal(load_shard(info, 0)["w"], torch.full((3,), 5.0))
+    assert verify(step_dir(tmp_path, 10)).step == 10
+
+    def crash(folder, state):
+        _file_writer(0)(folder, state)
+        raise Boom
+
+    with pytest.raises(Boom):  # a save that dies after its data files: no manifest, so it does not count
+        save_collective(str(tmp_path), 20, 0, {"model/w": torch.ones(1)}, gather=_one_rank, write=crash,
+                        manifest_extra={}, run_id="run-a", keep=2)
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert latest_checkpoint(str(tmp_path)).step == 10
 
 
-def test_truncated_shard_detected(tmp_path):
+def test_truncated_file_detected(tmp_path):
     _save(tmp_path, 10)
     _save(tmp_path, 20)
-    shard = os.path.join(step_dir(tmp_path, 20), "rank-00001.pt")
+    shard = os.path.join(step_dir(tmp_path, 20), "shard-00002.safetensors")
     with open(shard, "r+b") as f:
         f.truncate(10)
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+    with pytest.raises(CheckpointError, match="shard-00002.safetensors is corrupt or truncated"):
         verify(step_dir(tmp_path, 20))
     with pytest.warns(UserWarning):
         assert latest_checkpoint(str(tmp_path)).step == 10
 
 
-class NotATensor:
-    """A pickled class instance: weights-only loading must refuse it."""
+def test_unlisted_data_file_and_older_format_are_refused(tmp_path):
+    _save(tmp_path, 10)
+    folder = step_dir(tmp_path, 10)
+    save_file({"model/w0": torch.ones(3)}, os.path.join(folder, "extra.safetensors"))  # the reader would read it
+    with pytest.raises(CheckpointError, match="holds data file extra.safetensors that its manifest does not list"):
+        verify(folder)
+    os.remove(os.path.join(folder, "extra.safetensors"))
+    os.remove(os.path.join(folder, "shard-00002.safetensors"))
+    with pytest.raises(CheckpointError, match="shard shard-00002.safetensors is missing"):
+        verify(folder)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"format_version": 1, "step": 10, "shards": []}, f)
+    with pytest.raises(CheckpointError) as e:
+        verify(folder)
+    assert "format version 1 (per-rank .pt shards" in str(e.value) and "reads format 2" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
-def test_weights_only_refuses_code(tmp_path):
-    shards = [save_shard(tmp_path, 1, 0, {"obj": NotATensor()})]
-    write_manifest(str(tmp_path), 1, shards, {})
-    with pytest.raises(Exception, match="[Ww]eights only"):
-        load_shard(verify(step_dir(tmp_path, 1)), 0)
-
-
-def test_missing_rank_and_prune(tmp_path):
+def test_prune_keeps_newest(tmp_path):
     for s in (1, 2, 3):
         _save(tmp_path, s)
-    with pytest.raises(CheckpointError, match="no shard for rank 5"):
-        load_shard(latest_checkpoint(str(tmp_path)), 5)
     prune(str(tmp_path), keep=1, run_id="run-a")
     assert sorted(os.listdir(tmp_path)) == ["step-000003"]
 
 
-def test_save_collective_records_run_id_and_finiteness(tmp_path):
+def test_save_collective_through_dcp_records_run_id_and_finiteness(tmp_path):
     run_id = new_run_id()
     assert len(run_id) == 16 and int(run_id, 16) >= 0 and new_run_id() != run_id
-    folder = save_collective(str(tmp_path), 4, 0, {"stage": {"w": torch.ones(2)}, "step": 4}, gather=_one_rank,
-                             manifest_extra={"data": None}, run_id=run_id, keep=2)
+    folder = save_collective(str(tmp_path), 4, 0, {"model/w": torch.ones(2), "optim/step/w": torch.tensor(3.0)},
+                             gather=_one_rank, write=dcp_writer(None), manifest_extra={"data": None}, run_id=run_id,
+                             keep=2)
     info = verify(folder)
     assert info.run_id == run_id and info.manifest["finite"] is True and info.step == 4
+    assert [s["file"] for s in info.manifest["shards"]] == data_files(folder) != []
     assert folder_run_id(folder) == run_id
-    assert torch.equal(load_shard(info, 0)["stage"]["w"], torch.ones(2))
+    assert torch.equal(model_weights(folder)["w"], torch.ones(2))
 
 
 def test_prune_only_touches_this_run(tmp_path):
@@ -139,8 +175,8 @@ def test_prune_only_touches_this_run(tmp_path):
     with open(os.path.join(step_dir(tmp_path, 1), RUN_ID_FILE), "w") as f:
         f.write("new")  # the new run's own unfinished save
     for step in (2, 4, 6):
-        save_collective(str(tmp_path), step, 0, {"w": torch.zeros(1)}, gather=_one_rank, manifest_extra={},
-                        run_id="new", keep=2)
+        save_collective(str(tmp_path), step, 0, {"model/w": torch.zeros(1)}, gather=_one_rank, write=_file_writer(0),
+                        manifest_extra={}, run_id="new", keep=2)
     assert _steps(tmp_path) == [4, 6, 8, 10, 12, 14]
     assert [folder_run_id(step_dir(tmp_path, s)) for s in (4, 6, 8, 10, 12, 14)] == ["new", "new", "old", "old", None, None]
     with pytest.raises(ValueError, match="needs the id of the run"):
@@ -155,6 +191,16 @@ def test_prune_never_deletes_the_newest_finite_checkpoint(tmp_path):
     assert _steps(tmp_path) == [2, 6]
 
 
+def test_a_save_over_an_unfinished_one_drops_its_files(tmp_path):
+    folder = step_dir(tmp_path, 4)  # a crashed save of a larger world left three files and no manifest
+    os.makedirs(folder)
+    for r in range(3):
+        _file_writer(r)(folder, {f"model/w{r}": torch.zeros(1)})
+    save_collective(str(tmp_path), 4, 0, {"model/v": torch.ones(1)}, gather=_one_rank, write=_file_writer(0),
+                    manifest_extra={}, run_id="r", keep=2)
+    assert data_files(folder) == ["shard-00001.safetensors"] and sorted(model_weights(folder)) == ["v"]
+
+
 def test_first_non_finite_names_the_tensor():
     state = {"stage": {"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}, "rng": torch.zeros(3, dtype=torch.uint8),
              "optimizer": {"state": {0: {"exp_avg": torch.ones(1)}}}, "step": 3}
@@ -165,9 +211,9 @@ def test_first_non_finite_names_the_tensor():
     assert first_non_finite(state) == "optimizer.state.0.exp_avg"
 
 
-def _threaded_save(root, step, states, **kw):
+def _threaded_save(root, step, states, fail_rank: int | None = None):
     """Run save_collective on len(states) ranks as threads that gather through a barrier (like
-    all_gather_object); returns each rank's result or exception."""
+    all_gather_object), rank ``fail_rank`` finding the disk full; returns each rank's result or exception."""
     world = len(states)
     slots: list = [None] * world
     barrier = threading.Barrier(world, timeout=30)
@@ -184,9 +230,11 @@ def _threaded_save(root, step, states, **kw):
         return gather
 
     def run(rank):
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if rank == fail_rank else None
         try:
             results[rank] = save_collective(str(root), step, rank, states[rank], gather=gather_for(rank),
-                                            manifest_extra={}, run_id="r" if rank == 0 else None, keep=2, **kw)
+                                            write=_file_writer(rank, full), manifest_extra={},
+                                            run_id="r" if rank == 0 else None, keep=2)
         except Exception as e:  # noqa: BLE001 - handed to the test
             results[rank] = e
 
@@ -200,46 +248,40 @@ def _threaded_save(root, step, states, **kw):
 
 def test_non_finite_on_one_rank_writes_nothing_on_any(tmp_path):
     _save(tmp_path, 2, run_id="r")
-    states = [{"stage": {"w": torch.ones(2)}}, {"stage": {"w": torch.tensor([0.0, float("nan")])}}]
+    states = [{"model/w": torch.ones(2)}, {"model/w": torch.tensor([0.0, float("nan")])}]
     results = _threaded_save(tmp_path, 4, states)
     for e in results:  # every rank raises the same line
         assert isinstance(e, NonFiniteError) and isinstance(e, ValueError), e
         assert str(e) == str(results[0])
     msg = str(results[0])
-    assert "step 4" in msg and "rank 1 'stage.w'" in msg and "rank 0" not in msg and "Lower --lr" in msg
+    assert "step 4" in msg and "rank 1 'model/w'" in msg and "rank 0" not in msg and "Lower --learning-rate" in msg
     assert _steps(tmp_path) == [2] and verify(step_dir(tmp_path, 2)).step == 2
 
 
-def _disk_full_on(thread_name: str):
-    real = torch.save
-
-    def save(obj, f):
-        if threading.current_thread().name == thread_name:
-            f.write(b"half a shard")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(obj, f)
-
-    return save
-
-
-def test_disk_full_on_one_rank_leaves_no_partial_folder(tmp_path, monkeypatch):
+def test_disk_full_on_one_rank_leaves_no_partial_folder(tmp_path):
     _save(tmp_path, 2, run_id="r")
-    monkeypatch.setattr(torch, "save", _disk_full_on("rank-1"))
-    results = _threaded_save(tmp_path, 4, [{"w": torch.ones(1)}, {"w": torch.ones(1)}])
+    results = _threaded_save(tmp_path, 4, [{"model/w": torch.ones(1)}, {"model/v": torch.ones(1)}], fail_rank=1)
     for e in results:
         assert isinstance(e, CheckpointWriteError) and isinstance(e, ValueError), e
     msg = str(results[0])
     assert step_dir(tmp_path, 4) in msg and "rank 1: No space left on device (ENOSPC)" in msg
-    assert "free disk space" in msg and "--resume" in msg and "--output-dir" in msg
+    assert "free disk space" in msg and "--resume-from-checkpoint" in msg and "--output-dir" in msg
     assert _steps(tmp_path) == [2] and verify(step_dir(tmp_path, 2)).step == 2
 
 
-def test_disk_full_keeps_a_folder_this_save_did_not_create(tmp_path, monkeypatch):
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_disk_full_through_dcp_keeps_a_folder_this_save_did_not_create(tmp_path, monkeypatch):
+    import safetensors.torch
+
     os.makedirs(step_dir(tmp_path, 4))
     (tmp_path / "step-000004" / "notes.txt").write_text("not ours")
-    monkeypatch.setattr(torch, "save", _disk_full_on(threading.current_thread().name))
+    monkeypatch.setattr(safetensors.torch, "save", _disk_full)  # what DCP's safetensors writer calls
     with pytest.raises(CheckpointWriteError, match="rank 0: No space left on device"):
-        save_collective(str(tmp_path), 4, 0, {"w": torch.ones(1)}, gather=_one_rank, manifest_extra={}, run_id="r", keep=1)
+        save_collective(str(tmp_path), 4, 0, {"model/w": torch.ones(1)}, gather=_one_rank, write=dcp_writer(None),
+                        manifest_extra={}, run_id="r", keep=1)
     assert sorted(os.listdir(step_dir(tmp_path, 4))) == ["notes.txt", RUN_ID_FILE]
 
 
@@ -250,19 +292,57 @@ def test_read_only_checkpoint_folder(tmp_path):
     os.chmod(tmp_path, 0o555)
     try:
         with pytest.raises(CheckpointWriteError, match=r"Permission denied \(EACCES\).*free disk space"):
-            save_collective(str(tmp_path), 4, 0, {"w": torch.ones(1)}, gather=_one_rank, manifest_extra={},
-                            run_id="r", keep=1)
+            save_collective(str(tmp_path), 4, 0, {"model/w": torch.ones(1)}, gather=_one_rank,
+                            write=dcp_writer(None), manifest_extra={}, run_id="r", keep=1)
     finally:
         os.chmod(tmp_path, 0o755)
     assert _steps(tmp_path) == [2]
+
+
+# --- global names across layouts ----------------------------------------------------------------------
+
+
+def _stages(model, num_stages: int):
+    from dynabatch.models.split import build_stages, layout_for
+
+    stages = build_stages(model, layout_for(model, num_stages))
+    return stages, [torch.optim.AdamW(s.parameters(), lr=1e-2) for s in stages]
+
+
+def test_a_one_stage_checkpoint_loads_into_two_stages_with_tied_weights_and_moments(tmp_path):
+    from dynabatch.models.presets import build_model
+
+    model = build_model("t5-tiny", vocab_size=384, seed=3)
+    (one,), (opt,) = _stages(model, 1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):  # two real AdamW steps: moments and step counts that are not the initial ones
+        for p in one.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    folder = save_collective(str(tmp_path), 2, 0, stage_state(one, opt, 0), gather=_one_rank, write=dcp_writer(None),
+                             manifest_extra={}, run_id="r", keep=1)
+    saved = {one.parameter_map[n]: (p, opt.state[p]) for n, p in one.named_parameters()}
+    stages, opts = _stages(model, 2)  # fresh weights of the seed, empty optimizers
+    holders: dict[str, int] = {}
+    for stage, o in zip(stages, opts):
+        load_stage_state(folder, stage, o, rank=None)
+        for local, p in stage.named_parameters():
+            name = stage.parameter_map[local]
+            holders[name] = holders.get(name, 0) + 1
+            weight, state = saved[name]
+            assert torch.equal(p, weight), name
+            assert sorted(o.state[p]) == ["exp_avg", "exp_avg_sq", "step"] and float(o.state[p]["step"]) == 2.0
+            assert torch.equal(o.state[p]["exp_avg_sq"], state["exp_avg_sq"]) and o.state[p]["step"].dim() == 0
+    assert holders["shared.weight"] == 2  # the tied embedding: on the encoder's first and the decoder's stage
+    assert set(holders) == set(saved)
 
 
 # --- export -------------------------------------------------------------------------------------------
 
 
 def _model_checkpoint(root, step: int, poison: str | None = None):
-    """A one-stage t5-tiny checkpoint as an older dynabatch wrote it (no finiteness check): with ``poison``
-    (a stage parameter name) holding a NaN. Returns (folder, stage)."""
+    """A one-stage t5-tiny checkpoint with ``poison`` (a stage parameter name) holding a NaN, written
+    without the save's finiteness check (as by hand). Returns (folder, stage)."""
     from dynabatch.config import TrainConfig
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model
@@ -271,12 +351,15 @@ def _model_checkpoint(root, step: int, poison: str | None = None):
     cfg = TrainConfig(model="t5-tiny", tokenizer="byt5", output_dir=str(root))
     model = build_model(cfg.model, vocab_size=tokenizer_info(load_tokenizer(cfg.tokenizer)).vocab_size, seed=1)
     stage = build_stage(model, layout_for(model, 1), 0)
-    weights = {k: v.clone() for k, v in stage.state_dict().items()}
+    state = stage_state(stage, torch.optim.AdamW(stage.parameters()), 0)
     if poison:
-        weights[poison].view(-1)[0] = float("nan")
-    shards = [save_shard(str(root), step, 0, {"stage": weights})]
-    write_manifest(str(root), step, shards, {"config": cfg.to_dict(), "run_id": "r"})
-    return step_dir(root, step), stage
+        state["model/" + stage.parameter_map[poison]].view(-1)[0] = float("nan")
+    folder = step_dir(str(root), step)
+    os.makedirs(folder)
+    dcp_writer(None)(folder, state)
+    write_manifest(str(root), step, [file_entry(folder, n) for n in data_files(folder)],
+                   {"config": cfg.to_dict(), "run_id": "r"})
+    return folder, stage
 
 
 def _cli(capsys, *args) -> tuple[int, str]:
@@ -319,33 +402,58 @@ def test_export_guards_its_output_folder(tmp_path, capsys):
 # --- through `dynabatch train` ------------------------------------------------------------------------
 
 TRAIN = ["train", "--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
-         "--max-target-len", "32", "--log-every", "0", "--no-timeline", "--task-loss-every", "0"]
+         "--max-target-len", "32", "--logging-steps", "0", "--no-timeline", "--task-loss-every", "0"]
 
 
-def test_train_keeps_one_run_id_across_resume_and_prunes_only_it(tmp_path, capsys, toy_mixture_dir):
+def _error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("dynabatch train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_train_keeps_one_run_id_across_resume_and_refuses_a_path_that_is_no_checkpoint(tmp_path, capsys,
+                                                                                       toy_mixture_dir):
     out = tmp_path / "run"
     common = [*TRAIN, "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--output-dir", str(out),
-              "--checkpoint-every", "1", "--keep-checkpoints", "1"]
-    assert _cli(capsys, *common, "--steps", "2")[0] == 0
+              "--save-steps", "1", "--save-total-limit", "1"]
+    assert _cli(capsys, *common, "--max-steps", "2")[0] == 0
     root = out / "checkpoints"
     assert _steps(root) == [2]
     first = verify(step_dir(root, 2))
     assert first.manifest["finite"] is True and len(first.run_id) == 16
+    assert first.manifest["world"] == {"stages": 1, "replicas": 1} and first.manifest["scheduler"]["last_epoch"] == 2
+    assert first.manifest["calibration"]["key"]["layout"] and first.manifest["calibration"]["fit"]
     _save(root, 1, run_id="another-run")  # not this run's: pruning must leave it
-    code, err = _cli(capsys, *common, "--steps", "3", "--resume")
+    code, err = _cli(capsys, *common, "--max-steps", "3", "--resume-from-checkpoint")  # no value: latest
     assert code == 0, err[-2000:]
     assert _steps(root) == [1, 3] and verify(step_dir(root, 3)).run_id == first.run_id
+    assert resolve_checkpoint(str(root)).step == 3 and resolve_checkpoint(step_dir(root, 3)).step == 3
+
+    other = [*TRAIN, "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--output-dir", str(tmp_path / "new"),
+             "--max-steps", "4", "--resume-from-checkpoint"]
+    code, err = _cli(capsys, *other, str(toy_mixture_dir))
+    line = _error_line(err)
+    assert code == 2 and f"--resume-from-checkpoint {toy_mixture_dir}: {str(toy_mixture_dir)!r} is not a checkpoint: " in line
+    assert "pass a step-NNNNNN folder (with manifest.json) or a run's checkpoints/ folder" in line
+    shard = os.path.join(step_dir(root, 3), data_files(step_dir(root, 3))[0])
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    code, err = _cli(capsys, *other, step_dir(root, 3))
+    assert code == 2 and f"{data_files(step_dir(root, 3))[0]} is corrupt or truncated" in _error_line(err)
+    os.remove(os.path.join(step_dir(root, 1), MANIFEST))
+    code, err = _cli(capsys, *other, str(root))  # every checkpoint in it broken
+    assert code == 2 and "holds no complete checkpoint" in _error_line(err)
+    assert not (tmp_path / "new" / "checkpoints").exists() or _steps(tmp_path / "new" / "checkpoints") == []
 
 
 def test_disk_full_during_train_is_one_line_and_exit_2(tmp_path, capsys, toy_mixture_dir, monkeypatch):
-    def full(obj, f):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    import safetensors.torch
 
-    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(safetensors.torch, "save", _disk_full)
     code, err = _cli(capsys, *TRAIN, "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
-                     "--output-dir", str(tmp_path / "run"), "--steps", "1")
-    lines = [line for line in err.splitlines() if line.startswith("dynabatch train: error:")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert f"could not write checkpoint {step_dir(tmp_path / 'run' / 'checkpoints', 1)}" in lines[0]
-    assert "No space left on device (ENOSPC)" in lines[0] and "free disk space" in lines[0]
+                     "--output-dir", str(tmp_path / "run"), "--max-steps", "1")
+    line = _error_line(err)
+    assert code == 2
+    assert f"could not write checkpoint {step_dir(tmp_path / 'run' / 'checkpoints', 1)}" in line
+    assert "No space left on device (ENOSPC)" in line and "free disk space" in line
     assert _steps(tmp_path / "run" / "checkpoints") == []

@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 
-from dynabatch.runtime.checkpoint import MANIFEST, CheckpointError, save_shard, step_dir, verify, write_manifest
+from dynabatch.runtime.checkpoint import MANIFEST, CheckpointError, file_entry, step_dir, verify, write_manifest
+
+SHARD = "shard-00001-model-00001-of-00001.safetensors"
 
 LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
 
@@ -126,7 +128,11 @@ def _checkpoint_with_shard_name(tmp_path, name: str) -> str:
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"secret outside the checkpoint")
     root = tmp_path / "run" / "checkpoints"
-    entry = save_shard(str(root), 1, 0, {"w": torch.zeros(1)})
+    from safetensors.torch import save_file
+
+    os.makedirs(step_dir(str(root), 1))
+    save_file({"model/w": torch.zeros(1)}, os.path.join(step_dir(str(root), 1), SHARD))
+    entry = file_entry(step_dir(str(root), 1), SHARD)
     entry.update(file=name, bytes=outside.stat().st_size, sha256=hashlib.sha256(outside.read_bytes()).hexdigest())
     write_manifest(str(root), 1, [entry], {})
     return step_dir(str(root), 1)
@@ -142,18 +148,18 @@ def test_manifest_shard_names_are_confined_to_the_folder(tmp_path, name):
 
 
 def test_symlinked_shard_pointing_outside_is_refused(tmp_path):
-    folder = _checkpoint_with_shard_name(tmp_path, "rank-00000.pt")
-    os.remove(os.path.join(folder, "rank-00000.pt"))
-    os.symlink(tmp_path / "outside.txt", os.path.join(folder, "rank-00000.pt"))
+    folder = _checkpoint_with_shard_name(tmp_path, SHARD)
+    os.remove(os.path.join(folder, SHARD))
+    os.symlink(tmp_path / "outside.txt", os.path.join(folder, SHARD))
     with pytest.raises(CheckpointError, match="not a file inside the checkpoint folder"):
         verify(folder)
 
 
 def test_malformed_shard_list_is_a_checkpoint_error(tmp_path):
-    folder = _checkpoint_with_shard_name(tmp_path, "rank-00000.pt")
+    folder = _checkpoint_with_shard_name(tmp_path, SHARD)
     with open(os.path.join(folder, MANIFEST)) as f:
         manifest = json.load(f)
-    manifest["shards"] = [{"file": "rank-00000.pt"}]
+    manifest["shards"] = [{"file": SHARD}]
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f)
     with pytest.raises(CheckpointError, match="malformed manifest"):
