@@ -29,6 +29,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class FlagError(ValueError):
+    """A flag argparse refuses (unknown flag, a value of the wrong type or not among the choices)."""
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A sub-command's parser: a bad flag is one line (what, and where to look), not the whole usage."""
+
+    def error(self, message: str):
+        raise FlagError(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynabatch", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -41,10 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    p = argparse.ArgumentParser(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1],
-                                formatter_class=HelpFormatter)
+    p = OneLineErrors(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1], formatter_class=HelpFormatter)
     module.add_arguments(p)
-    args = p.parse_args(argv[1:])
+    try:
+        args = p.parse_args(argv[1:])
+    except FlagError as e:
+        print(error_line(f"dynabatch {argv[0]}", f"{e} (see `dynabatch {argv[0]} --help`)"), file=sys.stderr)
+        return 2
     args.argv = argv[1:]  # which flags were given (a --config file's values yield only to those)
     setup_logging()  # info on rank 0 (train applies --log-level), warnings elsewhere (runtime.log)
     quiet_third_party()

@@ -130,13 +130,18 @@ def resolve(args: argparse.Namespace) -> Workload:
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)
 
 
-def split_from_data(w: Workload, batches) -> Workload:
-    """``w`` with its layer split balanced over the micro-batches the dynamic planner cuts ``batches`` into
-    (planned with ``w``'s reference split; one round: the micro-batches hardly depend on the split)."""
+def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
+    """``w`` with its layer split balanced over the micro-batches ``method`` cuts ``batches`` into (planned
+    with ``w``'s reference split; one round: the micro-batches hardly depend on the split). A workload the
+    method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error comes
+    where the method runs, with that command's advice."""
     from dynabatch.cost.stages import balanced_layout
     from dynabatch.workload import method_micro_batches
 
     cm = w.cost_model
-    plans = [method_micro_batches("dynamic", b, w.limits, cm, cm.num_stages, w.options) for b in batches]
+    try:
+        plans = [method_micro_batches(method, b, w.limits, cm, cm.num_stages, w.options) for b in batches]
+    except ValueError:
+        return w
     layout = balanced_layout(cm.model, cm.num_stages, micro_batches=[(p.shapes, p.pairs) for p in plans])
     return replace(w, cost_model=replace(cm, layout=layout))

@@ -27,35 +27,35 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods, METHODS)
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
-    if args.layer_split == "data":
-        w = split_from_data(w, batches)
     stages = w.cost_model.num_stages
-    slice_model = None
-    if args.slice_long:
-        if is_seq2seq(w.family):
-            raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
+    if args.slice_long and is_seq2seq(w.family):
+        raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
+
+    def slicer(cost_model):
         from dynabatch.plan.slicing import AnalyticSliceCostModel
 
-        slice_model = AnalyticSliceCostModel.from_stage_model(w.cost_model)
+        return AnalyticSliceCostModel.from_stage_model(cost_model) if args.slice_long else None
+
     rows = {}
     try:
-        _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options, slice_cost_model=slice_model,
-                                  pack_rows=args.pack_rows)
+        _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options,
+                                  slice_cost_model=slicer(w.cost_model), pack_rows=args.pack_rows)
              for b in batches[:1] if "dynamic" in methods]
     except ValueError as e:
         hint = " (or pass --slice-long to cut such samples into token slices)" if not is_seq2seq(w.family) and not args.slice_long else ""
         raise ValueError(f"{e}{hint}") from e
-    for method in methods:
+    for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
+        cost_model = (split_from_data(w, batches, method) if args.layer_split == "data" else w).cost_model
+        slice_model = slicer(cost_model) if method == "dynamic" else None
         real = computed = micro = sliced = 0
         step_times, wall = [], []
         for batch in batches:
             extra = {"slice_cost_model": slice_model, "pack_rows": args.pack_rows} if method == "dynamic" else {}
-            plan = method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options, **extra)
+            plan = method_micro_batches(method, batch, w.limits, cost_model, stages, w.options, **extra)
             if plan.predicted_times_s is not None and plan.num_sliced_samples:
                 t = plan.predicted_times_s  # token slices are priced with their context by the planner
             else:  # per-segment (padding-free) attention, as the runtime computes it
-                t, _, _ = w.cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
-                                                pairs=plan.pairs)
+                t, _, _ = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2], pairs=plan.pairs)
             sliced += plan.num_sliced_samples
             step_times.append(float(t.sum() + (stages - 1) * t.max()))
             real += plan.real_tokens
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             micro += plan.num_micro_batches
             wall.append(plan.plan_time_s)
         rows[method] = {
+            "layout": cost_model.layout.describe(),
             "real_tokens": real,
             "computed_tokens": computed,
             "efficiency": real / computed,
@@ -88,12 +89,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json and write_json(summary, args.json):
         return 0
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
-          f"{stages} stages: {summary['layout']}")
+          f"{stages} stages, reference split: {summary['layout']}")
     print(f"{'method':<15} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'plan ms p50/max':>16}")
     for method, r in rows.items():
         print(f"{method:<15} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "
               f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} "
               f"{r['plan_wall_ms_median']:>7.1f}/{r['plan_wall_ms_max']:<8.1f}")
+    for method, r in rows.items():
+        if r["layout"] != summary["layout"]:
+            print(f"  {method} layer split (balanced over its micro-batches): {r['layout']}")
     if speedup is not None:
         print(f"dynamic vs best baseline (predicted step time): {speedup:.2f}x")
     return 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.sections import TORCH_DTYPES, arg, resolve_device
+from dynabatch.config.sections import TORCH_DTYPES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
 
@@ -111,6 +111,7 @@ def _check(args) -> int:
         return _check_run(args.check)
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
+    args.device = _device(args.device)
     from dynabatch.cost.calibrate import format_summary, run_check, summarize
     from dynabatch.models.families import layer_builder
 
@@ -126,13 +127,20 @@ def _check(args) -> int:
     return 0
 
 
+def _device(name: str) -> str:
+    """``--device`` resolved (``auto``: cuda when available); after :func:`_set_thp`, as it imports torch."""
+    from dynabatch.runtime.dist import resolve_device
+
+    return str(resolve_device(name)[1])
+
+
 def run(args) -> int:
-    args.device = resolve_device(args.device)
     args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.check:
         return _check(args)
-    if args.device == "cpu" and not args.no_thp:
-        _set_thp("1")
+    if args.device in ("cpu", "auto") and not args.no_thp:
+        _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
+    args.device = _device(args.device)
     from dynabatch.cost.measure import MeasureSettings
     from dynabatch.cost.profile import run_profile, save_profile
     from dynabatch.models.families import layer_builder

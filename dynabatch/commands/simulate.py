@@ -106,6 +106,8 @@ class MethodSummary:
     work instead, so it hides an imbalance between stages)."""
     stage_busy: tuple
     """Per stage, the mean over steps of its busy time / step time."""
+    layout: str
+    """The stage layout the method ran with (``--layer-split data``: balanced over its own micro-batches)."""
     bubble_fraction: float
     """Mean over steps of the simulated idle share of all stages."""
     bottleneck_utilisation: float
@@ -159,22 +161,21 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods, METHODS)
     w = simulation_workload(resolve(args))
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
-    if args.layer_split == "data":
-        w = split_from_data(w, batches)
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
         link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows,
     )
-    rows = {}
-    for method in methods:
+    rows, split = {}, {}
+    for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
+        split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
         trace_dir = args.trace_dir if method in ("dynamic", "packing") else None
-        rows[method] = simulate_method(method, batches, w, options, trace_dir=trace_dir)
+        rows[method] = simulate_method(method, batches, split[method], options, trace_dir=trace_dir)
     tuned = {}
     if args.tune_baselines:
         from dynabatch.commands.tuning import tune_simulated
 
-        tuned = {m: tune_simulated(m, batches, w, options, rows[m]) for m in methods if m != "dynamic"}
+        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m]) for m in methods if m != "dynamic"}
     summary = _summary(args, w, batches, rows, tuned)
     if args.json and write_json(summary, args.json):
         return 0
@@ -237,6 +238,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         efficiency_amortised=float(np.sum(amortised) / np.sum(steps)),
         efficiency_balanced=float(np.sum(balanced) / np.sum(steps)),
         stage_busy=tuple(float(x) for x in np.mean(busy, axis=0)),
+        layout=cm.layout.describe(),
         bubble_fraction=float(np.mean(bubbles)), bottleneck_utilisation=float(np.mean(utils)),
         peak_memory_gib=max(peaks) / 2**30, fits_memory=bool(fits),
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
@@ -365,6 +367,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "workload": w.path,
         "model": args.model,
         "layout": w.cost_model.layout.describe(),
+        "layer_split": args.layer_split,
         "stages": w.cost_model.num_stages,
         "memory_limit_gib": w.cost_model.device_memory_bytes * (1 - w.cost_model.memory_margin) / 2**30,
         "global_batches": len(batches),
@@ -386,7 +389,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
 def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
           f"({summary['truncated']} truncated), "
-          f"{summary['stages']} stages: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device")
+          f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device")
     print(f"{'method':<15} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
           f"{'step s':>7} "
           f"{'peak GiB':>8} {'fits':>4} "
@@ -399,6 +402,9 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
               f"{'yes' if r.fits_memory else 'NO':>4} "
               f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} "
               f"{'/'.join(f'{100 * b:.0f}' for b in r.stage_busy)}%  {pol}")
+    for r in rows.values():
+        if r.layout != summary["layout"]:
+            print(f"  {r.method} layer split (balanced over its micro-batches): {r.layout}")
     if summary["dynamic_throughput_vs_best_baseline"] is not None:
         print(f"dynamic vs best baseline ({summary['best_baseline']}), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")

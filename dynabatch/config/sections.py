@@ -40,15 +40,6 @@ TRACKERS = ("tensorboard", "wandb")
 """``--report-to``: the experiment trackers :mod:`dynabatch.runtime.tracking` writes to."""
 
 
-def resolve_device(device: str) -> str:
-    """``--device``: ``auto`` is ``cuda`` when CUDA is available, else ``cpu``; others as given."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def arg(default: Any, help: str, *aliases: str, **argparse_kwargs: Any):
     """A config field: its default, the help line of its flag, older flag names (``"lr"`` gives ``--lr``; they
     are accepted in config files and :meth:`TrainConfig.of` too) and extra ``argparse`` settings."""

@@ -21,7 +21,9 @@ clipping, callbacks and mixed precision stay the Trainer's own:
   loss is already divided by the global ``T``, the sum is exactly the gradient of the global batch's
   token-normalised loss, with no division by the world size.
 * ``evaluate`` runs an eval loader (or a dict of them) and reports ``eval_loss`` = summed token loss /
-  loss tokens over the whole evaluation set.
+  loss tokens over the whole evaluation set; with ``predict_with_generate`` (``Seq2SeqTrainingArguments``)
+  it also generates and adds ``compute_metrics(EvalPrediction(generated ids, label ids))``, prefixed.
+  ``predict`` always generates and returns a ``PredictionOutput`` (``Seq2SeqTrainer``'s ``predict_with_generate``).
 * Checkpoints also hold the loader's stream position (``dynabatch_loader.json``); resuming restores it
   instead of replaying batches (``TrainingArguments(ignore_data_skip=True)`` is required for that).
 
@@ -37,9 +39,16 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 
+import numpy as np
 import torch
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, speed_metrics
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    EvalPrediction,
+    PredictionOutput,
+    get_last_checkpoint,
+    speed_metrics,
+)
 
 from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.models.forward import forward_loss
@@ -205,18 +214,40 @@ class DynaBatchTrainer(Trainer):
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """``{prefix}_loss``: summed token loss / loss tokens over every step of the eval loader(s)."""
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval",
+                 **gen_kwargs) -> dict[str, float]:
+        """``{prefix}_loss``: summed token loss / loss tokens over every step of the eval loader(s). With
+        ``args.predict_with_generate`` (``Seq2SeqTrainingArguments``) it also generates for every sample and
+        adds ``compute_metrics``' metrics, prefixed, as ``Seq2SeqTrainer`` does (see :meth:`predict`)."""
         loader = eval_dataset if eval_dataset is not None else self.eval_dataset
         if loader is None:
             raise ValueError("DynaBatchTrainer: evaluation needs eval_loader=DynaBatchDataLoader(..., max_steps=N)")
         if isinstance(loader, Mapping):
             metrics: dict[str, float] = {}
             for name, sub in loader.items():
-                metrics.update(self.evaluate(sub, ignore_keys, f"{metric_key_prefix}_{name}"))
+                metrics.update(self.evaluate(sub, ignore_keys, f"{metric_key_prefix}_{name}", **gen_kwargs))
             return metrics
+        generate = bool(getattr(self.args, "predict_with_generate", False))
+        metrics = self._evaluation_loop(loader, metric_key_prefix, generate, gen_kwargs).metrics
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **gen_kwargs) -> PredictionOutput:
+        """Generate for every sample of this process's micro-batches of ``test_dataset`` (a
+        :class:`DynaBatchDataLoader` with ``max_steps``), as ``Seq2SeqTrainer.predict`` with
+        ``predict_with_generate``: greedy unless ``num_beams`` (``gen_kwargs``, else ``args.generation_num_beams``),
+        at most ``max_new_tokens`` new tokens (``gen_kwargs``' ``max_new_tokens`` or ``max_length``, else
+        ``args.generation_max_length``, else 32). ``predictions``: (N, L) generated ids cut at EOS, padded with
+        the pad id; ``label_ids``: (N, T) target ids (EOS included) padded with -100; samples in loader order
+        (replicas gathered in replica order). ``metrics``: ``{prefix}_loss`` and ``compute_metrics(EvalPrediction)``
+        prefixed with ``{prefix}_``."""
+        return self._evaluation_loop(test_dataset, metric_key_prefix, True, gen_kwargs)
+
+    def _evaluation_loop(self, loader, prefix: str, generate: bool, gen_kwargs: dict) -> PredictionOutput:
+        """Loss over every step of ``loader``; with ``generate``, predictions, labels and ``compute_metrics``."""
         if not isinstance(loader, DynaBatchDataLoader) or loader.max_steps is None:
-            raise ValueError(f"evaluate() needs a DynaBatchDataLoader with max_steps, got {loader!r:.120}")
+            raise ValueError(f"evaluate() / predict() need a DynaBatchDataLoader with max_steps, got {loader!r:.120}")
         self._memory_tracker.start()
         start = time.time()
         module = self.model
@@ -224,26 +255,46 @@ class DynaBatchTrainer(Trainer):
         module.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.args.device)
         num_tokens = num_samples = num_steps = 0
+        samples = []
         with torch.no_grad():
             for step in loader:
                 for mb in step.micro_batches:
                     with self.accelerator.autocast():
                         loss_sum += forward_loss(module, mb, self.attention).loss_sum.float().to(loss_sum.device)
+                    samples += [step.batch.samples[i] for row in mb.sample_ids for i in row]
                 num_tokens += step.num_loss_tokens
                 num_samples += len(step.batch)
                 num_steps += 1
         if loader.num_replicas > 1:
             torch.distributed.all_reduce(loss_sum)
         module.train(was_training)
-        metrics = {f"{metric_key_prefix}_loss": loss_sum.item() / max(num_tokens, 1), f"{metric_key_prefix}_loss_tokens": num_tokens}
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples, num_steps=num_steps))
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        metrics = {f"{prefix}_loss": loss_sum.item() / max(num_tokens, 1), f"{prefix}_loss_tokens": num_tokens}
+        predictions = labels = None
+        if generate:
+            predictions, labels = self._generate(module, loader, samples, gen_kwargs)
+            if self.compute_metrics is not None:
+                computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
+                metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in computed.items()})
+        metrics.update(speed_metrics(prefix, start, num_samples=num_samples, num_steps=num_steps))
         self._memory_tracker.stop_and_update_metrics(metrics)
-        return metrics
+        return PredictionOutput(predictions=predictions, label_ids=labels, metrics=metrics)
 
-    def predict(self, *args, **kwargs):
-        raise NotImplementedError("DynaBatchTrainer has no predict(); use evaluate() for token-normalised loss")
+    def _generate(self, module, loader: DynaBatchDataLoader, samples: list, gen_kwargs: dict):
+        """(predictions, label_ids) of ``samples`` (:meth:`predict`), gathered over the replicas."""
+        from dynabatch.runtime.evaluate import generate_ids
+
+        tokens = loader.batcher.data.tokens
+        max_new = (gen_kwargs.get("max_new_tokens") or gen_kwargs.get("max_length")
+                   or getattr(self.args, "generation_max_length", None) or 32)
+        beams = gen_kwargs.get("num_beams") or getattr(self.args, "generation_num_beams", None) or 1
+        generated = generate_ids(module, samples, tokens, int(max_new), num_beams=int(beams))
+        targets = [s.target_ids.tolist() for s in samples]
+        if loader.num_replicas > 1:
+            parts: list = [None] * loader.num_replicas
+            torch.distributed.all_gather_object(parts, (generated, targets))
+            generated = [g for part in parts for g in part[0]]
+            targets = [t for part in parts for t in part[1]]
+        return _padded(generated, tokens.pad_id), _padded(targets, -100)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -274,6 +325,14 @@ class DynaBatchTrainer(Trainer):
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
         )
+
+
+def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
+    """Rows of ids as one (N, longest) int64 array, right-padded with ``pad``."""
+    out = np.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 def _all_reduce_sum(module: torch.nn.Module, loss: torch.Tensor) -> None:

@@ -40,6 +40,11 @@ backpropagates the loss times :class:`~dynabatch.runtime.precision.LossScaler`'s
 world-reduced norm by it and unscales the gradients with the clipping factor, and an overflow (a finite loss
 with non-finite gradients) skips the step on every rank and halves the scale (:attr:`StepResult.overflowed`).
 
+Evaluation: a plan without ``BACKWARD`` instructions (:func:`~dynabatch.runtime.step.forward_only_plan`)
+runs under ``no_grad`` with the stage in eval mode (no dropout; its mode is restored after), leaves the
+gradients of the previous step as they are, and ends with one world all-reduce of the loss sum, so
+:attr:`StepResult.loss` is the global token-normalised loss on every rank (``grad_norm`` is NaN).
+
 Every instruction's wall time is recorded as ``(key, start, end)`` (``time.perf_counter``) in
 :attr:`StepResult.timeline`. Any failure (a dead peer, a timeout, a shape mismatch) is re-raised as
 :class:`~dynabatch.runtime.dist.PipelineError` naming the rank, step, instruction and peer rank.
@@ -205,18 +210,22 @@ class Executor:
         self.segment_losses = {}
         self.skipped = self.overflowed = False
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-        for p in self.params:  # zeroed at the start, so the step's gradients stay readable after it
-            p.grad = None
+        evaluating = not any(ins.op is Op.BACKWARD for ins in plan.instructions)
+        if not evaluating:
+            for p in self.params:  # zeroed at the start, so the step's gradients stay readable after it
+                p.grad = None
         timeline: list[tuple[str, float, float]] = []
         clock = time.perf_counter
         self._current = None
         meter = None
-        if self.measure_memory:
+        if self.measure_memory and not evaluating:
             from dynabatch.runtime.memory import SavedActivationMeter
 
             meter = SavedActivationMeter(exclude=self.stage.parameters())
+        was_training = self.stage.training
         try:
-            with meter if meter is not None else contextlib.nullcontext():
+            with meter if meter is not None else contextlib.nullcontext(), torch.set_grad_enabled(not evaluating):
+                self.stage.train(was_training and not evaluating)
                 self._run_instructions(plan, timeline, clock)
             if self.pending or self.states or self.contexts or self.kv_grads:
                 raise ValueError(
@@ -224,6 +233,8 @@ class Executor:
                     f"micro-batches {sorted(self.states)} not freed and slice keys/values "
                     f"{sorted(self.contexts)}/{sorted(self.kv_grads)} not consumed"
                 )
+            if evaluating:
+                self._evaluation_loss(inputs.global_loss_tokens)
         except PipelineError:
             raise
         except Exception as e:
@@ -232,6 +243,7 @@ class Executor:
             what = f"instruction {ins.to_text()} ({self._peers(ins)})" if ins is not None else "plan"
             raise PipelineError(f"{where}, {what} failed: {type(e).__name__}: {e}") from e
         finally:
+            self.stage.train(was_training)
             self.inputs = None
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
@@ -303,6 +315,13 @@ class Executor:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _evaluation_loss(self, global_loss_tokens: int) -> None:
+        """End of an evaluation pass: the world-wide loss sum over the global loss tokens (no gradient norm)."""
+        total = self.loss_sum.clone() if self.is_last else torch.zeros_like(self.loss_sum)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(total)
+        self.loss, self.grad_norm = total.item() / global_loss_tokens, math.nan
 
     def _peers(self, ins: Instr) -> str:
         """Who an instruction talks to, for error messages."""

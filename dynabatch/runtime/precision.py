@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from dynabatch.config.sections import TORCH_DTYPES  # the --dtype registry
+
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
+    name: None if torch_name == "float32" else getattr(torch, torch_name) for name, torch_name in TORCH_DTYPES.items()}
 """``--dtype`` -> the autocast dtype (``None``: no autocast)."""
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {name: getattr(torch, torch_name).itemsize for name, torch_name in TORCH_DTYPES.items()}
 """``--dtype`` -> bytes per activation element, for the cost model's memory planning."""
 
 

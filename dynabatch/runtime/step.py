@@ -200,6 +200,33 @@ def without_update(plan: ExecutionPlan) -> ExecutionPlan:
     return replace(plan, instructions=tuple(i for i in plan.instructions if i.op not in skip))
 
 
+def forward_only_plan(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` as an evaluation pass: only its loads, forwards and activation transfers (their starts and
+    waits), in their order, each micro-batch's ``FREE`` moved right after its last remaining instruction
+    (no backward, gradient transfer, ``REDUCE`` or ``STEP``). The executor runs a plan without backwards
+    under ``no_grad`` with the stage in eval mode (:class:`~dynabatch.runtime.executor.Executor`).
+
+    Why it is safe: the training plan it comes from was validated, and both ends of each link still issue
+    its activation messages in the same order (dropping the gradient messages keeps the relative order of
+    the others). Activations only flow downstream, so a rank can wait only on an earlier stage, whose sends
+    do not wait on anything later: the dependencies cannot form a cycle."""
+    from dataclasses import replace
+
+    from dynabatch.schedule.ir import Op
+
+    dropped = (Op.BACKWARD, Op.SEND_GRAD, Op.RECV_GRAD, Op.REDUCE_GRADS, Op.OPTIMIZER_STEP, Op.FREE)
+    kept = [i for i in plan.instructions
+            if i.op not in dropped and not (i.op is Op.WAIT and i.waits_on in (Op.SEND_GRAD, Op.RECV_GRAD))]
+    frees = {i.micro_batch: i for i in plan.instructions if i.op is Op.FREE}
+    last = {i.micro_batch: k for k, i in enumerate(kept)}
+    out = []
+    for k, ins in enumerate(kept):
+        out.append(ins)
+        if last[ins.micro_batch] == k and ins.micro_batch in frees:
+            out.append(frees[ins.micro_batch])
+    return replace(plan, instructions=tuple(out))
+
+
 def _receive_failure(rank: int, step: int, timeout_s: float | None, error: Exception) -> str:
     """The message of a failed plan receive; a first-step timeout points at rank 0's data loading."""
     if timeout_s is not None and "Timed out" in str(error):
@@ -225,6 +252,7 @@ def train_step(
     receive_timeout_s: float | None = None,
     model_state_bytes=0.0,
     forward_backward_only: bool = False,
+    forward_only: bool = False,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
@@ -237,6 +265,8 @@ def train_step(
     ``forward_backward_only`` (rank 0): drop the ``REDUCE`` and ``STEP`` instructions from every plan, so the
     step computes (and times) forwards and backwards but changes no weight, optimizer or scheduler state;
     its gradients are dropped at the start of the next step (the start-up calibration's passes).
+    ``forward_only`` (rank 0): run every plan as an evaluation pass (:func:`forward_only_plan`): no gradient,
+    no state change; the result's ``loss`` is the global token-normalised loss, ``segment_losses`` per row.
     """
     if ctx.is_planner:
         if replica_micro_batches is None or spec is None:
@@ -250,6 +280,8 @@ def train_step(
                           schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes)
         if forward_backward_only:
             plans = {r: without_update(p) for r, p in plans.items()}
+        if forward_only:
+            plans = {r: forward_only_plan(p) for r, p in plans.items()}
         own, pending = send_step(step_payloads(plans, replica_micro_batches, spec, inputs_fn), ctx.delivery_group,
                                  ctx.world_size)
         result = executor.run(own)

@@ -57,6 +57,8 @@ class _Run:
     calibration: Any = None
     """Rank 0: the :class:`~dynabatch.runtime.calibration.RunCalibration` the planner plans with."""
     calibration_key: Any = None
+    held_out: Any = None
+    """Rank 0 with ``--eval-holdout``: the rows held out of training (:func:`~dynabatch.runtime.evaluate.hold_out`)."""
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -170,6 +172,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
         data = load_training_data(cfg, tokenizer, family, datasets)
         for note in data_notes(data):  # numbers cast to text, malformed rows skipped
             logger.info(f"data: {note}")
+        if cfg.eval_holdout:  # these rows are evaluated, never trained on
+            from dynabatch.runtime.evaluate import hold_out
+
+            data, run.held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
         maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
         limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                               max_seq_len=cfg.max_input_len)
@@ -204,6 +210,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     from dynabatch.runtime.step import train_step
 
     from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_peaks
+    from dynabatch.runtime.evaluate import Evaluator, evaluation_enabled, flat_metrics, format_eval
     from dynabatch.runtime.faults import maybe_crash
     from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
 
@@ -219,6 +226,9 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if ctx.is_planner:
         truncate_metrics(metrics_path, start)  # steps the earlier run logged after its last checkpoint
     writer = MetricsWriter(metrics_path) if ctx.is_planner else None
+    evaluator = None
+    if evaluation_enabled(cfg):  # rank 0 loads the evaluation set (runtime.evaluate)
+        evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
     bad_steps = 0
     ahead = PlanAhead(run.planner, cfg.max_steps - start, cfg.plan_ahead) if ctx.is_planner else None
     if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
@@ -293,6 +303,11 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                     f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --lr (now {cfg.learning_rate:g}) or "
                     "--max-grad-norm, or check the data; --resume continues from the newest checkpoint"
                 )
+            if evaluator is not None and evaluator.due(step):
+                row = evaluator.evaluate(run, step)  # collective; rank 0 appends the row to metrics.jsonl
+                if row is not None:
+                    logger.info(format_eval(row))
+                    tracker.log(flat_metrics(row), step)
             last = step + 1 == cfg.max_steps
             if checkpoints and ((cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last):
                 save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
@@ -311,7 +326,10 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             ahead.close()
     if not ctx.is_planner:
         return None
-    return summarize(writer.records, cfg.method)
+    summary = summarize(writer.records, cfg.method)
+    if evaluator is not None and evaluator.rows:
+        summary["eval"] = evaluator.rows[-1]["eval"]
+    return summary
 
 
 class TrainingDivergedError(ValueError):

@@ -182,8 +182,8 @@ def test_grid_settings_skip_values_with_the_same_micro_batches():
     limits = LengthLimits("causal", max_seq_len=10)
     settings = dict(grid_settings("packing_free", [batch], limits, BaselineOptions(packing_free_rows=4)))
     assert settings == {1: None, 2: None, 4: None, 8: 4, 16: 4}
-    budget = dict(grid_settings("token_budget", [batch], limits))  # the default, 8192, goes first
-    assert budget[8192] is None and all(v == 8192 for k, v in budget.items() if k != 8192)
+    budget = dict(grid_settings("token_budget", [batch], limits))  # the default, 2048, goes first
+    assert budget[2048] is None and all(v == 2048 for k, v in budget.items() if k != 2048)
 
 
 def test_tuning_picks_the_fastest_value_that_fits():

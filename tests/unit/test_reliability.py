@@ -192,7 +192,8 @@ def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy
     (["--timeout-s", "nan"], "timeout_s must be a finite number"),
     (["--timeout-s", "0.01"], "timeout_s must be at least 1 second"),
     (["--max-bad-steps", "0"], "max_bad_steps must be >= 1"),
-    (["--bad-rows", "maybe"], "bad_rows must be one of error, skip"),
+    (["--bad-rows", "maybe"], "invalid choice: 'maybe' (choose from 'error', 'skip')"),
+    (["--max-stepz", "3"], "unrecognized arguments: --max-stepz 3 (see `dynabatch train --help`)"),
     (["--dropout", "1.5"], "dropout must be in [0, 1)"),
 ])
 def test_bad_flag_values_are_one_line(tmp_path, capsys, flags, expected):
