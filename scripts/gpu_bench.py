@@ -37,13 +37,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "numba"))
 
 # (model, max input len, global batch tokens, profile grid) for the full run and for --quick
-FULL = {"model": "t5-small", "max_input_len": 2048, "global_batch_tokens": 131072, "steps": 8, "warmup": 2,
+FULL = {"dtype": "bf16", "model": "t5-small", "max_input_len": 2048, "global_batch_tokens": 131072, "steps": 8, "warmup": 2,
         "token_budget_tokens": 16384, "packing_rows": 4, "packing_free_rows": 8, "samples_per_micro_batch": 16,
         "memory_gib": 60.0,
         "grid": {"batch_sizes": (1, 2, 4, 8, 16, 32, 64), "enc_lengths": (32, 64, 128, 256, 512, 1024, 2048),
                  "dec_lengths": (8, 32, 128, 512), "max_tokens": 32768},
         "check_shapes": 12}
-QUICK = {"model": "t5-tiny", "max_input_len": 128, "global_batch_tokens": 2048, "steps": 2, "warmup": 1,
+QUICK = {"dtype": "fp32", "model": "t5-tiny", "max_input_len": 128, "global_batch_tokens": 2048, "steps": 2, "warmup": 1,
          "token_budget_tokens": 512, "packing_rows": 2, "packing_free_rows": 2, "samples_per_micro_batch": 8,
          "memory_gib": 2.0,
          "grid": {"batch_sizes": (1, 4), "enc_lengths": (16, 128), "dec_lengths": (4, 32), "max_tokens": 512},
@@ -98,7 +98,7 @@ def bench_args(settings: dict, model: str, methods: str, cost_profile: str | Non
             "--untimed-steps", str(settings["warmup"]), "--token-budget-tokens", str(settings["token_budget_tokens"]),
             "--packing-rows", str(settings["packing_rows"]), "--packing-free-rows", str(settings["packing_free_rows"]),
             "--samples-per-micro-batch", str(settings["samples_per_micro_batch"]),
-            "--memory-gib", str(settings["memory_gib"]), "--json", out_json]
+            "--memory-gib", str(settings["memory_gib"]), "--dtype", settings["dtype"], "--json", out_json]
     if cost_profile:
         argv += ["--cost-profile", cost_profile]
     args = p.parse_args(argv)

@@ -110,7 +110,7 @@ class BenchArgs:
     quiet: bool = arg(False, "no table (with --json)")
 
 
-BENCH_FIELDS = ("model", "stages", "policy", "pack_rows", "attention", "global_batch_tokens", "max_input_len",
+BENCH_FIELDS = ("model", "dtype", "stages", "policy", "pack_rows", "attention", "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
                 "plan_costs", "seed")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
@@ -211,6 +211,7 @@ def _config(args, method: str):
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
         plan_costs=getattr(args, "plan_costs", "base"),
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
+        dtype=getattr(args, "dtype", "fp32"),
     )
 
 
@@ -336,6 +337,7 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.runtime.dist import shutdown
     from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.precision import autocast_dtype
     from dynabatch.runtime.metrics import peak_rss_bytes
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer
@@ -360,11 +362,12 @@ def bench(args, methods: list[str]) -> dict | None:
             stage = copy.deepcopy(base).to(ctx.device)
             stage.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
             opt = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            dtype = autocast_dtype(cfg.dtype)
             if name == PEER:
-                ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfg.max_grad_norm)
+                ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfg.max_grad_norm, autocast_dtype=dtype)
             else:
                 ex = Executor(stage, ctx, opt, max_grad_norm=cfg.max_grad_norm, dropout_seed=args.seed,
-                              measure_memory=measure_memory)
+                              measure_memory=measure_memory, autocast_dtype=dtype)
             return _Method(name, ex, [], spec, cfg)
 
         runs: dict[str, _Method] = {m: new_run(m, cfgs[m]) for m in methods}

@@ -56,7 +56,7 @@ def user_message(error: BaseException) -> str:
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and error.errno in _STORAGE_ERRNOS:
         where = f" writing {error.filename!r}" if error.filename else ""
         return (f"{error.strerror or error}{where}; free disk space or fix the folder's permissions (or pass another "
-                "--output-dir), then rerun (with --resume to continue from the newest checkpoint)")
+                "--output-dir), then rerun (with --resume-from-checkpoint to continue from the newest checkpoint)")
     return str(error)
 
 _STORE_TIMEOUT_S = 2.0  # the store's host may be gone too; never wait long for it when exiting

@@ -4,15 +4,15 @@ A training run writes a known set of entries into ``--output-dir`` (:data:`RUN_E
 anything is loaded, rank 0 inspects the folder (:func:`output_dir_problem`):
 
 * a path that is a file, or a folder it cannot create or write into, is an error naming it;
-* a fresh run (no ``--resume``) into a folder that holds anything at all is refused, naming what it
-  found and pointing at ``--resume`` (continue that run) and ``--overwrite-output-dir``; nothing in
+* a fresh run (no ``--resume-from-checkpoint``) into a folder that holds anything at all is refused, naming what it
+  found and pointing at ``--resume-from-checkpoint`` (continue that run) and ``--overwrite-output-dir``; nothing in
   the folder is touched;
 * with ``--overwrite-output-dir`` the entries a dynabatch run writes are deleted first (the
   checkpoints, metrics, summary, timelines, tracker logs and compare runs of the earlier run); anything else in the
   folder is left alone.
 
 Rank 0 decides and broadcasts the outcome, so every rank raises the same one-line ``ValueError``
-(:func:`prepare_output_dir`). On ``--resume``, :func:`truncate_metrics` drops the records of steps the
+(:func:`prepare_output_dir`). On ``--resume-from-checkpoint``, :func:`truncate_metrics` drops the records of steps the
 earlier run logged after its last checkpoint, so ``metrics.jsonl`` holds every step exactly once.
 """
 
@@ -49,7 +49,7 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | Non
         return None
     if not overwrite:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-        return (f"--output-dir {path!r} is not empty (it holds {shown}); pass --resume to continue the run that "
+        return (f"--output-dir {path!r} is not empty (it holds {shown}); pass --resume-from-checkpoint to continue the run that "
                 "wrote it, --overwrite-output-dir to replace that run's files, or another --output-dir")
     for name in found:
         if _is_run_entry(name):

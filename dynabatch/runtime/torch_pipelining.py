@@ -20,7 +20,7 @@ After the schedule, our executor's own ``REDUCE_GRADS`` and ``OPTIMIZER_STEP`` h
 stage: the tied-parameter gradients (token table / tied head, T5's relative-position tables) are summed
 over the stages that hold a copy, the gradient norm and the loss are all-reduced and the gradients
 clipped like ``clip_grad_norm_``, and the optimizer steps, so both implementations train the same model
-the same way. One replica (no data parallelism). bf16 autocast on CUDA, like the executor.
+the same way. One replica (no data parallelism). Autocast as ``--dtype`` says, like the executor (no fp16).
 """
 
 from __future__ import annotations
@@ -144,14 +144,18 @@ class TorchPipeliningPeer:
     """
 
     def __init__(self, stage: StageModule, spec: PipelineSpec, ctx: DistContext, optimizer: torch.optim.Optimizer,
-                 *, max_grad_norm: float | None = None) -> None:
+                 *, max_grad_norm: float | None = None, autocast_dtype: torch.dtype | None = None) -> None:
         from dynabatch.runtime.executor import Executor
 
         if ctx.num_replicas != 1:
             raise ValueError(f"the torch.distributed.pipelining peer runs one replica, got {ctx.num_replicas}")
         self.ctx, self.spec = ctx, spec
         self.module = PipeliningStage(stage, spec).to(ctx.device)
-        self.executor = Executor(stage, ctx, optimizer, max_grad_norm=max_grad_norm)
+        if autocast_dtype == torch.float16:
+            raise ValueError("the torch.distributed.pipelining peer has no fp16 loss scaling; use --dtype bf16 or fp32, "
+                             "or drop pipelining from --methods")
+        self.autocast_dtype = autocast_dtype
+        self.executor = Executor(stage, ctx, optimizer, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype)
         self.schedules: dict[tuple[int, int, int, int], object] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         self.global_loss_tokens = 1
@@ -188,8 +192,8 @@ class TorchPipeliningPeer:
         self.loss_sum.zero_()
         for p in ex.params:
             p.grad = None
-        cuda = ctx.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+        dtype = self.autocast_dtype
+        with torch.autocast(ctx.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
             args = ()
             if ctx.stage_index == 0:
                 if inputs is None:

@@ -300,8 +300,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 raise TrainingDivergedError(
                     f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
                     f"gradient norm (step {step}: {_non_finite(result)}) and were skipped (--max-bad-steps "
-                    f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --lr (now {cfg.learning_rate:g}) or "
-                    "--max-grad-norm, or check the data; --resume continues from the newest checkpoint"
+                    f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --learning-rate (now {cfg.learning_rate:g}) or "
+                    "--max-grad-norm, or check the data; --resume-from-checkpoint continues from the newest checkpoint"
                 )
             if evaluator is not None and evaluator.due(step):
                 row = evaluator.evaluate(run, step)  # collective; rank 0 appends the row to metrics.jsonl

@@ -181,6 +181,12 @@ def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):
     assert set(rows) == {"packing", "pipelining"} and min(rows.values()) > 0
     assert result["pipelining"]["fixed_shapes"] == [[4, 256, 64]]  # packing rows x max lengths (target L/4)
     assert abs(result["pipelining"]["loss_first"] - result["packing"]["loss_first"]) < 1e-4
+    # --dtype bf16 reaches both executors: the same rows, autocast, close to fp32 but not equal
+    _, bf16 = _one_process_bench(tmp_path, "t5-tiny", "packing,pipelining", "--quiet", "--dtype", "bf16")
+    for m in ("packing", "pipelining"):
+        assert bf16[m]["loss_first"] != result[m]["loss_first"]
+        assert abs(bf16[m]["loss_first"] - result[m]["loss_first"]) < 5e-2 * result[m]["loss_first"]
+    assert abs(bf16["pipelining"]["loss_first"] - bf16["packing"]["loss_first"]) < 1e-2
 
 
 def test_bench_recompute_against_no_recompute(tmp_path):
