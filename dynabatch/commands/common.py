@@ -136,12 +136,39 @@ def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error comes
     where the method runs, with that command's advice."""
     from dynabatch.cost.stages import balanced_layout
+
+    micro_batches = _planned_micro_batches(w, batches, method)
+    if micro_batches is None:
+        return w
+    cm = w.cost_model
+    return replace(w, cost_model=replace(cm, layout=balanced_layout(cm.model, cm.num_stages,
+                                                                    micro_batches=micro_batches)))
+
+
+def placement_cost_model(w: Workload, batches, method: str, placement):
+    """The per-chunk StageCostModel of ``placement`` (:class:`~dynabatch.schedule.placement.Placement`), its
+    chunks balanced over ``method``'s micro-batches of ``batches`` (cyclic: the encoder and the decoder each
+    cut into one chunk per device; interleaved: the layers cut into devices x V chunks), without
+    recomputation."""
+    from dynabatch.cost.stages import balanced_layout, cyclic_layout
+
+    cm = w.cost_model
+    micro_batches = _planned_micro_batches(w, batches, method)
+    if placement.kind == "cyclic":
+        layout = cyclic_layout(cm.model, placement.num_devices, micro_batches=micro_batches)
+    else:
+        layout = balanced_layout(cm.model, placement.num_stages, micro_batches=micro_batches)
+    return replace(cm, layout=layout, recompute="none")
+
+
+def _planned_micro_batches(w: Workload, batches, method: str):
+    """``(shapes, pairs)`` of ``method``'s plan of each batch with ``w``'s cost model; ``None`` when it cannot
+    plan them (the reference shape then decides the split)."""
     from dynabatch.workload import method_micro_batches
 
     cm = w.cost_model
     try:
         plans = [method_micro_batches(method, b, w.limits, cm, cm.num_stages, w.options) for b in batches]
     except ValueError:
-        return w
-    layout = balanced_layout(cm.model, cm.num_stages, micro_batches=[(p.shapes, p.pairs) for p in plans])
-    return replace(w, cost_model=replace(cm, layout=layout))
+        return None
+    return [(p.shapes, p.pairs) for p in plans]

@@ -40,10 +40,11 @@ from typing import Literal
 
 import numpy as np
 
-from dynabatch.commands.common import split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
+from dynabatch.commands.common import placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_sections
 from dynabatch.config.sections import arg
 from dynabatch.plan.step import DEFAULT_PACK_ROWS
+from dynabatch.schedule.placement import Placement
 from dynabatch.workload import METHODS, global_batches
 
 AMORTISED_TOKENS = 8192
@@ -67,6 +68,9 @@ class SimulateArgs:
     search_steps: int = arg(24, "local-search moves per step in choose_schedule")
     trace_dir: str | None = arg(None, "write Chrome traces (.json, open in Perfetto) and PNG timelines of the first "
                                       "global batch for the dynamic and packing methods")
+    placement: str = arg("linear", "pipeline stages on devices: linear (one chunk each), cyclic (T5: encoder chunk d and "
+                                   "decoder chunk d on device d) or interleaved:V (V chunks per device, round robin); "
+                                   "not linear: list-scheduled per chunk (dynabatch.schedule.placement)")
     tune_baselines: bool = arg(False, "also run each baseline at every value of its knob's grid on the same global "
                                       "batches and report its best setting that fits memory (dynabatch.commands.tuning)")
 
@@ -166,16 +170,21 @@ def run(args: argparse.Namespace) -> int:
         objective_stages=_objective_stages(args.objective_stages),
         link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows,
     )
-    rows, split = {}, {}
+    placement = Placement.parse(args.placement, w.cost_model.num_stages)
+    rows, split, placed = {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
         trace_dir = args.trace_dir if method in ("dynamic", "packing") else None
-        rows[method] = simulate_method(method, batches, split[method], options, trace_dir=trace_dir)
+        placed[method] = None
+        if placement.kind != "linear":
+            placed[method] = Placed(placement, placement_cost_model(split[method], batches, method, placement))
+        rows[method] = simulate_method(method, batches, split[method], options, trace_dir=trace_dir,
+                                       placed=placed[method])
     tuned = {}
     if args.tune_baselines:
         from dynabatch.commands.tuning import tune_simulated
 
-        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m]) for m in methods if m != "dynamic"}
+        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m]) for m in methods if m != "dynamic"}
     summary = _summary(args, w, batches, rows, tuned)
     if args.json and write_json(summary, args.json):
         return 0
@@ -200,8 +209,9 @@ def _objective_stages(text: str) -> tuple[int | None, ...]:
 
 
 def simulate_method(method: str, batches, w, options: SimulateOptions = SimulateOptions(),
-                    trace_dir: str | None = None) -> MethodSummary:
-    """Plan, schedule and simulate every global batch with one method (``w``: a resolved Workload)."""
+                    trace_dir: str | None = None, placed=None) -> MethodSummary:
+    """Plan, schedule and simulate every global batch with one method (``w``: a resolved Workload). With
+    ``placed`` (a :class:`Placed`), the plans are priced per chunk and list-scheduled on its placement."""
     from dynabatch.cost.recompute import policy_for
 
     w = dataclasses.replace(w, cost_model=dataclasses.replace(
@@ -213,7 +223,12 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
     busy = []
     fits, policies = True, {}
     for k, batch in enumerate(batches):
-        plan, schedule, result, plan_s, sched_s = simulate_step(method, batch, w, options)
+        if placed is None:
+            plan, schedule, result, plan_s, sched_s = simulate_step(method, batch, w, options)
+            policy = schedule.policy
+        else:
+            plan, result, plan_s, sched_s = placed.step(method, batch, w, options)
+            policy = placed.placement.describe()
         sched_wall.append(sched_s)
         plan_wall.append(plan_s)
         real += plan.real_tokens
@@ -228,8 +243,8 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         utils.append(float(result.busy_s.max()) / result.makespan_s)
         peaks.append(float(result.peak_memory_bytes.max()))
         fits &= result.fits_memory
-        policies[schedule.policy] = policies.get(schedule.policy, 0) + 1
-        if trace_dir and k == 0:
+        policies[policy] = policies.get(policy, 0) + 1
+        if trace_dir and k == 0 and placed is None:
             _write_traces(trace_dir, method, result, plan.shapes)
     return MethodSummary(
         method=method, real_tokens=real, computed_tokens=computed, micro_batches=micro,
@@ -238,7 +253,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         efficiency_amortised=float(np.sum(amortised) / np.sum(steps)),
         efficiency_balanced=float(np.sum(balanced) / np.sum(steps)),
         stage_busy=tuple(float(x) for x in np.mean(busy, axis=0)),
-        layout=cm.layout.describe(),
+        layout=(cm if placed is None else placed.cost_model).layout.describe(),
         bubble_fraction=float(np.mean(bubbles)), bottleneck_utilisation=float(np.mean(utils)),
         peak_memory_gib=max(peaks) / 2**30, fits_memory=bool(fits),
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
@@ -284,6 +299,41 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
             best = (key, plan, schedule, result)
     _, plan, schedule, result = best
     return plan, schedule, result, plan_s, sched_s
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A placement of virtual stages (``--placement cyclic`` / ``interleaved:V``) and the per-chunk cost model of
+    its layout: the method plans with the workload's one-chunk-per-device model (what a device holds and runs),
+    then each plan is priced per chunk and list-scheduled (:func:`~dynabatch.schedule.placement.list_schedule`)."""
+
+    placement: object
+    cost_model: object
+    """StageCostModel over the placement's chunks (no recomputation: a chunk's view of memory is the device's)."""
+
+    def step(self, method: str, batch, w, options):
+        """``(plan, result, plan wall s, schedule wall s)`` of one global batch."""
+        from dynabatch.schedule.placement import list_schedule
+        from dynabatch.schedule.simulate import with_message_buffers
+
+        cm, stages = self.cost_model, w.cost_model.num_stages
+        variants = [stages] if method != "dynamic" else list(dict.fromkeys(
+            stages if v is None else min(v, stages) for v in options.objective_stages))
+        best, plan_s, sched_s = None, 0.0, 0.0
+        for objective_stages in variants:  # as simulate_step: the shortest simulated step that fits is kept
+            plan = _plan(method, batch, w, options, objective_stages)
+            plan_s += plan.plan_time_s
+            b, e, d = plan.shapes.T
+            costs = with_message_buffers(cm.per_stage(b, e, d, plan.pairs))
+            send = np.asarray(cm.model.send_time(costs.send_bytes, options.link), dtype=np.float64)
+            start = time.perf_counter()
+            result = list_schedule(costs, self.placement, send, cm.model_state_bytes,
+                                   cm.device_memory_bytes * (1 - cm.memory_margin))
+            sched_s += time.perf_counter() - start
+            key = (not result.fits_memory, result.makespan_s)
+            if best is None or key < best[0]:
+                best = (key, plan, result)
+        return best[1], best[2], plan_s, sched_s
 
 
 def ideal_step_time(batch, cost_model, family: str, amortise_tokens: int | None = None, balanced: bool = False) -> float:
@@ -368,6 +418,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "model": args.model,
         "layout": w.cost_model.layout.describe(),
         "layer_split": args.layer_split,
+        "placement": args.placement,
         "stages": w.cost_model.num_stages,
         "memory_limit_gib": w.cost_model.device_memory_bytes * (1 - w.cost_model.memory_margin) / 2**30,
         "global_batches": len(batches),

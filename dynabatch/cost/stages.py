@@ -62,6 +62,44 @@ def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4
     block (embeddings and the head attach to their neighbouring block), so each stage holds >= 1 block.
     """
     kinds = list(model.layer_kinds())
+    return StageLayout(_cut(kinds, layer_times(model, kinds, ref_shape, micro_batches), num_stages))
+
+
+def cyclic_layout(model, num_devices: int, ref_shape: tuple[int, int, int] = (4, 512, 128),
+                  micro_batches=None) -> StageLayout:
+    """A T5's ``2 x num_devices`` chunks for the cyclic placement: the encoder cut into ``num_devices``
+    balanced chunks, then the decoder likewise (device ``d`` holds encoder chunk ``d`` and decoder chunk
+    ``d``, :class:`~dynabatch.schedule.placement.Placement`). Every device then gets about ``1/S`` of the
+    encoder's and ``1/S`` of the decoder's work of every micro-batch, whatever its input and target lengths:
+    balanced per micro-batch, which no contiguous split of the whole model is."""
+    kinds = list(model.layer_kinds())
+    if "decoder_embedding" not in kinds:
+        raise ValueError("the cyclic placement puts an encoder and a decoder chunk on every device; this model has "
+                         "no decoder (use interleaved:V for a decoder-only model)")
+    seam = kinds.index("decoder_embedding")
+    times = layer_times(model, kinds, ref_shape, micro_batches)
+    return StageLayout(_cut(kinds[:seam], times[:seam], num_devices) + _cut(kinds[seam:], times[seam:], num_devices))
+
+
+def layer_times(model, kinds: list[str], ref_shape, micro_batches) -> np.ndarray:
+    """fwd + bwd seconds of each layer kind in ``kinds``: at ``ref_shape`` or summed over ``micro_batches``
+    (see :func:`balanced_layout`)."""
+    if micro_batches is None:
+        b, e, d = ref_shape
+        d = d if "t5_decoder" in kinds else None
+        return np.array([float(_time(model.stage_cost([k], b, e, d))) for k in kinds])
+    layer_time = np.zeros(len(kinds))
+    for shapes, pairs in micro_batches:
+        b, e, d = (np.asarray(x, dtype=np.int64) for x in np.asarray(shapes).reshape(-1, 3).T)
+        d = d if "t5_decoder" in kinds else None
+        extra = {} if pairs is None else {"pairs": pairs}
+        layer_time += [float(np.sum(_time(model.stage_cost([k], b, e, d, **extra)))) for k in kinds]
+    return layer_time
+
+
+def _cut(kinds: list[str], layer_time: np.ndarray, num_stages: int) -> tuple[tuple[str, ...], ...]:
+    """``kinds`` cut into ``num_stages`` contiguous parts minimising the largest summed ``layer_time``; cuts
+    only just before a transformer block (the first block owns the layers before it)."""
     blocks = [i for i, k in enumerate(kinds) if k in BLOCK_KINDS]
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -70,24 +108,11 @@ def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4
             f"{num_stages} pipeline stages but the model has only {len(blocks)} transformer blocks; "
             f"use at most {len(blocks)} stages"
         )
-    if micro_batches is None:
-        b, e, d = ref_shape
-        d = d if "t5_decoder" in kinds else None
-        layer_time = np.array([float(_time(model.stage_cost([k], b, e, d))) for k in kinds])
-    else:
-        layer_time = np.zeros(len(kinds))
-        for shapes, pairs in micro_batches:
-            b, e, d = (np.asarray(x, dtype=np.int64) for x in np.asarray(shapes).reshape(-1, 3).T)
-            d = d if "t5_decoder" in kinds else None
-            extra = {} if pairs is None else {"pairs": pairs}
-            layer_time += [float(np.sum(_time(model.stage_cost([k], b, e, d, **extra)))) for k in kinds]
-    # Units between cut points: a unit starts at every block except the first (which owns the prefix).
     starts = [0] + blocks[1:]
     bounds = starts + [len(kinds)]
     unit_time = np.array([layer_time[bounds[u] : bounds[u + 1]].sum() for u in range(len(starts))])
     cuts = _min_max_partition(unit_time, num_stages)
-    stages = tuple(tuple(kinds[bounds[a] : bounds[z]]) for a, z in zip(cuts[:-1], cuts[1:]))
-    return StageLayout(stages)
+    return tuple(tuple(kinds[bounds[a] : bounds[z]]) for a, z in zip(cuts[:-1], cuts[1:]))
 
 
 def _time(cost):
