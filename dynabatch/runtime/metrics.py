@@ -68,11 +68,20 @@ def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
         "predicted_step_s_median": float(np.median([r["predicted_step_s"] for r in steady])),
         "plan_time_s_median": float(np.median([r["plan_time_s"] for r in records])),
         "plan_wait_s_total": float(sum(r["plan_wait_s"] for r in steady)),
+        "plan_overlap": planning_overlap(steady),
         "micro_batches_per_step": float(np.mean([r["num_micro_batches"] for r in records])),
         "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in records)),
         **({"prediction_error_median_last10": prediction_summary(records)["last10_median"]}
            if "prediction_error" in records[0] else {}),
     }
+
+
+def planning_overlap(records: list[dict[str, Any]]) -> float:
+    """The share of the background planner's time hidden behind training: ``1 - waited / planned`` over the
+    step records (1: the steps never waited for a plan; 0: every plan was waited for in full)."""
+    planned = sum(r["plan_time_s"] for r in records)
+    waited = sum(r["plan_wait_s"] for r in records)
+    return float(min(1.0, max(0.0, 1.0 - waited / planned))) if planned > 0 else 1.0
 
 
 def prediction_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,7 +118,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['tokens_per_s']:.0f} real tokens/s, padding efficiency {s['padding_efficiency']:.3f}, "
         f"predicted bubble {s['bubble_fraction_predicted']:.3f}, {s['micro_batches_per_step']:.1f} micro-batches/step, "
         f"step {s['step_time_s_median']:.3f} s measured vs {s['predicted_step_s_median']:.3f} s predicted, "
-        f"plan {1e3 * s['plan_time_s_median']:.1f} ms/step, waited {s['plan_wait_s_total']:.2f} s for plans, "
+        f"plan {1e3 * s['plan_time_s_median']:.1f} ms/step, waited {s['plan_wait_s_total']:.2f} s for plans "
+        f"({s['plan_overlap']:.0%} of planning overlapped with training), "
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
         + (f", prediction error {s['prediction_error_median_last10']:.1%} (median of the last 10 steps)"
            if "prediction_error_median_last10" in s else "")

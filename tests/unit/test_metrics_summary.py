@@ -1,0 +1,24 @@
+"""The run summary's planning overlap (issue 17, item 5): how much of the background planner's time the
+steps did not wait for."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynabatch.runtime.metrics import format_summary, planning_overlap, summarize
+
+
+def _record(step: int, plan_s: float, wait_s: float) -> dict:
+    return {"step": step, "loss": 1.0, "real_tokens": 100, "computed_tokens": 120, "step_time_s": 1.0,
+            "bubble_fraction_predicted": 0.1, "predicted_step_s": 1.0, "plan_time_s": plan_s, "plan_wait_s": wait_s,
+            "num_micro_batches": 4, "peak_rss_bytes": 1}
+
+
+def test_planning_overlap_is_the_share_of_planning_not_waited_for():
+    assert planning_overlap([_record(0, 0.4, 0.1), _record(1, 0.6, 0.15)]) == pytest.approx(0.75)
+    assert planning_overlap([_record(0, 0.5, 0.0)]) == 1.0
+    assert planning_overlap([_record(0, 0.5, 0.9)]) == 0.0  # waits longer than the planning: nothing hidden
+    assert planning_overlap([_record(0, 0.0, 0.0)]) == 1.0
+    s = summarize([_record(0, 9.0, 9.0), _record(1, 0.4, 0.1), _record(2, 0.6, 0.15)], "dynamic")
+    assert s["plan_overlap"] == pytest.approx(0.75)  # step 0 (warm-up) is left out, as for throughput
+    assert "75% of planning overlapped with training" in format_summary(s)
