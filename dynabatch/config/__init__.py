@@ -52,7 +52,11 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
     @classmethod
     def of(cls, **values: Any) -> "TrainConfig":
         """A config from flat values under current or older names (``lr=3e-4``, ``steps=10``, ``resume=True``)."""
-        return cls(**canonical(values))
+        values = canonical(values)
+        unknown = sorted(set(values) - set(field_types()))
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}; valid: {sorted(field_types())}")
+        return cls(**values)
 
     def section(self, kind: type):
         """The section ``kind`` (e.g. :class:`OptimArgs`) of this config."""

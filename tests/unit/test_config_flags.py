@@ -43,6 +43,8 @@ def test_hf_names_and_todays_names_give_the_same_config():
                                                                           resume_from_checkpoint="latest")
     with pytest.raises(ValueError, match="older name of learning_rate"):
         canonical({"lr": 1e-3, "learning_rate": 1e-3})
+    with pytest.raises(ValueError, match=r"unknown TrainConfig fields \['stepz'\]"):
+        TrainConfig.of(stepz=3)
 
 
 def test_bools_and_choices_come_from_the_field_types():
