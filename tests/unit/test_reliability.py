@@ -62,7 +62,7 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_checkpoints(tmp
                "--keep-checkpoints", "2", "--max-bad-steps", "2", model=model)
     assert out.returncode == 2, out.stderr[-3000:]
     msg = _error_line(out.stderr)
-    assert "training diverged" in msg and "non-finite" in msg and "--max-bad-steps 2" in msg and "--lr" in msg
+    assert "training diverged" in msg and "non-finite" in msg and "--max-bad-steps 2" in msg and "--learning-rate" in msg
     records = _records(tmp_path / "div")
     skipped = [r["step"] for r in records if r["skipped"]]
     assert len(skipped) >= 2 and skipped[-2:] == [records[-2]["step"], records[-1]["step"]]
