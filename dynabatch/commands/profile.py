@@ -146,18 +146,15 @@ def run(args) -> int:
     from dynabatch.models.families import layer_builder
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
-    try:
-        grid = ProfileGrid(_ints(args.batch_sizes, "--batch-sizes"), _ints(args.seq_lengths, "--seq-lengths"),
-                           _ints(args.dec_lengths, "--dec-lengths"), args.max_tokens)
-        settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
-        kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
-        p2p = None if args.p2p == "none" else args.p2p
-        profile = run_profile(args.model, grid, settings, device=args.device, dtype=TORCH_DTYPES[args.dtype], num_threads=threads,
-                              dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
-                              show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # a bad grid, kind or model is a ValueError: the CLI prints it as its one error line and exits 2
+    grid = ProfileGrid(_ints(args.batch_sizes, "--batch-sizes"), _ints(args.seq_lengths, "--seq-lengths"),
+                       _ints(args.dec_lengths, "--dec-lengths"), args.max_tokens)
+    settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
+    kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
+    p2p = None if args.p2p == "none" else args.p2p
+    profile = run_profile(args.model, grid, settings, device=args.device, dtype=TORCH_DTYPES[args.dtype],
+                          num_threads=threads, dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
+                          show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
     out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
     path = save_profile(profile, out)
     summary = {k: _count_ok(v["status"]) for k, v in profile["layers"].items()}

@@ -134,3 +134,14 @@ def test_p2p_gloo_two_processes():
     assert all(0 < t < 1 for t in r.send_s) and all(m <= t for m, t in zip(r.send_min_s, r.send_s))
     with pytest.raises(ValueError):
         measure_p2p("mpi")
+
+
+def test_a_bad_grid_is_the_clis_one_error_line(tmp_path, capsys):
+    from dynabatch.cli import main
+
+    assert main(["profile", "--model", "gpt2-tiny", "--out", str(tmp_path / "p.json"), "--batch-sizes", "2,1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dynabatch profile: error: batch_sizes needs >= 2 strictly increasing positive values, got (2, 1)"]
+    assert main(["profile", "--model", "gpt2-tiny", "--seq-lengths", "8,x"]) == 2
+    assert "--seq-lengths expects comma-separated integers, got '8,x'" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
