@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.sections import TORCH_DTYPES, arg
+from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
 
@@ -152,7 +152,7 @@ def run(args) -> int:
     settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
     kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
     p2p = None if args.p2p == "none" else args.p2p
-    profile = run_profile(args.model, grid, settings, device=args.device, dtype=TORCH_DTYPES[args.dtype],
+    profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],
                           num_threads=threads, dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
                           show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
     out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"

@@ -29,9 +29,9 @@ CALIBRATIONS = ("auto", "quick", "online", "off")
 """``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
 online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
 :mod:`dynabatch.runtime.calibration` uses this list."""
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """``--dtype`` -> the torch dtype's name."""
-DTYPES = tuple(TORCH_DTYPES)
+DTYPES = tuple(DTYPE_TORCH_NAMES)
 """``--dtype``: the compute precision (bf16 / fp16 as autocast over fp32 weights)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLONG = ("truncate", "drop", "error")

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dynabatch.config.sections import TORCH_DTYPES  # the --dtype registry
+from dynabatch.config.sections import DTYPE_TORCH_NAMES  # the --dtype registry
+from dynabatch.schedule.ir import DTYPE_BYTES as TENSOR_BYTES  # element sizes of the IR's dtype names
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
-    name: None if torch_name == "float32" else getattr(torch, torch_name) for name, torch_name in TORCH_DTYPES.items()}
+    name: None if torch_name == "float32" else getattr(torch, torch_name) for name, torch_name in DTYPE_TORCH_NAMES.items()}
 """``--dtype`` -> the autocast dtype (``None``: no autocast)."""
-DTYPE_BYTES = {name: getattr(torch, torch_name).itemsize for name, torch_name in TORCH_DTYPES.items()}
+DTYPE_BYTES = {name: TENSOR_BYTES[torch_name] for name, torch_name in DTYPE_TORCH_NAMES.items()}
 """``--dtype`` -> bytes per activation element, for the cost model's memory planning."""
 
 
