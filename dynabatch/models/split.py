@@ -41,7 +41,7 @@ from torch import nn
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import layer_kinds
-from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout
+from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout, cyclic_layout
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import check_attention_path, use_segment_attention
 from dynabatch.models.families import analytic_spec, family_for_config
@@ -62,8 +62,10 @@ def _num_blocks(model: nn.Module) -> int:
     return spec.num_layers + spec.num_decoder_layers
 
 
-def layout_for(model: nn.Module, num_stages: int) -> StageLayout:
-    """Balanced stage layout of ``model`` (any registered family's HF model)."""
+def layout_for(model: nn.Module, num_stages: int, placement=None) -> StageLayout:
+    """Balanced stage layout of ``model`` (any registered family's HF model) in ``num_stages`` stages; with the
+    ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
+    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`)."""
     num_blocks = _num_blocks(model)
     if not 1 <= num_stages <= num_blocks:
         raise ValueError(
@@ -72,6 +74,10 @@ def layout_for(model: nn.Module, num_stages: int) -> StageLayout:
         )
     dtype_bytes = next(model.parameters()).element_size()
     cost_model = AnalyticCostModel(analytic_spec(model.config, dtype_bytes), hardware_spec("cpu"))
+    if placement is not None and placement.kind == "cyclic":
+        if placement.num_stages != num_stages:
+            raise ValueError(f"placement {placement.describe()} has {placement.num_stages} chunks, not {num_stages}")
+        return cyclic_layout(cost_model, placement.num_devices)
     return balanced_layout(cost_model, num_stages)
 
 

@@ -63,7 +63,14 @@ def _align(n: int) -> int:
 
 
 def _loads(plan: ExecutionPlan) -> list[tuple[int, TensorSpec]]:
-    return [(ins.micro_batch, t) for ins in plan.instructions if ins.op is Op.LOAD for t in ins.tensors]
+    """``(micro-batch, tensor)`` of the plan's loads, each once (two chunks of a rank may load the same one)."""
+    seen: dict[tuple[int, str], TensorSpec] = {}
+    for ins in plan.instructions:
+        if ins.op is Op.LOAD:
+            for t in ins.tensors:
+                if seen.setdefault((ins.micro_batch, t.name), t) != t:
+                    raise ValueError(f"rank {plan.rank}: micro-batch {ins.micro_batch} loads {t.name} with two shapes")
+    return [(m, t) for (m, _), t in seen.items()]
 
 
 def check_inputs(inputs: StepInputs) -> None:

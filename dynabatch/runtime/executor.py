@@ -1,4 +1,4 @@
-"""Executor: runs one rank's :class:`ExecutionPlan` of a training step on its stage module.
+"""Executor: runs one rank's :class:`ExecutionPlan` of a training step on its stage module(s).
 
 :data:`HANDLERS` maps each :class:`~dynabatch.schedule.ir.Op` to a small ``_exec_<op>`` function;
 an opcode without a handler raises ``ValueError`` naming it. Per step the executor keeps:
@@ -17,8 +17,13 @@ extended context for the next slice; its backward adds its own keys/values with 
 later slices carried back (``kv_grads``) as extra backward roots, then leaves the gradient of its
 context for the previous slice (:mod:`dynabatch.models.slice_kv`).
 
-Activation recomputation: each forward runs under ``recompute_mode(plan.recompute[m])`` (``none`` when
-the plan has none), inside the dropout seeding, so a recomputed block draws the masks of its forward
+Virtual stages (:mod:`dynabatch.schedule.virtual`): a rank may hold several pipeline chunks (stage modules); every
+instruction names its chunk, and the per-micro-batch state, transfers and token-slice keys/values are kept per
+``(stage, micro_batch)``. Chunks of one rank that hold copies of one tied parameter group (T5's token table on the
+encoder's and the decoder's first chunk) have their gradients summed on the rank before the group's all-reduce over
+ranks; the norm counts one copy.
+
+Activation recomputation: each forward runs under ``recompute_mode(plan.recompute_of(stage, m))``, inside the dropout seeding, so a recomputed block draws the masks of its forward
 (:mod:`dynabatch.models.recompute`); the backward needs nothing more.
 
 Loss: the last stage backpropagates ``loss_sum / global_loss_tokens`` per micro-batch, where the
@@ -133,7 +138,7 @@ class Executor:
 
     def __init__(
         self,
-        stage: StageModule,
+        stage: StageModule | list[StageModule],
         ctx: DistContext,
         optimizer: torch.optim.Optimizer,
         *,
@@ -143,14 +148,22 @@ class Executor:
         dropout_seed: int | None = None,
         measure_memory: bool = False,
     ) -> None:
-        if stage.stage_index != ctx.stage_index or stage.num_stages != ctx.num_stages:
+        chunks = sorted(stage if isinstance(stage, (list, tuple)) else [stage], key=lambda c: c.stage_index)
+        V = chunks[0].num_stages
+        expected = list(range(ctx.stage_index, V, ctx.num_stages)) if V % ctx.num_stages == 0 else None
+        if [c.stage_index for c in chunks] != expected or any(c.num_stages != V for c in chunks):
             raise ValueError(
-                f"rank {ctx.rank} runs stage {ctx.stage_index} of {ctx.num_stages}, but the module is stage "
-                f"{stage.stage_index} of {stage.num_stages}"
+                f"rank {ctx.rank} is device {ctx.stage_index} of {ctx.num_stages}, which holds stages {expected} of "
+                f"{V}, but got the modules of stages {[c.stage_index for c in chunks]} of {[c.num_stages for c in chunks]}"
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        self.stage, self.ctx, self.optimizer, self.scheduler = stage, ctx, optimizer, scheduler
+        self.chunks = {c.stage_index: c for c in chunks}
+        """Stage index -> the module of that pipeline chunk (one entry without virtual stages)."""
+        self.stage = chunks[0]
+        """The rank's first (or only) stage module."""
+        self.num_stages = V
+        self.ctx, self.optimizer, self.scheduler = ctx, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
         self.device = ctx.device
         if autocast_dtype == "auto":
@@ -160,19 +173,24 @@ class Executor:
         self.overflowed = False
         self.dropout_seed = dropout_seed
         self.measure_memory = measure_memory
-        self.is_last = ctx.stage_index == ctx.num_stages - 1
-        self.params = [p for p in stage.parameters() if p.requires_grad]
-        tied = stage.tied_parameters()
-        self.tied = tied_groups(ctx, tied)
-        self.tied_params = {name: tied[name] for name in self.tied}
-        skip = {id(tied[n]) for n, g in self.tied.items() if not g.is_owner}
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        copies: dict[str, list[torch.nn.Parameter]] = {}
+        for c in chunks:
+            for name, p in c.tied_parameters().items():
+                copies.setdefault(name, []).append(p)
+        self.tied = tied_groups(ctx, copies)
+        self.tied_params = copies
+        """Tied group name -> this rank's copies of it (several when several chunks hold one)."""
+        skip = {id(p) for n, ps in copies.items() for k, p in enumerate(ps) if k > 0 or not self.tied[n].is_owner}
         self.norm_params = [p for p in self.params if id(p) not in skip]
         # per-step state
         self._current: Instr | None = None
         """The instruction running (for error messages)."""
         self.inputs: StepInputs | None = None
-        self.states: dict[int, _MicroBatchState] = {}
-        self.pending: dict[tuple[Op, int], _Transfer] = {}
+        self.states: dict[tuple[int, int], _MicroBatchState] = {}
+        """(stage, micro-batch) -> its state."""
+        self.pending: dict[tuple[Op, int, int], _Transfer] = {}
+        """(op, stage, micro-batch) of the transfers started and not yet waited."""
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.num_loss_tokens = 0
         self.segment_losses: dict[int, torch.Tensor] = {}
@@ -182,23 +200,25 @@ class Executor:
         self.links: tuple[int, ...] = ()
         self.next_slice: dict[int, int] = {}
         self.contexts: dict = {}
-        """Slice -> the keys/values of its chain's earlier slices (left by the previous slice's F)."""
+        """(stage, slice) -> the keys/values of its chain's earlier slices (left by the previous slice's F)."""
         self.kv_grads: dict = {}
-        """Slice -> the key/value gradient the later slices carried back (left by the next slice's B)."""
+        """(stage, slice) -> the key/value gradient the later slices carried back (left by the next slice's B)."""
 
     # ------------------------------------------------------------------------------------------
 
     def run(self, inputs: StepInputs) -> StepResult:
         """Execute one step's plan; returns this rank's :class:`StepResult`."""
         plan, ctx = inputs.plan, self.ctx
-        if (plan.rank, plan.num_stages, plan.num_replicas) != (ctx.rank, ctx.num_stages, ctx.num_replicas):
+        mine = (ctx.rank, ctx.num_stages, self.num_stages, ctx.num_replicas)
+        if (plan.rank, plan.num_devices, plan.num_stages, plan.num_replicas) != mine:
             raise ValueError(
-                f"rank {ctx.rank} ({ctx.num_stages} stages x {ctx.num_replicas} replicas) got the plan of rank "
-                f"{plan.rank} ({plan.num_stages} x {plan.num_replicas})"
+                f"rank {ctx.rank} ({ctx.num_stages} devices holding {self.num_stages} stages x {ctx.num_replicas} "
+                f"replicas) got the plan of rank {plan.rank} ({plan.num_devices} devices holding {plan.num_stages} "
+                f"stages x {plan.num_replicas})"
             )
         if inputs.global_loss_tokens < 1:
             raise ValueError(f"step {plan.step}: the global batch has {inputs.global_loss_tokens} loss tokens")
-        if any(p >= 0 for p in plan.slice_links) and not getattr(self.stage, "supports_slices", False):
+        if any(p >= 0 for p in plan.slice_links) and not all(getattr(c, "supports_slices", False) for c in self.chunks.values()):
             raise ValueError(f"the plan has token slices but {type(self.stage).__name__} cannot run them (GPT-2 stages can)")
         self.inputs = inputs
         self.states, self.pending = {}, {}
@@ -221,11 +241,11 @@ class Executor:
         if self.measure_memory and not evaluating:
             from dynabatch.runtime.memory import SavedActivationMeter
 
-            meter = SavedActivationMeter(exclude=self.stage.parameters())
+            meter = SavedActivationMeter(exclude=self.params)
         was_training = self.stage.training
         try:
             with meter if meter is not None else contextlib.nullcontext(), torch.set_grad_enabled(not evaluating):
-                self.stage.train(was_training and not evaluating)
+                self._train_mode(was_training and not evaluating)
                 self._run_instructions(plan, timeline, clock)
             if self.pending or self.states or self.contexts or self.kv_grads:
                 raise ValueError(
@@ -243,12 +263,16 @@ class Executor:
             what = f"instruction {ins.to_text()} ({self._peers(ins)})" if ins is not None else "plan"
             raise PipelineError(f"{where}, {what} failed: {type(e).__name__}: {e}") from e
         finally:
-            self.stage.train(was_training)
+            self._train_mode(was_training)
             self.inputs = None
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses,
                           self.skipped, meter.peak_bytes if meter is not None else None, self.overflowed, scale)
+
+    def _train_mode(self, on: bool) -> None:
+        for c in self.chunks.values():
+            c.train(on)
 
     def _run_instructions(self, plan, timeline: list, clock) -> None:
         """Run every instruction of ``plan`` through its handler, timing each (``self._current`` names
@@ -266,14 +290,20 @@ class Executor:
         self._current = None
 
     def reduce_gradients(self) -> None:
-        """``REDUCE``: sum tied-parameter gradients over their stages, then gradients over the replicas."""
+        """``REDUCE``: sum tied-parameter gradients over their copies (on this rank, then over the ranks holding
+        one), then gradients over the replicas."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for name in sorted(self.tied):
+            first, *others = self.tied_params[name]
+            for p in others:
+                first.grad += p.grad
             group = self.tied[name].group
             if group is not None:
-                dist.all_reduce(self.tied_params[name].grad, group=group)
+                dist.all_reduce(first.grad, group=group)
+            for p in others:
+                p.grad.copy_(first.grad)
         if self.ctx.num_replicas > 1:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in self.params:
@@ -292,7 +322,7 @@ class Executor:
         if grads:
             norms = torch._foreach_norm(grads)
             sq = torch.stack([n.double() for n in norms]).square().sum()
-        totals = torch.stack([sq, self.loss_sum if self.is_last else torch.zeros_like(self.loss_sum)])
+        totals = torch.stack([sq, self.loss_sum])  # the loss sum is zero except where the last stage is
         if ctx.world_size > 1:
             dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss
         sq_total, loss_total = totals.tolist()
@@ -318,7 +348,7 @@ class Executor:
 
     def _evaluation_loss(self, global_loss_tokens: int) -> None:
         """End of an evaluation pass: the world-wide loss sum over the global loss tokens (no gradient norm)."""
-        total = self.loss_sum.clone() if self.is_last else torch.zeros_like(self.loss_sum)
+        total = self.loss_sum.clone()
         if self.ctx.world_size > 1:
             dist.all_reduce(total)
         self.loss, self.grad_norm = total.item() / global_loss_tokens, math.nan
@@ -334,20 +364,21 @@ class Executor:
             return f"all {self.ctx.world_size} ranks"
         return "local"
 
-    def _state(self, m: int) -> _MicroBatchState:
-        st = self.states.get(m)
+    def _state(self, ins: Instr) -> _MicroBatchState:
+        key = (ins.stage, ins.micro_batch)
+        st = self.states.get(key)
         if st is None:
-            st = self.states[m] = _MicroBatchState()
+            st = self.states[key] = _MicroBatchState()
         return st
 
-    def _forward_context(self, m: int):
+    def _forward_context(self, stage: int, m: int):
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype))
         if self.dropout_seed is not None:
             from dynabatch.models.split import forked_rng, seed_for
 
-            seed = seed_for(self.dropout_seed, self.inputs.plan.step, m, self.ctx.rank)
+            seed = seed_for(self.dropout_seed, self.inputs.plan.step, m, self.ctx.replica_index * self.num_stages + stage)
             stack.enter_context(forked_rng(seed, self.device))
         return stack
 
@@ -359,54 +390,54 @@ class Executor:
 
 def _exec_load(ex: Executor, ins: Instr) -> None:
     host = ex.inputs.loaded[ins.micro_batch]
-    ex._state(ins.micro_batch).loaded = {t.name: host[t.name].to(ex.device, non_blocking=True) for t in ins.tensors}
+    ex._state(ins).loaded = {t.name: host[t.name].to(ex.device, non_blocking=True) for t in ins.tensors}
 
 
 def _exec_recv(ex: Executor, ins: Instr) -> None:
     buffers = allocate(ins.tensors, ex.device)
-    ex.pending[(ins.op, ins.micro_batch)] = _Transfer(start_recv(buffers, ins.peer, ins.tag), buffers, ins)
+    ex.pending[(ins.op, ins.stage, ins.micro_batch)] = _Transfer(start_recv(buffers, ins.peer, ins.tag), buffers, ins)
 
 
 def _exec_wait(ex: Executor, ins: Instr) -> None:
-    transfer = ex.pending.pop((ins.waits_on, ins.micro_batch))
+    transfer = ex.pending.pop((ins.waits_on, ins.stage, ins.micro_batch))
     wait_all(transfer.works)
     names = [t.name for t in transfer.instr.tensors]
     if ins.waits_on is Op.RECV_ACT:
-        ex._state(ins.micro_batch).received = {n: b.requires_grad_() for n, b in zip(names, transfer.tensors)}
+        ex._state(ins).received = {n: b.requires_grad_() for n, b in zip(names, transfer.tensors)}
     elif ins.waits_on is Op.RECV_GRAD:
-        ex._state(ins.micro_batch).grads = dict(zip(names, transfer.tensors))
+        ex._state(ins).grads = dict(zip(names, transfer.tensors))
 
 
 def _exec_forward(ex: Executor, ins: Instr) -> None:
-    m = ins.micro_batch
-    st = ex._state(m)
+    s, m = ins.stage, ins.micro_batch
+    st = ex._state(ins)
+    chunk = ex.chunks[s]
     prev = ex.links[m] if ex.links else -1
-    recompute = ex.inputs.plan.recompute
-    with ex._forward_context(m), recompute_mode(recompute[m] if recompute else "none"):
+    with ex._forward_context(s, m), recompute_mode(ex.inputs.plan.recompute_of(s, m)):
         if prev >= 0 or m in ex.next_slice:
-            if prev >= 0 and m not in ex.contexts:
+            if prev >= 0 and (s, m) not in ex.contexts:
                 raise ValueError(f"token slice {m} runs before slice {prev}, whose keys/values it extends")
-            out = ex.stage(st.received, st.loaded, ex.contexts.pop(m, None), sliced=True)
+            out = chunk(st.received, st.loaded, ex.contexts.pop((s, m), None), sliced=True)
             if m in ex.next_slice:
-                ex.contexts[ex.next_slice[m]] = out.slice_record.extend()
+                ex.contexts[s, ex.next_slice[m]] = out.slice_record.extend()
         else:
-            out = ex.stage(st.received, st.loaded)
+            out = chunk(st.received, st.loaded)
     st.output, st.loaded = out, None
-    if ex.is_last:
+    if s == ex.num_stages - 1:
         if out.loss_sum is None:
             raise ValueError("the last stage returned no loss_sum")
         ex.loss_sum += out.loss_sum.detach()
         ex.num_loss_tokens += out.num_loss_tokens
         if out.segment_losses is not None:
-            ex.segment_losses[ins.micro_batch] = out.segment_losses
+            ex.segment_losses[m] = out.segment_losses
 
 
 def _exec_backward(ex: Executor, ins: Instr) -> None:
-    m = ins.micro_batch
-    st = ex._state(m)
+    s, m = ins.stage, ins.micro_batch
+    st = ex._state(ins)
     out = st.output
     tensors, grads = [], []
-    if ex.is_last:
+    if s == ex.num_stages - 1:
         loss = out.loss_sum / ex.inputs.global_loss_tokens
         tensors.append(loss if ex.loss_scaler is None else loss * ex.loss_scaler.scale)  # a power of two: exact
         grads.append(None)
@@ -419,16 +450,16 @@ def _exec_backward(ex: Executor, ins: Instr) -> None:
     record, carried = out.slice_record, None
     if record is not None:
         if m in ex.next_slice:
-            if m not in ex.kv_grads:
+            if (s, m) not in ex.kv_grads:
                 raise ValueError(f"token slice {m} runs its backward before slice {ex.next_slice[m]}'s")
-            carried = ex.kv_grads.pop(m)
+            carried = ex.kv_grads.pop((s, m))
         extra, extra_grads = record.backward_roots(carried)
         tensors += extra
         grads += extra_grads
     if tensors:
         torch.autograd.backward(tensors, grads)
     if record is not None and ex.links[m] >= 0:
-        ex.kv_grads[ex.links[m]] = record.context_grads(carried)
+        ex.kv_grads[s, ex.links[m]] = record.context_grads(carried)
     st.input_grads = {n: t.grad for n, t in st.received.items()}
     st.output, st.received, st.grads = None, {}, {}
 
@@ -449,21 +480,21 @@ def _outgoing(ins: Instr, source: dict[str, torch.Tensor | None], device: torch.
 
 
 def _exec_send_act(ex: Executor, ins: Instr) -> None:
-    tensors = _outgoing(ins, ex._state(ins.micro_batch).output.sends, ex.device)
-    ex.pending[(ins.op, ins.micro_batch)] = _Transfer(start_send(tensors, ins.peer, ins.tag), tensors, ins)
+    tensors = _outgoing(ins, ex._state(ins).output.sends, ex.device)
+    ex.pending[(ins.op, ins.stage, ins.micro_batch)] = _Transfer(start_send(tensors, ins.peer, ins.tag), tensors, ins)
 
 
 def _exec_send_grad(ex: Executor, ins: Instr) -> None:
-    tensors = _outgoing(ins, ex._state(ins.micro_batch).input_grads, ex.device)
-    ex.pending[(ins.op, ins.micro_batch)] = _Transfer(start_send(tensors, ins.peer, ins.tag), tensors, ins)
+    tensors = _outgoing(ins, ex._state(ins).input_grads, ex.device)
+    ex.pending[(ins.op, ins.stage, ins.micro_batch)] = _Transfer(start_send(tensors, ins.peer, ins.tag), tensors, ins)
 
 
 def _exec_free(ex: Executor, ins: Instr) -> None:
-    m = ins.micro_batch
-    busy = [k for k in ex.pending if k[1] == m]
+    key = (ins.stage, ins.micro_batch)
+    busy = [f"{op.value}{m}" for op, s, m in ex.pending if (s, m) == key]
     if busy:
-        raise ValueError(f"FREE of micro-batch {m} with transfers {busy} in flight")
-    ex.states.pop(m, None)
+        raise ValueError(f"FREE of micro-batch {ins.micro_batch} with transfers {busy} in flight")
+    ex.states.pop(key, None)
 
 
 def _exec_reduce(ex: Executor, ins: Instr) -> None:

@@ -28,6 +28,7 @@ from dynabatch.runtime.executor import Executor, StepResult
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.ir import ExecutionPlan, PipelineSpec
 from dynabatch.schedule.lower import lower
+from dynabatch.schedule.placement import Placement
 from dynabatch.schedule.policies import adaptive, choose_schedule, gpipe, one_f_one_b
 from dynabatch.schedule.simulate import per_stage_values, with_message_buffers
 from dynabatch.schedule.validate import PlanValidationError, validate, validate_or_raise
@@ -95,6 +96,7 @@ def plan_step(
     schedules: Sequence[ComputeSchedule] | None = None,
     slice_links: Sequence[Sequence[int]] | None = None,
     model_state_bytes=0.0,
+    placement: Placement | None = None,
 ) -> dict[int, ExecutionPlan]:
     """Validated plans of every rank: replica ``p`` runs the micro-batches of shapes ``replica_shapes[p]``
     (``(M_p, 3)``, each ``M_p >= 1``); ``costs[p]`` (default :func:`token_costs`) drives the adaptive
@@ -105,7 +107,13 @@ def plan_step(
     Every plan is validated (pairing, deadlock, data dependencies); with ``costs`` and
     ``memory_limit_bytes`` (the whole device, of which each stage's ``model_state_bytes`` are taken
     first) the validator also checks every rank's memory: the exact message and load buffers of the
-    plan plus the stored and peak activation bytes of ``costs`` (:func:`check_step_memory`)."""
+    plan plus the stored and peak activation bytes of ``costs`` (:func:`check_step_memory`).
+
+    ``placement`` with several chunks per device (virtual stages, :mod:`dynabatch.schedule.placement`): ``spec``
+    and ``costs`` describe the chunks; each replica's ops are ordered by the placement's list scheduler (memory
+    admission under ``memory_limit_bytes``; ``policy`` is not used) and lowered onto the devices
+    (:func:`~dynabatch.schedule.virtual.lower_placed`)."""
+    placed = placement is not None and placement.chunks_per_device > 1
     num_replicas = len(replica_shapes)
     plans: dict[int, ExecutionPlan] = {}
     for p, shapes in enumerate(replica_shapes):
@@ -114,6 +122,10 @@ def plan_step(
             raise ValueError(f"replica {p} has no micro-batches; every replica needs at least one")
         links = tuple(slice_links[p]) if slice_links is not None else ()
         c = costs[p] if costs is not None else token_costs(shapes, spec.num_stages)
+        if placed:
+            plans.update(_lower_placed(shapes, spec, c, placement, p, num_replicas, step, links, memory_limit_bytes,
+                                       model_state_bytes))
+            continue
         if schedules is not None:
             schedule = schedules[p]
         else:
@@ -141,6 +153,21 @@ def plan_step(
     return plans
 
 
+def _lower_placed(shapes, spec: PipelineSpec, costs: StageCosts, placement: Placement, replica: int, num_replicas: int,
+                  step: int, links, memory_limit_bytes, model_state_bytes) -> dict[int, ExecutionPlan]:
+    """One replica's device plans on a virtual-stage placement: list-scheduled, then lowered (not yet validated)."""
+    from dynabatch.schedule.placement import list_schedule
+    from dynabatch.schedule.virtual import lower_placed
+
+    V = placement.num_stages
+    states = per_stage_values(model_state_bytes, V, "model_state_bytes")
+    limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
+    placed = list_schedule(with_message_buffers(costs), placement, np.zeros((V, len(shapes))), states, limit)
+    return lower_placed(placed.order, shapes, spec, placement, replica_index=replica, num_replicas=num_replicas,
+                        step=step, fwd_s=costs.fwd_s, bwd_s=costs.bwd_s, check=False, links=links,
+                        recompute=costs.recompute)
+
+
 def _priced(costs: StageCosts) -> bool:
     """Every micro-batch's memory is known (a profile prices shapes beyond its grid as ``INFEASIBLE``)."""
     from dynabatch.cost.planner_model import INFEASIBLE
@@ -154,8 +181,11 @@ def check_step_memory(plans, costs: Sequence[StageCosts], memory_limit_bytes, mo
     """Validate ``plans`` with memory: each stage may hold ``memory_limit_bytes - model_state_bytes[s]`` of
     buffers and activations. A plan over it is a one-line ``ValueError`` naming the step, the stage and
     the bytes; any other finding raises :class:`~dynabatch.schedule.validate.PlanValidationError`."""
-    num_stages = next(iter(plans.values())).num_stages
+    first = next(iter(plans.values()))
+    num_stages, num_devices = first.num_stages, first.num_devices
     states = per_stage_values(model_state_bytes, num_stages, "model_state_bytes")
+    device_states = np.array([states[d::num_devices].sum() for d in range(num_devices)])  # every chunk a device holds
+    states = device_states[np.arange(num_stages) % num_devices]
     limits = per_stage_values(memory_limit_bytes, num_stages, "memory_limit_bytes") - states
     report = validate(plans, stored_bytes={p: c.stored_bytes for p, c in enumerate(costs)},
                       peak_bytes={p: c.peak_bytes for p, c in enumerate(costs)}, memory_limit_bytes=limits)
@@ -185,7 +215,7 @@ def step_payloads(
     out = {}
     for rank, plan in plans.items():
         mbs = replica_micro_batches[plan.replica_index]
-        loaded = {m: inputs_fn(mb, spec, plan.stage) for m, mb in enumerate(mbs)}
+        loaded = {m: {k: v for s in plan.stages for k, v in inputs_fn(mb, spec, s).items()} for m, mb in enumerate(mbs)}
         out[rank] = StepInputs(plan, loaded, tokens)
     return out
 
@@ -217,13 +247,14 @@ def forward_only_plan(plan: ExecutionPlan) -> ExecutionPlan:
     dropped = (Op.BACKWARD, Op.SEND_GRAD, Op.RECV_GRAD, Op.REDUCE_GRADS, Op.OPTIMIZER_STEP, Op.FREE)
     kept = [i for i in plan.instructions
             if i.op not in dropped and not (i.op is Op.WAIT and i.waits_on in (Op.SEND_GRAD, Op.RECV_GRAD))]
-    frees = {i.micro_batch: i for i in plan.instructions if i.op is Op.FREE}
-    last = {i.micro_batch: k for k, i in enumerate(kept)}
+    frees = {(i.stage, i.micro_batch): i for i in plan.instructions if i.op is Op.FREE}
+    last = {(i.stage, i.micro_batch): k for k, i in enumerate(kept)}
     out = []
     for k, ins in enumerate(kept):
         out.append(ins)
-        if last[ins.micro_batch] == k and ins.micro_batch in frees:
-            out.append(frees[ins.micro_batch])
+        key = (ins.stage, ins.micro_batch)
+        if last[key] == k and key in frees:
+            out.append(frees[key])
     return replace(plan, instructions=tuple(out))
 
 
@@ -253,6 +284,7 @@ def train_step(
     model_state_bytes=0.0,
     forward_backward_only: bool = False,
     forward_only: bool = False,
+    placement: Placement | None = None,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
@@ -267,6 +299,7 @@ def train_step(
     its gradients are dropped at the start of the next step (the start-up calibration's passes).
     ``forward_only`` (rank 0): run every plan as an evaluation pass (:func:`forward_only_plan`): no gradient,
     no state change; the result's ``loss`` is the global token-normalised loss, ``segment_losses`` per row.
+    ``placement`` (rank 0): virtual stages (:func:`plan_step`); ``spec`` and ``costs`` then describe the chunks.
     """
     if ctx.is_planner:
         if replica_micro_batches is None or spec is None:
@@ -277,7 +310,8 @@ def train_step(
             )
         shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
         plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
-                          schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes)
+                          schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes,
+                          placement=placement)
         if forward_backward_only:
             plans = {r: without_update(p) for r, p in plans.items()}
         if forward_only:

@@ -42,34 +42,38 @@ def _check_layout(plans: list[ExecutionPlan], errors: _Errors) -> dict[int, Exec
         errors.add("no plans to validate")
         return None
     first = next(iter(by_rank.values()))
-    S = first.num_stages
-    replicas: dict[int, set[int]] = {}
+    S, D = first.num_stages, first.num_devices
+    replicas: dict[int, list[int]] = {}
     for p in by_rank.values():
-        if p.num_stages != S or p.num_replicas != first.num_replicas:
+        if (p.num_stages, p.num_devices, p.num_replicas) != (S, D, first.num_replicas):
             errors.add(
-                f"rank {p.rank}: {p.num_stages} stages / {p.num_replicas} replicas, "
-                f"rank {first.rank} has {S} / {first.num_replicas}"
+                f"rank {p.rank}: {p.num_stages} stages on {p.num_devices} devices / {p.num_replicas} replicas, "
+                f"rank {first.rank} has {S} on {D} / {first.num_replicas}"
             )
-        replicas.setdefault(p.replica_index, set()).add(p.stage)
+        replicas.setdefault(p.replica_index, []).extend(p.stages)
+        held = set(p.stages)
         for i in p.instructions:
-            if i.stage != p.stage:
-                errors.add(f"rank {p.rank} (stage {p.stage}) holds an instruction of another stage: {i}")
+            if i.stage not in held:
+                errors.add(f"rank {p.rank} (stages {list(p.stages)}) holds an instruction of a stage it does not "
+                           f"hold: {i}")
                 break
             if i.peer >= 0 and i.peer not in by_rank:
                 errors.add(f"rank {p.rank}: {i} names peer rank {i.peer}, which has no plan")
                 break
     for rep, stages in sorted(replicas.items()):
-        if stages != set(range(S)):
-            errors.add(f"replica {rep} lacks plans for stages {sorted(set(range(S)) - stages)}")
+        if sorted(stages) != list(range(S)):
+            twice = sorted({s for s in stages if stages.count(s) > 1})
+            errors.add(f"replica {rep} lacks plans for stages {sorted(set(range(S)) - set(stages))}"
+                       + (f" and holds stages {twice} on two devices" if twice else ""))
     for rep in replicas:
-        ms = {by_rank[rep * S + s].num_micro_batches for s in replicas[rep] if rep * S + s in by_rank}
+        ms = {by_rank[rep * D + d].num_micro_batches for d in range(D) if rep * D + d in by_rank}
         if len(ms) > 1:
             errors.add(f"replica {rep}: stages disagree on the number of micro-batches {sorted(ms)}")
     return None if errors.count else by_rank
 
 
 def _message(ins: Instr) -> str:
-    return f"{ins.op.value[-1]}{ins.micro_batch}"
+    return f"{ins.op.value[-1]}{ins.micro_batch}" + (f"#{ins.tag}" if ins.tag >= 0 else "")
 
 
 def _check_pairing(by_rank: dict[int, ExecutionPlan], errors: _Errors, in_order: bool) -> None:
@@ -113,7 +117,7 @@ def _check_pairing(by_rank: dict[int, ExecutionPlan], errors: _Errors, in_order:
 
 
 def _pair_problem(send: Instr, recv: Instr) -> str:
-    if _PARTNER[send.op] is not recv.op or send.micro_batch != recv.micro_batch:
+    if _PARTNER[send.op] is not recv.op or send.micro_batch != recv.micro_batch or abs(send.stage - recv.stage) != 1:
         return f"different message: {_message(send)} vs {_message(recv)}"
     if send.tag != recv.tag:
         return f"tag {send.tag} vs {recv.tag}"
@@ -124,8 +128,9 @@ def _pair_problem(send: Instr, recv: Instr) -> str:
 
 @dataclass
 class _Memory:
-    stored: list[float] | None
-    peak: list[float] | None
+    stored: dict[int, list[float]] | None
+    """Stage -> stored bytes per micro-batch, for each stage the rank holds."""
+    peak: dict[int, list[float]] | None
     limit: float
 
 
@@ -144,7 +149,7 @@ def _memory_tables(by_rank, stored_bytes, peak_bytes, limit) -> dict[int, _Memor
             a = np.asarray(table, dtype=np.float64)
             if a.ndim != 2 or a.shape[0] != p.num_stages or a.shape[1] < p.num_micro_batches:
                 raise ValueError(f"{name} must be ({p.num_stages}, {p.num_micro_batches}), got {a.shape}")
-            rows.append(a[p.stage].tolist())
+            rows.append({s: a[s].tolist() for s in p.stages})
         if limit is None:
             lim = float("inf")
         elif np.ndim(limit) == 0:
@@ -155,6 +160,6 @@ def _memory_tables(by_rank, stored_bytes, peak_bytes, limit) -> dict[int, _Memor
                 raise ValueError(
                     f"memory_limit_bytes must be a number or one per stage ({p.num_stages}), got {lims.shape}"
                 )
-            lim = float(lims[p.stage])
+            lim = float(lims[list(p.stages)].min())  # a device holding several stages: the tightest
         out[r] = _Memory(rows[0], rows[1], lim)
     return out

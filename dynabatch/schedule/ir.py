@@ -374,10 +374,14 @@ def check_recompute(modes, num_micro_batches: int) -> None:
 
 @dataclass(frozen=True)
 class ExecutionPlan:
-    """The instruction list of one rank for one training step.
+    """The instruction list of one rank (one device of one replica) for one training step.
 
-    Rank layout: replica ``p`` (a data-parallel copy of the pipeline) runs stage ``s`` on global rank
-    ``p * num_stages + s``; peers in instructions are global ranks.
+    Rank layout: replica ``p`` (a data-parallel copy of the pipeline) runs device ``d`` on global rank
+    ``p * num_devices + d``; peers in instructions are global ranks. Virtual stages
+    (:mod:`dynabatch.schedule.placement`): the pipeline's ``num_stages`` chunks are dealt round-robin over
+    ``num_devices`` devices, so device ``d`` holds the stages ``d, d + num_devices, ...`` (:attr:`stages`) and
+    each instruction names the chunk it belongs to; with one chunk per device (``num_devices == num_stages``,
+    the default) a rank runs stage ``d`` alone.
     """
 
     rank: int
@@ -395,30 +399,55 @@ class ExecutionPlan:
     """Token-slice chains of the replica (:mod:`dynabatch.schedule.chains`): per micro-batch, the
     micro-batch whose keys/values it extends, or -1; empty when no micro-batch is a slice."""
     recompute: tuple[str, ...] = ()
-    """Activation recomputation of this rank's stage, per micro-batch: one of :data:`RECOMPUTE_MODES`
-    (``none``; ``selective``: the attention cores; ``full``: every transformer block); empty when no
-    micro-batch recomputes (:mod:`dynabatch.cost.recompute` chooses them)."""
+    """Activation recomputation of this rank's stages, per micro-batch: one of :data:`RECOMPUTE_MODES`
+    (``none``; ``selective``: the attention cores; ``full``: every transformer block), ``num_micro_batches``
+    entries per stage of :attr:`stages` in that order (:meth:`recompute_of`); empty when no micro-batch
+    recomputes (:mod:`dynabatch.cost.recompute` chooses them)."""
+    num_devices: int = 0
+    """Devices (ranks) of one replica; ``0`` means ``num_stages`` (one chunk per device). ``stage`` is the
+    rank's device index, which is also its first chunk."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instructions", tuple(self.instructions))
         object.__setattr__(self, "slice_links", tuple(int(x) for x in self.slice_links))
         if self.slice_links:
             check_links(self.slice_links, self.num_micro_batches)
+        if self.num_devices == 0:
+            object.__setattr__(self, "num_devices", self.num_stages)
+        if not 1 <= self.num_devices <= self.num_stages or self.num_stages % self.num_devices:
+            raise ValueError(f"{self.num_stages} stages cannot be dealt over {self.num_devices} devices "
+                             "(the stage count must be a multiple of the device count)")
         object.__setattr__(self, "recompute", tuple(self.recompute))
         if any(m != "none" for m in self.recompute):
-            check_recompute(self.recompute, self.num_micro_batches)
+            check_recompute(self.recompute, self.num_micro_batches * len(self.stages))
         else:
             object.__setattr__(self, "recompute", ())
-        if not (0 <= self.stage < self.num_stages and 0 <= self.replica_index < self.num_replicas):
+        if not (0 <= self.stage < self.num_devices and 0 <= self.replica_index < self.num_replicas):
             raise ValueError(
-                f"stage {self.stage} / replica {self.replica_index} out of range "
-                f"({self.num_stages} stages, {self.num_replicas} replicas)"
+                f"device {self.stage} / replica {self.replica_index} out of range "
+                f"({self.num_devices} devices, {self.num_replicas} replicas)"
             )
-        if self.rank != self.replica_index * self.num_stages + self.stage:
+        if self.rank != self.replica_index * self.num_devices + self.stage:
             raise ValueError(
-                f"rank {self.rank} must be replica_index * num_stages + stage = "
-                f"{self.replica_index * self.num_stages + self.stage}"
+                f"rank {self.rank} must be replica_index * num_devices + device = "
+                f"{self.replica_index * self.num_devices + self.stage}"
             )
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The pipeline stages (chunks) this rank holds: ``stage, stage + num_devices, ...``."""
+        return tuple(range(self.stage, self.num_stages, self.num_devices))
+
+    @property
+    def device(self) -> int:
+        """This rank's device index in its replica (= :attr:`stage`, its first chunk)."""
+        return self.stage
+
+    def recompute_of(self, stage: int, micro_batch: int) -> str:
+        """The recomputation mode of ``micro_batch`` on ``stage`` (one of this rank's :attr:`stages`)."""
+        if not self.recompute:
+            return "none"
+        return self.recompute[(stage - self.stage) // self.num_devices * self.num_micro_batches + micro_batch]
 
     def __str__(self) -> str:
         return " ".join(str(i) for i in self.instructions)

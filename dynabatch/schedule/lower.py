@@ -308,9 +308,10 @@ def _receive_clocks(lists: list[list[Instr]], rank_offset: int) -> list[list[tup
 
 
 def assign_slots(instrs: list[Instr]) -> tuple[list[Instr], int]:
-    """Pass 5: every instruction of micro-batch ``m`` gets ``m``'s slot: the lowest slot free at ``m``'s
-    first instruction, released at its ``FREE``. Returns the instructions and the number of slots."""
-    slot_of: dict[int, int] = {}
+    """Pass 5: every instruction of micro-batch ``m`` on stage ``s`` gets ``(s, m)``'s slot: the lowest slot free
+    at its first instruction, released at its ``FREE`` (a rank holding several stages, :mod:`dynabatch.schedule.
+    virtual`, keeps their buffers apart). Returns the instructions and the number of slots."""
+    slot_of: dict[tuple[int, int], int] = {}
     free: list[int] = []
     num_slots = 0
     out = []
@@ -319,17 +320,18 @@ def assign_slots(instrs: list[Instr]) -> tuple[list[Instr], int]:
         if m < 0:
             out.append(ins)
             continue
-        slot = slot_of.get(m)
+        key = (ins.stage, m)
+        slot = slot_of.get(key)
         if slot is None:
             if free:
                 slot = min(free)
                 free.remove(slot)
             else:
                 slot, num_slots = num_slots, num_slots + 1
-            slot_of[m] = slot
+            slot_of[key] = slot
         out.append(Instr(ins.op, ins.stage, m, ins.peer, slot, ins.tag, ins.waits_on, ins.tensors))
         if ins.op is Op.FREE:
-            free.append(slot_of.pop(m))
+            free.append(slot_of.pop(key))
     return out, num_slots
 
 

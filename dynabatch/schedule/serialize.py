@@ -7,13 +7,14 @@ Binary: ``b"DBXP"``, the format version as a little-endian uint16, then zlib-com
      "groups": [[tensor index, ...], ...],               # each distinct tensor tuple once
      "instrs": [[op, stage, micro_batch, peer, slot, tag, waits_on or "", group or -1], ...],
      "links": [previous slice or -1, ...],               # only when some micro-batch is a token slice
-     "recompute": [mode, ...]}                           # only when some micro-batch recomputes
+     "recompute": [mode, ...],                           # only when some micro-batch recomputes
+     "devices": num_devices}                             # only with virtual stages (devices < stages)
 
 Opcodes are their stable string values, so the format does not depend on enum order. A 1F1B plan of
 100 micro-batches on a middle stage (about 1000 instructions) is about 6.4 KB.
 
 Text: a header ``dynabatch-plan v1 rank=.. stage=.. ...`` (plus ``links=-1,0,1,-1`` when the step has
-token slices, ``recompute=none,full,..`` when some micro-batch recomputes) and one :meth:`Instr.to_text` line per instruction. Both readers raise ``ValueError`` naming the version they found when it is not
+token slices, ``recompute=none,full,..`` when some micro-batch recomputes, ``devices=N`` with virtual stages) and one :meth:`Instr.to_text` line per instruction. Both readers raise ``ValueError`` naming the version they found when it is not
 :data:`~dynabatch.schedule.ir.PLAN_FORMAT_VERSION`.
 """
 
@@ -63,6 +64,8 @@ def plan_to_bytes(plan: ExecutionPlan) -> bytes:
         doc["links"] = list(plan.slice_links)
     if plan.recompute:
         doc["recompute"] = list(plan.recompute)
+    if plan.num_devices != plan.num_stages:
+        doc["devices"] = plan.num_devices
     payload = json.dumps(doc, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<H", PLAN_FORMAT_VERSION) + zlib.compress(payload, 6)
 
@@ -83,6 +86,7 @@ def plan_from_bytes(data: bytes) -> ExecutionPlan:
         )
         links = tuple(doc.get("links", ()))
         recompute = tuple(doc.get("recompute", ()))
+        header["num_devices"] = int(doc.get("devices", 0))
     except (zlib.error, ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"corrupt execution plan (format version {version}): {e}") from e
     return ExecutionPlan(instructions=instrs, slice_links=links, recompute=recompute, **header)
@@ -94,6 +98,8 @@ def plan_to_text(plan: ExecutionPlan) -> str:
         header += " links=" + ",".join(map(str, plan.slice_links))
     if plan.recompute:
         header += " recompute=" + ",".join(plan.recompute)
+    if plan.num_devices != plan.num_stages:
+        header += f" devices={plan.num_devices}"
     lines = [f"{TEXT_HEADER} v{PLAN_FORMAT_VERSION} {header}"]
     lines.extend(ins.to_text() for ins in plan.instructions)
     return "\n".join(lines) + "\n"
@@ -114,9 +120,12 @@ def plan_from_text(text: str) -> ExecutionPlan:
         if key == "recompute":
             recompute = tuple(value.split(","))
             continue
+        if key == "devices" and value.isdigit():
+            header["num_devices"] = int(value)
+            continue
         if key not in _HEADER_FIELDS:
             raise ValueError(f"unknown plan header field {key!r}; valid fields: "
-                             f"{', '.join(_HEADER_FIELDS)}, links, recompute")
+                             f"{', '.join(_HEADER_FIELDS)}, links, recompute, devices")
         header[key] = int(value)
     missing = [f for f in _HEADER_FIELDS if f not in header]
     if missing:

@@ -134,17 +134,18 @@ class _Rank:
     blocked_on: object = None
     requests: dict = field(default_factory=dict)
     open: dict = field(default_factory=dict)
-    """micro-batch -> its transfer requests (to check FREE)."""
+    """(stage, micro-batch) -> its transfer requests (to check FREE). Every per-micro-batch set and map here is
+    keyed by ``(stage, micro-batch)``: a rank may hold several stages (virtual stages)."""
     loaded: set = field(default_factory=set)
     act_in: set = field(default_factory=set)
-    """Micro-batches whose received activation's wait completed."""
+    """(stage, micro-batch) whose received activation's wait completed."""
     grad_in: set = field(default_factory=set)
     fwd: set = field(default_factory=set)
     bwd: set = field(default_factory=set)
     freed: set = field(default_factory=set)
     slot_of: dict = field(default_factory=dict)
     holder: dict = field(default_factory=dict)
-    """slot -> micro-batch bound to it."""
+    """slot -> (stage, micro-batch) bound to it."""
     slot_bytes: dict = field(default_factory=dict)
     live: float = 0.0
     peak: float = 0.0
@@ -153,6 +154,14 @@ class _Rank:
     stepped: bool = False
     next_slice: dict = field(default_factory=dict)
     """Token slice -> the slice that extends it (from the plan's ``slice_links``)."""
+
+
+def _in_flight(st: _Rank) -> str:
+    """``stage 1, micro-batches in flight: [0, 2]`` (or ``stages [0, 2], ...: [0:1, 2:0]`` on a rank holding several)."""
+    flying = sorted(st.fwd - st.bwd)
+    if len(st.plan.stages) == 1:
+        return f"stage {st.plan.stage}, micro-batches in flight: {[m for _, m in flying]}"
+    return f"stages {list(st.plan.stages)}, stage:micro-batch in flight: [{', '.join(f'{s}:{m}' for s, m in flying)}]"
 
 
 class _Simulation:
@@ -165,7 +174,7 @@ class _Simulation:
         self.queues: dict[tuple[int, int], deque] = {}
         """In order (NCCL): (rank, peer) -> the rank's started, unmatched transfers, oldest first."""
         self.unmatched: dict[tuple[int, int], dict] = {}
-        """By tag (gloo): (rank, peer) -> {(op, micro-batch): request} started, not yet matched."""
+        """By tag (gloo): (rank, peer) -> {(op, micro-batch, tag): request} started, not yet matched."""
         self.runnable = deque(sorted(self.ranks))
         self.deadlocked: list[int] = []
         self.replicas_of_stage: dict[int, list[int]] = {}
@@ -213,12 +222,12 @@ class _Simulation:
         self.errors.add(f"rank {st.plan.rank} #{st.pc} {ins}: {msg}")
 
     def _slot_ok(self, st: _Rank, ins: Instr) -> bool:
-        m, slot = ins.micro_batch, ins.slot
+        m, slot = (ins.stage, ins.micro_batch), ins.slot
         bound = st.slot_of.get(m)
         if bound == slot:
             return True  # fast path: a bound micro-batch is not freed (FREE unbinds it)
         if m in st.freed:
-            self._err(st, ins, f"uses micro-batch {m}'s buffers after its FREE (slot {slot})")
+            self._err(st, ins, f"uses micro-batch {m[1]}'s buffers after its FREE (slot {slot})")
             return False
         if not 0 <= slot < st.plan.num_slots:
             self._err(st, ins, f"slot {slot} outside 0..{st.plan.num_slots - 1}")
@@ -226,11 +235,11 @@ class _Simulation:
         if bound is None:
             other = st.holder.get(slot)
             if other is not None:
-                self._err(st, ins, f"slot {slot} still holds micro-batch {other}")
+                self._err(st, ins, f"slot {slot} still holds micro-batch {other[1]} of stage {other[0]}")
                 return False
             st.slot_of[m], st.holder[slot] = slot, m
         elif bound != slot:
-            self._err(st, ins, f"micro-batch {m} is in slot {bound}, not {slot}")
+            self._err(st, ins, f"micro-batch {m[1]} is in slot {bound}, not {slot}")
             return False
         return True
 
@@ -255,83 +264,85 @@ class _Simulation:
                     ins,
                     f"memory {st.live / gib:.3f} GiB live + {transient / gib:.3f} GiB transient = "
                     f"{need / gib:.3f} GiB > limit {st.mem.limit / gib:.3f} GiB "
-                    f"(stage {st.plan.stage}, micro-batches in flight: {sorted(st.fwd - st.bwd)})",
+                    f"({_in_flight(st)})",
                 )
 
     # ----------------------------------------------------------------------------- handlers
     # Each returns True when the rank blocks on the instruction (it is re-run when woken).
 
     def _load(self, st: _Rank, ins: Instr) -> bool:
-        if ins.micro_batch in st.loaded:
+        k = (ins.stage, ins.micro_batch)
+        if k in st.loaded:
             self._err(st, ins, "loads the micro-batch twice")
-        st.loaded.add(ins.micro_batch)
-        self._add_bytes(st, ins.micro_batch, ins.tensors, ins)
+        st.loaded.add(k)
+        self._add_bytes(st, k, ins.tensors, ins)
         return False
 
     def _forward(self, st: _Rank, ins: Instr) -> bool:
-        m = ins.micro_batch
-        if m in st.fwd:
+        s, m = k = (ins.stage, ins.micro_batch)
+        if k in st.fwd:
             self._err(st, ins, "runs the forward twice")
-        if m not in st.loaded:
+        if k not in st.loaded:
             self._err(st, ins, "forward before LOAD of its inputs")
-        if st.plan.stage > 0 and m not in st.act_in:
+        if s > 0 and k not in st.act_in:
             self._err(st, ins, "forward before its input activation arrived (no completed WAIT_RECV_F)")
         links = st.plan.slice_links
-        if links and links[m] >= 0 and links[m] not in st.fwd:
+        if links and links[m] >= 0 and (s, links[m]) not in st.fwd:
             self._err(st, ins, f"token slice forward before F{links[m]}, the slice whose keys/values it extends")
-        self._check_memory(st, ins, st.mem.peak[m] if st.mem.peak is not None else 0.0)
-        st.fwd.add(m)
+        self._check_memory(st, ins, st.mem.peak[s][m] if st.mem.peak is not None else 0.0)
+        st.fwd.add(k)
         if st.mem.stored is not None:
-            st.live += st.mem.stored[m]
+            st.live += st.mem.stored[s][m]
             self._check_memory(st, ins, 0.0)
         return False
 
     def _backward(self, st: _Rank, ins: Instr) -> bool:
-        m = ins.micro_batch
-        if m not in st.fwd:
+        s, m = k = (ins.stage, ins.micro_batch)
+        if k not in st.fwd:
             self._err(st, ins, "backward before its forward")
-        if m in st.bwd:
+        if k in st.bwd:
             self._err(st, ins, "runs the backward twice")
-        if st.plan.stage < st.plan.num_stages - 1 and m not in st.grad_in:
+        if s < st.plan.num_stages - 1 and k not in st.grad_in:
             self._err(st, ins, "backward before its output gradient arrived (no completed WAIT_RECV_B)")
         later = st.next_slice.get(m)
-        if later is not None and later not in st.bwd:
+        if later is not None and (s, later) not in st.bwd:
             self._err(st, ins, f"token slice backward before B{later}, whose key/value gradients it needs")
-        self._check_memory(st, ins, st.mem.peak[m] if st.mem.peak is not None else 0.0)
-        if st.mem.stored is not None and m in st.fwd:
-            st.live -= st.mem.stored[m]
-        st.bwd.add(m)
+        self._check_memory(st, ins, st.mem.peak[s][m] if st.mem.peak is not None else 0.0)
+        if st.mem.stored is not None and k in st.fwd:
+            st.live -= st.mem.stored[s][m]
+        st.bwd.add(k)
         return False
 
     def _send_act(self, st: _Rank, ins: Instr) -> bool:
-        if ins.micro_batch not in st.fwd:
+        if (ins.stage, ins.micro_batch) not in st.fwd:
             self._err(st, ins, "sends an activation before its forward")
         self._start(st, ins)
         return False
 
     def _send_grad(self, st: _Rank, ins: Instr) -> bool:
-        if ins.micro_batch not in st.bwd:
+        k = (ins.stage, ins.micro_batch)
+        if k not in st.bwd:
             self._err(st, ins, "sends a gradient before its backward")
-        self._add_bytes(st, ins.micro_batch, ins.tensors, ins)  # the input gradient buffer
+        self._add_bytes(st, k, ins.tensors, ins)  # the input gradient buffer
         self._start(st, ins)
         return False
 
     def _recv(self, st: _Rank, ins: Instr) -> bool:
-        self._add_bytes(st, ins.micro_batch, ins.tensors, ins)
+        self._add_bytes(st, (ins.stage, ins.micro_batch), ins.tensors, ins)
         self._start(st, ins)
         return False
 
     def _start(self, st: _Rank, ins: Instr) -> None:
-        key = (ins.op, ins.micro_batch)
+        key = (ins.op, ins.stage, ins.micro_batch)
         if key in st.requests:
             self._err(st, ins, "starts the same transfer twice")
         req = st.requests[key] = _Request(ins, st.plan.rank)
-        st.open.setdefault(ins.micro_batch, []).append(req)
+        st.open.setdefault((ins.stage, ins.micro_batch), []).append(req)
         r, q = st.plan.rank, ins.peer
         if not self.in_order:
-            other = self.unmatched.get((q, r), {}).pop((_PARTNER[ins.op], ins.micro_batch), None)
+            other = self.unmatched.get((q, r), {}).pop((_PARTNER[ins.op], ins.micro_batch, ins.tag), None)
             if other is None:
-                self.unmatched.setdefault((r, q), {})[key] = req
+                self.unmatched.setdefault((r, q), {})[(ins.op, ins.micro_batch, ins.tag)] = req
             else:
                 self._complete(req)
                 self._complete(other)
@@ -343,7 +354,7 @@ class _Simulation:
         theirs = self.queues.get((q, r))
         while mine and theirs:
             a, b = mine[0], theirs[0]
-            if _PARTNER[a.ins.op] is not b.ins.op or a.ins.micro_batch != b.ins.micro_batch:
+            if _PARTNER[a.ins.op] is not b.ins.op or a.ins.micro_batch != b.ins.micro_batch or a.ins.tag != b.ins.tag:
                 break  # heads disagree: this link is stuck (reported if anyone waits on it)
             mine.popleft()
             theirs.popleft()
@@ -358,7 +369,8 @@ class _Simulation:
             self.runnable.append(req.rank)
 
     def _wait(self, st: _Rank, ins: Instr) -> bool:
-        req = st.requests.get((ins.waits_on, ins.micro_batch))
+        k = (ins.stage, ins.micro_batch)
+        req = st.requests.get((ins.waits_on, *k))
         if req is None:
             self._err(st, ins, f"waits on {ins.waits_on.value}{ins.micro_batch}, which this rank never started")
             return False
@@ -370,14 +382,14 @@ class _Simulation:
             return True
         req.waited = True
         if ins.waits_on is _RECV_ACT:
-            st.act_in.add(ins.micro_batch)
+            st.act_in.add(k)
         elif ins.waits_on is _RECV_GRAD:
-            st.grad_in.add(ins.micro_batch)
+            st.grad_in.add(k)
         return False
 
     def _free(self, st: _Rank, ins: Instr) -> bool:
-        m = ins.micro_batch
-        if ins.micro_batch in st.freed:
+        m = (ins.stage, ins.micro_batch)
+        if m in st.freed:
             return False  # reported by _slot_ok
         inflight = [str(r.ins) for r in st.open.get(m, ()) if not r.waited]
         if inflight:
@@ -398,7 +410,7 @@ class _Simulation:
         stage = st.plan.stage
         arrived = self.arrived.setdefault(stage, [])
         if st.plan.rank not in arrived:
-            missing = st.plan.num_micro_batches - len(st.bwd)
+            missing = st.plan.num_micro_batches * len(st.plan.stages) - len(st.bwd)
             if missing:
                 self._err(st, ins, f"gradient reduce before all backwards ({missing} missing)")
             arrived.append(st.plan.rank)
@@ -416,7 +428,7 @@ class _Simulation:
     def _step(self, st: _Rank, ins: Instr) -> bool:
         if not st.reduced:
             self._err(st, ins, "optimizer step before REDUCE")
-        if len(st.bwd) < st.plan.num_micro_batches:
+        if len(st.bwd) < st.plan.num_micro_batches * len(st.plan.stages):
             self._err(st, ins, "optimizer step before all backwards")
         if st.stepped:
             self._err(st, ins, "optimizer step twice")
@@ -428,14 +440,17 @@ class _Simulation:
     def _finish(self, st: _Rank) -> None:
         r, M = st.plan.rank, st.plan.num_micro_batches
         for name, done in (("forward", st.fwd), ("backward", st.bwd)):
-            missing = sorted(set(range(M)) - done)
-            if missing:
-                self.errors.add(f"rank {r}: no {name} of micro-batches {missing[:10]}")
+            for s in st.plan.stages:
+                missing = sorted(set(range(M)) - {m for t, m in done if t == s})
+                if missing:
+                    where = f" on stage {s}" if len(st.plan.stages) > 1 else ""
+                    self.errors.add(f"rank {r}: no {name} of micro-batches {missing[:10]}{where}")
         never = [str(q.ins) for q in st.requests.values() if not q.waited]
         if never:
             self.errors.add(f"rank {r}: transfers never waited: {', '.join(never[:10])}")
         if st.slot_of:
-            self.errors.add(f"rank {r}: slots never freed (slot: micro-batch) {dict(sorted(st.holder.items()))}")
+            held = {slot: k[1] if len(st.plan.stages) == 1 else k for slot, k in sorted(st.holder.items())}
+            self.errors.add(f"rank {r}: slots never freed (slot: micro-batch) {held}")
         if not st.stepped:
             self.errors.add(f"rank {r}: no optimizer STEP")
 

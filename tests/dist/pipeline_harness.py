@@ -38,6 +38,7 @@ class Scenario:
     seed: int = 0
     timeout_s: float = 60.0
     dtype: str = "fp32"  # --dtype of the executor (bf16 / fp16: autocast over fp32 weights)
+    placement: str = "linear"  # virtual stages: cyclic / interleaved:V chunks per device (num_stages = devices)
 
     @property
     def world_size(self) -> int:
@@ -273,29 +274,35 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
         sc.num_stages, sc.num_replicas, rank=rank, world_size=sc.world_size,
         init_method=f"file://{workdir}/{sc.name}{tag}.init", timeout_s=sc.timeout_s,
     )
+    from dynabatch.schedule.placement import Placement
+
     model = make_model(sc)
-    layout = layout_for(model, sc.num_stages)
+    placement = Placement.parse(sc.placement, sc.num_stages)
+    layout = layout_for(model, placement.num_stages, placement)
     spec = pipeline_spec_for(model, layout, "float32")
-    stage = build_stage(model, layout, ctx.stage_index)
+    chunks = [build_stage(model, layout, v) for v in range(ctx.stage_index, placement.num_stages, sc.num_stages)]
     del model
-    names = dict(stage.parameter_map)
+    stage = chunks[0]
+    named = [(c.parameter_map[n], p) for c in chunks for n, p in c.named_parameters()]
     if wrap_stage is not None:
         stage = wrap_stage(stage, ctx)
-    opt, sched = make_optimizer(stage.parameters(), sc.num_steps)
-    ex = Executor(stage, ctx, opt, scheduler=sched, max_grad_norm=sc.max_grad_norm, autocast_dtype=autocast_dtype(sc.dtype))
+        named = [(dict(stage.inner.parameter_map)[n], p) for n, p in stage.inner.named_parameters()]
+        chunks = [stage]
+    opt, sched = make_optimizer([p for c in chunks for p in c.parameters()], sc.num_steps)
+    ex = Executor(chunks, ctx, opt, scheduler=sched, max_grad_norm=sc.max_grad_norm, autocast_dtype=autocast_dtype(sc.dtype))
     record = {"grads": [], "params": [], "loss": [], "grad_norm": [], "layout": layout.describe(), "timelines": [],
               "compute_dtypes": set(), "loss_scale": []}
-    for module in stage.modules():  # the dtypes the stage's layers compute in (bf16 under bf16 autocast)
+    for module in (m for c in chunks for m in c.modules()):  # the dtypes the layers compute in (bf16 under autocast)
         module.register_forward_hook(lambda m, i, out: record["compute_dtypes"].add(str(out.dtype))
                                      if isinstance(out, torch.Tensor) and out.is_floating_point() else None)
-    named = list(stage.inner.named_parameters() if hasattr(stage, "inner") else stage.named_parameters())
     for step in range(sc.num_steps):
         replica_mbs = links = None
         if ctx.is_planner:
             replica_mbs, links = make_step(sc, step)
-        result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy, slice_links=links)
-        record["grads"].append({names[n]: p.grad.detach().clone() for n, p in named})
-        record["params"].append({names[n]: p.detach().clone() for n, p in named})
+        result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy, slice_links=links,
+                            placement=placement)
+        record["grads"].append({n: p.grad.detach().clone() for n, p in named})
+        record["params"].append({n: p.detach().clone() for n, p in named})
         record["loss"].append(result.loss)
         record["grad_norm"].append(result.grad_norm)
         record["loss_scale"].append(result.loss_scale)

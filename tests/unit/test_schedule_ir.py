@@ -231,7 +231,7 @@ def test_corrupt_input_is_a_value_error():
 
 
 def test_plan_rank_layout_is_checked():
-    with pytest.raises(ValueError, match="replica_index \\* num_stages \\+ stage"):
+    with pytest.raises(ValueError, match="replica_index \\* num_devices \\+ device"):
         ExecutionPlan(rank=1, stage=1, num_stages=2, replica_index=1, num_replicas=2, num_micro_batches=0,
                       num_slots=0, instructions=())
 
