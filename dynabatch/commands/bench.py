@@ -106,6 +106,11 @@ class BenchArgs:
     tune_steps: int = arg(2, "--tune-baselines: timed steps per knob value")
     compare_profile: str | None = arg(None, f"also run {PROFILED}: dynamic planned with this `dynabatch profile` "
                                             "JSON, no calibration")
+    placements: str = arg("linear", "comma list of placements of pipeline stages on the devices, each method (but "
+                                    f"{PEER}) run under each, interleaved: linear (one chunk per device), cyclic (T5: "
+                                    "encoder chunk d and decoder chunk d on device d), interleaved:V (V chunks per "
+                                    "device); a method under another than linear is reported as METHOD@PLACEMENT "
+                                    "(uncalibrated: planned with the base cost model of its chunks)")
     json: str | None = json_arg()
     quiet: bool = arg(False, "no table (with --json)")
 
@@ -196,6 +201,8 @@ class _Method:
     peer_steps: list | None = None
     """``pipelining`` only: per step ``(num micro-batches, (rows, E, D), global loss tokens, inputs)``
     (inputs on rank 0 only)."""
+    placement: object = None
+    """Virtual stages (``METHOD@PLACEMENT``): the :class:`~dynabatch.schedule.placement.Placement` it runs on."""
 
 
 def _config(args, method: str):
@@ -318,7 +325,7 @@ def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, o
         policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
         schedules=planned.schedules if planned else None,
         slice_links=planned.slice_links if planned else None,
-        model_state_bytes=planned.model_state_bytes if planned else 0.0,
+        model_state_bytes=planned.model_state_bytes if planned else 0.0, placement=r.placement,
     )
     return float(result.loss), result.saved_peak_bytes, result
 
@@ -355,22 +362,28 @@ def bench(args, methods: list[str]) -> dict | None:
         model = build_model(args.model, vocab_size=info.vocab_size, dropout=0.0, seed=args.seed)
         layout = layout_for(model, args.stages)
         spec = pipeline_spec_for(model, layout, "float32")
-        base = build_stage(model, layout, ctx.stage_index)
+        base = [build_stage(model, layout, ctx.stage_index)]
+        placed = _placed_chunks(args, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
 
-        def new_run(name: str, cfg, measure_memory: bool = True) -> _Method:
+        def new_run(name: str, cfg, measure_memory: bool = True, placement=None) -> _Method:
             """Collective: every rank builds the runs in the same order."""
-            stage = copy.deepcopy(base).to(ctx.device)
-            stage.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
-            opt = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            own_layout, own_spec, chunks = placed[placement.describe()] if placement is not None else (layout, spec, base)
+            chunks = [copy.deepcopy(c).to(ctx.device) for c in chunks]
+            for c in chunks:
+                c.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
+            opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=cfg.learning_rate,
+                                    weight_decay=cfg.weight_decay)
             dtype = autocast_dtype(cfg.dtype)
             if name == PEER:
-                ex = TorchPipeliningPeer(stage, spec, ctx, opt, max_grad_norm=cfg.max_grad_norm, autocast_dtype=dtype)
+                ex = TorchPipeliningPeer(chunks[0], spec, ctx, opt, max_grad_norm=cfg.max_grad_norm, autocast_dtype=dtype)
             else:
-                ex = Executor(stage, ctx, opt, max_grad_norm=cfg.max_grad_norm, dropout_seed=args.seed,
+                ex = Executor(chunks, ctx, opt, max_grad_norm=cfg.max_grad_norm, dropout_seed=args.seed,
                               measure_memory=measure_memory, autocast_dtype=dtype)
-            return _Method(name, ex, [], spec, cfg)
+            return _Method(name, ex, [], own_spec, cfg, placement=placement)
 
         runs: dict[str, _Method] = {m: new_run(m, cfgs[m]) for m in methods}
+        for key, (placement, m) in _placed_methods(args, methods).items():
+            runs[key] = new_run(key, cfgs[m], placement=placement)
         cost_model = None
         batches = []
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
@@ -401,6 +414,10 @@ def bench(args, methods: list[str]) -> dict | None:
                     runs[m].planned = [planner() for _ in range(num_steps)]
                 else:
                     runs[m].planned = plan(cfgs[m], num_steps)
+            for key, (placement, m) in _placed_methods(args, methods).items():  # planned with their chunks' costs
+                own = planner_cost_model(cfgs[m], model.config, placed[placement.describe()][0])
+                planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], own, info)
+                runs[key].planned = [planner() for _ in range(num_steps)]
         if PEER in runs:
             runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
                                                 ctx.delivery_group)
@@ -458,6 +475,30 @@ def bench(args, methods: list[str]) -> dict | None:
         return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
+
+
+def _placed_methods(args, methods) -> dict:
+    """``METHOD@PLACEMENT`` -> ``(Placement, METHOD)`` for every placement of ``--placements`` but linear."""
+    from dynabatch.schedule.placement import Placement
+
+    out = {}
+    for text in (t.strip() for t in args.placements.split(",")):
+        placement = Placement.parse(text, args.stages)
+        if placement.kind != "linear":
+            out.update({f"{m}@{placement.describe()}": (placement, m) for m in methods if m != PEER})
+    return out
+
+
+def _placed_chunks(args, model, device: int) -> dict:
+    """Per non-linear placement of ``--placements``: its chunk layout, pipeline spec and the chunks ``device`` holds."""
+    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+
+    out = {}
+    for placement, _ in _placed_methods(args, ["dynamic"]).values():
+        layout = layout_for(model, placement.num_stages, placement)
+        chunks = [build_stage(model, layout, v) for v in range(device, placement.num_stages, placement.num_devices)]
+        out[placement.describe()] = (layout, pipeline_spec_for(model, layout, "float32"), chunks)
+    return out
 
 
 def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float, float, int | None, int, object]:

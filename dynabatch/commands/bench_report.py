@@ -87,7 +87,10 @@ def print_table(result: dict) -> None:
                f"({'/'.join(f'{x:.2f}' for x in r['stage_compute_s_predicted'])})"
                for m, r in result["methods"].items() if r.get("stage_compute_s_measured")]
     if compute:
-        print("forward + backward seconds per stage, median step, measured (predicted): " + ", ".join(compute))
+        print("forward + backward seconds per device, median step, measured (predicted): " + ", ".join(compute))
+        busy = [f"{m} {'/'.join(f'{x:.2f}' for x in r['device_busy_fraction'])}"
+                for m, r in result["methods"].items() if r.get("device_busy_fraction")]
+        print("measured busy fraction of each device (its compute / step time), median step: " + ", ".join(busy))
     rows = result["methods"]
     for other, what in (("dynamic_uncalibrated", "calibrated"), ("dynamic_profiled", "calibrated"),
                         ("dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}")):

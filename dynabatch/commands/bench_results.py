@@ -33,17 +33,38 @@ def step_stats(r, cost_model) -> list[dict]:
             num, (b, e, d), _, _ = r.peer_steps[i]
             shapes = [(b, e, d)] * num
             sim = simulated(shapes, "1f1b", r.cfg, cost_model)
+        elif r.placement is not None:  # virtual stages: list-scheduled on the placement, as the runtime ran it
+            (shapes,) = p.shapes
+            sim = placed_simulation(p, r.placement)
         else:  # the schedule and costs the runtime ran (token slices priced with their context)
             (shapes,) = p.shapes
             sim = simulate(p.schedules[0], (p.predicted_costs or p.costs)[0],
                            model_state_bytes=np.array(cost_model.model_state_bytes))
         out.append({"real": p.real_tokens, "computed": sum(b * (e + d) for b, e, d in shapes), "mbs": len(shapes),
                      "predicted_s": float(sim.makespan_s), "bubble": float(sim.bubble_fraction),
-                     "predicted_step_s": float(sim.makespan_s if r.peer_steps is not None else p.predicted_step_s),
-                     "peak": float(sim.peak_memory_bytes.max()), "plan_s": p.plan_time_s,
+                     "predicted_step_s": float(p.predicted_step_s if r.peer_steps is None and r.placement is None
+                                               else sim.makespan_s),
+                     "peak": float(np.max(sim.peak_memory_bytes)), "plan_s": p.plan_time_s,
                      "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples,
                      "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values())})
     return out
+
+
+def placed_simulation(planned, placement):
+    """Replica 0's step of ``planned`` list-scheduled on ``placement`` (what :func:`~dynabatch.runtime.step.plan_step`
+    runs), a :class:`~dynabatch.schedule.placement.PlacedResult`."""
+    from dynabatch.schedule.placement import list_schedule
+    from dynabatch.schedule.simulate import with_message_buffers
+
+    costs = (planned.predicted_costs or planned.costs)[0]
+    V, M = np.shape(costs.fwd_s)
+    return list_schedule(with_message_buffers(costs), placement, np.zeros((V, M)), planned.model_state_bytes)
+
+
+def _device_sums(per_stage, num_devices: int) -> np.ndarray:
+    """Per-stage values summed per device (stage ``s`` is on device ``s mod num_devices``)."""
+    a = np.asarray(per_stage, dtype=np.float64)
+    return np.array([a[d::num_devices].sum() for d in range(num_devices)])
 
 
 def _predicted_saved_mib(run, warmup: int) -> float | None:
@@ -119,11 +140,12 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
                          for ts, x in zip(t, timed)],
         }
         if stage_compute and stage_compute.get(m):  # where the step goes: compute per stage, predicted and measured
-            measured = np.array(stage_compute[m])
-            predicted = np.array([(np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=1)
+            measured = np.array(stage_compute[m])  # (steps, devices)
+            predicted = np.array([_device_sums((np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=1), measured.shape[1])
                                   for c in ((p.predicted_costs or p.costs)[0] for p in runs[m].planned[w:])])
             rows[m]["stage_compute_s_measured"] = np.median(measured, axis=0).tolist()
             rows[m]["stage_compute_s_predicted"] = np.median(predicted, axis=0).tolist()
+            rows[m]["device_busy_fraction"] = np.median(measured / t[:, None], axis=0).tolist()
             for x, st in zip(rows[m]["per_step"], measured):
                 x["stage_compute_s_measured"] = [float(v) for v in st]
         if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran

@@ -35,12 +35,14 @@ _COMPUTE_KEY = re.compile(r"^(\d+)([FB])(\d+)$")
 
 
 def compute_times(timeline) -> dict[str, dict[int, float]]:
-    """``{"F": {micro_batch: seconds}, "B": {...}}`` of a rank's step timeline."""
+    """``{"F": {micro_batch: seconds}, "B": {...}}`` of a rank's step timeline (summed over the rank's stages when
+    it holds several, virtual stages)."""
     out: dict[str, dict[int, float]] = {"F": {}, "B": {}}
     for key, start, end in timeline:
         m = _COMPUTE_KEY.match(key)
         if m:
-            out[m.group(2)][int(m.group(3))] = float(end - start)
+            times = out[m.group(2)]
+            times[int(m.group(3))] = times.get(int(m.group(3)), 0.0) + float(end - start)
     return out
 
 
