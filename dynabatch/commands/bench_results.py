@@ -26,6 +26,7 @@ def simulated(shapes, policy: str, cfg, cost_model):
 def step_stats(r, cost_model) -> list[dict]:
     """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
     from dynabatch.schedule.simulate import simulate
+    from dynabatch.schedule.virtual import placed_step
 
     out = []
     for i, p in enumerate(r.planned):
@@ -35,7 +36,7 @@ def step_stats(r, cost_model) -> list[dict]:
             sim = simulated(shapes, "1f1b", r.cfg, cost_model)
         elif r.placement is not None:  # virtual stages: list-scheduled on the placement, as the runtime ran it
             (shapes,) = p.shapes
-            sim = placed_simulation(p, r.placement)
+            sim = placed_step((p.predicted_costs or p.costs)[0], r.placement, p.model_state_bytes)
         else:  # the schedule and costs the runtime ran (token slices priced with their context)
             (shapes,) = p.shapes
             sim = simulate(p.schedules[0], (p.predicted_costs or p.costs)[0],
@@ -48,17 +49,6 @@ def step_stats(r, cost_model) -> list[dict]:
                      "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples,
                      "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values())})
     return out
-
-
-def placed_simulation(planned, placement):
-    """Replica 0's step of ``planned`` list-scheduled on ``placement`` (what :func:`~dynabatch.runtime.step.plan_step`
-    runs), a :class:`~dynabatch.schedule.placement.PlacedResult`."""
-    from dynabatch.schedule.placement import list_schedule
-    from dynabatch.schedule.simulate import with_message_buffers
-
-    costs = (planned.predicted_costs or planned.costs)[0]
-    V, M = np.shape(costs.fwd_s)
-    return list_schedule(with_message_buffers(costs), placement, np.zeros((V, M)), planned.model_state_bytes)
 
 
 def _device_sums(per_stage, num_devices: int) -> np.ndarray:

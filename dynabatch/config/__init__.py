@@ -68,9 +68,12 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
 
     @property
     def calibration_mode(self) -> str:
-        """``calibrate`` with ``auto`` resolved: ``quick`` without a cost profile, ``online`` with one."""
+        """``calibrate`` with ``auto`` resolved: ``quick`` without a cost profile, ``online`` with one, ``off`` on
+        virtual stages (``--placement`` other than linear)."""
         if self.calibrate != "auto":
             return self.calibrate
+        if self.placement != "linear":
+            return "off"
         return "online" if self.cost_profile else "quick"
 
     @property
@@ -103,6 +106,13 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         for t in trackers:
             if t not in (*TRACKERS, "all", "none"):
                 raise ValueError(f"report_to: unknown tracker {t!r}; valid: {', '.join(TRACKERS)}, all, none")
+        if self.placement != "linear":
+            from dynabatch.schedule.placement import Placement
+
+            Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
+            if self.calibrate in ("quick", "online"):
+                raise ValueError(f"--calibrate {self.calibrate} fits one chunk per device; with --placement "
+                                 f"{self.placement} use --calibrate auto or off (virtual stages run uncalibrated)")
         if self.eval_mixture and self.eval_holdout:
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:

@@ -108,6 +108,10 @@ class PipelineArgs:
     stages: int = arg(1, "pipeline stages per replica")
     replicas: int = arg(1, "data-parallel replicas; the world size must be stages x replicas")
     policy: Literal[POLICIES] = arg("auto", "pipeline schedule: gpipe, 1f1b, adaptive or auto (best simulated per step)")
+    placement: str = arg("linear", "pipeline stages on the devices: linear (one chunk per device), cyclic (T5: device d "
+                                   "holds encoder chunk d and decoder chunk d), interleaved:V (V chunks per device, dealt "
+                                   "round robin); virtual stages are list-scheduled every step (--policy does not apply) "
+                                   "and run without calibration")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
     recompute: Literal[RECOMPUTE_POLICIES] = arg(
         "auto", "activation recomputation: auto (per micro-batch and stage, the fastest of none / selective / full that "

@@ -139,6 +139,28 @@ def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attenti
     return owned
 
 
+class DeviceChunks(nn.Module):
+    """The pipeline chunks one device holds under a virtual-stage placement (:mod:`dynabatch.schedule.placement`),
+    as one module for the optimizer, checkpoints and weight gathering: ``chunks.K.<name>`` parameters, a
+    ``parameter_map`` to the global names (tied copies on two chunks map to one name and hold equal values)."""
+
+    def __init__(self, chunks: list[StageModule]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.parameter_map = {f"chunks.{k}.{local}": name for k, c in enumerate(chunks)
+                              for local, name in c.parameter_map.items()}
+
+    @property
+    def attention(self) -> str:
+        return self.chunks[0].attention
+
+
+def build_device_stages(model: nn.Module, layout: StageLayout, device: int, num_devices: int,
+                        attention: str = "segments") -> list[StageModule]:
+    """The chunks ``device`` of ``num_devices`` holds: stages ``device, device + num_devices, ...`` of ``layout``."""
+    return [build_stage(model, layout, v, attention) for v in range(device, layout.num_stages, num_devices)]
+
+
 def build_stages(model: nn.Module, layout: StageLayout, attention: str = "segments") -> list[StageModule]:
     """Every stage of ``layout`` (for single-process tests and tools; the runtime builds one per rank)."""
     return [build_stage(model, layout, i, attention) for i in range(layout.num_stages)]

@@ -367,7 +367,7 @@ class Evaluator:
         t0 = time.perf_counter()
         es = self.eval_set
         result = train_step(run.executor, self.ctx, step, es.replica_micro_batches if es else None, spec=run.spec,
-                            policy="gpipe", forward_only=True)
+                            policy="gpipe", forward_only=True, placement=run.placement)
         task_loss = gather_task_losses(self.ctx, result, es)  # collective
         row = None
         if self.ctx.is_planner:

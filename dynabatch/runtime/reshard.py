@@ -44,12 +44,23 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
 
 
 def _global_names(stage: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """(global name, parameter) of every stage parameter."""
-    out = [(stage.parameter_map[local], p) for local, p in stage.named_parameters()]
-    names = [name for name, _ in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"stage parameters share global names {sorted({n for n in names if names.count(n) > 1})}")
-    return out
+    """(global name, parameter) of every stage parameter, each name once. Several parameters may share a name
+    only as tied copies on one rank's chunks (:class:`~dynabatch.models.split.DeviceChunks`), which hold equal
+    values: the first stands for them (:func:`_copies` lists the others)."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for local, p in stage.named_parameters():
+        name = stage.parameter_map[local]
+        if name in out and not local.startswith("chunks."):
+            raise ValueError(f"stage parameters share the global name {name!r}")
+        out.setdefault(name, p)
+    return list(out.items())
+
+
+def _copies(stage: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """``(first, other)`` for every further tied copy of a name on ``stage`` (see :func:`_global_names`)."""
+    first = dict(_global_names(stage))
+    return [(first[stage.parameter_map[local]], p) for local, p in stage.named_parameters()
+            if first[stage.parameter_map[local]] is not p]
 
 
 def stage_state(stage: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, torch.Tensor]:
@@ -133,6 +144,11 @@ def load_stage_state(folder: str, stage: torch.nn.Module, optimizer: torch.optim
     for name, p in params:
         if name in states:
             optimizer.state[p] = states[name]
+    for first, other in _copies(stage):  # tied copies on this rank's other chunks: the same weight and moments
+        with torch.no_grad():
+            other.copy_(first)
+        if first in optimizer.state:
+            optimizer.state[other] = {k: v.clone() for k, v in optimizer.state[first].items()}
     if rng:
         set_rng_state({device: targets[key] for device, key in rng.items()})
 

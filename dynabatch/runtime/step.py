@@ -156,13 +156,9 @@ def plan_step(
 def _lower_placed(shapes, spec: PipelineSpec, costs: StageCosts, placement: Placement, replica: int, num_replicas: int,
                   step: int, links, memory_limit_bytes, model_state_bytes) -> dict[int, ExecutionPlan]:
     """One replica's device plans on a virtual-stage placement: list-scheduled, then lowered (not yet validated)."""
-    from dynabatch.schedule.placement import list_schedule
-    from dynabatch.schedule.virtual import lower_placed
+    from dynabatch.schedule.virtual import lower_placed, placed_step
 
-    V = placement.num_stages
-    states = per_stage_values(model_state_bytes, V, "model_state_bytes")
-    limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
-    placed = list_schedule(with_message_buffers(costs), placement, np.zeros((V, len(shapes))), states, limit)
+    placed = placed_step(costs, placement, model_state_bytes, memory_limit_bytes)
     return lower_placed(placed.order, shapes, spec, placement, replica_index=replica, num_replicas=num_replicas,
                         step=step, fwd_s=costs.fwd_s, bwd_s=costs.bwd_s, check=False, links=links,
                         recompute=costs.recompute)

@@ -59,6 +59,8 @@ class _Run:
     calibration_key: Any = None
     held_out: Any = None
     """Rank 0 with ``--eval-holdout``: the rows held out of training (:func:`~dynabatch.runtime.evaluate.hold_out`)."""
+    placement: Any = None
+    """The :class:`~dynabatch.schedule.placement.Placement` of ``--placement`` (``None``: linear)."""
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -144,9 +146,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.models.presets import build_model
-    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.models.split import DeviceChunks, build_device_stages, layout_for, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
+    from dynabatch.schedule.placement import Placement
 
     family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
     torch.set_num_threads(cfg.threads)
@@ -155,14 +158,17 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
-    layout = layout_for(model, cfg.stages)
+    placement = Placement.parse(cfg.placement, cfg.stages)
+    layout = layout_for(model, placement.num_stages, placement)
     spec = pipeline_spec_for(model, layout, "float32")
-    stage = build_stage(model, layout, ctx.stage_index, cfg.attention_path).to(ctx.device)
+    chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path)]
+    stage = chunks[0] if len(chunks) == 1 else DeviceChunks(chunks)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    executor = Executor(stage, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
+    executor = Executor(chunks, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
                         measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype))
-    run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler)
+    run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
+               placement=placement if placement.chunks_per_device > 1 else None)
     if ctx.is_planner:
         from dynabatch.data.batching import GlobalBatcher, LengthLimits
         from dynabatch.data.inputs import data_notes, load_training_data
@@ -261,7 +267,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 schedules=planned.schedules if ctx.is_planner else None,
                 slice_links=planned.slice_links if ctx.is_planner else None,
                 receive_timeout_s=cfg.startup_timeout_s if step == start else None,  # rank 0 may still be loading
-                model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0,
+                model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0, placement=run.placement,
             )
             elapsed = time.perf_counter() - t0
             gathered = gather_measurements(ctx, result)  # collective
@@ -431,7 +437,14 @@ def _write_timeline(run: _Run, result, planned) -> None:
         return
     shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
     costs = (planned.predicted_costs or planned.costs)[0]
-    simulated = simulate(planned.schedules[0], costs)
+    if run.placement is not None:  # virtual stages: the placement's list schedule, as plan_step lowered it
+        from dynabatch.schedule.virtual import placed_step
+
+        placed = placed_step(costs, run.placement, planned.model_state_bytes)
+        simulated, makespan = placed.timeline_ops(), placed.makespan_s
+    else:
+        simulated = simulate(planned.schedules[0], costs)
+        makespan = simulated.makespan_s
     out = run.cfg.output_dir
     trace = to_chrome_trace(measured[0], shapes=shapes, pid=0, process_name=f"measured step {planned.step}")
     twin = to_chrome_trace(simulated, shapes=shapes, pid=1, process_name=f"simulated step {planned.step}")
@@ -440,7 +453,7 @@ def _write_timeline(run: _Run, result, planned) -> None:
         json.dump(trace, f)
     paths = [os.path.join(out, "timeline_measured.png"), os.path.join(out, "timeline_simulated.png")]
     plot_timeline(measured[0], paths[0], title=f"measured step {planned.step} ({run.cfg.method})", memory=False)
-    plot_timeline(simulated, paths[1], title=f"simulated twin (cost model), makespan {simulated.makespan_s:.3f} s",
+    plot_timeline(simulated, paths[1], title=f"simulated twin (cost model), makespan {makespan:.3f} s",
                   memory=False)
     _stack_pngs(paths, os.path.join(out, "timeline.png"))
 

@@ -89,6 +89,13 @@ class PlacedResult:
     """(devices,) largest memory of each device (model states of its chunks included)."""
     fits_memory: bool
 
+    def timeline_ops(self) -> list:
+        """The ops as :class:`~dynabatch.schedule.trace.TimelineOp` (traces and plots, like a measured timeline)."""
+        from dynabatch.schedule.compute import Phase
+        from dynabatch.schedule.trace import TimelineOp
+
+        return [TimelineOp(v, Phase(phase), m, start, end) for ops in self.order for phase, v, m, start, end in ops]
+
 
 def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, model_state_bytes,
                   memory_limit_bytes: float | None = None) -> PlacedResult:

@@ -33,10 +33,23 @@ import numpy as np
 from dynabatch.schedule.compute import ComputeOp, ComputeSchedule, Phase
 from dynabatch.schedule.ir import RECOMPUTE_MODES, RECV_OPS, SEND_OPS, ExecutionPlan, Instr, Op, PipelineSpec
 from dynabatch.schedule.lower import assign_slots, lower
-from dynabatch.schedule.placement import Placement
+from dynabatch.schedule.placement import Placement, list_schedule
 
 _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
+
+
+def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None):
+    """The placement's list schedule of one replica's step priced by ``costs`` (``(V, M)`` per chunk; their message
+    buffers added), the order :func:`~dynabatch.runtime.step.plan_step` lowers: a
+    :class:`~dynabatch.schedule.placement.PlacedResult`. Sends are taken as free (the runtime has no per-step send
+    model on virtual stages yet)."""
+    from dynabatch.schedule.simulate import per_stage_values, with_message_buffers
+
+    V, M = np.shape(costs.fwd_s)
+    states = per_stage_values(model_state_bytes, V, "model_state_bytes")
+    limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
+    return list_schedule(with_message_buffers(costs), placement, np.zeros((V, M)), states, limit)
 
 
 def chunk_schedule(device_orders, num_stages: int, num_micro_batches: int, policy: str = "list") -> ComputeSchedule:
