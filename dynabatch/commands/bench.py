@@ -107,7 +107,7 @@ class BenchArgs:
     compare_profile: str | None = arg(None, f"also run {PROFILED}: dynamic planned with this `dynabatch profile` "
                                             "JSON, no calibration")
     placements: str = arg("linear", "comma list of placements of pipeline stages on the devices, each method (but "
-                                    f"{PEER}) run under each, interleaved: linear (one chunk per device), cyclic (T5: "
+                                    f"{PEER} and {SLICED}) run under each, interleaved: linear (one chunk per device), cyclic (T5: "
                                     "encoder chunk d and decoder chunk d on device d), interleaved:V (V chunks per "
                                     "device); a method under another than linear is reported as METHOD@PLACEMENT "
                                     "(uncalibrated: planned with the base cost model of its chunks)")
@@ -485,7 +485,7 @@ def _placed_methods(args, methods) -> dict:
     for text in (t.strip() for t in args.placements.split(",")):
         placement = Placement.parse(text, args.stages)
         if placement.kind != "linear":
-            out.update({f"{m}@{placement.describe()}": (placement, m) for m in methods if m != PEER})
+            out.update({f"{m}@{placement.describe()}": (placement, m) for m in methods if m not in (PEER, SLICED)})
     return out
 
 

@@ -110,6 +110,8 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             from dynabatch.schedule.placement import Placement
 
             Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
+            if self.slice_long:
+                raise ValueError(f"--slice-long runs on the linear placement only; drop it or --placement {self.placement}")
             if self.calibrate in ("quick", "online"):
                 raise ValueError(f"--calibrate {self.calibrate} fits one chunk per device; with --placement "
                                  f"{self.placement} use --calibrate auto or off (virtual stages run uncalibrated)")

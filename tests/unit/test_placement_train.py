@@ -63,4 +63,6 @@ def test_placement_flag_errors_are_one_line():
         TrainConfig.of(placement="interleaved:x", stages=2)
     with pytest.raises(ValueError, match="use --calibrate auto or off"):
         TrainConfig.of(placement="cyclic", stages=2, calibrate="quick")
+    with pytest.raises(ValueError, match="--slice-long runs on the linear placement only"):
+        TrainConfig.of(model="gpt2-mini", placement="interleaved:2", stages=2, slice_long=True)
     assert TrainConfig.of(placement="cyclic", stages=2).calibration_mode == "off"
