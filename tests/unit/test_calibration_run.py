@@ -14,19 +14,32 @@ import numpy as np
 import pytest
 
 
+def _flags(tmp_path, toy_mixture_dir, out: str, stages: int, *extra: str) -> list[str]:
+    return ["train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", str(stages),
+            "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "1024",
+            "--max-input-len", "128", "--max-target-len", "32", "--output-dir", str(tmp_path / out),
+            "--log-every", "0", "--no-timeline", "--task-loss-every", "0", *extra]
+
+
 def _train(tmp_path, toy_mixture_dir, out: str, *extra: str, env_extra: dict | None = None,
            stages: int = 2) -> subprocess.CompletedProcess:
-    """``dynabatch train`` on gpt2-tiny: ``stages`` 2 under torchrun, 1 as one plain process (cheaper)."""
+    """``dynabatch train`` on gpt2-tiny: ``stages`` 2 under torchrun, 1 as one plain process (a run to kill)."""
     env = {**os.environ, **(env_extra or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
                 if stages == 2 else [sys.executable])
-    cmd = [*launcher, "-m", "dynabatch", "train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", str(stages),
-           "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "1024",
-           "--max-input-len", "128", "--max-target-len", "32", "--output-dir", str(tmp_path / out),
-           "--log-every", "0", "--no-timeline", "--task-loss-every", "0", *extra]
+    cmd = [*launcher, "-m", "dynabatch", *_flags(tmp_path, toy_mixture_dir, out, stages, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _train_in_process(capsys, tmp_path, toy_mixture_dir, out: str, *extra: str) -> None:
+    """``dynabatch train`` on gpt2-tiny, one stage, in this process (no subprocess imports)."""
+    from dynabatch.cli import main
+
+    code = main(_flags(tmp_path, toy_mixture_dir, out, 1, *extra))
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
 
 
 def _records(path) -> list[dict]:
@@ -35,9 +48,8 @@ def _records(path) -> list[dict]:
 
 
 def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_path, toy_mixture_dir, capsys):
-    off = _train(tmp_path, toy_mixture_dir, "off", "--steps", "1", "--calibrate", "off", stages=1)  # same loss
+    _train_in_process(capsys, tmp_path, toy_mixture_dir, "off", "--steps", "1", "--calibrate", "off")  # same loss
     quick = _train(tmp_path, toy_mixture_dir, "quick", "--steps", "4", "--calibrate", "quick")
-    assert off.returncode == 0, off.stderr[-3000:]
     assert quick.returncode == 0, quick.stderr[-3000:]
     a, b = _records(tmp_path / "off" / "metrics.jsonl"), _records(tmp_path / "quick" / "metrics.jsonl")
     # the start-up passes ran forwards and backwards but no optimizer step: step 0 sees the initial weights
@@ -89,15 +101,14 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
         load_calibration(str(tmp_path / "quick" / "calibration.json"), key)
 
 
-def test_resume_plans_with_the_checkpointed_fit(tmp_path, toy_mixture_dir):
+def test_resume_plans_with_the_checkpointed_fit(tmp_path, toy_mixture_dir, capsys):
     crashed = _train(tmp_path, toy_mixture_dir, "run", "--steps", "6", "--checkpoint-every", "3",
                      env_extra={"DYNABATCH_CRASH_AT": "4"}, stages=1)
     assert crashed.returncode != 0
     before = {r["step"]: r for r in _records(tmp_path / "run" / "metrics.jsonl")}
     assert sorted(before) == [0, 1, 2, 3]
     shutil.copy(tmp_path / "run" / "metrics.jsonl", tmp_path / "before.jsonl")
-    resumed = _train(tmp_path, toy_mixture_dir, "run", "--steps", "6", "--checkpoint-every", "3", "--resume", stages=1)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _train_in_process(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "6", "--checkpoint-every", "3", "--resume")
     after = {r["step"]: r for r in _records(tmp_path / "run" / "metrics.jsonl")}
     # step 3 is planned with the fit as of step 0, which the checkpoint after step 2 holds: the same plan and
     # the same prediction (which a fresh fit, or one fitted to the resumed run's own start, would not give)

@@ -3,22 +3,26 @@ with that profile) and ends with the JSON summary."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def test_gpu_bench_cpu_quick_smoke(tmp_path):
+def test_gpu_bench_cpu_quick_smoke(tmp_path, capsys, monkeypatch):
+    """The script's ``main`` in this process (no subprocess imports); ``--device cpu`` hides CUDA from the
+    process, which monkeypatch undoes afterwards."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "scripts", "gpu_bench.py"))
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    monkeypatch.delenv("RANK", raising=False)
     out = str(tmp_path / "gb")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_bench.py"), "--device", "cpu", "--quick",
-                           "--out", out], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    code = gpu_bench.main(["--device", "cpu", "--quick", "--out", out])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["device"] == "cpu" and summary["stages"] == 1 and summary["planned_with"] == "profile"
     assert set(summary["tokens_per_s"]) == {"dynamic", "packing_free", "packing", "padding", "token_budget"}
     assert all(v > 0 for v in summary["tokens_per_s"].values())

@@ -1,6 +1,6 @@
 """`dynabatch train / export` on save_pretrained folders of Llama-style models, and the start-up checks.
 
-A random-weight Qwen2 folder (GQA, untied head) with the tokenizer's files beside it trains in one
+A random-weight Qwen2 folder (GQA, untied head) with the tokenizer's files beside it trains in this
 process with a checkpoint, resumes, exports to a folder that ``AutoModelForCausalLM`` loads and
 ``generate()`` runs on; a Llama folder trains as 2 pipeline stages under torchrun with token slices.
 Unsupported models and length limits above a position table fail at start with one line.
@@ -37,21 +37,23 @@ def _losses(out_dir) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_train_resume_export_generate_qwen2_folder(tmp_path, toy_mixture_dir, byt5):
+def test_train_resume_export_generate_qwen2_folder(tmp_path, toy_mixture_dir, byt5, capsys):
     import torch
     from transformers import AutoModelForCausalLM
 
+    def cli(*argv: str) -> None:  # in this process: no subprocess imports
+        code = main(list(argv))
+        err = capsys.readouterr().err
+        assert code == 0, err[-2000:]
+
     model_dir, out = _folder(tmp_path, "qwen2", byt5), str(tmp_path / "run")
-    train = [sys.executable, "-m", "dynabatch", "train", "--model", model_dir, *COMMON, "--output-dir", out,
+    train = ["train", "--model", model_dir, *COMMON, "--output-dir", out,
              "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--checkpoint-every", "4"]
-    first = _run([*train, "--steps", "4"])
-    assert first.returncode == 0, first.stderr[-2000:]
-    resumed = _run([*train, "--steps", "6", "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    cli(*train, "--steps", "4")
+    cli(*train, "--steps", "6", "--resume")
     losses = _losses(out)
     assert len(losses) == 6 and losses[-1] < losses[0]
-    exported = _run([sys.executable, "-m", "dynabatch", "export", os.path.join(out, "checkpoints"), str(tmp_path / "hf")])
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    cli("export", os.path.join(out, "checkpoints"), str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_key_value_heads == 2
     fresh = AutoModelForCausalLM.from_pretrained(model_dir)

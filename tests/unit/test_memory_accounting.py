@@ -147,14 +147,20 @@ def test_measured_saved_activations_match_the_prediction(tmp_path, toy_mixture_d
         assert measured[0] == pytest.approx(predicted[0], rel=0.10), (measured, predicted)
 
 
-def test_plan_and_simulate_take_memory_gib(capsys):
+def test_plan_and_simulate_take_memory_gib(capsys, tmp_path):
     """`--memory-gib` overrides the hardware preset's device memory: a budget below one sample's need is
     the documented error, with the device memory that fits; a bad value is one line. With the default
-    `--recompute auto` the samples that do not fit whole run with activation recomputation instead."""
+    `--recompute auto` the samples that do not fit whole run with activation recomputation instead.
+    A lengths file, not the built-in mixture (no tokenizing): two samples of 1,000-1,100 tokens among short
+    ones; whole, the longer needs 8.4 GiB with gpt-1.3b's model states, recomputed both fit in 8 GiB."""
     from dynabatch.cli import main
 
-    args = ["simulate", "--model", "gpt", "--preset", "gpt-1.3b", "--stages", "4", "--max-input-len", "2048",
-            "--num-batches", "1", "--global-batch-tokens", "16384", "--json"]
+    rng = np.random.default_rng(0)
+    e = np.concatenate([[1100, 1000], rng.integers(50, 400, 80)])
+    lengths = str(tmp_path / "lengths.npz")
+    np.savez(lengths, input_len=e, target_len=np.ones_like(e))
+    args = ["simulate", "--lengths", lengths, "--model", "gpt", "--preset", "gpt-1.3b", "--stages", "4",
+            "--max-input-len", "2048", "--num-batches", "1", "--global-batch-tokens", "16384", "--json"]
     assert main([*args, "--memory-gib", "80"]) == 0
     capsys.readouterr()
     assert main([*args, "--memory-gib", "8", "--methods", "dynamic"]) == 0  # auto: the long samples recompute

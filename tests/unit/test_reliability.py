@@ -1,7 +1,7 @@
 """Reliability of `dynabatch train` (issue 19): divergence, output folders, resume settings, config errors.
 
-Through the real CLI: subprocesses where the run trains, in-process ``cli.main`` where it must stop
-before any data is loaded. Two-rank (torchrun) divergence lives in tests/dist/test_faults_training.py.
+Through the real CLI in-process (``cli.main``, a world of one: no subprocess imports), training runs
+included. Two-rank (torchrun) divergence lives in tests/dist/test_faults_training.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,11 +21,13 @@ BASE = ["--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len
         "--log-every", "0", "--no-timeline"]
 
 
-def _cli(tmp_path, toy_mixture_dir, out: str, *extra: str, model: str = "t5-tiny") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    cmd = [sys.executable, "-m", "dynabatch", "train", "--model", model, *BASE,
-           "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--output-dir", str(tmp_path / out), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+def _cli(capsys, tmp_path, toy_mixture_dir, out: str, *extra: str, model: str = "t5-tiny") -> subprocess.CompletedProcess:
+    """``dynabatch train`` in this process; its exit code and output as a ``CompletedProcess``."""
+    argv = ["train", "--model", model, *BASE, "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
+            "--output-dir", str(tmp_path / out), *extra]
+    code = main(argv)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
 
 
 def _records(path) -> list[dict]:
@@ -54,11 +55,11 @@ def _tree_digest(folder) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("model", ["t5-tiny", "gpt2-tiny"])
-def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_checkpoints(tmp_path, toy_mixture_dir, model):
+def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_checkpoints(tmp_path, toy_mixture_dir, model, capsys):
     from dynabatch.runtime.checkpoint import latest_checkpoint, list_checkpoints
     from dynabatch.runtime.reshard import model_weights
 
-    out = _cli(tmp_path, toy_mixture_dir, "div", "--steps", "12", "--lr", "1e6", "--checkpoint-every", "1",
+    out = _cli(capsys, tmp_path, toy_mixture_dir, "div", "--steps", "12", "--lr", "1e6", "--checkpoint-every", "1",
                "--keep-checkpoints", "2", "--max-bad-steps", "2", model=model)
     assert out.returncode == 2, out.stderr[-3000:]
     msg = _error_line(out.stderr)
@@ -134,12 +135,12 @@ def test_fresh_run_into_a_used_folder_is_refused_and_touches_nothing(tmp_path, c
     assert _tree_digest(out) == before
 
 
-def test_overwrite_output_dir_replaces_only_run_files(tmp_path, toy_mixture_dir):
+def test_overwrite_output_dir_replaces_only_run_files(tmp_path, toy_mixture_dir, capsys):
     out = tmp_path / "old"
     (out / "checkpoints" / "step-000010").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 9}\n')
     (out / "notes.txt").write_text("mine")
-    run = _cli(tmp_path, toy_mixture_dir, "old", "--steps", "2", "--overwrite-output-dir")
+    run = _cli(capsys, tmp_path, toy_mixture_dir, "old", "--steps", "2", "--overwrite-output-dir")
     assert run.returncode == 0, run.stderr[-3000:]
     assert (out / "notes.txt").read_text() == "mine"
     assert [r["step"] for r in _records(out)] == [0, 1]
@@ -160,7 +161,7 @@ def test_output_dir_that_is_a_file_or_unwritable_is_one_line(tmp_path, capsys):
 
 
 def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy_mixture_dir, capsys):
-    first = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "2", "--lr", "1e-3", "--warmup-steps", "0",
+    first = _cli(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "2", "--lr", "1e-3", "--warmup-steps", "0",
                  "--lr-schedule", "constant")
     assert first.returncode == 0, first.stderr[-3000:]
 
@@ -175,7 +176,7 @@ def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy
     assert "max_input_len: 128 -> 96" in msg and "global_batch_tokens: 1024 -> 2048" in msg and "cannot change" in msg
     assert "model: 't5-tiny' -> 't5-mini'" in refused("--steps", "4", "--model", "t5-mini")
     assert "past --max-steps 1" in refused("--steps", "1", "--lr", "1e-3", "--warmup-steps", "0", "--lr-schedule", "constant")
-    ok = _cli(tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--lr", "5e-4", "--warmup-steps", "0",
+    ok = _cli(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--lr", "5e-4", "--warmup-steps", "0",
               "--lr-schedule", "constant")
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "learning_rate: 0.001 -> 0.0005" in ok.stdout + ok.stderr

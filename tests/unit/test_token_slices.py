@@ -240,7 +240,7 @@ def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
     assert sliced > 0
 
 
-def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixture_dir):
+def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixture_dir, capsys):
     """`dynabatch train --slice-long`: with 0.022 GiB the longest samples must run sliced, with 0.03 GiB
     none is; the batches are the same, so the losses of every step must be too (Adam steps included), also
     when every stage forward, slices included, recomputes its blocks (`--recompute full` at 0.02 GiB, where
@@ -250,18 +250,16 @@ def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixt
     refuses it.)"""
     import json
     import os
-    import subprocess
-    import sys
 
-    def train(memory: str, *extra: str) -> list[dict]:
+    from dynabatch.cli import main
+
+    def train(memory: str, *extra: str) -> list[dict]:  # in-process (a world of one): no subprocess imports
         out = tmp_path / (memory + "".join(extra))
-        cmd = [sys.executable, "-m", "dynabatch", "train", "--model", "gpt2-tiny", "--tokenizer", "byt5",
-               "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "2048",
-               "--max-input-len", "512", "--steps", "3", "--slice-long", "--memory-gib", memory,
-               "--output-dir", str(out), "--log-every", "0", "--no-timeline", *extra]
-        env = {k: v for k, v in os.environ.items() if k != "RANK"}
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
+        code = main(["train", "--model", "gpt2-tiny", "--tokenizer", "byt5",
+                     "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "2048",
+                     "--max-input-len", "512", "--steps", "3", "--slice-long", "--memory-gib", memory,
+                     "--output-dir", str(out), "--log-every", "0", "--no-timeline", *extra])
+        assert code == 0, capsys.readouterr().err[-2000:]
         return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
     sliced, whole, recomputed = train("0.022"), train("0.03"), train("0.02", "--recompute", "full")

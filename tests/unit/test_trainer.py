@@ -13,14 +13,26 @@ import pytest
 from dynabatch.config import TrainConfig
 
 
+def _flags(tmp_path, toy_mixture_dir, out: str, *extra: str) -> list[str]:
+    return ["train", "--model", "t5-tiny", "--tokenizer", "byt5", "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
+            "--global-batch-tokens", "1024", "--max-input-len", "128", "--max-target-len", "32",
+            "--output-dir", str(tmp_path / out), "--log-every", "0", "--no-timeline", "--lr", "3e-3", *extra]
+
+
 def _train(tmp_path, toy_mixture_dir, out: str, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``dynabatch train`` in a subprocess: for a run that must be killed (``DYNABATCH_CRASH_AT``)."""
     env = {**os.environ, **(env_extra or {})}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch", "train", "--model", "t5-tiny", "--tokenizer", "byt5",
-           "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--global-batch-tokens", "1024",
-           "--max-input-len", "128", "--max-target-len", "32", "--output-dir", str(tmp_path / out),
-           "--log-every", "0", "--no-timeline", "--lr", "3e-3", *extra]
+    cmd = [sys.executable, "-m", "dynabatch", *_flags(tmp_path, toy_mixture_dir, out, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _train_in_process(capsys, tmp_path, toy_mixture_dir, out: str, *extra: str) -> tuple[int, str]:
+    """``dynabatch train`` in this process (a world of one; no subprocess imports): (exit code, standard error)."""
+    from dynabatch.cli import main
+
+    code = main(_flags(tmp_path, toy_mixture_dir, out, *extra))
+    return code, capsys.readouterr().err
 
 
 def _records(tmp_path, out: str) -> list[dict]:
@@ -28,18 +40,19 @@ def _records(tmp_path, out: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_kill_and_resume_matches_uninterrupted(tmp_path, toy_mixture_dir):
+def test_kill_and_resume_matches_uninterrupted(tmp_path, toy_mixture_dir, capsys):
     # Bit-equal losses need equal plans in both runs; with online calibration plans follow each run's own
     # measured times, so this comparison plans with the base model (test_calibration_run covers the fit's resume).
-    full = _train(tmp_path, toy_mixture_dir, "full", "--steps", "6", "--calibrate", "off")
-    assert full.returncode == 0, full.stderr[-2000:]
+    # Only the killed run needs its own process; the uninterrupted and the resumed run train in this one.
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "full", "--steps", "6", "--calibrate", "off")
+    assert code == 0, err[-2000:]
     crashed = _train(tmp_path, toy_mixture_dir, "crash", "--steps", "6", "--checkpoint-every", "3", "--calibrate", "off",
                      env_extra={"DYNABATCH_CRASH_AT": "4"})
     assert crashed.returncode != 0
     assert [r["step"] for r in _records(tmp_path, "crash")] == [0, 1, 2, 3]
-    resumed = _train(tmp_path, toy_mixture_dir, "crash", "--steps", "6", "--checkpoint-every", "3", "--resume",
-                     "--calibrate", "off")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "crash", "--steps", "6", "--checkpoint-every", "3",
+                                  "--resume", "--calibrate", "off")
+    assert code == 0, err[-2000:]
     a = {r["step"]: r for r in _records(tmp_path, "full")}
     b = {r["step"]: r for r in _records(tmp_path, "crash")}  # steps 0-3, then 3-5 again after resume
     for step in (3, 4, 5):
@@ -48,16 +61,16 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, toy_mixture_dir):
     assert a[5]["loss"] < a[0]["loss"]
 
 
-def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, toy_mixture_dir):
-    out = _train(tmp_path, toy_mixture_dir, "fresh", "--steps", "1", "--resume")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "no complete checkpoint" in out.stderr
+def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, toy_mixture_dir, capsys):
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "fresh", "--steps", "1", "--resume")
+    assert code == 0, err[-2000:]
+    assert "no complete checkpoint" in err
 
 
-def test_world_size_mismatch_is_a_clear_error(tmp_path, toy_mixture_dir):
-    out = _train(tmp_path, toy_mixture_dir, "bad", "--stages", "2", "--steps", "1")
-    assert out.returncode == 2
-    assert "need 2 processes: launch with `torchrun --nproc-per-node 2" in out.stderr
+def test_world_size_mismatch_is_a_clear_error(tmp_path, toy_mixture_dir, capsys):
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "bad", "--stages", "2", "--steps", "1")
+    assert code == 2
+    assert "need 2 processes: launch with `torchrun --nproc-per-node 2" in err
 
 
 def test_config_validation():
@@ -100,7 +113,7 @@ def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
             assert [m.sample_ids for m in mbs_e] == [m.sample_ids for m in mbs_g]
 
 
-def test_export_to_hugging_face(tmp_path, toy_mixture_dir):
+def test_export_to_hugging_face(tmp_path, toy_mixture_dir, capsys):
     import torch
     from transformers import T5ForConditionalGeneration
 
@@ -109,8 +122,8 @@ def test_export_to_hugging_face(tmp_path, toy_mixture_dir):
     from dynabatch.runtime.export import export_checkpoint
     from dynabatch.runtime.reshard import model_weights
 
-    out = _train(tmp_path, toy_mixture_dir, "exp", "--steps", "2")
-    assert out.returncode == 0, out.stderr[-2000:]
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "exp", "--steps", "2")
+    assert code == 0, err[-2000:]
     hf_dir = export_checkpoint(str(tmp_path / "exp" / "checkpoints"), str(tmp_path / "hf"))
     model = T5ForConditionalGeneration.from_pretrained(hf_dir)
     saved = model_weights(latest_checkpoint(str(tmp_path / "exp" / "checkpoints")).path)
@@ -124,9 +137,9 @@ def test_export_to_hugging_face(tmp_path, toy_mixture_dir):
     assert all(torch.equal(params[name], w) for name, w in saved.items()) and set(saved) == set(params)
 
 
-def test_task_losses_average_to_the_step_loss(tmp_path, toy_mixture_dir):
-    out = _train(tmp_path, toy_mixture_dir, "tasks", "--steps", "2", "--task-loss-every", "1")
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_task_losses_average_to_the_step_loss(tmp_path, toy_mixture_dir, capsys):
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "tasks", "--steps", "2", "--task-loss-every", "1")
+    assert code == 0, err[-2000:]
     for r in _records(tmp_path, "tasks"):
         assert set(r["task_loss"]) <= {"short", "classify", "summarize"} and len(r["task_loss"]) >= 2
         losses = list(r["task_loss"].values())
