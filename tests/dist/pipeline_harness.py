@@ -284,10 +284,8 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
     del model
     stage = chunks[0]
     named = [(c.parameter_map[n], p) for c in chunks for n, p in c.named_parameters()]
-    if wrap_stage is not None:
-        stage = wrap_stage(stage, ctx)
-        named = [(dict(stage.inner.parameter_map)[n], p) for n, p in stage.inner.named_parameters()]
-        chunks = [stage]
+    if wrap_stage is not None:  # one chunk per device: the wrapper (or the stage itself) runs it
+        stage = chunks[0] = wrap_stage(stage, ctx)
     opt, sched = make_optimizer([p for c in chunks for p in c.parameters()], sc.num_steps)
     ex = Executor(chunks, ctx, opt, scheduler=sched, max_grad_norm=sc.max_grad_norm, autocast_dtype=autocast_dtype(sc.dtype))
     record = {"grads": [], "params": [], "loss": [], "grad_norm": [], "layout": layout.describe(), "timelines": [],
