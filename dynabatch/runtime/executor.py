@@ -23,8 +23,9 @@ instruction names its chunk, and the per-micro-batch state, transfers and token-
 encoder's and the decoder's first chunk) have their gradients summed on the rank before the group's all-reduce over
 ranks; the norm counts one copy.
 
-Activation recomputation: each forward runs under ``recompute_mode(plan.recompute_of(stage, m))``, inside the dropout seeding, so a recomputed block draws the masks of its forward
-(:mod:`dynabatch.models.recompute`); the backward needs nothing more.
+Activation recomputation: each forward runs under ``recompute_mode(plan.recompute_of(stage, m))``, inside the
+dropout seeding, so a recomputed block draws the masks of its forward (:mod:`dynabatch.models.recompute`); the
+backward needs nothing more.
 
 Loss: the last stage backpropagates ``loss_sum / global_loss_tokens`` per micro-batch, where the
 count covers every micro-batch of every replica (delivered with the plan), so the summed gradients
@@ -218,7 +219,8 @@ class Executor:
             )
         if inputs.global_loss_tokens < 1:
             raise ValueError(f"step {plan.step}: the global batch has {inputs.global_loss_tokens} loss tokens")
-        if any(p >= 0 for p in plan.slice_links) and not all(getattr(c, "supports_slices", False) for c in self.chunks.values()):
+        sliceable = all(getattr(c, "supports_slices", False) for c in self.chunks.values())
+        if any(p >= 0 for p in plan.slice_links) and not sliceable:
             raise ValueError(f"the plan has token slices but {type(self.stage).__name__} cannot run them (GPT-2 stages can)")
         self.inputs = inputs
         self.states, self.pending = {}, {}
