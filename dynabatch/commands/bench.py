@@ -477,26 +477,27 @@ def bench(args, methods: list[str]) -> dict | None:
         shutdown()
 
 
-def _placed_methods(args, methods) -> dict:
-    """``METHOD@PLACEMENT`` -> ``(Placement, METHOD)`` for every placement of ``--placements`` but linear."""
+def _placements(args) -> list:
+    """The :class:`~dynabatch.schedule.placement.Placement` of every entry of ``--placements`` but linear."""
     from dynabatch.schedule.placement import Placement
 
-    out = {}
-    for text in (t.strip() for t in args.placements.split(",")):
-        placement = Placement.parse(text, args.stages)
-        if placement.kind != "linear":
-            out.update({f"{m}@{placement.describe()}": (placement, m) for m in methods if m not in (PEER, SLICED)})
-    return out
+    placements = [Placement.parse(t.strip(), args.stages) for t in args.placements.split(",")]
+    return [p for p in placements if p.kind != "linear"]
+
+
+def _placed_methods(args, methods) -> dict:
+    """``METHOD@PLACEMENT`` -> ``(Placement, METHOD)`` for every non-linear placement of ``--placements``."""
+    return {f"{m}@{p.describe()}": (p, m) for p in _placements(args) for m in methods if m not in (PEER, SLICED)}
 
 
 def _placed_chunks(args, model, device: int) -> dict:
     """Per non-linear placement of ``--placements``: its chunk layout, pipeline spec and the chunks ``device`` holds."""
-    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
 
     out = {}
-    for placement, _ in _placed_methods(args, ["dynamic"]).values():
+    for placement in _placements(args):
         layout = layout_for(model, placement.num_stages, placement)
-        chunks = [build_stage(model, layout, v) for v in range(device, placement.num_stages, placement.num_devices)]
+        chunks = build_device_stages(model, layout, device, placement.num_devices)
         out[placement.describe()] = (layout, pipeline_spec_for(model, layout, "float32"), chunks)
     return out
 

@@ -261,7 +261,7 @@ def _setup_worker() -> None:
 def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_step=plain_step, tag: str = "") -> None:
     """One scenario on this rank (a no-op for ranks outside its world). ``make_step(sc, step)`` gives
     rank 0 the replicas' micro-batches and slice links; results go to ``<name><tag>.rank<r>.pt``."""
-    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
@@ -280,7 +280,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
     placement = Placement.parse(sc.placement, sc.num_stages)
     layout = layout_for(model, placement.num_stages, placement)
     spec = pipeline_spec_for(model, layout, "float32")
-    chunks = [build_stage(model, layout, v) for v in range(ctx.stage_index, placement.num_stages, sc.num_stages)]
+    chunks = build_device_stages(model, layout, ctx.stage_index, sc.num_stages)
     del model
     stage = chunks[0]
     named = [(c.parameter_map[n], p) for c in chunks for n, p in c.named_parameters()]
