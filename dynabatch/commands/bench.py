@@ -24,7 +24,11 @@ median and the 10-90% range of the per-step rates), padding efficiency (real / c
 predicted bubble fraction (the simulated twin of the step), predicted peak memory per device (cost
 model), measured peak memory (CUDA: max allocated over ranks; CPU: peak RSS of the process, shared by
 all methods, so only one number), micro-batches per step, plan time, and the ratio of real tokens/s to
-the best baseline.
+the best baseline. On our executor also the measured forward + backward seconds and busy fraction of each
+device (JSON ``stage_compute_s_measured``, ``device_busy_fraction``) and ``efficiency_balanced`` (``eff
+bal``): the median over the timed steps of :func:`~dynabatch.cost.ideal.balanced_efficiency`, the amortised
+whole-model ideal over the plan's predicted work (one cost model) times the measured mean device busy
+fraction (``None`` for ``dynamic_profiled``, planned with another profile, and for ``pipelining``).
 
 Tuned baselines (``--tune-baselines``): each baseline in ``--methods`` also sweeps its knob over its
 registry grid on the first global batches (``--tune-steps`` timed steps per value, after one untimed

@@ -89,8 +89,10 @@ def print_table(result: dict) -> None:
     if compute:
         print("forward + backward seconds per device, median step, measured (predicted): " + ", ".join(compute))
         busy = [f"{m} {'/'.join(f'{x:.2f}' for x in r['device_busy_fraction'])}"
+                + (f" (eff bal {r['efficiency_balanced']:.3f})" if r.get("efficiency_balanced") is not None else "")
                 for m, r in result["methods"].items() if r.get("device_busy_fraction")]
-        print("measured busy fraction of each device (its compute / step time), median step: " + ", ".join(busy))
+        print("measured busy fraction of each device (its compute / step time), median step (eff bal: amortised "
+              "whole-model ideal / predicted work x mean busy): " + ", ".join(busy))
     rows = result["methods"]
     for other, what in (("dynamic_uncalibrated", "calibrated"), ("dynamic_profiled", "calibrated"),
                         ("dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}")):

@@ -57,6 +57,33 @@ def _device_sums(per_stage, num_devices: int) -> np.ndarray:
     return np.array([a[d::num_devices].sum() for d in range(num_devices)])
 
 
+def _plan_cost_model(run, base, base_profile: str | None):
+    """The stage cost model ``run``'s plans were priced with (``PlannedStep.costs``): a calibrated method's
+    planner's (its base, or its latest fit with ``--plan-costs calibrated``), else the shared base; ``None`` for a
+    method planned with another cost profile (``dynamic_profiled``), whose units the base's ideal does not share.
+    Virtual-stage methods are priced per chunk with the same preset: their whole-model work is the base's."""
+    planner = getattr(run.planned, "planner", None)
+    if planner is not None:
+        return planner.cost_model
+    return base if run.cfg.cost_profile == base_profile else None
+
+
+def _efficiency_balanced(run, measured: np.ndarray, times: np.ndarray, warmup: int, cost_model, args) -> float | None:
+    """Median over the timed steps of :func:`~dynabatch.cost.ideal.balanced_efficiency`: the amortised
+    whole-model ideal over the plan's predicted work (one cost model: unitless) times the measured mean
+    device busy fraction (``measured``: (steps, devices) compute seconds of replica 0, the only one)."""
+    from dynabatch.cost.ideal import balanced_efficiency, ideal_work, planned_work
+    from dynabatch.models.families import check_model
+
+    model = _plan_cost_model(run, cost_model, getattr(args, "cost_profile", None))
+    if model is None:
+        return None
+    family = check_model(args.model, None).sequence_kind
+    values = [balanced_efficiency(ideal_work(p.batch, model, family), planned_work(p.costs), busy, t)
+              for p, busy, t in zip(run.planned[warmup:], measured, times)]
+    return float(np.median(values))
+
+
 def _predicted_saved_mib(run, warmup: int) -> float | None:
     """Largest simulated peak of stored activation bytes on any stage over the timed steps (replica 0):
     what the measured ``SavedActivationMeter`` peak is compared with; ``None`` for the peer."""
@@ -136,6 +163,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             rows[m]["stage_compute_s_measured"] = np.median(measured, axis=0).tolist()
             rows[m]["stage_compute_s_predicted"] = np.median(predicted, axis=0).tolist()
             rows[m]["device_busy_fraction"] = np.median(measured / t[:, None], axis=0).tolist()
+            rows[m]["efficiency_balanced"] = _efficiency_balanced(runs[m], measured, t, w, cost_model, args)
             for x, st in zip(rows[m]["per_step"], measured):
                 x["stage_compute_s_measured"] = [float(v) for v in st]
         if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran

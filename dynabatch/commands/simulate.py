@@ -43,12 +43,10 @@ import numpy as np
 from dynabatch.commands.common import placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_sections
 from dynabatch.config.sections import arg
+from dynabatch.cost.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.step import DEFAULT_PACK_ROWS
 from dynabatch.schedule.placement import Placement
 from dynabatch.workload import METHODS, global_batches
-
-AMORTISED_TOKENS = 8192
-"""Tokens of the batch of identical copies that prices a sample in ``efficiency_amortised``."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,8 @@ class MethodSummary:
     efficiency_balanced: float
     """The physical limit: the whole model's amortised per-sample work (every stage's, summed) divided by the
     number of devices, over the simulated step time (``efficiency_amortised`` divides by the bottleneck stage's
-    work instead, so it hides an imbalance between stages)."""
+    work instead, so it hides an imbalance between stages). The same quantity as the measured one of ``bench``
+    and the train metrics, :func:`~dynabatch.cost.ideal.balanced_efficiency` with the simulated busy times."""
     stage_busy: tuple
     """Per stage, the mean over steps of its busy time / step time."""
     layout: str
@@ -334,27 +333,6 @@ class Placed:
             if best is None or key < best[0]:
                 best = (key, plan, result)
         return best[1], best[2], plan_s, sched_s
-
-
-def ideal_step_time(batch, cost_model, family: str, amortise_tokens: int | None = None, balanced: bool = False) -> float:
-    """Sum over samples of the unpadded fwd + bwd time of each sample on its slowest stage, or with
-    ``balanced`` its whole-model time (every stage's, summed) divided by the number of stages: the step
-    of a perfectly balanced pipeline with no bubble.
-
-    Each sample is priced alone, shape ``(1, e_i, d_i)`` (the issue's definition), or with
-    ``amortise_tokens`` as ``1/k`` of a micro-batch of ``k = ceil(amortise_tokens / (e_i + d_i))``
-    identical copies, which removes the per-sample kernel-launch and weight-read costs batching hides.
-    """
-    from dynabatch.plan.order import padded_lengths
-
-    e, d = padded_lengths(batch.input_lens, batch.target_lens, family)
-    k = np.ones_like(e) if amortise_tokens is None else np.maximum(1, -(-amortise_tokens // np.maximum(e + d, 1)))
-    if balanced:
-        c = cost_model.per_stage(k, e, d)
-        t = (np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=0) / cost_model.num_stages
-    else:
-        t, _, _ = cost_model.evaluate(k, e, d)
-    return float(np.sum(t / k))
 
 
 def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int | None):

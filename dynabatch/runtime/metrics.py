@@ -73,7 +73,40 @@ def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
         "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in records)),
         **({"prediction_error_median_last10": prediction_summary(records)["last10_median"]}
            if "prediction_error" in records[0] else {}),
+        **{f"{key}_median": _median_of(steady, key) for key in ("efficiency_balanced", "efficiency_amortised")},
+        "device_busy_fraction_median": _median_of(steady, "device_busy_fraction", axis=0),
     }
+
+
+def efficiency_record(ctx, gathered, planned, elapsed: float, cost_model, family: str) -> dict[str, Any]:
+    """A step's measured efficiencies (:mod:`dynabatch.cost.ideal`): ``device_busy_fraction`` (replica 0, per
+    device: its measured fwd + bwd seconds / the step time), ``efficiency_balanced`` (the amortised whole-model
+    ideal over all devices, every replica's devices measured) and ``efficiency_amortised`` (the amortised
+    bottleneck-stage ideal), both priced with ``cost_model``: the model ``planned.costs`` were planned with."""
+    from dynabatch.cost.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time,
+                                      ideal_work, measured_efficiency, planned_work, without_recompute)
+    from dynabatch.runtime.calibration import stage_times
+
+    compute = [stage_times(ctx, gathered, r) for r in range(ctx.num_replicas)]
+    devices = [t for replica in compute for t in replica]
+    plan = planned_work(planned.costs)
+    if elapsed <= 0 or plan <= 0 or sum(devices) <= 0:
+        return {"device_busy_fraction": busy_fractions(compute[0], elapsed) if elapsed > 0 else None,
+                "efficiency_balanced": None, "efficiency_amortised": None}
+    bottleneck = ideal_step_time(planned.batch, without_recompute(cost_model), family, AMORTISED_TOKENS)
+    return {"device_busy_fraction": busy_fractions(compute[0], elapsed),
+            "efficiency_balanced": balanced_efficiency(ideal_work(planned.batch, cost_model, family), plan, devices,
+                                                       elapsed),
+            "efficiency_amortised": measured_efficiency(bottleneck, plan, devices, elapsed)}
+
+
+def _median_of(records: list[dict[str, Any]], key: str, axis: int | None = None):
+    """Median of a record field over the records that have it (``None`` when none has)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    if not values:
+        return None
+    m = np.median(np.asarray(values, dtype=np.float64), axis=axis)
+    return m.tolist() if axis is not None else float(m)
 
 
 def planning_overlap(records: list[dict[str, Any]]) -> float:
@@ -123,4 +156,14 @@ def format_summary(s: dict[str, Any]) -> str:
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
         + (f", prediction error {s['prediction_error_median_last10']:.1%} (median of the last 10 steps)"
            if "prediction_error_median_last10" in s else "")
+        + _format_efficiency(s)
     )
+
+
+def _format_efficiency(s: dict[str, Any]) -> str:
+    """``, efficiency balanced X (amortised Y), device busy a/b`` of a summary (medians), or ``""``."""
+    if s.get("efficiency_balanced_median") is None:
+        return ""
+    busy = "/".join(f"{x:.2f}" for x in s.get("device_busy_fraction_median") or ())
+    return (f", efficiency balanced {s['efficiency_balanced_median']:.3f} "
+            f"(amortised {s['efficiency_amortised_median']:.3f}), device busy {busy} (median step)")

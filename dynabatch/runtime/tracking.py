@@ -48,6 +48,8 @@ _STEP_SCALARS = {
     "prediction_error": "train/prediction_error",
     "plan_wait_s": "train/plan_wait_s",
     "num_micro_batches": "train/num_micro_batches",
+    "efficiency_balanced": "train/efficiency_balanced",
+    "efficiency_amortised": "train/efficiency_amortised",
 }
 """Step-record field -> tracker name (the record fields of :func:`dynabatch.runtime.trainer._record`)."""
 

@@ -32,7 +32,7 @@ from dynabatch.config import TrainConfig
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
 from dynabatch.runtime.log import quiet_third_party, setup_logging
-from dynabatch.runtime.metrics import MetricsWriter, format_summary, peak_rss_bytes, summarize
+from dynabatch.runtime.metrics import MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, summarize
 from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
 
 logger = logging.getLogger(__name__)
@@ -293,6 +293,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 record["memory_measured_bytes"] = saved_peaks
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
+                record.update(efficiency_record(ctx, gathered, planned, elapsed, run.planner.cost_model,
+                                                run.planner.family))
                 if task_loss is not None:
                     record["task_loss"] = task_loss
                     logger.info(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))

@@ -30,4 +30,6 @@ def test_bench_runs_t5_cyclic_next_to_linear(tmp_path):
         assert len(row["device_busy_fraction"]) == 2 and all(0 < b <= 1 for b in row["device_busy_fraction"])
         assert len(row["stage_compute_s_measured"]) == len(row["stage_compute_s_predicted"]) == 2
         assert 0 <= row["bubble_fraction_predicted"] < 1 and row["tokens_per_s"] > 0
+        assert 0 < row["efficiency_balanced"] <= 1.05  # measured against the amortised whole-model ideal
     assert "measured busy fraction of each device" in proc.stdout and "dynamic@cyclic" in proc.stdout
+    assert "eff bal" in proc.stdout

@@ -60,6 +60,8 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
         assert len(r["stage_time_measured_s"]) == len(r["stage_time_predicted_s"]) == 2
         assert all(t > 0 for t in r["stage_time_measured_s"] + r["stage_time_predicted_s"])
         assert r["prediction_error"] == abs(r["predicted_step_s"] - r["step_time_s"]) / r["step_time_s"]
+        assert len(r["device_busy_fraction"]) == 2 and all(0 < x <= 1.05 for x in r["device_busy_fraction"])
+        assert 0 < r["efficiency_balanced"] <= 1.05  # scale-free: the analytic preset's optimism cancels
     assert b[-1]["prediction_error_median"] == float(np.median([r["prediction_error"] for r in b]))
     # the analytic preset alone is several times optimistic; the start-up round already corrects most of it
     assert np.median([r["prediction_error"] for r in b]) < np.median([r["prediction_error"] for r in a])

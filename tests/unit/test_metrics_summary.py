@@ -22,3 +22,16 @@ def test_planning_overlap_is_the_share_of_planning_not_waited_for():
     s = summarize([_record(0, 9.0, 9.0), _record(1, 0.4, 0.1), _record(2, 0.6, 0.15)], "dynamic")
     assert s["plan_overlap"] == pytest.approx(0.75)  # step 0 (warm-up) is left out, as for throughput
     assert "75% of planning overlapped with training" in format_summary(s)
+
+
+def test_summary_has_the_steady_medians_of_the_measured_efficiencies():
+    records = [{**_record(k, 0.1, 0.0), "efficiency_balanced": e, "efficiency_amortised": 2 * e,
+                "device_busy_fraction": [b, b / 2]}
+               for k, (e, b) in enumerate([(0.9, 0.9), (0.2, 0.4), (0.4, 0.8), (0.3, 0.6)])]
+    s = summarize(records, "dynamic")  # step 0 (warm-up) is left out
+    assert s["efficiency_balanced_median"] == pytest.approx(0.3)
+    assert s["efficiency_amortised_median"] == pytest.approx(0.6)
+    assert s["device_busy_fraction_median"] == pytest.approx([0.6, 0.3])
+    assert "efficiency balanced 0.300 (amortised 0.600), device busy 0.60/0.30" in format_summary(s)
+    plain = summarize([_record(0, 0.1, 0.0)], "dynamic")  # records without them (older runs): no such part
+    assert plain["efficiency_balanced_median"] is None and "efficiency balanced" not in format_summary(plain)

@@ -44,6 +44,8 @@ def test_cyclic_t5_trains_checkpoints_and_resumes_like_uninterrupted(tmp_path, t
     assert [r["step"] for r in train] == [0, 1, 2, 3]
     assert any(r.get("kind") == "eval" for r in rows)  # forward-only plans run on the virtual stages too
     assert all(len(r["memory_measured_bytes"]) == 2 for r in train)  # per device
+    assert all(len(r["device_busy_fraction"]) == 2 for r in train)  # per device, 2 chunks each
+    assert all(0 < r["efficiency_balanced"] <= 1.05 for r in train)
     assert os.path.exists(os.path.join(full, "timeline.png"))  # measured next to the placement's simulated twin
 
     resumed = str(tmp_path / "resumed")

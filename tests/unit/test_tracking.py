@@ -48,10 +48,17 @@ def test_tensorboard_scalars_every_step_resume_appends_and_compare_has_its_own(t
     assert [v for _, v in scalars["train/tokens_per_s"]] == pytest.approx([r["tokens_per_s"] for r in records],
                                                                           rel=1e-6)
     for tag in ("train/learning_rate", "train/grad_norm", "train/padding_efficiency", "train/bubble_fraction_predicted",
-                "train/step_time_s", "train/predicted_step_s", "memory/stage_0_measured_mib",
+                "train/step_time_s", "train/predicted_step_s", "train/efficiency_balanced",
+                "train/efficiency_amortised", "memory/stage_0_measured_mib",
                 "memory/stage_0_predicted_mib", "memory/peak_rss_mib"):
         assert [s for s, _ in scalars[tag]] == [0, 1, 2], tag
     assert {t for t in scalars if t.endswith("/loss")} > {"train/loss"}  # per-task losses at the last step
+    for r in records:  # measured against the balanced ideal (dynabatch.cost.ideal); one device
+        assert 0 < r["efficiency_balanced"] <= 1.05 and 0 < r["efficiency_amortised"] <= 1.05
+        assert len(r["device_busy_fraction"]) == 1 and 0 < r["device_busy_fraction"][0] <= 1.05
+    assert [v for _, v in scalars["train/efficiency_balanced"]] == pytest.approx(
+        [r["efficiency_balanced"] for r in records], rel=1e-6)
+    assert "efficiency balanced" in capsys.readouterr().err  # format_summary's line (logged)
     compare = _scalars(out / "compare-packing" / "runs")  # the compare run's own events, same steps
     assert [s for s, _ in compare["train/loss"]] == [0, 1, 2]
     assert compare["train/padding_efficiency"] != scalars["train/padding_efficiency"]
