@@ -119,7 +119,7 @@ class BenchArgs:
     quiet: bool = arg(False, "no table (with --json)")
 
 
-BENCH_FIELDS = ("model", "dtype", "stages", "policy", "pack_rows", "attention", "global_batch_tokens", "max_input_len",
+BENCH_FIELDS = ("model", "dtype", "stages", "policy", "layer_split", "pack_rows", "attention", "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
                 "plan_costs", "seed")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
@@ -222,7 +222,7 @@ def _config(args, method: str):
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
         plan_costs=getattr(args, "plan_costs", "base"),
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
-        dtype=getattr(args, "dtype", "fp32"),
+        dtype=getattr(args, "dtype", "fp32"), layer_split=getattr(args, "layer_split", "data"),
     )
 
 
@@ -345,7 +345,7 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.models.presets import build_model
-    from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
+    from dynabatch.models.split import build_stage, pipeline_spec_for
     from dynabatch.runtime.dist import shutdown
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
@@ -364,10 +364,14 @@ def bench(args, methods: list[str]) -> dict | None:
         info = tokenizer_info(load_tokenizer("builtin"))
         family = check_model(args.model, args.max_input_len).sequence_kind
         model = build_model(args.model, vocab_size=info.vocab_size, dropout=0.0, seed=args.seed)
-        layout = layout_for(model, args.stages)
+        limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
+                              max_seq_len=args.max_input_len)
+        batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []
+        layouts = _layouts(args, methods, cfgs, model, batches, limits, info, ctx)  # collective
+        layout = layouts["linear"].layout
         spec = pipeline_spec_for(model, layout, "float32")
         base = [build_stage(model, layout, ctx.stage_index)]
-        placed = _placed_chunks(args, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
+        placed = _placed_chunks(layouts, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
 
         def new_run(name: str, cfg, measure_memory: bool = True, placement=None) -> _Method:
             """Collective: every rank builds the runs in the same order."""
@@ -389,13 +393,9 @@ def bench(args, methods: list[str]) -> dict | None:
         for key, (placement, m) in _placed_methods(args, methods).items():
             runs[key] = new_run(key, cfgs[m], placement=placement)
         cost_model = None
-        batches = []
-        limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
-                              max_seq_len=args.max_input_len)
         calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
         calibration = None
         if ctx.is_planner:
-            batches = load_batches(args, family, limits, info, num_steps)
             cost_model = planner_cost_model(_config(args, "dynamic"), model.config, layout)  # the base every method shares
             if calibrated:  # one fit shared by the calibrated methods, set up as the trainer's
                 from dynabatch.runtime.trainer import run_calibration
@@ -476,6 +476,7 @@ def bench(args, methods: list[str]) -> dict | None:
         measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
         result = results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
                          str(ctx.device), measured_saved, calibrated, stage_compute, _flag_names())
+        result["layouts"] = {k: v.layout.describe() for k, v in layouts.items()}
         return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
@@ -494,15 +495,54 @@ def _placed_methods(args, methods) -> dict:
     return {f"{m}@{p.describe()}": (p, m) for p in _placements(args) for m in methods if m not in (PEER, SLICED)}
 
 
-def _placed_chunks(args, model, device: int) -> dict:
-    """Per non-linear placement of ``--placements``: its chunk layout, pipeline spec and the chunks ``device`` holds."""
-    from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
+def _layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> dict:
+    """Collective: ``linear`` and every placement of ``--placements`` -> its
+    :class:`~dynabatch.runtime.run_layout.RunLayout`, chosen on rank 0 and broadcast. ``--layer-split data``
+    balances each placement's chunks over the micro-batches every method (the peer as packing) cuts the first
+    global batches into, so all methods run on the same stage modules and none on a split tuned for it alone."""
+    import torch.distributed as dist
+
+    from dynabatch.cost.model_specs import layer_kinds
+    from dynabatch.models.families import analytic_spec
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.run_layout import SAMPLED_BATCHES, RunLayout, choose_run_layout
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    texts: list = [None]
+    if ctx.is_planner:
+        sampled = batches[:SAMPLED_BATCHES]
+        planned = list(dict.fromkeys(cfgs[m] for m in methods))  # the peer is planned as packing
+
+        def preview(own, layout) -> list:
+            out = []
+            for cfg in planned:
+                if cfg.slice_long and own.placement != "linear":
+                    continue  # token slices run on the linear placement only
+                cfg = dataclasses.replace(cfg, placement=own.placement)
+                planner = StepPlanner(_ListBatcher(sampled, limits), cfg, planner_cost_model(cfg, model.config, layout), info)
+                out += [planner.preview(b) for b in sampled]
+            return out
+
+        base = _config(args, "dynamic")
+        layer_model = planner_cost_model(base, model.config, layout_for(model, 1)).model
+        texts[0] = {p: choose_run_layout(dataclasses.replace(base, placement=p), model, layer_model, preview).encode()
+                    for p in ["linear", *(q.describe() for q in _placements(args))]}
+    dist.broadcast_object_list(texts, src=0, group=ctx.delivery_group)
+    kinds = layer_kinds(analytic_spec(model.config))
+    return {p: RunLayout.decode(t, kinds, args.stages) for p, t in texts[0].items()}
+
+
+def _placed_chunks(layouts: dict, model, device: int) -> dict:
+    """Per non-linear placement of ``layouts``: its chunk layout, pipeline spec and the chunks ``device`` holds."""
+    from dynabatch.models.split import build_device_stages, pipeline_spec_for
 
     out = {}
-    for placement in _placements(args):
-        layout = layout_for(model, placement.num_stages, placement)
-        chunks = build_device_stages(model, layout, device, placement.num_devices)
-        out[placement.describe()] = (layout, pipeline_spec_for(model, layout, "float32"), chunks)
+    for name, run in layouts.items():
+        if run.placement.kind == "linear":
+            continue
+        chunks = build_device_stages(model, run.layout, device, run.placement.num_devices)
+        out[name] = (run.layout, pipeline_spec_for(model, run.layout, "float32"), chunks)
     return out
 
 

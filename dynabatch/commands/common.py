@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.config.flags import add_fields, add_sections
@@ -47,14 +46,11 @@ class WorkloadArgs:
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
     methods: str | None = arg(None, f"comma list of {', '.join(METHODS)} (default: all)")
-    layer_split: Literal["data", "reference"] = arg(
-        "data", "pipeline layer split balanced over the sampled global batches' samples (data) or over one reference "
-                "micro-batch of 4 x min(max input, 512) / min(max target, 128) tokens (reference)")
     json: str | None = json_arg()
 
 
 SHARED_FIELDS = ("model", "tokenizer", "stages", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
-                 "recompute", "pack_rows", *option_users())
+                 "recompute", "pack_rows", "layer_split", *option_users())
 """The TrainConfig fields ``plan`` and ``simulate`` take (the same flags as ``train``'s, at paper scale)."""
 PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_len": 256, "global_batch_tokens": 65_536,
                "memory_gib": None}
@@ -150,14 +146,10 @@ def placement_cost_model(w: Workload, batches, method: str, placement):
     chunks balanced over ``method``'s micro-batches of ``batches`` (cyclic: the encoder and the decoder each
     cut into one chunk per device; interleaved: the layers cut into devices x V chunks), without
     recomputation."""
-    from dynabatch.cost.stages import balanced_layout, cyclic_layout
+    from dynabatch.cost.stages import placement_layout
 
     cm = w.cost_model
-    micro_batches = _planned_micro_batches(w, batches, method)
-    if placement.kind == "cyclic":
-        layout = cyclic_layout(cm.model, placement.num_devices, micro_batches=micro_batches)
-    else:
-        layout = balanced_layout(cm.model, placement.num_stages, micro_batches=micro_batches)
+    layout = placement_layout(cm.model, placement, _planned_micro_batches(w, batches, method))
     return replace(cm, layout=layout, recompute="none")
 
 

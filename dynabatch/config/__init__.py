@@ -72,6 +72,9 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         virtual stages (``--placement`` other than linear)."""
         if self.calibrate != "auto":
             return self.calibrate
+        if self.placement == "auto":
+            raise RuntimeError("placement auto is resolved at start (dynabatch.runtime.run_layout) before the "
+                             "calibration mode is known")
         if self.placement != "linear":
             return "off"
         return "online" if self.cost_profile else "quick"
@@ -106,7 +109,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         for t in trackers:
             if t not in (*TRACKERS, "all", "none"):
                 raise ValueError(f"report_to: unknown tracker {t!r}; valid: {', '.join(TRACKERS)}, all, none")
-        if self.placement != "linear":
+        if self.placement not in ("linear", "auto"):  # auto keeps to the placements the other flags allow
             from dynabatch.schedule.placement import Placement
 
             Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms

@@ -26,6 +26,8 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 PLAN_COSTS = ("base", "calibrated")
 """``--plan-costs``: plan with the base cost model (default) or with the online fit."""
 CALIBRATIONS = ("auto", "quick", "online", "off")
+LAYER_SPLITS = ("data", "reference")
+"""``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
 """``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
 online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
 :mod:`dynabatch.runtime.calibration` uses this list."""
@@ -110,8 +112,13 @@ class PipelineArgs:
     policy: Literal[POLICIES] = arg("auto", "pipeline schedule: gpipe, 1f1b, adaptive or auto (best simulated per step)")
     placement: str = arg("linear", "pipeline stages on the devices: linear (one chunk per device), cyclic (T5: device d "
                                    "holds encoder chunk d and decoder chunk d), interleaved:V (V chunks per device, dealt "
-                                   "round robin); virtual stages are list-scheduled every step (--policy does not apply) "
-                                   "and run without calibration")
+                                   "round robin), or auto (the fastest of linear and cyclic / interleaved:2 on the run's "
+                                   "own first global batches, simulated once at start); virtual stages are "
+                                   "list-scheduled every step (--policy does not apply) and run without calibration")
+    layer_split: Literal[LAYER_SPLITS] = arg(
+        "data", "pipeline layer split: balanced over the micro-batches of the run's first global batches, each layer "
+                "priced by the planner's base cost model (data), or over one reference micro-batch of 4 x min(max "
+                "input, 512) / min(max target, 128) tokens (reference)")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
     recompute: Literal[RECOMPUTE_POLICIES] = arg(
         "auto", "activation recomputation: auto (per micro-batch and stage, the fastest of none / selective / full that "

@@ -81,6 +81,15 @@ def cyclic_layout(model, num_devices: int, ref_shape: tuple[int, int, int] = (4,
     return StageLayout(_cut(kinds[:seam], times[:seam], num_devices) + _cut(kinds[seam:], times[seam:], num_devices))
 
 
+def placement_layout(model, placement, micro_batches=None, ref_shape: tuple[int, int, int] = (4, 512, 128)) -> StageLayout:
+    """The chunks of ``placement`` (a :class:`~dynabatch.schedule.placement.Placement`): :func:`cyclic_layout`
+    for the cyclic placement, else :func:`balanced_layout` into its ``num_stages`` chunks; balanced at
+    ``ref_shape`` or over ``micro_batches``."""
+    if placement.kind == "cyclic":
+        return cyclic_layout(model, placement.num_devices, ref_shape, micro_batches)
+    return balanced_layout(model, placement.num_stages, ref_shape, micro_batches)
+
+
 def layer_times(model, kinds: list[str], ref_shape, micro_batches) -> np.ndarray:
     """fwd + bwd seconds of each layer kind in ``kinds``: at ``ref_shape`` or summed over ``micro_batches``
     (see :func:`balanced_layout`)."""

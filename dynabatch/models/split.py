@@ -41,7 +41,7 @@ from torch import nn
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import layer_kinds
-from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout, cyclic_layout
+from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout, placement_layout
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import check_attention_path, use_segment_attention
 from dynabatch.models.families import analytic_spec, family_for_config
@@ -77,7 +77,7 @@ def layout_for(model: nn.Module, num_stages: int, placement=None) -> StageLayout
     if placement is not None and placement.kind == "cyclic":
         if placement.num_stages != num_stages:
             raise ValueError(f"placement {placement.describe()} has {placement.num_stages} chunks, not {num_stages}")
-        return cyclic_layout(cost_model, placement.num_devices)
+        return placement_layout(cost_model, placement)
     return balanced_layout(cost_model, num_stages)
 
 

@@ -78,6 +78,8 @@ class PlannedStep:
     as ``costs`` otherwise, or with ``plan_costs="calibrated"``)."""
     predicted_makespan_s: float = 0.0
     """The simulated makespan alone; ``predicted_step_s`` adds the calibrated step overhead to it."""
+    pairs: tuple = ()
+    """Per replica, the attention pairs of its micro-batches (:func:`units_pairs`; ``None`` on the dense path)."""
     features: tuple[np.ndarray, ...] = ()
     """With online calibration, per replica, ``(S, 2, M, F)`` features of each micro-batch's forward and
     backward on every stage (:meth:`~dynabatch.cost.online.CalibratedStageCostModel.features`; NaN rows for
@@ -123,6 +125,9 @@ class StepPlanner:
         # Attention per segment (pad never computed): micro-batches are priced by their attention pairs and
         # the dynamic planner may pack rows (cfg.pack_rows); the dense path computes whole padded rows.
         self.padding_free = getattr(cfg, "attention_path", "segments") == "segments"
+        self.placement = _virtual_placement(cfg)
+        """Virtual stages (``--placement`` other than linear): steps are predicted by the placement's list
+        schedule, the order the runtime lowers; ``None`` on the linear placement."""
         self.slice_model = None
         if cfg.slice_long:
             from dynabatch.plan.slicing import AnalyticSliceCostModel
@@ -140,6 +145,11 @@ class StepPlanner:
         planned = self._planned(self.step, batch, self._units(batch), state, start)
         self.step += 1
         return planned
+
+    def preview(self, batch: GlobalBatch) -> PlannedStep:
+        """``batch`` planned and predicted as a training step would be, the stream and the step count left
+        alone (the start-up choice of the layer split and placement, :mod:`dynabatch.runtime.run_layout`)."""
+        return self._planned(self.step, batch, self._units(batch), {}, time.perf_counter())
 
     def synthetic_step(self, step: int) -> PlannedStep:
         """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
@@ -175,7 +185,7 @@ class StepPlanner:
             bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
             batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
             predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes), predicted_makespan_s=predicted,
-            features=features, predicted_costs=predicted_costs,
+            features=features, predicted_costs=predicted_costs, pairs=tuple(pairs),
         )
 
     def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
@@ -247,16 +257,34 @@ class StepPlanner:
         states, send = np.array(model.model_state_bytes), send_time_of(model)
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
             c = piece_costs(model, self.slice_model, s, ctx, lk, pr)
-            buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
-            schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
-                self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
-                send_time=send, model_state_bytes=states)
-            result = simulate(schedule, buffered, send_time=send, model_state_bytes=states)
+            if self.placement is not None:  # virtual stages: the list schedule plan_step lowers
+                from dynabatch.schedule.virtual import chunk_schedule, placed_step
+
+                result = placed_step(c, self.placement, states, memory, send)
+                schedule = chunk_schedule(result.order, self.placement.num_stages, len(s))
+            else:
+                buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
+                schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
+                    self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
+                    send_time=send, model_state_bytes=states)
+                result = simulate(schedule, buffered, send_time=send, model_state_bytes=states)
             costs.append(c)
             schedules.append(schedule)
             makespans.append(result.makespan_s)
             bubbles.append(result.bubble_fraction)
         return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
+
+
+def _virtual_placement(cfg: TrainConfig):
+    """The :class:`~dynabatch.schedule.placement.Placement` of ``cfg.placement`` when it holds several chunks per
+    device, else ``None``."""
+    from dynabatch.schedule.placement import Placement
+
+    text = getattr(cfg, "placement", "linear")
+    if text == "linear":
+        return None
+    placement = Placement.parse(text, cfg.stages)
+    return placement if placement.chunks_per_device > 1 else None
 
 
 def fits_without_recompute(plan, model: StageCostModel) -> bool:

@@ -124,7 +124,7 @@ def plan_step(
         c = costs[p] if costs is not None else token_costs(shapes, spec.num_stages)
         if placed:
             plans.update(_lower_placed(shapes, spec, c, placement, p, num_replicas, step, links, memory_limit_bytes,
-                                       model_state_bytes))
+                                       model_state_bytes, schedules[p] if schedules is not None else None))
             continue
         if schedules is not None:
             schedule = schedules[p]
@@ -154,12 +154,16 @@ def plan_step(
 
 
 def _lower_placed(shapes, spec: PipelineSpec, costs: StageCosts, placement: Placement, replica: int, num_replicas: int,
-                  step: int, links, memory_limit_bytes, model_state_bytes) -> dict[int, ExecutionPlan]:
-    """One replica's device plans on a virtual-stage placement: list-scheduled, then lowered (not yet validated)."""
+                  step: int, links, memory_limit_bytes, model_state_bytes,
+                  schedule: ComputeSchedule | None = None) -> dict[int, ExecutionPlan]:
+    """One replica's device plans on a virtual-stage placement, lowered (not yet validated) from ``schedule``'s
+    device orders (the planner's, :func:`~dynabatch.schedule.virtual.chunk_schedule`) or else list-scheduled here
+    with free sends."""
     from dynabatch.schedule.virtual import lower_placed, placed_step
 
-    placed = placed_step(costs, placement, model_state_bytes, memory_limit_bytes)
-    return lower_placed(placed.order, shapes, spec, placement, replica_index=replica, num_replicas=num_replicas,
+    orders = schedule.device_orders if schedule is not None and schedule.device_orders else \
+        placed_step(costs, placement, model_state_bytes, memory_limit_bytes).order
+    return lower_placed(orders, shapes, spec, placement, replica_index=replica, num_replicas=num_replicas,
                         step=step, fwd_s=costs.fwd_s, bwd_s=costs.bwd_s, check=False, links=links,
                         recompute=costs.recompute)
 
@@ -254,7 +258,7 @@ def forward_only_plan(plan: ExecutionPlan) -> ExecutionPlan:
     return replace(plan, instructions=tuple(out))
 
 
-def _receive_failure(rank: int, step: int, timeout_s: float | None, error: Exception) -> str:
+def receive_failure(rank: int, step: int, timeout_s: float | None, error: Exception) -> str:
     """The message of a failed plan receive; a first-step timeout points at rank 0's data loading."""
     if timeout_s is not None and "Timed out" in str(error):
         return (f"rank {rank}, step {step}: rank 0 did not finish loading the data and planning the first step "
@@ -323,7 +327,7 @@ def train_step(
     try:
         inputs = receive_step(ctx.delivery_group, receive_timeout_s)
     except Exception as e:
-        raise PipelineError(_receive_failure(ctx.rank, step, receive_timeout_s, e)) from e
+        raise PipelineError(receive_failure(ctx.rank, step, receive_timeout_s, e)) from e
     if inputs.plan.step != step:
         raise PipelineError(f"rank {ctx.rank} expected the plan of step {step}, rank 0 sent step {inputs.plan.step}")
     return executor.run(inputs)

@@ -142,14 +142,15 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
 
 def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     """Model stage, optimizer and executor on every rank; data (``datasets`` in memory, else as ``cfg`` says:
-    :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0."""
+    :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
+    are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
+    resolved (``auto`` becomes the chosen one)."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.models.presets import build_model
-    from dynabatch.models.split import DeviceChunks, build_device_stages, layout_for, pipeline_spec_for
+    from dynabatch.models.split import DeviceChunks, build_device_stages, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
-    from dynabatch.schedule.placement import Placement
 
     family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
     torch.set_num_threads(cfg.threads)
@@ -158,8 +159,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
-    placement = Placement.parse(cfg.placement, cfg.stages)
-    layout = layout_for(model, placement.num_stages, placement)
+    data = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
+    chosen = _run_layout(cfg, ctx, model, data)
+    cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
+    layout, placement = chosen.layout, chosen.placement
     spec = pipeline_spec_for(model, layout, "float32")
     chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path)]
     stage = chunks[0] if len(chunks) == 1 else DeviceChunks(chunks)
@@ -170,26 +173,52 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
                placement=placement if placement.chunks_per_device > 1 else None)
     if ctx.is_planner:
-        from dynabatch.data.batching import GlobalBatcher, LengthLimits
-        from dynabatch.data.inputs import data_notes, load_training_data
-        from dynabatch.runtime.faults import maybe_slow_start
         from dynabatch.runtime.planner import StepPlanner
 
-        data = load_training_data(cfg, tokenizer, family, datasets)
-        for note in data_notes(data):  # numbers cast to text, malformed rows skipped
-            logger.info(f"data: {note}")
-        if cfg.eval_holdout:  # these rows are evaluated, never trained on
-            from dynabatch.runtime.evaluate import hold_out
-
-            data, run.held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
-        maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
-        limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
-                              max_seq_len=cfg.max_input_len)
-        run.batcher = GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
+        logger.info(f"pipeline: {chosen.describe()}" + "".join(
+            f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
+        data, run.held_out, run.batcher = data
         cost_model = planner_cost_model(cfg, model.config, layout)
         run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
         run.planner = StepPlanner(run.batcher, cfg, cost_model, data.tokens, calibration=run.calibration)
     return run
+
+
+def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any):
+    """Rank 0: ``(training data, held-out rows or None, GlobalBatcher)``."""
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.data.inputs import data_notes, load_training_data
+    from dynabatch.runtime.faults import maybe_slow_start
+
+    data = load_training_data(cfg, tokenizer, family, datasets)
+    for note in data_notes(data):  # numbers cast to text, malformed rows skipped
+        logger.info(f"data: {note}")
+    held_out = None
+    if cfg.eval_holdout:  # these rows are evaluated, never trained on
+        from dynabatch.runtime.evaluate import hold_out
+
+        data, held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
+    maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
+    limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                          max_seq_len=cfg.max_input_len)
+    return data, held_out, GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
+
+
+def _run_layout(cfg: TrainConfig, ctx: DistContext, model, data):
+    """Every rank: the run's :class:`~dynabatch.runtime.run_layout.RunLayout`. The reference split of an
+    explicit placement needs no data, so every rank cuts it alone; otherwise rank 0 (``data``: what
+    :func:`_load_data` returned) chooses from its first global batches and the others receive the choice."""
+    from dynabatch.cost.model_specs import layer_kinds
+    from dynabatch.models.families import analytic_spec
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.run_layout import RunLayout, sampled_run_layout, share_run_layout
+    from dynabatch.schedule.placement import Placement
+
+    if cfg.layer_split == "reference" and cfg.placement != "auto":
+        placement = Placement.parse(cfg.placement, cfg.stages)
+        return RunLayout(placement, layout_for(model, placement.num_stages, placement))
+    chosen = sampled_run_layout(cfg, model, data[0], data[2]) if ctx.is_planner else None
+    return share_run_layout(ctx, chosen, layer_kinds(analytic_spec(model.config)), cfg.startup_timeout_s)
 
 
 def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
@@ -226,6 +255,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if ctx.is_planner:
         check_trackers(cfg.report_to)  # a missing tracker package fails before any data is loaded
     run = build_run(cfg, ctx, datasets)
+    cfg = run.cfg  # its placement resolved
     start = resume(run, info, _lr_lambda(cfg))
     memory = cfg.memory_gib * 2**30
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -439,11 +469,11 @@ def _write_timeline(run: _Run, result, planned) -> None:
         return
     shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
     costs = (planned.predicted_costs or planned.costs)[0]
-    if run.placement is not None:  # virtual stages: the placement's list schedule, as plan_step lowered it
-        from dynabatch.schedule.virtual import placed_step
+    if run.placement is not None:  # virtual stages: the planner's list schedule, the order plan_step lowered
+        from dynabatch.schedule.placement import timeline_ops
 
-        placed = placed_step(costs, run.placement, planned.model_state_bytes)
-        simulated, makespan = placed.timeline_ops(), placed.makespan_s
+        simulated = timeline_ops(planned.schedules[0].device_orders)
+        makespan = max(op.end_s for op in simulated)
     else:
         simulated = simulate(planned.schedules[0], costs)
         makespan = simulated.makespan_s

@@ -48,6 +48,9 @@ class ComputeSchedule:
     num_micro_batches: int
     policy: str = "custom"
     """Name of the policy that produced it."""
+    device_orders: tuple = ()
+    """Virtual stages only (several chunks per device, :mod:`dynabatch.schedule.virtual`): per device, its ops in
+    the order they run, ``(phase, stage, micro-batch, start s, end s)``; ``stages`` then holds each chunk's order."""
 
     def __post_init__(self) -> None:
         expected = sorted((p, m) for p in ("B", "F") for m in range(self.num_micro_batches))

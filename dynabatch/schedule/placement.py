@@ -91,10 +91,16 @@ class PlacedResult:
 
     def timeline_ops(self) -> list:
         """The ops as :class:`~dynabatch.schedule.trace.TimelineOp` (traces and plots, like a measured timeline)."""
-        from dynabatch.schedule.compute import Phase
-        from dynabatch.schedule.trace import TimelineOp
+        return timeline_ops(self.order)
 
-        return [TimelineOp(v, Phase(phase), m, start, end) for ops in self.order for phase, v, m, start, end in ops]
+
+def timeline_ops(order) -> list:
+    """Per-device orders ``(phase, stage, micro-batch, start s, end s)`` as
+    :class:`~dynabatch.schedule.trace.TimelineOp`."""
+    from dynabatch.schedule.compute import Phase
+    from dynabatch.schedule.trace import TimelineOp
+
+    return [TimelineOp(v, Phase(phase), m, start, end) for ops in order for phase, v, m, start, end in ops]
 
 
 def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, model_state_bytes,

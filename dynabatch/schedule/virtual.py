@@ -39,26 +39,27 @@ _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
 
 
-def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None):
+def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None, send_time=None):
     """The placement's list schedule of one replica's step priced by ``costs`` (``(V, M)`` per chunk; their message
-    buffers added), the order :func:`~dynabatch.runtime.step.plan_step` lowers: a
-    :class:`~dynabatch.schedule.placement.PlacedResult`. Sends are taken as free (the runtime has no per-step send
-    model on virtual stages yet)."""
-    from dynabatch.schedule.simulate import per_stage_values, with_message_buffers
+    buffers added): a :class:`~dynabatch.schedule.placement.PlacedResult`. ``send_time`` prices each hand-off
+    between devices (bytes -> seconds, or an array; ``None``: free), as the linear simulation does."""
+    from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
 
-    V, M = np.shape(costs.fwd_s)
+    V, _ = np.shape(costs.fwd_s)
     states = per_stage_values(model_state_bytes, V, "model_state_bytes")
     limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
-    return list_schedule(with_message_buffers(costs), placement, np.zeros((V, M)), states, limit)
+    return list_schedule(with_message_buffers(costs), placement, stage_send_times(costs, send_time), states, limit)
 
 
 def chunk_schedule(device_orders, num_stages: int, num_micro_batches: int, policy: str = "list") -> ComputeSchedule:
-    """Per-chunk compute orders from per-device orders ``[(phase, stage, micro_batch, ...), ...]``."""
+    """The :class:`~dynabatch.schedule.compute.ComputeSchedule` of per-device orders ``[(phase, stage,
+    micro_batch, ...), ...]``: each chunk's order, the device orders kept (what :func:`lower_placed` merges)."""
     stages: list[list[ComputeOp]] = [[] for _ in range(num_stages)]
     for ops in device_orders:
         for phase, stage, m, *_ in ops:
             stages[stage].append(ComputeOp(Phase(phase), int(m)))
-    return ComputeSchedule(tuple(tuple(s) for s in stages), num_micro_batches, policy)
+    return ComputeSchedule(tuple(tuple(s) for s in stages), num_micro_batches, policy,
+                           device_orders=tuple(tuple(ops) for ops in device_orders))
 
 
 def lower_placed(

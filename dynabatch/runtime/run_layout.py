@@ -1,0 +1,170 @@
+"""The run's layer split and placement, chosen once at start on rank 0 and sent to every rank.
+
+``--layer-split data`` (the default) balances the pipeline chunks over the run's own length distribution
+instead of one reference shape, and ``--placement auto`` picks the placement of those chunks on the devices
+by simulating the run's own global batches (issue 17). Rank 0 alone holds the data, so it decides and every
+other rank receives the decision before it builds its stage modules.
+
+The choice (:func:`choose_run_layout`):
+
+1. **Sample.** The first :data:`SAMPLED_BATCHES` global batches of the run's stream, drawn by a fresh
+   batcher over the same data: the training stream does not move, and a resumed run samples the same
+   batches, so it gets the same split and placement as the run it continues.
+2. **Split.** For each candidate placement, the run's planner (its method, flags and base cost model: the
+   analytic preset or ``--cost-profile``, never a calibration) plans the sampled batches on the reference
+   split (``models.split.layout_for``), and the chunks are re-cut to balance the summed per-layer time of
+   those micro-batches (:func:`~dynabatch.cost.stages.balanced_layout`, :func:`~dynabatch.cost.stages.cyclic_layout`
+   for T5's cyclic placement). One round: the micro-batches hardly depend on the split.
+3. **Placement** (``auto`` only). The sampled batches are planned again on each candidate's split and every
+   step predicted as the runtime will run it (linear: the ``--policy`` schedule's simulation; virtual
+   stages: the placement's list schedule). The candidate with the shortest summed predicted step wins;
+   linear wins ties. Candidates: linear, and ``cyclic`` for encoder-decoder models or ``interleaved:2``
+   for decoder-only ones, when the model has the blocks and the flags allow virtual stages (no
+   ``--slice-long``, no explicit ``--calibrate quick|online``).
+
+The decision travels as one short text (``placement;chunk sizes``) over rank 0's delivery group, each
+other rank waiting up to ``--startup-timeout-s`` (rank 0 may still be loading the data).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dynabatch.cost.stages import StageLayout
+from dynabatch.schedule.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+SAMPLED_BATCHES = 4
+"""Global batches of the run's own stream the start-up choice plans."""
+
+_LAYOUT_TAG = 9
+_MAX_TEXT = 4096
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where the model's layers run: the placement and the chunks' layer kinds, chunk ``c`` on device
+    ``placement.device(c)``."""
+
+    placement: Placement
+    layout: StageLayout
+    predicted_step_s: dict[str, float] = field(default_factory=dict)
+    """``--placement auto``: each candidate's summed predicted step over the sampled batches (empty otherwise)."""
+    split: str = "reference"
+    """``data`` when the chunks are balanced over the sampled micro-batches."""
+
+    def encode(self) -> str:
+        """``placement;n0,n1,...``: the placement and each chunk's number of layer kinds."""
+        return f"{self.placement.describe()};{','.join(str(len(s)) for s in self.layout.stages)};{self.split}"
+
+    @staticmethod
+    def decode(text: str, kinds: list[str], num_devices: int) -> "RunLayout":
+        """Inverse of :meth:`encode` for a model whose layer kinds are ``kinds``."""
+        placement, sizes, split = text.split(";")
+        stages, start = [], 0
+        for n in (int(x) for x in sizes.split(",")):
+            stages.append(tuple(kinds[start:start + n]))
+            start += n
+        if start != len(kinds):
+            raise ValueError(f"layout {text!r} covers {start} of the model's {len(kinds)} layers")
+        return RunLayout(Placement.parse(placement, num_devices), StageLayout(tuple(stages)), split=split)
+
+    def describe(self) -> str:
+        return f"placement {self.placement.describe()}, {self.split} split {self.layout.describe()}"
+
+
+def candidate_placements(cfg, seq2seq: bool) -> list[Placement]:
+    """The placements ``cfg.placement`` allows: itself, or with ``auto`` linear and the model family's virtual
+    stages where the flags allow them."""
+    if cfg.placement != "auto":
+        return [Placement.parse(cfg.placement, cfg.stages)]
+    linear = Placement.parse("linear", cfg.stages)
+    if cfg.stages < 2 or cfg.slice_long or cfg.calibrate in ("quick", "online"):
+        return [linear]
+    return [linear, Placement.parse("cyclic" if seq2seq else "interleaved:2", cfg.stages)]
+
+
+def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageLayout], list]) -> RunLayout:
+    """Rank 0: the split and placement of the run (module docstring). ``preview(cfg, layout)`` plans the sampled
+    batches with ``cfg``'s method and its base cost model over ``layout`` and returns the
+    :class:`~dynabatch.runtime.planner.PlannedStep` of each; ``layer_model`` (that cost model's per-layer
+    model) prices the layers the split balances."""
+    from dynabatch.cost.stages import placement_layout
+    from dynabatch.models.families import family_for_config
+    from dynabatch.models.split import layout_for
+    from dynabatch.sequence import is_seq2seq
+
+    seq2seq = is_seq2seq(family_for_config(model.config).sequence_kind)
+    options = []
+    for placement in candidate_placements(cfg, seq2seq):
+        try:
+            reference = layout_for(model, placement.num_stages, placement)
+        except ValueError:
+            if cfg.placement != "auto":
+                raise
+            continue  # auto: a model too small for this candidate's chunks
+        own = replace(cfg, placement=placement.describe())
+        layout, split = reference, "reference"
+        if cfg.layer_split == "data":
+            layout, split = placement_layout(layer_model, placement, _micro_batches(preview(own, reference))), "data"
+        options.append((own, RunLayout(placement, layout, split=split)))
+    if len(options) == 1:
+        return options[0][1]
+    predicted = {run.placement.describe(): sum(p.predicted_makespan_s for p in preview(own, run.layout))
+                 for own, run in options}
+    best = min(options, key=lambda o: (predicted[o[1].placement.describe()], o[1].placement.chunks_per_device))[1]
+    return replace(best, predicted_step_s=predicted)
+
+
+def sampled_run_layout(cfg, model, data, batcher) -> RunLayout:
+    """Rank 0: :func:`choose_run_layout` over the first :data:`SAMPLED_BATCHES` global batches of the run's stream
+    (``data``, drawn by a fresh batcher like ``batcher``), each planned by a
+    :class:`~dynabatch.runtime.planner.StepPlanner` with the run's base cost model (no calibration)."""
+    from dynabatch.data.batching import GlobalBatcher
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    fresh = GlobalBatcher(data, batcher.limits, token_budget=batcher.token_budget, overlong=batcher.overlong)
+    sampled = [fresh.next_batch() for _ in range(SAMPLED_BATCHES)]
+
+    def preview(own, layout) -> list:
+        planner = StepPlanner(batcher, own, planner_cost_model(own, model.config, layout), data.tokens)
+        return [planner.preview(b) for b in sampled]
+
+    layer_model = planner_cost_model(cfg, model.config, layout_for(model, 1)).model
+    return choose_run_layout(cfg, model, layer_model, preview)
+
+
+def _micro_batches(planned: list) -> list:
+    """``(shapes, pairs)`` of replica 0's micro-batches of each planned step (what the split is balanced over)."""
+    return [(p.shapes[0], p.pairs[0] if p.pairs else None) for p in planned]
+
+
+def share_run_layout(ctx, run_layout: RunLayout | None, kinds: list[str], timeout_s: float) -> RunLayout:
+    """Collective over the delivery group: rank 0 sends ``run_layout`` to every rank; the others return it."""
+    from dynabatch.runtime.dist import PipelineError
+    from dynabatch.runtime.step import receive_failure
+
+    if ctx.world_size == 1:
+        return run_layout
+    buffer = torch.zeros(_MAX_TEXT, dtype=torch.uint8)
+    if ctx.is_planner:
+        raw = run_layout.encode().encode()
+        buffer[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        for w in [dist.isend(buffer, dst=r, group=ctx.delivery_group, tag=_LAYOUT_TAG) for r in range(1, ctx.world_size)]:
+            w.wait()
+        return run_layout
+    try:
+        dist.irecv(buffer, src=0, group=ctx.delivery_group, tag=_LAYOUT_TAG).wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # rank 0 still loading (the first step's message), or gone
+        raise PipelineError(receive_failure(ctx.rank, 0, timeout_s, e)) from e
+    text = bytes(buffer.numpy()).rstrip(b"\0").decode()
+    return RunLayout.decode(text, kinds, ctx.num_stages)
