@@ -227,7 +227,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
             policy = schedule.policy
         else:
             plan, result, plan_s, sched_s = placed.step(method, batch, w, options)
-            policy = placed.placement.describe()
+            policy = f"{placed.placement.describe()} {result.policy}"
         sched_wall.append(sched_s)
         plan_wall.append(plan_s)
         real += plan.real_tokens
@@ -304,7 +304,8 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
 class Placed:
     """A placement of virtual stages (``--placement cyclic`` / ``interleaved:V``) and the per-chunk cost model of
     its layout: the method plans with the workload's one-chunk-per-device model (what a device holds and runs),
-    then each plan is priced per chunk and list-scheduled (:func:`~dynabatch.schedule.placement.list_schedule`)."""
+    then each plan is priced per chunk and ordered by the better of the list scheduler and interleaved 1F1B
+    (:func:`~dynabatch.schedule.virtual.placed_step`)."""
 
     placement: object
     cost_model: object
@@ -312,8 +313,7 @@ class Placed:
 
     def step(self, method: str, batch, w, options):
         """``(plan, result, plan wall s, schedule wall s)`` of one global batch."""
-        from dynabatch.schedule.placement import list_schedule
-        from dynabatch.schedule.simulate import with_message_buffers
+        from dynabatch.schedule.virtual import placed_step
 
         cm, stages = self.cost_model, w.cost_model.num_stages
         variants = [stages] if method != "dynamic" else list(dict.fromkeys(
@@ -323,11 +323,11 @@ class Placed:
             plan = _plan(method, batch, w, options, objective_stages)
             plan_s += plan.plan_time_s
             b, e, d = plan.shapes.T
-            costs = with_message_buffers(cm.per_stage(b, e, d, plan.pairs))
+            costs = cm.per_stage(b, e, d, plan.pairs)
             send = np.asarray(cm.model.send_time(costs.send_bytes, options.link), dtype=np.float64)
             start = time.perf_counter()
-            result = list_schedule(costs, self.placement, send, cm.model_state_bytes,
-                                   cm.device_memory_bytes * (1 - cm.memory_margin))
+            result = placed_step(costs, self.placement, cm.model_state_bytes,
+                                 cm.device_memory_bytes * (1 - cm.memory_margin), send)
             sched_s += time.perf_counter() - start
             key = (not result.fits_memory, result.makespan_s)
             if best is None or key < best[0]:

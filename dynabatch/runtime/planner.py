@@ -261,7 +261,7 @@ class StepPlanner:
                 from dynabatch.schedule.virtual import chunk_schedule, placed_step
 
                 result = placed_step(c, self.placement, states, memory, send)
-                schedule = chunk_schedule(result.order, self.placement.num_stages, len(s))
+                schedule = chunk_schedule(result.order, self.placement.num_stages, len(s), result.policy)
             else:
                 buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
                 schedule = schedules_in[k] if schedules_in is not None else compute_schedule(

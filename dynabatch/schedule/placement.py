@@ -88,6 +88,9 @@ class PlacedResult:
     peak_memory_bytes: np.ndarray
     """(devices,) largest memory of each device (model states of its chunks included)."""
     fits_memory: bool
+    policy: str = "list"
+    """What ordered the ops: ``list`` (:func:`list_schedule`) or ``interleaved_1f1b``
+    (:mod:`dynabatch.schedule.interleaved`)."""
 
     def timeline_ops(self) -> list:
         """The ops as :class:`~dynabatch.schedule.trace.TimelineOp` (traces and plots, like a measured timeline)."""

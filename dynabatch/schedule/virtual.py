@@ -39,16 +39,37 @@ _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
 
 
-def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None, send_time=None):
-    """The placement's list schedule of one replica's step priced by ``costs`` (``(V, M)`` per chunk; their message
-    buffers added): a :class:`~dynabatch.schedule.placement.PlacedResult`. ``send_time`` prices each hand-off
-    between devices (bytes -> seconds, or an array; ``None``: free), as the linear simulation does."""
+PLACED_POLICIES = ("auto", "list", "interleaved_1f1b")
+"""Orders of a step on virtual stages: the list scheduler, interleaved 1F1B (when the micro-batches make whole
+rounds of the devices), or ``auto``, the shorter of the two by the replay (one that fits memory first)."""
+
+
+def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None, send_time=None,
+                policy: str = "auto"):
+    """One replica's step on ``placement`` priced by ``costs`` (``(V, M)`` per chunk; their message buffers added):
+    a :class:`~dynabatch.schedule.placement.PlacedResult` ordered by ``policy`` (:data:`PLACED_POLICIES`).
+    ``send_time`` prices each hand-off between devices (bytes -> seconds, or an array; ``None``: free), as the
+    linear simulation does."""
+    from dynabatch.schedule.interleaved import interleaved_1f1b_orders, replay
     from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
 
-    V, _ = np.shape(costs.fwd_s)
+    if policy not in PLACED_POLICIES:
+        raise ValueError(f"unknown placed policy {policy!r}; valid: {', '.join(PLACED_POLICIES)}")
+    V, M = np.shape(costs.fwd_s)
     states = per_stage_values(model_state_bytes, V, "model_state_bytes")
     limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
-    return list_schedule(with_message_buffers(costs), placement, stage_send_times(costs, send_time), states, limit)
+    buffered, send = with_message_buffers(costs), stage_send_times(costs, send_time)
+    results = []
+    if policy in ("auto", "list"):
+        results.append(list_schedule(buffered, placement, send, states, limit))
+    if policy in ("auto", "interleaved_1f1b"):
+        orders = interleaved_1f1b_orders(placement, M)
+        fixed = None if orders is None else replay(orders, buffered, placement, send, states, limit)
+        if fixed is not None:
+            results.append(fixed)
+        elif policy == "interleaved_1f1b":
+            raise ValueError(f"interleaved 1F1B needs a multiple of {placement.num_devices} micro-batches, got {M}")
+    return min(results, key=lambda r: (not r.fits_memory, r.makespan_s))
 
 
 def chunk_schedule(device_orders, num_stages: int, num_micro_batches: int, policy: str = "list") -> ComputeSchedule:

@@ -39,6 +39,7 @@ class Scenario:
     timeout_s: float = 60.0
     dtype: str = "fp32"  # --dtype of the executor (bf16 / fp16: autocast over fp32 weights)
     placement: str = "linear"  # virtual stages: cyclic / interleaved:V chunks per device (num_stages = devices)
+    placed_policy: str | None = None  # virtual stages: rank 0 passes the device orders of this policy as the planner does
 
     @property
     def world_size(self) -> int:
@@ -295,10 +296,13 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
                                      if isinstance(out, torch.Tensor) and out.is_floating_point() else None)
     for step in range(sc.num_steps):
         replica_mbs = links = None
+        schedules = None
         if ctx.is_planner:
             replica_mbs, links = make_step(sc, step)
+            if sc.placed_policy is not None:
+                schedules = [placed_schedule(mbs, placement, sc.placed_policy) for mbs in replica_mbs]
         result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy, slice_links=links,
-                            placement=placement)
+                            placement=placement, schedules=schedules)
         record["grads"].append({n: p.grad.detach().clone() for n, p in named})
         record["params"].append({n: p.detach().clone() for n, p in named})
         record["loss"].append(result.loss)
@@ -309,6 +313,17 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
             record["timelines"].append(timelines)
     torch.save(record, os.path.join(workdir, f"{sc.name}{tag}.rank{rank}.pt"))
     shutdown()
+
+
+def placed_schedule(mbs, placement, policy: str):
+    """The chunk schedule with device orders of ``policy`` for micro-batches ``mbs`` under token costs (what the
+    trainer's planner hands train_step on virtual stages)."""
+    from dynabatch.runtime.step import micro_batch_shape, token_costs
+    from dynabatch.schedule.virtual import chunk_schedule, placed_step
+
+    result = placed_step(token_costs([micro_batch_shape(mb) for mb in mbs], placement.num_stages), placement,
+                         policy=policy)
+    return chunk_schedule(result.order, placement.num_stages, len(mbs), result.policy)
 
 
 def _report_failure(workdir: str, rank: int, e: BaseException) -> None:

@@ -3,7 +3,8 @@
 One launch of 4 processes runs T5 under the cyclic placement (2 devices, 4 chunks: device d holds encoder chunk
 d and decoder chunk d, so device 0 holds two copies of the token table) and GPT-2 interleaved (v = 2: 2 devices,
 4 chunks), each with one replica and with two (4 processes), several AdamW steps with gradient clipping. Every
-step's ops are ordered by the placement's list scheduler and lowered onto the devices
+step's ops are ordered by the placement's list scheduler (or, in the ``-1f1b`` scenarios, by interleaved 1F1B as
+the planner would hand them over) and lowered onto the devices
 (:func:`dynabatch.schedule.virtual.lower_placed`; the plans are validated before they run). The parent compares
 gradients, parameters, losses and gradient norms by HF parameter name with the single-process unsplit model
 (:func:`pipeline_harness.reference_run`, default fp32 tolerances); tied copies and replicas must hold bitwise
@@ -27,6 +28,11 @@ SCENARIOS = {
         H.Scenario("gpt2-interleaved-R1", "gpt2", "gpt2-mini", 2, 1, num_steps=2, max_grad_norm=0.5, seed=6,
                    placement="interleaved:2"),
         H.Scenario("gpt2-interleaved-R2", "gpt2", "gpt2-mini", 2, 2, num_steps=2, seed=7, placement="interleaved:2"),
+        # the interleaved-1F1B orders (6 micro-batches: 3 rounds of 2 devices), handed to train_step as the planner does
+        H.Scenario("t5-cyclic-1f1b", "t5", "t5-tiny", 2, 1, num_steps=1, seed=8, placement="cyclic",
+                   placed_policy="interleaved_1f1b"),
+        H.Scenario("gpt2-interleaved-1f1b", "gpt2", "gpt2-mini", 2, 1, num_steps=1, seed=9, placement="interleaved:2",
+                   placed_policy="interleaved_1f1b"),
     ]
 }
 
@@ -72,3 +78,18 @@ def test_each_device_ran_its_chunks_one_op_at_a_time(runs):
             spans = sorted((op.start_s, op.end_s) for op in ops if op.stage % 2 == device)
             assert len(spans) == 2 * 2 * H.NUM_MICRO_BATCHES
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), name
+
+
+def test_devices_ran_the_interleaved_1f1b_orders_handed_over(runs):
+    """Device orders in the planner's schedule are what the executors run (train_step lowers them as given)."""
+    from dynabatch.schedule.interleaved import interleaved_1f1b_orders
+    from dynabatch.schedule.placement import Placement
+
+    for name in ("t5-cyclic-1f1b", "gpt2-interleaved-1f1b"):
+        placement = Placement.parse(SCENARIOS[name].placement, 2)
+        ops = runs[name]["records"][0]["timelines"][0][0]
+        expected = interleaved_1f1b_orders(placement, H.NUM_MICRO_BATCHES)
+        for device in (0, 1):
+            ran = [(op.phase.value, op.stage, op.micro_batch)
+                   for op in sorted(ops, key=lambda op: op.start_s) if op.stage % 2 == device]
+            assert ran == expected[device], name
