@@ -275,10 +275,14 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
         cm.num_stages if v is None else min(v, cm.num_stages) for v in options.objective_stages))
     # auto recomputation is judged like the objective: the plan without recomputation (when it can be made) is
     # a variant too, so the kept step is never slower than --recompute none's (the DP's objective is not the
-    # simulated step: admitting more micro-batches can lose a little)
+    # simulated step: admitting more micro-batches can lose a little). When the auto plan recomputes nothing it
+    # is already the plan without recomputation (the same DP optimum), so that variant is skipped.
     models = [cm] if cm.recompute != "auto" else [cm, dataclasses.replace(cm, recompute="none")]
     best, plan_s, sched_s = None, 0.0, 0.0
+    recomputes = {}
     for objective_stages, model in [(v, m) for v in variants for m in models]:
+        if model is not cm and not recomputes.get(objective_stages, True):
+            continue
         try:
             plan = _plan(method, batch, dataclasses.replace(w, cost_model=model), options, objective_stages)
         except ValueError:
@@ -288,6 +292,8 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
         plan_s += plan.plan_time_s
         b, e, d = plan.shapes.T
         costs = with_message_buffers(model.per_stage(b, e, d, plan.pairs))  # per-segment (padding-free) attention
+        if model is cm:
+            recomputes[objective_stages] = costs.recompute is not None and bool(np.any(costs.recompute != 0))
         send = cm.model.send_time(costs.send_bytes, options.link)
         start = time.perf_counter()
         schedule, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,

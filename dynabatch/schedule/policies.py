@@ -23,8 +23,11 @@ original micro-batch indices); ``order`` is the permutation in which micro-batch
 orders (the planner's, slowest first, fastest first, "fill/drain" with the two fastest micro-batches
 first and last and the rest slowest first or in planner order, and seeded random permutations), then
 improves the best by a seeded local search of swaps and moves; it returns the smallest simulated
-makespan that fits memory. Deterministic for a given seed. Measured on one CPU core, S = 4: 9, 26, 48,
-71 and 115 ms per call for M = 10, 20, 40, 60, 100 (about 35 candidates + 24 moves). On the FLAN-like
+makespan that fits memory. Deterministic for a given seed. The adaptive list schedule, the replay and the
+memory of every candidate run in numba (:mod:`dynabatch.schedule._kernels`, the same decisions as the
+pure-Python loops they replaced). Measured on one CPU core, S = 4: 5.5, 6.6, 9.1, 11.7 and 17.3 ms per call
+for M = 10, 20, 40, 60, 100 (about 35 candidates + 24 moves; the pure-Python loops: 27.5, 50.6, 96.9, 143 and
+239 ms). On the FLAN-like
 benchmark's dynamic plans (4 stages) the adaptive policy wins most steps: choosing among GPipe and 1F1B
 only (same orders and search) gives 0.5-1.2% longer steps for GPT, 2-4.5% for T5 at 512-2048 and
 9.6% for T5 at 4096, where memory binds (``scripts/bench_schedule.py``).
@@ -40,11 +43,10 @@ import numpy as np
 from dynabatch.cost.stages import StageCosts
 from dynabatch.schedule.chains import backward_order, chain_order, check_links, successors
 from dynabatch.schedule.compute import ComputeOp, ComputeSchedule, Phase
+from dynabatch.schedule import _kernels
 from dynabatch.schedule.simulate import (
     SendTime,
     SimResult,
-    _op_memory,
-    _replay,
     check_costs,
     per_stage_values,
     simulate,
@@ -201,17 +203,24 @@ def choose_schedule(
 
 @dataclass(frozen=True)
 class _Inputs:
-    """Costs as nested lists (fast scalar access in the pure-Python loops)."""
+    """Costs as float64 arrays ``(S, M)``, as the numba kernels take them (:mod:`dynabatch.schedule._kernels`)."""
 
-    fwd: list
-    bwd: list
-    stored: list
-    peak: list
-    send: list
-    send_array: np.ndarray
-    states: list
-    limit: list | None
+    fwd: np.ndarray
+    bwd: np.ndarray
+    stored: np.ndarray
+    peak: np.ndarray
+    send: np.ndarray
+    states: np.ndarray
+    limit: np.ndarray | None
     links: tuple[int, ...] = ()
+    prev: np.ndarray | None = None
+    """Each micro-batch's previous token slice (-1: none)."""
+    nxt: np.ndarray | None = None
+    """Each micro-batch's next token slice (-1: none)."""
+
+    @property
+    def send_array(self) -> np.ndarray:
+        return self.send
 
     @staticmethod
     def make(costs: StageCosts, send_time, model_state_bytes, memory_limit_bytes, links=()) -> "_Inputs":
@@ -219,12 +228,18 @@ class _Inputs:
         send = stage_send_times(costs, send_time)
         states = per_stage_values(model_state_bytes, num_stages, "model_state_bytes")
         limit = None if memory_limit_bytes is None else per_stage_values(memory_limit_bytes, num_stages,
-                                                                         "memory_limit_bytes").tolist()
-        fwd, bwd, stored, peak = (np.asarray(x, dtype=np.float64).tolist()
+                                                                         "memory_limit_bytes")
+        fwd, bwd, stored, peak = (np.ascontiguousarray(x, dtype=np.float64)
                                   for x in (costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes))
-        return _Inputs(fwd, bwd, stored, peak, send.tolist(), send, states.tolist(), limit, tuple(links))
+        num_mb = fwd.shape[1]
+        prev = np.asarray(links if links else (-1,) * num_mb, dtype=np.int64)
+        nxt = np.full(num_mb, -1, dtype=np.int64)
+        for m, n in (successors(links).items() if links else ()):
+            nxt[m] = n
+        return _Inputs(fwd, bwd, stored, peak, np.ascontiguousarray(send, dtype=np.float64),
+                       np.asarray(states, dtype=np.float64), limit, tuple(links), prev, nxt)
 
-    def codes(self, variant: tuple[str, int | None], order: list[int]) -> list[list[int]]:
+    def codes(self, variant: tuple[str, int | None], order: list[int]) -> np.ndarray:
         policy, slack = variant
         if policy == "gpipe":
             return _gpipe_codes(order, len(self.fwd), self.links)
@@ -232,20 +247,19 @@ class _Inputs:
             return _1f1b_codes(order, len(self.fwd), self.links)
         return self.adaptive_codes(order, slack)
 
-    def adaptive_codes(self, order: list[int], slack: int | None, lookahead: int = 1) -> list[list[int]]:
+    def adaptive_codes(self, order: list[int], slack: int | None, lookahead: int = 1) -> np.ndarray:
         num_stages = len(self.fwd)
         caps = None if slack is None else [num_stages - s + slack for s in range(num_stages)]
-        return _list_schedule(order, self.fwd, self.bwd, self.stored, self.peak, self.send, self.states,
-                              self.limit, caps, lookahead, self.links)
+        return _list_schedule(order, self, caps, lookahead)
 
-    def score(self, codes: list[list[int]]) -> tuple[float, float]:
+    def score(self, codes: np.ndarray) -> tuple[float, float]:
         """(memory overflow over the limit, makespan): smaller is better."""
-        _, ends = _replay(codes, self.fwd, self.bwd, self.send, len(self.fwd[0]))
-        makespan = max(max(row) for row in ends)
+        _, ends, _ = _kernels.replay(codes, self.fwd, self.bwd, self.send)
+        makespan = float(ends.max())
         if self.limit is None:
             return 0.0, makespan
-        mem = _op_memory(codes, self.stored, self.peak, self.states)
-        over = max(max(row) - lim for row, lim in zip(mem, self.limit, strict=True))
+        mem, _ = _kernels.op_memory(codes, self.stored, self.peak, self.states)
+        over = float((mem.max(axis=1) - self.limit).max())
         return max(over, 0.0), makespan
 
 
@@ -261,7 +275,7 @@ def _move(order: list[int], rng: np.random.Generator) -> list[int]:
     return order
 
 
-def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, lookahead=1, links=()) -> list[list[int]]:
+def _list_schedule(order, inputs: _Inputs, caps=None, lookahead: int = 1) -> np.ndarray:
     """Per-stage op codes (``2 m + 1`` for backward) of the adaptive policy, by joint simulation in time.
 
     Stage 0 may admit any of the next ``lookahead`` micro-batches of ``order`` (the first that fits);
@@ -273,128 +287,27 @@ def _list_schedule(order, fwd, bwd, stored, peak, send, states, limit, caps, loo
     holding its earlier slices), and a slice's backward becomes ready only once the backward of the
     slice extending it ran on the same stage.
     """
-    num_stages, num_mb = len(fwd), len(order)
-    last = num_stages - 1
-    inf = float("inf")
-    nxt = successors(links) if links else {}
-    prev = links if links else (-1,) * num_mb
-    free = [0.0] * num_stages
-    f_end = [[-1.0] * num_mb for _ in range(num_stages)]
-    waiting = list(order)  # not yet admitted on stage 0
-    seq: list[int] = []  # stage 0's forward order
-    rank = [0] * num_mb  # position in seq: backward priority
-    next_f = [0] * num_stages  # index into seq of each later stage's next forward
-    pending_b: list[list[tuple[float, int, int]]] = [[] for _ in range(num_stages)]  # (ready, rank, m)
-    held_b: list[dict[int, float]] = [{} for _ in range(num_stages)]  # gradient arrived, later slice's B not run
-    b_done: list[set[int]] = [set() for _ in range(num_stages)]
-    live: list[list[int]] = [[] for _ in range(num_stages)]
-    live_stored = [0.0] * num_stages
-    live_peak = [0.0] * num_stages  # largest op peak among the live micro-batches
-    out: list[list[int]] = [[] for _ in range(num_stages)]
-    cand = [-1] * num_stages  # forward the stage would run next, -1: none admitted
-    dec = [inf] * num_stages
-
-    def admits(s: int, m: int) -> bool:
-        n = len(live[s])
-        if n == 0 or prev[m] >= 0:  # an empty stage, or the next slice of a chain in flight
-            return True
-        if caps is not None and n >= caps[s]:
-            return False
-        if limit is None:
-            return True
-        p = peak[s][m]
-        return states[s] + live_stored[s] + stored[s][m] + (p if p > live_peak[s] else live_peak[s]) <= limit[s]
-
-    def arrive(s: int, ready: float, m: int) -> None:
-        """The output gradient of ``m`` is at stage ``s`` at ``ready`` (the loss, on the last stage)."""
-        if m in nxt and nxt[m] not in b_done[s]:
-            held_b[s][m] = ready
-        else:
-            pending_b[s].append((ready, rank[m], m))
-
-    def update(s: int) -> None:
-        """Recompute stage ``s``'s forward candidate and decision time."""
-        t, m_next = inf, -1
-        if s == 0:
-            chained = seq and seq[-1] in nxt and nxt[seq[-1]] in waiting
-            for m in [nxt[seq[-1]]] if chained else waiting[:lookahead]:
-                if (prev[m] < 0 or chained) and admits(0, m):
-                    t, m_next = 0.0, m
-                    break
-        elif next_f[s] < len(seq):
-            m = seq[next_f[s]]
-            ready = f_end[s - 1][m]
-            if ready >= 0 and admits(s, m):
-                t, m_next = ready + send[s - 1][m], m
-        cand[s] = m_next
-        for ready, _, _ in pending_b[s]:
-            if ready < t:
-                t = ready
-        dec[s] = t if t == inf or t > free[s] else free[s]
-
-    update(0)
-    for _ in range(2 * num_mb * num_stages):
-        s, t = 0, dec[0]
-        for k in range(1, num_stages):
-            if dec[k] < t:
-                s, t = k, dec[k]
-        assert t < inf, "adaptive list schedule stalled"  # a stage holding nothing always admits
-        item = None
-        for x in pending_b[s]:
-            if x[0] <= t and (item is None or x[1] < item[1]):
-                item = x
-        if item is not None:
-            pending_b[s].remove(item)
-            m = item[2]
-            end = t + bwd[s][m]
-            live[s].remove(m)
-            live_stored[s] -= stored[s][m]
-            live_peak[s] = max((peak[s][j] for j in live[s]), default=0.0)
-            out[s].append(2 * m + 1)
-            b_done[s].add(m)
-            if prev[m] in held_b[s]:  # the previous slice's key/value gradients are now complete
-                p = prev[m]
-                pending_b[s].append((max(held_b[s].pop(p), end), rank[p], p))
-            if s > 0:
-                arrive(s - 1, end + send[s - 1][m], m)
-                update(s - 1)
-        else:
-            m = cand[s]
-            if s == 0:
-                waiting.remove(m)
-                rank[m] = len(seq)
-                seq.append(m)
-            else:
-                next_f[s] += 1
-            end = t + fwd[s][m]
-            f_end[s][m] = end
-            live[s].append(m)
-            live_stored[s] += stored[s][m]
-            if peak[s][m] > live_peak[s]:
-                live_peak[s] = peak[s][m]
-            out[s].append(2 * m)
-            if s == last:
-                arrive(s, end, m)
-            else:
-                update(s + 1)
-        free[s] = end
-        update(s)
+    num_stages, num_mb = inputs.fwd.shape
+    limit = np.full(num_stages, np.inf) if inputs.limit is None else np.asarray(inputs.limit, dtype=np.float64)
+    caps = np.full(num_stages, -1, dtype=np.int64) if caps is None else np.asarray(caps, dtype=np.int64)
+    out, done = _kernels.adaptive_codes(np.asarray(order, dtype=np.int64), inputs.fwd, inputs.bwd, inputs.stored,
+                                        inputs.peak, inputs.send, inputs.states, limit, caps, int(lookahead),
+                                        inputs.prev, inputs.nxt)
+    assert done.min() == 2 * num_mb, "adaptive list schedule stalled"  # a stage holding nothing always admits
     return out
 
 
-def _gpipe_codes(order: list[int], num_stages: int, links=()) -> list[list[int]]:
+def _gpipe_codes(order: list[int], num_stages: int, links=()) -> np.ndarray:
     ops = [2 * m for m in order] + [2 * m + 1 for m in backward_order(order, links)]
-    return [list(ops) for _ in range(num_stages)]
+    return np.tile(np.asarray(ops, dtype=np.int64), (num_stages, 1))
 
 
-def _1f1b_codes(order: list[int], num_stages: int, links=()) -> list[list[int]]:
+def _1f1b_codes(order: list[int], num_stages: int, links=()) -> np.ndarray:
     num_mb = len(order)
     if any(p >= 0 for p in links):
-        unit = [[1.0] * num_mb for _ in range(num_stages)]
-        zero = [[0.0] * num_mb for _ in range(num_stages)]
-        caps = [num_stages - s for s in range(num_stages)]
-        return _list_schedule(order, unit, [[2.0] * num_mb for _ in range(num_stages)], zero, zero, zero,
-                              [0.0] * num_stages, None, caps, 1, links)
+        unit, zero = np.ones((num_stages, num_mb)), np.zeros((num_stages, num_mb))
+        inputs = _Inputs.make(StageCosts(unit, 2 * unit, zero, zero, zero), None, 0.0, None, links)
+        return _list_schedule(order, inputs, [num_stages - s for s in range(num_stages)])
     out = []
     for s in range(num_stages):
         warm = min(num_stages - s, num_mb)
@@ -403,11 +316,11 @@ def _1f1b_codes(order: list[int], num_stages: int, links=()) -> list[list[int]]:
             ops += [2 * order[i] + 1, 2 * order[warm + i]]
         ops += [2 * m + 1 for m in order[num_mb - warm :]]
         out.append(ops)
-    return out
+    return np.asarray(out, dtype=np.int64).reshape(num_stages, 2 * num_mb)
 
 
-def _schedule(codes: list[list[int]], num_micro_batches: int, policy: str) -> ComputeSchedule:
-    stages = tuple(tuple(ComputeOp(_PHASES[c & 1], c >> 1) for c in ops) for ops in codes)
+def _schedule(codes: np.ndarray, num_micro_batches: int, policy: str) -> ComputeSchedule:
+    stages = tuple(tuple(ComputeOp(_PHASES[c & 1], c >> 1) for c in ops) for ops in codes.tolist())
     return ComputeSchedule(stages, num_micro_batches, policy=policy)
 
 

@@ -34,6 +34,7 @@ from typing import Callable, Union
 import numpy as np
 
 from dynabatch.cost.stages import StageCosts, message_buffer_bytes
+from dynabatch.schedule._kernels import op_memory, replay
 from dynabatch.schedule.compute import ComputeSchedule, Phase
 
 SendTime = Union[None, float, np.ndarray, Callable[[np.ndarray], np.ndarray]]
@@ -159,14 +160,12 @@ def simulate(
     limit = None
     if memory_limit_bytes is not None:
         limit = per_stage_values(memory_limit_bytes, num_stages, "memory_limit_bytes")
-    codes = [[2 * op.micro_batch + (op.phase is Phase.BACKWARD) for op in ops] for ops in schedule.stages]
-    fwd, bwd, stored, peak = (np.asarray(x, dtype=np.float64).tolist()
-                              for x in (costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes))
-    start, end = _replay(codes, fwd, bwd, send.tolist(), num_mb)
-    op_mem, after = _op_memory(codes, stored, peak, states.tolist(), True)
-    start_a, end_a, mem_a, after_a = (
-        np.array(x, dtype=np.float64).reshape(num_stages, 2 * num_mb) for x in (start, end, op_mem, after)
-    )
+    codes = np.array([[2 * op.micro_batch + (op.phase is Phase.BACKWARD) for op in ops] for ops in schedule.stages],
+                     dtype=np.int64).reshape(num_stages, 2 * num_mb)
+    fwd, bwd, stored, peak = (np.asarray(x, dtype=np.float64) for x in
+                              (costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes))
+    start_a, end_a = replay_codes(codes, fwd, bwd, send)
+    mem_a, after_a = op_memory(codes, stored, peak, np.asarray(states, dtype=np.float64))
     makespan = float(end_a.max()) if end_a.size else 0.0
     busy = (end_a - start_a).sum(axis=1)
     bubble = 1.0 - float(busy.sum()) / (num_stages * makespan) if makespan > 0 else 0.0
@@ -175,83 +174,13 @@ def simulate(
     return SimResult(schedule, makespan, busy, bubble, start_a, end_a, mem_a, after_a, peak, limit, fits)
 
 
-def _replay(codes, fwd, bwd, send, num_mb: int) -> tuple[list[list[float]], list[list[float]]]:
-    """Start/end times of every op; ``codes[s][k] = 2 m + (1 if backward)``. Pure Python on lists."""
-    num_stages = len(codes)
-    last = num_stages - 1
-    f_end = [[-1.0] * num_mb for _ in range(num_stages)]
-    b_end = [[-1.0] * num_mb for _ in range(num_stages)]
-    starts = [[0.0] * len(c) for c in codes]
-    ends = [[0.0] * len(c) for c in codes]
-    ptr = [0] * num_stages
-    free = [0.0] * num_stages
-    remaining = sum(len(c) for c in codes)
-    while remaining:
-        progressed = False
-        for s in range(num_stages):
-            ops, k, t = codes[s], ptr[s], free[s]
-            n = len(ops)
-            f_s, b_s, st, en = f_end[s], b_end[s], starts[s], ends[s]
-            f_prev = f_end[s - 1] if s > 0 else None
-            b_next = b_end[s + 1] if s < last else None
-            while k < n:
-                code = ops[k]
-                m = code >> 1
-                if code & 1:
-                    if s == last:
-                        ready = f_s[m]
-                    else:
-                        ready = b_next[m]
-                        if ready < 0:
-                            break
-                        ready += send[s][m]
-                    t0 = t if t > ready else ready
-                    t = t0 + bwd[s][m]
-                    b_s[m] = t
-                else:
-                    if s == 0:
-                        ready = 0.0
-                    else:
-                        ready = f_prev[m]
-                        if ready < 0:
-                            break
-                        ready += send[s - 1][m]
-                    t0 = t if t > ready else ready
-                    t = t0 + fwd[s][m]
-                    f_s[m] = t
-                st[k], en[k] = t0, t
-                k += 1
-            if k > ptr[s]:
-                remaining -= k - ptr[s]
-                ptr[s], free[s] = k, t
-                progressed = True
-        if not progressed:
-            blocked = [
-                f"stage {s} waits at {'FB'[codes[s][ptr[s]] & 1]}{codes[s][ptr[s]] >> 1}"
-                for s in range(num_stages)
-                if ptr[s] < len(codes[s])
-            ]
-            raise ValueError(f"schedule deadlocks: {'; '.join(blocked)}")
+def replay_codes(codes: np.ndarray, fwd, bwd, send) -> tuple[np.ndarray, np.ndarray]:
+    """Start/end times ``(S, 2M)`` of every op; ``codes[s, k] = 2 m + (1 if backward)`` (the numba kernel
+    :func:`dynabatch.schedule._kernels.replay`). Raises ``ValueError`` naming where the orders deadlock."""
+    starts, ends, ptr = replay(codes, fwd, bwd, send)
+    n = codes.shape[1]
+    if np.any(ptr < n):
+        blocked = [f"stage {s} waits at {'FB'[codes[s, ptr[s]] & 1]}{codes[s, ptr[s]] >> 1}"
+                   for s in range(codes.shape[0]) if ptr[s] < n]
+        raise ValueError(f"schedule deadlocks: {'; '.join(blocked)}")
     return starts, ends
-
-
-def _op_memory(codes, stored, peak, states, with_after: bool = False):
-    """Memory of each stage while each of its ops runs (depends on the op order only); with
-    ``with_after`` also the memory after each op ends."""
-    out, out_after = [], []
-    for s, ops in enumerate(codes):
-        live = states[s]
-        st, pk = stored[s], peak[s]
-        row, row_after = [], []
-        for code in ops:
-            m = code >> 1
-            if code & 1:
-                row.append(live + pk[m])
-                live -= st[m]
-            else:
-                live += st[m]
-                row.append(live + pk[m])
-            row_after.append(live)
-        out.append(row)
-        out_after.append(row_after)
-    return (out, out_after) if with_after else out
