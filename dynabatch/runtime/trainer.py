@@ -23,7 +23,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -159,8 +159,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
-    data = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
-    chosen = _run_layout(cfg, ctx, model, data)
+    loaded = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
+    chosen = _run_layout(cfg, ctx, model, loaded)
     cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
     layout, placement = chosen.layout, chosen.placement
     spec = pipeline_spec_for(model, layout, "float32")
@@ -177,15 +177,23 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
 
         logger.info(f"pipeline: {chosen.describe()}" + "".join(
             f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
-        data, run.held_out, run.batcher = data
+        run.held_out, run.batcher = loaded.held_out, loaded.batcher
         cost_model = planner_cost_model(cfg, model.config, layout)
         run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
-        run.planner = StepPlanner(run.batcher, cfg, cost_model, data.tokens, calibration=run.calibration)
+        run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration)
     return run
 
 
-def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any):
-    """Rank 0: ``(training data, held-out rows or None, GlobalBatcher)``."""
+class _Loaded(NamedTuple):
+    """Rank 0's training data, the rows held out of it (``--eval-holdout``) and its batcher."""
+
+    data: Any
+    held_out: Any
+    batcher: Any
+
+
+def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:
+    """Rank 0: the training data (``datasets`` in memory, else as ``cfg`` says) and its batcher."""
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.data.inputs import data_notes, load_training_data
     from dynabatch.runtime.faults import maybe_slow_start
@@ -201,13 +209,13 @@ def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any):
     maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
     limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                           max_seq_len=cfg.max_input_len)
-    return data, held_out, GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong)
+    return _Loaded(data, held_out, GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong))
 
 
-def _run_layout(cfg: TrainConfig, ctx: DistContext, model, data):
+def _run_layout(cfg: TrainConfig, ctx: DistContext, model, loaded: _Loaded | None):
     """Every rank: the run's :class:`~dynabatch.runtime.run_layout.RunLayout`. The reference split of an
-    explicit placement needs no data, so every rank cuts it alone; otherwise rank 0 (``data``: what
-    :func:`_load_data` returned) chooses from its first global batches and the others receive the choice."""
+    explicit placement needs no data, so every rank cuts it alone; otherwise rank 0 (``loaded``) chooses from
+    its first global batches and the others receive the choice."""
     from dynabatch.cost.model_specs import layer_kinds
     from dynabatch.models.families import analytic_spec
     from dynabatch.models.split import layout_for
@@ -217,7 +225,7 @@ def _run_layout(cfg: TrainConfig, ctx: DistContext, model, data):
     if cfg.layer_split == "reference" and cfg.placement != "auto":
         placement = Placement.parse(cfg.placement, cfg.stages)
         return RunLayout(placement, layout_for(model, placement.num_stages, placement))
-    chosen = sampled_run_layout(cfg, model, data[0], data[2]) if ctx.is_planner else None
+    chosen = sampled_run_layout(cfg, model, loaded.data, loaded.batcher) if ctx.is_planner else None
     return share_run_layout(ctx, chosen, layer_kinds(analytic_spec(model.config)), cfg.startup_timeout_s)
 
 
