@@ -51,6 +51,10 @@ methods) but every method also reports ``ratio_to_pipelining``.
 Models: ``--model t5`` / ``gpt`` are the benchmark presets ``t5-d256`` (d_model 256, 4 + 4 layers) and
 ``gpt2-d256`` (d_model 256, 8 layers); any preset name or local checkpoint works.
 
+Layer split (``--layer-split``, default ``data``): one split per placement, balanced over the micro-batches
+every method cuts the first global batches into (:mod:`dynabatch.runtime.run_layout`), so all methods run on
+the same stage modules; the JSON's ``layouts`` names them.
+
 Launch: ``--stages 1`` runs in this process; with more stages and no torchrun environment the command
 re-launches itself with ``python -m torch.distributed.run --nproc-per-node STAGES`` (gloo on CPU, NCCL
 on GPUs).
@@ -132,6 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_target_len": "T5 decoder limit; default: max input length / 4",
         "recompute": "activation recomputation for every method: auto (per micro-batch and stage, the fastest mode "
                      "that fits --memory-gib), none, selective (attention cores) or full (every block)",
+        "layer_split": "pipeline layer split of every placement, shared by all methods: balanced over the micro-batches "
+                       "every method of --methods cuts the first global batches into (data), or over one reference "
+                       "micro-batch (reference); the JSON's layouts",
     })
     add_sections(p, [BenchArgs])
 
