@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
+from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
@@ -254,21 +255,6 @@ class _LazyPlans:
         return (self[i] for i in range(self.num_steps))
 
 
-class _ListBatcher:
-    """The batcher interface :class:`StepPlanner` needs, over a fixed list of global batches."""
-
-    def __init__(self, batches, limits) -> None:
-        self.batches, self.limits, self.step = batches, limits, 0
-
-    def next_batch(self):
-        batch = self.batches[self.step % len(self.batches)]
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-
 def load_batches(args, family: str, limits, info, num_batches: int) -> list:
     """``num_batches`` global batches of the workload; lengths files get random ids of their exact lengths."""
     from dynabatch.data.report import default_mixture_path
@@ -374,11 +360,11 @@ def bench(args, methods: list[str]) -> dict | None:
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
         batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []
-        layouts = _layouts(args, methods, cfgs, model, batches, limits, info, ctx)  # collective
+        layouts = choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx)  # collective
         layout = layouts["linear"].layout
         spec = pipeline_spec_for(model, layout, "float32")
         base = [build_stage(model, layout, ctx.stage_index)]
-        placed = _placed_chunks(layouts, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
+        placed = placed_chunks(layouts, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
 
         def new_run(name: str, cfg, measure_memory: bool = True, placement=None) -> _Method:
             """Collective: every rank builds the runs in the same order."""
@@ -397,7 +383,7 @@ def bench(args, methods: list[str]) -> dict | None:
             return _Method(name, ex, [], own_spec, cfg, placement=placement)
 
         runs: dict[str, _Method] = {m: new_run(m, cfgs[m]) for m in methods}
-        for key, (placement, m) in _placed_methods(args, methods).items():
+        for key, (placement, m) in placed_methods(args, methods).items():
             runs[key] = new_run(key, cfgs[m], placement=placement)
         cost_model = None
         calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
@@ -411,23 +397,23 @@ def bench(args, methods: list[str]) -> dict | None:
 
         def plan(cfg, n: int) -> list:
             """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
-            planner = StepPlanner(_ListBatcher(batches, limits), cfg, cost_model, info)
+            planner = StepPlanner(ListBatcher(batches, limits), cfg, cost_model, info)
             return [planner() for _ in range(n)]
 
         if ctx.is_planner:
             for m in methods:
                 if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
-                    runs[m].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), cfgs[m], cost_model, info,
+                    runs[m].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
                                                              calibration=calibration), num_steps)
                 elif m in OWN_BASE:  # planned ahead with their own base model
                     own = planner_cost_model(cfgs[m], model.config, layout)
-                    planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], own, info)
+                    planner = StepPlanner(ListBatcher(batches, limits), cfgs[m], own, info)
                     runs[m].planned = [planner() for _ in range(num_steps)]
                 else:
                     runs[m].planned = plan(cfgs[m], num_steps)
-            for key, (placement, m) in _placed_methods(args, methods).items():  # planned with their chunks' costs
+            for key, (placement, m) in placed_methods(args, methods).items():  # planned with their chunks' costs
                 own = planner_cost_model(cfgs[m], model.config, placed[placement.describe()][0])
-                planner = StepPlanner(_ListBatcher(batches, limits), cfgs[m], own, info)
+                planner = StepPlanner(ListBatcher(batches, limits), cfgs[m], own, info)
                 runs[key].planned = [planner() for _ in range(num_steps)]
         if PEER in runs:
             runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
@@ -441,7 +427,7 @@ def bench(args, methods: list[str]) -> dict | None:
             for key in [k for k in runs if k not in methods and calibrated]:  # the tuned baselines: calibrated too
                 calibrated.append(key)
                 if ctx.is_planner:
-                    runs[key].planned = _LazyPlans(StepPlanner(_ListBatcher(batches, limits), runs[key].cfg, cost_model,
+                    runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
         if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":
             from dynabatch.runtime.calibration import quick_calibration
@@ -487,70 +473,6 @@ def bench(args, methods: list[str]) -> dict | None:
         return _with_tuned(result, tuned) if args.tune_baselines else result
     finally:
         shutdown()
-
-
-def _placements(args) -> list:
-    """The :class:`~dynabatch.schedule.placement.Placement` of every entry of ``--placements`` but linear."""
-    from dynabatch.schedule.placement import Placement
-
-    placements = [Placement.parse(t.strip(), args.stages) for t in args.placements.split(",")]
-    return [p for p in placements if p.kind != "linear"]
-
-
-def _placed_methods(args, methods) -> dict:
-    """``METHOD@PLACEMENT`` -> ``(Placement, METHOD)`` for every non-linear placement of ``--placements``."""
-    return {f"{m}@{p.describe()}": (p, m) for p in _placements(args) for m in methods if m not in (PEER, SLICED)}
-
-
-def _layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> dict:
-    """Collective: ``linear`` and every placement of ``--placements`` -> its
-    :class:`~dynabatch.runtime.run_layout.RunLayout`, chosen on rank 0 and broadcast. ``--layer-split data``
-    balances each placement's chunks over the micro-batches every method (the peer as packing) cuts the first
-    global batches into, so all methods run on the same stage modules and none on a split tuned for it alone."""
-    import torch.distributed as dist
-
-    from dynabatch.cost.model_specs import layer_kinds
-    from dynabatch.models.families import analytic_spec
-    from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.run_layout import SAMPLED_BATCHES, RunLayout, choose_run_layout
-    from dynabatch.runtime.trainer import planner_cost_model
-
-    texts: list = [None]
-    if ctx.is_planner:
-        sampled = batches[:SAMPLED_BATCHES]
-        planned = list(dict.fromkeys(cfgs[m] for m in methods))  # the peer is planned as packing
-
-        def preview(own, layout) -> list:
-            out = []
-            for cfg in planned:
-                if cfg.slice_long and own.placement != "linear":
-                    continue  # token slices run on the linear placement only
-                cfg = dataclasses.replace(cfg, placement=own.placement)
-                planner = StepPlanner(_ListBatcher(sampled, limits), cfg, planner_cost_model(cfg, model.config, layout), info)
-                out += [planner.preview(b) for b in sampled]
-            return out
-
-        base = _config(args, "dynamic")
-        layer_model = planner_cost_model(base, model.config, layout_for(model, 1)).model
-        texts[0] = {p: choose_run_layout(dataclasses.replace(base, placement=p), model, layer_model, preview).encode()
-                    for p in ["linear", *(q.describe() for q in _placements(args))]}
-    dist.broadcast_object_list(texts, src=0, group=ctx.delivery_group)
-    kinds = layer_kinds(analytic_spec(model.config))
-    return {p: RunLayout.decode(t, kinds, args.stages) for p, t in texts[0].items()}
-
-
-def _placed_chunks(layouts: dict, model, device: int) -> dict:
-    """Per non-linear placement of ``layouts``: its chunk layout, pipeline spec and the chunks ``device`` holds."""
-    from dynabatch.models.split import build_device_stages, pipeline_spec_for
-
-    out = {}
-    for name, run in layouts.items():
-        if run.placement.kind == "linear":
-            continue
-        chunks = build_device_stages(model, run.layout, device, run.placement.num_devices)
-        out[name] = (run.layout, pipeline_spec_for(model, run.layout, "float32"), chunks)
-    return out
 
 
 def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float, float, int | None, int, object]:
