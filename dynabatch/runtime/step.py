@@ -195,10 +195,14 @@ def check_step_memory(plans, costs: Sequence[StageCosts], memory_limit_bytes, mo
     if len(memory) != len(report.errors):
         raise PlanValidationError(report)
     gib = 2**30
+    placed = num_devices < num_stages  # virtual stages: the placement's schedule, not --policy, ordered the ops
+    what = f"{num_stages // num_devices}-chunk placement's" if placed else f"{policy}"
+    advice = ("raise --memory-gib, use more devices or --placement linear" if placed else
+              "use --policy adaptive or auto (memory-aware), raise --memory-gib or use more stages")
     raise ValueError(
-        f"step {step}: the {policy} schedule does not fit the device memory ({np.max(memory_limit_bytes) / gib:.3f} "
-        f"GiB, model states {np.max(states) / gib:.3f} GiB on the largest stage): {memory[0]}; use --policy "
-        "adaptive or auto (memory-aware), raise --memory-gib or use more stages"
+        f"step {step}: the {what} schedule does not fit the device memory ({np.max(memory_limit_bytes) / gib:.3f} "
+        f"GiB, model states {np.max(states) / gib:.3f} GiB on the largest {'device' if placed else 'stage'}): "
+        f"{memory[0]}; {advice}"
     )
 
 

@@ -74,6 +74,18 @@ def test_memory_of_every_chunk_on_a_device_counts():
     assert not report.ok and any("> limit" in e and "stages [0, 2]" in e for e in report.errors), report
 
 
+def test_device_memory_error_names_the_placement_not_the_policy():
+    """Over the limit on virtual stages, the one-line error names the placement's schedule and advice that
+    applies there (``--policy`` orders nothing under a placement)."""
+    from dynabatch.runtime.step import check_step_memory
+
+    plans, costs, _ = _placed("interleaved:2", PipelineSpec.gpt(4, 16, "float32"), 2, 3)
+    limit = float(np.max(costs.stored_bytes) + np.max(costs.peak_bytes)) + 1e5
+    with pytest.raises(ValueError, match=r"step 4: the 2-chunk placement's schedule does not fit .* largest device\): "
+                                         r".*> limit.*raise --memory-gib, use more devices or --placement linear$"):
+        check_step_memory(plans, [costs], limit, np.zeros(4), step=4, policy="adaptive")
+
+
 def _replace_instr(plan: ExecutionPlan, k: int, **fields) -> ExecutionPlan:
     ins = list(plan.instructions)
     ins[k] = dataclasses.replace(ins[k], **fields)
