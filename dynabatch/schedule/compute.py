@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+
 
 class Phase(str, Enum):
     """Forward or backward; the value is the letter of the text form (stable, never reordered)."""
@@ -71,6 +73,12 @@ class ComputeSchedule:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def op_codes(self) -> np.ndarray:
+        """``(S, 2M)`` int64 codes of the numba kernels: ``2 m`` for the forward of micro-batch ``m``,
+        ``2 m + 1`` for its backward, in each stage's order."""
+        return np.array([[2 * op.micro_batch + (op.phase is Phase.BACKWARD) for op in ops] for ops in self.stages],
+                        dtype=np.int64).reshape(self.num_stages, 2 * self.num_micro_batches)
 
     def __str__(self) -> str:
         return "\n".join(" ".join(str(op) for op in ops) for ops in self.stages)

@@ -35,7 +35,7 @@ import numpy as np
 
 from dynabatch.cost.stages import StageCosts, message_buffer_bytes
 from dynabatch.schedule._kernels import op_memory, replay
-from dynabatch.schedule.compute import ComputeSchedule, Phase
+from dynabatch.schedule.compute import ComputeSchedule
 
 SendTime = Union[None, float, np.ndarray, Callable[[np.ndarray], np.ndarray]]
 """Send time: ``None`` (free), seconds per message, an ``(S, M)`` array of seconds (message from stage
@@ -160,8 +160,7 @@ def simulate(
     limit = None
     if memory_limit_bytes is not None:
         limit = per_stage_values(memory_limit_bytes, num_stages, "memory_limit_bytes")
-    codes = np.array([[2 * op.micro_batch + (op.phase is Phase.BACKWARD) for op in ops] for ops in schedule.stages],
-                     dtype=np.int64).reshape(num_stages, 2 * num_mb)
+    codes = schedule.op_codes()
     fwd, bwd, stored, peak = (np.asarray(x, dtype=np.float64) for x in
                               (costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes))
     start_a, end_a = replay_codes(codes, fwd, bwd, send)
