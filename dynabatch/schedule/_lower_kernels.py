@@ -73,7 +73,11 @@ def _dataflow(codes, fwd, bwd):
 def _link_orders(codes, end, order):
     """Pass 2: per link ``(s, s + 1)``, its ``2 M`` messages sorted by (send time, topological index):
     ``(kind, micro-batch, sender, time)`` arrays ``(S - 1, 2M)``, kind 0 an activation, 1 a gradient;
-    ``at[link, kind, m]``: the message's position on its link."""
+    ``at[link, kind, m]``: the message's position on its link.
+
+    A link's messages are stage ``s``'s forwards and stage ``s + 1``'s backwards, each already in that order
+    along its stage's list (a stage's ops end one after another and the index grows), so one merge of the two
+    sorts them; the keys are unique (the index is), so this is the sort of the reference pass."""
     S, n = codes.shape
     L = max(S - 1, 0)
     kind = np.zeros((L, n), np.int64)
@@ -82,25 +86,22 @@ def _link_orders(codes, end, order):
     time = np.zeros((L, n))
     at = np.zeros((L, 2, n // 2), np.int64)
     for link in range(L):
-        k_raw = np.zeros(n, np.int64)
-        m_raw = np.zeros(n, np.int64)
-        src_raw = np.zeros(n, np.int64)
-        t_raw = np.zeros(n)
-        o_raw = np.zeros(n, np.int64)
-        j = 0
-        for s in (link, link + 1):
-            for i in range(n):
-                code = codes[s, i]
-                is_b = code & 1
-                if (s == link and is_b == 0) or (s == link + 1 and is_b == 1):
-                    k_raw[j], m_raw[j], src_raw[j], t_raw[j], o_raw[j] = is_b, code >> 1, s, end[s, i], order[s, i]
-                    j += 1
-        by_order = np.argsort(o_raw, kind="mergesort")
-        idx = by_order[np.argsort(t_raw[by_order], kind="mergesort")]  # (time, order): unique keys
+        a, b = 0, 0  # next op of stage link (its forwards) and of stage link + 1 (its backwards)
         for p in range(n):
-            q = idx[p]
-            kind[link, p], mb[link, p], src[link, p], time[link, p] = k_raw[q], m_raw[q], src_raw[q], t_raw[q]
-            at[link, k_raw[q], m_raw[q]] = p
+            while a < n and codes[link, a] & 1:
+                a += 1
+            while b < n and codes[link + 1, b] & 1 == 0:
+                b += 1
+            take_a = b == n or (a < n and (end[link, a] < end[link + 1, b] or (
+                end[link, a] == end[link + 1, b] and order[link, a] < order[link + 1, b])))
+            s, i = (link, a) if take_a else (link + 1, b)
+            k = codes[s, i] & 1
+            kind[link, p], mb[link, p], src[link, p], time[link, p] = k, codes[s, i] >> 1, s, end[s, i]
+            at[link, k, codes[s, i] >> 1] = p
+            if take_a:
+                a += 1
+            else:
+                b += 1
     return kind, mb, src, time, at
 
 
@@ -200,25 +201,43 @@ def _receive_clocks(rows, counts, M):
                             clocks[s, x] = sent[q, k, m, x]
                     clocks[s, s] = pc[s] + 1
                     positions[s, ncp[s]] = pc[s]
-                    cps[s, ncp[s], :] = clocks[s, :]
+                    for x in range(S):  # explicit loops: slice assignment costs seconds of compile time
+                        cps[s, ncp[s], x] = clocks[s, x]
                     ncp[s] += 1
                 clocks[s, s] = pc[s] + 1
                 if code == SEND_ACT or code == SEND_GRAD:
                     k = 0 if code == SEND_ACT else 1
-                    sent[s, k, m, :] = clocks[s, :]
+                    for x in range(S):
+                        sent[s, k, m, x] = clocks[s, x]
                     has_sent[s, k, m] = True
                 pc[s] += 1
                 progress = True
     ok = True
     for s in range(S):
-        ok = ok and pc[s] == counts[s]
+        if pc[s] != counts[s]:
+            ok = False
     return positions, cps, ncp, ok
+
+
+@njit(cache=True, nogil=True)
+def _bisect_right(a, n, x):
+    """Insertion point of ``x`` after any equal entries in the sorted ``a[:n]`` (``bisect.bisect_right``)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < a[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @njit(cache=True, nogil=True)
 def _add_send_waits(rows, counts, M, out, out_counts):
     """Pass 4 (:func:`dynabatch.schedule.lower.add_send_waits` without ``REDUCE``/``STEP``) from ``rows`` into
-    ``out``; ``False`` when the communication lowering deadlocked."""
+    ``out``; ``False`` when the communication lowering deadlocked. Each send's wait goes right after the
+    first receive wait whose clock shows the peer posted the matching receive (or to the end); the waits
+    of one anchor keep their sends' order (``first``/``after`` chain them per anchor, ``n``: the end)."""
     S = rows.shape[0]
     positions, cps, ncp, ok = _receive_clocks(rows, counts, M)
     if not ok:
@@ -229,15 +248,12 @@ def _add_send_waits(rows, counts, M, out, out_counts):
             code = rows[s, i, 0]
             if code == RECV_ACT or code == RECV_GRAD:
                 recv_pos[s, 0 if code == RECV_ACT else 1, rows[s, i, 1]] = i
-    big = np.iinfo(np.int64).max
     for s in range(S):
-        n = counts[s]
-        pos = positions[s, :ncp[s]].copy()
-        anchor = np.empty(n, np.int64)  # per send wait, in send order
-        w_code = np.empty(n, np.int64)
-        w_m = np.empty(n, np.int64)
-        w_peer = np.empty(n, np.int64)
-        nw = 0
+        n, nc = counts[s], ncp[s]
+        first = np.full(n + 1, -1, np.int64)  # per anchor, its first and last wait
+        last = np.full(n + 1, -1, np.int64)
+        after = np.full(n, -1, np.int64)  # per wait (indexed by its send), the next wait of its anchor
+        clock_q = np.empty(nc, np.int64)
         pending = np.zeros(M, np.int64)
         for i in range(n):
             code = rows[s, i, 0]
@@ -245,18 +261,19 @@ def _add_send_waits(rows, counts, M, out, out_counts):
                 continue
             m, q = rows[s, i, 1], rows[s, i, 2]
             j = recv_pos[q, 0 if code == SEND_ACT else 1, m]
-            clock_q = cps[s, :ncp[s], q].copy()  # clocks only grow along the list
-            k = max(np.searchsorted(pos, i, side="right"), np.searchsorted(clock_q, j, side="right"))
-            anchor[nw] = pos[k] if k < ncp[s] else big
-            w_code[nw] = WAIT_SEND_ACT if code == SEND_ACT else WAIT_SEND_GRAD
-            w_m[nw], w_peer[nw] = m, q
-            nw += 1
+            for c in range(nc):
+                clock_q[c] = cps[s, c, q]  # clocks only grow along the list
+            k = max(_bisect_right(positions[s], nc, i), _bisect_right(clock_q, nc, j))
+            anchor = positions[s, k] if k < nc else n
+            if first[anchor] < 0:
+                first[anchor] = i
+            else:
+                after[last[anchor]] = i
+            last[anchor] = i
             pending[m] += 1
-        by_anchor = np.argsort(anchor[:nw], kind="mergesort")  # stable: send order within an anchor
         done = np.zeros(M, np.bool_)
         o = out[s]
         c = 0
-        p = 0
         for i in range(n + 1):
             if i < n:
                 o[c, 0], o[c, 1], o[c, 2] = rows[s, i, 0], rows[s, i, 1], rows[s, i, 2]
@@ -267,16 +284,17 @@ def _add_send_waits(rows, counts, M, out, out_counts):
                     if pending[m] == 0:
                         o[c, 0], o[c, 1] = FREE, m
                         c += 1
-            while p < nw and (anchor[by_anchor[p]] == i or (i == n and anchor[by_anchor[p]] == big)):
-                w = by_anchor[p]
-                m = w_m[w]
-                o[c, 0], o[c, 1], o[c, 2] = w_code[w], m, w_peer[w]
+            w = first[i]
+            while w >= 0:
+                m = rows[s, w, 1]
+                o[c, 0] = WAIT_SEND_ACT if rows[s, w, 0] == SEND_ACT else WAIT_SEND_GRAD
+                o[c, 1], o[c, 2] = m, rows[s, w, 2]
                 c += 1
                 pending[m] -= 1
                 if done[m] and pending[m] == 0:
                     o[c, 0], o[c, 1] = FREE, m
                     c += 1
-                p += 1
+                w = after[w]
         out_counts[s] = c
     return True
 
