@@ -22,6 +22,8 @@ ATTENTION_PATHS = ("segments", "dense")
 PACK_ROWS = ("auto", "off")
 """``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
 (one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
+PLANNERS = ("auto", "process", "thread")
+"""``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.planner.plan_ahead`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PLAN_COSTS = ("base", "calibrated")
 """``--plan-costs``: plan with the base cost model (default) or with the online fit."""
@@ -136,6 +138,9 @@ class PipelineArgs:
     calibration_file: str | None = arg(None, "warm start from the calibration.json an earlier run on the same device, "
                                              "model and layout wrote")
     plan_ahead: int = arg(2, "steps the background planner prepares ahead of training")
+    planner: Literal[PLANNERS] = arg(
+        "auto", "where rank 0 plans ahead: process (a child process: never holds the training loop's GIL), thread "
+                "(a thread of rank 0: no start-up cost) or auto (process when training on CUDA, thread on CPU)")
     timeout_s: float = arg(120.0, "seconds before a silent peer counts as dead (each step's transfers and collectives)")
     startup_timeout_s: float = arg(3600.0, "seconds the other ranks wait for rank 0 to load and tokenize the data and "
                                            "plan the first step")

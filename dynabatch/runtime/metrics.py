@@ -111,7 +111,9 @@ def _median_of(records: list[dict[str, Any]], key: str, axis: int | None = None)
 
 def planning_overlap(records: list[dict[str, Any]]) -> float:
     """The share of the background planner's time hidden behind training: ``1 - waited / planned`` over the
-    step records (1: the steps never waited for a plan; 0: every plan was waited for in full)."""
+    step records (1: the steps never waited for a plan; 0: every plan was waited for in full). Each step record
+    carries its own (``plan_overlap``, from its ``plan_time_s`` and ``plan_wait_s``); the summary's is over the
+    steps after the first."""
     planned = sum(r["plan_time_s"] for r in records)
     waited = sum(r["plan_wait_s"] for r in records)
     return float(min(1.0, max(0.0, 1.0 - waited / planned))) if planned > 0 else 1.0

@@ -461,6 +461,22 @@ def deal_to_replicas(groups: list[RowGroup], sizes: list[int], num_replicas: int
     return [[g for g, o in zip(groups, owner) if o == r] for r in range(num_replicas)]
 
 
+def plan_ahead(planner: StepPlanner, num_steps: int, depth: int, where: str = "thread", device: str = "cpu"):
+    """The background planner of a run: :class:`PlanAhead` (``where="thread"``) or
+    :class:`~dynabatch.runtime.planner_process.ProcessPlanAhead` (``"process"``); ``"auto"`` takes the process when
+    ``device`` is CUDA (rank 0's loop launches kernels from Python and would wait for the planner thread's GIL) and
+    the thread on CPU (where the ranks already occupy the cores and the process only adds its start-up)."""
+    if where == "auto":
+        where = "process" if str(device).startswith("cuda") else "thread"
+    if where == "process":
+        from dynabatch.runtime.planner_process import ProcessPlanAhead
+
+        return ProcessPlanAhead(planner, num_steps, depth)
+    if where != "thread":
+        raise ValueError(f"unknown planner {where!r}; valid: auto, process, thread")
+    return PlanAhead(planner, num_steps, depth)
+
+
 class PlanAhead:
     """Runs a :class:`StepPlanner` in a background thread, ``depth`` steps ahead."""
 

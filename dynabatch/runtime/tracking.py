@@ -47,6 +47,7 @@ _STEP_SCALARS = {
     "predicted_step_s": "train/predicted_step_s",
     "prediction_error": "train/prediction_error",
     "plan_wait_s": "train/plan_wait_s",
+    "plan_overlap": "train/plan_overlap",
     "num_micro_batches": "train/num_micro_batches",
     "efficiency_balanced": "train/efficiency_balanced",
     "efficiency_amortised": "train/efficiency_amortised",

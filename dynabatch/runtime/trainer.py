@@ -32,7 +32,8 @@ from dynabatch.config import TrainConfig
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
 from dynabatch.runtime.log import quiet_third_party, setup_logging
-from dynabatch.runtime.metrics import MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, summarize
+from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
+                                       summarize)
 from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
 
 logger = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     summary."""
     from tqdm import tqdm
 
-    from dynabatch.runtime.planner import PlanAhead
+    from dynabatch.runtime.planner import plan_ahead
     from dynabatch.runtime.step import train_step
 
     from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_peaks
@@ -274,7 +275,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if evaluation_enabled(cfg):  # rank 0 loads the evaluation set (runtime.evaluate)
         evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
     bad_steps = 0
-    ahead = PlanAhead(run.planner, cfg.max_steps - start, cfg.plan_ahead) if ctx.is_planner else None
+    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, cfg.planner, ctx.device) \
+        if ctx.is_planner else None
     if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
         try:
             quick_calibration(run.executor, ctx, run.planner, run.spec, start,  # collective
@@ -430,6 +432,7 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "bubble_fraction_predicted": planned.bubble_fraction,
         "plan_time_s": planned.plan_time_s,
         "plan_wait_s": wait,
+        "plan_overlap": planning_overlap([{"plan_time_s": planned.plan_time_s, "plan_wait_s": wait}]),
         "skipped": result.skipped,
         "truncated": planned.batch.num_truncated,
         "dropped": planned.batch.num_dropped,

@@ -1,0 +1,115 @@
+"""``--planner process``: the child process plans exactly the thread planner's steps, with and without online
+calibration; a crash in the child is the thread planner's one-line error; nothing waits forever."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dynabatch.config import TrainConfig
+from dynabatch.runtime.planner import PlanAhead
+from dynabatch.runtime.planner_process import ProcessPlanAhead
+
+
+def _planner(toy_data, calibrated: bool = False):
+    from dynabatch.cost.online import OnlineFit
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.calibration import RunCalibration
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32,
+                      plan_ahead=1)
+    model = build_model("gpt2-tiny", vocab_size=toy_data.tokens.vocab_size)
+    base = planner_cost_model(cfg, model.config, layout_for(model, 2))
+    limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=32, max_seq_len=128)
+    cal = RunCalibration(base, OnlineFit(2, False) if calibrated else None, cfg.plan_ahead, -1)
+    return StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, base, toy_data.tokens, calibration=cal)
+
+
+class _Ctx:  # one replica of two stages
+    num_stages = 2
+
+    @staticmethod
+    def rank_of(r, s):
+        return s
+
+
+def _measured(planned):
+    """Deterministic 'measurements': 3x the base forward/backward features' first column plus 2 ms."""
+    out = []
+    for s in range(2):
+        x = planned.features[0][s]
+        out.append({op: {m: float(3 * x[d, m, 0] + 2e-3) for m in range(x.shape[1])} for d, op in enumerate("FB")}
+                   | {"saved_peak": 1000})
+    return out
+
+
+def _run(ahead, planner, steps: int, calibrated: bool):
+    got = []
+    try:
+        for _ in range(steps):
+            p, _ = ahead.get(timeout_s=60)
+            if calibrated:
+                planner.calibration.record(_Ctx, p, _measured(p), p.predicted_makespan_s * 1.1 + 0.01)
+            got.append(p)
+    finally:
+        planner.calibration.close()
+        ahead.close(timeout_s=30)
+    return got
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_process_planner_delivers_the_thread_planners_steps(toy_data, calibrated):
+    steps = 5
+    thread_planner, process_planner = _planner(toy_data, calibrated), _planner(toy_data, calibrated)
+    want = _run(PlanAhead(thread_planner, steps, 2), thread_planner, steps, calibrated)
+    got = _run(ProcessPlanAhead(process_planner, steps, 2), process_planner, steps, calibrated)
+    for w, g in zip(want, got, strict=True):
+        assert (w.step, w.shapes, w.schedules, w.slice_links) == (g.step, g.shapes, g.schedules, g.slice_links)
+        assert w.predicted_step_s == g.predicted_step_s and w.batcher_state_after == g.batcher_state_after
+        for c_w, c_g in zip(w.costs, g.costs):
+            np.testing.assert_array_equal(c_w.fwd_s, c_g.fwd_s)
+        for mbs_w, mbs_g in zip(w.replica_micro_batches, g.replica_micro_batches):
+            assert [m.sample_ids for m in mbs_w] == [m.sample_ids for m in mbs_g]
+            assert all((a.input_ids == b.input_ids).all() for a, b in zip(mbs_w, mbs_g))
+    if calibrated:
+        assert want[-1].predicted_step_s != want[0].predicted_step_s  # the fit moved the predictions
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+def test_a_crash_in_the_child_is_the_thread_planners_one_line_error(toy_data, monkeypatch):
+    monkeypatch.setenv("DYNABATCH_PLANNER_CRASH_AT", "1")  # the spawned child inherits the environment
+    planner = _planner(toy_data)
+    ahead = ProcessPlanAhead(planner, 3, 2)
+    try:
+        assert ahead.get(timeout_s=60)[0].step == 0
+        with pytest.raises(RuntimeError, match=r"^the background planner failed: RuntimeError: injected planner "
+                                               r"crash at step 1 \(DYNABATCH_PLANNER_CRASH_AT\)$"):
+            ahead.get(timeout_s=60)
+    finally:
+        ahead.close(timeout_s=30)
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+def test_nothing_waits_forever(toy_data):
+    """A calibrated child waiting for a fit the loop never records: ``get`` times out with a clear error, and
+    ``close`` stops the child (it also terminates one that does not stop, and a killed child is reported)."""
+    planner = _planner(toy_data, calibrated=True)
+    planner.calibration.recorded_through = -2  # as before a start-up calibration that never comes
+    ahead = ProcessPlanAhead(planner, 3, 2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="produced no step within 2 s"):
+        ahead.get(timeout_s=2)
+    ahead.close(timeout_s=5)
+    assert not ahead._process.is_alive() and time.monotonic() - start < 20
+    ahead = ProcessPlanAhead(_planner(toy_data), 3, 1)
+    ahead._process.kill()
+    with pytest.raises(RuntimeError, match=r"process died \(exit code -9\)"):
+        ahead.get(timeout_s=30)
+    ahead.close(timeout_s=5)
