@@ -10,6 +10,10 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dynabatch-hf
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread in the test process and every process it launches (torchrun sets the same): the
+# models are tiny and dispatch-bound, and two OpenMP threads on a busy 2-core machine spin in barriers
+# (an unsplit T5 reference run measured 1 s with one thread, 32 s with two while other jobs ran).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import pytest

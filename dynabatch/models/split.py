@@ -62,16 +62,22 @@ def _num_blocks(model: nn.Module) -> int:
     return spec.num_layers + spec.num_decoder_layers
 
 
-def layout_for(model: nn.Module, num_stages: int, placement=None) -> StageLayout:
-    """Balanced stage layout of ``model`` (any registered family's HF model) in ``num_stages`` stages; with the
-    ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
-    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`)."""
+def check_num_stages(model: nn.Module, num_stages: int) -> None:
+    """One-line ``ValueError`` unless ``1 <= num_stages <=`` the model's transformer blocks (every stage holds
+    one); the trainer checks it before loading any data."""
     num_blocks = _num_blocks(model)
     if not 1 <= num_stages <= num_blocks:
         raise ValueError(
             f"num_stages must be between 1 and the number of transformer blocks of this "
             f"{model.config.model_type} model ({num_blocks}), got {num_stages}"
         )
+
+
+def layout_for(model: nn.Module, num_stages: int, placement=None) -> StageLayout:
+    """Balanced stage layout of ``model`` (any registered family's HF model) in ``num_stages`` stages; with the
+    ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
+    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`)."""
+    check_num_stages(model, num_stages)
     dtype_bytes = next(model.parameters()).element_size()
     cost_model = AnalyticCostModel(analytic_spec(model.config, dtype_bytes), hardware_spec("cpu"))
     if placement is not None and placement.kind == "cyclic":

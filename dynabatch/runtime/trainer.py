@@ -149,7 +149,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.models.presets import build_model
-    from dynabatch.models.split import DeviceChunks, build_device_stages, pipeline_spec_for
+    from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
 
@@ -160,6 +160,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
+    check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
     loaded = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
     chosen = _run_layout(cfg, ctx, model, loaded)
     cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())

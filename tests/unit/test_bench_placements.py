@@ -7,16 +7,21 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
 def test_bench_runs_t5_cyclic_next_to_linear(tmp_path):
     out = str(tmp_path / "bench.json")
+    lengths = str(tmp_path / "lengths.npz")  # a lengths file: no tokenizing of the built-in mixture
+    rng = np.random.default_rng(0)
+    np.savez(lengths, input_len=rng.integers(4, 64, 120), target_len=rng.integers(1, 16, 120))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "t5-tiny", "--methods", "dynamic",
            "--placements", "linear,cyclic", "--stages", "2", "--timed-steps", "2", "--untimed-steps", "0",
-           "--calibrate", "off", "--global-batch-tokens", "512", "--max-input-len", "64", "--json", out]
+           "--calibrate", "off", "--global-batch-tokens", "512", "--max-input-len", "64", "--lengths", lengths,
+           "--json", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
