@@ -10,6 +10,7 @@ fp16's narrow range needs loss scaling. :class:`LossScaler` follows ``torch.amp.
 halved on an overflow, the step skipped; doubled after 2000 good steps in a row) but decides from the gradient
 norm the executor already all-reduces over the world, so every rank of a pipeline skips the same steps and keeps
 the same scale (``GradScaler`` checks each rank's own gradients, and the ranks' scales could drift apart).
+The scale is part of the checkpoint, so a resumed fp16 run goes on with the interrupted run's scale.
 """
 
 from __future__ import annotations
@@ -62,3 +63,11 @@ class LossScaler:
         if self.good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the scale and the good steps since it last changed (every rank holds the
+        same, so rank 0's manifest stores it)."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

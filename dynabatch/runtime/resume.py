@@ -88,6 +88,8 @@ def save_checkpoint(run, step: int, batcher_state: dict | None) -> str:
         extra = {"data": batcher_state, "config": run.cfg.to_dict(), "scheduler": run.scheduler.state_dict(),
                  "world": {"stages": run.cfg.stages, "replicas": run.cfg.replicas},
                  "calibration": {"key": run.calibration_key, "fit": run.calibration.state_dict()}}
+        if run.executor.loss_scaler is not None:
+            extra["loss_scaler"] = run.executor.loss_scaler.state_dict()
 
     def gather(obj) -> list:
         out: list = [None] * run.ctx.world_size
@@ -138,6 +140,8 @@ def resume(run, info: CheckpointInfo | None, lr_lambda: Callable[[int], float]) 
     load_stage_state(info.path, run.stage, run.optimizer, run.ctx.rank if same_world else None)
     run.scheduler.load_state_dict(manifest["scheduler"])
     apply_hyperparameters(run.optimizer, run.scheduler, cfg, lr_lambda)
+    if run.executor.loss_scaler is not None and manifest.get("loss_scaler"):  # fp16: go on with the saved scale
+        run.executor.loss_scaler.load_state_dict(manifest["loss_scaler"])
     run.run_id = info.run_id
     if run.ctx.is_planner:
         run.batcher.load_state_dict(manifest["data"])

@@ -81,3 +81,26 @@ def test_device_choices_and_cuda_without_cuda_are_one_line(tmp_path, capsys, mon
         assert code == 2 and "Traceback" not in err, err[-2000:]
         lines = [line for line in err.splitlines() if "dynabatch train: error:" in line]
         assert len(lines) == 1 and message in lines[0], err[-2000:]
+
+
+def test_a_resumed_fp16_run_goes_on_with_the_saved_loss_scale(tmp_path, toy_mixture_dir, monkeypatch):
+    """The loss scale is in the checkpoint: with the scale starting at 2^8 and doubling after every good step, a
+    run resumed from step 2 trains step 2 at the uninterrupted run's scale (2^10), not at a fresh 2^8."""
+    import functools
+    import shutil
+
+    import dynabatch.runtime.executor as executor
+    from dynabatch.config import TrainConfig
+    from dynabatch.runtime.precision import LossScaler
+    from dynabatch.runtime.trainer import train
+
+    monkeypatch.setattr(executor, "LossScaler", functools.partial(LossScaler, scale=2.0**8, growth_interval=1))
+    common = dict(TINY, mixture=os.path.join(toy_mixture_dir, "toy.json"), dtype="fp16", max_steps=3, save_steps=2)
+    full = str(tmp_path / "full")
+    train(TrainConfig(**common, output_dir=full))
+    scales = [r["loss_scale"] for r in _records(full)]
+    assert scales == [2.0**8, 2.0**9, 2.0**10]
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(os.path.join(full, "checkpoints", "step-000002"), os.path.join(resumed, "checkpoints", "step-000002"))
+    train(TrainConfig(**common, output_dir=resumed, resume_from_checkpoint="latest"))
+    assert [(r["step"], r["loss_scale"]) for r in _records(resumed)] == [(2, 2.0**10)]
