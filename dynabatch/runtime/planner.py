@@ -9,7 +9,10 @@ and simulates it (the *predicted* step time and bubble, the measured step's twin
 
 :class:`PlanAhead` runs a planner in a background thread, ``depth`` steps ahead, so the training loop
 never waits on planning in the steady state; ``get()`` reports how long it did wait. numba kernels and
-numpy release the GIL for most of the planning work. The batcher position recorded with each step is
+numpy release the GIL only inside their kernels: measured (``scripts/probe_planner_gil.py``), the thread holds
+the GIL for nearly all of its planning time, which a loop launching GPU kernels from Python waits for, so
+:func:`plan_ahead` can run the planner in a child process instead (:mod:`dynabatch.runtime.planner_process`,
+``--planner``). The batcher position recorded with each step is
 the position *after* its global batch, which is what a checkpoint taken after that step must store.
 Plans are deterministic, so the threaded path delivers exactly the plans of the synchronous one
 (tested).
