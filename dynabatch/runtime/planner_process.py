@@ -4,8 +4,9 @@
 (``multiprocessing`` spawn context: nothing of the parent's threads or CUDA state is inherited) that rebuilds the
 :class:`~dynabatch.runtime.planner.StepPlanner` from its picklable parts (batcher with its data and position,
 config, cost models, tokenizer info) and plans ``num_steps`` steps, at most ``depth`` ahead of the training loop
-(the queue's size). Each :class:`~dynabatch.runtime.planner.PlannedStep` comes back pickled with the standard
-pickler (its tensors copied, no shared-memory file descriptors to run out of).
+(the queue's size). Each :class:`~dynabatch.runtime.planner.PlannedStep` comes back pickled as bytes, its CPU
+tensors as numpy arrays (:func:`_dumps`: no shared-memory file descriptors to run out of, and the parent, which
+holds the training loop's GIL while it unpickles, rebuilds a gpt2-tiny step in 1.5-2 ms instead of 10-15 ms).
 
 Online calibration: the child's planner asks :class:`_FedCalibration` for the cost model of step ``k``; a feeder
 thread in the parent takes exactly that model from the run's
@@ -22,6 +23,7 @@ timeout, and :meth:`ProcessPlanAhead.close` terminates a child that does not sto
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import pickle
 import queue
@@ -76,6 +78,27 @@ class _FedCalibration:
         return self._entry(step)[1]
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles CPU tensors without autograd as numpy arrays (``torch.from_numpy`` rebuilds them, contiguous);
+    torch's own reduction rebuilds each tensor's storage through ``torch.load`` (about 150 us a tensor)."""
+
+    def reducer_override(self, obj):
+        import torch
+
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return torch.from_numpy, (obj.numpy(),)
+            except TypeError:  # a dtype numpy lacks (bfloat16): torch's own reduction
+                pass
+        return NotImplemented
+
+
+def _dumps(obj) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
 def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, stop) -> None:
     """The child process: rebuild the planner, plan ``num_steps`` steps into ``out`` (pickled bytes)."""
     from dynabatch.runtime.planner import StepPlanner
@@ -85,10 +108,10 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
         planner.__dict__.update(state)
         planner.calibration = None if calibration is None else _FedCalibration(feed=feed, stop=stop, **calibration)
         for _ in range(num_steps):
-            if stop.is_set() or not _offer(out, pickle.dumps(planner(), protocol=pickle.HIGHEST_PROTOCOL), stop):
+            if stop.is_set() or not _offer(out, _dumps(planner()), stop):
                 return
     except BaseException as e:  # delivered to the parent, never lost in the child
-        _offer(out, pickle.dumps(_Failure(type(e).__name__, str(e), isinstance(e, ValueError))), stop)
+        _offer(out, _dumps(_Failure(type(e).__name__, str(e), isinstance(e, ValueError))), stop)
 
 
 def _offer(out, item, stop) -> bool:
