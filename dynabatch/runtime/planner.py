@@ -87,6 +87,10 @@ class PlannedStep:
     """With online calibration, per replica, ``(S, 2, M, F)`` features of each micro-batch's forward and
     backward on every stage (:meth:`~dynabatch.cost.online.CalibratedStageCostModel.features`; NaN rows for
     token slices, which the slice cost model prices); ``()`` without calibration."""
+    plan_model: Any = None
+    """The stage cost model this step was planned with (the online fit as of its step with
+    ``plan_costs="calibrated"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
+    moves on with the steps it plans ahead (and stays in the planner's process with ``--planner process``)."""
 
     @property
     def real_tokens(self) -> int:
@@ -188,7 +192,7 @@ class StepPlanner:
             bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
             batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
             predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes), predicted_makespan_s=predicted,
-            features=features, predicted_costs=predicted_costs, pairs=tuple(pairs),
+            features=features, predicted_costs=predicted_costs, pairs=tuple(pairs), plan_model=self.cost_model,
         )
 
     def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:

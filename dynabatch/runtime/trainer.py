@@ -334,7 +334,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 record["memory_measured_bytes"] = saved_peaks
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
-                record.update(efficiency_record(ctx, gathered, planned, elapsed, run.planner.cost_model,
+                record.update(efficiency_record(ctx, gathered, planned, elapsed, planned.plan_model,
                                                 run.planner.family))
                 if task_loss is not None:
                     record["task_loss"] = task_loss

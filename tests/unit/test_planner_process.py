@@ -75,6 +75,8 @@ def test_process_planner_delivers_the_thread_planners_steps(toy_data, calibrated
         assert w.predicted_step_s == g.predicted_step_s and w.batcher_state_after == g.batcher_state_after
         for c_w, c_g in zip(w.costs, g.costs):
             np.testing.assert_array_equal(c_w.fwd_s, c_g.fwd_s)
+        one = (np.array([2.0]), np.array([64.0]), np.array([0.0]))  # the model each step was planned with
+        np.testing.assert_array_equal(w.plan_model.per_stage(*one).fwd_s, g.plan_model.per_stage(*one).fwd_s)
         for mbs_w, mbs_g in zip(w.replica_micro_batches, g.replica_micro_batches):
             assert [m.sample_ids for m in mbs_w] == [m.sample_ids for m in mbs_g]
             assert all((a.input_ids == b.input_ids).all() for a, b in zip(mbs_w, mbs_g))
