@@ -87,6 +87,9 @@ class PlannedStep:
     """With online calibration, per replica, ``(S, 2, M, F)`` features of each micro-batch's forward and
     backward on every stage (:meth:`~dynabatch.cost.online.CalibratedStageCostModel.features`; NaN rows for
     token slices, which the slice cost model prices); ``()`` without calibration."""
+    plans: dict | None = None
+    """Every rank's lowered, validated :class:`~dynabatch.schedule.ir.ExecutionPlan` (by rank), when the planner
+    has the run's pipeline spec (:attr:`StepPlanner.spec`); ``plan_time_s`` then includes the lowering."""
     plan_model: Any = None
     """The stage cost model this step was planned with (the online fit as of its step with
     ``plan_costs="calibrated"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
@@ -119,9 +122,12 @@ class StepPlanner:
     """Deterministic producer of :class:`PlannedStep` (see the module docstring)."""
 
     def __init__(self, batcher: GlobalBatcher, cfg: TrainConfig, cost_model: StageCostModel, tokens: TokenizerInfo,
-                 calibration=None):
+                 calibration=None, spec=None):
         self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
         self.calibration = calibration
+        self.spec = spec
+        """The run's :class:`~dynabatch.schedule.ir.PipelineSpec`: with it, every training step is also lowered and
+        validated here (:attr:`PlannedStep.plans`), off the training loop; ``None``: the loop lowers it."""
         """:class:`~dynabatch.runtime.calibration.RunCalibration` (online calibration) or ``None``."""
         self.predict_model = cost_model
         """The model predictions are made with: the online fit when calibrating (``cost_model`` plans; it is
@@ -150,8 +156,20 @@ class StepPlanner:
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
         planned = self._planned(self.step, batch, self._units(batch), state, start)
+        if self.spec is not None:
+            planned = replace(planned, plans=self._lowered(planned), plan_time_s=time.perf_counter() - start)
         self.step += 1
         return planned
+
+    def _lowered(self, planned: PlannedStep) -> dict:
+        """Every rank's validated plans of ``planned``: what :func:`~dynabatch.runtime.step.train_step` would lower
+        on rank 0 from the same step (:func:`~dynabatch.runtime.step.plan_step`, memory checked)."""
+        from dynabatch.runtime.step import plan_step as lower_step
+
+        return lower_step([list(s) for s in planned.shapes], self.spec, policy=self.cfg.policy, step=planned.step,
+                          costs=planned.costs, memory_limit_bytes=self.cfg.memory_gib * 2**30,
+                          schedules=planned.schedules, slice_links=planned.slice_links,
+                          model_state_bytes=planned.model_state_bytes, placement=self.placement)
 
     def preview(self, batch: GlobalBatch) -> PlannedStep:
         """``batch`` planned and predicted as a training step would be, the stream and the step count left

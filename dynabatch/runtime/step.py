@@ -3,7 +3,7 @@
 :func:`train_step` is what the trainer and the multi-process tests call on every rank. On rank 0 it
 takes each replica's micro-batches, builds a compute schedule per replica with the chosen policy
 (:func:`compute_schedule`), lowers it to per-rank plans (:func:`dynabatch.schedule.lower.lower`,
-validated), cuts each rank's host tensors out of the micro-batches (only the tensors the rank's stage
+validated; :func:`plan_step`; the trainer's background planner does this ahead and hands the plans in), cuts each rank's host tensors out of the micro-batches (only the tensors the rank's stage
 loads), and starts delivering them (:mod:`dynabatch.runtime.delivery`); then every rank runs its plan
 on its :class:`~dynabatch.runtime.executor.Executor`. Rank 0 waits for its deliveries at the end of
 its own step, so it never waits for a slow last stage before starting its forwards.
@@ -289,6 +289,7 @@ def train_step(
     forward_backward_only: bool = False,
     forward_only: bool = False,
     placement: Placement | None = None,
+    plans: dict[int, ExecutionPlan] | None = None,
 ) -> StepResult:
     """Run training step ``step`` on this rank (every rank calls it).
 
@@ -304,6 +305,8 @@ def train_step(
     ``forward_only`` (rank 0): run every plan as an evaluation pass (:func:`forward_only_plan`): no gradient,
     no state change; the result's ``loss`` is the global token-normalised loss, ``segment_losses`` per row.
     ``placement`` (rank 0): virtual stages (:func:`plan_step`); ``spec`` and ``costs`` then describe the chunks.
+    ``plans`` (rank 0): every rank's plans, already lowered and validated by :func:`plan_step` from exactly these
+    arguments (the background planner's, :attr:`~dynabatch.runtime.planner.PlannedStep.plans`); else lowered here.
     """
     if ctx.is_planner:
         if replica_micro_batches is None or spec is None:
@@ -312,10 +315,11 @@ def train_step(
             raise ValueError(
                 f"got micro-batches for {len(replica_micro_batches)} replicas, the world has {ctx.num_replicas}"
             )
-        shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
-        plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
-                          schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes,
-                          placement=placement)
+        if plans is None:
+            shapes = [[micro_batch_shape(mb) for mb in mbs] for mbs in replica_micro_batches]
+            plans = plan_step(shapes, spec, policy=policy, step=step, costs=costs, memory_limit_bytes=memory_limit_bytes,
+                              schedules=schedules, slice_links=slice_links, model_state_bytes=model_state_bytes,
+                              placement=placement)
         if forward_backward_only:
             plans = {r: without_update(p) for r, p in plans.items()}
         if forward_only:

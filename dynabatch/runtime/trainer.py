@@ -2,9 +2,10 @@
 
 Every rank builds the same seeded model, keeps only its own pipeline stage (``models.split``) and an
 :class:`~dynabatch.runtime.executor.Executor` with AdamW and a warm-up + decay LR schedule. Rank 0
-also owns the data: it loads and tokenizes the mixture, and a background
-:class:`~dynabatch.runtime.planner.PlanAhead` prepares the next steps' micro-batches, costs and
-schedules while the current step trains. Each step, :func:`~dynabatch.runtime.step.train_step`
+also owns the data: it loads and tokenizes the mixture, and a background planner (a thread,
+:class:`~dynabatch.runtime.planner.PlanAhead`, or a child process, ``--planner``,
+:mod:`~dynabatch.runtime.planner_process`) prepares the next steps' micro-batches, costs, schedules and
+validated plans while the current step trains. Each step, :func:`~dynabatch.runtime.step.train_step`
 delivers plans and host tensors and runs them everywhere. Rank 0 logs one JSON record per step
 (loss, real tokens/s, padding efficiency, micro-batch shapes, plan time and wait, predicted vs
 measured step time, peak memory) and shows a progress bar. Checkpoints are per-rank shards plus a
@@ -182,7 +183,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
         run.held_out, run.batcher = loaded.held_out, loaded.batcher
         cost_model = planner_cost_model(cfg, model.config, layout)
         run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
-        run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration)
+        run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration,
+                                  spec=spec)
     return run
 
 
@@ -309,6 +311,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 slice_links=planned.slice_links if ctx.is_planner else None,
                 receive_timeout_s=cfg.startup_timeout_s if step == start else None,  # rank 0 may still be loading
                 model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0, placement=run.placement,
+                plans=planned.plans if ctx.is_planner else None,  # lowered and validated by the planner
             )
             elapsed = time.perf_counter() - t0
             gathered = gather_measurements(ctx, result)  # collective

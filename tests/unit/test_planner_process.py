@@ -1,5 +1,6 @@
-"""``--planner process``: the child process plans exactly the thread planner's steps, with and without online
-calibration; a crash in the child is the thread planner's one-line error; nothing waits forever."""
+"""``--planner process``: the child process plans exactly the thread planner's steps (their lowered, validated
+plans included), with and without online calibration; a crash in the child is the thread planner's one-line
+error; nothing waits forever."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import pytest
 from dynabatch.config import TrainConfig
 from dynabatch.runtime.planner import PlanAhead
 from dynabatch.runtime.planner_process import ProcessPlanAhead
+from dynabatch.runtime.step import plan_step
 
 
 def _planner(toy_data, calibrated: bool = False):
     from dynabatch.cost.online import OnlineFit
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
-    from dynabatch.models.split import layout_for
+    from dynabatch.models.split import layout_for, pipeline_spec_for
     from dynabatch.runtime.calibration import RunCalibration
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.trainer import planner_cost_model
@@ -28,7 +30,9 @@ def _planner(toy_data, calibrated: bool = False):
     base = planner_cost_model(cfg, model.config, layout_for(model, 2))
     limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=32, max_seq_len=128)
     cal = RunCalibration(base, OnlineFit(2, False) if calibrated else None, cfg.plan_ahead, -1)
-    return StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, base, toy_data.tokens, calibration=cal)
+    spec = pipeline_spec_for(model, layout_for(model, 2), "float32")
+    return StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, base, toy_data.tokens, calibration=cal,
+                       spec=spec)
 
 
 class _Ctx:  # one replica of two stages
@@ -82,6 +86,12 @@ def test_process_planner_delivers_the_thread_planners_steps(toy_data, calibrated
             assert all((a.input_ids == b.input_ids).all() for a, b in zip(mbs_w, mbs_g))
     if calibrated:
         assert want[-1].predicted_step_s != want[0].predicted_step_s  # the fit moved the predictions
+    for w, g in zip(want, got):  # the lowered plans too: what train_step lowers itself without them
+        again = plan_step([list(s) for s in w.shapes], process_planner.spec, policy=process_planner.cfg.policy,
+                          step=w.step, costs=w.costs, memory_limit_bytes=process_planner.cfg.memory_gib * 2**30,
+                          schedules=w.schedules, slice_links=w.slice_links, model_state_bytes=w.model_state_bytes)
+        assert sorted(w.plans) == sorted(g.plans) == sorted(again) == [0, 1]
+        assert all(w.plans[r].to_bytes() == g.plans[r].to_bytes() == again[r].to_bytes() for r in again)
 
 
 @pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
