@@ -36,7 +36,7 @@ so the first send always meets a posted receive, never the other send. Every low
 and builds the instructions from them, sharing equal ones between steps (:mod:`dynabatch.schedule.rows`); the
 pure-Python passes below stay the readable reference (:func:`reference_lists`), and the two make byte-identical
 plans (tested on random and searched orders). At paper scale (4 stages, 22-41 micro-batches, 900-1,650
-instructions; ``python scripts/bench_lowering.py``) a step lowers in 2.6-6.5 ms on 2 shared CPU cores, where
+instructions; ``python scripts/bench_lowering.py``) a step lowers in 2.6-7.5 ms on 2 shared CPU cores, where
 the pure-Python passes took 8-16 ms, most of it building frozen instructions.
 """
 
