@@ -49,12 +49,10 @@ def compute_times(timeline) -> dict[str, dict[int, float]]:
 def gather_measurements(ctx, result) -> list[dict] | None:
     """Collective over the world: rank 0 gets, per global rank, ``{"F": ..., "B": ..., "saved_peak": bytes}``
     of this step; the other ranks ``None``."""
-    import torch.distributed as dist
+    from dynabatch.runtime.dist import gather_to_planner
 
     mine = {**compute_times(result.timeline), "saved_peak": result.saved_peak_bytes}
-    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
-    dist.gather_object(mine, gathered, dst=0, group=ctx.delivery_group)
-    return gathered
+    return gather_to_planner(ctx, mine, f"step {result.step}'s measured stage times")
 
 
 def stage_peaks(ctx, gathered: list[dict]) -> list[int | None]:

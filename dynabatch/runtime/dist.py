@@ -96,6 +96,23 @@ class DistContext:
     def rank_of(self, replica_index: int, stage_index: int) -> int:
         return replica_index * self.num_stages + stage_index
 
+    @property
+    def where(self) -> str:
+        """``rank R (stage S, replica P)``: how errors name this rank."""
+        return f"rank {self.rank} (stage {self.stage_index}, replica {self.replica_index})"
+
+
+def gather_to_planner(ctx: DistContext, obj, what: str) -> list | None:
+    """Collective over the world (the gloo delivery group): rank 0 gets every rank's ``obj``, indexed by global
+    rank; the others get ``None``. A peer that died or stopped turns into a :class:`PipelineError` naming this
+    rank and ``what`` was being gathered (e.g. ``"step 7, the measured stage times"``), like a failed transfer."""
+    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
+    try:
+        dist.gather_object(obj, gathered, dst=0, group=ctx.delivery_group)
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses of several kinds
+        raise PipelineError(f"{ctx.where}, gathering {what} failed: {type(e).__name__}: {e}") from e
+    return gathered
+
 
 def check_world(world_size: int, num_stages: int, num_replicas: int | None) -> int:
     """The replica count for ``world_size`` ranks; ``ValueError`` naming all three numbers if they

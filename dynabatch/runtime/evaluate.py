@@ -55,7 +55,7 @@ from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData, TokenColumn
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.runtime.dist import DistContext
+from dynabatch.runtime.dist import DistContext, gather_to_planner
 from dynabatch.runtime.metrics import MetricsWriter
 
 _DONE_TAG = 7
@@ -247,8 +247,7 @@ def gather_weights(ctx: DistContext, stage) -> dict[str, torch.Tensor] | None:
     mine = None
     if ctx.replica_index == 0:
         mine = {stage.parameter_map[n]: p.detach().cpu() for n, p in stage.named_parameters()}
-    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
-    dist.gather_object(mine, gathered, dst=0, group=ctx.delivery_group)
+    gathered = gather_to_planner(ctx, mine, "the weights")
     if not ctx.is_planner:
         return None
     weights: dict[str, torch.Tensor] = {}

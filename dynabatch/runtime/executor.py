@@ -261,7 +261,7 @@ class Executor:
             raise
         except Exception as e:
             ins = self._current
-            where = f"rank {ctx.rank} (stage {ctx.stage_index}, replica {ctx.replica_index}), step {plan.step}"
+            where = f"{ctx.where}, step {plan.step}"
             what = f"instruction {ins.to_text()} ({self._peers(ins)})" if ins is not None else "plan"
             raise PipelineError(f"{where}, {what} failed: {type(e).__name__}: {e}") from e
         finally:

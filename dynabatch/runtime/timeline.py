@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import re
 
-import torch.distributed as dist
 
-from dynabatch.runtime.dist import DistContext
+from dynabatch.runtime.dist import DistContext, gather_to_planner
 from dynabatch.runtime.executor import StepResult
 from dynabatch.schedule.compute import Phase
 from dynabatch.schedule.trace import TimelineOp
@@ -34,8 +33,7 @@ def measured_ops(timeline, origin: float = 0.0) -> list[TimelineOp]:
 
 def gather_timelines(ctx: DistContext, result: StepResult) -> dict[int, list[TimelineOp]] | None:
     """Collective over the world: rank 0 gets ``{replica: ops of all its stages}``, others ``None``."""
-    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
-    dist.gather_object(result.timeline, gathered, dst=0, group=ctx.delivery_group)
+    gathered = gather_to_planner(ctx, result.timeline, f"step {result.step}'s timelines")
     if not ctx.is_planner:
         return None
     out: dict[int, list[TimelineOp]] = {}

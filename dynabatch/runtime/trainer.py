@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from dynabatch.config import TrainConfig
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
-from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
+from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
 from dynabatch.runtime.log import quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
                                        summarize)
@@ -395,8 +394,7 @@ def _non_finite(result) -> str:
 def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | None:
     """Collective: rank 0 gets the step's mean token loss per task, from every replica's last stage."""
     payload = {m: t.numpy() for m, t in result.segment_losses.items()}
-    gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
-    dist.gather_object(payload, gathered, dst=0, group=ctx.delivery_group)
+    gathered = gather_to_planner(ctx, payload, f"step {result.step}'s task losses")
     if not ctx.is_planner:
         return None
     sums: dict[str, float] = {}

@@ -412,6 +412,27 @@ def dead_rank_worker(rank: int, workdir: str, die_rank: int, timeout_s: float, h
     exit_on_error(run_scenario, rank, sc, workdir, wrap_stage=wrap)
 
 
+def silent_gather_worker(rank: int, workdir: str, timeout_s: float) -> None:
+    """2 ranks, no model: rank 1 stays silent (sleeps past the timeout) while rank 0 gathers to itself;
+    rank 0 writes the error it got to ``gather.err``."""
+    _setup_worker()
+    from dynabatch.runtime.dist import gather_to_planner, init_distributed
+
+    ctx = init_distributed(1, rank=rank, world_size=2, init_method=f"file://{workdir}/rendezvous",
+                           timeout_s=timeout_s, device="cpu")
+    if rank == 1:
+        time.sleep(timeout_s + 3)
+        os._exit(0)
+    try:
+        gather_to_planner(ctx, {"F": {0: 1.0}}, "step 3's measured stage times")
+        message = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        message = f"{type(e).__name__}: {e}"
+    with open(os.path.join(workdir, "gather.err"), "w") as f:
+        f.write(message)
+    os._exit(0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------

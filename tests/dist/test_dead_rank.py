@@ -49,3 +49,14 @@ def test_failed_rank_stops_every_other_rank(tmp_path, mode, timeout_s, hang_s, c
     assert all(0 <= d < timeout_s + 3 for d in delays.values()), delays
     if mode == "exit":
         assert max(delays.values()) < 5, delays  # closed sockets are noticed at once, no timeout needed
+
+
+def test_silent_peer_in_a_gather_is_a_pipeline_error_naming_the_rank(tmp_path):
+    """The trainer's per-step gathers (measured times, task losses, timelines, weights) fail like transfers:
+    a PipelineError naming this rank and what was being gathered, within the group timeout."""
+    codes, elapsed = H.launch(2, H.silent_gather_worker, (str(tmp_path), 2.0), deadline_s=60)
+    assert codes == [0, 0], codes
+    message = open(os.path.join(tmp_path, "gather.err")).read()
+    assert message.startswith("PipelineError: rank 0 (stage 0, replica 0), gathering step 3's measured stage "
+                              "times failed: "), message
+    assert "Timed out" in message, message
