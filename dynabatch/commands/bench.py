@@ -77,7 +77,7 @@ from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.sections import arg
+from dynabatch.config.sections import PLAN_COSTS, arg
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.model_presets import FAMILY_PRESETS
@@ -95,7 +95,10 @@ NORECOMPUTE = "dynamic_norecompute"
 dynamic's ``--recompute``: what activation recomputation buys under a binding ``--memory-gib``."""
 OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
-METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE)
+PLAN_VARIANTS = {f"dynamic_plan_{costs}": costs for costs in PLAN_COSTS}
+"""dynamic calibrated with the fit every calibrated method shares and planned with each ``--plan-costs`` (base, scaled,
+calibrated), whatever ``--plan-costs`` says: the measurement behind its default, in one interleaved run."""
+METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, *PLAN_VARIANTS)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 
 
@@ -221,14 +224,15 @@ def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *OWN_BASE) else method, policy=args.policy,
+        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *OWN_BASE, *PLAN_VARIANTS) else method,
+        policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, max_steps=args.untimed_steps + args.timed_steps, warmup_steps=0, lr_scheduler_type="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
-        plan_costs=getattr(args, "plan_costs", "base"),
+        plan_costs=PLAN_VARIANTS.get(method, getattr(args, "plan_costs", "auto")),
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
         dtype=getattr(args, "dtype", "fp32"), layer_split=getattr(args, "layer_split", "data"),
     )

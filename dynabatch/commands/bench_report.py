@@ -38,7 +38,8 @@ def print_table(result: dict) -> None:
           f"{c['timed_steps']} timed steps (+{c['untimed_steps']} untimed) per method, interleaved; "
           f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
           f"device {result['machine']['device']}")
-    print(f"{'method':<20} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
+    w = max(20, *(len(m) for m in result["methods"]))
+    print(f"{'method':<{w}} {'tok/s':>8} {'p50 tok/s':>9} {'p10-p90':>13} {'pad eff':>7} {'bubble':>6} "
           f"{'mbs':>5} {'slc':>4} {'step s':>7} {'pred s':>7} {'peak MiB':>8} {'vs best':>7} {'paired p50 [p10,p90]':>21} {'vs pipe':>7}")
     for m, r in result["methods"].items():
         s = r["tokens_per_s_per_step"]
@@ -46,7 +47,7 @@ def print_table(result: dict) -> None:
         paired = r.get("paired_ratio_to_best_baseline")
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
         vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
-        print(f"{m:<20} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
+        print(f"{m:<{w}} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
               f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
               f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
@@ -94,10 +95,12 @@ def print_table(result: dict) -> None:
         print("measured busy fraction of each device (its compute / step time), median step (eff bal: amortised "
               "whole-model ideal / predicted work x mean busy): " + ", ".join(busy))
     rows = result["methods"]
-    for other, what in (("dynamic_uncalibrated", "calibrated"), ("dynamic_profiled", "calibrated"),
-                        ("dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}")):
-        if "dynamic" in rows and other in rows:
-            print(f"dynamic ({what}) vs {other}: {rows['dynamic']['tokens_per_s'] / rows[other]['tokens_per_s']:.2f}x "
+    pairs = [("dynamic", "dynamic_uncalibrated", "calibrated"), ("dynamic", "dynamic_profiled", "calibrated"),
+             ("dynamic", "dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}")]
+    pairs += [(m, "dynamic_profiled", "calibrated") for m in rows if m.startswith("dynamic_plan_")]
+    for ours, other, what in pairs:
+        if ours in rows and other in rows:
+            print(f"{ours} ({what}) vs {other}: {rows[ours]['tokens_per_s'] / rows[other]['tokens_per_s']:.2f}x "
                   "real tokens/s, interleaved on the same global batches")
     if PEER in result["methods"]:
         shapes = ", ".join("x".join(map(str, s)) for s in result["methods"][PEER].get("fixed_shapes", []))

@@ -25,8 +25,13 @@ PACK_ROWS = ("auto", "off")
 PLANNERS = ("auto", "process", "thread")
 """``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.planner.plan_ahead`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
-PLAN_COSTS = ("base", "calibrated")
-"""``--plan-costs``: plan with the base cost model (default) or with the online fit."""
+PLAN_COSTS = ("base", "scaled", "calibrated")
+"""``--plan-costs`` other than ``auto``: plan with the base cost model, the base model scaled per stage and direction
+to the online fit (:meth:`~dynabatch.cost.online.OnlineFit.scales`), or the online fit itself."""
+PLAN_COSTS_AUTO = {"seq2seq": "calibrated", "causal": "base"}
+"""What ``--plan-costs auto`` plans with, per sequence kind, as measured (README, *Online calibration*): the fit plans
+encoder-decoders better than the analytic model (1.01-1.05x), decoder-only models slightly worse (0.96-0.99x)."""
+PLAN_COST_CHOICES = ("auto", *PLAN_COSTS)
 CALIBRATIONS = ("auto", "quick", "online", "off")
 LAYER_SPLITS = ("data", "reference")
 """``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
@@ -132,9 +137,11 @@ class PipelineArgs:
     calibrate: Literal[CALIBRATIONS] = arg(
         "auto", "fit the planner's stage times to what the run measures: auto (quick + online; online only with "
                 "--cost-profile), quick (a few seconds of start-up measurements, then online), online or off")
-    plan_costs: Literal[PLAN_COSTS] = arg(
-        "base", "what the planner decides with when calibrating: base (the analytic preset or --cost-profile; the fit "
-                "only predicts) or calibrated (the online fit)")
+    plan_costs: Literal[PLAN_COST_CHOICES] = arg(
+        "auto", "what the planner decides with when calibrating: base (the analytic preset or --cost-profile; the fit "
+                "only predicts), scaled (the base model scaled per stage and direction to the fit: its ranking of "
+                "shapes, the measured stage times), calibrated (the online fit) or auto (calibrated for "
+                "encoder-decoders, base for decoder-only models: what measured faster)")
     calibration_file: str | None = arg(None, "warm start from the calibration.json an earlier run on the same device, "
                                              "model and layout wrote")
     plan_ahead: int = arg(2, "steps the background planner prepares ahead of training")

@@ -212,6 +212,31 @@ class OnlineFit:
             self._cache[key] = theta
         return self._cache[key]
 
+    def scales(self, as_of: int) -> np.ndarray:
+        """``(S, 2, F)`` coefficients of the base model scaled per stage and direction (``--plan-costs scaled``): the
+        fit's summed prediction over the micro-batches measured in the window divided by the base model's, as the
+        ``base`` coefficient, every other coefficient zero (1, the base exactly, where nothing was measured).
+
+        The scaled model keeps the base model's *ranking* of micro-batch shapes within a stage (FLOP counts or a
+        profile: which cut of a global batch is cheaper) and takes from the measurements only what the base model
+        gets wrong as a whole: each stage's and direction's time against the others' and against transfers. The
+        full fit also re-weighs the shape terms (per micro-batch, per token, per pair) from the shapes the run's own
+        plans produced, which predicts those plans well but can rank other cuts worse (README, *Online
+        calibration*)."""
+        key = ("scales", as_of)
+        if key not in self._cache:
+            theta = self.coefficients(as_of)
+            out = np.zeros_like(theta)
+            out[:, :, 0] = 1.0
+            rows = self._window(self.observations, as_of, self.window_steps)
+            for s in range(self.num_stages):
+                for d in range(2):
+                    x = np.array([r[3] for r in rows if r[1] == s and r[2] == d], dtype=np.float64)
+                    if len(x) and x[:, 0].sum() > 0:
+                        out[s, d, 0] = float((x @ theta[s, d]).sum() / x[:, 0].sum())
+            self._cache[key] = out
+        return self._cache[key]
+
     def overhead_s(self, as_of: int) -> float:
         """Median measured - predicted step seconds over the last :attr:`overhead_steps` steps up to ``as_of``."""
         rows = self._window(self.step_residuals, as_of, self.overhead_steps)

@@ -94,14 +94,16 @@ class RunCalibration:
                 raise RuntimeError(f"planning step {step} needs the measurements of step {self.as_of(step)}, "
                                    f"recorded through {self.recorded_through} after {timeout_s:.0f} s")
 
-    def cost_model_for(self, step: int, timeout_s: float = 600.0):
-        """The planner's stage cost model for ``step`` (the fit as of :meth:`as_of`)."""
+    def cost_model_for(self, step: int, timeout_s: float = 600.0, scaled: bool = False):
+        """The stage cost model of the fit as of :meth:`as_of` ``(step)``; ``scaled``: the base model scaled per stage
+        and direction to it (:meth:`~dynabatch.cost.online.OnlineFit.scales`, ``--plan-costs scaled``)."""
         if not self.enabled:
             return self.base
         self._wait(step, timeout_s)
         with self._cond:
             k = self.as_of(step)
-            return CalibratedStageCostModel.of(self.base, self.fit.coefficients(k), self.fit.memory_scale(k))
+            theta = self.fit.scales(k) if scaled else self.fit.coefficients(k)
+            return CalibratedStageCostModel.of(self.base, theta, self.fit.memory_scale(k))
 
     def overhead_for(self, step: int) -> float:
         if not self.enabled:

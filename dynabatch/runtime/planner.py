@@ -92,7 +92,7 @@ class PlannedStep:
     has the run's pipeline spec (:attr:`StepPlanner.spec`); ``plan_time_s`` then includes the lowering."""
     plan_model: Any = None
     """The stage cost model this step was planned with (the online fit as of its step with
-    ``plan_costs="calibrated"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
+    ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
     moves on with the steps it plans ahead (and stays in the planner's process with ``--planner process``)."""
 
     @property
@@ -125,13 +125,13 @@ class StepPlanner:
                  calibration=None, spec=None):
         self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
         self.calibration = calibration
+        """:class:`~dynabatch.runtime.calibration.RunCalibration` (online calibration) or ``None``."""
         self.spec = spec
         """The run's :class:`~dynabatch.schedule.ir.PipelineSpec`: with it, every training step is also lowered and
         validated here (:attr:`PlannedStep.plans`), off the training loop; ``None``: the loop lowers it."""
-        """:class:`~dynabatch.runtime.calibration.RunCalibration` (online calibration) or ``None``."""
         self.predict_model = cost_model
-        """The model predictions are made with: the online fit when calibrating (``cost_model`` plans; it is
-        the fit too with ``plan_costs="calibrated"``, else the base model)."""
+        """The model predictions are made with: the online fit when calibrating (``cost_model`` plans: the fit too
+        with ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``, else the base model)."""
         self.limits: LengthLimits = batcher.limits
         self.family = self.limits.family
         self.step = batcher.step
@@ -147,11 +147,20 @@ class StepPlanner:
 
             self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
 
+    @property
+    def plan_costs(self) -> str:
+        """``--plan-costs`` with ``auto`` resolved for this run's sequence kind (:data:`~dynabatch.config.PLAN_COSTS_AUTO`)."""
+        from dynabatch.config import PLAN_COSTS_AUTO
+
+        choice = getattr(self.cfg, "plan_costs", "auto")
+        return PLAN_COSTS_AUTO[self.family] if choice == "auto" else choice
+
     def __call__(self) -> PlannedStep:
         _maybe_crash(self.step)
         if self.calibration is not None and self.calibration.enabled:  # may wait for the measurements it needs
             self.predict_model = self.calibration.cost_model_for(self.step)
-            self.cost_model = self.predict_model if self.cfg.plan_costs == "calibrated" else self.calibration.base
+            self.cost_model = {"base": self.calibration.base, "calibrated": self.predict_model,
+                               "scaled": self.calibration.cost_model_for(self.step, scaled=True)}[self.plan_costs]
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())

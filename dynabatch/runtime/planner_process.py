@@ -11,8 +11,8 @@ holds the training loop's GIL while it unpickles, rebuilds a gpt2-tiny step in 1
 Online calibration: the child's planner asks :class:`_FedCalibration` for the cost model of step ``k``; a feeder
 thread in the parent takes exactly that model from the run's
 :class:`~dynabatch.runtime.calibration.RunCalibration` (``cost_model_for(k)``: the fit as of step
-``k - plan_ahead - 1``, waiting until the loop recorded it, as the thread planner waits) with the step's overhead
-and sends them, step by step, to the child. The fit as of a step is a pure function of the measurements up to it,
+``k - plan_ahead - 1``, waiting until the loop recorded it, as the thread planner waits), the base model scaled to
+it (``--plan-costs scaled``) and the step's overhead, and sends them, step by step, to the child. The fit as of a step is a pure function of the measurements up to it,
 so the child plans exactly what the planner thread plans (tested, with online calibration too).
 
 Failures: an exception in the child comes back as its type name and message and :meth:`ProcessPlanAhead.get`
@@ -51,13 +51,13 @@ class _FedCalibration:
 
     def __init__(self, base, enabled: bool, feed, stop):
         self.base, self._enabled, self._feed, self._stop = base, enabled, feed, stop
-        self._models: dict[int, tuple[Any, float]] = {}
+        self._models: dict[int, tuple[Any, Any, float]] = {}
 
     @property
     def enabled(self) -> bool:
         return self._enabled
 
-    def _entry(self, step: int, timeout_s: float = 600.0) -> tuple[Any, float]:
+    def _entry(self, step: int, timeout_s: float = 600.0) -> tuple[Any, Any, float]:
         deadline = time.monotonic() + timeout_s
         while step not in self._models:
             if self._stop.is_set():
@@ -65,17 +65,17 @@ class _FedCalibration:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"planning step {step}: the training process sent no cost model within {timeout_s:.0f} s")
             try:
-                k, model, overhead = self._feed.get(timeout=_POLL_S)
+                k, *entry = self._feed.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
-            self._models[k] = (model, overhead)
+            self._models[k] = tuple(entry)
         return self._models[step]
 
-    def cost_model_for(self, step: int, timeout_s: float = 600.0):
-        return self._entry(step, timeout_s)[0]
+    def cost_model_for(self, step: int, timeout_s: float = 600.0, scaled: bool = False):
+        return self._entry(step, timeout_s)[1 if scaled else 0]
 
     def overhead_for(self, step: int) -> float:
-        return self._entry(step)[1]
+        return self._entry(step)[2]
 
 
 class _Pickler(pickle.Pickler):
@@ -150,13 +150,13 @@ class ProcessPlanAhead:
         for step in range(start, start + num_steps):
             while not self._stop.is_set():
                 try:
-                    model = cal.cost_model_for(step, timeout_s=1.0)
+                    models = (cal.cost_model_for(step, timeout_s=1.0), cal.cost_model_for(step, scaled=True))
                     break
                 except RuntimeError:  # not recorded yet: the loop is still on an earlier step
                     continue
             if self._stop.is_set():
                 return
-            self._feed.put((step, model, cal.overhead_for(step)))
+            self._feed.put((step, *models, cal.overhead_for(step)))
 
     def get(self, timeout_s: float = 600.0):
         """The next planned step and the seconds the caller waited for it (as :meth:`PlanAhead.get`)."""

@@ -205,3 +205,15 @@ def test_bench_recompute_against_no_recompute(tmp_path):
     for row in (full, none):
         assert row["measured_saved_activation_mib"] == pytest.approx(row["predicted_saved_activation_mib"], rel=0.1)
     assert full["micro_batches_per_step"] <= none["micro_batches_per_step"]
+
+
+def test_bench_plan_cost_variants_share_one_fit(tmp_path):
+    """One process, GPT-2: dynamic_plan_{base,scaled,calibrated} are dynamic planned with each --plan-costs, all
+    calibrated by the one fit the bench shares (--calibrate quick), whatever --plan-costs says; the same global
+    batches, so the same first loss."""
+    variants = ("dynamic_plan_base", "dynamic_plan_scaled", "dynamic_plan_calibrated")
+    _, rows = _one_process_bench(tmp_path, "gpt2-tiny", ",".join(variants), "--calibrate", "quick", "--quiet")
+    assert set(rows) == set(variants)
+    for m in variants:
+        assert rows[m]["calibration"].startswith("online as of step"), rows[m]["calibration"]
+        assert rows[m]["loss_first"] == pytest.approx(rows["dynamic_plan_base"]["loss_first"], abs=1e-5)

@@ -118,6 +118,34 @@ def test_calibrated_model_is_the_base_at_the_warm_start_and_follows_its_coeffici
     assert scaled.model_state_bytes == base.model_state_bytes
 
 
+def test_scaled_plan_costs_keep_the_base_ranking_and_take_each_stages_measured_time():
+    """``--plan-costs scaled``: per stage and direction one factor on the base model -- the base's ranking of shapes
+    stays, and over the measured micro-batches the scaled model sums to what the fit predicts (here, noise-free:
+    about what was measured; the warm start still holds a little)."""
+    base, _ = _stage_model()
+    fit = OnlineFit(base.num_stages, False)
+    rng = np.random.default_rng(7)
+    b, e = rng.integers(1, 17, 40).astype(float), rng.integers(16, 129, 40).astype(float)
+    x = CalibratedStageCostModel.of(base, fit.theta0).features(b, e, None)  # (S, 2, N, F)
+    true = np.zeros(fit.theta0.shape)
+    true[0, :, 0], true[0, :, 1] = 4.0, 2e-3  # stage 0: 4x the base + 2 ms per micro-batch
+    true[1, :, 0], true[1, :, 2] = 9.0, 1e-6  # stage 1: 9x the base + 1 us per token
+    measured = np.einsum("sdnf,sdf->sdn", x, true)
+    for s in range(2):
+        for d in range(2):
+            fit.add_times(0, s, d, x[s, d], measured[s, d])
+    theta = fit.scales(0)
+    assert np.all(theta[..., 1:] == 0) and np.all(theta[..., 0] > 0)
+    scaled, plain = CalibratedStageCostModel.of(base, theta).per_stage(b, e, None), base.per_stage(b, e, None)
+    for s in range(2):
+        ratio = scaled.fwd_s[s] / plain.fwd_s[s]
+        np.testing.assert_allclose(ratio, ratio[0], rtol=1e-12)  # the base's ranking of shapes, unchanged
+        for d, got in enumerate((scaled.fwd_s[s], scaled.bwd_s[s])):
+            np.testing.assert_allclose(got.sum(), (x[s, d] @ fit.coefficients(0)[s, d]).sum(), rtol=1e-9)
+            np.testing.assert_allclose(got.sum(), measured[s, d].sum(), rtol=0.02)
+    assert np.array_equal(OnlineFit(2, False).scales(5), fit.theta0)  # nothing measured: the base exactly
+
+
 def test_planner_waits_for_the_measurements_it_plans_with():
     from dynabatch.runtime.calibration import RunCalibration
 
@@ -135,7 +163,7 @@ def test_planner_waits_for_the_measurements_it_plans_with():
     assert got and isinstance(got[0], CalibratedStageCostModel)
 
 
-@pytest.mark.parametrize("plan_costs", ["base", "calibrated"])
+@pytest.mark.parametrize("plan_costs", ["base", "scaled", "calibrated", "auto"])
 def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_one(toy_data, plan_costs):
     """A run records deterministic 'measured' times; a planner rebuilt at step 4 from the batcher position
     and the fit's state dict (what a checkpoint holds) makes exactly the plans of the uninterrupted one."""
@@ -197,8 +225,10 @@ def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_on
         assert a.step == b.step and a.shapes == b.shapes
         assert a.predicted_step_s == b.predicted_step_s
     assert full[-1].predicted_step_s != full[0].predicted_step_s  # the fit moved the predictions
+    resolved = {"auto": "calibrated" if preset.startswith("t5") else "base"}.get(plan_costs, plan_costs)
+    assert planner.plan_costs == resolved  # auto: the fit plans encoder-decoders, the base model decoder-only ones
     for p in full:  # predictions come from the fit; plans from the fit only with plan_costs="calibrated"
-        assert (p.predicted_costs is p.costs) == (plan_costs == "calibrated")
+        assert (p.predicted_costs is p.costs) == (resolved == "calibrated")
     uncalibrated = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=1024), cfg, base, toy_data.tokens)
     plain = [uncalibrated() for _ in range(8)]
     rows = lambda plans: [[s.row_index for s in p.batch.samples] for p in plans]  # noqa: E731
