@@ -184,6 +184,9 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
         run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
         run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration,
                                   spec=spec)
+        if run.calibration.enabled:
+            logger.info(f"cost model: calibration {cfg.calibration_mode}; plans with the "
+                        f"{run.planner.plan_costs} costs (--plan-costs {cfg.plan_costs})")
     return run
 
 
