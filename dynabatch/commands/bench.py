@@ -72,12 +72,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.bench_report import PEER, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
+from dynabatch.commands.bench_report import PEER, PLAN_VARIANTS, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.sections import PLAN_COSTS, arg
+from dynabatch.config.sections import arg
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.model_presets import FAMILY_PRESETS
@@ -95,9 +95,6 @@ NORECOMPUTE = "dynamic_norecompute"
 dynamic's ``--recompute``: what activation recomputation buys under a binding ``--memory-gib``."""
 OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
-PLAN_VARIANTS = {f"dynamic_plan_{costs}": costs for costs in PLAN_COSTS}
-"""dynamic calibrated with the fit every calibrated method shares and planned with each ``--plan-costs`` (base, scaled,
-calibrated), whatever ``--plan-costs`` says: the measurement behind its default, in one interleaved run."""
 METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, *PLAN_VARIANTS)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 

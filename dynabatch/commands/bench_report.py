@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 
+from dynabatch.config.sections import PLAN_COSTS
+
 PEER = "pipelining"
 """The external peer method (``torch.distributed.pipelining`` on packing's rows)."""
+PLAN_VARIANTS = {f"dynamic_plan_{costs}": costs for costs in PLAN_COSTS}
+"""bench methods: dynamic calibrated with the fit every calibrated method shares and planned with each ``--plan-costs``
+(base, scaled, calibrated), whatever ``--plan-costs`` says: the measurement behind its default, in one interleaved run."""
 
 
 def summary_line(result: dict) -> str:
@@ -97,7 +102,7 @@ def print_table(result: dict) -> None:
     rows = result["methods"]
     pairs = [("dynamic", "dynamic_uncalibrated", "calibrated"), ("dynamic", "dynamic_profiled", "calibrated"),
              ("dynamic", "dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}")]
-    pairs += [(m, "dynamic_profiled", "calibrated") for m in rows if m.startswith("dynamic_plan_")]
+    pairs += [(m, "dynamic_profiled", "calibrated") for m in PLAN_VARIANTS]
     for ours, other, what in pairs:
         if ours in rows and other in rows:
             print(f"{ours} ({what}) vs {other}: {rows[ours]['tokens_per_s'] / rows[other]['tokens_per_s']:.2f}x "

@@ -30,7 +30,8 @@ PLAN_COSTS = ("base", "scaled", "calibrated")
 to the online fit (:meth:`~dynabatch.cost.online.OnlineFit.scales`), or the online fit itself."""
 PLAN_COSTS_AUTO = {"seq2seq": "calibrated", "causal": "base"}
 """What ``--plan-costs auto`` plans with, per sequence kind, as measured (README, *Online calibration*): the fit plans
-encoder-decoders better than the analytic model (1.01-1.05x), decoder-only models slightly worse (0.96-0.99x)."""
+encoder-decoders better than the analytic model (0.98-1.05x, mean 1.03x), decoder-only models slightly worse
+(0.96-0.99x)."""
 PLAN_COST_CHOICES = ("auto", *PLAN_COSTS)
 CALIBRATIONS = ("auto", "quick", "online", "off")
 LAYER_SPLITS = ("data", "reference")

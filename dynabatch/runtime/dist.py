@@ -105,7 +105,7 @@ class DistContext:
 def gather_to_planner(ctx: DistContext, obj, what: str) -> list | None:
     """Collective over the world (the gloo delivery group): rank 0 gets every rank's ``obj``, indexed by global
     rank; the others get ``None``. A peer that died or stopped turns into a :class:`PipelineError` naming this
-    rank and ``what`` was being gathered (e.g. ``"step 7, the measured stage times"``), like a failed transfer."""
+    rank and ``what`` was being gathered (e.g. ``"step 7's measured stage times"``), like a failed transfer."""
     gathered: list | None = [None] * ctx.world_size if ctx.is_planner else None
     try:
         dist.gather_object(obj, gathered, dst=0, group=ctx.delivery_group)

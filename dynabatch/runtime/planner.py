@@ -159,8 +159,9 @@ class StepPlanner:
         _maybe_crash(self.step)
         if self.calibration is not None and self.calibration.enabled:  # may wait for the measurements it needs
             self.predict_model = self.calibration.cost_model_for(self.step)
-            self.cost_model = {"base": self.calibration.base, "calibrated": self.predict_model,
-                               "scaled": self.calibration.cost_model_for(self.step, scaled=True)}[self.plan_costs]
+            costs = self.plan_costs
+            self.cost_model = (self.calibration.base if costs == "base" else self.predict_model if costs == "calibrated"
+                               else self.calibration.cost_model_for(self.step, scaled=True))
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())

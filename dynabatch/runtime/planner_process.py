@@ -12,7 +12,7 @@ Online calibration: the child's planner asks :class:`_FedCalibration` for the co
 thread in the parent takes exactly that model from the run's
 :class:`~dynabatch.runtime.calibration.RunCalibration` (``cost_model_for(k)``: the fit as of step
 ``k - plan_ahead - 1``, waiting until the loop recorded it, as the thread planner waits), the base model scaled to
-it (``--plan-costs scaled``) and the step's overhead, and sends them, step by step, to the child. The fit as of a step is a pure function of the measurements up to it,
+it (with ``--plan-costs scaled`` only) and the step's overhead, and sends them, step by step, to the child. The fit as of a step is a pure function of the measurements up to it,
 so the child plans exactly what the planner thread plans (tested, with online calibration too).
 
 Failures: an exception in the child comes back as its type name and message and :meth:`ProcessPlanAhead.get`
@@ -141,16 +141,19 @@ class ProcessPlanAhead:
         self._process.start()
         self._feeder = None
         if fed is not None:
-            self._feeder = threading.Thread(target=self._feed_fits, args=(cal, planner.step, num_steps), daemon=True,
+            self._feeder = threading.Thread(target=self._feed_fits, args=(cal, planner.step, num_steps,
+                                                                          planner.plan_costs == "scaled"), daemon=True,
                                             name="dynabatch-planner-feed")
             self._feeder.start()
 
-    def _feed_fits(self, cal, start: int, num_steps: int) -> None:
-        """Parent thread: send the child each step's cost model once the loop has recorded what it is fitted on."""
+    def _feed_fits(self, cal, start: int, num_steps: int, scaled: bool) -> None:
+        """Parent thread: send the child each step's cost model (and with ``scaled`` the base model scaled to it) once
+        the loop has recorded what it is fitted on."""
         for step in range(start, start + num_steps):
             while not self._stop.is_set():
                 try:
-                    models = (cal.cost_model_for(step, timeout_s=1.0), cal.cost_model_for(step, scaled=True))
+                    models = (cal.cost_model_for(step, timeout_s=1.0),
+                              cal.cost_model_for(step, scaled=True) if scaled else None)
                     break
                 except RuntimeError:  # not recorded yet: the loop is still on an earlier step
                     continue

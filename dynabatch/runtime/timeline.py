@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-
 from dynabatch.runtime.dist import DistContext, gather_to_planner
 from dynabatch.runtime.executor import StepResult
 from dynabatch.schedule.compute import Phase

@@ -15,7 +15,7 @@ from dynabatch.runtime.planner_process import ProcessPlanAhead
 from dynabatch.runtime.step import plan_step
 
 
-def _planner(toy_data, calibrated: bool = False):
+def _planner(toy_data, calibrated: bool = False, plan_costs: str = "auto"):
     from dynabatch.cost.online import OnlineFit
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
@@ -25,7 +25,7 @@ def _planner(toy_data, calibrated: bool = False):
     from dynabatch.runtime.trainer import planner_cost_model
 
     cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32,
-                      plan_ahead=1)
+                      plan_ahead=1, plan_costs=plan_costs)
     model = build_model("gpt2-tiny", vocab_size=toy_data.tokens.vocab_size)
     base = planner_cost_model(cfg, model.config, layout_for(model, 2))
     limits = LengthLimits(toy_data.family, max_input_len=128, max_target_len=32, max_seq_len=128)
@@ -68,10 +68,10 @@ def _run(ahead, planner, steps: int, calibrated: bool):
 
 
 @pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
-@pytest.mark.parametrize("calibrated", [False, True])
-def test_process_planner_delivers_the_thread_planners_steps(toy_data, calibrated):
-    steps = 4  # plan_ahead 1: steps 2 and 3 are planned with the fit of steps 0 and 1
-    thread_planner, process_planner = _planner(toy_data, calibrated), _planner(toy_data, calibrated)
+@pytest.mark.parametrize("calibrated, plan_costs", [(False, "auto"), (True, "auto"), (True, "scaled")])
+def test_process_planner_delivers_the_thread_planners_steps(toy_data, calibrated, plan_costs):
+    steps = 4  # plan_ahead 1: steps 2 and 3 are planned with the fit of steps 0 and 1 (scaled: the base model scaled to it)
+    thread_planner, process_planner = _planner(toy_data, calibrated, plan_costs), _planner(toy_data, calibrated, plan_costs)
     want = _run(PlanAhead(thread_planner, steps, 2), thread_planner, steps, calibrated)
     got = _run(ProcessPlanAhead(process_planner, steps, 2), process_planner, steps, calibrated)
     for w, g in zip(want, got, strict=True):
