@@ -124,7 +124,8 @@ class BenchArgs:
     quiet: bool = arg(False, "no table (with --json)")
 
 
-BENCH_FIELDS = ("model", "dtype", "stages", "policy", "layer_split", "pack_rows", "attention", "global_batch_tokens", "max_input_len",
+BENCH_FIELDS = ("model", "dtype", "stages", "policy", "layer_split", "pack_rows", "attention", "attention_kernel",
+                "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
                 "plan_costs", "seed")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
@@ -343,6 +344,7 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.runtime.dist import shutdown
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
+    from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
     from dynabatch.runtime.metrics import peak_rss_bytes
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer
@@ -355,6 +357,9 @@ def bench(args, methods: list[str]) -> dict | None:
     ctx = connect(cfg0)
     try:
         torch.set_num_threads(args.threads)
+        if problem := kernel_problem(args.attention_kernel, ctx.device, args.dtype):
+            raise ValueError(problem)
+        use_attention_kernel(args.attention_kernel)
         info = tokenizer_info(load_tokenizer("builtin"))
         family = check_model(args.model, args.max_input_len).sequence_kind
         model = build_model(args.model, vocab_size=info.vocab_size, dropout=0.0, seed=args.seed)

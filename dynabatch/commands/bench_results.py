@@ -122,6 +122,8 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
 
     import torch
 
+    from dynabatch.models.attention_kernels import KERNEL_CALLS
+
     w = args.untimed_steps
     rows = {}
     for m in methods:
@@ -184,6 +186,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
         "samples_per_step": float(np.mean([len(b) for b in batches])),
         "real_tokens_per_step": float(np.mean([b.num_tokens for b in batches])),
         "peak_rss_mib_rank0": rss / 2**20,
+        "attention_kernels_rank0": dict(sorted(KERNEL_CALLS.items())),  # calls per kernel, every method and trial
         "best_baseline": best,
         "methods": rows,
     }

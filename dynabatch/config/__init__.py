@@ -20,6 +20,7 @@ from functools import cache
 from typing import Any, Literal
 
 from dynabatch.config.sections import (  # noqa: F401 (the registries are imported from here)
+    ATTENTION_KERNELS,
     ATTENTION_PATHS,
     BAD_ROWS,
     CALIBRATIONS,

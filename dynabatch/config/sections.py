@@ -19,6 +19,8 @@ METHODS = ("dynamic", *BASELINES)
 POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
 ATTENTION_PATHS = ("segments", "dense")
 """``--attention``: segments (padding-free) or dense (4-D masks); :mod:`dynabatch.models.attention` uses this list."""
+ATTENTION_KERNELS = ("auto", "sdpa", "varlen", "flex")
+"""``--attention-kernel``: what runs padding-free attention (:data:`dynabatch.models.attention_kernels.KERNELS`)."""
 PACK_ROWS = ("auto", "off")
 """``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
 (one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
@@ -68,6 +70,10 @@ class ModelArgs:
     attention: Literal[ATTENTION_PATHS] = arg(
         "segments", "attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on "
                     "pad) or dense (4-D block-diagonal masks, the reference)")
+    attention_kernel: Literal[ATTENTION_KERNELS] = arg(
+        "auto", "kernel of --attention segments: auto (CUDA: FlashAttention varlen where it applies, else flex_attention "
+                "with a document block mask; CPU: sdpa), sdpa (one SDPA call per group of near-equal samples), varlen "
+                "or flex; metrics.jsonl's attention_kernels says which ran")
     dropout: float = arg(0.0, "dropout probability of the model")
     dtype: Literal[DTYPES] = arg("fp32", "compute precision: fp32, or bf16 / fp16 autocast over fp32 weights "
                                          "(bf16 also on CPU)")

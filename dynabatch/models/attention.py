@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from dynabatch.config import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
 from dynabatch.cost.pairs import attention_groups
+from dynabatch.models import attention_kernels
 from dynabatch.models.recompute import run_attention_core
 
 SEGMENT_ATTENTION = "dynabatch_segments"
@@ -107,7 +108,10 @@ class Segments:
     max_len: int
     """Longest query or key span: the size of the relative-position bias a T5 stage computes."""
     masks: dict = field(default_factory=dict, compare=False, repr=False)
-    """Per-group masks built by the first layer and reused by the others (:func:`_cached_mask`)."""
+    """Per-group masks built by the first layer and reused by the others (:func:`_cached_mask`), and the
+    other kernels' layouts (:mod:`dynabatch.models.attention_kernels`)."""
+    spans: tuple = field(default=(), compare=False, repr=False)
+    """Host arrays ``(rows, query_starts, query_lens, key_starts, key_lens)``, one entry per sample."""
 
     @property
     def is_dense_rows(self) -> bool:
@@ -208,7 +212,8 @@ def _grouped(kind, num_rows, query_len, key_len, rows, q_starts, q_lens, k_start
                                    whole_rows=whole, all_rows=whole and len(m) == num_rows,
                                    aligned=bool(((k_lens[m] - q_lens[m]) == k_lens[m].max() - q_lens[m].max()).all())))
     max_len = int(max(q_lens.max(initial=0), k_lens.max(initial=0)))
-    return Segments(kind, num_rows, query_len, key_len, tuple(groups), max_len)
+    return Segments(kind, num_rows, query_len, key_len, tuple(groups), max_len,
+                    spans=(rows, q_starts, q_lens, k_starts, k_lens))
 
 
 def _take(x: torch.Tensor, g: SegmentGroup, starts: torch.Tensor, length: int, first_start: int) -> torch.Tensor:
@@ -277,8 +282,13 @@ def segment_attention(
     """Attention of (B, H, Q, Dh) queries over (B, Hk, K, Dh) keys/values within each sample's span.
 
     ``bias``: T5's (1, H, L, L) relative-position bias for self-attention, ``L >= segments.max_len``.
-    Grouped-query attention (``Hk < H``) is handled by SDPA. Returns (B, Q, H, Dh), zero at pad queries.
+    Grouped-query attention (``Hk < H``) is handled by the kernel. Returns (B, Q, H, Dh), zero at pad
+    queries. The kernel (per-group SDPA below, FlashAttention varlen or flex) is chosen per call by
+    :func:`dynabatch.models.attention_kernels.choose`.
     """
+    kernel = attention_kernels.choose(query, segments, bias, dropout_p)
+    if kernel.run is not None:
+        return kernel.run(query, key, value, segments, scale, bias)
     gqa = query.shape[1] != key.shape[1]
     if segments.is_dense_rows:  # every row one unpadded sample: no mask, no copies
         mask, causal = _cached_mask(segments, 0, bias, query.dtype)

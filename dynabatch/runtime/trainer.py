@@ -23,12 +23,14 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from dynabatch.config import TrainConfig
+from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
 from dynabatch.runtime.log import quiet_third_party, setup_logging
@@ -147,6 +149,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
+    from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
     from dynabatch.models.families import check_model
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
@@ -161,6 +164,9 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     if model.config.vocab_size < info.vocab_size:
         raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
     check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
+    if cfg.attention_path == "segments" and (problem := kernel_problem(cfg.attention_kernel, ctx.device, cfg.dtype)):
+        raise ValueError(problem)
+    use_attention_kernel(cfg.attention_kernel)
     loaded = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
     chosen = _run_layout(cfg, ctx, model, loaded)
     cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
@@ -303,6 +309,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             if ctx.is_planner:
                 planned, wait = ahead.get(timeout_s=max(600.0, cfg.timeout_s))
                 assert planned.step == step, (planned.step, step)
+            kernels_before = Counter(KERNEL_CALLS)
             t0 = time.perf_counter()
             result = train_step(
                 run.executor, ctx, step,
@@ -333,6 +340,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             if ctx.is_planner:
                 record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
                 record["attention"] = run.stage.attention
+                record["attention_kernels"] = calls_since(kernels_before)  # this rank's calls per kernel
                 record["dtype"] = cfg.dtype
                 if result.loss_scale is not None:
                     record["loss_scale"] = result.loss_scale

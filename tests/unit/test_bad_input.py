@@ -102,3 +102,13 @@ def test_gpt_sample_too_big_for_memory_names_it_and_hints_slicing(tmp_path, caps
     assert "dynabatch plan: error: sample 5 of global batch 0 (input_len=8000, target_len=" in msg
     assert "The smallest budget that fits every sample is" in msg
     assert "(or pass --slice-long to cut such samples into token slices)" in msg
+
+
+@pytest.mark.parametrize("kernel,expected", [("varlen", "--attention-kernel varlen needs CUDA"),
+                                             ("flex", "--attention-kernel flex cannot train on CPU")])
+def test_an_attention_kernel_that_cannot_train_here_is_refused(tmp_path, capsys, kernel, expected):
+    from dynabatch.models import attention_kernels
+
+    msg = _train_error(tmp_path, capsys, "--attention-kernel", kernel)
+    assert expected in msg and "use auto or sdpa" in msg
+    assert attention_kernels.attention_kernel() == "auto"  # refused before it was set

@@ -282,6 +282,9 @@ def test_train_packing_free_matches_packing(tmp_path, toy_mixture_dir):
     assert np.isfinite(free[1]["loss"]) and free[0]["loss"] == pytest.approx(dense[0]["loss"], rel=1e-4)
     # packing is DynaPipe's dense-mask baseline whatever --attention says; packing_free is padding-free
     assert {r["attention"] for r in free} == {"segments"} and {r["attention"] for r in dense} == {"dense"}
+    # which kernel ran: on CPU every padding-free call is per-segment SDPA; the dense path calls none of them
+    assert all(set(r["attention_kernels"]) == {"sdpa"} and r["attention_kernels"]["sdpa"] > 0 for r in free)
+    assert all(r["attention_kernels"] == {} for r in dense)
 
 
 def test_hf_dataloader_runs_packing_free(toy_data):
