@@ -287,8 +287,8 @@ def segment_attention(
     :func:`dynabatch.models.attention_kernels.choose`.
     """
     kernel = attention_kernels.choose(query, segments, bias, dropout_p)
-    if kernel.run is not None:
-        return kernel.run(query, key, value, segments, scale, bias)
+    if kernel.run is not None and (out := attention_kernels.run(kernel, query, key, value, segments, scale, bias)) is not None:
+        return out
     gqa = query.shape[1] != key.shape[1]
     if segments.is_dense_rows:  # every row one unpadded sample: no mask, no copies
         mask, causal = _cached_mask(segments, 0, bias, query.dtype)

@@ -24,13 +24,15 @@ only. Three kernels can do that, each from the same :class:`~dynabatch.models.at
 ``auto`` (the default, ``--attention-kernel``) picks, per call: on CUDA ``varlen`` when it applies, else
 ``flex``, else ``sdpa``; on CPU ``sdpa``. A layout that is already dense (every row one unpadded sample)
 always takes ``sdpa``: plain SDPA then hits the flash kernel itself. An explicit choice that cannot serve a
-call (e.g. ``varlen`` with T5's bias) falls back to ``sdpa`` for that call. :data:`KERNEL_CALLS` counts the
+call (e.g. ``varlen`` with T5's bias) falls back to ``sdpa`` for that call; under ``auto`` a kernel that
+raises (a compile or driver problem) is logged once and replaced by ``sdpa`` for the rest of the run. :data:`KERNEL_CALLS` counts the
 calls each kernel served, and the trainer writes the per-step counts to ``metrics.jsonl``
 (``attention_kernels``), so a run's metrics say which path ran.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +43,8 @@ import torch
 
 if TYPE_CHECKING:
     from dynabatch.models.attention import Segments
+
+logger = logging.getLogger(__name__)
 
 KERNEL_CALLS: Counter = Counter()
 """Attention calls served per kernel name in this process (the trainer logs per-step differences)."""
@@ -268,13 +272,34 @@ def choose(query: torch.Tensor, segments: "Segments", bias, dropout_p: float) ->
     """The kernel that serves this call (module docstring) and count it."""
     chosen = KERNELS["sdpa"]
     if not segments.is_dense_rows:
-        names = AUTO_ORDER if (_preference == "auto" and query.is_cuda) else (_preference,)
+        names = (AUTO_ORDER if query.is_cuda else ()) if _preference == "auto" else (_preference,)
         for name in names:
-            if name != "auto" and KERNELS[name].unfit(query, segments, bias, dropout_p) is None:
+            if name not in _BROKEN and KERNELS[name].unfit(query, segments, bias, dropout_p) is None:
                 chosen = KERNELS[name]
                 break
     KERNEL_CALLS[chosen.name] += 1
     return chosen
+
+
+_BROKEN: dict[str, str] = {}
+"""Kernels that raised under ``auto`` in this process, with the error: ``auto`` no longer tries them."""
+
+
+def run(kernel: SegmentKernel, query, key, value, segments: "Segments", scale, bias) -> torch.Tensor | None:
+    """``kernel.run(...)``; under ``auto`` a kernel that raises (a compile or driver problem on a device no test
+    ran on) is logged once and dropped for the process, and ``None`` tells the caller to run ``sdpa``.
+    An explicit ``--attention-kernel`` raises."""
+    try:
+        return kernel.run(query, key, value, segments, scale, bias)
+    except Exception as error:  # noqa: BLE001 (any kernel failure; re-raised unless auto)
+        if _preference != "auto":
+            raise
+        _BROKEN[kernel.name] = f"{type(error).__name__}: {error}"
+        KERNEL_CALLS[kernel.name] -= 1
+        KERNEL_CALLS["sdpa"] += 1
+        logger.warning(f"attention kernel {kernel.name} failed ({_BROKEN[kernel.name][:300]}); --attention-kernel auto "
+                       "uses sdpa instead for the rest of the run")
+        return None
 
 
 def calls_since(before: Counter) -> dict[str, int]:

@@ -172,3 +172,28 @@ def test_a_kernel_that_cannot_train_is_refused_in_one_line():
     assert "cannot train on CPU" in ak.kernel_problem("flex", "cpu")
     with pytest.raises(ValueError, match="unknown attention kernel 'fa3'; valid: auto, sdpa, varlen, flex"):
         ak.use_attention_kernel("fa3")
+
+
+def test_under_auto_a_kernel_that_raises_is_replaced_by_sdpa(monkeypatch, caplog):
+    seg = build_segments("causal", IDS)
+    q, k, v = _qkv(3, 4, 7, 7)
+    with kernel("sdpa"):
+        want = segment_attention(q, k, v, seg)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(ak, "KERNELS", {**ak.KERNELS, "flex": ak.SegmentKernel("flex", "", ak._sdpa_unfit, broken)})
+    monkeypatch.setattr(ak, "_BROKEN", {})
+    with kernel("flex"), pytest.raises(RuntimeError, match="no kernel image"):  # an explicit choice raises
+        segment_attention(q, k, v, seg)
+    monkeypatch.setattr(ak, "AUTO_ORDER", ("flex",))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # auto tries AUTO_ORDER on CUDA only
+    with kernel("auto"):
+        before = ak.KERNEL_CALLS.copy()
+        first = segment_attention(q, k, v, seg)
+        second = segment_attention(q, k, v, seg)  # flex is not tried again
+    assert ak.calls_since(before) == {"sdpa": 2} and set(ak._BROKEN) == {"flex"}
+    assert "attention kernel flex failed (RuntimeError: no kernel image" in caplog.text
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(second, want)
