@@ -37,6 +37,12 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _num(value, width: int, digits: int) -> str:
+    """``value`` right-aligned in ``width`` with ``digits`` decimals; ``n/a`` for ``None`` (a prediction off the
+    cost profile's grid)."""
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
 def print_table(result: dict) -> None:
     c = result["config"]
     print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
@@ -53,10 +59,13 @@ def print_table(result: dict) -> None:
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
         vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
         print(f"{m:<{w}} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
-              f"{r['padding_efficiency']:>7.3f} {r['bubble_fraction_predicted']:>6.3f} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
-              f"{r['step_time_s']['median']:>7.3f} {r['predicted_step_s_median']:>7.3f} {peak:>8.1f} "
+              f"{r['padding_efficiency']:>7.3f} {_num(r['bubble_fraction_predicted'], 6, 3)} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
+              f"{r['step_time_s']['median']:>7.3f} {_num(r['predicted_step_s_median'], 7, 3)} {_num(peak, 8, 1)} "
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
               f"{vs_pipe:>7}")
+    off_grid = [m for m, r in result["methods"].items() if r.get("priced_off_grid")]
+    if off_grid:
+        print(f"n/a: {', '.join(off_grid)} ran micro-batches beyond the cost profile's grid, which it cannot price")
     kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
@@ -91,6 +100,7 @@ def print_table(result: dict) -> None:
         print("step time, median |predicted - measured| / measured (calibration): " + ", ".join(errors))
     compute = [f"{m} {'/'.join(f'{x:.2f}' for x in r['stage_compute_s_measured'])} "
                f"({'/'.join(f'{x:.2f}' for x in r['stage_compute_s_predicted'])})"
+               if r.get("stage_compute_s_predicted") else f"{m} {'/'.join(f'{x:.2f}' for x in r['stage_compute_s_measured'])}"
                for m, r in result["methods"].items() if r.get("stage_compute_s_measured")]
     if compute:
         print("forward + backward seconds per device, median step, measured (predicted): " + ", ".join(compute))

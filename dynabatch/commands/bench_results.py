@@ -78,10 +78,15 @@ def _efficiency_balanced(run, measured: np.ndarray, times: np.ndarray, warmup: i
     model = _plan_cost_model(run, cost_model, getattr(args, "cost_profile", None))
     if model is None:
         return None
+    from dynabatch.cost.planner_model import UNPRICED
+
     family = check_model(args.model, None).sequence_kind
-    values = [balanced_efficiency(ideal_work(p.batch, model, family), planned_work(p.costs), busy, t)
-              for p, busy, t in zip(run.planned[warmup:], measured, times)]
-    return float(np.median(values))
+    values = []
+    for p, busy, t in zip(run.planned[warmup:], measured, times):
+        ideal, plan = ideal_work(p.batch, model, family), planned_work(p.costs)
+        if max(ideal, plan) < UNPRICED:  # a profile cannot price the ideal's batches beyond its grid
+            values.append(balanced_efficiency(ideal, plan, busy, t))
+    return float(np.median(values)) if values else None
 
 
 def _predicted_saved_mib(run, warmup: int) -> float | None:
@@ -100,6 +105,26 @@ def _fits_measured(measured_saved, method: str, cost_model, memory_gib: float) -
     if saved is None:
         return None
     return bool(saved + max(cost_model.model_state_bytes) <= memory_gib * 2**30)
+
+
+PREDICTED_FIELDS = ("bubble_fraction_predicted", "predicted_step_s_median", "predicted_peak_memory_mib",
+                    "predicted_saved_activation_mib", "prediction_error_median", "stage_compute_s_predicted",
+                    "efficiency_balanced")
+"""A method's fields that come from the cost model's prices of its micro-batches."""
+
+
+def _drop_off_grid_prices(row: dict, timed: list[dict]) -> None:
+    """A cost profile prices shapes beyond its grid as ``INFEASIBLE`` (1e30 s and bytes): a method whose timed
+    steps hold such a micro-batch gets ``None`` for every predicted field, and ``priced_off_grid`` (a baseline's
+    token budget beyond the profiled batch sizes, say), rather than 1e30 seconds in the report."""
+    from dynabatch.cost.planner_model import UNPRICED
+
+    off = any(x["predicted_s"] >= UNPRICED or x["peak"] >= UNPRICED for x in timed)
+    row["priced_off_grid"] = off
+    if off:
+        row.update(dict.fromkeys(PREDICTED_FIELDS))
+        for x in row["per_step"]:
+            x["predicted_s"] = x["predicted_step_s"] = None
 
 
 def _spread(values) -> dict:
@@ -168,6 +193,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             rows[m]["efficiency_balanced"] = _efficiency_balanced(runs[m], measured, t, w, cost_model, args)
             for x, st in zip(rows[m]["per_step"], measured):
                 x["stage_compute_s_measured"] = [float(v) for v in st]
+        _drop_off_grid_prices(rows[m], timed)
         if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran
             rows[m]["fixed_shapes"] = sorted({tuple(step[1]) for step in runs[m].peer_steps})
     baselines = [m for m in methods if m in BASELINES]

@@ -45,6 +45,9 @@ from dynabatch.sequence import is_seq2seq
 
 INFEASIBLE = 1e30
 """Finite stand-in for ``+inf`` (the planner rejects non-finite costs)."""
+UNPRICED = 1e20
+"""Any time or byte count at or above this came from an ``INFEASIBLE`` price (sums, shares and unit changes of
+it included): no real step takes 1e20 seconds or bytes."""
 
 
 def bottleneck_costs(tables: CostTables, counts, b, e, d, pairs=None, stages=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -31,6 +31,15 @@ def test_gpu_bench_cpu_quick_smoke(tmp_path, capsys, monkeypatch):
         result = json.load(f)
     assert result["config"]["cost_profile"] == os.path.join(out, "profile.json")  # dynamic planned with the profile
     assert result["best_baseline"] in ("packing_free", "packing", "padding", "token_budget")
+    # the quick profile's grid (4 rows) cannot price the baselines' larger micro-batches: reported as such,
+    # never as the profile's 1e30 "infeasible" marker; dynamic plans on the grid, so it is priced
+    rows = result["methods"]
+    assert rows["dynamic"]["priced_off_grid"] is False and rows["dynamic"]["predicted_step_s_median"] > 0
+    off = [m for m, r in rows.items() if r["priced_off_grid"]]
+    assert off and all(rows[m]["predicted_step_s_median"] is None for m in off)
+    numbers = [v for r in rows.values() for k, v in r.items() if isinstance(v, float)]
+    assert max(numbers) < 1e20, max(numbers)
+    assert f"n/a: {', '.join(off)} ran micro-batches beyond the cost profile's grid" in captured.out
     from dynabatch.cost.tables import CostTables
 
     tables = CostTables.load(os.path.join(out, "profile.json"))
