@@ -93,9 +93,12 @@ UNCALIBRATED = "dynamic_uncalibrated"
 NORECOMPUTE = "dynamic_norecompute"
 """dynamic planned and run with ``--recompute none`` (its plans are dynamic's under ``--plan-costs base``), next to
 dynamic's ``--recompute``: what activation recomputation buys under a binding ``--memory-gib``."""
+PACKED = "dynamic_packed"
+"""dynamic with ``--pack-rows auto`` (several short samples per padding-free row where the planner prices it
+cheaper), next to dynamic's ``--pack-rows``: the measurement behind that flag's default."""
 OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
-METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, *PLAN_VARIANTS)
+METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, PACKED, *PLAN_VARIANTS)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 
 
@@ -222,13 +225,13 @@ def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *OWN_BASE, *PLAN_VARIANTS) else method,
+        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, PACKED, *OWN_BASE, *PLAN_VARIANTS) else method,
         policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, max_steps=args.untimed_steps + args.timed_steps, warmup_steps=0, lr_scheduler_type="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
-        slice_long=method == SLICED, attention=args.attention, pack_rows=args.pack_rows,
+        slice_long=method == SLICED, attention=args.attention, pack_rows="auto" if method == PACKED else args.pack_rows,
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
         plan_costs=PLAN_VARIANTS.get(method, getattr(args, "plan_costs", "auto")),
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),

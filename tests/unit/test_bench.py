@@ -217,3 +217,12 @@ def test_bench_plan_cost_variants_share_one_fit(tmp_path):
     for m in variants:
         assert rows[m]["calibration"] == "quick"  # calibrated (OWN_BASE methods say "off")
         assert rows[m]["loss_first"] == pytest.approx(rows["dynamic_plan_base"]["loss_first"], abs=1e-5)
+
+
+def test_bench_packed_rows_variant_plans_with_pack_rows_auto(tmp_path):
+    """One process, T5: dynamic_packed is dynamic planned with --pack-rows auto next to dynamic's --pack-rows
+    (off), on the same global batches (same first loss); the report compares the two."""
+    stdout, rows = _one_process_bench(tmp_path, "t5-tiny", "dynamic,dynamic_packed", "--calibrate", "off")
+    assert "dynamic_packed (--pack-rows auto) vs dynamic:" in stdout
+    assert rows["dynamic"]["pack_rows"] == "off" and rows["dynamic_packed"]["pack_rows"] == "auto"
+    assert rows["dynamic_packed"]["loss_first"] == pytest.approx(rows["dynamic"]["loss_first"], abs=1e-5)
