@@ -98,9 +98,11 @@ def print_table(result: dict) -> None:
               if r.get("prediction_error_median") is not None]
     if errors:
         print("step time, median |predicted - measured| / measured (calibration): " + ", ".join(errors))
-    compute = [f"{m} {'/'.join(f'{x:.2f}' for x in r['stage_compute_s_measured'])} "
-               f"({'/'.join(f'{x:.2f}' for x in r['stage_compute_s_predicted'])})"
-               if r.get("stage_compute_s_predicted") else f"{m} {'/'.join(f'{x:.2f}' for x in r['stage_compute_s_measured'])}"
+    def seconds(values) -> str:
+        return "/".join(f"{x:.2f}" for x in values)
+
+    compute = [f"{m} {seconds(r['stage_compute_s_measured'])}"
+               + (f" ({seconds(r['stage_compute_s_predicted'])})" if r.get("stage_compute_s_predicted") else "")
                for m, r in result["methods"].items() if r.get("stage_compute_s_measured")]
     if compute:
         print("forward + backward seconds per device, median step, measured (predicted): " + ", ".join(compute))

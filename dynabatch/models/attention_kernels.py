@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from dynabatch.config import ATTENTION_KERNELS
+
 if TYPE_CHECKING:
     from dynabatch.models.attention import Segments
 
@@ -57,7 +59,6 @@ class SegmentKernel:
     """One way to run padding-free attention. ``unfit`` says why it cannot serve a call (``None``: it can)."""
 
     name: str
-    help: str
     unfit: Callable[..., "str | None"]
     run: Callable[..., torch.Tensor] | None
     """``run(query, key, value, segments, scale, bias) -> (B, Q, H, Dh)``; ``None`` for ``sdpa``, which
@@ -221,14 +222,14 @@ def _run_flex(query, key, value, segments, scale, bias) -> torch.Tensor:
 
 
 KERNELS: dict[str, SegmentKernel] = {k.name: k for k in (
-    SegmentKernel("sdpa", "one scaled_dot_product_attention call per group of near-equal samples (any device)",
-                  _sdpa_unfit, None),
-    SegmentKernel("varlen", "FlashAttention varlen (torch varlen_attn): CUDA, fp16/bf16, no bias or dropout",
-                  _varlen_unfit, _run_varlen),
-    SegmentKernel("flex", "flex_attention with a document BlockMask, T5 bias as score_mod: trains on CUDA",
-                  _flex_unfit, _run_flex),
+    SegmentKernel("sdpa", _sdpa_unfit, None),
+    SegmentKernel("varlen", _varlen_unfit, _run_varlen),
+    SegmentKernel("flex", _flex_unfit, _run_flex),
 )}
-"""The padding-free attention kernels by name (``--attention-kernel``, besides ``auto``)."""
+"""The padding-free attention kernels by name (module docstring). ``--attention-kernel`` offers ``auto`` and
+these: the names are :data:`dynabatch.config.ATTENTION_KERNELS` (torch-free, for the flags), checked here."""
+if ("auto", *KERNELS) != ATTENTION_KERNELS:
+    raise ImportError(f"dynabatch.config.ATTENTION_KERNELS {ATTENTION_KERNELS} does not list auto + {tuple(KERNELS)}")
 
 AUTO_ORDER = ("varlen", "flex")
 """What ``auto`` tries on CUDA before ``sdpa``."""

@@ -183,7 +183,7 @@ def test_under_auto_a_kernel_that_raises_is_replaced_by_sdpa(monkeypatch, caplog
     def broken(*args):
         raise RuntimeError("no kernel image is available")
 
-    monkeypatch.setattr(ak, "KERNELS", {**ak.KERNELS, "flex": ak.SegmentKernel("flex", "", ak._sdpa_unfit, broken)})
+    monkeypatch.setattr(ak, "KERNELS", {**ak.KERNELS, "flex": ak.SegmentKernel("flex", ak._sdpa_unfit, broken)})
     monkeypatch.setattr(ak, "_BROKEN", {})
     with kernel("flex"), pytest.raises(RuntimeError, match="no kernel image"):  # an explicit choice raises
         segment_attention(q, k, v, seg)
