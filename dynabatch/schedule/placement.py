@@ -89,8 +89,8 @@ class PlacedResult:
     """(devices,) largest memory of each device (model states of its chunks included)."""
     fits_memory: bool
     policy: str = "list"
-    """What ordered the ops: ``list`` (:func:`list_schedule`) or ``interleaved_1f1b``
-    (:mod:`dynabatch.schedule.interleaved`)."""
+    """What ordered the ops: ``list`` (:func:`list_schedule`), ``interleaved_1f1b``
+    (:mod:`dynabatch.schedule.interleaved`) or ``wait_free_cyclic`` (:mod:`dynabatch.schedule.wait_free_cyclic`)."""
 
     def timeline_ops(self) -> list:
         """The ops as :class:`~dynabatch.schedule.trace.TimelineOp` (traces and plots, like a measured timeline)."""

@@ -39,9 +39,10 @@ _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
 
 
-PLACED_POLICIES = ("auto", "list", "interleaved_1f1b")
+PLACED_POLICIES = ("auto", "list", "interleaved_1f1b", "wait_free_cyclic")
 """Orders of a step on virtual stages: the list scheduler, interleaved 1F1B (when the micro-batches make whole
-rounds of the devices), or ``auto``, the shorter of the two by the replay (one that fits memory first)."""
+rounds of the devices), DynaPipe's wait-free cyclic order (:mod:`dynabatch.schedule.wait_free_cyclic`), or
+``auto``, the shortest of them by the replay (one that fits memory first; ties keep the earlier in this list)."""
 
 
 def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None, send_time=None,
@@ -52,6 +53,7 @@ def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit
     linear simulation does."""
     from dynabatch.schedule.interleaved import interleaved_1f1b_orders, replay
     from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
+    from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders
 
     if policy not in PLACED_POLICIES:
         raise ValueError(f"unknown placed policy {policy!r}; valid: {', '.join(PLACED_POLICIES)}")
@@ -69,6 +71,9 @@ def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit
             results.append(fixed)
         elif policy == "interleaved_1f1b":
             raise ValueError(f"interleaved 1F1B needs a multiple of {placement.num_devices} micro-batches, got {M}")
+    if policy in ("auto", "wait_free_cyclic"):
+        orders = wait_free_cyclic_orders(buffered, placement, states, limit)
+        results.append(replay(orders, buffered, placement, send, states, limit, policy="wait_free_cyclic"))
     return min(results, key=lambda r: (not r.fits_memory, r.makespan_s))
 
 

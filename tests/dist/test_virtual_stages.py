@@ -3,8 +3,8 @@
 One launch of 4 processes runs T5 under the cyclic placement (2 devices, 4 chunks: device d holds encoder chunk
 d and decoder chunk d, so device 0 holds two copies of the token table) and GPT-2 interleaved (v = 2: 2 devices,
 4 chunks), each with one replica and with two (4 processes), several AdamW steps with gradient clipping. Every
-step's ops are ordered by the placement's list scheduler (or, in the ``-1f1b`` scenarios, by interleaved 1F1B as
-the planner would hand them over) and lowered onto the devices
+step's ops are ordered as the planner would (the shortest of the placed orders), or, as the planner would hand them
+over, by interleaved 1F1B (the ``-1f1b`` scenarios) or DynaPipe's wait-free cyclic order (``-wfc``) and lowered onto the devices
 (:func:`dynabatch.schedule.virtual.lower_placed`; the plans are validated before they run). The parent compares
 gradients, parameters, losses and gradient norms by HF parameter name with the single-process unsplit model
 (:func:`pipeline_harness.reference_run`, default fp32 tolerances); tied copies and replicas must hold bitwise
@@ -33,6 +33,9 @@ SCENARIOS = {
                    placed_policy="interleaved_1f1b"),
         H.Scenario("gpt2-interleaved-1f1b", "gpt2", "gpt2-mini", 2, 1, num_steps=1, seed=9, placement="interleaved:2",
                    placed_policy="interleaved_1f1b"),
+        # DynaPipe's wait-free cyclic orders, handed over the same way
+        H.Scenario("t5-cyclic-wfc", "t5", "t5-tiny", 2, 1, num_steps=1, seed=10, placement="cyclic",
+                   placed_policy="wait_free_cyclic"),
     ]
 }
 
@@ -80,15 +83,21 @@ def test_each_device_ran_its_chunks_one_op_at_a_time(runs):
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), name
 
 
-def test_devices_ran_the_interleaved_1f1b_orders_handed_over(runs):
+def test_devices_ran_the_fixed_orders_handed_over(runs):
     """Device orders in the planner's schedule are what the executors run (train_step lowers them as given)."""
+    from dynabatch.runtime.step import token_costs
     from dynabatch.schedule.interleaved import interleaved_1f1b_orders
     from dynabatch.schedule.placement import Placement
+    from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders
 
-    for name in ("t5-cyclic-1f1b", "gpt2-interleaved-1f1b"):
+    for name in ("t5-cyclic-1f1b", "gpt2-interleaved-1f1b", "t5-cyclic-wfc"):
         placement = Placement.parse(SCENARIOS[name].placement, 2)
         ops = runs[name]["records"][0]["timelines"][0][0]
-        expected = interleaved_1f1b_orders(placement, H.NUM_MICRO_BATCHES)
+        if name.endswith("wfc"):  # no memory limit: the cycle pattern, whatever the costs
+            costs = token_costs([(1, 1, 1)] * H.NUM_MICRO_BATCHES, placement.num_stages)
+            expected = wait_free_cyclic_orders(costs, placement)
+        else:
+            expected = interleaved_1f1b_orders(placement, H.NUM_MICRO_BATCHES)
         for device in (0, 1):
             ran = [(op.phase.value, op.stage, op.micro_batch)
                    for op in sorted(ops, key=lambda op: op.start_s) if op.stage % 2 == device]

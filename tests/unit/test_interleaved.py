@@ -64,16 +64,22 @@ def test_auto_keeps_the_list_schedule_when_interleaved_1f1b_overflows_memory():
     assert auto.policy == "list" and auto.fits_memory and auto.peak_memory_bytes.max() <= limit
 
 
-@pytest.mark.parametrize("kind,spec,devices,M", [("cyclic", PipelineSpec.t5(2, 2, 16, "float32"), 2, 6),
-                                                 ("interleaved:2", PipelineSpec.gpt(8, 16, "float32"), 4, 8),
-                                                 ("interleaved:3", PipelineSpec.gpt(6, 16, "float32"), 2, 4)])
-def test_lowered_interleaved_plans_validate_under_nccl_and_gloo(kind, spec, devices, M):
+@pytest.mark.parametrize("kind,spec,devices,M,policy", [
+    ("cyclic", PipelineSpec.t5(2, 2, 16, "float32"), 2, 6, "interleaved_1f1b"),
+    ("interleaved:2", PipelineSpec.gpt(8, 16, "float32"), 4, 8, "interleaved_1f1b"),
+    ("interleaved:3", PipelineSpec.gpt(6, 16, "float32"), 2, 4, "interleaved_1f1b"),
+    ("cyclic", PipelineSpec.t5(2, 2, 16, "float32"), 2, 5, "wait_free_cyclic"),
+    ("cyclic", PipelineSpec.t5(3, 3, 16, "float32"), 3, 7, "wait_free_cyclic"),
+    ("interleaved:2", PipelineSpec.gpt(8, 16, "float32"), 4, 6, "wait_free_cyclic"),
+])
+def test_lowered_fixed_order_plans_validate_under_nccl_and_gloo(kind, spec, devices, M, policy):
+    """Interleaved 1F1B and DynaPipe's wait-free cyclic orders (dynabatch.schedule.wait_free_cyclic), lowered."""
     rng = np.random.default_rng(M)
     placement = Placement.parse(kind, devices)
     V = placement.num_stages
     fwd = rng.uniform(0.5, 2.0, (V, M))
     costs = StageCosts(fwd, 2 * fwd, np.full((V, M), 1e6), np.full((V, M), 2.5e5), np.full((V, M), 1e5))
-    result = placed_step(costs, placement, send_time=1e-1, policy="interleaved_1f1b")
+    result = placed_step(costs, placement, send_time=1e-1, policy=policy)
     shapes = np.stack([rng.integers(1, 4, M), rng.integers(1, 30, M), rng.integers(1, 10, M)], 1)
     plans = lower_placed(result.order, shapes, spec, placement, fwd_s=fwd, bwd_s=2 * fwd, check=False)
     for semantics in ("nccl", "gloo"):

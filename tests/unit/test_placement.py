@@ -95,6 +95,6 @@ def test_simulate_reports_a_placement(tmp_path, capsys):
     import json
 
     row = json.loads(capsys.readouterr().out)["methods"]["dynamic"]
-    assert list(row["policies"]) in (["cyclic list"], ["cyclic interleaved_1f1b"])  # the placement and its order
+    assert list(row["policies"]) in (["cyclic list"], ["cyclic interleaved_1f1b"], ["cyclic wait_free_cyclic"])  # placement, order
     assert row["layout"].count("|") == 7  # 8 chunks on 4 devices
     assert len(row["stage_busy"]) == 4 and 0 < row["efficiency_balanced"] <= row["efficiency_amortised"]
