@@ -422,7 +422,9 @@ def bench(args, methods: list[str]) -> dict | None:
                     runs[m].planned = plan(cfgs[m], num_steps)
             for key, (placement, m) in placed_methods(args, methods).items():  # planned with their chunks' costs
                 own = planner_cost_model(cfgs[m], model.config, placed[placement.describe()][0])
-                planner = StepPlanner(ListBatcher(batches, limits), cfgs[m], own, info)
+                # the planner orders each step on the placement (sends priced), and the runtime runs those orders
+                placed_cfg = dataclasses.replace(cfgs[m], placement=placement.describe())
+                planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
                 runs[key].planned = [planner() for _ in range(num_steps)]
         if PEER in runs:
             runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 
@@ -25,6 +26,7 @@ def simulated(shapes, policy: str, cfg, cost_model):
 
 def step_stats(r, cost_model) -> list[dict]:
     """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
+    from dynabatch.runtime.planner import send_time_of
     from dynabatch.schedule.simulate import simulate
     from dynabatch.schedule.virtual import placed_step
 
@@ -34,9 +36,10 @@ def step_stats(r, cost_model) -> list[dict]:
             num, (b, e, d), _, _ = r.peer_steps[i]
             shapes = [(b, e, d)] * num
             sim = simulated(shapes, "1f1b", r.cfg, cost_model)
-        elif r.placement is not None:  # virtual stages: list-scheduled on the placement, as the runtime ran it
+        elif r.placement is not None:  # virtual stages: ordered on the placement as the planner did, sends priced
             (shapes,) = p.shapes
-            sim = placed_step((p.predicted_costs or p.costs)[0], r.placement, p.model_state_bytes)
+            sim = placed_step((p.predicted_costs or p.costs)[0], r.placement, p.model_state_bytes,
+                              r.cfg.memory_gib * 2**30, send_time_of(cost_model))
         else:  # the schedule and costs the runtime ran (token slices priced with their context)
             (shapes,) = p.shapes
             sim = simulate(p.schedules[0], (p.predicted_costs or p.costs)[0],
@@ -47,6 +50,7 @@ def step_stats(r, cost_model) -> list[dict]:
                                                else sim.makespan_s),
                      "peak": float(np.max(sim.peak_memory_bytes)), "plan_s": p.plan_time_s,
                      "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples,
+                     "order": "1f1b" if r.peer_steps is not None else p.schedules[0].policy,
                      "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values())})
     return out
 
@@ -172,6 +176,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "recomputed_forwards_per_step": float(np.mean([x["recomputed"] for x in timed])),
+            "schedule_policies": dict(Counter(x["order"] for x in timed)),  # linear: the policy; virtual: the order
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
             "pack_rows": runs[m].cfg.pack_rows,

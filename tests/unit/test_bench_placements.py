@@ -36,5 +36,9 @@ def test_bench_runs_t5_cyclic_next_to_linear(tmp_path):
         assert len(row["stage_compute_s_measured"]) == len(row["stage_compute_s_predicted"]) == 2
         assert 0 <= row["bubble_fraction_predicted"] < 1 and row["tokens_per_s"] > 0
         assert 0 < row["efficiency_balanced"] <= 1.05  # measured against the amortised whole-model ideal
+    # which order each timed step ran: the linear policy's, or one of the orders on virtual stages
+    assert sum(linear["schedule_policies"].values()) == sum(cyclic["schedule_policies"].values()) == 2
+    assert set(cyclic["schedule_policies"]) <= {"list", "interleaved_1f1b", "wait_free_cyclic"}
+    assert not set(linear["schedule_policies"]) & {"list", "interleaved_1f1b", "wait_free_cyclic"}
     assert "measured busy fraction of each device" in proc.stdout and "dynamic@cyclic" in proc.stdout
     assert "eff bal" in proc.stdout
