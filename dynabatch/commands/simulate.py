@@ -107,6 +107,13 @@ class MethodSummary:
     number of devices, over the simulated step time (``efficiency_amortised`` divides by the bottleneck stage's
     work instead, so it hides an imbalance between stages). The same quantity as the measured one of ``bench``
     and the train metrics, :func:`~dynabatch.cost.ideal.balanced_efficiency` with the simulated busy times."""
+    work_efficiency: float
+    """``W_ideal / W_plan`` (:mod:`dynabatch.cost.ideal`): the amortised whole-model ideal's work over the work of
+    the plan's micro-batches (what padding, micro-batches smaller than the ideal's copies and recomputation add),
+    summed over the steps. ``efficiency_balanced = work_efficiency x busy_fraction``: no schedule or placement
+    can lift ``efficiency_balanced`` above it."""
+    busy_fraction: float
+    """Summed busy time of every device / (devices x summed step time): what the schedule leaves idle."""
     stage_busy: tuple
     """Per stage, the mean over steps of its busy time / step time."""
     layout: str
@@ -219,7 +226,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
     ideal_model = dataclasses.replace(cm, recompute="none")  # the ideal never recomputes
     real = computed = micro = 0
     steps, ideals, amortised, balanced, bubbles, utils, peaks, sched_wall, plan_wall = [], [], [], [], [], [], [], [], []
-    busy = []
+    busy, busy_total = [], 0.0
     fits, policies = True, {}
     for k, batch in enumerate(batches):
         if placed is None:
@@ -238,6 +245,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         amortised.append(ideal_step_time(batch, ideal_model, w.family, amortise_tokens=AMORTISED_TOKENS))
         balanced.append(ideal_step_time(batch, ideal_model, w.family, amortise_tokens=AMORTISED_TOKENS, balanced=True))
         busy.append(result.busy_s / result.makespan_s)
+        busy_total += float(np.sum(result.busy_s))
         bubbles.append(result.bubble_fraction)
         utils.append(float(result.busy_s.max()) / result.makespan_s)
         peaks.append(float(result.peak_memory_bytes.max()))
@@ -251,6 +259,8 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         padding_efficiency=real / computed, efficiency=float(np.sum(ideals) / np.sum(steps)),
         efficiency_amortised=float(np.sum(amortised) / np.sum(steps)),
         efficiency_balanced=float(np.sum(balanced) / np.sum(steps)),
+        work_efficiency=float(np.sum(balanced)) * len(busy[0]) / busy_total,
+        busy_fraction=busy_total / len(busy[0]) / float(np.sum(steps)),
         stage_busy=tuple(float(x) for x in np.mean(busy, axis=0)),
         layout=(cm if placed is None else placed.cost_model).layout.describe(),
         bubble_fraction=float(np.mean(bubbles)), bottleneck_utilisation=float(np.mean(utils)),

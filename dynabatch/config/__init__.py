@@ -71,15 +71,10 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
 
     @property
     def calibration_mode(self) -> str:
-        """``calibrate`` with ``auto`` resolved: ``quick`` without a cost profile, ``online`` with one, ``off`` on
-        virtual stages (``--placement`` other than linear)."""
+        """``calibrate`` with ``auto`` resolved: ``quick`` without a cost profile, ``online`` with one (on any
+        placement: virtual stages fit one set of coefficients per chunk)."""
         if self.calibrate != "auto":
             return self.calibrate
-        if self.placement == "auto":
-            raise RuntimeError("placement auto is resolved at start (dynabatch.runtime.run_layout) before the "
-                             "calibration mode is known")
-        if self.placement != "linear":
-            return "off"
         return "online" if self.cost_profile else "quick"
 
     @property
@@ -118,9 +113,6 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
             if self.slice_long:
                 raise ValueError(f"--slice-long runs on the linear placement only; drop it or --placement {self.placement}")
-            if self.calibrate in ("quick", "online"):
-                raise ValueError(f"--calibrate {self.calibrate} fits one chunk per device; with --placement "
-                                 f"{self.placement} use --calibrate auto or off (virtual stages run uncalibrated)")
         if self.eval_mixture and self.eval_holdout:
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:

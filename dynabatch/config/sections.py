@@ -128,8 +128,8 @@ class PipelineArgs:
                                    "holds encoder chunk d and decoder chunk d), interleaved:V (V chunks per device, dealt "
                                    "round robin), or auto (the fastest of linear and cyclic / interleaved:2 on the run's "
                                    "own first global batches, simulated once at start); virtual stages are "
-                                   "ordered every step by the list scheduler or interleaved 1F1B, whichever simulates "
-                                   "shorter (--policy does not apply), and run without calibration")
+                                   "ordered every step by the list scheduler, interleaved 1F1B or DynaPipe's wait-free "
+                                   "cyclic order, whichever simulates shorter (--policy does not apply)")
     layer_split: Literal[LAYER_SPLITS] = arg(
         "data", "pipeline layer split: balanced over the micro-batches of the run's first global batches, each layer "
                 "priced by the planner's base cost model (data), or over one reference micro-batch of 4 x min(max "

@@ -34,15 +34,15 @@ from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit
 _COMPUTE_KEY = re.compile(r"^(\d+)([FB])(\d+)$")
 
 
-def compute_times(timeline) -> dict[str, dict[int, float]]:
-    """``{"F": {micro_batch: seconds}, "B": {...}}`` of a rank's step timeline (summed over the rank's stages when
-    it holds several, virtual stages)."""
-    out: dict[str, dict[int, float]] = {"F": {}, "B": {}}
+def compute_times(timeline) -> dict[str, dict[tuple[int, int], float]]:
+    """``{"F": {(stage, micro_batch): seconds}, "B": {...}}`` of a rank's step timeline: per pipeline stage (chunk)
+    it holds, one on the linear placement, several on virtual stages."""
+    out: dict[str, dict[tuple[int, int], float]] = {"F": {}, "B": {}}
     for key, start, end in timeline:
         m = _COMPUTE_KEY.match(key)
         if m:
-            times = out[m.group(2)]
-            times[int(m.group(3))] = times.get(int(m.group(3)), 0.0) + float(end - start)
+            times, op = out[m.group(2)], (int(m.group(1)), int(m.group(3)))
+            times[op] = times.get(op, 0.0) + float(end - start)
     return out
 
 
@@ -61,7 +61,7 @@ def stage_peaks(ctx, gathered: list[dict]) -> list[int | None]:
 
 
 def stage_times(ctx, gathered: list[dict], replica: int = 0) -> list[float]:
-    """Measured forward + backward seconds per stage of one replica."""
+    """Measured forward + backward seconds per device (rank) of one replica, all its chunks."""
     return [sum(g["F"].values()) + sum(g["B"].values()) for g in
             (gathered[ctx.rank_of(replica, s)] for s in range(ctx.num_stages))]
 
@@ -121,15 +121,22 @@ class RunCalibration:
             self._cond.notify_all()
 
     def _observe(self, ctx, planned, gathered, measured_step_s) -> None:
+        """Every chunk's measured forward and backward times against its planned features. Chunk ``c`` of ``V``
+        runs on device ``c mod S`` (the linear placement: ``V = S``, chunk = device; virtual stages: several
+        chunks per device, :class:`~dynabatch.schedule.placement.Placement`), so the fit has one set of
+        coefficients per chunk. The memory term compares per-device peaks with per-stage predictions, so it is
+        fitted on the linear placement only (virtual stages keep the base model's activation bytes)."""
         for r, x in enumerate(planned.features):
-            for s in range(ctx.num_stages):
-                g = gathered[ctx.rank_of(r, s)]
+            num_chunks = x.shape[0]
+            for c in range(num_chunks):
+                g = gathered[ctx.rank_of(r, c % ctx.num_stages)]
                 for d, op in enumerate("FB"):
-                    mbs = sorted(g[op])
-                    self.fit.add_times(planned.step, s, d, x[s, d, mbs], np.array([g[op][m] for m in mbs]))
+                    mbs = sorted(m for chunk, m in g[op] if chunk == c)
+                    self.fit.add_times(planned.step, c, d, x[c, d, mbs], np.array([g[op][(c, m)] for m in mbs]))
         if measured_step_s is not None:
             self.fit.add_step(planned.step, measured_step_s, planned.predicted_makespan_s)
-            self.fit.add_memory(planned.step, stage_peaks(ctx, gathered), list(planned.predicted_saved_bytes))
+            if self.fit.num_stages == ctx.num_stages:
+                self.fit.add_memory(planned.step, stage_peaks(ctx, gathered), list(planned.predicted_saved_bytes))
 
     def close(self) -> None:
         with self._cond:
@@ -208,6 +215,7 @@ def quick_calibration(executor, ctx, planner, spec, step: int, rounds: int = 2,
     for k in range(rounds):
         result = train_step(executor, ctx, step, planned.replica_micro_batches if planned else None, spec=spec,
                             schedules=planned.schedules if planned else None,
+                            placement=planner.placement if planned else None,
                             costs=planned.costs if planned else None, slice_links=planned.slice_links if planned else None,
                             forward_backward_only=True, receive_timeout_s=startup_timeout_s if k == 0 else None)
         gathered = gather_measurements(ctx, result)

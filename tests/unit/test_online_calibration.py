@@ -192,7 +192,7 @@ def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_on
         out = []
         for s in range(2):
             x = planned.features[0][s]
-            out.append({op: {m: float(x[d, m] @ true[s, d]) for m in range(x.shape[1])} for d, op in enumerate("FB")}
+            out.append({op: {(s, m): float(x[d, m] @ true[s, d]) for m in range(x.shape[1])} for d, op in enumerate("FB")}
                        | {"saved_peak": 1000})
         return out
 
@@ -244,3 +244,35 @@ def _roundtrip(state):
     torch.save(state, buf)
     buf.seek(0)
     return buf
+
+
+def test_virtual_stages_observe_every_chunk_on_the_device_that_ran_it():
+    """Cyclic T5 on 2 devices and 2 replicas: chunk c (of 4) runs on device c mod 2, so the fit gets, per chunk, the
+    times the executor logged under that chunk's instruction keys on that device's rank; the memory term, per
+    device against per-chunk predictions, is left out."""
+    from types import SimpleNamespace
+
+    from dynabatch.runtime.calibration import RunCalibration, compute_times
+
+    ctx = SimpleNamespace(num_stages=2, rank_of=lambda replica, stage: replica * 2 + stage)
+    V, M, F = 4, 3, 8
+    features = [np.random.default_rng(r).uniform(1, 2, (V, 2, M, F)) for r in range(2)]
+    gathered = []
+    for rank in range(4):
+        replica, device = divmod(rank, 2)
+        timeline = [(f"{c}{op}{m}", 0.0, 1000.0 * (rank + 1) + 100 * c + 10 * (op == "B") + m)
+                    for c in (device, device + 2) for op in "FB" for m in range(M)]
+        timeline += [(f"{device}SEND_F0", 0.0, 5.0), (f"{device}REDUCE", 0.0, 5.0)]  # not computes
+        gathered.append({**compute_times(timeline), "saved_peak": 1})
+    assert set(gathered[1]["F"]) == {(1, m) for m in range(M)} | {(3, m) for m in range(M)}
+    fit = OnlineFit(V, True)
+    planned = SimpleNamespace(features=features, step=7, predicted_makespan_s=1.0, predicted_saved_bytes=(1.0,) * V)
+    RunCalibration(None, fit, plan_ahead=1)._observe(ctx, planned, gathered, 2.0)
+    assert len(fit.observations) == 2 * V * 2 * M
+    for step, c, d, x, t in fit.observations:
+        rank = round(t) // 1000 - 1
+        replica, device = divmod(rank, 2)
+        assert step == 7 and device == c % 2 and round(t) % 1000 // 100 == c and (round(t) % 100 >= 10) == (d == 1)
+        m = round(t) % 10
+        assert x == pytest.approx(features[replica][c, d, m])
+    assert fit.step_residuals == [(7, 1.0)] and fit.memory_ratios == []

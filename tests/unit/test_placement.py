@@ -98,3 +98,6 @@ def test_simulate_reports_a_placement(tmp_path, capsys):
     assert list(row["policies"]) in (["cyclic list"], ["cyclic interleaved_1f1b"], ["cyclic wait_free_cyclic"])  # placement, order
     assert row["layout"].count("|") == 7  # 8 chunks on 4 devices
     assert len(row["stage_busy"]) == 4 and 0 < row["efficiency_balanced"] <= row["efficiency_amortised"]
+    # the balanced efficiency splits exactly into the plan's work over the ideal's and the devices' busy share
+    assert 0 < row["busy_fraction"] <= 1 and row["work_efficiency"] > 0
+    assert row["work_efficiency"] * row["busy_fraction"] == pytest.approx(row["efficiency_balanced"])

@@ -3,7 +3,8 @@
 Device 0 holds encoder chunk 0 and decoder chunk 0, so the token table has two copies on one rank: the checkpoint
 stores it once (by its global name) and a resume fills both copies. The run is uninterrupted for 4 steps (saving at
 step 2); a second run starts from that step-2 checkpoint and must log the uninterrupted run's losses for steps 3-4
-(the same plans: the list schedule depends only on the data and the base cost model). Equality of the
+(the same plans: the calibration's observations are in the checkpoint, so the resumed planner fits exactly as
+the uninterrupted one; ``--calibrate auto`` is ``quick``, one fit per chunk). Equality of the
 gradients with the unsplit model is tests/dist/test_virtual_stages.py's.
 """
 
@@ -47,6 +48,12 @@ def test_cyclic_t5_trains_checkpoints_and_resumes_like_uninterrupted(tmp_path, t
     assert all(len(r["device_busy_fraction"]) == 2 for r in train)  # per device, 2 chunks each
     assert all(0 < r["efficiency_balanced"] <= 1.05 for r in train)
     assert os.path.exists(os.path.join(full, "timeline.png"))  # measured next to the placement's simulated twin
+    # --calibrate auto = quick: the start-up round and every step fit one set of coefficients per chunk
+    assert all(r["calibration"].startswith("online as of step") for r in train)
+    with open(os.path.join(full, "calibration.json")) as f:
+        coefficients = json.load(f)["coefficients"]
+    assert len(coefficients) == 4 and len(coefficients[0]) == 2  # 4 chunks x (forward, backward)
+    assert any(c[d][0] != 1.0 for c in coefficients for d in range(2))  # moved off the warm start (base model)
 
     resumed = str(tmp_path / "resumed")
     os.makedirs(os.path.join(resumed, "checkpoints"))
@@ -63,8 +70,6 @@ def test_placement_flag_errors_are_one_line():
 
     with pytest.raises(ValueError, match="interleaved:V needs a chunk count"):
         TrainConfig.of(placement="interleaved:x", stages=2)
-    with pytest.raises(ValueError, match="use --calibrate auto or off"):
-        TrainConfig.of(placement="cyclic", stages=2, calibrate="quick")
     with pytest.raises(ValueError, match="--slice-long runs on the linear placement only"):
         TrainConfig.of(model="gpt2-mini", placement="interleaved:2", stages=2, slice_long=True)
-    assert TrainConfig.of(placement="cyclic", stages=2).calibration_mode == "off"
+    assert TrainConfig.of(placement="cyclic", stages=2).calibration_mode == "quick"  # one fit per chunk
