@@ -122,7 +122,7 @@ class BenchArgs:
                                     f"{PEER} and {SLICED}) run under each, interleaved: linear (one chunk per device), cyclic (T5: "
                                     "encoder chunk d and decoder chunk d on device d), interleaved:V (V chunks per "
                                     "device); a method under another than linear is reported as METHOD@PLACEMENT "
-                                    "(uncalibrated: planned with the base cost model of its chunks)")
+                                    "(calibrated like the linear methods, with one fit per placement)")
     json: str | None = json_arg()
     quiet: bool = arg(False, "no table (with --json)")
 
@@ -396,6 +396,8 @@ def bench(args, methods: list[str]) -> dict | None:
             runs[key] = new_run(key, cfgs[m], placement=placement)
         cost_model = None
         calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
+        calibrated += [key for key, (_, m) in placed_methods(args, methods).items() if m in calibrated]
+        fits: dict[str, object] = {}  # rank 0: run key -> the fit it plans with and records into (one per placement)
         calibration = None
         if ctx.is_planner:
             cost_model = planner_cost_model(_config(args, "dynamic"), model.config, layout)  # the base every method shares
@@ -412,6 +414,7 @@ def bench(args, methods: list[str]) -> dict | None:
         if ctx.is_planner:
             for m in methods:
                 if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
+                    fits[m] = calibration
                     runs[m].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
                                                              calibration=calibration), num_steps)
                 elif m in OWN_BASE:  # planned ahead with their own base model
@@ -420,12 +423,24 @@ def bench(args, methods: list[str]) -> dict | None:
                     runs[m].planned = [planner() for _ in range(num_steps)]
                 else:
                     runs[m].planned = plan(cfgs[m], num_steps)
+            placed_fits = {}  # placement -> the fit its calibrated methods share (one coefficient set per chunk)
             for key, (placement, m) in placed_methods(args, methods).items():  # planned with their chunks' costs
-                own = planner_cost_model(cfgs[m], model.config, placed[placement.describe()][0])
+                chunk_layout = placed[placement.describe()][0]
+                own = planner_cost_model(cfgs[m], model.config, chunk_layout)
                 # the planner orders each step on the placement (sends priced), and the runtime runs those orders
                 placed_cfg = dataclasses.replace(cfgs[m], placement=placement.describe())
-                planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
-                runs[key].planned = [planner() for _ in range(num_steps)]
+                if key in calibrated:
+                    if placement.describe() not in placed_fits:
+                        from dynabatch.runtime.trainer import run_calibration
+
+                        placed_fits[placement.describe()], _ = run_calibration(placed_cfg, own, model.config.to_dict(),
+                                                                               chunk_layout)
+                    fits[key] = placed_fits[placement.describe()]
+                    runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info,
+                                                               calibration=fits[key]), num_steps)
+                else:
+                    planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
+                    runs[key].planned = [planner() for _ in range(num_steps)]
         if PEER in runs:
             runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
                                                 ctx.delivery_group)
@@ -435,16 +450,20 @@ def bench(args, methods: list[str]) -> dict | None:
         if args.tune_baselines:
             tuned = _tune(args, [m for m in methods if m in BASELINES], cfgs, ctx, spec, batches, limits, new_run,
                           plan, runs, cuda)
-            for key in [k for k in runs if k not in methods and calibrated]:  # the tuned baselines: calibrated too
+            from dynabatch.commands.tuning import tuned_key
+
+            for key in [tuned_key(m) for m in BASELINES if tuned_key(m) in runs and calibrated]:  # calibrated too
                 calibrated.append(key)
                 if ctx.is_planner:
+                    fits[key] = calibration
                     runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
-        if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":
+        if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
             from dynabatch.runtime.calibration import quick_calibration
 
-            first = runs[calibrated[0]]
-            quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, spec, 0)
+            for placement_name in dict.fromkeys(key.partition("@")[2] for key in calibrated):
+                first = runs[next(key for key in calibrated if key.partition("@")[2] == placement_name)]
+                quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, first.spec, 0)
         order = list(runs)
         times = {m: [] for m in order}
         stage_compute = {m: [] for m in order}  # per timed step, replica 0's measured fwd + bwd seconds per stage
@@ -465,7 +484,7 @@ def bench(args, methods: list[str]) -> dict | None:
                         if step >= args.untimed_steps:
                             stage_compute[m].append(stage_times(ctx, gathered))
                         if m in calibrated:
-                            calibration.record(ctx, planned, gathered, elapsed)
+                            fits[m].record(ctx, planned, gathered, elapsed)
                 if saved_peak is not None and step >= args.untimed_steps:
                     saved[m] = max(saved[m] or 0, saved_peak)
                 peaks[m] = max(peaks[m], peak)
