@@ -195,6 +195,11 @@ class MethodPlan:
     sample of each row, :func:`~dynabatch.cost.pairs.row_pairs`; a token slice: its dense ``s^2``); what
     ``dynabatch plan`` and ``simulate`` price the micro-batches with. ``None``: dense (the ``packing``
     baseline, which runs with dense block-diagonal masks)."""
+    slice_links: tuple[int, ...] = ()
+    """Token slices (``dynamic`` with slicing): per micro-batch, the previous slice of its sample or -1
+    (:mod:`dynabatch.schedule.chains`); ``()`` without slices."""
+    contexts: np.ndarray | None = None
+    """(M,) tokens before each micro-batch (a slice's context length, 0 otherwise); ``None`` without slices."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -243,7 +248,9 @@ def method_micro_batches(
         shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
         times = np.array([p.time_s for p in pieces])
         pairs = micro_batch_pairs(batch, groups, family, [p.shape if p.is_slice else None for p in pieces])
-        return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples), pairs)
+        links = step.slice_links(0)
+        return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples), pairs,
+                          links, step.contexts(0) if links else None)
     groups = tuple(make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits)).group(batch))
     elapsed = time.perf_counter() - start
     shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)

@@ -41,11 +41,13 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.commands.common import placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
-from dynabatch.config.flags import add_sections
+from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.cost.ideal import AMORTISED_TOKENS, ideal_step_time
+from dynabatch.plan.slicing import piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS
 from dynabatch.schedule.placement import Placement
+from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches
 
 
@@ -75,6 +77,7 @@ class SimulateArgs:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
+    add_fields(p, ["slice_long"])
     add_sections(p, [SimulateArgs])
 
 
@@ -89,6 +92,8 @@ class MethodSummary:
     """Tokens computed on, padding included."""
     micro_batches: int
     """Micro-batches over all steps."""
+    sliced_samples: int
+    """Samples cut into token slices over all steps (``--slice-long``)."""
     step_s: float
     """Mean simulated step time."""
     ideal_s: float
@@ -156,6 +161,9 @@ class SimulateOptions:
     """Local-search moves of ``choose_schedule`` per step."""
     pack_rows: str = DEFAULT_PACK_ROWS
     """Dynamic planner: ``auto`` also plans with packed rows (per-segment pricing), ``off`` does not."""
+    slice_long: bool = False
+    """Dynamic planner, decoder-only, linear placement: cut samples that dominate the bubble or do not fit into
+    token slices (TeraPipe), priced with their context and scheduled as chains, as ``train --slice-long``."""
 
     def __post_init__(self) -> None:
         if not self.objective_stages or any(v is not None and v < 1 for v in self.objective_stages):
@@ -170,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     methods = parse_methods(args.methods, METHODS)
     w = simulation_workload(resolve(args))
+    if args.slice_long and (is_seq2seq(w.family) or args.placement != "linear"):
+        raise ValueError("--slice-long cuts decoder-only samples on the linear placement; drop it, or use --model gpt "
+                         "with --placement linear")
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
-        link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows,
+        link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows, slice_long=args.slice_long,
     )
     placement = Placement.parse(args.placement, w.cost_model.num_stages)
     rows, split, placed = {}, {}, {}
@@ -224,7 +235,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         w.cost_model, recompute=policy_for(method, w.cost_model.recompute)))
     cm = w.cost_model
     ideal_model = dataclasses.replace(cm, recompute="none")  # the ideal never recomputes
-    real = computed = micro = 0
+    real = computed = micro = sliced = 0
     steps, ideals, amortised, balanced, bubbles, utils, peaks, sched_wall, plan_wall = [], [], [], [], [], [], [], [], []
     busy, busy_total = [], 0.0
     fits, policies = True, {}
@@ -240,6 +251,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         real += plan.real_tokens
         computed += plan.computed_tokens
         micro += plan.num_micro_batches
+        sliced += plan.num_sliced_samples
         steps.append(result.makespan_s)
         ideals.append(ideal_step_time(batch, ideal_model, w.family))
         amortised.append(ideal_step_time(batch, ideal_model, w.family, amortise_tokens=AMORTISED_TOKENS))
@@ -254,7 +266,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         if trace_dir and k == 0 and placed is None:
             _write_traces(trace_dir, method, result, plan.shapes)
     return MethodSummary(
-        method=method, real_tokens=real, computed_tokens=computed, micro_batches=micro,
+        method=method, real_tokens=real, computed_tokens=computed, micro_batches=micro, sliced_samples=sliced,
         step_s=float(np.mean(steps)), ideal_s=float(np.mean(ideals)), tokens_per_s=real / float(np.sum(steps)),
         padding_efficiency=real / computed, efficiency=float(np.sum(ideals) / np.sum(steps)),
         efficiency_amortised=float(np.sum(amortised) / np.sum(steps)),
@@ -300,14 +312,16 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
                 raise
             continue  # a sample that fits only with recomputation
         plan_s += plan.plan_time_s
-        b, e, d = plan.shapes.T
-        costs = with_message_buffers(model.per_stage(b, e, d, plan.pairs))  # per-segment (padding-free) attention
+        # per-segment (padding-free) attention; token slices priced with their context, scheduled as chains
+        costs = with_message_buffers(piece_costs(model, _slicer(model, options), plan.shapes, plan.contexts,
+                                                 plan.slice_links, plan.pairs))
         if model is cm:
             recomputes[objective_stages] = costs.recompute is not None and bool(np.any(costs.recompute != 0))
         send = cm.model.send_time(costs.send_bytes, options.link)
         start = time.perf_counter()
         schedule, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
-                                           num_search_steps=options.search_steps, seed=batch.step)
+                                           num_search_steps=options.search_steps, seed=batch.step,
+                                           links=plan.slice_links)
         sched_s += time.perf_counter() - start
         key = (not result.fits_memory, result.makespan_s)
         if best is None or key < best[0]:
@@ -320,8 +334,8 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
 class Placed:
     """A placement of virtual stages (``--placement cyclic`` / ``interleaved:V``) and the per-chunk cost model of
     its layout: the method plans with the workload's one-chunk-per-device model (what a device holds and runs),
-    then each plan is priced per chunk and ordered by the better of the list scheduler and interleaved 1F1B
-    (:func:`~dynabatch.schedule.virtual.placed_step`)."""
+    then each plan is priced per chunk and ordered by the shortest of the list scheduler, interleaved 1F1B and the
+    wait-free cyclic order (:func:`~dynabatch.schedule.virtual.placed_step`)."""
 
     placement: object
     cost_model: object
@@ -361,7 +375,16 @@ def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int
     view = SingleSampleRelief(w.cost_model, in_flight)
     return method_micro_batches(method, batch, w.limits, view, objective_stages, w.options, in_flight=in_flight,
                                 cap_tolerance=options.cap_tolerance, max_samples=options.max_samples,
-                                pack_rows=options.pack_rows)
+                                pack_rows=options.pack_rows, slice_cost_model=_slicer(w.cost_model, options))
+
+
+def _slicer(cost_model, options: SimulateOptions):
+    """The token-slice cost model of ``--slice-long`` (the analytic model's slowest stage), else ``None``."""
+    if not options.slice_long:
+        return None
+    from dynabatch.plan.slicing import AnalyticSliceCostModel
+
+    return AnalyticSliceCostModel.from_stage_model(cost_model)
 
 
 @dataclass(frozen=True)

@@ -536,3 +536,15 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c)
         send_bytes=costs.send_bytes,
         recompute=costs.recompute,
     )
+
+
+def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None) -> "StageCosts":
+    """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)`` under ``stage_model`` (a
+    :class:`~dynabatch.cost.stages.StageCostModel`); with slice ``links``, later slices priced with their
+    ``contexts`` (:func:`slice_stage_costs`); ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,))
+    prices per-segment attention. What the trainer's planner and ``dynabatch simulate`` price a step with."""
+    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+    costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
+    if links:
+        costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], np.asarray(contexts, dtype=np.float64))
+    return costs

@@ -39,7 +39,7 @@ from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.slicing import slice_stage_costs
+from dynabatch.plan.slicing import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import plan_step
 from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
@@ -339,17 +339,6 @@ def fits_without_recompute(plan, model: StageCostModel) -> bool:
         if np.any(model.num_stages * stored + peak > model.memory_budget_bytes):
             return False
     return True
-
-
-def piece_costs(stage_model: StageCostModel, slice_model, shapes, contexts, links, pairs=None) -> StageCosts:
-    """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)``; with slice
-    ``links``, later slices priced with their ``contexts`` (:func:`~dynabatch.plan.slicing.slice_stage_costs`);
-    ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,)) prices per-segment attention."""
-    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
-    costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
-    if links:
-        costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], np.asarray(contexts, dtype=np.float64))
-    return costs
 
 
 def send_time_of(stage_model: StageCostModel):
