@@ -48,7 +48,7 @@ def _measured(planned):
     out = []
     for s in range(2):
         x = planned.features[0][s]
-        out.append({op: {m: float(3 * x[d, m, 0] + 2e-3) for m in range(x.shape[1])} for d, op in enumerate("FB")}
+        out.append({op: {(s, m): float(3 * x[d, m, 0] + 2e-3) for m in range(x.shape[1])} for d, op in enumerate("FB")}
                    | {"saved_peak": 1000})
     return out
 
