@@ -119,7 +119,7 @@ class BenchArgs:
     compare_profile: str | None = arg(None, f"also run {PROFILED}: dynamic planned with this `dynabatch profile` "
                                             "JSON, no calibration")
     placements: str = arg("linear", "comma list of placements of pipeline stages on the devices, each method (but "
-                                    f"{PEER} and {SLICED}) run under each, interleaved: linear (one chunk per device), cyclic (T5: "
+                                    f"{PEER}) run under each, interleaved: linear (one chunk per device), cyclic (T5: "
                                     "encoder chunk d and decoder chunk d on device d), interleaved:V (V chunks per "
                                     "device); a method under another than linear is reported as METHOD@PLACEMENT "
                                     "(calibrated like the linear methods, with one fit per placement)")

@@ -31,9 +31,9 @@ def placements(args) -> list:
 
 def placed_methods(args, methods) -> dict:
     """``METHOD@PLACEMENT`` -> ``(Placement, METHOD)`` for every non-linear placement of ``--placements``."""
-    from dynabatch.commands.bench import PEER, SLICED
+    from dynabatch.commands.bench import PEER
 
-    return {f"{m}@{p.describe()}": (p, m) for p in placements(args) for m in methods if m not in (PEER, SLICED)}
+    return {f"{m}@{p.describe()}": (p, m) for p in placements(args) for m in methods if m != PEER}
 
 
 def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> dict:
@@ -58,8 +58,6 @@ def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> di
         def preview(own, layout) -> list:
             out = []
             for cfg in planned:
-                if cfg.slice_long and own.placement != "linear":
-                    continue  # token slices run on the linear placement only
                 cfg = dataclasses.replace(cfg, placement=own.placement)
                 planner = StepPlanner(ListBatcher(sampled, limits), cfg, planner_cost_model(cfg, model.config, layout), info)
                 out += [planner.preview(b) for b in sampled]

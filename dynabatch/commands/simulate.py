@@ -162,8 +162,9 @@ class SimulateOptions:
     pack_rows: str = DEFAULT_PACK_ROWS
     """Dynamic planner: ``auto`` also plans with packed rows (per-segment pricing), ``off`` does not."""
     slice_long: bool = False
-    """Dynamic planner, decoder-only, linear placement: cut samples that dominate the bubble or do not fit into
-    token slices (TeraPipe), priced with their context and scheduled as chains, as ``train --slice-long``."""
+    """Dynamic planner, decoder-only: cut samples that dominate the bubble or do not fit into token slices
+    (TeraPipe), priced with their context and scheduled as chains (on every chunk of a placement), as
+    ``train --slice-long``."""
 
     def __post_init__(self) -> None:
         if not self.objective_stages or any(v is not None and v < 1 for v in self.objective_stages):
@@ -178,9 +179,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     methods = parse_methods(args.methods, METHODS)
     w = simulation_workload(resolve(args))
-    if args.slice_long and (is_seq2seq(w.family) or args.placement != "linear"):
-        raise ValueError("--slice-long cuts decoder-only samples on the linear placement; drop it, or use --model gpt "
-                         "with --placement linear")
+    if args.slice_long and is_seq2seq(w.family):
+        raise ValueError("--slice-long cuts decoder-only samples into token slices; drop it, or use --model gpt")
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
@@ -352,12 +352,11 @@ class Placed:
         for objective_stages in variants:  # as simulate_step: the shortest simulated step that fits is kept
             plan = _plan(method, batch, w, options, objective_stages)
             plan_s += plan.plan_time_s
-            b, e, d = plan.shapes.T
-            costs = cm.per_stage(b, e, d, plan.pairs)
+            costs = piece_costs(cm, _slicer(cm, options), plan.shapes, plan.contexts, plan.slice_links, plan.pairs)
             send = np.asarray(cm.model.send_time(costs.send_bytes, options.link), dtype=np.float64)
             start = time.perf_counter()
             result = placed_step(costs, self.placement, cm.model_state_bytes,
-                                 cm.device_memory_bytes * (1 - cm.memory_margin), send)
+                                 cm.device_memory_bytes * (1 - cm.memory_margin), send, links=plan.slice_links)
             sched_s += time.perf_counter() - start
             key = (not result.fits_memory, result.makespan_s)
             if best is None or key < best[0]:

@@ -111,8 +111,6 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             from dynabatch.schedule.placement import Placement
 
             Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
-            if self.slice_long:
-                raise ValueError(f"--slice-long runs on the linear placement only; drop it or --placement {self.placement}")
         if self.eval_mixture and self.eval_holdout:
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:

@@ -292,10 +292,10 @@ class StepPlanner:
         states, send = np.array(model.model_state_bytes), send_time_of(model)
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
             c = piece_costs(model, self.slice_model, s, ctx, lk, pr)
-            if self.placement is not None:  # virtual stages: the list schedule plan_step lowers
+            if self.placement is not None:  # virtual stages: the placed order plan_step lowers
                 from dynabatch.schedule.virtual import chunk_schedule, placed_step
 
-                result = placed_step(c, self.placement, states, memory, send)
+                result = placed_step(c, self.placement, states, memory, send, links=lk)
                 schedule = chunk_schedule(result.order, self.placement.num_stages, len(s), result.policy)
             else:
                 buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself

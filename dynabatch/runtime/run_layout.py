@@ -19,8 +19,7 @@ The choice (:func:`choose_run_layout`):
    step predicted as the runtime will run it (linear: the ``--policy`` schedule's simulation; virtual
    stages: the placement's shortest order, :func:`~dynabatch.schedule.virtual.placed_step`). The candidate with the shortest summed predicted step wins;
    linear wins ties. Candidates: linear, and ``cyclic`` for encoder-decoder models or ``interleaved:2``
-   for decoder-only ones, when the model has the blocks and the flags allow virtual stages (no
-   ``--slice-long``).
+   for decoder-only ones, when the model has the blocks (and at least 2 devices).
 
 The decision travels as one short text (``placement;chunk sizes``) over rank 0's delivery group, each
 other rank waiting up to ``--startup-timeout-s`` (rank 0 may still be loading the data).
@@ -86,7 +85,7 @@ def candidate_placements(cfg, seq2seq: bool) -> list[Placement]:
     if cfg.placement != "auto":
         return [Placement.parse(cfg.placement, cfg.stages)]
     linear = Placement.parse("linear", cfg.stages)
-    if cfg.stages < 2 or cfg.slice_long:
+    if cfg.stages < 2:
         return [linear]
     return [linear, Placement.parse("cyclic" if seq2seq else "interleaved:2", cfg.stages)]
 

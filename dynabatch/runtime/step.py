@@ -162,7 +162,7 @@ def _lower_placed(shapes, spec: PipelineSpec, costs: StageCosts, placement: Plac
     from dynabatch.schedule.virtual import lower_placed, placed_step
 
     orders = schedule.device_orders if schedule is not None and schedule.device_orders else \
-        placed_step(costs, placement, model_state_bytes, memory_limit_bytes).order
+        placed_step(costs, placement, model_state_bytes, memory_limit_bytes, links=links).order
     return lower_placed(orders, shapes, spec, placement, replica_index=replica, num_replicas=num_replicas,
                         step=step, fwd_s=costs.fwd_s, bwd_s=costs.bwd_s, check=False, links=links,
                         recompute=costs.recompute)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from dynabatch.cost.stages import StageCosts
-from dynabatch.schedule.placement import Placement, PlacedResult
+from dynabatch.schedule.chains import successors
+from dynabatch.schedule.placement import Placement, PlacedResult, chain_ready
 
 
 def interleaved_1f1b_orders(placement: Placement, num_micro_batches: int) -> list[list[tuple[str, int, int]]] | None:
@@ -48,9 +49,10 @@ def interleaved_1f1b_orders(placement: Placement, num_micro_batches: int) -> lis
 
 
 def replay(orders, costs: StageCosts, placement: Placement, send_s: np.ndarray, model_state_bytes,
-           memory_limit_bytes: float | None = None, policy: str = "interleaved_1f1b") -> PlacedResult | None:
+           memory_limit_bytes: float | None = None, policy: str = "interleaved_1f1b", links=()) -> PlacedResult | None:
     """Time fixed per-device ``orders`` (module docstring); arguments as
-    :func:`~dynabatch.schedule.placement.list_schedule`'s. ``None`` when the orders deadlock."""
+    :func:`~dynabatch.schedule.placement.list_schedule`'s. ``None`` when the orders deadlock, token-slice chains
+    (``links``) included: an order that runs a slice before the one its chain needs first never finishes."""
     fwd, bwd = np.asarray(costs.fwd_s, dtype=np.float64), np.asarray(costs.bwd_s, dtype=np.float64)
     stored, peak = np.asarray(costs.stored_bytes, dtype=np.float64), np.asarray(costs.peak_bytes, dtype=np.float64)
     num_stages, _ = fwd.shape
@@ -63,6 +65,7 @@ def replay(orders, costs: StageCosts, placement: Placement, send_s: np.ndarray, 
     done: dict[tuple[str, int, int], float] = {}
     free, busy, nxt = [0.0] * S, np.zeros(S), [0] * S
     timed: list[list] = [[] for _ in range(S)]
+    links, successor = tuple(links), successors(links)
 
     def arrival(phase: str, c: int, m: int) -> float | None:
         """When the op's input is on its device (``None``: its producer has not run yet)."""
@@ -74,8 +77,8 @@ def replay(orders, costs: StageCosts, placement: Placement, send_s: np.ndarray, 
             src, link = ("F", c, m), None
         else:
             src, link = ("B", c + 1, m), c
-        if src not in done:
-            return None
+        if src not in done or not chain_ready(phase, c, m, links, successor, done):
+            return None  # the same-device chain predecessor has run, so it ended before the device is free
         hop = link is not None and dev[src[1]] != dev[c]
         return done[src] + (send[link, m] if hop else 0.0)
 

@@ -20,6 +20,8 @@ activations, message buffers and the op's peak within its memory (admission, lik
 Dependencies: ``F(v, m)`` after ``F(v - 1, m)``, ``B(v, m)`` after ``B(v + 1, m)`` (the last chunk's
 after its own forward), each plus the send time when the two chunks sit on different devices (a hand-off
 on one device is free). A device runs one op at a time: two chunks of one device never compute at once.
+Token-slice chains (``links``, :mod:`dynabatch.schedule.chains`) add, on every chunk, ``F(v, m)`` after
+``F(v, links[m])`` and ``B(v, links[m])`` after ``B(v, m)``: same-device constraints (:func:`chain_ready`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.cost.stages import StageCosts
+from dynabatch.schedule.chains import successors
 
 PLACEMENTS = ("linear", "cyclic", "interleaved")
 """``--placement`` kinds; ``interleaved`` takes ``:V`` chunks per device."""
@@ -106,12 +109,22 @@ def timeline_ops(order) -> list:
     return [TimelineOp(v, Phase(phase), m, start, end) for ops in order for phase, v, m, start, end in ops]
 
 
+def chain_ready(phase: str, v: int, m: int, links, successor: dict, done) -> bool:
+    """Whether op ``(phase, v, m)``'s token-slice predecessor on chunk ``v`` has run (``done``: a container of
+    ``(phase, chunk, micro-batch)``): a slice's forward after its previous slice's, a slice's backward after its
+    next slice's (:mod:`dynabatch.schedule.chains`). Always true without slices."""
+    if phase == "F":
+        return not links or links[m] < 0 or ("F", v, links[m]) in done
+    return m not in successor or ("B", v, successor[m]) in done
+
+
 def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, model_state_bytes,
-                  memory_limit_bytes: float | None = None) -> PlacedResult:
+                  memory_limit_bytes: float | None = None, links=()) -> PlacedResult:
     """Order and replay one step's ops on ``placement`` (see the module docstring). ``costs`` are ``(V, M)``
     per chunk (stored bytes with their message buffers, :func:`~dynabatch.schedule.simulate.with_message_buffers`),
     ``send_s`` the ``(V, M)`` seconds of chunk ``v``'s message to ``v + 1`` (0 is used on one device),
-    ``model_state_bytes`` the ``(V,)`` states of each chunk."""
+    ``model_state_bytes`` the ``(V,)`` states of each chunk, ``links`` the token-slice chains (slices of a sample
+    consecutive in plan order)."""
     fwd, bwd = np.asarray(costs.fwd_s, dtype=np.float64), np.asarray(costs.bwd_s, dtype=np.float64)
     stored, peak = np.asarray(costs.stored_bytes, dtype=np.float64), np.asarray(costs.peak_bytes, dtype=np.float64)
     num_stages, num_mb = fwd.shape
@@ -134,6 +147,7 @@ def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, m
     busy = np.zeros(S)
     next_mb, in_flight, done_b0, fits = 0, 0, 0, True
     makespan = 0.0
+    links, successor, done = tuple(links), successors(links), set()
 
     def push(phase: str, v: int, m: int, t: float) -> None:
         key = (0, m, 0) if phase == "B" else (1, -v, m)
@@ -145,24 +159,27 @@ def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, m
         return bool(np.all(reserved + footprint[:, m] + peak[:, m].max() <= limit))
 
     while done_b0 < num_mb:
-        if next_mb < num_mb and (in_flight == 0 or admissible(next_mb)):
+        # A chain's later slice always enters: its earlier slices' backwards wait for it (the slicing planner sized
+        # the chain to fit).
+        if next_mb < num_mb and (in_flight == 0 or admissible(next_mb) or (links and links[next_mb] >= 0)):
             if in_flight == 0 and not admissible(next_mb):
                 fits = False  # alone it does not fit: run it anyway, reported
             reserved += footprint[:, next_mb]
             push("F", 0, next_mb, 0.0)
             next_mb, in_flight = next_mb + 1, in_flight + 1
-        # The device that can start an op soonest; on it, the best op ready by then.
+        # The device that can start an op soonest; on it, the best op ready by then (its slice chain allowing).
         best = None
         for d in range(S):
-            if not ready[d]:
+            eligible = [item[1] for item in ready[d] if chain_ready(*item[2:], links, successor, done)]
+            if not eligible:
                 continue
-            t = max(free[d], min(item[1] for item in ready[d]))
+            t = max(free[d], min(eligible))
             if best is None or t < best[0]:
                 best = (t, d)
         if best is None:
             raise AssertionError("list schedule stalled")  # pragma: no cover (every op has a path back)
         t, d = best
-        candidates = [item for item in ready[d] if item[1] <= t]
+        candidates = [item for item in ready[d] if item[1] <= t and chain_ready(*item[2:], links, successor, done)]
         key, r, phase, v, m = min(candidates)
         ready[d].remove((key, r, phase, v, m))
         heapq.heapify(ready[d])
@@ -172,6 +189,7 @@ def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, m
         free[d], busy[d] = end, busy[d] + dur
         makespan = max(makespan, end)
         order[d].append((phase, v, m, start, end))
+        done.add((phase, v, m))
         if phase == "F":
             live[d] += stored[v, m]
             peak_mem[d] = max(peak_mem[d], live[d] + peak[v, m])

@@ -46,11 +46,13 @@ rounds of the devices), DynaPipe's wait-free cyclic order (:mod:`dynabatch.sched
 
 
 def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None, send_time=None,
-                policy: str = "auto"):
+                policy: str = "auto", links=()):
     """One replica's step on ``placement`` priced by ``costs`` (``(V, M)`` per chunk; their message buffers added):
     a :class:`~dynabatch.schedule.placement.PlacedResult` ordered by ``policy`` (:data:`PLACED_POLICIES`).
     ``send_time`` prices each hand-off between devices (bytes -> seconds, or an array; ``None``: free), as the
-    linear simulation does."""
+    linear simulation does; ``links``: token-slice chains (:mod:`dynabatch.schedule.chains`), which every order
+    keeps (interleaved 1F1B's fixed order only when it happens to: else it is not a candidate)."""
+    from dynabatch.schedule.chains import check_links
     from dynabatch.schedule.interleaved import interleaved_1f1b_orders, replay
     from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
     from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders
@@ -58,22 +60,25 @@ def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit
     if policy not in PLACED_POLICIES:
         raise ValueError(f"unknown placed policy {policy!r}; valid: {', '.join(PLACED_POLICIES)}")
     V, M = np.shape(costs.fwd_s)
+    links = check_links(links, M)
     states = per_stage_values(model_state_bytes, V, "model_state_bytes")
     limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
     buffered, send = with_message_buffers(costs), stage_send_times(costs, send_time)
     results = []
     if policy in ("auto", "list"):
-        results.append(list_schedule(buffered, placement, send, states, limit))
+        results.append(list_schedule(buffered, placement, send, states, limit, links))
     if policy in ("auto", "interleaved_1f1b"):
         orders = interleaved_1f1b_orders(placement, M)
-        fixed = None if orders is None else replay(orders, buffered, placement, send, states, limit)
+        fixed = None if orders is None else replay(orders, buffered, placement, send, states, limit, links=links)
         if fixed is not None:
             results.append(fixed)
         elif policy == "interleaved_1f1b":
-            raise ValueError(f"interleaved 1F1B needs a multiple of {placement.num_devices} micro-batches, got {M}")
+            why = (f"needs a multiple of {placement.num_devices} micro-batches, got {M}" if orders is None else
+                   "runs token slices out of their chains' order here")
+            raise ValueError(f"interleaved 1F1B {why}")
     if policy in ("auto", "wait_free_cyclic"):
-        orders = wait_free_cyclic_orders(buffered, placement, states, limit)
-        results.append(replay(orders, buffered, placement, send, states, limit, policy="wait_free_cyclic"))
+        orders = wait_free_cyclic_orders(buffered, placement, states, limit, links)
+        results.append(replay(orders, buffered, placement, send, states, limit, policy="wait_free_cyclic", links=links))
     return min(results, key=lambda r: (not r.fits_memory, r.makespan_s))
 
 

@@ -21,7 +21,12 @@ Memory admission (a change from DynaPipe, which checks a device's current memory
 reaches it): a micro-batch enters flattened stage 0 only while every device keeps its reserved footprint (model
 states plus the stored activations of every admitted, unfinished micro-batch on all its chunks) and the op's peak
 within its limit, exactly the admission of :func:`~dynabatch.schedule.placement.list_schedule`; with nothing in
-flight a micro-batch always enters, so the cycles always finish.
+flight a micro-batch always enters, and so does a token slice whose chain has begun, so the cycles always finish.
+
+Token-slice chains (``links``): a slice's forward waits in its queue until its previous slice's forward on that
+chunk has run, and a slice's backward until its next slice's backward has (:func:`~dynabatch.schedule.placement.
+chain_ready`). A queue offers its first micro-batch whose chain allows it, not only its head: a chain's slices reach
+the backward queues first-slice first but must run there last-slice first.
 
 The orders depend on the costs only through the admission (without a memory limit they are the costs-free cycle
 pattern); the replay prices them. :func:`~dynabatch.schedule.virtual.placed_step` keeps them when their replay is
@@ -35,7 +40,8 @@ from collections import deque
 import numpy as np
 
 from dynabatch.cost.stages import StageCosts
-from dynabatch.schedule.placement import Placement
+from dynabatch.schedule.chains import successors
+from dynabatch.schedule.placement import Placement, chain_ready
 
 
 def flattened_op(f: int, num_stages: int) -> tuple[str, int]:
@@ -44,9 +50,10 @@ def flattened_op(f: int, num_stages: int) -> tuple[str, int]:
 
 
 def wait_free_cyclic_orders(costs: StageCosts, placement: Placement, model_state_bytes=0.0,
-                            memory_limit_bytes: float | None = None) -> list[list[tuple[str, int, int]]]:
+                            memory_limit_bytes: float | None = None, links=()) -> list[list[tuple[str, int, int]]]:
     """Per device, ``(phase, chunk, micro-batch)`` in DynaPipe's cyclic order (module docstring). ``costs``:
-    ``(V, M)`` per chunk with their message buffers; ``model_state_bytes``: ``(V,)`` or one value per chunk."""
+    ``(V, M)`` per chunk with their message buffers; ``model_state_bytes``: ``(V,)`` or one value per chunk;
+    ``links``: token-slice chains."""
     stored = np.asarray(costs.stored_bytes, dtype=np.float64)
     peak = np.asarray(costs.peak_bytes, dtype=np.float64)
     V, M = stored.shape
@@ -63,24 +70,33 @@ def wait_free_cyclic_orders(costs: StageCosts, placement: Placement, model_state
     queues = [deque() for _ in range(2 * V)]
     queues[0].extend(range(M))
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(S)]
+    links, successor, done = tuple(links), successors(links), set()
+
+    def first_allowed(f: int):
+        """The first micro-batch of flattened stage ``f``'s queue whose slice chain lets it run, or ``None``."""
+        phase, chunk = flattened_op(f, V)
+        return next((m for m in queues[f] if chain_ready(phase, chunk, m, links, successor, done)), None)
+
     in_flight = finished = 0
     while finished < M:
         arrivals = []
         for d in range(S):
-            heads = [(queues[f][0], f) for f in owned[d] if queues[f]]
+            heads = [(m, f) for f in owned[d] if (m := first_allowed(f)) is not None]
             backward = sorted(h for h in heads if h[1] >= V)
             forward = sorted(h for h in heads if h[1] < V)
             merged = [h for pair in zip(backward, forward) for h in pair]
             merged += backward[len(forward):] + forward[len(backward):]
             for m, f in merged:
                 if f == 0:
-                    if in_flight and np.any(reserved + footprint[:, m] + peak[:, m].max() > limit):
+                    later_slice = bool(links) and links[m] >= 0  # enters always: its chain's backwards wait for it
+                    if in_flight and not later_slice and np.any(reserved + footprint[:, m] + peak[:, m].max() > limit):
                         continue  # admission: wait until the micro-batches in flight free their memory
                     reserved += footprint[:, m]
                     in_flight += 1
-                queues[f].popleft()
+                queues[f].remove(m)
                 phase, chunk = flattened_op(f, V)
                 orders[d].append((phase, chunk, int(m)))
+                done.add((phase, chunk, int(m)))
                 if f + 1 < 2 * V:
                     arrivals.append((f + 1, m))
                 else:

@@ -196,7 +196,12 @@ def _sl(stages, policy, replicas=1, steps=1):
 SLICED_SCENARIOS = {
     sc.name: sc
     for sc in [_sl(2, "gpipe"), _sl(2, "1f1b"), _sl(2, "auto", steps=2), _sl(4, "1f1b"), _sl(4, "adaptive"),
-               _sl(2, "1f1b", replicas=2)]
+               _sl(2, "1f1b", replicas=2),
+               # virtual stages: 2 devices x 2 chunks, the slices' chains kept on every chunk; the placed order
+               # train_step picks (auto), and DynaPipe's wait-free cyclic order handed over as the planner would
+               Scenario("sliced-gpt2-interleaved2-R1-auto", "gpt2", "gpt2-mini", 2, 1, seed=5, placement="interleaved:2"),
+               Scenario("sliced-gpt2-interleaved2-R2-wfc", "gpt2", "gpt2-mini", 2, 2, seed=5, placement="interleaved:2",
+                        placed_policy="wait_free_cyclic")]
 }
 DROP_KV_GRAD = _sl(2, "1f1b")
 
@@ -300,7 +305,8 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
         if ctx.is_planner:
             replica_mbs, links = make_step(sc, step)
             if sc.placed_policy is not None:
-                schedules = [placed_schedule(mbs, placement, sc.placed_policy) for mbs in replica_mbs]
+                schedules = [placed_schedule(mbs, placement, sc.placed_policy, links[p] if links else ())
+                             for p, mbs in enumerate(replica_mbs)]
         result = train_step(ex, ctx, step, replica_mbs, spec=spec, policy=sc.policy, slice_links=links,
                             placement=placement, schedules=schedules)
         record["grads"].append({n: p.grad.detach().clone() for n, p in named})
@@ -315,14 +321,14 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
     shutdown()
 
 
-def placed_schedule(mbs, placement, policy: str):
-    """The chunk schedule with device orders of ``policy`` for micro-batches ``mbs`` under token costs (what the
-    trainer's planner hands train_step on virtual stages)."""
+def placed_schedule(mbs, placement, policy: str, links=()):
+    """The chunk schedule with device orders of ``policy`` for micro-batches ``mbs`` (token-slice ``links``) under
+    token costs (what the trainer's planner hands train_step on virtual stages)."""
     from dynabatch.runtime.step import micro_batch_shape, token_costs
     from dynabatch.schedule.virtual import chunk_schedule, placed_step
 
     result = placed_step(token_costs([micro_batch_shape(mb) for mb in mbs], placement.num_stages), placement,
-                         policy=policy)
+                         policy=policy, links=links or ())
     return chunk_schedule(result.order, placement.num_stages, len(mbs), result.policy)
 
 

@@ -1,8 +1,9 @@
 """Token slicing (TeraPipe) in the runtime: a step with sliced samples equals the unsliced model.
 
 One launch of 4 gloo processes runs :data:`pipeline_harness.SLICED_SCENARIOS`: GPT-2 on 2 and 4
-stages, GPipe, 1F1B, adaptive and the per-step choice (``auto``), 2 replicas x 2 stages, and a
-second AdamW step. Every global batch mixes ordinary micro-batches (padded and packed rows) with
+stages, GPipe, 1F1B, adaptive and the per-step choice (``auto``), 2 replicas x 2 stages, a
+second AdamW step, and virtual stages (``interleaved:2``: 2 devices x 2 chunks, the slices' chains kept on every
+chunk, with 1 replica in the order train_step picks and with 2 replicas in DynaPipe's wait-free cyclic order). Every global batch mixes ordinary micro-batches (padded and packed rows) with
 three chains of token slices: one sample cut unevenly with slices of length 1, two rows (one packed
 with two samples, one padded) cut into 9 slices, and one sample cut in two. The parent compares, by
 HF parameter name, the gradients, parameters and loss with a single-process run of the unsplit model

@@ -1,5 +1,5 @@
 """`dynabatch simulate --slice-long`: token slices (TeraPipe) in the simulated steps, priced with their context and
-scheduled as chains, as `train --slice-long` runs them."""
+scheduled as chains (on the linear placement and on virtual stages), as `train --slice-long` runs them."""
 
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ def test_long_samples_run_as_chains_of_slices(tmp_path, capsys):
     assert sliced["bubble_fraction"] < whole["bubble_fraction"]
 
 
-@pytest.mark.parametrize("extra, what", [(["--model", "t5"], "decoder-only"),
-                                         (["--placement", "interleaved:2"], "linear placement")])
-def test_slice_long_is_refused_where_it_does_not_apply(extra, what):
+def test_slices_run_on_virtual_stages_too(tmp_path, capsys):
+    sliced = _run(tmp_path, capsys, "--slice-long", "--placement", "interleaved:2")
+    assert sliced["sliced_samples"] > 0 and sliced["fits_memory"]
+    assert all(policy.startswith("interleaved:2 ") for policy in sliced["policies"])
+
+
+def test_slice_long_is_refused_for_encoder_decoder_models():
     p = argparse.ArgumentParser()
     simulate.add_arguments(p)
-    args = p.parse_args(["--model", "gpt", "--num-batches", "1", "--slice-long", *extra])
-    with pytest.raises(ValueError, match="--slice-long cuts decoder-only samples on the linear placement"):
+    args = p.parse_args(["--model", "t5", "--num-batches", "1", "--slice-long"])
+    with pytest.raises(ValueError, match="--slice-long cuts decoder-only samples into token slices"):
         simulate.run(args)

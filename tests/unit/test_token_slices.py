@@ -205,20 +205,29 @@ def test_a_slice_record_rejects_a_carried_gradient_of_the_wrong_size():
 # ------------------------------------------------------------------------------------------ planner
 
 
-@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
-def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
+def _slicing_planner(toy_data, preset: str, memory_gib: float, placement: str = "linear"):
+    """The trainer's planner with ``--slice-long`` on 2 devices over the toy data (2,048-token batches, inputs up to
+    512 tokens), and the chunk layout it plans for."""
     from dynabatch.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.schedule.placement import Placement
 
-    cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=2048, max_input_len=512, slice_long=True,
-                      memory_gib=0.02)  # the longest samples do not fit whole
-    model = build_model("gpt2-tiny", vocab_size=toy_data.tokens.vocab_size)
-    layout = layout_for(model, 2)
+    cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=2048, max_input_len=512, slice_long=True,
+                      memory_gib=memory_gib, placement=placement)
+    model = build_model(preset, vocab_size=toy_data.tokens.vocab_size)
+    chunks = Placement.parse(placement, 2)
+    layout = layout_for(model, chunks.num_stages, chunks)
     limits = LengthLimits("gpt2", max_input_len=512, max_target_len=128, max_seq_len=512)
     planner = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=2048), cfg,
                           planner_cost_model(cfg, model.config, layout), toy_data.tokens)
+    return planner, pipeline_spec_for(model, layout, "float32"), chunks
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
+    planner, _, _ = _slicing_planner(toy_data, "gpt2-tiny", 0.02)  # the longest samples do not fit whole
     sliced = 0
     for _ in range(6):
         step = planner()
@@ -237,6 +246,28 @@ def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
             assert np.all(step.costs[0].fwd_s[:, later] > unsliced.fwd_s[:, 0])
         seen = sorted(i for mb in mbs for row in mb.sample_ids for i in row)
         assert sorted(set(seen)) == list(range(len(step.batch)))
+    assert sliced > 0
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+def test_the_planner_orders_slices_on_virtual_stages_and_the_plans_validate(toy_data):
+    """``--slice-long`` with ``--placement interleaved:2``: each step's device orders keep every chain on every chunk
+    (a slice's forward after its previous slice's, its backward before it), and the step lowers onto the two
+    devices' four chunks into plans that validate, the chains checked on the instructions."""
+    from dynabatch.runtime.step import micro_batch_shape
+
+    planner, spec, placement = _slicing_planner(toy_data, "gpt2-mini", 0.03, "interleaved:2")
+    sliced = 0
+    for _ in range(4):
+        step = planner()
+        sliced += step.num_sliced_samples
+        (links,), (schedule,) = step.slice_links, step.schedules
+        check_schedule(schedule, links)
+        assert schedule.device_orders and len(schedule.device_orders) == 2
+        shapes = [[micro_batch_shape(mb) for mb in step.replica_micro_batches[0]]]
+        plans = plan_step(shapes, spec, step=step.step, costs=step.costs, schedules=step.schedules,
+                          slice_links=step.slice_links, placement=placement)
+        assert sorted(plans) == [0, 1] and validate(plans).ok
     assert sliced > 0
 
 

@@ -96,3 +96,59 @@ def test_auto_keeps_the_shortest_order_that_fits(seed):
     fitting = [r for r in results.values() if r.fits_memory]
     assert auto.fits_memory == bool(fitting)
     assert auto.makespan_s == pytest.approx(min(r.makespan_s for r in fitting or results.values()))
+
+
+def _chain_costs(V: int, M: int, seed: int) -> tuple[StageCosts, tuple[int, ...]]:
+    """Random costs and token-slice chains: micro-batches 1-3 are slices of one sample, 5-6 of another."""
+    links = [-1] * M
+    links[2], links[3], links[6] = 1, 2, 5
+    return _random(V, M, seed), tuple(links)
+
+
+def _assert_chains_kept(order, links):
+    """On every chunk, a slice's forward after its previous slice's and its backward before it."""
+    for ops in order:
+        at = {(p, c, m): k for k, (p, c, m, *_) in enumerate(ops)}
+        for m, prev in enumerate(links):
+            for c in {c for _, c, _ in at}:
+                if prev >= 0:
+                    assert at[("F", c, prev)] < at[("F", c, m)] and at[("B", c, m)] < at[("B", c, prev)]
+
+
+@pytest.mark.parametrize("kind,S", [("interleaved:2", 2), ("interleaved:3", 2), ("interleaved:2", 4)])
+@pytest.mark.parametrize("policy", ["list", "wait_free_cyclic", "auto"])
+@pytest.mark.parametrize("limit", [60.0, 1.0])  # 1.0: nothing fits, one micro-batch at a time but a chain's slices
+def test_every_order_keeps_token_slice_chains_and_lowers_to_valid_plans(kind, S, policy, limit):
+    """The slices of a sample run their forwards in order and their backwards in reverse on every chunk, under the
+    list scheduler, the wait-free cyclic order and auto's choice, with sends and a memory limit; the lowered device
+    plans validate (the validator checks the chains on the instructions) under NCCL and gloo semantics."""
+    from dynabatch.schedule.ir import PipelineSpec
+    from dynabatch.schedule.validate import validate
+    from dynabatch.schedule.virtual import lower_placed
+
+    placement = Placement.parse(kind, S)
+    V, M = placement.num_stages, 8
+    costs, links = _chain_costs(V, M, S)
+    result = placed_step(costs, placement, memory_limit_bytes=limit, send_time=0.1, policy=policy, links=links)
+    _assert_chains_kept(result.order, links)
+    spec = PipelineSpec.gpt(V, 16, "float32")
+    shapes = np.stack([np.ones(M, dtype=int), np.full(M, 8), np.zeros(M, dtype=int)], 1)
+    plans = lower_placed(result.order, shapes, spec, placement, fwd_s=costs.fwd_s, bwd_s=costs.bwd_s, check=False,
+                         links=links)
+    for semantics in ("nccl", "gloo"):
+        report = validate(plans, semantics=semantics)
+        assert report.ok, report
+
+
+def test_an_order_that_breaks_a_chain_never_finishes_its_replay():
+    """Interleaved 1F1B's fixed order runs slice 1's backward before slice 2's on some chunk here, which the chain
+    forbids: the replay deadlocks (None), auto leaves it out and forcing it is a clear error."""
+    placement = Placement.parse("interleaved:2", 2)
+    costs, links = _uniform(4, 4), (-1, -1, 1, -1)
+    from dynabatch.schedule.interleaved import interleaved_1f1b_orders
+
+    assert replay(interleaved_1f1b_orders(placement, 4), costs, placement, np.zeros((4, 4)), np.zeros(4),
+                  links=links) is None
+    with pytest.raises(ValueError, match="out of their chains' order"):
+        placed_step(costs, placement, policy="interleaved_1f1b", links=links)
+    assert placed_step(costs, placement, links=links).policy in ("list", "wait_free_cyclic")
