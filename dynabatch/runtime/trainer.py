@@ -443,6 +443,7 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "step_time_s": elapsed,
         "predicted_step_s": planned.predicted_step_s,
         "bubble_fraction_predicted": planned.bubble_fraction,
+        "schedule_policy": [s.policy for s in planned.schedules],  # per replica: linear policy, or the placed order
         "plan_time_s": planned.plan_time_s,
         "plan_wait_s": wait,
         "plan_overlap": planning_overlap([{"plan_time_s": planned.plan_time_s, "plan_wait_s": wait}]),
