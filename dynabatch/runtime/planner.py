@@ -255,7 +255,7 @@ class StepPlanner:
         so auto is never slower than none by the simulated step (as in ``dynabatch simulate``)."""
         cfg = self.cfg
         lengths = (batch.input_lens, batch.target_lens) if self.padding_free else None
-        score = simulated_step_time(model, self.slice_model, cfg.memory_gib * 2**30, lengths)
+        score = simulated_step_time(model, self.slice_model, cfg.memory_gib * 2**30, lengths, self.placement)
         plan = plan_step(
             batch.input_lens, batch.target_lens, model, cfg.stages, family=self.family,
             num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
@@ -348,16 +348,20 @@ def send_time_of(stage_model: StageCostModel):
     return None if send_time is None else (lambda num_bytes: send_time(num_bytes, "intra"))
 
 
-def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None, lengths=None):
+def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None, lengths=None,
+                        placement=None):
     """``score(plan)`` for :func:`~dynabatch.plan.step.plan_step`: the simulated makespan of the slowest
     replica under the adaptive schedule (a few ms; the step formula ``sum + (S - 1) max`` misjudges
     token slices, whose chains cannot overlap their own backward). With the step's ``lengths``
     ``(input_lens, target_lens)`` (the padding-free runtime) every piece is priced with the attention
     pairs and calls its rows really compute (:func:`~dynabatch.plan.step.with_pairs`), as the step that
     runs is: the DP prices dense ``b x E^2`` in one call per layer, and with calibrated per-call costs
-    (several ms on CPU) a run spanning many lengths costs more than the DP sees."""
+    (several ms on CPU) a run spanning many lengths costs more than the DP sees. With a ``placement`` of
+    virtual stages (``stage_model`` then prices its chunks) the step is ordered on it as the runtime will
+    (:func:`~dynabatch.schedule.virtual.placed_step`), not as a pipeline of one chunk per device."""
     from dynabatch.plan.step import with_pairs
     from dynabatch.schedule.policies import adaptive
+    from dynabatch.schedule.virtual import placed_step
 
     states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
 
@@ -369,6 +373,10 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
             links = plan.slice_links(r)
             costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links,
                                 plan.pairs(r))
+            if placement is not None:
+                result = placed_step(costs, placement, states, memory_limit_bytes, send, links=links)
+                worst = max(worst, result.makespan_s)
+                continue
             costs = with_message_buffers(costs)
             schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
             worst = max(worst, simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s)

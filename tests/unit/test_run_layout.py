@@ -141,3 +141,29 @@ def test_planner_predicts_and_plan_step_lowers_the_same_placed_order(toy_data):
         computed = [("F" if i.op is Op.FORWARD else "B", i.stage, i.micro_batch) for i in plans[device].instructions
                     if i.op in (Op.FORWARD, Op.BACKWARD)]
         assert computed == [tuple(op[:3]) for op in ops]
+
+
+@pytest.mark.parametrize("toy_data", ["t5"], indirect=True)
+def test_the_planners_score_orders_the_step_on_the_placement(toy_data):
+    """plan_step picks among its candidate plans by the simulated step; on virtual stages that is the placed order's
+    makespan (as the runtime will run it), not a pipeline with one chunk per device."""
+    from dynabatch.models.split import layout_for
+    from dynabatch.plan.step import plan_step
+    from dynabatch.runtime.planner import StepPlanner, simulated_step_time
+    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.schedule.placement import Placement
+
+    cfg, model, batcher = _setup(toy_data, placement="cyclic", global_batch_tokens=2048)
+    placement = Placement.parse("cyclic", 2)
+    cost = planner_cost_model(cfg, model.config, layout_for(model, 4, placement))
+    planned = StepPlanner(batcher, cfg, cost, toy_data.tokens)()
+    batch = planned.batch
+    lengths = (batch.input_lens, batch.target_lens)
+    plan = plan_step(batch.input_lens, batch.target_lens, cost, 2, family="seq2seq", segment_pricing=True)
+    memory = cfg.memory_gib * 2**30
+    placed = simulated_step_time(cost, None, memory, lengths, placement)(plan)
+    as_chunks = simulated_step_time(cost, None, memory, lengths)(plan)  # 4 chunks as 4 devices: shorter
+    assert placed > as_chunks
+    again = plan_step(batch.input_lens, batch.target_lens, cost, 2, family="seq2seq", segment_pricing=True,
+                      score=simulated_step_time(cost, None, memory, lengths, placement))
+    assert simulated_step_time(cost, None, memory, lengths, placement)(again) <= placed + 1e-12
