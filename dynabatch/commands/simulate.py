@@ -313,7 +313,7 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
             continue  # a sample that fits only with recomputation
         plan_s += plan.plan_time_s
         # per-segment (padding-free) attention; token slices priced with their context, scheduled as chains
-        costs = with_message_buffers(piece_costs(model, _slicer(model, options), plan.shapes, plan.contexts,
+        costs = with_message_buffers(piece_costs(model, _slicer(model, options, w), plan.shapes, plan.contexts,
                                                  plan.slice_links, plan.pairs))
         if model is cm:
             recomputes[objective_stages] = costs.recompute is not None and bool(np.any(costs.recompute != 0))
@@ -352,7 +352,7 @@ class Placed:
         for objective_stages in variants:  # as simulate_step: the shortest simulated step that fits is kept
             plan = _plan(method, batch, w, options, objective_stages)
             plan_s += plan.plan_time_s
-            costs = piece_costs(cm, _slicer(cm, options), plan.shapes, plan.contexts, plan.slice_links, plan.pairs)
+            costs = piece_costs(cm, _slicer(cm, options, w), plan.shapes, plan.contexts, plan.slice_links, plan.pairs)
             send = np.asarray(cm.model.send_time(costs.send_bytes, options.link), dtype=np.float64)
             start = time.perf_counter()
             result = placed_step(costs, self.placement, cm.model_state_bytes,
@@ -374,16 +374,17 @@ def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int
     view = SingleSampleRelief(w.cost_model, in_flight)
     return method_micro_batches(method, batch, w.limits, view, objective_stages, w.options, in_flight=in_flight,
                                 cap_tolerance=options.cap_tolerance, max_samples=options.max_samples,
-                                pack_rows=options.pack_rows, slice_cost_model=_slicer(w.cost_model, options))
+                                pack_rows=options.pack_rows, slice_cost_model=_slicer(w.cost_model, options, w))
 
 
-def _slicer(cost_model, options: SimulateOptions):
-    """The token-slice cost model of ``--slice-long`` (the analytic model's slowest stage), else ``None``."""
+def _slicer(cost_model, options: SimulateOptions, w):
+    """The token-slice cost model of ``--slice-long`` (the analytic model's slowest stage for a sample of the
+    workload's longest input, as the trainer's planner picks it), else ``None``."""
     if not options.slice_long:
         return None
     from dynabatch.plan.slicing import AnalyticSliceCostModel
 
-    return AnalyticSliceCostModel.from_stage_model(cost_model)
+    return AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=w.limits.max_input_len)
 
 
 @dataclass(frozen=True)
