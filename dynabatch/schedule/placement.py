@@ -118,6 +118,36 @@ def chain_ready(phase: str, v: int, m: int, links, successor: dict, done) -> boo
     return m not in successor or ("B", v, successor[m]) in done
 
 
+class Admission:
+    """Which micro-batch may enter a placed step (the list scheduler's and the wait-free cyclic order's rule): a
+    micro-batch enters chunk 0 only while every device keeps its reserved bytes (model states plus the stored
+    activations of every admitted, unfinished micro-batch on all its chunks) and the op's peak within its limit.
+    With nothing in flight a micro-batch always enters, and so does a token slice whose chain has begun (its
+    earlier slices' backwards wait for it; the slicing planner sized the chain to fit)."""
+
+    def __init__(self, stored: np.ndarray, peak: np.ndarray, dev: list[int], device_states: np.ndarray,
+                 limit: float, links: tuple[int, ...]):
+        self.footprint = np.zeros((len(device_states), stored.shape[1]))  # a micro-batch's bytes on each device
+        np.add.at(self.footprint, dev, stored)
+        self.peak, self.limit, self.links = peak, limit, links
+        self.reserved = np.asarray(device_states, dtype=np.float64).copy()
+        self.in_flight = 0
+
+    def fits(self, m: int) -> bool:
+        return bool(np.all(self.reserved + self.footprint[:, m] + self.peak[:, m].max() <= self.limit))
+
+    def admits(self, m: int) -> bool:
+        return self.in_flight == 0 or (bool(self.links) and self.links[m] >= 0) or self.fits(m)
+
+    def enter(self, m: int) -> None:
+        self.reserved += self.footprint[:, m]
+        self.in_flight += 1
+
+    def leave(self, m: int) -> None:
+        self.reserved -= self.footprint[:, m]
+        self.in_flight -= 1
+
+
 def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, model_state_bytes,
                   memory_limit_bytes: float | None = None, links=()) -> PlacedResult:
     """Order and replay one step's ops on ``placement`` (see the module docstring). ``costs`` are ``(V, M)``
@@ -137,36 +167,28 @@ def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, m
     live = np.zeros(S)
     np.add.at(live, dev, states)
     peak_mem = live.copy()
-    footprint = np.zeros((S, num_mb))  # a micro-batch's stored bytes on each device, all its chunks
-    np.add.at(footprint, dev, stored)
     limit = np.inf if memory_limit_bytes is None else float(memory_limit_bytes)
     send = np.asarray(send_s, dtype=np.float64)
     free = [0.0] * S
     ready: list[list] = [[] for _ in range(S)]  # heaps of (priority, ready time, phase, stage, mb)
     order: list[list] = [[] for _ in range(S)]
     busy = np.zeros(S)
-    next_mb, in_flight, done_b0, fits = 0, 0, 0, True
+    next_mb, done_b0, fits = 0, 0, True
     makespan = 0.0
     links, successor, done = tuple(links), successors(links), set()
+    admission = Admission(stored, peak, dev, live, limit, links)
 
     def push(phase: str, v: int, m: int, t: float) -> None:
         key = (0, m, 0) if phase == "B" else (1, -v, m)
         heapq.heappush(ready[dev[v]], (key, t, phase, v, m))
 
-    reserved = live.copy()  # model states + the footprint of every admitted, unfinished micro-batch
-
-    def admissible(m: int) -> bool:
-        return bool(np.all(reserved + footprint[:, m] + peak[:, m].max() <= limit))
-
     while done_b0 < num_mb:
-        # A chain's later slice always enters: its earlier slices' backwards wait for it (the slicing planner sized
-        # the chain to fit).
-        if next_mb < num_mb and (in_flight == 0 or admissible(next_mb) or (links and links[next_mb] >= 0)):
-            if in_flight == 0 and not admissible(next_mb):
+        if next_mb < num_mb and admission.admits(next_mb):
+            if admission.in_flight == 0 and not admission.fits(next_mb):
                 fits = False  # alone it does not fit: run it anyway, reported
-            reserved += footprint[:, next_mb]
+            admission.enter(next_mb)
             push("F", 0, next_mb, 0.0)
-            next_mb, in_flight = next_mb + 1, in_flight + 1
+            next_mb += 1
         # The device that can start an op soonest; on it, the best op ready by then (its slice chain allowing).
         best = None
         for d in range(S):
@@ -203,8 +225,8 @@ def list_schedule(costs: StageCosts, placement: Placement, send_s: np.ndarray, m
             if v > 0:
                 push("B", v - 1, m, end + (send[v - 1, m] if dev[v - 1] != d else 0.0))
             else:
-                done_b0, in_flight = done_b0 + 1, in_flight - 1
-                reserved -= footprint[:, m]
+                done_b0 += 1
+                admission.leave(m)
     fits = fits and bool(np.all(peak_mem <= limit))
     bubble = 1.0 - float(busy.sum()) / (S * makespan) if makespan > 0 else 0.0
     return PlacedResult(placement, tuple(tuple(o) for o in order), makespan, busy, bubble, peak_mem, fits)

@@ -20,8 +20,8 @@ passes, and :func:`wait_free_cyclic_orders` is the first:
 Memory admission (a change from DynaPipe, which checks a device's current memory when a new micro-batch's forward
 reaches it): a micro-batch enters flattened stage 0 only while every device keeps its reserved footprint (model
 states plus the stored activations of every admitted, unfinished micro-batch on all its chunks) and the op's peak
-within its limit, exactly the admission of :func:`~dynabatch.schedule.placement.list_schedule`; with nothing in
-flight a micro-batch always enters, and so does a token slice whose chain has begun, so the cycles always finish.
+within its limit, the list scheduler's :class:`~dynabatch.schedule.placement.Admission`; with nothing in flight a
+micro-batch always enters, and so does a token slice whose chain has begun, so the cycles always finish.
 
 Token-slice chains (``links``): a slice's forward waits in its queue until its previous slice's forward on that
 chunk has run, and a slice's backward until its next slice's backward has (:func:`~dynabatch.schedule.placement.
@@ -41,7 +41,7 @@ import numpy as np
 
 from dynabatch.cost.stages import StageCosts
 from dynabatch.schedule.chains import successors
-from dynabatch.schedule.placement import Placement, chain_ready
+from dynabatch.schedule.placement import Admission, Placement, chain_ready
 
 
 def flattened_op(f: int, num_stages: int) -> tuple[str, int]:
@@ -62,22 +62,21 @@ def wait_free_cyclic_orders(costs: StageCosts, placement: Placement, model_state
     S = placement.num_devices
     dev = [placement.device(c) for c in range(V)]
     owned = [[f for f in range(2 * V) if dev[flattened_op(f, V)[1]] == d] for d in range(S)]
-    reserved = np.zeros(S)
-    np.add.at(reserved, dev, np.broadcast_to(np.asarray(model_state_bytes, dtype=np.float64), (V,)))
-    footprint = np.zeros((S, M))  # a micro-batch's stored bytes on each device, all its chunks
-    np.add.at(footprint, dev, stored)
+    device_states = np.zeros(S)
+    np.add.at(device_states, dev, np.broadcast_to(np.asarray(model_state_bytes, dtype=np.float64), (V,)))
     limit = np.inf if memory_limit_bytes is None else float(memory_limit_bytes)
     queues = [deque() for _ in range(2 * V)]
     queues[0].extend(range(M))
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(S)]
     links, successor, done = tuple(links), successors(links), set()
+    admission = Admission(stored, peak, dev, device_states, limit, links)
 
     def first_allowed(f: int):
         """The first micro-batch of flattened stage ``f``'s queue whose slice chain lets it run, or ``None``."""
         phase, chunk = flattened_op(f, V)
         return next((m for m in queues[f] if chain_ready(phase, chunk, m, links, successor, done)), None)
 
-    in_flight = finished = 0
+    finished = 0
     while finished < M:
         arrivals = []
         for d in range(S):
@@ -88,11 +87,9 @@ def wait_free_cyclic_orders(costs: StageCosts, placement: Placement, model_state
             merged += backward[len(forward):] + forward[len(backward):]
             for m, f in merged:
                 if f == 0:
-                    later_slice = bool(links) and links[m] >= 0  # enters always: its chain's backwards wait for it
-                    if in_flight and not later_slice and np.any(reserved + footprint[:, m] + peak[:, m].max() > limit):
-                        continue  # admission: wait until the micro-batches in flight free their memory
-                    reserved += footprint[:, m]
-                    in_flight += 1
+                    if not admission.admits(m):
+                        continue  # wait until the micro-batches in flight free their memory
+                    admission.enter(m)
                 queues[f].remove(m)
                 phase, chunk = flattened_op(f, V)
                 orders[d].append((phase, chunk, int(m)))
@@ -100,8 +97,8 @@ def wait_free_cyclic_orders(costs: StageCosts, placement: Placement, model_state
                 if f + 1 < 2 * V:
                     arrivals.append((f + 1, m))
                 else:
-                    reserved -= footprint[:, m]
-                    in_flight, finished = in_flight - 1, finished + 1
+                    admission.leave(m)
+                    finished += 1
         for f, m in arrivals:  # what ran in this cycle reaches its next flattened stage in the next one
             queues[f].append(m)
     return orders
