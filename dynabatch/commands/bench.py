@@ -397,14 +397,19 @@ def bench(args, methods: list[str]) -> dict | None:
         cost_model = None
         calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
         calibrated += [key for key, (_, m) in placed_methods(args, methods).items() if m in calibrated]
-        fits: dict[str, object] = {}  # rank 0: run key -> the fit it plans with and records into (one per placement)
+        fits: dict[str, object] = {}  # rank 0: placement ("" = linear) -> the fit its calibrated methods share
+
+        def fit_of(key: str):
+            return fits[key.partition("@")[2]]
+
         calibration = None
         if ctx.is_planner:
+            from dynabatch.runtime.trainer import run_calibration
+
             cost_model = planner_cost_model(_config(args, "dynamic"), model.config, layout)  # the base every method shares
             if calibrated:  # one fit shared by the calibrated methods, set up as the trainer's
-                from dynabatch.runtime.trainer import run_calibration
-
                 calibration, _ = run_calibration(cfgs[calibrated[0]], cost_model, model.config.to_dict(), layout)
+                fits[""] = calibration
 
         def plan(cfg, n: int) -> list:
             """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
@@ -414,7 +419,6 @@ def bench(args, methods: list[str]) -> dict | None:
         if ctx.is_planner:
             for m in methods:
                 if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
-                    fits[m] = calibration
                     runs[m].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
                                                              calibration=calibration), num_steps)
                 elif m in OWN_BASE:  # planned ahead with their own base model
@@ -423,21 +427,17 @@ def bench(args, methods: list[str]) -> dict | None:
                     runs[m].planned = [planner() for _ in range(num_steps)]
                 else:
                     runs[m].planned = plan(cfgs[m], num_steps)
-            placed_fits = {}  # placement -> the fit its calibrated methods share (one coefficient set per chunk)
             for key, (placement, m) in placed_methods(args, methods).items():  # planned with their chunks' costs
-                chunk_layout = placed[placement.describe()][0]
+                name = placement.describe()
+                chunk_layout = placed[name][0]
                 own = planner_cost_model(cfgs[m], model.config, chunk_layout)
                 # the planner orders each step on the placement (sends priced), and the runtime runs those orders
-                placed_cfg = dataclasses.replace(cfgs[m], placement=placement.describe())
-                if key in calibrated:
-                    if placement.describe() not in placed_fits:
-                        from dynabatch.runtime.trainer import run_calibration
-
-                        placed_fits[placement.describe()], _ = run_calibration(placed_cfg, own, model.config.to_dict(),
-                                                                               chunk_layout)
-                    fits[key] = placed_fits[placement.describe()]
+                placed_cfg = dataclasses.replace(cfgs[m], placement=name)
+                if key in calibrated:  # one fit per placement, a coefficient set per chunk
+                    if name not in fits:
+                        fits[name], _ = run_calibration(placed_cfg, own, model.config.to_dict(), chunk_layout)
                     runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info,
-                                                               calibration=fits[key]), num_steps)
+                                                               calibration=fits[name]), num_steps)
                 else:
                     planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
                     runs[key].planned = [planner() for _ in range(num_steps)]
@@ -455,7 +455,6 @@ def bench(args, methods: list[str]) -> dict | None:
             for key in [tuned_key(m) for m in BASELINES if tuned_key(m) in runs and calibrated]:  # calibrated too
                 calibrated.append(key)
                 if ctx.is_planner:
-                    fits[key] = calibration
                     runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
         if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
@@ -484,7 +483,7 @@ def bench(args, methods: list[str]) -> dict | None:
                         if step >= args.untimed_steps:
                             stage_compute[m].append(stage_times(ctx, gathered))
                         if m in calibrated:
-                            fits[m].record(ctx, planned, gathered, elapsed)
+                            fit_of(m).record(ctx, planned, gathered, elapsed)
                 if saved_peak is not None and step >= args.untimed_steps:
                     saved[m] = max(saved[m] or 0, saved_peak)
                 peaks[m] = max(peaks[m], peak)
