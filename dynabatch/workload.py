@@ -271,11 +271,13 @@ def micro_batch_pairs(batch: GlobalBatch, groups, family: str, slice_shapes=None
         return pairs
     values = np.stack([pairs.encoder, pairs.decoder, pairs.cross], axis=1)  # (M, 3), a copy
     calls = np.stack(pairs.calls, axis=1)
+    longest = np.stack(pairs.longest, axis=1)
     for k, sliced in enumerate(slice_shapes):
         if sliced is not None:
             b, e, d = (float(x) for x in sliced)
-            values[k], calls[k] = (b * e * e, b * d * d, b * d * e), 1.0
-    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]))
+            values[k], calls[k], longest[k] = (b * e * e, b * d * d, b * d * e), 1.0, (e, d)
+    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
+                          (longest[:, 0], longest[:, 1]))
 
 
 def _tokens():

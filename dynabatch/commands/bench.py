@@ -96,9 +96,13 @@ dynamic's ``--recompute``: what activation recomputation buys under a binding ``
 PACKED = "dynamic_packed"
 """dynamic with ``--pack-rows auto`` (several short samples per padding-free row where the planner prices it
 cheaper), next to dynamic's ``--pack-rows``: the measurement behind that flag's default."""
+FLAT = "dynamic_flat"
+"""dynamic with ``--pack-rows flat`` (every micro-batch one padding-free row of its samples back to back)."""
+PACK_ROWS_OF = {PACKED: "auto", FLAT: "flat"}
+"""The dynamic variants that only change ``--pack-rows``, and the value each runs with."""
 OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
-METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, PACKED, *PLAN_VARIANTS)
+METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, *PACK_ROWS_OF, *PLAN_VARIANTS)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
 
 
@@ -225,13 +229,13 @@ def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, PACKED, *OWN_BASE, *PLAN_VARIANTS) else method,
+        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *PACK_ROWS_OF, *OWN_BASE, *PLAN_VARIANTS) else method,
         policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
         threads=args.threads, seed=args.seed, max_steps=args.untimed_steps + args.timed_steps, warmup_steps=0, lr_scheduler_type="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
-        slice_long=method == SLICED, attention=args.attention, pack_rows="auto" if method == PACKED else args.pack_rows,
+        slice_long=method == SLICED, attention=args.attention, pack_rows=PACK_ROWS_OF.get(method, args.pack_rows),
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
         plan_costs=PLAN_VARIANTS.get(method, getattr(args, "plan_costs", "auto")),
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),

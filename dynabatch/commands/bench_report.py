@@ -114,7 +114,7 @@ def print_table(result: dict) -> None:
     rows = result["methods"]
     pairs = [("dynamic", "dynamic_uncalibrated", "calibrated"), ("dynamic", "dynamic_profiled", "calibrated"),
              ("dynamic", "dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}"),
-             ("dynamic_packed", "dynamic", "--pack-rows auto")]
+             ("dynamic_packed", "dynamic", "--pack-rows auto"), ("dynamic_flat", "dynamic", "--pack-rows flat")]
     pairs += [(m, "dynamic_profiled", "calibrated") for m in PLAN_VARIANTS]
     for ours, other, what in pairs:
         if ours in rows and other in rows:

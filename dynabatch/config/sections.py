@@ -21,9 +21,10 @@ ATTENTION_PATHS = ("segments", "dense")
 """``--attention``: segments (padding-free) or dense (4-D masks); :mod:`dynabatch.models.attention` uses this list."""
 ATTENTION_KERNELS = ("auto", "sdpa", "varlen", "flex")
 """``--attention-kernel``: what runs padding-free attention (:data:`dynabatch.models.attention_kernels.KERNELS`)."""
-PACK_ROWS = ("auto", "off")
-"""``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best) or ``off``
-(one sample per row, dense pricing); :mod:`dynabatch.plan.step` uses this list."""
+PACK_ROWS = ("auto", "off", "flat")
+"""``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best), ``off``
+(one sample per row) or ``flat`` (every micro-batch one row of its samples back to back: no pad computed);
+:mod:`dynabatch.plan.step` uses this list."""
 PLANNERS = ("auto", "process", "thread")
 """``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.planner.plan_ahead`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -109,8 +110,9 @@ class BatchingArgs:
     max_micro_batch_samples: int = arg(64, "dynamic: samples per planned micro-batch at most")
     pack_rows: Literal[PACK_ROWS] = arg(
         "off", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the best "
-               "plan; off = one sample per row (by the measurement in the README's \"Row packing in the planner\"); "
-               "only with --attention segments")
+               "plan; flat = every micro-batch one row of its samples back to back (no layer computes pad); off = one "
+               "sample per row (by the measurement in the README's \"Row packing in the planner\"); only with "
+               "--attention segments")
     slice_long: bool = arg(False, "GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory "
                                   "into token slices (TeraPipe)")
     compare_method: Literal[METHODS] | None = arg(None, "also train max_steps steps with this method from the same "

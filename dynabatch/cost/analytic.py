@@ -271,7 +271,8 @@ class AnalyticCostModel:
             terms["selective_peak_bytes"] = np.maximum(terms["selective_peak_bytes"], core_stored)
         # T5: every checkpointed block of a stack takes the stack's fp32 (1, h, T, T) position bias as an input,
         # so under full it stays stored once per stack (measured: the bias and its flipped copy)
-        kept = sum(2 * 4 * s.num_heads * T * T for k, T in (("t5_encoder", E), ("t5_decoder", D)) if k in blocks)
+        windows = (E, D) if work is None else work.bias_lengths(E, D)
+        kept = sum(2 * 4 * s.num_heads * T * T for k, T in zip(("t5_encoder", "t5_decoder"), windows) if k in blocks)
         terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - kept, 0.0)
         return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})
 
@@ -287,12 +288,13 @@ class AnalyticCostModel:
         _, (b, E, D) = self._inputs(kind, b, E, D)
         work = _broadcast_pairs(pairs, b.shape)
         masks, bias_pairs = np.zeros_like(b), []
+        Le, Ld = (E, D) if work is None else work.bias_lengths(E, D)  # noqa: N806 - the bias windows
         if "t5_encoder" in kinds:
             masks = masks + (b * E * E if work is None else work.encoder)
-            bias_pairs.append(E * E)
+            bias_pairs.append(Le * Le)
         if "t5_decoder" in kinds:
             masks = masks + (b * (D * D + D * E) if work is None else work.decoder + work.cross)
-            bias_pairs.append(D * D)
+            bias_pairs.append(Ld * Ld)
         fwd = self._op_time(_mem(MASK_BYTES * masks))
         bwd = np.zeros_like(fwd)
         for n in bias_pairs:

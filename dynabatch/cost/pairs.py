@@ -42,20 +42,30 @@ class AttentionPairs:
     """Attention-core calls per layer for each kind (encoder, decoder, cross): the runtime runs one SDPA
     call per group of samples with near-equal query and key lengths (:func:`attention_groups`,
     :func:`row_calls`); ``None``: one call each, as dense attention."""
+    longest: tuple[np.ndarray, np.ndarray] | None = None
+    """The longest input and target segment (GPT: sequence, and 0) of each micro-batch: the window of T5's
+    relative-position bias, which the padding-free stages build for the longest segment, not the row
+    (:func:`row_longest`); ``None``: the padded row lengths ``E, D``, as for one sample per row."""
 
     def __post_init__(self) -> None:
         names = ["encoder", "decoder", "cross"]
-        values = [self.encoder, self.decoder, self.cross] + (list(self.calls) if self.calls is not None else [])
+        extra = [("calls", self.calls), ("longest", self.longest)]
+        values = [self.encoder, self.decoder, self.cross] + [x for _, v in extra if v is not None for x in v]
         arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in values))
-        for name, a in zip(names + [f"calls[{k}]" for k in range(3)], arrays):
+        labels = names + [f"{name}[{k}]" for name, v in extra if v is not None for k in range(len(v))]
+        for name, a in zip(labels, arrays):
             if a.size and not (np.all(np.isfinite(a)) and np.all(a >= 0)):
                 raise ValueError(f"attention pairs ({name}) must be finite and >= 0, got min {a.min()}")
         for name, a in zip(names, arrays):
             object.__setattr__(self, name, a)
-        if self.calls is not None:
-            if len(self.calls) != 3:
-                raise ValueError(f"calls needs one array per attention kind (3), got {len(self.calls)}")
-            object.__setattr__(self, "calls", tuple(arrays[3:]))
+        rest = arrays[3:]
+        for name, size, value in (("calls", 3, self.calls), ("longest", 2, self.longest)):
+            if value is None:
+                continue
+            if len(value) != size:
+                raise ValueError(f"{name} needs {size} arrays, got {len(value)}")
+            object.__setattr__(self, name, tuple(rest[:size]))
+            rest = rest[size:]
 
     @classmethod
     def dense(cls, b, E, D=None) -> "AttentionPairs":  # noqa: N803 - shape names
@@ -71,7 +81,12 @@ class AttentionPairs:
     def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "AttentionPairs":
         """The same function applied to each array (indexing, ravel, reshape, broadcast)."""
         calls = None if self.calls is None else tuple(fn(c) for c in self.calls)
-        return AttentionPairs(fn(self.encoder), fn(self.decoder), fn(self.cross), calls)
+        longest = None if self.longest is None else tuple(fn(x) for x in self.longest)
+        return AttentionPairs(fn(self.encoder), fn(self.decoder), fn(self.cross), calls, longest)
+
+    def bias_lengths(self, E, D):
+        """``(encoder, decoder)`` window of T5's position bias: :attr:`longest`, else the row lengths."""
+        return (E, D) if self.longest is None else self.longest
 
     def role(self, role: str) -> tuple[np.ndarray, np.ndarray | None]:
         """``(pairs, calls)`` of one attention kind: ``encoder``, ``decoder`` or ``cross``."""
@@ -97,6 +112,17 @@ def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
     if not is_seq2seq(family):
         return float(((ei + di) ** 2).sum()), 0.0, 0.0
     return float((ei * ei).sum()), float((di * di).sum()), float((di * ei).sum())
+
+
+def row_longest(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int]:
+    """``(input, target)`` length of the longest sample among ``rows`` (GPT: ``(inputs + targets, 0)``): the
+    :attr:`AttentionPairs.longest` of one micro-batch."""
+    e = np.asarray(input_lens, dtype=np.int64)
+    d = np.asarray(target_lens, dtype=np.int64)
+    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+    if not is_seq2seq(family):
+        return int((e[ids] + d[ids]).max()), 0
+    return int(e[ids].max()), int(d[ids].max())
 
 
 PAD_TOLERANCE = 0.25
@@ -159,8 +185,10 @@ def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_l
     groups = list(groups)
     values = np.array([row_pairs(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
     calls = np.array([row_calls(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
-    values, calls = values.reshape(-1, 3), calls.reshape(-1, 3)
-    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]))
+    longest = np.array([row_longest(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
+    values, calls, longest = values.reshape(-1, 3), calls.reshape(-1, 3), longest.reshape(-1, 2)
+    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
+                          (longest[:, 0], longest[:, 1]))
 
 
 def sample_pairs(input_lens, target_lens, family: str) -> np.ndarray:

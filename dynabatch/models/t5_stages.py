@@ -196,14 +196,17 @@ class T5Stage(StageModule):
         """Decoder blocks on (B, D, d): causal self-attention with position bias, cross-attention to enc_out."""
         device = hidden.device
         self_mask = self.self_attention_mask("causal", dec_seg, dtype, device)
+        cross_bias = None  # dense: the first block builds zeros (1, H, D, E), as HF's decoder layer 0 does
         if isinstance(self_mask, Segments):
             cross_mask = build_segments("cross", dec_seg, enc_seg, device=device)
             n = self_mask.max_len
+            # per-segment cross-attention drops the (zero) bias: skip HF's (1, H, D, E) zeros, which for one long
+            # packed row cost more than the attention itself
+            cross_bias = hidden.new_zeros((1, self.config.num_heads, 1, 1))
         else:
             cross_mask = cross_segment_mask(dec_seg.to(device), enc_seg.to(device), dtype)  # (B, 1, D, E)
             n = hidden.shape[1]
         bias = relative_position_bias(self.decoder_relative_bias, self.config, n, n, bidirectional=False)  # (1, H, n, n)
-        cross_bias = None  # the first block builds zeros (1, H, D, E), as HF's decoder layer 0 does
         for block in self.decoder_blocks:
             hidden, _, cross_bias = run_block(block, hidden, self_mask, bias, enc_out, cross_mask, cross_bias,
                                               cache=None)

@@ -84,6 +84,8 @@ class PartitionPlan:
     """Caps on the max micro-batch time for which the min-sum DP ran."""
     band_width: int
     """``W``: the longest run any end could form within the limits (the DP band)."""
+    flat_rows: bool = False
+    """Every micro-batch is one row of all its samples' real tokens (``shapes`` ``(1, sum e, sum d)``)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -109,7 +111,7 @@ class PartitionPlan:
         for rows, (_, e, d) in zip(self.micro_batches, self.shapes.tolist()):
             groups.append(
                 RowGroup(
-                    rows=tuple((i,) for i in rows),
+                    rows=(tuple(rows),) if self.flat_rows else tuple((i,) for i in rows),
                     encoder_len=e,
                     decoder_len=d if is_seq2seq(self.family) else None,
                 )
@@ -131,6 +133,7 @@ def plan_partition(
     in_flight: int | None = None,
     unit_pairs=None,
     fill_scale: float = 1.0,
+    flat_rows: bool = False,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
 
@@ -149,6 +152,11 @@ def plan_partition(
     with per-segment attention, the sum of its units' pairs, through ``cost_model.evaluate(..., pairs=)``.
     Without it (the default) runs are priced with dense ``b x E^2`` attention: an upper bound for sorted
     single-sample runs, whose rows the padding-free runtime computes only on their real lengths.
+
+    ``flat_rows`` (needs ``unit_pairs``): every micro-batch is laid out as *one* row of its samples back to
+    back, so no layer computes pad: a run is priced at ``(1, sum e, sum d)`` with its summed pairs and its
+    longest segments (T5's bias window), and ``max_tokens`` bounds its real tokens. Ordering still matters
+    (near-equal lengths share attention calls), padding no longer does.
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
@@ -158,6 +166,8 @@ def plan_partition(
         if value is not None:
             check_int(name, value)
     check_non_negative("cap_tolerance", cap_tolerance)
+    if flat_rows and unit_pairs is None:
+        raise ValueError("flat_rows prices runs by their attention pairs: pass unit_pairs")
     budget = float(cost_model.memory_budget_bytes)
     if not budget > 0:
         raise ValueError(f"cost model memory_budget_bytes must be > 0, got {budget}")
@@ -167,17 +177,18 @@ def plan_partition(
     e, d = e_all[perm], d_all[perm]
     limits = _Limits(budget, in_flight, max_samples, max_tokens)
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
-    T, L = _candidate_runs(e, d, cost_model, limits, perm, e_raw, d_raw, prefix)
+    runs = _Runs(e, d, prefix, flat_rows)
+    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw)
     check_non_negative("fill_scale", fill_scale)
     weighted_stages = 1.0 + float(fill_scale) * (num_stages - 1)  # the kernel's slope is its argument - 1
     lengths, _, num_tried = _solve_partition(T, L, weighted_stages, float(cap_tolerance))
 
     boundaries = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     starts, ends = boundaries[:-1], boundaries[1:] - 1
-    shapes = np.stack([lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts)], axis=1)
+    b, E, D, pairs = runs.priced(ends, lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts))
+    shapes = np.stack([b, E, D], axis=1)
     times = T[ends, lengths - 1].copy()
-    pairs = None if prefix is None else _run_pairs(prefix, ends, lengths)
-    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+    _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
     return PartitionPlan(
         family=family,
@@ -192,6 +203,7 @@ def plan_partition(
         objective_s=objective,
         num_cap_candidates_tried=int(num_tried),
         band_width=int(L.max()),
+        flat_rows=flat_rows,
     )
 
 
@@ -211,18 +223,43 @@ def _pair_prefix(unit_pairs, perm, n: int) -> np.ndarray:
     return np.concatenate([np.zeros((1, 3)), np.cumsum(pairs[perm], axis=0)])
 
 
-def _run_pairs(prefix: np.ndarray, ends, widths):
-    """:class:`~dynabatch.cost.pairs.AttentionPairs` of runs ending at ``ends`` (inclusive) of ``widths`` units."""
+def _run_pairs(prefix: np.ndarray, ends, widths, longest=None):
+    """:class:`~dynabatch.cost.pairs.AttentionPairs` of runs ending at ``ends`` (inclusive) of ``widths`` units
+    (``longest``: their longest input and target segments, or None)."""
     from dynabatch.cost.pairs import AttentionPairs
 
     ends, widths = np.asarray(ends), np.asarray(widths)
     total = prefix[ends + 1] - prefix[np.maximum(ends + 1 - widths, 0)]  # (..., 3)
-    return AttentionPairs(total[..., 0], total[..., 1], total[..., 2])
+    return AttentionPairs(total[..., 0], total[..., 1], total[..., 2], longest=longest)
 
 
-def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw, prefix=None) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class _Runs:
+    """The ordered units and how a run of them is priced: padded rows, or one flat row (``flat``)."""
+
+    e: np.ndarray
+    d: np.ndarray
+    prefix: np.ndarray | None
+    """:func:`_pair_prefix`, or None (dense pricing)."""
+    flat: bool
+
+    def priced(self, ends, widths, E, D):  # noqa: N803 - the padded run shapes
+        """``(b, E, D, pairs)`` the cost model prices runs ending at ``ends`` of ``widths`` units with, given their
+        padded lengths ``E, D``: ``(widths, E, D)``, or flat ``(1, sum e, sum d)`` with ``E, D`` the longest."""
+        ends, widths = np.asarray(ends), np.asarray(widths)
+        pairs = None if self.prefix is None else _run_pairs(self.prefix, ends, widths, (E, D) if self.flat else None)
+        if not self.flat:
+            return widths, E, D, pairs
+        starts = ends + 1 - widths
+        cum_e = np.concatenate(([0], np.cumsum(self.e)))
+        cum_d = np.concatenate(([0], np.cumsum(self.d)))
+        return np.ones_like(widths), cum_e[ends + 1] - cum_e[starts], cum_d[ends + 1] - cum_d[starts], pairs
+
+
+def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tuple[np.ndarray, np.ndarray]:
     """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths;
-    with ``prefix`` (:func:`_pair_prefix`) runs are priced with their summed attention pairs."""
+    runs priced as :meth:`_Runs.priced` says."""
+    e, d = runs.e, runs.d
     n = e.size
     max_w = min(n, limits.max_samples or n)
     band = np.zeros(n, dtype=np.int64)
@@ -234,14 +271,12 @@ def _candidate_runs(e, d, cost_model, limits: _Limits, perm, e_raw, d_raw, prefi
         exists = b > 0
         times = np.full(b.shape, np.inf)
         fits = np.zeros(b.shape, dtype=bool)
-        pairs = None
-        if prefix is not None:
-            ends = np.broadcast_to(alive[:, None], b.shape)
-            pairs = _run_pairs(prefix, ends[exists], b[exists])
-        t, stored, peak = evaluate_costs(cost_model, b[exists], E[exists], D[exists], pairs=pairs)
+        ends = np.broadcast_to(alive[:, None], b.shape)
+        rb, rE, rD, pairs = runs.priced(ends[exists], b[exists], E[exists], D[exists])
+        t, stored, peak = evaluate_costs(cost_model, rb, rE, rD, pairs=pairs)
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
-            ok &= b[exists] * (E[exists] + D[exists]) <= limits.max_tokens
+            ok &= rb * (rE + rD) <= limits.max_tokens
         times[exists] = t
         fits[exists] = ok
         if w_lo == 1 and not fits[:, 0].all():

@@ -144,20 +144,17 @@ def _partition_then_assign(e, d, cost_model, num_stages, num_replicas, family, o
     effective_stages = num_replicas * (num_stages - 1) + 1
     plan = plan_partition(e, d, cost_model, effective_stages, family=family, **options)
     groups = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
-    e_pad, d_pad = padded_lengths(e, d, family)
-    unit_pairs = options.get("unit_pairs")
-    shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs)
+    pricing = _Pricing(*padded_lengths(e, d, family), cost_model, options.get("unit_pairs"),
+                       bool(options.get("flat_rows")))
+    shapes, times = pricing.shapes_and_times(groups)
     while len(groups) < num_replicas:  # too few micro-batches: halve the slowest splittable one
-        k = int(np.argmax(np.where(shapes[:, 0] > 1, times, -np.inf)))
+        k = int(np.argmax(np.where(np.array([g.size for g in groups]) > 1, times, -np.inf)))
         half = len(groups[k]) // 2
         groups[k : k + 1] = [groups[k][:half], groups[k][half:]]
-        shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs)
+        shapes, times = pricing.shapes_and_times(groups)
     assign = assign_micro_batches(times, num_replicas, num_stages)
-    return [
-        _sub_plan(plan, num_stages, [groups[k] for k in np.flatnonzero(assign == r)], e_pad, d_pad, cost_model,
-                  unit_pairs)
-        for r in range(num_replicas)
-    ]
+    return [pricing.sub_plan(plan, num_stages, [groups[k] for k in np.flatnonzero(assign == r)])
+            for r in range(num_replicas)]
 
 
 def _split_then_partition(e, d, cost_model, num_stages, num_replicas, family, options) -> list[PartitionPlan]:
@@ -216,36 +213,48 @@ def replica_times(times_s, assign, num_replicas: int, num_stages: int) -> np.nda
     return _replica_times(times, replica.astype(np.int64), num_replicas, num_stages)
 
 
-def _group_pairs(groups, unit_pairs):
-    """:class:`~dynabatch.cost.pairs.AttentionPairs` of micro-batches of units, or None (dense pricing)."""
-    if unit_pairs is None:
-        return None
-    from dynabatch.cost.pairs import AttentionPairs
+@dataclasses.dataclass(frozen=True)
+class _Pricing:
+    """How micro-batches (groups of units, padded lengths ``e_pad, d_pad``) are shaped and priced, as
+    :func:`~dynabatch.plan.partition.plan_partition` prices its runs: padded rows, or one flat row."""
 
-    total = np.array([np.asarray(unit_pairs)[g].sum(axis=0) for g in groups], dtype=np.float64).reshape(-1, 3)
-    return AttentionPairs(total[:, 0], total[:, 1], total[:, 2])
+    e_pad: np.ndarray
+    d_pad: np.ndarray
+    cost_model: MicroBatchCostModel
+    unit_pairs: np.ndarray | None
+    """(N, 3) attention pairs per unit, or None (dense pricing)."""
+    flat: bool
 
+    def shapes_and_pairs(self, groups):
+        """(M, 3) int64 shapes and the :class:`~dynabatch.cost.pairs.AttentionPairs` (or None) of ``groups``."""
+        padded = np.array([[g.size, self.e_pad[g].max(), self.d_pad[g].max()] for g in groups], dtype=np.int64)
+        shapes = (np.array([[1, self.e_pad[g].sum(), self.d_pad[g].sum()] for g in groups], dtype=np.int64)
+                  if self.flat else padded)
+        if self.unit_pairs is None:
+            return shapes, None
+        from dynabatch.cost.pairs import AttentionPairs
 
-def _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs=None) -> tuple[np.ndarray, np.ndarray]:
-    shapes = np.array([[g.size, e_pad[g].max(), d_pad[g].max()] for g in groups], dtype=np.int64)  # (M, 3)
-    times, _, _ = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
-                                 pairs=_group_pairs(groups, unit_pairs))
-    return shapes, times
+        total = np.array([np.asarray(self.unit_pairs)[g].sum(axis=0) for g in groups], dtype=np.float64).reshape(-1, 3)
+        longest = (padded[:, 1], padded[:, 2]) if self.flat else None
+        return shapes, AttentionPairs(total[:, 0], total[:, 1], total[:, 2], longest=longest)
 
+    def shapes_and_times(self, groups) -> tuple[np.ndarray, np.ndarray]:
+        shapes, pairs = self.shapes_and_pairs(groups)
+        times, _, _ = evaluate_costs(self.cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+        return shapes, times
 
-def _sub_plan(plan: PartitionPlan, num_stages, groups, e_pad, d_pad, cost_model, unit_pairs=None) -> PartitionPlan:
-    """The micro-batches ``groups`` (in planner order) of ``plan`` as a plan of one ``S``-stage replica."""
-    shapes, times = _shapes_and_times(groups, e_pad, d_pad, cost_model, unit_pairs)
-    _, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
-                                     pairs=_group_pairs(groups, unit_pairs))
-    return dataclasses.replace(
-        plan,
-        num_stages=num_stages,
-        order=np.concatenate(groups).astype(np.int64),
-        boundaries=np.concatenate(([0], np.cumsum([g.size for g in groups]))).astype(np.int64),
-        shapes=shapes,
-        times_s=times,
-        stored_bytes=stored,
-        peak_bytes=peak,
-        objective_s=float(np.cumsum(times)[-1] + (num_stages - 1) * times.max()),
-    )
+    def sub_plan(self, plan: PartitionPlan, num_stages, groups) -> PartitionPlan:
+        """The micro-batches ``groups`` (in planner order) of ``plan`` as a plan of one ``S``-stage replica."""
+        shapes, pairs = self.shapes_and_pairs(groups)
+        times, stored, peak = evaluate_costs(self.cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+        return dataclasses.replace(
+            plan,
+            num_stages=num_stages,
+            order=np.concatenate(groups).astype(np.int64),
+            boundaries=np.concatenate(([0], np.cumsum([g.size for g in groups]))).astype(np.int64),
+            shapes=shapes,
+            times_s=times,
+            stored_bytes=stored,
+            peak_bytes=peak,
+            objective_s=float(np.cumsum(times)[-1] + (num_stages - 1) * times.max()),
+        )

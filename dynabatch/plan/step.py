@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.config import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
-from dynabatch.cost.pairs import row_calls
+from dynabatch.cost.pairs import row_calls, row_longest
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths
 from dynabatch.plan.replicas import plan_replicas
@@ -56,6 +56,8 @@ FILL_SCALES = (1.0, 0.5, 0.25)
 ``score`` (the trainer's and bench's planner): with measured (calibrated) costs, the plain formula's
 ``(S - 1) max(t)`` over-charges large micro-batches and cut a T5 step into 14-17 micro-batches where 10 ran
 faster (README, "Online calibration")."""
+FLAT = "flat"
+"""The row "capacity" of ``pack_rows="flat"``: every micro-batch is one row of its samples back to back."""
 ROW_CAPACITIES = (1.0, 0.5, 0.25)
 """Row capacities ``pack_rows="auto"`` tries, as fractions of the step's longest sample (T5: of the longest
 input and of the longest target)."""
@@ -80,6 +82,9 @@ class Piece:
     calls: tuple[int, int, int] | None = None
     """Attention-core calls per layer (encoder, decoder, cross): distinct sample lengths among the piece's
     samples (:func:`~dynabatch.cost.pairs.row_calls`); with :attr:`pairs`."""
+    longest: tuple[int, int] | None = None
+    """Longest input and target segment (T5's bias window) when a row holds several samples; ``None``: the
+    shape's ``E, D``."""
 
     @property
     def is_slice(self) -> bool:
@@ -135,7 +140,9 @@ class StepPlan:
         calls = [p.calls if p.calls is not None else (1, 1, 1) for p in pieces]
         values = np.array(rows, dtype=np.float64).reshape(-1, 3)
         counts = np.array(calls, dtype=np.float64).reshape(-1, 3)
-        return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (counts[:, 0], counts[:, 1], counts[:, 2]))
+        longest = np.array([p.longest or p.shape[1:] for p in pieces], dtype=np.float64).reshape(-1, 2)
+        return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (counts[:, 0], counts[:, 1], counts[:, 2]),
+                              (longest[:, 0], longest[:, 1]))
 
     def slice_links(self, replica: int) -> tuple[int, ...]:
         """Token-slice links of ``replica``'s pieces (:mod:`dynabatch.schedule.chains`): each slice
@@ -196,7 +203,7 @@ def plan_step(
     if fill_scales is None:
         fill_scales = FILL_SCALES if score is not None else (1.0,)
     how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows == "auto", score, tuple(fill_scales), segment_pricing)
+                    pack_rows, score, tuple(fill_scales), segment_pricing)
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -236,8 +243,9 @@ class _Planning:
     num_replicas: int
     fill_drain_order: bool
     partition_options: dict
-    pack: bool
-    """Try row packings with per-segment pricing (``pack_rows="auto"``)."""
+    pack_rows: str
+    """:data:`PACK_ROWS`: ``auto`` tries row packings with per-segment pricing, ``flat`` lays every
+    micro-batch out as one row."""
     score: Callable[[StepPlan], float] | None
     """The caller's score; ``None``: the predicted step (row packings: re-priced with attention calls)."""
     fill_scales: tuple[float, ...] = (1.0,)
@@ -264,13 +272,15 @@ def _plan(e, d, sliced, how: _Planning) -> StepPlan:
 
 def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices; with
-    ``how.pack``, the best-scoring of the row packings (module docstring)."""
-    if not how.pack:
+    ``pack_rows="auto"``, the best-scoring of the row packings (module docstring)."""
+    if how.pack_rows == "flat":
+        return _plan_units(e, d, sliced, FLAT, how)
+    if how.pack_rows != "auto":
         return _plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
     score = how.score or (lambda plan: _priced_objective(plan, how.cost_model))
     best = None
-    for capacity in [None, (0, 0), *_capacities(e[keep], d[keep], how.family)]:
+    for capacity in [None, (0, 0), FLAT, *_capacities(e[keep], d[keep], how.family)]:
         plan = _plan_units(e, d, sliced, capacity, how)
         if capacity is None:  # the dense planner's plan, priced per segment like the others
             plan = with_pairs(plan, e, d)
@@ -285,13 +295,14 @@ def with_pairs(plan: StepPlan, e, d) -> StepPlan:
     step's input / target lengths ``e``, ``d``): what the padding-free runtime computes."""
     from dataclasses import replace
 
-    from dynabatch.cost.pairs import row_pairs
+    from dynabatch.cost.pairs import row_longest, row_pairs
 
     def priced(p: Piece) -> Piece:
         if p.is_slice:
             return p
         rows = p.row_samples
-        return replace(p, pairs=row_pairs(rows, e, d, plan.family), calls=row_calls(rows, e, d, plan.family))
+        return replace(p, pairs=row_pairs(rows, e, d, plan.family), calls=row_calls(rows, e, d, plan.family),
+                       longest=row_longest(rows, e, d, plan.family))
 
     return replace(plan, replicas=tuple(tuple(priced(p) for p in pieces) for pieces in plan.replicas))
 
@@ -326,8 +337,9 @@ def _capacities(e, d, family) -> list[tuple[int, int]]:
 
 
 def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
-    """:func:`_plan` for one way of forming rows: ``capacity`` None (one sample per row, dense pricing), or
-    rows of ``capacity`` priced by their attention pairs (``(0, 0)``: one sample per row)."""
+    """:func:`_plan` for one way of forming rows: ``capacity`` None (one sample per row, dense pricing), rows of
+    ``capacity`` priced by their attention pairs (``(0, 0)``: one sample per row), or :data:`FLAT` (every
+    micro-batch one row)."""
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
     family, num_stages, num_replicas = how.family, how.num_stages, how.num_replicas
     partition_options = how.partition_options
@@ -339,10 +351,11 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
             rows = [(int(i),) for i in keep]
             ue, ud, options = e[keep], d[keep], partition_options
         else:
-            units = (pack_units(e[keep], d[keep], family, capacity) if capacity != (0, 0)
-                     else _single_units(e[keep], d[keep], family))
+            units = (_single_units(e[keep], d[keep], family) if capacity in ((0, 0), FLAT)
+                     else pack_units(e[keep], d[keep], family, capacity))
             rows = [tuple(int(keep[i]) for i in r) for r in units.rows]
-            ue, ud, options = units.input_lens, units.target_lens, {**partition_options, "unit_pairs": units.pairs}
+            ue, ud = units.input_lens, units.target_lens
+            options = {**partition_options, "unit_pairs": units.pairs, "flat_rows": capacity == FLAT}
         num = min(num_replicas, len(rows))
         rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, **options)
         unit_pairs = options.get("unit_pairs")
@@ -353,11 +366,13 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
                 if unit_pairs is None:
                     replica_pieces[r].append(Piece(samples, tuple(shape), float(t)))
                 else:
+                    if capacity == FLAT:
+                        group = (samples,)
                     total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
                     packed = group if any(len(row) > 1 for row in group) else None
-                    calls = row_calls(group, e, d, family)
                     replica_pieces[r].append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
-                                                   calls=calls))
+                                                   calls=row_calls(group, e, d, family),
+                                                   longest=row_longest(group, e, d, family)))
     # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
     for i, pieces, _ in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
         loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]

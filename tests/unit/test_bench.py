@@ -219,10 +219,14 @@ def test_bench_plan_cost_variants_share_one_fit(tmp_path):
         assert rows[m]["loss_first"] == pytest.approx(rows["dynamic_plan_base"]["loss_first"], abs=1e-5)
 
 
-def test_bench_packed_rows_variant_plans_with_pack_rows_auto(tmp_path):
-    """One process, T5: dynamic_packed is dynamic planned with --pack-rows auto next to dynamic's --pack-rows
-    (off), on the same global batches (same first loss); the report compares the two."""
-    stdout, rows = _one_process_bench(tmp_path, "t5-tiny", "dynamic,dynamic_packed", "--calibrate", "off")
-    assert "dynamic_packed (--pack-rows auto) vs dynamic:" in stdout
-    assert rows["dynamic"]["pack_rows"] == "off" and rows["dynamic_packed"]["pack_rows"] == "auto"
-    assert rows["dynamic_packed"]["loss_first"] == pytest.approx(rows["dynamic"]["loss_first"], abs=1e-5)
+def test_bench_packed_rows_variants_plan_with_their_pack_rows(tmp_path):
+    """One process, T5: dynamic_packed and dynamic_flat are dynamic planned with --pack-rows auto and flat next to
+    dynamic's --pack-rows (off), on the same global batches (same first loss: one long row of samples back to
+    back computes what padded rows do); the report compares each with dynamic."""
+    stdout, rows = _one_process_bench(tmp_path, "t5-tiny", "dynamic,dynamic_packed,dynamic_flat", "--calibrate", "off")
+    for method, value in (("dynamic_packed", "auto"), ("dynamic_flat", "flat")):
+        assert f"{method} (--pack-rows {value}) vs dynamic:" in stdout
+        assert rows[method]["pack_rows"] == value
+        assert rows[method]["loss_first"] == pytest.approx(rows["dynamic"]["loss_first"], abs=1e-5)
+    assert rows["dynamic"]["pack_rows"] == "off"
+    assert rows["dynamic_flat"]["padding_efficiency"] == 1.0 > rows["dynamic"]["padding_efficiency"]

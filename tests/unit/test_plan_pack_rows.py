@@ -106,6 +106,70 @@ def test_pack_rows_off_is_the_dense_planner_and_auto_handles_replicas():
         plan_step(e, d, cost, 4, family="seq2seq", pack_rows="yes")
 
 
+@pytest.mark.parametrize("family", ["causal", "seq2seq"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_flat_rows_lay_every_micro_batch_out_as_one_row_of_real_tokens(family, replicas):
+    """``pack_rows="flat"``: each micro-batch is one row of all its samples, shaped ``(1, sum e, sum d)`` (no pad),
+    priced at that shape with its summed pairs and its longest segments, within the memory limit."""
+    rng = np.random.default_rng(7)
+    e = rng.integers(8, 400, 150)
+    d = rng.integers(1, 60, 150) if family == "seq2seq" else np.zeros(150, dtype=np.int64)
+    cost = PolynomialCostModel(overhead_s=2e-3, memory_budget_bytes=2.0e9)
+    plan = plan_step(e, d, cost, 4, family=family, pack_rows="flat", num_replicas=replicas)
+    _check_rows(plan, e, d, family)
+    lens = e + d if family == "causal" else e
+    for r in range(replicas):
+        pieces = plan.replicas[r]
+        assert len(pieces) > 3
+        for p in pieces:
+            ids = list(p.sample_ids)
+            assert p.row_samples == (tuple(ids),)
+            want = (1, int(lens[ids].sum()), 0) if family == "causal" else (1, int(e[ids].sum()), int(d[ids].sum()))
+            assert p.shape == want
+            assert p.longest == ((int(lens[ids].max()), 0) if family == "causal" else (int(e[ids].max()), int(d[ids].max())))
+        pairs = plan.pairs(r)
+        shapes = np.array([p.shape for p in pieces], dtype=np.float64)
+        t, stored, peak = cost.evaluate(shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+        assert t == pytest.approx([p.time_s for p in pieces], rel=1e-9)
+        assert (4 * stored + peak <= cost.memory_budget_bytes).all()
+        assert [tuple(x) for x in np.stack(pairs.longest, axis=1).astype(int)] == [p.longest for p in pieces]
+
+
+def test_flat_rows_need_pair_pricing_and_bound_real_tokens():
+    rng = np.random.default_rng(8)
+    e, d = rng.integers(8, 300, 80), rng.integers(1, 40, 80)
+    cost = PolynomialCostModel()
+    with pytest.raises(ValueError, match="unit_pairs"):
+        plan_partition(e, d, cost, 2, family="seq2seq", flat_rows=True)
+    from dynabatch.cost.pairs import sample_pairs
+
+    plan = plan_partition(e, d, cost, 2, family="seq2seq", flat_rows=True, max_tokens=1000,
+                          unit_pairs=sample_pairs(e, d, "seq2seq"))
+    assert (plan.shapes[:, 0] == 1).all() and (plan.shapes[:, 1:].sum(axis=1) <= 1000).all()
+    assert plan.padded_tokens == int(e.sum() + d.sum())  # nothing padded
+    groups = plan.to_row_groups()
+    assert all(len(g.rows) == 1 for g in groups)
+    assert sorted(i for g in groups for i in g.rows[0]) == list(range(80))
+
+
+def test_bias_is_priced_on_the_longest_segment():
+    """The T5 stages build the position bias for the longest segment of a row, not the row: a flat row of eight
+    128-token samples pays eight 128^2 bias windows' worth less than one 1024-token sample."""
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.hardware import hardware_spec
+    from dynabatch.cost.model_specs import model_spec
+
+    model = AnalyticCostModel(model_spec("t5-large"), hardware_spec("cpu"))
+    kinds = ["t5_encoder"] * 2
+    flat = AttentionPairs(8 * 128.0**2, 0.0, 0.0)
+    fwd_row, _ = model.context_cost(kinds, 1, 1024, 1, flat)
+    fwd_flat, _ = model.context_cost(kinds, 1, 1024, 1, AttentionPairs(8 * 128.0**2, 0.0, 0.0, longest=(128, 1)))
+    fwd_one, _ = model.context_cost(kinds, 1, 1024, 1, AttentionPairs(1024.0**2, 0.0, 0.0))
+    assert fwd_flat < fwd_row / 4 and fwd_row < fwd_one  # the bias window, then the masks (pairs)
+    with pytest.raises(ValueError, match="longest"):
+        AttentionPairs(1.0, 0.0, 0.0, longest=(1.0,))
+
+
 def test_packing_with_token_slices_keeps_slices_whole_samples():
     from dynabatch.plan.slicing import PolynomialSliceCostModel
 
@@ -118,7 +182,7 @@ def test_packing_with_token_slices_keeps_slices_whole_samples():
     assert sorted(seen + list(plan.sliced_samples)) == list(range(len(e)))
 
 
-@pytest.mark.parametrize("pack_rows", ["auto", "off"])
+@pytest.mark.parametrize("pack_rows", ["auto", "off", "flat"])
 def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     """The runtime planner passes ``TrainConfig.pack_rows`` to plan_step: its collated micro-batches hold
     every sample of the global batch exactly once (several per row when packed), priced per segment."""
@@ -139,5 +203,7 @@ def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     planned = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=4096), cfg, cost_model, toy_data.tokens)()
     rows = [row for mb in planned.replica_micro_batches[0] for row in mb.sample_ids]
     assert sorted(i for row in rows for i in row) == list(range(len(planned.batch)))
-    assert (max(len(r) for r in rows) > 1) == (pack_rows == "auto")  # short toy samples: packing pays here
+    assert (max(len(r) for r in rows) > 1) == (pack_rows != "off")  # short toy samples: packing pays here
+    if pack_rows == "flat":
+        assert all(len(mb.sample_ids) == 1 for mb in planned.replica_micro_batches[0])
     assert planned.predicted_step_s > 0

@@ -116,7 +116,7 @@ def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band):
     cost = PolynomialCostModel(memory_budget_bytes=6e9)
     limits = partition._Limits(cost.memory_budget_bytes, 3, 70, 20000)
     perm = np.arange(90)
-    T, L = partition._candidate_runs(e, d, cost, limits, perm, e, d)
+    T, L = partition._candidate_runs(partition._Runs(e, d, None, False), cost, limits, perm, e, d)
     for j in range(90):
         w = 0
         while w < min(j + 1, 70):
