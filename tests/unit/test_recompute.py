@@ -216,7 +216,8 @@ def test_full_keeps_only_the_block_inputs_and_selective_less_than_none():
 
 def test_t5_decoder_stage_keeps_its_block_inputs_under_full():
     """A T5 decoder stage of one block: under ``full`` it keeps the block's inputs (the received ``dec_hidden``
-    and ``enc_out``, the (1, H, n, n) self-attention bias; dense: both masks) and the bias lookup's buckets."""
+    and ``enc_out``, the (1, H, n, n) self-attention bias; segments: the (1, H, 1, 1) zero cross-attention bias
+    that stands in for HF's (1, H, D, E) one; dense: both masks) and the bias lookup's buckets."""
     config = AutoConfig.for_model("t5", vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                   num_decoder_layers=3, num_heads=4, feed_forward_proj="gated-gelu",
                                   tie_word_embeddings=False, dropout_rate=0.1, pad_token_id=PAD_ID,
@@ -231,7 +232,7 @@ def test_t5_decoder_stage_keeps_its_block_inputs_under_full():
         peaks = seen[attention] = _stage_peaks(model, layout, 1, mb, attention)
         n = d  # the bias covers the longest decoder sample (segments) or the padded row (dense): here both D
         bias = 4 * n * n * 4 + (2 * n - 1) * 8  # (1, H, n, n) fp32 and the int64 buckets of its lookup
-        masks = (b * d * d + b * d * e) * 4 if attention == "dense" else 0
+        masks = (b * d * d + b * d * e) * 4 if attention == "dense" else 4 * 1 * 1 * 4
         assert peaks["full"] == (b * d + b * e) * 64 * 4 + bias + masks
         assert peaks["selective"] < peaks["none"] and peaks["full"] < peaks["none"] / 2
     print(f"t5 decoder stage (B, E, D) = ({b}, {e}, {d}), 1 block, dropout 0.1: {seen}")
