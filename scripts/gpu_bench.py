@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-input-len", type=int, default=None)
     p.add_argument("--global-batch-tokens", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per method")
-    p.add_argument("--methods", default="dynamic,packing_free,packing,padding,token_budget")
+    p.add_argument("--methods", default="dynamic,dynamic_flat,packing_free,packing,padding,token_budget")
     p.add_argument("--analytic", action="store_true", help="also run dynamic planned with the analytic cost model")
     p.add_argument("--skip-profile", action="store_true", help="no profile: dynamic plans with the analytic model")
     p.add_argument("--out", default="runs/gpu_bench", help="output directory")

@@ -21,8 +21,10 @@ priced above the dense one (the change is clipped at 0), and results are clipped
 With ``pairs.calls`` (one SDPA call per group of equal-length segments) each call beyond the first adds
 the core's fixed per-call cost, read off the table as its intercept along ``b`` at the shortest lengths.
 
-Not corrected: the per-stage context kinds (masks, T5's position bias) keep the dense shape, an upper
-bound for a runtime that builds per-segment masks. Profiles without cores price pairs as dense. These are
+The per-stage context kinds (masks, T5's position bias: ``*_context``) are looked up at one row of the
+micro-batch's longest segment when the pairs know it (:attr:`AttentionPairs.longest`): the padding-free
+stages build the bias for the longest segment, and their per-group masks are small. Without it they keep
+the dense shape, an upper bound. Profiles without cores price pairs as dense. These are
 Python-level numpy passes over the stage kernels (``_kernels._stage_cost_many``), one per layer kind:
 meant for pricing planned micro-batches (simulation, the packing planner), not the partition DP's fused
 dense lookups, which are unchanged.
@@ -144,7 +146,7 @@ def stage_cost_pairs(tables: CostTables, stage: StageSpec, b, e, d, pairs: Atten
             c = count[kind]
             if c == 0:
                 continue
-            v = kind_values(tables, kind, b, e, d)
+            v = kind_values(tables, kind, *_lookup_shape(kind, b, e, d, pairs))
             v[3] -= v[2]  # transient
             for role, core in cores.get(kind, {}).items():
                 v += core_delta(tables, core, role, b, e, d, pairs)
@@ -154,6 +156,15 @@ def stage_cost_pairs(tables: CostTables, stage: StageSpec, b, e, d, pairs: Atten
     out = np.stack([fwd, bwd, stored, stored + transient])
     out[:, ~np.isfinite(out).all(axis=0)] = np.inf
     return out
+
+
+def _lookup_shape(kind: str, b, e, d, pairs: AttentionPairs):
+    """Where the tables are read for ``kind``: a context kind at one row of the longest segment (module
+    docstring), every other kind at the micro-batch's shape."""
+    if pairs.longest is None or not kind.endswith("_context"):
+        return b, e, d
+    longest_e, longest_d = (np.ascontiguousarray(np.maximum(x, 1.0)) for x in pairs.longest)
+    return np.ones_like(b), np.minimum(longest_e, e), np.minimum(longest_d, np.maximum(d, 1.0))
 
 
 def bottleneck_costs_pairs(tables: CostTables, stages, b, e, d, pairs: AttentionPairs):

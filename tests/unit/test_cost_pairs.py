@@ -181,6 +181,20 @@ def test_tables_price_a_packed_row_by_its_pairs():
     assert wide_dense.fwd_time_s > wide.fwd_time_s > wide_dense.fwd_time_s - C_PAIR * (2 * 256**2 - 64 * 8**2)
 
 
+def test_tables_price_the_context_on_the_longest_segment():
+    """With the pairs' longest segment known, a stage's context kind (masks, position bias) is read at one row of
+    that segment, not at the whole row: 8 samples of 32 tokens in one 256-token row."""
+    layer = ProfiledLayerModel(_tables("gpt2"))
+    plain = AttentionPairs(8 * 32.0**2, 0.0, 0.0)
+    known = AttentionPairs(8 * 32.0**2, 0.0, 0.0, longest=(32.0, 0.0))
+    row = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=plain)
+    segment = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=known)
+    assert row.fwd_time_s - segment.fwd_time_s == pytest.approx(A_BLOCK * (256 - 32), rel=1e-6)  # gpt2_context
+    one = AttentionPairs(256.0**2, 0.0, 0.0, longest=(256.0, 0.0))  # one sample fills the row: as before
+    assert layer.stage_cost(["gpt"], 1.0, 256.0, pairs=one).fwd_time_s == pytest.approx(
+        layer.stage_cost(["gpt"], 1.0, 256.0, pairs=AttentionPairs(256.0**2, 0.0, 0.0)).fwd_time_s, rel=1e-12)
+
+
 def test_tables_t5_roles_and_planner_view():
     tables = _tables("t5")
     model = ProfiledCostModel.even_split(tables, 2, 1e12)

@@ -24,7 +24,8 @@ def test_gpu_bench_cpu_quick_smoke(tmp_path, capsys, monkeypatch):
     assert code == 0, captured.err[-3000:]
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["device"] == "cpu" and summary["stages"] == 1 and summary["planned_with"] == "profile"
-    assert set(summary["tokens_per_s"]) == {"dynamic", "packing_free", "packing", "padding", "token_budget"}
+    assert set(summary["tokens_per_s"]) == {"dynamic", "dynamic_flat", "packing_free", "packing", "padding",
+                                            "token_budget"}
     assert all(v > 0 for v in summary["tokens_per_s"].values())
     assert 0 <= summary["profile_check_time_median_rel_err"] < 10
     with open(os.path.join(out, "bench_main.json")) as f:
