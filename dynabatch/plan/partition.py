@@ -39,7 +39,7 @@ partition at its best budget the objective is 1% lower (GPT) and 9-10% lower for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -242,6 +242,13 @@ class _Runs:
     prefix: np.ndarray | None
     """:func:`_pair_prefix`, or None (dense pricing)."""
     flat: bool
+    cum_e: np.ndarray = field(init=False, repr=False)
+    """(N + 1,) prefix sums of ``e`` (a flat run's row length)."""
+    cum_d: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cum_e", np.concatenate(([0], np.cumsum(self.e))))
+        object.__setattr__(self, "cum_d", np.concatenate(([0], np.cumsum(self.d))))
 
     def priced(self, ends, widths, E, D):  # noqa: N803 - the padded run shapes
         """``(b, E, D, pairs)`` the cost model prices runs ending at ``ends`` of ``widths`` units with, given their
@@ -251,9 +258,8 @@ class _Runs:
         if not self.flat:
             return widths, E, D, pairs
         starts = ends + 1 - widths
-        cum_e = np.concatenate(([0], np.cumsum(self.e)))
-        cum_d = np.concatenate(([0], np.cumsum(self.d)))
-        return np.ones_like(widths), cum_e[ends + 1] - cum_e[starts], cum_d[ends + 1] - cum_d[starts], pairs
+        return (np.ones_like(widths), self.cum_e[ends + 1] - self.cum_e[starts],
+                self.cum_d[ends + 1] - self.cum_d[starts], pairs)
 
 
 def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tuple[np.ndarray, np.ndarray]:
