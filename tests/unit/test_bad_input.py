@@ -112,3 +112,9 @@ def test_an_attention_kernel_that_cannot_train_here_is_refused(tmp_path, capsys,
     msg = _train_error(tmp_path, capsys, "--attention-kernel", kernel)
     assert expected in msg and "use auto or sdpa" in msg
     assert attention_kernels.attention_kernel() == "auto"  # refused before it was set
+
+
+@pytest.mark.parametrize("pack_rows", ["auto", "flat"])
+def test_packed_rows_with_dense_attention_are_refused(tmp_path, capsys, pack_rows):
+    msg = _train_error(tmp_path, capsys, "--attention", "dense", "--pack-rows", pack_rows)
+    assert f"--pack-rows {pack_rows} puts several samples in a padding-free row; it needs --attention segments" in msg
