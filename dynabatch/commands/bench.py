@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.bench_report import PEER, PLAN_VARIANTS, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
+from dynabatch.commands.bench_report import PACK_ROWS_OF, PEER, PLAN_VARIANTS, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
@@ -93,13 +93,6 @@ UNCALIBRATED = "dynamic_uncalibrated"
 NORECOMPUTE = "dynamic_norecompute"
 """dynamic planned and run with ``--recompute none`` (its plans are dynamic's under ``--plan-costs base``), next to
 dynamic's ``--recompute``: what activation recomputation buys under a binding ``--memory-gib``."""
-PACKED = "dynamic_packed"
-"""dynamic with ``--pack-rows auto`` (several short samples per padding-free row where the planner prices it
-cheaper), next to dynamic's ``--pack-rows``: the measurement behind that flag's default."""
-FLAT = "dynamic_flat"
-"""dynamic with ``--pack-rows flat`` (every micro-batch one padding-free row of its samples back to back)."""
-PACK_ROWS_OF = {PACKED: "auto", FLAT: "flat"}
-"""The dynamic variants that only change ``--pack-rows``, and the value each runs with."""
 OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
 METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, *PACK_ROWS_OF, *PLAN_VARIANTS)

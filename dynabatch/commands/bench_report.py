@@ -12,6 +12,10 @@ PEER = "pipelining"
 PLAN_VARIANTS = {f"dynamic_plan_{costs}": costs for costs in PLAN_COSTS}
 """bench methods: dynamic calibrated with the fit every calibrated method shares and planned with each ``--plan-costs``
 (base, scaled, calibrated), whatever ``--plan-costs`` says: the measurement behind its default, in one interleaved run."""
+PACK_ROWS_OF = {"dynamic_packed": "auto", "dynamic_flat": "flat"}
+"""bench methods that are dynamic with another ``--pack-rows`` (the value each runs with), next to dynamic's own:
+the measurement behind that flag's default. ``dynamic_packed``: several short samples per padding-free row where
+the planner prices it cheaper; ``dynamic_flat``: every micro-batch one padding-free row."""
 
 
 def summary_line(result: dict) -> str:
@@ -114,7 +118,7 @@ def print_table(result: dict) -> None:
     rows = result["methods"]
     pairs = [("dynamic", "dynamic_uncalibrated", "calibrated"), ("dynamic", "dynamic_profiled", "calibrated"),
              ("dynamic", "dynamic_norecompute", f"--recompute {c.get('recompute', 'auto')}"),
-             ("dynamic_packed", "dynamic", "--pack-rows auto"), ("dynamic_flat", "dynamic", "--pack-rows flat")]
+             *((m, "dynamic", f"--pack-rows {value}") for m, value in PACK_ROWS_OF.items())]
     pairs += [(m, "dynamic_profiled", "calibrated") for m in PLAN_VARIANTS]
     for ours, other, what in pairs:
         if ours in rows and other in rows:
