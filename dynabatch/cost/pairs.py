@@ -131,14 +131,24 @@ padded to it under a key mask (pad pairs only, never another sample's keys): few
 the runtime (:mod:`dynabatch.models.attention`) and by :func:`row_calls`, so predicted calls are the
 runtime's. Chosen by ``scripts/bench_attention.py`` (README, "Padding-free attention")."""
 
+GROUP_WASTE_PAIRS = 2048
+"""...and only while padding a joining sample to the group's lengths adds at most this many score pairs
+(with what it adds to the members when it lengthens the group's queries): about what one call's fixed cost
+buys. Measured on this CPU, forward + backward of one ``(1, 4, L, 64)`` SDPA call is about 200 us + 60 ns
+per pair with T5's bias as the mask (3,400 pairs a call) and 80 us + 49 ns per pair causal (1,600 pairs).
+So short samples still share calls, and long ones never pad to each other: T5 samples of 885 and 763
+tokens in one group cost 1.35x their two calls (the 25% tolerance alone let them share), and a T5 stage
+ran 10-20% slower on a micro-batch holding both than on the two apart."""
+
 
 def attention_groups(query_lens, key_lens, alone) -> list[tuple[np.ndarray, bool]]:
     """The samples that share one attention-core call, as ``(indices, alone)`` pairs.
 
     Greedy, longest key span first (then longest query span): a sample joins the open group while both its
-    lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group).
-    Samples alone in their rows (``alone``: the runtime slices their rows instead of gathering) and samples
-    sharing a row are grouped apart.
+    lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group) and
+    padding it adds at most ``GROUP_WASTE_PAIRS`` pairs to the group. Samples alone in their rows
+    (``alone``: the runtime slices their rows instead of gathering) and samples sharing a row are grouped
+    apart.
     """
     q = np.asarray(query_lens)
     k = np.asarray(key_lens)
@@ -151,13 +161,16 @@ def attention_groups(query_lens, key_lens, alone) -> list[tuple[np.ndarray, bool
         members: list[int] = []
         top_q = top_k = 0
         for j in order:
-            if members and not (k[j] >= keep * top_k and q[j] >= keep * top_q):
-                groups.append((np.asarray(members), flag))
-                members = []
+            if members:
+                grown_q = max(top_q, int(q[j]))  # the group's query length once j joins
+                added = (len(members) + 1) * grown_q * top_k - len(members) * top_q * top_k - int(q[j] * k[j])
+                if not (k[j] >= keep * top_k and q[j] >= keep * top_q and added <= GROUP_WASTE_PAIRS):
+                    groups.append((np.asarray(members), flag))
+                    members = []
             if not members:
-                top_q, top_k = q[j], k[j]
+                top_q, top_k = int(q[j]), int(k[j])
             members.append(int(j))
-            top_q = max(top_q, q[j])
+            top_q = max(top_q, int(q[j]))
         if members:
             groups.append((np.asarray(members), flag))
     return groups

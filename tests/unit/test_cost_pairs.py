@@ -263,3 +263,21 @@ def test_attention_calls_add_their_fixed_cost():
     three = layer.stage_cost(["gpt"], 1.0, 256.0, pairs=AttentionPairs(8 * 32.0**2, 0.0, 0.0, (3.0, 1.0, 1.0)))
     assert three.fwd_time_s - base.fwd_time_s == pytest.approx(2 * K_CORE, rel=1e-6)
     assert three.bwd_time_s - base.bwd_time_s == pytest.approx(4 * K_CORE, rel=1e-6)
+
+
+def test_groups_share_a_call_only_while_the_padding_is_small():
+    """Short near-equal samples share one call; long ones within the 25% tolerance do not pad to each other
+    (885 and 763 tokens: 201,000 wasted pairs, far above what a call costs); cross-attention counts the
+    waste over the keys."""
+    from dynabatch.cost.pairs import GROUP_WASTE_PAIRS, attention_groups
+
+    def sizes(q, k):
+        return sorted(len(m) for m, _ in attention_groups(q, k, np.zeros(len(q), dtype=bool)))
+
+    assert sizes([30, 28, 25], [30, 28, 25]) == [3]
+    assert sizes([885, 763], [885, 763]) == [1, 1]
+    assert sizes([885, 884], [885, 884]) == [2]  # 885 pairs of padding
+    # Cross: keys of 500 each; padding the 30-token queries to 40 wastes 10 x 500 pairs.
+    assert 10 * 500 > GROUP_WASTE_PAIRS
+    assert sizes([30, 40], [500, 500]) == [1, 1]
+    assert sizes([30, 31], [500, 500]) == [2]
