@@ -20,6 +20,7 @@ fixed cost matters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -131,22 +132,31 @@ padded to it under a key mask (pad pairs only, never another sample's keys): few
 the runtime (:mod:`dynabatch.models.attention`) and by :func:`row_calls`, so predicted calls are the
 runtime's. Chosen by ``scripts/bench_attention.py`` (README, "Padding-free attention")."""
 
-GROUP_WASTE_PAIRS = 2048
-"""...and only while padding a joining sample to the group's lengths adds at most this many score pairs
-(with what it adds to the members when it lengthens the group's queries): about what one call's fixed cost
-buys. Measured on this CPU, forward + backward of one ``(1, 4, L, 64)`` SDPA call is about 200 us + 60 ns
-per pair with T5's bias as the mask (3,400 pairs a call) and 80 us + 49 ns per pair causal (1,600 pairs).
-So short samples still share calls, and long ones never pad to each other: T5 samples of 885 and 763
-tokens in one group cost 1.35x their two calls (the 25% tolerance alone let them share), and a T5 stage
-ran 10-20% slower on a micro-batch holding both than on the two apart."""
+GROUP_WASTE_PAIRS: dict[str, float] = {"cpu": 2048.0}
+"""Per device type: a sample joins a group only while padding it to the group's lengths adds at most this
+many score pairs (with what a longer query adds to the members), about what one call's fixed cost buys.
+Measured on this CPU, forward + backward of one ``(1, 4, L, 64)`` SDPA call is about 200 us + 60 ns per pair
+with T5's bias as the mask (3,400 pairs a call) and 80 us + 49 ns per pair causal (1,600 pairs). So short
+samples still share calls and long ones never pad to each other: T5 samples of 885 and 763 tokens in one
+group cost 1.35x their two calls (the 25% tolerance alone let them share), and a T5 stage ran 11-25% slower
+on a flat row holding both than on the two apart. Not measured on GPUs, where a call costs far more pairs:
+device types not listed keep the 25% rule alone (:func:`group_waste_limit`).
+
+The cost side counts calls without this bound (:func:`row_calls`): the calls it adds are those of long
+samples, whose attention costs tens of calls each, and the simulated GPUs do not have it."""
 
 
-def attention_groups(query_lens, key_lens, alone) -> list[tuple[np.ndarray, bool]]:
+def group_waste_limit(device_type: str) -> float:
+    """:data:`GROUP_WASTE_PAIRS` of a device type (``"cpu"``, ``"cuda"``); unbounded where not measured."""
+    return GROUP_WASTE_PAIRS.get(device_type, math.inf)
+
+
+def attention_groups(query_lens, key_lens, alone, waste_limit: float = math.inf) -> list[tuple[np.ndarray, bool]]:
     """The samples that share one attention-core call, as ``(indices, alone)`` pairs.
 
     Greedy, longest key span first (then longest query span): a sample joins the open group while both its
     lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group) and
-    padding it adds at most ``GROUP_WASTE_PAIRS`` pairs to the group. Samples alone in their rows
+    padding it adds at most ``waste_limit`` pairs to the group (the runtime's :func:`group_waste_limit`). Samples alone in their rows
     (``alone``: the runtime slices their rows instead of gathering) and samples sharing a row are grouped
     apart.
     """
@@ -164,7 +174,7 @@ def attention_groups(query_lens, key_lens, alone) -> list[tuple[np.ndarray, bool
             if members:
                 grown_q = max(top_q, int(q[j]))  # the group's query length once j joins
                 added = (len(members) + 1) * grown_q * top_k - len(members) * top_q * top_k - int(q[j] * k[j])
-                if not (k[j] >= keep * top_k and q[j] >= keep * top_q and added <= GROUP_WASTE_PAIRS):
+                if not (k[j] >= keep * top_k and q[j] >= keep * top_q and added <= waste_limit):
                     groups.append((np.asarray(members), flag))
                     members = []
             if not members:
@@ -178,7 +188,8 @@ def attention_groups(query_lens, key_lens, alone) -> list[tuple[np.ndarray, bool
 
 def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int, int]:
     """``(encoder, decoder, cross)`` attention-core calls per layer of one micro-batch, as the runtime groups
-    its samples (:func:`attention_groups`; GPT: inputs + targets as one sequence)."""
+    its samples (:func:`attention_groups`, without a device's padding bound; GPT: inputs + targets as one
+    sequence)."""
     e = np.asarray(input_lens, dtype=np.int64)
     d = np.asarray(target_lens, dtype=np.int64)
     rows = [list(r) for r in rows]

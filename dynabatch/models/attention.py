@@ -12,8 +12,9 @@ masked in a packed row. This module runs it per *segment* instead:
    ends where its query span ends and the causal diagonal is aligned bottom-right. T5 cross-attention:
    decoder segment ``k`` against encoder segment ``k`` of the same row.
 2. Samples with near-equal ``(query length, key length)`` form one group
-   (:func:`dynabatch.cost.pairs.attention_groups`, within ``PAD_TOLERANCE`` = 25% of the group's longest,
-   padded to it under a key mask); :func:`segment_attention` makes one ``scaled_dot_product_attention`` call
+   (:func:`dynabatch.cost.pairs.attention_groups`, within ``PAD_TOLERANCE`` = 25% of the group's longest
+   and, on CPU, while padding adds at most ``GROUP_WASTE_PAIRS`` score pairs; padded to the group's
+   longest under a key mask); :func:`segment_attention` makes one ``scaled_dot_product_attention`` call
    per group (the group's queries, keys and values gathered with
    advanced indexing into ``(n, heads, L, head_dim)``, or plain views for a group of one, or the whole
    tensors when every row is one unpadded sample of the same length), then writes each group's output
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from dynabatch.config import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
-from dynabatch.cost.pairs import attention_groups
+from dynabatch.cost.pairs import attention_groups, group_waste_limit
 from dynabatch.models import attention_kernels
 from dynabatch.models.recompute import run_attention_core
 
@@ -194,10 +195,11 @@ def build_segments(
 
 def _grouped(kind, num_rows, query_len, key_len, rows, q_starts, q_lens, k_starts, k_lens, device) -> Segments:
     """:class:`SegmentGroup` s by :func:`dynabatch.cost.pairs.attention_groups` (the cost model counts the same
-    calls): near-equal lengths share a call; a sample alone in its row (and starting it) is a row slice."""
+    calls, but for the device's padding bound): near-equal lengths share a call; a sample alone in its row
+    (and starting it) is a row slice."""
     alone = (np.bincount(rows, minlength=num_rows)[rows] == 1) & (q_starts == 0) & (k_starts == 0)
     groups = []
-    for m, whole in attention_groups(q_lens, k_lens, alone):
+    for m, whole in attention_groups(q_lens, k_lens, alone, group_waste_limit(torch.device(device).type)):
         if whole:
             m = m[np.argsort(rows[m], kind="stable")]
 

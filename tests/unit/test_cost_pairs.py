@@ -266,18 +266,32 @@ def test_attention_calls_add_their_fixed_cost():
 
 
 def test_groups_share_a_call_only_while_the_padding_is_small():
-    """Short near-equal samples share one call; long ones within the 25% tolerance do not pad to each other
-    (885 and 763 tokens: 201,000 wasted pairs, far above what a call costs); cross-attention counts the
-    waste over the keys."""
-    from dynabatch.cost.pairs import GROUP_WASTE_PAIRS, attention_groups
+    """Short near-equal samples share one call; on CPU long ones within the 25% tolerance do not pad to each
+    other (885 and 763 tokens: 201,000 wasted pairs, far above what a call costs), and cross-attention counts
+    the waste over the keys. Without a bound (cost side, GPUs) the 25% rule alone groups."""
+    from dynabatch.cost.pairs import attention_groups, group_waste_limit
 
-    def sizes(q, k):
-        return sorted(len(m) for m, _ in attention_groups(q, k, np.zeros(len(q), dtype=bool)))
+    cpu = group_waste_limit("cpu")
+    assert cpu < 1e4 and group_waste_limit("cuda") == float("inf")
+
+    def sizes(q, k, limit=cpu):
+        return sorted(len(m) for m, _ in attention_groups(q, k, np.zeros(len(q), dtype=bool), limit))
 
     assert sizes([30, 28, 25], [30, 28, 25]) == [3]
     assert sizes([885, 763], [885, 763]) == [1, 1]
+    assert sizes([885, 763], [885, 763], float("inf")) == [2]
     assert sizes([885, 884], [885, 884]) == [2]  # 885 pairs of padding
     # Cross: keys of 500 each; padding the 30-token queries to 40 wastes 10 x 500 pairs.
-    assert 10 * 500 > GROUP_WASTE_PAIRS
+    assert 10 * 500 > cpu
     assert sizes([30, 40], [500, 500]) == [1, 1]
     assert sizes([30, 31], [500, 500]) == [2]
+
+
+def test_runtime_groups_follow_the_device_bound():
+    """The CPU runtime puts two long samples of one packed row in two calls; the cost side counts one."""
+    from dynabatch.cost.pairs import row_calls
+    from dynabatch.models.attention import build_segments
+
+    ids = np.array([[1] * 885 + [2] * 763])
+    assert [g.size for g in build_segments("bidirectional", ids).groups] == [1, 1]
+    assert row_calls([[0, 1]], [885, 763], [10, 10], "t5")[0] == 1
