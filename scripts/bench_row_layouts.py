@@ -13,7 +13,7 @@ same number of micro-batches three ways, and each micro-batch runs forward + bac
 All three compute exactly the real tokens' attention (padding-free attention); only ``padded`` computes pad in
 the other layers. Medians over ``--repeats`` interleaved rounds, per stage.
 
-    python scripts/bench_row_layouts.py [--model t5-d256] [--lengths data/heavy_tail_1024.npz] [--seeds 0,1,2]
+    python scripts/bench_row_layouts.py [--model t5-d256] [--lengths data/heavy_tail_1024.npz] [--seeds 0,1,2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seeds", default="0,1,2", help="one global batch per seed")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="also write the results (stdout's last line) to PATH")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -122,8 +123,12 @@ def main() -> None:
                   + f" s (total {sum(med[name]):.3f}, {spread[name][0]:.3f}-{spread[name][1]:.3f}; "
                   f"{sum(med[name]) / sum(med['packing_free']):.3f}x packing_free)", flush=True)
         results.append({"seed": seed, "samples": len(batch), "micro_batches": len(cands["flat"]), "stage_s": med})
-    print(json.dumps({"model": args.model, "stages": args.stages, "lengths": args.lengths, "repeats": args.repeats,
-                      "results": results}))
+    summary = json.dumps({"model": args.model, "stages": args.stages, "lengths": args.lengths,
+                          "repeats": args.repeats, "results": results})
+    print(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(summary + "\n")
 
 
 if __name__ == "__main__":

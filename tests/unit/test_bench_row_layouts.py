@@ -40,11 +40,14 @@ def test_layouts_cut_the_same_samples_into_as_many_micro_batches():
     assert [mb[0] for mb in cands["flat"]] == [[row[0] for row in mb] for mb in cands["padded"]]
 
 
-def test_small_run_reports_every_layout_per_stage():
-    cmd = [sys.executable, SCRIPT, "--model", "t5-tiny", "--tokens", "1024", "--seeds", "0", "--repeats", "1"]
+def test_small_run_reports_every_layout_per_stage(tmp_path):
+    path = tmp_path / "layouts.json"
+    cmd = [sys.executable, SCRIPT, "--model", "t5-tiny", "--tokens", "1024", "--seeds", "0", "--repeats", "1",
+           "--json", str(path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert json.loads(path.read_text()) == result
     (row,) = result["results"]
     assert set(row["stage_s"]) == {"packing_free", "flat", "padded"}
     assert all(len(v) == 2 and min(v) > 0 for v in row["stage_s"].values())
