@@ -130,7 +130,7 @@ PAD_TOLERANCE = 0.25
 """Samples whose query and key lengths are within this fraction of a group's longest share one SDPA call,
 padded to it under a key mask (pad pairs only, never another sample's keys): fewer, larger calls. Used by
 the runtime (:mod:`dynabatch.models.attention`) and by :func:`row_calls`, so predicted calls are the
-runtime's. Chosen by ``scripts/bench_attention.py`` (README, "Padding-free attention")."""
+runtime's (but for a device's padding bound, below). Chosen by ``scripts/bench_attention.py`` (README, "Padding-free attention")."""
 
 GROUP_WASTE_PAIRS: dict[str, float] = {"cpu": 2048.0}
 """Per device type: a sample joins a group only while padding it to the group's lengths adds at most this
@@ -156,9 +156,9 @@ def attention_groups(query_lens, key_lens, alone, waste_limit: float = math.inf)
 
     Greedy, longest key span first (then longest query span): a sample joins the open group while both its
     lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group) and
-    padding it adds at most ``waste_limit`` pairs to the group (the runtime's :func:`group_waste_limit`). Samples alone in their rows
-    (``alone``: the runtime slices their rows instead of gathering) and samples sharing a row are grouped
-    apart.
+    padding it adds at most ``waste_limit`` pairs to the group (the runtime's :func:`group_waste_limit`).
+    Samples alone in their rows (``alone``: the runtime slices their rows instead of gathering) and samples
+    sharing a row are grouped apart.
     """
     q = np.asarray(query_lens)
     k = np.asarray(key_lens)
