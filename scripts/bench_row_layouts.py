@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from dynabatch.commands.common import write_json
 from dynabatch.data.baselines import pack_rows
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.collate import collate_seq2seq
@@ -123,12 +124,11 @@ def main() -> None:
                   + f" s (total {sum(med[name]):.3f}, {spread[name][0]:.3f}-{spread[name][1]:.3f}; "
                   f"{sum(med[name]) / sum(med['packing_free']):.3f}x packing_free)", flush=True)
         results.append({"seed": seed, "samples": len(batch), "micro_batches": len(cands["flat"]), "stage_s": med})
-    summary = json.dumps({"model": args.model, "stages": args.stages, "lengths": args.lengths,
-                          "repeats": args.repeats, "results": results})
-    print(summary)
+    summary = {"model": args.model, "stages": args.stages, "lengths": args.lengths, "repeats": args.repeats,
+               "results": results}
+    print(json.dumps(summary))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(summary + "\n")
+        write_json(summary, args.json)
 
 
 if __name__ == "__main__":
