@@ -134,6 +134,7 @@ def plan_partition(
     unit_pairs=None,
     fill_scale: float = 1.0,
     flat_rows: bool = False,
+    max_row: tuple[int, int] | None = None,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
 
@@ -156,7 +157,9 @@ def plan_partition(
     ``flat_rows`` (needs ``unit_pairs``): every micro-batch is laid out as *one* row of its samples back to
     back, so no layer computes pad: a run is priced at ``(1, sum e, sum d)`` with its summed pairs and its
     longest segments (T5's bias window), and ``max_tokens`` bounds its real tokens. Ordering still matters
-    (near-equal lengths share attention calls), padding no longer does.
+    (near-equal lengths share attention calls), padding no longer does. ``max_row`` ``(input, target)``
+    tokens (flat rows only; causal: ``(tokens, 0)``) bounds each flat row like a packed row of that capacity
+    (:func:`~dynabatch.plan.step.flat_row_limit`).
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
@@ -168,6 +171,8 @@ def plan_partition(
     check_non_negative("cap_tolerance", cap_tolerance)
     if flat_rows and unit_pairs is None:
         raise ValueError("flat_rows prices runs by their attention pairs: pass unit_pairs")
+    if max_row is not None and not flat_rows:
+        raise ValueError("max_row bounds flat rows: pass flat_rows=True")
     budget = float(cost_model.memory_budget_bytes)
     if not budget > 0:
         raise ValueError(f"cost model memory_budget_bytes must be > 0, got {budget}")
@@ -175,7 +180,7 @@ def plan_partition(
     perm = order_samples(e_raw, d_raw, family, order)
     e_all, d_all = padded_lengths(e_raw, d_raw, family)
     e, d = e_all[perm], d_all[perm]
-    limits = _Limits(budget, in_flight, max_samples, max_tokens)
+    limits = _Limits(budget, in_flight, max_samples, max_tokens, max_row)
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
     runs = _Runs(e, d, prefix, flat_rows)
     T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw)
@@ -213,6 +218,8 @@ class _Limits:
     in_flight: int
     max_samples: int | None
     max_tokens: int | None
+    max_row: tuple[int, int] | None = None
+    """Flat rows: at most this many input and target tokens (the run's ``E``, ``D`` as priced)."""
 
 
 def _pair_prefix(unit_pairs, perm, n: int) -> np.ndarray:
@@ -283,6 +290,8 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= rb * (rE + rD) <= limits.max_tokens
+        if limits.max_row is not None:
+            ok &= (rE <= limits.max_row[0]) & (rD <= limits.max_row[1])
         times[exists] = t
         fits[exists] = ok
         if w_lo == 1 and not fits[:, 0].all():
@@ -310,6 +319,13 @@ def _raise_single_sample(cost_model, limits: _Limits, perm, e_raw, d_raw, e, d) 
             f"{int((tokens > limits.max_tokens).sum())} sample(s) do not fit alone. Raise max_tokens to at "
             f"least {int(tokens.max())}"
         )
+    if limits.max_row is not None:
+        over = np.maximum(e - limits.max_row[0], d - limits.max_row[1])
+        if over.max() > 0:
+            j, sample = _worst_sample(over, perm, e_raw, d_raw)
+            raise ValueError(f"{sample} is longer than a flat row of max_row={tuple(limits.max_row)} (input, target) "
+                             f"tokens; {int((over > 0).sum())} sample(s) do not fit alone. Raise max_row to the "
+                             "longest sample's lengths")
     _, stored, peak = evaluate_costs(cost_model, np.ones_like(e), e, d)
     need = limits.in_flight * stored + peak
     j, sample = _worst_sample(need, perm, e_raw, d_raw)

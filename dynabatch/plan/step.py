@@ -48,7 +48,7 @@ import numpy as np
 from dynabatch.config import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
 from dynabatch.cost.pairs import row_calls, row_longest
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
-from dynabatch.plan.order import check_lengths
+from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import plan_replicas
 from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
 from dynabatch.plan.slicing import SliceCostModel, slice_long_samples
@@ -65,9 +65,28 @@ FILL_SCALES = (1.0, 0.5, 0.25)
 faster (README, "Online calibration")."""
 FLAT = "flat"
 """The row "capacity" of ``pack_rows="flat"``: every micro-batch is one row of its samples back to back."""
+FLAT_ROW_LIMITS: dict[str, float] = {"cpu": 1.0}
+"""Per device type: a flat micro-batch (``pack_rows="flat"``) holds at most this many rows of the length limits
+(``max_input_len`` input and ``max_target_len`` target tokens a row, a decoder-only model's ``max_seq_len``),
+the rows packing_free packs; unlisted device types (CUDA): no limit. On this CPU a stage's time per token
+rises past about one such row (cache; bigger attention groups), which the cost model's per-token terms do not
+see: the fitted model cut T5 steps at 1024 into 5-6.5 flat micro-batches that computed 8-12% more on the
+first stage than packing_free's 7.6 rows of the same tokens. Bounded, flat plans come out at 8.5-10.4
+micro-batches and ran 1.02-1.05x packing_free (README, "Row packing in the planner")."""
 ROW_CAPACITIES = (1.0, 0.5, 0.25)
 """Row capacities ``pack_rows="auto"`` tries, as fractions of the step's longest sample (T5: of the longest
 input and of the longest target)."""
+
+
+def flat_row_limit(device_type: str, family: str, max_input_len: int, max_target_len: int) -> tuple[int, int] | None:
+    """``max_row`` of a flat row on ``device_type`` (:data:`FLAT_ROW_LIMITS`): ``(input, target)`` tokens, a
+    decoder-only model's ``(max_input_len, 0)``; ``None`` where unbounded."""
+    rows = FLAT_ROW_LIMITS.get(device_type)
+    if rows is None:
+        return None
+    if is_seq2seq(family):
+        return int(rows * max_input_len), int(rows * max_target_len)
+    return int(rows * max_input_len), 0
 
 
 @dataclass(frozen=True)
@@ -185,6 +204,7 @@ def plan_step(
     pack_rows: str = "off",
     fill_scales: tuple[float, ...] | None = None,
     segment_pricing: bool = False,
+    flat_row: tuple[int, int] | None = None,
     **partition_options,
 ) -> StepPlan:
     """Plan one global batch end to end (see the module docstring). ``score(plan)`` (lower is better;
@@ -200,7 +220,11 @@ def plan_step(
     ``segment_pricing`` (the padding-free runtime, ``pack_rows="off"``): the DP prices each run of
     one-sample rows by the attention pairs its samples really compute (the ``(0, 0)`` capacity of the row
     packing: each sample's own square) instead of dense ``b x E^2``. Dense pricing charges attention over
-    pad the runtime never computes, so with measured per-pair costs it splits runs only to avoid pad."""
+    pad the runtime never computes, so with measured per-pair costs it splits runs only to avoid pad.
+
+    ``flat_row`` ``(input, target)`` tokens (:func:`flat_row_limit`): every flat micro-batch (``pack_rows``
+    ``flat``, and ``auto``'s flat candidate) holds at most that many, or the step's longest sample's if longer;
+    ``None``: unbounded."""
     e, d = check_lengths(input_lens, target_lens)
     n = len(e)
     if num_replicas < 1 or n < num_replicas:
@@ -209,8 +233,11 @@ def plan_step(
         raise ValueError(f"pack_rows must be one of {', '.join(PACK_ROWS)}; got {pack_rows!r}")
     if fill_scales is None:
         fill_scales = FILL_SCALES if score is not None else (1.0,)
+    if flat_row is not None:  # a sample longer than the limit still forms its own row
+        top = padded_lengths(e, d, family)
+        flat_row = (max(int(flat_row[0]), int(top[0].max())), max(int(flat_row[1]), int(top[1].max())))
     how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows, score, tuple(fill_scales), segment_pricing)
+                    pack_rows, score, tuple(fill_scales), segment_pricing, flat_row)
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -258,6 +285,8 @@ class _Planning:
     fill_scales: tuple[float, ...] = (1.0,)
     segment_pricing: bool = False
     """Without row packing: one sample per row priced by its own pairs (``(0, 0)``), not dense."""
+    flat_row: tuple[int, int] | None = None
+    """``max_row`` of every flat micro-batch (:func:`plan_step`'s ``flat_row``), or None."""
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
@@ -363,6 +392,8 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
             rows = [tuple(int(keep[i]) for i in r) for r in units.rows]
             ue, ud = units.input_lens, units.target_lens
             options = {**partition_options, "unit_pairs": units.pairs, "flat_rows": capacity == FLAT}
+            if capacity == FLAT and how.flat_row is not None:
+                options["max_row"] = how.flat_row
         num = min(num_replicas, len(rows))
         rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, **options)
         unit_pairs = options.get("unit_pairs")

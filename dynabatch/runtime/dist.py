@@ -147,10 +147,15 @@ def check_device_name(name: str) -> None:
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N (N a device number), got {name!r}")
 
 
+def device_type(name: str) -> str:
+    """``cpu`` or ``cuda``: the kind of device ``--device name`` resolves to (``auto``: CUDA when available)."""
+    check_device_name(name)
+    return "cpu" if name == "cpu" or (name == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
 def resolve_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> tuple[str, torch.device]:
     """``(backend, device)`` of ``--device name`` for the process with ``local_rank`` (see the module docstring)."""
-    check_device_name(name)
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+    if device_type(name) == "cpu":
         return "gloo", torch.device("cpu")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:

@@ -40,7 +40,8 @@ from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.slicing import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
-from dynabatch.plan.step import plan_step
+from dynabatch.plan.step import flat_row_limit, plan_step
+from dynabatch.runtime.dist import device_type
 from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
@@ -138,6 +139,9 @@ class StepPlanner:
         # Attention per segment (pad never computed): micro-batches are priced by their attention pairs and
         # the dynamic planner may pack rows (cfg.pack_rows); the dense path computes whole padded rows.
         self.padding_free = getattr(cfg, "attention_path", "segments") == "segments"
+        self.flat_row = flat_row_limit(device_type(getattr(cfg, "device", "auto")), self.family, cfg.max_input_len,
+                                       cfg.max_target_len)
+        """The bound on a flat micro-batch's tokens on the run's device type (:data:`~dynabatch.plan.step.FLAT_ROW_LIMITS`)."""
         self.placement = _virtual_placement(cfg)
         """Virtual stages (``--placement`` other than linear): steps are predicted by the placement's list
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
@@ -260,7 +264,7 @@ class StepPlanner:
             batch.input_lens, batch.target_lens, model, cfg.stages, family=self.family,
             num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
             score=score, pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
-            segment_pricing=self.padding_free,
+            segment_pricing=self.padding_free, flat_row=self.flat_row,
         )
         if getattr(model, "recompute", "none") != "auto" or fits_without_recompute(plan, model):
             return plan
