@@ -152,6 +152,47 @@ def test_flat_rows_need_pair_pricing_and_bound_real_tokens():
     assert sorted(i for g in groups for i in g.rows[0]) == list(range(80))
 
 
+
+@pytest.mark.parametrize("family", ["causal", "seq2seq"])
+def test_flat_rows_hold_at_most_one_row_of_the_limits(family):
+    """``flat_row``: every flat micro-batch holds at most ``(input, target)`` tokens (a causal model's total), or the
+    step's longest sample's where that is longer; without it the same step forms larger flat rows."""
+    rng = np.random.default_rng(11)
+    e = rng.integers(8, 200, 120)
+    d = rng.integers(1, 50, 120) if family == "seq2seq" else np.zeros(120, dtype=np.int64)
+    e[0] = 700  # one sample longer than the limit: its own row, no error
+    cost = PolynomialCostModel(overhead_s=20e-3, memory_budget_bytes=8.0e9)  # a high per-micro-batch cost: big runs
+    free = plan_step(e, d, cost, 2, family=family, pack_rows="flat")
+    cap = (512, 128) if family == "seq2seq" else (512, 0)
+    bounded = plan_step(e, d, cost, 2, family=family, pack_rows="flat", flat_row=cap)
+    _check_rows(bounded, e, d, family)
+    lens = e + d if family == "causal" else e
+    limit = (max(cap[0], int(lens.max())), max(cap[1], int(d.max())) if family == "seq2seq" else 0)  # (700, 128)
+    assert all(p.shape[1] <= limit[0] and p.shape[2] <= limit[1] for p in bounded.replicas[0])
+    assert any(p.shape[1] > limit[0] for p in free.replicas[0])  # unbounded, the same step forms larger rows
+    assert len(bounded.replicas[0]) > len(free.replicas[0])
+    auto = plan_step(e, d, cost, 2, family=family, pack_rows="auto", flat_row=cap)  # auto's flat candidate too
+    _check_rows(auto, e, d, family)
+
+
+def test_flat_row_limit_is_per_device_type():
+    from dynabatch.plan.step import FLAT_ROW_LIMITS, flat_row_limit
+
+    assert FLAT_ROW_LIMITS["cpu"] == 1.0
+    assert flat_row_limit("cpu", "seq2seq", 1024, 256) == (1024, 256)
+    assert flat_row_limit("cpu", "causal", 2048, 0) == (2048, 0)
+    assert flat_row_limit("cuda", "seq2seq", 1024, 256) is None  # not measured there: unbounded
+    rng = np.random.default_rng(3)
+    e, d = rng.integers(8, 300, 40), rng.integers(1, 40, 40)
+    from dynabatch.cost.pairs import sample_pairs
+
+    with pytest.raises(ValueError, match="flat_rows=True"):
+        plan_partition(e, d, PolynomialCostModel(), 2, family="seq2seq", max_row=(512, 64),
+                       unit_pairs=sample_pairs(e, d, "seq2seq"))
+    with pytest.raises(ValueError, match=r"sample \d+ \(input_len=\d+, target_len=\d+\) is longer than a flat row"):
+        plan_partition(e, d, PolynomialCostModel(), 2, family="seq2seq", flat_rows=True, max_row=(100, 64),
+                       unit_pairs=sample_pairs(e, d, "seq2seq"))
+
 def test_bias_is_priced_on_the_longest_segment():
     """The T5 stages build the position bias for the longest segment of a row, not the row: a flat row of eight
     128-token samples pays eight 128^2 bias windows' worth less than one 1024-token sample."""
@@ -200,10 +241,15 @@ def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     model = build_model(name, vocab_size=toy_data.tokens.vocab_size)
     cost_model = planner_cost_model(cfg, model.config, layout_for(model, 2))
     limits = LengthLimits("t5" if t5 else "gpt2", max_input_len=128, max_target_len=32, max_seq_len=128)
-    planned = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=4096), cfg, cost_model, toy_data.tokens)()
+    planner = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=4096), cfg, cost_model, toy_data.tokens)
+    planned = planner()
     rows = [row for mb in planned.replica_micro_batches[0] for row in mb.sample_ids]
     assert sorted(i for row in rows for i in row) == list(range(len(planned.batch)))
     assert (max(len(r) for r in rows) > 1) == (pack_rows != "off")  # short toy samples: packing pays here
     if pack_rows == "flat":
         assert all(len(mb.sample_ids) == 1 for mb in planned.replica_micro_batches[0])
+        # on CPU a flat row holds at most the length limits (FLAT_ROW_LIMITS), as a packing_free row
+        assert planner.flat_row == ((128, 32) if t5 else (128, 0))
+        for shape in planned.shapes[0]:
+            assert shape[1] <= 128 and shape[2] <= 32
     assert planned.predicted_step_s > 0
