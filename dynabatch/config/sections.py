@@ -110,9 +110,9 @@ class BatchingArgs:
     max_micro_batch_samples: int = arg(64, "dynamic: samples per planned micro-batch at most")
     pack_rows: Literal[PACK_ROWS] = arg(
         "off", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the best "
-               "plan; flat = every micro-batch one row of its samples back to back (no layer computes pad); off = one "
-               "sample per row (by the measurement in the README's \"Row packing in the planner\"); only with "
-               "--attention segments")
+               "plan; flat = every micro-batch one row of its samples back to back (no layer computes pad; on CPU at "
+               "most one row of the length limits); off = one sample per row (by the measurement in the README's "
+               "\"Row packing in the planner\"); only with --attention segments")
     slice_long: bool = arg(False, "GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory "
                                   "into token slices (TeraPipe)")
     compare_method: Literal[METHODS] | None = arg(None, "also train max_steps steps with this method from the same "

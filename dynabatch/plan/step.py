@@ -33,7 +33,8 @@ packed plan carry their rows (:attr:`Piece.rows`) and pairs (:attr:`Piece.pairs`
 **Flat rows** (``pack_rows="flat"``, also one of ``auto``'s candidates): the samples are ordered and cut by
 the same DP, but every micro-batch is laid out as *one* row of its samples back to back, priced at ``(1,
 sum e, sum d)`` with its summed pairs and its longest segments (:attr:`Piece.longest`, T5's bias window;
-``plan_partition(flat_rows=True)``): no layer computes pad. README, "Row packing in the planner", has the
+``plan_partition(flat_rows=True)``): no layer computes pad. On CPU a flat row holds at most one row of the
+length limits (``flat_row``, :data:`FLAT_ROW_LIMITS`). README, "Row packing in the planner", has the
 measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime 0.97-1.01x, so ``off`` stays the
 default).
 """
@@ -70,9 +71,10 @@ FLAT_ROW_LIMITS: dict[str, float] = {"cpu": 1.0}
 (``max_input_len`` input and ``max_target_len`` target tokens a row, a decoder-only model's ``max_seq_len``),
 the rows packing_free packs; unlisted device types (CUDA): no limit. On this CPU a stage's time per token
 rises past about one such row (cache; bigger attention groups), which the cost model's per-token terms do not
-see: the fitted model cut T5 steps at 1024 into 5-6.5 flat micro-batches that computed 8-12% more on the
-first stage than packing_free's 7.6 rows of the same tokens. Bounded, flat plans come out at 8.5-10.4
-micro-batches and ran 1.02-1.05x packing_free (README, "Row packing in the planner")."""
+see: the fitted model cut T5 steps at 1024 into 5-6.5 flat micro-batches that computed 7-12% more on the
+first stage than packing_free's 7.6 rows of the same tokens (0.92-0.95x its tokens/s). Bounded, they come
+out at 9.6 and ran 1.01-1.07x packing_free on the built-in mixture, 0.99x on the heavy-tailed file (README,
+"Row packing in the planner")."""
 ROW_CAPACITIES = (1.0, 0.5, 0.25)
 """Row capacities ``pack_rows="auto"`` tries, as fractions of the step's longest sample (T5: of the longest
 input and of the longest target)."""
