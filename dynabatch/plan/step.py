@@ -35,8 +35,8 @@ the same DP, but every micro-batch is laid out as *one* row of its samples back 
 sum e, sum d)`` with its summed pairs and its longest segments (:attr:`Piece.longest`, T5's bias window;
 ``plan_partition(flat_rows=True)``): no layer computes pad. On CPU a flat row holds at most one row of the
 length limits (``flat_row``, :data:`FLAT_ROW_LIMITS`). README, "Row packing in the planner", has the
-measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime 0.97-1.01x, so ``off`` stays the
-default).
+measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime, bounded, T5 0.98-1.06x and GPT-2
+0.95-0.99x, so ``off`` stays the default).
 """
 
 from __future__ import annotations
