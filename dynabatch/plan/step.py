@@ -73,8 +73,8 @@ the rows packing_free packs; unlisted device types (CUDA): no limit. On this CPU
 rises past about one such row (cache; bigger attention groups), which the cost model's per-token terms do not
 see: the fitted model cut T5 steps at 1024 into 5-6.5 flat micro-batches that computed 7-12% more on the
 first stage than packing_free's 7.6 rows of the same tokens (0.92-0.95x its tokens/s). Bounded, they come
-out at 9.6 and ran 1.01-1.07x packing_free on the built-in mixture, 0.99x on the heavy-tailed file (README,
-"Row packing in the planner")."""
+out at 9.6 and ran 0.97-1.07x packing_free on the built-in mixture, 0.99-1.04x on the heavy-tailed file in
+three rounds (before: 0.93-1.02x; README, "Row packing in the planner")."""
 ROW_CAPACITIES = (1.0, 0.5, 0.25)
 """Row capacities ``pack_rows="auto"`` tries, as fractions of the step's longest sample (T5: of the longest
 input and of the longest target)."""
