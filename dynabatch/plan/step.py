@@ -86,9 +86,7 @@ def flat_row_limit(device_type: str, family: str, max_input_len: int, max_target
     rows = FLAT_ROW_LIMITS.get(device_type)
     if rows is None:
         return None
-    if is_seq2seq(family):
-        return int(rows * max_input_len), int(rows * max_target_len)
-    return int(rows * max_input_len), 0
+    return int(rows * max_input_len), int(rows * max_target_len) if is_seq2seq(family) else 0
 
 
 @dataclass(frozen=True)
