@@ -124,7 +124,7 @@ class BenchArgs:
     quiet: bool = arg(False, "no table (with --json)")
 
 
-BENCH_FIELDS = ("model", "dtype", "stages", "policy", "layer_split", "pack_rows", "attention", "attention_kernel",
+BENCH_FIELDS = ("model", "dtype", "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
                 "plan_costs", "seed")
@@ -233,6 +233,7 @@ def _config(args, method: str):
         plan_costs=PLAN_VARIANTS.get(method, getattr(args, "plan_costs", "auto")),
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
         dtype=getattr(args, "dtype", "fp32"), layer_split=getattr(args, "layer_split", "data"),
+        split_blocks=getattr(args, "split_blocks", "auto"),
     )
 
 

@@ -66,6 +66,8 @@ def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> di
         from dynabatch.commands.bench import _config
 
         base = _config(args, "dynamic")
+        if any(cfgs[m].cost_profile for m in methods):  # a profile times whole blocks: every method's split keeps them
+            base = dataclasses.replace(base, split_blocks="off")
         layer_model = planner_cost_model(base, model.config, layout_for(model, 1)).model
         texts[0] = {p: choose_run_layout(dataclasses.replace(base, placement=p), model, layer_model, preview).encode()
                     for p in ["linear", *(q.describe() for q in placements(args))]}

@@ -50,7 +50,7 @@ class WorkloadArgs:
 
 
 SHARED_FIELDS = ("model", "tokenizer", "stages", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
-                 "recompute", "pack_rows", "layer_split", *option_users())
+                 "recompute", "pack_rows", "layer_split", "split_blocks", *option_users())
 """The TrainConfig fields ``plan`` and ``simulate`` take (the same flags as ``train``'s, at paper scale)."""
 PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_len": 256, "global_batch_tokens": 65_536,
                "memory_gib": None}
@@ -97,6 +97,8 @@ class Workload:
     cost_model: object
     """A StageCostModel over the analytic model (planner and simulator view)."""
     options: BaselineOptions
+    split_blocks: bool = True
+    """``--split-blocks auto|on``: layer splits may cut inside decoder-only blocks."""
 
 
 def resolve(args: argparse.Namespace) -> Workload:
@@ -118,12 +120,14 @@ def resolve(args: argparse.Namespace) -> Workload:
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
     e_ref = min(args.max_input_len, 512)
-    layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)))
+    split_blocks = getattr(args, "split_blocks", "auto") != "off"  # plan and simulate price analytically
+    layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)),
+                             split_blocks=split_blocks)
     memory_gib = getattr(args, "memory_gib", None)
     memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
     cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"))
     options = BaselineOptions.of(args)
-    return Workload(args.lengths or default_mixture_path(), family, limits, cost, options)
+    return Workload(args.lengths or default_mixture_path(), family, limits, cost, options, split_blocks)
 
 
 def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
@@ -137,8 +141,8 @@ def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     if micro_batches is None:
         return w
     cm = w.cost_model
-    return replace(w, cost_model=replace(cm, layout=balanced_layout(cm.model, cm.num_stages,
-                                                                    micro_batches=micro_batches)))
+    layout = balanced_layout(cm.model, cm.num_stages, micro_batches=micro_batches, split_blocks=w.split_blocks)
+    return replace(w, cost_model=replace(cm, layout=layout))
 
 
 def placement_cost_model(w: Workload, batches, method: str, placement):
@@ -149,7 +153,8 @@ def placement_cost_model(w: Workload, batches, method: str, placement):
     from dynabatch.cost.stages import placement_layout
 
     cm = w.cost_model
-    layout = placement_layout(cm.model, placement, _planned_micro_batches(w, batches, method))
+    layout = placement_layout(cm.model, placement, _planned_micro_batches(w, batches, method),
+                              split_blocks=w.split_blocks)
     return replace(cm, layout=layout, recompute="none")
 
 

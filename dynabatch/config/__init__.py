@@ -78,6 +78,12 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         return "online" if self.cost_profile else "quick"
 
     @property
+    def cuts_inside_blocks(self) -> bool:
+        """``split_blocks`` resolved: ``auto`` cuts inside blocks unless a cost profile prices the layers (it times
+        whole blocks only)."""
+        return self.split_blocks == "on" or (self.split_blocks == "auto" and not self.cost_profile)
+
+    @property
     def attention_path(self) -> str:
         """The attention path this run uses (``packing``, the dense-mask baseline, always ``dense``)."""
         from dynabatch.data.baselines import attention_for
@@ -141,6 +147,9 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             raise ValueError(f"slice_long plans token slices with the dynamic planner; got method {self.method!r}")
         if self.slice_long and self.cost_profile:
             raise ValueError("slice_long prices slices with the analytic cost model; drop cost_profile or slice_long")
+        if self.split_blocks == "on" and self.cost_profile:
+            raise ValueError("split_blocks on cuts inside blocks, which a profile does not price (it times whole "
+                             "blocks); drop cost_profile or use split_blocks auto")
         if not self.learning_rate > 0 or self.max_grad_norm <= 0 or self.memory_gib <= 0:
             raise ValueError(f"learning_rate, max_grad_norm and memory_gib must be > 0, got {self.learning_rate}, "
                              f"{self.max_grad_norm}, {self.memory_gib}")

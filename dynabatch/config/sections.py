@@ -38,6 +38,8 @@ encoder-decoders better than the analytic model (0.98-1.05x, mean 1.03x), decode
 PLAN_COST_CHOICES = ("auto", *PLAN_COSTS)
 CALIBRATIONS = ("auto", "quick", "online", "off")
 LAYER_SPLITS = ("data", "reference")
+SPLIT_BLOCKS = ("auto", "on", "off")
+"""``--split-blocks``: whether layer splits may cut inside decoder-only blocks (``TrainConfig.cuts_inside_blocks``)."""
 """``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
 """``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
 online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
@@ -136,6 +138,11 @@ class PipelineArgs:
         "data", "pipeline layer split: balanced over the micro-batches of the run's first global batches, each layer "
                 "priced by the planner's base cost model (data), or over one reference micro-batch of 4 x min(max "
                 "input, 512) / min(max target, 128) tokens (reference)")
+    split_blocks: Literal[SPLIT_BLOCKS] = arg(
+        "auto", "decoder-only models: the layer split may also cut inside a block, between its attention and MLP "
+                "halves, where that takes more than a hundredth off the slowest stage's time: auto (wherever the cost "
+                "model prices halves: the analytic model, not --cost-profile), on (an error with --cost-profile) or "
+                "off (whole blocks)")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
     recompute: Literal[RECOMPUTE_POLICIES] = arg(
         "auto", "activation recomputation: auto (per micro-batch and stage, the fastest of none / selective / full that "

@@ -78,6 +78,7 @@ import numpy as np
 
 from dynabatch.cost.hardware import HardwareSpec, hardware_spec
 from dynabatch.cost.model_specs import (
+    BLOCK_HALVES,
     TransformerSpec,
     check_kind,
     layer_kinds,
@@ -99,6 +100,8 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "momentum": 4, "sgd": 0}
 """fp32 optimizer-state bytes per parameter (Adam: first and second moments)."""
 _LOSS_BYTES = 4  # fp32 log-probabilities, as Hugging Face computes the loss
 _IDS_BYTES = 8  # int64 token ids saved for the embedding backward
+BLOCK_KINDS = ("gpt", "gpt_attn", "gpt_mlp", "t5_encoder", "t5_decoder")
+"""The transformer blocks and block halves: what full recomputation checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ class AnalyticCostModel:
         flops = sum(op.flops for op in ops)
         stored = self._stored(kind, b, E, D, pairs)
         peak = self._peak_extra(kind, b, E, D, pairs)
-        if self.recompute and kind in ("gpt", "t5_encoder", "t5_decoder"):
+        if self.recompute and kind in BLOCK_KINDS:
             bwd = bwd + fwd
             peak = peak + stored
             stored = self.spec.dtype_bytes * b * (D if kind == "t5_decoder" else E) * self.spec.d_model
@@ -244,7 +247,7 @@ class AnalyticCostModel:
         from dynabatch.cost.recompute import RecomputeTerms
 
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
-        blocks = [k for k in kinds if k in ("gpt", "t5_encoder", "t5_decoder")]
+        blocks = [k for k in kinds if k in BLOCK_KINDS]
         kind = blocks[0] if blocks else kinds[0]
         _, (b, E, D) = self._inputs(kind, b, E, D)
         work = _broadcast_pairs(pairs, b.shape)
@@ -257,8 +260,8 @@ class AnalyticCostModel:
         for k, n in Counter(blocks).items():
             T = D if k == "t5_decoder" else E
             stored = self._stored(k, b, E, D, work)
-            cores = ([(D, D, role("decoder")), (D, E, role("cross"))] if k == "t5_decoder"
-                     else [(E, E, role("encoder"))])
+            cores = {"t5_decoder": [(D, D, role("decoder")), (D, E, role("cross"))],
+                     "gpt_mlp": []}.get(k, [(E, E, role("encoder"))])
             core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls) in cores
                            for op in self._core_ops(b, tq, tk, pr, calls))
             core_stored = sum(self._core_stored(b, tq, tk, pr) for tq, tk, (pr, _) in cores)
@@ -435,6 +438,10 @@ class AnalyticCostModel:
             pairs.role("encoder"), pairs.role("decoder"), pairs.role("cross"))
         if kind in ("gpt", "t5_encoder"):
             return self._attention_ops(b, E, E, True, *enc) + self._ffn_ops(b, E)
+        if kind == "gpt_attn":
+            return self._attention_ops(b, E, E, True, *enc)
+        if kind == "gpt_mlp":
+            return self._ffn_ops(b, E)
         if kind == "t5_decoder":
             return (self._attention_ops(b, D, D, True, *dec) + self._attention_ops(b, D, E, False, *cross)
                     + self._ffn_ops(b, D))
@@ -479,6 +486,10 @@ class AnalyticCostModel:
         enc, dec, cross = (None, None, None) if pairs is None else (pairs.encoder, pairs.decoder, pairs.cross)
         if kind in ("gpt", "t5_encoder"):
             return 2 * p * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)
+        if kind == "gpt_attn":  # the norm's input, the attention
+            return p * b * E * d + self._attention_stored(b, E, E, enc)
+        if kind == "gpt_mlp":
+            return p * b * E * d + self._ffn_stored(b, E)
         if kind == "t5_decoder":
             attention = self._attention_stored(b, D, D, dec) + self._attention_stored(b, D, E, cross)
             return 3 * p * b * D * d + attention + self._ffn_stored(b, D)
@@ -506,7 +517,10 @@ class AnalyticCostModel:
 
         T = D if kind == "t5_decoder" else E
         own = None if pairs is None else (pairs.decoder if kind == "t5_decoder" else pairs.encoder)
-        transient = np.maximum(attention(T, T, own), (3 if s.gated_ffn else 2) * p * b * T * s.d_ff)
+        ffn = (3 if s.gated_ffn else 2) * p * b * T * s.d_ff
+        if kind in BLOCK_HALVES["gpt"]:  # one half's transient only
+            return 2 * p * b * T * d + (attention(T, T, own) if kind == "gpt_attn" else ffn)
+        transient = np.maximum(attention(T, T, own), ffn)
         if kind == "t5_decoder":  # cross-attention buffers and the encoder-output gradient
             cross = None if pairs is None else pairs.cross
             transient = np.maximum(transient, attention(D, E, cross)) + p * b * E * d

@@ -31,9 +31,13 @@ from dynabatch.sequence import CAUSAL, SEQ2SEQ, SEQUENCE_KINDS, is_seq2seq, sequ
 FAMILIES = SEQUENCE_KINDS
 LAYER_KINDS: dict[str, tuple[str, ...]] = {
     SEQ2SEQ: ("embedding", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head"),
-    CAUSAL: ("embedding", "gpt", "lm_head"),
+    CAUSAL: ("embedding", "gpt", "lm_head", "gpt_attn", "gpt_mlp"),
 }
-"""The layer kinds each sequence kind is made of."""
+"""The layer kinds each sequence kind is made of (``gpt_attn`` / ``gpt_mlp``: the halves of a ``gpt`` block
+that a stage boundary cuts, :data:`BLOCK_HALVES`)."""
+BLOCK_HALVES: dict[str, tuple[str, str]] = {"gpt": ("gpt_attn", "gpt_mlp")}
+"""Block kinds a layer split may cut inside, and their two halves in model order: ``gpt_attn`` (the first
+norm, self-attention and its residual add), ``gpt_mlp`` (the second norm, the MLP and its residual add)."""
 NORMS = ("layer", "rms")
 BIASES = ("all", "qkv", "none")
 
@@ -202,11 +206,16 @@ def layer_param_count(spec: TransformerSpec, kind: str) -> int:
     if not is_seq2seq(spec.family):
         norm = 2 * d if spec.norm == "layer" else d  # LayerNorm: weight + bias; RMSNorm: weight
         if kind == "gpt":  # 2 norms, Q/K/V and output projections, FFN (2 or 3 matrices), biases
+            return sum(layer_param_count(spec, half) for half in BLOCK_HALVES["gpt"])
+        if kind == "gpt_attn":  # norm, Q/K/V and output projections (+ biases, Q/K norms)
             kv = spec.d_kv_attn
-            ffn = d * f * (3 if spec.gated_ffn else 2)
-            bias = {"all": (a + 2 * kv) + d + f * (2 if spec.gated_ffn else 1) + d, "qkv": a + 2 * kv, "none": 0}
+            bias = {"all": (a + 2 * kv) + d, "qkv": a + 2 * kv, "none": 0}
             qk_norm = 2 * spec.d_kv if spec.qk_norm else 0
-            return 2 * norm + d * (a + 2 * kv) + a * d + ffn + bias[spec.biases] + qk_norm
+            return norm + d * (a + 2 * kv) + a * d + bias[spec.biases] + qk_norm
+        if kind == "gpt_mlp":  # norm, FFN (2 or 3 matrices) (+ biases)
+            ffn = d * f * (3 if spec.gated_ffn else 2)
+            bias = f * (2 if spec.gated_ffn else 1) + d if spec.biases == "all" else 0
+            return norm + ffn + bias
         if kind == "embedding":
             return v * d + spec.max_positions * d
         return norm + (0 if spec.tie_embeddings else v * d)  # lm_head: final norm (+ untied head)

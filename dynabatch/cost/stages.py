@@ -3,7 +3,17 @@
 A model is an ordered list of layer kinds (``embedding, gpt x L, lm_head`` or ``embedding,
 t5_encoder x L, decoder_embedding, t5_decoder x L, lm_head``). :func:`balanced_layout` cuts it into
 ``S`` contiguous stages minimising the largest stage time at a reference micro-batch shape (a small
-exact DP over cut points; every stage gets at least one transformer block). :class:`StageCostModel`
+exact DP over cut points; every stage gets at least one transformer block).
+
+Cuts fall between blocks. With ``split_blocks`` a cut may also fall inside a decoder-only block, between
+its attention half and its MLP half (``gpt_attn`` / ``gpt_mlp``, :data:`~dynabatch.cost.model_specs.BLOCK_HALVES`):
+a stage then ends with ``gpt_attn`` and the next begins with ``gpt_mlp``, and what passes between them is the
+hidden state after the attention's residual add, the size of any other hand-off. A whole block's
+granularity is coarse when stages hold few blocks: GPT-1.3B's head costs about two blocks, so its 24
+blocks and head make 26 block-times, 6.5 per stage over 4 stages, and the best whole-block split's
+slowest stage holds 7 (7% over the balance). The halves (about 1/3 and 2/3 of a block) let it come
+within a fraction of a block. The split keeps halves only where they lower the slowest stage's time by
+more than :data:`SPLIT_GAIN`. :class:`StageCostModel`
 then answers, for arrays of padded shapes ``(b, E, D)``, every stage's forward/backward time, stored
 and peak activation bytes and the bytes it sends downstream (:meth:`per_stage`, for the simulator),
 and the planner's :class:`~dynabatch.plan.costs.MicroBatchCostModel` view (:meth:`evaluate`):
@@ -24,7 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder")
+from dynabatch.cost.model_specs import BLOCK_HALVES
+
+BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder", *(h for pair in BLOCK_HALVES.values() for h in pair))
+"""Transformer blocks and block halves: every stage holds at least one, and cuts fall just before one."""
+SPLIT_GAIN = 0.01
+"""A split inside a block is kept only where it lowers the slowest stage's time by more than this fraction."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,7 @@ class StageLayout:
 
 
 def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4, 512, 128),
-                    micro_batches=None) -> StageLayout:
+                    micro_batches=None, split_blocks: bool = False) -> StageLayout:
     """Cut ``model.layer_kinds()`` into ``num_stages`` contiguous stages minimising the slowest stage.
 
     Time is fwd + bwd at ``ref_shape`` (b, E, D), or with ``micro_batches`` (``(shapes, pairs)`` of each
@@ -60,9 +75,67 @@ def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4
     over every micro-batch: the split balanced over the run's own length distribution, so encoder-heavy and
     decoder-heavy micro-batches weigh as often as they occur. Cut points fall only just before a transformer
     block (embeddings and the head attach to their neighbouring block), so each stage holds >= 1 block.
+    ``split_blocks``: cuts may also fall between a block's halves (module docstring); the layer model must
+    price the halves (the analytic model does, profiled tables do not).
     """
     kinds = list(model.layer_kinds())
-    return StageLayout(_cut(kinds, layer_times(model, kinds, ref_shape, micro_batches), num_stages))
+    whole = _cut(kinds, layer_times(model, kinds, ref_shape, micro_batches), num_stages)
+    if not split_blocks or not any(k in BLOCK_HALVES for k in kinds):
+        return StageLayout(whole)
+    halves = split_halves(kinds)
+    if not set(halves) <= set(model_kinds(model)):
+        raise ValueError(f"{type(model).__name__} does not price block halves (gpt_attn, gpt_mlp); cutting inside "
+                         "blocks needs the analytic cost model (drop --split-blocks, or the cost profile)")
+    times = layer_times(model, halves, ref_shape, micro_batches)
+    halved = _cut(halves, times, num_stages)
+    slowest = [max(_stage_times(model, stages, _queries(kinds, ref_shape, micro_batches))) for stages in (whole, halved)]
+    if slowest[1] < (1 - SPLIT_GAIN) * slowest[0]:
+        return StageLayout(tuple(join_halves(s) for s in halved))
+    return StageLayout(whole)
+
+
+def split_halves(kinds) -> list[str]:
+    """``kinds`` with every block that has halves (:data:`BLOCK_HALVES`) written as its two halves."""
+    return [h for k in kinds for h in BLOCK_HALVES.get(k, (k,))]
+
+
+def join_halves(kinds) -> tuple[str, ...]:
+    """One stage's ``kinds`` with each block's two adjacent halves written as the whole block again (a stage
+    keeps a half only at its edge, where a cut falls inside the block)."""
+    whole = {pair: block for block, pair in BLOCK_HALVES.items()}
+    out: list[str] = []
+    for k in kinds:
+        if out and (out[-1], k) in whole:
+            out[-1] = whole[(out[-1], k)]
+        else:
+            out.append(k)
+    return tuple(out)
+
+
+def model_kinds(model) -> tuple[str, ...]:
+    """Every layer kind the layer model prices (an analytic model's spec says; otherwise its model's kinds)."""
+    spec = getattr(model, "spec", None)
+    return tuple(getattr(spec, "layer_kinds", None) or model.layer_kinds())
+
+
+def _stage_times(model, stages, queries) -> list[float]:
+    """fwd + bwd seconds of each stage of ``stages`` summed over ``queries`` (:func:`_queries`)."""
+    return [sum(float(np.sum(_time(model.stage_cost(list(kinds), *shape, **extra)))) for shape, extra in queries)
+            for kinds in stages]
+
+
+def _queries(kinds, ref_shape, micro_batches) -> list:
+    """The ``((b, E, D), extra kwargs)`` queries of a layer time for a model of ``kinds``: one at ``ref_shape``,
+    or one per plan of ``micro_batches`` (array shapes, with their pairs); ``D`` is None for a decoder-only model."""
+    seq2seq = "t5_decoder" in kinds
+    if micro_batches is None:
+        b, e, d = ref_shape
+        return [((b, e, d if seq2seq else None), {})]
+    out = []
+    for shapes, pairs in micro_batches:
+        b, e, d = (np.asarray(x, dtype=np.int64) for x in np.asarray(shapes).reshape(-1, 3).T)
+        out.append(((b, e, d if seq2seq else None), {} if pairs is None else {"pairs": pairs}))
+    return out
 
 
 def cyclic_layout(model, num_devices: int, ref_shape: tuple[int, int, int] = (4, 512, 128),
@@ -81,29 +154,20 @@ def cyclic_layout(model, num_devices: int, ref_shape: tuple[int, int, int] = (4,
     return StageLayout(_cut(kinds[:seam], times[:seam], num_devices) + _cut(kinds[seam:], times[seam:], num_devices))
 
 
-def placement_layout(model, placement, micro_batches=None, ref_shape: tuple[int, int, int] = (4, 512, 128)) -> StageLayout:
+def placement_layout(model, placement, micro_batches=None, ref_shape: tuple[int, int, int] = (4, 512, 128),
+                     split_blocks: bool = False) -> StageLayout:
     """The chunks of ``placement`` (a :class:`~dynabatch.schedule.placement.Placement`): :func:`cyclic_layout`
-    for the cyclic placement, else :func:`balanced_layout` into its ``num_stages`` chunks; balanced at
-    ``ref_shape`` or over ``micro_batches``."""
+    for the cyclic placement, else :func:`balanced_layout` into its ``num_stages`` chunks (``split_blocks``: cuts
+    may fall inside decoder-only blocks); balanced at ``ref_shape`` or over ``micro_batches``."""
     if placement.kind == "cyclic":
         return cyclic_layout(model, placement.num_devices, ref_shape, micro_batches)
-    return balanced_layout(model, placement.num_stages, ref_shape, micro_batches)
+    return balanced_layout(model, placement.num_stages, ref_shape, micro_batches, split_blocks)
 
 
 def layer_times(model, kinds: list[str], ref_shape, micro_batches) -> np.ndarray:
     """fwd + bwd seconds of each layer kind in ``kinds``: at ``ref_shape`` or summed over ``micro_batches``
     (see :func:`balanced_layout`)."""
-    if micro_batches is None:
-        b, e, d = ref_shape
-        d = d if "t5_decoder" in kinds else None
-        return np.array([float(_time(model.stage_cost([k], b, e, d))) for k in kinds])
-    layer_time = np.zeros(len(kinds))
-    for shapes, pairs in micro_batches:
-        b, e, d = (np.asarray(x, dtype=np.int64) for x in np.asarray(shapes).reshape(-1, 3).T)
-        d = d if "t5_decoder" in kinds else None
-        extra = {} if pairs is None else {"pairs": pairs}
-        layer_time += [float(np.sum(_time(model.stage_cost([k], b, e, d, **extra)))) for k in kinds]
-    return layer_time
+    return np.array(_stage_times(model, [[k] for k in kinds], _queries(kinds, ref_shape, micro_batches)))
 
 
 def _cut(kinds: list[str], layer_time: np.ndarray, num_stages: int) -> tuple[tuple[str, ...], ...]:

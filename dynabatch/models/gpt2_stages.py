@@ -4,7 +4,8 @@ A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`
 :mod:`dynabatch.cost.model_specs`) and runs exactly what ``GPT2Model.forward`` runs for them:
 
 * ``embedding``: ``drop(wte(input_ids) + wpe(position_ids))`` with the per-sample position ids;
-* ``gpt`` blocks: each ``GPT2Block`` called directly as GPT2Model calls it, with padding-free per-sample
+* ``gpt`` blocks: each ``GPT2Block`` (or the half of one, ``gpt_attn`` / ``gpt_mlp``, where the stage boundary
+  cuts the block: :mod:`~dynabatch.models.block_parts`) called directly as GPT2Model calls it, with padding-free per-sample
   causal attention (:mod:`dynabatch.models.attention`) or, on a ``dense`` stage, the 4-D additive
   block-diagonal causal mask built from ``segment_ids`` (:func:`~dynabatch.models.forward.causal_segment_mask`),
   no cache, no cross-attention, through :func:`~dynabatch.models.recompute.run_block` (activation
@@ -25,10 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 
+GPT2_BLOCK = BlockNames(attention_norm="ln_1", attention="attn", mlp_norm="ln_2")
+"""``GPT2Block``'s submodules (a stage boundary inside a block runs its halves, :mod:`~dynabatch.models.block_parts`)."""
 SHARED_EMBEDDING = "shared_embedding"
 """Tied-parameter group of the token table and the tied output projection."""
 
@@ -54,8 +58,6 @@ class GPT2Stage(StageModule):
     def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
         super().__init__()
         kinds = tuple(layout.stages[stage_index])
-        first_block = sum(k == "gpt" for s in layout.stages[:stage_index] for k in s)
-        num_blocks = sum(k == "gpt" for k in kinds)
         transformer = model.transformer
         self.stage_index = stage_index
         self.num_stages = layout.num_stages
@@ -68,7 +70,7 @@ class GPT2Stage(StageModule):
             self.wte = transformer.wte
             self.wpe = transformer.wpe
             self.drop = transformer.drop
-        self.blocks = nn.ModuleList(transformer.h[first_block : first_block + num_blocks])
+        self.blocks = block_parts(transformer.h, layout, stage_index, GPT2_BLOCK)
         if self.has_head:
             self.ln_f = transformer.ln_f
             self.lm_head = model.lm_head
@@ -104,12 +106,11 @@ class GPT2Stage(StageModule):
             hidden = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, d)
         else:
             hidden = received["hidden"]  # (B, T, d)
-        cache = SliceCache(context, [b.attn.layer_idx for b in self.blocks]) if sliced else None
+        cache = SliceCache(context, attention_layer_ids(self.blocks, GPT2_BLOCK)) if sliced else None
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
-            hidden = run_block(block, hidden, cache, mask, None, encoder_attention_mask=None,
-                               use_cache=False)  # (B, T, d)
+            hidden = run_block(block, hidden, cache=cache, attention_mask=mask, use_cache=False)  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)

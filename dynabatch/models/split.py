@@ -41,7 +41,14 @@ from torch import nn
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import layer_kinds
-from dynabatch.cost.stages import BLOCK_KINDS, StageLayout, balanced_layout, placement_layout
+from dynabatch.cost.stages import (
+    BLOCK_KINDS,
+    StageLayout,
+    balanced_layout,
+    join_halves,
+    placement_layout,
+    split_halves,
+)
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import check_attention_path, use_segment_attention
 from dynabatch.models.families import analytic_spec, family_for_config
@@ -73,10 +80,11 @@ def check_num_stages(model: nn.Module, num_stages: int) -> None:
         )
 
 
-def layout_for(model: nn.Module, num_stages: int, placement=None) -> StageLayout:
+def layout_for(model: nn.Module, num_stages: int, placement=None, split_blocks: bool = False) -> StageLayout:
     """Balanced stage layout of ``model`` (any registered family's HF model) in ``num_stages`` stages; with the
     ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
-    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`)."""
+    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`).
+    ``split_blocks``: cuts may fall between a decoder-only block's attention and MLP halves."""
     check_num_stages(model, num_stages)
     dtype_bytes = next(model.parameters()).element_size()
     cost_model = AnalyticCostModel(analytic_spec(model.config, dtype_bytes), hardware_spec("cpu"))
@@ -84,7 +92,7 @@ def layout_for(model: nn.Module, num_stages: int, placement=None) -> StageLayout
         if placement.num_stages != num_stages:
             raise ValueError(f"placement {placement.describe()} has {placement.num_stages} chunks, not {num_stages}")
         return placement_layout(cost_model, placement)
-    return balanced_layout(cost_model, num_stages)
+    return balanced_layout(cost_model, num_stages, split_blocks=split_blocks)
 
 
 def pipeline_spec_for(model: nn.Module, layout: StageLayout, dtype: str = "float32") -> PipelineSpec:
@@ -97,7 +105,8 @@ def pipeline_spec_for(model: nn.Module, layout: StageLayout, dtype: str = "float
 def _check_layout(model: nn.Module, layout: StageLayout) -> None:
     expected = layer_kinds(analytic_spec(model.config))
     got = [k for s in layout.stages for k in s]
-    if got != expected:
+    whole_inside = all(join_halves(s) == tuple(s) for s in layout.stages)  # halves only where a cut falls
+    if split_halves(got) != split_halves(expected) or not whole_inside:
         raise ValueError(
             f"layout {layout.describe()!r} does not cover this {model.config.model_type} model's layers "
             f"in order; expected {len(expected)} layers {' '.join(expected)}"

@@ -57,7 +57,9 @@ if TYPE_CHECKING:
 MAX_GRID_POINTS = 2048
 """Largest ``ceil(length / granularity)``: the DP holds dense (n + 1)^2 float64 matrices (33 MiB at 2048)."""
 
-SLICE_KINDS = ("embedding", "gpt", "lm_head")
+SLICE_BLOCKS = ("gpt", "gpt_attn", "gpt_mlp")
+"""A decoder block and its halves (a stage boundary inside a block, :data:`~dynabatch.cost.model_specs.BLOCK_HALVES`)."""
+SLICE_KINDS = ("embedding", *SLICE_BLOCKS, "lm_head")
 """Layer kinds a decoder-only stage may hold."""
 
 _WHAT = "slice cost model"  # names the model in evaluate_costs' errors
@@ -185,8 +187,8 @@ class AnalyticSliceCostModel:
         bad = sorted(set(kinds) - set(SLICE_KINDS))
         if bad:
             raise ValueError(f"unknown layer kinds {bad} for a sliced stage; valid kinds: {', '.join(SLICE_KINDS)}")
-        if "gpt" not in kinds:
-            raise ValueError(f"a sliced stage needs at least one 'gpt' block, got {kinds}")
+        if not set(kinds) & set(SLICE_BLOCKS):
+            raise ValueError(f"a sliced stage needs at least one 'gpt' block (or half of one), got {kinds}")
         if self.attention not in ("dense", "causal"):
             raise ValueError(f"attention must be 'dense' or 'causal', got {self.attention!r}")
         budget = self.memory_budget_bytes
@@ -206,6 +208,12 @@ class AnalyticSliceCostModel:
     def _keys(self, s, c):
         return c + s if self.attention == "dense" else 2.0 * c + s
 
+    def _block_ops(self, kind: str, b, s, c) -> list:
+        """The analytic kernels of a block (``gpt``) or block half on a slice of ``s`` tokens after ``c``."""
+        m = self.model
+        attention = m._attention_ops(b, s, self._keys(s, c), True) if kind != "gpt_mlp" else []
+        return attention + (m._ffn_ops(b, s) if kind != "gpt_attn" else [])
+
     def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
         m, spec = self.model, self.model.spec
@@ -216,23 +224,28 @@ class AnalyticSliceCostModel:
         peak = np.zeros_like(s)
         num_blocks = 0
         for kind, count in self._counts:
-            if kind == "gpt":
-                ops = m._attention_ops(b, s, keys, True) + m._ffn_ops(b, s)
+            if kind in SLICE_BLOCKS:  # a whole block: both halves; a half (gpt_attn / gpt_mlp): its own
+                attends, mlp = kind != "gpt_mlp", kind != "gpt_attn"
+                ops = self._block_ops(kind, b, s, c)
                 fwd = sum(m._op_time(op) for op in ops)
                 bwd = sum(m._op_time(op) * op.bwd_factor for op in ops)
-                st = 2 * p * b * s * d + m._attention_stored(b, s, keys) - 2 * p * b * (keys - s) * kv
-                st = st + m._ffn_stored(b, s)
-                if m.flash_attention:
-                    scores = p * b * (s * a + 2 * keys * kv) + 4 * b * h * s
-                else:
-                    scores = 2 * p * b * h * s * keys
-                ffn = (3 if spec.gated_ffn else 2) * p * b * s * spec.d_ff
-                pk = 2 * p * b * s * d + np.maximum(scores, ffn)
+                st = (2 if kind == "gpt" else 1) * p * b * s * d  # each half's norm input
+                transient = []
+                if attends:
+                    st = st + m._attention_stored(b, s, keys) - 2 * p * b * (keys - s) * kv
+                    if m.flash_attention:
+                        transient.append(p * b * (s * a + 2 * keys * kv) + 4 * b * h * s)
+                    else:
+                        transient.append(2 * p * b * h * s * keys)
+                if mlp:
+                    st = st + m._ffn_stored(b, s)
+                    transient.append((3 if spec.gated_ffn else 2) * p * b * s * spec.d_ff)
+                pk = 2 * p * b * s * d + (np.maximum(*transient) if len(transient) == 2 else transient[0])
                 if m.recompute:
                     bwd = bwd + fwd
                     pk = pk + st
                     st = p * b * s * d
-                num_blocks += count
+                num_blocks += count * attends
             else:
                 cost = m.layer_cost(kind, b, s)
                 fwd, bwd, st, pk = cost.fwd_time_s, cost.bwd_time_s, cost.stored_activation_bytes, cost.peak_extra_bytes
@@ -248,7 +261,7 @@ class AnalyticSliceCostModel:
         its backward), on top of :meth:`evaluate`'s stored bytes, which count a cache appended in place."""
         b, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, c))
         spec = self.model.spec
-        blocks = sum(n for kind, n in self._counts if kind == "gpt")
+        blocks = sum(n for kind, n in self._counts if kind in ("gpt", "gpt_attn"))
         return blocks * 2.0 * spec.dtype_bytes * b * c * spec.d_kv_attn
 
     def fwd_flops(self, b, s, c) -> np.ndarray:
@@ -257,9 +270,8 @@ class AnalyticSliceCostModel:
         m = self.model
         total = np.zeros_like(s)
         for kind, count in self._counts:
-            if kind == "gpt":
-                ops = m._attention_ops(b, s, self._keys(s, c), True) + m._ffn_ops(b, s)
-                total = total + count * sum(op.flops for op in ops)
+            if kind in SLICE_BLOCKS:
+                total = total + count * sum(op.flops for op in self._block_ops(kind, b, s, c))
             else:
                 total = total + count * m.layer_cost(kind, b, s).fwd_flops
         return total

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dynabatch.cost.stages import StageLayout
+from dynabatch.cost.stages import StageLayout, join_halves, split_halves
 from dynabatch.schedule.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -60,19 +60,22 @@ class RunLayout:
     """``data`` when the chunks are balanced over the sampled micro-batches."""
 
     def encode(self) -> str:
-        """``placement;n0,n1,...``: the placement and each chunk's number of layer kinds."""
-        return f"{self.placement.describe()};{','.join(str(len(s)) for s in self.layout.stages)};{self.split}"
+        """``placement;n0,n1,...;split``: the placement and each chunk's number of layer kinds, blocks counted as
+        their two halves where they have them (so a cut inside a block travels too)."""
+        sizes = ",".join(str(len(split_halves(s))) for s in self.layout.stages)
+        return f"{self.placement.describe()};{sizes};{self.split}"
 
     @staticmethod
     def decode(text: str, kinds: list[str], num_devices: int) -> "RunLayout":
         """Inverse of :meth:`encode` for a model whose layer kinds are ``kinds``."""
         placement, sizes, split = text.split(";")
+        halves = split_halves(kinds)
         stages, start = [], 0
         for n in (int(x) for x in sizes.split(",")):
-            stages.append(tuple(kinds[start:start + n]))
+            stages.append(join_halves(halves[start:start + n]))
             start += n
-        if start != len(kinds):
-            raise ValueError(f"layout {text!r} covers {start} of the model's {len(kinds)} layers")
+        if start != len(halves):
+            raise ValueError(f"layout {text!r} covers {start} of the model's {len(halves)} layers and block halves")
         return RunLayout(Placement.parse(placement, num_devices), StageLayout(tuple(stages)), split=split)
 
     def describe(self) -> str:
@@ -104,7 +107,7 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     options = []
     for placement in candidate_placements(cfg, seq2seq):
         try:
-            reference = layout_for(model, placement.num_stages, placement)
+            reference = layout_for(model, placement.num_stages, placement, cfg.cuts_inside_blocks)
         except ValueError:
             if cfg.placement != "auto":
                 raise
@@ -112,7 +115,8 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
         own = replace(cfg, placement=placement.describe())
         layout, split = reference, "reference"
         if cfg.layer_split == "data":
-            layout, split = placement_layout(layer_model, placement, _micro_batches(preview(own, reference))), "data"
+            sampled = _micro_batches(preview(own, reference))
+            layout, split = placement_layout(layer_model, placement, sampled, split_blocks=cfg.cuts_inside_blocks), "data"
         options.append((own, RunLayout(placement, layout, split=split)))
     if len(options) == 1:
         return options[0][1]

@@ -236,7 +236,7 @@ def _run_layout(cfg: TrainConfig, ctx: DistContext, model, loaded: _Loaded | Non
 
     if cfg.layer_split == "reference" and cfg.placement != "auto":
         placement = Placement.parse(cfg.placement, cfg.stages)
-        return RunLayout(placement, layout_for(model, placement.num_stages, placement))
+        return RunLayout(placement, layout_for(model, placement.num_stages, placement, cfg.cuts_inside_blocks))
     chosen = sampled_run_layout(cfg, model, loaded.data, loaded.batcher) if ctx.is_planner else None
     return share_run_layout(ctx, chosen, layer_kinds(analytic_spec(model.config)), cfg.startup_timeout_s)
 

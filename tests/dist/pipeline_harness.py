@@ -40,6 +40,7 @@ class Scenario:
     dtype: str = "fp32"  # --dtype of the executor (bf16 / fp16: autocast over fp32 weights)
     placement: str = "linear"  # virtual stages: cyclic / interleaved:V chunks per device (num_stages = devices)
     placed_policy: str | None = None  # virtual stages: rank 0 passes the device orders of this policy as the planner does
+    stages: tuple | None = None  # a hand-made layout (layer kinds per stage) instead of the balanced one
 
     @property
     def world_size(self) -> int:
@@ -59,6 +60,9 @@ SCENARIOS = {
         _s("gpt2", 2, "1f1b", replicas=2, steps=3, clip=0.5, seed=1),
         _s("t5", 2, "adaptive", replicas=2, steps=3, clip=0.5, seed=2),
         _s("t5", 4, "1f1b", steps=3, clip=1.0, seed=3),
+        # stage boundaries inside both blocks: a stage holds one block's MLP half and the next one's attention half
+        Scenario("gpt2-S3xR1-halves-1step", "gpt2", "gpt2-tiny", 3, stages=(
+            ("embedding", "gpt_attn"), ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head"))),
     ]
 }
 
@@ -267,6 +271,7 @@ def _setup_worker() -> None:
 def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_step=plain_step, tag: str = "") -> None:
     """One scenario on this rank (a no-op for ranks outside its world). ``make_step(sc, step)`` gives
     rank 0 the replicas' micro-batches and slice links; results go to ``<name><tag>.rank<r>.pt``."""
+    from dynabatch.cost.stages import StageLayout
     from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
@@ -284,7 +289,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
 
     model = make_model(sc)
     placement = Placement.parse(sc.placement, sc.num_stages)
-    layout = layout_for(model, placement.num_stages, placement)
+    layout = StageLayout(sc.stages) if sc.stages else layout_for(model, placement.num_stages, placement)
     spec = pipeline_spec_for(model, layout, "float32")
     chunks = build_device_stages(model, layout, ctx.stage_index, sc.num_stages)
     del model

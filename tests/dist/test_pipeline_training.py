@@ -100,6 +100,13 @@ def test_tied_copies_are_held_by_several_stages(runs):
     assert [r for r, rec in enumerate(gpt) if "transformer.wte.weight" in rec["grads"][0]] == [0, 3]
 
 
+def test_a_stage_boundary_inside_a_block_ran_its_halves(runs):
+    """The halves scenario (its gradients are checked with the others) ran on three ranks with both blocks cut."""
+    got = runs["gpt2-S3xR1-halves-1step"]
+    assert got["layout"] == "embedding+gpt_attn | gpt_mlp+gpt_attn | gpt_mlp+lm_head"
+    assert len(got["records"]) == 3
+
+
 def test_measured_timelines_hold_every_forward_and_backward(runs):
     from dynabatch.schedule.trace import to_chrome_trace
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dynabatch.cost.stages import StageLayout
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.models.families import check_length_limit, family_for_config, get_family
 from dynabatch.models.forward import forward_loss, per_sample_losses
@@ -31,6 +32,14 @@ def test_decoder_stages_match_unsplit_model(model_type, num_stages, tie, packing
     assert (model.lm_head.weight is model.get_input_embeddings().weight) == tie
     layout = layout_for(model, num_stages)
     _check_chained(model, layout, collate_causal(_samples(), ROWS[packing], pad_id=PAD_ID))
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True)])
+def test_decoder_stages_cut_inside_a_layer_match_unsplit_model(model_type, tie):
+    """A stage boundary between a decoder layer's attention and MLP halves (``gpt_attn`` / ``gpt_mlp``)."""
+    model = build(decoder_config(model_type, tie=tie, num_layers=2))
+    layout = StageLayout((("embedding", "gpt_attn"), ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head")))
+    _check_chained(model, layout, collate_causal(_samples(), ROWS["packed"], pad_id=PAD_ID))
 
 
 @pytest.mark.parametrize("variant", ["gated", "mt5"])
@@ -80,6 +89,14 @@ def test_registry_names_unsupported_models_and_checks_lengths():
         check_length_limit(decoder_config("qwen2"), 1024)
     with pytest.raises(ValueError, match="sliding-window attention over 256 tokens"):
         check_length_limit(decoder_config("mistral", sliding_window=256, max_position_embeddings=4096), 1024)
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True)])
+def test_decoder_stages_cut_inside_a_layer_match_unsplit_model(model_type, tie):
+    """A stage boundary between a decoder layer's attention and MLP halves (``gpt_attn`` / ``gpt_mlp``)."""
+    model = build(decoder_config(model_type, tie=tie, num_layers=2))
+    layout = StageLayout((("embedding", "gpt_attn"), ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head")))
+    _check_chained(model, layout, collate_causal(_samples(), ROWS["packed"], pad_id=PAD_ID))
 
 
 @pytest.mark.parametrize("variant", ["gated", "mt5"])

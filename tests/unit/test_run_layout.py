@@ -85,7 +85,7 @@ def test_data_split_is_no_worse_than_reference_over_the_sampled_micro_batches(to
     chosen = sampled_run_layout(cfg, model, toy_data, batcher)
     assert chosen.split == "data" and chosen.placement.describe() == "linear" and chosen.predicted_step_s == {}
     assert batcher.step == 0  # the training stream did not move
-    reference = layout_for(model, 3)
+    reference = layout_for(model, 3, split_blocks=cfg.cuts_inside_blocks)  # gpt2: a cut inside a block
     cost = planner_cost_model(cfg, model.config, reference)
     planner = StepPlanner(batcher, cfg, cost, toy_data.tokens)
     planned = [planner() for _ in range(SAMPLED_BATCHES)]  # the run's own first batches

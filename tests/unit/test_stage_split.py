@@ -40,8 +40,16 @@ T5_TINY_HAND_LAYOUTS = [
     (("embedding", "t5_encoder"), ("t5_encoder", "decoder_embedding", "t5_decoder"), ("t5_decoder", "lm_head")),
     (("embedding", "t5_encoder", "t5_encoder", "decoder_embedding", "t5_decoder"), ("t5_decoder", "lm_head")),
 ]
+GPT2_TINY_HALF_LAYOUTS = [
+    # A stage boundary inside a block: its attention half ends one stage, its MLP half begins the next.
+    (("embedding", "gpt_attn"), ("gpt_mlp", "gpt", "lm_head")),
+    (("embedding", "gpt", "gpt_attn"), ("gpt_mlp", "lm_head")),
+    # Both blocks cut: the middle stage holds the MLP half of one block and the attention half of the next.
+    (("embedding", "gpt_attn"), ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head")),
+]
 CASES = (
     [("gpt2-tiny", s, None) for s in (1, 2)]
+    + [("gpt2-tiny", len(lay), lay) for lay in GPT2_TINY_HALF_LAYOUTS]
     + [("gpt2-mini", s, None) for s in (3, 4)]
     + [("t5-tiny", s, None) for s in (1, 2, 3, 4)]
     + [("t5-mini", 4, None)]

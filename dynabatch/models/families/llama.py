@@ -4,7 +4,8 @@
 What they share, and what a stage runs exactly as ``LlamaModel.forward`` does for its layers:
 
 * ``embedding``: ``embed_tokens(input_ids)`` (no position table, no dropout);
-* ``gpt`` blocks (the decoder-only block kind): each HF decoder layer called as the HF model calls it,
+* ``gpt`` blocks (the decoder-only block kind): each HF decoder layer (or the half of one where the stage
+  boundary cuts it, :mod:`~dynabatch.models.block_parts`) called as the HF model calls it,
   with rotary ``position_embeddings = rotary_emb(hidden, position_ids)`` from the per-sample position
   ids (restarting at 0 in every packed sample, so every stage loads them:
   ``PipelineSpec.positions_every_stage``), grouped-query attention (``num_key_value_heads`` may be
@@ -36,11 +37,14 @@ from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.forward import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
+from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 from dynabatch.sequence import CAUSAL
 
+LLAMA_BLOCK = BlockNames(attention_norm="input_layernorm", attention="self_attn", mlp_norm="post_attention_layernorm")
+"""A Llama-style decoder layer's submodules (a stage boundary inside a layer runs its halves)."""
 llama_tied_groups = gpt2_tied_groups
 """Same rule as GPT-2: the token table and a tied head form the ``shared_embedding`` group."""
 
@@ -60,8 +64,6 @@ class LlamaStage(StageModule):
     def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
         super().__init__()
         kinds = tuple(layout.stages[stage_index])
-        first_block = sum(k == "gpt" for s in layout.stages[:stage_index] for k in s)
-        num_blocks = kinds.count("gpt")
         inner = model.model
         self.stage_index = stage_index
         self.num_stages = layout.num_stages
@@ -73,7 +75,7 @@ class LlamaStage(StageModule):
         if self.has_embedding:
             self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb  # buffers only (inv_freq), no parameters
-        self.blocks = nn.ModuleList(inner.layers[first_block : first_block + num_blocks])
+        self.blocks = block_parts(inner.layers, layout, stage_index, LLAMA_BLOCK)
         if self.has_head:
             self.norm = inner.norm
             self.lm_head = model.lm_head
@@ -105,7 +107,7 @@ class LlamaStage(StageModule):
         else:
             hidden = received["hidden"]  # (B, T, d)
         rotary = self.rotary_emb(hidden, position_ids)  # cos, sin: (B, T, head_dim)
-        cache = SliceCache(context, [b.self_attn.layer_idx for b in self.blocks]) if sliced else None
+        cache = SliceCache(context, attention_layer_ids(self.blocks, LLAMA_BLOCK)) if sliced else None
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
