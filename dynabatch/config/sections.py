@@ -37,13 +37,13 @@ encoder-decoders better than the analytic model (0.98-1.05x, mean 1.03x), decode
 (0.96-0.99x)."""
 PLAN_COST_CHOICES = ("auto", *PLAN_COSTS)
 CALIBRATIONS = ("auto", "quick", "online", "off")
-LAYER_SPLITS = ("data", "reference")
-SPLIT_BLOCKS = ("auto", "on", "off")
-"""``--split-blocks``: whether layer splits may cut inside decoder-only blocks (``TrainConfig.cuts_inside_blocks``)."""
-"""``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
 """``--calibrate``: auto (quick + online without --cost-profile, online with one), quick (start-up measurements, then
 online), online (fit the cost model to the measured stage times as the run goes) or off (the base model as is);
 :mod:`dynabatch.runtime.calibration` uses this list."""
+LAYER_SPLITS = ("data", "reference")
+"""``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
+SPLIT_BLOCKS = ("auto", "on", "off")
+"""``--split-blocks``: whether layer splits may cut inside decoder-only blocks (``TrainConfig.cuts_inside_blocks``)."""
 DTYPE_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """``--dtype`` -> the torch dtype's name."""
 DTYPES = tuple(DTYPE_TORCH_NAMES)

@@ -79,6 +79,7 @@ import numpy as np
 from dynabatch.cost.hardware import HardwareSpec, hardware_spec
 from dynabatch.cost.model_specs import (
     BLOCK_HALVES,
+    BLOCK_KINDS,
     TransformerSpec,
     check_kind,
     layer_kinds,
@@ -100,8 +101,6 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "momentum": 4, "sgd": 0}
 """fp32 optimizer-state bytes per parameter (Adam: first and second moments)."""
 _LOSS_BYTES = 4  # fp32 log-probabilities, as Hugging Face computes the loss
 _IDS_BYTES = 8  # int64 token ids saved for the embedding backward
-BLOCK_KINDS = ("gpt", "gpt_attn", "gpt_mlp", "t5_encoder", "t5_decoder")
-"""The transformer blocks and block halves: what full recomputation checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +358,10 @@ class AnalyticCostModel:
     def layer_kinds(self) -> list[str]:
         """The whole model as an ordered list of layer kinds."""
         return layer_kinds(self.spec)
+
+    def priced_kinds(self) -> tuple[str, ...]:
+        """Every layer kind this model prices: the model's own and the block halves a layer split may cut."""
+        return self.spec.layer_kinds
 
     # ---------------------------------------------------------------- helpers
 

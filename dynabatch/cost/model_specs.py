@@ -38,6 +38,9 @@ that a stage boundary cuts, :data:`BLOCK_HALVES`)."""
 BLOCK_HALVES: dict[str, tuple[str, str]] = {"gpt": ("gpt_attn", "gpt_mlp")}
 """Block kinds a layer split may cut inside, and their two halves in model order: ``gpt_attn`` (the first
 norm, self-attention and its residual add), ``gpt_mlp`` (the second norm, the MLP and its residual add)."""
+BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder", *(h for pair in BLOCK_HALVES.values() for h in pair))
+"""Transformer blocks and block halves: every pipeline stage holds at least one, cuts fall just before one, and
+full recomputation checkpoints each."""
 NORMS = ("layer", "rms")
 BIASES = ("all", "qkv", "none")
 

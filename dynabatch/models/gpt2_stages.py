@@ -4,9 +4,9 @@ A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`
 :mod:`dynabatch.cost.model_specs`) and runs exactly what ``GPT2Model.forward`` runs for them:
 
 * ``embedding``: ``drop(wte(input_ids) + wpe(position_ids))`` with the per-sample position ids;
-* ``gpt`` blocks: each ``GPT2Block`` (or the half of one, ``gpt_attn`` / ``gpt_mlp``, where the stage boundary
-  cuts the block: :mod:`~dynabatch.models.block_parts`) called directly as GPT2Model calls it, with padding-free per-sample
-  causal attention (:mod:`dynabatch.models.attention`) or, on a ``dense`` stage, the 4-D additive
+* ``gpt`` blocks: each ``GPT2Block`` (or the half of one, ``gpt_attn`` / ``gpt_mlp``, where the stage
+  boundary cuts the block: :mod:`~dynabatch.models.block_parts`) called directly as GPT2Model calls it, with
+  padding-free per-sample causal attention (:mod:`dynabatch.models.attention`) or, on a ``dense`` stage, the 4-D additive
   block-diagonal causal mask built from ``segment_ids`` (:func:`~dynabatch.models.forward.causal_segment_mask`),
   no cache, no cross-attention, through :func:`~dynabatch.models.recompute.run_block` (activation
   recomputation under the executor's mode); a token slice (TeraPipe) instead passes a

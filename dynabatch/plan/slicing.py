@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from dynabatch.cost.model_specs import BLOCK_HALVES
 from dynabatch.plan._slicing_kernels import _solve_slices
 from dynabatch.plan.costs import check_int, check_non_negative, check_non_negative_fields, evaluate_costs
 from dynabatch.sequence import is_seq2seq
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 MAX_GRID_POINTS = 2048
 """Largest ``ceil(length / granularity)``: the DP holds dense (n + 1)^2 float64 matrices (33 MiB at 2048)."""
 
-SLICE_BLOCKS = ("gpt", "gpt_attn", "gpt_mlp")
+SLICE_BLOCKS = ("gpt", *BLOCK_HALVES["gpt"])
 """A decoder block and its halves (a stage boundary inside a block, :data:`~dynabatch.cost.model_specs.BLOCK_HALVES`)."""
 SLICE_KINDS = ("embedding", *SLICE_BLOCKS, "lm_head")
 """Layer kinds a decoder-only stage may hold."""

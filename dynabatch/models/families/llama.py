@@ -34,10 +34,10 @@ from torch import nn
 from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hidden_input, padding_mask, token_ids
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.data.microbatch import IGNORE_INDEX
+from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.forward import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
-from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
