@@ -203,16 +203,29 @@ def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
             len(attention_groups(di, ei, alone)))
 
 
+RowWork = tuple[Sequence[float], Sequence[float], Sequence[float]]
+"""One micro-batch's ``(pairs, calls, longest)``: :func:`row_pairs`, :func:`row_calls`, :func:`row_longest`."""
+
+
+def row_work(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> RowWork:
+    """The :data:`RowWork` of one micro-batch given as rows of sample indices."""
+    rows = [list(r) for r in rows]
+    return (row_pairs(rows, input_lens, target_lens, family), row_calls(rows, input_lens, target_lens, family),
+            row_longest(rows, input_lens, target_lens, family))
+
+
+def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
+    """(M,) :class:`AttentionPairs` (with calls and longest segments) of M micro-batches' :data:`RowWork`."""
+    values, calls, longest = (np.array([w[k] for w in work], dtype=np.float64).reshape(-1, n)
+                              for k, n in enumerate((3, 3, 2)))
+    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
+                          (longest[:, 0], longest[:, 1]))
+
+
 def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls) of micro-batches given as rows of sample indices
     (``RowGroup.rows``)."""
-    groups = list(groups)
-    values = np.array([row_pairs(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
-    calls = np.array([row_calls(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
-    longest = np.array([row_longest(rows, input_lens, target_lens, family) for rows in groups], dtype=np.float64)
-    values, calls, longest = values.reshape(-1, 3), calls.reshape(-1, 3), longest.reshape(-1, 2)
-    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
-                          (longest[:, 0], longest[:, 1]))
+    return stacked_pairs([row_work(rows, input_lens, target_lens, family) for rows in groups])
 
 
 def sample_pairs(input_lens, target_lens, family: str) -> np.ndarray:

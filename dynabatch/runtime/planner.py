@@ -434,23 +434,16 @@ def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
     """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of the micro-batches :func:`micro_batches_of` makes
     of ``units``: each sample's own block of every row, one attention call per distinct length; a token
     slice of ``s`` tokens is priced ``s^2`` in one call (its context is the slice cost model's)."""
-    from dynabatch.cost.pairs import AttentionPairs, row_calls, row_longest, row_pairs
+    from dynabatch.cost.pairs import row_work, stacked_pairs
 
-    values, calls, longest = [], [], []
-    lens = (batch.input_lens, batch.target_lens, family)
+    work = []
     for u in units:
         if u.bounds:
-            values += [(float(hi - lo) ** 2, 0.0, 0.0) for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
-            calls += [(1, 1, 1)] * (len(u.bounds) - 1)
-            longest += [(hi - lo, 0) for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
+            work += [((float(hi - lo) ** 2, 0.0, 0.0), (1, 1, 1), (hi - lo, 0))
+                     for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
         else:
-            values.append(row_pairs(u.group.rows, *lens))
-            calls.append(row_calls(u.group.rows, *lens))
-            longest.append(row_longest(u.group.rows, *lens))
-    arr = np.array(values, dtype=np.float64).reshape(-1, 3)
-    n = np.array(calls, dtype=np.float64).reshape(-1, 3)
-    top = np.array(longest, dtype=np.float64).reshape(-1, 2)
-    return AttentionPairs(arr[:, 0], arr[:, 1], arr[:, 2], (n[:, 0], n[:, 1], n[:, 2]), (top[:, 0], top[:, 1]))
+            work.append(row_work(u.group.rows, batch.input_lens, batch.target_lens, family))
+    return stacked_pairs(work)
 
 
 def micro_batches_of(units: list[Unit], collate) -> tuple[list[MicroBatch], tuple[int, ...], list[int]]:
