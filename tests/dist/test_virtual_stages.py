@@ -33,6 +33,10 @@ SCENARIOS = {
                    placed_policy="interleaved_1f1b"),
         H.Scenario("gpt2-interleaved-1f1b", "gpt2", "gpt2-mini", 2, 1, num_steps=1, seed=9, placement="interleaved:2",
                    placed_policy="interleaved_1f1b"),
+        # every chunk boundary inside a block: each device holds MLP halves and attention halves of its chunks
+        H.Scenario("gpt2-interleaved-halves", "gpt2", "gpt2-mini", 2, 1, num_steps=2, max_grad_norm=0.5, seed=11,
+                   placement="interleaved:2", stages=(("embedding", "gpt", "gpt_attn"), ("gpt_mlp", "gpt_attn"),
+                                                      ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head"))),
         # DynaPipe's wait-free cyclic orders, handed over the same way
         H.Scenario("t5-cyclic-wfc", "t5", "t5-tiny", 2, 1, num_steps=1, seed=10, placement="cyclic",
                    placed_policy="wait_free_cyclic"),
@@ -69,6 +73,11 @@ def test_virtual_stages_equal_the_unsplit_model(runs, name):
             torch.testing.assert_close(run["params"][step][n], want, msg=f"step {step} param {n}")
         assert run["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-5)
         assert run["grad_norm"][step] == pytest.approx(ref["grad_norm"][step], rel=1e-5)
+
+
+def test_chunks_cut_inside_blocks_ran_their_halves(runs):
+    assert runs["gpt2-interleaved-halves"]["layout"] == (
+        "embedding+gpt+gpt_attn | gpt_mlp+gpt_attn | gpt_mlp+gpt_attn | gpt_mlp+lm_head")
 
 
 def test_each_device_ran_its_chunks_one_op_at_a_time(runs):
