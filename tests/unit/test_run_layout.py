@@ -97,16 +97,38 @@ def test_data_split_is_no_worse_than_reference_over_the_sampled_micro_batches(to
 
 
 @pytest.mark.parametrize("toy_data", ["t5", "gpt2"], indirect=True)
-def test_auto_placement_keeps_the_shortest_predicted_step(toy_data):
-    from dynabatch.runtime.run_layout import sampled_run_layout
+def test_auto_placement_takes_virtual_stages_only_past_the_margin(toy_data):
+    from dynabatch.runtime.run_layout import VIRTUAL_MARGIN, sampled_run_layout
 
     cfg, model, batcher = _setup(toy_data, placement="auto", calibrate="off")
     chosen = sampled_run_layout(cfg, model, toy_data, batcher)
     virtual = "cyclic" if toy_data.family == "seq2seq" else "interleaved:2"
     assert set(chosen.predicted_step_s) == {"linear", virtual}
     assert all(v > 0 for v in chosen.predicted_step_s.values())
-    assert chosen.placement.describe() == min(chosen.predicted_step_s, key=chosen.predicted_step_s.get)
+    linear = chosen.predicted_step_s["linear"]
+    wins = chosen.predicted_step_s[virtual] < (1 - VIRTUAL_MARGIN) * linear  # virtual stages must beat the margin
+    assert chosen.placement.describe() == (virtual if wins else "linear")
     assert chosen.layout.num_stages == chosen.placement.num_stages
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+@pytest.mark.parametrize("virtual_over_linear,expected", [(0.97, "linear"), (0.90, "interleaved:2")])
+def test_auto_keeps_linear_unless_virtual_stages_are_predicted_faster_by_the_margin(toy_data, virtual_over_linear,
+                                                                                   expected):
+    from types import SimpleNamespace
+
+    from dynabatch.runtime.run_layout import VIRTUAL_MARGIN, choose_run_layout
+
+    assert 1 - virtual_over_linear != VIRTUAL_MARGIN
+    cfg, model, _ = _setup(toy_data, placement="auto", layer_split="reference")
+
+    def preview(own, layout):  # every sampled step predicted at 1 s on linear
+        seconds = 1.0 if own.placement == "linear" else virtual_over_linear
+        return [SimpleNamespace(predicted_makespan_s=seconds)] * 2
+
+    chosen = choose_run_layout(cfg, model, None, preview)
+    assert chosen.placement.describe() == expected
+    assert chosen.predicted_step_s == {"linear": 2.0, "interleaved:2": 2 * virtual_over_linear}
 
 
 @pytest.mark.parametrize("toy_data", ["t5"], indirect=True)
