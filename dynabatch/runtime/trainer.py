@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from dynabatch.config import TrainConfig
 from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
@@ -359,6 +360,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 if cfg.logging_steps and (step + 1) % cfg.logging_steps == 0:
                     logger.info(json.dumps({k: record[k] for k in _SHOWN}))
             if bad_steps >= cfg.max_bad_steps:
+                if ctx.world_size > 1:  # every rank decides alike; wait so rank 0 has written this step's record
+                    dist.barrier(group=ctx.delivery_group)
                 raise TrainingDivergedError(
                     f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
                     f"gradient norm (step {step}: {_non_finite(result)}) and were skipped (--max-bad-steps "
