@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default="dynamic,dynamic_flat,packing_free,packing,padding,token_budget")
     p.add_argument("--analytic", action="store_true", help="also run dynamic planned with the analytic cost model")
     p.add_argument("--skip-profile", action="store_true", help="no profile: dynamic plans with the analytic model")
+    p.add_argument("--lengths", default=None, help="a lengths file (e.g. data/heavy_tail_2048.npz) instead of the built-in mixture")
     p.add_argument("--out", default="runs/gpu_bench", help="output directory")
     return p.parse_args(argv)
 
@@ -88,7 +89,8 @@ def profile(settings: dict, model: str, device: str, out: str) -> tuple[str, dic
     return path, summary
 
 
-def bench_args(settings: dict, model: str, methods: str, cost_profile: str | None, out_json: str) -> argparse.Namespace:
+def bench_args(settings: dict, model: str, methods: str, cost_profile: str | None, out_json: str,
+               lengths: str | None = None) -> argparse.Namespace:
     from dynabatch.commands.bench import add_arguments, resolve_defaults
 
     p = argparse.ArgumentParser()
@@ -101,6 +103,8 @@ def bench_args(settings: dict, model: str, methods: str, cost_profile: str | Non
             "--memory-gib", str(settings["memory_gib"]), "--dtype", settings["dtype"], "--json", out_json]
     if cost_profile:
         argv += ["--cost-profile", cost_profile]
+    if lengths:
+        argv += ["--lengths", lengths]
     args = p.parse_args(argv)
     resolve_defaults(args)
     return args
@@ -132,7 +136,8 @@ def main(argv=None) -> int:
     results = {}
     for label, cost_profile, ms in runs:
         name = "analytic" if label else "main"
-        bargs = bench_args(settings, settings["model"], ",".join(ms), cost_profile, os.path.join(args.out, f"bench_{name}.json"))
+        bargs = bench_args(settings, settings["model"], ",".join(ms), cost_profile, os.path.join(args.out, f"bench_{name}.json"),
+                           args.lengths)
         result = bench(bargs, ms)
         with open(bargs.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
+from dynabatch.models.hf_compat import cache_kwargs
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
@@ -110,7 +111,7 @@ class GPT2Stage(StageModule):
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
-            hidden = run_block(block, hidden, cache=cache, attention_mask=mask, use_cache=False)  # (B, T, d)
+            hidden = run_block(block, hidden, attention_mask=mask, use_cache=False, **cache_kwargs(block, cache))  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)

@@ -189,7 +189,7 @@ class T5Stage(StageModule):
         n = mask.max_len if isinstance(mask, Segments) else hidden.shape[1]  # Segments: the longest sample's window
         bias = relative_position_bias(self.encoder_relative_bias, self.config, n, n, bidirectional=True)  # (1, H, n, n)
         for block in self.encoder_blocks:
-            hidden = run_block(block, hidden, mask, bias, cache=None)[0]  # (B, E, d)
+            hidden = run_block(block, hidden, mask, bias)[0]  # (B, E, d)
         return hidden
 
     def _run_decoder(self, hidden, enc_out, dec_seg, enc_seg, dtype: torch.dtype) -> torch.Tensor:
@@ -208,8 +208,7 @@ class T5Stage(StageModule):
             n = hidden.shape[1]
         bias = relative_position_bias(self.decoder_relative_bias, self.config, n, n, bidirectional=False)  # (1, H, n, n)
         for block in self.decoder_blocks:
-            hidden, _, cross_bias = run_block(block, hidden, self_mask, bias, enc_out, cross_mask, cross_bias,
-                                              cache=None)
+            hidden, _, cross_bias = run_block(block, hidden, self_mask, bias, enc_out, cross_mask, cross_bias)
         return hidden  # (B, D, d)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor) -> StageOutput:

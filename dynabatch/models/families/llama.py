@@ -35,6 +35,7 @@ from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hid
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
+from dynabatch.models.hf_compat import cache_kwargs
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.forward import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
@@ -111,8 +112,8 @@ class LlamaStage(StageModule):
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
-            hidden = run_block(block, hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
-                               use_cache=False, position_embeddings=rotary)  # (B, T, d)
+            hidden = run_block(block, hidden, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                               position_embeddings=rotary, **cache_kwargs(block, cache))  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The prepared device check for a session lent one GPU (about 9 minutes; each part capped, each writes its own
+# log, so a part that fails or overruns loses only itself):
+#   1. scripts/gpu_check_kernels.py: varlen / flex / auto against per-segment SDPA (loss, gradients, time)
+#   2. scripts/gpu_bench.py: t5-small at 2048 on the built-in mixture, profile + check + interleaved bench
+#   3. scripts/gpu_bench.py: gpt2-small at 2048 on the heavy-tailed lengths file (varlen path), analytic plan
+#
+#   bash scripts/gpu_session.sh OUT_DIR
+#
+# The lent machine has torch and transformers but not `datasets`: carry its wheels in .whl/ (README,
+# "On one GPU"); they are installed into /tmp/site when present.
+set -uo pipefail
+out=${1:?usage: gpu_session.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NUMBA_CACHE_DIR=/tmp/numba
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi -L
+python3 -c "import torch, transformers, numba, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__,
+'numba', numba.__version__, 'datasets', datasets.__version__, torch.cuda.get_device_name())"
+
+quiet() { grep -v -E "^(tokenize|map|Map|Generating)|it/s\]|s/it\]"; }  # progress bars stay in the logs only
+
+timeout -k 5 "${KERNELS_S:-100}" python3 scripts/gpu_check_kernels.py --repeats 3 2>&1 | tee "$out/kernels.log" | quiet
+echo "kernels: rc ${PIPESTATUS[0]}"
+timeout -k 5 "${T5_S:-300}" python3 scripts/gpu_bench.py --out "$out/t5" 2>&1 | tee "$out/t5.log" | quiet
+echo "t5 bench: rc ${PIPESTATUS[0]}"
+timeout -k 5 "${GPT_S:-130}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps 6 \
+  --lengths data/heavy_tail_2048.npz --methods dynamic,packing_free,padding,token_budget --out "$out/gpt" 2>&1 \
+  | tee "$out/gpt.log" | quiet
+echo "gpt bench: rc ${PIPESTATUS[0]}"
