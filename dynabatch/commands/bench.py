@@ -467,6 +467,7 @@ def bench(args, methods: list[str]) -> dict | None:
         losses = {m: [] for m in order}
         peaks = {m: 0 for m in order}
         saved = {m: None for m in order}
+        last: dict[str, float] = {}  # each method's latest step time, for the progress line
         for step in range(num_steps):
             k = step % len(order)
             for m in order[k:] + order[:k]:  # rotated order: no method always runs first
@@ -488,6 +489,12 @@ def bench(args, methods: list[str]) -> dict | None:
                 if step >= args.untimed_steps:
                     times[m].append(elapsed)
                 losses[m].append(loss)
+                last[m] = elapsed
+            if ctx.is_planner:  # one line per step on stderr: a long run (a GPU's first compiles) shows progress
+                kind = "timed" if step >= args.untimed_steps else "untimed"
+                print(f"bench step {step + 1}/{num_steps} ({kind}): "
+                      + ", ".join(f"{m} {last[m]:.3f} s" for m in order),
+                      file=sys.stderr, flush=True)
         gathered: list = [None] * ctx.world_size
         dist.all_gather_object(gathered, (peaks, saved), group=ctx.delivery_group)
         if not ctx.is_planner:

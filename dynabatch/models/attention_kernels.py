@@ -32,6 +32,7 @@ calls each kernel served, and the trainer writes the per-step counts to ``metric
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections import Counter
@@ -131,6 +132,21 @@ def _packed_layout(segments: "Segments", device) -> dict:
     return segments.masks[key]
 
 
+def _varlen_options(causal: bool) -> tuple[dict, bool]:
+    """``varlen_attn``'s causal keyword for the installed torch, and whether it takes ``enable_gqa``: 2.12+
+    takes ``window_size`` (causal = ``(-1, 0)``, aligned bottom-right as FlashAttention aligns it, so a token
+    slice's queries see their whole context) and ``enable_gqa``; 2.10-2.11 take ``is_causal`` (the same
+    alignment) and no GQA flag (the caller then repeats key/value heads)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        options = {"window_size": (-1, 0) if causal else (-1, -1)}
+    else:
+        options = {"is_causal": causal}
+    return options, "enable_gqa" in params
+
+
 def _run_varlen(query, key, value, segments, scale, bias) -> torch.Tensor:
     """Every sample's real tokens packed, one FlashAttention varlen call, outputs scattered back (zero on pad)."""
     from torch.nn.attention.varlen import varlen_attn
@@ -142,9 +158,14 @@ def _run_varlen(query, key, value, segments, scale, bias) -> torch.Tensor:
         return x.transpose(1, 2).reshape(-1, x.shape[1], head_dim).index_select(0, index)
 
     q, k, v = pack(query, layout["q_index"]), pack(key, layout["k_index"]), pack(value, layout["k_index"])
-    window = (-1, 0) if segments.kind == "causal" else (-1, -1)
+    options, takes_gqa = _varlen_options(segments.kind == "causal")
+    groups = h // key.shape[1]
+    if groups > 1 and takes_gqa:
+        options["enable_gqa"] = True
+    elif groups > 1:  # an older torch: one key/value head per query head
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     o = varlen_attn(q, k, v, layout["cu_q"], layout["cu_k"], layout["max_q"], layout["max_k"], scale=scale,
-                    window_size=window, enable_gqa=query.shape[1] != key.shape[1])  # (tokens, H, Dh)
+                    **options)  # (tokens, H, Dh)
     out = o.new_zeros(b * q_len, h, head_dim).index_copy(0, layout["q_index"], o)
     return out.view(b, q_len, h, head_dim)
 
@@ -186,6 +207,11 @@ def _flex_fn(device):
     if device.type != "cuda":
         return flex_attention
     if _COMPILED_FLEX is None:
+        import torch._dynamo
+
+        # every micro-batch shape and score_mod (T5's bias or none) may cost a recompile; dynamo's default
+        # limit of 8 then falls back to eager flex, which materialises every score
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
     return _COMPILED_FLEX
 
@@ -203,8 +229,9 @@ def _run_flex(query, key, value, segments, scale, bias) -> torch.Tensor:
             return allowed & (k_pos[b, k] <= q_pos[b, q]) if causal else allowed
 
         ids["block_mask"] = create_block_mask(same_sample, segments.num_rows, None, segments.query_len,
-                                              segments.key_len, device=query.device,
-                                              _compile=query.is_cuda)
+                                              segments.key_len, device=query.device)
+        # eager: a compiled create_block_mask specialises on the id tensors' sizes and recompiles for every
+        # micro-batch shape (seen on the H200: dynamo's recompile limit after 8 shapes)
     score_mod = None
     if bias is not None and segments.kind != "cross":
         offsets = toeplitz_offsets(bias)  # (H, 2L - 1)

@@ -97,11 +97,18 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_s
     return torch.cat(out)
 
 
+def _reference_varlen_torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
+    """torch 2.10-2.11's signature (the lent H200 runs 2.11): ``is_causal``, no ``window_size``, no GQA."""
+    assert q.shape[1] == k.shape[1], "this varlen_attn takes as many key/value heads as query heads"
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0) if is_causal else (-1, -1))
+
+
+@pytest.mark.parametrize("signature", [_reference_varlen, _reference_varlen_torch_2_11], ids=["torch2.12+", "torch2.11"])
 @pytest.mark.parametrize("gqa", [False, True])
-def test_varlen_packing_scatters_every_sample_back(monkeypatch, gqa):
+def test_varlen_packing_scatters_every_sample_back(monkeypatch, gqa, signature):
     import torch.nn.attention.varlen as varlen
 
-    monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen)
+    monkeypatch.setattr(varlen, "varlen_attn", signature)
     for kind, seg, k_len in _layouts():
         q, k, v = _qkv(3, 4, seg.query_len, k_len, kv_heads=2 if gqa else None)
         q.requires_grad_(True)
