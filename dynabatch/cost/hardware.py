@@ -105,3 +105,38 @@ def hardware_spec(name: str) -> HardwareSpec:
     if name not in HARDWARE_PRESETS:
         raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE_PRESETS)}")
     return HARDWARE_PRESETS[name]
+
+
+GPU_NAME_PRESETS: tuple[tuple[str, str, int], ...] = (
+    ("H200", "h200", 0),
+    ("H100", "h100-80gb", 0),
+    ("A100", "a100-80gb", 60 * 2**30),
+    ("A100", "a100-40gb", 0),
+)
+"""``(name contains, preset, at least this much memory)``, first match wins: which preset prices a CUDA device."""
+
+
+def gpu_preset(device_name: str, memory_bytes: int) -> HardwareSpec:
+    """The preset of a CUDA device by its name (``torch.cuda.get_device_name``) and memory; a GPU no entry
+    of :data:`GPU_NAME_PRESETS` names gets the ``h100-80gb`` preset with its own memory size (a rough
+    stand-in that online calibration corrects)."""
+    from dataclasses import replace
+
+    for part, preset, min_memory in GPU_NAME_PRESETS:
+        if part.lower() in device_name.lower() and memory_bytes >= min_memory:
+            return replace(HARDWARE_PRESETS[preset], memory_bytes=memory_bytes)
+    return replace(HARDWARE_PRESETS["h100-80gb"], name=f"h100-80gb-like ({device_name})", memory_bytes=memory_bytes)
+
+
+def device_hardware(device_type: str) -> HardwareSpec:
+    """The analytic preset for the device a run trains on: ``cpu`` for CPU runs, else the first CUDA
+    device's (:func:`gpu_preset`). Planning a GPU run with the ``cpu`` preset makes one-sample
+    micro-batches look cheapest (a CPU core's per-kernel cost is small next to its compute); on an H200
+    that plan ran 20x slower than padding-free packing (README, "On one GPU")."""
+    if device_type != "cuda":
+        return HARDWARE_PRESETS["cpu"]
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return gpu_preset(props.name, int(props.total_memory))
+

@@ -40,7 +40,12 @@ all see the same reduced totals) and :attr:`StepResult.skipped` says so. Gradien
 start of the next step (so tests and logging can read a step's reduced, clipped gradients).
 
 Precision (:mod:`dynabatch.runtime.precision`): forwards run under ``torch.autocast`` of ``autocast_dtype``
-(the trainer passes ``--dtype``'s; the default ``auto`` is bf16 on CUDA, none on CPU); activations travel in the
+(the trainer passes ``--dtype``'s; the default ``auto`` is bf16 on CUDA, none on CPU). The whole step runs inside
+one outer, disabled autocast region, so autocast's cast cache lives for the step: every micro-batch's forward
+shares one half-precision copy of each weight. With autocast entered per forward only, each forward re-cast
+the weights and each micro-batch in flight kept its own copy saved for backward (GPT-2 small on the H200: 85
+micro-batches of one step held about 20 GB of them; ``tests/unit/test_executor_autocast.py``). Backward runs
+with autocast disabled, as before. Activations travel in the
 plan's dtype and gradients are cast back to the dtype of the tensor they belong to. Under fp16 the last stage
 backpropagates the loss times :class:`~dynabatch.runtime.precision.LossScaler`'s scale; ``STEP`` divides the
 world-reduced norm by it and unscales the gradients with the clipping factor, and an overflow (a finite loss
@@ -246,7 +251,8 @@ class Executor:
             meter = SavedActivationMeter(exclude=self.params)
         was_training = self.stage.training
         try:
-            with meter if meter is not None else contextlib.nullcontext(), torch.set_grad_enabled(not evaluating):
+            with meter if meter is not None else contextlib.nullcontext(), torch.set_grad_enabled(not evaluating), \
+                    self._step_autocast():
                 self._train_mode(was_training and not evaluating)
                 self._run_instructions(plan, timeline, clock)
             if self.pending or self.states or self.contexts or self.kv_grads:
@@ -372,6 +378,13 @@ class Executor:
         if st is None:
             st = self.states[key] = _MicroBatchState()
         return st
+
+    def _step_autocast(self):
+        """The step's outer autocast region: disabled (backward and the rest run as without it), but while it is
+        open autocast keeps its weight casts, so the per-forward regions nested in it share them (module docstring)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype, enabled=False)
 
     def _forward_context(self, stage: int, m: int):
         stack = contextlib.ExitStack()

@@ -116,7 +116,8 @@ def check_profile_config(profile_config: dict, model_config: dict, path: str = "
 
 def planner_cost_model(cfg: TrainConfig, model_config, layout):
     """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
-    must match ``model_config``), else the analytic model with the rough ``cpu`` preset. Activation
+    must match ``model_config``), else the analytic model with the preset of the run's device (the rough
+    ``cpu`` one on CPU, the GPU's on CUDA: :func:`~dynabatch.cost.hardware.device_hardware`). Activation
     recomputation as ``cfg.recompute`` says (``auto``: the dynamic planner's, :func:`~dynabatch.cost.recompute.policy_for`);
     profiled tables do not price it, so with one ``auto`` is ``none`` (an explicit ``selective`` / ``full`` is
     refused with one line)."""
@@ -133,13 +134,13 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         recompute = "none" if cfg.recompute == "auto" else cfg.recompute
     else:
         from dynabatch.cost.analytic import AnalyticCostModel
-        from dynabatch.cost.hardware import hardware_spec
+        from dynabatch.cost.hardware import device_hardware
         from dynabatch.models.families import analytic_spec
-
+        from dynabatch.runtime.dist import device_type
         from dynabatch.runtime.precision import DTYPE_BYTES
 
-        layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[cfg.dtype]), hardware_spec("cpu"),
-                                        dropout=cfg.dropout > 0)
+        layer_model = AnalyticCostModel(analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[cfg.dtype]),
+                                        device_hardware(device_type(cfg.device)), dropout=cfg.dropout > 0)
         recompute = policy_for(cfg.method, cfg.recompute)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
 

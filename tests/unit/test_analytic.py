@@ -326,3 +326,19 @@ def test_t5_context_cost_bias_is_per_micro_batch_not_per_sample():
     off = AnalyticCostModel(model_spec("t5-base"), hardware_spec("cpu"), context_costs=False)
     on = model.stage_cost(["t5_encoder"], 2, 1024, None).fwd_time_s
     assert off.stage_cost(["t5_encoder"], 2, 1024, None).fwd_time_s == pytest.approx(on - model.context_cost(["t5_encoder"], 2, 1024, None)[0])
+
+
+def test_a_cuda_run_is_priced_with_its_gpus_preset_and_a_cpu_run_with_cpu():
+    """Planning the H200 run with the ``cpu`` preset made one-sample micro-batches look cheapest (0.05x
+    packing_free measured); a CUDA device now gets its own preset, matched by name, with its memory."""
+    from dynabatch.cost.hardware import HARDWARE_PRESETS, device_hardware, gpu_preset
+
+    gib = 2**30
+    assert gpu_preset("NVIDIA H200", 140 * gib).name == "h200"
+    assert gpu_preset("NVIDIA H100 80GB HBM3", 79 * gib).name == "h100-80gb"
+    assert gpu_preset("NVIDIA A100-SXM4-80GB", 79 * gib).name == "a100-80gb"
+    assert gpu_preset("NVIDIA A100-SXM4-40GB", 39 * gib).name == "a100-40gb"
+    other = gpu_preset("NVIDIA L4", 22 * gib)
+    assert other.memory_bytes == 22 * gib and other.peak_flops == HARDWARE_PRESETS["h100-80gb"].peak_flops
+    assert "NVIDIA L4" in other.name
+    assert device_hardware("cpu") == HARDWARE_PRESETS["cpu"]

@@ -1,0 +1,66 @@
+"""The executor's autocast (bf16 over fp32 master weights): one half-precision copy of the weights per step,
+shared by every micro-batch, not one per micro-batch in flight.
+
+On the H200 (twenty-first session) GPT-2 small's dynamic plan of ~85 micro-batches under a GPipe order
+measured about 30 GB more saved activations than predicted: each forward, entering autocast on its own,
+re-cast every weight, and each micro-batch's graph kept its own bf16 copy until its backward. The step now
+runs inside one outer (disabled) autocast region, which keeps autocast's cast cache alive for the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import torch
+
+from dynabatch.data.collate import collate_causal
+from dynabatch.data.sample import TokenizedSample
+from dynabatch.models.presets import PAD_ID, build_model
+from dynabatch.models.split import build_stages, layout_for, pipeline_spec_for
+
+
+def _micro_batches(n: int):
+    rng = np.random.default_rng(0)
+    samples = [TokenizedSample("t", rng.integers(3, 300, 12).astype(np.int32), rng.integers(3, 300, 3).astype(np.int32))
+               for _ in range(n)]
+    return [collate_causal(samples, [[i]], pad_id=PAD_ID) for i in range(n)]
+
+
+def _block_weight_bytes_bf16(stage) -> int:
+    """bf16 bytes of the blocks' matmul weights: a lower bound of what one forward's casts hold."""
+    return sum(p.numel() * 2 for n, p in stage.named_parameters() if p.dim() == 2 and ("attn" in n or "mlp" in n))
+
+
+def test_micro_batches_in_flight_share_one_bf16_copy_of_the_weights(tmp_path, monkeypatch):
+    from dynabatch.runtime.dist import init_distributed, shutdown
+    from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.step import micro_batch_shape, plan_step, step_payloads
+
+    ctx = init_distributed(1, 1, rank=0, world_size=1, init_method=f"file://{tmp_path}/init", timeout_s=30)
+    try:
+        model = build_model("gpt2-tiny", vocab_size=320, dropout=0.0, seed=0)
+        layout = layout_for(model, 1)
+        stage, spec = build_stages(model, layout)[0], pipeline_spec_for(model, layout)
+        ex = Executor(stage, ctx, torch.optim.SGD(stage.parameters(), lr=0.0), measure_memory=True,
+                      autocast_dtype=torch.bfloat16)
+        mbs = _micro_batches(6)
+        plan = plan_step([[micro_batch_shape(mb) for mb in mbs]], spec, policy="gpipe")[0]  # every forward first
+        inputs = step_payloads({0: plan}, [mbs], spec)[0]
+
+        def run():
+            step = ex.run(dataclasses.replace(inputs))
+            return step.saved_peak_bytes, {n: p.grad.clone() for n, p in stage.named_parameters()}, step.loss
+
+        shared_peak, shared_grads, shared_loss = run()
+        monkeypatch.setattr(Executor, "_step_autocast", lambda self: contextlib.nullcontext())
+        own_peak, own_grads, own_loss = run()  # as before: autocast entered per forward only
+    finally:
+        shutdown()
+    assert shared_loss == own_loss
+    for n, g in own_grads.items():
+        torch.testing.assert_close(shared_grads[n], g, rtol=0, atol=0, msg=n)
+    copies = _block_weight_bytes_bf16(stage)
+    # per-forward autocast: six micro-batches in flight hold six copies; shared: one
+    assert own_peak - shared_peak >= 0.9 * 5 * copies, (own_peak, shared_peak, copies)
