@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The prepared device check for a session lent one GPU (about 9 minutes; each part capped, each writes its own
-# log, so a part that fails or overruns loses only itself):
+# The prepared device check for a session lent one GPU (at most about 8.5 minutes; each part capped, each writes
+# its own log, so a part that fails or overruns loses only itself):
 #   1. scripts/gpu_check_kernels.py: varlen / flex / auto against per-segment SDPA (loss, gradients, time)
-#   2. scripts/gpu_bench.py: t5-small at 2048 on the built-in mixture, profile + check + interleaved bench
-#   3. scripts/gpu_bench.py: gpt2-small at 2048 on the heavy-tailed lengths file (varlen path), analytic plan
+#   2. scripts/gpu_bench.py: gpt2-small at 2048 on the heavy-tailed lengths file (varlen path), analytic plan
+#   3. scripts/gpu_bench.py: t5-small at 2048 on the built-in mixture, profile + check + interleaved bench
 #
 #   bash scripts/gpu_session.sh OUT_DIR
 #
@@ -25,21 +25,26 @@ python3 -c "import torch, transformers, numba, datasets; print('torch', torch.__
 # progress bars (\r-separated) stay in the logs only
 quiet() { tr '\r' '\n' | grep -v -E "examples/s|it/s\]|s/it\]|examples \[|^ *$"; }
 
-# Each part is skipped when its time limit is 0. The first session with the device (twenty-first) ran the
-# defaults and timed out in both benches (T5: flex recompiles; GPT: varlen's keywords), so the second call
-# ran KERNELS_S=90 KERNEL_FAMILIES=gpt2,t5 T5_S=0 GPT_S=170 GPT_TOKENS=65536 GPT_STEPS=4.
-if [ "${KERNELS_S:-100}" != 0 ]; then
-  timeout -k 5 "${KERNELS_S:-100}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-gpt2,llama,t5}" \
+# Each part is skipped when its time limit is 0. The defaults are sized from the twenty-first session's two
+# calls (README, "On one GPU"): its first call (T5 at 131,072 tokens, GPT-2 at 6 steps) timed out in both
+# benches; its second ran KERNELS_S=90 KERNEL_FAMILIES=gpt2,t5 T5_S=0 GPT_S=170 GPT_TOKENS=65536 GPT_STEPS=4
+# GPT_METHODS=dynamic,packing_free,token_budget, and the GPT part took 101 s.
+# Next to measure: dynamic with the GPU preset (now the default on CUDA) against dynamic_packed
+# (--pack-rows auto, simulated 1.09x packing_free with the h200 preset) and packing_free.
+if [ "${KERNELS_S:-90}" != 0 ]; then
+  timeout -k 5 "${KERNELS_S:-90}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-gpt2,llama,t5}" \
     2>&1 | tee "$out/kernels.log" | quiet
   echo "kernels: rc ${PIPESTATUS[0]}"
 fi
-if [ "${T5_S:-300}" != 0 ]; then
-  timeout -k 5 "${T5_S:-300}" python3 scripts/gpu_bench.py --out "$out/t5" 2>&1 | tee "$out/t5.log" | quiet
-  echo "t5 bench: rc ${PIPESTATUS[0]}"
-fi
-if [ "${GPT_S:-130}" != 0 ]; then
-  timeout -k 5 "${GPT_S:-130}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps "${GPT_STEPS:-6}" \
-    --global-batch-tokens "${GPT_TOKENS:-131072}" --lengths data/heavy_tail_2048.npz \
-    --methods "${GPT_METHODS:-dynamic,packing_free,padding,token_budget}" --out "$out/gpt" 2>&1 | tee "$out/gpt.log" | quiet
+if [ "${GPT_S:-170}" != 0 ]; then
+  timeout -k 5 "${GPT_S:-170}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps "${GPT_STEPS:-4}" \
+    --global-batch-tokens "${GPT_TOKENS:-65536}" --lengths data/heavy_tail_2048.npz \
+    --methods "${GPT_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/gpt" 2>&1 \
+    | tee "$out/gpt.log" | quiet
   echo "gpt bench: rc ${PIPESTATUS[0]}"
+fi
+if [ "${T5_S:-240}" != 0 ]; then
+  timeout -k 5 "${T5_S:-240}" python3 scripts/gpu_bench.py --steps "${T5_STEPS:-4}" --global-batch-tokens "${T5_TOKENS:-65536}" \
+    --methods "${T5_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/t5" 2>&1 | tee "$out/t5.log" | quiet
+  echo "t5 bench: rc ${PIPESTATUS[0]}"
 fi
