@@ -78,7 +78,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--families", default="gpt2,llama,t5")
+    p.add_argument("--families", default="t5,llama,gpt2", help="in this order (the first GPU run covered gpt2 only: "
+                   "every new flex shape compiles, about 10 s each)")
+    p.add_argument("--dtypes", default=None, help="CUDA: bf16,fp32 (default); CPU: fp32")
     args = p.parse_args(argv)
 
     import numpy as np
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     kernels = ("sdpa", "varlen", "flex", "auto") if cuda else ("sdpa", "flex")
-    dtypes = ("bf16", "fp32") if cuda else ("fp32",)
+    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else (("bf16", "fp32") if cuda else ("fp32",))
     results = []
     for family in args.families.split(","):
         model = MODELS[family]()

@@ -32,7 +32,8 @@ quiet() { tr '\r' '\n' | grep -v -E "examples/s|it/s\]|s/it\]|examples \[|^ *$";
 # Next to measure: dynamic with the GPU preset (now the default on CUDA) against dynamic_packed
 # (--pack-rows auto, simulated 1.09x packing_free with the h200 preset) and packing_free.
 if [ "${KERNELS_S:-90}" != 0 ]; then
-  timeout -k 5 "${KERNELS_S:-90}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-gpt2,llama,t5}" \
+  timeout -k 5 "${KERNELS_S:-90}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-t5,llama}" \
+    --dtypes "${KERNEL_DTYPES:-bf16}" \
     2>&1 | tee "$out/kernels.log" | quiet
   echo "kernels: rc ${PIPESTATUS[0]}"
 fi
