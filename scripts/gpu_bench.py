@@ -62,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--analytic", action="store_true", help="also run dynamic planned with the analytic cost model")
     p.add_argument("--skip-profile", action="store_true", help="no profile: dynamic plans with the analytic model")
     p.add_argument("--lengths", default=None, help="a lengths file (e.g. data/heavy_tail_2048.npz) instead of the built-in mixture")
+    p.add_argument("--memory-gib", type=float, default=None, help="the memory limit every method plans within (default 60; "
+                   "a binding one, with --tune-baselines, is issue 16's regime)")
+    for knob in ("token_budget_tokens", "packing_rows", "packing_free_rows", "samples_per_micro_batch"):
+        p.add_argument("--" + knob.replace("_", "-"), type=int, default=None, help="a baseline's knob (default: the settings')")
+    p.add_argument("--tune-baselines", action="store_true", help="also time each baseline at its best knob value that fits "
+                   "--memory-gib (one step per value)")
     p.add_argument("--out", default="runs/gpu_bench", help="output directory")
     return p.parse_args(argv)
 
@@ -90,7 +96,7 @@ def profile(settings: dict, model: str, device: str, out: str) -> tuple[str, dic
 
 
 def bench_args(settings: dict, model: str, methods: str, cost_profile: str | None, out_json: str,
-               lengths: str | None = None) -> argparse.Namespace:
+               lengths: str | None = None, tune: bool = False) -> argparse.Namespace:
     from dynabatch.commands.bench import add_arguments, resolve_defaults
 
     p = argparse.ArgumentParser()
@@ -105,6 +111,8 @@ def bench_args(settings: dict, model: str, methods: str, cost_profile: str | Non
         argv += ["--cost-profile", cost_profile]
     if lengths:
         argv += ["--lengths", lengths]
+    if tune:
+        argv += ["--tune-baselines", "--tune-steps", "1"]
     args = p.parse_args(argv)
     resolve_defaults(args)
     return args
@@ -113,7 +121,8 @@ def bench_args(settings: dict, model: str, methods: str, cost_profile: str | Non
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = dict(QUICK if args.quick else FULL)
-    for key in ("model", "max_input_len", "global_batch_tokens", "steps"):
+    for key in ("model", "max_input_len", "global_batch_tokens", "steps", "memory_gib", "token_budget_tokens",
+                "packing_rows", "packing_free_rows", "samples_per_micro_batch"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     if args.device.startswith("cuda"):
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
     for label, cost_profile, ms in runs:
         name = "analytic" if label else "main"
         bargs = bench_args(settings, settings["model"], ",".join(ms), cost_profile, os.path.join(args.out, f"bench_{name}.json"),
-                           args.lengths)
+                           args.lengths, args.tune_baselines and name == "main")
         result = bench(bargs, ms)
         with open(bargs.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The prepared device check for a session lent one GPU (at most about 8.5 minutes; each part capped, each writes
-# its own log, so a part that fails or overruns loses only itself):
+# The prepared device check for a session lent one GPU (at most about 9.5 minutes: run it with timeout_s 590;
+# each part capped, each writes its own log, so a part that fails or overruns loses only itself):
 #   1. scripts/gpu_check_kernels.py: varlen / flex / auto against per-segment SDPA (loss, gradients, time)
 #   2. scripts/gpu_bench.py: gpt2-small at 2048 on the heavy-tailed lengths file (varlen path), analytic plan
-#   3. scripts/gpu_bench.py: t5-small at 2048 on the built-in mixture, profile + check + interleaved bench
+#   3. the same under a binding --memory-gib with tuned baselines (issue 16's regime)
+#   4. scripts/gpu_bench.py: t5-small at 2048 on the built-in mixture, profile + check + interleaved bench
+# The device tool returns at most 8 files: the parts' 4 logs, the gpt/mem/t5 bench JSONs and t5's profile.json
+# (so do not also tee the session's output into OUT_DIR; the tool's output_tail has its end).
 #
 #   bash scripts/gpu_session.sh OUT_DIR
 #
@@ -31,21 +34,30 @@ quiet() { tr '\r' '\n' | grep -v -E "examples/s|it/s\]|s/it\]|examples \[|^ *$";
 # GPT_METHODS=dynamic,packing_free,token_budget, and the GPT part took 101 s.
 # Next to measure: dynamic with the GPU preset (now the default on CUDA) against dynamic_packed
 # (--pack-rows auto, simulated 1.09x packing_free with the h200 preset) and packing_free.
-if [ "${KERNELS_S:-90}" != 0 ]; then
-  timeout -k 5 "${KERNELS_S:-90}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-t5,llama}" \
+if [ "${KERNELS_S:-60}" != 0 ]; then
+  timeout -k 5 "${KERNELS_S:-60}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-t5,llama}" \
     --dtypes "${KERNEL_DTYPES:-bf16}" \
     2>&1 | tee "$out/kernels.log" | quiet
   echo "kernels: rc ${PIPESTATUS[0]}"
 fi
-if [ "${GPT_S:-170}" != 0 ]; then
-  timeout -k 5 "${GPT_S:-170}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps "${GPT_STEPS:-4}" \
+if [ "${GPT_S:-150}" != 0 ]; then
+  timeout -k 5 "${GPT_S:-150}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps "${GPT_STEPS:-4}" \
     --global-batch-tokens "${GPT_TOKENS:-65536}" --lengths data/heavy_tail_2048.npz \
     --methods "${GPT_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/gpt" 2>&1 \
     | tee "$out/gpt.log" | quiet
   echo "gpt bench: rc ${PIPESTATUS[0]}"
 fi
-if [ "${T5_S:-240}" != 0 ]; then
-  timeout -k 5 "${T5_S:-240}" python3 scripts/gpu_bench.py --steps "${T5_STEPS:-4}" --global-batch-tokens "${T5_TOKENS:-65536}" \
+if [ "${MEM_S:-150}" != 0 ]; then  # issue 16: a binding memory limit; every baseline at its best knob that fits
+  timeout -k 5 "${MEM_S:-150}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps "${MEM_STEPS:-3}" \
+    --global-batch-tokens 65536 --lengths data/heavy_tail_2048.npz --memory-gib "${MEM_GIB:-8}" --tune-baselines \
+    --token-budget-tokens 4096 --packing-free-rows 2 --samples-per-micro-batch 2 \
+    --methods "${MEM_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/mem" 2>&1 \
+    | tee "$out/mem.log" | quiet
+  echo "memory-bound bench: rc ${PIPESTATUS[0]}"
+fi
+if [ "${T5_S:-180}" != 0 ]; then
+  timeout -k 5 "${T5_S:-180}" python3 scripts/gpu_bench.py --steps "${T5_STEPS:-4}" --global-batch-tokens "${T5_TOKENS:-65536}" \
     --methods "${T5_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/t5" 2>&1 | tee "$out/t5.log" | quiet
   echo "t5 bench: rc ${PIPESTATUS[0]}"
+  rm -f "$out/t5/profile_check.json"  # its table is in t5.log; the device tool returns at most 8 files
 fi
