@@ -133,9 +133,10 @@ def device_hardware(device_type: str) -> HardwareSpec:
     device's (:func:`gpu_preset`). Planning a GPU run with the ``cpu`` preset makes one-sample
     micro-batches look cheapest (a CPU core's per-kernel cost is small next to its compute); on an H200
     that plan ran 20x slower than padding-free packing (README, "On one GPU")."""
-    if device_type != "cuda":
-        return HARDWARE_PRESETS["cpu"]
     import torch
+
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return HARDWARE_PRESETS["cpu"]
 
     props = torch.cuda.get_device_properties(0)
     return gpu_preset(props.name, int(props.total_memory))
