@@ -32,8 +32,10 @@ quiet() { tr '\r' '\n' | grep -v -E "examples/s|it/s\]|s/it\]|examples \[|^ *$";
 # calls (README, "On one GPU"): its first call (T5 at 131,072 tokens, GPT-2 at 6 steps) timed out in both
 # benches; its second ran KERNELS_S=90 KERNEL_FAMILIES=gpt2,t5 T5_S=0 GPT_S=170 GPT_TOKENS=65536 GPT_STEPS=4
 # GPT_METHODS=dynamic,packing_free,token_budget, and the GPT part took 101 s.
-# Next to measure: dynamic with the GPU preset (now the default on CUDA) against dynamic_packed
-# (--pack-rows auto, simulated 1.09x packing_free with the h200 preset) and packing_free.
+# Next to measure: dynamic with the GPU preset (now the default on CUDA) against dynamic planned with the
+# online fit (dynamic_plan_calibrated: decoder-only models plan with the base preset by default, which ignores
+# the measured per-micro-batch cost), dynamic_packed (--pack-rows auto, simulated 1.09x packing_free with the
+# h200 preset) and packing_free.
 if [ "${KERNELS_S:-60}" != 0 ]; then
   timeout -k 5 "${KERNELS_S:-60}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-t5,llama}" \
     --dtypes "${KERNEL_DTYPES:-bf16}" \
@@ -43,7 +45,7 @@ fi
 if [ "${GPT_S:-150}" != 0 ]; then
   timeout -k 5 "${GPT_S:-150}" python3 scripts/gpu_bench.py --model gpt2-small --skip-profile --steps "${GPT_STEPS:-4}" \
     --global-batch-tokens "${GPT_TOKENS:-65536}" --lengths data/heavy_tail_2048.npz \
-    --methods "${GPT_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/gpt" 2>&1 \
+    --methods "${GPT_METHODS:-dynamic,dynamic_plan_calibrated,dynamic_packed,packing_free,token_budget}" --out "$out/gpt" 2>&1 \
     | tee "$out/gpt.log" | quiet
   echo "gpt bench: rc ${PIPESTATUS[0]}"
 fi
