@@ -137,7 +137,5 @@ def device_hardware(device_type: str) -> HardwareSpec:
 
     if device_type != "cuda" or not torch.cuda.is_available():
         return HARDWARE_PRESETS["cpu"]
-
     props = torch.cuda.get_device_properties(0)
     return gpu_preset(props.name, int(props.total_memory))
-

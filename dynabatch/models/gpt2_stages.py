@@ -111,7 +111,8 @@ class GPT2Stage(StageModule):
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
         for block in self.blocks:
-            hidden = run_block(block, hidden, attention_mask=mask, use_cache=False, **cache_kwargs(block, cache))  # (B, T, d)
+            hidden = run_block(block, hidden, attention_mask=mask, use_cache=False,
+                               **cache_kwargs(block, cache))  # (B, T, d)
         record = cache.record(segment_ids) if cache is not None else None
         if not self.has_head:
             return StageOutput(sends={"hidden": hidden}, slice_record=record)

@@ -1,6 +1,6 @@
 """Keyword names that changed within transformers 5.x, resolved against the installed version.
 
-transformers 5.2x renamed a block's KV-cache argument from ``past_key_values`` to ``cache`` (GPT-2,
+A block's KV-cache argument is ``past_key_values`` in transformers 5.17 and ``cache`` in 5.24 (GPT-2,
 Llama, T5 blocks). Our token slices hand a :class:`~dynabatch.models.slice_kv.SliceCache` to every
 attention block through that argument, so the name must be the installed version's: a misspelt keyword
 lands in ``**kwargs`` and is silently ignored. GPU images often lag the newest release (the lent H200

@@ -57,8 +57,8 @@ def gpt2_layers(name: str, model, device, dtype) -> ModelLayers:
         return torch.arange(n, device=device).unsqueeze(0)
 
     def mask_for(hidden, b, n):
-        return create_causal_mask(cfg, hidden, padding_mask(b, n, device), None,  # no cache (positional:
-                                  position_ids=positions(n))  # its name changed within transformers 5)
+        # no cache, passed positionally: its keyword is past_key_values in transformers 5.17, cache in 5.24
+        return create_causal_mask(cfg, hidden, padding_mask(b, n, device), None, position_ids=positions(n))
 
     def embedding(b, e, _d):
         ids, pos = token_ids(b, e, vocab, device), positions(e)

@@ -67,8 +67,8 @@ def t5_layers(name: str, model, device, dtype) -> ModelLayers:
         return mask, enc_bias.compute_bias(e, e, device=device)
 
     def dec_context(x, enc_states, b, e, n):
-        self_mask = create_causal_mask(dec.config, x, padding_mask(b, n, device), None)  # cache positional: named
-        # past_key_values before transformers 5.2x, cache after
+        # no cache, passed positionally: its keyword is past_key_values in transformers 5.17, cache in 5.24
+        self_mask = create_causal_mask(dec.config, x, padding_mask(b, n, device), None)
         cross_mask = create_bidirectional_mask(config=dec.config, inputs_embeds=x,
                                                attention_mask=padding_mask(b, e, device),
                                                encoder_hidden_states=enc_states)
