@@ -145,6 +145,12 @@ def _prediction_error(run, times, warmup: int) -> float | None:
     return float(np.median(np.abs(predicted - times) / times))
 
 
+def _planner_preset(cost_model) -> str | None:
+    """The analytic hardware preset the planner's base model prices with; ``None`` for a --cost-profile's tables."""
+    hardware = getattr(getattr(cost_model, "model", None), "hardware", None)
+    return hardware.name if hardware is not None else None
+
+
 def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, batches, device,
              measured_saved=None, calibrated=(), stage_compute=None, flags=()) -> dict:
     import platform
@@ -213,7 +219,8 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
     return {
         "config": {k: getattr(args, k) for k in flags if k != "json"},
         "machine": {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "platform": platform.platform(), "processor": platform.processor()},
+                    "platform": platform.platform(), "processor": platform.processor(),
+                    "planner_preset": _planner_preset(cost_model)},
         "global_batches": len(batches),
         "samples_per_step": float(np.mean([len(b) for b in batches])),
         "real_tokens_per_step": float(np.mean([b.num_tokens for b in batches])),

@@ -62,6 +62,7 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
         result = json.load(f)
     assert set(result["methods"]) == {"dynamic", "packing", "padding", "pipelining"}
     assert result["best_baseline"] in ("packing", "padding")  # the external peer is not a baseline
+    assert result["machine"]["planner_preset"] == "cpu"  # a CPU run plans with the cpu preset (CUDA: its GPU's)
     for row in result["methods"].values():
         for field in FIELDS:
             assert field in row, field
