@@ -47,3 +47,24 @@ def test_gpu_bench_cpu_quick_smoke(tmp_path, capsys, monkeypatch):
     assert tables.meta["config"]["model_type"] == "t5"
     with open(os.path.join(out, "profile_check.json")) as f:
         assert json.load(f)["model"]["n"] >= 1
+
+
+def test_simulate_profile_prices_every_method_with_the_measured_h200_tables(tmp_path):
+    """scripts/simulate_profile.py on the t5-small profile measured on the H200: plans, schedules and simulates
+    with the profile (no analytic model), sends priced by the h200 preset's links."""
+    spec = importlib.util.spec_from_file_location("simulate_profile", os.path.join(ROOT, "scripts", "simulate_profile.py"))
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    out = str(tmp_path / "sim.json")
+    profile = os.path.join(ROOT, "docs", "results", "gpu_h200_session21", "t5_small_h200_profile.json")
+    assert sim.main(["--profile", profile, "--stages", "1,2", "--num-batches", "1", "--methods", "dynamic,packing_free",
+                     "--pack-rows", "auto", "--json", out]) == 0
+    with open(out) as f:
+        result = json.load(f)
+    assert result["device"]["name"] == "NVIDIA H200"
+    for stages in ("1", "2"):
+        rows = result["stages"][stages]["methods"]
+        assert all(r["tokens_per_s"] > 0 and r["fits"] for r in rows.values())
+        assert result["stages"][stages]["best_baseline"] == "packing_free"
+    # two stages send activations between them: the bubble is no longer zero
+    assert result["stages"]["1"]["methods"]["dynamic"]["bubble"] == 0 < result["stages"]["2"]["methods"]["dynamic"]["bubble"]
