@@ -52,7 +52,6 @@ def main(argv=None) -> int:
     from dynabatch.data.report import default_mixture_path
     from dynabatch.workload import global_batches
 
-    from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
 
     class ProfiledWithLinks(ProfiledLayerModel):
@@ -62,7 +61,7 @@ def main(argv=None) -> int:
         hardware = hardware_spec(args.link_preset)
 
         def send_time(self, num_bytes, link: str = "intra"):
-            return AnalyticCostModel.send_time(self, num_bytes, link)
+            return self.hardware.send_time(num_bytes, link)
 
     tables = CostTables.load(args.profile)
     layer_model = ProfiledWithLinks(tables)

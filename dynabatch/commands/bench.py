@@ -72,7 +72,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.bench_report import PACK_ROWS_OF, PEER, PLAN_VARIANTS, print_table, summary_line  # noqa: F401 (gpu_bench imports them from here)
+from dynabatch.commands.bench_report import (  # noqa: F401 (gpu_bench imports them from here)
+    PACK_ROWS_OF, PEER, PLAN_VARIANTS, print_progress, print_table, summary_line)
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
@@ -490,11 +491,8 @@ def bench(args, methods: list[str]) -> dict | None:
                     times[m].append(elapsed)
                 losses[m].append(loss)
                 last[m] = elapsed
-            if ctx.is_planner:  # one line per step on stderr: a long run (a GPU's first compiles) shows progress
-                kind = "timed" if step >= args.untimed_steps else "untimed"
-                print(f"bench step {step + 1}/{num_steps} ({kind}): "
-                      + ", ".join(f"{m} {last[m]:.3f} s" for m in order),
-                      file=sys.stderr, flush=True)
+            if ctx.is_planner:
+                print_progress(step, num_steps, step >= args.untimed_steps, last)
         gathered: list = [None] * ctx.world_size
         dist.all_gather_object(gathered, (peaks, saved), group=ctx.delivery_group)
         if not ctx.is_planner:
@@ -504,7 +502,11 @@ def bench(args, methods: list[str]) -> dict | None:
         result = results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
                          str(ctx.device), measured_saved, calibrated, stage_compute, _flag_names())
         result["layouts"] = {k: v.layout.describe() for k, v in layouts.items()}
-        return _with_tuned(result, tuned) if args.tune_baselines else result
+        if not args.tune_baselines:
+            return result
+        from dynabatch.commands.tuning import with_tuned
+
+        return with_tuned(result, tuned)
     finally:
         shutdown()
 
@@ -566,31 +568,6 @@ def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs
         if ctx.is_planner:
             runs[tuned_key(m)].planned = plan(cfg, args.untimed_steps + args.timed_steps)
     return tuned
-
-
-def _with_tuned(result: dict, tuned: dict) -> dict:
-    """Move the tuned runs' rows out of ``methods`` into ``tuned`` (with every baseline's sweep) and add each
-    method's ratio to the best tuned baseline. A baseline's tuned value is the sweep's pick or, when the pick's
-    full run was slower than the default's (same steps, same batches), the default."""
-    from dynabatch.commands.tuning import best_tuned, tuned_key
-
-    rows = result["methods"]
-    for m, t in list(tuned.items()):
-        row = rows.pop(tuned_key(m), None)
-        default = rows[m]["tokens_per_s"]
-        if row is not None and row["tokens_per_s"] >= default:
-            tuned[m] = dataclasses.replace(t, tokens_per_s=row["tokens_per_s"], extra=row)
-        elif row is not None:
-            tuned[m] = dataclasses.replace(t, value=t.default, tokens_per_s=default, sweep_value=t.value, extra=row)
-        elif t.value is not None:  # the default is the best value: its own full run
-            tuned[m] = dataclasses.replace(t, tokens_per_s=default)
-    top = best_tuned(tuned)
-    result["tuned"] = {m: t.to_dict() for m, t in tuned.items()}
-    result["best_tuned_baseline"] = top
-    if top is not None:
-        for row in rows.values():
-            row["ratio_to_best_tuned_baseline"] = row["tokens_per_s"] / tuned[top].tokens_per_s
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

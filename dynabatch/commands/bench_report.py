@@ -4,6 +4,7 @@ JSON object with every method's real tokens/s that scripts check (:func:`summary
 from __future__ import annotations
 
 import json
+import sys
 
 from dynabatch.config.sections import PLAN_COSTS
 
@@ -16,6 +17,12 @@ PACK_ROWS_OF = {"dynamic_packed": "auto", "dynamic_flat": "flat"}
 """bench methods that are dynamic with another ``--pack-rows`` (the value each runs with), next to dynamic's own:
 the measurement behind that flag's default. ``dynamic_packed``: several short samples per padding-free row where
 the planner prices it cheaper; ``dynamic_flat``: every micro-batch one padding-free row."""
+
+
+def print_progress(step: int, num_steps: int, timed: bool, seconds: dict[str, float]) -> None:
+    """One line per step on stderr, each method's time: a long run (a GPU's first compiles) shows progress."""
+    print(f"bench step {step + 1}/{num_steps} ({'timed' if timed else 'untimed'}): "
+          + ", ".join(f"{m} {t:.3f} s" for m, t in seconds.items()), file=sys.stderr, flush=True)
 
 
 def summary_line(result: dict) -> str:

@@ -180,3 +180,27 @@ def sweep_results(methods, args, skipped, candidates, times) -> dict[str, Tuned]
 def tuned_key(method: str) -> str:
     """The bench's internal name of a baseline's tuned run."""
     return f"{method}[tuned]"
+
+
+def with_tuned(result: dict, tuned: dict) -> dict:
+    """Move the tuned runs' rows out of ``methods`` into ``tuned`` (with every baseline's sweep) and add each
+    method's ratio to the best tuned baseline. A baseline's tuned value is the sweep's pick or, when the pick's
+    full run was slower than the default's (same steps, same batches), the default. (``dynabatch bench``'s
+    result, ``tuned`` from its sweep.)"""
+    rows = result["methods"]
+    for m, t in list(tuned.items()):
+        row = rows.pop(tuned_key(m), None)
+        default = rows[m]["tokens_per_s"]
+        if row is not None and row["tokens_per_s"] >= default:
+            tuned[m] = replace(t, tokens_per_s=row["tokens_per_s"], extra=row)
+        elif row is not None:
+            tuned[m] = replace(t, value=t.default, tokens_per_s=default, sweep_value=t.value, extra=row)
+        elif t.value is not None:  # the default is the best value: its own full run
+            tuned[m] = replace(t, tokens_per_s=default)
+    top = best_tuned(tuned)
+    result["tuned"] = {m: t.to_dict() for m, t in tuned.items()}
+    result["best_tuned_baseline"] = top
+    if top is not None:
+        for row in rows.values():
+            row["ratio_to_best_tuned_baseline"] = row["tokens_per_s"] / tuned[top].tokens_per_s
+    return result

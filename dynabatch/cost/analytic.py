@@ -96,7 +96,6 @@ if TYPE_CHECKING:
 ArrayLike = Union[float, int, np.ndarray, Sequence[float]]
 Value = Union[float, np.ndarray]
 
-LINKS = ("intra", "inter")
 OPTIMIZER_STATE_BYTES = {"adam": 8, "momentum": 4, "sgd": 0}
 """fp32 optimizer-state bytes per parameter (Adam: first and second moments)."""
 _LOSS_BYTES = 4  # fp32 log-probabilities, as Hugging Face computes the loss
@@ -315,22 +314,8 @@ class AnalyticCostModel:
         return float(out) if scalar else out.copy()
 
     def send_time(self, num_bytes: ArrayLike, link: str = "intra") -> Value:
-        """Seconds to send ``num_bytes`` to a pipeline neighbour over ``link`` (``intra`` or ``inter`` node);
-        ``latency + bytes / (bandwidth * link_efficiency)``, 0 for an empty message."""
-        if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; valid links: {', '.join(LINKS)}")
-        hw = self.hardware
-        bandwidth, latency = (
-            (hw.intra_node_bandwidth, hw.intra_node_latency_s)
-            if link == "intra"
-            else (hw.inter_node_bandwidth, hw.inter_node_latency_s)
-        )
-        scalar = np.ndim(num_bytes) == 0
-        num_bytes = np.asarray(num_bytes, dtype=np.float64)
-        if np.any(num_bytes < 0):
-            raise ValueError(f"num_bytes must be >= 0, got min {num_bytes.min()}")
-        t = np.where(num_bytes > 0, latency + num_bytes / (bandwidth * hw.link_efficiency), 0.0)
-        return float(t) if scalar else t
+        """Seconds to send ``num_bytes`` to a pipeline neighbour over ``link`` (:meth:`HardwareSpec.send_time`)."""
+        return self.hardware.send_time(num_bytes, link)
 
     def model_state_bytes(self, num_params: ArrayLike, optimizer: str = "adam", mixed_precision: bool = True) -> Value:
         """Bytes of parameters, gradients and optimizer state for ``num_params`` parameters.

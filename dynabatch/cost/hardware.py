@@ -11,9 +11,13 @@ stand-in for a 16-core AVX-512 server running fp32, for the CPU test tier.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 MIB = 2**20
+LINKS = ("intra", "inter")
+"""Links between pipeline neighbours: within a node (NVLink) or across nodes (InfiniBand)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,20 @@ class HardwareSpec:
                 f"latencies must be >= 0, got intra {self.intra_node_latency_s}, inter {self.inter_node_latency_s}, "
                 f"kernel launch {self.kernel_launch_s}"
             )
+
+    def send_time(self, num_bytes, link: str = "intra"):
+        """Seconds to send ``num_bytes`` to a pipeline neighbour over ``link`` (``intra`` or ``inter`` node);
+        ``latency + bytes / (bandwidth * link_efficiency)``, 0 for an empty message."""
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; valid links: {', '.join(LINKS)}")
+        bandwidth, latency = ((self.intra_node_bandwidth, self.intra_node_latency_s) if link == "intra"
+                              else (self.inter_node_bandwidth, self.inter_node_latency_s))
+        scalar = np.ndim(num_bytes) == 0
+        num_bytes = np.asarray(num_bytes, dtype=np.float64)
+        if np.any(num_bytes < 0):
+            raise ValueError(f"num_bytes must be >= 0, got min {num_bytes.min()}")
+        t = np.where(num_bytes > 0, latency + num_bytes / (bandwidth * self.link_efficiency), 0.0)
+        return float(t) if scalar else t
 
 
 _NVLINK3 = 300e9  # A100: 12 links x 50 GB/s = 600 GB/s bidirectional
@@ -120,8 +138,6 @@ def gpu_preset(device_name: str, memory_bytes: int) -> HardwareSpec:
     """The preset of a CUDA device by its name (``torch.cuda.get_device_name``) and memory; a GPU no entry
     of :data:`GPU_NAME_PRESETS` names gets the ``h100-80gb`` preset with its own memory size (a rough
     stand-in that online calibration corrects)."""
-    from dataclasses import replace
-
     for part, preset, min_memory in GPU_NAME_PRESETS:
         if part.lower() in device_name.lower() and memory_bytes >= min_memory:
             return replace(HARDWARE_PRESETS[preset], memory_bytes=memory_bytes)
