@@ -58,7 +58,8 @@ if [ "${MEM_S:-150}" != 0 ]; then  # issue 16: a binding memory limit; every bas
   echo "memory-bound bench: rc ${PIPESTATUS[0]}"
 fi
 if [ "${T5_S:-180}" != 0 ]; then
-  timeout -k 5 "${T5_S:-180}" python3 scripts/gpu_bench.py --steps "${T5_STEPS:-4}" --global-batch-tokens "${T5_TOKENS:-65536}" \
+  # shellcheck disable=SC2086  # T5_ARGS: extra flags, e.g. --skip-profile (the profile took 73 s on the H200)
+  timeout -k 5 "${T5_S:-180}" python3 scripts/gpu_bench.py --steps "${T5_STEPS:-4}" --global-batch-tokens "${T5_TOKENS:-65536}" ${T5_ARGS:-} \
     --methods "${T5_METHODS:-dynamic,dynamic_packed,packing_free,token_budget}" --out "$out/t5" 2>&1 | tee "$out/t5.log" | quiet
   echo "t5 bench: rc ${PIPESTATUS[0]}"
   rm -f "$out/t5/profile_check.json"  # its table is in t5.log; the device tool returns at most 8 files

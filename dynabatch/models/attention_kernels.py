@@ -313,12 +313,20 @@ _BROKEN: dict[str, str] = {}
 """Kernels that raised under ``auto`` in this process, with the error: ``auto`` no longer tries them."""
 
 
+try:  # checkpoint's control flow: ends a recomputation from inside the last op that saves a tensor
+    from torch.utils.checkpoint import _StopRecomputationError as _NOT_A_FAILURE
+except ImportError:  # a torch without early stop
+    _NOT_A_FAILURE = ()
+
+
 def run(kernel: SegmentKernel, query, key, value, segments: "Segments", scale, bias) -> torch.Tensor | None:
     """``kernel.run(...)``; under ``auto`` a kernel that raises (a compile or driver problem on a device no test
     ran on) is logged once and dropped for the process, and ``None`` tells the caller to run ``sdpa``.
-    An explicit ``--attention-kernel`` raises."""
+    An explicit ``--attention-kernel`` raises. Checkpoint's early stop of a recomputation passes through."""
     try:
         return kernel.run(query, key, value, segments, scale, bias)
+    except _NOT_A_FAILURE:
+        raise
     except Exception as error:  # noqa: BLE001 (any kernel failure; re-raised unless auto)
         if _preference != "auto":
             raise

@@ -204,3 +204,38 @@ def test_under_auto_a_kernel_that_raises_is_replaced_by_sdpa(monkeypatch, caplog
     assert "attention kernel flex failed (RuntimeError: no kernel image" in caplog.text
     torch.testing.assert_close(first, want)
     torch.testing.assert_close(second, want)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_under_auto_recomputation_stopping_early_is_not_a_kernel_failure(monkeypatch, mode):
+    """Non-reentrant checkpointing ends a recomputation by raising ``_StopRecomputationError`` from inside the
+    last op that saves a tensor, which is the kernel: ``auto`` must let it through, not drop the kernel for
+    ``sdpa`` (on the H200 that broke checkpoint's state and the backward: twenty-second session)."""
+    from dynabatch.models.recompute import checkpointed, recompute_mode
+
+    seg = build_segments("causal", IDS)
+    q, k, v = (t.requires_grad_() for t in _qkv(3, 4, 7, 7))
+    with kernel("sdpa"):
+        segment_attention(q, k, v, seg).square().sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+
+    def dense(query, key, value, segments, scale, bias):  # a CUDA kernel's place: one masked SDPA call
+        real = IDS > 0
+        allowed = (IDS[:, :, None] == IDS[:, None, :]) & real[:, :, None] & torch.ones(7, 7, dtype=torch.bool).tril()
+        allowed |= torch.eye(7, dtype=torch.bool) & ~real[:, :, None]  # padding attends to itself, then zeroed
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scale)
+        return (out * real[:, None, :, None]).transpose(1, 2)
+
+    stand_in = ak.SegmentKernel("flex", ak._sdpa_unfit, dense)
+    monkeypatch.setattr(ak, "KERNELS", {**ak.KERNELS, "flex": stand_in})
+    monkeypatch.setattr(ak, "_BROKEN", {})
+    monkeypatch.setattr(ak, "AUTO_ORDER", ("flex",))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for t in (q, k, v):
+        t.grad = None
+    with kernel("auto"), recompute_mode(mode):
+        before = ak.KERNEL_CALLS.copy()
+        checkpointed(lambda *a: segment_attention(*a, seg) * 1.0, q, k, v).square().sum().backward()
+    assert ak._BROKEN == {} and ak.calls_since(before) == {"flex": 2}  # the forward and its recomputation
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got, w)
