@@ -36,7 +36,11 @@ encoder output). The encoder output itself is one tensor shared by every decoder
 :meth:`AnalyticCostModel.stage_cost` counts ``p b E d`` once per stage holding decoder layers. The loss
 keeps HF's fp32 log-probabilities (``4 bT V``). Peak extra bytes are the transient buffers of the layer's
 backward: incoming and outgoing hidden-state gradients plus the larger of the FFN's gradient buffers and
-the attention-score gradients (eager attention: ``2 p b h Tq Tk``).
+the attention-score gradients (eager attention: ``2 p b h Tq Tk``). The LM head's are the larger of its
+forward's logits and their fp32 copy (``(p + 4) bT V``) and its backward's two fp32 logit gradients (the
+log-probabilities' and the logits', ``8 bT V`` whatever ``p``): under bf16 autocast the backward is the
+peak (measured on CPU with the allocator's events: 12 bytes per logit above the hidden states in fp32 and
+in bf16; ``tests/unit/test_analytic.py``).
 
 Per-segment (padding-free) attention: ``pairs=`` (:class:`~dynabatch.cost.pairs.AttentionPairs`) gives the
 score pairs each attention kind computes, summed over rows and over the samples packed in a row (``sum
@@ -494,9 +498,9 @@ class AnalyticCostModel:
         a, h, kv = s.d_attn, s.num_heads, s.d_kv_attn
         if kind in ("embedding", "decoder_embedding"):
             return p * b * (E + (D if kind == "decoder_embedding" else 0)) * d
-        if kind == "lm_head":
+        if kind == "lm_head":  # forward: the logits and their fp32 copy; backward: two fp32 logit gradients
             n = b * (D if is_seq2seq(s.family) else E)
-            return (p + _LOSS_BYTES) * n * s.vocab_size + p * n * d
+            return max(p + _LOSS_BYTES, 2 * _LOSS_BYTES) * n * s.vocab_size + p * n * d
 
         def attention(Tq, Tk, n_pairs):
             if self.flash_attention:
