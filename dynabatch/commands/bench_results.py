@@ -158,6 +158,8 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
     import torch
 
     from dynabatch.models.attention_kernels import KERNEL_CALLS
+    from dynabatch.plan.step import pack_rows_on
+    from dynabatch.runtime.dist import device_type
 
     w = args.untimed_steps
     rows = {}
@@ -185,7 +187,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "schedule_policies": dict(Counter(x["order"] for x in timed)),  # linear: the policy; virtual: the order
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
-            "pack_rows": runs[m].cfg.pack_rows,
+            "pack_rows": pack_rows_on(runs[m].cfg.pack_rows, device_type(runs[m].cfg.device)),  # device resolved
             "prediction_error_median": _prediction_error(runs[m], t, w),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],

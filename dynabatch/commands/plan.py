@@ -14,6 +14,7 @@ import numpy as np
 
 from dynabatch.commands.common import split_from_data, write_json, add_workload_arguments, parse_methods, resolve
 from dynabatch.config.flags import add_fields
+from dynabatch.plan.step import pack_rows_on
 from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches, method_micro_batches
 
@@ -37,9 +38,10 @@ def run(args: argparse.Namespace) -> int:
         return AnalyticSliceCostModel.from_stage_model(cost_model) if args.slice_long else None
 
     rows = {}
+    pack_rows = pack_rows_on(args.pack_rows, None)  # plan prices presets: device = off
     try:
         _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options,
-                                  slice_cost_model=slicer(w.cost_model), pack_rows=args.pack_rows)
+                                  slice_cost_model=slicer(w.cost_model), pack_rows=pack_rows)
              for b in batches[:1] if "dynamic" in methods]
     except ValueError as e:
         hint = " (or pass --slice-long to cut such samples into token slices)" if not is_seq2seq(w.family) and not args.slice_long else ""
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         real = computed = micro = sliced = 0
         step_times, wall = [], []
         for batch in batches:
-            extra = {"slice_cost_model": slice_model, "pack_rows": args.pack_rows} if method == "dynamic" else {}
+            extra = {"slice_cost_model": slice_model, "pack_rows": pack_rows} if method == "dynamic" else {}
             plan = method_micro_batches(method, batch, w.limits, cost_model, stages, w.options, **extra)
             if plan.predicted_times_s is not None and plan.num_sliced_samples:
                 t = plan.predicted_times_s  # token slices are priced with their context by the planner

@@ -45,7 +45,7 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.cost.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.slicing import piece_costs
-from dynabatch.plan.step import DEFAULT_PACK_ROWS
+from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on
 from dynabatch.schedule.placement import Placement
 from dynabatch.sequence import is_seq2seq
 from dynabatch.workload import METHODS, global_batches
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
-        link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows, slice_long=args.slice_long,
+        link=args.link, search_steps=args.search_steps, pack_rows=pack_rows_on(args.pack_rows, None), slice_long=args.slice_long,
     )
     placement = Placement.parse(args.placement, w.cost_model.num_stages)
     rows, split, placed = {}, {}, {}

@@ -140,7 +140,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                 f"global_batch_tokens={self.global_batch_tokens} cannot hold one maximal sample "
                 f"(max_input_len {self.max_input_len} + max_target_len {self.max_target_len}); raise it"
             )
-        if self.pack_rows != "off" and self.method == "dynamic" and self.attention == "dense":
+        if self.pack_rows in ("auto", "flat") and self.method == "dynamic" and self.attention == "dense":
             raise ValueError(f"--pack-rows {self.pack_rows} puts several samples in a padding-free row; it needs "
                              "--attention segments (got dense): drop --pack-rows or use --attention segments")
         if self.slice_long and self.method != "dynamic":

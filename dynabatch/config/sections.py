@@ -21,7 +21,8 @@ ATTENTION_PATHS = ("segments", "dense")
 """``--attention``: segments (padding-free) or dense (4-D masks); :mod:`dynabatch.models.attention` uses this list."""
 ATTENTION_KERNELS = ("auto", "sdpa", "varlen", "flex")
 """``--attention-kernel``: what runs padding-free attention (:data:`dynabatch.models.attention_kernels.KERNELS`)."""
-PACK_ROWS = ("auto", "off", "flat")
+PACK_ROWS = ("device", "auto", "off", "flat")
+"""``--pack-rows`` choices; ``device`` resolves per device (:func:`dynabatch.plan.step.pack_rows_on`)."""
 """``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best), ``off``
 (one sample per row) or ``flat`` (every micro-batch one row of its samples back to back: no pad computed);
 :mod:`dynabatch.plan.step` uses this list."""
@@ -111,10 +112,11 @@ class BatchingArgs:
     packing_free_rows: int = arg(BaselineOptions.packing_free_rows, option_help("packing_free_rows"))
     max_micro_batch_samples: int = arg(64, "dynamic: samples per planned micro-batch at most")
     pack_rows: Literal[PACK_ROWS] = arg(
-        "off", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the best "
-               "plan; flat = every micro-batch one row of its samples back to back (no layer computes pad; on CPU at "
-               "most one row of the length limits); off = one sample per row (by the measurement in the README's "
-               "\"Row packing in the planner\"); only with --attention segments")
+        "device", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the "
+                  "best plan; flat = every micro-batch one row of its samples back to back (no layer computes pad; on "
+                  "CPU at most one row of the length limits); off = one sample per row; device (default) = auto on "
+                  "CUDA, off on CPU and in plan/simulate (measured: README \"On one GPU\" and \"Row packing in the "
+                  "planner\"); auto and flat only with --attention segments")
     slice_long: bool = arg(False, "GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory "
                                   "into token slices (TeraPipe)")
     compare_method: Literal[METHODS] | None = arg(None, "also train max_steps steps with this method from the same "

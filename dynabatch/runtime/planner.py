@@ -40,7 +40,7 @@ from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.slicing import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
-from dynabatch.plan.step import flat_row_limit, plan_step
+from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
 from dynabatch.runtime.dist import device_type
 from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
@@ -139,9 +139,11 @@ class StepPlanner:
         # Attention per segment (pad never computed): micro-batches are priced by their attention pairs and
         # the dynamic planner may pack rows (cfg.pack_rows); the dense path computes whole padded rows.
         self.padding_free = getattr(cfg, "attention_path", "segments") == "segments"
-        self.flat_row = flat_row_limit(device_type(getattr(cfg, "device", "auto")), self.family, cfg.max_input_len,
-                                       cfg.max_target_len)
+        run_device = device_type(getattr(cfg, "device", "auto"))
+        self.flat_row = flat_row_limit(run_device, self.family, cfg.max_input_len, cfg.max_target_len)
         """The bound on a flat micro-batch's tokens on the run's device type (:data:`~dynabatch.plan.step.FLAT_ROW_LIMITS`)."""
+        self.pack_rows = pack_rows_on(getattr(cfg, "pack_rows", "off"), run_device)
+        """``--pack-rows`` on the run's device (``device``: auto on CUDA, off on CPU)."""
         self.placement = _virtual_placement(cfg)
         """Virtual stages (``--placement`` other than linear): steps are predicted by the placement's list
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
@@ -263,7 +265,7 @@ class StepPlanner:
         plan = plan_step(
             batch.input_lens, batch.target_lens, model, cfg.stages, family=self.family,
             num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
-            score=score, pack_rows=getattr(cfg, "pack_rows", "off") if self.padding_free else "off",
+            score=score, pack_rows=self.pack_rows if self.padding_free else "off",
             segment_pricing=self.padding_free, flat_row=self.flat_row,
         )
         if getattr(model, "recompute", "none") != "auto" or fits_without_recompute(plan, model):

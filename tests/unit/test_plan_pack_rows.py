@@ -223,10 +223,22 @@ def test_packing_with_token_slices_keeps_slices_whole_samples():
     assert sorted(seen + list(plan.sliced_samples)) == list(range(len(e)))
 
 
-@pytest.mark.parametrize("pack_rows", ["auto", "off", "flat"])
+def test_device_default_is_auto_on_cuda_and_off_elsewhere():
+    """``--pack-rows device`` (the default): auto on CUDA (measured on an H200), off on CPU and in plan/simulate."""
+    from dynabatch.config import TrainConfig
+    from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on
+
+    assert TrainConfig().pack_rows == DEFAULT_PACK_ROWS == "device"
+    assert [pack_rows_on("device", d) for d in ("cuda", "cpu", None)] == ["auto", "off", "off"]
+    assert [pack_rows_on(v, "cuda") for v in ("auto", "off", "flat")] == ["auto", "off", "flat"]
+    TrainConfig(attention="dense")  # the default is not refused with the dense path (the planner turns it off)
+
+
+@pytest.mark.parametrize("pack_rows", ["auto", "off", "flat", "device"])
 def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
-    """The runtime planner passes ``TrainConfig.pack_rows`` to plan_step: its collated micro-batches hold
-    every sample of the global batch exactly once (several per row when packed), priced per segment."""
+    """The runtime planner passes ``TrainConfig.pack_rows`` (``device`` resolved: off on this CPU) to
+    plan_step: its collated micro-batches hold every sample of the global batch exactly once (several per row
+    when packed), priced per segment."""
     from dynabatch.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
@@ -245,7 +257,8 @@ def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     planned = planner()
     rows = [row for mb in planned.replica_micro_batches[0] for row in mb.sample_ids]
     assert sorted(i for row in rows for i in row) == list(range(len(planned.batch)))
-    assert (max(len(r) for r in rows) > 1) == (pack_rows != "off")  # short toy samples: packing pays here
+    assert planner.pack_rows == ("off" if pack_rows == "device" else pack_rows)
+    assert (max(len(r) for r in rows) > 1) == (planner.pack_rows != "off")  # short toy samples: packing pays here
     if pack_rows == "flat":
         assert all(len(mb.sample_ids) == 1 for mb in planned.replica_micro_batches[0])
         # on CPU a flat row holds at most the length limits (FLAT_ROW_LIMITS), as a packing_free row
