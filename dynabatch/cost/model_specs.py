@@ -88,6 +88,14 @@ class TransformerSpec:
     """Causal blocks: linear-layer biases, ``all`` (GPT-2), ``qkv`` (Qwen2: Q/K/V only) or ``none`` (Llama)."""
     qk_norm: bool = False
     """Causal blocks: RMSNorm over each head of Q and K (Qwen3; ``2 d_kv`` weights per block)."""
+    ffn_saved: float = 0.0
+    """FFN-wide tensors the activation path keeps for backward (:mod:`dynabatch.cost.activation_memory`,
+    measured for a HF config's activation); 0: the textbook count, 3 gated, 2 plain (the presets)."""
+
+    @property
+    def ffn_saved_tensors(self) -> float:
+        """:attr:`ffn_saved`, or the textbook count when it is 0."""
+        return self.ffn_saved or (3.0 if self.gated_ffn else 2.0)
 
     def __post_init__(self) -> None:
         try:

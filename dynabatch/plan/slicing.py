@@ -234,7 +234,7 @@ class AnalyticSliceCostModel:
                 transient = []
                 if attends:
                     st = st + m._attention_stored(b, s, keys) - 2 * p * b * (keys - s) * kv
-                    if m.flash_attention:
+                    if m.fused_memory:
                         transient.append(p * b * (s * a + 2 * keys * kv) + 4 * b * h * s)
                     else:
                         transient.append(2 * p * b * h * s * keys)

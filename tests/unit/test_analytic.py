@@ -79,7 +79,8 @@ def test_t5_param_counts_match_hf(spec):
     hf_model = T5ForConditionalGeneration(_hf_t5_config(spec, is_decoder=False))
     # transformers 5 always ties T5's head (v1.1 checkpoints included); the spec follows the config.
     hf_spec = analytic_spec(hf_model.config)
-    assert hf_spec == replace(spec, tie_embeddings=hf_model.config.tie_word_embeddings)
+    assert hf_spec.ffn_saved == (7.0 if spec.gated_ffn else 1.0)  # gated gelu_new / relu, measured (activation_memory)
+    assert replace(hf_spec, ffn_saved=0.0) == replace(spec, tie_embeddings=hf_model.config.tie_word_embeddings)
     assert num_params(hf_spec) == _count(hf_model)
     untied_head = 0 if spec.tie_embeddings or hf_spec.tie_embeddings is False else spec.vocab_size * spec.d_model
     assert model.num_params() == _count(hf_model) + untied_head
@@ -93,7 +94,7 @@ def test_gpt_param_counts_match_hf():
     model = AnalyticCostModel(GPT_SMALL, A100)
     assert model.param_count("gpt") == _count(GPT2Block(config))
     assert model.num_params() == _count(GPT2LMHeadModel(config))
-    assert analytic_spec(config) == GPT_SMALL
+    assert analytic_spec(config) == replace(GPT_SMALL, ffn_saved=5.0)  # HF's gelu_new keeps five FFN-wide tensors
 
 
 LLAMA_STYLE_CONFIGS = {
@@ -123,7 +124,7 @@ def test_llama_style_presets_match_hf_models_on_meta_device(name):
     with torch.device("meta"):
         hf_params = _count(AutoModelForCausalLM.from_config(config))
     assert num_params(model_spec(name)) == pytest.approx(hf_params, rel=0.005)
-    assert analytic_spec(config) == model_spec(name)
+    assert replace(analytic_spec(config), ffn_saved=0.0) == model_spec(name)  # presets: the textbook count
 
 
 @pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)])
@@ -374,3 +375,17 @@ def test_lm_head_peak_matches_the_cpu_allocator(dtype):
     peak = max(forward.peak, forward.end + backward.peak) - weight_copy
     assert saved.total - weight_copy == pytest.approx(cost.stored_activation_bytes, rel=0.10)
     assert peak == pytest.approx(cost.stored_activation_bytes + cost.peak_extra_bytes, rel=0.10)
+
+
+def test_ffn_saved_tensors_are_counted_from_the_activation():
+    """FFN-wide tensors an activation path keeps for backward, counted under saved-tensor hooks: a fused GELU
+    or SiLU keeps its input and output, ReLU only its output, HF's Python ``gelu_new`` five; gated, the up
+    projection and the product add two. An unknown name is refused with the valid ones."""
+    from dynabatch.cost.activation_memory import ffn_saved_tensors
+
+    counts = {a: (ffn_saved_tensors(a, False), ffn_saved_tensors(a, True))
+              for a in ("gelu", "gelu_pytorch_tanh", "silu", "relu", "gelu_new")}
+    assert counts == {"gelu": (2, 4), "gelu_pytorch_tanh": (2, 4), "silu": (2, 4), "relu": (1, 3), "gelu_new": (5, 7)}
+    assert TransformerSpec("gpt", 64, 4, 16, 256, 2, 0, vocab_size=100).ffn_saved_tensors == 2.0  # 0: textbook
+    with pytest.raises(ValueError, match="unknown activation 'swishy'; valid: .*gelu"):
+        ffn_saved_tensors("swishy", False)

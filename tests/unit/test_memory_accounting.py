@@ -119,13 +119,15 @@ def test_does_not_fit_advice_gives_a_device_memory_that_fits(gpt_data):
         _planner(gpt_data, activations + 1e-3)[0]()
 
 
-@pytest.mark.parametrize("recompute", ["auto", "full"])
-@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+@pytest.mark.parametrize("model, recompute", [(m, r) for m in ("gpt2-tiny", "t5-tiny") for r in ("auto", "full")]
+                         + [("gpt2-tiny", "selective")])
 def test_measured_saved_activations_match_the_prediction(tmp_path, toy_mixture_dir, model, recompute):
     """metrics.jsonl logs, per stage, the bytes autograd kept for backward (measured by the executor's
     SavedActivationMeter) next to the schedule's simulated peak of stored activation bytes: within 10%
-    for GPT-2 and T5 (measured 1.00-1.04x on 2 stages; Llama-style models are over-predicted, 0.78-0.91x),
-    also with every block recomputed (full: 0.98-1.00x; the default auto recomputes nothing here)."""
+    for GPT-2 and T5 (measured 1.00-1.04x), also with every block recomputed (full: 1.01-1.04x) and with the
+    attention cores recomputed (selective: 1.00x; it was 1.6x for GPT-2 while the model priced score tensors
+    that the per-segment SDPA never kept and GPT-2's gelu_new as two FFN-wide tensors instead of five; the
+    default auto recomputes nothing here). T5 under selective is not in it: 1.23x, under-predicted (open)."""
     import json
     import os
     import subprocess
@@ -143,7 +145,7 @@ def test_measured_saved_activations_match_the_prediction(tmp_path, toy_mixture_d
     for r in records:
         measured, predicted = r["memory_measured_bytes"], r["memory_predicted_bytes"]
         assert len(measured) == len(predicted) == 1 and measured[0] > 0
-        assert (r["recompute"].get("full", 0) > 0) == (recompute == "full") and "selective" not in r["recompute"]
+        assert set(r["recompute"]) == (set() if recompute == "auto" else {recompute})
         assert measured[0] == pytest.approx(predicted[0], rel=0.10), (measured, predicted)
 
 

@@ -272,13 +272,13 @@ def test_the_planner_orders_slices_on_virtual_stages_and_the_plans_validate(toy_
 
 
 def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixture_dir, capsys):
-    """`dynabatch train --slice-long`: with 0.022 GiB the longest samples must run sliced, with 0.03 GiB
-    none is; the batches are the same, so the losses of every step must be too (Adam steps included), also
-    when every stage forward, slices included, recomputes its blocks (`--recompute full` at 0.02 GiB, where
-    the longest samples still run sliced: the slicing DP prices slices without recomputation).
-    (At 0.020-0.021 GiB the slicing DP's bound, which omits the key/value gradients later slices hand
-    back, plans a step 26-280 KB over the device once model states count, and the training validator
-    refuses it.)"""
+    """`dynabatch train --slice-long --recompute none`: with 0.015 GiB the longest samples must run sliced, with
+    0.03 GiB none is; the batches are the same, so the losses of every step must be too (Adam steps included).
+    (Under `--recompute auto` or `full` these samples fit whole, recomputed, at every budget where the run can
+    go, since attention memory is priced as the fused kernels keep it; slices under `full` are checked against
+    the unsliced model in test_recompute.py. At 0.0135-0.0145 GiB the slicing DP's bound, which omits the
+    key/value gradients later slices hand back, plans a step over the device once model states count, and the
+    training validator refuses it.)"""
     import json
     import os
 
@@ -293,12 +293,9 @@ def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixt
         assert code == 0, capsys.readouterr().err[-2000:]
         return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
-    sliced, whole, recomputed = train("0.022"), train("0.03"), train("0.02", "--recompute", "full")
+    sliced, whole = train("0.015", "--recompute", "none"), train("0.03")
     assert sum(r["sliced_samples"] for r in sliced) > 0 and sum(r["sliced_samples"] for r in whole) == 0
-    assert sum(r["sliced_samples"] for r in recomputed) > 0
-    assert all(r["recompute"]["full"] == r["num_micro_batches"] for r in recomputed)  # every forward (one stage)
-    for run in (sliced, recomputed):
-        np.testing.assert_allclose([r["loss"] for r in run], [r["loss"] for r in whole], rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in sliced], [r["loss"] for r in whole], rtol=1e-6)
 
 
 def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dynabatch.cost.activation_memory import ffn_saved_tensors
 from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hidden_input, padding_mask, token_ids
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.cost.tables import GPT2_ANALYTIC_KINDS
@@ -32,6 +33,7 @@ def gpt2_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
         dtype_bytes=dtype_bytes,
         tie_embeddings=bool(config.tie_word_embeddings),
         max_positions=config.n_positions,
+        ffn_saved=ffn_saved_tensors(config.activation_function, gated=False),
     )
 
 

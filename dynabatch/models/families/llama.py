@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dynabatch.cost.activation_memory import ffn_saved_tensors
 from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hidden_input, padding_mask, token_ids
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.data.microbatch import IGNORE_INDEX
@@ -143,6 +144,7 @@ def llama_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
         norm="rms",
         biases="qkv" if qkv_bias else "none",
         qk_norm=config.model_type == "qwen3",
+        ffn_saved=ffn_saved_tensors(config.hidden_act, gated=True),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dynabatch.cost.activation_memory import ffn_saved_tensors
 from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hidden_input, padding_mask, token_ids
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.cost.tables import T5_ANALYTIC_KINDS
@@ -36,6 +37,7 @@ def t5_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
         dtype_bytes=dtype_bytes,
         tie_embeddings=bool(config.tie_word_embeddings),
         relative_attention_num_buckets=config.relative_attention_num_buckets,
+        ffn_saved=ffn_saved_tensors(config.dense_act_fn, gated=bool(config.is_gated_act)),
     )
 
 
