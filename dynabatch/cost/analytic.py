@@ -180,6 +180,10 @@ class AnalyticCostModel:
     """Full activation recomputation of transformer blocks: only the block input is stored."""
     context_costs: bool = True
     """Add each stage's once-per-micro-batch masks and T5 position bias (module docstring)."""
+    cast_copy_bytes: int = 0
+    """Bytes per parameter of autocast's half-precision weight copies, added to the model states: the runtime
+    trains fp32 weights under bf16/fp16 autocast and keeps one copy of each weight for the step (2; the first
+    GPU session measured 18 bytes per parameter held against the 16 priced)."""
     flash_memory: bool | None = None
     """Memory priced as fused attention (no score tensors kept or transient), whatever ``flash_attention``
     says for time; ``None``: as ``flash_attention``. The runtime's per-segment kernels (SDPA's flash path on
@@ -343,7 +347,7 @@ class AnalyticCostModel:
         per_param = (2 + 2 + 4 if mixed_precision else 4 + 4) + OPTIMIZER_STATE_BYTES[optimizer]
         if np.any(np.asarray(num_params) < 0):
             raise ValueError(f"num_params must be >= 0, got {num_params}")
-        out = np.asarray(num_params, dtype=np.float64) * per_param
+        out = np.asarray(num_params, dtype=np.float64) * (per_param + self.cast_copy_bytes)
         return float(out) if out.ndim == 0 else out
 
     def param_count(self, kind: str) -> int:

@@ -56,9 +56,13 @@ def test_the_planner_prices_activations_in_the_compute_dtype():
 
     model = build_model("gpt2-tiny", vocab_size=384)
     layout = layout_for(model, 1)
+    params = sum(p.numel() for p in model.parameters())
     for dtype, nbytes in (("fp32", 4), ("bf16", 2), ("fp16", 2)):
         cost = planner_cost_model(TrainConfig(**TINY, dtype=dtype), model.config, layout)
         assert cost.model.spec.dtype_bytes == nbytes
+        # fp32 weights, gradients and Adam's moments (16 bytes), plus autocast's half-precision weight copies
+        per_param = cost.model_state_bytes[0] / params
+        assert per_param == pytest.approx(16 if dtype == "fp32" else 18, rel=0.01)
 
 
 def test_device_choices_and_cuda_without_cuda_are_one_line(tmp_path, capsys, monkeypatch):
