@@ -224,6 +224,22 @@ class StageCosts:
     recompute: np.ndarray | None = None
     """Activation recomputation each entry is priced with (codes into
     :data:`~dynabatch.schedule.ir.RECOMPUTE_MODES`, :mod:`dynabatch.cost.recompute`); ``None``: none anywhere."""
+    load_bytes: np.ndarray | None = None
+    """Host inputs a stage loads for the micro-batch (token, segment and position ids, labels), live in its
+    buffer slot from ``LOAD`` to ``FREE`` as the validator counts them; ``None``: not priced (0)."""
+
+
+LOAD_BYTES_PER_TOKEN = 4 * 8
+"""An upper bound of a stage's loaded inputs per padded token: at most four int64 tensors
+(:meth:`~dynabatch.schedule.ir.PipelineSpec.load_tensors`). With one stage there are no messages, and these
+are the whole buffer: leaving them out planned a micro-batch 16 kB over a tight budget (twenty-second session)."""
+
+
+def in_flight_buffer_bytes(costs: StageCosts) -> np.ndarray:
+    """``(S, ...)`` bytes a micro-batch holds in its buffer slot on each stage while in flight: its message
+    buffers (:func:`message_buffer_bytes`) and its loaded inputs."""
+    buffers = message_buffer_bytes(costs.send_bytes)
+    return buffers if costs.load_bytes is None else buffers + costs.load_bytes
 
 
 @dataclass(frozen=True)
@@ -298,6 +314,7 @@ class StageCostModel:
             stored_bytes=_stack((c.stored_activation_bytes for c in costs), b.shape),
             peak_bytes=_stack((c.peak_extra_bytes for c in costs), b.shape),
             send_bytes=self._send_bytes(b, E, D),
+            load_bytes=self._load_bytes(b, E, D),
         )
 
     def _recomputed(self, costs: StageCosts, b, E, D, pairs, modes) -> StageCosts:
@@ -322,7 +339,7 @@ class StageCostModel:
         if modes is not None:
             codes = np.broadcast_to(np.asarray(modes, dtype=np.int8), shape)
         elif self.recompute == "auto":
-            buffers = message_buffer_bytes(costs.send_bytes).max(axis=0)
+            buffers = in_flight_buffer_bytes(costs).max(axis=0)
             in_flight = np.where(bb == 1, 1, self.num_stages) if self.single_sample_alone else self.num_stages
             codes = choose_modes(by_mode, buffers, in_flight, self.memory_budget_bytes)
             # what fits without recomputation under the planner's bound (maxima over stages) stays as it is
@@ -346,7 +363,9 @@ class StageCostModel:
         fused = getattr(self.model, "bottleneck_cost", None)
         if fused is not None and self.recompute == "none":
             t, stored, peak = fused(self.layout.stages, b, E, D, **({} if pairs is None else {"pairs": pairs}))
-            return t, stored + message_buffer_bytes(self._send_bytes(*self._inputs(b, E, D))).max(axis=0), peak
+            inputs = self._inputs(b, E, D)
+            buffers = message_buffer_bytes(self._send_bytes(*inputs)) + self._load_bytes(*inputs)
+            return t, stored + buffers.max(axis=0), peak
         return self.reduce(self.per_stage(b, E, D, pairs))
 
     def reduce(self, c: StageCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -358,7 +377,7 @@ class StageCostModel:
         on every stage: there stored and peak are the tightest stage's, the one needing the most
         ``S (stored + buffers) + peak``."""
         t = (c.fwd_s + c.bwd_s).max(axis=0)
-        buffers = message_buffer_bytes(c.send_bytes).max(axis=0)
+        buffers = in_flight_buffer_bytes(c).max(axis=0)
         stored, peak = c.stored_bytes.max(axis=0) + buffers, c.peak_bytes.max(axis=0)
         if self.recompute == "none":
             return t, stored, peak
@@ -371,6 +390,11 @@ class StageCostModel:
         """Float arrays ``(b, E, D)``; ``D = None`` for a decoder-only layout (E is the sequence length)."""
         b, E, D = (np.asarray(x, dtype=np.float64) for x in (b, E, D))
         return b, E, (D if any("t5_decoder" in s for s in self.layout.stages) else None)
+
+    def _load_bytes(self, b, E, D) -> np.ndarray:
+        """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays; :data:`LOAD_BYTES_PER_TOKEN`)."""
+        tokens = b * (E if D is None else E + D)
+        return _stack([LOAD_BYTES_PER_TOKEN * tokens] * self.num_stages, b.shape)
 
     def _send_bytes(self, b, E, D) -> np.ndarray:
         """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays)."""

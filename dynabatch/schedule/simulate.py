@@ -33,7 +33,7 @@ from typing import Callable, Union
 
 import numpy as np
 
-from dynabatch.cost.stages import StageCosts, message_buffer_bytes
+from dynabatch.cost.stages import StageCosts, in_flight_buffer_bytes
 from dynabatch.schedule._kernels import op_memory, replay
 from dynabatch.schedule.compute import ComputeSchedule
 
@@ -83,11 +83,11 @@ def with_message_buffers(costs: StageCosts) -> StageCosts:
     is in flight: the activation received from ``s - 1`` and the gradient sent back to it
     (``2 send_bytes[s - 1]``), the activation sent to ``s + 1`` and the gradient received from it
     (``2 send_bytes[s]``). An upper bound of what the lowering keeps in a micro-batch's buffer slot
-    (it also holds the loaded token ids, which are far smaller), so a schedule that fits with these
+    and the loaded inputs, when the costs price them: ``load_bytes``), so a schedule that fits with these
     costs also fits the validator's memory check."""
     check_costs(costs)
     return replace(costs, stored_bytes=np.asarray(costs.stored_bytes, dtype=np.float64)
-                   + message_buffer_bytes(costs.send_bytes))
+                   + in_flight_buffer_bytes(costs))
 
 
 def stage_send_times(costs: StageCosts, send_time: SendTime) -> np.ndarray:

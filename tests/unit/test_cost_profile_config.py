@@ -12,7 +12,7 @@ from test_cost_tables import synthetic_profile
 from dynabatch.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.planner_model import ProfiledLayerModel
-from dynabatch.cost.stages import message_buffer_bytes
+from dynabatch.cost.stages import in_flight_buffer_bytes
 from dynabatch.models.presets import build_model
 from dynabatch.models.split import layout_for
 from dynabatch.runtime.trainer import planner_cost_model
@@ -41,7 +41,7 @@ def test_cost_profile_plans_with_measured_tables(tmp_path, t5_tiny):
     b, e, d = np.array([1.0, 4.0, 16.0]), np.array([20.0, 100.0, 200.0]), np.array([10.0, 50.0, 100.0])
     got = cost_model.evaluate(b, e, d)
     want = list(cost_model.model.bottleneck_cost(layout.stages, b, e, d))
-    want[1] = want[1] + message_buffer_bytes(cost_model.per_stage(b, e, d).send_bytes).max(axis=0)
+    want[1] = want[1] + in_flight_buffer_bytes(cost_model.per_stage(b, e, d)).max(axis=0)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-12)
     assert np.all(got[0] > 0) and np.all(got[0] < 1.0)  # the synthetic tables' seconds, not the analytic ones

@@ -278,7 +278,7 @@ def test_planner_adapter_is_the_bottleneck_stage():
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
 def test_layer_model_adapter_runs_the_stage_layer(family):
     from dynabatch.cost.planner_model import ProfiledLayerModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout, message_buffer_bytes
+    from dynabatch.cost.stages import StageCostModel, balanced_layout, in_flight_buffer_bytes, message_buffer_bytes
 
     t = CostTables.from_profile(synthetic_profile(family))
     lm = ProfiledLayerModel(t)
@@ -287,8 +287,9 @@ def test_layer_model_adapter_runs_the_stage_layer(family):
     model = StageCostModel(lm, layout, device_memory_bytes=1e12)
     b, e, d = np.array([1.0, 3.0, 20.0]), np.array([20.0, 100.0, 100.0]), np.array([10.0, 50.0, 50.0])
     time_s, stored, transient = model.evaluate(b, e, d if family == "t5" else np.zeros(3))
-    buffers = message_buffer_bytes(model.per_stage(b, e, d if family == "t5" else np.zeros(3)).send_bytes).max(axis=0)
-    assert np.all(buffers[:2] > 0)  # 2 stages: the first sends, the last receives
+    per = model.per_stage(b, e, d if family == "t5" else np.zeros(3))
+    assert np.all(message_buffer_bytes(per.send_bytes).max(axis=0)[:2] > 0)  # the first sends, the last receives
+    buffers = in_flight_buffer_bytes(per).max(axis=0)  # message buffers and loaded inputs
     for i in range(2):  # the third shape is beyond the b axis: infeasible
         costs = [t.stage_cost(lm.spec(s), b[i], e[i], d[i]) for s in layout.stages]
         assert time_s[i] == pytest.approx(max(c.fwd_s + c.bwd_s for c in costs), rel=1e-12)
@@ -302,7 +303,7 @@ def test_stage_layer_and_planner_adapter_share_one_path(family):
     """``StageCostModel(ProfiledLayerModel)`` answers through the fused kernel: equal to reducing its own
     ``per_stage`` over stages, and to ``ProfiledCostModel`` on the same stages."""
     from dynabatch.cost.planner_model import ProfiledLayerModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout, message_buffer_bytes
+    from dynabatch.cost.stages import StageCostModel, balanced_layout, in_flight_buffer_bytes
 
     t = CostTables.from_profile(synthetic_profile(family, max_tokens=2048))
     lm = ProfiledLayerModel(t)
@@ -312,7 +313,7 @@ def test_stage_layer_and_planner_adapter_share_one_path(family):
     d = d if family == "t5" else np.zeros(500)
     fused = model.evaluate(b, e, d)
     per = model.per_stage(b, e, d)
-    buffers = message_buffer_bytes(per.send_bytes).max(axis=0)  # the planner view counts message buffers too
+    buffers = in_flight_buffer_bytes(per).max(axis=0)  # the planner view counts message buffers and loads too
     reduced = ((per.fwd_s + per.bwd_s).max(axis=0), per.stored_bytes.max(axis=0) + buffers, per.peak_bytes.max(axis=0))
     feasible = reduced[1] < INFEASIBLE
     assert 0 < feasible.sum() < 500

@@ -172,3 +172,31 @@ def test_plan_and_simulate_take_memory_gib(capsys, tmp_path):
     assert "alone needs" in err and "(--memory-gib) of at least" in err
     assert main([*args, "--memory-gib", "nan"]) == 2
     assert "--memory-gib must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_the_planners_bound_counts_the_loaded_inputs(tmp_path, toy_mixture_dir, capsys):
+    """The validator counts a micro-batch's loaded inputs (ids, segment and position ids, labels) from LOAD to
+    FREE; the planner's bound must too. With one stage there are no message buffers, and before the loads were
+    priced gpt2-tiny at 0.0135 GiB planned a micro-batch 16 kB over the budget the validator then refused
+    ("the auto schedule does not fit the device memory ... micro-batches in flight: [0]"), while 0.013 and
+    0.014 GiB trained."""
+    import json
+    import os
+
+    from dynabatch.cli import main
+    from dynabatch.cost.stages import LOAD_BYTES_PER_TOKEN, StageCostModel, balanced_layout
+    from dynabatch.cost.analytic import AnalyticCostModel
+
+    model = AnalyticCostModel.from_names("gpt-350m", "a100-40gb")
+    stages = StageCostModel(model, balanced_layout(model, 1), 40 * 2**30)
+    b, e = np.array([3.0]), np.array([500.0])
+    costs = stages.per_stage(b, e, np.zeros(1))
+    _, stored, _ = stages.evaluate(b, e, np.zeros(1))
+    assert costs.load_bytes[0, 0] == LOAD_BYTES_PER_TOKEN * 3 * 500
+    assert stored[0] == costs.stored_bytes[0, 0] + costs.load_bytes[0, 0]  # one stage: no message buffers
+    out = tmp_path / "run"
+    code = main(["train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "2048",
+                 "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--max-input-len", "512", "--steps", "2",
+                 "--memory-gib", "0.0135", "--output-dir", str(out), "--log-every", "0", "--no-timeline"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert len([json.loads(line) for line in open(out / "metrics.jsonl")]) == 2

@@ -84,13 +84,13 @@ def test_auto_picks_the_fastest_mode_that_fits():
 def test_evaluate_takes_the_tightest_stage():
     """With recomputation each stage fits on its own: the planner view is the stage needing the most memory,
     and it fits the budget exactly when every stage does."""
-    from dynabatch.cost.stages import message_buffer_bytes
+    from dynabatch.cost.stages import in_flight_buffer_bytes
 
     model = _model("gpt-1.3b", "auto", 16.0)
     c = model.per_stage(B, E, D)
     t, stored, peak = model.evaluate(B, E, D)
     np.testing.assert_allclose(t, (c.fwd_s + c.bwd_s).max(axis=0))
-    buffers = message_buffer_bytes(c.send_bytes).max(axis=0)
+    buffers = in_flight_buffer_bytes(c).max(axis=0)
     every_stage_fits = (2 * (c.stored_bytes + buffers) + c.peak_bytes <= model.memory_budget_bytes).all(axis=0)
     fits = 2 * stored + peak <= model.memory_budget_bytes
     assert fits.tolist() == every_stage_fits.tolist() and fits[:2].all() and not fits[-1]
