@@ -45,6 +45,10 @@ def test_bench_runs_t5_cyclic_next_to_linear(tmp_path):
     assert not set(linear["schedule_policies"]) & orders
     # calibrated alike: the linear methods share one fit, the cyclic ones another with a coefficient set per chunk
     assert linear["calibration"] == cyclic["calibration"] == "quick"
-    assert cyclic["prediction_error_median"] < 0.7  # the analytic preset alone is about 90% off on this CPU
+    # the fit, not the analytic preset, priced the plans: the preset predicts 5-9% of this CPU's stage compute,
+    # the quick fit 54-81% (65-79% with two busy processes beside it; the whole-step error stays 57-69%, the
+    # per-step overheads a tiny model's steps carry, so it is no test of the fit)
+    for row in (linear, cyclic):
+        assert sum(row["stage_compute_s_predicted"]) / sum(row["stage_compute_s_measured"]) > 0.3
     assert "measured busy fraction of each device" in proc.stdout and "dynamic@cyclic" in proc.stdout
     assert "eff bal" in proc.stdout
