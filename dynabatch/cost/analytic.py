@@ -200,6 +200,26 @@ class AnalyticCostModel:
         """A model from preset names, e.g. ``from_names("gpt3-175b", "a100-80gb")``."""
         return cls(model_spec(model), hardware_spec(hardware), **options)
 
+    @classmethod
+    def for_run(cls, model_config, device: str = "cpu", *, dtype: str = "fp32", attention_path: str = "segments",
+                dropout: bool = False, hardware: HardwareSpec | None = None) -> "AnalyticCostModel":
+        """The model of a training run of the HF ``model_config`` as the runtime executes it, shared by the
+        trainer's planner and the dataloader: activations in ``dtype`` (``fp32`` / ``bf16`` / ``fp16``; a half
+        precision trains fp32 weights under autocast, so each weight's cast copy is counted), on ``hardware``
+        (default: the preset of ``device``, :func:`~dynabatch.cost.hardware.device_hardware`). Memory is priced as
+        fused attention where the padding-free path's kernels keep no score tensors: every ``segments`` run
+        except T5 on CPU (SDPA with a float bias falls back to its math path there)."""
+        from dynabatch.cost.hardware import device_hardware
+        from dynabatch.models.families import analytic_spec
+        from dynabatch.runtime.precision import DTYPE_BYTES, autocast_dtype
+        from dynabatch.sequence import is_seq2seq
+
+        spec = analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[dtype])
+        fused = attention_path == "segments" and (device == "cuda" or not is_seq2seq(spec.family))
+        return cls(spec, hardware if hardware is not None else device_hardware(device), dropout=dropout,
+                   flash_memory=True if fused else None,
+                   cast_copy_bytes=0 if autocast_dtype(dtype) is None else DTYPE_BYTES[dtype])
+
     # ---------------------------------------------------------------- public API
 
     def layer_cost(self, kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,

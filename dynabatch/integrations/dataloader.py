@@ -25,7 +25,8 @@ target token weighs the same, however the batch was cut.
 The cost model for ``dynamic`` defaults to the analytic model of the Hugging Face ``model_config``
 (:func:`~dynabatch.models.families.analytic_spec`, one stage, the device's memory minus
 parameters, gradients and Adam states; ``hardware="auto"`` picks the preset from the CUDA device name,
-``cpu`` without one) or, without a config, to
+``cpu`` without one; activations priced as the trainer prices its own runs, in ``dtype`` under ``attention``)
+or, without a config, to
 :class:`~dynabatch.plan.costs.PolynomialCostModel`. Planning a global batch of a few hundred samples
 takes ~1-20 ms (numba, warm); collating is numpy + ``torch.from_numpy``.
 """
@@ -112,47 +113,37 @@ def sample_loss_tokens(batch: GlobalBatch, family: str, loss_on_inputs: bool = F
     return out
 
 
-def detect_hardware() -> tuple[str, float | None]:
-    """``(preset, device memory or None)`` for this machine: ``cpu`` without CUDA; else the preset named
-    like the device (H200, H100, A100) with the device's own memory, ``a100-80gb`` for other GPUs."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu", None
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    name = props.name.upper()
-    if "H200" in name:
-        preset = "h200"
-    elif "H100" in name:
-        preset = "h100-80gb"
-    elif "A100" in name and props.total_memory < 50 * 2**30:
-        preset = "a100-40gb"
-    else:
-        preset = "a100-80gb"
-    return preset, float(props.total_memory)
-
-
 def default_cost_model(
-    model_config=None, hardware: str = "auto", device_memory_bytes: float | None = None
+    model_config=None, hardware: str = "auto", device_memory_bytes: float | None = None, *,
+    dtype: str = "fp32", attention: str = "segments",
 ) -> MicroBatchCostModel:
-    """One-stage analytic cost model of ``model_config`` on ``hardware``; polynomial without a config.
+    """One-stage analytic cost model of ``model_config`` trained as :func:`~dynabatch.models.forward.forward_loss`
+    runs it (``attention``, activations in ``dtype``: :meth:`AnalyticCostModel.for_run
+    <dynabatch.cost.analytic.AnalyticCostModel.for_run>`, the trainer's own model) on ``hardware`` (a preset of
+    :mod:`dynabatch.cost.hardware`; ``auto``: this machine's, the CUDA device's preset and memory when there is
+    one); polynomial without a config.
 
-    The memory budget is ``device_memory_bytes`` (default: the device's, or the preset's) less 10% and
-    less the whole model's parameters, gradients and Adam states (:class:`~dynabatch.cost.stages.StageCostModel`).
+    The memory budget is ``device_memory_bytes`` (default: the preset's) less 10% and less the whole model's
+    parameters, gradients and Adam states (:class:`~dynabatch.cost.stages.StageCostModel`).
     """
     if model_config is None:
         return PolynomialCostModel()
+    import torch
+
     from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.hardware import hardware_spec
-    from dynabatch.models.families import analytic_spec
+    from dynabatch.cost.hardware import device_hardware, hardware_spec
     from dynabatch.cost.stages import StageCostModel, balanced_layout
 
-    detected_memory = None
     if hardware == "auto":
-        hardware, detected_memory = detect_hardware()
-    model = AnalyticCostModel(analytic_spec(model_config), hardware_spec(hardware))
-    memory = device_memory_bytes if device_memory_bytes is not None else detected_memory
-    return StageCostModel(model, balanced_layout(model, 1), float(memory if memory is not None else model.hardware.memory_bytes))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = device_hardware(device)
+    else:
+        spec = hardware_spec(hardware)
+        device = "cpu" if hardware == "cpu" else "cuda"
+    model = AnalyticCostModel.for_run(model_config, device, dtype=dtype, attention_path=attention, dropout=True,
+                                      hardware=spec)
+    memory = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
+    return StageCostModel(model, balanced_layout(model, 1), float(memory))
 
 
 @dataclass(eq=False)
@@ -175,9 +166,15 @@ class DynaBatchDataLoader:
     model_config: Any = None
     """Hugging Face ``T5Config`` / ``GPT2Config`` for the default analytic cost model."""
     hardware: str = "auto"
-    """Hardware preset of the default analytic cost model (``dynabatch.cost.hardware``); ``auto``: :func:`detect_hardware`."""
+    """Hardware preset of the default analytic cost model (``dynabatch.cost.hardware``); ``auto``: this machine's."""
     device_memory_bytes: float | None = None
     """Device memory for the default analytic cost model (default: the detected device's, else the preset's)."""
+    dtype: str = "fp32"
+    """Activation precision of the training loop, for the default cost model's memory: ``fp32``, or ``bf16`` /
+    ``fp16`` for fp32 weights under autocast (what ``TrainingArguments(bf16=True)`` runs)."""
+    attention: str = "segments"
+    """The ``forward_loss`` attention path the loop runs (``segments``: padding-free, no score tensors kept
+    except T5 on CPU; ``dense``), for the default cost model's memory."""
     method_options: Mapping[str, Any] = field(default_factory=dict)
     """Fields of the baseline batcher, e.g. ``{"samples_per_micro_batch": 8}``."""
     planner_options: Mapping[str, Any] = field(default_factory=dict)
@@ -215,6 +212,11 @@ class DynaBatchDataLoader:
         self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
         if self.method not in METHODS:
             raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")
+        from dynabatch.config import ATTENTION_PATHS, DTYPES
+
+        for name, value, valid in (("dtype", self.dtype, DTYPES), ("attention", self.attention, ATTENTION_PATHS)):
+            if value not in valid:
+                raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
         if self.num_replicas < 1 or not 0 <= self.replica_index < self.num_replicas:
             raise ValueError(
                 f"need num_replicas >= 1 and 0 <= replica_index < num_replicas, "
@@ -232,8 +234,9 @@ class DynaBatchDataLoader:
                     f"data is tokenized for {self.family!r} models"
                 )
         tokens = self.batcher.data.tokens
-        unused = {k: v for k, v in (("hardware", self.hardware), ("device_memory_bytes", self.device_memory_bytes))
-                  if v not in (None, "auto")}
+        unused = {k: v for k, v in (("hardware", self.hardware), ("device_memory_bytes", self.device_memory_bytes),
+                                    ("dtype", self.dtype), ("attention", self.attention))
+                  if v not in (None, "auto", "fp32", "segments")}
         if unused and (self.method != "dynamic" or self.cost_model is not None or self.model_config is None):
             warnings.warn(
                 f"{unused} only shape the analytic cost model built from model_config for method 'dynamic' "
@@ -243,7 +246,8 @@ class DynaBatchDataLoader:
             if self.method_options:
                 raise ValueError(f"method_options {dict(self.method_options)} apply to baselines, not 'dynamic'")
             if self.cost_model is None:
-                self.cost_model = default_cost_model(self.model_config, self.hardware, self.device_memory_bytes)
+                self.cost_model = default_cost_model(self.model_config, self.hardware, self.device_memory_bytes,
+                                                     dtype=self.dtype, attention=self.attention)
             self._collator = Batcher(limits=self.limits, tokens=tokens, loss_on_inputs=self.loss_on_inputs)
         else:
             if self.cost_model is not None or self.planner_options:

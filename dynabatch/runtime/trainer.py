@@ -134,18 +134,10 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         recompute = "none" if cfg.recompute == "auto" else cfg.recompute
     else:
         from dynabatch.cost.analytic import AnalyticCostModel
-        from dynabatch.cost.hardware import device_hardware
-        from dynabatch.models.families import analytic_spec
         from dynabatch.runtime.dist import device_type
-        from dynabatch.runtime.precision import DTYPE_BYTES, autocast_dtype
-        from dynabatch.sequence import is_seq2seq
 
-        spec, device = analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[cfg.dtype]), device_type(cfg.device)
-        # padding-free kernels keep no score tensors (fused), except CPU SDPA with T5's bias (its math path)
-        fused = cfg.attention_path == "segments" and (device == "cuda" or not is_seq2seq(spec.family))
-        layer_model = AnalyticCostModel(spec, device_hardware(device), dropout=cfg.dropout > 0,
-                                        flash_memory=True if fused else None,
-                                        cast_copy_bytes=0 if autocast_dtype(cfg.dtype) is None else DTYPE_BYTES[cfg.dtype])
+        layer_model = AnalyticCostModel.for_run(model_config, device_type(cfg.device), dtype=cfg.dtype,
+                                                attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
         recompute = policy_for(cfg.method, cfg.recompute)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
 

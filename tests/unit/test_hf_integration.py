@@ -127,6 +127,29 @@ def test_smaller_memory_gives_more_micro_batches(toy_data):
     assert counts[1] > counts[0]
 
 
+@pytest.mark.parametrize("model_name", ["t5-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_default_cost_model_prices_memory_as_the_trainer(model_name, dtype):
+    """The loader's analytic model is the trainer's planner model of the same run (one stage, CPU): the same
+    activation bytes per micro-batch, the half-precision weight copy, fused-attention memory but for T5 on CPU."""
+    from dynabatch.config import TrainConfig
+    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.integrations.dataloader import default_cost_model
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    config = build_config(model_name)
+    loader_model = default_cost_model(config, "cpu", 2**30, dtype=dtype)
+    layer_model = loader_model.model
+    assert layer_model.fused_memory == (model_name == "gpt2-tiny")
+    assert layer_model.cast_copy_bytes == (2 if dtype == "bf16" else 0)
+    cfg = TrainConfig(model=model_name, stages=1, dtype=dtype, dropout=0.1, memory_gib=1.0, recompute="none")
+    trainer_model = planner_cost_model(cfg, config, balanced_layout(layer_model, 1))
+    b, E, D = np.array([4.0, 16.0]), np.array([96.0, 24.0]), np.array([32.0, 8.0])
+    np.testing.assert_allclose(loader_model.evaluate(b, E, D), trainer_model.evaluate(b, E, D), rtol=1e-12)
+    dense = default_cost_model(config, "cpu", 2**30, attention="dense").model
+    assert not dense.fused_memory
+
+
 def test_loader_rejects_bad_settings(toy_data):
     limits = limits_for(toy_data.family)
     with pytest.raises(ValueError, match="valid: dynamic"):
@@ -144,6 +167,10 @@ def test_loader_rejects_bad_settings(toy_data):
         DynaBatchDataLoader(toy_data, limits, token_budget=3000, method_options={"samples_per_micro_batch": 2})
     with pytest.warns(UserWarning, match="no effect"):
         DynaBatchDataLoader(toy_data, limits, token_budget=3000, method="padding", hardware="cpu")
+    with pytest.raises(ValueError, match="unknown dtype 'fp64'; valid: fp32, bf16, fp16"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, dtype="fp64")
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, attention="flash")
 
 
 # ---------------------------------------------------------------------------------------------- trainer
