@@ -25,7 +25,8 @@ Large Transformer Models", Eq. 1 with t = 1): ``s b h (34 + 5 a s / h)`` bytes p
 16-bit activations and 1-byte dropout masks. Term by term, generalised to ``p`` bytes, attention width
 ``a = h d_kv`` (here ``h`` = heads), FFN width ``f``, query length ``Tq`` and key length ``Tk``:
 
-* each norm: its input ``p bT d``;
+* each norm: its input ``p bT d`` (RMSNorm, T5 and Llama: also its fp32 normalised input ``4 bT d``, which HF's
+  norms keep for the weight's gradient, :data:`RMS_NORM_EXTRA_BYTES`);
 * attention: projection input ``p bTq d``; Q, K, V ``p b (Tq + 2 Tk) a``; softmax output ``p b h Tq Tk``,
   dropout mask ``b h Tq Tk`` and dropout output ``p b h Tq Tk``; out-projection input ``p bTq a``; output
   dropout mask ``bTq d``. Fused attention replaces the ``Tq Tk`` terms by the fp32 log-sum-exp ``4 b h Tq``;
@@ -160,6 +161,10 @@ MASK_BYTES = 24.0
 BIAS_BYTES_PER_PAIR = 0.0
 """Memory traffic per query-key pair of the relative-position bucketing beyond the bias copy itself
 (0: buckets are computed per distinct offset; HF's per-pair bucketing measured as 160)."""
+RMS_NORM_EXTRA_BYTES = 4
+"""Bytes per element an RMSNorm keeps beyond its input and output: Hugging Face's T5 / Llama norms multiply the
+weight by ``x * rsqrt(mean(x^2))``, computed in fp32, and keep that product for the weight's gradient (measured
+on t5-tiny: the norm's input, the fp32 product and the output, against LayerNorm's input and output)."""
 BIAS_BWD_FACTOR = 1.5
 """Position-bias backward (window sum of the gradient, then a gather of 2T - 1 rows) over its forward."""
 
@@ -190,6 +195,11 @@ class AnalyticCostModel:
     CPU, varlen / flex on CUDA) keep only Q, K, V, the output and the log-sum-exp: measured on CPU, a GPT-2
     stage keeps 51 kB less under selective recomputation, exactly its log-sum-exp, not the score tensors."""
 
+    fused_cross_memory: bool = False
+    """Cross-attention cores keep no score tensors although the self-attention cores may: the padding-free path
+    runs T5's cross-attention (no position bias) on SDPA's flash kernel even on CPU, where its biased
+    self-attention takes the math path (measured: log-sum-exp and output only, no scores)."""
+
     @property
     def fused_memory(self) -> bool:
         """No ``Tq x Tk`` score tensors in stored or transient memory (:attr:`flash_memory`)."""
@@ -208,7 +218,8 @@ class AnalyticCostModel:
         precision trains fp32 weights under autocast, so each weight's cast copy is counted), on ``hardware``
         (default: the preset of ``device``, :func:`~dynabatch.cost.hardware.device_hardware`). Memory is priced as
         fused attention where the padding-free path's kernels keep no score tensors: every ``segments`` run
-        except T5 on CPU (SDPA with a float bias falls back to its math path there)."""
+        except T5 on CPU, where SDPA with the float position bias takes its math path (its cross-attention, with no
+        bias, still keeps no scores: :attr:`fused_cross_memory`)."""
         from dynabatch.cost.hardware import device_hardware
         from dynabatch.models.families import analytic_spec
         from dynabatch.runtime.precision import DTYPE_BYTES, autocast_dtype
@@ -217,7 +228,7 @@ class AnalyticCostModel:
         spec = analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[dtype])
         fused = attention_path == "segments" and (device == "cuda" or not is_seq2seq(spec.family))
         return cls(spec, hardware if hardware is not None else device_hardware(device), dropout=dropout,
-                   flash_memory=True if fused else None,
+                   flash_memory=True if fused else None, fused_cross_memory=attention_path == "segments",
                    cast_copy_bytes=0 if autocast_dtype(dtype) is None else DTYPE_BYTES[dtype])
 
     # ---------------------------------------------------------------- public API
@@ -296,11 +307,11 @@ class AnalyticCostModel:
         for k, n in Counter(blocks).items():
             T = D if k == "t5_decoder" else E
             stored = self._stored(k, b, E, D, work)
-            cores = {"t5_decoder": [(D, D, role("decoder")), (D, E, role("cross"))],
-                     "gpt_mlp": []}.get(k, [(E, E, role("encoder"))])
-            core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls) in cores
+            cores = {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)],
+                     "gpt_mlp": []}.get(k, [(E, E, role("encoder"), False)])
+            core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
                            for op in self._core_ops(b, tq, tk, pr, calls))
-            core_stored = sum(self._core_stored(b, tq, tk, pr) for tq, tk, (pr, _) in cores)
+            core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
             block_fwd = sum(self._op_time(op) for op in self._ops(k, b, E, D, work))
             terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
             terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - p * b * T * d)
@@ -308,11 +319,13 @@ class AnalyticCostModel:
             terms["selective_extra_s"] = terms["selective_extra_s"] + n * core_fwd
             terms["selective_freed_bytes"] = terms["selective_freed_bytes"] + n * core_stored
             terms["selective_peak_bytes"] = np.maximum(terms["selective_peak_bytes"], core_stored)
-        # T5: every checkpointed block of a stack takes the stack's fp32 (1, h, T, T) position bias as an input,
-        # so under full it stays stored once per stack (measured: the bias and its flipped copy)
+        # T5: every checkpointed block (under selective, every self-attention core) of a stack takes the stack's
+        # fp32 (1, h, T, T) position-bias window as an input, so it stays stored once per stack (measured on
+        # t5-tiny, padding-free path, both modes)
         windows = (E, D) if work is None else work.bias_lengths(E, D)
-        kept = sum(2 * 4 * s.num_heads * T * T for k, T in zip(("t5_encoder", "t5_decoder"), windows) if k in blocks)
-        terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - kept, 0.0)
+        bias = sum(4 * s.num_heads * T * T for k, T in zip(("t5_encoder", "t5_decoder"), windows) if k in blocks)
+        terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - bias, 0.0)
+        terms["selective_freed_bytes"] = np.maximum(terms["selective_freed_bytes"] - bias, 0.0)
         return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})
 
     def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
@@ -483,19 +496,19 @@ class AnalyticCostModel:
         ops = [_mem(2 * p * n * d)] + (self._dropout(n * d) if is_seq2seq(s.family) else [])
         return ops + [_gemm(n, s.vocab_size, d, p), _mem((p + 2 * _LOSS_BYTES) * n * s.vocab_size)]
 
-    def _attention_stored(self, b, Tq, Tk, pairs=None):
+    def _attention_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
         s, p = self.spec, self.spec.dtype_bytes
         d, a, kv = s.d_model, s.d_attn, s.d_kv_attn
         mask = 1 if self.dropout else 0
-        core = self._core_stored(b, Tq, Tk, pairs)
+        core = self._core_stored(b, Tq, Tk, pairs, cross)
         return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
 
-    def _core_stored(self, b, Tq, Tk, pairs=None):
+    def _core_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
         """Bytes the attention core alone stores for backward (beyond its Q, K, V inputs and its output,
         which the projections around it keep): what selective recomputation frees."""
         h, p = self.spec.num_heads, self.spec.dtype_bytes
         mask = 1 if self.dropout else 0
-        if self.fused_memory:
+        if self.fused_memory or (cross and self.fused_cross_memory):
             return 4 * b * h * Tq
         if pairs is None:
             return (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
@@ -509,23 +522,24 @@ class AnalyticCostModel:
     def _stored(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         mask = 1 if self.dropout else 0
+        nb = p + (RMS_NORM_EXTRA_BYTES if s.rms_norm else 0)  # a norm's input (+ RMSNorm's normalised copy)
         enc, dec, cross = (None, None, None) if pairs is None else (pairs.encoder, pairs.decoder, pairs.cross)
         if kind in ("gpt", "t5_encoder"):
-            return 2 * p * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)
+            return 2 * nb * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)
         if kind == "gpt_attn":  # the norm's input, the attention
-            return p * b * E * d + self._attention_stored(b, E, E, enc)
+            return nb * b * E * d + self._attention_stored(b, E, E, enc)
         if kind == "gpt_mlp":
-            return p * b * E * d + self._ffn_stored(b, E)
+            return nb * b * E * d + self._ffn_stored(b, E)
         if kind == "t5_decoder":
-            attention = self._attention_stored(b, D, D, dec) + self._attention_stored(b, D, E, cross)
-            return 3 * p * b * D * d + attention + self._ffn_stored(b, D)
+            attention = self._attention_stored(b, D, D, dec) + self._attention_stored(b, D, E, cross, cross=True)
+            return 3 * nb * b * D * d + attention + self._ffn_stored(b, D)
         if kind == "embedding":
             return (_IDS_BYTES + mask * d) * b * E
         if kind == "decoder_embedding":
-            return (p + mask) * b * E * d + (_IDS_BYTES + mask * d) * b * D
+            return (nb + mask) * b * E * d + (_IDS_BYTES + mask * d) * b * D
         n = b * (D if is_seq2seq(s.family) else E)
         t5_mask = mask if is_seq2seq(s.family) else 0
-        return (2 * p + t5_mask) * n * d + _LOSS_BYTES * n * s.vocab_size
+        return (nb + p + t5_mask) * n * d + _LOSS_BYTES * n * s.vocab_size
 
     def _peak_extra(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
@@ -536,8 +550,8 @@ class AnalyticCostModel:
             n = b * (D if is_seq2seq(s.family) else E)
             return max(p + _LOSS_BYTES, 2 * _LOSS_BYTES) * n * s.vocab_size + p * n * d
 
-        def attention(Tq, Tk, n_pairs):
-            if self.fused_memory:
+        def attention(Tq, Tk, n_pairs, cross: bool = False):
+            if self.fused_memory or (cross and self.fused_cross_memory):
                 return p * b * (Tq * a + 2 * Tk * kv) + 4 * b * h * Tq
             return 2 * p * b * h * Tq * Tk if n_pairs is None else 2 * p * h * n_pairs
 
@@ -549,5 +563,5 @@ class AnalyticCostModel:
         transient = np.maximum(attention(T, T, own), ffn)
         if kind == "t5_decoder":  # cross-attention buffers and the encoder-output gradient
             cross = None if pairs is None else pairs.cross
-            transient = np.maximum(transient, attention(D, E, cross)) + p * b * E * d
+            transient = np.maximum(transient, attention(D, E, cross, cross=True)) + p * b * E * d
         return 2 * p * b * T * d + transient

@@ -123,6 +123,11 @@ class TransformerSpec:
             )
 
     @property
+    def rms_norm(self) -> bool:
+        """RMSNorm (T5 always, causal blocks with ``norm="rms"``) rather than LayerNorm."""
+        return self.norm == "rms" or is_seq2seq(self.family)
+
+    @property
     def d_attn(self) -> int:
         """Attention inner width ``num_heads * d_kv``."""
         return self.num_heads * self.d_kv

@@ -21,20 +21,22 @@ FIELDS = ("fwd_time_s", "bwd_time_s", "fwd_flops", "stored_activation_bytes", "p
 
 # Whole-model stage costs computed by the analytic model before per-segment pricing existed (git b31e33e),
 # as float.hex: the default (no pairs) must reproduce them bit for bit. The peak_extra values where the LM head
-# is the stage's peak were updated when its backward's fp32 logit gradients were priced (twenty-second session).
+# is the stage's peak were updated when its backward's fp32 logit gradients were priced (twenty-second session);
+# T5's and Llama's stored bytes when RMSNorm's fp32 normalised copy was counted (twenty-fourth: +4 bytes per element
+# of each norm's input, 2,084,044,800 bytes on t5-large's (8, 1000, 200)).
 GOLDEN = {
     ("t5-large", False, (8, 1000, 200)): ["0x1.61200bec29e78p-4", "0x1.60337379b7466p-3", "0x1.c8a4000000000p+42",
-                                          "0x1.a847eb0000000p+34", "0x1.03c4000000000p+29"],
+                                          "0x1.c755eb0000000p+34", "0x1.03c4000000000p+29"],
     ("t5-large", True, (8, 1000, 200)): ["0x1.99ca6b6cd5cecp-5", "0x1.a6f6a03570f30p-4", "0x1.c8a4000000000p+42",
-                                         "0x1.1972960000000p+33", "0x1.8b50000000000p+28"],
+                                         "0x1.578e960000000p+33", "0x1.8b50000000000p+28"],
     ("gpt-1.3b", False, (4, 2048, None)): ["0x1.7cb8ae975187fp-3", "0x1.7cb8ae975187fp-2", "0x1.688a200000000p+44",
                                            "0x1.62e5300000000p+35", "0x1.8ca2000000000p+31"],
     ("gpt-1.3b", True, (4, 2048, None)): ["0x1.1c8734399a19dp-3", "0x1.289e5127357eap-2", "0x1.688a200000000p+44",
                                           "0x1.cbf4c00000000p+33", "0x1.8ca2000000000p+31"],
     ("llama3-8b", False, (2, 777, None)): ["0x1.0e0345e5b0c04p-3", "0x1.0e0345e5b0c04p-2", "0x1.5ca0c50000000p+44",
-                                           "0x1.ab7bb04800000p+33", "0x1.7f30400000000p+30"],
+                                           "0x1.dccdf04800000p+33", "0x1.7f30400000000p+30"],
     ("llama3-8b", True, (2, 777, None)): ["0x1.f23d1489bddc0p-4", "0x1.f70504112bc5cp-3", "0x1.5ca0c50000000p+44",
-                                          "0x1.e6dbd89000000p+32", "0x1.7f30400000000p+30"],
+                                          "0x1.24c02c4800000p+33", "0x1.7f30400000000p+30"],
 }
 
 
