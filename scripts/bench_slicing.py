@@ -6,7 +6,7 @@ chains of token slices), and print the two side by side.
 
 * ``simulated``: paper scale, analytic cost model (``--sim-model`` on ``--sim-hardware``, ``--sim-stages``
   stages, one device each). Each plan gets its stage costs (slices priced with their context,
-  :func:`~dynabatch.plan.slicing.slice_stage_costs`), the best schedule (``choose_schedule``, slice
+  :func:`~dynabatch.plan.slice_costs.slice_stage_costs`), the best schedule (``choose_schedule``, slice
   chains respected) and its simulation: step time and the largest per-device memory (model states
   included). A batch whose longest sample does not fit a device unsliced is reported as such.
 * ``measured``: this machine, GPT-2 ``--cpu-model`` split in 2 stages, 2 gloo processes, the real
@@ -90,7 +90,7 @@ def simulated(a) -> list[dict]:
     from dynabatch.cost.hardware import hardware_spec
     from dynabatch.cost.model_specs import model_spec
     from dynabatch.cost.stages import StageCostModel, balanced_layout
-    from dynabatch.plan.slicing import AnalyticSliceCostModel
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.schedule.policies import choose_schedule
 
     model = AnalyticCostModel(model_spec(a.sim_model), hardware_spec(a.sim_hardware))
@@ -165,7 +165,7 @@ def _worker(rank: int, a, workdir: str) -> None:
     from dynabatch.data.collate import collate_causal
     from dynabatch.models.presets import PAD_ID, build_model
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
-    from dynabatch.plan.slicing import AnalyticSliceCostModel
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.memory import SavedActivationMeter

@@ -34,7 +34,7 @@ from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import model_spec
 from dynabatch.cost.stages import StageCostModel, StageCosts, balanced_layout
 from dynabatch.plan.costs import PolynomialCostModel
-from dynabatch.plan.slicing import PolynomialSliceCostModel
+from dynabatch.plan.slice_costs import PolynomialSliceCostModel
 from dynabatch.plan.step import plan_step
 from dynabatch.schedule.ir import PipelineSpec
 from dynabatch.schedule.lower import lower

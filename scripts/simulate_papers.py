@@ -136,7 +136,8 @@ def run_terapipe(a) -> list[dict]:
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.model_specs import model_spec
     from dynabatch.cost.stages import StageCostModel, balanced_layout
-    from dynabatch.plan.slicing import AnalyticSliceCostModel, plan_slices
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
+    from dynabatch.plan.slicing import plan_slices
 
     S, L = a.terapipe_stages, 2048
     model = AnalyticCostModel(model_spec("gpt3-175b"), terapipe_hardware(), dropout=False)

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
 
     def slicer(cost_model):
-        from dynabatch.plan.slicing import AnalyticSliceCostModel
+        from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
         return AnalyticSliceCostModel.from_stage_model(cost_model) if args.slice_long else None
 

@@ -44,7 +44,7 @@ from dynabatch.commands.common import placement_cost_model, split_from_data, wri
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.cost.ideal import AMORTISED_TOKENS, ideal_step_time
-from dynabatch.plan.slicing import piece_costs
+from dynabatch.plan.slice_costs import piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on
 from dynabatch.schedule.placement import Placement
 from dynabatch.sequence import is_seq2seq
@@ -382,7 +382,7 @@ def _slicer(cost_model, options: SimulateOptions, w):
     workload's longest input, as the trainer's planner picks it), else ``None``."""
     if not options.slice_long:
         return None
-    from dynabatch.plan.slicing import AnalyticSliceCostModel
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
     return AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=w.limits.max_input_len)
 

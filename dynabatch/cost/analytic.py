@@ -519,10 +519,14 @@ class AnalyticCostModel:
         mask = 1 if self.dropout else 0
         return p * b * T * s.d_model + s.ffn_saved_tensors * p * b * T * s.d_ff + mask * b * T * s.d_model
 
+    def _norm_bytes(self) -> int:
+        """Bytes a norm keeps per element for backward besides its output: its input (+ RMSNorm's fp32 copy)."""
+        return self.spec.dtype_bytes + (RMS_NORM_EXTRA_BYTES if self.spec.rms_norm else 0)
+
     def _stored(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         mask = 1 if self.dropout else 0
-        nb = p + (RMS_NORM_EXTRA_BYTES if s.rms_norm else 0)  # a norm's input (+ RMSNorm's normalised copy)
+        nb = self._norm_bytes()
         enc, dec, cross = (None, None, None) if pairs is None else (pairs.encoder, pairs.decoder, pairs.cross)
         if kind in ("gpt", "t5_encoder"):
             return 2 * nb * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)

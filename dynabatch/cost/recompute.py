@@ -26,7 +26,7 @@ batcher under ``auto`` runs without recomputation (:func:`policy_for`; its knob 
 fit memory), while an explicit ``selective`` / ``full`` applies to every method (``full`` is what Hugging
 Face's ``gradient_checkpointing`` does). A token slice (TeraPipe piece) runs the mode chosen for its own
 ``(1, slice length)`` shape, its costs scaled by the slice cost model like an unsliced piece's
-(:func:`~dynabatch.plan.slicing.slice_stage_costs`); the runtime recomputes slices exactly.
+(:func:`~dynabatch.plan.slice_costs.slice_stage_costs`); the runtime recomputes slices exactly.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ trades a smaller bubble for per-slice overhead and for attention over a growing 
 
 DP. Boundaries lie on a grid of ``g`` tokens (the last slice may be shorter): ``n = ceil(L / g)``
 points. All ``n (n + 1) / 2`` candidate slices are priced with ONE vectorised call to the
-:class:`SliceCostModel`; slices over the memory budget get time ``inf``. As in the partition DP, a cap
+:class:`~dynabatch.plan.slice_costs.SliceCostModel`; slices over the memory budget get time ``inf``. As in the partition DP, a cap
 ``c`` on the max slice time is enumerated (the candidate slice times between the bottleneck value and
 ``(U - F(inf)) / (S - 1)``, thinned by ``cap_tolerance``, bisected best-first with the bound
 ``F(hi) + (S - 1) lo``), and under each cap ``F(c) = min sum`` comes from an O(n^2) DP that tracks the
@@ -19,7 +19,7 @@ boundary sets on the grid (tests check it against brute force).
 Memory bound. Slices run their forward passes in order and their backward passes in reverse (a slice's
 gradient flows into the keys and values of every earlier slice), so while slice ``j`` runs its backward
 the stored activations of slices ``1 .. j`` are live. Each slice also keeps what the model's optional
-``held_bytes(b, s, c)`` says (:meth:`AnalyticSliceCostModel.held_bytes`: its in-flight buffers, loaded inputs
+``held_bytes(b, s, c)`` says (:meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.held_bytes`: its in-flight buffers, loaded inputs
 and messages, and the concatenated context keys/values its attention saves); ``kept = stored + held``. The DP
 checks, for every candidate slice,
 
@@ -31,7 +31,7 @@ here: equal for linear terms and causal-pair terms, an over-estimate of the dens
 storage). It does not bound the earlier slices' context copies, which depend on the whole path: so the
 chosen slices' real timeline, ``sum_{i <= j} kept_i + peak_j + reserved``, is checked, and where it is over the
 budget the DP is solved again with the budget less the excess (at most :data:`MAX_TIGHTENINGS` times). That
-timeline is :func:`slice_stage_costs`' accounting, the one the schedule validator checks (for the slowest
+timeline is :func:`~dynabatch.plan.slice_costs.slice_stage_costs`' accounting, the one the schedule validator checks (for the slowest
 stage); ``SlicePlan.memory_bound_bytes`` reports it. ``reserved_bytes`` is memory held by other micro-batches
 in flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that
 the validator then refused mid-run.
@@ -46,20 +46,14 @@ half of it pricing the 2.1 M candidate slices, so use g >= 8 for long sequences.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-from dynabatch.cost.model_specs import BLOCK_HALVES
 from dynabatch.plan._slicing_kernels import _solve_slices
-from dynabatch.plan.costs import check_int, check_non_negative, check_non_negative_fields, evaluate_costs
-from dynabatch.sequence import is_seq2seq
-
-if TYPE_CHECKING:
-    from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.stages import StageCosts
+from dynabatch.plan.costs import check_int, check_non_negative, evaluate_costs
+from dynabatch.plan.slice_costs import SliceCostModel
 
 MAX_GRID_POINTS = 2048
 """Largest ``ceil(length / granularity)``: the DP holds dense (n + 1)^2 float64 matrices (33 MiB at 2048)."""
@@ -67,239 +61,7 @@ MAX_TIGHTENINGS = 8
 """Re-solves of :func:`plan_slices` with a tighter budget when the chosen slices' real timeline (context copies
 on the path) exceeds the budget the DP's per-slice bound let through."""
 
-SLICE_BLOCKS = ("gpt", *BLOCK_HALVES["gpt"])
-"""A decoder block and its halves (a stage boundary inside a block, :data:`~dynabatch.cost.model_specs.BLOCK_HALVES`)."""
-SLICE_KINDS = ("embedding", *SLICE_BLOCKS, "lm_head")
-"""Layer kinds a decoder-only stage may hold."""
-
 _WHAT = "slice cost model"  # names the model in evaluate_costs' errors
-
-
-# --------------------------------------------------------------------------- cost interface
-
-
-@runtime_checkable
-class SliceCostModel(Protocol):
-    """Time and activation memory of one token slice on the bottleneck pipeline stage.
-
-    Contract: ``evaluate(b, s, c)`` takes int64 arrays of one shape (``s >= 1`` new tokens of ``b``
-    samples after ``c >= 0`` context tokens already processed; attention is ``s x (c + s)``, causal
-    within the slice) and returns float64 arrays of that shape, finite and ``>= 0``: the forward +
-    backward time, the activation bytes the slice itself stores until its backward (its own keys and
-    values included; the context's belong to the earlier slices) and the transient bytes while it runs
-    (including gradient buffers for the context's keys and values). ``c = 0`` is the unsliced sequence
-    of length ``s``. Stored bytes must be sub-additive along the sequence,
-    ``stored(b, c, 0) + stored(b, s, c) <= stored(b, c + s, 0)``, for the memory bound to be sound.
-    """
-
-    memory_budget_bytes: float
-    """Activation memory available per stage (device memory left after model states)."""
-
-    def evaluate(self, b: np.ndarray, s: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(time_s, stored_bytes, peak_bytes)`` of slices of ``s`` tokens after ``c`` context tokens."""
-        ...
-
-
-def causal_pairs(s, c):
-    """(query, key) pairs a causal mask allows in a slice: ``s c + s (s + 1) / 2``; sums to ``L (L + 1) / 2``."""
-    s = np.asarray(s, dtype=np.float64)
-    return s * np.asarray(c, dtype=np.float64) + s * (s + 1.0) / 2.0
-
-
-@dataclass(frozen=True)
-class PolynomialSliceCostModel:
-    """Analytic slice cost, polynomial in ``(b, s, c)``; defaults: one stage of 6 GPT blocks, d = 768.
-
-    With ``pairs = b (s c + s (s + 1) / 2)`` (causal pairs, so the slices of a sequence add up to the
-    unsliced sequence exactly) and ``tokens = b s``::
-
-        time   = overhead + time_per_token * tokens + time_per_pair * pairs
-        stored = stored_per_token * tokens + stored_per_pair * pairs
-        peak   = peak_per_token * tokens + peak_per_pair * pairs + peak_per_context_token * b c
-
-    The last term is the gradient buffers of the context's keys and values. Constants as in
-    :class:`~dynabatch.plan.costs.PolynomialCostModel` (1e14 FLOP/s, Korthikanti et al. 2022).
-    """
-
-    memory_budget_bytes: float = 16 * 2**30
-    """Activation memory per stage in bytes (default 16 GiB)."""
-    overhead_s: float = 5e-4
-    """Fixed time per slice: kernel launches, p2p latency, small-slice inefficiency."""
-    time_per_token_s: float = 2.5e-6
-    """Linear layers, fwd + bwd: 72 d^2 FLOPs per token per layer x 6 layers / 1e14 FLOP/s."""
-    time_per_pair_s: float = 5.5e-10
-    """Attention core, fwd + bwd: 12 d FLOPs per causal (query, key) pair per layer x 6 layers / 1e14 FLOP/s."""
-    stored_per_token_bytes: float = 6 * 34 * 768
-    """Korthikanti Eq. 1 linear term: 34 d bytes per token per layer x 6 layers (own keys/values included)."""
-    stored_per_pair_bytes: float = 6 * 5 * 12
-    """Softmax output, dropout mask and output: 5 bytes per head per pair, 12 heads, 6 layers (0: flash)."""
-    peak_per_token_bytes: float = 8 * 768 * 2
-    """Transient backward buffers: a few hidden-state gradients (16-bit) per token."""
-    peak_per_pair_bytes: float = 2 * 2 * 12
-    """Attention-score gradient of one layer: 16-bit, 12 heads, twice."""
-    peak_per_context_token_bytes: float = 6 * 2 * 2 * 768
-    """Gradients of the context's keys and values, 16-bit, for every layer of the stage."""
-
-    def __post_init__(self) -> None:
-        check_non_negative_fields(self)
-
-    def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        b = np.asarray(b, dtype=np.float64)
-        tokens = b * np.asarray(s, dtype=np.float64)
-        pairs = b * causal_pairs(s, c)
-        time_s = self.overhead_s + self.time_per_token_s * tokens + self.time_per_pair_s * pairs
-        stored = self.stored_per_token_bytes * tokens + self.stored_per_pair_bytes * pairs
-        context = b * np.asarray(c, dtype=np.float64)
-        peak = self.peak_per_token_bytes * tokens + self.peak_per_pair_bytes * pairs
-        return time_s, stored, peak + self.peak_per_context_token_bytes * context
-
-
-@dataclass(frozen=True)
-class AnalyticSliceCostModel:
-    """Slice costs of one decoder-only stage from :class:`~dynabatch.cost.analytic.AnalyticCostModel`.
-
-    A ``gpt`` block on a slice runs the analytic model's own kernel list with query length ``s`` and key
-    length ``T_k``: projections, FFN, norms and residuals on the ``s`` new tokens; ``QK^T``, softmax,
-    dropout and ``AV`` (or the fused kernel) over ``s x T_k`` scores. ``attention="dense"``:
-    ``T_k = c + s``, what an eager kernel with a key/value cache computes (the analytic model does not
-    exploit causal masks either); the slices of a sequence then do *less* attention work than the
-    unsliced square, ``sum_j s_j (c_j + s_j) <= L^2``. ``attention="causal"``: ``T_k = 2 c + s``, the
-    slice's causal share ``(c + s)^2 - c^2`` of the square, so slices add up to the unsliced cost
-    exactly (linear FLOPs and attention FLOPs alike). Either way ``c = 0`` is the unsliced stage cost.
-
-    Stored bytes are the block's (Korthikanti) activations at ``(s, T_k)`` minus the context's keys and
-    values (stored by earlier slices); with recomputation only the block input ``p b s d``. Peak bytes
-    are the largest layer's backward buffers at ``(s, T_k)`` (recomputation adds the block's stored
-    activations, as in the analytic model) plus the gradients of the context's keys and values,
-    ``2 p b c a_kv`` per block of the stage (``a_kv``: the key/value width, narrower under GQA). ``embedding`` and ``lm_head`` cost per token (length ``s``).
-    Cached keys/values the kernels read (``p b h c d_kv`` per GEMM) count in the kernels' bytes.
-    The ``gpt`` kernels come from the analytic model's own (private) kernel builders, so the two models
-    cannot drift apart; tests pin ``c = 0`` to ``stage_cost`` exactly.
-    """
-
-    model: "AnalyticCostModel"
-    """Layer-level model of a decoder-only (causal) transformer."""
-    stage_kinds: tuple[str, ...]
-    """Layer kinds of the bottleneck stage, e.g. ``("embedding",) + ("gpt",) * 6``."""
-    memory_budget_bytes: float
-    """Activation memory of that stage in bytes."""
-    attention: str = "dense"
-    """``dense`` (keys ``c + s``, eager kernels) or ``causal`` (keys ``2 c + s``, the causal share)."""
-    buffer_bytes_per_token: float = 0.0
-    """In-flight buffers a slice holds per token until its backward: loaded inputs and message buffers
-    (:func:`~dynabatch.cost.stages.in_flight_buffer_bytes`, the largest stage's; :meth:`held_bytes`)."""
-    _counts: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        family = getattr(getattr(self.model, "spec", None), "family", None)
-        if is_seq2seq(family):
-            raise ValueError(f"token slicing needs a decoder-only model (a causal spec), got {family!r}")
-        kinds = tuple(self.stage_kinds)
-        if not kinds:
-            raise ValueError("stage_kinds needs at least one layer kind, got an empty sequence")
-        bad = sorted(set(kinds) - set(SLICE_KINDS))
-        if bad:
-            raise ValueError(f"unknown layer kinds {bad} for a sliced stage; valid kinds: {', '.join(SLICE_KINDS)}")
-        if not set(kinds) & set(SLICE_BLOCKS):
-            raise ValueError(f"a sliced stage needs at least one 'gpt' block (or half of one), got {kinds}")
-        if self.attention not in ("dense", "causal"):
-            raise ValueError(f"attention must be 'dense' or 'causal', got {self.attention!r}")
-        budget = self.memory_budget_bytes
-        if not (np.isfinite(budget) and budget > 0):
-            raise ValueError(f"memory_budget_bytes must be finite and > 0, got {budget}")
-        object.__setattr__(self, "stage_kinds", kinds)
-        object.__setattr__(self, "_counts", tuple(Counter(kinds).items()))
-
-    @classmethod
-    def from_stage_model(cls, stages, *, ref_length: int = 2048, attention: str = "dense") -> "AnalyticSliceCostModel":
-        """The slowest stage (fwd + bwd of one sample of ``ref_length`` tokens) of a
-        :class:`~dynabatch.cost.stages.StageCostModel`, with that model's memory budget."""
-        from dynabatch.cost.stages import in_flight_buffer_bytes
-
-        per = stages.per_stage(np.array([1.0]), np.array([float(ref_length)]), np.array([0.0]))
-        slowest = int(np.argmax((per.fwd_s + per.bwd_s)[:, 0]))
-        buffers = float(in_flight_buffer_bytes(per)[:, 0].max()) / ref_length  # linear in tokens (decoder-only)
-        return cls(stages.model, tuple(stages.layout.stages[slowest]), stages.memory_budget_bytes, attention,
-                   buffer_bytes_per_token=buffers)
-
-    def _keys(self, s, c):
-        return c + s if self.attention == "dense" else 2.0 * c + s
-
-    def _block_ops(self, kind: str, b, s, c) -> list:
-        """The analytic kernels of a block (``gpt``) or block half on a slice of ``s`` tokens after ``c``."""
-        m = self.model
-        attention = m._attention_ops(b, s, self._keys(s, c), True) if kind != "gpt_mlp" else []
-        return attention + (m._ffn_ops(b, s) if kind != "gpt_attn" else [])
-
-    def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
-        m, spec = self.model, self.model.spec
-        p, d, a, h, kv = spec.dtype_bytes, spec.d_model, spec.d_attn, spec.num_heads, spec.d_kv_attn  # kv: K/V width (GQA)
-        keys = self._keys(s, c)
-        time = np.zeros_like(s)
-        stored = np.zeros_like(s)
-        peak = np.zeros_like(s)
-        num_blocks = 0
-        for kind, count in self._counts:
-            if kind in SLICE_BLOCKS:  # a whole block: both halves; a half (gpt_attn / gpt_mlp): its own
-                attends, mlp = kind != "gpt_mlp", kind != "gpt_attn"
-                ops = self._block_ops(kind, b, s, c)
-                fwd = sum(m._op_time(op) for op in ops)
-                bwd = sum(m._op_time(op) * op.bwd_factor for op in ops)
-                st = (2 if kind == "gpt" else 1) * p * b * s * d  # each half's norm input
-                transient = []
-                if attends:
-                    st = st + m._attention_stored(b, s, keys) - 2 * p * b * (keys - s) * kv
-                    if m.fused_memory:
-                        transient.append(p * b * (s * a + 2 * keys * kv) + 4 * b * h * s)
-                    else:
-                        transient.append(2 * p * b * h * s * keys)
-                if mlp:
-                    st = st + m._ffn_stored(b, s)
-                    transient.append((3 if spec.gated_ffn else 2) * p * b * s * spec.d_ff)
-                pk = 2 * p * b * s * d + (np.maximum(*transient) if len(transient) == 2 else transient[0])
-                if m.recompute:
-                    bwd = bwd + fwd
-                    pk = pk + st
-                    st = p * b * s * d
-                num_blocks += count * attends
-            else:
-                cost = m.layer_cost(kind, b, s)
-                fwd, bwd, st, pk = cost.fwd_time_s, cost.bwd_time_s, cost.stored_activation_bytes, cost.peak_extra_bytes
-            time = time + count * (fwd + bwd)
-            stored = stored + count * st
-            peak = np.maximum(peak, pk)
-        peak = peak + num_blocks * 2 * p * b * c * kv
-        return time, stored, peak
-
-    def context_kv_bytes(self, b, c) -> np.ndarray:
-        """Keys and values of ``c`` context tokens over the stage's blocks: what the runtime's attention
-        saves once more per slice (it concatenates context and own keys/values, then keeps the result for
-        its backward), on top of :meth:`evaluate`'s stored bytes, which count a cache appended in place."""
-        b, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, c))
-        spec = self.model.spec
-        blocks = sum(n for kind, n in self._counts if kind in ("gpt", "gpt_attn"))
-        return blocks * 2.0 * spec.dtype_bytes * b * c * spec.d_kv_attn
-
-    def held_bytes(self, b, s, c) -> np.ndarray:
-        """What the runtime holds for a slice until its backward besides :meth:`evaluate`'s stored bytes: its
-        in-flight buffers (:attr:`buffer_bytes_per_token`) and the concatenated context keys/values
-        (:meth:`context_kv_bytes`); the planner's memory bound (:func:`plan_slices`) and the validator's
-        (:func:`slice_stage_costs`) both count them."""
-        b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
-        return self.buffer_bytes_per_token * b * s + self.context_kv_bytes(b, c)
-
-    def fwd_flops(self, b, s, c) -> np.ndarray:
-        """Forward GEMM and attention-core FLOPs of the stage on the slice (the analytic model's accounting)."""
-        b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
-        m = self.model
-        total = np.zeros_like(s)
-        for kind, count in self._counts:
-            if kind in SLICE_BLOCKS:
-                total = total + count * sum(op.flops for op in self._block_ops(kind, b, s, c))
-            else:
-                total = total + count * m.layer_cost(kind, b, s).fwd_flops
-        return total
 
 
 # --------------------------------------------------------------------------- the DP
@@ -560,44 +322,3 @@ def slice_long_samples(
         step_time_s=float(step_time_s),
         threshold_s=float(threshold),
     )
-
-
-def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c) -> "StageCosts":
-    """Per-stage costs of token slices for the runtime's schedule and memory checks: the unsliced costs
-    of ``(b, s)`` (``costs``, every micro-batch) scaled, where ``c > 0``, by the slice cost model's ratio
-    ``t(b, s, c) / t(b, s, 0)`` for times and stored bytes, plus the carried keys/values: the context's
-    key/value gradients in the peak, and, when the model says (``context_kv_bytes``), the concatenated
-    context keys/values each slice's attention keeps for its backward in the stored bytes (the
-    bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs."""
-    from dynabatch.cost.stages import StageCosts
-
-    if slice_model is None:
-        raise ValueError("token slices need a slice cost model (slice_long)")
-    bi, si, ci = (np.asarray(x, dtype=np.int64) for x in (b, s, c))
-    t1, st1, pk1 = slice_model.evaluate(bi, si, ci)
-    t0, st0, pk0 = slice_model.evaluate(bi, si, np.zeros_like(ci))
-    time_ratio = np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0)  # (M,)
-    stored_ratio = np.where(st0 > 0, st1 / np.maximum(st0, 1e-30), 1.0)
-    kv = getattr(slice_model, "context_kv_bytes", None)
-    copies = kv(bi, ci) if kv is not None else 0.0
-    return StageCosts(
-        fwd_s=costs.fwd_s * time_ratio,
-        bwd_s=costs.bwd_s * time_ratio,
-        stored_bytes=costs.stored_bytes * stored_ratio + copies,
-        peak_bytes=costs.peak_bytes + np.maximum(pk1 - pk0, 0.0),
-        send_bytes=costs.send_bytes,
-        recompute=costs.recompute,
-        load_bytes=costs.load_bytes,
-    )
-
-
-def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None) -> "StageCosts":
-    """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)`` under ``stage_model`` (a
-    :class:`~dynabatch.cost.stages.StageCostModel`); with slice ``links``, later slices priced with their
-    ``contexts`` (:func:`slice_stage_costs`); ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,))
-    prices per-segment attention. What the trainer's planner and ``dynabatch simulate`` price a step with."""
-    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
-    costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
-    if links:
-        costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], np.asarray(contexts, dtype=np.float64))
-    return costs

@@ -52,7 +52,8 @@ from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import plan_replicas
 from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
-from dynabatch.plan.slicing import SliceCostModel, slice_long_samples
+from dynabatch.plan.slice_costs import SliceCostModel
+from dynabatch.plan.slicing import slice_long_samples
 from dynabatch.sequence import is_seq2seq
 
 DEFAULT_PACK_ROWS = "device"

@@ -39,7 +39,7 @@ from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.slicing import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
+from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
 from dynabatch.runtime.dist import device_type
 from dynabatch.runtime.step import micro_batch_shape
@@ -149,7 +149,7 @@ class StepPlanner:
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
         self.slice_model = None
         if cfg.slice_long:
-            from dynabatch.plan.slicing import AnalyticSliceCostModel
+            from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
             self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
 

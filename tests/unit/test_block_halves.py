@@ -112,7 +112,7 @@ def test_stage_with_a_half_inside_is_refused():
 
 
 def test_slice_costs_price_halves_like_the_analytic_model():
-    from dynabatch.plan.slicing import AnalyticSliceCostModel
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
     model = AnalyticCostModel.from_names("gpt-1.3b", "a100-40gb")
     b, s = np.array([1.0, 2.0]), np.array([512.0, 256.0])

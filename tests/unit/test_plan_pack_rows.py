@@ -212,7 +212,7 @@ def test_bias_is_priced_on_the_longest_segment():
 
 
 def test_packing_with_token_slices_keeps_slices_whole_samples():
-    from dynabatch.plan.slicing import PolynomialSliceCostModel
+    from dynabatch.plan.slice_costs import PolynomialSliceCostModel
 
     rng = np.random.default_rng(5)
     e = np.concatenate([rng.integers(8, 100, 60), [3000]]).astype(np.int64)

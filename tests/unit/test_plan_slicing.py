@@ -9,17 +9,14 @@ import pytest
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.plan import _slicing_kernels as K
-from dynabatch.plan.slicing import (
-    MAX_GRID_POINTS,
+from dynabatch.plan.slice_costs import (
     AnalyticSliceCostModel,
     PolynomialSliceCostModel,
     SliceCostModel,
-    SlicePlan,
     causal_pairs,
-    plan_slices,
-    slice_long_samples,
     slice_stage_costs,
 )
+from dynabatch.plan.slicing import MAX_GRID_POINTS, SlicePlan, plan_slices, slice_long_samples
 from reference import slicing_reference as ref  # tests/ is on sys.path via its conftest.py
 
 # Small-number model where slicing, its overhead and the memory limit all matter for L <= 12.

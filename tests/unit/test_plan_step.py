@@ -11,7 +11,7 @@ from dynabatch.cli import main
 from dynabatch.data.baselines import BASELINES
 from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.partition import plan_partition
-from dynabatch.plan.slicing import PolynomialSliceCostModel
+from dynabatch.plan.slice_costs import PolynomialSliceCostModel
 from dynabatch.plan.step import plan_step
 
 

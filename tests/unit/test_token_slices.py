@@ -306,7 +306,7 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
     from dynabatch.cost.hardware import hardware_spec
     from dynabatch.cost.model_specs import model_spec
     from dynabatch.cost.stages import StageCostModel, balanced_layout
-    from dynabatch.plan.slicing import AnalyticSliceCostModel
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.plan.step import plan_step as plan_batch
     from dynabatch.runtime.planner import simulated_step_time
 
