@@ -200,6 +200,11 @@ class AnalyticCostModel:
     runs T5's cross-attention (no position bias) on SDPA's flash kernel even on CPU, where its biased
     self-attention takes the math path (measured: log-sum-exp and output only, no scores)."""
 
+    dense_masks: bool = False
+    """The dense reference path (``--attention dense``): every attention call takes a 4-D fp32 mask. A causal
+    stage's SDPA keeps its ``b T T`` mask for backward (once per stage, every mode); a T5 stack's checkpointed
+    blocks keep the masks and HF's all-zero cross-attention bias as inputs under ``full`` (measured on CPU)."""
+
     @property
     def fused_memory(self) -> bool:
         """No ``Tq x Tk`` score tensors in stored or transient memory (:attr:`flash_memory`)."""
@@ -226,9 +231,12 @@ class AnalyticCostModel:
         from dynabatch.sequence import is_seq2seq
 
         spec = analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[dtype])
-        fused = attention_path == "segments" and (device == "cuda" or not is_seq2seq(spec.family))
+        # causal models run SDPA on either path (its fused kernels take the dense path's masks); T5's biased
+        # attention is fused only on CUDA's padding-free kernels (varlen, flex), and HF runs it eager on the dense one
+        fused = not is_seq2seq(spec.family) or (attention_path == "segments" and device == "cuda")
         return cls(spec, hardware if hardware is not None else device_hardware(device), dropout=dropout,
                    flash_memory=True if fused else None, fused_cross_memory=attention_path == "segments",
+                   dense_masks=attention_path == "dense",
                    cast_copy_bytes=0 if autocast_dtype(dtype) is None else DTYPE_BYTES[dtype])
 
     # ---------------------------------------------------------------- public API
@@ -278,6 +286,8 @@ class AnalyticCostModel:
         stored = total("stored_activation_bytes")
         if "t5_decoder" in kinds:
             stored = stored + self.spec.dtype_bytes * np.asarray(b, float) * np.asarray(E, float) * self.spec.d_model
+        if self.dense_masks and not is_seq2seq(self.spec.family) and any(k in ("gpt", "gpt_attn") for k in kinds):
+            stored = stored + 4.0 * np.asarray(b, float) * np.asarray(E, float) ** 2  # the stage's (b, 1, T, T) mask
         peak = costs[0][0].peak_extra_bytes
         for c, _ in costs[1:]:
             peak = np.maximum(peak, c.peak_extra_bytes)
@@ -324,6 +334,9 @@ class AnalyticCostModel:
         # t5-tiny, padding-free path, both modes)
         windows = (E, D) if work is None else work.bias_lengths(E, D)
         bias = sum(4 * s.num_heads * T * T for k, T in zip(("t5_encoder", "t5_decoder"), windows) if k in blocks)
+        if self.dense_masks:  # T5 blocks' mask inputs, and the decoder's all-zero (1, h, D, E) cross bias
+            masks = {"t5_encoder": b * E * E, "t5_decoder": b * (D * D + D * E) + s.num_heads * D * E}
+            bias = bias + sum(4.0 * n for k, n in masks.items() if k in blocks)
         terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - bias, 0.0)
         terms["selective_freed_bytes"] = np.maximum(terms["selective_freed_bytes"] - bias, 0.0)
         return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})

@@ -131,7 +131,8 @@ def test_smaller_memory_gives_more_micro_batches(toy_data):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_default_cost_model_prices_memory_as_the_trainer(model_name, dtype):
     """The loader's analytic model is the trainer's planner model of the same run (one stage, CPU): the same
-    activation bytes per micro-batch, the half-precision weight copy, fused-attention memory but for T5 on CPU."""
+    activation bytes per micro-batch, the half-precision weight copy, fused-attention memory but for T5 on CPU, and
+    the dense path's masks when the loop runs it."""
     from dynabatch.config import TrainConfig
     from dynabatch.cost.stages import balanced_layout
     from dynabatch.integrations.dataloader import default_cost_model
@@ -147,7 +148,7 @@ def test_default_cost_model_prices_memory_as_the_trainer(model_name, dtype):
     b, E, D = np.array([4.0, 16.0]), np.array([96.0, 24.0]), np.array([32.0, 8.0])
     np.testing.assert_allclose(loader_model.evaluate(b, E, D), trainer_model.evaluate(b, E, D), rtol=1e-12)
     dense = default_cost_model(config, "cpu", 2**30, attention="dense").model
-    assert not dense.fused_memory
+    assert dense.dense_masks and not loader_model.model.dense_masks
 
 
 def test_loader_rejects_bad_settings(toy_data):
