@@ -1,0 +1,100 @@
+"""What each layer keeps for backward, and its backward's transient buffers: the activation-memory half of
+:class:`~dynabatch.cost.analytic.AnalyticCostModel`, a mixin over its ``spec``, ``dropout`` and memory flags
+(``fused_memory``, ``fused_cross_memory``). The terms are listed in :mod:`dynabatch.cost.analytic`'s docstring;
+each was measured against the runtime's saved tensors (README, "Activation recomputation": measured / predicted
+1.00-1.06 for GPT-2, T5 and Llama in every recompute mode, on both attention paths).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynabatch.cost.model_specs import BLOCK_HALVES
+from dynabatch.sequence import is_seq2seq
+
+LOSS_BYTES = 4
+"""fp32 log-probabilities per logit, as Hugging Face computes the loss."""
+IDS_BYTES = 8
+"""int64 token ids saved for the embedding backward, per token."""
+RMS_NORM_EXTRA_BYTES = 4
+"""Bytes per element an RMSNorm keeps beyond its input and output: Hugging Face's T5 / Llama norms multiply the
+weight by ``x * rsqrt(mean(x^2))``, computed in fp32, and keep that product for the weight's gradient (measured
+on t5-tiny: the norm's input, the fp32 product and the output, against LayerNorm's input and output)."""
+
+
+class StoredBytes:
+    """Per-layer stored and transient bytes of an analytic model (mixed into ``AnalyticCostModel``)."""
+
+    def _attention_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
+        s, p = self.spec, self.spec.dtype_bytes
+        d, a, kv = s.d_model, s.d_attn, s.d_kv_attn
+        mask = 1 if self.dropout else 0
+        core = self._core_stored(b, Tq, Tk, pairs, cross)
+        return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
+
+    def _core_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
+        """Bytes the attention core alone stores for backward (beyond its Q, K, V inputs and its output,
+        which the projections around it keep): what selective recomputation frees."""
+        h, p = self.spec.num_heads, self.spec.dtype_bytes
+        mask = 1 if self.dropout else 0
+        if self.fused_memory or (cross and self.fused_cross_memory):
+            return 4 * b * h * Tq
+        if pairs is None:
+            return (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
+        return (p + (mask + p) * mask) * h * pairs
+
+    def _ffn_stored(self, b, T):
+        s, p = self.spec, self.spec.dtype_bytes
+        mask = 1 if self.dropout else 0
+        return p * b * T * s.d_model + s.ffn_saved_tensors * p * b * T * s.d_ff + mask * b * T * s.d_model
+
+    def _norm_bytes(self) -> int:
+        """Bytes a norm keeps per element for backward besides its output: its input (+ RMSNorm's fp32 copy)."""
+        return self.spec.dtype_bytes + (RMS_NORM_EXTRA_BYTES if self.spec.rms_norm else 0)
+
+    def _stored(self, kind: str, b, E, D, pairs=None):
+        s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
+        mask = 1 if self.dropout else 0
+        nb = self._norm_bytes()
+        enc, dec, cross = (None, None, None) if pairs is None else (pairs.encoder, pairs.decoder, pairs.cross)
+        if kind in ("gpt", "t5_encoder"):
+            return 2 * nb * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)
+        if kind == "gpt_attn":  # the norm's input, the attention
+            return nb * b * E * d + self._attention_stored(b, E, E, enc)
+        if kind == "gpt_mlp":
+            return nb * b * E * d + self._ffn_stored(b, E)
+        if kind == "t5_decoder":
+            attention = self._attention_stored(b, D, D, dec) + self._attention_stored(b, D, E, cross, cross=True)
+            return 3 * nb * b * D * d + attention + self._ffn_stored(b, D)
+        if kind == "embedding":
+            return (IDS_BYTES + mask * d) * b * E
+        if kind == "decoder_embedding":
+            return (nb + mask) * b * E * d + (IDS_BYTES + mask * d) * b * D
+        n = b * (D if is_seq2seq(s.family) else E)
+        t5_mask = mask if is_seq2seq(s.family) else 0
+        return (nb + p + t5_mask) * n * d + LOSS_BYTES * n * s.vocab_size
+
+    def _peak_extra(self, kind: str, b, E, D, pairs=None):
+        s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
+        a, h, kv = s.d_attn, s.num_heads, s.d_kv_attn
+        if kind in ("embedding", "decoder_embedding"):
+            return p * b * (E + (D if kind == "decoder_embedding" else 0)) * d
+        if kind == "lm_head":  # forward: the logits and their fp32 copy; backward: two fp32 logit gradients
+            n = b * (D if is_seq2seq(s.family) else E)
+            return max(p + LOSS_BYTES, 2 * LOSS_BYTES) * n * s.vocab_size + p * n * d
+
+        def attention(Tq, Tk, n_pairs, cross: bool = False):
+            if self.fused_memory or (cross and self.fused_cross_memory):
+                return p * b * (Tq * a + 2 * Tk * kv) + 4 * b * h * Tq
+            return 2 * p * b * h * Tq * Tk if n_pairs is None else 2 * p * h * n_pairs
+
+        T = D if kind == "t5_decoder" else E
+        own = None if pairs is None else (pairs.decoder if kind == "t5_decoder" else pairs.encoder)
+        ffn = (3 if s.gated_ffn else 2) * p * b * T * s.d_ff
+        if kind in BLOCK_HALVES["gpt"]:  # one half's transient only
+            return 2 * p * b * T * d + (attention(T, T, own) if kind == "gpt_attn" else ffn)
+        transient = np.maximum(attention(T, T, own), ffn)
+        if kind == "t5_decoder":  # cross-attention buffers and the encoder-output gradient
+            cross = None if pairs is None else pairs.cross
+            transient = np.maximum(transient, attention(D, E, cross, cross=True)) + p * b * E * d
+        return 2 * p * b * T * d + transient
