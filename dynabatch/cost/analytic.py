@@ -32,6 +32,12 @@ Large Transformer Models", Eq. 1 with t = 1): ``s b h (34 + 5 a s / h)`` bytes p
   dropout mask ``bTq d``. Fused attention replaces the ``Tq Tk`` terms by the fp32 log-sum-exp ``4 b h Tq``;
 * FFN: input ``p bT d``, activation input and output ``2 p bT f`` (gated: ``3 p bT f``), dropout mask ``bT d``.
 
+Under autocast (fp32 weights, ``cast_copy_bytes > 0``; ``p`` is the autocast dtype's) the residual stream stays
+fp32, so each norm's input is 4 bytes an element, each projection saves its own half-precision cast of an fp32
+input (three for separate Q, K, V; one for GPT-2's fused ``c_attn``; two for a gated FFN; a T5 cross-attention's
+K and V each cast the encoder output), T5's unfused attention runs in fp32 (its fp32 bias promotes it) and HF's
+T5 FFN keeps one more FFN-wide cast (:class:`~dynabatch.cost.stored_bytes.StoredBytes`; measured on CPU).
+
 A T5 decoder layer adds a norm and a cross-attention (``Tq = D, Tk = E``, per-layer K and V of the
 encoder output). The encoder output itself is one tensor shared by every decoder layer, so
 :meth:`AnalyticCostModel.stage_cost` counts ``p b E d`` once per stage holding decoder layers. The loss
@@ -278,7 +284,7 @@ class AnalyticCostModel(StoredBytes):
             ctx_fwd, ctx_bwd = self.context_cost(kinds, b, E, D, pairs)
             fwd, bwd = fwd + ctx_fwd, bwd + ctx_bwd
         stored = total("stored_activation_bytes")
-        if "t5_decoder" in kinds:
+        if "t5_decoder" in kinds and not self.autocast:  # under autocast each layer's K / V projection casts it
             stored = stored + self.spec.dtype_bytes * np.asarray(b, float) * np.asarray(E, float) * self.spec.d_model
         if self.dense_masks and not is_seq2seq(self.spec.family) and any(k in ("gpt", "gpt_attn") for k in kinds):
             stored = stored + 4.0 * np.asarray(b, float) * np.asarray(E, float) ** 2  # the stage's (b, 1, T, T) mask
@@ -318,7 +324,8 @@ class AnalyticCostModel(StoredBytes):
             core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
             block_fwd = sum(self._op_time(op) for op in self._ops(k, b, E, D, work))
             terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
-            terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - p * b * T * d)
+            kept = (4 if self.autocast else p) * b * T * d  # the block's input: the residual stream
+            terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - kept)
             terms["full_peak_bytes"] = np.maximum(terms["full_peak_bytes"], stored)
             terms["selective_extra_s"] = terms["selective_extra_s"] + n * core_fwd
             terms["selective_freed_bytes"] = terms["selective_freed_bytes"] + n * core_stored
@@ -331,6 +338,8 @@ class AnalyticCostModel(StoredBytes):
         if self.dense_masks:  # T5 blocks' mask inputs, and the decoder's all-zero (1, h, D, E) cross bias
             masks = {"t5_encoder": b * E * E, "t5_decoder": b * (D * D + D * E) + s.num_heads * D * E}
             bias = bias + sum(4.0 * n for k, n in masks.items() if k in blocks)
+        if self.autocast and "t5_decoder" in blocks:  # the fp32 encoder output, a decoder block input (no cast)
+            bias = bias + 4.0 * b * E * d
         terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - bias, 0.0)
         terms["selective_freed_bytes"] = np.maximum(terms["selective_freed_bytes"] - bias, 0.0)
         return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})

@@ -86,6 +86,9 @@ class TransformerSpec:
     Seq2seq (T5) always uses RMSNorm."""
     biases: str = "all"
     """Causal blocks: linear-layer biases, ``all`` (GPT-2), ``qkv`` (Qwen2: Q/K/V only) or ``none`` (Llama)."""
+    fused_qkv: bool = False
+    """One projection computes Q, K and V (GPT-2's ``c_attn``); else three (T5, Llama). Under autocast each
+    projection saves its own half-precision copy of its fp32 input."""
     qk_norm: bool = False
     """Causal blocks: RMSNorm over each head of Q and K (Qwen3; ``2 d_kv`` weights per block)."""
     ffn_saved: float = 0.0

@@ -2,7 +2,8 @@
 :class:`~dynabatch.cost.analytic.AnalyticCostModel`, a mixin over its ``spec``, ``dropout`` and memory flags
 (``fused_memory``, ``fused_cross_memory``). The terms are listed in :mod:`dynabatch.cost.analytic`'s docstring;
 each was measured against the runtime's saved tensors (README, "Activation recomputation": measured / predicted
-1.00-1.06 for GPT-2, T5 and Llama in every recompute mode, on both attention paths).
+1.00-1.06 for GPT-2, T5 and Llama in every recompute mode on both attention paths in fp32, 0.98-1.07 under bf16
+autocast).
 """
 
 from __future__ import annotations
@@ -25,32 +26,63 @@ on t5-tiny: the norm's input, the fp32 product and the output, against LayerNorm
 class StoredBytes:
     """Per-layer stored and transient bytes of an analytic model (mixed into ``AnalyticCostModel``)."""
 
+    @property
+    def autocast(self) -> bool:
+        """fp32 weights trained under half-precision autocast (``cast_copy_bytes > 0``; ``dtype_bytes`` is the
+        autocast dtype's): the residual stream, the norms and the embeddings stay fp32, and every projection saves
+        its own half-precision cast of an fp32 input (measured on CPU under bf16 autocast)."""
+        return self.cast_copy_bytes > 0
+
+    def _projection_inputs(self, n_projections: int) -> int:
+        """Copies of a norm's output the projections reading it save: one shared tensor, or under autocast one
+        half-precision cast per projection."""
+        return n_projections if self.autocast else 1
+
     def _attention_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
         s, p = self.spec, self.spec.dtype_bytes
         d, a, kv = s.d_model, s.d_attn, s.d_kv_attn
         mask = 1 if self.dropout else 0
         core = self._core_stored(b, Tq, Tk, pairs, cross)
-        return p * b * Tq * d + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
+        if cross:  # Q from the norm; K and V from the encoder output (under autocast each casts it)
+            inputs = p * b * Tq * d + (2 * p * b * Tk * d if self.autocast else 0)
+        else:
+            inputs = self._projection_inputs(1 if s.fused_qkv else 3) * p * b * Tq * d
+        return inputs + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
+
+    def _fp32_core(self, cross: bool) -> bool:
+        """Under autocast, T5's unfused attention core runs in fp32: the fp32 position bias (all zeros for HF's
+        cross-attention) promotes it, so its scores and SDPA math's copies of Q, K, V are fp32 (measured on CPU)."""
+        fused = self.fused_memory or (cross and self.fused_cross_memory)
+        return self.autocast and is_seq2seq(self.spec.family) and not fused
 
     def _core_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
         """Bytes the attention core alone stores for backward (beyond its Q, K, V inputs and its output,
-        which the projections around it keep): what selective recomputation frees."""
-        h, p = self.spec.num_heads, self.spec.dtype_bytes
+        which the projections around it keep): what selective recomputation frees. An fp32 core
+        (:meth:`_fp32_core`) keeps fp32 scores and fp32 copies of Q, K, V in place of the half-precision ones
+        (under selective the half-precision inputs stay, the copies go)."""
+        s, h, p = self.spec, self.spec.num_heads, self.spec.dtype_bytes
         mask = 1 if self.dropout else 0
         if self.fused_memory or (cross and self.fused_cross_memory):
             return 4 * b * h * Tq
-        if pairs is None:
-            return (p + (mask + p) * mask) * b * h * Tq * Tk  # softmax output (+ dropout mask and output)
-        return (p + (mask + p) * mask) * h * pairs
+        copies = 0
+        if self._fp32_core(cross):
+            copies, p = (4 - p) * b * (Tq * s.d_attn + 2 * Tk * s.d_kv_attn), 4
+        scores = b * Tq * Tk if pairs is None else pairs
+        return copies + (p + (mask + p) * mask) * h * scores  # softmax output (+ dropout mask and output)
 
     def _ffn_stored(self, b, T):
         s, p = self.spec, self.spec.dtype_bytes
         mask = 1 if self.dropout else 0
-        return p * b * T * s.d_model + s.ffn_saved_tensors * p * b * T * s.d_ff + mask * b * T * s.d_model
+        inputs = self._projection_inputs(2 if s.gated_ffn else 1) * p * b * T * s.d_model
+        # HF's T5 FFN casts the activation to the fp32 down projection's dtype, which autocast casts back and keeps
+        round_trip = p * b * T * s.d_ff if self.autocast and is_seq2seq(s.family) else 0
+        return inputs + s.ffn_saved_tensors * p * b * T * s.d_ff + round_trip + mask * b * T * s.d_model
 
     def _norm_bytes(self) -> int:
-        """Bytes a norm keeps per element for backward besides its output: its input (+ RMSNorm's fp32 copy)."""
-        return self.spec.dtype_bytes + (RMS_NORM_EXTRA_BYTES if self.spec.rms_norm else 0)
+        """Bytes a norm keeps per element for backward besides its output: its input, the residual stream (fp32
+        under autocast), and RMSNorm's fp32 copy."""
+        residual = 4 if self.autocast else self.spec.dtype_bytes
+        return residual + (RMS_NORM_EXTRA_BYTES if self.spec.rms_norm else 0)
 
     def _stored(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model

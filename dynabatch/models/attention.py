@@ -298,7 +298,8 @@ def segment_attention(
                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)  # (B, Q, H, Dh)
     b, h, q_len, head_dim = query.shape
-    out = query.new_zeros(b, q_len, h, head_dim)  # (B, Q, H, Dh)
+    out = None  # (B, Q, H, Dh) in SDPA's output dtype: under autocast it may differ from the queries' (Llama's
+    # rotary embedding leaves them fp32 while SDPA computes in half precision)
     for index, g in enumerate(segments.groups):
         _, qs, ks = g.first
         q = _take(query, g, g.query_starts, g.query_len, qs)
@@ -307,8 +308,10 @@ def segment_attention(
         mask, causal = _cached_mask(segments, index, bias, query.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
                                            scale=scale, enable_gqa=gqa).transpose(1, 2)  # (n, lq, H, Dh)
+        if out is None:
+            out = o.new_zeros(b, q_len, h, head_dim)
         _put(out, o, g)
-    return out
+    return out if out is not None else query.new_zeros(b, q_len, h, head_dim)
 
 
 def _put(out: torch.Tensor, o: torch.Tensor, g: SegmentGroup) -> None:

@@ -94,7 +94,8 @@ def test_gpt_param_counts_match_hf():
     model = AnalyticCostModel(GPT_SMALL, A100)
     assert model.param_count("gpt") == _count(GPT2Block(config))
     assert model.num_params() == _count(GPT2LMHeadModel(config))
-    assert analytic_spec(config) == replace(GPT_SMALL, ffn_saved=5.0)  # HF's gelu_new keeps five FFN-wide tensors
+    # HF's gelu_new keeps five FFN-wide tensors; one c_attn projects Q, K and V
+    assert analytic_spec(config) == replace(GPT_SMALL, ffn_saved=5.0, fused_qkv=True)
 
 
 LLAMA_STYLE_CONFIGS = {

@@ -91,6 +91,23 @@ def test_near_equal_lengths_share_one_padded_call(monkeypatch):
     assert [g.size for g in build_segments("causal", ids).groups] == [1, 1, 1, 1]
 
 
+def test_segment_attention_returns_sdpas_dtype_under_autocast():
+    """Under bf16 autocast SDPA computes in bf16 even when the queries are fp32 (Llama's rotary embedding leaves
+    them so): the output takes SDPA's dtype. It was allocated like the queries, and index_put refused the bf16
+    groups, so Llama could not train in bf16 on the padding-free path."""
+    from dynabatch.models.attention import segment_attention
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]])  # a packed row and a padded one
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    seg = build_segments("causal", ids)
+    reference = segment_attention(q, k, v, seg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = segment_attention(q, k, v, seg)
+    assert out.dtype == torch.bfloat16 and reference.dtype == torch.float32
+    torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_a_switched_model_still_runs_dense_masks_and_generation(implementation):
     model = MODELS["gpt2"]().eval()

@@ -33,6 +33,7 @@ def gpt2_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
         dtype_bytes=dtype_bytes,
         tie_embeddings=bool(config.tie_word_embeddings),
         max_positions=config.n_positions,
+        fused_qkv=True,
         ffn_saved=ffn_saved_tensors(config.activation_function, gated=False),
     )
 
