@@ -263,7 +263,7 @@ class AnalyticCostModel(StoredBytes):
         if self.recompute and kind in BLOCK_KINDS:
             bwd = bwd + fwd
             peak = peak + stored
-            stored = self.spec.dtype_bytes * b * (D if kind == "t5_decoder" else E) * self.spec.d_model
+            stored = self._residual_bytes() * b * (D if kind == "t5_decoder" else E) * self.spec.d_model
         out = [np.broadcast_to(x, b.shape) for x in (fwd, bwd, flops, stored, peak)]
         return LayerCost(*[float(x) if scalar else x.copy() for x in out])
 
@@ -324,8 +324,7 @@ class AnalyticCostModel(StoredBytes):
             core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
             block_fwd = sum(self._op_time(op) for op in self._ops(k, b, E, D, work))
             terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
-            kept = (4 if self.autocast else p) * b * T * d  # the block's input: the residual stream
-            terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - kept)
+            terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - self._residual_bytes() * b * T * d)
             terms["full_peak_bytes"] = np.maximum(terms["full_peak_bytes"], stored)
             terms["selective_extra_s"] = terms["selective_extra_s"] + n * core_fwd
             terms["selective_freed_bytes"] = terms["selective_freed_bytes"] + n * core_stored

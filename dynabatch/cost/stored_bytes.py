@@ -81,8 +81,11 @@ class StoredBytes:
     def _norm_bytes(self) -> int:
         """Bytes a norm keeps per element for backward besides its output: its input, the residual stream (fp32
         under autocast), and RMSNorm's fp32 copy."""
-        residual = 4 if self.autocast else self.spec.dtype_bytes
-        return residual + (RMS_NORM_EXTRA_BYTES if self.spec.rms_norm else 0)
+        return self._residual_bytes() + (RMS_NORM_EXTRA_BYTES if self.spec.rms_norm else 0)
+
+    def _residual_bytes(self) -> int:
+        """Bytes per element of the residual stream (a block's input): fp32 under autocast."""
+        return 4 if self.autocast else self.spec.dtype_bytes
 
     def _stored(self, kind: str, b, E, D, pairs=None):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model

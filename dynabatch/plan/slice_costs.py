@@ -12,6 +12,7 @@ is :mod:`dynabatch.plan.slicing`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -145,6 +146,9 @@ class AnalyticSliceCostModel:
     buffer_bytes_per_token: float = 0.0
     """In-flight buffers a slice holds per token until its backward: loaded inputs and message buffers
     (:func:`~dynabatch.cost.stages.in_flight_buffer_bytes`, the largest stage's; :meth:`held_bytes`)."""
+    stages: object = field(default=None, repr=False, compare=False)
+    """The :class:`~dynabatch.cost.stages.StageCostModel` it was taken from (:meth:`from_stage_model`), for
+    :meth:`chain_memory`; ``None``: the chain is checked on this stage's own numbers."""
     _counts: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,14 +174,33 @@ class AnalyticSliceCostModel:
     @classmethod
     def from_stage_model(cls, stages, *, ref_length: int = 2048, attention: str = "dense") -> "AnalyticSliceCostModel":
         """The slowest stage (fwd + bwd of one sample of ``ref_length`` tokens) of a
-        :class:`~dynabatch.cost.stages.StageCostModel`, with that model's memory budget."""
+        :class:`~dynabatch.cost.stages.StageCostModel`, with that model's memory budget. Under its ``full``
+        recompute policy the slices' blocks are priced recomputed, as the runtime runs them; under ``auto`` and
+        ``selective`` without (the safe side: a slice's mode there is chosen for its own shape)."""
         from dynabatch.cost.stages import in_flight_buffer_bytes
 
         per = stages.per_stage(np.array([1.0]), np.array([float(ref_length)]), np.array([0.0]))
         slowest = int(np.argmax((per.fwd_s + per.bwd_s)[:, 0]))
         buffers = float(in_flight_buffer_bytes(per)[:, 0].max()) / ref_length  # linear in tokens (decoder-only)
-        return cls(stages.model, tuple(stages.layout.stages[slowest]), stages.memory_budget_bytes, attention,
-                   buffer_bytes_per_token=buffers)
+        model = stages.model
+        if getattr(stages, "recompute", "none") == "full" and hasattr(model, "recompute"):  # slices recompute too
+            model = dataclasses.replace(model, recompute=True)
+        return cls(model, tuple(stages.layout.stages[slowest]), stages.memory_budget_bytes, attention,
+                   buffer_bytes_per_token=buffers, stages=stages)
+
+    def chain_memory(self, b: int, s: np.ndarray, c: np.ndarray) -> np.ndarray | None:
+        """(k,) a chain's memory while each of its slices (``s`` tokens after ``c``) runs its backward, as the
+        runtime's validator counts it (:func:`slice_stage_costs` of :attr:`stages`, with recompute modes and
+        in-flight buffers): the kept bytes of it and every earlier slice plus its peak, the largest over the
+        stages. ``None`` without :attr:`stages`."""
+        if self.stages is None:
+            return None
+        from dynabatch.cost.stages import in_flight_buffer_bytes
+
+        bb, ss = np.full(len(s), float(b)), np.asarray(s, dtype=np.float64)
+        costs = slice_stage_costs(self.stages.per_stage(bb, ss, np.zeros_like(ss)), self, bb, ss, c)
+        kept = costs.stored_bytes + in_flight_buffer_bytes(costs)  # (S, k)
+        return (np.cumsum(kept, axis=1) + costs.peak_bytes).max(axis=0)
 
     def _keys(self, s, c):
         return c + s if self.attention == "dense" else 2.0 * c + s
@@ -218,7 +241,7 @@ class AnalyticSliceCostModel:
                 if m.recompute:
                     bwd = bwd + fwd
                     pk = pk + st
-                    st = p * b * s * d
+                    st = m._residual_bytes() * b * s * d
                 num_blocks += count * attends
             else:
                 cost = m.layer_cost(kind, b, s)

@@ -19,9 +19,9 @@ boundary sets on the grid (tests check it against brute force).
 Memory bound. Slices run their forward passes in order and their backward passes in reverse (a slice's
 gradient flows into the keys and values of every earlier slice), so while slice ``j`` runs its backward
 the stored activations of slices ``1 .. j`` are live. Each slice also keeps what the model's optional
-``held_bytes(b, s, c)`` says (:meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.held_bytes`: its in-flight buffers, loaded inputs
-and messages, and the concatenated context keys/values its attention saves); ``kept = stored + held``. The DP
-checks, for every candidate slice,
+``held_bytes(b, s, c)`` says (:meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.held_bytes`: its
+in-flight buffers, loaded inputs and messages, and the concatenated context keys/values its attention saves);
+``kept = stored + held``. The DP checks, for every candidate slice,
 
     kept(b, c_j, 0) + kept(b, s_j, c_j) + peak(b, s_j, c_j) + reserved_bytes <= memory_budget_bytes
 
@@ -29,14 +29,17 @@ where ``kept(b, c, 0)``, the unsliced prefix, bounds the earlier slices' stored 
 values included) whenever stored bytes are sub-additive along the sequence (true for both cost models
 here: equal for linear terms and causal-pair terms, an over-estimate of the dense ``s (c + s)`` softmax
 storage). It does not bound the earlier slices' context copies, which depend on the whole path: so the
-chosen slices' real timeline, ``sum_{i <= j} kept_i + peak_j + reserved``, is checked, and where it is over the
-budget the DP is solved again with the budget less the excess (at most :data:`MAX_TIGHTENINGS` times). That
-timeline is :func:`~dynabatch.plan.slice_costs.slice_stage_costs`' accounting, the one the schedule validator checks (for the slowest
-stage); ``SlicePlan.memory_bound_bytes`` reports it. ``reserved_bytes`` is memory held by other micro-batches
-in flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that
-the validator then refused mid-run.
+chosen slices' real timeline, ``sum_{i <= j} kept_i + peak_j + reserved``, is checked, and where it is over
+the budget the DP is solved again with the budget less the excess (at most :data:`MAX_TIGHTENINGS` times).
+A model that knows its pipeline (``chain_memory``:
+:meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.chain_memory`) gives that timeline as the schedule
+validator counts it, on every stage and with the recompute modes the runtime uses (under ``full`` its peak
+adds the largest block's stored bytes to the largest layer peak, more than the slice model's per-layer sum);
+``SlicePlan.memory_bound_bytes`` reports it. ``reserved_bytes`` is memory held by other micro-batches in
+flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that the
+validator then refused mid-run.
 
-Measured (2 shared CPU cores, warm, median; :class:`AnalyticSliceCostModel` of gpt-1.3b on a100-80gb,
+Measured (2 shared CPU cores, warm, median; :class:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel` of gpt-1.3b on a100-80gb,
 slowest of 4 balanced stages = 7 blocks, one 2048-token sample, eager dense attention): unsliced
 ``4 t = 144.6 ms``; sliced 56.7 ms at g = 64 (8 slices, 320 .. 192 tokens, later slices shorter as
 their context grows), 55.9 ms at g = 16, 55.5 ms at g = 1 (x2.6). ``attention="causal"`` gives 64.0 ms
@@ -170,8 +173,11 @@ def plan_slices(
             _raise_infeasible(length, batch_size, granularity, max_slices, budget, reserved_bytes, T, points,
                               memory + slack)
         flat = path[1:] * (path[1:] - 1) // 2 + path[:-1]
-        # the chain's real timeline: slice j's backward runs with slices 0..j stored (their own copies included)
-        exact = np.cumsum(kept[flat]) + peak[flat] + float(reserved_bytes)
+        # the chain's real timeline: slice j's backward runs with slices 0..j stored (their own copies included),
+        # as the validator counts it when the model knows its stages
+        chain = getattr(cost_model, "chain_memory", None)
+        timeline = chain(batch_size, points[path[1:]] - points[path[:-1]], points[path[:-1]]) if chain else None
+        exact = (np.cumsum(kept[flat]) + peak[flat] if timeline is None else timeline) + float(reserved_bytes)
         over = float(exact.max()) - budget
         if over <= 0:
             break
