@@ -49,11 +49,15 @@ class StoredBytes:
             inputs = self._projection_inputs(1 if s.fused_qkv else 3) * p * b * Tq * d
         return inputs + p * b * (Tq * a + 2 * Tk * kv) + core + p * b * Tq * a + mask * b * Tq * d
 
+    def _fused_core(self, cross: bool) -> bool:
+        """The attention core keeps no score tensors (:attr:`fused_memory`; cross-attention also with
+        :attr:`fused_cross_memory`)."""
+        return self.fused_memory or (cross and self.fused_cross_memory)
+
     def _fp32_core(self, cross: bool) -> bool:
         """Under autocast, T5's unfused attention core runs in fp32: the fp32 position bias (all zeros for HF's
         cross-attention) promotes it, so its scores and SDPA math's copies of Q, K, V are fp32 (measured on CPU)."""
-        fused = self.fused_memory or (cross and self.fused_cross_memory)
-        return self.autocast and is_seq2seq(self.spec.family) and not fused
+        return self.autocast and is_seq2seq(self.spec.family) and not self._fused_core(cross)
 
     def _core_stored(self, b, Tq, Tk, pairs=None, cross: bool = False):
         """Bytes the attention core alone stores for backward (beyond its Q, K, V inputs and its output,
@@ -62,7 +66,7 @@ class StoredBytes:
         (under selective the half-precision inputs stay, the copies go)."""
         s, h, p = self.spec, self.spec.num_heads, self.spec.dtype_bytes
         mask = 1 if self.dropout else 0
-        if self.fused_memory or (cross and self.fused_cross_memory):
+        if self._fused_core(cross):
             return 4 * b * h * Tq
         copies = 0
         if self._fp32_core(cross):
@@ -119,7 +123,7 @@ class StoredBytes:
             return max(p + LOSS_BYTES, 2 * LOSS_BYTES) * n * s.vocab_size + p * n * d
 
         def attention(Tq, Tk, n_pairs, cross: bool = False):
-            if self.fused_memory or (cross and self.fused_cross_memory):
+            if self._fused_core(cross):
                 return p * b * (Tq * a + 2 * Tk * kv) + 4 * b * h * Tq
             return 2 * p * b * h * Tq * Tk if n_pairs is None else 2 * p * h * n_pairs
 
