@@ -36,7 +36,11 @@ def _block_weight_bytes_bf16(stage) -> int:
 def test_micro_batches_in_flight_share_one_bf16_copy_of_the_weights(tmp_path, monkeypatch):
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
+    from dynabatch.runtime.memory import SavedActivationMeter
     from dynabatch.runtime.step import micro_batch_shape, plan_step, step_payloads
+
+    # the meter leaves autocast's weight copies out (model states); count them here, where they are the point
+    monkeypatch.setattr(SavedActivationMeter, "_is_weight_cast", lambda self, t: False)
 
     ctx = init_distributed(1, 1, rank=0, world_size=1, init_method=f"file://{tmp_path}/init", timeout_s=30)
     try:
@@ -64,3 +68,18 @@ def test_micro_batches_in_flight_share_one_bf16_copy_of_the_weights(tmp_path, mo
     copies = _block_weight_bytes_bf16(stage)
     # per-forward autocast: six micro-batches in flight hold six copies; shared: one
     assert own_peak - shared_peak >= 0.9 * 5 * copies, (own_peak, shared_peak, copies)
+
+
+def test_the_meter_leaves_autocast_weight_copies_out():
+    """Under autocast a linear saves its bf16 weight copy (a view of it) and its input's bf16 cast: the meter
+    counts the input's cast (an activation) and not the weight's (a model state, priced as ``cast_copy_bytes``)."""
+    from dynabatch.runtime.memory import SavedActivationMeter
+
+    layer = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedActivationMeter(exclude=layer.parameters()) as meter, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    assert meter.peak_bytes == 8 * 64 * 2  # x's bf16 cast only (the weight's would add 64 * 32 * 2)
+    with SavedActivationMeter(exclude=()) as all_saved, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    assert all_saved.peak_bytes == 8 * 64 * 2 + 64 * 32 * 2  # not excluded: the weight's copy counts
