@@ -90,6 +90,7 @@ import numpy as np
 from dynabatch.cost.hardware import HardwareSpec, hardware_spec
 from dynabatch.cost.model_specs import (
     BLOCK_KINDS,
+    CAUSAL_ATTENTION_KINDS,
     TransformerSpec,
     check_kind,
     layer_kinds,
@@ -286,7 +287,7 @@ class AnalyticCostModel(StoredBytes):
         stored = total("stored_activation_bytes")
         if "t5_decoder" in kinds and not self.autocast:  # under autocast each layer's K / V projection casts it
             stored = stored + self.spec.dtype_bytes * np.asarray(b, float) * np.asarray(E, float) * self.spec.d_model
-        if self.dense_masks and not is_seq2seq(self.spec.family) and any(k in ("gpt", "gpt_attn") for k in kinds):
+        if self.dense_masks and not is_seq2seq(self.spec.family) and any(k in CAUSAL_ATTENTION_KINDS for k in kinds):
             stored = stored + 4.0 * np.asarray(b, float) * np.asarray(E, float) ** 2  # the stage's (b, 1, T, T) mask
         peak = costs[0][0].peak_extra_bytes
         for c, _ in costs[1:]:

@@ -39,6 +39,8 @@ BLOCK_HALVES: dict[str, tuple[str, str]] = {"gpt": ("gpt_attn", "gpt_mlp")}
 """Block kinds a layer split may cut inside, and their two halves in model order: ``gpt_attn`` (the first
 norm, self-attention and its residual add), ``gpt_mlp`` (the second norm, the MLP and its residual add)."""
 BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder", *(h for pair in BLOCK_HALVES.values() for h in pair))
+CAUSAL_ATTENTION_KINDS = ("gpt", BLOCK_HALVES["gpt"][0])
+"""Decoder-only layer kinds that run attention: a whole block, or its attention half."""
 """Transformer blocks and block halves: every pipeline stage holds at least one, cuts fall just before one, and
 full recomputation checkpoints each."""
 NORMS = ("layer", "rms")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any
 
 from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, make_batcher
@@ -234,9 +234,9 @@ class DynaBatchDataLoader:
                     f"data is tokenized for {self.family!r} models"
                 )
         tokens = self.batcher.data.tokens
-        unused = {k: v for k, v in (("hardware", self.hardware), ("device_memory_bytes", self.device_memory_bytes),
-                                    ("dtype", self.dtype), ("attention", self.attention))
-                  if v not in (None, "auto", "fp32", "segments")}
+        defaults = {f.name: f.default for f in fields(self)}
+        unused = {k: getattr(self, k) for k in ("hardware", "device_memory_bytes", "dtype", "attention")
+                  if getattr(self, k) != defaults[k]}
         if unused and (self.method != "dynamic" or self.cost_model is not None or self.model_config is None):
             warnings.warn(
                 f"{unused} only shape the analytic cost model built from model_config for method 'dynamic' "

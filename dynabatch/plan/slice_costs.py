@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from dynabatch.cost.model_specs import BLOCK_HALVES
-from dynabatch.plan.costs import check_non_negative_fields
+from dynabatch.cost.model_specs import BLOCK_HALVES, CAUSAL_ATTENTION_KINDS
+from dynabatch.plan.costs import PolynomialCostModel, check_non_negative_fields
 from dynabatch.sequence import is_seq2seq
 
 if TYPE_CHECKING:
@@ -64,6 +64,9 @@ def causal_pairs(s, c):
     return s * np.asarray(c, dtype=np.float64) + s * (s + 1.0) / 2.0
 
 
+_MB = PolynomialCostModel()  # the micro-batch polynomial whose constants a slice shares
+
+
 @dataclass(frozen=True)
 class PolynomialSliceCostModel:
     """Analytic slice cost, polynomial in ``(b, s, c)``; defaults: one stage of 6 GPT blocks, d = 768.
@@ -79,22 +82,22 @@ class PolynomialSliceCostModel:
     :class:`~dynabatch.plan.costs.PolynomialCostModel` (1e14 FLOP/s, Korthikanti et al. 2022).
     """
 
-    memory_budget_bytes: float = 16 * 2**30
+    memory_budget_bytes: float = _MB.memory_budget_bytes
     """Activation memory per stage in bytes (default 16 GiB)."""
-    overhead_s: float = 5e-4
+    overhead_s: float = _MB.overhead_s
     """Fixed time per slice: kernel launches, p2p latency, small-slice inefficiency."""
-    time_per_token_s: float = 2.5e-6
-    """Linear layers, fwd + bwd: 72 d^2 FLOPs per token per layer x 6 layers / 1e14 FLOP/s."""
-    time_per_pair_s: float = 5.5e-10
-    """Attention core, fwd + bwd: 12 d FLOPs per causal (query, key) pair per layer x 6 layers / 1e14 FLOP/s."""
-    stored_per_token_bytes: float = 6 * 34 * 768
-    """Korthikanti Eq. 1 linear term: 34 d bytes per token per layer x 6 layers (own keys/values included)."""
-    stored_per_pair_bytes: float = 6 * 5 * 12
-    """Softmax output, dropout mask and output: 5 bytes per head per pair, 12 heads, 6 layers (0: flash)."""
-    peak_per_token_bytes: float = 8 * 768 * 2
-    """Transient backward buffers: a few hidden-state gradients (16-bit) per token."""
-    peak_per_pair_bytes: float = 2 * 2 * 12
-    """Attention-score gradient of one layer: 16-bit, 12 heads, twice."""
+    time_per_token_s: float = _MB.time_per_token_s
+    """Linear layers, fwd + bwd, per token (own keys/values included)."""
+    time_per_pair_s: float = _MB.time_per_token_pair_s
+    """Attention core, fwd + bwd, per causal (query, key) pair."""
+    stored_per_token_bytes: float = _MB.stored_per_token_bytes
+    """Korthikanti Eq. 1 linear term per token (own keys/values included)."""
+    stored_per_pair_bytes: float = _MB.stored_per_token_pair_bytes
+    """Softmax output, dropout mask and output per pair (0: flash)."""
+    peak_per_token_bytes: float = _MB.peak_per_token_bytes
+    """Transient backward buffers per token."""
+    peak_per_pair_bytes: float = _MB.peak_per_token_pair_bytes
+    """Attention-score gradient of one layer per pair."""
     peak_per_context_token_bytes: float = 6 * 2 * 2 * 768
     """Gradients of the context's keys and values, 16-bit, for every layer of the stage."""
 
@@ -258,7 +261,7 @@ class AnalyticSliceCostModel:
         its backward), on top of :meth:`evaluate`'s stored bytes, which count a cache appended in place."""
         b, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, c))
         spec = self.model.spec
-        blocks = sum(n for kind, n in self._counts if kind in ("gpt", "gpt_attn"))
+        blocks = sum(n for kind, n in self._counts if kind in CAUSAL_ATTENTION_KINDS)
         return blocks * 2.0 * spec.dtype_bytes * b * c * spec.d_kv_attn
 
     def held_bytes(self, b, s, c) -> np.ndarray:

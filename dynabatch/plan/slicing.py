@@ -165,6 +165,7 @@ def plan_slices(
     prefix = np.concatenate(([0.0], kept[starts == 0]))  # kept(b, x_i, 0) at grid point i
     memory = prefix[starts] + kept + peak + float(reserved_bytes)
     T = np.full((n + 1, n + 1), np.inf)
+    chain = getattr(cost_model, "chain_memory", None)  # the validator's own accounting, when the model has it
     slack = 0.0
     for _ in range(MAX_TIGHTENINGS):
         T[ends, starts] = np.where(memory + slack <= budget, t, np.inf)
@@ -173,9 +174,7 @@ def plan_slices(
             _raise_infeasible(length, batch_size, granularity, max_slices, budget, reserved_bytes, T, points,
                               memory + slack)
         flat = path[1:] * (path[1:] - 1) // 2 + path[:-1]
-        # the chain's real timeline: slice j's backward runs with slices 0..j stored (their own copies included),
-        # as the validator counts it when the model knows its stages
-        chain = getattr(cost_model, "chain_memory", None)
+        # the chain's real timeline: slice j's backward runs with slices 0..j stored (their own copies included)
         timeline = chain(batch_size, points[path[1:]] - points[path[:-1]], points[path[:-1]]) if chain else None
         exact = (np.cumsum(kept[flat]) + peak[flat] if timeline is None else timeline) + float(reserved_bytes)
         over = float(exact.max()) - budget
