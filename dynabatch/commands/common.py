@@ -98,7 +98,7 @@ class Workload:
     """A StageCostModel over the analytic model (planner and simulator view)."""
     options: BaselineOptions
     split_blocks: bool = True
-    """``--split-blocks auto|on``: layer splits may cut inside decoder-only blocks."""
+    """``--split-blocks auto|on``: layer splits may cut inside blocks (decoder-only, T5 encoder)."""
 
 
 def resolve(args: argparse.Namespace) -> Workload:

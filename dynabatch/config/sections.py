@@ -141,8 +141,8 @@ class PipelineArgs:
                 "priced by the planner's base cost model (data), or over one reference micro-batch of 4 x min(max "
                 "input, 512) / min(max target, 128) tokens (reference)")
     split_blocks: Literal[SPLIT_BLOCKS] = arg(
-        "auto", "decoder-only models: the layer split may also cut inside a block, between its attention and MLP "
-                "halves, where that takes more than a hundredth off the slowest stage's time: auto (wherever the cost "
+        "auto", "the layer split may also cut inside a block, between its attention and MLP halves (decoder-only "
+                "blocks, T5 encoder blocks), where that takes more than a hundredth off the slowest stage's time: auto (wherever the cost "
                 "model prices halves: the analytic model, not --cost-profile), on (an error with --cost-profile) or "
                 "off (whole blocks)")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")

@@ -89,8 +89,11 @@ import numpy as np
 
 from dynabatch.cost.hardware import HardwareSpec, hardware_spec
 from dynabatch.cost.model_specs import (
+    ATTENTION_HALVES,
     BLOCK_KINDS,
     CAUSAL_ATTENTION_KINDS,
+    ENCODER_ATTENTION_KINDS,
+    FFN_HALVES,
     TransformerSpec,
     check_kind,
     layer_kinds,
@@ -318,8 +321,9 @@ class AnalyticCostModel(StoredBytes):
         for k, n in Counter(blocks).items():
             T = D if k == "t5_decoder" else E
             stored = self._stored(k, b, E, D, work)
-            cores = {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)],
-                     "gpt_mlp": []}.get(k, [(E, E, role("encoder"), False)])
+            cores = ([] if k in FFN_HALVES else
+                     {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)]}.get(
+                         k, [(E, E, role("encoder"), False)]))
             core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
                            for op in self._core_ops(b, tq, tk, pr, calls))
             core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
@@ -334,10 +338,11 @@ class AnalyticCostModel(StoredBytes):
         # fp32 (1, h, T, T) position-bias window as an input, so it stays stored once per stack (measured on
         # t5-tiny, padding-free path, both modes)
         windows = (E, D) if work is None else work.bias_lengths(E, D)
-        bias = sum(4 * s.num_heads * T * T for k, T in zip(("t5_encoder", "t5_decoder"), windows) if k in blocks)
+        stacks = (any(k in ENCODER_ATTENTION_KINDS for k in blocks), "t5_decoder" in blocks)  # (an FFN half: neither)
+        bias = sum(4 * s.num_heads * T * T for T, held in zip(windows, stacks) if held)
         if self.dense_masks:  # T5 blocks' mask inputs, and the decoder's all-zero (1, h, D, E) cross bias
-            masks = {"t5_encoder": b * E * E, "t5_decoder": b * (D * D + D * E) + s.num_heads * D * E}
-            bias = bias + sum(4.0 * n for k, n in masks.items() if k in blocks)
+            masks = (b * E * E, b * (D * D + D * E) + s.num_heads * D * E)
+            bias = bias + sum(4.0 * n for n, held in zip(masks, stacks) if held)
         if self.autocast and "t5_decoder" in blocks:  # the fp32 encoder output, a decoder block input (no cast)
             bias = bias + 4.0 * b * E * d
         terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - bias, 0.0)
@@ -350,14 +355,14 @@ class AnalyticCostModel(StoredBytes):
         per micro-batch (module docstring); zero for a stage without T5 blocks and for GPT. With ``pairs``
         the mask elements are the pairs (per-segment masks); the bias keeps its ``(1, h, T, T)`` size."""
         s, p = self.spec, self.spec.dtype_bytes
-        kind = next((k for k in kinds if k in ("t5_decoder", "t5_encoder")), None)
-        if kind is None:
+        kind = next((k for k in kinds if k in ("t5_decoder", *ENCODER_ATTENTION_KINDS)), None)
+        if kind is None:  # no T5 attention (GPT, or only an encoder block's FFN half)
             return 0.0, 0.0
         _, (b, E, D) = self._inputs(kind, b, E, D)
         work = _broadcast_pairs(pairs, b.shape)
         masks, bias_pairs = np.zeros_like(b), []
         Le, Ld = (E, D) if work is None else work.bias_lengths(E, D)  # noqa: N806 - the bias windows
-        if "t5_encoder" in kinds:
+        if any(k in ENCODER_ATTENTION_KINDS for k in kinds):
             masks = masks + (b * E * E if work is None else work.encoder)
             bias_pairs.append(Le * Le)
         if "t5_decoder" in kinds:
@@ -493,9 +498,9 @@ class AnalyticCostModel(StoredBytes):
             pairs.role("encoder"), pairs.role("decoder"), pairs.role("cross"))
         if kind in ("gpt", "t5_encoder"):
             return self._attention_ops(b, E, E, True, *enc) + self._ffn_ops(b, E)
-        if kind == "gpt_attn":
+        if kind in ATTENTION_HALVES:
             return self._attention_ops(b, E, E, True, *enc)
-        if kind == "gpt_mlp":
+        if kind in FFN_HALVES:
             return self._ffn_ops(b, E)
         if kind == "t5_decoder":
             return (self._attention_ops(b, D, D, True, *dec) + self._attention_ops(b, D, E, False, *cross)

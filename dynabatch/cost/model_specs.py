@@ -30,19 +30,27 @@ from dynabatch.sequence import CAUSAL, SEQ2SEQ, SEQUENCE_KINDS, is_seq2seq, sequ
 
 FAMILIES = SEQUENCE_KINDS
 LAYER_KINDS: dict[str, tuple[str, ...]] = {
-    SEQ2SEQ: ("embedding", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head"),
+    SEQ2SEQ: ("embedding", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head", "t5_enc_attn", "t5_enc_ffn"),
     CAUSAL: ("embedding", "gpt", "lm_head", "gpt_attn", "gpt_mlp"),
 }
-"""The layer kinds each sequence kind is made of (``gpt_attn`` / ``gpt_mlp``: the halves of a ``gpt`` block
-that a stage boundary cuts, :data:`BLOCK_HALVES`)."""
-BLOCK_HALVES: dict[str, tuple[str, str]] = {"gpt": ("gpt_attn", "gpt_mlp")}
-"""Block kinds a layer split may cut inside, and their two halves in model order: ``gpt_attn`` (the first
-norm, self-attention and its residual add), ``gpt_mlp`` (the second norm, the MLP and its residual add)."""
-BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder", *(h for pair in BLOCK_HALVES.values() for h in pair))
-CAUSAL_ATTENTION_KINDS = ("gpt", BLOCK_HALVES["gpt"][0])
-"""Decoder-only layer kinds that run attention: a whole block, or its attention half."""
+"""The layer kinds each sequence kind is made of (``gpt_attn`` / ``gpt_mlp`` and ``t5_enc_attn`` / ``t5_enc_ffn``:
+the halves of a block that a stage boundary cuts, :data:`BLOCK_HALVES`)."""
+BLOCK_HALVES: dict[str, tuple[str, str]] = {"gpt": ("gpt_attn", "gpt_mlp"), "t5_encoder": ("t5_enc_attn", "t5_enc_ffn")}
+"""Block kinds a layer split may cut inside, and their two halves in model order: the attention half (``gpt_attn``:
+the first norm, self-attention and its residual add; ``t5_enc_attn``: HF's ``T5LayerSelfAttention``, the same with
+the relative-position bias) and the feed-forward half (``gpt_mlp``: the second norm, the MLP and its residual add;
+``t5_enc_ffn``: HF's ``T5LayerFF``)."""
+ATTENTION_HALVES = tuple(pair[0] for pair in BLOCK_HALVES.values())
+"""The first halves of :data:`BLOCK_HALVES`: norm, self-attention, residual add."""
+FFN_HALVES = tuple(pair[1] for pair in BLOCK_HALVES.values())
+"""The second halves of :data:`BLOCK_HALVES`: norm, feed-forward, residual add (no attention, no mask or bias)."""
+BLOCK_KINDS = ("gpt", "t5_encoder", "t5_decoder", *ATTENTION_HALVES, *FFN_HALVES)
 """Transformer blocks and block halves: every pipeline stage holds at least one, cuts fall just before one, and
 full recomputation checkpoints each."""
+CAUSAL_ATTENTION_KINDS = ("gpt", BLOCK_HALVES["gpt"][0])
+"""Decoder-only layer kinds that run attention: a whole block, or its attention half."""
+ENCODER_ATTENTION_KINDS = ("t5_encoder", BLOCK_HALVES["t5_encoder"][0])
+"""T5 encoder layer kinds that run self-attention (and so need the encoder's mask and position bias)."""
 NORMS = ("layer", "rms")
 BIASES = ("all", "qkv", "none")
 
@@ -244,7 +252,11 @@ def layer_param_count(spec: TransformerSpec, kind: str) -> int:
     attention = 4 * d * a + d  # q, k, v, o and the sub-layer's norm
     bias_table = spec.relative_attention_num_buckets * spec.num_heads
     if kind == "t5_encoder":
-        return attention + ffn + d
+        return sum(layer_param_count(spec, half) for half in BLOCK_HALVES["t5_encoder"])
+    if kind == "t5_enc_attn":  # q, k, v, o and the sub-layer's norm
+        return attention
+    if kind == "t5_enc_ffn":  # the FFN and its norm
+        return ffn + d
     if kind == "t5_decoder":
         return 2 * attention + ffn + d
     if kind == "embedding":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynabatch.cost.model_specs import BLOCK_HALVES
+from dynabatch.cost.model_specs import ATTENTION_HALVES, FFN_HALVES
 from dynabatch.sequence import is_seq2seq
 
 LOSS_BYTES = 4
@@ -98,9 +98,9 @@ class StoredBytes:
         enc, dec, cross = (None, None, None) if pairs is None else (pairs.encoder, pairs.decoder, pairs.cross)
         if kind in ("gpt", "t5_encoder"):
             return 2 * nb * b * E * d + self._attention_stored(b, E, E, enc) + self._ffn_stored(b, E)
-        if kind == "gpt_attn":  # the norm's input, the attention
+        if kind in ATTENTION_HALVES:  # the norm's input, the attention
             return nb * b * E * d + self._attention_stored(b, E, E, enc)
-        if kind == "gpt_mlp":
+        if kind in FFN_HALVES:
             return nb * b * E * d + self._ffn_stored(b, E)
         if kind == "t5_decoder":
             attention = self._attention_stored(b, D, D, dec) + self._attention_stored(b, D, E, cross, cross=True)
@@ -130,8 +130,8 @@ class StoredBytes:
         T = D if kind == "t5_decoder" else E
         own = None if pairs is None else (pairs.decoder if kind == "t5_decoder" else pairs.encoder)
         ffn = (3 if s.gated_ffn else 2) * p * b * T * s.d_ff
-        if kind in BLOCK_HALVES["gpt"]:  # one half's transient only
-            return 2 * p * b * T * d + (attention(T, T, own) if kind == "gpt_attn" else ffn)
+        if kind in ATTENTION_HALVES or kind in FFN_HALVES:  # one half's transient only
+            return 2 * p * b * T * d + (attention(T, T, own) if kind in ATTENTION_HALVES else ffn)
         transient = np.maximum(attention(T, T, own), ffn)
         if kind == "t5_decoder":  # cross-attention buffers and the encoder-output gradient
             cross = None if pairs is None else pairs.cross

@@ -57,16 +57,17 @@ class MlpHalf(nn.Module):
         return hidden + self.mlp(self.norm(hidden))  # (B, T, d)
 
 
-def stage_blocks(layout, stage_index: int) -> list[tuple[int, str]]:
-    """``(block index, kind)`` of every block (``gpt``) or block half (``gpt_attn``, ``gpt_mlp``) that stage
-    ``stage_index`` of ``layout`` holds, in order; a stage that begins with ``gpt_mlp`` holds the second half of
-    the block whose first half ended the stage before."""
+def stage_blocks(layout, stage_index: int, block: str = BLOCK) -> list[tuple[int, str]]:
+    """``(block index, kind)`` of every ``block`` (``gpt``, ``t5_encoder``) or block half (``gpt_attn`` /
+    ``gpt_mlp``, ``t5_enc_attn`` / ``t5_enc_ffn``) that stage ``stage_index`` of ``layout`` holds, in order; a
+    stage that begins with the second half holds it of the block whose first half ended the stage before."""
+    first, second = BLOCK_HALVES[block]
     index, out = -1, []
     for s, kinds in enumerate(layout.stages):
         for kind in kinds:
-            if kind in (BLOCK, ATTENTION_HALF):
+            if kind in (block, first):
                 index += 1
-            elif kind != MLP_HALF:
+            elif kind != second:
                 continue
             if s == stage_index:
                 out.append((index, kind))

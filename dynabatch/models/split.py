@@ -84,7 +84,7 @@ def layout_for(model: nn.Module, num_stages: int, placement=None, split_blocks: 
     """Balanced stage layout of ``model`` (any registered family's HF model) in ``num_stages`` stages; with the
     ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
     decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`).
-    ``split_blocks``: cuts may fall between a decoder-only block's attention and MLP halves."""
+    ``split_blocks``: cuts may fall between a block's attention and MLP halves (decoder-only, T5 encoder)."""
     check_num_stages(model, num_stages)
     dtype_bytes = next(model.parameters()).element_size()
     cost_model = AnalyticCostModel(analytic_spec(model.config, dtype_bytes), hardware_spec("cpu"))

@@ -4,7 +4,11 @@ A stage holds a contiguous run of ``embedding, t5_encoder x L, decoder_embedding
 lm_head`` and runs, in that order, what HF runs for those layers:
 
 * ``embedding``: ``dropout(shared(input_ids))`` (the encoder stack's input);
-* ``t5_encoder``: ``T5Block`` s with the bidirectional segment mask (B, 1, E, E);
+* ``t5_encoder``: ``T5Block`` s with the bidirectional segment mask (B, 1, E, E); where a stage boundary cuts
+  inside an encoder block (``--split-blocks``), the stage before runs its ``t5_enc_attn`` half (``layer[0]``, HF's
+  ``T5LayerSelfAttention``) and the stage after its ``t5_enc_ffn`` half (``layer[-1]``, ``T5LayerFF``), each
+  followed by HF's fp16 clamp, so the two halves chained are the block bit for bit
+  (:class:`EncoderAttentionHalf`, :class:`EncoderFeedForwardHalf`);
 * ``decoder_embedding`` (the seam): ``enc_out = dropout(encoder.final_layer_norm(h))`` and the decoder
   input ``dropout(shared(decoder_input_ids))``;
 * ``t5_decoder``: ``T5Block`` s with the causal segment mask (B, 1, D, D), cross-attending to
@@ -40,7 +44,9 @@ import torch
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention
 
+from dynabatch.cost.model_specs import BLOCK_HALVES, ENCODER_ATTENTION_KINDS
 from dynabatch.models.attention import Segments, build_segments
+from dynabatch.models.block_parts import stage_blocks
 from dynabatch.models.forward import cross_segment_mask
 from dynabatch.models.recompute import run_block
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
@@ -49,6 +55,8 @@ SHARED_EMBEDDING = "shared_embedding"
 ENCODER_RELATIVE_BIAS = "encoder_relative_bias"
 DECODER_RELATIVE_BIAS = "decoder_relative_bias"
 DECODER_KINDS = ("decoder_embedding", "t5_decoder", "lm_head")
+ENCODER_BLOCK = "t5_encoder"
+ENCODER_ATTENTION_HALF, ENCODER_FFN_HALF = BLOCK_HALVES[ENCODER_BLOCK]
 
 
 def t5_tied_groups(kinds: tuple[str, ...], tied_head: bool) -> tuple[str, ...]:
@@ -56,7 +64,7 @@ def t5_tied_groups(kinds: tuple[str, ...], tied_head: bool) -> tuple[str, ...]:
     groups = []
     if "embedding" in kinds or "decoder_embedding" in kinds or (tied_head and "lm_head" in kinds):
         groups.append(SHARED_EMBEDDING)
-    if "t5_encoder" in kinds:
+    if any(k in ENCODER_ATTENTION_KINDS for k in kinds):  # an encoder FFN half alone needs no position bias
         groups.append(ENCODER_RELATIVE_BIAS)
     if "t5_decoder" in kinds:
         groups.append(DECODER_RELATIVE_BIAS)
@@ -88,6 +96,49 @@ def relative_position_bias(table: nn.Embedding, config, query_length: int, key_l
 
 def _blocks_before(layout, stage_index: int, kind: str) -> int:
     return sum(k == kind for s in layout.stages[:stage_index] for k in s)
+
+
+def _clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
+    """HF ``T5Block``'s clamp after each sub-layer under fp16 (inf values to the largest finite ones)."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    top = torch.finfo(hidden.dtype).max
+    clamp_value = torch.where(torch.isinf(hidden).any(), top - 1000, top)
+    return torch.clamp(hidden, min=-clamp_value, max=clamp_value)
+
+
+class EncoderAttentionHalf(nn.Module):
+    """The first half of a T5 encoder block (``t5_enc_attn``): its ``T5LayerSelfAttention`` (norm, self-attention
+    with the position bias, residual add) and the fp16 clamp; returns a 1-tuple like ``T5Block``'s first output."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.self_attention = block.layer[0]
+
+    def forward(self, hidden: torch.Tensor, attention_mask, position_bias: torch.Tensor) -> tuple[torch.Tensor]:
+        out = self.self_attention(hidden, attention_mask=attention_mask, position_bias=position_bias)[0]
+        return (_clamp_fp16(out),)  # (B, E, d)
+
+
+class EncoderFeedForwardHalf(nn.Module):
+    """The second half of a T5 encoder block (``t5_enc_ffn``): its ``T5LayerFF`` (norm, FFN, residual add) and the
+    fp16 clamp. It takes no mask and no position bias."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.feed_forward = block.layer[-1]
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (_clamp_fp16(self.feed_forward(hidden)),)  # (B, E, d)
+
+
+def encoder_parts(model: nn.Module, layout, stage_index: int) -> list[nn.Module]:
+    """The encoder modules stage ``stage_index`` runs, in order: whole ``T5Block`` s, or the half of one that a
+    stage boundary cuts."""
+    half = {ENCODER_ATTENTION_HALF: EncoderAttentionHalf, ENCODER_FFN_HALF: EncoderFeedForwardHalf}
+    blocks = model.encoder.block
+    return [half[kind](blocks[i]) if kind in half else blocks[i]
+            for i, kind in stage_blocks(layout, stage_index, ENCODER_BLOCK)]
 
 
 class T5Stage(StageModule):
@@ -122,15 +173,14 @@ class T5Stage(StageModule):
             self.shared = model.shared
         # Relative-bias tables are registered before the blocks: on the stage holding layer 0 the
         # table is layer 0's own module, and the stage-level name is the one named_parameters keeps.
-        first_enc, first_dec = (_blocks_before(layout, stage_index, k) for k in ("t5_encoder", "t5_decoder"))
-        num_enc, num_dec = kinds.count("t5_encoder"), kinds.count("t5_decoder")
-        if num_enc:
+        first_dec, num_dec = _blocks_before(layout, stage_index, "t5_decoder"), kinds.count("t5_decoder")
+        if any(k in ENCODER_ATTENTION_KINDS for k in kinds):
             self.encoder_relative_bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
         if num_dec:
             self.decoder_relative_bias = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
         if self.has_embedding or self.has_seam:
             self.encoder_dropout = model.encoder.dropout
-        self.encoder_blocks = nn.ModuleList(model.encoder.block[first_enc : first_enc + num_enc])
+        self.encoder_blocks = nn.ModuleList(encoder_parts(model, layout, stage_index))
         if self.has_seam:
             self.encoder_final_layer_norm = model.encoder.final_layer_norm
         if self.has_seam or self.has_head:
@@ -184,12 +234,19 @@ class T5Stage(StageModule):
         return StageOutput(sends={"dec_hidden": dec_hidden, "enc_out": enc_out})
 
     def _run_encoder(self, hidden: torch.Tensor, enc_seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Encoder blocks on (B, E, d) with the bidirectional segment mask (or Segments) and the stack's bias."""
-        mask = self.self_attention_mask("bidirectional", enc_seg, dtype, hidden.device)
-        n = mask.max_len if isinstance(mask, Segments) else hidden.shape[1]  # Segments: the longest sample's window
-        bias = relative_position_bias(self.encoder_relative_bias, self.config, n, n, bidirectional=True)  # (1, H, n, n)
+        """Encoder blocks (or halves) on (B, E, d) with the bidirectional segment mask (or Segments) and the
+        stack's bias, both built only when a block here runs self-attention."""
+        attention = None
         for block in self.encoder_blocks:
-            hidden = run_block(block, hidden, mask, bias)[0]  # (B, E, d)
+            if isinstance(block, EncoderFeedForwardHalf):
+                hidden = run_block(block, hidden)[0]  # (B, E, d)
+                continue
+            if attention is None:
+                mask = self.self_attention_mask("bidirectional", enc_seg, dtype, hidden.device)
+                n = mask.max_len if isinstance(mask, Segments) else hidden.shape[1]  # Segments: the longest window
+                bias = relative_position_bias(self.encoder_relative_bias, self.config, n, n, bidirectional=True)
+                attention = (mask, bias)  # bias: (1, H, n, n)
+            hidden = run_block(block, hidden, *attention)[0]  # (B, E, d)
         return hidden
 
     def _run_decoder(self, hidden, enc_out, dec_seg, enc_seg, dtype: torch.dtype) -> torch.Tensor:

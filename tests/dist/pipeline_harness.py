@@ -63,6 +63,10 @@ SCENARIOS = {
         # stage boundaries inside both blocks: a stage holds one block's MLP half and the next one's attention half
         Scenario("gpt2-S3xR1-halves-1step", "gpt2", "gpt2-tiny", 3, stages=(
             ("embedding", "gpt_attn"), ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head"))),
+        # the same inside T5's encoder blocks: self-attention half | FFN half
+        Scenario("t5-S3xR1-halves-1step", "t5", "t5-tiny", 3, stages=(
+            ("embedding", "t5_enc_attn"), ("t5_enc_ffn", "t5_enc_attn"),
+            ("t5_enc_ffn", "decoder_embedding", "t5_decoder", "t5_decoder", "lm_head"))),
     ]
 }
 

@@ -100,10 +100,14 @@ def test_tied_copies_are_held_by_several_stages(runs):
     assert [r for r, rec in enumerate(gpt) if "transformer.wte.weight" in rec["grads"][0]] == [0, 3]
 
 
-def test_a_stage_boundary_inside_a_block_ran_its_halves(runs):
-    """The halves scenario (its gradients are checked with the others) ran on three ranks with both blocks cut."""
-    got = runs["gpt2-S3xR1-halves-1step"]
-    assert got["layout"] == "embedding+gpt_attn | gpt_mlp+gpt_attn | gpt_mlp+lm_head"
+@pytest.mark.parametrize("name,layout", [
+    ("gpt2-S3xR1-halves-1step", "embedding+gpt_attn | gpt_mlp+gpt_attn | gpt_mlp+lm_head"),
+    ("t5-S3xR1-halves-1step", "embedding+t5_enc_attn | t5_enc_ffn+t5_enc_attn | "
+                              "t5_enc_ffn+decoder_embedding+t5_decoderx2+lm_head")])
+def test_a_stage_boundary_inside_a_block_ran_its_halves(runs, name, layout):
+    """The halves scenarios (their gradients are checked with the others) ran on three ranks with both blocks cut."""
+    got = runs[name]
+    assert got["layout"] == layout
     assert len(got["records"]) == 3
 
 

@@ -47,6 +47,17 @@ GPT2_TINY_HALF_LAYOUTS = [
     # Both blocks cut: the middle stage holds the MLP half of one block and the attention half of the next.
     (("embedding", "gpt_attn"), ("gpt_mlp", "gpt_attn"), ("gpt_mlp", "lm_head")),
 ]
+T5_TINY_HALF_LAYOUTS = [
+    # A stage boundary inside an encoder block: its self-attention half ends one stage, its FFN half begins the next.
+    (("embedding", "t5_enc_attn"), ("t5_enc_ffn", "t5_encoder", "decoder_embedding", "t5_decoder"), ("t5_decoder", "lm_head")),
+    (("embedding", "t5_encoder", "t5_enc_attn"), ("t5_enc_ffn", "decoder_embedding", "t5_decoder", "t5_decoder", "lm_head")),
+    # Both encoder blocks cut: the middle stage holds one block's FFN half and the next block's attention half.
+    (("embedding", "t5_enc_attn"), ("t5_enc_ffn", "t5_enc_attn"), ("t5_enc_ffn", "decoder_embedding", "t5_decoder",
+                                                                  "t5_decoder", "lm_head")),
+    # A stage holding nothing but an FFN half (no mask, no position bias, no bias table).
+    (("embedding", "t5_encoder", "t5_enc_attn"), ("t5_enc_ffn",), ("decoder_embedding", "t5_decoder", "t5_decoder",
+                                                                   "lm_head")),
+]
 CASES = (
     [("gpt2-tiny", s, None) for s in (1, 2)]
     + [("gpt2-tiny", len(lay), lay) for lay in GPT2_TINY_HALF_LAYOUTS]
@@ -54,6 +65,7 @@ CASES = (
     + [("t5-tiny", s, None) for s in (1, 2, 3, 4)]
     + [("t5-mini", 4, None)]
     + [("t5-tiny", len(lay), lay) for lay in T5_TINY_HAND_LAYOUTS]
+    + [("t5-tiny", len(lay), lay) for lay in T5_TINY_HALF_LAYOUTS]
 )
 
 
@@ -161,6 +173,11 @@ TIED_CASES = [
         "t5-tiny",
         T5_TINY_HAND_LAYOUTS[1],
         {"shared_embedding": (0, 1, 2), "encoder_relative_bias": (0, 1), "decoder_relative_bias": (1, 2)},
+    ),
+    (  # the middle stage holds only an encoder block's FFN half: no position-bias table
+        "t5-tiny",
+        T5_TINY_HALF_LAYOUTS[3],
+        {"shared_embedding": (0, 2), "encoder_relative_bias": (0,), "decoder_relative_bias": (2,)},
     ),
 ]
 
