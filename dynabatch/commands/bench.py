@@ -56,8 +56,8 @@ every method cuts the first global batches into (:mod:`dynabatch.runtime.run_lay
 the same stage modules; the JSON's ``layouts`` names them.
 
 Launch: ``--stages 1`` runs in this process; with more stages and no torchrun environment the command
-re-launches itself with ``python -m torch.distributed.run --nproc-per-node STAGES`` (gloo on CPU, NCCL
-on GPUs).
+starts one process per stage on this machine (:func:`~dynabatch.runtime.launch.launch_local`; gloo on CPU, NCCL on
+GPUs).
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -189,10 +188,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"need timed-steps >= 1, untimed-steps >= 0, stages >= 1, tune-steps >= 1; got {args.timed_steps}, {args.untimed_steps}, "
                          f"{args.stages}, {args.tune_steps}")
     if args.stages > 1 and "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.stages),
-               "-m", "dynabatch.commands.bench", *_argv(args)]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return subprocess.run(cmd, env=env, check=False).returncode
+        from dynabatch.runtime.launch import launch_local
+
+        return launch_local(["-m", "dynabatch.commands.bench", *_argv(args)], args.stages)
     result = bench(args, methods)
     if result is None:
         return 0

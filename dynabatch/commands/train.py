@@ -1,12 +1,14 @@
 """``dynabatch train``: train a T5, GPT-2 or Llama-style model on a mixture with dynamic micro-batching.
 
-Launch directly for one process, or with ``torchrun --nproc-per-node STAGES*REPLICAS`` for a pipeline.
+Launch directly: one process, or with ``--stages`` / ``--replicas`` above 1 one per rank on this machine
+(:mod:`dynabatch.runtime.launch`); or with ``torchrun --nproc-per-node STAGES*REPLICAS`` (several machines too).
 Every field of :class:`dynabatch.config.TrainConfig` is a flag (``dynabatch train --help`` lists them by section).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from dynabatch.config.flags import add_config_arguments, config_from_args, given_flags
 
@@ -19,9 +21,15 @@ def run(args: argparse.Namespace) -> int:
     from dynabatch.runtime.trainer import train
 
     given = None
-    if getattr(args, "argv", None) is not None:
+    argv = getattr(args, "argv", None)
+    if argv is not None:
         p = argparse.ArgumentParser()
         add_arguments(p)
-        given = given_flags(p, args.argv)
-    train(config_from_args(args, given))
+        given = given_flags(p, argv)
+    cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
+    if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
+        from dynabatch.runtime.launch import launch_local
+
+        return launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
+    train(cfg)
     return 0

@@ -173,7 +173,8 @@ def _root_cause(stderr: str) -> str:
     return stderr.split("Root Cause (first observed failure):", 1)[1]
 
 
-def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixture):
+def _bad_mixture(tmp_path) -> str:
+    """A one-source mixture whose row 7 has no targets: rank 0 finds it while loading, after the ranks started."""
     d = tmp_path / "bad"
     d.mkdir()
     rows = random_rows("a", 20, 1, 20, 4)
@@ -181,7 +182,11 @@ def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixtu
     write_jsonl(d / "a.jsonl", rows)
     with open(d / "bad.json", "w") as f:
         json.dump({"name": "bad", "sources": [{"task": "a", "data_files": "a.jsonl"}]}, f)
-    r = torchrun(str(d / "bad.json"), str(tmp_path / "run"), "--steps", "2", "--timeout-s", "20")
+    return str(d / "bad.json")
+
+
+def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixture):
+    r = torchrun(_bad_mixture(tmp_path), str(tmp_path / "run"), "--steps", "2", "--timeout-s", "20")
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 0] ")]
     assert len(lines) == 1 and "source 'a', row 7: missing field 'targets'" in lines[0], r.stderr[-3000:]
@@ -194,3 +199,38 @@ def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixtu
     rank1 = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 1] ")]
     assert all("stopped because rank 0 failed first (source 'a', row 7: missing field" in ln for ln in rank1), rank1
     assert rank1 or "Signal 15 (SIGTERM) received by PID" in r.stderr, r.stderr[-3000:]
+
+
+def direct(mixture: str, out: str, *extra: str, timeout: float = 120):
+    """``dynabatch train --stages 2`` started directly: it launches its own two ranks (dynabatch.runtime.launch)."""
+    cmd = _cmd(mixture, out, *extra)
+    cmd = [sys.executable, *cmd[cmd.index("-m", 3):]]  # drop torch.distributed.run and its flags
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def test_direct_launch_trains_on_its_own_ranks(tmp_path, mixture):
+    out = str(tmp_path / "run")
+    r = direct(mixture, out, "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(out) == [0, 1]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert all(len(json.loads(line)["stage_time_measured_s"]) == STAGES for line in f)
+
+
+def test_direct_launch_exits_2_with_the_rank_s_one_line(tmp_path, mixture):
+    """A user error found on rank 0 after the launch: the run exits 2 (torchrun would say 1) with rank 0's line, no
+    launcher traceback, and rank 1 is stopped at once instead of waiting out its timeout."""
+    start = time.monotonic()
+    r = direct(_bad_mixture(tmp_path), str(tmp_path / "run"), "--steps", "2", "--timeout-s", "60")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert time.monotonic() - start < 50  # not rank 1's 60 s timeout
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 0] ")]
+    assert len(lines) == 1 and "source 'a', row 7: missing field 'targets'" in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    # the launcher hosts the rendezvous store, so rank 1 (if it got to fail before the launcher stopped it) can
+    # still read which rank failed first
+    rank1 = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 1] ")]
+    assert all("stopped because rank 0 failed first (source 'a', row 7" in ln for ln in rank1), rank1
+    bad = tmp_path / "bad_flag"
+    r = direct(mixture, str(bad), "--steps", "2", "--replicas", "0")  # refused before any rank starts
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and not bad.exists(), r.stderr[-2000:]

@@ -80,6 +80,7 @@ def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     import dynabatch.runtime.trainer as trainer
 
     ctx = types.SimpleNamespace(rank=0, world_size=3, stage_index=0, device="cpu", is_planner=True)
+    monkeypatch.setenv("RANK", "0")  # rank 0 of that world: the command does not launch ranks of its own
     monkeypatch.setattr(trainer, "connect", lambda cfg: ctx)
     monkeypatch.setattr(trainer, "shutdown", lambda: None)
     import dynabatch.runtime.outputs as outputs

@@ -67,10 +67,15 @@ def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, toy_mixture_
     assert "no complete checkpoint" in err
 
 
-def test_world_size_mismatch_is_a_clear_error(tmp_path, toy_mixture_dir, capsys):
-    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "bad", "--stages", "2", "--steps", "1")
-    assert code == 2
-    assert "need 2 processes: launch with `torchrun --nproc-per-node 2" in err
+def test_world_size_mismatch_is_a_clear_error(tmp_path, monkeypatch):
+    """``train(cfg)`` from Python in one process cannot run 2 stages (the ``dynabatch train`` command launches its own
+    ranks instead: tests/dist/test_faults.py)."""
+    from dynabatch.runtime.trainer import train
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="need 2 processes: launch with `torchrun --nproc-per-node 2"):
+        train(TrainConfig.of(model="gpt2-tiny", stages=2, steps=1, output_dir=str(tmp_path / "bad")))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_config_validation():
