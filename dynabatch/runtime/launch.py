@@ -9,7 +9,9 @@
   ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback;
 * once a rank has failed the others are stopped (SIGTERM, SIGKILL after :data:`GRACE_S`), so a rank waiting on
   the dead one never holds the job until its timeout;
-* Ctrl-C reaches every rank (one process group) and the launcher returns 130 once they are gone.
+* Ctrl-C reaches every rank (one process group) and the launcher returns 130 once they are gone; a SIGTERM or
+  SIGHUP to the launcher (a job scheduler ending the job) is passed on the same way (exit 143 / 129), so no rank is
+  left running without it.
 
 Several machines still launch with ``torchrun`` (README, "Launching with torchrun").
 """
@@ -48,15 +50,27 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+class _Signalled(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum, _frame) -> None:
+    raise _Signalled(signum)
+
+
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
     """Run ``python *command`` (e.g. ``-m dynabatch train ...``) as ranks ``0 .. world_size - 1`` on this machine
     (module docstring); returns the run's exit status."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # outlives any rank, as torchrun's does
-    procs = [subprocess.Popen([sys.executable, *command], env=rank_environment(r, world_size, store.port))
-             for r in range(world_size)]
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    procs: list[subprocess.Popen] = []
     try:
+        for r in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, *command], env=rank_environment(r, world_size, store.port)))
         while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
@@ -69,3 +83,9 @@ def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> in
     except KeyboardInterrupt:
         _stop(procs)
         return 130
+    except _Signalled as e:
+        _stop(procs)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
