@@ -134,6 +134,11 @@ def test_run_layout_with_a_cut_inside_a_block_round_trips():
     assert back.layout == layout and back.split == "data"
     whole = RunLayout(Placement.parse("linear", 2), StageLayout((("embedding", "gpt", "gpt"), ("gpt", "lm_head"))))
     assert RunLayout.decode(whole.encode(), kinds, 2).layout == whole.layout
+    t5 = ["embedding", "t5_encoder", "t5_encoder", "decoder_embedding", "t5_decoder", "t5_decoder", "lm_head"]
+    for stages in ((("embedding", "t5_encoder", "t5_enc_attn"), ("t5_enc_ffn", *t5[3:])),
+                   (tuple(t5[:3]), tuple(t5[3:]))):
+        run = RunLayout(Placement.parse("linear", 2), StageLayout(stages))
+        assert RunLayout.decode(run.encode(), t5, 2).layout == run.layout
 
 
 def test_stage_with_a_half_inside_is_refused():
