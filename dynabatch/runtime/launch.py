@@ -2,8 +2,9 @@
 
 ``dynabatch train --stages 2`` (or ``bench``) started directly, outside a ``torchrun`` world, starts its own ranks:
 :func:`launch_local` runs the command once per rank with the environment ``torchrun
---standalone`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
-127.0.0.1 and a free ``MASTER_PORT``, ``OMP_NUM_THREADS=1`` unless set), and waits for them:
+--standalone`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS=1``
+unless set) and waits for them. The launcher hosts the rendezvous store on 127.0.0.1, as torchrun's agent does, so
+the store outlives any rank and a rank failing after another still reads which one failed first. Then:
 
 * the run's exit status is the failing rank's own (2 for bad input, :mod:`dynabatch.runtime.faults`; 2 wins when
   ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback;
