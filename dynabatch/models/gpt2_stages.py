@@ -30,7 +30,7 @@ from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_
 from dynabatch.models.hf_compat import cache_kwargs
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
-from dynabatch.models.stage import StageModule, StageOutput, loss_output
+from dynabatch.models.stage import StageModule, StageOutput
 
 GPT2_BLOCK = BlockNames(attention_norm="ln_1", attention="attn", mlp_norm="ln_2")
 """``GPT2Block``'s submodules (a stage boundary inside a block runs its halves, :mod:`~dynabatch.models.block_parts`)."""
@@ -58,15 +58,9 @@ class GPT2Stage(StageModule):
 
     def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
         super().__init__()
-        kinds = tuple(layout.stages[stage_index])
+        self._place(layout, stage_index)
         transformer = model.transformer
-        self.stage_index = stage_index
-        self.num_stages = layout.num_stages
-        self.kinds = kinds
-        self.has_embedding = "embedding" in kinds
-        self.has_head = "lm_head" in kinds
         self.tied_head = model.lm_head.weight is transformer.wte.weight
-        self.parameter_map = {}
         if self.has_embedding:
             self.wte = transformer.wte
             self.wpe = transformer.wpe
@@ -75,10 +69,6 @@ class GPT2Stage(StageModule):
         if self.has_head:
             self.ln_f = transformer.ln_f
             self.lm_head = model.lm_head
-
-    def original_names(self) -> dict[str, str]:
-        """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""
-        return dict(self.parameter_map)
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage)."""
@@ -98,8 +88,7 @@ class GPT2Stage(StageModule):
         *,
         sliced: bool = False,
     ) -> StageOutput:
-        weight = next(self.parameters())
-        device, dtype = weight.device, weight.dtype
+        device, dtype = self._device_dtype()
         segment_ids = loaded["segment_ids"].to(device, non_blocking=True)  # (B, T)
         if self.has_embedding:
             input_ids = loaded["input_ids"].to(device, non_blocking=True)  # (B, T)
@@ -113,8 +102,4 @@ class GPT2Stage(StageModule):
         for block in self.blocks:
             hidden = run_block(block, hidden, attention_mask=mask, use_cache=False,
                                **cache_kwargs(block, cache))  # (B, T, d)
-        record = cache.record(segment_ids) if cache is not None else None
-        if not self.has_head:
-            return StageOutput(sends={"hidden": hidden}, slice_record=record)
-        labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
-        return loss_output(self.lm_head(self.ln_f(hidden)), labels, segment_ids, record)  # logits (B, T, V)
+        return self.causal_output(hidden, loaded, segment_ids, cache, "ln_f")

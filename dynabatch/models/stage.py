@@ -90,9 +90,48 @@ class StageModule(torch.nn.Module):
 
     stage_index: int
     num_stages: int
+    kinds: tuple[str, ...]
+    """The layer kinds this stage holds, in model order."""
+    has_embedding: bool
+    has_head: bool
+    parameter_map: dict[str, str]
+    """Stage parameter name -> the original model's parameter name (tied copies map to the canonical name); filled
+    by :func:`dynabatch.models.split.build_stage`."""
     supports_slices: bool = False
     attention: str = "dense"
     """``segments`` (padding-free) or ``dense`` (4-D masks); set by :func:`dynabatch.models.split.build_stage`."""
+
+    def _place(self, layout, stage_index: int) -> tuple[str, ...]:
+        """Record where this stage sits in ``layout`` (index, count, its kinds, whether it holds the embedding and the
+        head; an empty :attr:`parameter_map`); returns its kinds. Every family's ``__init__`` starts with it."""
+        kinds = tuple(layout.stages[stage_index])
+        self.stage_index = stage_index
+        self.num_stages = layout.num_stages
+        self.kinds = kinds
+        self.has_embedding = "embedding" in kinds
+        self.has_head = "lm_head" in kinds
+        self.parameter_map = {}
+        return kinds
+
+    def original_names(self) -> dict[str, str]:
+        """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""
+        return dict(self.parameter_map)
+
+    def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
+        """Where the stage's weights live and in what dtype (the dtype its dense masks take)."""
+        weight = next(self.parameters())
+        return weight.device, weight.dtype
+
+    def causal_output(self, hidden: torch.Tensor, loaded: dict[str, torch.Tensor], segment_ids: torch.Tensor,
+                      cache, final_norm: str) -> StageOutput:
+        """A decoder-only stage's result: ``hidden`` (B, T, d) sent on, or on the last stage the head's logits
+        (B, T, V) after its ``final_norm`` (the attribute's name) against the pre-shifted ``labels``; with the
+        token-slice ``cache``'s record either way."""
+        record = cache.record(segment_ids) if cache is not None else None
+        if not self.has_head:
+            return StageOutput(sends={"hidden": hidden}, slice_record=record)
+        labels = loaded["labels"].to(hidden.device, non_blocking=True)  # (B, T)
+        return loss_output(self.lm_head(getattr(self, final_norm)(hidden)), labels, segment_ids, record)
 
     def self_attention_mask(self, kind: str, segment_ids: torch.Tensor, dtype: torch.dtype, device,
                             context_segment_ids: torch.Tensor | None = None):

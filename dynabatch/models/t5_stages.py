@@ -157,18 +157,12 @@ class T5Stage(StageModule):
 
     def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
         super().__init__()
-        kinds = tuple(layout.stages[stage_index])
-        self.stage_index = stage_index
-        self.num_stages = layout.num_stages
-        self.kinds = kinds
+        kinds = self._place(layout, stage_index)
         self.config = model.config
-        self.has_embedding = "embedding" in kinds
         self.has_seam = "decoder_embedding" in kinds
-        self.has_head = "lm_head" in kinds
         self.is_decoder_role = any(k in DECODER_KINDS for k in kinds)
         self.starts_in_decoder = kinds[0] in ("t5_decoder", "lm_head")
         self.tied_head = model.lm_head.weight is model.shared.weight
-        self.parameter_map = {}
         if self.has_embedding or self.has_seam or self.has_head and self.tied_head:
             self.shared = model.shared
         # Relative-bias tables are registered before the blocks: on the stage holding layer 0 the
@@ -190,10 +184,6 @@ class T5Stage(StageModule):
             self.decoder_final_layer_norm = model.decoder.final_layer_norm
             self.lm_head = model.lm_head
 
-    def original_names(self) -> dict[str, str]:
-        """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""
-        return dict(self.parameter_map)
-
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """The stage's copies of ``shared_embedding``, ``encoder_relative_bias``, ``decoder_relative_bias``."""
         out = {}
@@ -207,8 +197,7 @@ class T5Stage(StageModule):
         return out
 
     def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:
-        weight = next(self.parameters())
-        device, dtype = weight.device, weight.dtype
+        device, dtype = self._device_dtype()
         enc_seg = loaded["segment_ids"]  # (B, E), host: masks are built from it
         dec_seg = loaded["decoder_segment_ids"] if self.is_decoder_role else None  # (B, D), host
         enc_hidden = received.get("enc_hidden")  # (B, E, d) on stages that start in the encoder

@@ -42,7 +42,7 @@ from dynabatch.models.forward import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
-from dynabatch.models.stage import StageModule, StageOutput, loss_output
+from dynabatch.models.stage import StageModule, StageOutput
 from dynabatch.sequence import CAUSAL
 
 LLAMA_BLOCK = BlockNames(attention_norm="input_layernorm", attention="self_attn", mlp_norm="post_attention_layernorm")
@@ -60,20 +60,12 @@ class LlamaStage(StageModule):
     """
 
     supports_slices = True
-    parameter_map: dict[str, str]
-    """Stage parameter name -> the original model's parameter name (filled by ``build_stage``)."""
 
     def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
         super().__init__()
-        kinds = tuple(layout.stages[stage_index])
+        self._place(layout, stage_index)
         inner = model.model
-        self.stage_index = stage_index
-        self.num_stages = layout.num_stages
-        self.kinds = kinds
-        self.has_embedding = "embedding" in kinds
-        self.has_head = "lm_head" in kinds
         self.tied_head = model.lm_head.weight is inner.embed_tokens.weight
-        self.parameter_map = {}
         if self.has_embedding:
             self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb  # buffers only (inv_freq), no parameters
@@ -81,10 +73,6 @@ class LlamaStage(StageModule):
         if self.has_head:
             self.norm = inner.norm
             self.lm_head = model.lm_head
-
-    def original_names(self) -> dict[str, str]:
-        """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""
-        return dict(self.parameter_map)
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage)."""
@@ -100,8 +88,7 @@ class LlamaStage(StageModule):
         *,
         sliced: bool = False,
     ) -> StageOutput:
-        weight = next(self.parameters())
-        device, dtype = weight.device, weight.dtype
+        device, dtype = self._device_dtype()
         segment_ids = loaded["segment_ids"].to(device, non_blocking=True)  # (B, T)
         position_ids = loaded["position_ids"].to(device, non_blocking=True)  # (B, T), continue across slices
         if self.has_embedding:
@@ -115,11 +102,7 @@ class LlamaStage(StageModule):
         for block in self.blocks:
             hidden = run_block(block, hidden, attention_mask=mask, position_ids=position_ids, use_cache=False,
                                position_embeddings=rotary, **cache_kwargs(block, cache))  # (B, T, d)
-        record = cache.record(segment_ids) if cache is not None else None
-        if not self.has_head:
-            return StageOutput(sends={"hidden": hidden}, slice_record=record)
-        labels = loaded["labels"].to(device, non_blocking=True)  # (B, T), pre-shifted targets
-        return loss_output(self.lm_head(self.norm(hidden)), labels, segment_ids, record)  # logits (B, T, V)
+        return self.causal_output(hidden, loaded, segment_ids, cache, "norm")
 
 
 def llama_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
