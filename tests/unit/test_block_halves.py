@@ -226,3 +226,31 @@ def test_t5_halves_keep_what_the_model_prices():
     assert measured["halves"][1] - measured["whole"][1] == pytest.approx(moved, rel=0.1)
     assert sum(measured["halves"]) == pytest.approx(sum(measured["whole"]), rel=0.01)
     assert analytic_spec(model.config).num_layers == 2
+
+
+@pytest.mark.parametrize("halves_faster", [True, False])
+def test_the_data_split_cuts_inside_a_block_only_where_the_planned_steps_are_shorter(halves_faster):
+    """Balancing summed compute can bring out a bubble the lighter stage hid (T5 at 2,048 tokens on this CPU), so
+    the start-up choice plans the whole-block split too and keeps the cut only when its predicted steps are
+    shorter (gpt2-mini on 3 stages: the data split cuts its third block)."""
+    from types import SimpleNamespace
+
+    from dynabatch.models.presets import build_model
+    from dynabatch.runtime.run_layout import choose_run_layout
+
+    model = build_model("gpt2-mini", vocab_size=512)
+    cfg = TrainConfig.of(model="gpt2-mini", stages=3, placement="linear", layer_split="data", split_blocks="auto")
+    shapes = np.array([[4, 512, 0], [16, 128, 0], [1, 1024, 0]], dtype=float)
+    planned_cut = []
+
+    def cut(layout) -> bool:
+        return any(k in ("gpt_attn", "gpt_mlp") for s in layout.stages for k in s)
+
+    def preview(own, layout):
+        planned_cut.append(cut(layout))
+        seconds = 1.0 if cut(layout) == halves_faster else 1.1
+        return [SimpleNamespace(shapes=[shapes], pairs=None, predicted_makespan_s=seconds)]
+
+    run = choose_run_layout(cfg, model, AnalyticCostModel.for_run(model.config), preview)
+    assert cut(run.layout) == halves_faster and run.split == "data"
+    assert planned_cut[1:] == [False, True]  # after the reference split: the whole-block split and the cut one
