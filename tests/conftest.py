@@ -28,6 +28,21 @@ def write_jsonl(path, rows) -> str:
     return str(path)
 
 
+def child_pids(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (read from /proc)."""
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
 def random_rows(task: str, n: int, seed: int, mean_in: int, mean_tg: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []

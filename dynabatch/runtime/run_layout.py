@@ -112,6 +112,14 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     from dynabatch.sequence import is_seq2seq
 
     seq2seq = is_seq2seq(family_for_config(model.config).sequence_kind)
+    planned_s: dict = {}
+
+    def predicted_s(own, layout: StageLayout) -> float:  # each (placement, layout) is planned once
+        key = (own.placement, layout)
+        if key not in planned_s:
+            planned_s[key] = sum(p.predicted_makespan_s for p in preview(own, layout))
+        return planned_s[key]
+
     options = []
     for placement in candidate_placements(cfg, seq2seq):
         try:
@@ -125,12 +133,12 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
         if cfg.layer_split == "data":
             sampled = _micro_batches(preview(own, reference))
             layout, split = placement_layout(layer_model, placement, sampled, split_blocks=cfg.cuts_inside_blocks), "data"
-            if layout != (whole := placement_layout(layer_model, placement, sampled)):  # it cuts inside a block
-                layout = min((whole, layout), key=lambda candidate: _predicted_s(preview(own, candidate)))
+            if cfg.cuts_inside_blocks and layout != (whole := placement_layout(layer_model, placement, sampled)):
+                layout = min((whole, layout), key=lambda candidate: predicted_s(own, candidate))  # whole on a tie
         options.append((own, RunLayout(placement, layout, split=split)))
     if len(options) == 1:
         return options[0][1]
-    predicted = {run.placement.describe(): _predicted_s(preview(own, run.layout)) for own, run in options}
+    predicted = {run.placement.describe(): predicted_s(own, run.layout) for own, run in options}
     def handicapped(option) -> tuple[float, int]:  # a virtual placement must beat linear by VIRTUAL_MARGIN
         placement = option[1].placement
         seconds = predicted[placement.describe()]
@@ -159,11 +167,6 @@ def sampled_run_layout(cfg, model, data, batcher) -> RunLayout:
 
     layer_model = planner_cost_model(cfg, model.config, layout_for(model, 1)).model
     return choose_run_layout(cfg, model, layer_model, preview)
-
-
-def _predicted_s(planned: list) -> float:
-    """The summed predicted step (scheduled makespan) of the sampled batches planned on one layout."""
-    return sum(p.predicted_makespan_s for p in planned)
 
 
 def _micro_batches(planned: list) -> list:

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import random_rows, write_jsonl
+from conftest import child_pids, random_rows, write_jsonl
 
 STAGES = 2
 
@@ -236,21 +236,6 @@ def test_direct_launch_exits_2_with_the_rank_s_one_line(tmp_path, mixture):
     assert r.returncode == 2 and r.stderr.count("error:") == 1 and not bad.exists(), r.stderr[-2000:]
 
 
-def _children(pid: int) -> list[int]:
-    """Process ids whose parent is ``pid`` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def test_direct_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path, mixture):
     """A job scheduler's SIGTERM to the launcher ends every rank (exit 143), not only the launcher."""
     out = str(tmp_path / "run")
@@ -259,7 +244,7 @@ def test_direct_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path, mix
     deadline = time.monotonic() + 90
     while not _steps(out) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
-    ranks = _children(proc.pid)
+    ranks = child_pids(proc.pid)
     assert _steps(out) and len(ranks) == STAGES, (ranks, proc.poll())
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143

@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from conftest import child_pids
+
 from dynabatch.runtime.checkpoint import MANIFEST, CheckpointError, file_entry, step_dir, verify, write_manifest
 
 SHARD = "shard-00001-model-00001-of-00001.safetensors"
@@ -59,20 +61,6 @@ def _listening(pids=None) -> list[tuple[str, int]]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(name))
-    return kids
-
-
 @needs_proc
 def test_loopback_store_listens_on_127_0_0_1_only():
     import torch.distributed as dist
@@ -115,7 +103,7 @@ def test_p2p_profiler_rendezvous_listens_on_loopback_only():
         "gloo", sizes=(1024, 1 << 20), warmup=1, repeats=30, timeout_s=90)))
     worker.start()
     while worker.is_alive():
-        seen.update(_listening(_children(os.getpid())))
+        seen.update(_listening(child_pids(os.getpid())))
         time.sleep(0.02)
     worker.join()
     assert result["r"].send_s and seen, seen
