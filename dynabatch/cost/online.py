@@ -33,7 +33,9 @@ between ops, waits on transfers, the reduce and the optimizer step): the median 
 predicted step time over the last :attr:`OnlineFit.overhead_steps` steps. Memory gets the same treatment:
 per stage, the measured peak of saved activations over the predicted one; the planner scales its stored
 bytes by the 90th percentile of that ratio over the window when it is above 1 (never below: a
-prediction that was too high costs only some packing, one that was too low costs an out-of-memory).
+prediction that was too high costs only some packing, one that was too low costs an out-of-memory). The
+scale never makes a single sample infeasible that the base model admits (it cannot be split further; a run
+that admitted it at start keeps admitting it): such a sample is priced at most at the budget's edge.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dynabatch.cost.robust_fit import fit_relative
-from dynabatch.cost.stages import StageCostModel, StageCosts
+from dynabatch.cost.stages import StageCostModel, StageCosts, in_flight_buffer_bytes
 
 FEATURES = {
     "causal": ("base", "micro_batch", "tokens", "pairs", "calls"),
@@ -129,9 +131,28 @@ class CalibratedStageCostModel(StageCostModel):
             shape = np.shape(costs.fwd_s)
             costs = replace(costs, fwd_s=t[:, 0].reshape(shape), bwd_s=t[:, 1].reshape(shape))
         if self.memory_scale is not None:
-            scale = np.asarray(self.memory_scale, dtype=np.float64).reshape((-1,) + (1,) * (costs.stored_bytes.ndim - 1))
-            costs = replace(costs, stored_bytes=costs.stored_bytes * scale)
+            costs = replace(costs, stored_bytes=self._scaled_stored(costs, b))
         return costs
+
+    def _scaled_stored(self, costs: StageCosts, b) -> np.ndarray:
+        """Stored bytes scaled per stage by :attr:`memory_scale`, except that the scale never makes a one-sample
+        micro-batch infeasible that the base model admits: a single sample cannot be split further, so a run that
+        admitted it at start (priced by the base model) must keep admitting it whatever the fit measures later.
+        Such a sample's stored bytes are scaled only up to what still fits ``S`` in flight (the planner's bound:
+        ``S (stored + buffers) + peak <= budget``); where the scale would push it over, it is priced at that edge.
+        Micro-batches of several samples take the full scale (the planner can split them)."""
+        stored = costs.stored_bytes
+        scale = np.asarray(self.memory_scale, dtype=np.float64).reshape((-1,) + (1,) * (stored.ndim - 1))
+        scaled = stored * scale
+        single = np.broadcast_to(np.asarray(b, dtype=np.float64) == 1, stored.shape[1:])
+        if not single.any():
+            return scaled
+        buffers = in_flight_buffer_bytes(costs).max(axis=0)
+        peak = costs.peak_bytes.max(axis=0)
+        edge = (self.memory_budget_bytes - peak) / self.num_stages - buffers  # largest stored that still fits
+        base_fits = stored.max(axis=0) <= edge
+        keep = single & base_fits
+        return np.where(keep, np.minimum(scaled, np.maximum(stored, edge)), scaled)
 
     def evaluate(self, b, E, D, pairs=None):
         if self.coefficients is None and self.memory_scale is None:

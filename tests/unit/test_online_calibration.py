@@ -276,3 +276,37 @@ def test_virtual_stages_observe_every_chunk_on_the_device_that_ran_it():
         m = round(t) % 10
         assert x == pytest.approx(features[replica][c, d, m])
     assert fit.step_residuals == [(7, 1.0)] and fit.memory_ratios == []
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "t5-tiny"])
+def test_measured_memory_never_makes_a_sample_the_run_admitted_infeasible(preset):
+    """A budget admitted at start holds for the whole run: a device memory of exactly what the planner's error
+    advises for the longest sample (priced by the base model) keeps planning that sample alone after the online fit
+    has measured activations 30% above the prediction; micro-batches of several samples still take the full
+    scale (they can be split), and a sample the base model refuses stays refused."""
+    import dataclasses
+
+    from dynabatch.plan.partition import device_memory_for, plan_partition as partition
+
+    base, _ = _stage_model(preset)
+    base = dataclasses.replace(base, recompute="none")  # memory priced as stored, no recomputation to fall back on
+    family = "t5" if preset.startswith("t5") else "gpt2"
+    e, d = (np.array([128, 40, 36, 30, 24]), np.array([32, 8, 8, 6, 4])) if family == "t5" else \
+        (np.array([160, 40, 36, 30, 24]), np.zeros(5, dtype=int))
+    probe = partition(e[:1], d[:1], base, base.num_stages, family=family)
+    need = base.num_stages * probe.stored_bytes[0] + probe.peak_bytes[0]
+    device = device_memory_for(base, need) * (1 + 1e-9)  # the advice, taken literally
+    admitted = dataclasses.replace(base, device_memory_bytes=device)
+    assert partition(e, d, admitted, admitted.num_stages, family=family).num_micro_batches >= 1
+    measured = CalibratedStageCostModel.of(admitted, memory_scale=(1.3,) * admitted.num_stages)
+    plan = partition(e, d, measured, measured.num_stages, family=family)  # refused before: "alone needs ..."
+    assert plan.shapes[:, 0].sum() == len(e)
+    # several samples together take the full measured scale (priced without recomputation, mode 0)
+    bb, ee, dd = np.array([4.0]), np.array([40.0]), np.array([8.0])
+    np.testing.assert_allclose(measured.per_stage(bb, ee, dd, modes=0).stored_bytes,
+                               1.3 * admitted.per_stage(bb, ee, dd, modes=0).stored_bytes)
+    # a sample the base model does not admit is not made feasible by the clamp
+    tight = dataclasses.replace(base, device_memory_bytes=device_memory_for(base, 0.9 * need))
+    with pytest.raises(ValueError, match="alone needs"):
+        partition(e, d, CalibratedStageCostModel.of(tight, memory_scale=(1.3,) * tight.num_stages), tight.num_stages,
+                  family=family)
