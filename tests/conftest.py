@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dynabatch-hf-"))
@@ -41,6 +42,47 @@ def child_pids(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 kids.append(int(name))
     return kids
+
+
+LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+"""Loopback addresses as :func:`listening_sockets` writes them."""
+
+
+def _proc_ip(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} (little-endian 32-bit words) as text."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(words) == 4 else socket.AF_INET6, words)
+
+
+def listening_sockets(pids=None) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets in LISTEN state, owned by ``pids`` (default: every process)."""
+    inodes = None
+    if pids is not None:
+        inodes = set()
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and (inodes is None or fields[9] in inodes):  # 0A: LISTEN
+                    addr, port = fields[1].split(":")
+                    out.append((_proc_ip(addr), int(port, 16)))
+    return out
 
 
 def random_rows(task: str, n: int, seed: int, mean_in: int, mean_tg: int) -> list[dict]:

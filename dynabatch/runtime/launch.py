@@ -3,8 +3,9 @@
 ``dynabatch train --stages 2`` (or ``bench``) started directly, outside a ``torchrun`` world, starts its own ranks:
 :func:`launch_local` runs the command once per rank with the environment ``torchrun
 --standalone`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS=1``
-unless set) and waits for them. The launcher hosts the rendezvous store on 127.0.0.1, as torchrun's agent does, so
-the store outlives any rank and a rank failing after another still reads which one failed first. Then:
+unless set) and waits for them. The launcher hosts the rendezvous store, as torchrun's agent does, so the store
+outlives any rank and a rank failing after another still reads which one failed first; the store accepts
+connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, unauthenticated). Then:
 
 * the run's exit status is the failing rank's own (2 for bad input, :mod:`dynabatch.runtime.faults`; 2 wins when
   ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback;
@@ -64,9 +65,9 @@ def _raise_signalled(signum, _frame) -> None:
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
     """Run ``python *command`` (e.g. ``-m dynabatch train ...``) as ranks ``0 .. world_size - 1`` on this machine
     (module docstring); returns the run's exit status."""
-    from torch.distributed import TCPStore
+    from dynabatch.cost.p2p import loopback_store
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # outlives any rank, as torchrun's does
+    store = loopback_store(world_size, timeout_s=300.0)  # outlives any rank, as torchrun's does; 127.0.0.1 only
     previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)}
     procs: list[subprocess.Popen] = []
     try:

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import child_pids, random_rows, write_jsonl
+from conftest import LOOPBACK, child_pids, listening_sockets, random_rows, write_jsonl
 
 STAGES = 2
 
@@ -237,7 +237,8 @@ def test_direct_launch_exits_2_with_the_rank_s_one_line(tmp_path, mixture):
 
 
 def test_direct_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path, mixture):
-    """A job scheduler's SIGTERM to the launcher ends every rank (exit 143), not only the launcher."""
+    """A job scheduler's SIGTERM to the launcher ends every rank (exit 143), not only the launcher. While it trains,
+    no socket of the launcher (its rendezvous store) or of a rank listens outside loopback."""
     out = str(tmp_path / "run")
     cmd = _cmd(mixture, out, "--steps", "100000")
     proc = subprocess.Popen([sys.executable, *cmd[cmd.index("-m", 3):]], env=_env(), stderr=subprocess.PIPE, text=True)
@@ -246,6 +247,8 @@ def test_direct_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path, mix
         time.sleep(0.5)
     ranks = child_pids(proc.pid)
     assert _steps(out) and len(ranks) == STAGES, (ranks, proc.poll())
+    listening = listening_sockets([proc.pid, *ranks])
+    assert listening and all(addr in LOOPBACK for addr, _ in listening), listening
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # stopped and reaped by the launcher

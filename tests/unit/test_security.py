@@ -13,52 +13,13 @@ import time
 import pytest
 import torch
 
-from conftest import child_pids
+from conftest import LOOPBACK, child_pids, listening_sockets as _listening
 
 from dynabatch.runtime.checkpoint import MANIFEST, CheckpointError, file_entry, step_dir, verify, write_manifest
 
 SHARD = "shard-00001-model-00001-of-00001.safetensors"
 
-LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
-
 needs_proc = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc/net/tcp")
-
-
-def _ip(hex_addr: str) -> str:
-    """An address of /proc/net/tcp{,6} (little-endian 32-bit words) as text."""
-    raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return socket.inet_ntop(socket.AF_INET if len(words) == 4 else socket.AF_INET6, words)
-
-
-def _listening(pids=None) -> list[tuple[str, int]]:
-    """(address, port) of the TCP sockets in LISTEN state, owned by ``pids`` (default: every process)."""
-    inodes = None
-    if pids is not None:
-        inodes = set()
-        for pid in pids:
-            try:
-                fds = os.listdir(f"/proc/{pid}/fd")
-            except OSError:
-                continue
-            for fd in fds:
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not os.path.exists(table):
-            continue
-        with open(table) as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and (inodes is None or fields[9] in inodes):  # 0A: LISTEN
-                    addr, port = fields[1].split(":")
-                    out.append((_ip(addr), int(port, 16)))
-    return out
 
 
 @needs_proc
