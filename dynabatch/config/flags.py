@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 from typing import Any
+
+from dynabatch.data.user_files import parse_user_file
 
 _NOT_GIVEN = object()
 
@@ -130,20 +131,8 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path!r} is a folder; pass a YAML or JSON file of TrainConfig fields")
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ValueError(f"config file {path}: YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
-    else:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {path}: JSON syntax error at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    raw = parse_user_file(text, f"config file {path}", path.endswith((".yaml", ".yml")))
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path} must hold a mapping of TrainConfig fields, got {type(raw).__name__}")
     sections = {s._argument_group_name: s for s in SECTIONS}

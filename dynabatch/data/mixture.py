@@ -12,7 +12,6 @@ JSON-able ``state_dict``, so a run resumes at exactly the next sample.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch.data.sources import BAD_ROW_POLICIES, SourceSpec, check_finite, check_spec_types
+from dynabatch.data.user_files import parse_user_file
 
 RATE_RULES = ("examples_proportional", "fixed")
 MIXTURE_KINDS = {"rule": "a string", "cap": "a number", "seed": "an integer", "name": "a string", "bad_rows": "a string"}
@@ -102,23 +102,8 @@ def _read_spec_file(path: str) -> Any:
             text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"mixture spec {path}: not UTF-8 text ({e}); a spec is a .yaml/.yml or .json text file") from e
-    if is_yaml:
-        import yaml
-
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            what = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ValueError(f"mixture spec {path}: YAML syntax error{where}: {what}; fix the file") from e
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        kind = "JSON" if path.endswith(".json") else "JSON (specs that are not .yaml/.yml are read as JSON)"
-        raise ValueError(
-            f"mixture spec {path}: {kind} syntax error at line {e.lineno}, column {e.colno}: {e.msg}; fix the file"
-        ) from e
+    kind = "" if is_yaml or path.endswith(".json") else " (specs that are not .yaml/.yml are read as JSON)"
+    return parse_user_file(text, f"mixture spec {path}", is_yaml, hint=kind)
 
 
 def require_keys(what: str, state: Any, keys: tuple[str, ...], owner: str) -> None:

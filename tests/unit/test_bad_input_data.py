@@ -62,6 +62,18 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
     assert f"mixture spec {spec}: YAML syntax error at line 4, column 4:" in msg and "fix the file" in msg
 
 
+def test_key_given_twice_in_a_spec_is_one_line(tmp_path, capsys):
+    """PyYAML would keep the second ``data_files`` silently and train on that file only."""
+    _rows(tmp_path)
+    spec = _yaml(tmp_path, "sources:\n  - task: a\n    data_files: rows.jsonl\n    data_files: other.jsonl\n")
+    msg = _train_error(tmp_path, capsys, "--mixture", spec)
+    assert msg.endswith(f"mixture spec {spec}: key 'data_files' is given twice (line 4, first at line 3); keep one")
+    path = tmp_path / "mix.json"
+    path.write_text('{"sources": [{"task": "a", "data_files": "rows.jsonl"}],\n "sources": []}')
+    msg = _error(capsys, *REPORT, "--mixture", str(path))
+    assert f"mixture spec {path}: key 'sources' is given twice (line 2, first at line 1); keep one" in msg
+
+
 def test_json_syntax_error_names_file_line_and_column(tmp_path, capsys):
     path = tmp_path / "mix.json"
     path.write_text('{"sources": [\n  {"task": "a", }\n]}')

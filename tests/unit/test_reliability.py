@@ -210,6 +210,8 @@ def test_bad_flag_values_are_one_line(tmp_path, capsys, flags, expected):
     ("- steps\n- 3", "must hold a mapping of TrainConfig fields"),
     ("mixture: 5", "mixture must be str, got 5 (int)"),
     ("stepz: 3", "unknown config keys ['stepz']"),
+    ("steps: 3\nlr: 1e-3\nsteps: 5\n", "key 'steps' is given twice (line 3, first at line 1); keep one"),
+    ("optim:\n  lr: 1e-3\n  lr: 2e-3\n", "key 'lr' is given twice (line 3, first at line 2); keep one"),
 ])
 def test_bad_config_files_are_one_line(tmp_path, capsys, text, expected):
     path = tmp_path / "run.yaml"
@@ -231,6 +233,10 @@ def test_yaml_scientific_notation_is_a_number(tmp_path):
     bad.write_text('{"lr": 1e-3,}')
     with pytest.raises(ValueError, match=r"run.json: JSON syntax error at line 1"):
         load_config_file(str(bad))
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"lr": 1e-3,\n "lr": 2e-3}')
+    with pytest.raises(ValueError, match=r"twice.json: key 'lr' is given twice \(line 2, first at line 1\); keep one"):
+        load_config_file(str(twice))
 
 
 def test_full_disk_anywhere_is_one_line_with_exit_2(capsys, monkeypatch):
