@@ -14,7 +14,7 @@ the store outlives any rank and a rank failing after another still reads which o
   SIGHUP to the launcher (a job scheduler ending the job) is passed on the same way (exit 143 / 129), so no rank is
   left running without it.
 
-Several machines still launch with ``torchrun`` (README, "Launching with torchrun").
+Several machines still launch with ``torchrun`` (docs/user_guide/training.md, "Launching with torchrun").
 """
 
 from __future__ import annotations
