@@ -40,6 +40,17 @@ class OneLineErrors(argparse.ArgumentParser):
         raise FlagError(message)
 
 
+def command_parser(name: str):
+    """``(module, parser)`` of the sub-command ``name``: the parser ``dynabatch NAME`` parses its flags with (also used
+    by ``scripts/gen_cli_reference.py`` and the docs test, which parse without running)."""
+    if name not in COMMANDS:
+        raise ValueError(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+    module = importlib.import_module(COMMANDS[name][0])
+    p = OneLineErrors(prog=f"dynabatch {name}", description=COMMANDS[name][1], formatter_class=HelpFormatter)
+    module.add_arguments(p)
+    return module, p
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynabatch", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -51,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         parser.print_help()
         return 0 if not argv else 2
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    p = OneLineErrors(prog=f"dynabatch {argv[0]}", description=COMMANDS[argv[0]][1], formatter_class=HelpFormatter)
-    module.add_arguments(p)
+    module, p = command_parser(argv[0])
     try:
         args = p.parse_args(argv[1:])
     except FlagError as e:

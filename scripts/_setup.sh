@@ -28,5 +28,5 @@ export PATH="$ROOT/.venv/bin:$PATH"
 # numba caches compiled kernels next to the source; keep them in a writable place.
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$ROOT/.cache/numba}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
-# Huge pages for large CPU tensors (see the cost model README section); torch reads it at import.
+# Huge pages for large CPU tensors (see docs/algorithms/cost_model.md); torch reads it at import.
 export THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"

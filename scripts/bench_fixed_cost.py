@@ -1,7 +1,7 @@
 """A GPU-like per-micro-batch fixed cost, emulated on CPU: how the planner copes when every micro-batch costs the same
 whatever its size.
 
-On the lent H200 (README, "On one GPU") every micro-batch of GPT-2 small cost 60-70 ms of launches and Python
+On the lent H200 (docs/benchmarks/gpu_h200/) every micro-batch of GPT-2 small cost 60-70 ms of launches and Python
 whatever its size, so a plan of many small micro-batches lost 18x to packing_free. This script makes the executor's
 every forward sleep ``--fwd-s`` and every backward ``--bwd-s`` (on top of the real compute), runs
 ``scripts/gpu_bench.py``'s CPU path (1 stage, interleaved methods) and prints, per method, the micro-batches,

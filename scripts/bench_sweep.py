@@ -15,7 +15,7 @@ The third factor is what is left (ratio / the first two). ``--plot`` draws token
 per method over the max length (one panel per model), with measured CPU points overlaid when
 ``--measured L=file.json`` (``dynabatch bench`` JSON files) are given.
 
-    python scripts/bench_sweep.py --lengths 512,1024,2048 --plot docs/sweep_simulated.png
+    python scripts/bench_sweep.py --lengths 512,1024,2048 --plot docs/benchmarks/simulated/max_length_sweep.png
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python scripts/bench_throughput.py --model t5 --max-input-len 2048 --steps 10 --json t5.json
     python scripts/bench_throughput.py --model gpt --lengths my_lengths.npz --json gpt.json
-    python scripts/bench_throughput.py --plot docs/bench_cpu.png t5.json gpt.json   # plot saved results
+    python scripts/bench_throughput.py --plot docs/benchmarks/cpu_dense_masks/bench_cpu.png t5.json gpt.json   # plot saved results
 
 See :mod:`dynabatch.commands.bench` for what is measured and how the methods are interleaved (``dynamic``,
 the four baselines and the external peer ``pipelining``, torch.distributed.pipelining's Schedule1F1B).

@@ -3,8 +3,8 @@
 Each configuration trains a few steps with ``dynabatch train`` (its own process) and reads metrics.jsonl:
 ``memory_measured_bytes`` (what autograd kept for backward, the executor's SavedActivationMeter) over
 ``memory_predicted_bytes`` (the schedule's simulated peak of stored bytes under the planner's analytic model).
-A ratio above 1 is memory the planner does not see; the README's "Activation recomputation" tables come from
-this script, and the GPU session runs it on CUDA (``--device cuda --models gpt2-small,t5-small``).
+A ratio above 1 is memory the planner does not see; the "Activation recomputation" tables of docs/algorithms/runtime.md come from
+this script, and scripts/gpu_check.sh runs it on CUDA (``--device cuda --models gpt2-small,t5-small``).
 
     python scripts/memory_check.py                                   # CPU: tiny GPT-2, T5 and Llama, fp32 + bf16
     python scripts/memory_check.py --dtypes bf16 --recompute none,full --json out.json

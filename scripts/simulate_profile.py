@@ -1,8 +1,8 @@
 """`dynabatch simulate` on a measured cost profile instead of the analytic model: every method planned, scheduled and
 simulated with a profile's per-layer tables (e.g. the t5-small profile measured on the H200,
-``docs/results/gpu_h200_session21/t5_small_h200_profile.json``).
+``docs/benchmarks/gpu_h200/t5_small_h200_profile_2026-12-04.json``).
 
-    python scripts/simulate_profile.py --profile docs/results/gpu_h200_session21/t5_small_h200_profile.json \\
+    python scripts/simulate_profile.py --profile docs/benchmarks/gpu_h200/t5_small_h200_profile_2026-12-04.json \\
         --stages 1,2,4 --max-input-len 2048 --global-batch-tokens 65536 [--lengths data/heavy_tail_2048.npz]
 
 Prints, per stage count, each method's simulated real tokens/s, micro-batches per step and bubble, and the ratio

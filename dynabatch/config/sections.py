@@ -33,7 +33,7 @@ PLAN_COSTS = ("base", "scaled", "calibrated")
 """``--plan-costs`` other than ``auto``: plan with the base cost model, the base model scaled per stage and direction
 to the online fit (:meth:`~dynabatch.cost.online.OnlineFit.scales`), or the online fit itself."""
 PLAN_COSTS_AUTO = {"seq2seq": "calibrated", "causal": "base"}
-"""What ``--plan-costs auto`` plans with, per sequence kind, as measured (README, *Online calibration*): the fit plans
+"""What ``--plan-costs auto`` plans with, per sequence kind, as measured (docs/benchmarks/calibration/): the fit plans
 encoder-decoders better than the analytic model (0.98-1.05x, mean 1.03x), decoder-only models slightly worse
 (0.96-0.99x)."""
 PLAN_COST_CHOICES = ("auto", *PLAN_COSTS)
@@ -115,7 +115,7 @@ class BatchingArgs:
         "device", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the "
                   "best plan; flat = every micro-batch one row of its samples back to back (no layer computes pad; on "
                   "CPU at most one row of the length limits); off = one sample per row; device (default) = auto on "
-                  "CUDA, off on CPU and in plan/simulate (measured: README \"On one GPU\" and \"Row packing in the "
+                  "CUDA, off on CPU and in plan/simulate (measured: docs/benchmarks/gpu_h200/ and docs/algorithms/planner.md, \"Row packing in the "
                   "planner\"); auto and flat only with --attention segments")
     slice_long: bool = arg(False, "GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory "
                                   "into token slices (TeraPipe)")

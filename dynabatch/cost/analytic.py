@@ -192,7 +192,7 @@ class AnalyticCostModel(StoredBytes):
     cast_copy_bytes: int = 0
     """Bytes per parameter of autocast's half-precision weight copies, added to the model states: the runtime
     trains fp32 weights under bf16/fp16 autocast and keeps one copy of each weight for the step (2; the first
-    GPU session measured 18 bytes per parameter held against the 16 priced)."""
+    H200 run measured 18 bytes per parameter held against the 16 priced)."""
     flash_memory: bool | None = None
     """Memory priced as fused attention (no score tensors kept or transient), whatever ``flash_attention``
     says for time; ``None``: as ``flash_attention``. The runtime's per-segment kernels (SDPA's flash path on

@@ -115,7 +115,7 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
 
     ``layer_builder``: the model family's profiler layer builder (``dynabatch.models.families.layer_builder``).
     """
-    from tqdm.auto import tqdm
+    from dynabatch.progress import progress
 
     thp = (tables.meta.get("device") or {}).get("thp_mem_alloc")
     if thp != os.environ.get("THP_MEM_ALLOC_ENABLE"):
@@ -143,7 +143,7 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
     whole = tables.stage_spec(0, sum(tables.num_layers))
     rows: list[CheckRow] = []
     shapes = sample_shapes(tables, num_shapes, seed)
-    for b, e, d in tqdm(shapes, desc="check", unit="shape", disable=not progress):
+    for b, e, d in progress(shapes, desc="check", unit="shape", disable=not progress):
         pred = tables.stage_cost(whole, b, e, d)
         m = measure_step(_model_step(built.model, built.sequence_kind, b, e, d), ptrs, dev, settings)
         rows.append(CheckRow("model", (b, e, d), pred.fwd_s + pred.bwd_s, m.fwd_s + m.bwd_s,

@@ -148,7 +148,7 @@ def device_hardware(device_type: str) -> HardwareSpec:
     """The analytic preset for the device a run trains on: ``cpu`` for CPU runs, else the first CUDA
     device's (:func:`gpu_preset`). Planning a GPU run with the ``cpu`` preset makes one-sample
     micro-batches look cheapest (a CPU core's per-kernel cost is small next to its compute); on an H200
-    that plan ran 20x slower than padding-free packing (README, "On one GPU")."""
+    that plan ran 20x slower than padding-free packing (docs/benchmarks/gpu_h200/)."""
     import torch
 
     if device_type != "cuda" or not torch.cuda.is_available():

@@ -242,7 +242,7 @@ class OnlineFit:
         profile: which cut of a global batch is cheaper) and takes from the measurements only what the base model
         gets wrong as a whole: each stage's and direction's time against the others' and against transfers. The
         full fit also re-weighs the shape terms (per micro-batch, per token, per pair) from the shapes the run's own
-        plans produced, which predicts those plans well but can rank other cuts worse (README, *Online
+        plans produced, which predicts those plans well but can rank other cuts worse (docs/benchmarks/calibration/, *Online
         calibration*)."""
         key = ("scales", as_of)
         if key not in self._cache:

@@ -130,7 +130,7 @@ PAD_TOLERANCE = 0.25
 """Samples whose query and key lengths are within this fraction of a group's longest share one SDPA call,
 padded to it under a key mask (pad pairs only, never another sample's keys): fewer, larger calls. Used by
 the runtime (:mod:`dynabatch.models.attention`) and by :func:`row_calls`, so predicted calls are the
-runtime's (but for a device's padding bound, below). Chosen by ``scripts/bench_attention.py`` (README, "Padding-free attention")."""
+runtime's (but for a device's padding bound, below). Chosen by ``scripts/bench_attention.py`` (docs/algorithms/runtime.md, "Padding-free attention")."""
 
 GROUP_WASTE_PAIRS: dict[str, float] = {"cpu": 2048.0}
 """Per device type: a sample joins a group only while padding it to the group's lengths adds at most this

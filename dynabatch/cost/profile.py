@@ -162,7 +162,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
     if layer_builder is None:
         raise ValueError("run_profile needs the model family's layer_builder "
                          "(dynabatch.models.families.layer_builder(model))")
-    from tqdm.auto import tqdm
+    from dynabatch.progress import progress
 
     from dynabatch.cost.p2p import default_backend, measure_p2p
 
@@ -190,7 +190,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
             raise ValueError(f"unknown layer kinds {unknown}; valid for {layers.family}: {sorted(valid)}")
         selected = tuple(k for k in layers.kinds if k.name in kinds)
     records = {}
-    with tqdm(total=count_points(selected, grid), desc=f"profile {model}", unit="pt",
+    with progress(total=count_points(selected, grid), desc=f"profile {model}", unit="pt",
               disable=not show_progress) as bar:
         for kind in selected:
             bar.set_postfix_str(kind.name)

@@ -234,7 +234,7 @@ class StageCosts:
 LOAD_BYTES_PER_TOKEN = 4 * 8
 """An upper bound of a stage's loaded inputs per padded token: at most four int64 tensors
 (:meth:`~dynabatch.schedule.ir.PipelineSpec.load_tensors`). With one stage there are no messages, and these
-are the whole buffer: leaving them out planned a micro-batch 16 kB over a tight budget (twenty-second session)."""
+are the whole buffer: leaving them out planned a micro-batch 16 kB over a tight budget (found by the H200 runs of 2026-12-04)."""
 
 
 def in_flight_buffer_bytes(costs: StageCosts) -> np.ndarray:

@@ -1,7 +1,7 @@
 """What each layer keeps for backward, and its backward's transient buffers: the activation-memory half of
 :class:`~dynabatch.cost.analytic.AnalyticCostModel`, a mixin over its ``spec``, ``dropout`` and memory flags
 (``fused_memory``, ``fused_cross_memory``). The terms are listed in :mod:`dynabatch.cost.analytic`'s docstring;
-each was measured against the runtime's saved tensors (README, "Activation recomputation": measured / predicted
+each was measured against the runtime's saved tensors (docs/algorithms/runtime.md, "Activation recomputation": measured / predicted
 1.00-1.06 for GPT-2, T5 and Llama in every recompute mode on both attention paths in fp32, 0.98-1.07 under bf16
 autocast).
 """

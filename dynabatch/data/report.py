@@ -23,6 +23,7 @@ from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sources import BAD_ROW_POLICIES
 from dynabatch.data.tokenize import FAMILIES, load_tokenizer
+from dynabatch.progress import progress
 
 PERCENTILES = (50, 90, 95, 99)
 HIST_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -106,7 +107,7 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
     print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.global_batch_tokens} tokens, "
           f"over-long samples: {args.overlong}) ==")
     print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in methods) + f" {'truncated':>10} {'dropped':>8}")
-    for max_len in tqdm(max_lens, desc=f"baselines {data.family}", leave=False):
+    for max_len in progress(max_lens, desc=f"baselines {data.family}", leave=False):
         target_len = args.max_target_len or max(max_len // 4, 2)
         limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
         batcher = GlobalBatcher(data, limits, token_budget=max(args.global_batch_tokens, limits.max_tokens), overlong=args.overlong)

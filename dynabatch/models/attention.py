@@ -34,7 +34,7 @@ T5 layers hand it unchanged to the attention function. Outputs, losses and gradi
 path's on real tokens (fp32 ``assert_close``, tests/unit/test_attention.py); a sample's loss has exactly
 zero gradient with respect to another sample's inputs in the same row.
 
-Measured (``scripts/bench_attention.py``): see the README's "Padding-free attention" section.
+Measured (``scripts/bench_attention.py``): see docs/algorithms/runtime.md, "Padding-free attention".
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ packed plan carry their rows (:attr:`Piece.rows`) and pairs (:attr:`Piece.pairs`
 the same DP, but every micro-batch is laid out as *one* row of its samples back to back, priced at ``(1,
 sum e, sum d)`` with its summed pairs and its longest segments (:attr:`Piece.longest`, T5's bias window;
 ``plan_partition(flat_rows=True)``): no layer computes pad. On CPU a flat row holds at most one row of the
-length limits (``flat_row``, :data:`FLAT_ROW_LIMITS`). README, "Row packing in the planner", has the
+length limits (``flat_row``, :data:`FLAT_ROW_LIMITS`). docs/algorithms/planner.md, "Row packing in the planner", has the
 measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime, bounded, T5 0.98-1.06x and GPT-2
 0.95-0.99x, so ``off`` stays the default).
 """
@@ -63,9 +63,9 @@ DEFAULT_PACK_ROWS = "device"
 def pack_rows_on(choice: str, device_type: str | None) -> str:
     """The ``pack_rows`` value the planner runs with: ``choice``, except that ``device`` is ``auto`` on a CUDA
     device and ``off`` on CPU and in ``plan``/``simulate`` (``device_type=None``). Both by measurement: on one
-    H200 ``auto`` ran GPT-2 small 1.82x and T5-small 2.63x faster than ``off`` (README, "On one GPU"); on this
+    H200 ``auto`` ran GPT-2 small 1.82x and T5-small 2.63x faster than ``off`` (docs/benchmarks/gpu_h200/); on this
     CPU's runtime ``off`` was as fast or faster, and simulated on the analytic presets ``auto`` was 0.986-1.020x
-    of ``off`` at 3-6x the planning time (README, "Row packing in the planner")."""
+    of ``off`` at 3-6x the planning time (docs/algorithms/planner.md, "Row packing in the planner")."""
     if choice != "device":
         return choice
     return "auto" if device_type == "cuda" else "off"
@@ -73,7 +73,7 @@ FILL_SCALES = (1.0, 0.5, 0.25)
 """Weights on the partition DP's fill-and-drain term that :func:`plan_step` tries when it has a simulated
 ``score`` (the trainer's and bench's planner): with measured (calibrated) costs, the plain formula's
 ``(S - 1) max(t)`` over-charges large micro-batches and cut a T5 step into 14-17 micro-batches where 10 ran
-faster (README, "Online calibration")."""
+faster (docs/benchmarks/calibration/)."""
 FLAT = "flat"
 """The row "capacity" of ``pack_rows="flat"``: every micro-batch is one row of its samples back to back."""
 FLAT_ROW_LIMITS: dict[str, float] = {"cpu": 1.0}
@@ -84,7 +84,7 @@ rises past about one such row (cache; bigger attention groups), which the cost m
 see: the fitted model cut T5 steps at 1024 into 5-6.5 flat micro-batches that computed 7-12% more on the
 first stage than packing_free's 7.6 rows of the same tokens (0.92-0.95x its tokens/s). Bounded, they come
 out at 9.6 and ran 0.97-1.07x packing_free on the built-in mixture, 0.99-1.04x on the heavy-tailed file in
-three rounds (before: 0.93-1.02x; README, "Row packing in the planner")."""
+three rounds (before: 0.93-1.02x; docs/algorithms/planner.md, "Row packing in the planner")."""
 ROW_CAPACITIES = (1.0, 0.5, 0.25)
 """Row capacities ``pack_rows="auto"`` tries, as fractions of the step's longest sample (T5: of the longest
 input and of the longest target)."""

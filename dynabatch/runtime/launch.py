@@ -15,7 +15,7 @@ connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, 
   SIGHUP to the launcher (a job scheduler ending the job) is passed on the same way (exit 143 / 129), so no rank is
   left running without it.
 
-Several machines still launch with ``torchrun`` (README, "Launching with torchrun").
+Several machines still launch with ``torchrun`` (docs/user_guide/training.md, "Launching with torchrun").
 """
 
 from __future__ import annotations

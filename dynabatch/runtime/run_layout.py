@@ -17,7 +17,7 @@ The choice (:func:`choose_run_layout`):
    for T5's cyclic placement). One round: the micro-batches hardly depend on the split. Where that split cuts
    inside a block (``--split-blocks``), the whole-block split is planned too and kept when its steps are predicted
    no longer: the cut balances the stages' summed compute, and on a pipeline whose lighter stage hid the bubble,
-   balancing it can bring the bubble out (T5 at 2,048 tokens on this CPU, README "Cutting inside a block").
+   balancing it can bring the bubble out (T5 at 2,048 tokens on this CPU, docs/algorithms/runtime.md, "Cutting inside a block").
 3. **Placement** (``auto`` only). The sampled batches are planned again on each candidate's split and every
    step predicted as the runtime will run it (linear: the ``--policy`` schedule's simulation; virtual
    stages: the placement's shortest order, :func:`~dynabatch.schedule.virtual.placed_step`). Linear wins unless a
@@ -49,7 +49,7 @@ SAMPLED_BATCHES = 4
 VIRTUAL_MARGIN = 0.05
 """``--placement auto`` takes virtual stages only when they are predicted more than this fraction faster than
 linear. Their chunks' fixed costs and extra hand-offs are not in the cost model: on this CPU, interleaved and
-cyclic chunks computed 1-8% more in all than linear stages of the same layers (README, Results)."""
+cyclic chunks computed 1-8% more in all than linear stages of the same layers (docs/benchmarks/virtual_stages/)."""
 
 _LAYOUT_TAG = 9
 _MAX_TEXT = 4096

@@ -258,8 +258,7 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
 def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
     """Train ``cfg.max_steps`` steps with ``cfg.method`` (on ``datasets`` in memory when given); rank 0 returns the
     summary."""
-    from tqdm import tqdm
-
+    from dynabatch.progress import progress
     from dynabatch.runtime.planner import plan_ahead
     from dynabatch.runtime.step import train_step
 
@@ -297,7 +296,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 ahead.close()
             raise
     tracker = Trackers()  # rank 0: TensorBoard / W&B as --report-to says (runtime.tracking)
-    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", disable=not ctx.is_planner, leave=False)
+    bar = progress(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", unit="steps", disable=not ctx.is_planner,
+                   leave=False)  # a bar on a terminal, plain periodic lines in a file
     planned = result = None
     try:
         if ctx.is_planner:

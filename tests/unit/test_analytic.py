@@ -351,7 +351,7 @@ def test_lm_head_peak_matches_the_cpu_allocator(dtype):
     """The LM head's stored and peak bytes against one measured forward + backward of the final norm, head and
     our fp32 cross-entropy (the CPU allocator's events replayed, as `dynabatch profile` measures): within 10%
     in fp32 and under bf16 autocast, where the backward's two fp32 logit gradients are the peak (the model
-    priced ``(p + 4) bT V`` before and was 20% low in bf16; the twenty-second session's H200 peaks)."""
+    priced ``(p + 4) bT V`` before and was 20% low in bf16; the H200 peaks measured on 2026-12-04)."""
     import torch
 
     from dynabatch.cost.measure import _PeakCPU, _SavedBytes

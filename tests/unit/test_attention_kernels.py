@@ -210,7 +210,7 @@ def test_under_auto_a_kernel_that_raises_is_replaced_by_sdpa(monkeypatch, caplog
 def test_under_auto_recomputation_stopping_early_is_not_a_kernel_failure(monkeypatch, mode):
     """Non-reentrant checkpointing ends a recomputation by raising ``_StopRecomputationError`` from inside the
     last op that saves a tensor, which is the kernel: ``auto`` must let it through, not drop the kernel for
-    ``sdpa`` (on the H200 that broke checkpoint's state and the backward: twenty-second session)."""
+    ``sdpa`` (on the H200 that broke checkpoint's state and the backward: measured 2026-12-04)."""
     from dynabatch.models.recompute import checkpointed, recompute_mode
 
     seg = build_segments("causal", IDS)

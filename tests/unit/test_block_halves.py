@@ -83,7 +83,7 @@ def test_split_keeps_whole_blocks_when_halves_gain_too_little():
 
 def test_t5_split_cuts_an_encoder_block_where_long_inputs_make_attention_dominate():
     """t5-d256 on 2 stages with 2,048-token inputs: attention is most of an encoder block, so whole blocks put
-    3 of 4 encoder blocks before the decoder stage's (measured 2.09 / 1.60 s in the twenty-fifth session's
+    3 of 4 encoder blocks before the decoder stage's (measured 2.09 / 1.60 s in the 2026-12-05
     benchmark); moving the third block's FFN half over balances them better."""
     from dynabatch.models.families import analytic_spec
     from dynabatch.models.presets import build_model

@@ -126,7 +126,7 @@ def test_plan_takes_an_analytic_preset_as_model_and_refuses_an_unknown_one(capsy
     small = ["--num-batches", "1", "--methods", "padding", "--global-batch-tokens", "4096", "--max-input-len", "512",
              "--json"]
     # t5: the built-in mixture tokenized for t5 is the one test_gpu_bench and test_hf_integration load too (each
-    # family's tokenization costs ~30 s once per session; no default-suite test needs it for gpt)
+    # family's tokenization costs ~30 s once per test run; no default-suite test needs it for gpt)
     assert main(["plan", "--model", "t5-base", *small]) == 0
     by_preset = json.loads(capsys.readouterr().out)
     assert main(["plan", "--model", "t5", "--preset", "t5-base", *small]) == 0

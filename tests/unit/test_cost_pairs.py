@@ -21,7 +21,7 @@ FIELDS = ("fwd_time_s", "bwd_time_s", "fwd_flops", "stored_activation_bytes", "p
 
 # Whole-model stage costs computed by the analytic model before per-segment pricing existed (git b31e33e),
 # as float.hex: the default (no pairs) must reproduce them bit for bit. The peak_extra values where the LM head
-# is the stage's peak were updated when its backward's fp32 logit gradients were priced (twenty-second session);
+# is the stage's peak were updated when its backward's fp32 logit gradients were priced (H200 runs of 2026-12-04);
 # T5's and Llama's stored bytes when RMSNorm's fp32 normalised copy was counted (twenty-fourth: +4 bytes per element
 # of each norm's input, 2,084,044,800 bytes on t5-large's (8, 1000, 200)).
 GOLDEN = {

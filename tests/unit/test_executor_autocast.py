@@ -1,7 +1,7 @@
 """The executor's autocast (bf16 over fp32 master weights): one half-precision copy of the weights per step,
 shared by every micro-batch, not one per micro-batch in flight.
 
-On the H200 (twenty-first session) GPT-2 small's dynamic plan of ~85 micro-batches under a GPipe order
+On the H200 (2026-12-04) GPT-2 small's dynamic plan of ~85 micro-batches under a GPipe order
 measured about 30 GB more saved activations than predicted: each forward, entering autocast on its own,
 re-cast every weight, and each micro-batch's graph kept its own bf16 copy until its backward. The step now
 runs inside one outer (disabled) autocast region, which keeps autocast's cast cache alive for the step.

@@ -56,7 +56,7 @@ def test_simulate_profile_prices_every_method_with_the_measured_h200_tables(tmp_
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
     out = str(tmp_path / "sim.json")
-    profile = os.path.join(ROOT, "docs", "results", "gpu_h200_session21", "t5_small_h200_profile.json")
+    profile = os.path.join(ROOT, "docs", "benchmarks", "gpu_h200", "t5_small_h200_profile_2026-12-04.json")
     assert sim.main(["--profile", profile, "--stages", "1,2", "--num-batches", "1", "--methods", "dynamic,packing_free",
                      "--pack-rows", "auto", "--json", out]) == 0
     with open(out) as f:

@@ -14,7 +14,7 @@ its CPU presets. Families registered here:
   (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``).
 
 Adding a family is one module here that builds its :class:`ModelFamily` and calls
-:func:`register_family`, plus its tests (README, "Adding a model family").
+:func:`register_family`, plus its tests (docs/model_families.md, "Adding a model family").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device check for a session lent one GPU (at most about 9.5 minutes: run it with timeout_s 590;
+# The prepared device check for a machine with one GPU (at most about 9.5 minutes: run it with timeout_s 590;
 # each part capped, each writes its own log, so a part that fails or overruns loses only itself):
 #   1. scripts/gpu_check_kernels.py: varlen / flex / auto against per-segment SDPA (loss, gradients, time)
 #   2. scripts/gpu_bench.py: gpt2-small at 2048 on the heavy-tailed lengths file (varlen path), analytic plan
@@ -8,14 +8,14 @@
 #   3. the same under a binding --memory-gib with tuned baselines (issue 16's regime)
 #   4. scripts/gpu_bench.py: t5-small at 2048 on the built-in mixture, profile + check + interleaved bench
 # The device tool returns at most 8 files: the parts' 4 logs, the gpt/mem/t5 bench JSONs and t5's profile.json
-# (so do not also tee the session's output into OUT_DIR; the tool's output_tail has its end).
+# (so do not also tee this script's output into OUT_DIR; the tool's output_tail has its end).
 #
-#   bash scripts/gpu_session.sh OUT_DIR
+#   bash scripts/gpu_check.sh OUT_DIR
 #
-# The lent machine has torch and transformers but not `datasets`: carry its wheels in .whl/ (README,
-# "On one GPU"); they are installed into /tmp/site when present.
+# The lent machine has torch and transformers but not `datasets`: carry its wheels in .whl/ (docs/development.md,
+# "The GPU check"); they are installed into /tmp/site when present.
 set -uo pipefail
-out=${1:?usage: gpu_session.sh OUT_DIR}
+out=${1:?usage: gpu_check.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NUMBA_CACHE_DIR=/tmp/numba
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,16 +30,16 @@ python3 -c "import torch, transformers, numba, datasets; print('torch', torch.__
 # progress bars (\r-separated) stay in the logs only
 quiet() { tr '\r' '\n' | grep -v -E "examples/s|it/s\]|s/it\]|examples \[|^ *$"; }
 
-# Each part is skipped when its time limit is 0. The defaults are sized from the twenty-first session's two
-# calls (README, "On one GPU"): its first call (T5 at 131,072 tokens, GPT-2 at 6 steps) timed out in both
-# benches; its second ran KERNELS_S=90 KERNEL_FAMILIES=gpt2,t5 T5_S=0 GPT_S=170 GPT_TOKENS=65536 GPT_STEPS=4
-# GPT_METHODS=dynamic,packing_free,token_budget, and the GPT part took 101 s.
-# The twenty-second session ran all four parts (KERNELS_S=60: T5 rows only; the GPT part 55 s; T5 with its profile
-# did not reach the bench in 180 s, with T5_ARGS=--skip-profile it took 145 s; README, "On one GPU"). Since then
-# `dynamic` on CUDA plans with --pack-rows auto (the `device` default), so dynamic_flat replaces dynamic_packed.
+# Each part is skipped when its time limit is 0. The defaults are sized from the H200 runs of 2026-12-04
+# (docs/benchmarks/gpu_h200/): a first call with T5 at 131,072 tokens and GPT-2 at 6 steps timed out in both
+# benches; KERNELS_S=90 KERNEL_FAMILIES=gpt2,t5 T5_S=0 GPT_S=170 GPT_TOKENS=65536 GPT_STEPS=4
+# GPT_METHODS=dynamic,packing_free,token_budget took 101 s for the GPT part; a later run of all four parts
+# (KERNELS_S=60: T5 rows only) took 55 s for the GPT part, and T5 with its profile did not reach the bench in
+# 180 s (with T5_ARGS=--skip-profile it took 145 s). Since then `dynamic` on CUDA plans with --pack-rows auto
+# (the `device` default), so dynamic_flat replaces dynamic_packed.
 # Next to measure: part 3 (memory-bound), whose measured saved activations exceeded the prediction by 1.7-2.2x;
-# the twenty-fourth session found the bf16-autocast terms behind that on CPU (README, "Activation recomputation"),
-# and part M checks them on the GPU first. Defaults sum to 580 s.
+# the bf16-autocast terms behind that were since found on CPU (docs/algorithms/runtime.md, "Activation
+# recomputation"), and part M checks them on the GPU first. Defaults sum to 580 s.
 if [ "${KERNELS_S:-50}" != 0 ]; then
   timeout -k 5 "${KERNELS_S:-50}" python3 scripts/gpu_check_kernels.py --repeats 3 --families "${KERNEL_FAMILIES:-t5,llama}" \
     --dtypes "${KERNEL_DTYPES:-bf16}" \
@@ -53,7 +53,7 @@ if [ "${GPT_S:-140}" != 0 ]; then
     | tee "$out/gpt.log" | quiet
   echo "gpt bench: rc ${PIPESTATUS[0]}"
 fi
-if [ "${MEMCHK_S:-60}" != 0 ]; then  # the twenty-fourth session's bf16 memory terms, measured on CPU autocast only
+if [ "${MEMCHK_S:-60}" != 0 ]; then  # the bf16 memory terms, so far measured on CPU autocast only
   timeout -k 5 "${MEMCHK_S:-60}" python3 scripts/memory_check.py --device cuda --models "${MEMCHK_MODELS:-gpt2-small,t5-small}" \
     --dtypes bf16 --recompute "${MEMCHK_RECOMPUTE:-none,full}" --global-batch-tokens 16384 --max-input-len 1024 \
     2>&1 | tee -a "$out/kernels.log" | quiet
