@@ -89,10 +89,12 @@ def _check_encoding(out_dir: str, family: str) -> str:
     """How to encode a model input with the exported tokenizer as training did: reloads it the way a user
     does (``AutoTokenizer.from_pretrained``) and compares with training's encoding; a warning says what to do
     where the two differ (a slow tokenizer, whose special tokens cannot be set in its files)."""
-    from dynabatch.data.tokenize import encodes_like_training, load_tokenizer, tokenizer_info
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.tokenize import encodes_like_training, tokenizer_info
     from dynabatch.sequence import is_seq2seq
 
-    saved = load_tokenizer(out_dir)
+    saved = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # ByT5 saves no vocabulary file
     if encodes_like_training(saved, family):
         return "tokenizer(text)" + (" (EOS appended, as in training)" if is_seq2seq(family) else "")
     eos = tokenizer_info(saved).eos_id

@@ -126,6 +126,26 @@ def test_a_preset_uses_the_builtin_tokenizer_and_a_causal_export_encodes_prompts
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
 
 
+@pytest.mark.parametrize("name", ["builtin", "gpt2"])
+@pytest.mark.parametrize("family", ["seq2seq", "causal"])
+def test_the_saved_inference_tokenizer_encodes_inputs_as_tokenize_dataset(tmp_path, name, family):
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.sources import SourceSpec, load_source
+    from dynabatch.data.tokenize import inference_tokenizer, load_tokenizer, tokenize_dataset
+
+    text = "Reverse the words: alpha beta gamma"
+    path = write_jsonl(tmp_path / "a.jsonl", [{"inputs": text, "targets": "gamma beta alpha"}])
+    ds, _ = load_source(SourceSpec(task="a", data_files=(path,)))
+    tok = load_tokenizer(name)
+    trained = tokenize_dataset(ds, tok, family)[0]
+    inference_tokenizer(tok, family).save_pretrained(tmp_path / "saved")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert saved(text)["input_ids"] == trained["input_ids"]
+    assert (trained["input_ids"][-1] == tok.eos_token_id) == (family == "seq2seq")
+    assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]  # the original is untouched
+
+
 def _refusal(capsys, *argv) -> str:
     code = main(list(argv))
     err = capsys.readouterr().err
