@@ -7,8 +7,8 @@ to cut long samples into token slices as ``dynamic train --slice-long`` does; an
 ``packing``, ``packing_free``) every rank builds its own copy of its stage from the *same seed*
 (identical initial weights), its own AdamW and its own :class:`~dynabatch.runtime.executor.Executor`.
 All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
-mixture spec, ``--data`` with ``--columns`` and ``--tokenizer`` read as ``train`` reads them, or a lengths file ``.npz``/``.jsonl`` whose samples get random token ids of exactly
-those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
+mixture spec, ``--data`` with ``--columns`` and ``--tokenizer`` read as ``train`` reads them, or a lengths
+file ``.npz``/``.jsonl`` whose samples get random token ids of exactly those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
 planner's stage cost model (analytic, or ``--cost-profile``'s measured tables) and scheduled by
 ``--policy`` exactly as in ``dynabatch train``.
 
@@ -125,7 +125,8 @@ class BenchArgs:
     quiet: bool = arg(False, "no table (with --json)")
 
 
-BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype", "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
+BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype",
+                "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
                 "plan_costs", "seed")

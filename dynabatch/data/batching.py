@@ -1,8 +1,8 @@
 """Global batches by token budget, with length limits and a policy for over-long samples.
 
 A global batch is the set of samples of one optimizer step. It is formed by a *token budget*
-(inputs + targets, default :data:`DEFAULT_GLOBAL_BATCH_TOKENS`), not a sample count: samples are drawn from the mixture sampler
-and added while the batch stays within the budget; the first sample that does not fit opens the
+(inputs + targets, default :data:`DEFAULT_GLOBAL_BATCH_TOKENS`), not a sample count: samples are drawn
+from the mixture sampler and added while the batch stays within the budget; the first sample that does not fit opens the
 next batch. The batcher's position (sampler state + that held-over sample) is its ``state_dict``,
 so batches resume exactly at any step.
 
@@ -252,7 +252,8 @@ class EveryRowBatcher:
 
     def __post_init__(self) -> None:
         if self.limits.family != self.data.family:
-            raise ValueError(f"length limits are for {self.limits.family!r} but the data is tokenized for {self.data.family!r}")
+            raise ValueError(f"length limits are for {self.limits.family!r} but the data is tokenized for "
+                             f"{self.data.family!r}")
         if self.token_budget < self.limits.max_tokens:
             raise ValueError(f"token_budget {self.token_budget} is smaller than one maximal sample "
                              f"({self.limits.describe()}, {self.limits.max_tokens} tokens); raise the budget")

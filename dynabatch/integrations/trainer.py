@@ -222,7 +222,8 @@ class DynaBatchTrainer(Trainer):
         adds ``compute_metrics``' metrics, prefixed, as ``Seq2SeqTrainer`` does (see :meth:`predict`)."""
         loader = eval_dataset if eval_dataset is not None else self.eval_dataset
         if loader is None:
-            raise ValueError("DynaBatchTrainer: evaluation needs eval_loader=DynaBatchDataLoader(..., each_row_once=True)")
+            raise ValueError("DynaBatchTrainer: evaluation needs "
+                             "eval_loader=DynaBatchDataLoader(..., each_row_once=True)")
         if isinstance(loader, Mapping):
             metrics: dict[str, float] = {}
             for name, sub in loader.items():

@@ -550,7 +550,8 @@ def resolve_run_tokenizer(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, resolve_tokenizer, tokenizer_info
 
     if ctx.is_planner:
-        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))))
+        info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
+        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
     return dataclasses.replace(cfg, tokenizer=resolve_tokenizer(cfg.tokenizer, cfg.model))
 
 

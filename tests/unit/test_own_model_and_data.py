@@ -188,7 +188,8 @@ def test_data_report_of_a_file_with_a_task_field_reports_its_tasks(tmp_path, cap
     out = capsys.readouterr().out
     assert code == 0
     assert "== tasks (seq2seq, 3 tasks in 1 sources) ==" in out
-    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.split()[:1] in (["qa"], ["sum"], ["cls"])}
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()
+            if line.split()[:1] in (["qa"], ["sum"], ["cls"])}
     assert {t: int(v[0]) for t, v in rows.items()} == {"qa": 30, "sum": 20, "cls": 10}
     assert {t: float(v[1]) for t, v in rows.items()} == {"qa": 0.5, "sum": pytest.approx(0.333, abs=1e-3),
                                                          "cls": pytest.approx(0.167, abs=1e-3)}
