@@ -74,9 +74,11 @@ FAMILY_PRESETS = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "lla
 """``--model t5`` / ``gpt`` / ``llama`` in train, bench and profile: the family's benchmark preset."""
 
 
-def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0):
+def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0,
+                 special_ids: dict[str, int] | None = None):
     """The Hugging Face config of a preset (or a family name of :data:`FAMILY_PRESETS`). ``dropout`` applies to
-    every dropout in the model."""
+    every dropout in the model; ``special_ids`` (``pad_token_id``, ``eos_token_id``, ``decoder_start_token_id``,
+    ``bos_token_id``: the run's tokenizer's) replace the built-in tokenizer's where the preset sets them."""
     from transformers import AutoConfig
 
     name = FAMILY_PRESETS.get(name, name)
@@ -84,7 +86,8 @@ def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}, a family "
                          f"({', '.join(FAMILY_PRESETS)}) or a local checkpoint dir")
     p = PRESETS[name]
-    return AutoConfig.for_model(p.model_type, vocab_size=vocab_size, **p.fields,
+    fields = {**p.fields, **{k: v for k, v in (special_ids or {}).items() if k in p.fields}}
+    return AutoConfig.for_model(p.model_type, vocab_size=vocab_size, **fields,
                                 **{key: dropout for key in p.dropout_fields})
 
 
@@ -104,13 +107,15 @@ def load_config(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
     return build_config(name_or_path, vocab_size=vocab_size, dropout=dropout)
 
 
-def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0):
-    """A preset built from config (random init, seeded) or a local checkpoint directory."""
+def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0,
+                special_ids: dict[str, int] | None = None):
+    """A preset built from config (random init, seeded; ``special_ids`` as :func:`build_config`) or a local
+    checkpoint directory."""
     import torch
 
     if os.path.isdir(name_or_path):
         config = load_config(name_or_path)
         return model_class(config).from_pretrained(name_or_path, local_files_only=True)
-    config = build_config(name_or_path, vocab_size=vocab_size, dropout=dropout)
+    config = build_config(name_or_path, vocab_size=vocab_size, dropout=dropout, special_ids=special_ids)
     torch.manual_seed(seed)
     return model_class(config).from_config(config)

@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def held_out(spec: MixtureSpec, num_examples: int = 100) -> MixtureSpec:
+def held_out(spec: MixtureSpec, num_examples: int = 20) -> MixtureSpec:
     """The built-in tasks generated with other seeds: new examples of the same tasks."""
     sources = tuple(dataclasses.replace(s, seed=s.seed + 1000, num_examples=num_examples) for s in spec.sources)
     return dataclasses.replace(spec, sources=sources, name=f"{spec.name}-eval")
@@ -82,7 +82,8 @@ def main() -> None:
         replica_index=args.process_index,
     )
     train_loader = DynaBatchDataLoader(train_data, limits, **shared)
-    eval_loader = DynaBatchDataLoader(eval_data, limits, max_steps=2, restart_on_iter=True, **shared)
+    # Evaluation: every held-out row exactly once per evaluation, in global batches of the same token budget.
+    eval_loader = DynaBatchDataLoader(eval_data, limits, each_row_once=True, **shared)
     trainer = DynaBatchTrainer(model=model, args=args, train_loader=train_loader, eval_loader=eval_loader)
     result = trainer.train(resume_from_checkpoint=True if cli.resume else None)
     if args.process_index == 0:

@@ -7,8 +7,8 @@ to cut long samples into token slices as ``dynamic train --slice-long`` does; an
 ``packing``, ``packing_free``) every rank builds its own copy of its stage from the *same seed*
 (identical initial weights), its own AdamW and its own :class:`~dynabatch.runtime.executor.Executor`.
 All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
-mixture spec, or a lengths file ``.npz``/``.jsonl`` whose samples get random token ids of exactly
-those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
+mixture spec, ``--data`` with ``--columns`` and ``--tokenizer`` read as ``train`` reads them, or a lengths
+file ``.npz``/``.jsonl`` whose samples get random token ids of exactly those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
 planner's stage cost model (analytic, or ``--cost-profile``'s measured tables) and scheduled by
 ``--policy`` exactly as in ``dynabatch train``.
 
@@ -78,6 +78,7 @@ from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
+from dynabatch.data.tokenize import resolve_tokenizer
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.model_presets import FAMILY_PRESETS
@@ -124,7 +125,8 @@ class BenchArgs:
     quiet: bool = arg(False, "no table (with --json)")
 
 
-BENCH_FIELDS = ("model", "dtype", "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
+BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype",
+                "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
                 "plan_costs", "seed")
@@ -179,6 +181,10 @@ def _family(model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     methods = parse_methods(args.methods, METHODS)
+    if args.data and args.lengths:
+        raise ValueError(f"give --data or --lengths, not both (got {args.data!r} and {args.lengths!r})")
+    if args.columns and not args.data:
+        raise ValueError("--columns maps the columns of --data; pass --data FILE")
     if args.compare_profile and PROFILED not in methods:
         methods.append(PROFILED)
     if SLICED in methods and is_seq2seq(_family(args.model)):
@@ -258,13 +264,17 @@ class _LazyPlans:
 
 
 def load_batches(args, family: str, limits, info, num_batches: int) -> list:
-    """``num_batches`` global batches of the workload; lengths files get random ids of their exact lengths."""
+    """``num_batches`` global batches of the workload (``--data`` with ``--columns``, read as ``train`` reads it,
+    or ``--lengths``); lengths files get random ids of their exact lengths."""
     from dynabatch.data.report import default_mixture_path
     from dynabatch.data.sample import GlobalBatch, TokenizedSample
     from dynabatch.workload import global_batches, is_mixture_spec
 
+    tokenizer = resolve_tokenizer(args.tokenizer, args.model)
+    if args.data is not None:
+        return _data_batches(args, family, limits, tokenizer, num_batches)
     path = args.lengths or default_mixture_path()
-    batches = global_batches(path, family, limits, args.global_batch_tokens, num_batches, tokenizer="builtin")
+    batches = global_batches(path, family, limits, args.global_batch_tokens, num_batches, tokenizer=tokenizer)
     if not batches:
         raise ValueError(f"{path}: no global batch could be formed")
     if is_mixture_spec(path):
@@ -282,6 +292,18 @@ def load_batches(args, family: str, limits, info, num_batches: int) -> list:
                         for s in b.samples)
         out.append(GlobalBatch(step=b.step, samples=samples, num_truncated=b.num_truncated))
     return out
+
+
+def _data_batches(args, family: str, limits, tokenizer: str, num_batches: int) -> list:
+    """The first ``num_batches`` global batches of ``--data`` (:func:`~dynabatch.data.inputs.load_data`, as
+    ``dynabatch train`` reads it: the same columns, task column and row order)."""
+    from dynabatch.data.batching import GlobalBatcher
+    from dynabatch.data.inputs import load_data
+    from dynabatch.data.tokenize import load_tokenizer
+
+    data = load_data(load_tokenizer(tokenizer), family, data=args.data, columns=args.columns, seed=args.seed)
+    batcher = GlobalBatcher(data, limits, token_budget=args.global_batch_tokens)
+    return [batcher.next_batch() for _ in range(num_batches)]
 
 
 def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list:
@@ -339,7 +361,6 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
-    from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, pipeline_spec_for
     from dynabatch.runtime.dist import shutdown
     from dynabatch.runtime.executor import Executor
@@ -348,7 +369,7 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.runtime.metrics import peak_rss_bytes
     from dynabatch.runtime.planner import StepPlanner
     from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer
-    from dynabatch.runtime.trainer import connect, planner_cost_model
+    from dynabatch.runtime.trainer import build_run_model, connect, planner_cost_model
 
     # the peer runs packing's rows: plan it as packing
     cfgs = {m: _config(args, "packing" if m == PEER else m) for m in methods}
@@ -360,9 +381,9 @@ def bench(args, methods: list[str]) -> dict | None:
         if problem := kernel_problem(args.attention_kernel, ctx.device, args.dtype):
             raise ValueError(problem)
         use_attention_kernel(args.attention_kernel)
-        info = tokenizer_info(load_tokenizer("builtin"))
+        info = tokenizer_info(load_tokenizer(args.tokenizer, args.model))
         family = check_model(args.model, args.max_input_len).sequence_kind
-        model = build_model(args.model, vocab_size=info.vocab_size, dropout=0.0, seed=args.seed)
+        model = build_run_model(args.model, args.tokenizer, info, family, seed=args.seed)
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
         batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []

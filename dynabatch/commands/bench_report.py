@@ -30,7 +30,7 @@ def summary_line(result: dict) -> str:
     c, rows = result["config"], result["methods"]
     line = {
         "model": c["model"], "max_input_len": c["max_input_len"], "max_target_len": c["max_target_len"],
-        "stages": c["stages"], "lengths": c["lengths"], "best_baseline": result["best_baseline"],
+        "stages": c["stages"], "lengths": c["lengths"], "data": c.get("data"), "best_baseline": result["best_baseline"],
         "tokens_per_s": {m: round(r["tokens_per_s"], 1) for m, r in rows.items()},
         "ratio_to_best_baseline": {m: round(r["ratio_to_best_baseline"], 4) for m, r in rows.items()
                                    if "ratio_to_best_baseline" in r},
@@ -56,7 +56,7 @@ def _num(value, width: int, digits: int) -> str:
 
 def print_table(result: dict) -> None:
     c = result["config"]
-    print(f"{c['model']} on {c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
+    print(f"{c['model']} on {c.get('data') or c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
           f"{c['timed_steps']} timed steps (+{c['untimed_steps']} untimed) per method, interleaved; "
           f"{result['samples_per_step']:.0f} samples / {result['real_tokens_per_step']:.0f} real tokens per step; "
           f"device {result['machine']['device']}")

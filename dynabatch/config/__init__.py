@@ -107,6 +107,8 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.eval_samples is not None and self.eval_samples < 1:
+            raise ValueError(f"eval_samples must be >= 1 (or unset: every row), got {self.eval_samples}")
         if not 0.0 <= self.eval_holdout < 1.0:
             raise ValueError(f"eval_holdout must be in [0, 1), got {self.eval_holdout}")
         trackers = [t.strip() for t in self.report_to.split(",") if t.strip()]
@@ -157,7 +159,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
 
 _AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",
                  "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
-                 "packing_free_rows", "max_micro_batch_samples", "save_total_limit", "max_bad_steps", "eval_samples",
+                 "packing_free_rows", "max_micro_batch_samples", "save_total_limit", "max_bad_steps",
                  "generation_max_new_tokens")
 _NON_NEGATIVE = ("seed", "warmup_steps", "save_steps", "logging_steps", "task_loss_every", "weight_decay",
                  "eval_steps", "generate_every")

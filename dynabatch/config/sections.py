@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from dynabatch.cost.recompute import RECOMPUTE_POLICIES  # ``recompute`` choices, one list for config and cost model
 from dynabatch.data.baselines import BASELINES, BaselineOptions, option_help
+from dynabatch.data.batching import DEFAULT_GLOBAL_BATCH_TOKENS
 
 METHODS = ("dynamic", *BASELINES)
 """``--method``: the dynamic planner or any baseline of :data:`dynabatch.data.baselines.BASELINES`."""
@@ -70,7 +71,8 @@ class ModelArgs:
     model: str = arg("t5-tiny", "model preset (t5-tiny, t5-mini, gpt2-tiny, llama-tiny, ...; see "
                                 "dynabatch.model_presets; t5 / gpt / llama: the *-d256 benchmark presets) or a local "
                                 "Hugging Face checkpoint folder")
-    tokenizer: str = arg("builtin", "builtin, gpt2, byt5 or a local tokenizer folder")
+    tokenizer: str = arg("auto", "auto (the --model folder's own tokenizer when it holds one, else builtin), builtin, "
+                                 "gpt2, byt5 or a local tokenizer folder; the run logs which one it uses")
     attention: Literal[ATTENTION_PATHS] = arg(
         "segments", "attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on "
                     "pad) or dense (4-D block-diagonal masks, the reference)")
@@ -105,7 +107,8 @@ class BatchingArgs:
     _argument_group_name = "batching"
 
     method: Literal[METHODS] = arg("dynamic", "batching: dynamic (the planner) or a baseline batcher")
-    global_batch_tokens: int = arg(8192, "real tokens (inputs + targets) per optimizer step", "token_budget")
+    global_batch_tokens: int = arg(DEFAULT_GLOBAL_BATCH_TOKENS, "real tokens (inputs + targets) per optimizer step",
+                                   "token_budget")
     samples_per_micro_batch: int = arg(BaselineOptions.samples_per_micro_batch, option_help("samples_per_micro_batch"))
     token_budget_tokens: int = arg(BaselineOptions.token_budget_tokens, option_help("token_budget_tokens"))
     packing_rows: int = arg(BaselineOptions.packing_rows, option_help("packing_rows"))
@@ -226,8 +229,8 @@ class EvalArgs:
                                    "training for evaluation")
     eval_steps: int = arg(0, "evaluate every N steps and at the end (0: only at the end when eval data is given)",
                           "eval_every")
-    eval_samples: int = arg(32, "evaluation samples per task at most (the same ones at every evaluation; more give "
-                                "finer metrics and slower evaluations)")
+    eval_samples: int | None = arg(None, "evaluation rows per task at most (default: every row of the evaluation "
+                                         "set, each once per evaluation; a cap takes the same rows every time)")
     generate_every: int = arg(1, "generation metrics (exact match, ROUGE-L) every K evaluations (0: only at the end)")
     generation_max_new_tokens: int = arg(32, "tokens generate() may add per sample for the generation metrics")
 

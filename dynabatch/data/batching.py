@@ -1,8 +1,8 @@
 """Global batches by token budget, with length limits and a policy for over-long samples.
 
 A global batch is the set of samples of one optimizer step. It is formed by a *token budget*
-(inputs + targets, e.g. 65,536), not a sample count: samples are drawn from the mixture sampler
-and added while the batch stays within the budget; the first sample that does not fit opens the
+(inputs + targets, default :data:`DEFAULT_GLOBAL_BATCH_TOKENS`), not a sample count: samples are drawn
+from the mixture sampler and added while the batch stays within the budget; the first sample that does not fit opens the
 next batch. The batcher's position (sampler state + that held-over sample) is its ``state_dict``,
 so batches resume exactly at any step.
 
@@ -27,6 +27,9 @@ from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.sequence import is_seq2seq, sequence_kind
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
+DEFAULT_GLOBAL_BATCH_TOKENS = 8192
+"""The one default global batch size in real tokens (``train``, ``bench``, ``data-report``, :class:`GlobalBatcher`);
+``plan`` and ``simulate`` default to the papers' scale instead (``dynabatch.commands.common.PAPER_SCALE``)."""
 
 
 class OverlongSampleError(ValueError):
@@ -101,7 +104,7 @@ class GlobalBatcher:
 
     data: MixtureData
     limits: LengthLimits
-    token_budget: int = 65_536
+    token_budget: int = DEFAULT_GLOBAL_BATCH_TOKENS
     """Real tokens (inputs + targets) per global batch."""
     overlong: str = "truncate"
     """``truncate`` | ``drop`` | ``error``."""
@@ -210,3 +213,81 @@ class GlobalBatcher:
         self.step = int(state["step"])
         self.num_truncated = int(state["num_truncated"])
         self.num_dropped = int(state["num_dropped"])
+
+
+def evaluation_rows(data: MixtureData, per_task: int | None = None, seed: int = 0) -> list[tuple[int, int]]:
+    """``(source, row)`` of every row of ``data`` once (``per_task``: at most that many rows of every task), each
+    source's rows in the order of a permutation seeded with ``(seed, source index)``: deterministic, and a cap
+    is not biased by the order of the files. What an evaluation covers (``dynabatch train --eval-samples`` and
+    :class:`EveryRowBatcher`)."""
+    if per_task is not None and per_task < 1:
+        raise ValueError(f"per_task (eval samples) must be >= 1 or None (every row), got {per_task}")
+    out: list[tuple[int, int]] = []
+    taken: dict[str, int] = {}
+    for k, source in enumerate(data.sources):
+        for row in np.random.default_rng([seed, k]).permutation(len(source)):
+            task = source.tasks[row]
+            if per_task is None or taken.get(task, 0) < per_task:
+                taken[task] = taken.get(task, 0) + 1
+                out.append((k, int(row)))
+    return out
+
+
+@dataclass
+class EveryRowBatcher:
+    """Finite global batches that hold every row of ``data`` exactly once (:func:`evaluation_rows`; rows per
+    task capped at ``per_task``), truncated to ``limits``, each at most ``token_budget`` real tokens: the
+    evaluation counterpart of :class:`GlobalBatcher`'s endless mixture stream (which draws rows by rate and
+    repeats them). :meth:`next_batch` goes round: after the last batch comes the first again."""
+
+    data: MixtureData
+    limits: LengthLimits
+    token_budget: int = DEFAULT_GLOBAL_BATCH_TOKENS
+    per_task: int | None = None
+    """Rows per task at most (the same rows every pass); ``None``: every row."""
+    seed: int = 0
+    """Orders the rows (and picks them under ``per_task``); default: the mixture's seed."""
+    batches: list[GlobalBatch] = field(init=False, repr=False)
+    step: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.limits.family != self.data.family:
+            raise ValueError(f"length limits are for {self.limits.family!r} but the data is tokenized for "
+                             f"{self.data.family!r}")
+        if self.token_budget < self.limits.max_tokens:
+            raise ValueError(f"token_budget {self.token_budget} is smaller than one maximal sample "
+                             f"({self.limits.describe()}, {self.limits.max_tokens} tokens); raise the budget")
+        eos = self.data.tokens.eos_id
+        self.batches = []
+        current: list[TokenizedSample] = []
+        total = truncated = 0
+        for source, row in evaluation_rows(self.data, self.per_task, self.seed):
+            raw = self.data.sample(source, row)
+            sample = truncate_sample(raw, self.limits, eos)
+            if current and total + sample.num_tokens > self.token_budget:
+                self.batches.append(GlobalBatch(len(self.batches), tuple(current), num_truncated=truncated))
+                current, total, truncated = [], 0, 0
+            current.append(sample)
+            total += sample.num_tokens
+            truncated += sample.num_tokens < raw.num_tokens
+        if current:
+            self.batches.append(GlobalBatch(len(self.batches), tuple(current), num_truncated=truncated))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def next_batch(self) -> GlobalBatch:
+        batch = self.batches[self.step % len(self.batches)]
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        require_keys("batcher state", state, ("step",), "an EveryRowBatcher")
+        self.step = int(state["step"])

@@ -1,8 +1,9 @@
 """``dynabatch data-report``: what a mixture looks like and what each baseline would waste.
 
-Prints, per task, the example count, mixing rate, input/target length percentiles and a length
-histogram, then the padding efficiency (real / computed tokens) of every baseline batcher on a few
-global batches at several maximum lengths. For T5 a max length L limits inputs to L and targets
+Prints, per task (each row's ``task``, as training sees it: a ``--data`` file with a ``task`` column reports
+every task in it), the example count, mixing rate, input/target length percentiles and a length histogram,
+then the padding efficiency (real / computed tokens) of every baseline batcher on a few global batches at
+several maximum lengths. For T5 a max length L limits inputs to L and targets
 to L/4 (override with ``--max-target-len``).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -22,7 +24,7 @@ from dynabatch.data.inputs import data_notes, data_spec, parse_columns
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sources import BAD_ROW_POLICIES
-from dynabatch.data.tokenize import FAMILIES, load_tokenizer
+from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.progress import progress
 
 PERCENTILES = (50, 90, 95, 99)
@@ -30,17 +32,13 @@ HIST_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--mixture", default=None, help="mixture spec (.yaml/.json); default: the built-in mixture")
-    src.add_argument("--data", default=None, help="one data file (json/jsonl/csv/parquet/arrow), a local dataset "
-                                                  "folder or a dataset in the local Hugging Face cache, instead of a mixture")
-    p.add_argument("--columns", default=None, help="with --data: map columns, e.g. inputs=question,targets=answer[,task=category]")
-    p.add_argument("--tokenizer", default="builtin", help="builtin | gpt2 | byt5 | local tokenizer dir")
+    add_fields(p, ["mixture", "data", "columns", "tokenizer", "global_batch_tokens"], helps={
+        "tokenizer": "builtin (what auto is without --model), gpt2, byt5 or a local tokenizer folder "
+                     "(e.g. a model folder)"})
     p.add_argument("--family", default="both", choices=[*FAMILIES, "t5", "gpt2", "both"],
                    help="sequence kind to tokenize for (t5 = seq2seq, gpt2 = causal)")
     p.add_argument("--max-lens", default="512,1024,2048", help="comma-separated maximum lengths to report")
     p.add_argument("--max-target-len", type=int, default=None, help="T5 target limit (default: max length / 4)")
-    add_fields(p, ["global_batch_tokens"], defaults={"global_batch_tokens": 65_536})
     p.add_argument("--num-batches", type=int, default=4, help="global batches per measurement")
     p.add_argument("--methods", default=None, help=f"comma list of {', '.join(BASELINES)} (default: all)")
     add_fields(p, option_users())
@@ -61,6 +59,8 @@ def default_mixture_path() -> str:
 def _spec(args: argparse.Namespace) -> MixtureSpec:
     if args.columns and not args.data:
         raise ValueError("--columns maps the columns of --data; pass --data FILE (a mixture spec maps its own)")
+    if args.data and args.mixture:
+        raise ValueError(f"give --mixture or --data, not both (got {args.mixture!r} and {args.data!r})")
     if args.data:
         return data_spec(args.data, parse_columns(args.columns))
     return MixtureSpec.from_file(args.mixture or default_mixture_path())
@@ -77,14 +77,43 @@ def _histogram(lengths: np.ndarray) -> str:
     return f"|{bars}|"
 
 
+@dataclass(frozen=True)
+class TaskRows:
+    """The rows of one task (the ``task`` of each row, as training and its task losses see them), over
+    every source that holds some."""
+
+    task: str
+    num_rows: int
+    rate: float
+    """The task's share of the samples drawn: each source's mixing rate split over its rows' tasks."""
+    input_lens: np.ndarray
+    target_lens: np.ndarray
+
+
+def task_rows(data: MixtureData) -> list[TaskRows]:
+    """Per task (in order of first appearance), its rows over every source: a source read from one file with a
+    ``task`` column holds several tasks, a source without one is one task named after it."""
+    parts: dict[str, list[tuple[float, np.ndarray, np.ndarray]]] = {}
+    for src, rate in zip(data.sources, data.rates):
+        tasks = np.asarray(src.tasks, dtype=object)
+        for task in dict.fromkeys(src.tasks):
+            rows = np.flatnonzero(tasks == task)
+            share = rate * len(rows) / len(src)
+            parts.setdefault(task, []).append((share, src.input_ids.lengths[rows], src.target_ids.lengths[rows]))
+    return [TaskRows(task, sum(len(p[1]) for p in ps), float(sum(p[0] for p in ps)),
+                     np.concatenate([p[1] for p in ps]), np.concatenate([p[2] for p in ps]))
+            for task, ps in parts.items()]
+
+
 def print_task_table(data: MixtureData) -> None:
     labels = ",".join(str(e) for e in HIST_EDGES[1:])
-    print(f"\n== tasks ({data.family}, {len(data.sources)} sources) ==")
+    tasks = task_rows(data)
+    print(f"\n== tasks ({data.family}, {len(tasks)} tasks in {len(data.sources)} sources) ==")
     header = f"{'task':<22} {'rows':>6} {'rate':>6} | inputs p{'/p'.join(map(str, PERCENTILES))} max | targets p{'/p'.join(map(str, PERCENTILES))} max | hist(total, bins <{labels},+)"
     print(header)
-    for src, rate in zip(data.sources, data.rates):
-        e, d = src.input_ids.lengths, src.target_ids.lengths
-        print(f"{src.name:<22} {len(src):>6d} {rate:>6.3f} | {_pct(e)} | {_pct(d)} | {_histogram(e + d)}")
+    for t in tasks:
+        e, d = t.input_lens, t.target_lens
+        print(f"{t.task:<22} {t.num_rows:>6d} {t.rate:>6.3f} | {_pct(e)} | {_pct(d)} | {_histogram(e + d)}")
     for note in data_notes(data):
         print(f"  {note}")
 
@@ -129,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     parse_methods(args.methods, tuple(BASELINES))
     spec = _spec(args)
     tokenizer = load_tokenizer(args.tokenizer)
+    print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer)))
     families = FAMILIES if args.family == "both" else (args.family,)
     print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
     for family in families:

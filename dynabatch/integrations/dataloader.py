@@ -16,6 +16,9 @@ to its fixed row length; ``packing_free``: to its longest packed row):
   round-robin (micro-batch ``k`` to replica ``k mod R``; a replica may get none when there are fewer
   micro-batches than replicas).
 
+Evaluation loaders (``each_row_once=True``): every row of the data once per iteration, in finite global batches
+(:class:`~dynabatch.data.batching.EveryRowBatcher`), cut and collated like the training steps.
+
 Loss normalisation: micro-batch ``i`` gets the weight ``loss_tokens_i / T`` where ``T`` counts the loss
 tokens of the whole global batch over all replicas (from the sample lengths, without collating the
 other replicas' tensors). ``sum_i loss_sum_i / T`` over a replica's micro-batches, summed over
@@ -40,7 +43,7 @@ from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any
 
 from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, make_batcher
-from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.batching import EveryRowBatcher, GlobalBatcher, LengthLimits
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch
@@ -188,19 +191,32 @@ class DynaBatchDataLoader:
     max_steps: int | None = None
     """Steps per iteration (and ``len``); ``None``: endless, no ``len``."""
     restart_on_iter: bool = False
-    """Every iteration starts again at the position the loader was built at (evaluation loaders)."""
+    """Every iteration starts again at the position the loader was built at (set by ``each_row_once``)."""
+    each_row_once: bool = False
+    """Evaluation loaders: every row of the data exactly once per iteration, truncated to ``limits``, in global
+    batches of at most ``token_budget`` real tokens (:class:`~dynabatch.data.batching.EveryRowBatcher`), instead
+    of the endless mixture stream (which draws rows by rate, with repetition); ``max_steps`` becomes the number
+    of those batches and every iteration restarts."""
+    eval_samples: int | None = None
+    """With ``each_row_once``: at most this many rows per task (the same rows every iteration, as ``dynabatch
+    train --eval-samples``); ``None``: every row."""
     tokenizer: Any = None
     """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
     columns: Mapping[str, str] | str | None = None
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
-    batcher: GlobalBatcher = field(init=False, repr=False)
+    batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
     _collator: Batcher = field(init=False, repr=False)
     _start_state: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.data, GlobalBatcher):
+        if self.eval_samples is not None and not self.each_row_once:
+            raise ValueError("eval_samples caps the rows of an each_row_once loader; set each_row_once=True")
+        if isinstance(self.data, (GlobalBatcher, EveryRowBatcher)):
             self._check_same("limits", self.limits, self.data.limits)
             self._check_same("token_budget", self.token_budget, self.data.token_budget)
+            if self.each_row_once and isinstance(self.data, GlobalBatcher):
+                raise ValueError("each_row_once reads every row of MixtureData or datasets; a GlobalBatcher is a "
+                                 "stream: pass its .data instead")
             self.batcher = self.data
         else:
             if self.limits is None or self.token_budget is None:
@@ -208,7 +224,16 @@ class DynaBatchDataLoader:
                                  f"token_budget={self.token_budget})")
             if not isinstance(self.data, MixtureData):
                 self.data = self._tokenized(self.data)
-            self.batcher = GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
+            if self.each_row_once:
+                self.batcher = EveryRowBatcher(self.data, self.limits, self.token_budget, per_task=self.eval_samples,
+                                               seed=self.data.spec.seed)
+            else:
+                self.batcher = GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
+        if isinstance(self.batcher, EveryRowBatcher):
+            if self.max_steps not in (None, len(self.batcher)):
+                raise ValueError(f"max_steps={self.max_steps} with each_row_once: the data makes {len(self.batcher)} "
+                                 "global batches, each row once; leave max_steps unset")
+            self.max_steps, self.restart_on_iter, self.each_row_once = len(self.batcher), True, True
         self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
         if self.method not in METHODS:
             raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")

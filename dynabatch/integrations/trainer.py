@@ -123,7 +123,8 @@ class DynaBatchTrainer(Trainer):
             if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
                 raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
             if name != "train_loader" and loader.max_steps is None:
-                raise ValueError(f"{name} is endless; give eval loaders max_steps (and restart_on_iter=True)")
+                raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
+                                 "once per evaluation)")
 
     # ------------------------------------------------------------------ training
 
@@ -221,7 +222,8 @@ class DynaBatchTrainer(Trainer):
         adds ``compute_metrics``' metrics, prefixed, as ``Seq2SeqTrainer`` does (see :meth:`predict`)."""
         loader = eval_dataset if eval_dataset is not None else self.eval_dataset
         if loader is None:
-            raise ValueError("DynaBatchTrainer: evaluation needs eval_loader=DynaBatchDataLoader(..., max_steps=N)")
+            raise ValueError("DynaBatchTrainer: evaluation needs "
+                             "eval_loader=DynaBatchDataLoader(..., each_row_once=True)")
         if isinstance(loader, Mapping):
             metrics: dict[str, float] = {}
             for name, sub in loader.items():

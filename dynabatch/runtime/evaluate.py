@@ -3,9 +3,9 @@ metrics (exact match, ROUGE-L) per task from ``generate()`` on the gathered mode
 
 **The evaluation set** (rank 0, once, before the first step; the same samples at every evaluation): the
 ``--eval-mixture`` spec's sources, or, with ``--eval-holdout F``, a fraction ``F`` of every task's rows that
-:func:`hold_out` takes out of the training data. Per task at most ``--eval-samples`` rows, chosen by a
-permutation seeded with the mixture's seed, truncated to the run's length limits (``--max-input-len`` /
-``--max-target-len``), whatever ``--overlong`` says for training.
+:func:`hold_out` takes out of the training data. Every row of it once per evaluation (``--eval-samples N``: at
+most ``N`` rows per task, chosen by a permutation seeded with the mixture's seed), truncated to the run's
+length limits (``--max-input-len`` / ``--max-target-len``), whatever ``--overlong`` says for training.
 
 **Loss** (collective, every rank): the set is cut once into length-sorted micro-batches (the ``token_budget``
 baseline: longest first, each at most ``global_batch_tokens / (2 * stages)`` padded tokens, so a replica's
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynabatch.data.batching import LengthLimits, truncate_sample
+from dynabatch.data.batching import LengthLimits, evaluation_rows, truncate_sample
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData, TokenColumn
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
@@ -79,18 +79,11 @@ class EvalSet:
 # ---------------------------------------------------------------------------------------------- the set
 
 
-def select_samples(data: MixtureData, per_task: int, seed: int) -> list[TokenizedSample]:
-    """At most ``per_task`` rows of every task of ``data``, each source's rows in the order of a permutation
-    seeded with ``(seed, source index)``: deterministic, and not biased by the order of the files."""
-    out: list[TokenizedSample] = []
-    taken: dict[str, int] = {}
-    for k, source in enumerate(data.sources):
-        for row in np.random.default_rng([seed, k]).permutation(len(source)):
-            task = source.tasks[row]
-            if taken.get(task, 0) < per_task:
-                taken[task] = taken.get(task, 0) + 1
-                out.append(data.sample(k, int(row)))
-    return out
+def select_samples(data: MixtureData, per_task: int | None, seed: int) -> list[TokenizedSample]:
+    """Every row of ``data`` once (``per_task``: at most that many of every task), each source's rows in the
+    order of a permutation seeded with ``(seed, source index)``: deterministic, and a cap is not biased by
+    the order of the files (:func:`~dynabatch.data.batching.evaluation_rows`)."""
+    return [data.sample(k, row) for k, row in evaluation_rows(data, per_task, seed)]
 
 
 def _take_rows(column: TokenColumn, rows: np.ndarray) -> TokenColumn:
@@ -145,7 +138,7 @@ def build_eval_set(samples: list[TokenizedSample], limits: LengthLimits, tokens:
     batch = GlobalBatch(-1, tuple(truncate_sample(s, limits, tokens.eos_id) for s in samples))
     if len(batch) < num_replicas:
         raise ValueError(f"the evaluation set has {len(batch)} samples, fewer than the {num_replicas} replicas; "
-                         "raise --eval-samples or give a larger --eval-mixture")
+                         "raise (or drop) --eval-samples or give a larger --eval-mixture")
     batcher = make_batcher("token_budget", limits, tokens, max_tokens=max(limits.max_tokens, max_tokens))
     groups = batcher.group(batch)
     while len(groups) < num_replicas:  # a few long samples: halve the group of the most rows
@@ -336,7 +329,7 @@ class Evaluator:
         from dynabatch.models.families import check_model
 
         family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
-        ev.tokenizer = load_tokenizer(cfg.tokenizer)
+        ev.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
         ev.tokens = tokenizer_info(ev.tokenizer)
         data = held_out
         if data is None:
@@ -398,11 +391,13 @@ class Evaluator:
     def _generate_and_score(self, weights: dict[str, torch.Tensor]) -> dict[str, Any] | None:
         t0 = time.perf_counter()
         if self.model is None:
-            from dynabatch.models.presets import build_model
+            from dynabatch.models.families import check_model
+            from dynabatch.runtime.trainer import build_run_model
 
+            family = check_model(self.cfg.model, None).sequence_kind
             with torch.random.fork_rng(devices=[]):  # build_model seeds the global RNG
-                self.model = build_model(self.cfg.model, vocab_size=self.tokens.vocab_size, dropout=0.0,
-                                         seed=self.cfg.seed)
+                self.model = build_run_model(self.cfg.model, self.cfg.tokenizer, self.tokens, family,
+                                             seed=self.cfg.seed)
         load_weights(self.model, weights)
         if not fits_device(self.model, self.ctx.device):
             warnings.warn(f"generation metrics skipped: the whole model does not fit rank 0's {self.ctx.device}",

@@ -5,7 +5,10 @@ A checkpoint holds every weight once under its global (HF) name, whatever the st
 manifest), reads the weights (safetensors, through ``torch.distributed.checkpoint``), checks that every
 model parameter is covered and finite, copies them in (a tied head takes its embedding's) and calls
 ``save_pretrained``. The result loads with
-``T5ForConditionalGeneration.from_pretrained(out)`` / ``GPT2LMHeadModel.from_pretrained(out)``.
+``T5ForConditionalGeneration.from_pretrained(out)`` / ``GPT2LMHeadModel.from_pretrained(out)``. The tokenizer
+is saved so that ``AutoTokenizer.from_pretrained(out)(text)`` gives the ids training fed the model
+(:func:`~dynabatch.data.tokenize.inference_tokenizer`: an encoder-decoder's inputs end with EOS, a decoder-only
+prompt has no special token); :data:`EXPORT_MARKER` records how to encode (docs/inference.md).
 
 Weights with a NaN or inf are refused (nothing is written), and so is an output folder that is not
 empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given.
@@ -21,6 +24,7 @@ import os
 import torch
 
 from dynabatch.config import TrainConfig
+from dynabatch.data.tokenize import inference_tokenizer
 from dynabatch.runtime.checkpoint import CheckpointError, first_non_finite, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -48,14 +52,17 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     the newest complete one) to ``out_dir``; returns ``out_dir``. ``CheckpointError`` (nothing written)
     if a weight is not finite; ``ValueError`` for an output folder :func:`check_out_dir` refuses."""
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
-    from dynabatch.models.presets import build_model
+    from dynabatch.models.families import check_model
     from dynabatch.runtime.reshard import model_weights
+    from dynabatch.runtime.trainer import build_run_model
 
     check_out_dir(out_dir, force)
     info = resolve_checkpoint(checkpoint)
     cfg = TrainConfig.of(**info.manifest["config"])
-    vocab = tokenizer_info(load_tokenizer(cfg.tokenizer)).vocab_size
-    model = build_model(cfg.model, vocab_size=vocab, dropout=cfg.dropout, seed=cfg.seed)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+    family = check_model(cfg.model, None).sequence_kind
+    model = build_run_model(cfg.model, cfg.tokenizer, tokenizer_info(tokenizer), family, dropout=cfg.dropout,
+                            seed=cfg.seed)
     params = dict(model.named_parameters())
     weights = model_weights(info.path)
     missing = sorted(set(params) - set(weights))
@@ -70,10 +77,32 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
             p.copy_(weights[name])
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
-    load_tokenizer(cfg.tokenizer).save_pretrained(out_dir)
+    inference_tokenizer(tokenizer, family).save_pretrained(out_dir)
+    encoding = _check_encoding(out_dir, family)
     with open(os.path.join(out_dir, EXPORT_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id}, f, indent=1)
+        json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id,
+                   "sequence_kind": family, "encoding": encoding}, f, indent=1)
     return out_dir
+
+
+def _check_encoding(out_dir: str, family: str) -> str:
+    """How to encode a model input with the exported tokenizer as training did: reloads it the way a user
+    does (``AutoTokenizer.from_pretrained``) and compares with training's encoding; a warning says what to do
+    where the two differ (a slow tokenizer, whose special tokens cannot be set in its files)."""
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.tokenize import encodes_like_training, tokenizer_info
+    from dynabatch.sequence import is_seq2seq
+
+    saved = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # ByT5 saves no vocabulary file
+    if encodes_like_training(saved, family):
+        return "tokenizer(text)" + (" (EOS appended, as in training)" if is_seq2seq(family) else "")
+    eos = tokenizer_info(saved).eos_id
+    how = (f"tokenizer(text, add_special_tokens=False).input_ids + [{eos}]" if is_seq2seq(family)
+           else "tokenizer(text, add_special_tokens=False).input_ids")
+    logger.warning(f"{out_dir}: tokenizer(text) of this tokenizer differs from how training encoded inputs; "
+                   f"encode them as {how}")
+    return how
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

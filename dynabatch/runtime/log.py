@@ -8,6 +8,8 @@ Every module logs through ``logging.getLogger(__name__)``, under the ``dynabatch
   ranks do not repeat rank 0's lines;
 * info lines are the message alone (a step's metrics stay one JSON object per line), warnings and
   errors start ``warning:`` / ``error:``;
+* a run's result (the end-of-run summary and speed-up lines, :func:`log_result`) is logged at the
+  :data:`RESULT` level, above every ``--log-level``, so it is printed at each of them, as a plain line;
 * lines go through ``tqdm.write``, which clears the training progress bar, writes the line and draws
   the bar again, so log lines never break the bar;
 * the stream is looked up at each line (``sys.stderr`` then), so a redirected stream gets the line.
@@ -24,6 +26,14 @@ import os
 import sys
 
 LOGGER_NAME = "dynabatch"
+RESULT = logging.CRITICAL + 5
+"""The level of a run's result lines: above ``--log-level error``, so every level prints them."""
+logging.addLevelName(RESULT, "RESULT")
+
+
+def log_result(logger: logging.Logger, message: str) -> None:
+    """Log ``message`` as a result line: printed at every ``--log-level``, without a ``warning:`` prefix."""
+    logger.log(RESULT, message)
 
 
 def process_rank() -> int:
@@ -32,7 +42,8 @@ def process_rank() -> int:
 
 
 class _Formatter(logging.Formatter):
-    """``message`` for info and debug, ``warning: message`` above; ``[rank N] `` first on ranks other than 0."""
+    """``message`` for info, debug and results, ``warning: message`` / ``error: message`` for those; ``[rank N] ``
+    first on ranks other than 0."""
 
     def __init__(self, rank: int):
         super().__init__()
@@ -42,7 +53,7 @@ class _Formatter(logging.Formatter):
         text = record.getMessage()
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
-        if record.levelno >= logging.WARNING:
+        if logging.WARNING <= record.levelno < RESULT:
             text = f"{record.levelname.lower()}: {text}"
         return f"[rank {self.rank}] {text}" if self.rank else text
 

@@ -34,7 +34,7 @@ from dynabatch.config import TrainConfig
 from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
-from dynabatch.runtime.log import quiet_third_party, setup_logging
+from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
                                        summarize)
 from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
@@ -142,6 +142,20 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
 
 
+def build_run_model(model: str, tokenizer: str, info, family: str, dropout: float = 0.0, seed: int = 0):
+    """The model a run trains with the tokenizer ``info`` describes (``tokenizer`` names it): a preset built with
+    the tokenizer's vocabulary and special ids, or a model folder, loaded after
+    :func:`~dynabatch.data.tokenize.check_tokenizer_fits` accepts the pair (one ``ValueError`` line otherwise)."""
+    from dynabatch.data.tokenize import check_tokenizer_fits, resolve_tokenizer
+    from dynabatch.models.presets import build_model, load_config
+    from dynabatch.sequence import is_seq2seq
+
+    if os.path.isdir(model):
+        check_tokenizer_fits(info, load_config(model), resolve_tokenizer(tokenizer, model), model)
+    return build_model(model, vocab_size=info.vocab_size, dropout=dropout, seed=seed,
+                       special_ids=info.config_ids(is_seq2seq(family)))
+
+
 def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     """Model stage, optimizer and executor on every rank; data (``datasets`` in memory, else as ``cfg`` says:
     :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
@@ -150,18 +164,15 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
     from dynabatch.models.families import check_model
-    from dynabatch.models.presets import build_model
     from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.precision import autocast_dtype
 
     family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
     torch.set_num_threads(cfg.threads)
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
     info = tokenizer_info(tokenizer)
-    model = build_model(cfg.model, vocab_size=info.vocab_size, dropout=cfg.dropout, seed=cfg.seed)
-    if model.config.vocab_size < info.vocab_size:
-        raise ValueError(f"model vocab {model.config.vocab_size} is smaller than the tokenizer's {info.vocab_size}")
+    model = build_run_model(cfg.model, cfg.tokenizer, info, family, dropout=cfg.dropout, seed=cfg.seed)
     check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
     if cfg.attention_path == "segments" and (problem := kernel_problem(cfg.attention_kernel, ctx.device, cfg.dtype)):
         raise ValueError(problem)
@@ -532,6 +543,18 @@ def _stack_pngs(paths: list[str], out: str) -> None:
     plt.close(fig)
 
 
+def resolve_run_tokenizer(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
+    """``cfg`` with ``tokenizer`` resolved (``auto``: the ``--model`` folder's own tokenizer, else ``builtin``:
+    :func:`~dynabatch.data.tokenize.resolve_tokenizer`), before a resume compares it with a checkpoint's; rank 0
+    logs which tokenizer the run uses and why. The checkpoints, ``summary.json`` and an export then name it."""
+    from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, resolve_tokenizer, tokenizer_info
+
+    if ctx.is_planner:
+        info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
+        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
+    return dataclasses.replace(cfg, tokenizer=resolve_tokenizer(cfg.tokenizer, cfg.model))
+
+
 def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 logs and returns the summary.
     ``datasets``: train on a ``datasets.Dataset`` / ``IterableDataset`` (or a mapping of task names to them)
@@ -546,6 +569,7 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     try:
         # With peers, a failure prints this rank's line and exits at once, groups left up (runtime.faults).
         with fail_fast(ctx):
+            cfg = resolve_run_tokenizer(cfg, ctx)
             summaries = [train_method(cfg, ctx, datasets=datasets)]  # creates and checks the output folder first
             if cfg.compare_method:
                 other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None,
@@ -556,13 +580,14 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
             if not ctx.is_planner:
                 return None
             summary = {"runs": summaries, "config": cfg.to_dict()}
-            logger.info("== summary ==")
+            log_result(logger, "== summary ==")  # the run's result: printed at every --log-level
             for s in summaries:
-                logger.info(format_summary(s))
+                log_result(logger, format_summary(s))
             if len(summaries) == 2 and summaries[1]["tokens_per_s"] > 0:
                 ratio = summaries[0]["tokens_per_s"] / summaries[1]["tokens_per_s"]
                 summary["speedup_vs_compare"] = ratio
-                logger.info(f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same batches): {ratio:.2f}x")
+                log_result(logger, f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same "
+                                   f"batches): {ratio:.2f}x")
             if cfg.timeline:
                 logger.info(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
             with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:

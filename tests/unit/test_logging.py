@@ -11,10 +11,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from tqdm import tqdm
 
 from dynabatch.cli import main
-from dynabatch.runtime.log import setup_logging
+from dynabatch.runtime.log import log_result, setup_logging
 
 BASE = ["--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
         "--max-target-len", "32", "--no-timeline", "--calibrate", "off"]
@@ -45,6 +46,17 @@ def test_other_ranks_log_warnings_only_with_their_rank(capsys):
     assert captured.err.splitlines() == ["== summary =="] and captured.out == ""
 
 
+@pytest.mark.parametrize("level", ["debug", "info", "warning", "error"])
+def test_result_lines_are_printed_at_every_level_without_a_prefix(capsys, level):
+    log = logging.getLogger("dynabatch.runtime.trainer")
+    setup_logging(level, rank=0)
+    log.info("step 0: loss 9.1")
+    log_result(log, "speed-up of dynamic over padding (real tokens/s, same batches): 1.50x")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "speed-up of dynamic over padding (real tokens/s, same batches): 1.50x"
+    assert ("step 0: loss 9.1" in lines) == (level in ("debug", "info"))
+
+
 def test_a_line_logged_during_the_progress_bar_is_a_line_of_its_own(capsys):
     setup_logging("info", rank=0)
     bar = tqdm(total=3, desc="train dynamic", file=sys.stderr)
@@ -64,8 +76,10 @@ def test_warning_level_shows_warnings_but_no_info_lines(tmp_path, toy_mixture_di
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     lines = [s for s in _segments(captured.err) if not s.startswith("train dynamic")]  # the bar stays on rank 0
-    assert lines == [f"warning: --resume-from-checkpoint: no complete checkpoint in {tmp_path / 'o' / 'checkpoints'}; starting from "
-                     "step 0"], lines
+    assert lines[:1] == [f"warning: --resume-from-checkpoint: no complete checkpoint in {tmp_path / 'o' / 'checkpoints'}; starting from "
+                         "step 0"], lines
+    # the run's result is printed at every level: the summary, and nothing else of the info lines
+    assert lines[1:2] == ["== summary =="] and len(lines) == 3 and lines[2].startswith("dynamic: 2 steps, loss "), lines
     assert captured.out == ""
     assert len(_records(tmp_path / "o")) == 2
 

@@ -1,0 +1,271 @@
+"""A user's own model folder and data, without silent traps: the folder's own tokenizer by default (and a
+mismatched one refused at start), an export whose tokenizer encodes as training did (and the inference
+snippets of docs/inference.md run against it), tasks of a ``task`` column in ``data-report`` and ``bench
+--data``, and evaluation that sees every held-out row exactly once."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from conftest import WORDS, random_rows, write_jsonl
+from dynabatch.cli import main
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "inference.md")
+SMALL = ["--global-batch-tokens", "1024", "--max-input-len", "128", "--max-target-len", "32", "--max-steps", "1",
+         "--no-timeline", "--calibrate", "off", "--logging-steps", "0", "--task-loss-every", "0"]
+
+
+def own_tokenizer(specials=("<pad>", "</s>", "<unk>"), vocab_size: int = 400):
+    """A small byte-level BPE trained on the toy words: another vocabulary than the built-in tokenizer's; the
+    special tokens get ids 0, 1, 2 in the order of ``specials``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def model_folder(path, tokenizer, preset: str = "t5-tiny") -> str:
+    """A model folder as a user writes it: ``save_pretrained`` of a tiny model (pad 0, EOS 1) and of its tokenizer."""
+    from dynabatch.model_presets import build_config, model_class
+
+    config = build_config(preset, vocab_size=len(tokenizer))
+    model_class(config).from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _snippet(index: int, folder: str) -> list[str]:
+    """Run the ``index``-th Python block of docs/inference.md on ``folder``; what it printed, evaluated."""
+    with open(DOCS, encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    code = blocks[index]
+    assert 'folder = "hf-out"' in code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace('folder = "hf-out"', f"folder = {folder!r}"), DOCS, "exec"), {})
+    import ast
+
+    return ast.literal_eval(out.getvalue().strip())
+
+
+def _first_row(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.loads(f.readline())
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_a_model_folder_trains_with_its_own_tokenizer_and_its_export_encodes_as_training(tmp_path, capsys,
+                                                                                          toy_mixture_dir):
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.mixture import MixtureSpec
+    from dynabatch.data.pipeline import MixtureData
+    from dynabatch.data.tokenize import load_tokenizer
+
+    tok = own_tokenizer()
+    folder = model_folder(tmp_path / "my-t5", tok)
+    out = tmp_path / "run"
+    mixture = os.path.join(toy_mixture_dir, "toy.json")
+    code = main(["train", "--model", folder, "--mixture", mixture, "--output-dir", str(out), *SMALL])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert f"tokenizer: {folder} (the --model folder's own (--tokenizer auto); vocabulary {len(tok)}," in err
+    with open(out / "summary.json") as f:
+        assert json.load(f)["config"]["tokenizer"] == folder
+
+    hf = str(tmp_path / "hf-out")
+    assert main(["export", str(out / "checkpoints"), hf]) == 0
+    exported = AutoTokenizer.from_pretrained(hf)
+    assert len(exported) == len(tok) != len(load_tokenizer("builtin"))
+    data = MixtureData.load(MixtureSpec.from_file(mixture), load_tokenizer(folder), "seq2seq")
+    row = _first_row(os.path.join(toy_mixture_dir, "short.jsonl"))  # row 0 of source 0
+    trained_inputs, trained_targets = data.sources[0].input_ids[0].tolist(), data.sources[0].target_ids[0].tolist()
+    assert trained_inputs[-1] == trained_targets[-1] == exported.eos_token_id == 1
+    assert exported(row["inputs"])["input_ids"] == trained_inputs  # EOS included, as training fed the encoder
+    assert exported(text_target=row["targets"])["input_ids"] == trained_targets
+    with open(os.path.join(hf, "dynabatch_export.json")) as f:
+        assert json.load(f)["encoding"] == "tokenizer(text) (EOS appended, as in training)"
+    answers = _snippet(0, hf)  # docs/inference.md, encoder-decoder
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+
+
+def test_a_preset_uses_the_builtin_tokenizer_and_a_causal_export_encodes_prompts_without_eos(tmp_path, capsys,
+                                                                                               toy_mixture_dir):
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.mixture import MixtureSpec
+    from dynabatch.data.pipeline import MixtureData
+    from dynabatch.data.tokenize import load_tokenizer
+
+    out = tmp_path / "run"
+    mixture = os.path.join(toy_mixture_dir, "toy.json")
+    assert main(["train", "--model", "gpt2-tiny", "--mixture", mixture, "--output-dir", str(out), *SMALL]) == 0
+    assert "tokenizer: builtin (--tokenizer auto with a model preset; vocabulary 8192" in capsys.readouterr().err
+    hf = str(tmp_path / "hf-out")
+    assert main(["export", str(out / "checkpoints"), hf]) == 0
+    exported = AutoTokenizer.from_pretrained(hf)
+    data = MixtureData.load(MixtureSpec.from_file(mixture), load_tokenizer("builtin"), "causal")
+    row = _first_row(os.path.join(toy_mixture_dir, "short.jsonl"))
+    assert exported(row["inputs"])["input_ids"] == data.sources[0].input_ids[0].tolist()  # the prompt, no EOS
+    answers = _snippet(1, hf)  # docs/inference.md, decoder-only
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+
+
+@pytest.mark.parametrize("name", ["builtin", "gpt2"])
+@pytest.mark.parametrize("family", ["seq2seq", "causal"])
+def test_the_saved_inference_tokenizer_encodes_inputs_as_tokenize_dataset(tmp_path, name, family):
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.sources import SourceSpec, load_source
+    from dynabatch.data.tokenize import inference_tokenizer, load_tokenizer, tokenize_dataset
+
+    text = "Reverse the words: alpha beta gamma"
+    path = write_jsonl(tmp_path / "a.jsonl", [{"inputs": text, "targets": "gamma beta alpha"}])
+    ds, _ = load_source(SourceSpec(task="a", data_files=(path,)))
+    tok = load_tokenizer(name)
+    trained = tokenize_dataset(ds, tok, family)[0]
+    inference_tokenizer(tok, family).save_pretrained(tmp_path / "saved")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert saved(text)["input_ids"] == trained["input_ids"]
+    assert (trained["input_ids"][-1] == tok.eos_token_id) == (family == "seq2seq")
+    assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]  # the original is untouched
+
+
+def _refusal(capsys, *argv) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("dynabatch train: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused_at_start(tmp_path, capsys, toy_mixture_dir):
+    folder = model_folder(tmp_path / "my-t5", own_tokenizer())
+    common = ["--mixture", os.path.join(toy_mixture_dir, "toy.json"), *SMALL]
+    line = _refusal(capsys, "train", "--model", folder, "--tokenizer", "builtin", "--output-dir",
+                    str(tmp_path / "a"), *common)
+    assert f"tokenizer builtin does not fit model {folder}: its vocabulary has 8192 tokens" in line
+    assert "rows; pass the tokenizer the model was trained with" in line
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    # the same vocabulary size, but EOS and pad swapped: the config's ids are not the tokenizer's
+    swapped = own_tokenizer(("</s>", "<pad>", "<unk>"))
+    swapped.save_pretrained(tmp_path / "swapped")
+    line = _refusal(capsys, "train", "--model", folder, "--tokenizer", str(tmp_path / "swapped"), "--output-dir",
+                    str(tmp_path / "b"), *common)
+    assert "does not match model" in line
+    assert "pad_token_id 0 in the config, 1 in the tokenizer" in line and "eos_token_id 1 in the config, 0" in line
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+def _task_file(tmp_path, names=("inputs", "targets", "task")) -> str:
+    rows = [r for t, n in (("qa", 30), ("sum", 20), ("cls", 10)) for r in random_rows(t, n, len(t), 8, 3)]
+    rows = [{new: r[old] for old, new in zip(("inputs", "targets", "task"), names)} for r in rows]
+    return write_jsonl(tmp_path / "mydata.jsonl", rows)
+
+
+@pytest.mark.parametrize("columns", [[], ["--columns", "task=task"]])
+def test_data_report_of_a_file_with_a_task_field_reports_its_tasks(tmp_path, capsys, columns):
+    path = _task_file(tmp_path)
+    code = main(["data-report", "--data", path, *columns, "--tokenizer", "byt5", "--family", "seq2seq",
+                 "--max-lens", "128", "--num-batches", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "== tasks (seq2seq, 3 tasks in 1 sources) ==" in out
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()
+            if line.split()[:1] in (["qa"], ["sum"], ["cls"])}
+    assert {t: int(v[0]) for t, v in rows.items()} == {"qa": 30, "sum": 20, "cls": 10}
+    assert {t: float(v[1]) for t, v in rows.items()} == {"qa": 0.5, "sum": pytest.approx(0.333, abs=1e-3),
+                                                         "cls": pytest.approx(0.167, abs=1e-3)}
+    assert "mydata " not in out  # no task named after the file
+
+
+def test_bench_reads_data_with_columns_and_a_tokenizer_as_train_does(tmp_path, capsys):
+    path = _task_file(tmp_path, names=("question", "answer", "category"))
+    out = str(tmp_path / "bench.json")
+    code = main(["bench", "--data", path, "--columns", "inputs=question,targets=answer,task=category",
+                 "--tokenizer", "byt5", "--model", "t5-tiny", "--stages", "1", "--methods", "dynamic,padding",
+                 "--timed-steps", "1", "--untimed-steps", "0", "--max-input-len", "128", "--global-batch-tokens",
+                 "1024", "--calibrate", "off", "--json", out])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    with open(out) as f:
+        result = json.load(f)
+    assert result["config"]["data"] == path and set(result["methods"]) == {"dynamic", "padding"}
+    assert f"t5-tiny on {path}:" in captured.out
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["data"] == path and min(summary["tokens_per_s"].values()) > 0
+    code = main(["bench", "--data", path, "--lengths", path, "--model", "t5-tiny", "--stages", "1"])
+    assert code == 2 and "give --data or --lengths, not both" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def test_train_evaluates_every_held_out_row_once(tmp_path, toy_mixture_dir, byt5):
+    from dynabatch.config import TrainConfig
+    from dynabatch.data.mixture import MixtureSpec
+    from dynabatch.data.pipeline import MixtureData
+    from dynabatch.runtime.evaluate import hold_out
+    from dynabatch.runtime.trainer import train
+
+    mixture = os.path.join(toy_mixture_dir, "toy.json")
+    cfg = TrainConfig.of(model="t5-tiny", tokenizer="byt5", mixture=mixture, global_batch_tokens=1024,
+                         max_input_len=128, max_target_len=32, max_steps=1, timeline=False, calibrate="off",
+                         logging_steps=0, task_loss_every=0, output_dir=str(tmp_path / "o"), eval_holdout=0.1,
+                         generate_every=0, generation_max_new_tokens=1)
+    summary = train(cfg)
+    _, held = hold_out(MixtureData.load(MixtureSpec.from_file(mixture), byt5, "seq2seq"), 0.1, seed=7)
+    num_rows = sum(len(s) for s in held.sources)
+    target_tokens = sum(int(np.minimum(s.target_ids.lengths, 32).sum()) for s in held.sources)
+    ev = summary["runs"][0]["eval"]
+    assert num_rows == 4 + 15 + 60 and ev["samples"] == num_rows
+    assert ev["loss_tokens"] == target_tokens  # each held-out row's (truncated) targets once
+
+
+def test_an_each_row_once_loader_evaluates_every_row_once(toy_data, tmp_path):
+    from transformers import TrainingArguments
+
+    from dynabatch.data.batching import LengthLimits
+    from dynabatch.integrations.dataloader import DynaBatchDataLoader, sample_loss_tokens
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+    from dynabatch.models.presets import build_model
+    from dynabatch.runtime.evaluate import hold_out
+
+    _, held = hold_out(toy_data, 0.1, seed=7)
+    limits = LengthLimits(toy_data.family, max_input_len=96, max_target_len=32, max_seq_len=128)
+    loader = DynaBatchDataLoader(held, limits, token_budget=600, each_row_once=True)
+    steps = list(loader)
+    assert len(loader) == len(steps) > 1 and len(list(loader)) == len(steps)  # finite, and the same every pass
+    seen = sorted((s.source_index, s.row_index) for st in steps for mb in st.micro_batches
+                  for row in mb.sample_ids for i in row for s in [st.batch.samples[i]])
+    assert seen == sorted((k, r) for k, src in enumerate(held.sources) for r in range(len(src)))  # each row once
+    loss_tokens = sum(sum(sample_loss_tokens(st.batch, toy_data.family)) for st in steps)
+    seq2seq = toy_data.family == "seq2seq"
+    model = build_model("t5-tiny" if seq2seq else "gpt2-tiny", vocab_size=toy_data.tokens.vocab_size, seed=1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    metrics = DynaBatchTrainer(model=model, args=args, eval_loader=loader).evaluate()
+    assert metrics["eval_loss_tokens"] == loss_tokens
+    if seq2seq:  # loss tokens are the rows' (truncated) target tokens
+        assert loss_tokens == sum(int(np.minimum(s.target_ids.lengths, 32).sum()) for s in held.sources)
+    capped = DynaBatchDataLoader(held, limits, token_budget=600, each_row_once=True, eval_samples=3)
+    tasks = [s.task for st in capped for s in st.batch.samples]
+    assert sorted(tasks) == sorted(["short"] * 3 + ["classify"] * 3 + ["summarize"] * 3)
+    with pytest.raises(ValueError, match="eval_samples caps the rows of an each_row_once loader"):
+        DynaBatchDataLoader(held, limits, token_budget=600, eval_samples=3)
