@@ -166,7 +166,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"step {s['step_time_s_median']:.3f} s measured vs {s['predicted_step_s_median']:.3f} s predicted, "
         f"plan {1e3 * s['plan_time_s_median']:.1f} ms/step, waited {s['plan_wait_s_total']:.2f} s for plans "
         f"({s['plan_overlap']:.0%} of planning overlapped with training), "
-        f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
+        + (f"plans run: {', '.join(f'{k} {v}' for k, v in s['candidates'].items())} (steps), "
+           if s.get("candidates") else "")
+        + f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
         + (f", prediction error {s['prediction_error_median_last10']:.1%} (median of the last 10 steps)"
            if "prediction_error_median_last10" in s else "")
         + _format_efficiency(s)
