@@ -6,8 +6,8 @@ stages, the DP's plans of the built-in mixture were predicted at 0.473 s a step 
 padding-free best-fit rows (``packing_free``) of the same global batches, and ran 0.72-0.85x as fast.
 
 So for each global batch the dynamic method also builds the plans the baselines would run
-(:func:`baseline_candidates`: every padding-free baseline of :data:`~dynabatch.data.baselines.BASELINES` at
-every value of its tuning grid and at the run's own option value, dealt to replicas as the baseline runs them)
+(:func:`baseline_candidates`: ``length_grouped``, ``token_budget`` and ``packing_free``, the baselines marked
+:attr:`~dynabatch.data.baselines.BaselineSpec.plan_candidate`, at every value of its tuning grid and at the run's own option value, dealt to replicas as the baseline runs them)
 and keeps the candidate with the best price (:func:`choose`). The price is the caller's: the trainer's planner
 passes its own prediction (cost model, the run's schedule policy, simulator, memory check), so the plan that
 runs is never predicted slower than any baseline plan of the same batch; ``dynabatch plan`` prices with the
@@ -74,12 +74,13 @@ class _Lengths:
 
 
 def candidate_baselines(padding_free: bool = True) -> list[str]:
-    """The baselines whose plans are candidates: every baseline that does not run dense block-diagonal masks
-    (``packing`` does); on a dense-attention run (``padding_free=False``) only those with one sample per row."""
+    """The baselines whose plans are candidates (:attr:`~dynabatch.data.baselines.BaselineSpec.plan_candidate`:
+    ``length_grouped``, ``token_budget``, ``packing_free``); on a dense-attention run (``padding_free=False``) only
+    those with one sample per row."""
     from dynabatch.data.baselines import BASELINES, Packing
 
     return [n for n, spec in BASELINES.items()
-            if not spec.dense_attention and (padding_free or not issubclass(spec.batcher, Packing))]
+            if spec.plan_candidate and (padding_free or not issubclass(spec.batcher, Packing))]
 
 
 def knob_values(method: str, options) -> list[int]:
@@ -196,18 +197,22 @@ def step_lower_bound(fwd_s, bwd_s) -> float:
     return float((work + head.min(axis=1) + tail.min(axis=1)).max())
 
 
-def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True) -> Callable[[StepPlan], float]:
+def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True,
+                  in_flight: int | None = None) -> Callable[[StepPlan], float]:
     """The step formula ``sum(t) + (S - 1) max(t)`` of the slowest replica, every whole-sample piece priced by
     ``cost_model`` (with the attention pairs its rows compute when ``padding_free``; dense otherwise): the
-    price of ``dynabatch plan``, which has no schedule simulator."""
+    price of ``dynabatch plan``, which has no schedule simulator. ``inf`` when a piece breaks the partition DP's
+    own memory rule ``in_flight * stored + peak <= memory_budget_bytes`` (``in_flight`` default ``S``), so a
+    baseline's plan is held to the memory the DP's plans fit."""
     from dynabatch.plan.costs import evaluate_costs
     from dynabatch.plan.step import with_pairs
 
     e, d = np.asarray(input_lens), np.asarray(target_lens)
+    budget = float(getattr(cost_model, "memory_budget_bytes", np.inf))
 
     def price(plan: StepPlan) -> float:
         plan = with_pairs(plan, e, d) if padding_free else plan
-        worst = 0.0
+        worst, held = 0.0, in_flight or plan.num_stages
         for r, pieces in enumerate(plan.replicas):
             if not pieces:
                 continue
@@ -216,8 +221,10 @@ def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True
             if whole.any():
                 shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
                 pairs = plan.pairs(r)
-                t, _, _ = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
-                                         pairs=None if pairs is None else pairs[whole])
+                t, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
+                                                 pairs=None if pairs is None else pairs[whole])
+                if np.any(held * stored + peak > budget):
+                    return float("inf")
                 times[whole] = t
             worst = max(worst, float(times.sum() + (plan.num_stages - 1) * times.max()))
         return worst
@@ -225,5 +232,23 @@ def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True
     return price
 
 
-__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "candidate_baselines", "choose", "deal_to_replicas",
+def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, options=None, num_replicas: int = 1,
+              padding_free: bool = True, price: Callable[[StepPlan], float] | None = None,
+              in_flight: int | None = None) -> Candidate:
+    """The DP's ``plan`` of a global batch of lengths ``input_lens``, ``target_lens`` or a baseline's
+    (:func:`baseline_candidates` at ``plan.num_stages``), whichever ``price`` is lowest (default
+    :func:`formula_price` under ``cost_model``, the DP's memory rule with ``in_flight``); the DP's plan on ties.
+    A token-sliced ``plan`` is kept as is (the baselines cannot run a sample that needs slicing). What
+    ``dynabatch plan`` / ``simulate`` and the DataLoader integration call; the trainer's planner prices the same
+    candidates with its own prediction."""
+    dp = Candidate(DP, None, plan)
+    if plan.sliced_samples:
+        return dp
+    baselines = baseline_candidates(input_lens, target_lens, limits, plan.num_stages, num_replicas=num_replicas,
+                                    options=options, padding_free=padding_free, cost_model=cost_model)
+    price = price or formula_price(cost_model, input_lens, target_lens, padding_free, in_flight)
+    return choose([dp, *baselines], price).candidate
+
+
+__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "best_plan", "candidate_baselines", "choose", "deal_to_replicas",
            "formula_price", "knob_values", "step_lower_bound"]
