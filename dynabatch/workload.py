@@ -200,6 +200,9 @@ class MethodPlan:
     (:mod:`dynabatch.schedule.chains`); ``()`` without slices."""
     contexts: np.ndarray | None = None
     """(M,) tokens before each micro-batch (a slice's context length, 0 otherwise); ``None`` without slices."""
+    candidate: str = ""
+    """``dynamic``: which candidate plan was kept (:mod:`dynabatch.plan.candidates`: ``dp``, or a baseline's at a
+    knob value such as ``packing_free=4``); ``""`` for a baseline."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -222,10 +225,14 @@ def method_micro_batches(
     num_stages: int = 1,
     options: BaselineOptions = BaselineOptions(),
     slice_cost_model=None,
+    candidates: bool = True,
+    price=None,
     **planner_options,
 ) -> MethodPlan:
     """Apply ``method`` to ``batch``. ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel) and runs
-    :func:`~dynabatch.plan.step.plan_step` (token slicing when ``slice_cost_model`` is given)."""
+    :func:`~dynabatch.plan.step.plan_step` (token slicing when ``slice_cost_model`` is given), then, with
+    ``candidates``, keeps the DP's plan or a baseline's, whichever ``price(StepPlan)`` is lowest
+    (:func:`~dynabatch.plan.candidates.best_plan`; default: the step formula under ``cost_model``, per segment)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     family = limits.family
@@ -242,6 +249,13 @@ def method_micro_batches(
                              slice_cost_model=slice_cost_model, **planner_options)
         except ValueError as e:
             raise locate_sample_error(e, batch) from e
+        label = ""
+        if candidates:
+            from dynabatch.plan.candidates import best_plan
+
+            chosen = best_plan(step, batch.input_lens, batch.target_lens, limits, cost_model=cost_model,
+                               options=options, price=price, in_flight=planner_options.get("in_flight"))
+            step, label = chosen.plan, chosen.label
         pieces = step.replicas[0]
         elapsed = time.perf_counter() - start
         groups = tuple(step.to_row_groups(0))
@@ -250,7 +264,7 @@ def method_micro_batches(
         pairs = micro_batch_pairs(batch, groups, family, [p.shape if p.is_slice else None for p in pieces])
         links = step.slice_links(0)
         return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples), pairs,
-                          links, step.contexts(0) if links else None)
+                          links, step.contexts(0) if links else None, label)
     groups = tuple(make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits)).group(batch))
     elapsed = time.perf_counter() - start
     shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)

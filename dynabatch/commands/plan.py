@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         cost_model = (split_from_data(w, batches, method) if args.layer_split == "data" else w).cost_model
         slice_model = slicer(cost_model) if method == "dynamic" else None
         real = computed = micro = sliced = 0
-        step_times, wall = [], []
+        step_times, wall, kept = [], [], {}
         for batch in batches:
             extra = {"slice_cost_model": slice_model, "pack_rows": pack_rows} if method == "dynamic" else {}
             plan = method_micro_batches(method, batch, w.limits, cost_model, stages, w.options, **extra)
@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             computed += plan.computed_tokens
             micro += plan.num_micro_batches
             wall.append(plan.plan_time_s)
+            if plan.candidate:
+                kept[plan.candidate] = kept.get(plan.candidate, 0) + 1
         rows[method] = {
             "layout": cost_model.layout.describe(),
             "real_tokens": real,
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             "predicted_step_s": float(np.mean(step_times)),
             "plan_wall_ms_median": 1e3 * float(np.median(wall)),
             "plan_wall_ms_max": 1e3 * float(np.max(wall)),
+            **({"candidates": kept} if kept else {}),
         }
     baselines = [v["predicted_step_s"] for k, v in rows.items() if k != "dynamic"]
     speedup = min(baselines) / rows["dynamic"]["predicted_step_s"] if baselines and "dynamic" in rows else None

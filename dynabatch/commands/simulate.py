@@ -374,7 +374,33 @@ def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int
     view = SingleSampleRelief(w.cost_model, in_flight)
     return method_micro_batches(method, batch, w.limits, view, objective_stages, w.options, in_flight=in_flight,
                                 cap_tolerance=options.cap_tolerance, max_samples=options.max_samples,
-                                pack_rows=options.pack_rows, slice_cost_model=_slicer(w.cost_model, options, w))
+                                pack_rows=options.pack_rows, slice_cost_model=_slicer(w.cost_model, options, w),
+                                price=_simulated_price(w, batch, options))
+
+
+def _simulated_price(w, batch, options: SimulateOptions):
+    """The price of a candidate plan (:mod:`dynabatch.plan.candidates`) in ``simulate``: its simulated makespan
+    under the adaptive schedule, per segment, with the workload's link and memory limit (``inf`` when it does
+    not fit); the step itself is then scheduled by :func:`simulate_step`'s search."""
+    from dynabatch.plan.step import with_pairs
+    from dynabatch.schedule.policies import adaptive
+    from dynabatch.schedule.simulate import simulate, with_message_buffers
+
+    cm = w.cost_model
+    limit = cm.device_memory_bytes * (1 - cm.memory_margin)
+
+    def price(plan) -> float:
+        plan = with_pairs(plan, batch.input_lens, batch.target_lens)
+        pieces = plan.replicas[0]
+        costs = with_message_buffers(piece_costs(cm, None, [p.shape for p in pieces], [0] * len(pieces), (),
+                                                 plan.pairs(0)))
+        send = cm.model.send_time(costs.send_bytes, options.link)
+        schedule = adaptive(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes)
+        result = simulate(schedule, costs, send_time=send, model_state_bytes=cm.model_state_bytes,
+                          memory_limit_bytes=limit)
+        return result.makespan_s if result.fits_memory else float("inf")
+
+    return price
 
 
 def _slicer(cost_model, options: SimulateOptions, w):

@@ -27,6 +27,9 @@ PACK_ROWS = ("device", "auto", "off", "flat")
 """``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best), ``off``
 (one sample per row) or ``flat`` (every micro-batch one row of its samples back to back: no pad computed);
 :mod:`dynabatch.plan.step` uses this list."""
+PLAN_CANDIDATES = ("baselines", "off")
+"""``--plan-candidates``: whether the dynamic method also prices the baselines' plans of each global batch and runs
+the best predicted one (:mod:`dynabatch.plan.candidates`), or runs the partition DP's plan alone."""
 PLANNERS = ("auto", "process", "thread")
 """``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.planner.plan_ahead`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -120,6 +123,11 @@ class BatchingArgs:
                   "CPU at most one row of the length limits); off = one sample per row; device (default) = auto on "
                   "CUDA, off on CPU and in plan/simulate (measured: docs/benchmarks/gpu_h200/ and docs/algorithms/planner.md, \"Row packing in the "
                   "planner\"); auto and flat only with --attention segments")
+    plan_candidates: Literal[PLAN_CANDIDATES] = arg(
+        "baselines", "dynamic: baselines = also plan each global batch as the padding-free baselines would at every "
+                     "value of their tuning grids, price every plan with the same cost model and schedule simulator, "
+                     "and run the one predicted fastest (never predicted slower than a baseline); off = the "
+                     "partition DP's plan alone")
     slice_long: bool = arg(False, "GPT, dynamic: cut samples that dominate the pipeline bubble or do not fit memory "
                                   "into token slices (TeraPipe)")
     compare_method: Literal[METHODS] | None = arg(None, "also train max_steps steps with this method from the same "

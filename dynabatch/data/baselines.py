@@ -264,6 +264,10 @@ class BaselineSpec:
     dense_attention: bool = False
     """Runs (and is priced) with dense 4-D block-diagonal masks whatever ``--attention`` says: ``packing``, the
     DynaPipe paper's baseline; ``packing_free`` is its padding-free counterpart."""
+    plan_candidate: bool = True
+    """The dynamic method also prices this baseline's plans of each global batch and runs one where it is
+    predicted faster (:mod:`dynabatch.plan.candidates`). Not ``padding`` (stream order: the sorted chunks of
+    ``length_grouped`` at the same sizes are the candidates) nor the dense-mask ``packing``."""
 
 
 _SIZES = (1, 2, 4, 8, 16, 32)
@@ -272,13 +276,14 @@ _TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 BASELINES: dict[str, BaselineSpec] = {s.name: s for s in (
     BaselineSpec("padding", Padding, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
-                 "samples per micro-batch"),
+                 "samples per micro-batch", plan_candidate=False),
     BaselineSpec("length_grouped", LengthGrouped, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
                  "samples per micro-batch"),
     BaselineSpec("token_budget", TokenBudget, "max_tokens", "token_budget_tokens", _TOKENS,
                  "padded tokens per micro-batch", at_least_one_sample=True),
     BaselineSpec("packing", Packing, "rows_per_micro_batch", "packing_rows", _ROWS,
-                 "rows per micro-batch (dense rows of the max length, DynaPipe's baseline)", dense_attention=True),
+                 "rows per micro-batch (dense rows of the max length, DynaPipe's baseline)", dense_attention=True,
+                 plan_candidate=False),
     BaselineSpec("packing_free", PackingFree, "rows_per_micro_batch", "packing_free_rows", _ROWS,
                  "rows per micro-batch (TRL's per_device_train_batch_size with padding_free)"),
 )}

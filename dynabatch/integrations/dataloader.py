@@ -182,6 +182,10 @@ class DynaBatchDataLoader:
     """Fields of the baseline batcher, e.g. ``{"samples_per_micro_batch": 8}``."""
     planner_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword options of :func:`~dynabatch.plan.step.plan_step` (e.g. ``cap_tolerance``)."""
+    plan_candidates: bool = True
+    """``dynamic``: also price the baselines' plans of each global batch (``length_grouped``, ``token_budget`` and,
+    with ``attention="segments"``, ``packing_free``, at their tuning grids' values) by the cost model and keep the
+    cheapest when it beats the DP's (:func:`~dynabatch.plan.candidates.best_plan`)."""
     loss_on_inputs: bool = False
     """Decoder-only: also take loss on input tokens."""
     num_replicas: int = 1
@@ -325,6 +329,12 @@ class DynaBatchDataLoader:
             except ValueError as e:
                 raise locate_sample_error(e, batch, self.batcher.data) from e
             assert not step.sliced_samples, "token slicing is not requested, so no piece is a slice"
+            if self.plan_candidates:
+                from dynabatch.plan.candidates import best_plan
+
+                step = best_plan(step, batch.input_lens, batch.target_lens, self.batcher.limits,
+                                 cost_model=self.cost_model, num_replicas=self.num_replicas,
+                                 padding_free=self.attention == "segments").plan
             return tuple(tuple(step.to_row_groups(r)) for r in range(self.num_replicas))
         groups = self._collator.group(batch)
         return tuple(tuple(groups[r :: self.num_replicas]) for r in range(self.num_replicas))

@@ -70,12 +70,23 @@ def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
         "plan_wait_s_total": float(sum(r["plan_wait_s"] for r in steady)),
         "plan_overlap": planning_overlap(steady),
         "micro_batches_per_step": float(np.mean([r["num_micro_batches"] for r in records])),
+        **({"candidates": candidate_counts(records)} if any(r.get("candidate") for r in records) else {}),
         "peak_rss_bytes": int(max(r["peak_rss_bytes"] for r in records)),
         **({"prediction_error_median_last10": prediction_summary(records)["last10_median"]}
            if "prediction_error" in records[0] else {}),
         **{f"{key}_median": _median_of(steady, key) for key in ("efficiency_balanced", "efficiency_amortised")},
         "device_busy_fraction_median": _median_of(steady, "device_busy_fraction", axis=0),
     }
+
+
+def candidate_counts(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many steps ran each candidate plan (:attr:`~dynabatch.runtime.planner.PlannedStep.candidate`: ``dp``,
+    or a baseline at a knob value such as ``packing_free=4``), most frequent first."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.get("candidate"):
+            counts[r["candidate"]] = counts.get(r["candidate"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def efficiency_record(ctx, gathered, planned, elapsed: float, cost_model, family: str) -> dict[str, Any]:
@@ -155,7 +166,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"step {s['step_time_s_median']:.3f} s measured vs {s['predicted_step_s_median']:.3f} s predicted, "
         f"plan {1e3 * s['plan_time_s_median']:.1f} ms/step, waited {s['plan_wait_s_total']:.2f} s for plans "
         f"({s['plan_overlap']:.0%} of planning overlapped with training), "
-        f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
+        + (f"plans run: {', '.join(f'{k} {v}' for k, v in s['candidates'].items())} (steps), "
+           if s.get("candidates") else "")
+        + f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
         + (f", prediction error {s['prediction_error_median_last10']:.1%} (median of the last 10 steps)"
            if "prediction_error_median_last10" in s else "")
         + _format_efficiency(s)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch.config import TrainConfig
+from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
@@ -39,6 +40,7 @@ from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, choose, deal_to_replicas, step_lower_bound
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
 from dynabatch.runtime.dist import device_type
@@ -91,6 +93,9 @@ class PlannedStep:
     plans: dict | None = None
     """Every rank's lowered, validated :class:`~dynabatch.schedule.ir.ExecutionPlan` (by rank), when the planner
     has the run's pipeline spec (:attr:`StepPlanner.spec`); ``plan_time_s`` then includes the lowering."""
+    candidate: str = ""
+    """Which plan of the global batch ran (the ``dynamic`` method, :mod:`dynabatch.plan.candidates`): ``dp`` (the
+    partition DP's) or a baseline's at one knob value (``packing_free=4``); ``""`` for a baseline method."""
     plan_model: Any = None
     """The stage cost model this step was planned with (the online fit as of its step with
     ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
@@ -171,7 +176,8 @@ class StepPlanner:
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
-        planned = self._planned(self.step, batch, self._units(batch), state, start)
+        units, candidate = self._units(batch)
+        planned = replace(self._planned(self.step, batch, units, state, start), candidate=candidate)
         if self.spec is not None:
             planned = replace(planned, plans=self._lowered(planned), plan_time_s=time.perf_counter() - start)
         self.step += 1
@@ -190,7 +196,9 @@ class StepPlanner:
     def preview(self, batch: GlobalBatch) -> PlannedStep:
         """``batch`` planned and predicted as a training step would be, the stream and the step count left
         alone (the start-up choice of the layer split and placement, :mod:`dynabatch.runtime.run_layout`)."""
-        return self._planned(self.step, batch, self._units(batch), {}, time.perf_counter())
+        start = time.perf_counter()
+        units, candidate = self._units(batch)
+        return replace(self._planned(self.step, batch, units, {}, start), candidate=candidate)
 
     def synthetic_step(self, step: int) -> PlannedStep:
         """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
@@ -241,18 +249,78 @@ class StepPlanner:
             x[:, :, list(chain), :] = np.nan
         return x
 
-    def _units(self, batch: GlobalBatch) -> list[list[Unit]]:
+    def _units(self, batch: GlobalBatch) -> tuple[list[list[Unit]], str]:
+        """Per replica, the units of ``batch`` to collate, and which candidate they come from
+        (:attr:`PlannedStep.candidate`)."""
         cfg, R = self.cfg, self.cfg.replicas
         if cfg.method == "dynamic":
             try:
                 plan = self._plan(batch, self.cost_model)
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
                 raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
-            return [plan_units(plan, r) for r in range(R)]
+            chosen = self._choose(batch, plan)
+            return [plan_units(chosen.plan, r) for r in range(R)], chosen.label
         options = BaselineOptions.of(cfg)
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
-        return [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
+        units = [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
+        return units, ""
 
+    def _choose(self, batch: GlobalBatch, plan) -> Candidate:
+        """The DP's ``plan`` of ``batch`` or a baseline's (:func:`~dynabatch.plan.candidates.baseline_candidates`),
+        whichever this planner predicts shortest (:meth:`_price`: the step the runtime would run, priced as
+        :meth:`_planned` predicts it, memory checked); with ``plan_candidates="off"`` the DP's plan. Token-sliced
+        plans (``slice_long``) and virtual stages keep the DP's plan too."""
+        cfg = self.cfg
+        dp = Candidate(DP, None, plan)
+        if getattr(cfg, "plan_candidates", "baselines") == "off" or plan.sliced_samples or self.placement is not None:
+            return dp
+        baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, cfg.stages,
+                                        num_replicas=cfg.replicas, options=BaselineOptions.of(cfg),
+                                        padding_free=self.padding_free)
+        candidates = [dp, *baselines]
+        parts = dict(zip((id(c.plan) for c in candidates), self._plan_costs(batch, [c.plan for c in candidates])))
+
+        def bound(p) -> float:
+            return max(step_lower_bound(c.fwd_s, c.bwd_s) for c in parts[id(p)][0])
+
+        return choose(candidates, lambda p: self._price(parts[id(p)]), bound).candidate
+
+    def _plan_costs(self, batch: GlobalBatch, plans) -> list[tuple]:
+        """Per plan of whole-sample pieces, ``(costs, shapes, links, contexts, pairs)`` per replica as
+        :meth:`_planned` prices them: every piece of every plan priced in one cost-model call (a call costs
+        several ms of Python on the analytic model; the pieces' prices do not depend on one another)."""
+        work_of: dict = {}
+        shapes, pairs_work, spans = [], [], []
+        for plan in plans:
+            for pieces in plan.replicas:
+                lo = len(shapes)
+                for p in pieces:
+                    shapes.append(tuple(int(x) for x in p.shape))
+                    if self.padding_free:
+                        rows = p.row_samples
+                        if rows not in work_of:
+                            work_of[rows] = row_work(rows, batch.input_lens, batch.target_lens, self.family)
+                        pairs_work.append(work_of[rows])
+                spans.append((lo, len(shapes)))
+        pairs = stacked_pairs(pairs_work) if self.padding_free else None
+        costs = piece_costs(self.cost_model, None, shapes, [0] * len(shapes), (), pairs)
+        out, k = [], 0
+        for plan in plans:
+            replicas = []
+            for _ in plan.replicas:
+                lo, hi = spans[k]
+                k += 1
+                replicas.append((_columns(costs, lo, hi), shapes[lo:hi], (), [0] * (hi - lo),
+                                 None if pairs is None else pairs[lo:hi]))
+            out.append(tuple(map(list, zip(*replicas))))
+        return out
+
+    def _price(self, parts: tuple) -> float:
+        """The predicted makespan of a plan (:meth:`_predict` of its :meth:`_plan_costs`, the planning model),
+        ``inf`` when a replica's simulated step does not fit the memory limit."""
+        costs, shapes, links, contexts, pairs = parts
+        _, _, predicted, _, fits = self._predict(shapes, links, contexts, pairs, costs_in=costs, check_memory=True)
+        return predicted if fits else float("inf")
 
     def _plan(self, batch: GlobalBatch, model: StageCostModel):
         """The dynamic planner's plan of ``batch`` under ``model``, judged by the simulated step. Under
@@ -286,18 +354,20 @@ class StepPlanner:
             return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
         return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
 
-    def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None
-                 ) -> tuple[tuple[StageCosts, ...], tuple[ComputeSchedule, ...], float, float]:
-        """Per replica: costs under ``model`` (default the planning model), the compute schedule
-        (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble)."""
+    def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None, costs_in=None,
+                 check_memory: bool = False):
+        """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
+        compute schedule (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble).
+        With ``check_memory`` a fifth value says whether every replica's simulated step fits the memory limit."""
         from dynabatch.runtime.step import compute_schedule
 
         model = model or self.cost_model
         costs, schedules, makespans, bubbles = [], [], [], []
+        fits = True
         memory = self.cfg.memory_gib * 2**30
         states, send = np.array(model.model_state_bytes), send_time_of(model)
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
-            c = piece_costs(model, self.slice_model, s, ctx, lk, pr)
+            c = costs_in[k] if costs_in is not None else piece_costs(model, self.slice_model, s, ctx, lk, pr)
             if self.placement is not None:  # virtual stages: the placed order plan_step lowers
                 from dynabatch.schedule.virtual import chunk_schedule, placed_step
 
@@ -308,12 +378,22 @@ class StepPlanner:
                 schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
                     self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
                     send_time=send, model_state_bytes=states)
-                result = simulate(schedule, buffered, send_time=send, model_state_bytes=states)
+                result = simulate(schedule, buffered, send_time=send, model_state_bytes=states,
+                                  memory_limit_bytes=memory if check_memory else None)
+            fits = fits and bool(result.fits_memory)
             costs.append(c)
             schedules.append(schedule)
             makespans.append(result.makespan_s)
             bubbles.append(result.bubble_fraction)
-        return tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
+        out = tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
+        return (*out, fits) if check_memory else out
+
+
+def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
+    """Micro-batches ``lo:hi`` of per-stage ``costs`` (every array ``(S, M)``)."""
+    return StageCosts(*(None if a is None else a[:, lo:hi] for a in (
+        costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes, costs.send_bytes, costs.recompute,
+        costs.load_bytes)))
 
 
 def _virtual_placement(cfg: TrainConfig):
@@ -481,19 +561,6 @@ def _maybe_crash(step: int) -> None:
     at = os.environ.get("DYNABATCH_PLANNER_CRASH_AT")
     if at and int(at) == step:
         raise RuntimeError(f"injected planner crash at step {step} (DYNABATCH_PLANNER_CRASH_AT)")
-
-
-def deal_to_replicas(groups: list[RowGroup], sizes: list[int], num_replicas: int) -> list[list[RowGroup]]:
-    """Baseline micro-batches to replicas, largest first to the least-loaded replica (order kept)."""
-    if len(groups) < num_replicas:
-        raise ValueError(f"{len(groups)} micro-batches cannot feed {num_replicas} replicas; raise global_batch_tokens")
-    load = [0] * num_replicas
-    owner = [0] * len(groups)
-    for k in sorted(range(len(groups)), key=lambda k: (-sizes[k], k)):
-        r = min(range(num_replicas), key=lambda r: (load[r], r))
-        owner[k] = r
-        load[r] += sizes[k]
-    return [[g for g, o in zip(groups, owner) if o == r] for r in range(num_replicas)]
 
 
 def plan_ahead(planner: StepPlanner, num_steps: int, depth: int, where: str = "thread", device: str = "cpu"):

@@ -449,6 +449,7 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "num_samples": len(planned.batch),
         "num_micro_batches": planned.num_micro_batches,
         "sliced_samples": planned.num_sliced_samples,
+        "candidate": planned.candidate,
         "recompute": planned.recompute_counts,
         "micro_batch_shapes": [list(map(list, s)) for s in planned.shapes],
         "tokens_per_s": planned.real_tokens / elapsed,

@@ -35,3 +35,15 @@ def test_summary_has_the_steady_medians_of_the_measured_efficiencies():
     assert "efficiency balanced 0.300 (amortised 0.600), device busy 0.60/0.30" in format_summary(s)
     plain = summarize([_record(0, 0.1, 0.0)], "dynamic")  # records without them (older runs): no such part
     assert plain["efficiency_balanced_median"] is None and "efficiency balanced" not in format_summary(plain)
+
+
+def test_summary_counts_the_candidate_plans_that_ran():
+    """The dynamic method's steps say which candidate plan ran (the DP's, or a baseline's at a knob value); the
+    summary counts them, most frequent first, and says so in its line; a baseline method's records have none."""
+    labels = ["dp", "packing_free=4", "dp", "token_budget=2048", "packing_free=4", "packing_free=4"]
+    s = summarize([{**_record(k, 0.1, 0.0), "candidate": c} for k, c in enumerate(labels)], "dynamic")
+    assert s["candidates"] == {"packing_free=4": 3, "dp": 2, "token_budget=2048": 1}
+    assert list(s["candidates"]) == ["packing_free=4", "dp", "token_budget=2048"]
+    assert "plans run: packing_free=4 3, dp 2, token_budget=2048 1 (steps)" in format_summary(s)
+    baseline = summarize([{**_record(k, 0.1, 0.0), "candidate": ""} for k in range(3)], "packing_free")
+    assert "candidates" not in baseline and "plans run" not in format_summary(baseline)

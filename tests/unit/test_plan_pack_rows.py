@@ -238,7 +238,7 @@ def test_device_default_is_auto_on_cuda_and_off_elsewhere():
 def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     """The runtime planner passes ``TrainConfig.pack_rows`` (``device`` resolved: off on this CPU) to
     plan_step: its collated micro-batches hold every sample of the global batch exactly once (several per row
-    when packed), priced per segment."""
+    when packed), priced per segment. (Baseline candidates off: this is about the DP's plan.)"""
     from dynabatch.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
@@ -249,7 +249,7 @@ def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     t5 = is_seq2seq(toy_data.family)
     name = "t5-tiny" if t5 else "gpt2-tiny"
     cfg = TrainConfig(model=name, stages=2, global_batch_tokens=4096, max_input_len=128, max_target_len=32,
-                      memory_gib=4.0, pack_rows=pack_rows)
+                      memory_gib=4.0, pack_rows=pack_rows, plan_candidates="off")  # the DP's own plan
     model = build_model(name, vocab_size=toy_data.tokens.vocab_size)
     cost_model = planner_cost_model(cfg, model.config, layout_for(model, 2))
     limits = LengthLimits("t5" if t5 else "gpt2", max_input_len=128, max_target_len=32, max_seq_len=128)

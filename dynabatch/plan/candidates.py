@@ -1,0 +1,254 @@
+"""Baseline plans as candidates: the dynamic method never runs a step predicted slower than a baseline's.
+
+The partition DP optimises its own objective (``sum(t) + (S - 1) max(t)`` over runs of sorted samples); the
+step that runs is judged by the schedule simulator. On the encoder-decoder the two disagree: at t5-tiny, 2
+stages, the DP's plans of the built-in mixture were predicted at 0.473 s a step against 0.338 s for the
+padding-free best-fit rows (``packing_free``) of the same global batches, and ran 0.72-0.85x as fast.
+
+So for each global batch the dynamic method also builds the plans the baselines would run
+(:func:`baseline_candidates`: ``length_grouped``, ``token_budget`` and ``packing_free``, the baselines marked
+:attr:`~dynabatch.data.baselines.BaselineSpec.plan_candidate`, at every value of its tuning grid and at the run's own option value, dealt to replicas as the baseline runs them)
+and keeps the candidate with the best price (:func:`choose`). The price is the caller's: the trainer's planner
+passes its own prediction (cost model, the run's schedule policy, simulator, memory check), so the plan that
+runs is never predicted slower than any baseline plan of the same batch; ``dynabatch plan`` prices with the
+step formula. Candidates are priced cheaply: each gets a lower bound of its price (``bound``: a stage cannot
+finish before it has computed all its work, after the first micro-batch's forward on the stages before it and
+before the last one's backward on the stages after it), candidates are priced in order of their bound, and a
+candidate whose bound is not below the best price so far is never simulated. The DP's plan is priced first and
+wins ties.
+
+:func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas (the
+trainer's baseline methods use it too), so a baseline candidate is exactly the step that baseline would run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynabatch.plan.step import Piece, StepPlan
+
+DP = "dp"
+"""The label of the partition DP's own plan (:attr:`Candidate.label`)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan of a global batch the dynamic method may run: the DP's, or a baseline's at one knob value."""
+
+    method: str
+    """:data:`DP`, or a baseline of :data:`~dynabatch.data.baselines.BASELINES`."""
+    value: int | None
+    """The baseline's knob value (``None`` for the DP)."""
+    plan: StepPlan
+
+    @property
+    def label(self) -> str:
+        """``dp``, or ``<baseline>=<knob value>`` (``packing_free=4``: four rows per micro-batch)."""
+        return DP if self.method == DP else f"{self.method}={self.value}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` kept, and what it cost."""
+
+    candidate: Candidate
+    price: float
+    num_candidates: int
+    num_priced: int
+    """Candidates priced in full; the others were ruled out by their bound."""
+
+
+class _Lengths:
+    """The lengths-only view of a global batch the batchers' ``group`` reads (``input_lens``, ``target_lens``,
+    ``len``): candidates are planned from lengths, as the DP is."""
+
+    def __init__(self, input_lens, target_lens):
+        self.input_lens = np.asarray(input_lens, dtype=np.int64)
+        self.target_lens = np.asarray(target_lens, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.input_lens)
+
+
+def candidate_baselines(padding_free: bool = True) -> list[str]:
+    """The baselines whose plans are candidates (:attr:`~dynabatch.data.baselines.BaselineSpec.plan_candidate`:
+    ``length_grouped``, ``token_budget``, ``packing_free``); on a dense-attention run (``padding_free=False``) only
+    those with one sample per row."""
+    from dynabatch.data.baselines import BASELINES, Packing
+
+    return [n for n, spec in BASELINES.items()
+            if spec.plan_candidate and (padding_free or not issubclass(spec.batcher, Packing))]
+
+
+def knob_values(method: str, options) -> list[int]:
+    """The knob values of ``method`` that are tried: its tuning grid and the run's own value (``options``, a
+    :class:`~dynabatch.data.baselines.BaselineOptions`), increasing."""
+    from dynabatch.data.baselines import baseline_spec
+
+    return sorted({*baseline_spec(method).grid, options.value(method)})
+
+
+def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
+                        padding_free: bool = True, methods: Sequence[str] | None = None,
+                        cost_model=None) -> list[Candidate]:
+    """The plans of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
+    :func:`knob_values`, as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs its
+    micro-batches, dealt to replicas by :func:`deal_to_replicas`. Values whose micro-batches equal an earlier
+    value's are left out (the smallest value stays); so is a setting with fewer micro-batches than replicas.
+    ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
+    bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0."""
+    from dynabatch.data.baselines import BaselineOptions, group_shape, make_batcher
+    from dynabatch.data.tokenize import TokenizerInfo
+
+    no_tokens = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)  # grouping reads lengths only
+    options = options or BaselineOptions()
+    batch = _Lengths(input_lens, target_lens)
+    family = limits.family
+    seen: set = set()
+    out: list[Candidate] = []
+    for method in methods if methods is not None else candidate_baselines(padding_free):
+        for value in knob_values(method, options):
+            opts = options.with_value(method, value)
+            groups = make_batcher(method, limits, no_tokens, **opts.batcher_options(method, limits)).group(batch)
+            key = tuple(g.rows for g in groups)
+            if key in seen or len(groups) < num_replicas:
+                continue
+            seen.add(key)
+            shapes = [group_shape(batch, g, family) for g in groups]
+            times = _piece_times(cost_model, shapes, groups, batch, family, padding_free)
+            pieces = [Piece(tuple(i for row in g.rows for i in row), s, t,
+                            rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+                      for g, s, t in zip(groups, shapes, times)]
+            replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
+            out.append(Candidate(method, value, StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())))
+    return out
+
+
+def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool) -> list[float]:
+    if cost_model is None:
+        return [0.0] * len(shapes)
+    from dynabatch.cost.pairs import groups_pairs
+    from dynabatch.plan.costs import evaluate_costs
+
+    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+    pairs = groups_pairs([g.rows for g in groups], batch.input_lens, batch.target_lens, family) if padding_free else None
+    t, _, _ = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2], pairs=pairs)
+    return [float(x) for x in t]
+
+
+def deal_to_replicas(items: list, sizes: list[int], num_replicas: int) -> list[list]:
+    """Baseline micro-batches (``items``) to replicas, largest ``sizes`` first to the least-loaded replica, each
+    replica keeping the baseline's order."""
+    if len(items) < num_replicas:
+        raise ValueError(f"{len(items)} micro-batches cannot feed {num_replicas} replicas; raise global_batch_tokens")
+    load = [0] * num_replicas
+    owner = [0] * len(items)
+    for k in sorted(range(len(items)), key=lambda k: (-sizes[k], k)):
+        r = min(range(num_replicas), key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += sizes[k]
+    return [[g for g, o in zip(items, owner) if o == r] for r in range(num_replicas)]
+
+
+def choose(candidates: Sequence[Candidate], price: Callable[[StepPlan], float],
+           bound: Callable[[StepPlan], float] | None = None) -> Choice:
+    """The candidate with the lowest ``price(plan)`` (``inf``: does not fit); the first on ties, so list the
+    DP's plan first. ``bound(plan) <= price(plan)`` (optional) rules a candidate out without pricing it when
+    its bound is not below the best price so far; the first candidate is always priced."""
+    if not candidates:
+        raise ValueError("choose needs at least one candidate")
+    best, best_price = candidates[0], float(price(candidates[0].plan))
+    rest = list(candidates[1:])
+    if bound is not None:
+        bounds = [float(bound(c.plan)) for c in rest]
+        order = np.argsort(bounds, kind="stable")
+        rest, bounds = [rest[k] for k in order], [bounds[k] for k in order]
+    else:
+        bounds = [-np.inf] * len(rest)
+    priced = 1
+    for c, low in zip(rest, bounds):
+        if low * (1 - _BOUND_SLACK) >= best_price:
+            break
+        value = float(price(c.plan))
+        priced += 1
+        if value < best_price:
+            best, best_price = c, value
+    return Choice(best, best_price, len(candidates), priced)
+
+
+_BOUND_SLACK = 1e-9
+"""Relative slack on a bound before it rules a candidate out (a bound can equal the price up to rounding)."""
+
+
+def step_lower_bound(fwd_s, bwd_s) -> float:
+    """A lower bound of any pipeline schedule's makespan of micro-batches with per-stage forward and backward
+    times ``(S, M)`` (messages free): stage ``s`` computes all its work, its first op starts no earlier than some
+    micro-batch's forwards on the stages before it end, and after its last op (a backward) that micro-batch's
+    backwards on the stages before it still run."""
+    fwd, bwd = np.asarray(fwd_s, dtype=np.float64), np.asarray(bwd_s, dtype=np.float64)
+    if fwd.size == 0:
+        return 0.0
+    work = (fwd + bwd).sum(axis=1)  # (S,)
+    head = np.cumsum(fwd, axis=0) - fwd  # (S, M): forwards on the stages before s
+    tail = np.cumsum(bwd, axis=0) - bwd  # (S, M): backwards on the stages before s, after s's
+    return float((work + head.min(axis=1) + tail.min(axis=1)).max())
+
+
+def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True,
+                  in_flight: int | None = None) -> Callable[[StepPlan], float]:
+    """The step formula ``sum(t) + (S - 1) max(t)`` of the slowest replica, every whole-sample piece priced by
+    ``cost_model`` (with the attention pairs its rows compute when ``padding_free``; dense otherwise): the
+    price of ``dynabatch plan``, which has no schedule simulator. ``inf`` when a piece breaks the partition DP's
+    own memory rule ``in_flight * stored + peak <= memory_budget_bytes`` (``in_flight`` default ``S``), so a
+    baseline's plan is held to the memory the DP's plans fit."""
+    from dynabatch.plan.costs import evaluate_costs
+    from dynabatch.plan.step import with_pairs
+
+    e, d = np.asarray(input_lens), np.asarray(target_lens)
+    budget = float(getattr(cost_model, "memory_budget_bytes", np.inf))
+
+    def price(plan: StepPlan) -> float:
+        plan = with_pairs(plan, e, d) if padding_free else plan
+        worst, held = 0.0, in_flight or plan.num_stages
+        for r, pieces in enumerate(plan.replicas):
+            if not pieces:
+                continue
+            times = np.array([p.time_s for p in pieces])
+            whole = np.array([not p.is_slice for p in pieces])
+            if whole.any():
+                shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
+                pairs = plan.pairs(r)
+                t, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
+                                                 pairs=None if pairs is None else pairs[whole])
+                if np.any(held * stored + peak > budget):
+                    return float("inf")
+                times[whole] = t
+            worst = max(worst, float(times.sum() + (plan.num_stages - 1) * times.max()))
+        return worst
+
+    return price
+
+
+def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, options=None, num_replicas: int = 1,
+              padding_free: bool = True, price: Callable[[StepPlan], float] | None = None,
+              in_flight: int | None = None) -> Candidate:
+    """The DP's ``plan`` of a global batch of lengths ``input_lens``, ``target_lens`` or a baseline's
+    (:func:`baseline_candidates` at ``plan.num_stages``), whichever ``price`` is lowest (default
+    :func:`formula_price` under ``cost_model``, the DP's memory rule with ``in_flight``); the DP's plan on ties.
+    A token-sliced ``plan`` is kept as is (the baselines cannot run a sample that needs slicing). What
+    ``dynabatch plan`` / ``simulate`` and the DataLoader integration call; the trainer's planner prices the same
+    candidates with its own prediction."""
+    dp = Candidate(DP, None, plan)
+    if plan.sliced_samples:
+        return dp
+    baselines = baseline_candidates(input_lens, target_lens, limits, plan.num_stages, num_replicas=num_replicas,
+                                    options=options, padding_free=padding_free, cost_model=cost_model)
+    price = price or formula_price(cost_model, input_lens, target_lens, padding_free, in_flight)
+    return choose([dp, *baselines], price).candidate
+
+
+__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "best_plan", "candidate_baselines", "choose", "deal_to_replicas",
+           "formula_price", "knob_values", "step_lower_bound"]

@@ -1,0 +1,201 @@
+"""Baseline plans as candidates of the dynamic method (:mod:`dynabatch.plan.candidates`): the plan that runs is
+never predicted slower than any baseline's plan of the same global batch at the tuning grid's knob values."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dynabatch.config import TrainConfig
+from dynabatch.data.baselines import BASELINES, BaselineOptions, group_shape, make_batcher
+from dynabatch.data.batching import LengthLimits
+from dynabatch.plan.candidates import (
+    DP,
+    Candidate,
+    baseline_candidates,
+    candidate_baselines,
+    choose,
+    deal_to_replicas,
+    formula_price,
+    knob_values,
+    step_lower_bound,
+)
+from dynabatch.plan.step import StepPlan
+
+HEAVY = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+
+
+def _planner(cfg, batches, limits, tokens):
+    from dynabatch.commands.bench_layouts import ListBatcher
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    model = build_model(cfg.model, vocab_size=max(tokens.vocab_size, 8))
+    cost_model = planner_cost_model(cfg, model.config, layout_for(model, cfg.stages))
+    return lambda c: StepPlanner(ListBatcher(batches, limits), c, cost_model, tokens)
+
+
+def _builtin_batches(cfg, limits, num):
+    from dynabatch.data.batching import GlobalBatcher
+    from dynabatch.data.inputs import load_training_data
+    from dynabatch.data.tokenize import load_tokenizer
+
+    data = load_training_data(cfg, load_tokenizer("builtin"), limits.family)
+    batcher = GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens)
+    return [batcher.next_batch() for _ in range(num)], data.tokens
+
+
+def _heavy_batches(limits, budget, num):
+    from dynabatch.workload import _NO_TOKENS, global_batches
+
+    batches = global_batches(HEAVY, limits.family, limits, budget, 40)
+    step = max(1, len(batches) // num)  # spread over the file: its tail comes in bursts
+    return [replace(b, step=k) for k, b in enumerate(batches[::step][:num])], replace(_NO_TOKENS, vocab_size=64)
+
+
+CASES = {
+    "builtin-t5": dict(model="t5-tiny", data="builtin", max_input_len=512, max_target_len=128, tokens=8192),
+    "heavy-t5": dict(model="t5-tiny", data="heavy", max_input_len=1024, max_target_len=128, tokens=8192),
+    "heavy-gpt2": dict(model="gpt2-tiny", data="heavy", max_input_len=1024, max_target_len=128, tokens=8192),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chosen_plan_is_never_predicted_slower_than_a_baseline(case):
+    """On sampled global batches, the dynamic method's predicted step (the trainer's planner: cost model, the
+    run's schedule policy, simulator) is at most that of every candidate baseline run as that baseline, at every
+    knob value of its tuning grid; and with candidates off, the DP alone is slower on some batch (the candidates
+    are what makes the difference here)."""
+    c = CASES[case]
+    family = "t5" if c["model"].startswith("t5") else "gpt2"
+    cfg = TrainConfig(model=c["model"], stages=2, global_batch_tokens=c["tokens"], max_input_len=c["max_input_len"],
+                      max_target_len=c["max_target_len"], memory_gib=4.0, calibrate="off")
+    limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                          max_seq_len=cfg.max_input_len)
+    batches, tokens = (_builtin_batches(cfg, limits, 3) if c["data"] == "builtin"
+                       else _heavy_batches(limits, cfg.global_batch_tokens, 3))
+    make = _planner(cfg, batches, limits, tokens)
+    dynamic, dp_only = make(cfg), make(replace(cfg, plan_candidates="off"))
+    chosen = [dynamic() for _ in batches]
+    dp = [dp_only() for _ in batches]
+    options = BaselineOptions.of(cfg)
+    beaten = 0
+    for method in candidate_baselines():
+        for value in knob_values(method, options):
+            run = make(replace(cfg, method=method, **{BASELINES[method].option: value}))
+            for k, batch in enumerate(batches):
+                planned = run()
+                assert planned.batch is batch
+                assert chosen[k].predicted_step_s <= planned.predicted_step_s * (1 + 1e-9), (method, value, k)
+                beaten += dp[k].predicted_step_s > planned.predicted_step_s * (1 + 1e-9)
+    for planned in chosen:
+        rows = [row for mb in planned.replica_micro_batches[0] for row in mb.sample_ids]
+        assert sorted(i for row in rows for i in row) == list(range(len(planned.batch)))
+        assert planned.candidate == DP or planned.candidate.split("=")[0] in BASELINES
+    assert all(p.candidate == DP for p in dp)
+    assert beaten > 0 or all(p.candidate == DP for p in chosen)
+
+
+def test_lower_bound_never_exceeds_a_simulated_makespan():
+    """:func:`step_lower_bound` is below the makespan of every schedule the simulator replays (random costs,
+    every policy, random orders): what lets :func:`choose` skip a candidate without simulating it."""
+    from dynabatch.cost.stages import StageCosts
+    from dynabatch.schedule.policies import adaptive, gpipe, one_f_one_b
+    from dynabatch.schedule.simulate import simulate
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        S, M = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        fwd = rng.lognormal(0, 1, (S, M))
+        bwd = fwd * rng.uniform(1, 3, (S, M))
+        zeros = np.zeros((S, M))
+        costs = StageCosts(fwd, bwd, zeros, zeros, zeros)
+        bound = step_lower_bound(fwd, bwd)
+        for schedule in (gpipe(M, S), one_f_one_b(M, S), adaptive(costs), adaptive(costs, order=rng.permutation(M))):
+            makespan = simulate(schedule, costs).makespan_s
+            assert bound <= makespan * (1 + 1e-12), (S, M, schedule.policy)
+        if S == 1:
+            assert bound == pytest.approx((fwd + bwd).sum())
+
+
+def test_choose_prunes_by_bound_yet_keeps_the_cheapest():
+    """``choose`` with a bound returns what pricing every candidate returns, prices fewer, and keeps the first
+    candidate on ties."""
+    plans = [StepPlan("t5", 2, ((),), ()) for _ in range(8)]
+    prices = [5.0, 7.0, 3.0, 9.0, 3.0, 8.0, 4.0, 6.0]
+    cands = [Candidate(DP if k == 0 else "token_budget", None if k == 0 else k, p) for k, p in enumerate(plans)]
+    price_of = {id(p): x for p, x in zip(plans, prices)}
+    calls = []
+
+    def price(plan):
+        calls.append(plan)
+        return price_of[id(plan)]
+
+    full = choose(cands, price)
+    assert full.candidate is cands[2] and full.price == 3.0 and full.num_priced == 8
+    calls.clear()
+    pruned = choose(cands, price, bound=lambda p: 0.9 * price_of[id(p)])
+    assert pruned.candidate is cands[2] and pruned.price == 3.0
+    assert pruned.num_priced == len(calls) < 8
+    assert choose([cands[0], Candidate("padding", 1, plans[0])], lambda p: 1.0).candidate is cands[0]  # ties: first
+    with pytest.raises(ValueError, match="at least one candidate"):
+        choose([], price)
+
+
+def test_baseline_candidates_are_the_baselines_own_micro_batches():
+    """Each candidate holds exactly the micro-batches its baseline makes at that knob value, dealt to replicas as
+    the trainer deals a baseline's; settings with the same micro-batches appear once."""
+    from dynabatch.workload import _NO_TOKENS
+
+    rng = np.random.default_rng(3)
+    e = rng.integers(4, 400, 120)
+    d = rng.integers(1, 100, 120)
+    limits = LengthLimits("t5", max_input_len=512, max_target_len=128)
+    options = BaselineOptions()
+    cands = baseline_candidates(e, d, limits, 2, num_replicas=2, options=options)
+    assert {c.method for c in cands} == set(candidate_baselines()) and "packing" not in candidate_baselines()
+    assert candidate_baselines(padding_free=False) == [m for m in candidate_baselines() if m != "packing_free"]
+    keys = [tuple(p.row_samples for r in c.plan.replicas for p in r) for c in cands]
+    assert len(set(keys)) == len(keys)
+
+    class Lens:
+        input_lens, target_lens = e, d
+
+        def __len__(self):
+            return len(e)
+
+    for c in cands:
+        groups = make_batcher(c.method, limits, _NO_TOKENS, **options.with_value(c.method, c.value).batcher_options(
+            c.method, limits)).group(Lens())
+        sizes = [b * (E + D) for b, E, D in (group_shape(Lens(), g, "t5") for g in groups)]
+        dealt = deal_to_replicas(groups, sizes, 2)
+        assert [[p.row_samples for p in r] for r in c.plan.replicas] == [[g.rows for g in r] for r in dealt]
+        assert [[p.shape for p in r] for r in c.plan.replicas] == [
+            [group_shape(Lens(), g, "t5") for g in r] for r in dealt]
+        assert c.label == f"{c.method}={c.value}"
+
+
+def test_formula_price_matches_the_plan_command_pricing():
+    """The price ``dynabatch plan`` chooses with is the step formula over every piece priced per segment."""
+    rng = np.random.default_rng(1)
+    e, d = rng.integers(4, 300, 60), rng.integers(1, 60, 60)
+    limits = LengthLimits("t5", max_input_len=512, max_target_len=128)
+
+    class Linear:  # time = tokens computed + attention pairs; memory free
+        memory_budget_bytes = 1e18
+
+        def evaluate(self, b, E, D, pairs=None):
+            b, E, D = (np.asarray(x, dtype=np.float64) for x in (b, E, D))
+            t = b * (E + D) + (0 if pairs is None else 1e-3 * (pairs.encoder + pairs.decoder + pairs.cross))
+            return t, np.zeros_like(t), np.zeros_like(t)
+
+    price = formula_price(Linear(), e, d)
+    for c in baseline_candidates(e, d, limits, 3, cost_model=Linear()):
+        (pieces,) = c.plan.replicas
+        t = np.array([p.time_s for p in pieces])
+        assert price(c.plan) == pytest.approx(t.sum() + 2 * t.max())
