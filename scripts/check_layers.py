@@ -18,7 +18,7 @@ The rules: no edge inside a cycle, no upward import (at module level or in a fun
 without a reason. Today's violations are listed in ``scripts/layers_allowlist.txt``; the script exits 1 on any violation that is not in the allowlist and on any allowlisted entry that no longer occurs (so
 the list only shrinks: delete the line when its violation is fixed). ``--no-allowlist`` reports every violation.
 
-Usage: ``python scripts/check_layers.py [--graph] [--list] [--no-allowlist]`` (tests/unit/test_layers.py runs it).
+Usage: ``python scripts/check_layers.py [--graph] [--list] [--no-allowlist] [--prune]`` (tests/unit/test_layers.py runs it).
 """
 
 from __future__ import annotations
@@ -379,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="judge every violation, ignoring scripts/layers_allowlist.txt")
     parser.add_argument("--write-allowlist", action="store_true",
                         help="write today's violations to scripts/layers_allowlist.txt (to start the ratchet)")
+    parser.add_argument("--prune", action="store_true",
+                        help="delete allowlisted entries that no longer occur (the list only shrinks; adds nothing)")
     args = parser.parse_args(argv)
 
     report = analyse(collect())
@@ -393,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(report.violations)} entries to {ALLOWLIST.relative_to(ROOT)}")
         return 0
 
+    if args.prune:
+        kept = [line for line in ALLOWLIST.read_text().splitlines()
+                if not line.split("#", 1)[0].strip() or line.split("#", 1)[0].strip() in report.violations]
+        ALLOWLIST.write_text("\n".join(kept) + "\n")
     allowed = set() if args.no_allowlist else read_allowlist()
     new = sorted(report.violations - allowed)
     gone = sorted(allowed - report.violations)

@@ -38,7 +38,7 @@ from dynabatch.cost.attention_cores import add_attention_cores
 from dynabatch.cost.layers import Step, build_layers, padding_mask, token_ids
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, settle_cpu_allocator
 from dynabatch.cost.tables import CostTables
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from dynabatch.cost.grid import ProfileGrid  # noqa: F401 (torch-free: `dynabatc
 from dynabatch.cost.attention_cores import add_attention_cores, attention_core_kinds
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, resolve_clock, settle_cpu_allocator
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 FORMAT = "dynabatch.profile"
 FORMAT_VERSION = 1

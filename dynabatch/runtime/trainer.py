@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.config import TrainConfig
+from dynabatch.cost.tables import check_profile_config
 from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
@@ -92,26 +93,6 @@ def connect(cfg: TrainConfig) -> DistContext:
 
     store = loopback_store(1, cfg.timeout_s)  # listens on 127.0.0.1 only, for the whole run
     return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s, device=cfg.device)
-
-
-# Architecture fields a profile's model config must share with the trained model (those present in either).
-_PROFILE_CONFIG_KEYS = (
-    "model_type", "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
-    "feed_forward_proj", "relative_attention_num_buckets", "relative_attention_max_distance", "tie_word_embeddings",
-    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "activation_function",
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
-    "hidden_act",
-)
-
-
-def check_profile_config(profile_config: dict, model_config: dict, path: str = "the profile") -> None:
-    """Raise ``ValueError`` naming every architecture field where the profile's model config differs."""
-    diffs = [f"{k}: profile {profile_config.get(k)!r} != model {model_config.get(k)!r}"
-             for k in _PROFILE_CONFIG_KEYS
-             if (k in profile_config or k in model_config) and profile_config.get(k) != model_config.get(k)]
-    if diffs:
-        raise ValueError(f"cost profile {path} was measured on a different model config ({'; '.join(diffs)}); "
-                         "profile this model with `dynabatch profile --model ...`")
 
 
 def planner_cost_model(cfg: TrainConfig, model_config, layout):
