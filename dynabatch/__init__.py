@@ -1,7 +1,9 @@
 """dynabatch: dynamic variable-size micro-batching for multi-task T5/GPT training.
 
-Layers (one-way imports): ``data`` -> ``cost`` -> ``plan`` -> ``schedule`` -> ``runtime``;
-``models`` wraps Hugging Face models; ``cli`` is the ``dynabatch`` command.
+Layers, bottom to top (each imports only from below; docs/architecture.md, checked by
+``scripts/check_layers.py``): ``core`` (names and registries) -> ``data`` -> ``cost`` -> ``plan`` ->
+``schedule`` -> ``models`` -> the engine and the training application (``runtime``, ``config``) ->
+``integrations`` -> ``commands`` -> ``cli``.
 """
 
 __version__ = "0.1.0"

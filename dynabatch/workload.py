@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
 from dynabatch.cost.pairs import AttentionPairs
-from dynabatch.data.baselines import BASELINES, BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
+from dynabatch.data.baselines import BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
 from dynabatch.data.batching import LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.plan.candidates import best_plan
 
-METHODS = ("dynamic", *BASELINES)
-"""The dynamic planner, then every baseline of the registry."""
 MODEL_FAMILIES = {"t5": "seq2seq", "gpt": "causal", "gpt2": "causal", "llama": "causal"}
 """``--model`` of ``plan``/``simulate``: a model family name -> its sequence kind (the analytic preset gives the shape)."""
 
@@ -251,7 +251,6 @@ def method_micro_batches(
             raise locate_sample_error(e, batch) from e
         label = ""
         if candidates:
-            from dynabatch.plan.candidates import best_plan
 
             chosen = best_plan(step, batch.input_lens, batch.target_lens, limits, cost_model=cost_model,
                                options=options, price=price, in_flight=planner_options.get("in_flight"))

@@ -25,7 +25,7 @@ from dynabatch.data.sample import TokenizedSample
 from dynabatch.model_presets import build_model
 from dynabatch.models.presets import PAD_ID
 from dynabatch.models.split import build_stage, layout_for, micro_batch_inputs, pipeline_spec_for
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 PATTERNS = {"32x64": [[64] * 32], "4x512": [[512] * 4], "1x2048": [[2048]],
             "sorted8": [[n] for n in (256, 250, 242, 236, 228, 220, 212, 200)]}

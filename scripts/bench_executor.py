@@ -73,7 +73,8 @@ def worker(rank: int, world: int, args, init_method: str) -> None:
     from dynabatch.runtime.delivery import receive_step, send_step
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import plan_step, step_payloads, train_step
+    from dynabatch.runtime.step import step_payloads, train_step
+    from dynabatch.schedule.step import lower_step as plan_step
     from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
 
     if not torch.cuda.is_available():

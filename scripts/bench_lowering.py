@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from dynabatch.commands.common import resolve  # noqa: E402
 from dynabatch.commands.simulate import SimulateOptions, add_arguments, simulate_step, simulation_workload  # noqa: E402
-from dynabatch.runtime.step import check_step_memory  # noqa: E402
+from dynabatch.schedule.step import check_step_memory  # noqa: E402
 from dynabatch.schedule import rows  # noqa: E402
 from dynabatch.schedule.ir import PipelineSpec  # noqa: E402
 from dynabatch.schedule.lower import lower  # noqa: E402

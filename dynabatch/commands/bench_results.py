@@ -11,11 +11,12 @@ import numpy as np
 
 from dynabatch.commands.bench_report import PEER
 from dynabatch.data.baselines import BASELINES
+from dynabatch.plan.ideal import balanced_efficiency, ideal_work, planned_work
+from dynabatch.schedule.step import compute_schedule
 
 
 def simulated(shapes, policy: str, cfg, cost_model):
     """Schedule (``policy``) and simulated run of one replica's micro-batch shapes under the planner's cost model."""
-    from dynabatch.runtime.step import compute_schedule
     from dynabatch.schedule.simulate import simulate
 
     arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
@@ -73,10 +74,9 @@ def _plan_cost_model(run, base, base_profile: str | None):
 
 
 def _efficiency_balanced(run, measured: np.ndarray, times: np.ndarray, warmup: int, cost_model, args) -> float | None:
-    """Median over the timed steps of :func:`~dynabatch.cost.ideal.balanced_efficiency`: the amortised
+    """Median over the timed steps of :func:`~dynabatch.plan.ideal.balanced_efficiency`: the amortised
     whole-model ideal over the plan's predicted work (one cost model: unitless) times the measured mean
     device busy fraction (``measured``: (steps, devices) compute seconds of replica 0, the only one)."""
-    from dynabatch.cost.ideal import balanced_efficiency, ideal_work, planned_work
     from dynabatch.models.families import check_model
 
     model = _plan_cost_model(run, cost_model, getattr(args, "cost_profile", None))

@@ -10,7 +10,8 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
-from dynabatch.workload import METHODS, MODEL_FAMILIES
+from dynabatch.core.methods import METHODS
+from dynabatch.workload import MODEL_FAMILIES
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
 """Analytic preset of each ``--model`` when ``--preset`` is not given."""

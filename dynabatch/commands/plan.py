@@ -15,8 +15,9 @@ import numpy as np
 from dynabatch.commands.common import split_from_data, write_json, add_workload_arguments, parse_methods, resolve
 from dynabatch.config.flags import add_fields
 from dynabatch.plan.step import pack_rows_on
-from dynabatch.sequence import is_seq2seq
-from dynabatch.workload import METHODS, global_batches, method_micro_batches
+from dynabatch.core.sequence import is_seq2seq
+from dynabatch.core.methods import METHODS
+from dynabatch.workload import global_batches, method_micro_batches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -43,12 +43,13 @@ import numpy as np
 from dynabatch.commands.common import placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
-from dynabatch.cost.ideal import AMORTISED_TOKENS, ideal_step_time
+from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.slice_costs import piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on
 from dynabatch.schedule.placement import Placement
-from dynabatch.sequence import is_seq2seq
-from dynabatch.workload import METHODS, global_batches
+from dynabatch.core.sequence import is_seq2seq
+from dynabatch.core.methods import METHODS
+from dynabatch.workload import global_batches
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,9 @@ class MethodSummary:
     """The physical limit: the whole model's amortised per-sample work (every stage's, summed) divided by the
     number of devices, over the simulated step time (``efficiency_amortised`` divides by the bottleneck stage's
     work instead, so it hides an imbalance between stages). The same quantity as the measured one of ``bench``
-    and the train metrics, :func:`~dynabatch.cost.ideal.balanced_efficiency` with the simulated busy times."""
+    and the train metrics, :func:`~dynabatch.plan.ideal.balanced_efficiency` with the simulated busy times."""
     work_efficiency: float
-    """``W_ideal / W_plan`` (:mod:`dynabatch.cost.ideal`): the amortised whole-model ideal's work over the work of
+    """``W_ideal / W_plan`` (:mod:`dynabatch.plan.ideal`): the amortised whole-model ideal's work over the work of
     the plan's micro-batches (what padding, micro-batches smaller than the ideal's copies and recomputation add),
     summed over the steps. ``efficiency_balanced = work_efficiency x busy_fraction``: no schedule or placement
     can lift ``efficiency_balanced`` above it."""

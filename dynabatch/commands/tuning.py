@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dynabatch.data.baselines import BaselineOptions, Trial, baseline_spec, best_trial, grid_settings, with_twins
+from dynabatch.schedule.step import lower_step
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,9 @@ def best_tuned(tuned: dict[str, Tuned]) -> str | None:
 def memory_error(planned_steps, cfg, spec) -> str:
     """Why the runtime would refuse these planned steps under ``cfg.memory_gib`` ('' when they fit): the
     same validation :func:`~dynabatch.runtime.step.train_step` runs on rank 0."""
-    from dynabatch.runtime.step import plan_step
-
     for p in planned_steps:
         try:
-            plan_step([list(s) for s in p.shapes], spec, policy=cfg.policy, step=p.step, costs=p.costs,
+            lower_step([list(s) for s in p.shapes], spec, policy=cfg.policy, step=p.step, costs=p.costs,
                       memory_limit_bytes=cfg.memory_gib * 2**30, schedules=p.schedules, slice_links=p.slice_links,
                       model_state_bytes=p.model_state_bytes)
         except ValueError as e:

@@ -11,25 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dynabatch.cost.recompute import RECOMPUTE_POLICIES  # ``recompute`` choices, one list for config and cost model
-from dynabatch.data.baselines import BASELINES, BaselineOptions, option_help
+# The registries of names (each registered once, in dynabatch.core) give the flags' choices and help.
+from dynabatch.core.attention import ATTENTION_KERNELS, ATTENTION_PATHS
+from dynabatch.core.dtypes import DTYPE_TORCH_NAMES, DTYPES
+from dynabatch.core.methods import METHODS
+from dynabatch.core.packing import PACK_ROWS, PLAN_CANDIDATES
+from dynabatch.core.policies import POLICY_CHOICES, RECOMPUTE_POLICIES
+from dynabatch.data.baselines import BaselineOptions, option_help
 from dynabatch.data.batching import DEFAULT_GLOBAL_BATCH_TOKENS
 
-METHODS = ("dynamic", *BASELINES)
-"""``--method``: the dynamic planner or any baseline of :data:`dynabatch.data.baselines.BASELINES`."""
-POLICIES = ("gpipe", "1f1b", "adaptive", "auto")
-ATTENTION_PATHS = ("segments", "dense")
-"""``--attention``: segments (padding-free) or dense (4-D masks); :mod:`dynabatch.models.attention` uses this list."""
-ATTENTION_KERNELS = ("auto", "sdpa", "varlen", "flex")
-"""``--attention-kernel``: what runs padding-free attention (:data:`dynabatch.models.attention_kernels.KERNELS`)."""
-PACK_ROWS = ("device", "auto", "off", "flat")
-"""``--pack-rows`` choices; ``device`` resolves per device (:func:`dynabatch.plan.step.pack_rows_on`)."""
-"""``--pack-rows``: ``auto`` (plan with and without packed rows, per-segment pricing; keep the best), ``off``
-(one sample per row) or ``flat`` (every micro-batch one row of its samples back to back: no pad computed);
-:mod:`dynabatch.plan.step` uses this list."""
-PLAN_CANDIDATES = ("baselines", "off")
-"""``--plan-candidates``: whether the dynamic method also prices the baselines' plans of each global batch and runs
-the best predicted one (:mod:`dynabatch.plan.candidates`), or runs the partition DP's plan alone."""
+POLICIES = POLICY_CHOICES
+"""``--policy``: :data:`dynabatch.core.policies.POLICY_CHOICES` (a schedule policy or ``auto``)."""
 PLANNERS = ("auto", "process", "thread")
 """``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.planner.plan_ahead`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -49,10 +41,6 @@ LAYER_SPLITS = ("data", "reference")
 """``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
 SPLIT_BLOCKS = ("auto", "on", "off")
 """``--split-blocks``: whether layer splits may cut inside decoder-only blocks (``TrainConfig.cuts_inside_blocks``)."""
-DTYPE_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""``--dtype`` -> the torch dtype's name."""
-DTYPES = tuple(DTYPE_TORCH_NAMES)
-"""``--dtype``: the compute precision (bf16 / fp16 as autocast over fp32 weights)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLONG = ("truncate", "drop", "error")
 BAD_ROWS = ("error", "skip")
@@ -77,15 +65,13 @@ class ModelArgs:
     tokenizer: str = arg("auto", "auto (the --model folder's own tokenizer when it holds one, else builtin), builtin, "
                                  "gpt2, byt5 or a local tokenizer folder; the run logs which one it uses")
     attention: Literal[ATTENTION_PATHS] = arg(
-        "segments", "attention kernel: segments (padding-free: per-sample SDPA, nothing computed across samples or on "
-                    "pad) or dense (4-D block-diagonal masks, the reference)")
+        "segments", f"attention kernel: {ATTENTION_PATHS.describe(' or ')}")
     attention_kernel: Literal[ATTENTION_KERNELS] = arg(
-        "auto", "kernel of --attention segments: auto (CUDA: FlashAttention varlen where it applies, else flex_attention "
-                "with a document block mask; CPU: sdpa), sdpa (one SDPA call per group of near-equal samples), varlen "
-                "or flex; metrics.jsonl's attention_kernels says which ran")
+        "auto", f"kernel of --attention segments: {ATTENTION_KERNELS.describe(' or ')}; metrics.jsonl's "
+                "attention_kernels says which ran")
     dropout: float = arg(0.0, "dropout probability of the model")
-    dtype: Literal[DTYPES] = arg("fp32", "compute precision: fp32, or bf16 / fp16 autocast over fp32 weights "
-                                         "(bf16 also on CPU)")
+    dtype: Literal[DTYPES] = arg("fp32", f"compute precision: {DTYPES.describe(' or ')} (bf16 also on "
+                                         "CPU)")
     device: str = arg("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda or cuda:N")
     threads: int = arg(1, "torch intra-op threads per rank (the cost profile's setting)")
 
@@ -109,7 +95,7 @@ class DataArgs:
 class BatchingArgs:
     _argument_group_name = "batching"
 
-    method: Literal[METHODS] = arg("dynamic", "batching: dynamic (the planner) or a baseline batcher")
+    method: Literal[METHODS] = arg("dynamic", f"batching: {METHODS.describe(' or ')}")
     global_batch_tokens: int = arg(DEFAULT_GLOBAL_BATCH_TOKENS, "real tokens (inputs + targets) per optimizer step",
                                    "token_budget")
     samples_per_micro_batch: int = arg(BaselineOptions.samples_per_micro_batch, option_help("samples_per_micro_batch"))
@@ -140,7 +126,7 @@ class PipelineArgs:
 
     stages: int = arg(1, "pipeline stages per replica")
     replicas: int = arg(1, "data-parallel replicas; the world size must be stages x replicas")
-    policy: Literal[POLICIES] = arg("auto", "pipeline schedule: gpipe, 1f1b, adaptive or auto (best simulated per step)")
+    policy: Literal[POLICIES] = arg("auto", f"pipeline schedule: {POLICIES.describe(' or ')}")
     placement: str = arg("linear", "pipeline stages on the devices: linear (one chunk per device), cyclic (T5: device d "
                                    "holds encoder chunk d and decoder chunk d), interleaved:V (V chunks per device, dealt "
                                    "round robin), or auto (the fastest of linear and cyclic / interleaved:2 on the run's "
@@ -158,9 +144,8 @@ class PipelineArgs:
                 "off (whole blocks)")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
     recompute: Literal[RECOMPUTE_POLICIES] = arg(
-        "auto", "activation recomputation: auto (per micro-batch and stage, the fastest of none / selective / full that "
-                "fits memory: none wherever memory does not bind), none, selective (attention cores) or full "
-                "(every block)")
+        "auto", f"activation recomputation: {RECOMPUTE_POLICIES.describe(' or ')} (none wherever memory does not "
+                "bind)")
     cost_profile: str | None = arg(None, "profile JSON from `dynabatch profile` to plan with measured costs; "
                                          "default: the analytic model")
     calibrate: Literal[CALIBRATIONS] = arg(

@@ -87,6 +87,8 @@ from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
 
+from dynabatch.core.dtypes import DTYPE_BYTES, autocasts
+from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.hardware import HardwareSpec, hardware_spec
 from dynabatch.cost.model_specs import (
     ATTENTION_HALVES,
@@ -103,7 +105,6 @@ from dynabatch.cost.model_specs import (
 )
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.cost.stored_bytes import LOSS_BYTES, StoredBytes
-from dynabatch.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.cost.recompute import RecomputeTerms
@@ -231,8 +232,6 @@ class AnalyticCostModel(StoredBytes):
         bias, still keeps no scores: :attr:`fused_cross_memory`)."""
         from dynabatch.cost.hardware import device_hardware
         from dynabatch.models.families import analytic_spec
-        from dynabatch.runtime.precision import DTYPE_BYTES, autocast_dtype
-        from dynabatch.sequence import is_seq2seq
 
         spec = analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[dtype])
         # causal models run SDPA on either path (its fused kernels take the dense path's masks); T5's biased
@@ -241,7 +240,7 @@ class AnalyticCostModel(StoredBytes):
         return cls(spec, hardware if hardware is not None else device_hardware(device), dropout=dropout,
                    flash_memory=True if fused else None, fused_cross_memory=attention_path == "segments",
                    dense_masks=attention_path == "dense",
-                   cast_copy_bytes=0 if autocast_dtype(dtype) is None else DTYPE_BYTES[dtype])
+                   cast_copy_bytes=DTYPE_BYTES[dtype] if autocasts(dtype) else 0)
 
     # ---------------------------------------------------------------- public API
 

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dynabatch.core.progress import progress
 from dynabatch.cost.attention_cores import add_attention_cores
 from dynabatch.cost.layers import Step, build_layers, padding_mask, token_ids
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, settle_cpu_allocator
 from dynabatch.cost.tables import CostTables
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,6 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
 
     ``layer_builder``: the model family's profiler layer builder (``dynabatch.models.families.layer_builder``).
     """
-    from dynabatch.progress import progress
 
     thp = (tables.meta.get("device") or {}).get("thp_mem_alloc")
     if thp != os.environ.get("THP_MEM_ALLOC_ENABLE"):

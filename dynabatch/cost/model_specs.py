@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynabatch.sequence import CAUSAL, SEQ2SEQ, SEQUENCE_KINDS, is_seq2seq, sequence_kind
+from dynabatch.core.sequence import CAUSAL, SEQ2SEQ, SEQUENCE_KINDS, is_seq2seq, sequence_kind
 
 FAMILIES = SEQUENCE_KINDS
 LAYER_KINDS: dict[str, tuple[str, ...]] = {

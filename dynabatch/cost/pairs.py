@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import numpy as np
 from dynabatch.cost import _kernels
 from dynabatch.cost.segments import bottleneck_costs_pairs, stage_cost_pairs
 from dynabatch.cost.tables import GPT2_ANALYTIC_KINDS, T5_ANALYTIC_KINDS, CostTables, StageSpec, model_state_bytes
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 INFEASIBLE = 1e30
 """Finite stand-in for ``+inf`` (the planner rejects non-finite costs)."""

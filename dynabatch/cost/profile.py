@@ -53,11 +53,12 @@ from typing import Callable
 
 import torch
 
+from dynabatch.core.progress import progress
 from dynabatch.cost.grid import ProfileGrid  # noqa: F401 (torch-free: `dynabatch profile --help` needs it)
 from dynabatch.cost.attention_cores import add_attention_cores, attention_core_kinds
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, resolve_clock, settle_cpu_allocator
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 FORMAT = "dynabatch.profile"
 FORMAT_VERSION = 1
@@ -162,7 +163,6 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
     if layer_builder is None:
         raise ValueError("run_profile needs the model family's layer_builder "
                          "(dynabatch.models.families.layer_builder(model))")
-    from dynabatch.progress import progress
 
     from dynabatch.cost.p2p import default_backend, measure_p2p
 

@@ -1,6 +1,6 @@
 """Activation recomputation in the cost model: what each mode costs, and the mode each micro-batch runs.
 
-Modes (:data:`~dynabatch.schedule.ir.RECOMPUTE_MODES`, cheapest in time first), per micro-batch and stage:
+Modes (:data:`~dynabatch.core.policies.RECOMPUTE_MODES`, cheapest in time first), per micro-batch and stage:
 
 * ``none``: every activation the forward makes is stored until the backward.
 * ``selective``: the attention cores (scores, softmax, dropout, weighted values) run again in backward;
@@ -36,10 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.schedule.ir import RECOMPUTE_MODES
+from dynabatch.core.policies import RECOMPUTE_MODES, RECOMPUTE_POLICIES  # mode codes; ``--recompute`` choices
 
-RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
-"""``--recompute`` choices: a fixed mode (``none``, ``selective``, ``full``) or ``auto`` (per micro-batch)."""
 NONE = RECOMPUTE_MODES.index("none")
 """Mode codes are indices into :data:`RECOMPUTE_MODES`."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from dynabatch.cost.model_specs import ATTENTION_HALVES, FFN_HALVES
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 LOSS_BYTES = 4
 """fp32 log-probabilities per logit, as Hugging Face computes the loss."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynabatch.cost import _kernels
-from dynabatch.sequence import is_seq2seq, sequence_kind
+from dynabatch.core.sequence import is_seq2seq, sequence_kind
 
 FORMAT, FORMAT_VERSION = "dynabatch.profile", 1
 METRICS = ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes")
@@ -48,6 +48,27 @@ BYTES_PER_PARAM: dict[str, int] = {
 """Model-state bytes per parameter. fp32 Adam/AdamW: param 4 + grad 4 + two moments 8. Mixed precision
 Adam (bf16/fp16 params and grads, fp32 master copy and moments): 2 + 2 + 4 + 8. SGD: param + grad;
 with momentum + 4."""
+
+
+PROFILE_CONFIG_KEYS = (
+    "model_type", "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+    "feed_forward_proj", "relative_attention_num_buckets", "relative_attention_max_distance", "tie_word_embeddings",
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "activation_function",
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
+    "hidden_act",
+)
+"""Architecture fields a profile's (or a calibration file's) model config must share with the trained model (those
+present in either); the widths and depths of every family's HF config."""
+
+
+def check_profile_config(profile_config: dict, model_config: dict, path: str = "the profile") -> None:
+    """Raise ``ValueError`` naming every architecture field where the profile's model config differs."""
+    diffs = [f"{k}: profile {profile_config.get(k)!r} != model {model_config.get(k)!r}"
+             for k in PROFILE_CONFIG_KEYS
+             if (k in profile_config or k in model_config) and profile_config.get(k) != model_config.get(k)]
+    if diffs:
+        raise ValueError(f"cost profile {path} was measured on a different model config ({'; '.join(diffs)}); "
+                         "profile this model with `dynabatch profile --model ...`")
 
 
 def model_state_bytes(num_params: int, optimizer: str = "adam") -> int:

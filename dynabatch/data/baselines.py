@@ -18,18 +18,21 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
   (a micro-batch is padded only to its longest row; padding-free attention kernels skip the rest)
   and attention never crosses a sample (per-segment / varlen attention).
 
-:data:`BASELINES` is the one registry of these methods: every command's method list, its knob
-flags (``--packing-rows``, ...) and the ``--tune-baselines`` grids are derived from it.
+:data:`BASELINES` holds each method's batcher and knob, keyed by the names that
+:data:`dynabatch.core.methods.BASELINE_METHODS` registers: every command's method list, its knob flags
+(``--packing-rows``, ...) and the ``--tune-baselines`` grids are derived from them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, ClassVar
 
+from dynabatch.core.methods import (BASELINE_METHODS, LENGTH_GROUPED, PACKING, PACKING_FREE, PADDING,
+                                    TOKEN_BUDGET)
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 if TYPE_CHECKING:  # torch-free at import: dynabatch.config imports the registry (`train --help` stays fast)
     from dynabatch.data.microbatch import MicroBatch
@@ -275,26 +278,28 @@ _ROWS = (1, 2, 4, 8, 16)
 _TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 BASELINES: dict[str, BaselineSpec] = {s.name: s for s in (
-    BaselineSpec("padding", Padding, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
+    BaselineSpec(PADDING, Padding, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
                  "samples per micro-batch", plan_candidate=False),
-    BaselineSpec("length_grouped", LengthGrouped, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
+    BaselineSpec(LENGTH_GROUPED, LengthGrouped, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
                  "samples per micro-batch"),
-    BaselineSpec("token_budget", TokenBudget, "max_tokens", "token_budget_tokens", _TOKENS,
+    BaselineSpec(TOKEN_BUDGET, TokenBudget, "max_tokens", "token_budget_tokens", _TOKENS,
                  "padded tokens per micro-batch", at_least_one_sample=True),
-    BaselineSpec("packing", Packing, "rows_per_micro_batch", "packing_rows", _ROWS,
+    BaselineSpec(PACKING, Packing, "rows_per_micro_batch", "packing_rows", _ROWS,
                  "rows per micro-batch (dense rows of the max length, DynaPipe's baseline)", dense_attention=True,
                  plan_candidate=False),
-    BaselineSpec("packing_free", PackingFree, "rows_per_micro_batch", "packing_free_rows", _ROWS,
+    BaselineSpec(PACKING_FREE, PackingFree, "rows_per_micro_batch", "packing_free_rows", _ROWS,
                  "rows per micro-batch (TRL's per_device_train_batch_size with padding_free)"),
 )}
-"""Every baseline by name, in the order commands list them."""
+"""Every baseline's batcher and knob, by its name in :data:`dynabatch.core.methods.BASELINE_METHODS` (which
+registers the names and their order)."""
+assert tuple(BASELINES) == BASELINE_METHODS, "every registered baseline name needs its batcher here, in order"
 
 BATCHERS: dict[str, type[Batcher]] = {name: spec.batcher for name, spec in BASELINES.items()}
 
 
 def baseline_spec(name: str) -> BaselineSpec:
     if name not in BASELINES:
-        raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BASELINES)}")
+        raise ValueError(f"unknown batching method {name!r}; valid: {', '.join(BASELINE_METHODS)}")
     return BASELINES[name]
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from dynabatch.data.mixture import require_keys
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.sequence import is_seq2seq, sequence_kind
+from dynabatch.core.sequence import is_seq2seq, sequence_kind
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
 DEFAULT_GLOBAL_BATCH_TOKENS = 8192

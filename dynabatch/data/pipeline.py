@@ -20,7 +20,7 @@ from dynabatch.data.mixture import MixtureSampler, MixtureSpec, mixture_rates
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.sources import NormalisedSource, SourceSpec, load_normalised
 from dynabatch.data.tokenize import TokenizerInfo, tokenize_dataset, tokenizer_info
-from dynabatch.sequence import sequence_kind
+from dynabatch.core.sequence import sequence_kind
 
 
 DEFAULT_STREAM_ROWS = 100_000

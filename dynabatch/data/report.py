@@ -25,7 +25,7 @@ from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sources import BAD_ROW_POLICIES
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
-from dynabatch.progress import progress
+from dynabatch.core.progress import progress
 
 PERCENTILES = (50, 90, 95, 99)
 HIST_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from dynabatch.sequence import SEQUENCE_KINDS, is_seq2seq, sequence_kind
+from dynabatch.core.sequence import SEQUENCE_KINDS, is_seq2seq, sequence_kind
 
 BUILTIN_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
 TOKENIZER_NAMES = ("builtin", "gpt2", "byt5")

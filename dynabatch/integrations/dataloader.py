@@ -42,15 +42,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any
 
+from dynabatch.core.attention import ATTENTION_PATHS
+from dynabatch.core.dtypes import DTYPES
+from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
+from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, make_batcher
 from dynabatch.data.batching import EveryRowBatcher, GlobalBatcher, LengthLimits
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
-from dynabatch.sequence import is_seq2seq
-
-METHODS = ("dynamic", *BASELINES)
+from dynabatch.plan.candidates import best_plan
 
 
 def model_sequence_kind(config) -> str:
@@ -241,8 +243,6 @@ class DynaBatchDataLoader:
         self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
         if self.method not in METHODS:
             raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")
-        from dynabatch.config import ATTENTION_PATHS, DTYPES
-
         for name, value, valid in (("dtype", self.dtype, DTYPES), ("attention", self.attention, ATTENTION_PATHS)):
             if value not in valid:
                 raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
@@ -330,7 +330,6 @@ class DynaBatchDataLoader:
                 raise locate_sample_error(e, batch, self.batcher.data) from e
             assert not step.sliced_samples, "token slicing is not requested, so no piece is a slice"
             if self.plan_candidates:
-                from dynabatch.plan.candidates import best_plan
 
                 step = best_plan(step, batch.input_lens, batch.target_lens, self.batcher.limits,
                                  cost_model=self.cost_model, num_replicas=self.num_replicas,

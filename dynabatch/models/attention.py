@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynabatch.config import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
+from dynabatch.core.attention import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
 from dynabatch.cost.pairs import attention_groups, group_waste_limit
 from dynabatch.models import attention_kernels
 from dynabatch.models.recompute import run_attention_core

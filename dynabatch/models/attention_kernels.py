@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from dynabatch.config import ATTENTION_KERNELS
+from dynabatch.core.attention import ATTENTION_KERNELS
 
 if TYPE_CHECKING:
     from dynabatch.models.attention import Segments
@@ -254,9 +254,9 @@ KERNELS: dict[str, SegmentKernel] = {k.name: k for k in (
     SegmentKernel("flex", _flex_unfit, _run_flex),
 )}
 """The padding-free attention kernels by name (module docstring). ``--attention-kernel`` offers ``auto`` and
-these: the names are :data:`dynabatch.config.ATTENTION_KERNELS` (torch-free, for the flags), checked here."""
+these: the names are :data:`dynabatch.core.attention.ATTENTION_KERNELS` (torch-free, for the flags), checked here."""
 if ("auto", *KERNELS) != ATTENTION_KERNELS:
-    raise ImportError(f"dynabatch.config.ATTENTION_KERNELS {ATTENTION_KERNELS} does not list auto + {tuple(KERNELS)}")
+    raise ImportError(f"dynabatch.core.attention.ATTENTION_KERNELS {ATTENTION_KERNELS} does not list auto + {tuple(KERNELS)}")
 
 AUTO_ORDER = ("varlen", "flex")
 """What ``auto`` tries on CUDA before ``sdpa``."""

@@ -54,7 +54,7 @@ from dynabatch.models.attention import check_attention_path, use_segment_attenti
 from dynabatch.models.families import analytic_spec, family_for_config
 from dynabatch.models.stage import StageModule
 from dynabatch.schedule.ir import PipelineSpec
-from dynabatch.sequence import CAUSAL, SEQ2SEQ
+from dynabatch.core.sequence import CAUSAL, SEQ2SEQ
 
 _MASK64 = (1 << 64) - 1
 

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.plan.step import Piece, StepPlan
+from dynabatch.cost.pairs import groups_pairs
+from dynabatch.data.baselines import BASELINES, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
+from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.plan.costs import evaluate_costs
+from dynabatch.plan.step import Piece, StepPlan, with_pairs
 
 DP = "dp"
 """The label of the partition DP's own plan (:attr:`Candidate.label`)."""
@@ -77,7 +81,6 @@ def candidate_baselines(padding_free: bool = True) -> list[str]:
     """The baselines whose plans are candidates (:attr:`~dynabatch.data.baselines.BaselineSpec.plan_candidate`:
     ``length_grouped``, ``token_budget``, ``packing_free``); on a dense-attention run (``padding_free=False``) only
     those with one sample per row."""
-    from dynabatch.data.baselines import BASELINES, Packing
 
     return [n for n, spec in BASELINES.items()
             if spec.plan_candidate and (padding_free or not issubclass(spec.batcher, Packing))]
@@ -86,7 +89,6 @@ def candidate_baselines(padding_free: bool = True) -> list[str]:
 def knob_values(method: str, options) -> list[int]:
     """The knob values of ``method`` that are tried: its tuning grid and the run's own value (``options``, a
     :class:`~dynabatch.data.baselines.BaselineOptions`), increasing."""
-    from dynabatch.data.baselines import baseline_spec
 
     return sorted({*baseline_spec(method).grid, options.value(method)})
 
@@ -100,8 +102,6 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     value's are left out (the smallest value stays); so is a setting with fewer micro-batches than replicas.
     ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
     bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0."""
-    from dynabatch.data.baselines import BaselineOptions, group_shape, make_batcher
-    from dynabatch.data.tokenize import TokenizerInfo
 
     no_tokens = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)  # grouping reads lengths only
     options = options or BaselineOptions()
@@ -130,8 +130,6 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
 def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool) -> list[float]:
     if cost_model is None:
         return [0.0] * len(shapes)
-    from dynabatch.cost.pairs import groups_pairs
-    from dynabatch.plan.costs import evaluate_costs
 
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
     pairs = groups_pairs([g.rows for g in groups], batch.input_lens, batch.target_lens, family) if padding_free else None
@@ -204,8 +202,6 @@ def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True
     price of ``dynabatch plan``, which has no schedule simulator. ``inf`` when a piece breaks the partition DP's
     own memory rule ``in_flight * stored + peak <= memory_budget_bytes`` (``in_flight`` default ``S``), so a
     baseline's plan is held to the memory the DP's plans fit."""
-    from dynabatch.plan.costs import evaluate_costs
-    from dynabatch.plan.step import with_pairs
 
     e, d = np.asarray(input_lens), np.asarray(target_lens)
     budget = float(getattr(cost_model, "memory_budget_bytes", np.inf))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from dynabatch.plan._kernels import _hilbert_keys, _morton_keys, _nearest_neighbour_path, _two_opt
-from dynabatch.sequence import SEQUENCE_KINDS, is_seq2seq
+from dynabatch.core.sequence import SEQUENCE_KINDS, is_seq2seq
 
 FAMILIES = SEQUENCE_KINDS
 """Valid ``family`` arguments: sequence kinds (legacy names ``t5``/``gpt2`` are accepted too)."""

@@ -47,7 +47,7 @@ import numpy as np
 from dynabatch.plan._kernels import _run_shapes, _solve_partition
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup

@@ -21,7 +21,7 @@ import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, CAUSAL_ATTENTION_KINDS
 from dynabatch.plan.costs import PolynomialCostModel, check_non_negative_fields
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.config import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
+from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
 from dynabatch.cost.pairs import row_calls, row_longest
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
@@ -54,7 +54,7 @@ from dynabatch.plan.replicas import plan_replicas
 from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
 from dynabatch.plan.slice_costs import SliceCostModel
 from dynabatch.plan.slicing import slice_long_samples
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 
 DEFAULT_PACK_ROWS = "device"
 """The commands' and ``TrainConfig``'s default: :func:`pack_rows_on` resolves it per device."""

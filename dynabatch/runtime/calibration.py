@@ -29,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit
+from dynabatch.cost.tables import PROFILE_CONFIG_KEYS
 
 
 _COMPUTE_KEY = re.compile(r"^(\d+)([FB])(\d+)$")
@@ -168,11 +169,9 @@ def calibration_key(cfg, model_config: dict, layout) -> dict:
 
     import torch
 
-    from dynabatch.runtime.trainer import _PROFILE_CONFIG_KEYS
-
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else (platform.processor() or platform.machine())
     return {"device": device, "threads": cfg.threads,
-            "model": {k: model_config[k] for k in _PROFILE_CONFIG_KEYS if k in model_config},
+            "model": {k: model_config[k] for k in PROFILE_CONFIG_KEYS if k in model_config},
             "layout": [list(s) for s in layout.stages], "cost_profile": os.path.basename(cfg.cost_profile or ""),
             "attention": cfg.attention_path}
 

@@ -26,6 +26,8 @@ import torch
 from dynabatch.config import TrainConfig
 from dynabatch.data.tokenize import inference_tokenizer
 from dynabatch.runtime.checkpoint import CheckpointError, first_non_finite, resolve_checkpoint
+from dynabatch.core.sequence import is_seq2seq
+from dynabatch.data.tokenize import encodes_like_training, load_tokenizer, tokenizer_info
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     """Write the HF model of ``checkpoint`` (a ``step-N`` folder, or a run's ``checkpoints`` folder for
     the newest complete one) to ``out_dir``; returns ``out_dir``. ``CheckpointError`` (nothing written)
     if a weight is not finite; ``ValueError`` for an output folder :func:`check_out_dir` refuses."""
-    from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.runtime.reshard import model_weights
     from dynabatch.runtime.trainer import build_run_model
@@ -91,8 +92,6 @@ def _check_encoding(out_dir: str, family: str) -> str:
     where the two differ (a slow tokenizer, whose special tokens cannot be set in its files)."""
     from transformers import AutoTokenizer
 
-    from dynabatch.data.tokenize import encodes_like_training, tokenizer_info
-    from dynabatch.sequence import is_seq2seq
 
     saved = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # ByT5 saves no vocabulary file
     if encodes_like_training(saved, family):

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from dynabatch.cost.p2p import loopback_store
+
 GRACE_S = 10.0
 """Seconds the other ranks get to exit after SIGTERM before SIGKILL."""
 
@@ -65,8 +67,6 @@ def _raise_signalled(signum, _frame) -> None:
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
     """Run ``python *command`` (e.g. ``-m dynabatch train ...``) as ranks ``0 .. world_size - 1`` on this machine
     (module docstring); returns the run's exit status."""
-    from dynabatch.cost.p2p import loopback_store
-
     store = loopback_store(world_size, timeout_s=300.0)  # outlives any rank, as torchrun's does; 127.0.0.1 only
     previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)}
     procs: list[subprocess.Popen] = []

@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch.plan.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
+                                  measured_efficiency, planned_work, without_recompute)
+
 
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (Linux ``ru_maxrss`` is in KiB)."""
@@ -90,12 +93,10 @@ def candidate_counts(records: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def efficiency_record(ctx, gathered, planned, elapsed: float, cost_model, family: str) -> dict[str, Any]:
-    """A step's measured efficiencies (:mod:`dynabatch.cost.ideal`): ``device_busy_fraction`` (replica 0, per
+    """A step's measured efficiencies (:mod:`dynabatch.plan.ideal`): ``device_busy_fraction`` (replica 0, per
     device: its measured fwd + bwd seconds / the step time), ``efficiency_balanced`` (the amortised whole-model
     ideal over all devices, every replica's devices measured) and ``efficiency_amortised`` (the amortised
     bottleneck-stage ideal), both priced with ``cost_model``: the model ``planned.costs`` were planned with."""
-    from dynabatch.cost.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time,
-                                      ideal_work, measured_efficiency, planned_work, without_recompute)
     from dynabatch.runtime.calibration import stage_times
 
     compute = [stage_times(ctx, gathered, r) for r in range(ctx.num_replicas)]

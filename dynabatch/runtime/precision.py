@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynabatch.config.sections import DTYPE_TORCH_NAMES  # the --dtype registry
+from dynabatch.core.dtypes import DTYPE_TORCH_NAMES  # the --dtype registry
 from dynabatch.schedule.ir import DTYPE_BYTES as TENSOR_BYTES  # element sizes of the IR's dtype names
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.stages import StageLayout, join_halves, split_halves
 from dynabatch.schedule.placement import Placement
 
@@ -109,7 +110,6 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     from dynabatch.cost.stages import placement_layout
     from dynabatch.models.families import family_for_config
     from dynabatch.models.split import layout_for
-    from dynabatch.sequence import is_seq2seq
 
     seq2seq = is_seq2seq(family_for_config(model.config).sequence_kind)
     planned_s: dict = {}

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.config import TrainConfig
+from dynabatch.cost.tables import check_profile_config
 from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
@@ -38,6 +39,10 @@ from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
                                        summarize)
 from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
+from dynabatch.core.progress import progress
+from dynabatch.core.sequence import is_seq2seq
+from dynabatch.data.tokenize import (check_tokenizer_fits, describe_tokenizer, load_tokenizer, resolve_tokenizer,
+                                     tokenizer_info)
 
 logger = logging.getLogger(__name__)
 
@@ -94,26 +99,6 @@ def connect(cfg: TrainConfig) -> DistContext:
     return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s, device=cfg.device)
 
 
-# Architecture fields a profile's model config must share with the trained model (those present in either).
-_PROFILE_CONFIG_KEYS = (
-    "model_type", "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
-    "feed_forward_proj", "relative_attention_num_buckets", "relative_attention_max_distance", "tie_word_embeddings",
-    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "activation_function",
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
-    "hidden_act",
-)
-
-
-def check_profile_config(profile_config: dict, model_config: dict, path: str = "the profile") -> None:
-    """Raise ``ValueError`` naming every architecture field where the profile's model config differs."""
-    diffs = [f"{k}: profile {profile_config.get(k)!r} != model {model_config.get(k)!r}"
-             for k in _PROFILE_CONFIG_KEYS
-             if (k in profile_config or k in model_config) and profile_config.get(k) != model_config.get(k)]
-    if diffs:
-        raise ValueError(f"cost profile {path} was measured on a different model config ({'; '.join(diffs)}); "
-                         "profile this model with `dynabatch profile --model ...`")
-
-
 def planner_cost_model(cfg: TrainConfig, model_config, layout):
     """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
     must match ``model_config``), else the analytic model with the preset of the run's device (the rough
@@ -146,9 +131,7 @@ def build_run_model(model: str, tokenizer: str, info, family: str, dropout: floa
     """The model a run trains with the tokenizer ``info`` describes (``tokenizer`` names it): a preset built with
     the tokenizer's vocabulary and special ids, or a model folder, loaded after
     :func:`~dynabatch.data.tokenize.check_tokenizer_fits` accepts the pair (one ``ValueError`` line otherwise)."""
-    from dynabatch.data.tokenize import check_tokenizer_fits, resolve_tokenizer
     from dynabatch.models.presets import build_model, load_config
-    from dynabatch.sequence import is_seq2seq
 
     if os.path.isdir(model):
         check_tokenizer_fits(info, load_config(model), resolve_tokenizer(tokenizer, model), model)
@@ -161,7 +144,6 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
     are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
-    from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
     from dynabatch.models.families import check_model
     from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
@@ -269,7 +251,6 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
 def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
     """Train ``cfg.max_steps`` steps with ``cfg.method`` (on ``datasets`` in memory when given); rank 0 returns the
     summary."""
-    from dynabatch.progress import progress
     from dynabatch.runtime.planner import plan_ahead
     from dynabatch.runtime.step import train_step
 
@@ -548,7 +529,6 @@ def resolve_run_tokenizer(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     """``cfg`` with ``tokenizer`` resolved (``auto``: the ``--model`` folder's own tokenizer, else ``builtin``:
     :func:`~dynabatch.data.tokenize.resolve_tokenizer`), before a resume compares it with a checkpoint's; rank 0
     logs which tokenizer the run uses and why. The checkpoints, ``summary.json`` and an export then name it."""
-    from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, resolve_tokenizer, tokenizer_info
 
     if ctx.is_planner:
         info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))

@@ -30,8 +30,9 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from dynabatch.core.policies import RECOMPUTE_MODES  # re-exported: a plan codes a mode as its index there
+from dynabatch.core.sequence import CAUSAL, SEQ2SEQ, sequence_kind
 from dynabatch.schedule.chains import check_links
-from dynabatch.sequence import CAUSAL, SEQ2SEQ, sequence_kind
 
 DTYPE_BYTES = {
     "float64": 8,
@@ -246,7 +247,7 @@ class PipelineSpec:
 
     family: str
     """Sequence kind, ``causal`` (decoder-only) or ``seq2seq`` (encoder-decoder); the legacy names
-    ``gpt``/``gpt2``/``t5`` are accepted (:func:`dynabatch.sequence.sequence_kind`)."""
+    ``gpt``/``gpt2``/``t5`` are accepted (:func:`dynabatch.core.sequence.sequence_kind`)."""
     stage_roles: tuple[str, ...]
     """Per stage, the part of the model its last block belongs to: all ``gpt`` (decoder-only blocks),
     or for seq2seq one or more ``encoder`` stages followed by one or more ``decoder`` stages."""
@@ -350,11 +351,6 @@ class PipelineSpec:
 
 PLAN_FORMAT_VERSION = 1
 """Version of :meth:`ExecutionPlan.to_bytes` / :meth:`ExecutionPlan.to_text`; readers accept only this one."""
-
-RECOMPUTE_MODES = ("none", "selective", "full")
-"""Activation recomputation of one micro-batch on one stage, cheapest in time first: ``none`` stores every
-activation; ``selective`` recomputes the attention cores in backward (their inputs stay stored); ``full``
-stores only each transformer block's inputs and reruns the block's forward in backward."""
 
 
 def check_recompute_mode(mode: str) -> str:

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.core.placements import PLACEMENTS  # ``--placement`` kinds; ``interleaved`` takes ``:V``
 from dynabatch.cost.stages import StageCosts
 from dynabatch.schedule.chains import successors
-
-PLACEMENTS = ("linear", "cyclic", "interleaved")
-"""``--placement`` kinds; ``interleaved`` takes ``:V`` chunks per device."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.kind not in PLACEMENTS:
-            raise ValueError(f"unknown placement {self.kind!r}; valid: linear, cyclic, interleaved:V")
+            raise ValueError(f"unknown placement {self.kind!r}; valid: {', '.join(PLACEMENTS[:-1])}, interleaved:V")
         if self.num_devices < 1 or self.chunks_per_device < 1:
             raise ValueError(f"a placement needs >= 1 device and chunk per device, got {self.num_devices}, "
                              f"{self.chunks_per_device}")

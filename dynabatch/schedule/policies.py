@@ -40,6 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dynabatch.core.policies import SCHEDULE_POLICIES
 from dynabatch.cost.stages import StageCosts
 from dynabatch.schedule.chains import backward_order, chain_order, check_links, successors
 from dynabatch.schedule.compute import ComputeOp, ComputeSchedule, Phase
@@ -53,7 +54,7 @@ from dynabatch.schedule.simulate import (
     stage_send_times,
 )
 
-POLICIES = ("gpipe", "1f1b", "adaptive")
+POLICIES = SCHEDULE_POLICIES
 DEFAULT_SLACKS: tuple[int | None, ...] = (0, 2, None)
 """In-flight slacks :func:`choose_schedule` tries for the adaptive policy (``None``: memory only)."""
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dynabatch.core.policies import PLACED_POLICIES
 from dynabatch.schedule.compute import ComputeOp, ComputeSchedule, Phase
 from dynabatch.schedule.ir import RECOMPUTE_MODES, RECV_OPS, SEND_OPS, ExecutionPlan, Instr, Op, PipelineSpec
 from dynabatch.schedule.lower import assign_slots, lower
@@ -37,12 +38,6 @@ from dynabatch.schedule.placement import Placement, list_schedule
 
 _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
-
-
-PLACED_POLICIES = ("auto", "list", "interleaved_1f1b", "wait_free_cyclic")
-"""Orders of a step on virtual stages: the list scheduler, interleaved 1F1B (when the micro-batches make whole
-rounds of the devices), DynaPipe's wait-free cyclic order (:mod:`dynabatch.schedule.wait_free_cyclic`), or
-``auto``, the shortest of them by the replay (one that fits memory first; ties keep the earlier in this list)."""
 
 
 def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None, send_time=None,

@@ -333,7 +333,8 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
 def placed_schedule(mbs, placement, policy: str, links=()):
     """The chunk schedule with device orders of ``policy`` for micro-batches ``mbs`` (token-slice ``links``) under
     token costs (what the trainer's planner hands train_step on virtual stages)."""
-    from dynabatch.runtime.step import micro_batch_shape, token_costs
+    from dynabatch.runtime.step import micro_batch_shape
+    from dynabatch.schedule.step import token_costs
     from dynabatch.schedule.virtual import chunk_schedule, placed_step
 
     result = placed_step(token_costs([micro_batch_shape(mb) for mb in mbs], placement.num_stages), placement,

@@ -94,7 +94,7 @@ def test_each_device_ran_its_chunks_one_op_at_a_time(runs):
 
 def test_devices_ran_the_fixed_orders_handed_over(runs):
     """Device orders in the planner's schedule are what the executors run (train_step lowers them as given)."""
-    from dynabatch.runtime.step import token_costs
+    from dynabatch.schedule.step import token_costs
     from dynabatch.schedule.interleaved import interleaved_1f1b_orders
     from dynabatch.schedule.placement import Placement
     from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders

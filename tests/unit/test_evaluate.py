@@ -24,7 +24,7 @@ from dynabatch.runtime.evaluate import (
     reference_text,
     select_samples,
 )
-from dynabatch.runtime.step import forward_only_plan, plan_step
+from dynabatch.schedule.step import forward_only_plan, lower_step as plan_step
 from dynabatch.schedule.ir import Op, PipelineSpec
 
 

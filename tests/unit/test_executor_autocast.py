@@ -37,7 +37,8 @@ def test_micro_batches_in_flight_share_one_bf16_copy_of_the_weights(tmp_path, mo
     from dynabatch.runtime.dist import init_distributed, shutdown
     from dynabatch.runtime.executor import Executor
     from dynabatch.runtime.memory import SavedActivationMeter
-    from dynabatch.runtime.step import micro_batch_shape, plan_step, step_payloads
+    from dynabatch.runtime.step import micro_batch_shape, step_payloads
+    from dynabatch.schedule.step import lower_step as plan_step
 
     # the meter leaves autocast's weight copies out (model states); count them here, where they are the point
     monkeypatch.setattr(SavedActivationMeter, "_is_weight_cast", lambda self, t: False)

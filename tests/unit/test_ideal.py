@@ -1,4 +1,4 @@
-"""``efficiency_balanced`` of a measured step (:mod:`dynabatch.cost.ideal`): the unitless ratio of the amortised
+"""``efficiency_balanced`` of a measured step (:mod:`dynabatch.plan.ideal`): the unitless ratio of the amortised
 whole-model ideal to the plan's predicted work, times the devices' mean busy fraction. In a simulated step it is
 ``dynabatch simulate``'s ``ideal_step_time(balanced=True) / step``."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from dynabatch.commands import simulate
 from dynabatch.commands.common import resolve
-from dynabatch.cost.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
+from dynabatch.plan.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
                                   measured_efficiency, planned_work)
 from dynabatch.workload import global_batches
 

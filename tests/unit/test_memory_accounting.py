@@ -42,7 +42,7 @@ def test_planned_training_schedule_fits_once_model_states_count(gpt_data):
     """The trainer's planner schedules within the device memory with model states and message buffers
     counted; a schedule priced without model states (the old training path) overflows the same device."""
     from dynabatch.runtime.planner import send_time_of
-    from dynabatch.runtime.step import compute_schedule
+    from dynabatch.schedule.step import compute_schedule
     from dynabatch.schedule.simulate import simulate, with_message_buffers
 
     memory = 0.012
@@ -82,7 +82,7 @@ def test_training_plans_are_validated_with_model_states(gpt_data):
     """`plan_step` on the training path checks memory on every rank: a GPipe step that fits the buffers and
     activations but not those plus the model states is refused with one line naming the step and stage."""
     from dynabatch.models.split import layout_for, pipeline_spec_for
-    from dynabatch.runtime.step import plan_step
+    from dynabatch.schedule.step import lower_step as plan_step
     from dynabatch.schedule.validate import validate
 
     planner, model = _planner(gpt_data, 0.012)

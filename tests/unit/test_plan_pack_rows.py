@@ -13,7 +13,7 @@ from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.partition import plan_partition
 from dynabatch.plan.rowpack import pack_units
 from dynabatch.plan.step import plan_step
-from dynabatch.sequence import is_seq2seq
+from dynabatch.core.sequence import is_seq2seq
 from reference import plan_reference as ref  # tests/ is on sys.path via its conftest.py
 
 

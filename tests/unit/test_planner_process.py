@@ -12,7 +12,7 @@ import pytest
 from dynabatch.config import TrainConfig
 from dynabatch.runtime.planner import PlanAhead
 from dynabatch.runtime.planner_process import ProcessPlanAhead
-from dynabatch.runtime.step import plan_step
+from dynabatch.schedule.step import lower_step as plan_step
 
 
 def _planner(toy_data, calibrated: bool = False, plan_costs: str = "auto"):

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from dynabatch.progress import PlainProgress, progress, progress_mode
+from dynabatch.core.progress import PlainProgress, progress, progress_mode
 
 
 class _Tty(io.StringIO):
@@ -36,7 +36,7 @@ def test_the_environment_overrides_and_rejects_unknown_modes(monkeypatch):
 
 
 def test_plain_progress_writes_about_ten_lines_for_any_total(caplog):
-    caplog.set_level(logging.INFO, logger="dynabatch.progress")
+    caplog.set_level(logging.INFO, logger="dynabatch.core.progress")
     for total in (30, 1000):
         caplog.clear()
         bar = PlainProgress(total=total, desc="train dynamic", unit="steps", every_s=1e9)
@@ -51,7 +51,7 @@ def test_plain_progress_writes_about_ten_lines_for_any_total(caplog):
 
 
 def test_plain_progress_iterates_writes_the_end_once_and_can_be_silenced(caplog):
-    caplog.set_level(logging.INFO, logger="dynabatch.progress")
+    caplog.set_level(logging.INFO, logger="dynabatch.core.progress")
     assert list(PlainProgress(range(5), desc="check", unit="shape")) == [0, 1, 2, 3, 4]
     assert [r.getMessage().split(",")[0] for r in caplog.records][-1] == "check: 5/5 shape"
     caplog.clear()

@@ -255,7 +255,8 @@ def test_the_executor_runs_each_micro_batch_under_the_plans_mode(tmp_path):
 
 def _check_executor_modes(ctx) -> None:
     from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import micro_batch_shape, plan_step, step_payloads
+    from dynabatch.runtime.step import micro_batch_shape, step_payloads
+    from dynabatch.schedule.step import lower_step as plan_step
 
     model = _model("gpt2")
     layout = layout_for(model, 1)

@@ -100,7 +100,7 @@ def test_recomputation_lets_long_samples_fit_and_reaches_the_plans():
     """A batch whose longest samples do not fit whole is refused without recomputation; with auto it is planned,
     the long samples recompute, and the lowered per-rank plans carry each micro-batch's mode."""
     from dynabatch.runtime.planner import piece_costs
-    from dynabatch.runtime.step import plan_step as lower_step
+    from dynabatch.schedule.step import lower_step
     from dynabatch.schedule.ir import PipelineSpec
 
     e = np.array([2048] * 4 + [256] * 24)

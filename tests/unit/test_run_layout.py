@@ -137,7 +137,7 @@ def test_planner_predicts_and_plan_step_lowers_the_same_placed_order(toy_data):
     exactly the device orders the planner predicted (as the linear path runs the planner's schedules)."""
     from dynabatch.models.split import layout_for, pipeline_spec_for
     from dynabatch.runtime.planner import StepPlanner, send_time_of
-    from dynabatch.runtime.step import plan_step
+    from dynabatch.schedule.step import lower_step as plan_step
     from dynabatch.runtime.trainer import planner_cost_model
     from dynabatch.schedule.ir import Op
     from dynabatch.schedule.placement import Placement

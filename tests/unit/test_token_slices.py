@@ -24,7 +24,7 @@ from dynabatch.models.forward import causal_segment_mask, forward_loss
 from dynabatch.models.presets import PAD_ID, build_model
 from dynabatch.models.slice_kv import SliceRecord
 from dynabatch.models.split import build_stage, layout_for, micro_batch_inputs, pipeline_spec_for
-from dynabatch.runtime.step import plan_step, token_costs
+from dynabatch.schedule.step import lower_step as plan_step, token_costs
 from dynabatch.schedule.chains import backward_order, chain_order, chains, check_links, check_schedule, links_for
 from dynabatch.schedule.ir import ExecutionPlan, PipelineSpec
 from dynabatch.schedule.lower import lower

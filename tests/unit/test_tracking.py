@@ -53,7 +53,7 @@ def test_tensorboard_scalars_every_step_resume_appends_and_compare_has_its_own(t
                 "memory/stage_0_predicted_mib", "memory/peak_rss_mib"):
         assert [s for s, _ in scalars[tag]] == [0, 1, 2], tag
     assert {t for t in scalars if t.endswith("/loss")} > {"train/loss"}  # per-task losses at the last step
-    for r in records:  # measured against the balanced ideal (dynabatch.cost.ideal); one device
+    for r in records:  # measured against the balanced ideal (dynabatch.plan.ideal); one device
         assert 0 < r["efficiency_balanced"] <= 1.05 and 0 < r["efficiency_amortised"] <= 1.05
         assert len(r["device_busy_fraction"]) == 1 and 0 < r["device_busy_fraction"][0] <= 1.05
     assert [v for _, v in scalars["train/efficiency_balanced"]] == pytest.approx(

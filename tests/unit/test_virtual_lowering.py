@@ -77,7 +77,7 @@ def test_memory_of_every_chunk_on_a_device_counts():
 def test_device_memory_error_names_the_placement_not_the_policy():
     """Over the limit on virtual stages, the one-line error names the placement's schedule and advice that
     applies there (``--policy`` orders nothing under a placement)."""
-    from dynabatch.runtime.step import check_step_memory
+    from dynabatch.schedule.step import check_step_memory
 
     plans, costs, _ = _placed("interleaved:2", PipelineSpec.gpt(4, 16, "float32"), 2, 3)
     limit = float(np.max(costs.stored_bytes) + np.max(costs.peak_bytes)) + 1e5

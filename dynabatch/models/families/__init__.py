@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dynabatch.cost.model_specs import TransformerSpec
-from dynabatch.sequence import CAUSAL, SEQUENCE_KINDS
+from dynabatch.core.sequence import CAUSAL, SEQUENCE_KINDS
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.cost.tables import GPT2_ANALYTIC_KINDS
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.gpt2_stages import GPT2Stage, gpt2_tied_groups
-from dynabatch.sequence import CAUSAL
+from dynabatch.core.sequence import CAUSAL
 
 
 def gpt2_spec(config, dtype_bytes: int = 2) -> TransformerSpec:

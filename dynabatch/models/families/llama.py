@@ -43,7 +43,7 @@ from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
 from dynabatch.models.stage import StageModule, StageOutput
-from dynabatch.sequence import CAUSAL
+from dynabatch.core.sequence import CAUSAL
 
 LLAMA_BLOCK = BlockNames(attention_norm="input_layernorm", attention="self_attn", mlp_norm="post_attention_layernorm")
 """A Llama-style decoder layer's submodules (a stage boundary inside a layer runs its halves)."""

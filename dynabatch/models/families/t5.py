@@ -15,7 +15,7 @@ from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.cost.tables import T5_ANALYTIC_KINDS
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.t5_stages import T5Stage, t5_tied_groups
-from dynabatch.sequence import SEQ2SEQ
+from dynabatch.core.sequence import SEQ2SEQ
 
 
 def t5_spec(config, dtype_bytes: int = 2) -> TransformerSpec:

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Iterable
 
-logger = logging.getLogger("dynabatch.progress")
+logger = logging.getLogger("dynabatch.core.progress")
 MODES = ("bar", "plain", "off")
 
 

@@ -29,6 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dynabatch.plan.order import padded_lengths
+
 AMORTISED_TOKENS = 8192
 """Tokens of the batch of identical copies that prices a sample in ``efficiency_amortised``."""
 
@@ -36,8 +38,6 @@ AMORTISED_TOKENS = 8192
 def _per_sample(batch, family: str, amortise_tokens: int | None):
     """``(k, per-stage costs of k copies of each sample)``: each sample ``i`` as a micro-batch of shape
     ``(k_i, e_i, d_i)``, ``k_i = 1`` or, with ``amortise_tokens``, ``ceil(amortise_tokens / (e_i + d_i))``."""
-    from dynabatch.plan.order import padded_lengths
-
     e, d = padded_lengths(batch.input_lens, batch.target_lens, family)
     k = np.ones_like(e) if amortise_tokens is None else np.maximum(1, -(-amortise_tokens // np.maximum(e + d, 1)))
     return k, e, d
