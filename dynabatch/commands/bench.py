@@ -239,6 +239,8 @@ def _config(args, method: str):
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
         dtype=getattr(args, "dtype", "fp32"), layer_split=getattr(args, "layer_split", "data"),
         split_blocks=getattr(args, "split_blocks", "auto"),
+        # a --pack-rows variant measures that row layout: it runs the DP's plans, never a baseline's
+        plan_candidates="off" if method in PACK_ROWS_OF else getattr(args, "plan_candidates", "baselines"),
     )
 
 

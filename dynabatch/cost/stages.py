@@ -327,6 +327,10 @@ class StageCostModel:
         if not hasattr(self.model, "recompute_terms"):
             raise ValueError(f"{type(self.model).__name__} does not price activation recomputation")
         bb, EE, DD = self._inputs(b, E, D)
+        if modes is not None and not np.any(modes):
+            return costs  # every entry ran without recomputation
+        if modes is None and self.recompute == "auto" and np.all(self._fits_without_recompute(costs, bb)):
+            return costs  # what fits without recomputation stays as it is: the terms are not needed at all
         extra = {} if pairs is None else {"pairs": pairs}
         per = [self.model.recompute_terms(list(s), bb, EE, DD, **extra) for s in self.layout.stages]
         overridden = type(self)._priced is not StageCostModel._priced
@@ -342,14 +346,25 @@ class StageCostModel:
             codes = np.broadcast_to(np.asarray(modes, dtype=np.int8), shape)
         elif self.recompute == "auto":
             buffers = in_flight_buffer_bytes(costs).max(axis=0)
-            in_flight = np.where(bb == 1, 1, self.num_stages) if self.single_sample_alone else self.num_stages
+            in_flight = self._in_flight(bb)
             codes = choose_modes(by_mode, buffers, in_flight, self.memory_budget_bytes)
             # what fits without recomputation under the planner's bound (maxima over stages) stays as it is
-            fits = in_flight * (costs.stored_bytes.max(axis=0) + buffers) + costs.peak_bytes.max(axis=0)
-            codes = np.where(fits <= self.memory_budget_bytes, 0, codes).astype(np.int8)
+            codes = np.where(self._fits_without_recompute(costs, bb), 0, codes).astype(np.int8)
         else:
             codes = np.full(shape, RECOMPUTE_MODES.index(self.recompute), dtype=np.int8)
         return select(by_mode, codes)
+
+    def _in_flight(self, bb):
+        """Micro-batches in flight on a stage under ``auto``'s test: ``S``, or 1 for a single sample with
+        :attr:`single_sample_alone`."""
+        return np.where(bb == 1, 1, self.num_stages) if self.single_sample_alone else self.num_stages
+
+    def _fits_without_recompute(self, costs: StageCosts, bb) -> np.ndarray:
+        """Per entry: ``in_flight (max stored + buffers) + max peak <= budget`` with no recomputation (the
+        planner's bound, maxima over stages)."""
+        buffers = in_flight_buffer_bytes(costs).max(axis=0)
+        need = self._in_flight(bb) * (costs.stored_bytes.max(axis=0) + buffers) + costs.peak_bytes.max(axis=0)
+        return need <= self.memory_budget_bytes
 
     def evaluate(self, b, E, D, pairs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Planner view: (bottleneck fwd + bwd seconds, max stored bytes, max peak bytes) over stages.

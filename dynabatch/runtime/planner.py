@@ -176,8 +176,8 @@ class StepPlanner:
         start = time.perf_counter()
         batch = self.batcher.next_batch()
         state = copy.deepcopy(self.batcher.state_dict())
-        units, candidate = self._units(batch)
-        planned = replace(self._planned(self.step, batch, units, state, start), candidate=candidate)
+        units, candidate, recompute = self._units(batch)
+        planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate)
         if self.spec is not None:
             planned = replace(planned, plans=self._lowered(planned), plan_time_s=time.perf_counter() - start)
         self.step += 1
@@ -197,8 +197,8 @@ class StepPlanner:
         """``batch`` planned and predicted as a training step would be, the stream and the step count left
         alone (the start-up choice of the layer split and placement, :mod:`dynabatch.runtime.run_layout`)."""
         start = time.perf_counter()
-        units, candidate = self._units(batch)
-        return replace(self._planned(self.step, batch, units, {}, start), candidate=candidate)
+        units, candidate, recompute = self._units(batch)
+        return replace(self._planned(self.step, batch, units, {}, start, recompute), candidate=candidate)
 
     def synthetic_step(self, step: int) -> PlannedStep:
         """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
@@ -206,7 +206,13 @@ class StepPlanner:
         batch, units = synthetic_units(self.limits, self.tokens, self.cfg.global_batch_tokens)
         return self._planned(step, batch, [units] * self.cfg.replicas, {}, time.perf_counter())
 
-    def _planned(self, step: int, batch: GlobalBatch, replica_units, state, start: float) -> PlannedStep:
+    def _planned(self, step: int, batch: GlobalBatch, replica_units, state, start: float,
+                 recompute: str | None = None) -> PlannedStep:
+        """The step of ``replica_units``, priced and predicted; ``recompute="none"``: priced without activation
+        recomputation (a candidate that fits only that way under ``--recompute auto``, :meth:`_choose`)."""
+        plan_model, predict_model = self.cost_model, self.predict_model
+        if recompute is not None:
+            plan_model, predict_model = (replace(m, recompute=recompute) for m in (plan_model, predict_model))
         replicas, links, contexts, pairs = [], [], [], []
         for units in replica_units:
             mbs, lk, ctx = micro_batches_of(units, lambda g: self._collate(batch, g))
@@ -215,10 +221,10 @@ class StepPlanner:
             contexts.append(ctx)
             pairs.append(units_pairs(batch, units, self.family) if self.padding_free else None)
         shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
-        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs)
+        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model)
         predicted_costs = costs
         if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
-            predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, self.predict_model,
+            predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, predict_model,
                                                                   schedules)
         saved = simulate(schedules[0], replace(predicted_costs[0],
                                                peak_bytes=np.zeros_like(predicted_costs[0].peak_bytes)))
@@ -249,7 +255,7 @@ class StepPlanner:
             x[:, :, list(chain), :] = np.nan
         return x
 
-    def _units(self, batch: GlobalBatch) -> tuple[list[list[Unit]], str]:
+    def _units(self, batch: GlobalBatch) -> tuple[list[list[Unit]], str, str | None]:
         """Per replica, the units of ``batch`` to collate, and which candidate they come from
         (:attr:`PlannedStep.candidate`)."""
         cfg, R = self.cfg, self.cfg.replicas
@@ -258,14 +264,14 @@ class StepPlanner:
                 plan = self._plan(batch, self.cost_model)
             except ValueError as e:  # "sample K ..." -> which global batch, which source row
                 raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
-            chosen = self._choose(batch, plan)
-            return [plan_units(chosen.plan, r) for r in range(R)], chosen.label
+            chosen, recompute = self._choose(batch, plan)
+            return [plan_units(chosen.plan, r) for r in range(R)], chosen.label, recompute
         options = BaselineOptions.of(cfg)
         groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
         units = [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
-        return units, ""
+        return units, "", None
 
-    def _choose(self, batch: GlobalBatch, plan) -> Candidate:
+    def _choose(self, batch: GlobalBatch, plan) -> tuple[Candidate, str | None]:
         """The DP's ``plan`` of ``batch`` or a baseline's (:func:`~dynabatch.plan.candidates.baseline_candidates`),
         whichever this planner predicts shortest (:meth:`_price`: the step the runtime would run, priced as
         :meth:`_planned` predicts it, memory checked); with ``plan_candidates="off"`` the DP's plan. Token-sliced
@@ -273,22 +279,34 @@ class StepPlanner:
         cfg = self.cfg
         dp = Candidate(DP, None, plan)
         if getattr(cfg, "plan_candidates", "baselines") == "off" or plan.sliced_samples or self.placement is not None:
-            return dp
+            return dp, None
         baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, cfg.stages,
                                         num_replicas=cfg.replicas, options=BaselineOptions.of(cfg),
                                         padding_free=self.padding_free)
         candidates = [dp, *baselines]
         parts = dict(zip((id(c.plan) for c in candidates), self._plan_costs(batch, [c.plan for c in candidates])))
+        without: set[int] = set()  # the plans priced without recomputation
+        if getattr(self.cost_model, "recompute", "none") == "auto":
+            # auto recomputes a micro-batch that does not fit S in flight; the simulated schedule admits by actual
+            # memory, so the same plan may fit without recomputation (faster): price each plan that way too, as
+            # _plan does for the DP's own plans, and let the memory check decide
+            plain = [replace(c, plan=replace(c.plan)) for c in candidates]
+            none = replace(self.cost_model, recompute="none")
+            parts.update(zip((id(c.plan) for c in plain), self._plan_costs(batch, [c.plan for c in plain], none)))
+            candidates += plain
+            without = {id(c.plan) for c in plain}
 
         def bound(p) -> float:
             return max(step_lower_bound(c.fwd_s, c.bwd_s) for c in parts[id(p)][0])
 
-        return choose(candidates, lambda p: self._price(parts[id(p)]), bound).candidate
+        chosen = choose(candidates, lambda p: self._price(parts[id(p)]), bound).candidate
+        return chosen, "none" if id(chosen.plan) in without else None
 
-    def _plan_costs(self, batch: GlobalBatch, plans) -> list[tuple]:
+    def _plan_costs(self, batch: GlobalBatch, plans, model: StageCostModel | None = None) -> list[tuple]:
         """Per plan of whole-sample pieces, ``(costs, shapes, links, contexts, pairs)`` per replica as
-        :meth:`_planned` prices them: every piece of every plan priced in one cost-model call (a call costs
-        several ms of Python on the analytic model; the pieces' prices do not depend on one another)."""
+        :meth:`_planned` prices them (under ``model``, default the planner's): every piece of every plan priced in
+        one cost-model call (a call costs several ms of Python on the analytic model; the pieces' prices do not
+        depend on one another)."""
         work_of: dict = {}
         shapes, pairs_work, spans = [], [], []
         for plan in plans:
@@ -303,7 +321,7 @@ class StepPlanner:
                         pairs_work.append(work_of[rows])
                 spans.append((lo, len(shapes)))
         pairs = stacked_pairs(pairs_work) if self.padding_free else None
-        costs = piece_costs(self.cost_model, None, shapes, [0] * len(shapes), (), pairs)
+        costs = piece_costs(model or self.cost_model, None, shapes, [0] * len(shapes), (), pairs)
         out, k = [], 0
         for plan in plans:
             replicas = []
