@@ -290,9 +290,11 @@ class StepPlanner:
             # auto recomputes a micro-batch that does not fit S in flight; the simulated schedule admits by actual
             # memory, so the same plan may fit without recomputation (faster): price each plan that way too, as
             # _plan does for the DP's own plans, and let the memory check decide
-            plain = [replace(c, plan=replace(c.plan)) for c in candidates]
+            plain = [replace(c, plan=replace(c.plan)) for c in candidates  # only those that recompute somewhere
+                     if any(cost.recompute is not None for cost in parts[id(c.plan)][0])]
             none = replace(self.cost_model, recompute="none")
-            parts.update(zip((id(c.plan) for c in plain), self._plan_costs(batch, [c.plan for c in plain], none)))
+            if plain:
+                parts.update(zip((id(c.plan) for c in plain), self._plan_costs(batch, [c.plan for c in plain], none)))
             candidates += plain
             without = {id(c.plan) for c in plain}
 
