@@ -173,10 +173,17 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     spec = pipeline_spec_for(model, layout, "float32")
     chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path)]
     stage = chunks[0] if len(chunks) == 1 else DeviceChunks(chunks)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    zero = None
+    if cfg.zero >= 1 and ctx.num_replicas > 1:  # AdamW over this replica's flat shards (runtime.zero)
+        from dynabatch.runtime.zero import ZeroShards
+
+        zero = ZeroShards([p for c in chunks for p in c.parameters() if p.requires_grad], ctx.dp_group,
+                          ctx.num_replicas, ctx.replica_index)
+    optimizer = torch.optim.AdamW(zero.shard_params if zero is not None else stage.parameters(), lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     executor = Executor(chunks, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
-                        measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype))
+                        measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype), zero=zero)
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
                placement=placement if placement.chunks_per_device > 1 else None)
     if ctx.is_planner:
@@ -344,6 +351,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 if result.loss_scale is not None:
                     record["loss_scale"] = result.loss_scale
                 record["memory_measured_bytes"] = saved_peaks
+                record["model_state_bytes"] = [g["model_state"] for g in gathered]  # per global rank, measured
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
                 record.update(efficiency_record(ctx, gathered, planned, elapsed, planned.plan_model,
