@@ -17,7 +17,9 @@ import sys
 import pytest
 import torch
 
-STEPS = 4
+from dynabatch.runtime.checkpoint import step_dir
+
+STEPS, SAVE_AT = 4, 2
 COMMON = ["--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", "2", "--replicas", "2",
           "--global-batch-tokens", "4096", "--max-input-len", "128", "--max-target-len", "32", "--memory-gib", "0.01",
           "--logging-steps", "0", "--no-timeline", "--task-loss-every", "0", "--calibrate", "off",
@@ -66,9 +68,11 @@ def _same_steps(got: list[dict], want: list[dict], rtol: float = 1e-5) -> None:
 
 
 def test_zero1_trains_like_zero0_with_unequal_micro_batch_counts(tmp_path, toy_mixture_dir):
+    """Also the checkpoints: a ``--zero 1`` checkpoint of 2 replicas resumes on 1 replica under ``--zero 0``, and a
+    ``--zero 0`` one on 2 replicas under ``--zero 1``, each continuing with the uninterrupted run's losses."""
     z0, z1 = tmp_path / "zero0", tmp_path / "zero1"
-    _train(z0, toy_mixture_dir, "--max-steps", str(STEPS), "--zero", "0")
-    _train(z1, toy_mixture_dir, "--max-steps", str(STEPS), "--zero", "1")
+    _train(z0, toy_mixture_dir, "--max-steps", str(STEPS), "--save-steps", str(SAVE_AT), "--zero", "0")
+    _train(z1, toy_mixture_dir, "--max-steps", str(STEPS), "--save-steps", str(SAVE_AT), "--zero", "1")
     got, want = _records(z1), _records(z0)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert any(len({len(replica) for replica in r["micro_batch_shapes"]}) > 1 for r in got)  # unequal counts
@@ -86,6 +90,17 @@ def test_zero1_trains_like_zero0_with_unequal_micro_batch_counts(tmp_path, toy_m
         assert len(r1["model_state_bytes"]) == 4
         for m1, m0 in zip(r1["model_state_bytes"], r0["model_state_bytes"]):
             assert m1 / m0 == pytest.approx((4 + 4 + 8 / 2) / 16, rel=0.01)
+
+    # resumes across --zero and replica counts: the same samples and (1e-5) losses as the uninterrupted runs
+    for source, reference, extra in ((z1, z1, ("--replicas", "1", "--zero", "0")), (z0, z0, ("--zero", "1"))):
+        resumed = tmp_path / f"resumed-from-{source.name}"
+        checkpoint = step_dir(os.path.join(source, "checkpoints"), SAVE_AT)
+        _train(resumed, toy_mixture_dir, "--max-steps", str(STEPS), "--resume-from-checkpoint", checkpoint, *extra)
+        got, want = _records(resumed), _records(reference)[SAVE_AT:]
+        assert [r["step"] for r in got] == list(range(SAVE_AT, STEPS))
+        assert [r["samples_digest"] for r in got] == [r["samples_digest"] for r in want]
+        torch.testing.assert_close(torch.tensor([r["loss"] for r in got], dtype=torch.float64),
+                                   torch.tensor([r["loss"] for r in want], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
 def test_zero1_fp16_loss_scaling_and_non_finite_skip_match_zero0(tmp_path, toy_mixture_dir):
@@ -109,3 +124,4 @@ def test_zero1_fp16_loss_scaling_and_non_finite_skip_match_zero0(tmp_path, toy_m
     got, want = _records(tmp_path / "diverge-1"), _records(tmp_path / "diverge-0")
     assert any(r["skipped"] for r in got) and not got[0]["skipped"]
     _same_steps(got, want)
+
