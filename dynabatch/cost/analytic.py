@@ -408,6 +408,12 @@ class AnalyticCostModel(StoredBytes):
         """Parameters of one ``kind`` layer (matches the Hugging Face block)."""
         return layer_param_count(self.spec, kind)
 
+    def tied_copy_count(self, kinds) -> int:
+        """Parameters of the tied token-table copy a stage of layer ``kinds`` holds (:func:`tied_copy_params`)."""
+        from dynabatch.cost.model_specs import tied_copy_params
+
+        return tied_copy_params(self.spec, kinds)
+
     def num_params(self) -> int:
         """Parameters of the whole model."""
         return num_params(self.spec)

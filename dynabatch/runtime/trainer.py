@@ -139,7 +139,8 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         layer_model = AnalyticCostModel.for_run(model_config, device_type(cfg.device), dtype=cfg.dtype,
                                                 attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
         recompute = policy_for(cfg.method, cfg.recompute)
-    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
+    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
+                          zero=cfg.zero, replicas=cfg.replicas)
 
 
 def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
@@ -352,6 +353,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                     record["loss_scale"] = result.loss_scale
                 record["memory_measured_bytes"] = saved_peaks
                 record["model_state_bytes"] = [g["model_state"] for g in gathered]  # per global rank, measured
+                record["model_state_bytes_predicted"] = list(planned.model_state_bytes)  # per stage, priced
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
                 record.update(efficiency_record(ctx, gathered, planned, elapsed, planned.plan_model,
