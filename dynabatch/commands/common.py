@@ -50,7 +50,7 @@ class WorkloadArgs:
     json: str | None = json_arg()
 
 
-SHARED_FIELDS = ("model", "tokenizer", "stages", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
+SHARED_FIELDS = ("model", "tokenizer", "stages", "replicas", "zero", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
                  "recompute", "pack_rows", "layer_split", "split_blocks", *option_users())
 """The TrainConfig fields ``plan`` and ``simulate`` take (the same flags as ``train``'s, at paper scale)."""
 PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_len": 256, "global_batch_tokens": 65_536,
@@ -63,6 +63,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "model": f"analytic model preset ({', '.join(sorted(PRESETS))}), or a family ({', '.join(MODEL_FAMILIES)}) "
                  "for its default preset (t5-large / gpt-1.3b / llama3-8b)",
         "memory_gib": "device memory per stage in GiB, model states included (default: the hardware preset's)",
+        "replicas": "data-parallel replicas of each stage, which --zero shards the model states across (the plans "
+                    "and the simulated pipeline are one replica's, over the whole global batch)",
     })
     add_sections(p, [WorkloadArgs])
 
@@ -107,7 +109,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.data.report import default_mixture_path
 
-    check_positive(args, "num_batches", "stages", "global_batch_tokens", *option_users())
+    check_positive(args, "num_batches", "stages", "replicas", "global_batch_tokens", *option_users())
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
     preset = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
@@ -126,9 +128,25 @@ def resolve(args: argparse.Namespace) -> Workload:
                              split_blocks=split_blocks)
     memory_gib = getattr(args, "memory_gib", None)
     memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
-    cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"))
+    cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"),
+                          zero=getattr(args, "zero", 0), replicas=getattr(args, "replicas", 1))
     options = BaselineOptions.of(args)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options, split_blocks)
+
+
+def model_states(cost_model) -> dict:
+    """What ``plan`` and ``simulate`` report of the model states: the ``--zero`` setting, the replicas it shards over,
+    each stage's states per device and the activation memory left on the tightest one, GiB."""
+    return {"zero": cost_model.zero, "replicas": cost_model.replicas,
+            "model_state_gib_per_device": [b / 2**30 for b in cost_model.model_state_bytes],
+            "activation_budget_gib": cost_model.memory_budget_bytes / 2**30}
+
+
+def describe_model_states(states: dict) -> str:
+    """One line of :func:`model_states`."""
+    per_stage = "/".join(f"{g:.1f}" for g in states["model_state_gib_per_device"])
+    return (f"model states per device (--zero {states['zero']}, {states['replicas']} replicas): {per_stage} GiB by "
+            f"stage; {states['activation_budget_gib']:.1f} GiB left for activations")
 
 
 def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:

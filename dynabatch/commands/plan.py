@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from dynabatch.commands.common import split_from_data, write_json, add_workload_arguments, parse_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, split_from_data, write_json, add_workload_arguments, parse_methods, resolve
 from dynabatch.config.flags import add_fields
 from dynabatch.plan.step import pack_rows_on
 from dynabatch.core.sequence import is_seq2seq
@@ -91,11 +91,13 @@ def run(args: argparse.Namespace) -> int:
         "truncated": sum(b.num_truncated for b in batches),
         "methods": rows,
         "dynamic_speedup_vs_best_baseline": speedup,
+        "model_states": model_states(w.cost_model),
     }
     if args.json and write_json(summary, args.json):
         return 0
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
           f"{stages} stages, reference split: {summary['layout']}")
+    print(describe_model_states(summary["model_states"]))
     print(f"{'method':<15} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'plan ms p50/max':>16}")
     for method, r in rows.items():
         print(f"{method:<15} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "

@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from dynabatch.commands.common import placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
@@ -468,6 +468,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "global_batches": len(batches),
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
+        "model_states": model_states(w.cost_model),
         "methods": {k: asdict(v) for k, v in rows.items()},
         "best_baseline": best.method if best else None,
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
@@ -485,6 +486,7 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
           f"({summary['truncated']} truncated), "
           f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device")
+    print(describe_model_states(summary["model_states"]))
     print(f"{'method':<15} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
           f"{'step s':>7} "
           f"{'peak GiB':>8} {'fits':>4} "

@@ -143,6 +143,11 @@ class PipelineArgs:
                 "model prices halves: the analytic model, not --cost-profile), on (an error with --cost-profile) or "
                 "off (whole blocks)")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
+    zero: int = arg(0, "shard model states across the data-parallel replicas of each stage (DeepSpeed's ZeRO "
+                       "stages): 0 (every replica keeps full weights, gradients and AdamW states), 1 (AdamW "
+                       "states sharded: gradients reduce-scattered and weights all-gathered at the step boundary; "
+                       "any micro-batch counts) or 2 (gradients sharded too: priced by plan and simulate, not "
+                       "trained yet); the planner prices each rank's share", choices=[0, 1, 2])
     recompute: Literal[RECOMPUTE_POLICIES] = arg(
         "auto", f"activation recomputation: {RECOMPUTE_POLICIES.describe(' or ')} (none wherever memory does not "
                 "bind)")

@@ -91,6 +91,7 @@ from dynabatch.core.dtypes import DTYPE_BYTES, autocasts
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.hardware import HardwareSpec, hardware_spec
 from dynabatch.cost.model_specs import (
+    tied_copy_params,
     ATTENTION_HALVES,
     BLOCK_KINDS,
     CAUSAL_ATTENTION_KINDS,
@@ -406,6 +407,11 @@ class AnalyticCostModel(StoredBytes):
     def param_count(self, kind: str) -> int:
         """Parameters of one ``kind`` layer (matches the Hugging Face block)."""
         return layer_param_count(self.spec, kind)
+
+    def tied_copy_count(self, kinds) -> int:
+        """Parameters of the tied token-table copy a stage of layer ``kinds`` holds (:func:`tied_copy_params`)."""
+
+        return tied_copy_params(self.spec, kinds)
 
     def num_params(self) -> int:
         """Parameters of the whole model."""

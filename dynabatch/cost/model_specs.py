@@ -266,6 +266,18 @@ def layer_param_count(spec: TransformerSpec, kind: str) -> int:
     return d + (0 if spec.tie_embeddings else v * d)  # lm_head: decoder final norm (+ untied head)
 
 
+def tied_copy_params(spec: TransformerSpec, kinds) -> int:
+    """Parameters of the token-table copy a pipeline stage of layer ``kinds`` holds besides its layers' own: a stage
+    whose layers use the tied table (T5's decoder embedding; a tied LM head) without holding the input embedding
+    keeps a copy of it, with its own gradient and optimizer states (:func:`layer_param_count` counts the table once,
+    in ``embedding``)."""
+    users = {"lm_head"} if spec.tie_embeddings else set()
+    if is_seq2seq(spec.family):
+        users.add("decoder_embedding")
+    kinds = set(kinds)
+    return spec.vocab_size * spec.d_model if kinds & users and "embedding" not in kinds else 0
+
+
 def layer_kinds(spec: TransformerSpec) -> list[str]:
     """The whole model as an ordered list of layer kinds (what a pipeline partitioner splits)."""
     if not is_seq2seq(spec.family):

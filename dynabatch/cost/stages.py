@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
+from dynabatch.cost.model_states import per_rank_state_bytes
 
 SPLIT_GAIN = 0.01
 """A split inside a block is kept only where it lowers the slowest stage's time by more than this fraction."""
@@ -265,8 +266,12 @@ class StageCostModel:
     flight) instead of ``S`` in flight: the planner view of ``dynabatch simulate``
     (:class:`~dynabatch.commands.simulate.SingleSampleRelief`), where such a sample runs without recomputation
     whenever it fits alone."""
+    zero: int = 0
+    """``--zero``: which model states are sharded across the replicas of a stage (:mod:`dynabatch.cost.model_states`)."""
+    replicas: int = 1
+    """Data-parallel replicas of each stage, over which ``zero`` shards."""
     model_state_bytes: tuple[float, ...] = field(init=False)
-    """Parameters + gradients + optimizer states of each stage."""
+    """Parameters + gradients + optimizer states of each stage, per rank (the sharded parts divided by ``replicas``)."""
     memory_budget_bytes: float = field(init=False)
     """Activation memory left on the tightest stage."""
 
@@ -277,10 +282,11 @@ class StageCostModel:
         if self.recompute != "none" and not hasattr(self.model, "recompute_terms"):
             raise ValueError(f"--recompute {self.recompute} needs a cost model that prices recomputation; "
                              f"{type(self.model).__name__} does not (use the analytic model, or --recompute none)")
-        states = tuple(
-            float(self.model.model_state_bytes(sum(self.model.param_count(k) for k in s), optimizer=self.optimizer))
-            for s in self.layout.stages
-        )
+
+        tied = getattr(self.model, "tied_copy_count", lambda kinds: 0)  # a tied token table's copy on a later stage
+        counts = [sum(self.model.param_count(k) for k in s) + tied(s) for s in self.layout.stages]
+        states = tuple(per_rank_state_bytes(self.model.model_state_bytes(n, optimizer=self.optimizer), n, self.optimizer,
+                                            self.zero, self.replicas) for n in counts)
         object.__setattr__(self, "model_state_bytes", states)
         budget = self.device_memory_bytes * (1 - self.memory_margin) - max(states)
         if budget <= 0:
@@ -288,6 +294,7 @@ class StageCostModel:
             raise ValueError(
                 f"stage {worst} needs {states[worst] / 2**30:.3f} GiB for model states alone but a device has "
                 f"{self.device_memory_bytes / 2**30:.3f} GiB ({self.memory_margin:.0%} kept free); use more stages"
+                + (", or shard the states across the replicas (--zero)" if self.zero < 2 else "")
             )
         object.__setattr__(self, "memory_budget_bytes", float(budget))
 

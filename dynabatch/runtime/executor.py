@@ -36,7 +36,9 @@ over the data-parallel replicas (SUM: the loss is already globally normalised). 
 norm sum is divided by the replica count, whose gradients are equal), clips to ``max_grad_norm``
 like ``clip_grad_norm_`` and steps the optimizer and the LR scheduler; when the loss or the norm is not
 finite (NaN/inf, e.g. a diverging learning rate) the optimizer step is skipped on every rank (they
-all see the same reduced totals) and :attr:`StepResult.skipped` says so. Gradients are dropped at the
+all see the same reduced totals) and :attr:`StepResult.skipped` says so. Under ``--zero 1`` (:mod:`dynabatch.runtime.zero`)
+``REDUCE`` reduce-scatters instead of all-reducing, the norm sums the replicas' disjoint shards (no division) and
+``STEP`` updates this rank's shard, then all-gathers the weights. Gradients are dropped at the
 start of the next step (so tests and logging can read a step's reduced, clipped gradients).
 
 Precision (:mod:`dynabatch.runtime.precision`): forwards run under ``torch.autocast`` of ``autocast_dtype``
@@ -84,6 +86,7 @@ from dynabatch.runtime.delivery import StepInputs
 from dynabatch.runtime.dist import DistContext, PipelineError, tied_groups
 from dynabatch.runtime.p2p import TORCH_DTYPES, allocate, start_recv, start_send, wait_all
 from dynabatch.runtime.precision import LossScaler
+from dynabatch.runtime.zero import model_state_bytes
 from dynabatch.schedule.chains import successors
 from dynabatch.schedule.ir import Instr, Op
 
@@ -112,6 +115,9 @@ class StepResult:
     """fp16: the gradients overflowed at this step's loss scale (the step was skipped and the scale halved)."""
     loss_scale: float | None = None
     """fp16: the loss scale this step ran with (``None`` without loss scaling)."""
+    model_state_bytes: int | None = None
+    """Training steps: the measured bytes of this rank's weights, gradients and optimizer states after the step
+    (:func:`~dynabatch.runtime.zero.model_state_bytes`)."""
 
 
 @dataclass
@@ -139,7 +145,10 @@ class Executor:
     builds its executor at the same point. ``autocast_dtype="auto"`` means bf16 on CUDA, none on CPU.
     ``dropout_seed``: when set, each forward runs under ``forked_rng(seed_for(dropout_seed, step,
     micro_batch, rank))`` so dropout masks are reproducible. ``measure_memory``: meter the bytes
-    autograd saves for backward during each step (:attr:`StepResult.saved_peak_bytes`).
+    autograd saves for backward during each step (:attr:`StepResult.saved_peak_bytes`). ``zero``: a
+    :class:`~dynabatch.runtime.zero.ZeroShards` over this rank's parameters (``--zero 1``: ``optimizer`` steps its flat
+    shards; ``REDUCE`` reduce-scatters and ``STEP`` all-gathers over the replicas); ``None``: every replica keeps
+    full optimizer states.
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class Executor:
         autocast_dtype: torch.dtype | str | None = "auto",
         dropout_seed: int | None = None,
         measure_memory: bool = False,
+        zero=None,
     ) -> None:
         chunks = sorted(stage if isinstance(stage, (list, tuple)) else [stage], key=lambda c: c.stage_index)
         V = chunks[0].num_stages
@@ -189,6 +199,12 @@ class Executor:
         """Tied group name -> this rank's copies of it (several when several chunks hold one)."""
         skip = {id(p) for n, ps in copies.items() for k, p in enumerate(ps) if k > 0 or not self.tied[n].is_owner}
         self.norm_params = [p for p in self.params if id(p) not in skip]
+        self.zero = zero
+        if zero is not None and [id(p) for b in zero.buckets for p in b.params] != [
+                id(p) for ps in _by_dtype(self.params).values() for p in ps]:
+            raise ValueError("the ZeroShards were built over other parameters than this rank's stage modules'")
+        if zero is not None:
+            zero.count_in_norm(self.norm_params)
         # per-step state
         self._current: Instr | None = None
         """The instruction running (for error messages)."""
@@ -275,8 +291,9 @@ class Executor:
             self.inputs = None
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
+        states = None if evaluating else model_state_bytes(self.params, self.optimizer)
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses,
-                          self.skipped, meter.peak_bytes if meter is not None else None, self.overflowed, scale)
+                          self.skipped, meter.peak_bytes if meter is not None else None, self.overflowed, scale, states)
 
     def _train_mode(self, on: bool) -> None:
         for c in self.chunks.values():
@@ -312,7 +329,9 @@ class Executor:
                 dist.all_reduce(first.grad, group=group)
             for p in others:
                 p.grad.copy_(first.grad)
-        if self.ctx.num_replicas > 1:
+        if self.zero is not None:
+            self.zero.reduce_scatter()
+        elif self.ctx.num_replicas > 1:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in self.params:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
@@ -324,10 +343,12 @@ class Executor:
 
     def optimizer_step(self, global_loss_tokens: int) -> None:
         """``STEP``: world-wide gradient norm and loss, clipping, optimizer and LR-scheduler step."""
-        ctx = self.ctx
+        ctx, zero = self.ctx, self.zero
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if grads:
+        if zero is not None:  # the shards of a stage's replicas partition its summed gradients
+            sq = zero.squared_norm()
+        elif grads:
             norms = torch._foreach_norm(grads)
             sq = torch.stack([n.double() for n in norms]).square().sum()
         totals = torch.stack([sq, self.loss_sum])  # the loss sum is zero except where the last stage is
@@ -335,7 +356,8 @@ class Executor:
             dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss
         sq_total, loss_total = totals.tolist()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        self.grad_norm = math.sqrt(sq_total / ctx.num_replicas) / scale if sq_total >= 0 else math.nan
+        replicas = 1 if zero is not None else ctx.num_replicas  # unsharded: every replica added the same norm
+        self.grad_norm = math.sqrt(sq_total / replicas) / scale if sq_total >= 0 else math.nan
         self.loss = loss_total / global_loss_tokens
         # Every rank holds the same all-reduced totals, so every rank takes the same decision.
         self.skipped = not (math.isfinite(self.grad_norm) and math.isfinite(self.loss))
@@ -343,14 +365,19 @@ class Executor:
             self.overflowed = self.loss_scaler.overflowed(self.loss, self.grad_norm)
             self.loss_scaler.update(self.skipped)
         if self.skipped:  # a non-finite loss or gradient: keep the weights and the optimizer state
+            if zero is not None:
+                zero.release_grads()
             if self.scheduler is not None:
                 self.scheduler.step()  # the LR schedule follows the step number, skipped or not
             return
         coef = 1.0 if self.max_grad_norm is None else min(self.max_grad_norm / (self.grad_norm + 1e-6), 1.0)
-        all_grads = [p.grad for p in self.params if p.grad is not None]
+        all_grads = zero.shard_grads() if zero is not None else [p.grad for p in self.params if p.grad is not None]
         if coef / scale != 1.0 and all_grads:  # clipping and unscaling in one pass
             torch._foreach_mul_(all_grads, coef / scale)
         self.optimizer.step()
+        if zero is not None:
+            zero.release_grads()
+            zero.all_gather()
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -518,6 +545,13 @@ def _exec_reduce(ex: Executor, ins: Instr) -> None:
 
 def _exec_step(ex: Executor, ins: Instr) -> None:
     ex.optimizer_step(ex.inputs.global_loss_tokens)
+
+
+def _by_dtype(params: list[torch.nn.Parameter]) -> dict[torch.dtype, list[torch.nn.Parameter]]:
+    out: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        out.setdefault(p.dtype, []).append(p)
+    return out
 
 
 HANDLERS = {

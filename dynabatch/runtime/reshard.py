@@ -63,12 +63,15 @@ def _copies(stage: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.P
             if first[stage.parameter_map[local]] is not p]
 
 
-def stage_state(stage: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, torch.Tensor]:
-    """This rank's checkpoint tensors (CPU copies where the stage is on an accelerator), by global name."""
+def stage_state(stage: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, zero=None) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint tensors (CPU copies where the stage is on an accelerator), by global name. With ``zero``
+    (a :class:`~dynabatch.runtime.zero.ZeroShards`: ``optimizer`` steps flat shards) the moments are first gathered
+    into per-parameter tensors, a collective over the stage's replicas."""
     out: dict[str, torch.Tensor] = {}
+    states = zero.full_state(optimizer) if zero is not None else optimizer.state
     for name, p in _global_names(stage):
         out[MODEL + name] = p.detach().cpu()
-        for key, value in optimizer.state.get(p, {}).items():
+        for key, value in states.get(p, {}).items():
             out[f"{OPTIM}{key}/{name}"] = torch.as_tensor(value).detach().cpu()
     for device, state in rng_state().items():
         out[f"{RNG}{rank}/{device}"] = state
@@ -115,9 +118,11 @@ def _missing(folder: str, names: list[str]) -> CheckpointError:
                            "written for another model: pass a checkpoint of this model")
 
 
-def load_stage_state(folder: str, stage: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int | None) -> None:
+def load_stage_state(folder: str, stage: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int | None,
+                     zero=None) -> None:
     """Load the weights and optimizer states of ``stage``'s parameters from checkpoint ``folder`` (any
-    layout), in place; with ``rank`` also that rank's RNG state (same world shape only)."""
+    layout, any ``--zero``), in place; with ``rank`` also that rank's RNG state (same world shape only). With ``zero``
+    (a :class:`~dynabatch.runtime.zero.ZeroShards`) this rank keeps its slice of the per-parameter states."""
     meta = _metadata(folder)
     params = _global_names(stage)
     missing = [name for name, _ in params if MODEL + name not in meta]
@@ -141,14 +146,16 @@ def load_stage_state(folder: str, stage: torch.nn.Module, optimizer: torch.optim
     for key in rng.values():
         targets[key] = torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
     _load(folder, targets)
-    for name, p in params:
-        if name in states:
-            optimizer.state[p] = states[name]
+    by_param = {p: states[name] for name, p in params if name in states}
     for first, other in _copies(stage):  # tied copies on this rank's other chunks: the same weight and moments
         with torch.no_grad():
             other.copy_(first)
-        if first in optimizer.state:
-            optimizer.state[other] = {k: v.clone() for k, v in optimizer.state[first].items()}
+        if first in by_param:
+            by_param[other] = {k: v.clone() for k, v in by_param[first].items()}
+    if zero is not None:
+        zero.load_full_state(optimizer, by_param)
+    else:
+        optimizer.state.update(by_param)
     if rng:
         set_rng_state({device: targets[key] for device, key in rng.items()})
 

@@ -97,7 +97,7 @@ def save_checkpoint(run, step: int, batcher_state: dict | None) -> str:
         return out
 
     return save_collective(checkpoint_root(run.cfg), step, run.ctx.rank,
-                           stage_state(run.stage, run.optimizer, run.ctx.rank), gather=gather,
+                           stage_state(run.stage, run.optimizer, run.ctx.rank, run.executor.zero), gather=gather,
                            write=dcp_writer(run.ctx.delivery_group), manifest_extra=extra, run_id=run.run_id,
                            keep=run.cfg.save_total_limit)
 
@@ -137,7 +137,7 @@ def resume(run, info: CheckpointInfo | None, lr_lambda: Callable[[int], float]) 
         return 0
     cfg, manifest = run.cfg, info.manifest
     same_world = manifest.get("world") == {"stages": cfg.stages, "replicas": cfg.replicas}
-    load_stage_state(info.path, run.stage, run.optimizer, run.ctx.rank if same_world else None)
+    load_stage_state(info.path, run.stage, run.optimizer, run.ctx.rank if same_world else None, run.executor.zero)
     run.scheduler.load_state_dict(manifest["scheduler"])
     apply_hyperparameters(run.optimizer, run.scheduler, cfg, lr_lambda)
     if run.executor.loss_scaler is not None and manifest.get("loss_scaler"):  # fp16: go on with the saved scale

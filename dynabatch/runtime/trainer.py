@@ -38,6 +38,7 @@ from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distribu
 from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
                                        summarize)
+from dynabatch.runtime.zero import ZeroShards
 from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
 from dynabatch.core.progress import progress
 from dynabatch.core.sequence import is_seq2seq
@@ -124,7 +125,8 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         layer_model = AnalyticCostModel.for_run(model_config, device_type(cfg.device), dtype=cfg.dtype,
                                                 attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
         recompute = policy_for(cfg.method, cfg.recompute)
-    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute)
+    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
+                          zero=cfg.zero, replicas=cfg.replicas)
 
 
 def build_run_model(model: str, tokenizer: str, info, family: str, dropout: float = 0.0, seed: int = 0):
@@ -166,10 +168,16 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     spec = pipeline_spec_for(model, layout, "float32")
     chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path)]
     stage = chunks[0] if len(chunks) == 1 else DeviceChunks(chunks)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    zero = None
+    if cfg.zero >= 1 and ctx.num_replicas > 1:  # AdamW over this replica's flat shards (runtime.zero)
+
+        zero = ZeroShards([p for c in chunks for p in c.parameters() if p.requires_grad], ctx.dp_group,
+                          ctx.num_replicas, ctx.replica_index)
+    optimizer = torch.optim.AdamW(zero.shard_params if zero is not None else stage.parameters(), lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     executor = Executor(chunks, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
-                        measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype))
+                        measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype), zero=zero)
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
                placement=placement if placement.chunks_per_device > 1 else None)
     if ctx.is_planner:
@@ -336,6 +344,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 if result.loss_scale is not None:
                     record["loss_scale"] = result.loss_scale
                 record["memory_measured_bytes"] = saved_peaks
+                record["model_state_bytes"] = [g["model_state"] for g in gathered]  # per global rank, measured
+                record["model_state_bytes_predicted"] = list(planned.model_state_bytes)  # per stage, priced
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
                 record.update(efficiency_record(ctx, gathered, planned, elapsed, planned.plan_model,

@@ -1,0 +1,41 @@
+"""Model-state bytes per rank under ``--zero``: what each data-parallel replica of a stage keeps.
+
+A stage of ``N`` parameters keeps, on every replica without sharding (``--zero 0``), its weights, gradients and
+optimizer states: the layer model's :meth:`model_state_bytes` (16 bytes a parameter for AdamW in fp32, 18 with a bf16
+autocast copy). Sharding over the ``R`` replicas of the stage divides parts of it (DeepSpeed's ZeRO stages):
+
+* ``--zero 1``: the optimizer states (AdamW's two fp32 moments, :data:`~dynabatch.cost.analytic.OPTIMIZER_STATE_BYTES`)
+  are divided by ``R`` (:mod:`dynabatch.runtime.zero`);
+* ``--zero 2``: the gradients too (:data:`GRADIENT_BYTES` a parameter: the runtime's gradients are fp32 like its
+  weights). Priced by ``plan`` and ``simulate``; the runtime does not train with it yet.
+
+So for Llama-3-70B in bf16 autocast on 8 stages x 8 replicas (about 8.8 B parameters a stage): 18, 4 + 2 + 4 + 8 / 8 =
+11 and 4 + 2 + (4 + 8) / 8 = 7.5 bytes a parameter.
+"""
+
+from __future__ import annotations
+
+from dynabatch.cost.analytic import OPTIMIZER_STATE_BYTES
+
+ZERO_SETTINGS = (0, 1, 2)
+"""``--zero`` settings the cost model prices."""
+GRADIENT_BYTES = 4
+"""Gradient bytes a parameter (fp32, as the runtime's weights)."""
+
+
+def sharded_bytes_per_param(optimizer: str, zero: int) -> int:
+    """Bytes a parameter that ``--zero`` divides across the replicas (0 without sharding)."""
+    if zero not in ZERO_SETTINGS:
+        raise ValueError(f"--zero must be one of {', '.join(map(str, ZERO_SETTINGS))}, got {zero}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATE_BYTES)}")
+    return (OPTIMIZER_STATE_BYTES[optimizer] if zero >= 1 else 0) + (GRADIENT_BYTES if zero >= 2 else 0)
+
+
+def per_rank_state_bytes(full_bytes: float, num_params: float, optimizer: str, zero: int, replicas: int) -> float:
+    """One rank's model-state bytes: ``full_bytes`` (every state of ``num_params`` parameters, unsharded) with the
+    part ``zero`` shards divided by ``replicas``."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    sharded = num_params * sharded_bytes_per_param(optimizer, zero)
+    return float(full_bytes - sharded + sharded / replicas)
