@@ -284,15 +284,19 @@ class StepPlanner:
                                         num_replicas=cfg.replicas, options=BaselineOptions.of(cfg),
                                         padding_free=self.padding_free)
         candidates = [dp, *baselines]
-        parts = dict(zip((id(c.plan) for c in candidates), self._plan_costs(batch, [c.plan for c in candidates])))
+        # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
+        # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs)
+        model = self.predict_model
+        parts = dict(zip((id(c.plan) for c in candidates),
+                         self._plan_costs(batch, [c.plan for c in candidates], model)))
         without: set[int] = set()  # the plans priced without recomputation
-        if getattr(self.cost_model, "recompute", "none") == "auto":
+        if getattr(model, "recompute", "none") == "auto":
             # auto recomputes a micro-batch that does not fit S in flight; the simulated schedule admits by actual
             # memory, so the same plan may fit without recomputation (faster): price each plan that way too, as
             # _plan does for the DP's own plans, and let the memory check decide
             plain = [replace(c, plan=replace(c.plan)) for c in candidates  # only those that recompute somewhere
                      if any(cost.recompute is not None for cost in parts[id(c.plan)][0])]
-            none = replace(self.cost_model, recompute="none")
+            none = replace(model, recompute="none")
             if plain:
                 parts.update(zip((id(c.plan) for c in plain), self._plan_costs(batch, [c.plan for c in plain], none)))
             candidates += plain
@@ -301,7 +305,7 @@ class StepPlanner:
         def bound(p) -> float:
             return max(step_lower_bound(c.fwd_s, c.bwd_s) for c in parts[id(p)][0])
 
-        chosen = choose(candidates, lambda p: self._price(parts[id(p)]), bound).candidate
+        chosen = choose(candidates, lambda p: self._price(parts[id(p)], model), bound).candidate
         return chosen, "none" if id(chosen.plan) in without else None
 
     def _plan_costs(self, batch: GlobalBatch, plans, model: StageCostModel | None = None) -> list[tuple]:
@@ -335,11 +339,12 @@ class StepPlanner:
             out.append(tuple(map(list, zip(*replicas))))
         return out
 
-    def _price(self, parts: tuple) -> float:
+    def _price(self, parts: tuple, model: StageCostModel | None = None) -> float:
         """The predicted makespan of a plan (:meth:`_predict` of its :meth:`_plan_costs`, the planning model),
         ``inf`` when a replica's simulated step does not fit the memory limit."""
         costs, shapes, links, contexts, pairs = parts
-        _, _, predicted, _, fits = self._predict(shapes, links, contexts, pairs, costs_in=costs, check_memory=True)
+        _, _, predicted, _, fits = self._predict(shapes, links, contexts, pairs, model, costs_in=costs,
+                                                 check_memory=True)
         return predicted if fits else float("inf")
 
     def _plan(self, batch: GlobalBatch, model: StageCostModel):

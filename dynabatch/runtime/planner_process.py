@@ -34,6 +34,9 @@ from typing import Any
 
 _POLL_S = 0.1
 """How often blocked waits look at the stop flag and the child's life."""
+PLANNER_NICENESS = 10
+"""The child's scheduling niceness: it plans a few steps ahead of training, so on a machine whose cores the ranks
+keep busy it runs in what they leave idle (pipeline bubbles, waits on peers) instead of taking time from rank 0."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,12 @@ def _dumps(obj) -> bytes:
 
 def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, stop) -> None:
     """The child process: rebuild the planner, plan ``num_steps`` steps into ``out`` (pickled bytes)."""
+    import os
+
     from dynabatch.runtime.planner import StepPlanner
 
+    if hasattr(os, "nice"):  # plans ahead of training: on cores the ranks fill, take what they leave idle
+        os.nice(PLANNER_NICENESS)
     try:
         planner = StepPlanner.__new__(StepPlanner)
         planner.__dict__.update(state)
