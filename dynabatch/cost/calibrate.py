@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dynabatch.core.progress import progress
+from dynabatch.core.progress import progress as progress_bar
 from dynabatch.cost.attention_cores import add_attention_cores
 from dynabatch.cost.layers import Step, build_layers, padding_mask, token_ids
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, settle_cpu_allocator
@@ -143,7 +143,7 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
     whole = tables.stage_spec(0, sum(tables.num_layers))
     rows: list[CheckRow] = []
     shapes = sample_shapes(tables, num_shapes, seed)
-    for b, e, d in progress(shapes, desc="check", unit="shape", disable=not progress):
+    for b, e, d in progress_bar(shapes, desc="check", unit="shape", disable=not progress):
         pred = tables.stage_cost(whole, b, e, d)
         m = measure_step(_model_step(built.model, built.sequence_kind, b, e, d), ptrs, dev, settings)
         rows.append(CheckRow("model", (b, e, d), pred.fwd_s + pred.bwd_s, m.fwd_s + m.bwd_s,

@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from dynabatch.core.progress import progress
+from dynabatch.core.progress import progress as progress_bar
 from dynabatch.cost.grid import ProfileGrid  # noqa: F401 (torch-free: `dynabatch profile --help` needs it)
 from dynabatch.cost.attention_cores import add_attention_cores, attention_core_kinds
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
@@ -190,7 +190,7 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
             raise ValueError(f"unknown layer kinds {unknown}; valid for {layers.family}: {sorted(valid)}")
         selected = tuple(k for k in layers.kinds if k.name in kinds)
     records = {}
-    with progress(total=count_points(selected, grid), desc=f"profile {model}", unit="pt",
+    with progress_bar(total=count_points(selected, grid), desc=f"profile {model}", unit="pt",
               disable=not show_progress) as bar:
         for kind in selected:
             bar.set_postfix_str(kind.name)

@@ -560,6 +560,8 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     try:
         # With peers, a failure prints this rank's line and exits at once, groups left up (runtime.faults).
         with fail_fast(ctx):
+            if ctx.is_planner:
+                check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
             cfg = resolve_run_tokenizer(cfg, ctx)
             summaries = [train_method(cfg, ctx, datasets=datasets)]  # creates and checks the output folder first
             if cfg.compare_method:
