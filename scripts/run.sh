@@ -8,6 +8,8 @@
 # micro-batch was its fastest setting in every tuned run on CPU (docs/benchmarks/cpu_matrix/ and
 # docs/benchmarks/cpu_tuned_baselines/: `dynabatch bench --tune-baselines` picked 1 row each time); its default of
 # 4 rows puts a whole step into one or two micro-batches and leaves a 2-stage pipeline idle half the step.
+# --planner process: dynamic plans in a niced child process, off rank 0 (the busiest stage); with a planner thread
+# its planning is taken from rank 0 (docs/benchmarks/main_job/).
 #
 # Writes runs/main/{metrics.jsonl,summary.json,timeline.png,timeline.json,checkpoints/}, replacing the files of an
 # earlier main job there (--overwrite-output-dir). On a terminal it shows progress bars; redirected to a file it
@@ -16,5 +18,5 @@
 source "$(dirname "$0")/_setup.sh"
 export OMP_NUM_THREADS=1
 torchrun --standalone --nproc-per-node 2 -m dynabatch train \
-  --stages 2 --max-steps 30 --compare-method packing_free --packing-free-rows 1 \
+  --stages 2 --max-steps 30 --compare-method packing_free --packing-free-rows 1 --planner process \
   --output-dir runs/main --overwrite-output-dir --logging-steps 10 "$@"

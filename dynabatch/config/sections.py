@@ -166,8 +166,8 @@ class PipelineArgs:
     plan_ahead: int = arg(2, "steps the background planner prepares ahead of training")
     planner: Literal[PLANNERS] = arg(
         "auto", "where rank 0 plans ahead: process (a child process: never holds the training loop's GIL), thread "
-                "(a thread of rank 0: no start-up cost) or auto (process on CUDA, and on CPU for runs of 20 steps or "
-                "more; the run logs its choice)")
+                "(a thread of rank 0: no start-up cost) or auto (process on CUDA, thread on CPU; the run logs its "
+                "choice)")
     timeout_s: float = arg(120.0, "seconds before a silent peer counts as dead (each step's transfers and collectives)")
     startup_timeout_s: float = arg(3600.0, "seconds the other ranks wait for rank 0 to load and tokenize the data and "
                                            "plan the first step")

@@ -591,29 +591,22 @@ def _maybe_crash(step: int) -> None:
         raise RuntimeError(f"injected planner crash at step {step} (DYNABATCH_PLANNER_CRASH_AT)")
 
 
-PROCESS_PLANNER_MIN_STEPS = 20
-"""``--planner auto`` on CPU: runs of at least this many steps plan in a process (:func:`auto_planner`)."""
-
-
-def auto_planner(device: str, num_steps: int) -> tuple[str, str]:
-    """Where ``--planner auto`` plans, and why. A planner thread shares rank 0's GIL, so every millisecond of planning
-    is taken from rank 0's loop, the pipeline's first stage; the niced planner process
-    (:mod:`~dynabatch.runtime.planner_process`) plans in what the ranks leave idle (bubbles, waits on peers) but costs
-    a start-up (a spawned interpreter). On CUDA the process always pays (the loop launches kernels from Python). On
-    CPU it pays on runs long enough to amortise the start-up: the main job (t5-tiny, 2 stages, 2 cores, 30 steps)
-    measured dynamic at 1.15x packing_free with the process against 0.98x with the thread (medians of 3, 2026-12-06)."""
+def auto_planner(device: str) -> tuple[str, str]:
+    """Where ``--planner auto`` plans, and why: the process on CUDA (rank 0's loop launches kernels from Python and
+    would wait for a planner thread's GIL), the thread on CPU. On CPU the niced process measured better on the main
+    job (t5-tiny, 2 stages, 2 cores, 30 steps: dynamic 1.15x packing_free against 0.98x with the thread, medians of
+    3, 2026-12-06), and ``scripts/run.sh`` asks for it; it stays opt-in there because two fault tests (a stopped
+    rank, a crash-and-resume soak) hang with it."""
     if str(device).startswith("cuda"):
         return "process", "CUDA: the training loop would wait for a planner thread's GIL"
-    if num_steps >= PROCESS_PLANNER_MIN_STEPS:
-        return "process", f"{num_steps} steps on CPU: planning off rank 0's GIL pays for the process's start-up"
-    return "thread", f"{num_steps} steps on CPU: too few to pay for a planner process's start-up"
+    return "thread", "CPU: no planner process start-up (--planner process plans off rank 0's GIL)"
 
 
 def plan_ahead(planner: StepPlanner, num_steps: int, depth: int, where: str = "thread", device: str = "cpu"):
     """The background planner of a run: :class:`PlanAhead` (``where="thread"``) or
     :class:`~dynabatch.runtime.planner_process.ProcessPlanAhead` (``"process"``); ``"auto"``: :func:`auto_planner`."""
     if where == "auto":
-        where, why = auto_planner(device, num_steps)
+        where, why = auto_planner(device)
         logger.info(f"planner: {where} (--planner auto: {why})")
     if where == "process":
         from dynabatch.runtime.planner_process import ProcessPlanAhead
