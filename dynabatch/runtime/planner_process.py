@@ -108,6 +108,7 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
 
     from dynabatch.runtime.planner import StepPlanner
 
+    _die_with_parent()
     if hasattr(os, "nice"):  # plans ahead of training: on cores the ranks fill, take what they leave idle
         os.nice(PLANNER_NICENESS)
     try:
@@ -119,6 +120,26 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
                 return
     except BaseException as e:  # delivered to the parent, never lost in the child
         _offer(out, _dumps(_Failure(type(e).__name__, str(e), isinstance(e, ValueError))), stop)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this child when its parent dies, however it dies (``SIGKILL``, ``os._exit``, a
+    launcher's kill), so no planner outlives its rank, holding the rank's inherited output pipes open (a caller
+    waiting for them would hang). Elsewhere the child still stops when the parent closes it."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(0)
 
 
 def _offer(out, item, stop) -> bool:
