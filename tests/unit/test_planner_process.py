@@ -4,6 +4,8 @@ error; nothing waits forever."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import numpy as np
@@ -140,3 +142,47 @@ def test_steps_travel_with_their_tensors_as_numpy_and_come_back_equal():
     for k in x:
         assert y[k].dtype == x[k].dtype and torch.equal(y[k], x[k])
     assert y["view"].is_contiguous()  # rebuilt from numpy: a compact copy of the view
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_planner_child_does_not_outlive_its_rank(tmp_path):
+    """A rank that dies hard (``os._exit``, as DYNABATCH_CRASH_AT does; SIGKILL) takes its planner child with it:
+    an orphan would keep the rank's inherited output pipes open and hang whoever waits for them."""
+    import subprocess
+    import textwrap
+
+    pid_file = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        import multiprocessing as mp, os, time
+        from dynabatch.runtime.planner_process import _die_with_parent
+
+        def child(path):
+            _die_with_parent()
+            open(path, "w").write(str(os.getpid()))
+            time.sleep(60)
+
+        if __name__ == "__main__":
+            p = mp.get_context("spawn").Process(target=child, args=({str(pid_file)!r},))
+            p.start()
+            while not os.path.exists({str(pid_file)!r}):
+                time.sleep(0.05)
+            time.sleep(0.2)
+            os._exit(17)
+    """)
+    path = tmp_path / "rank.py"  # a file: a spawned child imports its target from the parent's __main__
+    path.write_text(script)
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 17, res.stderr[-2000:]
+    child = int(pid_file.read_text())
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie awaiting its reaper is gone
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(), "the planner child outlived its parent"
