@@ -65,6 +65,7 @@ PLACEMENT: dict[str, str] = {
     "runtime": "engine",
     "runtime.trainer": "app",
     "runtime.planner": "app",
+    "runtime.plan_ahead": "app",
     "runtime.planner_process": "app",
     "runtime.calibration": "app",
     "runtime.run_layout": "app",

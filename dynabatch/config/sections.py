@@ -23,7 +23,7 @@ from dynabatch.data.batching import DEFAULT_GLOBAL_BATCH_TOKENS
 POLICIES = POLICY_CHOICES
 """``--policy``: :data:`dynabatch.core.policies.POLICY_CHOICES` (a schedule policy or ``auto``)."""
 PLANNERS = ("auto", "process", "thread")
-"""``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.planner.plan_ahead`)."""
+"""``--planner``: where rank 0's background planner runs (:func:`dynabatch.runtime.plan_ahead.plan_ahead`)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PLAN_COSTS = ("base", "scaled", "calibrated")
 """``--plan-costs`` other than ``auto``: plan with the base cost model, the base model scaled per stage and direction

@@ -76,7 +76,7 @@ class PlainProgress:
         self.desc = desc or ""
 
     def refresh(self) -> None:
-        pass
+        """tqdm's redraw: plain lines are written only when due (:meth:`_due`), never on request."""
 
     def _due(self) -> bool:
         if self.total:

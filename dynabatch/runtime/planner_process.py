@@ -1,6 +1,6 @@
 """Rank 0's step planner in a child process (``--planner process``): planning never holds the training loop's GIL.
 
-:class:`ProcessPlanAhead` has :class:`~dynabatch.runtime.planner.PlanAhead`'s interface. It spawns one child
+:class:`ProcessPlanAhead` has :class:`~dynabatch.runtime.plan_ahead.PlanAhead`'s interface. It spawns one child
 (``multiprocessing`` spawn context: nothing of the parent's threads or CUDA state is inherited) that rebuilds the
 :class:`~dynabatch.runtime.planner.StepPlanner` from its picklable parts (batcher with its data and position,
 config, cost models, tokenizer info) and plans ``num_steps`` steps, at most ``depth`` ahead of the training loop

@@ -3,7 +3,7 @@
 Every rank builds the same seeded model, keeps only its own pipeline stage (``models.split``) and an
 :class:`~dynabatch.runtime.executor.Executor` with AdamW and a warm-up + decay LR schedule. Rank 0
 also owns the data: it loads and tokenizes the mixture, and a background planner (a thread,
-:class:`~dynabatch.runtime.planner.PlanAhead`, or a child process, ``--planner``,
+:class:`~dynabatch.runtime.plan_ahead.PlanAhead`, or a child process, ``--planner``,
 :mod:`~dynabatch.runtime.planner_process`) prepares the next steps' micro-batches, costs, schedules and
 validated plans while the current step trains. Each step, :func:`~dynabatch.runtime.step.train_step`
 delivers plans and host tensors and runs them everywhere. Rank 0 logs one JSON record per step
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from dynabatch.config import TrainConfig
 from dynabatch.cost.tables import check_profile_config
 from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
+from dynabatch.runtime.plan_ahead import plan_ahead
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
 from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
@@ -259,7 +260,6 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
 def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
     """Train ``cfg.max_steps`` steps with ``cfg.method`` (on ``datasets`` in memory when given); rank 0 returns the
     summary."""
-    from dynabatch.runtime.planner import plan_ahead
     from dynabatch.runtime.step import train_step
 
     from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_peaks
@@ -270,8 +270,6 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if checkpoints:
         prepare_output_dir(cfg, ctx)
     info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
-    if ctx.is_planner:
-        check_trackers(cfg.report_to)  # a missing tracker package fails before any data is loaded
     run = build_run(cfg, ctx, datasets)
     cfg = run.cfg  # its placement resolved
     start = resume(run, info, _lr_lambda(cfg))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dynabatch.config import TrainConfig
-from dynabatch.runtime.planner import PlanAhead
+from dynabatch.runtime.plan_ahead import PlanAhead
 from dynabatch.runtime.planner_process import ProcessPlanAhead
 from dynabatch.schedule.step import lower_step as plan_step
 

@@ -94,7 +94,8 @@ def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
     from dynabatch.models.presets import build_config
     from dynabatch.models.split import layout_for
     from dynabatch.models.presets import build_model
-    from dynabatch.runtime.planner import PlanAhead, StepPlanner
+    from dynabatch.runtime.plan_ahead import PlanAhead
+    from dynabatch.runtime.planner import StepPlanner
 
     preset = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
     cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32)
