@@ -39,6 +39,13 @@ the replicas' makespans differ by <= 0.5% (max / mean) with ``assign``.
 
 ``R = 1`` returns exactly :func:`plan_partition`'s plan. Deterministic: the DP, the orderings, LPT and
 the local search break ties by index.
+
+**Equal counts** (``--zero 2``: the gradients are reduce-scattered after every micro-batch's backward, a
+collective every replica of a stage must issue equally often): when the cost model asks for it
+(``equal_micro_batch_counts``), :func:`equalize_counts` then splits micro-batches on the replicas that have
+fewer, the most expensive splittable one first, into two contiguous halves priced by the cost model, until
+every replica has as many as the one with the most. Splitting the costliest keeps that replica's
+``sum(t) + (S - 1) max(t)`` from growing (the halves cost about as much together and lower its ``max``).
 """
 
 from __future__ import annotations
@@ -99,15 +106,20 @@ def plan_replicas(
     *,
     family: str,
     method: str = "assign",
+    equal_counts: bool | None = None,
     **partition_options,
 ) -> ReplicaPlan:
     """Partition a global batch and split it over ``num_replicas`` pipelines that should finish together.
 
     ``partition_options`` go to :func:`plan_partition` (``order``, ``cap_tolerance``, ``max_samples``,
     ``max_tokens``, ``in_flight``; ``in_flight`` defaults to ``num_stages``; ``unit_pairs`` prices the
-    runs and the replicas' micro-batches with per-segment attention). Raises ``ValueError`` on bad
-    arguments and when there are fewer samples than replicas.
+    runs and the replicas' micro-batches with per-segment attention). ``equal_counts``: give every replica
+    the same number of micro-batches (:func:`equalize_counts`); ``None``: as the cost model's
+    ``equal_micro_batch_counts`` says (``--zero 2``). Raises ``ValueError`` on bad arguments and when
+    there are fewer samples than replicas.
     """
+    if equal_counts is None:
+        equal_counts = wants_equal_counts(cost_model)
     e, d = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
     check_int("num_replicas", num_replicas)
@@ -128,7 +140,68 @@ def plan_replicas(
         plans = _split_then_partition(e, d, cost_model, num_stages, num_replicas, family, options)
     else:
         plans = _partition_then_assign(e, d, cost_model, num_stages, num_replicas, family, options)
+    if equal_counts and len({p.num_micro_batches for p in plans}) > 1:
+        pricing = group_pricing(e, d, cost_model, family, options)
+        groups = equalize_counts([[np.asarray(mb, dtype=np.int64) for mb in p.micro_batches] for p in plans],
+                                 lambda gs: pricing.shapes_and_times(gs)[1])
+        plans = [pricing.sub_plan(p, num_stages, gs) for p, gs in zip(plans, groups)]
     return _result(family, num_stages, method, plans, e.size)
+
+
+def wants_equal_counts(cost_model) -> bool:
+    """Whether ``cost_model`` asks every replica for the same number of micro-batches (``--zero 2``)."""
+    return bool(getattr(cost_model, "equal_micro_batch_counts", False))
+
+
+def equalize_counts(groups_by_replica, price, fixed=None) -> list[list[np.ndarray]]:
+    """Per replica, its micro-batches (arrays of sample or unit indices, in planner order) split until every
+    replica runs as many as the one with the most (module docstring, "Equal counts").
+
+    ``price(groups) -> (len(groups),) times``; ``fixed``: per replica, micro-batches it runs besides these (token
+    slices), counted but never split. A replica short of micro-batches splits its costliest group of two or more
+    into contiguous halves; one with none to split takes the cheapest group of a replica with the most (which then
+    splits in its turn). Deterministic (ties by index). Raises ``ValueError`` when no splitting evens the counts
+    (every group a single sample)."""
+    groups = [[np.asarray(g, dtype=np.int64) for g in gs] for gs in groups_by_replica]
+    num_replicas = len(groups)
+    extra = [0] * num_replicas if fixed is None else [int(x) for x in fixed]
+    times = [[float(t) for t in price(gs)] if gs else [] for gs in groups]
+    total = sum(g.size for gs in groups for g in gs) + sum(extra)
+    for _ in range(4 * (total + num_replicas)):
+        counts = [len(gs) + x for gs, x in zip(groups, extra)]
+        top = max(counts)
+        short = [r for r in range(num_replicas) if counts[r] < top]
+        if not short:
+            return groups
+        r = min(short, key=lambda r: (counts[r], r))
+        splittable = [k for k, g in enumerate(groups[r]) if g.size > 1]
+        if splittable:
+            k = max(splittable, key=lambda k: (times[r][k], -k))
+            g = groups[r][k]
+            halves = [g[: g.size // 2], g[g.size // 2:]]
+            groups[r][k:k + 1] = halves
+            times[r][k:k + 1] = [float(t) for t in price(halves)]
+            continue
+        donors = [q for q in range(num_replicas) if counts[q] == top and groups[q]]
+        if not donors:
+            break
+        q = max(donors, key=lambda q: (sum(g.size > 1 for g in groups[q]), -q))
+        k = min(range(len(groups[q])), key=lambda k: (times[q][k], k))
+        groups[r].append(groups[q].pop(k))
+        times[r].append(times[q].pop(k))
+    counts = [len(gs) + x for gs, x in zip(groups, extra)]
+    raise ValueError(
+        f"cannot give the {num_replicas} replicas the same number of micro-batches (they have {counts}, "
+        "and no micro-batch left to split holds two samples), which --zero 2 needs: raise the global batch "
+        "tokens or use --zero 1"
+    )
+
+
+def group_pricing(e, d, cost_model, family: str, options: dict) -> "_Pricing":
+    """How :func:`plan_replicas` shapes and prices micro-batches (groups of the units ``e, d``) under
+    ``options`` (``unit_pairs``, ``flat_rows``): padded rows, or one flat row."""
+    return _Pricing(*padded_lengths(e, d, family), cost_model, options.get("unit_pairs"),
+                    bool(options.get("flat_rows")))
 
 
 def _result(family, num_stages, method, plans: list[PartitionPlan], n: int) -> ReplicaPlan:
@@ -144,8 +217,7 @@ def _partition_then_assign(e, d, cost_model, num_stages, num_replicas, family, o
     effective_stages = num_replicas * (num_stages - 1) + 1
     plan = plan_partition(e, d, cost_model, effective_stages, family=family, **options)
     groups = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
-    pricing = _Pricing(*padded_lengths(e, d, family), cost_model, options.get("unit_pairs"),
-                       bool(options.get("flat_rows")))
+    pricing = group_pricing(e, d, cost_model, family, options)
     shapes, times = pricing.shapes_and_times(groups)
     while len(groups) < num_replicas:  # too few micro-batches: halve the slowest splittable one
         k = int(np.argmax(np.where(np.array([g.size for g in groups]) > 1, times, -np.inf)))

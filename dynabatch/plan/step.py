@@ -50,7 +50,7 @@ from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list 
 from dynabatch.cost.pairs import row_calls, row_longest
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
-from dynabatch.plan.replicas import plan_replicas
+from dynabatch.plan.replicas import equalize_counts, group_pricing, plan_replicas, wants_equal_counts
 from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
 from dynabatch.plan.slice_costs import SliceCostModel
 from dynabatch.plan.slicing import slice_long_samples
@@ -407,24 +407,44 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
         num = min(num_replicas, len(rows))
         rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, **options)
         unit_pairs = options.get("unit_pairs")
-        for r, part in enumerate(rp.replicas):
+
+        def whole_pieces(part) -> list[Piece]:
+            out = []
             for ids, shape, t in zip(part.micro_batches, part.shapes.tolist(), part.times_s.tolist()):
                 group = tuple(rows[i] for i in ids)
                 samples = tuple(i for row in group for i in row)
                 if unit_pairs is None:
-                    replica_pieces[r].append(Piece(samples, tuple(shape), float(t)))
-                else:
-                    if capacity == FLAT:
-                        group = (samples,)
-                    total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
-                    packed = group if any(len(row) > 1 for row in group) else None
-                    replica_pieces[r].append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
-                                                   calls=row_calls(group, e, d, family),
-                                                   longest=row_longest(group, e, d, family)))
+                    out.append(Piece(samples, tuple(shape), float(t)))
+                    continue
+                if capacity == FLAT:
+                    group = (samples,)
+                total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
+                packed = group if any(len(row) > 1 for row in group) else None
+                out.append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
+                                 calls=row_calls(group, e, d, family), longest=row_longest(group, e, d, family)))
+            return out
+
+        parts = list(rp.replicas)
+        for r, part in enumerate(parts):
+            replica_pieces[r] = whole_pieces(part)
     # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
     for i, pieces, _ in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
         loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]
         replica_pieces[int(np.argmin(loads))].extend(pieces)
+    if wants_equal_counts(how.cost_model) and len({len(p) for p in replica_pieces}) > 1:
+        if not len(keep):
+            raise ValueError("--zero 2 needs as many micro-batches on every replica, but every sample of this "
+                             "step runs token-sliced: raise the global batch tokens or use --zero 1")
+        # --zero 2: the slices' counts too (equalize_counts never splits a slice)
+        pricing = group_pricing(ue, ud, how.cost_model, family, options)
+        fixed = [sum(p.is_slice for p in pieces) for pieces in replica_pieces]
+        whole = [[np.asarray(ids, dtype=np.int64) for ids in part.micro_batches] for part in parts]
+        whole += [[] for _ in range(num_replicas - len(whole))]
+        groups = equalize_counts(whole, lambda gs: pricing.shapes_and_times(gs)[1], fixed)
+        for r, gs in enumerate(groups):
+            part = pricing.sub_plan(parts[r if r < len(parts) else 0], num_stages, gs) if gs else None
+            slices = [p for p in replica_pieces[r] if p.is_slice]
+            replica_pieces[r] = (whole_pieces(part) if part is not None else []) + slices
     if how.fill_drain_order:
         replica_pieces = [_fill_drain(pieces) for pieces in replica_pieces]
     return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(i for i, _, _ in sliced))

@@ -1,0 +1,59 @@
+"""``--zero 2``'s equal micro-batch counts in the plan layer (:func:`dynabatch.plan.replicas.equalize_counts`): every
+replica of a stage gets as many micro-batches as the one with the most, the samples are covered exactly once, and the
+planned step stays close to the free counts' (the figures on 2 and 8 replicas are in docs/benchmarks/zero/)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.plan.replicas import equalize_counts, plan_replicas
+from dynabatch.plan.step import plan_step
+
+
+def _heavy_tailed(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    e = np.clip(rng.lognormal(np.log(120), 1.0, n), 4, 1024).astype(np.int64)
+    return e, np.zeros_like(e)
+
+
+def _model(zero: int, replicas: int) -> StageCostModel:
+    model = AnalyticCostModel.from_names("gpt-350m", "a100-40gb")
+    return StageCostModel(model, balanced_layout(model, 4), 40 * 2**30, zero=zero, replicas=replicas)
+
+
+def test_equalize_splits_the_costliest_group_of_the_short_replicas():
+    groups = [[np.array([0, 1, 2, 3]), np.array([4])], [np.array([5]), np.array([6]), np.array([7]), np.array([8])]]
+    out = equalize_counts(groups, lambda gs: [float(g.size) for g in gs])
+    assert [len(gs) for gs in out] == [4, 4]
+    assert [g.tolist() for g in out[0]] == [[0], [1], [2, 3], [4]]  # halves in place, the costliest split first
+    assert sorted(i for gs in out for g in gs for i in g.tolist()) == list(range(9))
+    # fixed micro-batches (token slices) count and are never split
+    out = equalize_counts([[np.array([0, 1, 2])], [np.array([3])]], lambda gs: [float(g.size) for g in gs], [0, 2])
+    assert [len(gs) for gs in out] == [3, 1]
+
+
+def test_equalize_moves_a_group_when_nothing_is_left_to_split_and_refuses_the_impossible():
+    out = equalize_counts([[np.array([0])], [np.array([1]), np.array([2, 3])]], lambda gs: [float(g.size) for g in gs])
+    assert [len(gs) for gs in out] == [2, 2]
+    with pytest.raises(ValueError, match="same number of micro-batches.*--zero 1"):
+        equalize_counts([[np.array([0])], [np.array([1]), np.array([2])]], lambda gs: [1.0] * len(gs))
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_zero_2_plans_equal_counts_at_a_small_cost(replicas):
+    e, d = _heavy_tailed(0, 512)
+    free = plan_step(e, d, _model(1, replicas), 4, family="gpt2", num_replicas=replicas)
+    equal = plan_step(e, d, _model(2, replicas), 4, family="gpt2", num_replicas=replicas)
+    assert len({len(p) for p in free.replicas}) > 1  # the free plan's counts differ, so the test equalizes something
+    assert len({len(p) for p in equal.replicas}) == 1
+    for plan in (free, equal):
+        assert sorted(i for pieces in plan.replicas for p in pieces for i in p.sample_ids) == list(range(e.size))
+    assert equal.objective_s == pytest.approx(free.objective_s, rel=0.1)
+    # plan_replicas alone equalizes as the cost model asks, and as told
+    rp = plan_replicas(e, d, _model(2, replicas), 4, replicas, family="gpt2")
+    assert len({p.num_micro_batches for p in rp.replicas}) == 1
+    rp = plan_replicas(e, d, _model(2, replicas), 4, replicas, family="gpt2", equal_counts=False)
+    assert len({p.num_micro_batches for p in rp.replicas}) > 1
