@@ -44,7 +44,8 @@ the local search break ties by index.
 collective every replica of a stage must issue equally often): when the cost model asks for it
 (``equal_micro_batch_counts``), :func:`equalize_counts` then splits micro-batches on the replicas that have
 fewer, the most expensive splittable one first, into two contiguous halves priced by the cost model, until
-every replica has as many as the one with the most. Splitting the costliest keeps that replica's
+every replica has as many as the one with the most (:func:`dynabatch.plan.step.plan_step` also counts, and
+halves, token slices). Splitting the costliest keeps that replica's
 ``sum(t) + (S - 1) max(t)`` from growing (the halves cost about as much together and lower its ``max``).
 """
 
@@ -153,48 +154,52 @@ def wants_equal_counts(cost_model) -> bool:
     return bool(getattr(cost_model, "equal_micro_batch_counts", False))
 
 
-def equalize_counts(groups_by_replica, price, fixed=None) -> list[list[np.ndarray]]:
-    """Per replica, its micro-batches (arrays of sample or unit indices, in planner order) split until every
-    replica runs as many as the one with the most (module docstring, "Equal counts").
+def equalize_counts(items_by_replica, price, split=None, movable=None) -> list[list]:
+    """Per replica, its micro-batches split until every replica runs as many as the one with the most (module
+    docstring, "Equal counts").
 
-    ``price(groups) -> (len(groups),) times``; ``fixed``: per replica, micro-batches it runs besides these (token
-    slices), counted but never split. A replica short of micro-batches splits its costliest group of two or more
-    into contiguous halves; one with none to split takes the cheapest group of a replica with the most (which then
-    splits in its turn). Deterministic (ties by index). Raises ``ValueError`` when no splitting evens the counts
-    (every group a single sample)."""
-    groups = [[np.asarray(g, dtype=np.int64) for g in gs] for gs in groups_by_replica]
-    num_replicas = len(groups)
-    extra = [0] * num_replicas if fixed is None else [int(x) for x in fixed]
-    times = [[float(t) for t in price(gs)] if gs else [] for gs in groups]
-    total = sum(g.size for gs in groups for g in gs) + sum(extra)
-    for _ in range(4 * (total + num_replicas)):
-        counts = [len(gs) + x for gs, x in zip(groups, extra)]
+    Items are index arrays (samples or units, in planner order) unless ``split`` says otherwise: ``price(items) ->
+    (len(items),) times``; ``split(item)``: its two halves in order, or ``None`` when it cannot be split (default:
+    an array of two or more indices into contiguous halves); ``movable(item)``: may go to another replica (default:
+    all). A replica short of micro-batches splits its costliest splittable item in place; one with none to split
+    takes the cheapest movable item of a replica with the most (which then splits in its turn). Deterministic
+    (ties by index). Raises ``ValueError`` when no splitting evens the counts."""
+    split = split or _halve
+    movable = movable or (lambda item: True)
+    items = [list(xs) for xs in items_by_replica]
+    num_replicas = len(items)
+    times = [[float(t) for t in price(xs)] if xs else [] for xs in items]
+    budget = 4 * (sum(len(xs) for xs in items) + num_replicas) + 64
+    for _ in range(budget):
+        counts = [len(xs) for xs in items]
         top = max(counts)
         short = [r for r in range(num_replicas) if counts[r] < top]
         if not short:
-            return groups
+            return items
         r = min(short, key=lambda r: (counts[r], r))
-        splittable = [k for k, g in enumerate(groups[r]) if g.size > 1]
-        if splittable:
-            k = max(splittable, key=lambda k: (times[r][k], -k))
-            g = groups[r][k]
-            halves = [g[: g.size // 2], g[g.size // 2:]]
-            groups[r][k:k + 1] = halves
-            times[r][k:k + 1] = [float(t) for t in price(halves)]
+        halves = {k: h for k, x in enumerate(items[r]) if (h := split(x)) is not None}
+        if halves:
+            k = max(halves, key=lambda k: (times[r][k], -k))
+            items[r][k:k + 1] = list(halves[k])
+            times[r][k:k + 1] = [float(t) for t in price(list(halves[k]))]
             continue
-        donors = [q for q in range(num_replicas) if counts[q] == top and groups[q]]
+        donors = [q for q in range(num_replicas) if counts[q] == top and any(movable(x) for x in items[q])]
         if not donors:
             break
-        q = max(donors, key=lambda q: (sum(g.size > 1 for g in groups[q]), -q))
-        k = min(range(len(groups[q])), key=lambda k: (times[q][k], k))
-        groups[r].append(groups[q].pop(k))
+        q = min(donors)
+        k = min((k for k, x in enumerate(items[q]) if movable(x)), key=lambda k: (times[q][k], k))
+        items[r].append(items[q].pop(k))
         times[r].append(times[q].pop(k))
-    counts = [len(gs) + x for gs, x in zip(groups, extra)]
     raise ValueError(
-        f"cannot give the {num_replicas} replicas the same number of micro-batches (they have {counts}, "
-        "and no micro-batch left to split holds two samples), which --zero 2 needs: raise the global batch "
-        "tokens or use --zero 1"
+        f"cannot give the {num_replicas} replicas the same number of micro-batches (they have "
+        f"{[len(xs) for xs in items]}, and none left to split), which --zero 2 needs: raise the global batch tokens "
+        "or use --zero 1"
     )
+
+
+def _halve(group):
+    group = np.asarray(group, dtype=np.int64)
+    return None if group.size < 2 else (group[: group.size // 2], group[group.size // 2:])
 
 
 def group_pricing(e, d, cost_model, family: str, options: dict) -> "_Pricing":

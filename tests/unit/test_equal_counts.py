@@ -30,9 +30,11 @@ def test_equalize_splits_the_costliest_group_of_the_short_replicas():
     assert [len(gs) for gs in out] == [4, 4]
     assert [g.tolist() for g in out[0]] == [[0], [1], [2, 3], [4]]  # halves in place, the costliest split first
     assert sorted(i for gs in out for g in gs for i in g.tolist()) == list(range(9))
-    # fixed micro-batches (token slices) count and are never split
-    out = equalize_counts([[np.array([0, 1, 2])], [np.array([3])]], lambda gs: [float(g.size) for g in gs], [0, 2])
-    assert [len(gs) for gs in out] == [3, 1]
+    # items that cannot be split or moved (a token slice of one token) still count
+    fixed = [[np.array([0, 1, 2])], [np.array([3]), "slice", "slice"]]
+    out = equalize_counts(fixed, lambda xs: [1.0] * len(xs), split=lambda x: None if isinstance(x, str) or x.size < 2
+                          else (x[:1], x[1:]), movable=lambda x: not isinstance(x, str))
+    assert [len(xs) for xs in out] == [3, 3] and out[1][1:] == ["slice", "slice"]
 
 
 def test_equalize_moves_a_group_when_nothing_is_left_to_split_and_refuses_the_impossible():
