@@ -392,6 +392,8 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     family, num_stages, num_replicas = how.family, how.num_stages, how.num_replicas
     partition_options = how.partition_options
     replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
+    whole_ids: list[list[np.ndarray]] = []
+    """Per replica, the units of each whole-sample micro-batch (for --zero 2's equal counts)."""
     if len(keep):
         # Fewer unsliced samples than replicas (every sample long): the DP fills as many replicas as it can,
         # the sliced samples below go to the empty ones first (their predicted time is 0).
@@ -460,9 +462,8 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
         items = equalize_counts(items, price, split, movable=lambda item: item[0] == "whole")
         for r, xs in enumerate(items):
             groups = [x for kind, x in xs if kind == "whole"]
-            shapes, times = pricing.shapes_and_times(groups) if groups else (np.zeros((0, 3)), np.zeros(0))
-            replica_pieces[r] = (whole_pieces(groups, shapes.tolist(), times.tolist())
-                                 + [x for kind, x in xs if kind == "slice"])
+            whole = whole_pieces(groups, *(a.tolist() for a in pricing.shapes_and_times(groups))) if groups else []
+            replica_pieces[r] = whole + [x for kind, x in xs if kind == "slice"]
     if how.fill_drain_order:
         replica_pieces = [_fill_drain(pieces) for pieces in replica_pieces]
     sliced_ids = [i for i, _, _ in sliced]  # and those --zero 2's equal counts cut into slices

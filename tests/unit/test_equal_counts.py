@@ -4,12 +4,16 @@ planned step stays close to the free counts' (the figures on 2 and 8 replicas ar
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.replicas import equalize_counts, plan_replicas
+from dynabatch.plan.slice_costs import PolynomialSliceCostModel
 from dynabatch.plan.step import plan_step
 
 
@@ -59,3 +63,47 @@ def test_zero_2_plans_equal_counts_at_a_small_cost(replicas):
     assert len({p.num_micro_batches for p in rp.replicas}) == 1
     rp = plan_replicas(e, d, _model(2, replicas), 4, replicas, family="gpt2", equal_counts=False)
     assert len({p.num_micro_batches for p in rp.replicas}) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _EqualCounts(PolynomialCostModel):
+    """The toy cost model under ``--zero 2``."""
+
+    @property
+    def equal_micro_batch_counts(self) -> bool:
+        return True
+
+
+def _tiles(step, e) -> None:
+    """Every sample once: whole, or as token slices tiling ``[0, L)`` in order on one replica."""
+    seen = {}
+    for r, pieces in enumerate(step.replicas):
+        for p in pieces:
+            for i in p.sample_ids:
+                seen.setdefault(i, []).append((r, p.token_range))
+    assert sorted(seen) == list(range(len(e)))
+    for i, parts in seen.items():
+        if parts[0][1] is None:
+            assert len(parts) == 1
+            continue
+        assert len({r for r, _ in parts}) == 1
+        ranges = [t for _, t in parts]
+        assert ranges[0][0] == 0 and ranges[-1][1] == e[i] and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("lengths", [(300, 300, 300), (3000, 300, 300)])
+def test_zero_2_halves_token_slices_and_cuts_a_one_sample_micro_batch_into_slices(lengths):
+    """Three one-sample micro-batches (or slice chains) on 2 replicas: the counts even out only by cutting along the
+    tokens, which the step planner does with the slice model (priced halves); without one it refuses (one line)."""
+    e, d = np.array(lengths), np.zeros(3, dtype=np.int64)
+    free = plan_step(e, d, PolynomialCostModel(), 4, family="gpt2", num_replicas=2,
+                     slice_cost_model=PolynomialSliceCostModel())
+    equal = plan_step(e, d, _EqualCounts(), 4, family="gpt2", num_replicas=2,
+                      slice_cost_model=PolynomialSliceCostModel())
+    assert len({len(p) for p in free.replicas}) > 1 and len({len(p) for p in equal.replicas}) == 1
+    _tiles(equal, e)
+    assert set(free.sliced_samples) <= set(equal.sliced_samples)
+    assert set(equal.sliced_samples) == {p.sample_ids[0] for ps in equal.replicas for p in ps if p.is_slice}
+    if lengths == (300, 300, 300):  # three single samples, nothing to halve without slices
+        with pytest.raises(ValueError, match="same number of micro-batches .*--zero 1"):
+            plan_step(e, d, _EqualCounts(), 4, family="gpt2", num_replicas=2)
