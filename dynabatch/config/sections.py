@@ -146,8 +146,9 @@ class PipelineArgs:
     zero: int = arg(0, "shard model states across the data-parallel replicas of each stage (DeepSpeed's ZeRO "
                        "stages): 0 (every replica keeps full weights, gradients and AdamW states), 1 (AdamW "
                        "states sharded: gradients reduce-scattered and weights all-gathered at the step boundary; "
-                       "any micro-batch counts) or 2 (gradients sharded too: priced by plan and simulate, not "
-                       "trained yet); the planner prices each rank's share", choices=[0, 1, 2])
+                       "any micro-batch counts) or 2 (gradients sharded too, reduced after each micro-batch's backward: "
+                       "the planner gives every replica of a stage the same number of micro-batches); the planner "
+                       "prices each rank's share", choices=[0, 1, 2])
     recompute: Literal[RECOMPUTE_POLICIES] = arg(
         "auto", f"activation recomputation: {RECOMPUTE_POLICIES.describe(' or ')} (none wherever memory does not "
                 "bind)")

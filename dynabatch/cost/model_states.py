@@ -7,7 +7,8 @@ autocast copy). Sharding over the ``R`` replicas of the stage divides parts of i
 * ``--zero 1``: the optimizer states (AdamW's two fp32 moments, :data:`~dynabatch.cost.analytic.OPTIMIZER_STATE_BYTES`)
   are divided by ``R`` (:mod:`dynabatch.runtime.zero`);
 * ``--zero 2``: the gradients too (:data:`GRADIENT_BYTES` a parameter: the runtime's gradients are fp32 like its
-  weights). Priced by ``plan`` and ``simulate``; the runtime does not train with it yet.
+  weights), reduced onto their owners as the backward produces them; during the backward a rank also holds the
+  full gradient of the parameter being reduced (:func:`gradient_peak_bytes`).
 
 So for Llama-3-70B in bf16 autocast on 8 stages x 8 replicas (about 8.8 B parameters a stage): 18, 4 + 2 + 4 + 8 / 8 =
 11 and 4 + 2 + (4 + 8) / 8 = 7.5 bytes a parameter.
@@ -39,3 +40,14 @@ def per_rank_state_bytes(full_bytes: float, num_params: float, optimizer: str, z
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     sharded = num_params * sharded_bytes_per_param(optimizer, zero)
     return float(full_bytes - sharded + sharded / replicas)
+
+
+def gradient_peak_bytes(full_bytes: float, largest_bytes: float, shards: int) -> float:
+    """The most gradient bytes a rank holds during the backward: every full gradient (``full_bytes``) unsharded
+    (``shards == 1``: ``--zero 0`` and ``1`` keep them to the step boundary), else its ``1 / shards`` of them (its
+    shard's summed gradients) plus the full gradient of the parameter being reduced (``largest_bytes`` at worst)."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if shards == 1:
+        return float(full_bytes)
+    return float(full_bytes) / shards + float(largest_bytes)

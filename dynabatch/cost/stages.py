@@ -275,6 +275,13 @@ class StageCostModel:
     memory_budget_bytes: float = field(init=False)
     """Activation memory left on the tightest stage."""
 
+    @property
+    def equal_micro_batch_counts(self) -> bool:
+        """Every replica of a stage must run the same number of micro-batches: ``--zero 2`` reduce-scatters the
+        gradients after each micro-batch's backward, a collective the replicas must issue equally often (the
+        planner equalizes the counts, :func:`~dynabatch.plan.replicas.equalize_counts`)."""
+        return self.zero >= 2 and self.replicas > 1
+
     def __post_init__(self) -> None:
         from dynabatch.cost.recompute import check_policy
 

@@ -39,6 +39,14 @@ the replicas' makespans differ by <= 0.5% (max / mean) with ``assign``.
 
 ``R = 1`` returns exactly :func:`plan_partition`'s plan. Deterministic: the DP, the orderings, LPT and
 the local search break ties by index.
+
+**Equal counts** (``--zero 2``: the gradients are reduce-scattered after every micro-batch's backward, a
+collective every replica of a stage must issue equally often): when the cost model asks for it
+(``equal_micro_batch_counts``), :func:`equalize_counts` then splits micro-batches on the replicas that have
+fewer, the most expensive splittable one first, into two contiguous halves priced by the cost model, until
+every replica has as many as the one with the most (:func:`dynabatch.plan.step.plan_step` also counts, and
+halves, token slices). Splitting the costliest keeps that replica's
+``sum(t) + (S - 1) max(t)`` from growing (the halves cost about as much together and lower its ``max``).
 """
 
 from __future__ import annotations
@@ -99,15 +107,20 @@ def plan_replicas(
     *,
     family: str,
     method: str = "assign",
+    equal_counts: bool | None = None,
     **partition_options,
 ) -> ReplicaPlan:
     """Partition a global batch and split it over ``num_replicas`` pipelines that should finish together.
 
     ``partition_options`` go to :func:`plan_partition` (``order``, ``cap_tolerance``, ``max_samples``,
     ``max_tokens``, ``in_flight``; ``in_flight`` defaults to ``num_stages``; ``unit_pairs`` prices the
-    runs and the replicas' micro-batches with per-segment attention). Raises ``ValueError`` on bad
-    arguments and when there are fewer samples than replicas.
+    runs and the replicas' micro-batches with per-segment attention). ``equal_counts``: give every replica
+    the same number of micro-batches (:func:`equalize_counts`); ``None``: as the cost model's
+    ``equal_micro_batch_counts`` says (``--zero 2``). Raises ``ValueError`` on bad arguments and when
+    there are fewer samples than replicas.
     """
+    if equal_counts is None:
+        equal_counts = wants_equal_counts(cost_model)
     e, d = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
     check_int("num_replicas", num_replicas)
@@ -128,7 +141,72 @@ def plan_replicas(
         plans = _split_then_partition(e, d, cost_model, num_stages, num_replicas, family, options)
     else:
         plans = _partition_then_assign(e, d, cost_model, num_stages, num_replicas, family, options)
+    if equal_counts and len({p.num_micro_batches for p in plans}) > 1:
+        pricing = group_pricing(e, d, cost_model, family, options)
+        groups = equalize_counts([[np.asarray(mb, dtype=np.int64) for mb in p.micro_batches] for p in plans],
+                                 lambda gs: pricing.shapes_and_times(gs)[1])
+        plans = [pricing.sub_plan(p, num_stages, gs) for p, gs in zip(plans, groups)]
     return _result(family, num_stages, method, plans, e.size)
+
+
+def wants_equal_counts(cost_model) -> bool:
+    """Whether ``cost_model`` asks every replica for the same number of micro-batches (``--zero 2``)."""
+    return bool(getattr(cost_model, "equal_micro_batch_counts", False))
+
+
+def equalize_counts(items_by_replica, price, split=None, movable=None) -> list[list]:
+    """Per replica, its micro-batches split until every replica runs as many as the one with the most (module
+    docstring, "Equal counts").
+
+    Items are index arrays (samples or units, in planner order) unless ``split`` says otherwise: ``price(items) ->
+    (len(items),) times``; ``split(item)``: its two halves in order, or ``None`` when it cannot be split (default:
+    an array of two or more indices into contiguous halves); ``movable(item)``: may go to another replica (default:
+    all). A replica short of micro-batches splits its costliest splittable item in place; one with none to split
+    takes the cheapest movable item of a replica with the most (which then splits in its turn). Deterministic
+    (ties by index). Raises ``ValueError`` when no splitting evens the counts."""
+    split = split or _halve
+    movable = movable or (lambda item: True)
+    items = [list(xs) for xs in items_by_replica]
+    num_replicas = len(items)
+    times = [[float(t) for t in price(xs)] if xs else [] for xs in items]
+    budget = 4 * (sum(len(xs) for xs in items) + num_replicas) + 64
+    for _ in range(budget):
+        counts = [len(xs) for xs in items]
+        top = max(counts)
+        short = [r for r in range(num_replicas) if counts[r] < top]
+        if not short:
+            return items
+        r = min(short, key=lambda r: (counts[r], r))
+        halves = {k: h for k, x in enumerate(items[r]) if (h := split(x)) is not None}
+        if halves:
+            k = max(halves, key=lambda k: (times[r][k], -k))
+            items[r][k:k + 1] = list(halves[k])
+            times[r][k:k + 1] = [float(t) for t in price(list(halves[k]))]
+            continue
+        donors = [q for q in range(num_replicas) if counts[q] == top and any(movable(x) for x in items[q])]
+        if not donors:
+            break
+        q = min(donors)
+        k = min((k for k, x in enumerate(items[q]) if movable(x)), key=lambda k: (times[q][k], k))
+        items[r].append(items[q].pop(k))
+        times[r].append(times[q].pop(k))
+    raise ValueError(
+        f"cannot give the {num_replicas} replicas the same number of micro-batches (they have "
+        f"{[len(xs) for xs in items]}, and none left to split), which --zero 2 needs: raise the global batch tokens "
+        "or use --zero 1"
+    )
+
+
+def _halve(group):
+    group = np.asarray(group, dtype=np.int64)
+    return None if group.size < 2 else (group[: group.size // 2], group[group.size // 2:])
+
+
+def group_pricing(e, d, cost_model, family: str, options: dict) -> "_Pricing":
+    """How :func:`plan_replicas` shapes and prices micro-batches (groups of the units ``e, d``) under
+    ``options`` (``unit_pairs``, ``flat_rows``): padded rows, or one flat row."""
+    return _Pricing(*padded_lengths(e, d, family), cost_model, options.get("unit_pairs"),
+                    bool(options.get("flat_rows")))
 
 
 def _result(family, num_stages, method, plans: list[PartitionPlan], n: int) -> ReplicaPlan:
@@ -144,8 +222,7 @@ def _partition_then_assign(e, d, cost_model, num_stages, num_replicas, family, o
     effective_stages = num_replicas * (num_stages - 1) + 1
     plan = plan_partition(e, d, cost_model, effective_stages, family=family, **options)
     groups = [np.asarray(mb, dtype=np.int64) for mb in plan.micro_batches]
-    pricing = _Pricing(*padded_lengths(e, d, family), cost_model, options.get("unit_pairs"),
-                       bool(options.get("flat_rows")))
+    pricing = group_pricing(e, d, cost_model, family, options)
     shapes, times = pricing.shapes_and_times(groups)
     while len(groups) < num_replicas:  # too few micro-batches: halve the slowest splittable one
         k = int(np.argmax(np.where(np.array([g.size for g in groups]) > 1, times, -np.inf)))

@@ -50,7 +50,7 @@ from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list 
 from dynabatch.cost.pairs import row_calls, row_longest
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
-from dynabatch.plan.replicas import plan_replicas
+from dynabatch.plan.replicas import equalize_counts, group_pricing, plan_replicas, wants_equal_counts
 from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
 from dynabatch.plan.slice_costs import SliceCostModel
 from dynabatch.plan.slicing import slice_long_samples
@@ -247,7 +247,7 @@ def plan_step(
         top = padded_lengths(e, d, family)
         flat_row = (max(int(flat_row[0]), int(top[0].max())), max(int(flat_row[1]), int(top[1].max())))
     how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows, score, tuple(fill_scales), segment_pricing, flat_row)
+                    pack_rows, score, tuple(fill_scales), segment_pricing, flat_row, slice_cost_model)
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -297,6 +297,8 @@ class _Planning:
     """Without row packing: one sample per row priced by its own pairs (``(0, 0)``), not dense."""
     flat_row: tuple[int, int] | None = None
     """``max_row`` of every flat micro-batch (:func:`plan_step`'s ``flat_row``), or None."""
+    slice_cost_model: SliceCostModel | None = None
+    """Prices token slices (halves of a slice under ``--zero 2``'s equal counts), or None."""
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
@@ -390,6 +392,8 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     family, num_stages, num_replicas = how.family, how.num_stages, how.num_replicas
     partition_options = how.partition_options
     replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
+    whole_ids: list[list[np.ndarray]] = []
+    """Per replica, the units of each whole-sample micro-batch (for --zero 2's equal counts)."""
     if len(keep):
         # Fewer unsliced samples than replicas (every sample long): the DP fills as many replicas as it can,
         # the sliced samples below go to the empty ones first (their predicted time is 0).
@@ -405,29 +409,79 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
             if capacity == FLAT and how.flat_row is not None:
                 options["max_row"] = how.flat_row
         num = min(num_replicas, len(rows))
-        rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, **options)
+        # --zero 2's equal counts are evened below, where token slices count (and may be halved) too
+        rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, equal_counts=False, **options)
         unit_pairs = options.get("unit_pairs")
-        for r, part in enumerate(rp.replicas):
-            for ids, shape, t in zip(part.micro_batches, part.shapes.tolist(), part.times_s.tolist()):
+
+        def whole_pieces(groups, shapes, times) -> list[Piece]:
+            out = []
+            for ids, shape, t in zip(groups, shapes, times):
                 group = tuple(rows[i] for i in ids)
                 samples = tuple(i for row in group for i in row)
                 if unit_pairs is None:
-                    replica_pieces[r].append(Piece(samples, tuple(shape), float(t)))
-                else:
-                    if capacity == FLAT:
-                        group = (samples,)
-                    total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
-                    packed = group if any(len(row) > 1 for row in group) else None
-                    replica_pieces[r].append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
-                                                   calls=row_calls(group, e, d, family),
-                                                   longest=row_longest(group, e, d, family)))
+                    out.append(Piece(samples, tuple(shape), float(t)))
+                    continue
+                if capacity == FLAT:
+                    group = (samples,)
+                total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
+                packed = group if any(len(row) > 1 for row in group) else None
+                out.append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
+                                 calls=row_calls(group, e, d, family), longest=row_longest(group, e, d, family)))
+            return out
+
+        whole_ids = [[np.asarray(ids, dtype=np.int64) for ids in part.micro_batches] for part in rp.replicas]
+        for r, part in enumerate(rp.replicas):
+            replica_pieces[r] = whole_pieces(part.micro_batches, part.shapes.tolist(), part.times_s.tolist())
     # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
     for i, pieces, _ in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
         loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]
         replica_pieces[int(np.argmin(loads))].extend(pieces)
+    if wants_equal_counts(how.cost_model) and len({len(p) for p in replica_pieces}) > 1:
+        # --zero 2: whole micro-batches halved (priced as the DP prices them), token slices halved along their
+        # tokens (priced by the slice model), a one-sample micro-batch of a decoder-only model cut into two token
+        # slices; only whole micro-batches move between replicas (a chain stays on one)
+        pricing = group_pricing(ue, ud, how.cost_model, family, options) if len(keep) else None
+        whole_ids += [[] for _ in range(num_replicas - len(whole_ids))]
+        items = [[("whole", ids) for ids in whole_ids[r]] + [("slice", p) for p in pieces if p.is_slice]
+                 for r, pieces in enumerate(replica_pieces)]
+
+        def price(xs) -> list[float]:
+            return [pricing.shapes_and_times([x])[1][0] if kind == "whole" else x.time_s for kind, x in xs]
+
+        def split(item):
+            kind, x = item
+            if kind == "whole" and x.size >= 2:
+                return ("whole", x[: x.size // 2]), ("whole", x[x.size // 2:])
+            if kind == "whole":
+                if len(rows[x[0]]) > 1 or is_seq2seq(family):
+                    return None
+                i = rows[x[0]][0]
+                x = Piece((i,), (1, int(e[i] + d[i]), 0), 0.0, (0, int(e[i] + d[i])))
+            return None if (halves := _halve_slice(x, how.slice_cost_model)) is None else tuple(("slice", h) for h in halves)
+
+        items = equalize_counts(items, price, split, movable=lambda item: item[0] == "whole")
+        for r, xs in enumerate(items):
+            groups = [x for kind, x in xs if kind == "whole"]
+            whole = whole_pieces(groups, *(a.tolist() for a in pricing.shapes_and_times(groups))) if groups else []
+            replica_pieces[r] = whole + [x for kind, x in xs if kind == "slice"]
     if how.fill_drain_order:
         replica_pieces = [_fill_drain(pieces) for pieces in replica_pieces]
-    return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(i for i, _, _ in sliced))
+    sliced_ids = [i for i, _, _ in sliced]  # and those --zero 2's equal counts cut into slices
+    sliced_ids += sorted({p.sample_ids[0] for ps in replica_pieces for p in ps if p.is_slice} - set(sliced_ids))
+    return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(sliced_ids))
+
+
+def _halve_slice(piece: Piece, slice_cost_model) -> tuple[Piece, Piece] | None:
+    """A token slice cut in two along its tokens, each half priced by ``slice_cost_model`` with its context;
+    ``None`` for a slice of one token (or without a slice model)."""
+    lo, hi = piece.token_range
+    if hi - lo < 2 or slice_cost_model is None:
+        return None
+    mid = lo + (hi - lo) // 2
+    t, _, _ = slice_cost_model.evaluate(np.ones(2, dtype=np.int64), np.array([mid - lo, hi - mid], dtype=np.int64),
+                                        np.array([lo, mid], dtype=np.int64))
+    i = piece.sample_ids[0]
+    return (Piece((i,), (1, mid - lo, 0), float(t[0]), (lo, mid)), Piece((i,), (1, hi - mid, 0), float(t[1]), (mid, hi)))
 
 
 def _single_units(e, d, family):

@@ -49,11 +49,12 @@ def compute_times(timeline) -> dict[str, dict[tuple[int, int], float]]:
 
 def gather_measurements(ctx, result) -> list[dict] | None:
     """Collective over the world: rank 0 gets, per global rank, ``{"F": ..., "B": ..., "saved_peak": bytes,
-    "model_state": bytes}`` of this step; the other ranks ``None``."""
+    "model_state": bytes, "grad_peak": bytes, "grad_peak_predicted": bytes, "grad_collectives": count}`` of this step; the other ranks ``None``."""
     from dynabatch.runtime.dist import gather_to_planner
 
     mine = {**compute_times(result.timeline), "saved_peak": result.saved_peak_bytes,
-            "model_state": result.model_state_bytes}
+            "model_state": result.model_state_bytes, "grad_peak": result.gradient_peak_bytes,
+            "grad_peak_predicted": result.gradient_peak_bytes_predicted, "grad_collectives": result.gradient_collectives}
     return gather_to_planner(ctx, mine, f"step {result.step}'s measured stage times")
 
 

@@ -38,7 +38,9 @@ like ``clip_grad_norm_`` and steps the optimizer and the LR scheduler; when the 
 finite (NaN/inf, e.g. a diverging learning rate) the optimizer step is skipped on every rank (they
 all see the same reduced totals) and :attr:`StepResult.skipped` says so. Under ``--zero 1`` (:mod:`dynabatch.runtime.zero`)
 ``REDUCE`` reduce-scatters instead of all-reducing, the norm sums the replicas' disjoint shards (no division) and
-``STEP`` updates this rank's shard, then all-gathers the weights. Gradients are dropped at the
+``STEP`` updates this rank's shard, then all-gathers the weights. Under ``--zero 2`` the gradients are reduced onto
+their owners' shards after each micro-batch's ``BACKWARD`` (hooks and :meth:`~dynabatch.runtime.zero.ZeroShards.end_backward`),
+so ``REDUCE`` only sums the tied parameters' pieces. Gradients are dropped at the
 start of the next step (so tests and logging can read a step's reduced, clipped gradients).
 
 Precision (:mod:`dynabatch.runtime.precision`): forwards run under ``torch.autocast`` of ``autocast_dtype``
@@ -80,6 +82,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dynabatch.cost.model_states import gradient_peak_bytes
 from dynabatch.models.recompute import recompute_mode
 from dynabatch.models.stage import StageModule, StageOutput
 from dynabatch.runtime.delivery import StepInputs
@@ -118,6 +121,13 @@ class StepResult:
     model_state_bytes: int | None = None
     """Training steps: the measured bytes of this rank's weights, gradients and optimizer states after the step
     (:func:`~dynabatch.runtime.zero.model_state_bytes`)."""
+    gradient_peak_bytes: int | None = None
+    """Training steps: the most bytes of gradients this rank held during the backward (every full gradient at its
+    end; under ``--zero 2`` its shards' and those not yet reduced)."""
+    gradient_peak_bytes_predicted: int | None = None
+    """What :func:`~dynabatch.cost.model_states.gradient_peak_bytes` predicts for this rank's parameters."""
+    gradient_collectives: int | None = None
+    """``--zero 2``: the gradient reductions this rank issued during the backward."""
 
 
 @dataclass
@@ -205,6 +215,8 @@ class Executor:
             raise ValueError("the ZeroShards were built over other parameters than this rank's stage modules'")
         if zero is not None:
             zero.count_in_norm(self.norm_params)
+            zero.set_chunks({s: [p for p in c.parameters() if p.requires_grad] for s, c in self.chunks.items()})
+        self.gradient_peak_bytes = 0
         # per-step state
         self._current: Instr | None = None
         """The instruction running (for error messages)."""
@@ -257,6 +269,8 @@ class Executor:
         if not evaluating:
             for p in self.params:  # zeroed at the start, so the step's gradients stay readable after it
                 p.grad = None
+            if self.zero is not None:
+                self.zero.begin_step()
         timeline: list[tuple[str, float, float]] = []
         clock = time.perf_counter
         self._current = None
@@ -292,8 +306,15 @@ class Executor:
             self.states, self.pending = {}, {}
             self.contexts, self.kv_grads = {}, {}
         states = None if evaluating else model_state_bytes(self.params, self.optimizer)
+        grads = predicted = collectives = None
+        if not evaluating:
+            sharded = self.zero is not None and self.zero.shard_gradients
+            grads = self.zero.peak_gradient_bytes if sharded else self.gradient_peak_bytes
+            predicted = predicted_gradient_peak(self.params, self.ctx.num_replicas if sharded else 1)
+            collectives = self.zero.collectives if sharded else None
         return StepResult(plan.step, self.loss, self.grad_norm, inputs.global_loss_tokens, timeline, self.segment_losses,
-                          self.skipped, meter.peak_bytes if meter is not None else None, self.overflowed, scale, states)
+                          self.skipped, meter.peak_bytes if meter is not None else None, self.overflowed, scale, states,
+                          grads, predicted, collectives)
 
     def _train_mode(self, on: bool) -> None:
         for c in self.chunks.values():
@@ -317,9 +338,13 @@ class Executor:
     def reduce_gradients(self) -> None:
         """``REDUCE``: sum tied-parameter gradients over their copies (on this rank, then over the ranks holding
         one), then gradients over the replicas."""
+        if self.zero is not None and self.zero.shard_gradients:  # reduced per micro-batch; the tied pieces remain
+            self.zero.reduce_tied(self.tied_params, self.tied)
+            return
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        self.gradient_peak_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self.params)
         for name in sorted(self.tied):
             first, *others = self.tied_params[name]
             for p in others:
@@ -500,6 +525,8 @@ def _exec_backward(ex: Executor, ins: Instr) -> None:
         grads += extra_grads
     if tensors:
         torch.autograd.backward(tensors, grads)
+    if ex.zero is not None:
+        ex.zero.end_backward(s)  # --zero 2: this micro-batch's gradients onto their owners
     if record is not None and ex.links[m] >= 0:
         ex.kv_grads[s, ex.links[m]] = record.context_grads(carried)
     st.input_grads = {n: t.grad for n, t in st.received.items()}
@@ -545,6 +572,13 @@ def _exec_reduce(ex: Executor, ins: Instr) -> None:
 
 def _exec_step(ex: Executor, ins: Instr) -> None:
     ex.optimizer_step(ex.inputs.global_loss_tokens)
+
+
+def predicted_gradient_peak(params: list[torch.nn.Parameter], shards: int) -> int:
+    """:func:`~dynabatch.cost.model_states.gradient_peak_bytes` of ``params`` (their gradients in their own dtypes)
+    sharded over ``shards`` replicas (1: unsharded)."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    return int(gradient_peak_bytes(sum(sizes), max(sizes, default=0), shards))
 
 
 def _by_dtype(params: list[torch.nn.Parameter]) -> dict[torch.dtype, list[torch.nn.Parameter]]:

@@ -34,6 +34,7 @@ from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, choose, deal_to_replicas, step_lower_bound
+from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
 from dynabatch.runtime.dist import device_type
@@ -215,6 +216,9 @@ class StepPlanner:
             contexts.append(ctx)
             pairs.append(units_pairs(batch, units, self.family) if self.padding_free else None)
         shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
+        if wants_equal_counts(self.cost_model) and len({len(s) for s in shapes}) > 1:  # would hang under --zero 2
+            raise ValueError(f"step {step}: --zero 2 needs as many micro-batches on every replica, but the plan has "
+                             f"{[len(s) for s in shapes]}")
         costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model)
         predicted_costs = costs
         if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
@@ -272,7 +276,8 @@ class StepPlanner:
         plans (``slice_long``) and virtual stages keep the DP's plan too."""
         cfg = self.cfg
         dp = Candidate(DP, None, plan)
-        if getattr(cfg, "plan_candidates", "baselines") == "off" or plan.sliced_samples or self.placement is not None:
+        if (getattr(cfg, "plan_candidates", "baselines") == "off" or plan.sliced_samples or self.placement is not None
+                or wants_equal_counts(self.cost_model)):  # --zero 2: the baselines deal unequal counts
             return dp, None
         baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, cfg.stages,
                                         num_replicas=cfg.replicas, options=BaselineOptions.of(cfg),

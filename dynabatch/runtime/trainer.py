@@ -173,7 +173,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     if cfg.zero >= 1 and ctx.num_replicas > 1:  # AdamW over this replica's flat shards (runtime.zero)
 
         zero = ZeroShards([p for c in chunks for p in c.parameters() if p.requires_grad], ctx.dp_group,
-                          ctx.num_replicas, ctx.replica_index)
+                          ctx.num_replicas, ctx.replica_index, shard_gradients=cfg.zero >= 2)
     optimizer = torch.optim.AdamW(zero.shard_params if zero is not None else stage.parameters(), lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
@@ -344,6 +344,10 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
                 record["memory_measured_bytes"] = saved_peaks
                 record["model_state_bytes"] = [g["model_state"] for g in gathered]  # per global rank, measured
                 record["model_state_bytes_predicted"] = list(planned.model_state_bytes)  # per stage, priced
+                record["gradient_peak_bytes"] = [g["grad_peak"] for g in gathered]  # per global rank, measured
+                record["gradient_peak_bytes_predicted"] = [g["grad_peak_predicted"] for g in gathered]
+                if cfg.zero >= 2:
+                    record["gradient_collectives"] = [g["grad_collectives"] for g in gathered]  # per global rank
                 record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
                 record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
                 record.update(efficiency_record(ctx, gathered, planned, elapsed, planned.plan_model,

@@ -23,6 +23,21 @@ Memory per rank (fp32 weights; ``N`` parameters of the stage): weights ``4N``, g
 ``8N / R`` (against ``8N``), plus the shard's summed gradient ``4N / R`` between ``REDUCE`` and ``STEP`` (released after
 the step) and the padding (fewer than ``R`` elements per dtype).
 
+``--zero 2`` (``shard_gradients``) also shards the gradients as the backward produces them. A hook on every parameter
+(``register_post_accumulate_grad_hook``) sees its gradient complete for the micro-batch; the parameters of a pipeline
+chunk are reduced in one fixed order (their reverse order in the module, the order autograd produces them in), each as
+soon as it and those before it are ready: per replica whose shard it overlaps, its piece is reduced (SUM,
+``dist.reduce``) onto that replica, which adds it to its shard's gradient, and the full gradient is dropped. The end of
+the micro-batch's backward (:meth:`ZeroShards.end_backward`) reduces what is left in that order (zeros for a parameter
+the micro-batch did not reach). So every replica of a stage issues the same collectives in the same order once per
+micro-batch, which needs as many micro-batches on every replica of a stage (the planner gives them that,
+:func:`~dynabatch.plan.replicas.equalize_counts`): no replica holds the stage's full gradients at any time, only its
+shard's (``4N / R``, kept from :meth:`ZeroShards.begin_step` to the next step) and the parameter being reduced.
+:attr:`ZeroShards.peak_gradient_bytes` measures that peak. Parameters tied across stages (GPT-2's token table) are
+reduced like the others during the backward; at ``REDUCE`` (:meth:`ZeroShards.reduce_tied`) each rank lays its owned
+pieces of them out in a full-size buffer (zeros elsewhere), all-reduces it over the replicas and then over the tied
+group, and keeps its pieces of the sum: a transient full gradient of the tied parameters at the step boundary only.
+
 Checkpoints (:mod:`dynabatch.runtime.reshard`) stay per parameter: :meth:`full_state` all-gathers the moments into
 per-parameter tensors at save time and :meth:`load_full_state` keeps this rank's slice of per-parameter tensors at
 load time, so a checkpoint of any ``--zero`` and replica count resumes under any other.
@@ -35,8 +50,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-ZERO_LEVELS = (0, 1)
-"""``--zero`` settings the runtime trains with (0: every replica keeps full states; 1: AdamW states sharded)."""
+ZERO_LEVELS = (0, 1, 2)
+"""``--zero`` settings the runtime trains with (0: every replica keeps full states; 1: AdamW states sharded; 2: the
+gradients too, reduced per micro-batch)."""
 
 
 @dataclass
@@ -60,7 +76,8 @@ class ZeroShards:
     """This rank's share of the optimizer states of its stage (module docstring). Construction moves the parameters
     into flat buffers (every replica of a stage must pass the same parameters in the same order)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group, num_replicas: int, replica_index: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], group, num_replicas: int, replica_index: int, *,
+                 shard_gradients: bool = False) -> None:
         if num_replicas < 2:
             raise ValueError(f"sharding the optimizer states needs at least 2 replicas, got {num_replicas}")
         self.group, self.num_replicas, self.replica_index = group, num_replicas, replica_index
@@ -83,6 +100,116 @@ class ZeroShards:
             lo, hi = replica_index * k, (replica_index + 1) * k
             self.buckets.append(_Bucket(ps, offsets, flat, torch.nn.Parameter(flat[lo:hi])))
         self.count_in_norm(params)
+        self.shard_gradients = shard_gradients
+        """``--zero 2``: gradients reduced onto their owners during the backward (module docstring)."""
+        self._where = {id(p): (b, o) for b in self.buckets for p, o in zip(b.params, b.offsets)}
+        self._order: dict[int, list[torch.nn.Parameter]] = {0: list(reversed(params))}
+        self._chunk_of = {id(p): 0 for p in params}
+        self._cursor: dict[int, int] = {}
+        self._ready: set[int] = set()
+        self._active = False
+        self._live = 0
+        self.collectives = 0
+        """``--zero 2``: the gradient reductions this rank issued during the last step (equal on every replica of a
+        stage, or the step would hang)."""
+        self.peak_gradient_bytes = 0
+        """``--zero 2``: the largest bytes of gradients this rank held during the last step's backward (its shards'
+        summed gradients and the full gradients not yet reduced)."""
+        if shard_gradients:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    # -- --zero 2: gradients reduced as the backward produces them ----------------------------------------
+
+    def set_chunks(self, chunks: dict[int, list[torch.nn.Parameter]]) -> None:
+        """The parameters of each pipeline chunk of this rank (stage index -> parameters in module order): each
+        chunk's backward reduces its own, in reverse order (one chunk, key 0, until this is called)."""
+        self._order = {s: list(reversed(ps)) for s, ps in chunks.items()}
+        self._chunk_of = {id(p): s for s, ps in chunks.items() for p in ps}
+
+    def begin_step(self) -> None:
+        """Before a training step's backward: zeroed shard gradients to sum into, the peak meter reset."""
+        if not self.shard_gradients:
+            return
+        for b in self.buckets:
+            b.shard.grad = torch.zeros_like(b.shard)
+        self._live = sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self.buckets)
+        self.peak_gradient_bytes = self._live
+        self._ready.clear()
+        self.collectives = 0
+        self._cursor = {s: 0 for s in self._order}
+        self._active = True
+
+    def end_backward(self, stage: int) -> None:
+        """After one micro-batch's backward through chunk ``stage``: reduce what is left of its parameters."""
+        if self._active:
+            self._advance(stage, flush=True)
+            self._cursor[stage] = 0
+
+    def _on_gradient(self, p: torch.nn.Parameter) -> None:
+        if not self._active:
+            return
+        self._live += p.grad.numel() * p.grad.element_size()
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._live)
+        self._ready.add(id(p))
+        self._advance(self._chunk_of[id(p)], flush=False)
+
+    def _advance(self, stage: int, flush: bool) -> None:
+        order, k = self._order[stage], self._cursor[stage]
+        while k < len(order) and (flush or id(order[k]) in self._ready):
+            self._reduce_parameter(order[k])
+            k += 1
+        self._cursor[stage] = k
+
+    def _reduce_parameter(self, p: torch.nn.Parameter) -> None:
+        """Every replica's gradient of ``p`` summed onto the owners of its pieces; ``p.grad`` dropped."""
+        b, o = self._where[id(p)]
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        flat, k = grad.reshape(-1), b.shard_size
+        for r in range(o // k, min((o + p.numel() - 1) // k + 1, self.num_replicas)):
+            lo, hi = max(o, r * k), min(o + p.numel(), (r + 1) * k)
+            piece = flat[lo - o:hi - o].contiguous()
+            dist.reduce(piece, dst=_global_rank(self.group, r), group=self.group)
+            self.collectives += 1
+            if r == self.replica_index:
+                b.shard.grad[lo - r * k:hi - r * k] += piece
+        if p.grad is not None:
+            self._live -= p.grad.numel() * p.grad.element_size()
+        p.grad = None
+        self._ready.discard(id(p))
+
+    def reduce_tied(self, copies: dict[str, list[torch.nn.Parameter]], groups: dict) -> None:
+        """``REDUCE`` under ``--zero 2``: the owned pieces of tied parameters (``copies``: name -> this rank's copies;
+        ``groups``: name -> :class:`~dynabatch.runtime.dist.TiedGroup`) summed over the copies on this rank, the
+        replicas and the tied group, every copy's owned piece then holding the whole group's gradient."""
+        self._active = False
+        for name in sorted(groups):
+            ps, group = copies[name], groups[name].group
+            if len(ps) == 1 and group is None:
+                continue
+            full = torch.zeros(ps[0].numel(), dtype=ps[0].dtype, device=ps[0].device)
+            for p in ps:
+                for (lo, hi), piece in self._owned(p):
+                    full[lo:hi] += piece
+            dist.all_reduce(full, group=self.group)
+            if group is not None:
+                dist.all_reduce(full, group=group)
+            for p in ps:
+                for (lo, hi), piece in self._owned(p):
+                    piece.copy_(full[lo:hi])
+
+    def _owned(self, p: torch.nn.Parameter):
+        """``[((lo, hi), view)]``: the range of ``p`` (flat) this replica owns and the view of its shard's gradient
+        that holds it (empty when it owns none of ``p``)."""
+        b, o = self._where[id(p)]
+        k, r = b.shard_size, self.replica_index
+        lo, hi = max(o, r * k), min(o + p.numel(), (r + 1) * k)
+        return [((lo - o, hi - o), b.shard.grad[lo - r * k:hi - r * k])] if lo < hi else []
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of this rank's shard gradients under ``--zero 2`` (the part of the peak that lasts the step)."""
+        return sum(b.shard_size * b.flat.element_size() for b in self.buckets)
 
     def count_in_norm(self, norm_params: list[torch.nn.Parameter]) -> None:
         """Count only ``norm_params`` in :meth:`squared_norm` (the executor leaves out all but one copy of a tied
@@ -100,7 +227,8 @@ class ZeroShards:
         return [b.shard for b in self.buckets]
 
     def reduce_scatter(self) -> None:
-        """``REDUCE`` over the replicas: every shard's ``.grad`` becomes the replicas' summed gradient of its slice."""
+        """``REDUCE`` over the replicas (``--zero 1``): every shard's ``.grad`` becomes the replicas' summed gradient of
+        its slice."""
         for b in self.buckets:
             pieces = [p.grad.reshape(-1) for p in b.params]
             pad = b.flat.numel() - sum(p.numel() for p in b.params)
@@ -129,7 +257,10 @@ class ZeroShards:
             dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=self.group)
 
     def release_grads(self) -> None:
-        """Drop the shards' summed gradients (after the step)."""
+        """Drop the shards' summed gradients (after the step); under ``--zero 2`` they stay until the next step
+        begins, as the full gradients of ``--zero 0`` do (so they are counted in the measured model states)."""
+        if self.shard_gradients:
+            return
         for b in self.buckets:
             b.shard.grad = None
 
@@ -173,6 +304,11 @@ class ZeroShards:
                     full[o:o + p.numel()].copy_(s[key].reshape(-1))
                 shard_state[key] = full[lo:lo + b.shard_size].clone()
             optimizer.state[b.shard] = shard_state
+
+
+def _global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (``dist.reduce`` names its destination globally)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def model_state_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> int:

@@ -1,10 +1,16 @@
-"""``--zero 1`` against ``--zero 0`` through real gloo processes: 2 stages x 2 replicas (4 ranks) of GPT-2 (its token
-table tied between the first and the last stage), started directly by ``dynabatch train``.
+"""``--zero 1`` and ``--zero 2`` against ``--zero 0`` through real gloo processes: 2 stages x 2 replicas (4 ranks) of
+GPT-2 (its token table tied between the first and the last stage), started directly by ``dynabatch train``.
 
-The planner must plan both runs alike, so the plans may not depend on measured times: ``--calibrate off`` (the
-analytic cost model only) and dropout 0; memory does not bind at the default ``--memory-gib`` (so the larger
-activation budget ``--zero 1`` leaves changes no plan). The replicas of a stage run different numbers of micro-batches
-(asserted), which the step-boundary collectives of ``--zero 1`` allow. ``--max-grad-norm 0.05`` keeps global-norm clipping active at every step."""
+The planner must plan the runs alike, so the plans may not depend on measured times: ``--calibrate off`` (the analytic
+cost model only) and dropout 0; memory does not bind at the default ``--memory-gib`` (so the larger activation budget
+``--zero 1`` leaves changes no plan). The replicas of a stage run different numbers of micro-batches under ``--zero 0``
+and ``1`` (asserted), which the step-boundary collectives of ``--zero 1`` allow; ``--zero 2`` reduces the gradients
+after every micro-batch's backward, so its planner gives every replica the same number (asserted, with the same
+number of gradient collectives on every replica of a stage: unequal counts would hang until ``--timeout-s``).
+``--max-grad-norm 0.05`` keeps global-norm clipping active at every step.
+
+Every training run is started once per module (:class:`_Runs`, lazily, so a ``-k`` filter starts only the runs its
+tests read) and serves every test that reads it."""
 
 from __future__ import annotations
 
@@ -24,12 +30,53 @@ COMMON = ["--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", "2", "--rep
           "--global-batch-tokens", "4096", "--max-input-len", "128", "--max-target-len", "32",
           "--logging-steps", "0", "--no-timeline", "--task-loss-every", "0", "--calibrate", "off",
           "--planner", "thread", "--timeout-s", "60", "--max-grad-norm", "0.05"]
+SLICED = ["--slice-long", "--memory-gib", "0.006"]
+"""Little enough memory that the planner cuts a sample into token slices (step 0; the other steps run whole
+micro-batches), yet enough that ``--zero 2`` evens the counts (at 0.005 GiB it cannot)."""
+TRAINED = ["--max-steps", str(STEPS), "--save-steps", str(SAVE_AT)]
+RUNS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "zero0": ((*TRAINED, "--zero", "0"), True),
+    "zero1": ((*TRAINED, "--zero", "1"), True),
+    "zero2": ((*TRAINED, "--zero", "2", *SLICED), True),
+    **{f"fp16-{z}": (("--max-steps", "3", "--dtype", "fp16", "--zero", z), True) for z in "01"},
+    **{f"diverge-{z}": (("--max-steps", "6", "--learning-rate", "1e6", "--max-bad-steps", "2", "--save-steps", "0",
+                         "--zero", z), False) for z in "012"},
+}
+"""Name -> the flags of a run (after :data:`COMMON`) and whether it must succeed."""
+RESUMED = {"zero1": ("--replicas", "1", "--zero", "0"), "zero0": ("--zero", "1"), "zero2": ("--replicas", "1", "--zero", "0")}
+"""Checkpoint of a run (at step :data:`SAVE_AT`) -> the setting it resumes under, as run ``resumed-from-<name>``."""
 
 
-def _train(out, toy_mixture_dir, *extra: str, ok: bool = True) -> str:
+class _Runs:
+    """The module's training runs, each started the first time a test asks for it."""
+
+    def __init__(self, root, toy_mixture_dir) -> None:
+        self.root, self.mixture = root, os.path.join(toy_mixture_dir, "toy.json")
+        self.done: set[str] = set()
+
+    def __call__(self, name: str):
+        out = self.root / name
+        if name not in self.done:
+            if name.startswith("resumed-from-"):
+                source = name.removeprefix("resumed-from-")
+                checkpoint = step_dir(os.path.join(self(source), "checkpoints"), SAVE_AT)
+                _train(out, self.mixture, "--max-steps", str(STEPS), "--resume-from-checkpoint", checkpoint,
+                       *RESUMED[source])
+            else:
+                flags, ok = RUNS[name]
+                _train(out, self.mixture, *flags, ok=ok)
+            self.done.add(name)
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, toy_mixture_dir) -> _Runs:
+    return _Runs(tmp_path_factory.mktemp("zero"), toy_mixture_dir)
+
+
+def _train(out, mixture, *extra: str, ok: bool = True) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "dynabatch", "train", *COMMON, "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
-           "--output-dir", str(out), *extra]
+    cmd = [sys.executable, "-m", "dynabatch", "train", *COMMON, "--mixture", mixture, "--output-dir", str(out), *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     text = run.stdout + run.stderr
     assert (run.returncode == 0) == ok, text[-3000:]
@@ -55,9 +102,11 @@ def _checkpoint_tensors(out) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _same_steps(got: list[dict], want: list[dict], rtol: float = 1e-5) -> None:
+def _same_steps(got: list[dict], want: list[dict], rtol: float = 1e-5, shapes: bool = True) -> None:
+    """The same samples, skips, losses and gradient norms (``shapes``: and the same micro-batches)."""
     assert [r["samples_digest"] for r in got] == [r["samples_digest"] for r in want]
-    assert [r["micro_batch_shapes"] for r in got] == [r["micro_batch_shapes"] for r in want]
+    if shapes:
+        assert [r["micro_batch_shapes"] for r in got] == [r["micro_batch_shapes"] for r in want]
     assert [r["skipped"] for r in got] == [r["skipped"] for r in want]
     for key in ("loss", "grad_norm"):
         a, b = [r[key] for r in got], [r[key] for r in want]
@@ -67,23 +116,30 @@ def _same_steps(got: list[dict], want: list[dict], rtol: float = 1e-5) -> None:
                                    rtol=rtol, atol=0)
 
 
-def test_zero1_trains_like_zero0_with_unequal_micro_batch_counts(tmp_path, toy_mixture_dir):
-    """Also the checkpoints: a ``--zero 1`` checkpoint of 2 replicas resumes on 1 replica under ``--zero 0``, and a
-    ``--zero 0`` one on 2 replicas under ``--zero 1``, each continuing with the uninterrupted run's losses."""
-    z0, z1 = tmp_path / "zero0", tmp_path / "zero1"
-    _train(z0, toy_mixture_dir, "--max-steps", str(STEPS), "--save-steps", str(SAVE_AT), "--zero", "0")
-    _train(z1, toy_mixture_dir, "--max-steps", str(STEPS), "--save-steps", str(SAVE_AT), "--zero", "1")
-    got, want = _records(z1), _records(z0)
+def _same_checkpoints(a_run, b_run, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """Final weights and AdamW moments (gathered to per-parameter tensors at save) of two runs."""
+    a, b = _checkpoint_tensors(a_run), _checkpoint_tensors(b_run)
+    assert sorted(a) == sorted(b) and any(k.startswith("optim/exp_avg_sq/") for k in a)
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+def _resumes_like(resumed, reference) -> None:
+    """A run resumed at :data:`SAVE_AT` continues with the samples and (1e-5) losses of the uninterrupted run."""
+    got, want = _records(resumed), _records(reference)[SAVE_AT:]
+    assert [r["step"] for r in got] == list(range(SAVE_AT, STEPS))
+    assert [r["samples_digest"] for r in got] == [r["samples_digest"] for r in want]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in got], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in want], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_zero1_trains_like_zero0_with_unequal_micro_batch_counts(runs):
+    got, want = _records(runs("zero1")), _records(runs("zero0"))
     assert [r["step"] for r in got] == list(range(STEPS))
     assert any(len({len(replica) for replica in r["micro_batch_shapes"]}) > 1 for r in got)  # unequal counts
     assert all(r["grad_norm"] > 0.05 for r in got)  # every step was clipped
     _same_steps(got, want)
-
-    # final weights and AdamW moments (gathered to per-parameter tensors at save) equal zero 0's
-    a, b = _checkpoint_tensors(z1), _checkpoint_tensors(z0)
-    assert sorted(a) == sorted(b) and any(k.startswith("optim/exp_avg_sq/") for k in a)
-    for name in b:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+    _same_checkpoints(runs("zero1"), runs("zero0"))
 
     # measured model-state bytes per rank: weights 4N + gradients 4N + AdamW 8N / R (R = 2) against 16N
     for r1, r0 in zip(got, want):
@@ -94,37 +150,69 @@ def test_zero1_trains_like_zero0_with_unequal_micro_batch_counts(tmp_path, toy_m
             for rank, measured in enumerate(r["model_state_bytes"]):
                 assert measured == pytest.approx(r["model_state_bytes_predicted"][rank % 2], rel=0.05), (zero, rank)
 
-    # resumes across --zero and replica counts: the same samples and (1e-5) losses as the uninterrupted runs
-    for source, reference, extra in ((z1, z1, ("--replicas", "1", "--zero", "0")), (z0, z0, ("--zero", "1"))):
-        resumed = tmp_path / f"resumed-from-{source.name}"
-        checkpoint = step_dir(os.path.join(source, "checkpoints"), SAVE_AT)
-        _train(resumed, toy_mixture_dir, "--max-steps", str(STEPS), "--resume-from-checkpoint", checkpoint, *extra)
-        got, want = _records(resumed), _records(reference)[SAVE_AT:]
-        assert [r["step"] for r in got] == list(range(SAVE_AT, STEPS))
-        assert [r["samples_digest"] for r in got] == [r["samples_digest"] for r in want]
-        torch.testing.assert_close(torch.tensor([r["loss"] for r in got], dtype=torch.float64),
-                                   torch.tensor([r["loss"] for r in want], dtype=torch.float64), rtol=1e-5, atol=0)
+
+def test_zero1_and_zero0_checkpoints_resume_across_settings(runs):
+    """A ``--zero 1`` checkpoint of 2 replicas resumes on 1 replica under ``--zero 0``, and a ``--zero 0`` one on 2
+    replicas under ``--zero 1``, each continuing with the uninterrupted run's losses."""
+    for source in ("zero1", "zero0"):
+        _resumes_like(runs(f"resumed-from-{source}"), runs(source))
 
 
-def test_zero1_fp16_loss_scaling_and_non_finite_skip_match_zero0(tmp_path, toy_mixture_dir):
+def test_zero2_trains_like_zero0_with_equal_counts_and_token_slices(runs):
+    """Losses, gradient norms, final weights and AdamW moments equal ``--zero 0``'s although ``--zero 2`` plans other
+    micro-batches (equal counts; a token-sliced sample at step 0); its states and gradient peak as predicted."""
+    got, want = _records(runs("zero2")), _records(runs("zero0"))
+    assert [r["step"] for r in got] == list(range(STEPS))
+    assert all(len({len(replica) for replica in r["micro_batch_shapes"]}) == 1 for r in got)  # equal counts
+    assert any(len({len(replica) for replica in r["micro_batch_shapes"]}) > 1 for r in want)  # which zero 0 has not
+    assert any(r["sliced_samples"] > 0 for r in got) and any(r["sliced_samples"] == 0 for r in got)
+    assert all(r["grad_norm"] > 0.05 for r in got)  # every step was clipped
+    _same_steps(got, want, shapes=False)
+    _same_checkpoints(runs("zero2"), runs("zero0"))
+
+    for r2, r0 in zip(got, want):
+        # the same gradient collectives on both replicas of a stage (rank = replica x 2 + stage), one set per
+        # micro-batch: unequal counts would have hung
+        calls = r2["gradient_collectives"]
+        assert calls[0] == calls[2] > 0 and calls[1] == calls[3] > 0
+        # model states per rank: weights 4N + (gradients 4N + AdamW 8N) / R, as priced, against 16N
+        for rank, (m2, m0) in enumerate(zip(r2["model_state_bytes"], r0["model_state_bytes"])):
+            assert m2 == pytest.approx(r2["model_state_bytes_predicted"][rank % 2], rel=0.05)
+            assert m2 / m0 == pytest.approx((4 + (4 + 8) / 2) / 16, rel=0.01)
+        # gradient peak during the backward: every full gradient under --zero 0 (4N); under --zero 2 the shard's
+        # 4N / R plus the parameter being reduced (at worst the largest: GPT-2's 1024 x 256 position table, most of
+        # stage 0), as predicted
+        largest = 4 * max(t.numel() for k, t in _checkpoint_tensors(runs("zero0")).items() if k.startswith("model/"))
+        for rank, (g2, g0) in enumerate(zip(r2["gradient_peak_bytes"], r0["gradient_peak_bytes"])):
+            assert g0 == r0["gradient_peak_bytes_predicted"][rank] == pytest.approx(
+                r0["model_state_bytes_predicted"][rank % 2] / 4, rel=0.01)  # 4N of 16N
+            assert g2 == pytest.approx(r2["gradient_peak_bytes_predicted"][rank], rel=0.05)
+            assert g0 / 2 < g2 <= g0 / 2 + largest
+        assert r2["gradient_peak_bytes"][1] < 0.85 * r0["gradient_peak_bytes"][1]  # the last stage's falls
+
+
+def test_zero2_checkpoint_resumes_on_one_replica_under_zero0(runs):
+    _resumes_like(runs("resumed-from-zero2"), runs("zero2"))
+
+
+def test_zero1_fp16_loss_scaling_and_non_finite_skip_match_zero0(runs):
     """fp16 autocast with loss scaling (unscaled together with the clipping on the shard), then a learning rate that
     diverges: the same steps are skipped on every rank, as under ``--zero 0``.
 
     Under fp16 the runs agree less tightly than in fp32: the gradient norm of ``--zero 1`` sums squares over shards
     (float64), not per-tensor float32 norms, so the clipping factor differs in its last bits (about 1e-7 relative);
     the fp32 weights then differ by an ulp, and a few of them round to other fp16 values in the next forward."""
-    for z in ("0", "1"):
-        _train(tmp_path / f"fp16-{z}", toy_mixture_dir, "--max-steps", "3", "--dtype", "fp16", "--zero", z)
-        _train(tmp_path / f"diverge-{z}", toy_mixture_dir, "--max-steps", "6", "--learning-rate", "1e6",
-               "--max-bad-steps", "2", "--save-steps", "0", "--zero", z, ok=False)
-    got, want = _records(tmp_path / "fp16-1"), _records(tmp_path / "fp16-0")
+    got, want = _records(runs("fp16-1")), _records(runs("fp16-0"))
     assert [r["loss_scale"] for r in got] == [r["loss_scale"] for r in want] == [2.0**16] * 3
     _same_steps(got, want, rtol=1e-4)
-    a, b = _checkpoint_tensors(tmp_path / "fp16-1"), _checkpoint_tensors(tmp_path / "fp16-0")
-    for name in b:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-4, msg=name)
+    _same_checkpoints(runs("fp16-1"), runs("fp16-0"), rtol=1e-4, atol=1e-4)
 
-    got, want = _records(tmp_path / "diverge-1"), _records(tmp_path / "diverge-0")
+    got, want = _records(runs("diverge-1")), _records(runs("diverge-0"))
     assert any(r["skipped"] for r in got) and not got[0]["skipped"]
     _same_steps(got, want)
 
+
+def test_zero2_divergence_guard_skips_like_zero0(runs):
+    got, want = _records(runs("diverge-2")), _records(runs("diverge-0"))
+    assert any(r["skipped"] for r in got) and not got[0]["skipped"]
+    _same_steps(got, want, shapes=False)

@@ -81,7 +81,11 @@ def test_plan_reports_the_states_per_device(capsys):
     assert "model states per device (--zero 1, 4 replicas)" in capsys.readouterr().out
 
 
-def test_train_refuses_zero_2_in_one_line(tmp_path, capsys):
-    assert main(["train", "--zero", "2", "--output-dir", str(tmp_path / "out")]) == 2
+def test_train_refuses_zero_2_with_a_baseline_method_in_one_line(tmp_path, capsys):
+    """``--zero 2`` needs equal micro-batch counts per replica, which only the dynamic planner gives (it trains:
+    ``tests/dist/test_zero.py``); a baseline's dealt micro-batches would hang its per-micro-batch collectives."""
+    assert main(["train", "--zero", "2", "--replicas", "2", "--method", "packing", "--output-dir",
+                 str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--zero 2 is priced by plan and simulate only" in err[0]
+    assert len(err) == 1 and "--zero 2 needs as many micro-batches on every replica" in err[0]
+    assert "--method dynamic or --zero 1" in err[0]
