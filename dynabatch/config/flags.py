@@ -265,3 +265,26 @@ def _coerce(path: str, name: str, value: Any) -> Any:
         except ValueError:
             raise ValueError(f"config file {path}: {name} must be a number, got {value!r}") from None
     return value
+
+
+CONFIG_FILE = "config.yaml"
+"""What a run writes into its output folder: every field, resolved, nested by section."""
+
+
+def write_config_file(path: str, cfg) -> None:
+    """``cfg`` as a YAML file nested by section (what :func:`load_config_file` reads back), written atomically."""
+    import yaml
+
+    text = ("# dynabatch train --config this file: every field of the run, resolved (docs/configuration.md)\n"
+            + yaml.safe_dump(cfg.sections(), sort_keys=False, default_flow_style=False))
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def config_differences(old: dict[str, Any], new) -> list[str]:
+    """``"name: old -> new"`` for every field whose value in ``old`` (a config file's fields) is not ``new``'s."""
+    current = dataclasses.asdict(new)
+    return [f"{name}: {old[name]!r} -> {current[name]!r}" for name in current
+            if name in old and old[name] != current[name]]

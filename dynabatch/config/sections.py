@@ -41,6 +41,11 @@ LAYER_SPLITS = ("data", "reference")
 """``--layer-split``: chunks balanced over the sampled global batches' micro-batches, or over one reference shape."""
 SPLIT_BLOCKS = ("auto", "on", "off")
 """``--split-blocks``: whether layer splits may cut inside decoder-only blocks (``TrainConfig.cuts_inside_blocks``)."""
+SEARCHES = {"policy": "per_step", "recompute": "per_micro_batch", "pack_rows": "per_step",
+            "attention_kernel": "per_call"}
+"""What ``auto`` resolves to where the choice is a search the run makes as it goes (:mod:`dynabatch.config.resolve`):
+the schedule policy per step, recomputation per micro-batch and stage, row packing per step, the attention kernel
+per call. A resolved configuration (``OUTPUT/config.yaml``) names them so; the lower layers call them ``auto``."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 OVERLONG = ("truncate", "drop", "error")
 BAD_ROWS = ("error", "skip")
@@ -86,9 +91,9 @@ class ModelArgs:
                                  "else builtin)")
     attention: Literal[ATTENTION_PATHS] = experimental(
         "segments", f"attention kernel: {ATTENTION_PATHS.describe(' or ')}")
-    attention_kernel: Literal[ATTENTION_KERNELS] = experimental(
-        "auto", f"kernel of --attention segments: {ATTENTION_KERNELS.describe(' or ')}; metrics.jsonl's "
-                "attention_kernels says which ran")
+    attention_kernel: Literal[(*ATTENTION_KERNELS, SEARCHES["attention_kernel"])] = experimental(
+        "auto", f"kernel of --attention segments: {ATTENTION_KERNELS.describe(' or ')}; auto resolves to sdpa on "
+                "CPU, per_call on CUDA; metrics.jsonl's attention_kernels says which ran")
     dropout: float = advanced(0.0, "dropout probability of the model")
     dtype: Literal[DTYPES] = arg("fp32", f"compute precision: {', '.join(DTYPES)} (bf16 and fp16: autocast over fp32 weights)")
     device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda:LOCAL_RANK when CUDA is available, else cpu)")
@@ -123,11 +128,11 @@ class BatchingArgs:
     packing_rows: int = experimental(BaselineOptions.packing_rows, option_help("packing_rows"))
     packing_free_rows: int = experimental(BaselineOptions.packing_free_rows, option_help("packing_free_rows"))
     max_micro_batch_samples: int = experimental(64, "dynamic: samples per planned micro-batch at most")
-    pack_rows: Literal[PACK_ROWS] = experimental(
+    pack_rows: Literal[(*PACK_ROWS, SEARCHES["pack_rows"])] = experimental(
         "device", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the "
                   "best plan; flat = every micro-batch one row of its samples back to back (no layer computes pad; on "
-                  "CPU at most one row of the length limits); off = one sample per row; device (default) = auto on "
-                  "CUDA, off on CPU and in plan/simulate (docs/configuration.md, resolution rules); auto and flat only with "
+                  "CPU at most one row of the length limits); off = one sample per row; per_step = what auto "
+                  "resolves to; device (default) = per_step on CUDA, off on CPU and in plan/simulate (docs/configuration.md, resolution rules); auto and flat only with "
                   "--attention segments")
     plan_candidates: Literal[PLAN_CANDIDATES] = experimental(
         "baselines", "dynamic: baselines = also plan each global batch as the padding-free baselines would at every "
@@ -146,7 +151,8 @@ class PipelineArgs:
 
     stages: int = arg(1, "pipeline stages per replica")
     replicas: int = arg(1, "data-parallel replicas; the world size must be stages x replicas")
-    policy: Literal[POLICIES] = experimental("auto", f"pipeline schedule: {POLICIES.describe(' or ')}")
+    policy: Literal[(*POLICIES, SEARCHES["policy"])] = experimental(
+        "auto", f"pipeline schedule: {POLICIES.describe(' or ')}, which resolves to per_step")
     placement: str = experimental("linear", "pipeline stages on the devices: linear (one chunk per device), cyclic (T5: device d "
                                    "holds encoder chunk d and decoder chunk d), interleaved:V (V chunks per device, dealt "
                                    "round robin), or auto (the fastest of linear and cyclic / interleaved:2 on the run's "
@@ -168,9 +174,9 @@ class PipelineArgs:
                        "states sharded: gradients reduce-scattered and weights all-gathered at the step boundary; "
                        "any micro-batch counts) or 2 (gradients sharded too: priced by plan and simulate, not "
                        "trained yet); the planner prices each rank's share", choices=[0, 1, 2])
-    recompute: Literal[RECOMPUTE_POLICIES] = experimental(
+    recompute: Literal[(*RECOMPUTE_POLICIES, SEARCHES["recompute"])] = experimental(
         "auto", f"activation recomputation: {RECOMPUTE_POLICIES.describe(' or ')} (none wherever memory does not "
-                "bind)")
+                "bind), which resolves to per_micro_batch (none for a baseline or with --cost-profile)")
     cost_profile: str | None = experimental(None, "profile JSON from `dynabatch profile` to plan with measured costs; "
                                          "default: the analytic model")
     calibrate: Literal[CALIBRATIONS] = experimental(
