@@ -212,6 +212,9 @@ class OptimArgs:
     max_grad_norm: float = advanced(1.0, "gradient clipping norm")
     max_steps: int = arg(20, "optimizer steps to train (in total, counting resumed ones)", "steps")
     seed: int = arg(0, "seed of the model initialisation, the data order and dropout")
+    full_determinism: bool = arg(False, "the same seed, data and configuration give the same micro-batches and "
+                                        "bitwise-equal losses, resumed or not: plans from the base cost model (the "
+                                        "online fit only predicts) and torch's deterministic algorithms")
     max_bad_steps: int = advanced(3, "stop the run after this many steps in a row with a non-finite loss or gradient norm "
                                 "(each is skipped)")
 

@@ -276,8 +276,9 @@ class StepPlanner:
                                         padding_free=self.padding_free)
         candidates = [dp, *baselines]
         # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
-        # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs)
-        model = self.predict_model
+        # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs);
+        # under --full-determinism by the planning model, which does not depend on measured times
+        model = self.cost_model if getattr(cfg, "full_determinism", False) else self.predict_model
         parts = dict(zip((id(c.plan) for c in candidates),
                          self._plan_costs(batch, [c.plan for c in candidates], model)))
         without: set[int] = set()  # the plans priced without recomputation

@@ -37,6 +37,7 @@ from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
 from dynabatch.models.families import check_model
 from dynabatch.runtime.plan_ahead import plan_ahead
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
+from dynabatch.runtime.determinism import full_determinism
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
 from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
@@ -582,11 +583,17 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     ``datasets``: train on a ``datasets.Dataset`` / ``IterableDataset`` (or a mapping of task names to them)
     instead of ``cfg.mixture`` / ``cfg.data`` (rank 0's are used; ``cfg.columns`` maps their columns).
     With several ranks, an error ends this process at once with one line of its own
-    (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print."""
+    (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print.
+    ``cfg.full_determinism``: torch's deterministic settings for the run (:mod:`dynabatch.runtime.determinism`)."""
+    resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
+    with full_determinism(resolved.config.full_determinism, resolved.config.seed):
+        return _train(cfg, resolved, datasets)
+
+
+def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None:
+    """:func:`train` of the configuration as ``given`` and as ``resolved``."""
     from dynabatch.runtime.faults import fail_fast
 
-    given = cfg
-    resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
     cfg = resolved.config
     ctx = connect(cfg)
     setup_logging(cfg.log_level, ctx.rank)

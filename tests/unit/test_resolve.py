@@ -107,3 +107,25 @@ def test_a_resolved_search_name_is_accepted_by_every_command_that_takes_the_opti
     assert resolve(cfg, CPU_T5).config.policy == SEARCHES["policy"]
     with pytest.raises(ValueError, match="policy must be one of"):
         TrainConfig(policy="per_micro_batch")
+
+
+def test_full_determinism_plans_with_the_base_model_and_refuses_a_measured_one():
+    det = resolve(TrainConfig(full_determinism=True), CPU_T5)
+    assert det.config.plan_costs == "base" and "--full-determinism" in det.reasons["plan_costs"]
+    assert resolve(TrainConfig(), CPU_T5).config.plan_costs == "calibrated"  # t5 without it: the online fit
+    with pytest.raises(ValueError, match="full_determinism plans with costs that do not depend on measured times"):
+        resolve(TrainConfig(full_determinism=True, plan_costs="calibrated"), CPU_T5)
+
+
+def test_full_determinism_in_process_gives_equal_runs_and_puts_torch_back(tmp_path):
+    import torch
+
+    runs = [str(tmp_path / name) for name in ("a", "b")]
+    for run in runs:
+        assert main(["train", "--max-steps", "3", "--output-dir", run, "--full-determinism", *SMALL]) == 0
+        assert not torch.are_deterministic_algorithms_enabled()  # the switch lasts the run only
+    records = []
+    for run in runs:
+        with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+            records.append([(r["samples_digest"], r["num_micro_batches"], r["loss"]) for r in map(json.loads, f)])
+    assert records[0] == records[1] and len(records[0]) == 3
