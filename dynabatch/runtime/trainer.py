@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dynabatch.config import Found, Resolved, TrainConfig, decide, lower, resolve
 from dynabatch.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
 from dynabatch.cost.tables import check_profile_config
-from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
+from dynabatch.models.attention_kernels import KERNEL_CALLS, attention_kernel, calls_since, use_attention_kernel
 from dynabatch.models.families import check_model
 from dynabatch.runtime.plan_ahead import plan_ahead
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
@@ -148,7 +148,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
     are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
-    from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
+    from dynabatch.models.attention_kernels import kernel_problem
     from dynabatch.models.families import check_model
     from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
@@ -586,8 +586,12 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print.
     ``cfg.full_determinism``: torch's deterministic settings for the run (:mod:`dynabatch.runtime.determinism`)."""
     resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
-    with full_determinism(resolved.config.full_determinism, resolved.config.seed):
-        return _train(cfg, resolved, datasets)
+    kernel = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
+    try:
+        with full_determinism(resolved.config.full_determinism, resolved.config.seed):
+            return _train(cfg, resolved, datasets)
+    finally:
+        use_attention_kernel(kernel)
 
 
 def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None:
