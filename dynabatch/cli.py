@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from dynabatch.config.flags import HelpFormatter
+from dynabatch.config.flags import HelpFormatter, add_help_levels
 from dynabatch.runtime.faults import error_line, is_user_error, user_message  # no torch import: `dynabatch --help` stays fast
 from dynabatch.runtime.log import quiet_third_party, setup_logging
 
@@ -46,7 +46,9 @@ def command_parser(name: str):
     if name not in COMMANDS:
         raise ValueError(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
     module = importlib.import_module(COMMANDS[name][0])
-    p = OneLineErrors(prog=f"dynabatch {name}", description=COMMANDS[name][1], formatter_class=HelpFormatter)
+    p = OneLineErrors(prog=f"dynabatch {name}", description=COMMANDS[name][1], formatter_class=HelpFormatter,
+                      add_help=False)
+    add_help_levels(p)  # --help: the basic options; --help-all: every option
     module.add_arguments(p)
     return module, p
 

@@ -77,6 +77,7 @@ from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.resolve import lower_args
 from dynabatch.config.sections import arg
 from dynabatch.data.tokenize import resolve_tokenizer
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
@@ -162,7 +163,9 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
-    """Model aliases and the length-dependent default of ``--max-target-len`` (in place)."""
+    """Model aliases, the length-dependent default of ``--max-target-len`` and the search names of a resolved
+    configuration in the planners' spelling (in place)."""
+    lower_args(args)
     args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.methods is None:
         sliced = not is_seq2seq(_family(args.model)) and not args.cost_profile  # slices are priced analytically

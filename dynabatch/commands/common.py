@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.resolve import lower_args
 from dynabatch.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
@@ -110,6 +111,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     from dynabatch.data.report import default_mixture_path
 
     check_positive(args, "num_batches", "stages", "replicas", "global_batch_tokens", *option_users())
+    lower_args(args)  # a resolved config.yaml's search names (per_step, ...) are the planners' auto
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
     preset = args.preset or DEFAULT_PRESETS.get(args.model, args.model)

@@ -42,6 +42,7 @@ import numpy as np
 
 from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
 from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.config.sections import arg
 from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.slice_costs import piece_costs
@@ -69,16 +70,13 @@ class SimulateArgs:
     search_steps: int = arg(24, "local-search moves per step in choose_schedule")
     trace_dir: str | None = arg(None, "write Chrome traces (.json, open in Perfetto) and PNG timelines of the first "
                                       "global batch for the dynamic and packing methods")
-    placement: str = arg("linear", "pipeline stages on devices: linear (one chunk each), cyclic (T5: encoder chunk d and "
-                                   "decoder chunk d on device d) or interleaved:V (V chunks per device, round robin); "
-                                   "not linear: list-scheduled per chunk (dynabatch.schedule.placement)")
     tune_baselines: bool = arg(False, "also run each baseline at every value of its knob's grid on the same global "
                                       "batches and report its best setting that fits memory (dynabatch.commands.tuning)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    add_fields(p, ["slice_long"])
+    add_fields(p, ["slice_long", "placement"])  # train's --placement: the same choices, auto included
     add_sections(p, [SimulateArgs])
 
 
@@ -188,16 +186,23 @@ def run(args: argparse.Namespace) -> int:
         objective_stages=_objective_stages(args.objective_stages),
         link=args.link, search_steps=args.search_steps, pack_rows=pack_rows_on(args.pack_rows, None), slice_long=args.slice_long,
     )
-    placement = Placement.parse(args.placement, w.cost_model.num_stages)
+    stages = w.cost_model.num_stages
+    candidates = [Placement.parse(name, stages) for name in
+                  placement_candidates(args.placement, stages, is_seq2seq(w.family))]
     rows, split, placed = {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
         trace_dir = args.trace_dir if method in ("dynamic", "packing") else None
-        placed[method] = None
-        if placement.kind != "linear":
-            placed[method] = Placed(placement, placement_cost_model(split[method], batches, method, placement))
-        rows[method] = simulate_method(method, batches, split[method], options, trace_dir=trace_dir,
-                                       placed=placed[method])
+        tried = {}  # --placement auto: each candidate simulated, the one pick_placement takes kept
+        for placement in candidates:
+            own = None
+            if placement.kind != "linear":
+                own = Placed(placement, placement_cost_model(split[method], batches, method, placement))
+            tried[placement.describe()] = (own, simulate_method(method, batches, split[method], options,
+                                                                trace_dir=trace_dir, placed=own))
+        name = pick_placement({k: r.step_s for k, (_, r) in tried.items()},
+                              {p.describe(): p.chunks_per_device for p in candidates})
+        placed[method], rows[method] = tried[name]
     tuned = {}
     if args.tune_baselines:
         from dynabatch.commands.tuning import tune_simulated

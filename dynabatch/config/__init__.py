@@ -71,17 +71,15 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
 
     @property
     def calibration_mode(self) -> str:
-        """``calibrate`` with ``auto`` resolved: ``quick`` without a cost profile, ``online`` with one (on any
-        placement: virtual stages fit one set of coefficients per chunk)."""
-        if self.calibrate != "auto":
-            return self.calibrate
-        return "online" if self.cost_profile else "quick"
+        """``calibrate`` as the resolver decides it (:mod:`dynabatch.config.resolve`: ``auto`` is ``quick`` without a
+        cost profile, ``online`` with one)."""
+        return decide(self, "calibrate")
 
     @property
     def cuts_inside_blocks(self) -> bool:
-        """``split_blocks`` resolved: ``auto`` cuts inside blocks unless a cost profile prices the layers (it times
-        whole blocks only)."""
-        return self.split_blocks == "on" or (self.split_blocks == "auto" and not self.cost_profile)
+        """``split_blocks`` as the resolver decides it: ``auto`` cuts inside blocks unless a cost profile prices the
+        layers (it times whole blocks only)."""
+        return decide(self, "split_blocks") == "on"
 
     @property
     def attention_path(self) -> str:
@@ -240,3 +238,4 @@ def _check_types(cfg: TrainConfig) -> None:
 
 
 from dynabatch.config.flags import add_config_arguments, config_from_args, load_config_file  # noqa: E402,F401
+from dynabatch.config.resolve import Found, Resolved, decide, lower, resolve  # noqa: E402,F401

@@ -23,7 +23,6 @@ from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.inputs import data_notes, data_spec, parse_columns
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import BAD_ROW_POLICIES
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
 
@@ -38,14 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", default="both", choices=[*FAMILIES, "t5", "gpt2", "both"],
                    help="sequence kind to tokenize for (t5 = seq2seq, gpt2 = causal)")
     p.add_argument("--max-lens", default="512,1024,2048", help="comma-separated maximum lengths to report")
-    p.add_argument("--max-target-len", type=int, default=None, help="T5 target limit (default: max length / 4)")
     p.add_argument("--num-batches", type=int, default=4, help="global batches per measurement")
     p.add_argument("--methods", default=None, help=f"comma list of {', '.join(BASELINES)} (default: all)")
-    add_fields(p, option_users())
-    p.add_argument("--bad-rows", default=None, choices=BAD_ROW_POLICIES,
-                   help="malformed rows: fail or skip+count (default: the spec's bad_rows, else error)")
-    p.add_argument("--overlong", default="truncate", choices=("truncate", "drop"),
-                   help="over-long samples in the efficiency table: truncate or drop (both counted)")
+    add_fields(p, (*option_users(), "max_target_len", "overlong", "bad_rows"), defaults={"max_target_len": None}, helps={
+        "max_target_len": "T5 target limit (default: max length / 4)",
+        "overlong": "over-long samples in the efficiency table: truncate, drop (both counted) or error"})
 
 
 def default_mixture_path() -> str:

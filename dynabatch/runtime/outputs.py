@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "summary.json", "timeline.json", "timeline.png",
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "timeline.json", "timeline.png",
                "timeline_measured.png", "timeline_simulated.png", "runs", "wandb")
 """What a training run writes into its output folder (plus ``compare-<method>/`` folders)."""
 

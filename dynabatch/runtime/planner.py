@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch.config import TrainConfig
+from dynabatch.config import Found, TrainConfig, decide, lower
 from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
@@ -36,7 +36,7 @@ from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, choose, deal_to_replicas, step_lower_bound
 from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
-from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
+from dynabatch.plan.step import flat_row_limit, plan_step
 from dynabatch.runtime.dist import device_type
 from dynabatch.runtime.step import micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
@@ -142,8 +142,8 @@ class StepPlanner:
         run_device = device_type(getattr(cfg, "device", "auto"))
         self.flat_row = flat_row_limit(run_device, self.family, cfg.max_input_len, cfg.max_target_len)
         """The bound on a flat micro-batch's tokens on the run's device type (:data:`~dynabatch.plan.step.FLAT_ROW_LIMITS`)."""
-        self.pack_rows = pack_rows_on(getattr(cfg, "pack_rows", "off"), run_device)
-        """``--pack-rows`` on the run's device (``device``: auto on CUDA, off on CPU)."""
+        self.pack_rows = lower("pack_rows", decide(cfg, "pack_rows", Found(cuda_available=run_device == "cuda")))
+        """``--pack-rows`` as the resolver decides it on the run's device (``device``: auto on CUDA, off on CPU)."""
         self.placement = _virtual_placement(cfg)
         """Virtual stages (``--placement`` other than linear): steps are predicted by the placement's list
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
@@ -155,11 +155,8 @@ class StepPlanner:
 
     @property
     def plan_costs(self) -> str:
-        """``--plan-costs`` with ``auto`` resolved for this run's sequence kind (:data:`~dynabatch.config.PLAN_COSTS_AUTO`)."""
-        from dynabatch.config import PLAN_COSTS_AUTO
-
-        choice = getattr(self.cfg, "plan_costs", "auto")
-        return PLAN_COSTS_AUTO[self.family] if choice == "auto" else choice
+        """``--plan-costs`` as the resolver decides it for this run's sequence kind (:mod:`dynabatch.config.resolve`)."""
+        return decide(self.cfg, "plan_costs", Found(sequence_kind=self.family))
 
     def __call__(self) -> PlannedStep:
         _maybe_crash(self.step)
@@ -183,7 +180,7 @@ class StepPlanner:
         on rank 0 from the same step (:func:`~dynabatch.runtime.step.plan_step`, memory checked)."""
         from dynabatch.runtime.step import plan_step as lower_step
 
-        return lower_step([list(s) for s in planned.shapes], self.spec, policy=self.cfg.policy, step=planned.step,
+        return lower_step([list(s) for s in planned.shapes], self.spec, policy=lower("policy", self.cfg.policy), step=planned.step,
                           costs=planned.costs, memory_limit_bytes=self.cfg.memory_gib * 2**30,
                           schedules=planned.schedules, slice_links=planned.slice_links,
                           model_state_bytes=planned.model_state_bytes, placement=self.placement)
@@ -284,8 +281,9 @@ class StepPlanner:
                                         padding_free=self.padding_free)
         candidates = [dp, *baselines]
         # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
-        # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs)
-        model = self.predict_model
+        # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs);
+        # under --full-determinism by the planning model, which does not depend on measured times
+        model = self.cost_model if getattr(cfg, "full_determinism", False) else self.predict_model
         parts = dict(zip((id(c.plan) for c in candidates),
                          self._plan_costs(batch, [c.plan for c in candidates], model)))
         without: set[int] = set()  # the plans priced without recomputation
@@ -400,7 +398,7 @@ class StepPlanner:
             else:
                 buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
                 schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
-                    self.cfg.policy, np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
+                    lower("policy", self.cfg.policy), np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
                     send_time=send, model_state_bytes=states)
                 result = simulate(schedule, buffered, send_time=send, model_state_bytes=states,
                                   memory_limit_bytes=memory if check_memory else None)

@@ -33,11 +33,12 @@ from typing import Any
 import torch.distributed as dist
 
 from dynabatch.config import FIXED_ON_RESUME, TrainConfig, canonical
+from dynabatch.config.flags import NOT_RUN_SETTINGS
 from dynabatch.runtime.checkpoint import CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint, save_collective
 
 logger = logging.getLogger(__name__)
 
-_NOT_COMPARED = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
+_NOT_COMPARED = NOT_RUN_SETTINGS
 
 
 def compare_configs(old: dict[str, Any], new: TrainConfig, where: str) -> list[str]:

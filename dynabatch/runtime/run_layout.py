@@ -21,7 +21,8 @@ The choice (:func:`choose_run_layout`):
 3. **Placement** (``auto`` only). The sampled batches are planned again on each candidate's split and every
    step predicted as the runtime will run it (linear: the ``--policy`` schedule's simulation; virtual
    stages: the placement's shortest order, :func:`~dynabatch.schedule.virtual.placed_step`). Linear wins unless a
-   virtual placement's summed predicted step is more than :data:`VIRTUAL_MARGIN` shorter; then the shortest
+   virtual placement's summed predicted step is more than
+   :data:`~dynabatch.config.placement_choice.VIRTUAL_MARGIN` shorter; then the shortest
    wins. Candidates: linear, and ``cyclic`` for encoder-decoder models or ``interleaved:2``
    for decoder-only ones, when the model has the blocks (and at least 2 devices).
 
@@ -39,6 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dynabatch.config.placement_choice import VIRTUAL_MARGIN, pick_placement, placement_candidates  # noqa: F401
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.stages import StageLayout, join_halves, split_halves
 from dynabatch.schedule.placement import Placement
@@ -47,11 +49,6 @@ logger = logging.getLogger(__name__)
 
 SAMPLED_BATCHES = 4
 """Global batches of the run's own stream the start-up choice plans."""
-VIRTUAL_MARGIN = 0.05
-"""``--placement auto`` takes virtual stages only when they are predicted more than this fraction faster than
-linear. Their chunks' fixed costs and extra hand-offs are not in the cost model: on this CPU, interleaved and
-cyclic chunks computed 1-8% more in all than linear stages of the same layers (docs/benchmarks/virtual_stages/)."""
-
 _LAYOUT_TAG = 9
 _MAX_TEXT = 4096
 
@@ -94,12 +91,7 @@ class RunLayout:
 def candidate_placements(cfg, seq2seq: bool) -> list[Placement]:
     """The placements ``cfg.placement`` allows: itself, or with ``auto`` linear and the model family's virtual
     stages where the flags allow them."""
-    if cfg.placement != "auto":
-        return [Placement.parse(cfg.placement, cfg.stages)]
-    linear = Placement.parse("linear", cfg.stages)
-    if cfg.stages < 2:
-        return [linear]
-    return [linear, Placement.parse("cyclic" if seq2seq else "interleaved:2", cfg.stages)]
+    return [Placement.parse(name, cfg.stages) for name in placement_candidates(cfg.placement, cfg.stages, seq2seq)]
 
 
 def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageLayout], list]) -> RunLayout:
@@ -139,13 +131,8 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     if len(options) == 1:
         return options[0][1]
     predicted = {run.placement.describe(): predicted_s(own, run.layout) for own, run in options}
-    def handicapped(option) -> tuple[float, int]:  # a virtual placement must beat linear by VIRTUAL_MARGIN
-        placement = option[1].placement
-        seconds = predicted[placement.describe()]
-        return (seconds if placement.chunks_per_device == 1 else seconds / (1 - VIRTUAL_MARGIN),
-                placement.chunks_per_device)
-
-    best = min(options, key=handicapped)[1]
+    name = pick_placement(predicted, {run.placement.describe(): run.placement.chunks_per_device for _, run in options})
+    best = next(run for _, run in options if run.placement.describe() == name)
     return replace(best, predicted_step_s=predicted)
 
 

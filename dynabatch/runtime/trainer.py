@@ -30,11 +30,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dynabatch.config import TrainConfig
+from dynabatch.config import Found, Resolved, TrainConfig, decide, lower, resolve
+from dynabatch.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
 from dynabatch.cost.tables import check_profile_config
-from dynabatch.models.attention_kernels import KERNEL_CALLS, calls_since
+from dynabatch.models.attention_kernels import KERNEL_CALLS, attention_kernel, calls_since, use_attention_kernel
+from dynabatch.models.families import check_model
 from dynabatch.runtime.plan_ahead import plan_ahead
 from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
+from dynabatch.runtime.determinism import full_determinism
 from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
 from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
 from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
@@ -105,10 +108,9 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
     must match ``model_config``), else the analytic model with the preset of the run's device (the rough
     ``cpu`` one on CPU, the GPU's on CUDA: :func:`~dynabatch.cost.hardware.device_hardware`). Activation
-    recomputation as ``cfg.recompute`` says (``auto``: the dynamic planner's, :func:`~dynabatch.cost.recompute.policy_for`);
-    profiled tables do not price it, so with one ``auto`` is ``none`` (an explicit ``selective`` / ``full`` is
-    refused with one line)."""
-    from dynabatch.cost.recompute import policy_for
+    recomputation as ``cfg.recompute`` says (``auto``: as :mod:`dynabatch.config.resolve` decides: per micro-batch
+    for the dynamic planner, none for a baseline or with profiled tables, which do not price it; an explicit
+    ``selective`` / ``full`` with a profile is refused with one line)."""
     from dynabatch.cost.stages import StageCostModel
 
     if cfg.cost_profile:
@@ -118,14 +120,13 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         tables = CostTables.load(cfg.cost_profile)
         check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
         layer_model = ProfiledLayerModel(tables)
-        recompute = "none" if cfg.recompute == "auto" else cfg.recompute
     else:
         from dynabatch.cost.analytic import AnalyticCostModel
         from dynabatch.runtime.dist import device_type
 
         layer_model = AnalyticCostModel.for_run(model_config, device_type(cfg.device), dtype=cfg.dtype,
                                                 attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
-        recompute = policy_for(cfg.method, cfg.recompute)
+    recompute = lower("recompute", decide(cfg, "recompute"))  # the resolver's rule (a profile: none)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
                           zero=cfg.zero, replicas=cfg.replicas)
 
@@ -147,7 +148,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
     are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
-    from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
+    from dynabatch.models.attention_kernels import kernel_problem
     from dynabatch.models.families import check_model
     from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
     from dynabatch.runtime.executor import Executor
@@ -159,9 +160,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     info = tokenizer_info(tokenizer)
     model = build_run_model(cfg.model, cfg.tokenizer, info, family, dropout=cfg.dropout, seed=cfg.seed)
     check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
-    if cfg.attention_path == "segments" and (problem := kernel_problem(cfg.attention_kernel, ctx.device, cfg.dtype)):
+    kernel = lower("attention_kernel", decide(cfg, "attention_kernel", Found(cuda_available=ctx.device.type == "cuda")))
+    if cfg.attention_path == "segments" and (problem := kernel_problem(kernel, ctx.device, cfg.dtype)):
         raise ValueError(problem)
-    use_attention_kernel(cfg.attention_kernel)
+    use_attention_kernel(kernel)
     loaded = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
     chosen = _run_layout(cfg, ctx, model, loaded)
     cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
@@ -192,8 +194,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
         run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration,
                                   spec=spec)
         if run.calibration.enabled:
-            logger.info(f"cost model: calibration {cfg.calibration_mode}; plans with the "
-                        f"{run.planner.plan_costs} costs (--plan-costs {cfg.plan_costs})")
+            logger.info(f"cost model: calibration {cfg.calibration_mode}; plans with the {run.planner.plan_costs} costs")
     return run
 
 
@@ -257,9 +258,9 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
     return RunCalibration(cost_model, fit, cfg.plan_ahead, recorded_through=-2 if mode == "quick" else -1), key
 
 
-def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
-    """Train ``cfg.max_steps`` steps with ``cfg.method`` (on ``datasets`` in memory when given); rank 0 returns the
-    summary."""
+def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
+    """Train ``max_steps`` steps of the resolved configuration (on ``datasets`` in memory when given); rank 0 prints
+    the resolved choices, writes ``OUTPUT/config.yaml`` and returns the summary."""
     from dynabatch.runtime.step import train_step
 
     from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_peaks
@@ -267,11 +268,17 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     from dynabatch.runtime.faults import maybe_crash
     from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
 
+    cfg = resolved.config
     if checkpoints:
         prepare_output_dir(cfg, ctx)
     info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
     run = build_run(cfg, ctx, datasets)
-    cfg = run.cfg  # its placement resolved
+    if cfg.placement != run.cfg.placement:  # --placement auto, chosen from the run's first global batches
+        resolved = resolved.with_choice("placement", run.cfg.placement, "the shortest predicted step on the run's "
+                                        "first global batches")
+    cfg = run.cfg
+    if ctx.is_planner:
+        record_resolved(resolved, resuming=info is not None)
     start = resume(run, info, _lr_lambda(cfg))
     memory = cfg.memory_gib * 2**30
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -282,7 +289,8 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
     if evaluation_enabled(cfg):  # rank 0 loads the evaluation set (runtime.evaluate)
         evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
     bad_steps = 0
-    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, cfg.planner, ctx.device) \
+    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, decide(cfg, "planner", found_here(ctx)),
+                       ctx.device) \
         if ctx.is_planner else None
     if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
         try:
@@ -311,7 +319,7 @@ def train_method(cfg: TrainConfig, ctx: DistContext, *, checkpoints: bool = True
             result = train_step(
                 run.executor, ctx, step,
                 planned.replica_micro_batches if ctx.is_planner else None,
-                spec=run.spec, policy=cfg.policy,
+                spec=run.spec, policy=lower("policy", cfg.policy),
                 costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
                 schedules=planned.schedules if ctx.is_planner else None,
                 slice_links=planned.slice_links if ctx.is_planner else None,
@@ -537,15 +545,41 @@ def _stack_pngs(paths: list[str], out: str) -> None:
     plt.close(fig)
 
 
-def resolve_run_tokenizer(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
-    """``cfg`` with ``tokenizer`` resolved (``auto``: the ``--model`` folder's own tokenizer, else ``builtin``:
-    :func:`~dynabatch.data.tokenize.resolve_tokenizer`), before a resume compares it with a checkpoint's; rank 0
-    logs which tokenizer the run uses and why. The checkpoints, ``summary.json`` and an export then name it."""
+def resolve_run(cfg: TrainConfig) -> Resolved:
+    """``cfg`` resolved for this machine and model (:func:`dynabatch.config.resolve.resolve`): whether CUDA is
+    available, the model's sequence kind (checked before anything loads) and the world size. The tokenizer is
+    resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
+    name it."""
+    kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
+    return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
+                              world_size=cfg.world_size))
 
+
+def found_here(ctx: DistContext) -> Found:
+    """What this rank finds: its device."""
+    return Found(cuda_available=ctx.device.type == "cuda", world_size=ctx.world_size)
+
+
+def record_resolved(resolved: Resolved, resuming: bool) -> None:
+    """Rank 0: log the resolved choices once as a short table and write ``OUTPUT/config.yaml`` (every field,
+    resolved: ``dynabatch train --config`` it to run the same again). A resume first reads the earlier run's
+    file and logs the fields that differ."""
+    cfg = resolved.config
+    path = os.path.join(cfg.output_dir, CONFIG_FILE)
+    if resolved.reasons:
+        logger.info("resolved configuration (option, value, why):\n" + resolved.table())
+    if resuming and os.path.exists(path):
+        changed = config_differences(load_config_file(path), cfg)
+        logger.info(f"resume: {CONFIG_FILE} of the earlier run " + (
+            "differs in " + "; ".join(changed) if changed else "is this run's configuration"))
+    write_config_file(path, cfg)
+
+
+def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
     if ctx.is_planner:
         info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
         logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
-    return dataclasses.replace(cfg, tokenizer=resolve_tokenizer(cfg.tokenizer, cfg.model))
 
 
 def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
@@ -553,9 +587,22 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     ``datasets``: train on a ``datasets.Dataset`` / ``IterableDataset`` (or a mapping of task names to them)
     instead of ``cfg.mixture`` / ``cfg.data`` (rank 0's are used; ``cfg.columns`` maps their columns).
     With several ranks, an error ends this process at once with one line of its own
-    (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print."""
+    (:func:`~dynabatch.runtime.faults.fail_fast`); in a world of one it is raised for the CLI to print.
+    ``cfg.full_determinism``: torch's deterministic settings for the run (:mod:`dynabatch.runtime.determinism`)."""
+    resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
+    kernel = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
+    try:
+        with full_determinism(resolved.config.full_determinism, resolved.config.seed):
+            return _train(cfg, resolved, datasets)
+    finally:
+        use_attention_kernel(kernel)
+
+
+def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None:
+    """:func:`train` of the configuration as ``given`` and as ``resolved``."""
     from dynabatch.runtime.faults import fail_fast
 
+    cfg = resolved.config
     ctx = connect(cfg)
     setup_logging(cfg.log_level, ctx.rank)
     quiet_third_party(ctx.rank)
@@ -564,13 +611,13 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
         with fail_fast(ctx):
             if ctx.is_planner:
                 check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
-            cfg = resolve_run_tokenizer(cfg, ctx)
-            summaries = [train_method(cfg, ctx, datasets=datasets)]  # creates and checks the output folder first
-            if cfg.compare_method:
-                other = dataclasses.replace(cfg, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None,
-                                            timeline=False,
-                                            output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"))
-                os.makedirs(other.output_dir, exist_ok=True)
+            log_tokenizer(given, ctx)
+            summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
+            if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
+                other = resolve_run(dataclasses.replace(
+                    given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
+                    output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
+                os.makedirs(other.config.output_dir, exist_ok=True)
                 summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
             if not ctx.is_planner:
                 return None

@@ -52,7 +52,7 @@ def test_bools_and_choices_come_from_the_field_types():
     assert (cfg.timeline, cfg.slice_long, cfg.overwrite_output_dir) == (False, True, False)
     with pytest.raises(SystemExit):  # argparse: not one of the Literal's choices
         _train(["--policy", "zigzag"])
-    with pytest.raises(ValueError, match="policy must be one of gpipe, 1f1b, adaptive, auto; got 'zigzag'"):
+    with pytest.raises(ValueError, match="policy must be one of gpipe, 1f1b, adaptive, auto, per_step; got 'zigzag'"):
         TrainConfig(policy="zigzag")
     with pytest.raises(ValueError, match="report_to: unknown tracker 'mlflow'"):
         TrainConfig(report_to="tensorboard,mlflow")

@@ -1,0 +1,229 @@
+"""One resolver: every ``auto`` of a :class:`~dynabatch.config.TrainConfig` decided in one place, with a reason.
+
+:func:`resolve` takes the configuration and what the run finds (:class:`Found`: CUDA or not, the model's sequence
+kind, the world size, the device memory) and returns a :class:`Resolved`: the configuration with no ``auto`` left and
+one short reason per decided field. Each field that can say ``auto`` has one rule in :data:`RULES` (a registry:
+``@rule("name")``); the rules run in registry order, each on the configuration resolved so far. Components take the
+resolved values; code that may still be handed an unresolved configuration (a test, the HF DataLoader) asks
+:func:`decide` for one field, so the same rule answers there too.
+
+Some ``auto`` choices are searches the run makes as it goes (the schedule policy per step, recomputation per
+micro-batch, row packing per step, the attention kernel per call): ``auto`` resolves to the search's own name
+(:data:`SEARCHES`), which the lower layers know as ``auto`` (:func:`lower`). ``--placement auto`` with two or more
+stages is chosen at start from the run's first global batches (:mod:`dynabatch.runtime.run_layout`, rules in
+:mod:`dynabatch.config.placement_choice`); the run records that choice with :meth:`Resolved.with_choice`.
+The rules, with their reasons, are the table of docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dynabatch.config.sections import PLAN_COSTS_AUTO, SEARCHES
+from dynabatch.core.methods import DYNAMIC
+from dynabatch.data.tokenize import resolve_tokenizer
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a run finds before it decides (``None``: not known where the resolver runs, e.g. ``plan``)."""
+
+    cuda_available: bool | None = None
+    """``torch.cuda.is_available()`` where the run starts."""
+    sequence_kind: str | None = None
+    """``seq2seq`` or ``causal``: the model family's (:func:`dynabatch.models.families.check_model`)."""
+    world_size: int = 1
+    memory_gib: float | None = None
+    """The device's memory, when known (``--memory-gib`` is what the planner may use)."""
+
+    @property
+    def device_type(self) -> str | None:
+        return None if self.cuda_available is None else "cuda" if self.cuda_available else "cpu"
+
+
+Rule = Callable[[Any, Found], "tuple[Any, str] | None"]
+RULES: dict[str, Rule] = {}
+"""Field name -> its rule: ``rule(cfg, found)`` gives ``(value, reason)`` for a value to decide, ``None`` for a value
+given as is. Registry order is resolution order (later rules read earlier decisions)."""
+
+
+def rule(name: str):
+    """Register the rule of field ``name`` (once)."""
+    def register(fn: Rule) -> Rule:
+        if name in RULES:
+            raise ValueError(f"the rule of {name} is registered twice")
+        RULES[name] = fn
+        return fn
+    return register
+
+
+def _device_type(cfg, found: Found) -> str | None:
+    if cfg.device == "auto":
+        return found.device_type
+    return "cpu" if cfg.device == "cpu" else "cuda"
+
+
+@rule("device")
+def _device(cfg, found: Found):
+    if cfg.device != "auto" or found.cuda_available is None:
+        return None
+    if found.cuda_available:
+        return "cuda", "CUDA is available: each rank takes cuda:LOCAL_RANK"
+    return "cpu", "no CUDA device"
+
+
+@rule("tokenizer")
+def _tokenizer(cfg, found: Found):
+    if cfg.tokenizer != "auto":
+        return None
+    name = resolve_tokenizer("auto", cfg.model)
+    return name, ("the --model folder's own tokenizer" if name == cfg.model else "the model names no tokenizer")
+
+
+@rule("attention_kernel")
+def _attention_kernel(cfg, found: Found):
+    if cfg.attention_kernel != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cpu":
+        return "sdpa", "CPU: sdpa, the kernel with a CPU backward"
+    return SEARCHES["attention_kernel"], "CUDA: per call, FlashAttention varlen where it applies, else flex, else sdpa"
+
+
+@rule("split_blocks")
+def _split_blocks(cfg, found: Found):
+    if cfg.split_blocks != "auto":
+        return None
+    if cfg.cost_profile:
+        return "off", "a cost profile times whole blocks only"
+    return "on", "the analytic cost model prices a block's attention and MLP halves"
+
+
+@rule("calibrate")
+def _calibrate(cfg, found: Found):
+    if cfg.calibrate != "auto":
+        return None
+    if cfg.cost_profile:
+        return "online", "a cost profile holds this device's measured costs: the online fit only refines them"
+    return "quick", "the analytic model: a few seconds of start-up measurements, then the online fit"
+
+
+@rule("plan_costs")
+def _plan_costs(cfg, found: Found):
+    if getattr(cfg, "full_determinism", False):
+        if cfg.plan_costs not in ("auto", "base"):
+            raise ValueError(f"full_determinism plans with costs that do not depend on measured times; plan_costs "
+                             f"{cfg.plan_costs!r} follows the online fit: drop one of them or use plan_costs base")
+        return "base", "--full-determinism: plans from the base model, not from measured times"
+    if cfg.plan_costs != "auto" or found.sequence_kind is None:
+        return None
+    value = PLAN_COSTS_AUTO[found.sequence_kind]
+    why = "encoder-decoder: the online fit" if value == "calibrated" else "decoder-only: the base model"
+    return value, f"{why} (docs/configuration.md)"
+
+
+@rule("planner")
+def _planner(cfg, found: Found):
+    if cfg.planner != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cuda":
+        return "process", "CUDA: the training loop would wait for a planner thread's GIL"
+    return "thread", "CPU: no planner process start-up"
+
+
+@rule("pack_rows")
+def _pack_rows(cfg, found: Found):
+    if cfg.pack_rows not in ("device", "auto"):
+        return None
+    if cfg.pack_rows == "auto":
+        return SEARCHES["pack_rows"], "per step, plans with and without packed rows; the best scored is kept"
+    if (kind := _device_type(cfg, found)) is None:
+        return "off", "no device: one sample per row"
+    if kind == "cuda":
+        return SEARCHES["pack_rows"], "CUDA: per step, plans with and without packed rows, the best kept"
+    return "off", "CPU: one sample per row (docs/configuration.md)"
+
+
+@rule("recompute")
+def _recompute(cfg, found: Found):
+    if cfg.recompute != "auto":
+        return None
+    if cfg.cost_profile:
+        return "none", "a cost profile does not price recomputation"
+    if cfg.method != DYNAMIC:
+        return "none", f"{cfg.method} is a baseline: its knob, not recomputation, fits memory"
+    return SEARCHES["recompute"], "per micro-batch and stage, the fastest mode that fits --memory-gib"
+
+
+@rule("policy")
+def _policy(cfg, found: Found):
+    if cfg.policy != "auto":
+        return None
+    return SEARCHES["policy"], "per step, the shortest simulated of gpipe, 1f1b and adaptive"
+
+
+@rule("placement")
+def _placement(cfg, found: Found):
+    if cfg.placement != "auto":
+        return None
+    if cfg.stages < 2:
+        return "linear", "one stage"
+    return None  # chosen at start from the run's first global batches (Resolved.with_choice)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A configuration with its ``auto`` values decided, and why (field -> reason)."""
+
+    config: Any
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def with_choice(self, name: str, value: Any, reason: str) -> "Resolved":
+        """This resolution with ``name`` decided elsewhere (``--placement auto``'s start-up choice)."""
+        return Resolved(dataclasses.replace(self.config, **{name: value}), {**self.reasons, name: reason})
+
+    def unresolved(self) -> list[str]:
+        """Fields still ``auto`` (or ``device`` for ``pack_rows``)."""
+        return [f.name for f in dataclasses.fields(self.config)
+                if getattr(self.config, f.name) == "auto" or (f.name == "pack_rows" and self.config.pack_rows == "device")]
+
+    def table(self) -> str:
+        """The decided fields as a short table: option, value, why."""
+        rows = [(f"--{name.replace('_', '-')}", str(getattr(self.config, name)), why)
+                for name, why in self.reasons.items()]
+        width = [max(len(r[i]) for r in rows) for i in (0, 1)] if rows else [0, 0]
+        return "\n".join(f"  {a.ljust(width[0])}  {b.ljust(width[1])}  {c}" for a, b, c in rows)
+
+
+def resolve(cfg, found: Found) -> Resolved:
+    """``cfg`` with every rule of :data:`RULES` applied in order, and the reason of each decision."""
+    reasons = {}
+    for name, fn in RULES.items():
+        decided = fn(cfg, found)
+        if decided is not None:
+            value, why = decided
+            if value != getattr(cfg, name):
+                cfg = dataclasses.replace(cfg, **{name: value})
+            reasons[name] = why
+    return Resolved(cfg, reasons)
+
+
+def decide(cfg, name: str, found: Found = Found()) -> Any:
+    """The value of field ``name`` that ``cfg`` runs with: its own, or its rule's (for a configuration that did not
+    go through :func:`resolve`)."""
+    decided = RULES[name](cfg, found) if name in RULES else None
+    return getattr(cfg, name) if decided is None else decided[0]
+
+
+def lower(name: str, value: Any) -> Any:
+    """``value`` of field ``name`` as the lower layers name it: a search (:data:`SEARCHES`) is their ``auto``."""
+    return "auto" if SEARCHES.get(name) == value else value
+
+
+def lower_args(args) -> None:
+    """Parsed flags of a command with the search names (``--policy per_step``, as a resolved ``config.yaml`` says)
+    in the lower layers' spelling, ``auto`` (in place)."""
+    for name in SEARCHES:
+        if hasattr(args, name):
+            setattr(args, name, lower(name, getattr(args, name)))

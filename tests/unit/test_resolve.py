@@ -1,0 +1,131 @@
+"""One resolver (issue 42, item 2): every ``auto`` decided in :mod:`dynabatch.config.resolve` with a reason; the run
+prints the choices, writes ``OUTPUT/config.yaml`` (every field, resolved), and ``--config`` of that file runs the
+same again; a resume says which fields differ; the components follow the resolver's rules."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from dynabatch.cli import main
+from dynabatch.config import TrainConfig, decide, lower, resolve
+from dynabatch.config.resolve import RULES, SEARCHES, Found
+
+SMALL = ["--max-input-len", "64", "--max-target-len", "16", "--global-batch-tokens", "1024", "--no-timeline",
+         "--logging-steps", "0"]
+CPU_T5 = Found(cuda_available=False, sequence_kind="seq2seq")
+CUDA_GPT = Found(cuda_available=True, sequence_kind="causal")
+
+
+def _values(tree):
+    for value in tree.values():
+        yield from _values(value) if isinstance(value, dict) else (value,)
+
+
+def _losses(run_dir) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def test_every_auto_is_decided_with_a_reason():
+    for found in (CPU_T5, CUDA_GPT):
+        resolved = resolve(TrainConfig(stages=2, placement="linear"), found)
+        assert resolved.unresolved() == []
+        assert all(resolved.reasons[name] for name in resolved.reasons)
+    cpu = resolve(TrainConfig(), CPU_T5)
+    assert (cpu.config.device, cpu.config.attention_kernel, cpu.config.planner, cpu.config.pack_rows) == (
+        "cpu", "sdpa", "thread", "off")
+    assert (cpu.config.plan_costs, cpu.config.calibrate, cpu.config.split_blocks) == ("calibrated", "quick", "on")
+    assert (cpu.config.policy, cpu.config.recompute) == (SEARCHES["policy"], SEARCHES["recompute"])
+    cuda = resolve(TrainConfig(method="packing"), CUDA_GPT).config
+    assert (cuda.device, cuda.attention_kernel, cuda.planner, cuda.pack_rows, cuda.plan_costs, cuda.recompute) == (
+        "cuda", SEARCHES["attention_kernel"], "process", SEARCHES["pack_rows"], "base", "none")
+    given = TrainConfig(device="cpu", policy="1f1b", recompute="full", planner="process")
+    assert {k: getattr(resolve(given, CUDA_GPT).config, k) for k in ("device", "policy", "recompute", "planner")} == {
+        "device": "cpu", "policy": "1f1b", "recompute": "full", "planner": "process"}  # given values stay
+    assert "placement" not in resolve(TrainConfig(stages=2, placement="auto"), CPU_T5).reasons  # chosen at start
+    assert resolve(TrainConfig(placement="auto"), CPU_T5).config.placement == "linear"  # one stage
+
+
+def test_components_ask_the_same_rules_and_lower_the_search_names():
+    cfg = TrainConfig()  # not resolved: a component asking for one field gets the rule's answer
+    assert decide(cfg, "plan_costs", Found(sequence_kind="causal")) == "base"
+    assert cfg.calibration_mode == "quick" and cfg.cuts_inside_blocks
+    assert lower("policy", SEARCHES["policy"]) == "auto" and lower("policy", "1f1b") == "1f1b"
+    assert list(RULES)[0] == "device"  # later rules read the device decided first
+
+
+def test_train_writes_a_resolved_config_yaml_and_runs_the_same_again_from_it(tmp_path, capsys):
+    first, again = str(tmp_path / "first"), str(tmp_path / "again")
+    assert main(["train", "--max-steps", "2", "--output-dir", first, *SMALL]) == 0
+    err = capsys.readouterr().err
+    assert "resolved configuration" in err and "--policy" in err  # the table, once
+    path = os.path.join(first, "config.yaml")
+    with open(path, encoding="utf-8") as f:
+        written = yaml.safe_load(f)
+    values = list(_values(written))
+    assert "auto" not in values and "device" != written["batching"]["pack_rows"]
+    assert len(values) == len(TrainConfig.__dataclass_fields__)  # every field
+    assert main(["train", "--config", path, "--output-dir", again]) == 0
+    assert _losses(again) == _losses(first) and len(_losses(first)) == 2
+    with open(os.path.join(again, "config.yaml"), encoding="utf-8") as f:
+        rewritten = yaml.safe_load(f)
+    rewritten["checkpoint"]["output_dir"] = first
+    assert rewritten == written
+
+
+def test_a_resume_reads_config_yaml_and_names_the_fields_that_differ(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert main(["train", "--max-steps", "2", "--output-dir", run, *SMALL]) == 0
+    capsys.readouterr()
+    assert main(["train", "--max-steps", "3", "--output-dir", run, "--resume-from-checkpoint", "--learning-rate",
+                 "5e-4", *SMALL]) == 0
+    err = capsys.readouterr().err
+    assert "config.yaml of the earlier run differs in" in err
+    assert "learning_rate: 0.001 -> 0.0005" in err and "max_steps: 2 -> 3" in err
+
+
+def test_the_run_follows_a_changed_rule(tmp_path, monkeypatch, capsys):
+    """Change the resolver's policy rule: the run schedules every step with the new choice and says why."""
+    monkeypatch.setitem(RULES, "policy", lambda cfg, found: ("1f1b", "a test's rule") if cfg.policy == "auto" else None)
+    run = str(tmp_path / "run")
+    assert main(["train", "--max-steps", "2", "--output-dir", run, *SMALL]) == 0
+    assert "a test's rule" in capsys.readouterr().err
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        policies = [p for r in map(json.loads, f) for p in r.get("schedule_policy", [])]
+    assert policies and set(policies) == {"1f1b"}
+    with open(os.path.join(run, "config.yaml"), encoding="utf-8") as f:
+        assert yaml.safe_load(f)["pipeline"]["policy"] == "1f1b"
+
+
+def test_a_resolved_search_name_is_accepted_by_every_command_that_takes_the_option():
+    cfg = TrainConfig(policy=SEARCHES["policy"], recompute=SEARCHES["recompute"], pack_rows=SEARCHES["pack_rows"],
+                      attention_kernel=SEARCHES["attention_kernel"])
+    assert resolve(cfg, CPU_T5).config.policy == SEARCHES["policy"]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        TrainConfig(policy="per_micro_batch")
+
+
+def test_full_determinism_plans_with_the_base_model_and_refuses_a_measured_one():
+    det = resolve(TrainConfig(full_determinism=True), CPU_T5)
+    assert det.config.plan_costs == "base" and "--full-determinism" in det.reasons["plan_costs"]
+    assert resolve(TrainConfig(), CPU_T5).config.plan_costs == "calibrated"  # t5 without it: the online fit
+    with pytest.raises(ValueError, match="full_determinism plans with costs that do not depend on measured times"):
+        resolve(TrainConfig(full_determinism=True, plan_costs="calibrated"), CPU_T5)
+
+
+def test_full_determinism_in_process_gives_equal_runs_and_puts_torch_back(tmp_path):
+    import torch
+
+    runs = [str(tmp_path / name) for name in ("a", "b")]
+    for run in runs:
+        assert main(["train", "--max-steps", "3", "--output-dir", run, "--full-determinism", *SMALL]) == 0
+        assert not torch.are_deterministic_algorithms_enabled()  # the switch lasts the run only
+    records = []
+    for run in runs:
+        with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+            records.append([(r["samples_digest"], r["num_micro_batches"], r["loss"]) for r in map(json.loads, f)])
+    assert records[0] == records[1] and len(records[0]) == 3
