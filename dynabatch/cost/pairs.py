@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.cost._kernels import _greedy_groups
 
 
 @dataclass(frozen=True)
@@ -158,32 +159,36 @@ def attention_groups(query_lens, key_lens, alone, waste_limit: float = math.inf)
     lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group) and
     padding it adds at most ``waste_limit`` pairs to the group (the runtime's :func:`group_waste_limit`).
     Samples alone in their rows (``alone``: the runtime slices their rows instead of gathering) and samples
-    sharing a row are grouped apart.
+    sharing a row are grouped apart. Lengths are integers (int64); the greedy pass is a numba kernel
+    (``_kernels._greedy_groups``; its pure-Python twin is ``tests/reference/cost_reference.py``).
     """
-    q = np.asarray(query_lens)
-    k = np.asarray(key_lens)
+    q = np.asarray(query_lens, dtype=np.int64)
+    k = np.asarray(key_lens, dtype=np.int64)
     alone = np.asarray(alone, dtype=bool)
-    keep = 1.0 - PAD_TOLERANCE
     groups: list[tuple[np.ndarray, bool]] = []
     for flag in (True, False):
-        candidates = np.flatnonzero(alone == flag)
-        order = candidates[np.lexsort((q[candidates], k[candidates]))[::-1]]
-        members: list[int] = []
-        top_q = top_k = 0
-        for j in order:
-            if members:
-                grown_q = max(top_q, int(q[j]))  # the group's query length once j joins
-                added = (len(members) + 1) * grown_q * top_k - len(members) * top_q * top_k - int(q[j] * k[j])
-                if not (k[j] >= keep * top_k and q[j] >= keep * top_q and added <= waste_limit):
-                    groups.append((np.asarray(members), flag))
-                    members = []
-            if not members:
-                top_q, top_k = int(q[j]), int(k[j])
-            members.append(int(j))
-            top_q = max(top_q, int(q[j]))
-        if members:
-            groups.append((np.asarray(members), flag))
+        order, labels = _sorted_groups(q, k, np.flatnonzero(alone == flag), waste_limit)
+        if order.size:
+            cuts = np.flatnonzero(np.diff(labels)) + 1
+            groups.extend((members, flag) for members in np.split(order, cuts))
     return groups
+
+
+def _sorted_groups(q: np.ndarray, k: np.ndarray, candidates: np.ndarray, waste_limit: float):
+    """``(order, labels)``: ``candidates`` longest key span first (then longest query span, then highest index),
+    and the group of each (non-decreasing labels from 0; :func:`attention_groups`)."""
+    order = candidates[np.lexsort((q[candidates], k[candidates]))[::-1]]
+    return order, _greedy_groups(q, k, order, 1.0 - PAD_TOLERANCE, float(waste_limit))
+
+
+def _num_groups(q: np.ndarray, k: np.ndarray, alone: np.ndarray) -> int:
+    """``len(attention_groups(q, k, alone))`` (int64 lengths, no padding bound), without building the groups."""
+    total = 0
+    for flag in (True, False):
+        candidates = np.flatnonzero(alone == flag)
+        if candidates.size:
+            total += int(_sorted_groups(q, k, candidates, math.inf)[1][-1]) + 1
+    return total
 
 
 def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int, int]:
@@ -197,10 +202,9 @@ def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
     alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool)
     if not is_seq2seq(family):
         n = e[ids] + d[ids]
-        return len(attention_groups(n, n, alone)), 1, 1
+        return _num_groups(n, n, alone), 1, 1
     ei, di = e[ids], d[ids]
-    return (len(attention_groups(ei, ei, alone)), len(attention_groups(di, di, alone)),
-            len(attention_groups(di, ei, alone)))
+    return _num_groups(ei, ei, alone), _num_groups(di, di, alone), _num_groups(di, ei, alone)
 
 
 RowWork = tuple[Sequence[float], Sequence[float], Sequence[float]]

@@ -39,7 +39,7 @@ partition at its best budget the objective is 1% lower (GPT) and 9-10% lower for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -135,6 +135,7 @@ def plan_partition(
     fill_scale: float = 1.0,
     flat_rows: bool = False,
     max_row: tuple[int, int] | None = None,
+    runs_cache: dict | None = None,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
 
@@ -160,6 +161,12 @@ def plan_partition(
     (near-equal lengths share attention calls), padding no longer does. ``max_row`` ``(input, target)``
     tokens (flat rows only; causal: ``(tokens, 0)``) bounds each flat row like a packed row of that capacity
     (:func:`~dynabatch.plan.step.flat_row_limit`).
+
+    ``runs_cache`` (a dict the caller owns, e.g. for the calls of one :func:`~dynabatch.plan.step.plan_step`):
+    the ordering and the priced candidate runs, the cost-model calls that make up most of a call's time, are
+    kept there and reused by a later call on the same lengths, pairs, limits and ``cost_model`` (only
+    ``num_stages``, ``fill_scale`` and ``cap_tolerance`` may differ: they change the cut, not the runs); so is the
+    plan of a cut already made. The plans are those of a call without the cache.
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
@@ -177,17 +184,24 @@ def plan_partition(
     if not budget > 0:
         raise ValueError(f"cost model memory_budget_bytes must be > 0, got {budget}")
 
-    perm = order_samples(e_raw, d_raw, family, order)
-    e_all, d_all = padded_lengths(e_raw, d_raw, family)
-    e, d = e_all[perm], d_all[perm]
-    limits = _Limits(budget, in_flight, max_samples, max_tokens, max_row)
-    prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
-    runs = _Runs(e, d, prefix, flat_rows)
-    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw)
+    limits = _Limits(budget, in_flight, max_samples, max_tokens, None if max_row is None else tuple(max_row))
     check_non_negative("fill_scale", fill_scale)
+    key = None if runs_cache is None else _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows)
+    table = None if key is None else runs_cache.get(key)
+    if table is None or table.cost_model is not cost_model:
+        table = _table(e_raw, d_raw, cost_model, family, order, limits, unit_pairs, flat_rows)
+        if key is not None:
+            runs_cache[key] = table
+    T, L = table.T, table.L
     weighted_stages = 1.0 + float(fill_scale) * (num_stages - 1)  # the kernel's slope is its argument - 1
     lengths, _, num_tried = _solve_partition(T, L, weighted_stages, float(cap_tolerance))
+    cut = (lengths.tobytes(), num_stages)
+    if cut in table.plans:  # the same cut under another weight: only the count of caps tried differs
+        kept = table.plans[cut]
+        return replace(kept, num_cap_candidates_tried=int(num_tried), **{
+            f: getattr(kept, f).copy() for f in ("order", "boundaries", "shapes", "times_s", "stored_bytes", "peak_bytes")})
 
+    e, d, runs, perm = table.e, table.d, table.runs, table.perm
     boundaries = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     starts, ends = boundaries[:-1], boundaries[1:] - 1
     b, E, D, pairs = runs.priced(ends, lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts))
@@ -195,7 +209,7 @@ def plan_partition(
     times = T[ends, lengths - 1].copy()
     _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
-    return PartitionPlan(
+    plan = PartitionPlan(
         family=family,
         num_stages=num_stages,
         in_flight=in_flight,
@@ -210,6 +224,39 @@ def plan_partition(
         band_width=int(L.max()),
         flat_rows=flat_rows,
     )
+    table.plans[cut] = plan
+    return plan
+
+
+@dataclass(frozen=True, eq=False)
+class _Table:
+    """What :func:`plan_partition` computes before it cuts: the ordering, the ordered units and their priced
+    candidate runs (``T``, ``L``), and the plans of the cuts made from them (by run lengths and stages)."""
+
+    cost_model: MicroBatchCostModel
+    perm: np.ndarray
+    e: np.ndarray
+    d: np.ndarray
+    runs: _Runs
+    T: np.ndarray  # noqa: N815 - the run-time table
+    L: np.ndarray  # noqa: N815 - the band lengths
+    plans: dict = field(default_factory=dict)
+
+
+def _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows) -> tuple:
+    pairs = None if unit_pairs is None else np.ascontiguousarray(unit_pairs, dtype=np.float64)
+    return (e_raw.tobytes(), d_raw.tobytes(), family, order, limits, flat_rows,
+            None if pairs is None else (pairs.shape, pairs.tobytes()))
+
+
+def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs, flat_rows) -> _Table:
+    perm = order_samples(e_raw, d_raw, family, order)
+    e_all, d_all = padded_lengths(e_raw, d_raw, family)
+    e, d = e_all[perm], d_all[perm]
+    prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
+    runs = _Runs(e, d, prefix, flat_rows)
+    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw)
+    return _Table(cost_model, perm, e, d, runs, T, L)
 
 
 @dataclass(frozen=True)

@@ -246,8 +246,12 @@ def plan_step(
     if flat_row is not None:  # a sample longer than the limit still forms its own row
         top = padded_lengths(e, d, family)
         flat_row = (max(int(flat_row[0]), int(top[0].max())), max(int(flat_row[1]), int(top[1].max())))
-    how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows, score, tuple(fill_scales), segment_pricing, flat_row)
+    # one table of priced runs per way of forming rows, shared by the fill-and-drain weights (plan_partition's
+    # runs_cache), and one score per distinct plan: the candidates repeat both
+    how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order,
+                    {"runs_cache": {}, **partition_options}, pack_rows, None if score is None else _once(score),
+                    tuple(fill_scales), segment_pricing, flat_row,
+                    _once(lambda plan: _priced_objective(plan, cost_model)))
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -297,6 +301,22 @@ class _Planning:
     """Without row packing: one sample per row priced by its own pairs (``(0, 0)``), not dense."""
     flat_row: tuple[int, int] | None = None
     """``max_row`` of every flat micro-batch (:func:`plan_step`'s ``flat_row``), or None."""
+    priced: Callable[[StepPlan], float] | None = None
+    """The default score of the row packings, :func:`_priced_objective` under ``cost_model``."""
+
+
+def _once(score: Callable[[StepPlan], float]) -> Callable[[StepPlan], float]:
+    """``score`` computed once per distinct plan (same pieces, same order): the fill-and-drain weights and the
+    row packings often cut a step the same way. Scores are deterministic, so this changes no choice."""
+    memo: dict = {}
+
+    def scored(plan: StepPlan) -> float:
+        key = (plan.family, plan.num_stages, plan.replicas, plan.sliced_samples)
+        if key not in memo:
+            memo[key] = score(plan)
+        return memo[key]
+
+    return scored
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
@@ -324,7 +344,7 @@ def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     if how.pack_rows != "auto":
         return _plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
-    score = how.score or (lambda plan: _priced_objective(plan, how.cost_model))
+    score = how.score or how.priced or (lambda plan: _priced_objective(plan, how.cost_model))
     best = None
     for capacity in [None, (0, 0), FLAT, *_capacities(e[keep], d[keep], how.family)]:
         plan = _plan_units(e, d, sliced, capacity, how)
