@@ -96,10 +96,23 @@ class AttentionPairs:
         return (self.encoder, self.decoder, self.cross)[k], (None if self.calls is None else self.calls[k])
 
     def __getitem__(self, index) -> "AttentionPairs":
-        return self.map(lambda a: a[index])
+        return self._derived(lambda a: a[index])
 
     def broadcast_to(self, shape) -> "AttentionPairs":
-        return self.map(lambda a: np.broadcast_to(a, shape))
+        if self.encoder.shape == tuple(shape):
+            return self  # every array already has that shape (__post_init__ broadcast them to one)
+        return self._derived(lambda a: np.broadcast_to(a, shape))
+
+    def _derived(self, fn: Callable[[np.ndarray], np.ndarray]) -> "AttentionPairs":
+        """:meth:`map` for a function that selects or repeats entries (indexing, broadcasting): the values were
+        checked when this object was made, so they are not checked again (a cost model call makes several)."""
+        out = object.__new__(AttentionPairs)
+        for name in ("encoder", "decoder", "cross"):
+            object.__setattr__(out, name, fn(getattr(self, name)))
+        for name in ("calls", "longest"):
+            value = getattr(self, name)
+            object.__setattr__(out, name, None if value is None else tuple(fn(x) for x in value))
+        return out
 
 
 def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[float, float, float]:

@@ -207,7 +207,9 @@ def plan_partition(
     b, E, D, pairs = runs.priced(ends, lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts))
     shapes = np.stack([b, E, D], axis=1)
     times = T[ends, lengths - 1].copy()
-    _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
+    stored, peak = table.stored[ends, lengths - 1], table.peak[ends, lengths - 1]  # as the runs were priced
+    if np.isnan(stored).any() or np.isnan(peak).any():  # not expected: every run in the band was priced
+        _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
     plan = PartitionPlan(
         family=family,
@@ -240,6 +242,9 @@ class _Table:
     runs: _Runs
     T: np.ndarray  # noqa: N815 - the run-time table
     L: np.ndarray  # noqa: N815 - the band lengths
+    stored: np.ndarray
+    """(N, W) stored bytes the cost model gave each run as it priced ``T`` (NaN: not priced)."""
+    peak: np.ndarray
     plans: dict = field(default_factory=dict)
 
 
@@ -255,8 +260,9 @@ def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs,
     e, d = e_all[perm], d_all[perm]
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
     runs = _Runs(e, d, prefix, flat_rows)
-    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw)
-    return _Table(cost_model, perm, e, d, runs, T, L)
+    memory: dict = {}
+    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw, memory)
+    return _Table(cost_model, perm, e, d, runs, T, L, memory["stored"], memory["peak"])
 
 
 @dataclass(frozen=True)
@@ -316,9 +322,11 @@ class _Runs:
                 self.cum_d[ends + 1] - self.cum_d[starts], pairs)
 
 
-def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tuple[np.ndarray, np.ndarray]:
+def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw,
+                    memory: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths;
-    runs priced as :meth:`_Runs.priced` says."""
+    runs priced as :meth:`_Runs.priced` says. ``memory`` (a dict) receives ``stored`` and ``peak``, (N, W) the
+    bytes the cost model gave each run (NaN where not priced), so a cut's runs need no second call."""
     e, d = runs.e, runs.d
     n = e.size
     max_w = min(n, limits.max_samples or n)
@@ -341,6 +349,8 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
             ok &= (rE <= limits.max_row[0]) & (rD <= limits.max_row[1])
         times[exists] = t
         fits[exists] = ok
+        if memory is not None:
+            memory.setdefault("blocks", []).append((alive, w_lo, exists, np.asarray(stored), np.asarray(peak)))
         if w_lo == 1 and not fits[:, 0].all():
             _raise_single_sample(cost_model, limits, perm, e_raw, d_raw, e, d)
         num_fit = np.where(fits.all(axis=1), fits.shape[1], np.argmin(fits, axis=1))
@@ -353,6 +363,16 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         width = min(times.shape[1], T.shape[1] - lo + 1)
         T[ends, lo - 1 : lo - 1 + width] = times[:, :width]
     np.maximum.accumulate(T, axis=1, out=T)
+    if memory is not None:
+        for key, k in (("stored", 3), ("peak", 4)):
+            table = np.full(T.shape, np.nan)
+            for ends, lo, exists, *values in memory["blocks"]:
+                block = np.full(exists.shape, np.nan)
+                block[exists] = values[k - 3]
+                width = min(block.shape[1], T.shape[1] - lo + 1)
+                table[ends, lo - 1 : lo - 1 + width] = block[:, :width]
+            memory[key] = table
+        del memory["blocks"]
     return T, band
 
 
