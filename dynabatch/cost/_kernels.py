@@ -351,3 +351,20 @@ def _greedy_groups(q, k, order, keep, waste_limit):
         size += 1
         top_q = max(top_q, qj)
     return labels
+
+
+@njit(cache=True, nogil=True)
+def _count_groups(q, k, alone, keep):
+    """``len(attention_groups(q, k, alone))`` without a padding bound: each of the two sets (``alone``, then the
+    others) sorted longest key, longest query, highest index first and counted by :func:`_greedy_groups`."""
+    total = 0
+    span = q.max() + 1 if q.shape[0] else 1
+    for flag in (True, False):
+        candidates = np.flatnonzero(alone == flag)
+        if candidates.shape[0] == 0:
+            continue
+        key = k[candidates] * span + q[candidates]
+        order = candidates[np.argsort(key, kind="mergesort")[::-1]]
+        labels = _greedy_groups(q, k, order, keep, np.inf)
+        total += labels[-1] + 1
+    return total

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.cost._kernels import _greedy_groups
+from dynabatch.cost._kernels import _count_groups, _greedy_groups
 
 
 @dataclass(frozen=True)
@@ -196,12 +196,7 @@ def _sorted_groups(q: np.ndarray, k: np.ndarray, candidates: np.ndarray, waste_l
 
 def _num_groups(q: np.ndarray, k: np.ndarray, alone: np.ndarray) -> int:
     """``len(attention_groups(q, k, alone))`` (int64 lengths, no padding bound), without building the groups."""
-    total = 0
-    for flag in (True, False):
-        candidates = np.flatnonzero(alone == flag)
-        if candidates.size:
-            total += int(_sorted_groups(q, k, candidates, math.inf)[1][-1]) + 1
-    return total
+    return int(_count_groups(q, k, alone, 1.0 - PAD_TOLERANCE))
 
 
 def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int, int]:

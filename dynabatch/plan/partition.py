@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 FIRST_BAND = 16
 """Run lengths evaluated in the first cost-model call; the band then doubles while runs still fit."""
+ONE_CALL_RUNS = 4096
+"""Up to this many candidate runs (``N x`` the longest run allowed) are all priced in the first call: a call's
+fixed cost (milliseconds of Python on the analytic model) outweighs pricing runs that turn out not to fit.
+Either way the table within the band is the same, and the DP reads nothing outside it."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,7 +337,7 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
     band = np.zeros(n, dtype=np.int64)
     blocks = []  # (ends, w_lo, times (K, C))
     alive = np.arange(n, dtype=np.int64)
-    w_lo, w_hi = 1, min(max_w, FIRST_BAND) + 1
+    w_lo, w_hi = 1, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1
     while alive.size and w_lo <= max_w:
         b, E, D = _run_shapes(e, d, alive, w_lo, w_hi)  # (K, C) each
         exists = b > 0
