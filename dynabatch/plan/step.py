@@ -42,7 +42,7 @@ measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime, bounded, T
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -303,6 +303,9 @@ class _Planning:
     """``max_row`` of every flat micro-batch (:func:`plan_step`'s ``flat_row``), or None."""
     priced: Callable[[StepPlan], float] | None = None
     """The default score of the row packings, :func:`_priced_objective` under ``cost_model``."""
+    row_work: dict = field(default_factory=dict)
+    """``(flat, rows of units) -> (rows, pairs, calls, longest)`` of the pieces made so far: the fill-and-drain
+    weights and the row packings cut many of the same micro-batches."""
 
 
 def _once(score: Callable[[StepPlan], float]) -> Callable[[StepPlan], float]:
@@ -434,13 +437,15 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
                 if unit_pairs is None:
                     replica_pieces[r].append(Piece(samples, tuple(shape), float(t)))
                 else:
-                    if capacity == FLAT:
-                        group = (samples,)
-                    total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
-                    packed = group if any(len(row) > 1 for row in group) else None
+                    work = (capacity == FLAT, group)  # the same rows give the same pairs, calls and longest
+                    if work not in how.row_work:
+                        laid = (samples,) if capacity == FLAT else group
+                        total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
+                        how.row_work[work] = (laid, total, row_calls(laid, e, d, family), row_longest(laid, e, d, family))
+                    laid, total, calls, longest = how.row_work[work]
+                    packed = laid if any(len(row) > 1 for row in laid) else None
                     replica_pieces[r].append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
-                                                   calls=row_calls(group, e, d, family),
-                                                   longest=row_longest(group, e, d, family)))
+                                                   calls=calls, longest=longest))
     # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
     for i, pieces, _ in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
         loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]
