@@ -345,7 +345,7 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         fits = np.zeros(b.shape, dtype=bool)
         ends = np.broadcast_to(alive[:, None], b.shape)
         rb, rE, rD, pairs = runs.priced(ends[exists], b[exists], E[exists], D[exists])
-        t, stored, peak = evaluate_costs(cost_model, rb, rE, rD, pairs=pairs)
+        t, stored, peak = _evaluate_distinct(cost_model, rb, rE, rD, pairs)
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= rb * (rE + rD) <= limits.max_tokens
@@ -378,6 +378,22 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
             memory[key] = table
         del memory["blocks"]
     return T, band
+
+
+def _evaluate_distinct(cost_model, b, E, D, pairs):  # noqa: N803 - the padded run shapes
+    """``evaluate_costs`` of runs of integer shapes ``(b, E, D)``, each distinct shape priced once when the runs are
+    priced densely (``pairs`` None): sorted runs share their padded lengths, so a band holds 2-3x fewer distinct
+    shapes than runs, and on large models the cost model's time grows with the entries it prices. The cost model
+    prices entries independently, so the values are those of pricing every run."""
+    if pairs is not None or b.size < 2:
+        return evaluate_costs(cost_model, b, E, D, pairs=pairs)
+    span_e, span_d = int(E.max()) + 1, int(D.max()) + 1
+    key = (b.astype(np.int64) * span_e + E) * span_d + D
+    distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    if distinct.size > 0.8 * b.size:
+        return evaluate_costs(cost_model, b, E, D)
+    t, stored, peak = evaluate_costs(cost_model, b[first], E[first], D[first])
+    return t[inverse], stored[inverse], peak[inverse]
 
 
 def _raise_single_sample(cost_model, limits: _Limits, perm, e_raw, d_raw, e, d) -> None:
