@@ -262,8 +262,9 @@ class AnalyticCostModel(StoredBytes):
     def _layer_cost(self, kind: str, scalar: bool, b, E, D, pairs) -> LayerCost:
         """:meth:`layer_cost` of inputs already checked and broadcast (:meth:`_arrays`, :func:`_broadcast_pairs`)."""
         ops = self._ops(kind, b, E, D, pairs)
-        fwd = sum(self._op_time(op) for op in ops)
-        bwd = sum(self._op_time(op) * op.bwd_factor for op in ops)
+        times = [self._op_time(op) for op in ops]  # each op's forward time, once
+        fwd = sum(times)
+        bwd = sum(t * op.bwd_factor for t, op in zip(times, ops))
         flops = sum(op.flops for op in ops)
         stored = self._stored(kind, b, E, D, pairs)
         peak = self._peak_extra(kind, b, E, D, pairs)
