@@ -118,12 +118,25 @@ class AttentionPairs:
 def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[float, float, float]:
     """``(encoder, decoder, cross)`` pairs of one micro-batch whose rows hold the samples ``rows`` (indices
     into the length arrays), as the padding-free runtime computes them (module docstring)."""
+    ei, di, _ = _gathered(rows, input_lens, target_lens)
+    return _pairs_of(ei, di, family)
+
+
+def _gathered(rows, input_lens, target_lens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The input and target lengths (int64) of the samples of ``rows``, row after row, and whether each is alone in
+    its row; ``ValueError`` for a micro-batch without samples."""
     e = np.asarray(input_lens, dtype=np.int64)
     d = np.asarray(target_lens, dtype=np.int64)
+    rows = [r if isinstance(r, (tuple, list)) else list(r) for r in rows]
     ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
     if ids.size == 0:
         raise ValueError("a micro-batch needs at least one sample")
-    ei, di = e[ids].astype(np.float64), d[ids].astype(np.float64)
+    alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool, count=ids.size)
+    return e[ids], d[ids], alone
+
+
+def _pairs_of(ei, di, family: str) -> tuple[float, float, float]:
+    ei, di = ei.astype(np.float64), di.astype(np.float64)
     if not is_seq2seq(family):
         return float(((ei + di) ** 2).sum()), 0.0, 0.0
     return float((ei * ei).sum()), float((di * di).sum()), float((di * ei).sum())
@@ -132,12 +145,14 @@ def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
 def row_longest(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int]:
     """``(input, target)`` length of the longest sample among ``rows`` (GPT: ``(inputs + targets, 0)``): the
     :attr:`AttentionPairs.longest` of one micro-batch."""
-    e = np.asarray(input_lens, dtype=np.int64)
-    d = np.asarray(target_lens, dtype=np.int64)
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+    ei, di, _ = _gathered(rows, input_lens, target_lens)
+    return _longest_of(ei, di, family)
+
+
+def _longest_of(ei, di, family: str) -> tuple[int, int]:
     if not is_seq2seq(family):
-        return int((e[ids] + d[ids]).max()), 0
-    return int(e[ids].max()), int(d[ids].max())
+        return int((ei + di).max()), 0
+    return int(ei.max()), int(di.max())
 
 
 PAD_TOLERANCE = 0.25
@@ -203,15 +218,14 @@ def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
     """``(encoder, decoder, cross)`` attention-core calls per layer of one micro-batch, as the runtime groups
     its samples (:func:`attention_groups`, without a device's padding bound; GPT: inputs + targets as one
     sequence)."""
-    e = np.asarray(input_lens, dtype=np.int64)
-    d = np.asarray(target_lens, dtype=np.int64)
-    rows = [list(r) for r in rows]
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
-    alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool)
+    ei, di, alone = _gathered(rows, input_lens, target_lens)
+    return _calls_of(ei, di, alone, family)
+
+
+def _calls_of(ei, di, alone, family: str) -> tuple[int, int, int]:
     if not is_seq2seq(family):
-        n = e[ids] + d[ids]
+        n = ei + di
         return _num_groups(n, n, alone), 1, 1
-    ei, di = e[ids], d[ids]
     return _num_groups(ei, ei, alone), _num_groups(di, di, alone), _num_groups(di, ei, alone)
 
 
@@ -220,10 +234,9 @@ RowWork = tuple[Sequence[float], Sequence[float], Sequence[float]]
 
 
 def row_work(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> RowWork:
-    """The :data:`RowWork` of one micro-batch given as rows of sample indices."""
-    rows = [list(r) for r in rows]
-    return (row_pairs(rows, input_lens, target_lens, family), row_calls(rows, input_lens, target_lens, family),
-            row_longest(rows, input_lens, target_lens, family))
+    """The :data:`RowWork` of one micro-batch given as rows of sample indices (the samples gathered once)."""
+    ei, di, alone = _gathered(rows, input_lens, target_lens)
+    return _pairs_of(ei, di, family), _calls_of(ei, di, alone, family), _longest_of(ei, di, family)
 
 
 def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:

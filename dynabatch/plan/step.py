@@ -359,19 +359,25 @@ def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     return best[1]
 
 
-def with_pairs(plan: StepPlan, e, d) -> StepPlan:
+def with_pairs(plan: StepPlan, e, d, work: dict | None = None) -> StepPlan:
     """``plan`` with the attention pairs and calls of every whole-sample piece (from its rows and the
-    step's input / target lengths ``e``, ``d``): what the padding-free runtime computes."""
+    step's input / target lengths ``e``, ``d``): what the padding-free runtime computes. ``work`` (a dict the
+    caller keeps for one step's lengths) holds each piece's :func:`~dynabatch.cost.pairs.row_work` by its rows,
+    for plans that share micro-batches."""
     from dataclasses import replace
 
-    from dynabatch.cost.pairs import row_longest, row_pairs
+    from dynabatch.cost.pairs import row_work
+
+    work = {} if work is None else work
 
     def priced(p: Piece) -> Piece:
         if p.is_slice:
             return p
         rows = p.row_samples
-        return replace(p, pairs=row_pairs(rows, e, d, plan.family), calls=row_calls(rows, e, d, plan.family),
-                       longest=row_longest(rows, e, d, plan.family))
+        if rows not in work:
+            work[rows] = row_work(rows, e, d, plan.family)
+        pairs, calls, longest = work[rows]
+        return replace(p, pairs=tuple(pairs), calls=tuple(calls), longest=tuple(longest))
 
     return replace(plan, replicas=tuple(tuple(priced(p) for p in pieces) for pieces in plan.replicas))
 
