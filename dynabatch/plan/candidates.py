@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.cost.pairs import row_work, stacked_pairs
+from dynabatch.cost.pairs import AttentionPairs, row_work, stacked_pairs
 from dynabatch.data.baselines import BASELINES, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.costs import evaluate_costs
@@ -277,8 +277,6 @@ def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan
 
 def _concatenated(pairs: list):
     """One :class:`~dynabatch.cost.pairs.AttentionPairs` of several (1-D, each with calls and longest segments)."""
-    from dynabatch.cost.pairs import AttentionPairs
-
     def cat(get):
         return np.concatenate([get(p) for p in pairs])
 
