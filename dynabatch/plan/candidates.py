@@ -257,7 +257,7 @@ def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan
         if not batch:
             continue
         shapes = np.concatenate([s for s, _ in batch])
-        pairs = _concatenated([p for _, p in batch]) if kind else None
+        pairs = concatenated_pairs([p for _, p in batch]) if kind else None
         priced[kind] = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
     out = []
     for num_stages, held, replicas in parts:
@@ -275,7 +275,7 @@ def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan
     return out
 
 
-def _concatenated(pairs: list):
+def concatenated_pairs(pairs: list):
     """One :class:`~dynabatch.cost.pairs.AttentionPairs` of several (1-D, each with calls and longest segments)."""
     def cat(get):
         return np.concatenate([get(p) for p in pairs])
@@ -310,4 +310,4 @@ def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, op
 
 
 __all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "best_plan", "candidate_baselines", "choose", "deal_to_replicas",
-           "formula_price", "formula_prices", "knob_values", "step_lower_bound"]
+           "concatenated_pairs", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]

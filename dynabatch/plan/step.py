@@ -310,29 +310,53 @@ class _Planning:
 
 def _once(score: Callable[[StepPlan], float]) -> Callable[[StepPlan], float]:
     """``score`` computed once per distinct plan (same pieces, same order): the fill-and-drain weights and the
-    row packings often cut a step the same way. Scores are deterministic, so this changes no choice."""
+    row packings often cut a step the same way. Scores are deterministic, so this changes no choice. A ``score``
+    with a ``many(plans) -> scores`` attribute (the trainer's simulated step: one cost-model call for all the
+    plans' pieces) is asked for the unscored plans of a :func:`_scores` call at once."""
     memo: dict = {}
+    many = getattr(score, "many", None)
+
+    def key(plan: StepPlan):
+        return plan.family, plan.num_stages, plan.replicas, plan.sliced_samples
 
     def scored(plan: StepPlan) -> float:
-        key = (plan.family, plan.num_stages, plan.replicas, plan.sliced_samples)
-        if key not in memo:
-            memo[key] = score(plan)
-        return memo[key]
+        k = key(plan)
+        if k not in memo:
+            memo[k] = score(plan)
+        return memo[k]
 
+    def scored_many(plans: list[StepPlan]) -> list[float]:
+        keys = [key(p) for p in plans]
+        todo = dict((k, p) for k, p in zip(keys, plans) if k not in memo)  # distinct, in order
+        if todo:
+            values = many(list(todo.values())) if many is not None else [score(p) for p in todo.values()]
+            memo.update(zip(todo, values))
+        return [memo[k] for k in keys]
+
+    scored.many = scored_many  # type: ignore[attr-defined]
     return scored
+
+
+def _scores(score: Callable[[StepPlan], float], plans: list[StepPlan]) -> list[float]:
+    """``score`` of each of ``plans``, through its ``many`` when it has one (:func:`_once`)."""
+    many = getattr(score, "many", None)
+    return list(many(plans)) if many is not None else [score(p) for p in plans]
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
     """The best-scoring of the plans under each of ``how.fill_scales`` (:func:`_plan_at`)."""
     from dataclasses import replace
 
-    if len(how.fill_scales) == 1:
-        return _plan_at(e, d, sliced, replace(how, partition_options={**how.partition_options,
-                                                                       "fill_scale": how.fill_scales[0]}))
+    hows = [replace(how, partition_options={**how.partition_options, "fill_scale": s}) for s in how.fill_scales]
+    if len(hows) == 1:
+        return _plan_at(e, d, sliced, hows[0])
+    candidates = [_candidates_at(e, d, sliced, h) for h in hows]
+    if len(candidates[0]) > 1:  # the row packings of every weight scored at once (_scores; then remembered)
+        _scores(_packing_score(how), [p for c in candidates for p in c])
     score = how.score or (lambda plan: plan.objective_s)
     best = None
-    for scale in how.fill_scales:
-        plan = _plan_at(e, d, sliced, replace(how, partition_options={**how.partition_options, "fill_scale": scale}))
+    for plans, h in zip(candidates, hows):
+        plan = _best_of(plans, h)
         value = score(plan)
         if best is None or value < best[0]:
             best = (value, plan)
@@ -342,18 +366,35 @@ def _plan(e, d, sliced, how: _Planning) -> StepPlan:
 def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices; with
     ``pack_rows="auto"``, the best-scoring of the row packings (module docstring)."""
+    return _best_of(_candidates_at(e, d, sliced, how), how)
+
+
+def _candidates_at(e, d, sliced, how: _Planning) -> list[StepPlan]:
+    """The plans :func:`_plan_at` chooses from: one, or with ``pack_rows="auto"`` one per way of forming rows."""
     if how.pack_rows == "flat":
-        return _plan_units(e, d, sliced, FLAT, how)
+        return [_plan_units(e, d, sliced, FLAT, how)]
     if how.pack_rows != "auto":
-        return _plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)
+        return [_plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)]
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
-    score = how.score or how.priced or (lambda plan: _priced_objective(plan, how.cost_model))
-    best = None
+    plans = []
     for capacity in [None, (0, 0), FLAT, *_capacities(e[keep], d[keep], how.family)]:
         plan = _plan_units(e, d, sliced, capacity, how)
         if capacity is None:  # the dense planner's plan, priced per segment like the others
             plan = with_pairs(plan, e, d)
-        value = score(plan)
+        plans.append(plan)
+    return plans
+
+
+def _packing_score(how: _Planning) -> Callable[[StepPlan], float]:
+    return how.score or how.priced or (lambda plan: _priced_objective(plan, how.cost_model))
+
+
+def _best_of(plans: list[StepPlan], how: _Planning) -> StepPlan:
+    """The first of the lowest-scoring of ``plans`` (a single plan is not scored)."""
+    if len(plans) == 1:
+        return plans[0]
+    best = None
+    for value, plan in zip(_scores(_packing_score(how), plans), plans):
         if best is None or value < best[0]:
             best = (value, plan)
     return best[1]

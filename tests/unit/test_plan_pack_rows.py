@@ -297,3 +297,24 @@ def test_auto_is_never_predicted_slower_than_the_plan_it_starts_from(family, see
             off = plan_step(e, d, cost, 4, family=family, num_replicas=replicas, score=score,
                             segment_pricing=segments)
             assert score(auto) <= score(off)
+
+
+def test_trainer_score_of_many_plans_is_each_plans_own():
+    """The trainer's score prices all the plans plan_step asks about at once (``score.many``: one cost-model call
+    for every piece): each plan's score is the one it gets alone, for one and two replicas."""
+    import os
+
+    from dynabatch.commands.common import add_workload_arguments, resolve
+    from dynabatch.runtime.planner import simulated_step_time
+    import argparse
+
+    heavy = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    w = resolve(p.parse_args(["--model", "t5", "--lengths", heavy]))
+    z = np.load(heavy)
+    e, d = z["input_len"][:120].astype(np.int64), z["target_len"][:120].astype(np.int64)
+    score = simulated_step_time(w.cost_model, None, 40 * 2**30, (e, d))
+    plans = [plan_step(e, d, w.cost_model, 4, family="t5", num_replicas=r, pack_rows=m)
+             for r in (1, 2) for m in ("off", "auto", "flat")]
+    assert score.many(plans) == [score(p) for p in plans]
