@@ -3,7 +3,8 @@
 Forms global batches by the token budget (over-long samples truncated) from a lengths file or a
 mixture, cuts each with the dynamic planner and with every baseline, prices every micro-batch with
 the same analytic cost model (attention per segment, as the padding-free runtime computes it), and prints per method: real tokens, computed tokens, micro-batches,
-predicted step time ``sum(t) + (S - 1) max(t)`` and the method's own wall time per global batch.
+predicted step time ``sum(t) + (S - 1) max(t)`` and the method's own wall time per global batch (median, p10-p90
+and max over the batches; ``scripts/bench_plan_time.py`` times the dynamic method over more rounds).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             "sliced_samples": sliced,
             "predicted_step_s": float(np.mean(step_times)),
             "plan_wall_ms_median": 1e3 * float(np.median(wall)),
+            "plan_wall_ms_p10": 1e3 * float(np.percentile(wall, 10)),
+            "plan_wall_ms_p90": 1e3 * float(np.percentile(wall, 90)),
             "plan_wall_ms_max": 1e3 * float(np.max(wall)),
             **({"candidates": kept} if kept else {}),
         }
@@ -98,11 +101,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
           f"{stages} stages, reference split: {summary['layout']}")
     print(describe_model_states(summary["model_states"]))
-    print(f"{'method':<15} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'plan ms p50/max':>16}")
+    print(f"{'method':<15} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8}  plan ms/batch p50 [p10-p90] max")
     for method, r in rows.items():
         print(f"{method:<15} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "
               f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} "
-              f"{r['plan_wall_ms_median']:>7.1f}/{r['plan_wall_ms_max']:<8.1f}")
+              f"{r['plan_wall_ms_median']:>8.1f} [{r['plan_wall_ms_p10']:.1f}-{r['plan_wall_ms_p90']:.1f}] "
+              f"{r['plan_wall_ms_max']:.1f}")
     for method, r in rows.items():
         if r["layout"] != summary["layout"]:
             print(f"  {method} layer split (balanced over its micro-batches): {r['layout']}")

@@ -321,3 +321,50 @@ def _stage_cost_many(axis_b, axis_e, axis_d, tab_be, cnt_be, tab_bd, cnt_bd, tab
         out[BWD, i] = g
         out[STORED, i] = s
         out[PEAK, i] = p
+
+
+@njit(cache=True, nogil=True)
+def _greedy_groups(q, k, order, keep, waste_limit):
+    """Group of each position of ``order`` (int64 sample indices into ``q``, ``k``): the greedy pass of
+    :func:`dynabatch.cost.pairs.attention_groups` over samples already sorted. A sample opens a new group unless
+    both lengths are at least ``keep`` of the open group's and padding it adds at most ``waste_limit`` pairs."""
+    n = order.shape[0]
+    labels = np.empty(n, np.int64)
+    group = -1
+    size = 0
+    top_q = 0
+    top_k = 0
+    for p in range(n):
+        j = order[p]
+        qj = q[j]
+        kj = k[j]
+        if size > 0:
+            grown_q = max(top_q, qj)  # the group's query length once j joins
+            added = (size + 1) * grown_q * top_k - size * top_q * top_k - qj * kj
+            if not (kj >= keep * top_k and qj >= keep * top_q and added <= waste_limit):
+                size = 0
+        if size == 0:
+            group += 1
+            top_q = qj
+            top_k = kj
+        labels[p] = group
+        size += 1
+        top_q = max(top_q, qj)
+    return labels
+
+
+@njit(cache=True, nogil=True)
+def _count_groups(q, k, alone, keep):
+    """``len(attention_groups(q, k, alone))`` without a padding bound: each of the two sets (``alone``, then the
+    others) sorted longest key, longest query, highest index first and counted by :func:`_greedy_groups`."""
+    total = 0
+    span = q.max() + 1 if q.shape[0] else 1
+    for flag in (True, False):
+        candidates = np.flatnonzero(alone == flag)
+        if candidates.shape[0] == 0:
+            continue
+        key = k[candidates] * span + q[candidates]
+        order = candidates[np.argsort(key, kind="mergesort")[::-1]]
+        labels = _greedy_groups(q, k, order, keep, np.inf)
+        total += labels[-1] + 1
+    return total

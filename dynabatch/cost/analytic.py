@@ -257,10 +257,14 @@ class AnalyticCostModel(StoredBytes):
         """
         check_kind(self.spec, kind)
         scalar, (b, E, D) = self._inputs(kind, b, E, D)
-        pairs = _broadcast_pairs(pairs, b.shape)
+        return self._layer_cost(kind, scalar, b, E, D, _broadcast_pairs(pairs, b.shape))
+
+    def _layer_cost(self, kind: str, scalar: bool, b, E, D, pairs) -> LayerCost:
+        """:meth:`layer_cost` of inputs already checked and broadcast (:meth:`_arrays`, :func:`_broadcast_pairs`)."""
         ops = self._ops(kind, b, E, D, pairs)
-        fwd = sum(self._op_time(op) for op in ops)
-        bwd = sum(self._op_time(op) * op.bwd_factor for op in ops)
+        times = [self._op_time(op) for op in ops]  # each op's forward time, once
+        fwd = sum(times)
+        bwd = sum(t * op.bwd_factor for t, op in zip(times, ops))
         flops = sum(op.flops for op in ops)
         stored = self._stored(kind, b, E, D, pairs)
         peak = self._peak_extra(kind, b, E, D, pairs)
@@ -278,7 +282,13 @@ class AnalyticCostModel(StoredBytes):
         ``pairs``: per-segment attention work (:meth:`layer_cost`); ``None`` is dense."""
         if len(kinds) == 0:
             raise ValueError("a stage needs at least one layer kind, got an empty list")
-        costs = [(self.layer_cost(kind, b, E, D, pairs), n) for kind, n in Counter(kinds).items()]
+        counts = Counter(kinds)
+        for kind in counts:
+            check_kind(self.spec, kind)
+            self._check_decoder_length(kind, D)
+        scalar, arrays = self._arrays(b, E, D)  # checked once for every layer of the stage
+        work = _broadcast_pairs(pairs, arrays[0].shape)
+        costs = [(self._layer_cost(kind, scalar, *arrays, work), n) for kind, n in counts.items()]
 
         def total(field: str):
             return sum(getattr(cost, field) * count for cost, count in costs)
@@ -429,11 +439,20 @@ class AnalyticCostModel(StoredBytes):
 
     def _inputs(self, kind: str, b, E, D) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Validated float64 arrays broadcast to one shape, and whether all inputs were scalars."""
+        self._check_decoder_length(kind, D)
+        return self._arrays(b, E, D)
+
+    def _check_decoder_length(self, kind: str, D) -> None:
+        """``ValueError`` when ``kind`` needs the decoder length and ``D`` is None; a warning for a GPT's ``D``."""
         needs_d = is_seq2seq(self.spec.family) and kind in ("decoder_embedding", "t5_decoder", "lm_head")
         if needs_d and D is None:
             raise ValueError(f"layer kind {kind!r} of a t5 model needs the decoder length D, got None")
         if not is_seq2seq(self.spec.family) and D is not None and np.any(np.asarray(D) != 0):
-            warnings.warn("D (decoder length) has no effect for a gpt model; the sequence length is E", stacklevel=3)
+            warnings.warn("D (decoder length) has no effect for a gpt model; the sequence length is E", stacklevel=4)
+
+    def _arrays(self, b, E, D) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``b, E, D`` (``D`` None: 1) as float64 arrays broadcast to one shape, each finite and >= 1, and whether
+        all were scalars."""
         scalar = all(np.ndim(x) == 0 for x in (b, E, D) if x is not None)
         arrays = [np.asarray(x if x is not None else 1.0, dtype=np.float64) for x in (b, E, D)]
         for name, x in zip("bED", arrays):

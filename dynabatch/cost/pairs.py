@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.cost._kernels import _count_groups, _greedy_groups
 
 
 @dataclass(frozen=True)
@@ -95,21 +96,47 @@ class AttentionPairs:
         return (self.encoder, self.decoder, self.cross)[k], (None if self.calls is None else self.calls[k])
 
     def __getitem__(self, index) -> "AttentionPairs":
-        return self.map(lambda a: a[index])
+        return self._derived(lambda a: a[index])
 
     def broadcast_to(self, shape) -> "AttentionPairs":
-        return self.map(lambda a: np.broadcast_to(a, shape))
+        if self.encoder.shape == tuple(shape):
+            return self  # every array already has that shape (__post_init__ broadcast them to one)
+        return self._derived(lambda a: np.broadcast_to(a, shape))
+
+    def _derived(self, fn: Callable[[np.ndarray], np.ndarray]) -> "AttentionPairs":
+        """:meth:`map` for a function that selects or repeats entries (indexing, broadcasting): the values were
+        checked when this object was made, so they are not checked again (a cost model call makes several)."""
+        out = object.__new__(AttentionPairs)
+        for name in ("encoder", "decoder", "cross"):
+            object.__setattr__(out, name, fn(getattr(self, name)))
+        for name in ("calls", "longest"):
+            value = getattr(self, name)
+            object.__setattr__(out, name, None if value is None else tuple(fn(x) for x in value))
+        return out
 
 
 def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[float, float, float]:
     """``(encoder, decoder, cross)`` pairs of one micro-batch whose rows hold the samples ``rows`` (indices
     into the length arrays), as the padding-free runtime computes them (module docstring)."""
+    ei, di, _ = _gathered(rows, input_lens, target_lens)
+    return _pairs_of(ei, di, family)
+
+
+def _gathered(rows, input_lens, target_lens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The input and target lengths (int64) of the samples of ``rows``, row after row, and whether each is alone in
+    its row; ``ValueError`` for a micro-batch without samples."""
     e = np.asarray(input_lens, dtype=np.int64)
     d = np.asarray(target_lens, dtype=np.int64)
+    rows = [r if isinstance(r, (tuple, list)) else list(r) for r in rows]
     ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
     if ids.size == 0:
         raise ValueError("a micro-batch needs at least one sample")
-    ei, di = e[ids].astype(np.float64), d[ids].astype(np.float64)
+    alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool, count=ids.size)
+    return e[ids], d[ids], alone
+
+
+def _pairs_of(ei, di, family: str) -> tuple[float, float, float]:
+    ei, di = ei.astype(np.float64), di.astype(np.float64)
     if not is_seq2seq(family):
         return float(((ei + di) ** 2).sum()), 0.0, 0.0
     return float((ei * ei).sum()), float((di * di).sum()), float((di * ei).sum())
@@ -118,12 +145,14 @@ def row_pairs(rows: Iterable[Sequence[int]], input_lens, target_lens, family: st
 def row_longest(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int]:
     """``(input, target)`` length of the longest sample among ``rows`` (GPT: ``(inputs + targets, 0)``): the
     :attr:`AttentionPairs.longest` of one micro-batch."""
-    e = np.asarray(input_lens, dtype=np.int64)
-    d = np.asarray(target_lens, dtype=np.int64)
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+    ei, di, _ = _gathered(rows, input_lens, target_lens)
+    return _longest_of(ei, di, family)
+
+
+def _longest_of(ei, di, family: str) -> tuple[int, int]:
     if not is_seq2seq(family):
-        return int((e[ids] + d[ids]).max()), 0
-    return int(e[ids].max()), int(d[ids].max())
+        return int((ei + di).max()), 0
+    return int(ei.max()), int(di.max())
 
 
 PAD_TOLERANCE = 0.25
@@ -158,49 +187,46 @@ def attention_groups(query_lens, key_lens, alone, waste_limit: float = math.inf)
     lengths are at least ``1 - PAD_TOLERANCE`` of the group's (0: equal lengths only; 1: one group) and
     padding it adds at most ``waste_limit`` pairs to the group (the runtime's :func:`group_waste_limit`).
     Samples alone in their rows (``alone``: the runtime slices their rows instead of gathering) and samples
-    sharing a row are grouped apart.
+    sharing a row are grouped apart. Lengths are integers (int64); the greedy pass is a numba kernel
+    (``_kernels._greedy_groups``; its pure-Python twin is ``tests/reference/cost_reference.py``).
     """
-    q = np.asarray(query_lens)
-    k = np.asarray(key_lens)
+    q = np.asarray(query_lens, dtype=np.int64)
+    k = np.asarray(key_lens, dtype=np.int64)
     alone = np.asarray(alone, dtype=bool)
-    keep = 1.0 - PAD_TOLERANCE
     groups: list[tuple[np.ndarray, bool]] = []
     for flag in (True, False):
-        candidates = np.flatnonzero(alone == flag)
-        order = candidates[np.lexsort((q[candidates], k[candidates]))[::-1]]
-        members: list[int] = []
-        top_q = top_k = 0
-        for j in order:
-            if members:
-                grown_q = max(top_q, int(q[j]))  # the group's query length once j joins
-                added = (len(members) + 1) * grown_q * top_k - len(members) * top_q * top_k - int(q[j] * k[j])
-                if not (k[j] >= keep * top_k and q[j] >= keep * top_q and added <= waste_limit):
-                    groups.append((np.asarray(members), flag))
-                    members = []
-            if not members:
-                top_q, top_k = int(q[j]), int(k[j])
-            members.append(int(j))
-            top_q = max(top_q, int(q[j]))
-        if members:
-            groups.append((np.asarray(members), flag))
+        order, labels = _sorted_groups(q, k, np.flatnonzero(alone == flag), waste_limit)
+        if order.size:
+            cuts = np.flatnonzero(np.diff(labels)) + 1
+            groups.extend((members, flag) for members in np.split(order, cuts))
     return groups
+
+
+def _sorted_groups(q: np.ndarray, k: np.ndarray, candidates: np.ndarray, waste_limit: float):
+    """``(order, labels)``: ``candidates`` longest key span first (then longest query span, then highest index),
+    and the group of each (non-decreasing labels from 0; :func:`attention_groups`)."""
+    order = candidates[np.lexsort((q[candidates], k[candidates]))[::-1]]
+    return order, _greedy_groups(q, k, order, 1.0 - PAD_TOLERANCE, float(waste_limit))
+
+
+def _num_groups(q: np.ndarray, k: np.ndarray, alone: np.ndarray) -> int:
+    """``len(attention_groups(q, k, alone))`` (int64 lengths, no padding bound), without building the groups."""
+    return int(_count_groups(q, k, alone, 1.0 - PAD_TOLERANCE))
 
 
 def row_calls(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> tuple[int, int, int]:
     """``(encoder, decoder, cross)`` attention-core calls per layer of one micro-batch, as the runtime groups
     its samples (:func:`attention_groups`, without a device's padding bound; GPT: inputs + targets as one
     sequence)."""
-    e = np.asarray(input_lens, dtype=np.int64)
-    d = np.asarray(target_lens, dtype=np.int64)
-    rows = [list(r) for r in rows]
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
-    alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool)
+    ei, di, alone = _gathered(rows, input_lens, target_lens)
+    return _calls_of(ei, di, alone, family)
+
+
+def _calls_of(ei, di, alone, family: str) -> tuple[int, int, int]:
     if not is_seq2seq(family):
-        n = e[ids] + d[ids]
-        return len(attention_groups(n, n, alone)), 1, 1
-    ei, di = e[ids], d[ids]
-    return (len(attention_groups(ei, ei, alone)), len(attention_groups(di, di, alone)),
-            len(attention_groups(di, ei, alone)))
+        n = ei + di
+        return _num_groups(n, n, alone), 1, 1
+    return _num_groups(ei, ei, alone), _num_groups(di, di, alone), _num_groups(di, ei, alone)
 
 
 RowWork = tuple[Sequence[float], Sequence[float], Sequence[float]]
@@ -208,10 +234,9 @@ RowWork = tuple[Sequence[float], Sequence[float], Sequence[float]]
 
 
 def row_work(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str) -> RowWork:
-    """The :data:`RowWork` of one micro-batch given as rows of sample indices."""
-    rows = [list(r) for r in rows]
-    return (row_pairs(rows, input_lens, target_lens, family), row_calls(rows, input_lens, target_lens, family),
-            row_longest(rows, input_lens, target_lens, family))
+    """The :data:`RowWork` of one micro-batch given as rows of sample indices (the samples gathered once)."""
+    ei, di, alone = _gathered(rows, input_lens, target_lens)
+    return _pairs_of(ei, di, family), _calls_of(ei, di, alone, family), _longest_of(ei, di, family)
 
 
 def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.cost.pairs import groups_pairs
+from dynabatch.cost.pairs import AttentionPairs, row_work, stacked_pairs
 from dynabatch.data.baselines import BASELINES, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.costs import evaluate_costs
@@ -95,20 +95,22 @@ def knob_values(method: str, options) -> list[int]:
 
 def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
                         padding_free: bool = True, methods: Sequence[str] | None = None,
-                        cost_model=None) -> list[Candidate]:
+                        cost_model=None, work: dict | None = None) -> list[Candidate]:
     """The plans of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
     :func:`knob_values`, as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs its
     micro-batches, dealt to replicas by :func:`deal_to_replicas`. Values whose micro-batches equal an earlier
     value's are left out (the smallest value stays); so is a setting with fewer micro-batches than replicas.
     ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
-    bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0."""
+    bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0. ``work``: a dict of each
+    micro-batch's :func:`~dynabatch.cost.pairs.row_work` by its rows, shared with the pricing of the same batch
+    (:func:`~dynabatch.plan.step.with_pairs`)."""
 
     no_tokens = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)  # grouping reads lengths only
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
     family = limits.family
     seen: set = set()
-    out: list[Candidate] = []
+    kept = []  # (method, value, groups, shapes)
     for method in methods if methods is not None else candidate_baselines(padding_free):
         for value in knob_values(method, options):
             opts = options.with_value(method, value)
@@ -117,22 +119,35 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
             if key in seen or len(groups) < num_replicas:
                 continue
             seen.add(key)
-            shapes = [group_shape(batch, g, family) for g in groups]
-            times = _piece_times(cost_model, shapes, groups, batch, family, padding_free)
-            pieces = [Piece(tuple(i for row in g.rows for i in row), s, t,
-                            rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
-                      for g, s, t in zip(groups, shapes, times)]
-            replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
-            out.append(Candidate(method, value, StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())))
+            kept.append((method, value, groups, [group_shape(batch, g, family) for g in groups]))
+    # every candidate's pieces priced in one cost-model call (a call's fixed cost is milliseconds of Python on the
+    # analytic model; the pieces' prices do not depend on one another)
+    times = _piece_times(cost_model, [s for *_, shapes in kept for s in shapes],
+                         [g for _, _, groups, _ in kept for g in groups], batch, family, padding_free,
+                         {} if work is None else work)
+    out: list[Candidate] = []
+    start = 0
+    for method, value, groups, shapes in kept:
+        pieces = [Piece(tuple(i for row in g.rows for i in row), s, t,
+                        rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+                  for g, s, t in zip(groups, shapes, times[start:start + len(groups)])]
+        start += len(groups)
+        replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
+        out.append(Candidate(method, value, StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())))
     return out
 
 
-def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool) -> list[float]:
-    if cost_model is None:
+def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool, work: dict) -> list[float]:
+    if cost_model is None or not shapes:
         return [0.0] * len(shapes)
 
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
-    pairs = groups_pairs([g.rows for g in groups], batch.input_lens, batch.target_lens, family) if padding_free else None
+    pairs = None
+    if padding_free:  # groups_pairs, each micro-batch's row work computed once per batch
+        for g in groups:
+            if g.rows not in work:
+                work[g.rows] = row_work(g.rows, batch.input_lens, batch.target_lens, family)
+        pairs = stacked_pairs([work[g.rows] for g in groups])
     t, _, _ = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2], pairs=pairs)
     return [float(x) for x in t]
 
@@ -203,29 +218,71 @@ def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True
     own memory rule ``in_flight * stored + peak <= memory_budget_bytes`` (``in_flight`` default ``S``), so a
     baseline's plan is held to the memory the DP's plans fit."""
 
+    def price(plan: StepPlan) -> float:
+        return formula_prices(cost_model, input_lens, target_lens, [plan], padding_free, in_flight)[0]
+
+    return price
+
+
+def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan], padding_free: bool = True,
+                   in_flight: int | None = None, work: dict | None = None) -> list[float]:
+    """:func:`formula_price` of each of ``plans``, every whole-sample piece of every plan priced in one cost-model
+    call (one for the pieces priced with attention pairs, one for those priced dense): the same prices. ``work``:
+    as :func:`baseline_candidates`'."""
     e, d = np.asarray(input_lens), np.asarray(target_lens)
     budget = float(getattr(cost_model, "memory_budget_bytes", np.inf))
-
-    def price(plan: StepPlan) -> float:
-        plan = with_pairs(plan, e, d) if padding_free else plan
-        worst, held = 0.0, in_flight or plan.num_stages
+    parts = []  # per plan, per replica: (times, whole, held, pairs or None, rows into the calls' entries)
+    queries: dict[bool, list] = {False: [], True: []}  # dense / with pairs: [(shapes (k, 3), pairs or None)]
+    counts = {False: 0, True: 0}
+    for plan in plans:
+        plan = with_pairs(plan, e, d, work) if padding_free else plan
+        held, replicas = in_flight or plan.num_stages, []
         for r, pieces in enumerate(plan.replicas):
             if not pieces:
                 continue
             times = np.array([p.time_s for p in pieces])
             whole = np.array([not p.is_slice for p in pieces])
+            entry = None
             if whole.any():
                 shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
                 pairs = plan.pairs(r)
-                t, stored, peak = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2],
-                                                 pairs=None if pairs is None else pairs[whole])
+                kind = pairs is not None
+                queries[kind].append((shapes, None if pairs is None else pairs[whole]))
+                entry = (kind, counts[kind], counts[kind] + len(shapes))
+                counts[kind] += len(shapes)
+            replicas.append((times, whole, entry))
+        parts.append((plan.num_stages, held, replicas))
+    priced = {}
+    for kind, batch in queries.items():
+        if not batch:
+            continue
+        shapes = np.concatenate([s for s, _ in batch])
+        pairs = concatenated_pairs([p for _, p in batch]) if kind else None
+        priced[kind] = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+    out = []
+    for num_stages, held, replicas in parts:
+        worst = 0.0
+        for times, whole, entry in replicas:
+            if entry is not None:
+                kind, lo, hi = entry
+                t, stored, peak = (a[lo:hi] for a in priced[kind])
                 if np.any(held * stored + peak > budget):
-                    return float("inf")
+                    worst = float("inf")
+                    break
                 times[whole] = t
-            worst = max(worst, float(times.sum() + (plan.num_stages - 1) * times.max()))
-        return worst
+            worst = max(worst, float(times.sum() + (num_stages - 1) * times.max()))
+        out.append(worst)
+    return out
 
-    return price
+
+def concatenated_pairs(pairs: list):
+    """One :class:`~dynabatch.cost.pairs.AttentionPairs` of several (1-D, each with calls and longest segments)."""
+    def cat(get):
+        return np.concatenate([get(p) for p in pairs])
+
+    return AttentionPairs(cat(lambda p: p.encoder), cat(lambda p: p.decoder), cat(lambda p: p.cross),
+                          tuple(cat(lambda p, k=k: p.calls[k]) for k in range(3)),
+                          tuple(cat(lambda p, k=k: p.longest[k]) for k in range(2)))
 
 
 def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, options=None, num_replicas: int = 1,
@@ -240,11 +297,17 @@ def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, op
     dp = Candidate(DP, None, plan)
     if plan.sliced_samples:
         return dp
+    work: dict = {}  # each micro-batch's attention work, shared by the candidates' pricing
     baselines = baseline_candidates(input_lens, target_lens, limits, plan.num_stages, num_replicas=num_replicas,
-                                    options=options, padding_free=padding_free, cost_model=cost_model)
-    price = price or formula_price(cost_model, input_lens, target_lens, padding_free, in_flight)
-    return choose([dp, *baselines], price).candidate
+                                    options=options, padding_free=padding_free, cost_model=cost_model, work=work)
+    candidates = [dp, *baselines]
+    if price is None:  # the step formula: every candidate priced at once (formula_prices), then compared
+        prices = dict(zip(map(id, (c.plan for c in candidates)),
+                          formula_prices(cost_model, input_lens, target_lens, [c.plan for c in candidates],
+                                         padding_free, in_flight, work)))
+        return choose(candidates, lambda plan: prices[id(plan)]).candidate
+    return choose(candidates, price).candidate
 
 
 __all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "best_plan", "candidate_baselines", "choose", "deal_to_replicas",
-           "formula_price", "knob_values", "step_lower_bound"]
+           "concatenated_pairs", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]

@@ -39,7 +39,7 @@ partition at its best budget the objective is 1% lower (GPT) and 9-10% lower for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 FIRST_BAND = 16
 """Run lengths evaluated in the first cost-model call; the band then doubles while runs still fit."""
+ONE_CALL_RUNS = 4096
+"""Up to this many candidate runs (``N x`` the longest run allowed) are all priced in the first call: a call's
+fixed cost (milliseconds of Python on the analytic model) outweighs pricing runs that turn out not to fit.
+Either way the table within the band is the same, and the DP reads nothing outside it."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +139,7 @@ def plan_partition(
     fill_scale: float = 1.0,
     flat_rows: bool = False,
     max_row: tuple[int, int] | None = None,
+    runs_cache: dict | None = None,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
 
@@ -160,6 +165,12 @@ def plan_partition(
     (near-equal lengths share attention calls), padding no longer does. ``max_row`` ``(input, target)``
     tokens (flat rows only; causal: ``(tokens, 0)``) bounds each flat row like a packed row of that capacity
     (:func:`~dynabatch.plan.step.flat_row_limit`).
+
+    ``runs_cache`` (a dict the caller owns, e.g. for the calls of one :func:`~dynabatch.plan.step.plan_step`):
+    the ordering and the priced candidate runs, the cost-model calls that make up most of a call's time, are
+    kept there and reused by a later call on the same lengths, pairs, limits and ``cost_model`` (only
+    ``num_stages``, ``fill_scale`` and ``cap_tolerance`` may differ: they change the cut, not the runs); so is the
+    plan of a cut already made. The plans are those of a call without the cache.
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
@@ -177,25 +188,34 @@ def plan_partition(
     if not budget > 0:
         raise ValueError(f"cost model memory_budget_bytes must be > 0, got {budget}")
 
-    perm = order_samples(e_raw, d_raw, family, order)
-    e_all, d_all = padded_lengths(e_raw, d_raw, family)
-    e, d = e_all[perm], d_all[perm]
-    limits = _Limits(budget, in_flight, max_samples, max_tokens, max_row)
-    prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
-    runs = _Runs(e, d, prefix, flat_rows)
-    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw)
+    limits = _Limits(budget, in_flight, max_samples, max_tokens, None if max_row is None else tuple(max_row))
     check_non_negative("fill_scale", fill_scale)
+    key = None if runs_cache is None else _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows)
+    table = None if key is None else runs_cache.get(key)
+    if table is None or table.cost_model is not cost_model:
+        table = _table(e_raw, d_raw, cost_model, family, order, limits, unit_pairs, flat_rows)
+        if key is not None:
+            runs_cache[key] = table
+    T, L = table.T, table.L
     weighted_stages = 1.0 + float(fill_scale) * (num_stages - 1)  # the kernel's slope is its argument - 1
     lengths, _, num_tried = _solve_partition(T, L, weighted_stages, float(cap_tolerance))
+    cut = (lengths.tobytes(), num_stages)
+    if cut in table.plans:  # the same cut under another weight: only the count of caps tried differs
+        kept = table.plans[cut]
+        return replace(kept, num_cap_candidates_tried=int(num_tried), **{
+            f: getattr(kept, f).copy() for f in ("order", "boundaries", "shapes", "times_s", "stored_bytes", "peak_bytes")})
 
+    e, d, runs, perm = table.e, table.d, table.runs, table.perm
     boundaries = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     starts, ends = boundaries[:-1], boundaries[1:] - 1
     b, E, D, pairs = runs.priced(ends, lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts))
     shapes = np.stack([b, E, D], axis=1)
     times = T[ends, lengths - 1].copy()
-    _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
+    stored, peak = table.stored[ends, lengths - 1], table.peak[ends, lengths - 1]  # as the runs were priced
+    if np.isnan(stored).any() or np.isnan(peak).any():  # not expected: every run in the band was priced
+        _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
-    return PartitionPlan(
+    plan = PartitionPlan(
         family=family,
         num_stages=num_stages,
         in_flight=in_flight,
@@ -210,6 +230,43 @@ def plan_partition(
         band_width=int(L.max()),
         flat_rows=flat_rows,
     )
+    table.plans[cut] = plan
+    return plan
+
+
+@dataclass(frozen=True, eq=False)
+class _Table:
+    """What :func:`plan_partition` computes before it cuts: the ordering, the ordered units and their priced
+    candidate runs (``T``, ``L``), and the plans of the cuts made from them (by run lengths and stages)."""
+
+    cost_model: MicroBatchCostModel
+    perm: np.ndarray
+    e: np.ndarray
+    d: np.ndarray
+    runs: _Runs
+    T: np.ndarray  # noqa: N815 - the run-time table
+    L: np.ndarray  # noqa: N815 - the band lengths
+    stored: np.ndarray
+    """(N, W) stored bytes the cost model gave each run as it priced ``T`` (NaN: not priced)."""
+    peak: np.ndarray
+    plans: dict = field(default_factory=dict)
+
+
+def _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows) -> tuple:
+    pairs = None if unit_pairs is None else np.ascontiguousarray(unit_pairs, dtype=np.float64)
+    return (e_raw.tobytes(), d_raw.tobytes(), family, order, limits, flat_rows,
+            None if pairs is None else (pairs.shape, pairs.tobytes()))
+
+
+def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs, flat_rows) -> _Table:
+    perm = order_samples(e_raw, d_raw, family, order)
+    e_all, d_all = padded_lengths(e_raw, d_raw, family)
+    e, d = e_all[perm], d_all[perm]
+    prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
+    runs = _Runs(e, d, prefix, flat_rows)
+    memory: dict = {}
+    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw, memory)
+    return _Table(cost_model, perm, e, d, runs, T, L, memory["stored"], memory["peak"])
 
 
 @dataclass(frozen=True)
@@ -269,16 +326,18 @@ class _Runs:
                 self.cum_d[ends + 1] - self.cum_d[starts], pairs)
 
 
-def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw) -> tuple[np.ndarray, np.ndarray]:
+def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw,
+                    memory: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths;
-    runs priced as :meth:`_Runs.priced` says."""
+    runs priced as :meth:`_Runs.priced` says. ``memory`` (a dict) receives ``stored`` and ``peak``, (N, W) the
+    bytes the cost model gave each run (NaN where not priced), so a cut's runs need no second call."""
     e, d = runs.e, runs.d
     n = e.size
     max_w = min(n, limits.max_samples or n)
     band = np.zeros(n, dtype=np.int64)
     blocks = []  # (ends, w_lo, times (K, C))
     alive = np.arange(n, dtype=np.int64)
-    w_lo, w_hi = 1, min(max_w, FIRST_BAND) + 1
+    w_lo, w_hi = 1, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1
     while alive.size and w_lo <= max_w:
         b, E, D = _run_shapes(e, d, alive, w_lo, w_hi)  # (K, C) each
         exists = b > 0
@@ -286,7 +345,7 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         fits = np.zeros(b.shape, dtype=bool)
         ends = np.broadcast_to(alive[:, None], b.shape)
         rb, rE, rD, pairs = runs.priced(ends[exists], b[exists], E[exists], D[exists])
-        t, stored, peak = evaluate_costs(cost_model, rb, rE, rD, pairs=pairs)
+        t, stored, peak = _evaluate_distinct(cost_model, rb, rE, rD, pairs)
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= rb * (rE + rD) <= limits.max_tokens
@@ -294,6 +353,8 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
             ok &= (rE <= limits.max_row[0]) & (rD <= limits.max_row[1])
         times[exists] = t
         fits[exists] = ok
+        if memory is not None:
+            memory.setdefault("blocks", []).append((alive, w_lo, exists, np.asarray(stored), np.asarray(peak)))
         if w_lo == 1 and not fits[:, 0].all():
             _raise_single_sample(cost_model, limits, perm, e_raw, d_raw, e, d)
         num_fit = np.where(fits.all(axis=1), fits.shape[1], np.argmin(fits, axis=1))
@@ -306,7 +367,33 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         width = min(times.shape[1], T.shape[1] - lo + 1)
         T[ends, lo - 1 : lo - 1 + width] = times[:, :width]
     np.maximum.accumulate(T, axis=1, out=T)
+    if memory is not None:
+        for key, k in (("stored", 3), ("peak", 4)):
+            table = np.full(T.shape, np.nan)
+            for ends, lo, exists, *values in memory["blocks"]:
+                block = np.full(exists.shape, np.nan)
+                block[exists] = values[k - 3]
+                width = min(block.shape[1], T.shape[1] - lo + 1)
+                table[ends, lo - 1 : lo - 1 + width] = block[:, :width]
+            memory[key] = table
+        del memory["blocks"]
     return T, band
+
+
+def _evaluate_distinct(cost_model, b, E, D, pairs):  # noqa: N803 - the padded run shapes
+    """``evaluate_costs`` of runs of integer shapes ``(b, E, D)``, each distinct shape priced once when the runs are
+    priced densely (``pairs`` None): sorted runs share their padded lengths, so a band holds 2-3x fewer distinct
+    shapes than runs, and on large models the cost model's time grows with the entries it prices. The cost model
+    prices entries independently, so the values are those of pricing every run."""
+    if pairs is not None or b.size < 2:
+        return evaluate_costs(cost_model, b, E, D, pairs=pairs)
+    span_e, span_d = int(E.max()) + 1, int(D.max()) + 1
+    key = (b.astype(np.int64) * span_e + E) * span_d + D
+    distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    if distinct.size > 0.8 * b.size:
+        return evaluate_costs(cost_model, b, E, D)
+    t, stored, peak = evaluate_costs(cost_model, b[first], E[first], D[first])
+    return t[inverse], stored[inverse], peak[inverse]
 
 
 def _raise_single_sample(cost_model, limits: _Limits, perm, e_raw, d_raw, e, d) -> None:

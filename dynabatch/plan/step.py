@@ -42,7 +42,7 @@ measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime, bounded, T
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -246,8 +246,12 @@ def plan_step(
     if flat_row is not None:  # a sample longer than the limit still forms its own row
         top = padded_lengths(e, d, family)
         flat_row = (max(int(flat_row[0]), int(top[0].max())), max(int(flat_row[1]), int(top[1].max())))
-    how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, partition_options,
-                    pack_rows, score, tuple(fill_scales), segment_pricing, flat_row, slice_cost_model)
+    # one table of priced runs per way of forming rows, shared by the fill-and-drain weights (plan_partition's
+    # runs_cache), and one score per distinct plan: the candidates repeat both
+    how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order,
+                    {"runs_cache": {}, **partition_options}, pack_rows, None if score is None else _once(score),
+                    tuple(fill_scales), segment_pricing, flat_row, slice_cost_model,
+                    _once(lambda plan: _priced_objective(plan, cost_model)))
     if slice_cost_model is None:
         return _plan(e, d, [], how)
     if is_seq2seq(family):
@@ -299,19 +303,62 @@ class _Planning:
     """``max_row`` of every flat micro-batch (:func:`plan_step`'s ``flat_row``), or None."""
     slice_cost_model: SliceCostModel | None = None
     """Prices token slices (halves of a slice under ``--zero 2``'s equal counts), or None."""
+    priced: Callable[[StepPlan], float] | None = None
+    """The default score of the row packings, :func:`_priced_objective` under ``cost_model``."""
+    row_work: dict = field(default_factory=dict)
+    """``(flat, rows of units) -> (rows, pairs, calls, longest)`` of the pieces made so far: the fill-and-drain
+    weights and the row packings cut many of the same micro-batches."""
+
+
+def _once(score: Callable[[StepPlan], float]) -> Callable[[StepPlan], float]:
+    """``score`` computed once per distinct plan (same pieces, same order): the fill-and-drain weights and the
+    row packings often cut a step the same way. Scores are deterministic, so this changes no choice. A ``score``
+    with a ``many(plans) -> scores`` attribute (the trainer's simulated step: one cost-model call for all the
+    plans' pieces) is asked for the unscored plans of a :func:`_scores` call at once."""
+    memo: dict = {}
+    many = getattr(score, "many", None)
+
+    def key(plan: StepPlan):
+        return plan.family, plan.num_stages, plan.replicas, plan.sliced_samples
+
+    def scored(plan: StepPlan) -> float:
+        k = key(plan)
+        if k not in memo:
+            memo[k] = score(plan)
+        return memo[k]
+
+    def scored_many(plans: list[StepPlan]) -> list[float]:
+        keys = [key(p) for p in plans]
+        todo = dict((k, p) for k, p in zip(keys, plans) if k not in memo)  # distinct, in order
+        if todo:
+            values = many(list(todo.values())) if many is not None else [score(p) for p in todo.values()]
+            memo.update(zip(todo, values))
+        return [memo[k] for k in keys]
+
+    scored.many = scored_many  # type: ignore[attr-defined]
+    return scored
+
+
+def _scores(score: Callable[[StepPlan], float], plans: list[StepPlan]) -> list[float]:
+    """``score`` of each of ``plans``, through its ``many`` when it has one (:func:`_once`)."""
+    many = getattr(score, "many", None)
+    return list(many(plans)) if many is not None else [score(p) for p in plans]
 
 
 def _plan(e, d, sliced, how: _Planning) -> StepPlan:
     """The best-scoring of the plans under each of ``how.fill_scales`` (:func:`_plan_at`)."""
     from dataclasses import replace
 
-    if len(how.fill_scales) == 1:
-        return _plan_at(e, d, sliced, replace(how, partition_options={**how.partition_options,
-                                                                       "fill_scale": how.fill_scales[0]}))
+    hows = [replace(how, partition_options={**how.partition_options, "fill_scale": s}) for s in how.fill_scales]
+    if len(hows) == 1:
+        return _plan_at(e, d, sliced, hows[0])
+    candidates = [_candidates_at(e, d, sliced, h) for h in hows]
+    if len(candidates[0]) > 1:  # the row packings of every weight scored at once (_scores; then remembered)
+        _scores(_packing_score(how), [p for c in candidates for p in c])
     score = how.score or (lambda plan: plan.objective_s)
     best = None
-    for scale in how.fill_scales:
-        plan = _plan_at(e, d, sliced, replace(how, partition_options={**how.partition_options, "fill_scale": scale}))
+    for plans, h in zip(candidates, hows):
+        plan = _best_of(plans, h)
         value = score(plan)
         if best is None or value < best[0]:
             best = (value, plan)
@@ -321,36 +368,59 @@ def _plan(e, d, sliced, how: _Planning) -> StepPlan:
 def _plan_at(e, d, sliced, how: _Planning) -> StepPlan:
     """The step's plan with the samples of ``sliced`` (``(index, pieces, reason)``) run as slices; with
     ``pack_rows="auto"``, the best-scoring of the row packings (module docstring)."""
+    return _best_of(_candidates_at(e, d, sliced, how), how)
+
+
+def _candidates_at(e, d, sliced, how: _Planning) -> list[StepPlan]:
+    """The plans :func:`_plan_at` chooses from: one, or with ``pack_rows="auto"`` one per way of forming rows."""
     if how.pack_rows == "flat":
-        return _plan_units(e, d, sliced, FLAT, how)
+        return [_plan_units(e, d, sliced, FLAT, how)]
     if how.pack_rows != "auto":
-        return _plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)
+        return [_plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)]
     keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
-    score = how.score or (lambda plan: _priced_objective(plan, how.cost_model))
-    best = None
+    plans = []
     for capacity in [None, (0, 0), FLAT, *_capacities(e[keep], d[keep], how.family)]:
         plan = _plan_units(e, d, sliced, capacity, how)
         if capacity is None:  # the dense planner's plan, priced per segment like the others
             plan = with_pairs(plan, e, d)
-        value = score(plan)
+        plans.append(plan)
+    return plans
+
+
+def _packing_score(how: _Planning) -> Callable[[StepPlan], float]:
+    return how.score or how.priced or (lambda plan: _priced_objective(plan, how.cost_model))
+
+
+def _best_of(plans: list[StepPlan], how: _Planning) -> StepPlan:
+    """The first of the lowest-scoring of ``plans`` (a single plan is not scored)."""
+    if len(plans) == 1:
+        return plans[0]
+    best = None
+    for value, plan in zip(_scores(_packing_score(how), plans), plans):
         if best is None or value < best[0]:
             best = (value, plan)
     return best[1]
 
 
-def with_pairs(plan: StepPlan, e, d) -> StepPlan:
+def with_pairs(plan: StepPlan, e, d, work: dict | None = None) -> StepPlan:
     """``plan`` with the attention pairs and calls of every whole-sample piece (from its rows and the
-    step's input / target lengths ``e``, ``d``): what the padding-free runtime computes."""
+    step's input / target lengths ``e``, ``d``): what the padding-free runtime computes. ``work`` (a dict the
+    caller keeps for one step's lengths) holds each piece's :func:`~dynabatch.cost.pairs.row_work` by its rows,
+    for plans that share micro-batches."""
     from dataclasses import replace
 
-    from dynabatch.cost.pairs import row_longest, row_pairs
+    from dynabatch.cost.pairs import row_work
+
+    work = {} if work is None else work
 
     def priced(p: Piece) -> Piece:
         if p.is_slice:
             return p
         rows = p.row_samples
-        return replace(p, pairs=row_pairs(rows, e, d, plan.family), calls=row_calls(rows, e, d, plan.family),
-                       longest=row_longest(rows, e, d, plan.family))
+        if rows not in work:
+            work[rows] = row_work(rows, e, d, plan.family)
+        pairs, calls, longest = work[rows]
+        return replace(p, pairs=tuple(pairs), calls=tuple(calls), longest=tuple(longest))
 
     return replace(plan, replicas=tuple(tuple(priced(p) for p in pieces) for pieces in plan.replicas))
 
@@ -421,12 +491,15 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
                 if unit_pairs is None:
                     out.append(Piece(samples, tuple(shape), float(t)))
                     continue
-                if capacity == FLAT:
-                    group = (samples,)
-                total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
-                packed = group if any(len(row) > 1 for row in group) else None
-                out.append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total,
-                                 calls=row_calls(group, e, d, family), longest=row_longest(group, e, d, family)))
+                work = (capacity == FLAT, group)  # the same rows give the same pairs, calls and longest
+                if work not in how.row_work:
+                    laid = (samples,) if capacity == FLAT else group
+                    total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
+                    how.row_work[work] = (laid, total, row_calls(laid, e, d, family), row_longest(laid, e, d, family))
+                laid, total, calls, longest = how.row_work[work]
+                packed = laid if any(len(row) > 1 for row in laid) else None
+                out.append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total, calls=calls,
+                                 longest=longest))
             return out
 
         whole_ids = [[np.asarray(ids, dtype=np.int64) for ids in part.micro_batches] for part in rp.replicas]

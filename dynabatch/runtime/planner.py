@@ -33,7 +33,8 @@ from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, choose, deal_to_replicas, step_lower_bound
+from dynabatch.plan.candidates import (DP, Candidate, baseline_candidates, choose, concatenated_pairs, deal_to_replicas,
+                                      step_lower_bound)
 from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, plan_step
@@ -473,6 +474,13 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
 
     states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
 
+    def makespan(costs, links) -> float:
+        if placement is not None:
+            return placed_step(costs, placement, states, memory_limit_bytes, send, links=links).makespan_s
+        costs = with_message_buffers(costs)
+        schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
+        return simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s
+
     def score(plan) -> float:
         if lengths is not None:
             plan = with_pairs(plan, *lengths)
@@ -481,15 +489,32 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
             links = plan.slice_links(r)
             costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links,
                                 plan.pairs(r))
-            if placement is not None:
-                result = placed_step(costs, placement, states, memory_limit_bytes, send, links=links)
-                worst = max(worst, result.makespan_s)
-                continue
-            costs = with_message_buffers(costs)
-            schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
-            worst = max(worst, simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s)
+            worst = max(worst, makespan(costs, links))
         return worst
 
+    def many(plans) -> list[float]:
+        """``score`` of each plan, the whole-sample pieces of all of them priced in one cost-model call (a call is
+        milliseconds of Python on the analytic model; the pieces' prices do not depend on one another). Plans with
+        token slices are scored one by one."""
+        work: dict = {}
+        plans = [with_pairs(p, *lengths, work) if lengths is not None else p for p in plans]
+        whole = [p for p in plans if not p.sliced_samples]
+        pairs = [p.pairs(r) for p in whole for r in range(len(p.replicas))]
+        if len(whole) < 2 or len({x is None for x in pairs}) > 1:
+            return [score(p) for p in plans]
+        shapes = [q.shape for p in whole for pieces in p.replicas for q in pieces]
+        costs = piece_costs(stage_model, slice_model, shapes, [0] * len(shapes), (),
+                            None if pairs[0] is None else concatenated_pairs(pairs))
+        out, lo = {}, 0
+        for p in whole:
+            worst = 0.0
+            for pieces in p.replicas:
+                worst = max(worst, makespan(_columns(costs, lo, lo + len(pieces)), ()))
+                lo += len(pieces)
+            out[id(p)] = worst
+        return [out[id(p)] if id(p) in out else score(p) for p in plans]
+
+    score.many = many
     return score
 
 

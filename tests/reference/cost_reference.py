@@ -121,3 +121,29 @@ def p2p_time(sizes, times, nbytes):
             break
     slope = max(0.0, (times[i + 1] - times[i]) / (sizes[i + 1] - sizes[i]))
     return float(times[i] + slope * (nbytes - sizes[i]))
+
+
+def attention_groups(query_lens, key_lens, alone, waste_limit=INF, tolerance=0.25):
+    """The groups of :func:`dynabatch.cost.pairs.attention_groups` as sorted lists of indices, from its rule: the
+    samples alone in their rows first, then the others; each set longest key then longest query first (ties:
+    highest index first); a sample joins the open group while both its lengths are at least ``1 - tolerance``
+    of the group's longest and padding it to the grown group adds at most ``waste_limit`` pairs."""
+    q, k = [int(x) for x in query_lens], [int(x) for x in key_lens]
+    groups = []
+    for flag in (True, False):
+        members_of = sorted((i for i in range(len(q)) if bool(alone[i]) == flag), key=lambda i: (k[i], q[i], i),
+                            reverse=True)
+        group, top_q, top_k = [], 0, 0
+        for j in members_of:
+            if group:
+                waste = (len(group) + 1) * max(top_q, q[j]) * top_k - len(group) * top_q * top_k - q[j] * k[j]
+                if k[j] < (1 - tolerance) * top_k or q[j] < (1 - tolerance) * top_q or waste > waste_limit:
+                    groups.append(sorted(group))
+                    group = []
+            if not group:
+                top_q, top_k = q[j], k[j]
+            group.append(j)
+            top_q = max(top_q, q[j])
+        if group:
+            groups.append(sorted(group))
+    return groups

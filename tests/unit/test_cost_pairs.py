@@ -298,3 +298,30 @@ def test_runtime_groups_follow_the_device_bound():
     ids = np.array([[1] * 885 + [2] * 763])
     assert [g.size for g in build_segments("bidirectional", ids).groups] == [1, 1]
     assert row_calls([[0, 1]], [885, 763], [10, 10], "t5")[0] == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_groups_kernel_matches_twin(seed):
+    """The numba greedy pass groups exactly as the pure-Python twin of the rule (random lengths with ties, rows
+    alone and shared, with and without a padding bound), and row_calls counts those groups."""
+    from dynabatch.cost.pairs import attention_groups, row_calls
+    from reference import cost_reference as ref
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    q = rng.integers(1, [8, 200, 900][seed % 3], n)
+    k = q if seed % 2 else rng.integers(1, 300, n)
+    alone = rng.random(n) < 0.5
+    for limit in (float("inf"), 2048.0, 0.0):
+        got = [(sorted(m.tolist()), flag) for m, flag in attention_groups(q, k, alone, limit)]
+        assert [m for m, _ in got] == ref.attention_groups(q, k, alone, limit)
+        assert [flag for _, flag in got] == sorted((flag for _, flag in got), reverse=True)
+    shared = np.flatnonzero(~alone).tolist()  # one packed row; the others alone in theirs
+    rows = [[i] for i in np.flatnonzero(alone).tolist()] + ([shared] if shared else [])
+    e, d = rng.integers(1, 500, n), rng.integers(1, 80, n)
+    alone_of = np.array([len(r) == 1 for r in rows for _ in r])
+    order = [i for r in rows for i in r]  # row_calls sees the samples in row order
+    e, d = e[order], d[order]
+    rows = [[order.index(i) for i in r] for r in rows]
+    assert row_calls(rows, e, d, "t5") == tuple(len(ref.attention_groups(x, y, alone_of))
+                                                for x, y in ((e, e), (d, d), (d, e)))

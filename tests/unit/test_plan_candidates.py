@@ -199,3 +199,30 @@ def test_formula_price_matches_the_plan_command_pricing():
         (pieces,) = c.plan.replicas
         t = np.array([p.time_s for p in pieces])
         assert price(c.plan) == pytest.approx(t.sum() + 2 * t.max())
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_formula_prices_of_many_plans_are_each_plans_own(padding_free):
+    """Pricing every candidate in one cost-model call (what best_plan does) gives each plan exactly the price it
+    gets alone, with two replicas and a memory budget some plans break (inf); so do the baseline candidates'
+    piece times, priced together, against one candidate's pieces priced alone."""
+    from dynabatch.plan.candidates import formula_prices
+    from dynabatch.plan.costs import PolynomialCostModel
+    from dynabatch.plan.step import plan_step
+
+    rng = np.random.default_rng(4)
+    e, d = rng.integers(4, 400, 90), rng.integers(1, 60, 90)
+    limits = LengthLimits("t5", max_input_len=512, max_target_len=128)
+    cost = PolynomialCostModel(memory_budget_bytes=2.5e9)
+    plans = [plan_step(e, d, cost, 3, family="t5", num_replicas=2, pack_rows=p) for p in ("off", "auto")]
+    candidates = baseline_candidates(e, d, limits, 3, num_replicas=2, cost_model=cost, padding_free=padding_free)
+    plans += [c.plan for c in candidates]
+    together = formula_prices(cost, e, d, plans, padding_free)
+    alone = [formula_prices(cost, e, d, [p], padding_free)[0] for p in plans]
+    assert together == alone
+    assert any(np.isinf(together)) and not all(np.isinf(together))
+    for c in candidates[:3]:  # piece times as if the candidate were the only one
+        (own,) = [x for x in baseline_candidates(e, d, limits, 3, num_replicas=2, cost_model=cost,
+                                                 padding_free=padding_free, methods=[c.method])
+                  if x.value == c.value]
+        assert [p.time_s for r in own.plan.replicas for p in r] == [p.time_s for r in c.plan.replicas for p in r]

@@ -266,3 +266,55 @@ def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
         for shape in planned.shapes[0]:
             assert shape[1] <= 128 and shape[2] <= 32
     assert planned.predicted_step_s > 0
+
+
+@pytest.mark.parametrize("family", ["causal", "seq2seq"])
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_is_never_predicted_slower_than_the_plan_it_starts_from(family, seed):
+    """``pack_rows="auto"`` plans the step ``off``'s ways too and keeps another plan only when it scores lower, so
+    on heavy-tailed batches its plan never scores above ``off``'s: under the default score (the step formula
+    with every piece priced by its pairs) against the dense planner's plan priced that way, and under a caller's
+    score (the padding-free step formula, fill-and-drain weights tried) against ``off`` with and without
+    per-segment pricing (the trainer plans ``off`` with it), one and two replicas."""
+    from dynabatch.plan.candidates import formula_price
+    from dynabatch.plan.step import _priced_objective, with_pairs
+
+    rng = np.random.default_rng(seed)
+    n = 160
+    long = rng.random(n) < 0.15  # 85% short (median ~200 tokens), 15% over [256, 1024]
+    total = np.where(long, rng.integers(256, 1025, n), np.clip(rng.lognormal(np.log(200), 0.6, n), 8, 1024))
+    total = total.astype(np.int64)
+    d = np.maximum(1, total // 8)  # targets (a decoder-only model plans inputs + targets as one sequence)
+    e = total - d
+    cost = PolynomialCostModel(overhead_s=2e-3, memory_budget_bytes=64 * 2**30)
+    for replicas in (1, 2):
+        off = plan_step(e, d, cost, 4, family=family, num_replicas=replicas)
+        auto = plan_step(e, d, cost, 4, family=family, num_replicas=replicas, pack_rows="auto")
+        assert _priced_objective(auto, cost) <= _priced_objective(with_pairs(off, e, d), cost)
+        score = formula_price(cost, e, d)
+        auto = plan_step(e, d, cost, 4, family=family, num_replicas=replicas, pack_rows="auto", score=score)
+        for segments in (False, True):
+            off = plan_step(e, d, cost, 4, family=family, num_replicas=replicas, score=score,
+                            segment_pricing=segments)
+            assert score(auto) <= score(off)
+
+
+def test_trainer_score_of_many_plans_is_each_plans_own():
+    """The trainer's score prices all the plans plan_step asks about at once (``score.many``: one cost-model call
+    for every piece): each plan's score is the one it gets alone, for one and two replicas."""
+    import os
+
+    from dynabatch.commands.common import add_workload_arguments, resolve
+    from dynabatch.runtime.planner import simulated_step_time
+    import argparse
+
+    heavy = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    w = resolve(p.parse_args(["--model", "t5", "--lengths", heavy]))
+    z = np.load(heavy)
+    e, d = z["input_len"][:120].astype(np.int64), z["target_len"][:120].astype(np.int64)
+    score = simulated_step_time(w.cost_model, None, 40 * 2**30, (e, d))
+    plans = [plan_step(e, d, w.cost_model, 4, family="t5", num_replicas=r, pack_rows=m)
+             for r in (1, 2) for m in ("off", "auto", "flat")]
+    assert score.many(plans) == [score(p) for p in plans]

@@ -105,12 +105,15 @@ def test_exact_dp_equals_brute_force_on_bands(seed):
         assert sum(lengths) == n
 
 
+@pytest.mark.parametrize("one_call", [False, True])
 @pytest.mark.parametrize("first_band", [1, 3, 16])
-def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band):
-    """Bands grown by doubling equal the longest run (all suffixes within limits) found run by run."""
+def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band, one_call):
+    """Bands grown by doubling equal the longest run (all suffixes within limits) found run by run; so do those
+    of every run priced in one call (``ONE_CALL_RUNS``)."""
     from dynabatch.plan import partition
 
     monkeypatch.setattr(partition, "FIRST_BAND", first_band)
+    monkeypatch.setattr(partition, "ONE_CALL_RUNS", 10**9 if one_call else 0)
     rng = np.random.default_rng(300 + first_band)
     e, d = np.sort(rng.integers(1, 300, 90)), rng.integers(1, 40, 90)
     cost = PolynomialCostModel(memory_budget_bytes=6e9)

@@ -1,0 +1,150 @@
+"""Planning time per global batch: ``dynabatch plan``'s dynamic method, and the main job's step planner.
+
+Two measurements, each printed as median, p10-p90 and max over every timed batch (CPU time of this process,
+``time.process_time``: less sensitive than wall time to other jobs on shared cores), with the parts:
+
+* ``plan`` (default): what ``dynabatch plan --model MODEL`` times per global batch for ``dynamic``
+  (``method_micro_batches``: the partition DP's plan, then the baseline candidates), on the 65,536-token global
+  batches of ``--lengths`` (default ``data/heavy_tail_1024.npz``). The batches of a lengths file are few, so
+  each is planned ``--rounds`` times (after one warm-up batch); plans are deterministic, so every round repeats the
+  same work.
+* ``--trainer``: the main job's planner in-process (``StepPlanner``: t5-tiny, the built-in mixture, 2 stages,
+  8,192-token global batches, ``scripts/run.sh``'s setting), ``--steps`` steps after 3 warm-up steps, for each
+  ``--pack-rows`` value given (default ``off,auto``), interleaved over ``--repeats`` rounds so both see the same
+  background load; prints auto / off.
+
+    python scripts/bench_plan_time.py --lengths data/heavy_tail_1024.npz
+    python scripts/bench_plan_time.py --trainer --steps 20 --repeats 3
+
+The last line is JSON with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "numba"))
+
+import numpy as np  # noqa: E402
+
+
+def spread(values_s: list[float]) -> dict:
+    """Median, p10, p90 and max in milliseconds."""
+    ms = np.asarray(values_s) * 1e3
+    return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+            "p90_ms": float(np.percentile(ms, 90)), "max_ms": float(ms.max()), "n": int(ms.size)}
+
+
+def line(name: str, s: dict) -> str:
+    return (f"{name:<22} median {s['median_ms']:7.1f} ms  p10-p90 {s['p10_ms']:6.1f}-{s['p90_ms']:<6.1f} "
+            f"max {s['max_ms']:6.1f}  (n={s['n']})")
+
+
+def plan_command(a: argparse.Namespace) -> dict:
+    """Per-batch CPU time of ``dynabatch plan``'s dynamic method, with its two parts."""
+    from dynabatch.commands.common import add_workload_arguments, resolve
+    from dynabatch.plan.candidates import best_plan
+    from dynabatch.plan.step import plan_step
+    from dynabatch.workload import global_batches, method_micro_batches
+
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    argv = ["--model", a.model, "--global-batch-tokens", str(a.global_batch_tokens), "--num-batches", "100",
+            "--pack-rows", a.pack_rows, "--max-input-len", str(a.max_input_len)]
+    args = p.parse_args(argv + (["--lengths", a.lengths] if a.lengths else []))
+    w = resolve(args)
+    batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
+    stages = w.cost_model.num_stages
+    parts: dict[str, list[float]] = {"plan_step": [], "candidates": []}
+    total = []
+    method_micro_batches("dynamic", batches[0], w.limits, w.cost_model, stages, w.options, pack_rows=a.pack_rows)  # warm
+    for _ in range(a.rounds):
+        for batch in batches:
+            t0 = time.process_time()
+            method_micro_batches("dynamic", batch, w.limits, w.cost_model, stages, w.options, pack_rows=a.pack_rows)
+            total.append(time.process_time() - t0)
+            # the two parts, called as method_micro_batches calls them
+            t0 = time.process_time()
+            plan = plan_step(batch.input_lens, batch.target_lens, w.cost_model, stages, family=w.family,
+                             pack_rows=a.pack_rows)
+            parts["plan_step"].append(time.process_time() - t0)
+            t0 = time.process_time()
+            best_plan(plan, batch.input_lens, batch.target_lens, w.limits, cost_model=w.cost_model, options=w.options)
+            parts["candidates"].append(time.process_time() - t0)
+    samples = [len(b) for b in batches]
+    out = {"mode": "plan", "model": a.model, "lengths": a.lengths, "pack_rows": a.pack_rows,
+           "global_batches": len(batches), "samples_per_batch": float(np.mean(samples)), "rounds": a.rounds,
+           "per_batch": spread(total), **{k: spread(v) for k, v in parts.items() if v}}
+    print(f"{a.model}, {a.lengths or 'built-in mixture'}: {len(batches)} global batches of "
+          f"{args.global_batch_tokens} tokens, {np.mean(samples):.0f} samples each on average, {a.rounds} rounds")
+    print(line("per batch", out["per_batch"]))
+    for k in parts:
+        print(line(f"  {k}", out[k]))
+    return out
+
+
+def trainer(a: argparse.Namespace) -> dict:
+    """Per-step CPU time of the main job's planner for each ``--pack-rows`` value, interleaved."""
+    from dynabatch.config import TrainConfig
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.data.inputs import load_training_data
+    from dynabatch.data.tokenize import load_tokenizer
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    modes = a.pack_rows.split(",")
+    base = TrainConfig(model="t5-tiny", stages=2)
+    data = load_training_data(base, load_tokenizer("builtin"), "t5")
+    model = build_model("t5-tiny", vocab_size=data.tokens.vocab_size)
+    cost = planner_cost_model(base, model.config, layout_for(model, 2))
+    limits = LengthLimits("t5", max_input_len=base.max_input_len, max_target_len=base.max_target_len)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    chosen: dict[str, dict[str, int]] = {m: {} for m in modes}
+    for _ in range(a.repeats):
+        for mode in modes:
+            cfg = TrainConfig(model="t5-tiny", stages=2, pack_rows=mode)
+            planner = StepPlanner(GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens), cfg, cost,
+                                  data.tokens)
+            for k in range(3 + a.steps):
+                t0 = time.process_time()
+                planned = planner()
+                if k >= 3:
+                    times[mode].append(time.process_time() - t0)
+                    chosen[mode][planned.candidate] = chosen[mode].get(planned.candidate, 0) + 1
+    out = {"mode": "trainer", "steps": a.steps, "repeats": a.repeats,
+           **{m: {**spread(times[m]), "candidates": chosen[m]} for m in modes}}
+    print(f"t5-tiny, built-in mixture, 2 stages, 8,192-token batches: {a.steps} steps x {a.repeats} rounds per mode")
+    for m in modes:
+        print(line(f"pack_rows={m}", out[m]), chosen[m])
+    if "off" in out and "auto" in out:
+        out["auto_over_off"] = out["auto"]["median_ms"] / out["off"]["median_ms"]
+        print(f"auto / off (medians): {out['auto_over_off']:.2f}x")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainer", action="store_true", help="time the main job's step planner instead")
+    p.add_argument("--model", default="t5")
+    p.add_argument("--lengths", default="data/heavy_tail_1024.npz", help="lengths file ('' for the built-in mixture)")
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--global-batch-tokens", type=int, default=65_536)
+    p.add_argument("--pack-rows", default=None, help="plan: off (default); --trainer: off,auto")
+    p.add_argument("--rounds", type=int, default=5, help="plan: times each global batch is planned")
+    p.add_argument("--steps", type=int, default=20, help="--trainer: timed steps per mode and round")
+    p.add_argument("--repeats", type=int, default=3, help="--trainer: interleaved rounds")
+    a = p.parse_args()
+    a.pack_rows = a.pack_rows or ("off,auto" if a.trainer else "off")
+    a.lengths = a.lengths or None
+    print(json.dumps(trainer(a) if a.trainer else plan_command(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
