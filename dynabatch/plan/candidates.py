@@ -17,8 +17,10 @@ before the last one's backward on the stages after it), candidates are priced in
 candidate whose bound is not below the best price so far is never simulated. The DP's plan is priced first and
 wins ties.
 
-:func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas (the
-trainer's baseline methods use it too), so a baseline candidate is exactly the step that baseline would run.
+:func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas
+(:func:`baseline_plan`, what a run of a baseline method executes, deals by it too), so a baseline candidate is
+exactly the step that baseline would run. :class:`~dynabatch.plan.global_plan.GlobalPlanner` puts the DP, the
+candidates and the choice together for every caller.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.cost.pairs import groups_pairs
-from dynabatch.data.baselines import BASELINES, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
-from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.data.baselines import BASELINES, GROUPING_TOKENS, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.plan.step import Piece, StepPlan, with_pairs
 
@@ -103,28 +104,51 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
     bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0."""
 
-    no_tokens = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)  # grouping reads lengths only
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
-    family = limits.family
     seen: set = set()
     out: list[Candidate] = []
     for method in methods if methods is not None else candidate_baselines(padding_free):
         for value in knob_values(method, options):
-            opts = options.with_value(method, value)
-            groups = make_batcher(method, limits, no_tokens, **opts.batcher_options(method, limits)).group(batch)
+            groups = _groups(method, batch, limits, options.with_value(method, value))
             key = tuple(g.rows for g in groups)
             if key in seen or len(groups) < num_replicas:
                 continue
             seen.add(key)
-            shapes = [group_shape(batch, g, family) for g in groups]
-            times = _piece_times(cost_model, shapes, groups, batch, family, padding_free)
-            pieces = [Piece(tuple(i for row in g.rows for i in row), s, t,
-                            rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
-                      for g, s, t in zip(groups, shapes, times)]
-            replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
-            out.append(Candidate(method, value, StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())))
+            plan = _dealt(groups, batch, limits.family, num_stages, num_replicas, cost_model, padding_free)
+            out.append(Candidate(method, value, plan))
     return out
+
+
+def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1,
+                  options=None, batcher_options=None, cost_model=None, padding_free: bool = True) -> StepPlan:
+    """Baseline ``method``'s plan of a global batch of lengths ``input_lens``, ``target_lens`` at its knob value in
+    ``options``: its micro-batches in the baseline's order, dealt to replicas by :func:`deal_to_replicas` (a
+    ``ValueError`` when there are fewer micro-batches than replicas). What a run of that baseline executes, and
+    exactly the candidate of the same value. ``cost_model``: each piece's ``time_s``, as in
+    :func:`baseline_candidates`. ``batcher_options``: the batcher's fields as given (the DataLoader's
+    ``method_options``) instead of ``options``."""
+    batch = _Lengths(input_lens, target_lens)
+    if batcher_options is not None:
+        groups = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options).group(batch)
+    else:
+        groups = _groups(method, batch, limits, options or BaselineOptions())
+    return _dealt(groups, batch, limits.family, num_stages, num_replicas, cost_model, padding_free)
+
+
+def _groups(method: str, batch: _Lengths, limits, options) -> list:
+    return make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits)).group(batch)
+
+
+def _dealt(groups, batch: _Lengths, family: str, num_stages: int, num_replicas: int, cost_model,
+           padding_free: bool) -> StepPlan:
+    """Row groups of a baseline as a :class:`~dynabatch.plan.step.StepPlan` dealt to replicas."""
+    shapes = [group_shape(batch, g, family) for g in groups]
+    times = _piece_times(cost_model, shapes, groups, batch, family, padding_free)
+    pieces = [Piece(tuple(i for row in g.rows for i in row), s, t, rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+              for g, s, t in zip(groups, shapes, times)]
+    replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
+    return StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())
 
 
 def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool) -> list[float]:
@@ -228,23 +252,5 @@ def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True
     return price
 
 
-def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, options=None, num_replicas: int = 1,
-              padding_free: bool = True, price: Callable[[StepPlan], float] | None = None,
-              in_flight: int | None = None) -> Candidate:
-    """The DP's ``plan`` of a global batch of lengths ``input_lens``, ``target_lens`` or a baseline's
-    (:func:`baseline_candidates` at ``plan.num_stages``), whichever ``price`` is lowest (default
-    :func:`formula_price` under ``cost_model``, the DP's memory rule with ``in_flight``); the DP's plan on ties.
-    A token-sliced ``plan`` is kept as is (the baselines cannot run a sample that needs slicing). What
-    ``dynabatch plan`` / ``simulate`` and the DataLoader integration call; the trainer's planner prices the same
-    candidates with its own prediction."""
-    dp = Candidate(DP, None, plan)
-    if plan.sliced_samples:
-        return dp
-    baselines = baseline_candidates(input_lens, target_lens, limits, plan.num_stages, num_replicas=num_replicas,
-                                    options=options, padding_free=padding_free, cost_model=cost_model)
-    price = price or formula_price(cost_model, input_lens, target_lens, padding_free, in_flight)
-    return choose([dp, *baselines], price).candidate
-
-
-__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "best_plan", "candidate_baselines", "choose", "deal_to_replicas",
+__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "baseline_plan", "candidate_baselines", "choose", "deal_to_replicas",
            "formula_price", "knob_values", "step_lower_bound"]

@@ -41,6 +41,7 @@ measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime, bounded, T
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -405,7 +406,10 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
             if capacity == FLAT and how.flat_row is not None:
                 options["max_row"] = how.flat_row
         num = min(num_replicas, len(rows))
-        rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, **options)
+        try:
+            rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, **options)
+        except ValueError as err:
+            raise _named_sample(err, rows, e, d) from err
         unit_pairs = options.get("unit_pairs")
         for r, part in enumerate(rp.replicas):
             for ids, shape, t in zip(part.micro_batches, part.shapes.tolist(), part.times_s.tolist()):
@@ -428,6 +432,17 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     if how.fill_drain_order:
         replica_pieces = [_fill_drain(pieces) for pieces in replica_pieces]
     return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(i for i, _, _ in sliced))
+
+
+def _named_sample(err: ValueError, rows, e, d) -> ValueError:
+    """The partition's error about ``sample K (input_len=.., target_len=..)`` of its units (rows: a GPT row is one
+    sequence of inputs + targets) reworded to name the global batch's sample with its own lengths, when unit ``K``
+    is one sample; ``err`` itself otherwise."""
+    match = re.match(r"sample (\d+) \(input_len=\d+, target_len=\d+\)", str(err))
+    if match is None or int(match.group(1)) >= len(rows) or len(rows[int(match.group(1))]) != 1:
+        return err
+    i = rows[int(match.group(1))][0]
+    return ValueError(f"sample {i} (input_len={int(e[i])}, target_len={int(d[i])}){str(err)[match.end():]}")
 
 
 def _single_units(e, d, family):

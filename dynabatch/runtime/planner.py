@@ -26,14 +26,14 @@ import numpy as np
 from dynabatch.config import TrainConfig
 from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
-from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
+from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices
-from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, choose, deal_to_replicas, step_lower_bound
+from dynabatch.plan.candidates import Candidate, choose, deal_to_replicas, step_lower_bound  # noqa: F401 (deal_to_replicas: re-exported)
+from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
 from dynabatch.runtime.dist import device_type
@@ -250,34 +250,37 @@ class StepPlanner:
         return x
 
     def _units(self, batch: GlobalBatch) -> tuple[list[list[Unit]], str, str | None]:
-        """Per replica, the units of ``batch`` to collate, and which candidate they come from
-        (:attr:`PlannedStep.candidate`)."""
-        cfg, R = self.cfg, self.cfg.replicas
-        if cfg.method == "dynamic":
-            try:
-                plan = self._plan(batch, self.cost_model)
-            except ValueError as e:  # "sample K ..." -> which global batch, which source row
-                raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
-            chosen, recompute = self._choose(batch, plan)
-            return [plan_units(chosen.plan, r) for r in range(R)], chosen.label, recompute
-        options = BaselineOptions.of(cfg)
-        groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
-        units = [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
-        return units, "", None
+        """Per replica, the units of ``batch`` to collate (:attr:`global_planner`: the DP's plan priced against the
+        baselines' by :meth:`_choose`, or a baseline's micro-batches dealt to replicas), which candidate they come
+        from (:attr:`PlannedStep.candidate`) and the recomputation the chosen plan was priced with."""
+        planner, picked = self.global_planner, {}
 
-    def _choose(self, batch: GlobalBatch, plan) -> tuple[Candidate, str | None]:
-        """The DP's ``plan`` of ``batch`` or a baseline's (:func:`~dynabatch.plan.candidates.baseline_candidates`),
-        whichever this planner predicts shortest (:meth:`_price`: the step the runtime would run, priced as
-        :meth:`_planned` predicts it, memory checked); with ``plan_candidates="off"`` the DP's plan. Token-sliced
-        plans (``slice_long``) and virtual stages keep the DP's plan too."""
+        def choose_among(candidates) -> Candidate:
+            chosen, picked["recompute"] = self._choose(batch, candidates)
+            return chosen
+
+        planned = planner.plan(batch, getattr(self.batcher, "data", None),
+                               dp=lambda: self._plan(batch, self.cost_model), choose_among=choose_among)
+        units = [plan_units(planned.plan, r) for r in range(planner.num_replicas)]
+        return units, planned.candidate if planner.method == "dynamic" else "", picked.get("recompute")
+
+    @property
+    def global_planner(self) -> GlobalPlanner:
+        """How this run cuts a global batch (:class:`~dynabatch.plan.global_plan.GlobalPlanner`, the path ``plan``,
+        ``simulate`` and the DataLoader share): the method, its options, stages and replicas; candidates (the
+        ``dynamic`` method) unless ``plan_candidates="off"`` or on virtual stages. The DP itself runs as
+        :meth:`_plan` (the simulated score) and candidates are priced by :meth:`_choose`."""
         cfg = self.cfg
-        dp = Candidate(DP, None, plan)
-        if getattr(cfg, "plan_candidates", "baselines") == "off" or plan.sliced_samples or self.placement is not None:
-            return dp, None
-        baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, cfg.stages,
-                                        num_replicas=cfg.replicas, options=BaselineOptions.of(cfg),
-                                        padding_free=self.padding_free)
-        candidates = [dp, *baselines]
+        candidates = getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
+        return GlobalPlanner(cfg.method, self.limits, cfg.stages, cfg.replicas, self.cost_model,
+                             BaselineOptions.of(cfg), candidates=candidates, padding_free=self.padding_free,
+                             timed_candidates=False)
+
+    def _choose(self, batch: GlobalBatch, candidates: list[Candidate]) -> tuple[Candidate, str | None]:
+        """The DP's plan of ``batch`` (``candidates[0]``) or a baseline's
+        (:func:`~dynabatch.plan.candidates.baseline_candidates`), whichever this planner predicts shortest
+        (:meth:`_price`: the step the runtime would run, priced as :meth:`_planned` predicts it, memory checked)."""
+        candidates = list(candidates)
         # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
         # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs)
         model = self.predict_model
