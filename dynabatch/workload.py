@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.core.methods import METHODS  # noqa: F401 (re-exported: the dynamic planner, then every baseline)
-from dynabatch.cost.pairs import AttentionPairs
+from dynabatch.cost.pairs import AttentionPairs, groups_pairs
 from dynabatch.data.baselines import BaselineOptions, RowGroup, attention_for
-from dynabatch.data.batching import LengthLimits, truncate_sample
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.plan.global_plan import GlobalPlanner
 
@@ -137,7 +137,6 @@ def global_batches(
     Lengths files are read in file order; over-long samples are truncated (counted in the batches).
     Samples carry zero token ids of the right lengths: only their lengths matter here.
     """
-    from dynabatch.data.batching import GlobalBatcher
 
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
@@ -263,7 +262,6 @@ def micro_batch_pairs(batch: GlobalBatch, groups, family: str, slice_shapes=None
     """(M,) attention pairs and calls of micro-batches given as row groups of ``batch``: per-sample blocks
     of every row (:func:`~dynabatch.cost.pairs.groups_pairs`, inputs + targets as one sequence for GPT).
     Entries of ``slice_shapes`` that are not None mark token slices, priced dense on their ``(1, s, 0)``."""
-    from dynabatch.cost.pairs import groups_pairs
 
     pairs = groups_pairs([g.rows for g in groups], batch.input_lens, batch.target_lens, family)
     if not any(s is not None for s in slice_shapes or []):

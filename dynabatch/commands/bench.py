@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -78,6 +77,7 @@ from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
+from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import resolve_tokenizer
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stages > 1 and "RANK" not in os.environ:
         from dynabatch.runtime.launch import launch_local
 
-        return launch_local(["-m", "dynabatch.commands.bench", *_argv(args)], args.stages)
+        return launch_local(["-m", "dynabatch", "bench", *_argv(args)], args.stages)
     result = bench(args, methods)
     if result is None:
         return 0
@@ -268,7 +268,6 @@ class _LazyPlans:
 def load_batches(args, family: str, limits, info, num_batches: int) -> list:
     """``num_batches`` global batches of the workload (``--data`` with ``--columns``, read as ``train`` reads it,
     or ``--lengths``); lengths files get random ids of their exact lengths."""
-    from dynabatch.data.report import default_mixture_path
     from dynabatch.data.sample import GlobalBatch, TokenizedSample
     from dynabatch.workload import global_batches, is_mixture_spec
 
@@ -589,14 +588,3 @@ def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs
         if ctx.is_planner:
             runs[tuned_key(m)].planned = plan(cfg, args.untimed_steps + args.timed_steps)
     return tuned
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dynabatch.commands.bench`` (what the torchrun re-launch and the script call)."""
-    from dynabatch.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -129,7 +129,8 @@ def default_cost_model(
 ) -> MicroBatchCostModel:
     """One-stage analytic cost model of ``model_config`` trained as :func:`~dynabatch.models.forward.forward_loss`
     runs it (``attention``, activations in ``dtype``: :meth:`AnalyticCostModel.for_run
-    <dynabatch.cost.analytic.AnalyticCostModel.for_run>`, the trainer's own model) on ``hardware`` (a preset of
+    <dynabatch.cost.analytic.AnalyticCostModel.for_run>` through :func:`~dynabatch.models.families.run_cost_model`, the
+    trainer's own model) on ``hardware`` (a preset of
     :mod:`dynabatch.cost.hardware`; ``auto``: this machine's, the CUDA device's preset and memory when there is
     one); polynomial without a config.
 
@@ -140,9 +141,9 @@ def default_cost_model(
         return PolynomialCostModel()
     import torch
 
-    from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import device_hardware, hardware_spec
     from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
 
     if hardware == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,8 +151,7 @@ def default_cost_model(
     else:
         spec = hardware_spec(hardware)
         device = "cpu" if hardware == "cpu" else "cuda"
-    model = AnalyticCostModel.for_run(model_config, device, dtype=dtype, attention_path=attention, dropout=True,
-                                      hardware=spec)
+    model = run_cost_model(model_config, device, dtype=dtype, attention_path=attention, dropout=True, hardware=spec)
     memory = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
     return StageCostModel(model, balanced_layout(model, 1), float(memory))
 

@@ -48,14 +48,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
-from dynabatch.cost.pairs import row_calls, row_longest
+from dynabatch.cost.pairs import AttentionPairs, row_calls, row_longest, sample_pairs
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import plan_replicas
-from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
+from dynabatch.plan.rowpack import PackedUnits, order_for_fill_drain, pack_units
 from dynabatch.plan.slice_costs import SliceCostModel
 from dynabatch.plan.slicing import slice_long_samples
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.data.baselines import RowGroup
 
 DEFAULT_PACK_ROWS = "device"
 """The commands' and ``TrainConfig``'s default: :func:`pack_rows_on` resolves it per device."""
@@ -160,7 +161,6 @@ class StepPlan:
         """One :class:`~dynabatch.data.baselines.RowGroup` per piece of ``replica``, its rows as planned (one
         sample per row, or several when packed), padded to the planned shape (slices keep their token
         length as the row length)."""
-        from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
 
         t5 = is_seq2seq(self.family)
         return [RowGroup(p.row_samples, p.shape[1], p.shape[2] if t5 else None) for p in self.replicas[replica]]
@@ -168,7 +168,6 @@ class StepPlan:
     def pairs(self, replica: int):
         """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of ``replica``'s pieces as priced (dense
         ``b x E^2`` for a piece without pairs), or ``None`` when every piece was priced dense."""
-        from dynabatch.cost.pairs import AttentionPairs
 
         pieces = self.replicas[replica]
         if all(p.pairs is None for p in pieces):
@@ -447,8 +446,6 @@ def _named_sample(err: ValueError, rows, e, d) -> ValueError:
 
 def _single_units(e, d, family):
     """Every sample its own row, with its own attention pairs (per-segment pricing without packing)."""
-    from dynabatch.cost.pairs import sample_pairs
-    from dynabatch.plan.rowpack import PackedUnits
 
     if is_seq2seq(family):
         ue, ud = e, d

@@ -23,25 +23,32 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch.config import TrainConfig
+from dynabatch.config import PLAN_COSTS_AUTO, TrainConfig
 from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices
-from dynabatch.data.sample import GlobalBatch
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.candidates import Candidate, choose, deal_to_replicas, step_lower_bound  # noqa: F401 (deal_to_replicas: re-exported)
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
-from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step
+from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step, with_pairs
 from dynabatch.runtime.dist import device_type
-from dynabatch.runtime.step import micro_batch_shape
+from dynabatch.runtime.step import compute_schedule, micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
 from dynabatch.sequence import is_seq2seq
+from dynabatch.schedule.ir import RECOMPUTE_MODES
+from dynabatch.runtime.step import plan_step as lower_step
+from dynabatch.cost.online import CalibratedStageCostModel
+from dynabatch.schedule.placement import Placement
+from dynabatch.plan.costs import evaluate_costs
+from dynabatch.schedule.policies import adaptive
+from dynabatch.schedule.virtual import placed_step
 
 
 
@@ -106,7 +113,6 @@ class PlannedStep:
     @property
     def recompute_counts(self) -> dict[str, int]:
         """How many (micro-batch, stage) forwards of the step run each recomputing mode (``{}``: none)."""
-        from dynabatch.schedule.ir import RECOMPUTE_MODES
 
         codes = [c.recompute.ravel() for c in self.costs if c.recompute is not None]
         counts = np.bincount(np.concatenate(codes), minlength=len(RECOMPUTE_MODES)) if codes else ()
@@ -155,7 +161,6 @@ class StepPlanner:
     @property
     def plan_costs(self) -> str:
         """``--plan-costs`` with ``auto`` resolved for this run's sequence kind (:data:`~dynabatch.config.PLAN_COSTS_AUTO`)."""
-        from dynabatch.config import PLAN_COSTS_AUTO
 
         choice = getattr(self.cfg, "plan_costs", "auto")
         return PLAN_COSTS_AUTO[self.family] if choice == "auto" else choice
@@ -180,7 +185,6 @@ class StepPlanner:
     def _lowered(self, planned: PlannedStep) -> dict:
         """Every rank's validated plans of ``planned``: what :func:`~dynabatch.runtime.step.train_step` would lower
         on rank 0 from the same step (:func:`~dynabatch.runtime.step.plan_step`, memory checked)."""
-        from dynabatch.runtime.step import plan_step as lower_step
 
         return lower_step([list(s) for s in planned.shapes], self.spec, policy=self.cfg.policy, step=planned.step,
                           costs=planned.costs, memory_limit_bytes=self.cfg.memory_gib * 2**30,
@@ -240,7 +244,6 @@ class StepPlanner:
     def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
         """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices), priced
         with the ``recompute`` modes they run with."""
-        from dynabatch.cost.online import CalibratedStageCostModel
 
         arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
         model = CalibratedStageCostModel.of(self.cost_model)
@@ -381,7 +384,6 @@ class StepPlanner:
         """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
         compute schedule (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble).
         With ``check_memory`` a fifth value says whether every replica's simulated step fits the memory limit."""
-        from dynabatch.runtime.step import compute_schedule
 
         model = model or self.cost_model
         costs, schedules, makespans, bubbles = [], [], [], []
@@ -421,7 +423,6 @@ def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
 def _virtual_placement(cfg: TrainConfig):
     """The :class:`~dynabatch.schedule.placement.Placement` of ``cfg.placement`` when it holds several chunks per
     device, else ``None``."""
-    from dynabatch.schedule.placement import Placement
 
     text = getattr(cfg, "placement", "linear")
     if text == "linear":
@@ -433,7 +434,6 @@ def _virtual_placement(cfg: TrainConfig):
 def fits_without_recompute(plan, model: StageCostModel) -> bool:
     """Whether every whole-sample piece of ``plan`` fits ``model``'s memory bound without recomputation (the
     planner's maxima over stages, ``S`` in flight); token slices are judged by the slice planner."""
-    from dynabatch.plan.costs import evaluate_costs
 
     none = replace(model, recompute="none")
     for r, pieces in enumerate(plan.replicas):
@@ -467,9 +467,6 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
     (several ms on CPU) a run spanning many lengths costs more than the DP sees. With a ``placement`` of
     virtual stages (``stage_model`` then prices its chunks) the step is ordered on it as the runtime will
     (:func:`~dynabatch.schedule.virtual.placed_step`), not as a pipeline of one chunk per device."""
-    from dynabatch.plan.step import with_pairs
-    from dynabatch.schedule.policies import adaptive
-    from dynabatch.schedule.virtual import placed_step
 
     states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
 
@@ -509,7 +506,6 @@ def synthetic_units(limits: LengthLimits, tokens: TokenizerInfo, global_batch_to
     short-long and long-short too), one single-sample micro-batch and one of about
     ``global_batch_tokens / 8`` tokens (at most 64 rows). Random token ids; a quarter of a GPT sequence is
     target."""
-    from dynabatch.data.sample import TokenizedSample
 
     rng = np.random.default_rng(seed)
     seq2seq = is_seq2seq(limits.family)
@@ -538,7 +534,6 @@ def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
     """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of the micro-batches :func:`micro_batches_of` makes
     of ``units``: each sample's own block of every row, one attention call per distinct length; a token
     slice of ``s`` tokens is priced ``s^2`` in one call (its context is the slice cost model's)."""
-    from dynabatch.cost.pairs import row_work, stacked_pairs
 
     work = []
     for u in units:
