@@ -58,6 +58,9 @@ from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
 from dynabatch.plan.global_plan import GlobalPlanner
+from dynabatch.cost.hardware import device_hardware, hardware_spec
+from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.data.inputs import load_data
 
 
 def model_sequence_kind(config) -> str:
@@ -141,8 +144,6 @@ def default_cost_model(
         return PolynomialCostModel()
     import torch
 
-    from dynabatch.cost.hardware import device_hardware, hardware_spec
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
 
     if hardware == "auto":
@@ -301,7 +302,6 @@ class DynaBatchDataLoader:
         """``data`` given as datasets, tokenized with ``tokenizer`` for the family of ``limits``."""
         import datasets as hf_datasets
 
-        from dynabatch.data.inputs import load_data
 
         if not isinstance(datasets, (hf_datasets.Dataset, hf_datasets.IterableDataset, Mapping)):
             raise ValueError(f"data must be MixtureData, a GlobalBatcher, a datasets.Dataset / IterableDataset or a "

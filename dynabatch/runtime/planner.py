@@ -1,8 +1,10 @@
 """Rank 0's step planner: global batch -> micro-batches per replica -> collated tensors, ahead of time.
 
 :class:`StepPlanner` makes one :class:`PlannedStep` per call: it draws the next global batch, cuts it
-with the configured method (``dynamic``: :func:`dynabatch.plan.step.plan_step` with the stage cost
-model; a baseline: its batcher, micro-batches dealt to replicas longest-first), collates each replica's
+with the configured method through the planning path ``plan``, ``simulate`` and the DataLoader share
+(:class:`~dynabatch.plan.global_plan.GlobalPlanner`; ``dynamic``: :func:`dynabatch.plan.step.plan_step` with the
+stage cost model, scored by the simulated step; a baseline: its batcher, micro-batches dealt to replicas
+longest-first), collates each replica's
 micro-batches into tensors, prices them per stage (with ``attention=segments``, attention by the pairs
 each micro-batch's rows really compute, :func:`units_pairs`), picks the compute schedule the runtime will run
 and simulates it (the *predicted* step time and bubble, the measured step's twin).
@@ -32,7 +34,7 @@ from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.candidates import Candidate, choose, deal_to_replicas, step_lower_bound  # noqa: F401 (deal_to_replicas: re-exported)
+from dynabatch.plan.candidates import Candidate, choose, step_lower_bound
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, pack_rows_on, plan_step, with_pairs
