@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
-from dynabatch.cost.pairs import AttentionPairs
-from dynabatch.data.baselines import BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
-from dynabatch.data.batching import LengthLimits, truncate_sample
+from dynabatch.core.methods import METHODS  # noqa: F401 (re-exported: the dynamic planner, then every baseline)
+from dynabatch.cost.pairs import AttentionPairs, groups_pairs
+from dynabatch.data.baselines import BaselineOptions, RowGroup, attention_for
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.plan.candidates import best_plan
+from dynabatch.plan.global_plan import GlobalPlanner
 
 MODEL_FAMILIES = {"t5": "seq2seq", "gpt": "causal", "gpt2": "causal", "llama": "causal"}
 """``--model`` of ``plan``/``simulate``: a model family name -> its sequence kind (the analytic preset gives the shape)."""
@@ -137,7 +137,6 @@ def global_batches(
     Lengths files are read in file order; over-long samples are truncated (counted in the batches).
     Samples carry zero token ids of the right lengths: only their lengths matter here.
     """
-    from dynabatch.data.batching import GlobalBatcher
 
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
@@ -203,6 +202,8 @@ class MethodPlan:
     candidate: str = ""
     """``dynamic``: which candidate plan was kept (:mod:`dynabatch.plan.candidates`: ``dp``, or a baseline's at a
     knob value such as ``packing_free=4``); ``""`` for a baseline."""
+    replica_groups: tuple[tuple[RowGroup, ...], ...] = ()
+    """Every replica's micro-batches (:attr:`groups` is replica 0's)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -227,57 +228,40 @@ def method_micro_batches(
     slice_cost_model=None,
     candidates: bool = True,
     price=None,
+    num_replicas: int = 1,
     **planner_options,
 ) -> MethodPlan:
-    """Apply ``method`` to ``batch``. ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel) and runs
+    """Apply ``method`` to ``batch`` through the one planning path (:class:`~dynabatch.plan.global_plan.GlobalPlanner`,
+    the one ``train`` and the DataLoader use): ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel) and runs
     :func:`~dynabatch.plan.step.plan_step` (token slicing when ``slice_cost_model`` is given), then, with
-    ``candidates``, keeps the DP's plan or a baseline's, whichever ``price(StepPlan)`` is lowest
-    (:func:`~dynabatch.plan.candidates.best_plan`; default: the step formula under ``cost_model``, per segment)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
-    family = limits.family
+    ``candidates``, keeps the DP's plan or a baseline's, whichever ``price(StepPlan)`` is lowest (default: the step
+    formula under ``cost_model``, per segment); a baseline's micro-batches are dealt to ``num_replicas`` replicas
+    as ``train`` deals them. The returned plan describes replica 0 (:attr:`MethodPlan.replica_groups`: all)."""
+    planner = GlobalPlanner(method, limits, num_stages, num_replicas, cost_model, options,
+                            planner_options=planner_options, slice_cost_model=slice_cost_model, candidates=candidates)
     start = time.perf_counter()
+    chosen = planner.plan(batch, price=price)
+    elapsed = time.perf_counter() - start
+    step, family = chosen.plan, limits.family
+    replica_groups = tuple(tuple(chosen.row_groups(r)) for r in range(chosen.num_replicas))
+    groups, pieces = replica_groups[0], step.replicas[0]
+    shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
     if method == "dynamic":
-        from dynabatch.plan.step import plan_step
-
-        if cost_model is None:
-            raise ValueError("method 'dynamic' needs a cost model")
-        from dynabatch.data.pipeline import locate_sample_error
-
-        try:
-            step = plan_step(batch.input_lens, batch.target_lens, cost_model, num_stages, family=family,
-                             slice_cost_model=slice_cost_model, **planner_options)
-        except ValueError as e:
-            raise locate_sample_error(e, batch) from e
-        label = ""
-        if candidates:
-
-            chosen = best_plan(step, batch.input_lens, batch.target_lens, limits, cost_model=cost_model,
-                               options=options, price=price, in_flight=planner_options.get("in_flight"))
-            step, label = chosen.plan, chosen.label
-        pieces = step.replicas[0]
-        elapsed = time.perf_counter() - start
-        groups = tuple(step.to_row_groups(0))
-        shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
         times = np.array([p.time_s for p in pieces])
         pairs = micro_batch_pairs(batch, groups, family, [p.shape if p.is_slice else None for p in pieces])
         links = step.slice_links(0)
         return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples), pairs,
-                          links, step.contexts(0) if links else None, label)
-    groups = tuple(make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits)).group(batch))
-    elapsed = time.perf_counter() - start
-    shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)
+                          links, step.contexts(0) if links else None, chosen.candidate, replica_groups)
     # attention per segment, as the padding-free runtime computes it; a dense-mask baseline (packing) stays dense
     padding_free = attention_for(method, "segments") == "segments"
     pairs = micro_batch_pairs(batch, groups, family) if padding_free else None
-    return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, pairs=pairs)
+    return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, pairs=pairs, replica_groups=replica_groups)
 
 
 def micro_batch_pairs(batch: GlobalBatch, groups, family: str, slice_shapes=None) -> AttentionPairs:
     """(M,) attention pairs and calls of micro-batches given as row groups of ``batch``: per-sample blocks
     of every row (:func:`~dynabatch.cost.pairs.groups_pairs`, inputs + targets as one sequence for GPT).
     Entries of ``slice_shapes`` that are not None mark token slices, priced dense on their ``(1, s, 0)``."""
-    from dynabatch.cost.pairs import groups_pairs
 
     pairs = groups_pairs([g.rows for g in groups], batch.input_lens, batch.target_lens, family)
     if not any(s is not None for s in slice_shapes or []):
@@ -291,12 +275,3 @@ def micro_batch_pairs(batch: GlobalBatch, groups, family: str, slice_shapes=None
             values[k], calls[k], longest[k] = (b * e * e, b * d * d, b * d * e), 1.0, (e, d)
     return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
                           (longest[:, 0], longest[:, 1]))
-
-
-def _tokens():
-    from dynabatch.data.tokenize import TokenizerInfo
-
-    return TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)
-
-
-_NO_TOKENS = _tokens()

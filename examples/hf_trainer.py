@@ -23,7 +23,7 @@ from transformers import TrainingArguments
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.report import default_mixture_path
+from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
 from dynabatch.integrations.trainer import DynaBatchTrainer

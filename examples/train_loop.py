@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.report import default_mixture_path
+from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import METHODS, DynaBatchDataLoader
 from dynabatch.models.forward import forward_loss

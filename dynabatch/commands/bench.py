@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -79,11 +78,17 @@ from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.resolve import lower_args
 from dynabatch.config.sections import arg
-from dynabatch.data.tokenize import resolve_tokenizer
+from dynabatch.data.builtin import default_mixture_path
+from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.workload import global_batches, is_mixture_spec
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.inputs import load_data
+from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key
 
 BASELINES = tuple(BASELINE_SPECS)
 SLICED = "dynamic_sliced"
@@ -199,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stages > 1 and "RANK" not in os.environ:
         from dynabatch.runtime.launch import launch_local
 
-        return launch_local(["-m", "dynabatch.commands.bench", *_argv(args)], args.stages)
+        return launch_local(["-m", "dynabatch", "bench", *_argv(args)], args.stages)
     result = bench(args, methods)
     if result is None:
         return 0
@@ -271,9 +276,6 @@ class _LazyPlans:
 def load_batches(args, family: str, limits, info, num_batches: int) -> list:
     """``num_batches`` global batches of the workload (``--data`` with ``--columns``, read as ``train`` reads it,
     or ``--lengths``); lengths files get random ids of their exact lengths."""
-    from dynabatch.data.report import default_mixture_path
-    from dynabatch.data.sample import GlobalBatch, TokenizedSample
-    from dynabatch.workload import global_batches, is_mixture_spec
 
     tokenizer = resolve_tokenizer(args.tokenizer, args.model)
     if args.data is not None:
@@ -302,9 +304,6 @@ def load_batches(args, family: str, limits, info, num_batches: int) -> list:
 def _data_batches(args, family: str, limits, tokenizer: str, num_batches: int) -> list:
     """The first ``num_batches`` global batches of ``--data`` (:func:`~dynabatch.data.inputs.load_data`, as
     ``dynabatch train`` reads it: the same columns, task column and row order)."""
-    from dynabatch.data.batching import GlobalBatcher
-    from dynabatch.data.inputs import load_data
-    from dynabatch.data.tokenize import load_tokenizer
 
     data = load_data(load_tokenizer(tokenizer), family, data=args.data, columns=args.columns, seed=args.seed)
     batcher = GlobalBatcher(data, limits, token_budget=args.global_batch_tokens)
@@ -363,7 +362,6 @@ def bench(args, methods: list[str]) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from dynabatch.data.batching import LengthLimits
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.families import check_model
     from dynabatch.models.split import build_stage, pipeline_spec_for
@@ -560,7 +558,6 @@ def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs
     Returns the rank-0 :class:`~dynabatch.commands.tuning.Tuned` per baseline (``{}`` on other ranks)."""
     import torch.distributed as dist
 
-    from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key
 
     warmup = min(args.untimed_steps, 1)
     sweep_steps = warmup + args.tune_steps
@@ -592,14 +589,3 @@ def _tune(args, baselines, cfgs, ctx, spec, batches, limits, new_run, plan, runs
         if ctx.is_planner:
             runs[tuned_key(m)].planned = plan(cfg, args.untimed_steps + args.timed_steps)
     return tuned
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dynabatch.commands.bench`` (what the torchrun re-launch and the script call)."""
-    from dynabatch.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dynabatch.cost.model_specs import layer_kinds
 
 
 class ListBatcher:
@@ -43,7 +44,6 @@ def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> di
     global batches into, so all methods run on the same stage modules and none on a split tuned for it alone."""
     import torch.distributed as dist
 
-    from dynabatch.cost.model_specs import layer_kinds
     from dynabatch.models.families import analytic_spec
     from dynabatch.models.split import layout_for
     from dynabatch.runtime.planner import StepPlanner

@@ -13,11 +13,12 @@ from dynabatch.commands.bench_report import PEER
 from dynabatch.data.baselines import BASELINES
 from dynabatch.plan.ideal import balanced_efficiency, ideal_work, planned_work
 from dynabatch.schedule.step import compute_schedule
+from dynabatch.schedule.simulate import simulate
+from dynabatch.plan.step import pack_rows_on
 
 
 def simulated(shapes, policy: str, cfg, cost_model):
     """Schedule (``policy``) and simulated run of one replica's micro-batch shapes under the planner's cost model."""
-    from dynabatch.schedule.simulate import simulate
 
     arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
     costs = cost_model.per_stage(*(arr[:, i].astype(np.float64) for i in range(3)))
@@ -28,7 +29,6 @@ def simulated(shapes, policy: str, cfg, cost_model):
 def step_stats(r, cost_model) -> list[dict]:
     """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
     from dynabatch.runtime.planner import send_time_of
-    from dynabatch.schedule.simulate import simulate
     from dynabatch.schedule.virtual import placed_step
 
     out = []
@@ -158,7 +158,6 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
     import torch
 
     from dynabatch.models.attention_kernels import KERNEL_CALLS
-    from dynabatch.plan.step import pack_rows_on
     from dynabatch.runtime.dist import device_type
 
     w = args.untimed_steps

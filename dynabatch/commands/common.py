@@ -12,7 +12,10 @@ from dynabatch.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import METHODS
-from dynabatch.workload import MODEL_FAMILIES
+from dynabatch.workload import MODEL_FAMILIES, method_micro_batches
+from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout
+from dynabatch.data.builtin import default_mixture_path
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
 """Analytic preset of each ``--model`` when ``--preset`` is not given."""
@@ -106,9 +109,6 @@ class Workload:
 
 
 def resolve(args: argparse.Namespace) -> Workload:
-    from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
-    from dynabatch.data.report import default_mixture_path
 
     check_positive(args, "num_batches", "stages", "replicas", "global_batch_tokens", *option_users())
     lower_args(args)  # a resolved config.yaml's search names (per_step, ...) are the planners' auto
@@ -171,7 +171,6 @@ def placement_cost_model(w: Workload, batches, method: str, placement):
     chunks balanced over ``method``'s micro-batches of ``batches`` (cyclic: the encoder and the decoder each
     cut into one chunk per device; interleaved: the layers cut into devices x V chunks), without
     recomputation."""
-    from dynabatch.cost.stages import placement_layout
 
     cm = w.cost_model
     layout = placement_layout(cm.model, placement, _planned_micro_batches(w, batches, method),
@@ -182,7 +181,6 @@ def placement_cost_model(w: Workload, batches, method: str, placement):
 def _planned_micro_batches(w: Workload, batches, method: str):
     """``(shapes, pairs)`` of ``method``'s plan of each batch with ``w``'s cost model; ``None`` when it cannot
     plan them (the reference shape then decides the split)."""
-    from dynabatch.workload import method_micro_batches
 
     cm = w.cost_model
     try:

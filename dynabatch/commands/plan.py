@@ -19,6 +19,7 @@ from dynabatch.plan.step import pack_rows_on
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import METHODS
 from dynabatch.workload import global_batches, method_micro_batches
+from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
 
     def slicer(cost_model):
-        from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
         return AnalyticSliceCostModel.from_stage_model(cost_model) if args.slice_long else None
 

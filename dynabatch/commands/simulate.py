@@ -45,12 +45,18 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.config.sections import arg
 from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
-from dynabatch.plan.slice_costs import piece_costs
-from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on
+from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
+from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on, with_pairs
 from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import METHODS
-from dynabatch.workload import global_batches
+from dynabatch.workload import global_batches, method_micro_batches
+from dynabatch.cost.recompute import policy_for
+from dynabatch.schedule.policies import adaptive, choose_schedule
+from dynabatch.schedule.simulate import with_message_buffers
+from dynabatch.schedule.virtual import placed_step
+from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
+from dynabatch.commands.tuning import best_tuned
 
 
 @dataclass(frozen=True)
@@ -235,7 +241,6 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
                     trace_dir: str | None = None, placed=None) -> MethodSummary:
     """Plan, schedule and simulate every global batch with one method (``w``: a resolved Workload). With
     ``placed`` (a :class:`Placed`), the plans are priced per chunk and list-scheduled on its placement."""
-    from dynabatch.cost.recompute import policy_for
 
     w = dataclasses.replace(w, cost_model=dataclasses.replace(
         w.cost_model, recompute=policy_for(method, w.cost_model.recompute)))
@@ -294,8 +299,6 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
     The dynamic method is planned once per ``options.objective_stages`` value; the plan whose chosen
     schedule fits memory and has the smallest makespan is kept (wall times add up over the variants).
     """
-    from dynabatch.schedule.policies import choose_schedule
-    from dynabatch.schedule.simulate import with_message_buffers
 
     cm = w.cost_model
     limit = cm.device_memory_bytes * (1 - cm.memory_margin)
@@ -349,7 +352,6 @@ class Placed:
 
     def step(self, method: str, batch, w, options):
         """``(plan, result, plan wall s, schedule wall s)`` of one global batch."""
-        from dynabatch.schedule.virtual import placed_step
 
         cm, stages = self.cost_model, w.cost_model.num_stages
         variants = [stages] if method != "dynamic" else list(dict.fromkeys(
@@ -371,7 +373,6 @@ class Placed:
 
 
 def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int | None):
-    from dynabatch.workload import method_micro_batches
 
     stages = w.cost_model.num_stages
     if method != "dynamic":
@@ -388,8 +389,6 @@ def _simulated_price(w, batch, options: SimulateOptions):
     """The price of a candidate plan (:mod:`dynabatch.plan.candidates`) in ``simulate``: its simulated makespan
     under the adaptive schedule, per segment, with the workload's link and memory limit (``inf`` when it does
     not fit); the step itself is then scheduled by :func:`simulate_step`'s search."""
-    from dynabatch.plan.step import with_pairs
-    from dynabatch.schedule.policies import adaptive
     from dynabatch.schedule.simulate import simulate, with_message_buffers
 
     cm = w.cost_model
@@ -414,7 +413,6 @@ def _slicer(cost_model, options: SimulateOptions, w):
     workload's longest input, as the trainer's planner picks it), else ``None``."""
     if not options.slice_long:
         return None
-    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
     return AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=w.limits.max_input_len)
 
@@ -447,7 +445,6 @@ class SingleSampleRelief:
 
 
 def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
-    from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
 
     os.makedirs(trace_dir, exist_ok=True)
     base = os.path.join(trace_dir, f"{method}_step0")
@@ -456,7 +453,6 @@ def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
 
 
 def _summary(args, w, batches, rows, tuned=None) -> dict:
-    from dynabatch.commands.tuning import best_tuned
 
     baselines = {k: v for k, v in rows.items() if k != "dynamic"}
     fitting = {k: v for k, v in baselines.items() if v.fits_memory} or baselines

@@ -89,7 +89,7 @@ import numpy as np
 
 from dynabatch.core.dtypes import DTYPE_BYTES, autocasts
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.cost.hardware import HardwareSpec, hardware_spec
+from dynabatch.cost.hardware import HardwareSpec, device_hardware, hardware_spec
 from dynabatch.cost.model_specs import (
     tied_copy_params,
     ATTENTION_HALVES,
@@ -106,6 +106,7 @@ from dynabatch.cost.model_specs import (
 )
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.cost.stored_bytes import LOSS_BYTES, StoredBytes
+from dynabatch.cost.recompute import RecomputeTerms
 
 if TYPE_CHECKING:
     from dynabatch.cost.recompute import RecomputeTerms
@@ -222,19 +223,19 @@ class AnalyticCostModel(StoredBytes):
         return cls(model_spec(model), hardware_spec(hardware), **options)
 
     @classmethod
-    def for_run(cls, model_config, device: str = "cpu", *, dtype: str = "fp32", attention_path: str = "segments",
-                dropout: bool = False, hardware: HardwareSpec | None = None) -> "AnalyticCostModel":
-        """The model of a training run of the HF ``model_config`` as the runtime executes it, shared by the
-        trainer's planner and the dataloader: activations in ``dtype`` (``fp32`` / ``bf16`` / ``fp16``; a half
-        precision trains fp32 weights under autocast, so each weight's cast copy is counted), on ``hardware``
-        (default: the preset of ``device``, :func:`~dynabatch.cost.hardware.device_hardware`). Memory is priced as
-        fused attention where the padding-free path's kernels keep no score tensors: every ``segments`` run
-        except T5 on CPU, where SDPA with the float position bias takes its math path (its cross-attention, with no
-        bias, still keeps no scores: :attr:`fused_cross_memory`)."""
-        from dynabatch.cost.hardware import device_hardware
-        from dynabatch.models.families import analytic_spec
-
-        spec = analytic_spec(model_config, dtype_bytes=DTYPE_BYTES[dtype])
+    def for_run(cls, spec: TransformerSpec, device: str = "cpu", *, dtype: str = "fp32",
+                attention_path: str = "segments", dropout: bool = False,
+                hardware: HardwareSpec | None = None) -> "AnalyticCostModel":
+        """The model of a training run of the model ``spec`` describes, as the runtime executes it (the trainer's
+        planner and the dataloader take it from an HF config through
+        :func:`dynabatch.models.families.run_cost_model`): activations in ``dtype`` (``fp32`` / ``bf16`` / ``fp16``,
+        which sets ``spec``'s element size; a half precision trains fp32 weights under autocast, so each weight's
+        cast copy is counted), on ``hardware`` (default: the preset of ``device``,
+        :func:`~dynabatch.cost.hardware.device_hardware`). Memory is priced as fused attention where the
+        padding-free path's kernels keep no score tensors: every ``segments`` run except T5 on CPU, where SDPA with
+        the float position bias takes its math path (its cross-attention, with no bias, still keeps no scores:
+        :attr:`fused_cross_memory`)."""
+        spec = dataclasses.replace(spec, dtype_bytes=DTYPE_BYTES[dtype])
         # causal models run SDPA on either path (its fused kernels take the dense path's masks); T5's biased
         # attention is fused only on CUDA's padding-free kernels (varlen, flex), and HF runs it eager on the dense one
         fused = not is_seq2seq(spec.family) or (attention_path == "segments" and device == "cuda")
@@ -315,7 +316,6 @@ class AnalyticCostModel(StoredBytes):
         hidden states; for ``selective``, the attention cores' forward time and the bytes they alone store
         (:meth:`_core_stored`); with the largest single block's (core's) stored bytes, re-materialised while
         that block runs its backward. Arrays shaped like the broadcast inputs."""
-        from dynabatch.cost.recompute import RecomputeTerms
 
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         blocks = [k for k in kinds if k in BLOCK_KINDS]

@@ -40,6 +40,8 @@ from dynabatch.cost.layers import Step, build_layers, padding_mask, token_ids
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, settle_cpu_allocator
 from dynabatch.cost.tables import CostTables
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.cost.segments import attention_cores, core_delta, kind_values
+from dynabatch.cost.pairs import AttentionPairs
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,6 @@ def run_check(tables: CostTables, layer_builder, num_shapes: int = 20, seed: int
     prepare_params(built.model)
     if torch.device(device).type == "cpu":
         settle_cpu_allocator()
-    from dynabatch.cost.segments import attention_cores
 
     cores = attention_cores(tables)
     if cores:
@@ -183,8 +184,6 @@ def _segment_rows(tables, built, core: str, role: str, shape, ptrs, dev, setting
     """The ``segments:`` row, and a ``saving:`` row comparing the predicted per-segment / dense ratio with
     the measured one (the dense core measured at the shape right before), which machine-speed drift
     between the profile and the check cancels out of."""
-    from dynabatch.cost.pairs import AttentionPairs
-    from dynabatch.cost.segments import core_delta, kind_values
 
     b, e, d = shape
     split = segment_split(b, e, d, int(tables.axis_e[0]), int(tables.axis_d[0]) if d else 1)

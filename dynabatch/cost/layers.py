@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from dynabatch.model_presets import build_model, model_class
 
 
 Tensors = tuple[torch.Tensor, ...]
@@ -130,7 +131,6 @@ def build_layers(model: str | object, builder: Callable, device: str | torch.dev
     (``dropout`` is then taken from the config). ``builder`` is the model family's profiler layer
     builder (``dynabatch.models.families``: ``family.profile_layers``), so this module knows no family.
     """
-    from dynabatch.model_presets import build_model, model_class
 
     if isinstance(model, str):
         name, hf_model = model, build_model(model, dropout=dropout, seed=seed)

@@ -35,12 +35,14 @@ per stage, the measured peak of saved activations over the predicted one; the pl
 bytes by the 90th percentile of that ratio over the window when it is above 1 (never below: a
 prediction that was too high costs only some packing, one that was too low costs an out-of-memory). The
 scale never makes a single sample infeasible that the base model admits (it cannot be split further; a run
-that admitted it at start keeps admitting it): such a sample is priced at most at the budget's edge.
+that admitted it at start keeps admitting it): such a sample is priced at most at the budget's edge, and one the
+run admitted only by recomputing activations (``--recompute auto``, whose recompute-mode bytes the scale raises as
+well) keeps the memory it was admitted with.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -154,6 +156,43 @@ class CalibratedStageCostModel(StageCostModel):
         base_fits = stored.max(axis=0) <= edge
         keep = single & base_fits
         return np.where(keep, np.minimum(scaled, np.maximum(stored, edge)), scaled)
+
+    def per_stage(self, b, E, D, pairs=None, modes=None) -> StageCosts:
+        costs = super().per_stage(b, E, D, pairs, modes)
+        if self.memory_scale is None or modes is not None:
+            return costs
+        return self._keep_admitted(costs, b, E, D, pairs)
+
+    def _keep_admitted(self, costs: StageCosts, b, E, D, pairs) -> StageCosts:
+        """``costs`` where every one-sample micro-batch that fits unscaled still fits scaled: the stored-bytes clamp
+        (:meth:`_scaled_stored`) prices a sample at the budget's edge without recomputation, but a sample the run
+        admitted only by recomputing (``--recompute auto``) is priced in a recompute mode whose bytes the scale
+        raises too (stored and peak), past the budget the start-up check admitted it under. Where the scaled
+        pricing does not fit ``S`` in flight (the partition's own test on :meth:`reduce`) and the unscaled one does,
+        the micro-batch keeps its unscaled memory (and the recompute mode it fits in), with the fitted times."""
+        single = np.broadcast_to(np.asarray(b, dtype=np.float64) == 1, costs.fwd_s.shape[1:])
+        if not single.any():
+            return costs
+        scaled_fits = self._fits(costs)
+        if np.all(scaled_fits | ~single):
+            return costs
+        plain = replace(self, memory_scale=None).per_stage(b, E, D, pairs)
+        back = single & ~scaled_fits & self._fits(plain)
+        if not back.any():
+            return costs
+
+        def pick(kept, scaled):
+            if kept is None and scaled is None:
+                return None
+            kept, scaled = (np.zeros(costs.fwd_s.shape, np.int8) if x is None else x for x in (kept, scaled))
+            return np.where(back, kept, scaled)
+
+        return StageCosts(*(pick(getattr(plain, f.name), getattr(costs, f.name)) for f in fields(StageCosts)))
+
+    def _fits(self, costs: StageCosts) -> np.ndarray:
+        """Per micro-batch: ``S stored + peak <= budget`` on the planner's view (:meth:`reduce`)."""
+        _, stored, peak = self.reduce(costs)
+        return self.num_stages * stored + peak <= self.memory_budget_bytes
 
     def evaluate(self, b, E, D, pairs=None):
         if self.coefficients is None and self.memory_scale is None:

@@ -59,6 +59,7 @@ from dynabatch.cost.attention_cores import add_attention_cores, attention_core_k
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, resolve_clock, settle_cpu_allocator
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.cost.p2p import default_backend, measure_p2p
 
 FORMAT = "dynabatch.profile"
 FORMAT_VERSION = 1
@@ -164,7 +165,6 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
         raise ValueError("run_profile needs the model family's layer_builder "
                          "(dynabatch.models.families.layer_builder(model))")
 
-    from dynabatch.cost.p2p import default_backend, measure_p2p
 
     if num_threads is not None:
         if num_threads < 1:

@@ -38,6 +38,7 @@ import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
 from dynabatch.cost.model_states import per_rank_state_bytes
+from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, check_policy, choose_modes, select
 
 SPLIT_GAIN = 0.01
 """A split inside a block is kept only where it lowers the slowest stage's time by more than this fraction."""
@@ -283,7 +284,6 @@ class StageCostModel:
         return self.zero >= 2 and self.replicas > 1
 
     def __post_init__(self) -> None:
-        from dynabatch.cost.recompute import check_policy
 
         check_policy(self.recompute)
         if self.recompute != "none" and not hasattr(self.model, "recompute_terms"):
@@ -336,7 +336,6 @@ class StageCostModel:
     def _recomputed(self, costs: StageCosts, b, E, D, pairs, modes) -> StageCosts:
         """``costs`` with each entry in its recompute mode (:mod:`dynabatch.cost.recompute`). The layer model's
         terms are scaled like ``costs`` were from the layer model's own numbers (a calibrated model)."""
-        from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, choose_modes, select
 
         if not hasattr(self.model, "recompute_terms"):
             raise ValueError(f"{type(self.model).__name__} does not price activation recomputation")

@@ -373,7 +373,7 @@ def grid_settings(name: str, batches, limits: LengthLimits, options: BaselineOpt
     out: list[tuple[int, int | None]] = []
     for value in [default, *sorted(set(baseline_spec(name).grid) - {default})]:
         opts = options.with_value(name, value)
-        batcher = make_batcher(name, limits, _NO_TOKENS, **opts.batcher_options(name, limits))
+        batcher = make_batcher(name, limits, GROUPING_TOKENS, **opts.batcher_options(name, limits))
         key = tuple(tuple(batcher.group(b)) for b in batches)
         out.append((value, seen.get(key)))
         seen.setdefault(key, value)
@@ -413,5 +413,5 @@ def best_trial(trials) -> Trial | None:
     return max(ran, key=lambda t: (t.tokens_per_s, -t.value)) if ran else None
 
 
-_NO_TOKENS = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)
+GROUPING_TOKENS = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)
 """Token ids for grouping by lengths only (no collation)."""

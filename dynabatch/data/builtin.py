@@ -29,6 +29,7 @@ All 12 tasks x 2,000 examples generate in about 3 s on one CPU core.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -436,3 +437,13 @@ def generate_examples(task: str, num_examples: int, seed: int) -> Iterator[dict[
     for _ in range(num_examples):
         inputs, targets = generate_one(rng)
         yield {"task": task, "inputs": inputs, "targets": targets}
+
+
+def default_mixture_path() -> str:
+    """The built-in mixture spec (``flan_mini.yaml``: the repository's ``data/`` folder, else the installed package's
+    assets): what ``train``, ``data-report``, ``plan`` and ``bench`` read without ``--mixture``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "..", "..", "data", "flan_mini.yaml"), os.path.join(here, "..", "assets", "flan_mini.yaml")):
+        if os.path.exists(candidate):
+            return os.path.normpath(candidate)
+    raise FileNotFoundError("built-in mixture spec flan_mini.yaml not found; pass --mixture")

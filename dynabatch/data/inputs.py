@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sources import CAST_FIELDS, FILE_BUILDERS, SourceSpec
@@ -82,8 +83,6 @@ def load_data(
     if data is not None:
         spec = data_spec(data, columns, seed)
     else:
-        from dynabatch.data.report import default_mixture_path
-
         spec = MixtureSpec.from_file(mixture or default_mixture_path())
     return MixtureData.load(spec, tokenizer, family, bad_rows=bad_rows)
 

@@ -12,9 +12,14 @@ to its fixed row length; ``packing_free``: to its longest packed row):
   change from step to step. The plan is deterministic, so every rank builds the same loader with its
   own ``replica_index``, plans the whole global batch and keeps its share; no rank talks to another.
 * any baseline of :data:`dynabatch.data.baselines.BASELINES` (``padding``, ``length_grouped``,
-  ``token_budget``, ``packing``, ``packing_free``): its micro-batches are dealt to replicas
-  round-robin (micro-batch ``k`` to replica ``k mod R``; a replica may get none when there are fewer
-  micro-batches than replicas).
+  ``token_budget``, ``packing``, ``packing_free``): its micro-batches are dealt to replicas as ``dynabatch
+  train`` deals them, largest first to the least-loaded replica, each replica keeping the baseline's order
+  (:func:`~dynabatch.plan.candidates.deal_to_replicas`; a ``ValueError`` when there are fewer micro-batches
+  than replicas).
+
+Both go through the planning path ``train``, ``plan`` and ``simulate`` share
+(:class:`~dynabatch.plan.global_plan.GlobalPlanner`), so the loader yields what ``train`` would run for the same
+global batch, method and replicas (one pipeline stage).
 
 Evaluation loaders (``each_row_once=True``): every row of the data once per iteration, in finite global batches
 (:class:`~dynabatch.data.batching.EveryRowBatcher`), cut and collated like the training steps.
@@ -52,7 +57,10 @@ from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
-from dynabatch.plan.candidates import best_plan
+from dynabatch.plan.global_plan import GlobalPlanner
+from dynabatch.cost.hardware import device_hardware, hardware_spec
+from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.data.inputs import load_data
 
 
 def model_sequence_kind(config) -> str:
@@ -124,7 +132,8 @@ def default_cost_model(
 ) -> MicroBatchCostModel:
     """One-stage analytic cost model of ``model_config`` trained as :func:`~dynabatch.models.forward.forward_loss`
     runs it (``attention``, activations in ``dtype``: :meth:`AnalyticCostModel.for_run
-    <dynabatch.cost.analytic.AnalyticCostModel.for_run>`, the trainer's own model) on ``hardware`` (a preset of
+    <dynabatch.cost.analytic.AnalyticCostModel.for_run>` through :func:`~dynabatch.models.families.run_cost_model`, the
+    trainer's own model) on ``hardware`` (a preset of
     :mod:`dynabatch.cost.hardware`; ``auto``: this machine's, the CUDA device's preset and memory when there is
     one); polynomial without a config.
 
@@ -135,9 +144,7 @@ def default_cost_model(
         return PolynomialCostModel()
     import torch
 
-    from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.hardware import device_hardware, hardware_spec
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
 
     if hardware == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,8 +152,7 @@ def default_cost_model(
     else:
         spec = hardware_spec(hardware)
         device = "cpu" if hardware == "cpu" else "cuda"
-    model = AnalyticCostModel.for_run(model_config, device, dtype=dtype, attention_path=attention, dropout=True,
-                                      hardware=spec)
+    model = run_cost_model(model_config, device, dtype=dtype, attention_path=attention, dropout=True, hardware=spec)
     memory = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
     return StageCostModel(model, balanced_layout(model, 1), float(memory))
 
@@ -187,7 +193,7 @@ class DynaBatchDataLoader:
     plan_candidates: bool = True
     """``dynamic``: also price the baselines' plans of each global batch (``length_grouped``, ``token_budget`` and,
     with ``attention="segments"``, ``packing_free``, at their tuning grids' values) by the cost model and keep the
-    cheapest when it beats the DP's (:func:`~dynabatch.plan.candidates.best_plan`)."""
+    cheapest when it beats the DP's (:class:`~dynabatch.plan.global_plan.GlobalPlanner`)."""
     loss_on_inputs: bool = False
     """Decoder-only: also take loss on input tokens."""
     num_replicas: int = 1
@@ -213,6 +219,7 @@ class DynaBatchDataLoader:
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
     _collator: Batcher = field(init=False, repr=False)
     _start_state: dict = field(init=False, repr=False)
+    _planner: GlobalPlanner = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.eval_samples is not None and not self.each_row_once:
@@ -284,13 +291,17 @@ class DynaBatchDataLoader:
             self._collator = make_batcher(
                 self.method, self.limits, tokens, loss_on_inputs=self.loss_on_inputs, **self.method_options
             )
+        self._planner = GlobalPlanner(
+            self.method, self.limits, 1, self.num_replicas, self.cost_model,
+            planner_options=self.planner_options, batcher_options=self.method_options,
+            candidates=self.plan_candidates, padding_free=self.attention == "segments",
+        )
         self._start_state = self.batcher.state_dict()
 
     def _tokenized(self, datasets) -> MixtureData:
         """``data`` given as datasets, tokenized with ``tokenizer`` for the family of ``limits``."""
         import datasets as hf_datasets
 
-        from dynabatch.data.inputs import load_data
 
         if not isinstance(datasets, (hf_datasets.Dataset, hf_datasets.IterableDataset, Mapping)):
             raise ValueError(f"data must be MixtureData, a GlobalBatcher, a datasets.Dataset / IterableDataset or a "
@@ -312,31 +323,9 @@ class DynaBatchDataLoader:
 
     def plan(self, batch: GlobalBatch) -> tuple[tuple[RowGroup, ...], ...]:
         """Every replica's micro-batches as row groups (sample indices only, no tensors)."""
-        if self.method == "dynamic":
-            from dynabatch.data.pipeline import locate_sample_error
-            from dynabatch.plan.step import plan_step
-
-            try:
-                step = plan_step(
-                    batch.input_lens,
-                    batch.target_lens,
-                    self.cost_model,
-                    1,
-                    family=self.family,
-                    num_replicas=self.num_replicas,
-                    **self.planner_options,
-                )
-            except ValueError as e:
-                raise locate_sample_error(e, batch, self.batcher.data) from e
-            assert not step.sliced_samples, "token slicing is not requested, so no piece is a slice"
-            if self.plan_candidates:
-
-                step = best_plan(step, batch.input_lens, batch.target_lens, self.batcher.limits,
-                                 cost_model=self.cost_model, num_replicas=self.num_replicas,
-                                 padding_free=self.attention == "segments").plan
-            return tuple(tuple(step.to_row_groups(r)) for r in range(self.num_replicas))
-        groups = self._collator.group(batch)
-        return tuple(tuple(groups[r :: self.num_replicas]) for r in range(self.num_replicas))
+        planned = self._planner.plan(batch, self.batcher.data)
+        assert not planned.plan.sliced_samples, "token slicing is not requested, so no piece is a slice"
+        return tuple(tuple(planned.row_groups(r)) for r in range(self.num_replicas))
 
     def step_batch(self, batch: GlobalBatch) -> StepBatch:
         """Plan ``batch`` and collate this replica's micro-batches."""

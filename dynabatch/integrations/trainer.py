@@ -52,6 +52,7 @@ from transformers.trainer_utils import (
 
 from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.models.forward import forward_loss
+from dynabatch.runtime.evaluate import generate_ids
 
 LOADER_STATE_NAME = "dynabatch_loader.json"
 """File in each checkpoint folder holding the train loader's stream position."""
@@ -283,7 +284,6 @@ class DynaBatchTrainer(Trainer):
 
     def _generate(self, module, loader: DynaBatchDataLoader, samples: list, gen_kwargs: dict):
         """(predictions, label_ids) of ``samples`` (:meth:`predict`), gathered over the replicas."""
-        from dynabatch.runtime.evaluate import generate_ids
 
         tokens = loader.batcher.data.tokens
         max_new = (gen_kwargs.get("max_new_tokens") or gen_kwargs.get("max_length")

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from dynabatch.data.microbatch import IGNORE_INDEX
+from dynabatch.models.forward import _token_losses, bidirectional_segment_mask, causal_segment_mask
+from dynabatch.models.attention import build_segments
 
 if TYPE_CHECKING:
     from dynabatch.models.slice_kv import SliceRecord
@@ -55,7 +58,6 @@ def segment_losses(token_losses: torch.Tensor, labels: torch.Tensor, segment_ids
     ``token_losses``, ``labels`` and ``segment_ids`` are (B, T) aligned with the targets; ``K`` is the
     largest segment id. Padding (segment 0) and ignored targets are left out.
     """
-    from dynabatch.data.microbatch import IGNORE_INDEX
 
     seg = segment_ids.long()  # (B, T)
     k = max(int(seg.max()), 1)
@@ -71,8 +73,6 @@ def loss_output(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.T
                 slice_record: "SliceRecord | None" = None) -> StageOutput:
     """The last stage's :class:`StageOutput` from its logits (B, T, V) and pre-shifted ``labels`` (B, T):
     the fp32 token-loss sum, the loss-token count and the per-segment losses."""
-    from dynabatch.data.microbatch import IGNORE_INDEX
-    from dynabatch.models.forward import _token_losses
 
     token_losses = _token_losses(logits, labels)  # (B, T)
     return StageOutput(loss_sum=token_losses.sum(), num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
@@ -138,8 +138,6 @@ class StageModule(torch.nn.Module):
         """What the stage's layers get as ``attention_mask`` for self-attention of ``kind`` (``causal`` or
         ``bidirectional``) over host (B, T) ``segment_ids``: a :class:`~dynabatch.models.attention.Segments`
         layout, or the dense (B, 1, T, C + T) additive mask."""
-        from dynabatch.models.attention import build_segments
-        from dynabatch.models.forward import bidirectional_segment_mask, causal_segment_mask
 
         if self.attention == "segments":
             return build_segments(kind, segment_ids, context_segment_ids=context_segment_ids, device=device)

@@ -17,8 +17,10 @@ before the last one's backward on the stages after it), candidates are priced in
 candidate whose bound is not below the best price so far is never simulated. The DP's plan is priced first and
 wins ties.
 
-:func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas (the
-trainer's baseline methods use it too), so a baseline candidate is exactly the step that baseline would run.
+:func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas
+(:func:`baseline_plan`, what a run of a baseline method executes, deals by it too), so a baseline candidate is
+exactly the step that baseline would run. :class:`~dynabatch.plan.global_plan.GlobalPlanner` puts the DP, the
+candidates and the choice together for every caller.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.cost.pairs import AttentionPairs, row_work, stacked_pairs
-from dynabatch.data.baselines import BASELINES, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
-from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.data.baselines import BASELINES, GROUPING_TOKENS, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.plan.step import Piece, StepPlan, with_pairs
 
@@ -105,16 +106,13 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     micro-batch's :func:`~dynabatch.cost.pairs.row_work` by its rows, shared with the pricing of the same batch
     (:func:`~dynabatch.plan.step.with_pairs`)."""
 
-    no_tokens = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=1)  # grouping reads lengths only
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
-    family = limits.family
     seen: set = set()
     kept = []  # (method, value, groups, shapes)
     for method in methods if methods is not None else candidate_baselines(padding_free):
         for value in knob_values(method, options):
-            opts = options.with_value(method, value)
-            groups = make_batcher(method, limits, no_tokens, **opts.batcher_options(method, limits)).group(batch)
+            groups = _groups(method, batch, limits, options.with_value(method, value))
             key = tuple(g.rows for g in groups)
             if key in seen or len(groups) < num_replicas:
                 continue
@@ -128,13 +126,41 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     out: list[Candidate] = []
     start = 0
     for method, value, groups, shapes in kept:
-        pieces = [Piece(tuple(i for row in g.rows for i in row), s, t,
-                        rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
-                  for g, s, t in zip(groups, shapes, times[start:start + len(groups)])]
+        plan = _dealt(groups, shapes, times[start:start + len(groups)], family, num_stages, num_replicas)
         start += len(groups)
-        replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
-        out.append(Candidate(method, value, StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())))
+        out.append(Candidate(method, value, plan))
     return out
+
+
+def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1,
+                  options=None, batcher_options=None, cost_model=None, padding_free: bool = True) -> StepPlan:
+    """Baseline ``method``'s plan of a global batch of lengths ``input_lens``, ``target_lens`` at its knob value in
+    ``options``: its micro-batches in the baseline's order, dealt to replicas by :func:`deal_to_replicas` (a
+    ``ValueError`` when there are fewer micro-batches than replicas). What a run of that baseline executes, and
+    exactly the candidate of the same value. ``cost_model``: each piece's ``time_s``, as in
+    :func:`baseline_candidates`. ``batcher_options``: the batcher's fields as given (the DataLoader's
+    ``method_options``) instead of ``options``."""
+    batch = _Lengths(input_lens, target_lens)
+    if batcher_options is not None:
+        groups = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options).group(batch)
+    else:
+        groups = _groups(method, batch, limits, options or BaselineOptions())
+    shapes = [group_shape(batch, g, limits.family) for g in groups]
+    times = _piece_times(cost_model, shapes, groups, batch, limits.family, padding_free, {})
+    return _dealt(groups, shapes, times, limits.family, num_stages, num_replicas)
+
+
+def _groups(method: str, batch: _Lengths, limits, options) -> list:
+    return make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits)).group(batch)
+
+
+def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: int) -> StepPlan:
+    """Row groups of a baseline, their shapes and priced times, as a :class:`~dynabatch.plan.step.StepPlan`
+    dealt to replicas."""
+    pieces = [Piece(tuple(i for row in g.rows for i in row), s, t, rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+              for g, s, t in zip(groups, shapes, times)]
+    replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
+    return StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())
 
 
 def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool, work: dict) -> list[float]:
@@ -285,29 +311,5 @@ def concatenated_pairs(pairs: list):
                           tuple(cat(lambda p, k=k: p.longest[k]) for k in range(2)))
 
 
-def best_plan(plan: StepPlan, input_lens, target_lens, limits, *, cost_model, options=None, num_replicas: int = 1,
-              padding_free: bool = True, price: Callable[[StepPlan], float] | None = None,
-              in_flight: int | None = None) -> Candidate:
-    """The DP's ``plan`` of a global batch of lengths ``input_lens``, ``target_lens`` or a baseline's
-    (:func:`baseline_candidates` at ``plan.num_stages``), whichever ``price`` is lowest (default
-    :func:`formula_price` under ``cost_model``, the DP's memory rule with ``in_flight``); the DP's plan on ties.
-    A token-sliced ``plan`` is kept as is (the baselines cannot run a sample that needs slicing). What
-    ``dynabatch plan`` / ``simulate`` and the DataLoader integration call; the trainer's planner prices the same
-    candidates with its own prediction."""
-    dp = Candidate(DP, None, plan)
-    if plan.sliced_samples:
-        return dp
-    work: dict = {}  # each micro-batch's attention work, shared by the candidates' pricing
-    baselines = baseline_candidates(input_lens, target_lens, limits, plan.num_stages, num_replicas=num_replicas,
-                                    options=options, padding_free=padding_free, cost_model=cost_model, work=work)
-    candidates = [dp, *baselines]
-    if price is None:  # the step formula: every candidate priced at once (formula_prices), then compared
-        prices = dict(zip(map(id, (c.plan for c in candidates)),
-                          formula_prices(cost_model, input_lens, target_lens, [c.plan for c in candidates],
-                                         padding_free, in_flight, work)))
-        return choose(candidates, lambda plan: prices[id(plan)]).candidate
-    return choose(candidates, price).candidate
-
-
-__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "best_plan", "candidate_baselines", "choose", "deal_to_replicas",
-           "concatenated_pairs", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]
+__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "baseline_plan", "candidate_baselines", "choose",
+           "concatenated_pairs", "deal_to_replicas", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]

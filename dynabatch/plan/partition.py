@@ -48,6 +48,8 @@ from dynabatch.plan._kernels import _run_shapes, _solve_partition
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.data.baselines import RowGroup
+from dynabatch.cost.pairs import AttentionPairs
 
 if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup
@@ -109,7 +111,6 @@ class PartitionPlan:
 
     def to_row_groups(self) -> list[RowGroup]:
         """One :class:`RowGroup` per micro-batch, one sample per row, padded to the planned shape."""
-        from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
 
         groups = []
         for rows, (_, e, d) in zip(self.micro_batches, self.shapes.tolist()):
@@ -290,7 +291,6 @@ def _pair_prefix(unit_pairs, perm, n: int) -> np.ndarray:
 def _run_pairs(prefix: np.ndarray, ends, widths, longest=None):
     """:class:`~dynabatch.cost.pairs.AttentionPairs` of runs ending at ``ends`` (inclusive) of ``widths`` units
     (``longest``: their longest input and target segments, or None)."""
-    from dynabatch.cost.pairs import AttentionPairs
 
     ends, widths = np.asarray(ends), np.asarray(widths)
     total = prefix[ends + 1] - prefix[np.maximum(ends + 1 - widths, 0)]  # (..., 3)

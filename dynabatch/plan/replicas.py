@@ -60,6 +60,7 @@ from dynabatch.plan._replica_kernels import _lpt_assign, _refine, _replica_times
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
 from dynabatch.plan.partition import PartitionPlan, plan_partition
+from dynabatch.cost.pairs import AttentionPairs
 
 METHODS = ("assign", "split")
 REFINE_MAX_ROUNDS = 100_000
@@ -309,7 +310,6 @@ class _Pricing:
                   if self.flat else padded)
         if self.unit_pairs is None:
             return shapes, None
-        from dynabatch.cost.pairs import AttentionPairs
 
         total = np.array([np.asarray(self.unit_pairs)[g].sum(axis=0) for g in groups], dtype=np.float64).reshape(-1, 3)
         longest = (padded[:, 1], padded[:, 2]) if self.flat else None

@@ -22,6 +22,7 @@ import numpy as np
 from dynabatch.cost.model_specs import BLOCK_HALVES, CAUSAL_ATTENTION_KINDS
 from dynabatch.plan.costs import PolynomialCostModel, check_non_negative_fields
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.cost.stages import StageCosts, in_flight_buffer_bytes
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel
@@ -180,7 +181,6 @@ class AnalyticSliceCostModel:
         :class:`~dynabatch.cost.stages.StageCostModel`, with that model's memory budget. Under its ``full``
         recompute policy the slices' blocks are priced recomputed, as the runtime runs them; under ``auto`` and
         ``selective`` without (the safe side: a slice's mode there is chosen for its own shape)."""
-        from dynabatch.cost.stages import in_flight_buffer_bytes
 
         per = stages.per_stage(np.array([1.0]), np.array([float(ref_length)]), np.array([0.0]))
         slowest = int(np.argmax((per.fwd_s + per.bwd_s)[:, 0]))
@@ -198,7 +198,6 @@ class AnalyticSliceCostModel:
         stages. ``None`` without :attr:`stages`."""
         if self.stages is None:
             return None
-        from dynabatch.cost.stages import in_flight_buffer_bytes
 
         bb, ss = np.full(len(s), float(b)), np.asarray(s, dtype=np.float64)
         costs = slice_stage_costs(self.stages.per_stage(bb, ss, np.zeros_like(ss)), self, bb, ss, c)
@@ -292,7 +291,6 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c)
     key/value gradients in the peak, and, when the model says (``context_kv_bytes``), the concatenated
     context keys/values each slice's attention keeps for its backward in the stored bytes (the
     bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs."""
-    from dynabatch.cost.stages import StageCosts
 
     if slice_model is None:
         raise ValueError("token slices need a slice cost model (slice_long)")

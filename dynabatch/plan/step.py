@@ -41,20 +41,22 @@ measurements (simulated T5 1.03-1.10x of ``off``; on the CPU runtime, bounded, T
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
-from dynabatch.cost.pairs import row_calls, row_longest
+from dynabatch.cost.pairs import AttentionPairs, row_calls, row_longest, sample_pairs
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import equalize_counts, group_pricing, plan_replicas, wants_equal_counts
-from dynabatch.plan.rowpack import order_for_fill_drain, pack_units
+from dynabatch.plan.rowpack import PackedUnits, order_for_fill_drain, pack_units
 from dynabatch.plan.slice_costs import SliceCostModel
 from dynabatch.plan.slicing import slice_long_samples
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.data.baselines import RowGroup
 
 DEFAULT_PACK_ROWS = "device"
 """The commands' and ``TrainConfig``'s default: :func:`pack_rows_on` resolves it per device."""
@@ -159,7 +161,6 @@ class StepPlan:
         """One :class:`~dynabatch.data.baselines.RowGroup` per piece of ``replica``, its rows as planned (one
         sample per row, or several when packed), padded to the planned shape (slices keep their token
         length as the row length)."""
-        from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
 
         t5 = is_seq2seq(self.family)
         return [RowGroup(p.row_samples, p.shape[1], p.shape[2] if t5 else None) for p in self.replicas[replica]]
@@ -167,7 +168,6 @@ class StepPlan:
     def pairs(self, replica: int):
         """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of ``replica``'s pieces as priced (dense
         ``b x E^2`` for a piece without pairs), or ``None`` when every piece was priced dense."""
-        from dynabatch.cost.pairs import AttentionPairs
 
         pieces = self.replicas[replica]
         if all(p.pairs is None for p in pieces):
@@ -480,7 +480,10 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
                 options["max_row"] = how.flat_row
         num = min(num_replicas, len(rows))
         # --zero 2's equal counts are evened below, where token slices count (and may be halved) too
-        rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, equal_counts=False, **options)
+        try:
+            rp = plan_replicas(ue, ud, how.cost_model, num_stages, num, family=family, equal_counts=False, **options)
+        except ValueError as err:
+            raise _named_sample(err, rows, e, d) from err
         unit_pairs = options.get("unit_pairs")
 
         def whole_pieces(groups, shapes, times) -> list[Piece]:
@@ -557,10 +560,19 @@ def _halve_slice(piece: Piece, slice_cost_model) -> tuple[Piece, Piece] | None:
     return (Piece((i,), (1, mid - lo, 0), float(t[0]), (lo, mid)), Piece((i,), (1, hi - mid, 0), float(t[1]), (mid, hi)))
 
 
+def _named_sample(err: ValueError, rows, e, d) -> ValueError:
+    """The partition's error about ``sample K (input_len=.., target_len=..)`` of its units (rows: a GPT row is one
+    sequence of inputs + targets) reworded to name the global batch's sample with its own lengths, when unit ``K``
+    is one sample; ``err`` itself otherwise."""
+    match = re.match(r"sample (\d+) \(input_len=\d+, target_len=\d+\)", str(err))
+    if match is None or int(match.group(1)) >= len(rows) or len(rows[int(match.group(1))]) != 1:
+        return err
+    i = rows[int(match.group(1))][0]
+    return ValueError(f"sample {i} (input_len={int(e[i])}, target_len={int(d[i])}){str(err)[match.end():]}")
+
+
 def _single_units(e, d, family):
     """Every sample its own row, with its own attention pairs (per-segment pricing without packing)."""
-    from dynabatch.cost.pairs import sample_pairs
-    from dynabatch.plan.rowpack import PackedUnits
 
     if is_seq2seq(family):
         ue, ud = e, d

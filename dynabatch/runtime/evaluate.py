@@ -54,9 +54,14 @@ from dynabatch.data.batching import LengthLimits, evaluation_rows, truncate_samp
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData, TokenColumn
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.data.tokenize import TokenizerInfo, load_tokenizer, tokenizer_info
 from dynabatch.runtime.dist import DistContext, gather_to_planner
 from dynabatch.runtime.metrics import MetricsWriter
+from dynabatch.data.mixture import MixtureSpec, mixture_rates
+from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
+from dynabatch.plan.candidates import deal_to_replicas
+from dynabatch.runtime.step import train_step
+from dynabatch.runtime.trainer import gather_task_losses
 
 _DONE_TAG = 7
 """Tag of rank 0's "generation finished" message to the other ranks (delivery uses 0 and 1)."""
@@ -99,7 +104,6 @@ def hold_out(data: MixtureData, fraction: float, seed: int) -> tuple[MixtureData
     least one, and one fewer than all) chosen by a permutation seeded with ``(seed, source index)`` go to the
     held-out data and out of the training data; mixing rates are recomputed from the rows left. Rows keep
     their place in the source files (``source_rows``) for error messages."""
-    from dynabatch.data.mixture import mixture_rates
 
     train, held = [], []
     for k, source in enumerate(data.sources):
@@ -132,8 +136,6 @@ def build_eval_set(samples: list[TokenizedSample], limits: LengthLimits, tokens:
                    num_replicas: int) -> EvalSet:
     """Truncate ``samples`` to ``limits`` and cut them into length-sorted micro-batches of at most ``max_tokens``
     padded tokens (fewer when needed so that every replica gets one), dealt to the replicas largest first."""
-    from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
-    from dynabatch.runtime.planner import deal_to_replicas
 
     batch = GlobalBatch(-1, tuple(truncate_sample(s, limits, tokens.eos_id) for s in samples))
     if len(batch) < num_replicas:
@@ -324,8 +326,6 @@ class Evaluator:
         if not ctx.is_planner:
             return ev
         ev.writer = MetricsWriter(metrics_path) if metrics_path else None
-        from dynabatch.data.mixture import MixtureSpec
-        from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
         from dynabatch.models.families import check_model
 
         family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
@@ -353,8 +353,6 @@ class Evaluator:
 
     def evaluate(self, run, step: int) -> dict[str, Any] | None:
         """Collective: evaluate ``run`` (the trainer's ``_Run``) after step ``step``; rank 0 returns the row."""
-        from dynabatch.runtime.step import train_step
-        from dynabatch.runtime.trainer import gather_task_losses
 
         t0 = time.perf_counter()
         es = self.eval_set

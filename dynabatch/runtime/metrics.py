@@ -18,6 +18,7 @@ import numpy as np
 
 from dynabatch.plan.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
                                   measured_efficiency, planned_work, without_recompute)
+from dynabatch.runtime.calibration import stage_times
 
 
 def peak_rss_bytes() -> int:
@@ -97,7 +98,6 @@ def efficiency_record(ctx, gathered, planned, elapsed: float, cost_model, family
     device: its measured fwd + bwd seconds / the step time), ``efficiency_balanced`` (the amortised whole-model
     ideal over all devices, every replica's devices measured) and ``efficiency_amortised`` (the amortised
     bottleneck-stage ideal), both priced with ``cost_model``: the model ``planned.costs`` were planned with."""
-    from dynabatch.runtime.calibration import stage_times
 
     compute = [stage_times(ctx, gathered, r) for r in range(ctx.num_replicas)]
     devices = [t for replica in compute for t in replica]

@@ -1,8 +1,10 @@
 """Rank 0's step planner: global batch -> micro-batches per replica -> collated tensors, ahead of time.
 
 :class:`StepPlanner` makes one :class:`PlannedStep` per call: it draws the next global batch, cuts it
-with the configured method (``dynamic``: :func:`dynabatch.plan.step.plan_step` with the stage cost
-model; a baseline: its batcher, micro-batches dealt to replicas longest-first), collates each replica's
+with the configured method through the planning path ``plan``, ``simulate`` and the DataLoader share
+(:class:`~dynabatch.plan.global_plan.GlobalPlanner`; ``dynamic``: :func:`dynabatch.plan.step.plan_step` with the
+stage cost model, scored by the simulated step; a baseline: its batcher, micro-batches dealt to replicas
+longest-first), collates each replica's
 micro-batches into tensors, prices them per stage (with ``attention=segments``, attention by the pairs
 each micro-batch's rows really compute, :func:`units_pairs`), picks the compute schedule the runtime will run
 and simulates it (the *predicted* step time and bubble, the measured step's twin).
@@ -26,24 +28,30 @@ import numpy as np
 from dynabatch.config import Found, TrainConfig, decide, lower
 from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
-from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
+from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices
-from dynabatch.data.pipeline import locate_sample_error
-from dynabatch.data.sample import GlobalBatch
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.candidates import (DP, Candidate, baseline_candidates, choose, concatenated_pairs, deal_to_replicas,
-                                      step_lower_bound)
+from dynabatch.plan.candidates import Candidate, choose, concatenated_pairs, step_lower_bound
+from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
-from dynabatch.plan.step import flat_row_limit, plan_step
+from dynabatch.plan.step import flat_row_limit, plan_step, with_pairs
 from dynabatch.runtime.dist import device_type
-from dynabatch.runtime.step import micro_batch_shape
+from dynabatch.runtime.step import compute_schedule, micro_batch_shape
 from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
 from dynabatch.sequence import is_seq2seq
+from dynabatch.schedule.ir import RECOMPUTE_MODES
+from dynabatch.runtime.step import plan_step as lower_step
+from dynabatch.cost.online import CalibratedStageCostModel
+from dynabatch.schedule.placement import Placement
+from dynabatch.plan.costs import evaluate_costs
+from dynabatch.schedule.policies import adaptive
+from dynabatch.schedule.virtual import placed_step
 
 
 
@@ -108,7 +116,6 @@ class PlannedStep:
     @property
     def recompute_counts(self) -> dict[str, int]:
         """How many (micro-batch, stage) forwards of the step run each recomputing mode (``{}``: none)."""
-        from dynabatch.schedule.ir import RECOMPUTE_MODES
 
         codes = [c.recompute.ravel() for c in self.costs if c.recompute is not None]
         counts = np.bincount(np.concatenate(codes), minlength=len(RECOMPUTE_MODES)) if codes else ()
@@ -179,7 +186,6 @@ class StepPlanner:
     def _lowered(self, planned: PlannedStep) -> dict:
         """Every rank's validated plans of ``planned``: what :func:`~dynabatch.runtime.step.train_step` would lower
         on rank 0 from the same step (:func:`~dynabatch.runtime.step.plan_step`, memory checked)."""
-        from dynabatch.runtime.step import plan_step as lower_step
 
         return lower_step([list(s) for s in planned.shapes], self.spec, policy=lower("policy", self.cfg.policy), step=planned.step,
                           costs=planned.costs, memory_limit_bytes=self.cfg.memory_gib * 2**30,
@@ -242,7 +248,6 @@ class StepPlanner:
     def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
         """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices), priced
         with the ``recompute`` modes they run with."""
-        from dynabatch.cost.online import CalibratedStageCostModel
 
         arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
         model = CalibratedStageCostModel.of(self.cost_model)
@@ -252,35 +257,40 @@ class StepPlanner:
         return x
 
     def _units(self, batch: GlobalBatch) -> tuple[list[list[Unit]], str, str | None]:
-        """Per replica, the units of ``batch`` to collate, and which candidate they come from
-        (:attr:`PlannedStep.candidate`)."""
-        cfg, R = self.cfg, self.cfg.replicas
-        if cfg.method == "dynamic":
-            try:
-                plan = self._plan(batch, self.cost_model)
-            except ValueError as e:  # "sample K ..." -> which global batch, which source row
-                raise locate_sample_error(e, batch, getattr(self.batcher, "data", None)) from e
-            chosen, recompute = self._choose(batch, plan)
-            return [plan_units(chosen.plan, r) for r in range(R)], chosen.label, recompute
-        options = BaselineOptions.of(cfg)
-        groups = make_batcher(cfg.method, self.limits, self.tokens, **options.batcher_options(cfg.method, self.limits)).group(batch)
-        units = [[Unit(g) for g in gs] for gs in deal_to_replicas(groups, [self._tokens(batch, g) for g in groups], R)]
-        return units, "", None
+        """Per replica, the units of ``batch`` to collate (:attr:`global_planner`: the DP's plan priced against the
+        baselines' by :meth:`_choose`, or a baseline's micro-batches dealt to replicas), which candidate they come
+        from (:attr:`PlannedStep.candidate`) and the recomputation the chosen plan was priced with."""
+        planner, picked = self.global_planner, {}
 
-    def _choose(self, batch: GlobalBatch, plan) -> tuple[Candidate, str | None]:
-        """The DP's ``plan`` of ``batch`` or a baseline's (:func:`~dynabatch.plan.candidates.baseline_candidates`),
-        whichever this planner predicts shortest (:meth:`_price`: the step the runtime would run, priced as
-        :meth:`_planned` predicts it, memory checked); with ``plan_candidates="off"`` the DP's plan. Token-sliced
-        plans (``slice_long``) and virtual stages keep the DP's plan too."""
+        def choose_among(candidates) -> Candidate:
+            chosen, picked["recompute"] = self._choose(batch, candidates)
+            return chosen
+
+        planned = planner.plan(batch, getattr(self.batcher, "data", None),
+                               dp=lambda: self._plan(batch, self.cost_model), choose_among=choose_among)
+        units = [plan_units(planned.plan, r) for r in range(planner.num_replicas)]
+        return units, planned.candidate if planner.method == "dynamic" else "", picked.get("recompute")
+
+    @property
+    def global_planner(self) -> GlobalPlanner:
+        """How this run cuts a global batch (:class:`~dynabatch.plan.global_plan.GlobalPlanner`, the path ``plan``,
+        ``simulate`` and the DataLoader share): the method, its options, stages and replicas; candidates (the
+        ``dynamic`` method) unless ``plan_candidates="off"`` or on virtual stages. The DP itself runs as
+        :meth:`_plan` (the simulated score) and candidates are priced by :meth:`_choose`."""
         cfg = self.cfg
-        dp = Candidate(DP, None, plan)
-        if (getattr(cfg, "plan_candidates", "baselines") == "off" or plan.sliced_samples or self.placement is not None
-                or wants_equal_counts(self.cost_model)):  # --zero 2: the baselines deal unequal counts
-            return dp, None
-        baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, cfg.stages,
-                                        num_replicas=cfg.replicas, options=BaselineOptions.of(cfg),
-                                        padding_free=self.padding_free)
-        candidates = [dp, *baselines]
+        # --zero 2: the baselines deal unequal counts, so the DP's (evened) plan runs
+        candidates = (getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
+                      and not wants_equal_counts(self.cost_model))
+        return GlobalPlanner(cfg.method, self.limits, cfg.stages, cfg.replicas, self.cost_model,
+                             BaselineOptions.of(cfg), candidates=candidates, padding_free=self.padding_free,
+                             timed_candidates=False)
+
+    def _choose(self, batch: GlobalBatch, candidates: list[Candidate]) -> tuple[Candidate, str | None]:
+        """The DP's plan of ``batch`` (``candidates[0]``) or a baseline's
+        (:func:`~dynabatch.plan.candidates.baseline_candidates`), whichever this planner predicts shortest
+        (:meth:`_price`: the step the runtime would run, priced as :meth:`_planned` predicts it, memory checked)."""
+        cfg = self.cfg
+        candidates = list(candidates)
         # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
         # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs);
         # under --full-determinism by the planning model, which does not depend on measured times
@@ -382,7 +392,6 @@ class StepPlanner:
         """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
         compute schedule (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble).
         With ``check_memory`` a fifth value says whether every replica's simulated step fits the memory limit."""
-        from dynabatch.runtime.step import compute_schedule
 
         model = model or self.cost_model
         costs, schedules, makespans, bubbles = [], [], [], []
@@ -422,7 +431,6 @@ def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
 def _virtual_placement(cfg: TrainConfig):
     """The :class:`~dynabatch.schedule.placement.Placement` of ``cfg.placement`` when it holds several chunks per
     device, else ``None``."""
-    from dynabatch.schedule.placement import Placement
 
     text = getattr(cfg, "placement", "linear")
     if text == "linear":
@@ -434,7 +442,6 @@ def _virtual_placement(cfg: TrainConfig):
 def fits_without_recompute(plan, model: StageCostModel) -> bool:
     """Whether every whole-sample piece of ``plan`` fits ``model``'s memory bound without recomputation (the
     planner's maxima over stages, ``S`` in flight); token slices are judged by the slice planner."""
-    from dynabatch.plan.costs import evaluate_costs
 
     none = replace(model, recompute="none")
     for r, pieces in enumerate(plan.replicas):
@@ -468,9 +475,6 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
     (several ms on CPU) a run spanning many lengths costs more than the DP sees. With a ``placement`` of
     virtual stages (``stage_model`` then prices its chunks) the step is ordered on it as the runtime will
     (:func:`~dynabatch.schedule.virtual.placed_step`), not as a pipeline of one chunk per device."""
-    from dynabatch.plan.step import with_pairs
-    from dynabatch.schedule.policies import adaptive
-    from dynabatch.schedule.virtual import placed_step
 
     states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
 
@@ -534,7 +538,6 @@ def synthetic_units(limits: LengthLimits, tokens: TokenizerInfo, global_batch_to
     short-long and long-short too), one single-sample micro-batch and one of about
     ``global_batch_tokens / 8`` tokens (at most 64 rows). Random token ids; a quarter of a GPT sequence is
     target."""
-    from dynabatch.data.sample import TokenizedSample
 
     rng = np.random.default_rng(seed)
     seq2seq = is_seq2seq(limits.family)
@@ -563,7 +566,6 @@ def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
     """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of the micro-batches :func:`micro_batches_of` makes
     of ``units``: each sample's own block of every row, one attention call per distinct length; a token
     slice of ``s`` tokens is priced ``s^2`` in one call (its context is the slice cost model's)."""
-    from dynabatch.cost.pairs import row_work, stacked_pairs
 
     work = []
     for u in units:

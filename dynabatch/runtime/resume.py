@@ -35,6 +35,7 @@ import torch.distributed as dist
 from dynabatch.config import FIXED_ON_RESUME, TrainConfig, canonical
 from dynabatch.config.flags import NOT_RUN_SETTINGS
 from dynabatch.runtime.checkpoint import CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint, save_collective
+from dynabatch.cost.online import OnlineFit
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,6 @@ def resume(run, info: CheckpointInfo | None, lr_lambda: Callable[[int], float]) 
 
 def _restore_calibration(run, saved: dict, where: str) -> None:
     """Rank 0: the checkpoint's calibration fit when its key is this run's; else the fresh one stays."""
-    from dynabatch.cost.online import OnlineFit
 
     if run.calibration.enabled and saved.get("fit"):
         if json.loads(json.dumps(run.calibration_key)) == saved.get("key"):

@@ -35,6 +35,7 @@ from dynabatch.models.split import micro_batch_inputs
 from dynabatch.models.stage import StageModule
 from dynabatch.runtime.dist import DistContext
 from dynabatch.schedule.ir import PipelineSpec
+from dynabatch.runtime.executor import Executor
 
 
 def _load_names(spec: PipelineSpec, stage: int) -> list[str]:
@@ -145,7 +146,6 @@ class TorchPipeliningPeer:
 
     def __init__(self, stage: StageModule, spec: PipelineSpec, ctx: DistContext, optimizer: torch.optim.Optimizer,
                  *, max_grad_norm: float | None = None, autocast_dtype: torch.dtype | None = None) -> None:
-        from dynabatch.runtime.executor import Executor
 
         if ctx.num_replicas != 1:
             raise ValueError(f"the torch.distributed.pipelining peer runs one replica, got {ctx.num_replicas}")

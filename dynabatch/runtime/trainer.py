@@ -121,11 +121,11 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
         check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
         layer_model = ProfiledLayerModel(tables)
     else:
-        from dynabatch.cost.analytic import AnalyticCostModel
+        from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
         from dynabatch.runtime.dist import device_type
 
-        layer_model = AnalyticCostModel.for_run(model_config, device_type(cfg.device), dtype=cfg.dtype,
-                                                attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
+        layer_model = run_cost_model(model_config, device_type(cfg.device), dtype=cfg.dtype,
+                                     attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
     recompute = lower("recompute", decide(cfg, "recompute"))  # the resolver's rule (a profile: none)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
                           zero=cfg.zero, replicas=cfg.replicas)

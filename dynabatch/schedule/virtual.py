@@ -35,6 +35,10 @@ from dynabatch.schedule.compute import ComputeOp, ComputeSchedule, Phase
 from dynabatch.schedule.ir import RECOMPUTE_MODES, RECV_OPS, SEND_OPS, ExecutionPlan, Instr, Op, PipelineSpec
 from dynabatch.schedule.lower import assign_slots, lower
 from dynabatch.schedule.placement import Placement, list_schedule
+from dynabatch.schedule.chains import check_links
+from dynabatch.schedule.interleaved import interleaved_1f1b_orders, replay
+from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
+from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders
 
 _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
@@ -47,10 +51,6 @@ def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit
     ``send_time`` prices each hand-off between devices (bytes -> seconds, or an array; ``None``: free), as the
     linear simulation does; ``links``: token-slice chains (:mod:`dynabatch.schedule.chains`), which every order
     keeps (interleaved 1F1B's fixed order only when it happens to: else it is not a candidate)."""
-    from dynabatch.schedule.chains import check_links
-    from dynabatch.schedule.interleaved import interleaved_1f1b_orders, replay
-    from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
-    from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders
 
     if policy not in PLACED_POLICIES:
         raise ValueError(f"unknown placed policy {policy!r}; valid: {', '.join(PLACED_POLICIES)}")

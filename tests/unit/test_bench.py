@@ -52,7 +52,7 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     out = str(tmp_path / "bench.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path,
+    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", "gpt2-tiny", "--lengths", path,
            "--methods", "dynamic,packing,padding,pipelining", "--stages", "2", "--steps", "2", "--warmup", "0",
            "--global-batch-tokens", "1024", "--max-input-len", "256", "--json", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -101,7 +101,7 @@ def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path,
     out = str(tmp_path / "bench.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", model, "--lengths", path,
+    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", model, "--lengths", path,
            "--methods", "dynamic,dynamic_sliced,token_budget", "--stages", "2", "--steps", "2", "--warmup", "0",
            "--global-batch-tokens", "2048", "--max-input-len", "1024", "--json", out, "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -120,7 +120,7 @@ def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path,
 def test_bench_rejects_unknown_method():
     env = {**os.environ}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "dynabatch.commands.bench", "--methods", "dynamic,nope"],
+    proc = subprocess.run([sys.executable, "-m", "dynabatch", "bench", "--methods", "dynamic,nope"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "unknown method 'nope'" in proc.stderr
 
@@ -166,7 +166,7 @@ def _one_process_bench(tmp_path, model: str, methods: str, *flags: str):
     out = str(tmp_path / "bench.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", model, "--lengths", path, "--stages", "1",
+    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", model, "--lengths", path, "--stages", "1",
            "--methods", methods, "--steps", "1", "--warmup", "0", "--global-batch-tokens", "1024",
            "--max-input-len", "256", "--json", out, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -18,7 +18,7 @@ def test_bench_runs_t5_cyclic_next_to_linear(tmp_path):
     np.savez(lengths, input_len=rng.integers(4, 64, 120), target_len=rng.integers(1, 16, 120))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "t5-tiny", "--methods", "dynamic",
+    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", "t5-tiny", "--methods", "dynamic",
            "--placements", "linear,cyclic", "--stages", "2", "--timed-steps", "2", "--untimed-steps", "0",
            "--calibrate", "quick", "--global-batch-tokens", "512", "--max-input-len", "64", "--lengths", lengths,
            "--json", out]

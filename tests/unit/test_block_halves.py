@@ -15,6 +15,7 @@ import torch
 
 from dynabatch.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.models.families import run_cost_model
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.cost.stages import SPLIT_GAIN, StageCostModel, StageLayout, balanced_layout, join_halves, split_halves
@@ -220,7 +221,7 @@ def test_t5_halves_keep_what_the_model_prices():
             received = out.sends
         measured[name] = kept
     b, e = mb.input_ids.shape
-    cost = AnalyticCostModel.for_run(model.config)
+    cost = run_cost_model(model.config)
     moved = cost.layer_cost("t5_enc_ffn", b, e, mb.decoder_input_ids.shape[1]).stored_activation_bytes
     assert measured["whole"][0] - measured["halves"][0] == pytest.approx(moved, rel=0.1)
     assert measured["halves"][1] - measured["whole"][1] == pytest.approx(moved, rel=0.1)
@@ -251,6 +252,6 @@ def test_the_data_split_cuts_inside_a_block_only_where_the_planned_steps_are_sho
         seconds = 1.0 if cut(layout) == halves_faster else 1.1
         return [SimpleNamespace(shapes=[shapes], pairs=None, predicted_makespan_s=seconds)]
 
-    run = choose_run_layout(cfg, model, AnalyticCostModel.for_run(model.config), preview)
+    run = choose_run_layout(cfg, model, run_cost_model(model.config), preview)
     assert cut(run.layout) == halves_faster and run.split == "data"
     assert planned_cut[1:] == [False, True]  # after the reference split: the whole-block split and the cut one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -310,3 +311,77 @@ def test_measured_memory_never_makes_a_sample_the_run_admitted_infeasible(preset
     with pytest.raises(ValueError, match="alone needs"):
         partition(e, d, CalibratedStageCostModel.of(tight, memory_scale=(1.3,) * tight.num_stages), tight.num_stages,
                   family=family)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_measured_memory_never_refuses_a_sample_the_run_admitted_by_recomputing(stages):
+    """The device memory a too-small budget's error advises admits the longest sample only by recomputing
+    activations (``--recompute auto``: its stored bytes drop, its peak rises); the online fit's memory scale then
+    raises those bytes too. The sample must stay admitted at any measured scale (it was refused from a scale of
+    1.02 on: "alone needs 1.031 GiB ... but the budget is 1.022 GiB"); micro-batches of several samples still take
+    the full scale."""
+    import dataclasses
+
+    from dynabatch.plan.partition import device_memory_for, plan_partition as partition
+
+    cfg = TrainConfig(model="t5-tiny", stages=stages, max_input_len=4096, max_target_len=128)
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.runtime.trainer import planner_cost_model
+
+    model = build_model("t5-tiny", vocab_size=8192)
+    base = planner_cost_model(cfg, model.config, layout_for(model, stages))
+    assert base.recompute == "auto"
+    e, d = np.array([4096, 20, 30, 12]), np.array([64, 5, 6, 4])
+    small = dataclasses.replace(base, device_memory_bytes=0.1 * 2**30)
+    with pytest.raises(ValueError, match="alone needs") as refused:
+        partition(e, d, small, stages, family="seq2seq")
+    advice = float(re.search(r"--memory-gib\) of at least ([0-9.]+) GiB", str(refused.value)).group(1))
+    admitted = dataclasses.replace(base, device_memory_bytes=advice * 2**30)  # the advice, taken literally
+    _, stored, peak = admitted.evaluate(np.ones(1), e[:1], d[:1])
+    plain = dataclasses.replace(admitted, recompute="none").evaluate(np.ones(1), e[:1], d[:1])
+    assert stages * plain[1][0] + plain[2][0] > admitted.memory_budget_bytes, "admitted only by recomputing"
+    assert partition(e, d, admitted, stages, family="seq2seq").num_micro_batches >= 1
+    for scale in (1.02, 1.07, 1.3):
+        measured = CalibratedStageCostModel.of(admitted, memory_scale=(scale,) * stages)
+        plan = partition(e, d, measured, stages, family="seq2seq")
+        assert plan.shapes[:, 0].sum() == len(e)
+        _, m_stored, m_peak = measured.evaluate(np.ones(1), e[:1], d[:1])
+        assert stages * m_stored[0] + m_peak[0] <= measured.memory_budget_bytes
+    bb, ee, dd = np.array([3.0]), np.array([30.0]), np.array([6.0])
+    np.testing.assert_allclose(measured.per_stage(bb, ee, dd, modes=0).stored_bytes,
+                               1.3 * admitted.per_stage(bb, ee, dd, modes=0).stored_bytes)
+    assert device_memory_for(admitted, stages * stored[0] + peak[0]) <= advice * 2**30
+
+
+@pytest.mark.slow  # ~3 min on 2 CPU cores; the fast test above prices the same sample through the same model
+def test_a_run_started_with_the_advised_memory_trains_to_the_end(tmp_path, capsys):
+    """Acceptance: a run with one 4,096-token sample in its data fails at start with too little ``--memory-gib``;
+    started again with exactly the advised GiB it trains every step (it stopped after four: "the background
+    planner failed: ... alone needs 1.057 GiB ... but the budget is 1.022 GiB", the online fit's memory scale
+    having raised the recomputed sample's bytes past what start-up admitted)."""
+    import json
+
+    from conftest import write_jsonl
+    from dynabatch.cli import main
+
+    rng = np.random.default_rng(0)
+    words = np.array("alpha beta gamma delta epsilon zeta eta theta iota kappa".split())
+    rows = [{"inputs": " ".join(rng.choice(words, 5000)), "targets": " ".join(rng.choice(words, 20))}]
+    rows += [{"inputs": " ".join(rng.choice(words, rng.integers(5, 21))),
+              "targets": " ".join(rng.choice(words, rng.integers(2, 7)))} for _ in range(120)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    steps = 6
+    train = ["train", "--model", "t5-tiny", "--data", data, "--max-input-len", "4096", "--max-target-len", "128",
+             "--global-batch-tokens", "8192", "--steps", str(steps), "--log-every", "0", "--no-timeline"]
+    assert main([*train, "--memory-gib", "0.3", "--output-dir", str(tmp_path / "small")]) == 2
+    err = capsys.readouterr().err
+    assert "(input_len=4096, target_len=" in err, err[-2000:]
+    advice = re.search(r"--memory-gib\) of at least ([0-9.]+) GiB", err).group(1)
+    out = tmp_path / "advised"
+    code = main([*train, "--memory-gib", advice, "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    assert sorted({r["step"] for r in records if "step" in r and "loss" in r}) == list(range(steps))

@@ -114,8 +114,8 @@ def test_every_method_list_and_knob_comes_from_the_registry():
 
 def test_every_command_gets_the_method_and_its_knob_flag():
     from dynabatch.commands import bench, plan, simulate
+    from dynabatch.commands import data_report as report
     from dynabatch.config import add_config_arguments
-    from dynabatch.data import report
 
     p = argparse.ArgumentParser()
     add_config_arguments(p)

@@ -51,11 +51,12 @@ def _builtin_batches(cfg, limits, num):
 
 
 def _heavy_batches(limits, budget, num):
-    from dynabatch.workload import _NO_TOKENS, global_batches
+    from dynabatch.data.baselines import GROUPING_TOKENS
+    from dynabatch.workload import global_batches
 
     batches = global_batches(HEAVY, limits.family, limits, budget, 40)
     step = max(1, len(batches) // num)  # spread over the file: its tail comes in bursts
-    return [replace(b, step=k) for k, b in enumerate(batches[::step][:num])], replace(_NO_TOKENS, vocab_size=64)
+    return [replace(b, step=k) for k, b in enumerate(batches[::step][:num])], replace(GROUPING_TOKENS, vocab_size=64)
 
 
 CASES = {
@@ -150,7 +151,7 @@ def test_choose_prunes_by_bound_yet_keeps_the_cheapest():
 def test_baseline_candidates_are_the_baselines_own_micro_batches():
     """Each candidate holds exactly the micro-batches its baseline makes at that knob value, dealt to replicas as
     the trainer deals a baseline's; settings with the same micro-batches appear once."""
-    from dynabatch.workload import _NO_TOKENS
+    from dynabatch.data.baselines import GROUPING_TOKENS
 
     rng = np.random.default_rng(3)
     e = rng.integers(4, 400, 120)
@@ -170,7 +171,7 @@ def test_baseline_candidates_are_the_baselines_own_micro_batches():
             return len(e)
 
     for c in cands:
-        groups = make_batcher(c.method, limits, _NO_TOKENS, **options.with_value(c.method, c.value).batcher_options(
+        groups = make_batcher(c.method, limits, GROUPING_TOKENS, **options.with_value(c.method, c.value).batcher_options(
             c.method, limits)).group(Lens())
         sizes = [b * (E + D) for b, E, D in (group_shape(Lens(), g, "t5") for g in groups)]
         dealt = deal_to_replicas(groups, sizes, 2)

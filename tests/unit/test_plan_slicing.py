@@ -316,11 +316,12 @@ def test_planned_chain_fits_the_validators_accounting(stages, recompute):
     recomputed, as they run (they were priced storing everything, so such budgets refused the sample)."""
     from dynabatch.config import TrainConfig
     from dynabatch.cost.stages import balanced_layout, in_flight_buffer_bytes
+    from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_config
     from dynabatch.runtime.trainer import planner_cost_model
 
     config = build_config("gpt2-tiny", vocab_size=384)  # the byt5 tokenizer's vocabulary, as `train` builds it
-    layer_model = AnalyticCostModel.for_run(config, "cpu")
+    layer_model = run_cost_model(config, "cpu")
     multi_slice = 0
     for gib in np.linspace(0.006, 0.02, 57):
         cfg = TrainConfig(model="gpt2-tiny", stages=stages, memory_gib=float(gib), recompute=recompute, slice_long=True)

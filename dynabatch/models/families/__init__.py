@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.core.sequence import CAUSAL, SEQUENCE_KINDS
 
@@ -118,14 +119,12 @@ def family_for_config(config) -> ModelFamily:
 
 def family_for_preset(name: str) -> ModelFamily:
     """The family of a CPU preset name."""
-    from dynabatch.model_presets import build_config
 
     return family_for_config(build_config(name))
 
 
 def layer_builder(model) -> Callable:
     """The profiler layer builder of a preset name, local checkpoint or HF config's family."""
-    from dynabatch.model_presets import load_config
 
     family = family_for_config(load_config(model) if isinstance(model, str) else model)
     if family.profile_layers is None:
@@ -136,6 +135,15 @@ def layer_builder(model) -> Callable:
 def analytic_spec(config, dtype_bytes: int = 2) -> TransformerSpec:
     """The analytic cost model's :class:`TransformerSpec` of a supported HF config."""
     return family_for_config(config).analytic_spec(config, dtype_bytes)
+
+
+def run_cost_model(config, device: str = "cpu", *, dtype: str = "fp32", attention_path: str = "segments",
+                   dropout: bool = False, hardware=None):
+    """The analytic cost model of a training run of the supported HF ``config`` as the runtime executes it
+    (:meth:`AnalyticCostModel.for_run <dynabatch.cost.analytic.AnalyticCostModel.for_run>` of its
+    :func:`analytic_spec`), shared by the trainer's planner and the dataloader."""
+    return AnalyticCostModel.for_run(analytic_spec(config), device, dtype=dtype, attention_path=attention_path,
+                                     dropout=dropout, hardware=hardware)
 
 
 def check_length_limit(config, max_len: int, what: str = "the length limit") -> None:
@@ -169,7 +177,6 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
     The model type must be supported (:func:`family_for_config`); a causal model's per-sample token
     limit ``max_len`` (None: not checked) must fit its positions (:func:`check_length_limit`); token slices need a causal model.
     """
-    from dynabatch.model_presets import load_config
 
     config = load_config(name_or_path)
     family = family_for_config(config)
@@ -185,3 +192,5 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
 
 # Registration: importing a family module registers it.
 from dynabatch.models.families import gpt2, llama, t5  # noqa: E402,F401
+from dynabatch.model_presets import build_config
+from dynabatch.model_presets import load_config

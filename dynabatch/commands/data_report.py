@@ -10,7 +10,6 @@ to L/4 (override with ``--max-target-len``).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +19,7 @@ from dynabatch.commands.common import check_positive, parse_methods
 from dynabatch.config.flags import add_fields
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.inputs import data_notes, data_spec, parse_columns
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
@@ -42,14 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_fields(p, (*option_users(), "max_target_len", "overlong", "bad_rows"), defaults={"max_target_len": None}, helps={
         "max_target_len": "T5 target limit (default: max length / 4)",
         "overlong": "over-long samples in the efficiency table: truncate, drop (both counted) or error"})
-
-
-def default_mixture_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "..", "..", "data", "flan_mini.yaml"), os.path.join(here, "..", "assets", "flan_mini.yaml")):
-        if os.path.exists(candidate):
-            return os.path.normpath(candidate)
-    raise FileNotFoundError("built-in mixture spec flan_mini.yaml not found; pass --mixture")
 
 
 def _spec(args: argparse.Namespace) -> MixtureSpec:
