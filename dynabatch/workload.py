@@ -17,11 +17,12 @@ import json
 import os
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
+from dynabatch.core.sequence import is_seq2seq
+from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, check_method_family, is_planner
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.data.baselines import BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
 from dynabatch.data.batching import LengthLimits, truncate_sample
@@ -175,6 +176,22 @@ def global_batches(
     return batches
 
 
+def kept_limits(limits: LengthLimits, batches) -> LengthLimits:
+    """``limits`` narrowed to the longest sample ``batches`` keep (after truncation): the row length a user who
+    keeps every sample whole gives the fixed-size baselines (TRL's ``max_length`` at least the longest sample).
+    Rows or budgets longer than that only charge the baselines for lengths no sample reaches (a false gain for
+    the planner), so ``plan`` and ``simulate`` size them this way. Decoder-only: one limit on inputs +
+    targets (``max_seq_len``, and ``max_input_len`` with it); T5: the longest input and the longest target."""
+    e = max((int(b.input_lens.max()) for b in batches if len(b)), default=0)
+    d = max((int(b.target_lens.max()) for b in batches if len(b)), default=0)
+    if is_seq2seq(limits.family):
+        return replace(limits, max_input_len=max(2, min(limits.max_input_len, e)),
+                       max_target_len=max(2, min(limits.max_target_len, d)))
+    seq = max((int((b.input_lens + b.target_lens).max()) for b in batches if len(b)), default=0)
+    seq = max(2, min(limits.max_seq_len, seq))
+    return replace(limits, max_seq_len=seq, max_input_len=min(limits.max_input_len, seq))
+
+
 @dataclass(frozen=True)
 class MethodPlan:
     """The micro-batches one method makes of one global batch."""
@@ -229,19 +246,22 @@ def method_micro_batches(
     price=None,
     **planner_options,
 ) -> MethodPlan:
-    """Apply ``method`` to ``batch``. ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel) and runs
+    """Apply ``method`` to ``batch``. ``dynamic`` (and ``dynamic_sliced``, which also needs ``slice_cost_model``)
+    needs ``cost_model`` (a MicroBatchCostModel) and runs
     :func:`~dynabatch.plan.step.plan_step` (token slicing when ``slice_cost_model`` is given), then, with
     ``candidates``, keeps the DP's plan or a baseline's, whichever ``price(StepPlan)`` is lowest
     (:func:`~dynabatch.plan.candidates.best_plan`; default: the step formula under ``cost_model``, per segment)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    COMPARED_METHODS.check(method)
     family = limits.family
+    check_method_family(method, family)
     start = time.perf_counter()
-    if method == "dynamic":
+    if is_planner(method):
         from dynabatch.plan.step import plan_step
 
         if cost_model is None:
-            raise ValueError("method 'dynamic' needs a cost model")
+            raise ValueError(f"method {method!r} needs a cost model")
+        if method == DYNAMIC_SLICED and slice_cost_model is None:
+            raise ValueError(f"method {method!r} needs a slice cost model (slice_cost_model=)")
         from dynabatch.data.pipeline import locate_sample_error
 
         try:
@@ -264,7 +284,9 @@ def method_micro_batches(
         links = step.slice_links(0)
         return MethodPlan(method, groups, shapes, batch.num_tokens, elapsed, times, len(step.sliced_samples), pairs,
                           links, step.contexts(0) if links else None, label)
-    groups = tuple(make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits)).group(batch))
+    batcher = make_batcher(method, limits, _NO_TOKENS, **options.batcher_options(method, limits))
+    batch = batcher.prepare(batch)  # packing_free_split: long samples cut into chunks (the groups index them)
+    groups = tuple(batcher.group(batch))
     elapsed = time.perf_counter() - start
     shapes = np.array([group_shape(batch, g, family) for g in groups], dtype=np.int64).reshape(-1, 3)
     # attention per segment, as the padding-free runtime computes it; a dense-mask baseline (packing) stays dense

@@ -10,7 +10,7 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
-from dynabatch.core.methods import METHODS
+from dynabatch.core.methods import COMPARED_METHODS, check_method_family, is_planner, methods_for
 from dynabatch.workload import MODEL_FAMILIES
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
@@ -46,7 +46,8 @@ class WorkloadArgs:
     preset: str | None = arg(None, "older spelling of an analytic --model preset (with --model a family)")
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
-    methods: str | None = arg(None, f"comma list of {', '.join(METHODS)} (default: all)")
+    methods: str | None = arg(None, f"comma list of {', '.join(COMPARED_METHODS)} (default: all that the model can run; "
+                                    "dynamic_sliced and packing_free_split are decoder-only)")
     json: str | None = json_arg()
 
 
@@ -79,6 +80,15 @@ def parse_methods(text: str | None, valid: tuple[str, ...]) -> list[str]:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(valid)}")
     if not methods:
         raise ValueError(f"--methods needs at least one of {', '.join(valid)}")
+    return methods
+
+
+def compared_methods(text: str | None, family: str, model: str = "") -> list[str]:
+    """``--methods`` of ``plan`` and ``simulate``: names of :data:`COMPARED_METHODS`; by default every one a model of
+    ``family`` can run, and a decoder-only method named for an encoder-decoder model is one clear error."""
+    methods = parse_methods(text, tuple(methods_for(family)) if text is None else COMPARED_METHODS)
+    for m in methods:
+        check_method_family(m, family, model)
     return methods
 
 
@@ -183,6 +193,7 @@ def _planned_micro_batches(w: Workload, batches, method: str):
     from dynabatch.workload import method_micro_batches
 
     cm = w.cost_model
+    method = "dynamic" if is_planner(method) else method  # dynamic_sliced: the split of dynamic's whole samples
     try:
         plans = [method_micro_batches(method, b, w.limits, cm, cm.num_stages, w.options) for b in batches]
     except ValueError:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from dynabatch.commands.common import check_positive, parse_methods
 from dynabatch.config.flags import add_fields
+from dynabatch.core.methods import check_method_family, methods_for
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.inputs import data_notes, data_spec, parse_columns
@@ -131,7 +132,10 @@ def parse_max_lens(text: str) -> list[int]:
 
 def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
     max_lens = parse_max_lens(args.max_lens)
-    methods = parse_methods(args.methods, tuple(BASELINES))
+    methods = parse_methods(args.methods, tuple(methods_for(data.family, tuple(BASELINES))) if args.methods is None
+                            else tuple(BASELINES))
+    for name in methods:  # packing_free_split cuts decoder-only sequences
+        check_method_family(name, data.family)
     options = BaselineOptions.of(args)
     print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.global_batch_tokens} tokens, "
           f"over-long samples: {args.overlong}) ==")

@@ -335,12 +335,13 @@ class DynaBatchDataLoader:
                                  cost_model=self.cost_model, num_replicas=self.num_replicas,
                                  padding_free=self.attention == "segments").plan
             return tuple(tuple(step.to_row_groups(r)) for r in range(self.num_replicas))
-        groups = self._collator.group(batch)
+        groups = self._collator.group(self._collator.prepare(batch))  # packing_free_split: chunks of long samples
         return tuple(tuple(groups[r :: self.num_replicas]) for r in range(self.num_replicas))
 
     def step_batch(self, batch: GlobalBatch) -> StepBatch:
         """Plan ``batch`` and collate this replica's micro-batches."""
         start = time.perf_counter()
+        batch = self._collator.prepare(batch)  # the samples the groups index (a baseline may cut long ones)
         groups = self.plan(batch)[self.replica_index]
         plan_time = time.perf_counter() - start
         micro_batches = tuple(self._collator.collate(batch, g) for g in groups)
