@@ -171,3 +171,39 @@ def test_bench_runs_packing_free_split_on_chunks(tmp_path):
     assert split["real_tokens"] == whole["real_tokens"]
     assert split["computed_tokens"] == split["real_tokens"]  # one row per micro-batch: nothing padded
     assert rows["packing_free_split"]["micro_batches_per_step"] >= 6  # 709 tokens in rows of 128
+
+
+def test_long_tail_file_is_what_its_script_writes_and_has_the_tail():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    from make_long_tail import long_tail_lengths
+
+    from dynabatch.workload import load_lengths
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "data", "long_tail_32k.npz")
+    assert os.path.getsize(path) < 100_000  # KBs, in the repository
+    lengths = load_lengths(path)
+    e, d, task = long_tail_lengths()
+    assert np.array_equal(lengths.input_len, e) and np.array_equal(lengths.target_len, d)
+    assert np.array_equal(lengths.task, task)
+    total = lengths.input_len + lengths.target_len
+    long = (total > 16384).mean()
+    assert 0.001 <= long <= 0.009 and 16384 < total.max() <= 32768  # a few tenths of a percent, 16k-32k
+    assert np.median(total) < 512 and len(np.unique(lengths.task)) > 10  # most samples short; many tasks
+
+
+def test_data_report_shows_a_lengths_files_tail(tail_lengths, capsys):
+    assert main(["data-report", "--lengths", tail_lengths]) == 0
+    table = capsys.readouterr().out
+    assert "p99.9" in table and "max" in table and "over   4096 tokens" in table
+    out = _json(capsys, ["data-report", "--lengths", tail_lengths])
+    with np.load(tail_lengths) as f:
+        inputs, total = f["input_len"], f["input_len"] + f["target_len"]
+    assert out["samples"] == total.size and out["percentiles"]["total"]["max"] == total.max()
+    assert out["percentiles"]["input"]["p99.9"] == pytest.approx(np.percentile(inputs, 99.9))
+    assert out["over"]["4096"]["samples"] == 0 and out["over"]["16384"]["samples"] == 0
+    assert out["percentiles"]["total"]["p50"] < 200
+
+
+def test_data_report_lengths_refuses_a_mixture_too(tail_lengths, capsys):
+    assert main(["data-report", "--lengths", tail_lengths, "--mixture", "data/flan_mini.yaml"]) == 2
+    assert "not both" in capsys.readouterr().err
