@@ -46,6 +46,10 @@ class WorkloadArgs:
     preset: str | None = arg(None, "older spelling of an analytic --model preset (with --model a family)")
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
+    flash_attention: bool = arg(False, "price attention as fused kernels (flash / varlen / flex, what --attention "
+                                       "segments runs on CUDA): no Tq x Tk score tensors kept, the backward "
+                                       "recomputes them; default: eager attention, scores kept (long samples need "
+                                       "this to fit)")
     methods: str | None = arg(None, f"comma list of {', '.join(COMPARED_METHODS)} (default: all that the model can run; "
                                     "dynamic_sliced and packing_free_split are decoder-only)")
     json: str | None = json_arg()
@@ -126,7 +130,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     if preset not in PRESETS:
         raise ValueError(f"--model {preset!r} is neither an analytic preset ({', '.join(sorted(PRESETS))}) nor a family "
                          f"({', '.join(MODEL_FAMILIES)}); plan and simulate price models analytically")
-    model = AnalyticCostModel.from_names(preset, args.hardware)
+    model = AnalyticCostModel.from_names(preset, args.hardware,
+                                         flash_attention=bool(getattr(args, "flash_attention", False)))
     family = model.spec.family
     if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
         raise ValueError(f"preset {preset!r} is a {family} model but --model is {args.model}")
