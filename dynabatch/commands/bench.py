@@ -130,7 +130,7 @@ BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype",
                 "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
-                "plan_costs", "seed")
+                "plan_costs", "seed", "timeout_s")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
 
 
@@ -242,6 +242,7 @@ def _config(args, method: str):
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
         dtype=getattr(args, "dtype", "fp32"), layer_split=getattr(args, "layer_split", "data"),
         split_blocks=getattr(args, "split_blocks", "auto"),
+        timeout_s=getattr(args, "timeout_s", 120.0),  # long micro-batches on a busy CPU: raise it (--timeout-s)
         # a --pack-rows variant measures that row layout: it runs the DP's plans, never a baseline's
         plan_candidates="off" if method in PACK_ROWS_OF else getattr(args, "plan_candidates", "baselines"),
     )

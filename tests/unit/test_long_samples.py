@@ -218,3 +218,18 @@ def test_train_runs_packing_free_split_and_says_it_changes_the_objective(tmp_pat
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         step = json.loads(f.readline())
     assert step["padding_efficiency"] == 1.0  # one row of chunks per micro-batch: nothing padded
+
+
+def test_bench_passes_its_timeout_to_the_runs():
+    """A step of long micro-batches on a busy CPU can outlast the default 120 s peer timeout: --timeout-s raises it."""
+    import argparse
+
+    from dynabatch.commands import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", "gpt2-d256-8k", "--max-input-len", "8192", "--global-batch-tokens", "65536",
+                         "--timeout-s", "1800"])
+    bench.resolve_defaults(args)
+    assert bench._config(args, "packing_free_split").timeout_s == 1800
+    assert bench._config(args, "dynamic_sliced").slice_long
