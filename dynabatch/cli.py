@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
     "bench": ("dynabatch.commands.bench", "measured real-token throughput of every batching method on the same executor"),
     "export": ("dynabatch.runtime.export", "export a training checkpoint to a Hugging Face save_pretrained folder"),
-    "data-report": ("dynabatch.commands.data_report", "per-task length statistics and baseline padding efficiency"),
+    "data-report": ("dynabatch.commands.data_report", "per-task length statistics and baseline padding efficiency, "
+                                                      "or a lengths file's tail (--lengths)"),
     "profile": ("dynabatch.commands.profile", "profile per-layer time and memory on this device"),
     "plan": ("dynabatch.commands.plan", "plan global batches with every method and compare predicted step times"),
     "simulate": ("dynabatch.commands.simulate", "plan, schedule and simulate global batches with every method"),

@@ -67,6 +67,9 @@ PRESETS: dict[str, ModelPreset] = {
     "t5-d256": _t5(256, 4, 4, 1024),
     "gpt2-d256": _gpt2(256, 8, 4, 1024),
     "llama-d256": _llama(256, 8, 4, 2, 688),
+    # gpt2-d256 with a position table of 8,192 (its own stops at 4,096): the long-sample CPU benchmark's GPT at
+    # an 8k-token limit (docs/benchmarks/long_tail/); the same blocks, 1M more embedding parameters.
+    "gpt2-d256-8k": _gpt2(256, 8, 4, 1024, max_positions=8192),
 }
 
 

@@ -17,13 +17,14 @@ import json
 import os
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dynabatch.core.methods import METHODS  # noqa: F401 (re-exported: the dynamic planner, then every baseline)
+from dynabatch.core.sequence import is_seq2seq
+from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner  # noqa: F401 (METHODS re-exported)
 from dynabatch.cost.pairs import AttentionPairs, groups_pairs
-from dynabatch.data.baselines import BaselineOptions, RowGroup, attention_for
+from dynabatch.data.baselines import GROUPING_TOKENS, BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.plan.global_plan import GlobalPlanner
@@ -174,6 +175,22 @@ def global_batches(
     return batches
 
 
+def kept_limits(limits: LengthLimits, batches) -> LengthLimits:
+    """``limits`` narrowed to the longest sample ``batches`` keep (after truncation): the row length a user who
+    keeps every sample whole gives the fixed-size baselines (TRL's ``max_length`` at least the longest sample).
+    Rows or budgets longer than that only charge the baselines for lengths no sample reaches (a false gain for
+    the planner), so ``plan`` and ``simulate`` size them this way. Decoder-only: one limit on inputs +
+    targets (``max_seq_len``, and ``max_input_len`` with it); T5: the longest input and the longest target."""
+    e = max((int(b.input_lens.max()) for b in batches if len(b)), default=0)
+    d = max((int(b.target_lens.max()) for b in batches if len(b)), default=0)
+    if is_seq2seq(limits.family):
+        return replace(limits, max_input_len=max(2, min(limits.max_input_len, e)),
+                       max_target_len=max(2, min(limits.max_target_len, d)))
+    seq = max((int((b.input_lens + b.target_lens).max()) for b in batches if len(b)), default=0)
+    seq = max(2, min(limits.max_seq_len, seq))
+    return replace(limits, max_seq_len=seq, max_input_len=min(limits.max_input_len, seq))
+
+
 @dataclass(frozen=True)
 class MethodPlan:
     """The micro-batches one method makes of one global batch."""
@@ -232,21 +249,32 @@ def method_micro_batches(
     **planner_options,
 ) -> MethodPlan:
     """Apply ``method`` to ``batch`` through the one planning path (:class:`~dynabatch.plan.global_plan.GlobalPlanner`,
-    the one ``train`` and the DataLoader use): ``dynamic`` needs ``cost_model`` (a MicroBatchCostModel) and runs
+    the one ``train`` and the DataLoader use): ``dynamic`` (and ``dynamic_sliced``, which also needs
+    ``slice_cost_model``) needs ``cost_model`` (a MicroBatchCostModel) and runs
     :func:`~dynabatch.plan.step.plan_step` (token slicing when ``slice_cost_model`` is given), then, with
     ``candidates``, keeps the DP's plan or a baseline's, whichever ``price(StepPlan)`` is lowest (default: the step
     formula under ``cost_model``, per segment); a baseline's micro-batches are dealt to ``num_replicas`` replicas
-    as ``train`` deals them. The returned plan describes replica 0 (:attr:`MethodPlan.replica_groups`: all)."""
-    planner = GlobalPlanner(method, limits, num_stages, num_replicas, cost_model, options,
-                            planner_options=planner_options, slice_cost_model=slice_cost_model, candidates=candidates)
+    as ``train`` deals them (``packing_free_split`` first cuts long samples into chunks, which its groups index).
+    The returned plan describes replica 0 (:attr:`MethodPlan.replica_groups`: all)."""
+    COMPARED_METHODS.check(method)
+    family = limits.family
+    check_method_family(method, family)
+    if method == DYNAMIC_SLICED and slice_cost_model is None:
+        raise ValueError(f"method {method!r} needs a slice cost model (slice_cost_model=)")
+    if not is_planner(method):  # packing_free_split: long samples cut into chunks (the groups index them)
+        batch = make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits)).prepare(batch)
+    planner = GlobalPlanner("dynamic" if is_planner(method) else method, limits, num_stages, num_replicas,
+                            cost_model, options, planner_options=planner_options,
+                            slice_cost_model=slice_cost_model,
+                            candidates=candidates)
     start = time.perf_counter()
     chosen = planner.plan(batch, price=price)
     elapsed = time.perf_counter() - start
-    step, family = chosen.plan, limits.family
+    step = chosen.plan
     replica_groups = tuple(tuple(chosen.row_groups(r)) for r in range(chosen.num_replicas))
     groups, pieces = replica_groups[0], step.replicas[0]
     shapes = np.array([p.shape for p in pieces], dtype=np.int64).reshape(-1, 3)
-    if method == "dynamic":
+    if is_planner(method):
         times = np.array([p.time_s for p in pieces])
         pairs = micro_batch_pairs(batch, groups, family, [p.shape if p.is_slice else None for p in pieces])
         links = step.slice_links(0)

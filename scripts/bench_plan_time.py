@@ -47,7 +47,7 @@ def line(name: str, s: dict) -> str:
 def plan_command(a: argparse.Namespace) -> dict:
     """Per-batch CPU time of ``dynabatch plan``'s dynamic method, with its two parts."""
     from dynabatch.commands.common import add_workload_arguments, resolve
-    from dynabatch.plan.candidates import best_plan
+    from dynabatch.plan.global_plan import GlobalPlanner
     from dynabatch.plan.step import plan_step
     from dynabatch.workload import global_batches, method_micro_batches
 
@@ -59,6 +59,7 @@ def plan_command(a: argparse.Namespace) -> dict:
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     stages = w.cost_model.num_stages
+    candidates = GlobalPlanner("dynamic", w.limits, stages, 1, w.cost_model, w.options)  # the DP's plan against the baselines'
     parts: dict[str, list[float]] = {"plan_step": [], "candidates": []}
     total = []
     method_micro_batches("dynamic", batches[0], w.limits, w.cost_model, stages, w.options, pack_rows=a.pack_rows)  # warm
@@ -73,7 +74,7 @@ def plan_command(a: argparse.Namespace) -> dict:
                              pack_rows=a.pack_rows)
             parts["plan_step"].append(time.process_time() - t0)
             t0 = time.process_time()
-            best_plan(plan, batch.input_lens, batch.target_lens, w.limits, cost_model=w.cost_model, options=w.options)
+            candidates.plan(batch, dp=lambda: plan)
             parts["candidates"].append(time.process_time() - t0)
     samples = [len(b) for b in batches]
     out = {"mode": "plan", "model": a.model, "lengths": a.lengths, "pack_rows": a.pack_rows,

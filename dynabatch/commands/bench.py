@@ -82,6 +82,7 @@ from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
+from dynabatch.core.methods import CAUSAL_ONLY, DYNAMIC_SLICED, check_method_family
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
@@ -91,7 +92,7 @@ from dynabatch.data.inputs import load_data
 from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key
 
 BASELINES = tuple(BASELINE_SPECS)
-SLICED = "dynamic_sliced"
+SLICED = DYNAMIC_SLICED
 PROFILED = "dynamic_profiled"
 """``--compare-profile FILE``: dynamic planned with a `dynabatch profile` table and no calibration, next to the
 calibrated methods (the online calibration's acceptance comparison)."""
@@ -135,7 +136,7 @@ BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype",
                 "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
                 "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
-                "plan_costs", "seed")
+                "plan_costs", "seed", "timeout_s")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
 
 
@@ -173,8 +174,10 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     lower_args(args)
     args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.methods is None:
-        sliced = not is_seq2seq(_family(args.model)) and not args.cost_profile  # slices are priced analytically
-        args.methods = ",".join(m for m in DEFAULT_METHODS if m != SLICED or sliced)
+        seq2seq = is_seq2seq(_family(args.model))
+        sliced = not seq2seq and not args.cost_profile  # slices are priced analytically
+        args.methods = ",".join(m for m in DEFAULT_METHODS
+                                if (m != SLICED or sliced) and not (seq2seq and m in CAUSAL_ONLY))
     if args.max_target_len is None:
         args.max_target_len = max(1, args.max_input_len // 4)
 
@@ -195,9 +198,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--columns maps the columns of --data; pass --data FILE")
     if args.compare_profile and PROFILED not in methods:
         methods.append(PROFILED)
-    if SLICED in methods and is_seq2seq(_family(args.model)):
-        raise ValueError(f"{SLICED} cuts decoder-only samples into token slices; {args.model} is not a decoder-only model "
-                         f"(drop {SLICED} from --methods)")
+    family = _family(args.model)
+    for m in methods:  # dynamic_sliced, packing_free_split: decoder-only
+        check_method_family(m.split("@")[0], family, args.model)
     if args.timed_steps < 1 or args.untimed_steps < 0 or args.stages < 1 or args.tune_steps < 1:
         raise ValueError(f"need timed-steps >= 1, untimed-steps >= 0, stages >= 1, tune-steps >= 1; got {args.timed_steps}, {args.untimed_steps}, "
                          f"{args.stages}, {args.tune_steps}")
@@ -247,6 +250,7 @@ def _config(args, method: str):
         recompute="none" if method == NORECOMPUTE else getattr(args, "recompute", "auto"),
         dtype=getattr(args, "dtype", "fp32"), layer_split=getattr(args, "layer_split", "data"),
         split_blocks=getattr(args, "split_blocks", "auto"),
+        timeout_s=getattr(args, "timeout_s", 120.0),  # long micro-batches on a busy CPU: raise it (--timeout-s)
         # a --pack-rows variant measures that row layout: it runs the DP's plans, never a baseline's
         plan_candidates="off" if method in PACK_ROWS_OF else getattr(args, "plan_candidates", "baselines"),
     )

@@ -69,11 +69,14 @@ def print_table(result: dict) -> None:
         paired = r.get("paired_ratio_to_best_baseline")
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
         vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
-        print(f"{m:<{w}} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
+        print(f"{m + ('*' if r.get('changes_objective') else ''):<{w}} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
               f"{r['padding_efficiency']:>7.3f} {_num(r['bubble_fraction_predicted'], 6, 3)} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
               f"{r['step_time_s']['median']:>7.3f} {_num(r['predicted_step_s_median'], 7, 3)} {_num(peak, 8, 1)} "
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
               f"{vs_pipe:>7}")
+    for m, r in result["methods"].items():
+        if r.get("changes_objective"):
+            print(f"* {m} {r['changes_objective']}")
     off_grid = [m for m, r in result["methods"].items() if r.get("priced_off_grid")]
     if off_grid:
         print(f"n/a: {', '.join(off_grid)} ran micro-batches beyond the cost profile's grid, which it cannot price")

@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 
 from dynabatch.commands.bench_report import PEER
+from dynabatch.core.methods import objective_note
 from dynabatch.data.baselines import BASELINES
 from dynabatch.plan.ideal import balanced_efficiency, ideal_work, planned_work
 from dynabatch.schedule.step import compute_schedule
@@ -209,7 +210,10 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
         _drop_off_grid_prices(rows[m], timed)
         if runs[m].peer_steps is not None:  # the fixed (rows, E, D) the peer ran
             rows[m]["fixed_shapes"] = sorted({tuple(step[1]) for step in runs[m].peer_steps})
-    baselines = [m for m in methods if m in BASELINES]
+    for m in methods:  # packing_free_split trains another objective: reported, never the best baseline
+        if objective_note(m):
+            rows[m]["changes_objective"] = objective_note(m)
+    baselines = [m for m in methods if m in BASELINES and not objective_note(m)]
     best = max(baselines, key=lambda m: rows[m]["tokens_per_s"]) if baselines else None
     for m in methods:
         for key, ref in (("best_baseline", best), ("pipelining", PEER if PEER in methods else None)):

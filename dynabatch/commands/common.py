@@ -11,7 +11,7 @@ from dynabatch.config.resolve import lower_args
 from dynabatch.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
-from dynabatch.core.methods import METHODS
+from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
 from dynabatch.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout
@@ -50,7 +50,12 @@ class WorkloadArgs:
     preset: str | None = arg(None, "older spelling of an analytic --model preset (with --model a family)")
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
-    methods: str | None = arg(None, f"comma list of {', '.join(METHODS)} (default: all)")
+    flash_attention: bool = arg(False, "price attention as fused kernels (flash / varlen / flex, what --attention "
+                                       "segments runs on CUDA): no Tq x Tk score tensors kept, the backward "
+                                       "recomputes them; default: eager attention, scores kept (long samples need "
+                                       "this to fit)")
+    methods: str | None = arg(None, f"comma list of {', '.join(COMPARED_METHODS)} (default: all that the model can run; "
+                                    "dynamic_sliced and packing_free_split are decoder-only)")
     json: str | None = json_arg()
 
 
@@ -86,6 +91,15 @@ def parse_methods(text: str | None, valid: tuple[str, ...]) -> list[str]:
     return methods
 
 
+def compared_methods(text: str | None, family: str, model: str = "") -> list[str]:
+    """``--methods`` of ``plan`` and ``simulate``: names of :data:`COMPARED_METHODS`; by default every one a model of
+    ``family`` can run, and a decoder-only method named for an encoder-decoder model is one clear error."""
+    methods = parse_methods(text, tuple(methods_for(family)) if text is None else COMPARED_METHODS)
+    for m in methods:
+        check_method_family(m, family, model)
+    return methods
+
+
 def check_positive(args: argparse.Namespace, *names: str) -> None:
     """``ValueError`` naming the first ``--flag`` among ``names`` (attribute names) whose value is set and < 1."""
     for name in names:
@@ -118,7 +132,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     if preset not in PRESETS:
         raise ValueError(f"--model {preset!r} is neither an analytic preset ({', '.join(sorted(PRESETS))}) nor a family "
                          f"({', '.join(MODEL_FAMILIES)}); plan and simulate price models analytically")
-    model = AnalyticCostModel.from_names(preset, args.hardware)
+    model = AnalyticCostModel.from_names(preset, args.hardware,
+                                         flash_attention=bool(getattr(args, "flash_attention", False)))
     family = model.spec.family
     if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
         raise ValueError(f"preset {preset!r} is a {family} model but --model is {args.model}")
@@ -183,6 +198,7 @@ def _planned_micro_batches(w: Workload, batches, method: str):
     plan them (the reference shape then decides the split)."""
 
     cm = w.cost_model
+    method = "dynamic" if is_planner(method) else method  # dynamic_sliced: the split of dynamic's whole samples
     try:
         plans = [method_micro_batches(method, b, w.limits, cm, cm.num_stages, w.options) for b in batches]
     except ValueError:

@@ -1,22 +1,28 @@
-"""``dynabatch data-report``: what a mixture looks like and what each baseline would waste.
+"""``dynabatch data-report``: what a mixture or a lengths file looks like, and what each baseline would waste.
 
-Prints, per task (each row's ``task``, as training sees it: a ``--data`` file with a ``task`` column reports
-every task in it), the example count, mixing rate, input/target length percentiles and a length histogram,
-then the padding efficiency (real / computed tokens) of every baseline batcher on a few global batches at
-several maximum lengths. For T5 a max length L limits inputs to L and targets
-to L/4 (override with ``--max-target-len``).
+A mixture spec or ``--data`` file: per task (each row's ``task``, as training sees it: a ``--data`` file with a
+``task`` column reports every task in it), the example count, mixing rate, input/target length percentiles and a
+length histogram, then the padding efficiency (real / computed tokens) of every baseline batcher on a few global
+batches at several maximum lengths. For T5 a max length L limits inputs to L and targets to L/4 (override with
+``--max-target-len``).
+
+A lengths file (``--lengths``, ``.npz``/``.jsonl`` as ``plan`` and ``simulate`` read them): its tail, the numbers
+that decide how long samples must be handled (keep whole, slice, split or truncate;
+``docs/user_guide/long_samples.md``): percentiles up to p99.9 and the maximum of the input, target and total
+(inputs + targets) lengths, and how many samples, and what share of the tokens, lie over 4k, 8k and 16k tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from tqdm import tqdm
 
-from dynabatch.commands.common import check_positive, parse_methods
+from dynabatch.commands.common import check_positive, parse_methods, write_json
 from dynabatch.config.flags import add_fields
+from dynabatch.core.methods import check_method_family, methods_for
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.builtin import default_mixture_path
@@ -25,6 +31,50 @@ from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
+from dynabatch.workload import Lengths, load_lengths
+
+TAIL_PERCENTILES = (50, 90, 99, 99.9)
+TAIL_THRESHOLDS = (4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class LengthsTail:
+    """The tail of a lengths file."""
+
+    samples: int
+    tasks: int
+    tokens: int
+    percentiles: dict
+    """``{"input"|"target"|"total": {"p50": .., "p90": .., "p99": .., "p99.9": .., "max": .., "mean": ..}}``."""
+    over: dict
+    """``{threshold: {"samples": n, "share": n / samples, "token_share": their tokens / all tokens}}``, by the
+    total length (inputs + targets, a decoder-only model's sequence)."""
+
+
+def lengths_tail(lengths: Lengths) -> LengthsTail:
+    """Percentiles (up to p99.9), maximum and over-threshold counts of ``lengths``."""
+    columns = {"input": lengths.input_len, "target": lengths.target_len,
+               "total": lengths.input_len + lengths.target_len}
+    pct = {name: {**{f"p{p:g}": float(np.percentile(x, p)) for p in TAIL_PERCENTILES},
+                  "max": int(x.max()), "mean": float(x.mean())} for name, x in columns.items()}
+    total = columns["total"]
+    tokens = int(total.sum())
+    over = {t: {"samples": int((total > t).sum()), "share": float((total > t).mean()),
+                "token_share": float(total[total > t].sum() / tokens)} for t in TAIL_THRESHOLDS}
+    tasks = len(np.unique(lengths.task)) if lengths.task is not None else 1
+    return LengthsTail(len(total), tasks, tokens, pct, over)
+
+
+def print_tail(path: str, tail: LengthsTail) -> None:
+    print(f"== lengths file {path}: {tail.samples} samples, {tail.tasks} tasks, {tail.tokens} tokens ==")
+    names = [*(f"p{p:g}" for p in TAIL_PERCENTILES), "max", "mean"]
+    print(f"{'':<8}" + "".join(f"{n:>9}" for n in names))
+    for column, row in tail.percentiles.items():
+        print(f"{column:<8}" + "".join(f"{row[n]:>9.0f}" for n in names))
+    for t, o in tail.over.items():
+        print(f"total over {t:>6} tokens: {o['samples']:>6} samples ({100 * o['share']:.2f}%), "
+              f"{100 * o['token_share']:.1f}% of the tokens")
+
 
 PERCENTILES = (50, 90, 95, 99)
 HIST_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -42,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_fields(p, (*option_users(), "max_target_len", "overlong", "bad_rows"), defaults={"max_target_len": None}, helps={
         "max_target_len": "T5 target limit (default: max length / 4)",
         "overlong": "over-long samples in the efficiency table: truncate, drop (both counted) or error"})
+    p.add_argument("--lengths", default=None, help="a lengths file (.npz with input_len, target_len[, task], or "
+                                                   ".jsonl): report its tail (percentiles up to p99.9, max, samples "
+                                                   "over 4k/8k/16k tokens) instead of a mixture's tables")
+    p.add_argument("--json", default=None, nargs="?", const="-", metavar="PATH",
+                   help="with --lengths: write the tail as JSON to PATH, or to stdout instead of the table")
 
 
 def _spec(args: argparse.Namespace) -> MixtureSpec:
@@ -119,7 +174,10 @@ def parse_max_lens(text: str) -> list[int]:
 
 def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
     max_lens = parse_max_lens(args.max_lens)
-    methods = parse_methods(args.methods, tuple(BASELINES))
+    methods = parse_methods(args.methods, tuple(methods_for(data.family, tuple(BASELINES))) if args.methods is None
+                            else tuple(BASELINES))
+    for name in methods:  # packing_free_split cuts decoder-only sequences
+        check_method_family(name, data.family)
     options = BaselineOptions.of(args)
     print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.global_batch_tokens} tokens, "
           f"over-long samples: {args.overlong}) ==")
@@ -141,6 +199,10 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lengths is not None:
+        return run_lengths(args)
+    if args.json:
+        raise ValueError("--json goes with --lengths (the mixture report is a table)")
     check_positive(args, "global_batch_tokens", "num_batches", *option_users())
     parse_max_lens(args.max_lens)
     parse_methods(args.methods, tuple(BASELINES))
@@ -153,4 +215,16 @@ def run(args: argparse.Namespace) -> int:
         data = MixtureData.load(spec, tokenizer, family, bad_rows=args.bad_rows)
         print_task_table(data)
         print_efficiency(data, args)
+    return 0
+
+
+def run_lengths(args: argparse.Namespace) -> int:
+    """``--lengths FILE``: the file's tail as a table, or as JSON with ``--json``."""
+    if args.mixture or args.data:
+        raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
+    tail = lengths_tail(load_lengths(args.lengths))
+    if args.json:
+        if write_json({"lengths": args.lengths, **asdict(tail)}, args.json):
+            return 0
+    print_tail(args.lengths, tail)
     return 0

@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, parse_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, resolve
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.config.sections import arg
@@ -49,8 +49,8 @@ from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on, with_pairs
 from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.core.methods import METHODS
-from dynabatch.workload import global_batches, method_micro_batches
+from dynabatch.core.methods import DYNAMIC_SLICED, METHODS, is_planner, objective_note
+from dynabatch.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.cost.recompute import policy_for
 from dynabatch.schedule.policies import adaptive, choose_schedule
 from dynabatch.schedule.simulate import with_message_buffers
@@ -182,11 +182,13 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, "in_flight", "max_samples")
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
-    methods = parse_methods(args.methods, METHODS)
     w = simulation_workload(resolve(args))
+    methods = compared_methods(args.methods, w.family, args.model)
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long cuts decoder-only samples into token slices; drop it, or use --model gpt")
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
+    # rows and budgets of the baselines as long as the longest kept sample, not the (maybe far longer) limit
+    w = dataclasses.replace(w, limits=kept_limits(w.limits, batches))
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
@@ -213,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tune_baselines:
         from dynabatch.commands.tuning import tune_simulated
 
-        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m]) for m in methods if m != "dynamic"}
+        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m]) for m in methods if not is_planner(m)}
     summary = _summary(args, w, batches, rows, tuned)
     if args.json and write_json(summary, args.json):
         return 0
@@ -242,8 +244,10 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
     """Plan, schedule and simulate every global batch with one method (``w``: a resolved Workload). With
     ``placed`` (a :class:`Placed`), the plans are priced per chunk and list-scheduled on its placement."""
 
+    if method == DYNAMIC_SLICED:  # the planner with token slices: --slice-long for this method
+        options = dataclasses.replace(options, slice_long=True)
     w = dataclasses.replace(w, cost_model=dataclasses.replace(
-        w.cost_model, recompute=policy_for(method, w.cost_model.recompute)))
+        w.cost_model, recompute=policy_for("dynamic" if is_planner(method) else method, w.cost_model.recompute)))
     cm = w.cost_model
     ideal_model = dataclasses.replace(cm, recompute="none")  # the ideal never recomputes
     real = computed = micro = sliced = 0
@@ -302,7 +306,7 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
 
     cm = w.cost_model
     limit = cm.device_memory_bytes * (1 - cm.memory_margin)
-    variants = [None] if method != "dynamic" else list(dict.fromkeys(
+    variants = [None] if not is_planner(method) else list(dict.fromkeys(
         cm.num_stages if v is None else min(v, cm.num_stages) for v in options.objective_stages))
     # auto recomputation is judged like the objective: the plan without recomputation (when it can be made) is
     # a variant too, so the kept step is never slower than --recompute none's (the DP's objective is not the
@@ -354,7 +358,7 @@ class Placed:
         """``(plan, result, plan wall s, schedule wall s)`` of one global batch."""
 
         cm, stages = self.cost_model, w.cost_model.num_stages
-        variants = [stages] if method != "dynamic" else list(dict.fromkeys(
+        variants = [stages] if not is_planner(method) else list(dict.fromkeys(
             stages if v is None else min(v, stages) for v in options.objective_stages))
         best, plan_s, sched_s = None, 0.0, 0.0
         for objective_stages in variants:  # as simulate_step: the shortest simulated step that fits is kept
@@ -375,7 +379,7 @@ class Placed:
 def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int | None):
 
     stages = w.cost_model.num_stages
-    if method != "dynamic":
+    if not is_planner(method):
         return method_micro_batches(method, batch, w.limits, w.cost_model, stages, w.options)
     in_flight = stages if options.in_flight is None else options.in_flight
     view = SingleSampleRelief(w.cost_model, in_flight)
@@ -454,14 +458,18 @@ def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
 
 def _summary(args, w, batches, rows, tuned=None) -> dict:
 
-    baselines = {k: v for k, v in rows.items() if k != "dynamic"}
+    # the whole-sample baselines: packing_free_split trains another objective and is reported beside them
+    baselines = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     fitting = {k: v for k, v in baselines.items() if v.fits_memory} or baselines
     best = max(fitting.values(), key=lambda r: r.tokens_per_s) if baselines else None
-    dynamic = rows["dynamic"].tokens_per_s if "dynamic" in rows else None
+    planners = {k: v for k, v in rows.items() if is_planner(k)}
+    planner = max(planners, key=lambda k: planners[k].tokens_per_s) if planners else None  # dynamic or dynamic_sliced
+    dynamic = planners[planner].tokens_per_s if planner else None
     out = {
         "workload": w.path,
         "model": args.model,
         "layout": w.cost_model.layout.describe(),
+        "row_limits": w.limits.describe(),
         "layer_split": args.layer_split,
         "placement": args.placement,
         "stages": w.cost_model.num_stages,
@@ -470,13 +478,16 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
         "model_states": model_states(w.cost_model),
-        "methods": {k: asdict(v) for k, v in rows.items()},
+        "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
+                    for k, v in rows.items()},
         "best_baseline": best.method if best else None,
+        "dynamic_method": planner,
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
     if tuned:
         top = best_tuned(tuned)
-        out["tuned"] = {m: t.to_dict() for m, t in tuned.items()}
+        out["tuned"] = {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
+                        for m, t in tuned.items()}
         out["best_tuned_baseline"] = top
         out["dynamic_throughput_vs_best_tuned_baseline"] = (dynamic / tuned[top].tokens_per_s
                                                             if top and dynamic else None)
@@ -486,15 +497,16 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
 def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
           f"({summary['truncated']} truncated), "
-          f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device")
+          f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device; "
+          f"baseline rows up to the longest kept sample ({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
-    print(f"{'method':<15} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
+    print(f"{'method':<19} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
           f"{'step s':>7} "
           f"{'peak GiB':>8} {'fits':>4} "
           f"{'mbs':>5} {'sched ms p50/max':>16}  stage busy  policies")
     for r in rows.values():
         pol = ",".join(f"{k}:{v}" for k, v in sorted(r.policies.items()))
-        print(f"{r.method:<15} {r.tokens_per_s:>9.0f} {r.padding_efficiency:>7.3f} {r.efficiency:>6.3f} "
+        print(f"{r.method + ('*' if objective_note(r.method) else ''):<19} {r.tokens_per_s:>9.0f} {r.padding_efficiency:>7.3f} {r.efficiency:>6.3f} "
               f"{r.efficiency_amortised:>6.3f} {r.efficiency_balanced:>7.3f} "
               f"{r.bubble_fraction:>6.3f} {r.step_s:>7.3f} {r.peak_memory_gib:>8.1f} "
               f"{'yes' if r.fits_memory else 'NO':>4} "
@@ -503,15 +515,19 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     for r in rows.values():
         if r.layout != summary["layout"]:
             print(f"  {r.method} layer split (balanced over its micro-batches): {r.layout}")
+    for r in rows.values():
+        if objective_note(r.method):
+            print(f"* {r.method} {objective_note(r.method)}")
     if summary["dynamic_throughput_vs_best_baseline"] is not None:
-        print(f"dynamic vs best baseline ({summary['best_baseline']}), real tokens/s: "
+        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; whole-sample baselines), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
     if tuned:
         from dynabatch.commands.tuning import describe
 
         print("tuned baselines (best knob value that fits memory, simulated tokens/s):")
         for m, t in tuned.items():
-            print("  " + describe(m, t.to_dict(), rows[m].tokens_per_s))
+            print("  " + describe(m, t.to_dict(), rows[m].tokens_per_s) + (" *" if objective_note(m) else ""))
         if summary["dynamic_throughput_vs_best_tuned_baseline"] is not None:
-            print(f"dynamic vs best tuned baseline ({summary['best_tuned_baseline']}), real tokens/s: "
+            print(f"{summary['dynamic_method']} vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), "
+                  "real tokens/s: "
                   f"{summary['dynamic_throughput_vs_best_tuned_baseline']:.2f}x")

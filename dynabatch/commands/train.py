@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from dynabatch.config.flags import add_config_arguments, config_from_args, given_flags
+from dynabatch.core.methods import objective_note
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,5 +33,7 @@ def run(args: argparse.Namespace) -> int:
         from dynabatch.runtime.launch import launch_local
 
         return launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
+    if objective_note(cfg.method) and os.environ.get("RANK", "0") == "0":  # packing_free_split: say so, once
+        print(f"note: {cfg.method} {objective_note(cfg.method)}", file=sys.stderr, flush=True)
     train(cfg)
     return 0

@@ -162,7 +162,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
 
 _AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",
                  "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
-                 "packing_free_rows", "max_micro_batch_samples", "save_total_limit", "max_bad_steps",
+                 "packing_free_rows", "packing_free_split_tokens", "max_micro_batch_samples", "save_total_limit", "max_bad_steps",
                  "generation_max_new_tokens")
 _NON_NEGATIVE = ("seed", "warmup_steps", "save_steps", "logging_steps", "task_loss_every", "weight_decay",
                  "eval_steps", "generate_every")

@@ -127,6 +127,8 @@ class BatchingArgs:
     token_budget_tokens: int = experimental(BaselineOptions.token_budget_tokens, option_help("token_budget_tokens"))
     packing_rows: int = experimental(BaselineOptions.packing_rows, option_help("packing_rows"))
     packing_free_rows: int = experimental(BaselineOptions.packing_free_rows, option_help("packing_free_rows"))
+    packing_free_split_tokens: int = experimental(BaselineOptions.packing_free_split_tokens,
+                                                  option_help("packing_free_split_tokens"))
     max_micro_batch_samples: int = experimental(64, "dynamic: samples per planned micro-batch at most")
     pack_rows: Literal[(*PACK_ROWS, SEARCHES["pack_rows"])] = experimental(
         "device", "dynamic: auto = also plan with several short samples per row (padding-free pricing) and keep the "

@@ -17,6 +17,10 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
   padding_free=True)``): the same best-fit-decreasing rows, but not padded to the row length
   (a micro-batch is padded only to its longest row; padding-free attention kernels skip the rest)
   and attention never crosses a sample (per-segment / varlen attention).
+- ``packing_free_split``: TRL's ``packing_strategy="bfd_split"`` (decoder-only): rows of a tuned length,
+  a sample longer than a row split into row-length chunks, each chunk its own sequence (positions restart,
+  no attention to the chunks before it). It CHANGES THE OBJECTIVE: later chunks train without their
+  context, so its loss is not comparable with the whole-sample methods' (tables say so).
 
 :data:`BASELINES` holds each method's batcher and knob, keyed by the names that
 :data:`dynabatch.core.methods.BASELINE_METHODS` registers: every command's method list, its knob flags
@@ -27,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, ClassVar
 
-from dynabatch.core.methods import (BASELINE_METHODS, LENGTH_GROUPED, PACKING, PACKING_FREE, PADDING,
-                                    TOKEN_BUDGET)
+from dynabatch.core.methods import (BASELINE_METHODS, LENGTH_GROUPED, PACKING, PACKING_FREE, PACKING_FREE_SPLIT,
+                                    PADDING, TOKEN_BUDGET, check_method_family)
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
@@ -80,7 +84,14 @@ class Batcher:
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
         raise NotImplementedError
 
+    def prepare(self, batch: GlobalBatch) -> GlobalBatch:
+        """The global batch this batcher groups: ``batch`` itself, except for a batcher that changes the samples
+        (``packing_free_split`` cuts long ones into chunks). :meth:`group` indices refer to it; callers that
+        group a batch of real samples call this first (it is idempotent)."""
+        return batch
+
     def __call__(self, batch: GlobalBatch) -> list[MicroBatch]:
+        batch = self.prepare(batch)
         return [self.collate(batch, g) for g in self.group(batch)]
 
     def collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
@@ -94,6 +105,7 @@ class Batcher:
 
     def stats(self, batch: GlobalBatch) -> BatchStats:
         """Real and computed tokens of this batching, from lengths alone."""
+        batch = self.prepare(batch)
         groups = self.group(batch)
         computed = 0
         for g in groups:
@@ -248,6 +260,64 @@ class PackingFree(Packing):
 
 
 @dataclass(frozen=True)
+class PackingFreeSplit(PackingFree):
+    """TRL's ``packing_strategy="bfd_split"`` with ``padding_free=True`` (decoder-only models).
+
+    Rows of ``row_tokens`` tokens (TRL's ``max_length``, here the knob), one row per micro-batch (with
+    ``padding_free`` a device's ``per_device_train_batch_size`` rows are flattened into one sequence, so a
+    row of ``B x max_length`` tokens is the same micro-batch). A sample longer than a row is split into
+    row-length chunks (:func:`split_long_samples`), each its own sequence: positions restart and a chunk does
+    not attend to the chunks before it. This CHANGES THE OBJECTIVE (later chunks are trained without their
+    context; its loss is not comparable with a whole-sample method's); it is reported beside the
+    whole-sample baselines, never as one of them. :meth:`prepare` cuts the batch; :meth:`group` then packs
+    the chunks best-fit-decreasing like ``packing_free``.
+    """
+
+    row_tokens: int = 4096
+    """Tokens per row (= per micro-batch): the split length."""
+    rows_per_micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        check_method_family(PACKING_FREE_SPLIT, self.family)
+        if self.row_tokens < 2:
+            raise ValueError(f"packing_free_split row_tokens must be >= 2, got {self.row_tokens}")
+
+    def prepare(self, batch: GlobalBatch) -> GlobalBatch:
+        return split_long_samples(batch, self.row_tokens)
+
+    def group(self, batch: GlobalBatch) -> list[RowGroup]:
+        longest = int((batch.input_lens + batch.target_lens).max()) if len(batch) else 0
+        if longest > self.row_tokens:
+            raise ValueError(f"packing_free_split: a sample of {longest} tokens is longer than a row "
+                             f"({self.row_tokens}); split the batch first (Batcher.prepare)")
+        rows = pack_rows(batch, replace(self.limits, max_seq_len=self.row_tokens), self._sort_key(batch))
+        n = self.rows_per_micro_batch
+        return [RowGroup(rows=tuple(tuple(r) for r in rows[k : k + n])) for k in range(0, len(rows), n)]
+
+
+def split_long_samples(batch: GlobalBatch, length: int) -> GlobalBatch:
+    """``batch`` with every decoder-only sample longer than ``length`` tokens (inputs + targets) cut into
+    consecutive chunks of ``length`` tokens (the last one shorter), each chunk a sample of its own: its tokens
+    that were inputs stay inputs and those that were targets stay targets (a chunk inside the inputs has no
+    target tokens). Token counts are unchanged; samples that fit stay as they are, in place; a batch with
+    nothing to cut is returned as is."""
+    if not len(batch) or int((batch.input_lens + batch.target_lens).max()) <= length:
+        return batch
+    samples = []
+    for s in batch.samples:
+        n = s.num_tokens
+        if n <= length:
+            samples.append(s)
+            continue
+        e = s.input_len
+        for lo in range(0, n, length):
+            hi = min(lo + length, n)
+            samples.append(replace(s, input_ids=s.input_ids[min(lo, e):min(hi, e)],
+                                   target_ids=s.target_ids[max(lo - e, 0):max(hi - e, 0)]))
+    return replace(batch, samples=tuple(samples))
+
+
+@dataclass(frozen=True)
 class BaselineSpec:
     """One baseline method: its batcher and the micro-batch size knob a user tunes."""
 
@@ -276,6 +346,7 @@ class BaselineSpec:
 _SIZES = (1, 2, 4, 8, 16, 32)
 _ROWS = (1, 2, 4, 8, 16)
 _TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_SPLIT_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 BASELINES: dict[str, BaselineSpec] = {s.name: s for s in (
     BaselineSpec(PADDING, Padding, "samples_per_micro_batch", "samples_per_micro_batch", _SIZES,
@@ -289,6 +360,9 @@ BASELINES: dict[str, BaselineSpec] = {s.name: s for s in (
                  plan_candidate=False),
     BaselineSpec(PACKING_FREE, PackingFree, "rows_per_micro_batch", "packing_free_rows", _ROWS,
                  "rows per micro-batch (TRL's per_device_train_batch_size with padding_free)"),
+    BaselineSpec(PACKING_FREE_SPLIT, PackingFreeSplit, "row_tokens", "packing_free_split_tokens", _SPLIT_TOKENS,
+                 "tokens per row and micro-batch; longer samples are split into chunks of this length (TRL bfd_split "
+                 "max_length; changes the objective; decoder-only)", plan_candidate=False),
 )}
 """Every baseline's batcher and knob, by its name in :data:`dynabatch.core.methods.BASELINE_METHODS` (which
 registers the names and their order)."""
@@ -336,6 +410,8 @@ class BaselineOptions:
     """``packing``: rows per micro-batch."""
     packing_free_rows: int = 4
     """``packing_free``: rows per micro-batch."""
+    packing_free_split_tokens: int = 4096
+    """``packing_free_split``: tokens per row (one row per micro-batch); longer samples are split at this length."""
 
     @classmethod
     def of(cls, source) -> "BaselineOptions":
@@ -374,7 +450,7 @@ def grid_settings(name: str, batches, limits: LengthLimits, options: BaselineOpt
     for value in [default, *sorted(set(baseline_spec(name).grid) - {default})]:
         opts = options.with_value(name, value)
         batcher = make_batcher(name, limits, GROUPING_TOKENS, **opts.batcher_options(name, limits))
-        key = tuple(tuple(batcher.group(b)) for b in batches)
+        key = tuple(tuple(batcher.group(batcher.prepare(b))) for b in batches)
         out.append((value, seen.get(key)))
         seen.setdefault(key, value)
     return sorted(out)

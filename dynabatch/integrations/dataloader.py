@@ -323,6 +323,7 @@ class DynaBatchDataLoader:
 
     def plan(self, batch: GlobalBatch) -> tuple[tuple[RowGroup, ...], ...]:
         """Every replica's micro-batches as row groups (sample indices only, no tensors)."""
+        batch = self._collator.prepare(batch)  # packing_free_split: chunks of long samples (idempotent)
         planned = self._planner.plan(batch, self.batcher.data)
         assert not planned.plan.sliced_samples, "token slicing is not requested, so no piece is a slice"
         return tuple(tuple(planned.row_groups(r)) for r in range(self.num_replicas))
@@ -330,6 +331,7 @@ class DynaBatchDataLoader:
     def step_batch(self, batch: GlobalBatch) -> StepBatch:
         """Plan ``batch`` and collate this replica's micro-batches."""
         start = time.perf_counter()
+        batch = self._collator.prepare(batch)  # the samples the groups index (a baseline may cut long ones)
         groups = self.plan(batch)[self.replica_index]
         plan_time = time.perf_counter() - start
         micro_batches = tuple(self._collator.collate(batch, g) for g in groups)

@@ -174,7 +174,7 @@ class StepPlanner:
             self.cost_model = (self.calibration.base if costs == "base" else self.predict_model if costs == "calibrated"
                                else self.calibration.cost_model_for(self.step, scaled=True))
         start = time.perf_counter()
-        batch = self.batcher.next_batch()
+        batch = self._baseline_batch(self.batcher.next_batch())
         state = copy.deepcopy(self.batcher.state_dict())
         units, candidate, recompute = self._units(batch)
         planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate)
@@ -196,8 +196,18 @@ class StepPlanner:
         """``batch`` planned and predicted as a training step would be, the stream and the step count left
         alone (the start-up choice of the layer split and placement, :mod:`dynabatch.runtime.run_layout`)."""
         start = time.perf_counter()
+        batch = self._baseline_batch(batch)
         units, candidate, recompute = self._units(batch)
         return replace(self._planned(self.step, batch, units, {}, start, recompute), candidate=candidate)
+
+    def _baseline_batch(self, batch: GlobalBatch) -> GlobalBatch:
+        """``batch`` as the baseline method groups it (:meth:`~dynabatch.data.baselines.Batcher.prepare`:
+        ``packing_free_split`` cuts long samples into chunks, each its own sample); ``dynamic``: ``batch``."""
+        if self.cfg.method == "dynamic":
+            return batch
+        options = BaselineOptions.of(self.cfg)
+        return make_batcher(self.cfg.method, self.limits, self.tokens,
+                            **options.batcher_options(self.cfg.method, self.limits)).prepare(batch)
 
     def synthetic_step(self, step: int) -> PlannedStep:
         """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with

@@ -101,7 +101,9 @@ def test_every_method_list_and_knob_comes_from_the_registry():
 
     names = tuple(BASELINES)
     assert "packing_free" in names
-    assert config.METHODS == workload.METHODS == dataloader.METHODS == ("dynamic", *names)
+    assert config.METHODS == dataloader.METHODS == ("dynamic", *names)
+    assert workload.COMPARED_METHODS == ("dynamic", "dynamic_sliced", *names)  # plan, simulate and bench's names
+    assert set(workload.COMPARED_METHODS) <= set(bench.METHODS)
     assert bench.BASELINES == names and set(names) < set(bench.METHODS)
     option_fields = {f.name for f in dataclasses.fields(BaselineOptions)}
     config_fields = {f.name for f in dataclasses.fields(config.TrainConfig)}

@@ -204,7 +204,7 @@ def test_formula_price_matches_the_plan_command_pricing():
 
 @pytest.mark.parametrize("padding_free", [True, False])
 def test_formula_prices_of_many_plans_are_each_plans_own(padding_free):
-    """Pricing every candidate in one cost-model call (what best_plan does) gives each plan exactly the price it
+    """Pricing every candidate in one cost-model call (what GlobalPlanner.plan does) gives each plan exactly the price it
     gets alone, with two replicas and a memory budget some plans break (inf); so do the baseline candidates'
     piece times, priced together, against one candidate's pieces priced alone."""
     from dynabatch.plan.candidates import formula_prices

@@ -1,0 +1,235 @@
+"""Long samples kept whole, sliced or split: ``dynamic_sliced`` under the same name in ``plan``, ``simulate`` and
+``bench``; the ``packing_free_split`` baseline (TRL bfd_split), which changes the objective and is labelled so; the
+baselines' rows sized to the longest kept sample (no false gain from a limit the data never reaches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynabatch.cli import main
+from dynabatch.core.methods import COMPARED_METHODS, objective_note
+from dynabatch.data.baselines import make_batcher, split_long_samples
+from dynabatch.data.batching import LengthLimits
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.workload import kept_limits
+
+TOKENS = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=100)
+
+
+@pytest.fixture
+def tail_lengths(tmp_path) -> str:
+    """300 short samples and three of 3,700-3,900 input tokens (the longest total 3,963 at most)."""
+    rng = np.random.default_rng(0)
+    inputs = np.concatenate([rng.integers(16, 200, 300), [3900, 3800, 3700]])
+    path = tmp_path / "tail.npz"
+    np.savez(path, input_len=inputs, target_len=rng.integers(2, 64, inputs.size))
+    return str(path)
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _simulate(capsys, lengths: str, methods: str, *extra: str) -> dict:
+    return _json(capsys, ["simulate", "--model", "gpt", "--lengths", lengths, "--num-batches", "2",
+                          "--max-input-len", "4096", "--search-steps", "2", "--methods", methods, *extra])
+
+
+def test_dynamic_sliced_is_one_name_in_every_command():
+    from dynabatch.commands import bench
+
+    assert COMPARED_METHODS[:2] == ("dynamic", "dynamic_sliced")
+    assert bench.SLICED == "dynamic_sliced" and set(COMPARED_METHODS) <= set(bench.METHODS)
+
+
+def test_simulate_dynamic_sliced_equals_dynamic_with_slice_long(tail_lengths, capsys):
+    both = _simulate(capsys, tail_lengths, "dynamic,dynamic_sliced")["methods"]
+    flag = _simulate(capsys, tail_lengths, "dynamic", "--slice-long")["methods"]["dynamic"]
+    assert both["dynamic"]["sliced_samples"] == 0 and both["dynamic_sliced"]["sliced_samples"] > 0
+    for key in ("sliced_samples", "micro_batches", "step_s", "tokens_per_s", "real_tokens"):
+        assert both["dynamic_sliced"][key] == pytest.approx(flag[key])
+    assert both["dynamic_sliced"]["real_tokens"] == both["dynamic"]["real_tokens"]
+
+
+def test_plan_takes_dynamic_sliced(tail_lengths, capsys):
+    out = _json(capsys, ["plan", "--model", "gpt", "--lengths", tail_lengths, "--num-batches", "2",
+                         "--max-input-len", "4096", "--methods", "dynamic,dynamic_sliced,packing_free"])
+    rows = out["methods"]
+    assert rows["dynamic"]["sliced_samples"] == 0 and rows["dynamic_sliced"]["sliced_samples"] > 0
+    assert rows["dynamic_sliced"]["real_tokens"] == rows["packing_free"]["real_tokens"]
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+@pytest.mark.parametrize("method", ["dynamic_sliced", "packing_free_split"])
+def test_t5_refuses_decoder_only_methods_with_one_line(command, method, tail_lengths, capsys):
+    code = main([command, "--model", "t5", "--lengths", tail_lengths, "--num-batches", "1", "--methods",
+                 f"dynamic,{method}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert method in err[0] and "decoder-only" in err[0] and "encoder-decoder" in err[0]
+
+
+def _sample(e: int, d: int, start: int = 0) -> TokenizedSample:
+    return TokenizedSample("t", np.arange(start, start + e, dtype=np.int32),
+                           np.arange(start + e, start + e + d, dtype=np.int32))
+
+
+def test_split_long_samples_cuts_only_long_ones_into_row_length_chunks():
+    batch = GlobalBatch(0, (_sample(10, 3), _sample(2, 2, 100), _sample(1, 9, 200)))
+    split = split_long_samples(batch, 4)
+    assert split.num_tokens == batch.num_tokens
+    assert split.samples[4] is batch.samples[1]  # a sample that fits stays whole
+    # the chunks of each long sample are its sequence in order, inputs staying inputs and targets targets
+    chunks = [split.samples[k] for k in range(4)]
+    assert np.concatenate([np.concatenate([c.input_ids, c.target_ids]) for c in chunks]).tolist() == list(range(13))
+    assert [(c.input_len, c.target_len) for c in chunks] == [(4, 0), (4, 0), (2, 2), (0, 1)]
+    assert max(c.num_tokens for c in split.samples) <= 4
+    assert split_long_samples(split, 4) is split  # idempotent: nothing left to cut
+
+
+def test_packing_free_split_trains_every_token_once_in_rows_of_its_length():
+    limits = LengthLimits("causal", max_seq_len=64)
+    batch = GlobalBatch(0, tuple(_sample(e, d) for e, d in [(40, 20), (5, 3), (7, 2), (30, 1), (3, 3)]))
+    batcher = make_batcher("packing_free_split", limits, TOKENS, row_tokens=16)
+    micro = batcher(batch)
+    assert sum(mb.num_real_tokens for mb in micro) == batch.num_tokens
+    assert all(mb.shape[0] == 1 and mb.shape[1] <= 16 for mb in micro)  # one row of at most row_tokens per micro-batch
+    whole = make_batcher("packing_free", limits, TOKENS, rows_per_micro_batch=1)(batch)
+    assert max(mb.shape[1] for mb in whole) == 60  # packing_free keeps the 60-token sample whole
+    with pytest.raises(ValueError, match="longer than a row"):  # grouping an unsplit batch is refused, not wrong
+        batcher.group(batch)
+
+
+def test_packing_free_split_is_labelled_and_never_the_best_whole_sample_baseline(tail_lengths, capsys):
+    out = _simulate(capsys, tail_lengths, "dynamic,packing_free,packing_free_split")
+    rows = out["methods"]
+    assert "different objective" in rows["packing_free_split"]["changes_objective"]
+    assert "changes_objective" not in rows["packing_free"]
+    assert out["best_baseline"] == "packing_free"  # however fast the split rows are
+    assert out["dynamic_throughput_vs_best_baseline"] == pytest.approx(
+        rows["dynamic"]["tokens_per_s"] / rows["packing_free"]["tokens_per_s"])
+    assert main(["simulate", "--model", "gpt", "--lengths", tail_lengths, "--num-batches", "1", "--max-input-len",
+                 "4096", "--search-steps", "0", "--methods", "dynamic,packing_free_split"]) == 0
+    table = capsys.readouterr().out
+    assert "packing_free_split*" in table and f"* packing_free_split {objective_note('packing_free_split')}" in table
+
+
+def test_tuned_packing_free_split_is_reported_but_not_the_best_tuned(tail_lengths, capsys):
+    out = _simulate(capsys, tail_lengths, "dynamic,length_grouped,packing_free_split", "--tune-baselines")
+    assert out["tuned"]["packing_free_split"]["knob"] == "packing_free_split_tokens"
+    assert "changes_objective" in out["tuned"]["packing_free_split"]
+    assert out["best_tuned_baseline"] == "length_grouped"
+
+
+def test_kept_limits_narrow_to_the_longest_kept_sample():
+    batch = GlobalBatch(0, (_sample(100, 20), _sample(300, 5)))
+    gpt = kept_limits(LengthLimits("causal", max_input_len=32768, max_seq_len=32768), [batch])
+    assert gpt.max_seq_len == 305 and gpt.max_input_len == 305
+    t5 = kept_limits(LengthLimits("seq2seq", max_input_len=32768, max_target_len=8192), [batch])
+    assert (t5.max_input_len, t5.max_target_len) == (300, 20)
+    assert kept_limits(LengthLimits("causal", max_seq_len=200, max_input_len=200), [batch]).max_seq_len == 200
+
+
+def test_a_limit_the_data_never_reaches_gives_the_baselines_no_longer_rows(tail_lengths, capsys):
+    """The false gain: at a 32k limit on data whose longest sample has < 4k tokens, the baselines would be charged
+    for 32k-token rows; sized to the longest kept sample they simulate exactly as at a 4k limit."""
+    at = {limit: _json(capsys, ["simulate", "--model", "gpt", "--lengths", tail_lengths, "--num-batches", "2",
+                                "--max-input-len", limit, "--global-batch-tokens", "65536", "--search-steps", "2",
+                                "--methods", "packing_free,token_budget"])
+          for limit in ("4096", "32768")}
+    assert at["4096"]["row_limits"] == at["32768"]["row_limits"]
+    for m in ("packing_free", "token_budget"):
+        assert at["32768"]["methods"][m]["tokens_per_s"] == pytest.approx(at["4096"]["methods"][m]["tokens_per_s"])
+
+
+def test_bench_runs_packing_free_split_on_chunks(tmp_path):
+    """One process, gpt2-tiny: packing_free_split trains every real token of the step (its chunks), in micro-batches
+    no longer than its row, and is reported with its caveat, never as the best baseline."""
+    path = str(tmp_path / "long.npz")
+    np.savez(path, input_len=np.array([20, 30, 500, 40, 25, 60]), target_len=np.array([5, 4, 11, 6, 3, 5]))
+    out = str(tmp_path / "bench.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
+           "--methods", "packing_free,packing_free_split", "--packing-free-split-tokens", "128", "--steps", "1",
+           "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "512", "--json", out, "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        result = json.load(f)
+    rows = result["methods"]
+    assert result["best_baseline"] == "packing_free" and "changes_objective" in rows["packing_free_split"]
+    split, whole = rows["packing_free_split"]["per_step"][0], rows["packing_free"]["per_step"][0]
+    assert split["real_tokens"] == whole["real_tokens"]
+    assert split["computed_tokens"] == split["real_tokens"]  # one row per micro-batch: nothing padded
+    assert rows["packing_free_split"]["micro_batches_per_step"] >= 6  # 709 tokens in rows of 128
+
+
+def test_long_tail_file_is_what_its_script_writes_and_has_the_tail():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    from make_long_tail import long_tail_lengths
+
+    from dynabatch.workload import load_lengths
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "data", "long_tail_32k.npz")
+    assert os.path.getsize(path) < 100_000  # KBs, in the repository
+    lengths = load_lengths(path)
+    e, d, task = long_tail_lengths()
+    assert np.array_equal(lengths.input_len, e) and np.array_equal(lengths.target_len, d)
+    assert np.array_equal(lengths.task, task)
+    total = lengths.input_len + lengths.target_len
+    long = (total > 16384).mean()
+    assert 0.001 <= long <= 0.009 and 16384 < total.max() <= 32768  # a few tenths of a percent, 16k-32k
+    assert np.median(total) < 512 and len(np.unique(lengths.task)) > 10  # most samples short; many tasks
+
+
+def test_data_report_shows_a_lengths_files_tail(tail_lengths, capsys):
+    assert main(["data-report", "--lengths", tail_lengths]) == 0
+    table = capsys.readouterr().out
+    assert "p99.9" in table and "max" in table and "over   4096 tokens" in table
+    out = _json(capsys, ["data-report", "--lengths", tail_lengths])
+    with np.load(tail_lengths) as f:
+        inputs, total = f["input_len"], f["input_len"] + f["target_len"]
+    assert out["samples"] == total.size and out["percentiles"]["total"]["max"] == total.max()
+    assert out["percentiles"]["input"]["p99.9"] == pytest.approx(np.percentile(inputs, 99.9))
+    assert out["over"]["4096"]["samples"] == 0 and out["over"]["16384"]["samples"] == 0
+    assert out["percentiles"]["total"]["p50"] < 200
+
+
+def test_data_report_lengths_refuses_a_mixture_too(tail_lengths, capsys):
+    assert main(["data-report", "--lengths", tail_lengths, "--mixture", "data/flan_mini.yaml"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_train_runs_packing_free_split_and_says_it_changes_the_objective(tmp_path, capsys):
+    assert main(["train", "--model", "gpt2-tiny", "--method", "packing_free_split", "--packing-free-split-tokens", "128",
+                 "--max-steps", "1", "--stages", "1", "--max-input-len", "512", "--global-batch-tokens", "2048",
+                 "--calibrate", "off", "--output-dir", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "note: packing_free_split" in err and "different objective" in err
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        step = json.loads(f.readline())
+    assert step["padding_efficiency"] == 1.0  # one row of chunks per micro-batch: nothing padded
+
+
+def test_bench_passes_its_timeout_to_the_runs():
+    """A step of long micro-batches on a busy CPU can outlast the default 120 s peer timeout: --timeout-s raises it."""
+    import argparse
+
+    from dynabatch.commands import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", "gpt2-d256-8k", "--max-input-len", "8192", "--global-batch-tokens", "65536",
+                         "--timeout-s", "1800"])
+    bench.resolve_defaults(args)
+    assert bench._config(args, "packing_free_split").timeout_s == 1800
+    assert bench._config(args, "dynamic_sliced").slice_long
