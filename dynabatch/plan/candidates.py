@@ -108,6 +108,7 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
 
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
+    family = limits.family
     seen: set = set()
     kept = []  # (method, value, groups, shapes)
     for method in methods if methods is not None else candidate_baselines(padding_free):

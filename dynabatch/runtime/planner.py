@@ -28,7 +28,7 @@ import numpy as np
 from dynabatch.config import Found, TrainConfig, decide, lower
 from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
-from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape
+from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import MicroBatch, token_slices

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from dynabatch.config import TrainConfig
-from dynabatch.core.methods import METHODS
-from dynabatch.data.baselines import BaselineOptions, group_shape
+from dynabatch.core.methods import METHODS, methods_for
+from dynabatch.data.baselines import BaselineOptions, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
 from dynabatch.plan.candidates import deal_to_replicas
@@ -54,9 +54,14 @@ def test_train_plan_and_dataloader_cut_the_same_micro_batches(toy_data, setup, m
     from dynabatch.runtime.planner import StepPlanner
 
     cfg, limits, batches, cost_model = setup
-    cfg = replace(cfg, method=method, replicas=replicas)
+    # packing_free_split at rows shorter than the longest samples, so that it cuts some
+    cfg = replace(cfg, method=method, replicas=replicas, packing_free_split_tokens=96)
     options = BaselineOptions.of(cfg)
     dynamic = method == "dynamic"
+    if method not in methods_for(toy_data.family, METHODS):  # split rows cut decoder-only sequences only
+        with pytest.raises(ValueError, match="decoder-only"):
+            method_micro_batches(method, batches[0], limits, None, cfg.stages, options, num_replicas=replicas)
+        return
     planner = StepPlanner(ListBatcher(batches, limits), cfg, cost_model, toy_data.tokens)
     loader_options = (dict(cost_model=cost_model) if dynamic
                       else dict(method_options=options.batcher_options(method, limits)))
@@ -65,6 +70,8 @@ def test_train_plan_and_dataloader_cut_the_same_micro_batches(toy_data, setup, m
     candidates = set()
     for batch in batches:
         trained = planner.preview(batch)
+        if not dynamic:  # the samples the baseline's groups index (packing_free_split: long ones cut into chunks)
+            batch = make_batcher(method, limits, toy_data.tokens, **options.batcher_options(method, limits)).prepare(batch)
         train = [[(_rows(mb.sample_ids), _shape(micro_batch_shape(mb))) for mb in mbs]
                  for mbs in trained.replica_micro_batches]
         planned = method_micro_batches(method, batch, limits, cost_model if dynamic else None, cfg.stages, options,
@@ -113,3 +120,32 @@ def test_dynamic_needs_a_cost_model_and_a_known_method(setup):
         GlobalPlanner("dynamic", limits)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         GlobalPlanner("nope", limits)
+
+
+@pytest.mark.parametrize("pack_rows", ["off", "auto"])
+def test_plan_prices_the_dp_per_segment_as_train_does_and_is_never_predicted_slower(pack_rows):
+    """``plan``/``simulate`` cut a padding-free run's batches with the DP priced per segment (``segment_pricing``),
+    as ``train`` plans them; on the heavy-tailed file's 65,536-token batches (T5, 4 stages) that plan is predicted
+    no slower, by the per-segment step formula, than the plan of the DP priced dense (what ``plan`` ran before
+    the one planning path)."""
+    import argparse
+    import os
+
+    from dynabatch.commands.common import add_workload_arguments, resolve
+    from dynabatch.plan.candidates import formula_price
+    from dynabatch.workload import global_batches
+
+    heavy = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    w = resolve(p.parse_args(["--model", "t5", "--lengths", heavy]))
+    S = w.cost_model.num_stages
+    for batch in global_batches(w.path, w.family, w.limits, 65_536, 2, "builtin"):
+        price = formula_price(w.cost_model, batch.input_lens, batch.target_lens, True)
+        plans = {seg: GlobalPlanner("dynamic", w.limits, S, 1, w.cost_model, w.options,
+                                    planner_options={"pack_rows": pack_rows, "segment_pricing": seg}).plan(batch)
+                 for seg in (True, False)}
+        default = GlobalPlanner("dynamic", w.limits, S, 1, w.cost_model, w.options,
+                                planner_options={"pack_rows": pack_rows}).plan(batch)
+        assert default.plan.replicas == plans[True].plan.replicas, "padding-free: per segment by default"
+        assert price(plans[True].plan) <= price(plans[False].plan) * (1 + 1e-9)

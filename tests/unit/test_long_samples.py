@@ -158,7 +158,7 @@ def test_bench_runs_packing_free_split_on_chunks(tmp_path):
     out = str(tmp_path / "bench.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch.commands.bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
+    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
            "--methods", "packing_free,packing_free_split", "--packing-free-split-tokens", "128", "--steps", "1",
            "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "512", "--json", out, "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

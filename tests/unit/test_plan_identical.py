@@ -13,7 +13,9 @@ Three paths, each on fixed lengths or a fixed data stream:
 
 Recorded by ``python tests/unit/test_plan_identical.py --write`` at the commit before the speed work (samples by
 global-batch index, micro-batches in run order, rows as planned, the kept candidate). A change that is meant to
-change plans records them again, with a test that the new plans are predicted no slower.
+change plans records them again, with a test that the new plans are predicted no slower: ``plan``'s cases were
+recorded again when ``plan`` came to price the DP per segment as ``train`` does (the one planning path;
+``test_global_plan.py::test_plan_prices_the_dp_per_segment_as_train_does_and_is_never_predicted_slower``).
 """
 
 from __future__ import annotations
