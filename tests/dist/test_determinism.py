@@ -46,6 +46,7 @@ def _records(out: str) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f)}  # a resumed step's record is its last
 
 
+@pytest.mark.slow  # fast cover: test_resolve.py's two in-process --full-determinism runs (bitwise); kill and resume: test_soak.py, test_faults.py
 def test_full_determinism_two_runs_and_a_killed_and_resumed_run_give_bitwise_equal_losses(tmp_path, mixture):
     clean, again = str(tmp_path / "clean"), str(tmp_path / "again")
     run = _train(mixture, clean)

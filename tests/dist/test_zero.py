@@ -212,6 +212,7 @@ def test_zero1_fp16_loss_scaling_and_non_finite_skip_match_zero0(runs):
     _same_steps(got, want)
 
 
+@pytest.mark.slow  # the skip is --zero 1's code (test_zero1_fp16_loss_scaling_and_non_finite_skip_match_zero0 runs it)
 def test_zero2_divergence_guard_skips_like_zero0(runs):
     got, want = _records(runs("diverge-2")), _records(runs("diverge-0"))
     assert any(r["skipped"] for r in got) and not got[0]["skipped"]

@@ -102,7 +102,7 @@ def test_gpt_sample_too_big_for_memory_names_it_and_hints_slicing(tmp_path, caps
     msg = capsys.readouterr().err
     assert "dynabatch plan: error: sample 5 of global batch 0 (input_len=8000, target_len=" in msg
     assert "The smallest budget that fits every sample is" in msg
-    assert "(or pass --slice-long to cut such samples into token slices)" in msg
+    assert "(or use --methods dynamic_sliced to cut such samples into token slices)" in msg  # plan's method name
 
 
 @pytest.mark.parametrize("kernel,expected", [("varlen", "--attention-kernel varlen needs CUDA"),

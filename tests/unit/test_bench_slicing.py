@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+
+import pytest
 import sys
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_slicing.py")
 
 
+@pytest.mark.slow  # the script's parts run fast elsewhere: test_bench.py's dynamic_sliced run, test_simulate_slicing.py
 def test_bench_slicing_small_run_reports_both_parts():
     cmd = [sys.executable, SCRIPT, "--sim-batches", "1", "--sim-max-lens", "4096,8192", "--sim-batch-tokens", "16384",
            "--sim-hardware", "a100-80gb", "--cpu-model", "gpt2-tiny", "--cpu-max-len", "1024",
