@@ -101,6 +101,18 @@ def random_rows(task: str, n: int, seed: int, mean_in: int, mean_tg: int) -> lis
     return rows
 
 
+def write_mixture(folder, name: str, sources: dict[str, tuple[int, int, int, int]]) -> str:
+    """A mixture spec ``folder/mix.json`` over one JSONL file per task, each of :func:`random_rows` ``(n, seed,
+    mean input words, mean target words)``; returns the spec's path."""
+    for task, (n, seed, mean_in, mean_tg) in sources.items():
+        write_jsonl(os.path.join(folder, f"{task}.jsonl"), random_rows(task, n, seed, mean_in, mean_tg))
+    spec = {"name": name, "sources": [{"task": t, "data_files": f"{t}.jsonl"} for t in sources]}
+    path = os.path.join(folder, "mix.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
 @pytest.fixture(scope="session")
 def toy_mixture_dir(tmp_path_factory) -> str:
     """Three local jsonl tasks of 40, 150 and 600 rows with different length profiles, plus a spec."""

@@ -12,20 +12,15 @@ import sys
 
 import pytest
 
-from conftest import random_rows, write_jsonl
+from conftest import write_mixture
 
 STEPS = 5
 
 
 @pytest.fixture(scope="module")
 def mixture(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("determinism-mixture")
-    write_jsonl(d / "a.jsonl", random_rows("a", 80, 1, 20, 4))
-    write_jsonl(d / "b.jsonl", random_rows("b", 80, 2, 60, 12))
-    spec = {"name": "det", "sources": [{"task": t, "data_files": f"{t}.jsonl"} for t in ("a", "b")]}
-    with open(d / "mix.json", "w") as f:
-        json.dump(spec, f)
-    return str(d / "mix.json")
+    return write_mixture(tmp_path_factory.mktemp("determinism-mixture"), "det",
+                         {"a": (80, 1, 20, 4), "b": (80, 2, 60, 12)})
 
 
 def _train(mixture: str, out: str, *extra: str, crash_at: str | None = None) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import LOOPBACK, child_pids, listening_sockets, random_rows, write_jsonl
+from conftest import LOOPBACK, child_pids, listening_sockets, random_rows, write_jsonl, write_mixture
 
 STAGES = 2
 
@@ -48,13 +48,7 @@ def torchrun(mixture: str, out: str, *extra: str, env_extra: dict | None = None,
 @pytest.fixture(scope="module")
 def mixture(tmp_path_factory) -> str:
     """Two small sources: a fast start-up."""
-    d = tmp_path_factory.mktemp("faults-mixture")
-    write_jsonl(d / "a.jsonl", random_rows("a", 60, 1, 20, 4))
-    write_jsonl(d / "b.jsonl", random_rows("b", 60, 2, 40, 8))
-    spec = {"name": "faults", "sources": [{"task": t, "data_files": f"{t}.jsonl"} for t in ("a", "b")]}
-    with open(d / "mix.json", "w") as f:
-        json.dump(spec, f)
-    return str(d / "mix.json")
+    return write_mixture(tmp_path_factory.mktemp("faults-mixture"), "faults", {"a": (60, 1, 20, 4), "b": (60, 2, 40, 8)})
 
 
 def _steps(out: str) -> list[int]:
