@@ -75,6 +75,10 @@ def print_table(result: dict) -> None:
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
               f"{vs_pipe:>7}")
     for m, r in result["methods"].items():
+        if r.get("candidates"):  # the dynamic method: the DP's plan (dp) or a baseline's, per timed step
+            ran = ", ".join(f"{label} {n}" for label, n in sorted(r["candidates"].items(), key=lambda kv: -kv[1]))
+            print(f"{m} ran these plans (timed steps): {ran}")
+    for m, r in result["methods"].items():
         if r.get("changes_objective"):
             print(f"* {m} {r['changes_objective']}")
     off_grid = [m for m, r in result["methods"].items() if r.get("priced_off_grid")]

@@ -53,6 +53,7 @@ def step_stats(r, cost_model) -> list[dict]:
                      "peak": float(np.max(sim.peak_memory_bytes)), "plan_s": p.plan_time_s,
                      "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples,
                      "order": "1f1b" if r.peer_steps is not None else p.schedules[0].policy,
+                     "candidate": "" if r.peer_steps is not None else p.candidate,
                      "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values())})
     return out
 
@@ -185,6 +186,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
             "recomputed_forwards_per_step": float(np.mean([x["recomputed"] for x in timed])),
             "schedule_policies": dict(Counter(x["order"] for x in timed)),  # linear: the policy; virtual: the order
+            "candidates": dict(Counter(x["candidate"] for x in timed if x["candidate"])),  # dynamic: which plan ran
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
             "pack_rows": pack_rows_on(runs[m].cfg.pack_rows, device_type(runs[m].cfg.device)),  # device resolved
@@ -194,7 +196,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "per_step": [{"time_s": float(ts), "predicted_s": float(x["predicted_s"]),
                           "predicted_step_s": x["predicted_step_s"], "micro_batches": int(x["mbs"]),
                           "real_tokens": int(x["real"]), "computed_tokens": int(x["computed"]),
-                          "sliced_samples": int(x["sliced"])}
+                          "sliced_samples": int(x["sliced"]), "candidate": x["candidate"]}
                          for ts, x in zip(t, timed)],
         }
         if stage_compute and stage_compute.get(m):  # where the step goes: compute per stage, predicted and measured

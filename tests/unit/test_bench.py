@@ -84,6 +84,11 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
         assert measured > 0 and measured == pytest.approx(predicted, rel=0.10), (m, measured, predicted)
     assert rows["pipelining"]["measured_saved_activation_mib"] is None
     assert "activations saved for backward, largest stage, measured/predicted MiB: dynamic" in proc.stdout
+    # which plan dynamic ran each timed step (the DP's or a baseline's), counted and named per step; none for baselines
+    timed = len(rows["dynamic"]["per_step"])
+    assert sum(rows["dynamic"]["candidates"].values()) == timed >= 1
+    assert [s["candidate"] for s in rows["dynamic"]["per_step"]].count("dp") == rows["dynamic"]["candidates"].get("dp", 0)
+    assert rows["packing"]["candidates"] == {} and "dynamic ran these plans (timed steps): " in proc.stdout
     # the last line is the JSON summary with per-method real tokens/s
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["tokens_per_s"] == {m: round(r["tokens_per_s"], 1) for m, r in rows.items()}
