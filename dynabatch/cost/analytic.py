@@ -83,7 +83,7 @@ import dataclasses
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, ClassVar, Sequence, Union
 
 import numpy as np
 
@@ -179,6 +179,9 @@ BIAS_BWD_FACTOR = 1.5
 @dataclass(frozen=True)
 class AnalyticCostModel(StoredBytes):
     """Predicts per-layer time and memory of a :class:`TransformerSpec` on a :class:`HardwareSpec`."""
+
+    shares_layer_costs: ClassVar[bool] = True
+    """:meth:`stage_cost` and :meth:`recompute_terms` take a ``layers`` memo shared over a layout's stages."""
 
     spec: TransformerSpec
     """Model shape."""
@@ -277,10 +280,12 @@ class AnalyticCostModel(StoredBytes):
         return LayerCost(*[float(x) if scalar else x.copy() for x in out])
 
     def stage_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
-                   pairs: AttentionPairs | None = None) -> LayerCost:
+                   pairs: AttentionPairs | None = None, layers: dict | None = None) -> LayerCost:
         """Cost of a pipeline stage made of ``kinds``: times, FLOPs and stored bytes add up, the peak
         extra is the largest layer's, and a stage with decoder layers stores the encoder output once.
-        ``pairs``: per-segment attention work (:meth:`layer_cost`); ``None`` is dense."""
+        ``pairs``: per-segment attention work (:meth:`layer_cost`); ``None`` is dense. ``layers``: each kind's
+        cost of these same inputs, shared by the calls over one layout's stages (filled as it goes): a kind
+        that several stages hold (a T5 encoder block on three of four stages) is priced once."""
         if len(kinds) == 0:
             raise ValueError("a stage needs at least one layer kind, got an empty list")
         counts = Counter(kinds)
@@ -289,7 +294,12 @@ class AnalyticCostModel(StoredBytes):
             self._check_decoder_length(kind, D)
         scalar, arrays = self._arrays(b, E, D)  # checked once for every layer of the stage
         work = _broadcast_pairs(pairs, arrays[0].shape)
-        costs = [(self._layer_cost(kind, scalar, *arrays, work), n) for kind, n in counts.items()]
+        if layers is None:
+            layers = {}
+        for kind in counts:
+            if kind not in layers:
+                layers[kind] = self._layer_cost(kind, scalar, *arrays, work)
+        costs = [(layers[kind], n) for kind, n in counts.items()]
 
         def total(field: str):
             return sum(getattr(cost, field) * count for cost, count in costs)
@@ -310,12 +320,14 @@ class AnalyticCostModel(StoredBytes):
         return LayerCost(*[float(x) if np.ndim(x) == 0 else x for x in out])
 
     def recompute_terms(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
-                        pairs: AttentionPairs | None = None) -> "RecomputeTerms":
+                        pairs: AttentionPairs | None = None, layers: dict | None = None) -> "RecomputeTerms":
         """What activation recomputation changes on a stage of ``kinds`` (:mod:`dynabatch.cost.recompute`):
         for ``full``, the transformer blocks' forward time and the bytes they store beyond their input
         hidden states; for ``selective``, the attention cores' forward time and the bytes they alone store
         (:meth:`_core_stored`); with the largest single block's (core's) stored bytes, re-materialised while
-        that block runs its backward. Arrays shaped like the broadcast inputs."""
+        that block runs its backward. Arrays shaped like the broadcast inputs. ``layers``: as in :meth:`stage_cost`
+        (a block's forward time and stored bytes are its layer cost's, when that was priced without
+        recomputation)."""
 
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         blocks = [k for k in kinds if k in BLOCK_KINDS]
@@ -330,14 +342,16 @@ class AnalyticCostModel(StoredBytes):
         terms = {f: zero for f in RecomputeTerms.fields()}
         for k, n in Counter(blocks).items():
             T = D if k == "t5_decoder" else E
-            stored = self._stored(k, b, E, D, work)
+            layer = None if layers is None or self.recompute else layers.get(k)
+            stored = self._stored(k, b, E, D, work) if layer is None else layer.stored_activation_bytes
             cores = ([] if k in FFN_HALVES else
                      {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)]}.get(
                          k, [(E, E, role("encoder"), False)]))
             core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
                            for op in self._core_ops(b, tq, tk, pr, calls))
             core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
-            block_fwd = sum(self._op_time(op) for op in self._ops(k, b, E, D, work))
+            block_fwd = (sum(self._op_time(op) for op in self._ops(k, b, E, D, work)) if layer is None
+                         else layer.fwd_time_s)
             terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
             terms["full_freed_bytes"] = terms["full_freed_bytes"] + n * (stored - self._residual_bytes() * b * T * d)
             terms["full_peak_bytes"] = np.maximum(terms["full_peak_bytes"], stored)

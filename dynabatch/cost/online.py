@@ -126,8 +126,8 @@ class CalibratedStageCostModel(StageCostModel):
         out[:, 1, :, 0] = np.asarray(base.bwd_s).reshape(num_stages, n)
         return out
 
-    def _priced(self, b, E, D, pairs=None) -> StageCosts:
-        costs = super()._priced(b, E, D, pairs)
+    def _priced(self, b, E, D, pairs=None, layers: dict | None = None) -> StageCosts:
+        costs = super()._priced(b, E, D, pairs, layers)
         if self.coefficients is not None:
             x = self.features(b, E, D, pairs, base=costs)
             t = np.einsum("sdnf,sdf->sdn", x, self.coefficients)

@@ -314,15 +314,22 @@ class StageCostModel:
         (:class:`~dynabatch.cost.pairs.AttentionPairs` shaped like ``b``) prices per-segment attention,
         ``None`` the dense ``b x Tq x Tk``. Activation recomputation as :attr:`recompute` chooses it, or as
         ``modes`` (mode codes broadcast to ``(S, *b.shape)``) says: the costs of a step that ran with them."""
-        costs = self._priced(b, E, D, pairs)
+        layers = {} if getattr(self.model, "shares_layer_costs", False) else None
+        costs = self._priced(b, E, D, pairs, layers)
         if modes is None and self.recompute == "none":
             return costs
-        return self._recomputed(costs, b, E, D, pairs, modes)
+        return self._recomputed(costs, b, E, D, pairs, modes, layers)
 
-    def _priced(self, b, E, D, pairs=None) -> StageCosts:
-        """Every stage's costs without recomputation."""
+    def _priced(self, b, E, D, pairs=None, layers: dict | None = None) -> StageCosts:
+        """Every stage's costs without recomputation. ``layers``: the layer model's memo of each layer kind's cost
+        of these inputs (a model with ``shares_layer_costs``: :meth:`AnalyticCostModel.stage_cost
+        <dynabatch.cost.analytic.AnalyticCostModel.stage_cost>`), shared by the stages and the recomputation terms."""
         b, E, D = self._inputs(b, E, D)
         extra = {} if pairs is None else {"pairs": pairs}
+        if layers is None and getattr(self.model, "shares_layer_costs", False):
+            layers = {}
+        if layers is not None:
+            extra["layers"] = layers
         costs = [self.model.stage_cost(list(s), b, E, D, **extra) for s in self.layout.stages]
         return StageCosts(
             fwd_s=_stack((c.fwd_time_s for c in costs), b.shape),
@@ -333,7 +340,7 @@ class StageCostModel:
             load_bytes=self._load_bytes(b, E, D),
         )
 
-    def _recomputed(self, costs: StageCosts, b, E, D, pairs, modes) -> StageCosts:
+    def _recomputed(self, costs: StageCosts, b, E, D, pairs, modes, layers: dict | None = None) -> StageCosts:
         """``costs`` with each entry in its recompute mode (:mod:`dynabatch.cost.recompute`). The layer model's
         terms are scaled like ``costs`` were from the layer model's own numbers (a calibrated model)."""
 
@@ -345,9 +352,11 @@ class StageCostModel:
         if modes is None and self.recompute == "auto" and np.all(self._fits_without_recompute(costs, bb)):
             return costs  # what fits without recomputation stays as it is: the terms are not needed at all
         extra = {} if pairs is None else {"pairs": pairs}
+        if layers is not None:
+            extra["layers"] = layers
         per = [self.model.recompute_terms(list(s), bb, EE, DD, **extra) for s in self.layout.stages]
         overridden = type(self)._priced is not StageCostModel._priced
-        raw = StageCostModel._priced(self, b, E, D, pairs) if overridden else costs
+        raw = StageCostModel._priced(self, b, E, D, pairs, layers) if overridden else costs
         time_scale = np.where(raw.fwd_s > 0, costs.fwd_s / np.maximum(raw.fwd_s, 1e-30), 1.0)
         byte_scale = np.where(raw.stored_bytes > 0, costs.stored_bytes / np.maximum(raw.stored_bytes, 1e-30), 1.0)
         terms = RecomputeTerms(**{

@@ -325,3 +325,37 @@ def test_attention_groups_kernel_matches_twin(seed):
     rows = [[order.index(i) for i in r] for r in rows]
     assert row_calls(rows, e, d, "t5") == tuple(len(ref.attention_groups(x, y, alone_of))
                                                 for x, y in ((e, e), (d, d), (d, e)))
+
+
+@pytest.mark.parametrize("preset", ["t5-large", "gpt-1.3b"])
+@pytest.mark.parametrize("recompute", ["none", "auto", "full", "selective"])
+def test_layer_costs_shared_over_stages_price_bitwise_as_stage_by_stage(preset, recompute):
+    """A layer kind that several stages hold is priced once per call (the ``layers`` memo of
+    :meth:`AnalyticCostModel.stage_cost`, reused by the recomputation terms): per-stage costs equal, bitwise, those
+    of the same model priced stage by stage, dense and per segment."""
+    import dataclasses
+
+    model = AnalyticCostModel.from_names(preset, "a100-40gb")
+
+    class StageByStage(AnalyticCostModel):
+        shares_layer_costs = False
+
+    plain = StageByStage(**{f.name: getattr(model, f.name) for f in dataclasses.fields(model)})
+    rng = np.random.default_rng(0)
+    lens = [(rng.integers(16, 900, n), rng.integers(1, 200, n)) for n in rng.integers(1, 7, 40)]
+    e_all = np.concatenate([e for e, _ in lens])
+    d_all = np.concatenate([d for _, d in lens])
+    offsets = np.cumsum([0] + [len(e) for e, _ in lens])
+    groups = [[[offsets[k] + i] for i in range(len(e))] for k, (e, _) in enumerate(lens)]  # one sample per row
+    family = "t5" if preset.startswith("t5") else "gpt2"
+    pairs = groups_pairs(groups, e_all, d_all, family)
+    b = np.array([len(e) for e, _ in lens], dtype=float)
+    E = np.array([e.max() for e, _ in lens], dtype=float)
+    D = np.array([d.max() for _, d in lens], dtype=float) if family == "t5" else None
+    layout = balanced_layout(model, 4, ref_shape=(4, 512, 128))
+    assert any(len(set(a) & set(b_)) for a, b_ in zip(layout.stages, layout.stages[1:]))  # a kind on two stages
+    for work in (None, pairs):
+        shared = StageCostModel(model, layout, 40 * 2**30, recompute=recompute).per_stage(b, E, D, work)
+        alone = StageCostModel(plain, layout, 40 * 2**30, recompute=recompute).per_stage(b, E, D, work)
+        for field in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"):
+            assert np.array_equal(getattr(shared, field), getattr(alone, field)), (field, work is None)
