@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.resolve import Found, describe_choices, resolve_args
 from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
@@ -111,7 +112,7 @@ def _check(args) -> int:
         return _check_run(args.check)
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
-    args.device = _device(args.device)
+    args.device = _device(args)
     from dynabatch.cost.calibrate import format_summary, run_check, summarize
     from dynabatch.models.families import layer_builder
 
@@ -127,11 +128,17 @@ def _check(args) -> int:
     return 0
 
 
-def _device(name: str) -> str:
-    """``--device`` resolved (``auto``: cuda when available); after :func:`_set_thp`, as it imports torch."""
+def _device(args) -> str:
+    """``--device`` as the resolver decides it (``auto``: cuda when available, :mod:`dynabatch.config.resolve`),
+    then the device of this process (``cuda``: ``cuda:0``); after :func:`_set_thp`, as it imports torch."""
+    import torch
+
     from dynabatch.runtime.dist import resolve_device
 
-    return str(resolve_device(name)[1])
+    decided = resolve_args(args, Found(cuda_available=torch.cuda.is_available()))
+    if decided:
+        logger.info(describe_choices(decided))
+    return str(resolve_device(args.device)[1])
 
 
 def run(args) -> int:
@@ -140,7 +147,7 @@ def run(args) -> int:
         return _check(args)
     if args.device in ("cpu", "auto") and not args.no_thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
-    args.device = _device(args.device)
+    args.device = _device(args)
     from dynabatch.cost.measure import MeasureSettings
     from dynabatch.cost.profile import run_profile, save_profile
     from dynabatch.models.families import layer_builder
