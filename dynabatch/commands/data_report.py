@@ -208,10 +208,10 @@ def run(args: argparse.Namespace) -> int:
     parse_max_lens(args.max_lens)
     parse_methods(args.methods, tuple(BASELINES))
     spec = _spec(args)
-    given = args.tokenizer
-    resolve_args(args, Found())  # --tokenizer auto: the resolver's rule (no --model: builtin)
+    decided = resolve_args(args, Found())  # --tokenizer auto: the resolver's rule (no --model: builtin)
     tokenizer = load_tokenizer(args.tokenizer)
-    print(describe_tokenizer(given, None, tokenizer_info(tokenizer)))
+    why = decided["tokenizer"][1] if "tokenizer" in decided else None
+    print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer), why))
     families = FAMILIES if args.family == "both" else (args.family,)
     print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
     for family in families:

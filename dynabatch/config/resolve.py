@@ -97,7 +97,7 @@ def _tokenizer(cfg, found: Found):
     if cfg.tokenizer != "auto":
         return None
     name = resolve_tokenizer("auto", cfg.model)
-    return name, ("the --model folder's own tokenizer" if name == cfg.model else "the model names no tokenizer")
+    return name, ("the --model folder's own tokenizer" if name == cfg.model else "no --model folder holding a tokenizer")
 
 
 @rule("attention_kernel")
