@@ -289,8 +289,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     if evaluation_enabled(cfg):  # rank 0 loads the evaluation set (runtime.evaluate)
         evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
     bad_steps = 0
-    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, decide(cfg, "planner", found_here(ctx)),
-                       ctx.device) \
+    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, decide(cfg, "planner", found_here(ctx))) \
         if ctx.is_planner else None
     if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
         try:

@@ -6,6 +6,7 @@ choices."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -144,3 +145,18 @@ def test_the_hf_trainer_takes_the_attention_choices_of_train():
     assert list(ATTENTION_PATHS) == list(train.choices)
     with pytest.raises(ValueError, match="unknown attention 'flash'; valid: " + ", ".join(ATTENTION_PATHS)):
         DynaBatchTrainer(attention="flash")
+
+
+@pytest.mark.parametrize("name", ["method", "dtype", "attention"])
+def test_the_dataloader_takes_the_choices_of_trains_flag(name):
+    """An option the DataLoader shares with ``train`` refuses a value naming exactly ``train``'s choices."""
+    from dynabatch.data.batching import LengthLimits
+    from dynabatch.data.tokenize import load_tokenizer
+    from dynabatch.integrations.dataloader import DynaBatchDataLoader
+
+    choices = next(a for a in command_parser("train")[1]._actions if a.dest == name).choices
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=8)
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_dict({"inputs": ["a b c"] * 4, "targets": ["d"] * 4})
+    with pytest.raises(ValueError, match="unknown .*" + re.escape(f"valid: {', '.join(choices)}") + "$"):
+        DynaBatchDataLoader(rows, limits, token_budget=64, tokenizer=load_tokenizer("builtin"), **{name: "nope"})
