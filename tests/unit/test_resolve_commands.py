@@ -12,7 +12,7 @@ import pytest
 
 from dynabatch.cli import command_parser, main
 from dynabatch.config import TrainConfig, resolve
-from dynabatch.config.resolve import RULES, SEARCHES, Found, decide, resolve_args
+from dynabatch.config.resolve import RULES, SEARCHES, Found, args_view, decide, resolve_args
 
 PLAN = ["--model", "gpt", "--stages", "5", "--num-batches", "1", "--global-batch-tokens", "16384", "--methods",
         "dynamic", "--layer-split", "reference", "--json"]
@@ -118,7 +118,7 @@ def test_the_dataloader_decides_its_hardware_by_the_rule(monkeypatch):
 
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.tokenize import load_tokenizer
-    from dynabatch.integrations.dataloader import DynaBatchDataLoader
+    from dynabatch.integrations.dataloader import DynaBatchDataLoader, default_cost_model
 
     datasets = pytest.importorskip("datasets")
     rows = datasets.Dataset.from_dict({"inputs": ["a b c d"] * 8, "targets": ["e f"] * 8})
@@ -130,6 +130,10 @@ def test_the_dataloader_decides_its_hardware_by_the_rule(monkeypatch):
 
     assert loader().resolved == {"hardware": ("cpu", "no CUDA device: the cpu preset")}
     assert loader().cost_model.model.hardware.name == "cpu"
+    view = args_view(hardware="auto")
+    assert decide(view, "hardware", Found(cuda_available=True)) == "cuda"  # the CUDA device's own preset
+    with pytest.raises(ValueError, match="hardware='cuda' prices this machine's CUDA device, but CUDA is not"):
+        default_cost_model(config, "cuda")  # this CPU machine
     monkeypatch.setitem(RULES, "hardware", lambda cfg, found: ("a100-80gb", "a test's rule")
                         if cfg.hardware == "auto" else None)
     changed = loader()
