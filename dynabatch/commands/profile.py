@@ -130,14 +130,16 @@ def _check(args) -> int:
 
 
 def _device(args) -> tuple[str, dict]:
-    """``--device`` as the resolver decides it (``auto``: cuda when available, :mod:`dynabatch.config.resolve`),
-    then the device of this process (``cuda``: ``cuda:0``), and the resolver's choices; after :func:`_set_thp`, as
-    it imports torch."""
+    """``--device``, ``--clock`` and ``--p2p`` as the resolver decides them (``auto``: cuda when available; thread
+    CPU time on one CPU thread, else the wall clock; gloo on CPU, nccl with two CUDA devices:
+    :mod:`dynabatch.config.resolve`), then the device of this process (``cuda``: ``cuda:0``), and the resolver's
+    choices; after :func:`_set_thp`, as it imports torch."""
     import torch
 
     from dynabatch.runtime.dist import resolve_device
 
-    decided = resolve_args(args, Found(cuda_available=torch.cuda.is_available()))
+    cuda = torch.cuda.is_available()
+    decided = resolve_args(args, Found(cuda_available=cuda, cuda_devices=torch.cuda.device_count() if cuda else 0))
     return str(resolve_device(args.device)[1]), decided
 
 

@@ -44,6 +44,8 @@ class Found:
     world_size: int = 1
     memory_gib: float | None = None
     """The device's memory, when known (``--memory-gib`` is what the planner may use)."""
+    cuda_devices: int | None = None
+    """``torch.cuda.device_count()``, where a rule needs it (``profile``'s p2p sweep needs two devices)."""
 
     @property
     def device_type(self) -> str | None:
@@ -90,6 +92,30 @@ def _hardware(cfg, found: Found):
     if found.cuda_available:
         return "cuda", "CUDA is available: the preset of the CUDA device's name, with its memory"
     return "cpu", "no CUDA device: the cpu preset"
+
+
+@rule("clock")
+def _clock(cfg, found: Found):
+    """``profile``'s timer (:func:`dynabatch.cost.measure.resolve_clock` checks a given one)."""
+    if getattr(cfg, "clock", None) != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cpu" and getattr(cfg, "threads", None) in (None, 1):
+        return "thread_cpu", "CPU, one thread: this thread's CPU time, which other processes cannot inflate"
+    return "wall", "CUDA or several threads: the wall clock"
+
+
+@rule("p2p")
+def _p2p(cfg, found: Found):
+    """``profile``'s point-to-point sweep (:func:`dynabatch.cost.p2p.default_backend` for callers of the API)."""
+    if getattr(cfg, "p2p", None) != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cpu":
+        return "gloo", "CPU: gloo"
+    if found.cuda_devices is None:
+        return None
+    if found.cuda_devices >= 2:
+        return "nccl", "two or more CUDA devices: nccl"
+    return "none", "one CUDA device: no peer to send to"
 
 
 @rule("tokenizer")

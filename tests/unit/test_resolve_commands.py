@@ -89,7 +89,12 @@ def test_profile_and_data_report_decide_by_the_rules(tmp_path, monkeypatch, caps
 
     args = command_parser("profile")[1].parse_args(["--model", "gpt2-mini"])
     device, decided = profile._device(args)
-    assert device == "cpu" and decided == {"device": ("cpu", "no CUDA device")}  # this CPU machine
+    assert device == "cpu" and {k: v for k, (v, _) in decided.items()} == {  # this CPU machine
+        "device": "cpu", "clock": "thread_cpu", "p2p": "gloo"}
+    args = command_parser("profile")[1].parse_args(["--threads", "2", "--p2p", "none"])
+    assert {k: v for k, (v, _) in profile._device(args)[1].items()} == {"device": "cpu", "clock": "wall"}
+    cuda = Found(cuda_available=True, cuda_devices=1)
+    assert resolve_args(command_parser("profile")[1].parse_args([]), cuda)["p2p"][0] == "none"  # no peer
     args = command_parser("data-report")[1].parse_args([])
     assert resolve_args(args, Found()) == {"tokenizer": ("builtin", "no --model folder holding a tokenizer")}
     monkeypatch.setitem(RULES, "tokenizer", lambda cfg, found: ("byt5", "a test's rule")
