@@ -76,7 +76,7 @@ from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.resolve import lower_args
+from dynabatch.config.resolve import Found, Resolved, lower, lower_args, resolve
 from dynabatch.config.sections import arg
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer
@@ -105,6 +105,8 @@ OWN_BASE = (PROFILED, UNCALIBRATED, NORECOMPUTE)
 """The dynamic variants planned ahead with their own base cost model and no calibration."""
 METHODS = ("dynamic", SLICED, *BASELINES, PEER, UNCALIBRATED, NORECOMPUTE, *PACK_ROWS_OF, *PLAN_VARIANTS)
 DEFAULT_METHODS = ("dynamic", SLICED, *BASELINES, PEER)
+PEER_PLANS_AS = "packing"
+"""The peer runs packing's rows: it is planned as packing."""
 
 
 @dataclass(frozen=True)
@@ -234,11 +236,35 @@ class _Method:
     """Virtual stages (``METHOD@PLACEMENT``): the :class:`~dynabatch.schedule.placement.Placement` it runs on."""
 
 
+def method_configs(args, methods: list[str], found: Found) -> dict[str, Resolved]:
+    """Each method's TrainConfig (``pipelining``: packing's), resolved by the resolver's rules
+    (:func:`~dynabatch.config.resolve.resolve`) with what this process finds, as ``train`` resolves its own:
+    every ``auto`` decided per method (a baseline's ``--recompute auto``: none)."""
+    return {m: resolve(_config(args, PEER_PLANS_AS if m == PEER else m), found) for m in methods}
+
+
+def base_config(args):
+    """The configuration of the cost model every method shares (the dynamic method's, resolved)."""
+    return resolve(_config(args, "dynamic"), found_here(args)).config
+
+
+def found_here(args) -> Found:
+    """What a bench process finds before it decides: CUDA or not, the model's sequence kind, the world size."""
+    import torch
+
+    return Found(cuda_available=torch.cuda.is_available(), sequence_kind=_family(args.model), world_size=args.stages)
+
+
+def resolved_json(resolved: dict[str, Resolved]) -> dict:
+    """The JSON's ``resolved``: per method, ``{field: [value, reason]}``."""
+    return {m: {name: [getattr(r.config, name), why] for name, why in r.reasons.items()} for m, r in resolved.items()}
+
+
 def _config(args, method: str):
     from dynabatch.config import TrainConfig
 
     return TrainConfig(
-        model=args.model, stages=args.stages, method="dynamic" if method in (SLICED, *PACK_ROWS_OF, *OWN_BASE, *PLAN_VARIANTS) else method,
+        model=args.model, tokenizer=args.tokenizer, attention_kernel=args.attention_kernel, stages=args.stages, method="dynamic" if method in (SLICED, *PACK_ROWS_OF, *OWN_BASE, *PLAN_VARIANTS) else method,
         policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
@@ -351,7 +377,7 @@ def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, o
         return r.executor.step(num, shape, tokens, inputs), None, None
     result = train_step(
         r.executor, ctx, step, planned.replica_micro_batches if planned else None, spec=r.spec,
-        policy=r.cfg.policy, costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
+        policy=lower("policy", r.cfg.policy), costs=planned.costs if planned else None, memory_limit_bytes=r.cfg.memory_gib * 2**30,
         schedules=planned.schedules if planned else None,
         slice_links=planned.slice_links if planned else None,
         model_state_bytes=planned.model_state_bytes if planned else 0.0, placement=r.placement,
@@ -378,19 +404,20 @@ def bench(args, methods: list[str]) -> dict | None:
     from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer
     from dynabatch.runtime.trainer import build_run_model, connect, planner_cost_model
 
-    # the peer runs packing's rows: plan it as packing
-    cfgs = {m: _config(args, "packing" if m == PEER else m) for m in methods}
+    resolved = method_configs(args, methods, found_here(args))
+    cfgs = {m: r.config for m, r in resolved.items()}
     cfg0 = cfgs[methods[0]]
     num_steps = args.untimed_steps + args.timed_steps
     ctx = connect(cfg0)
     try:
         torch.set_num_threads(args.threads)
-        if problem := kernel_problem(args.attention_kernel, ctx.device, args.dtype):
+        kernel = lower("attention_kernel", cfg0.attention_kernel)
+        if problem := kernel_problem(kernel, ctx.device, args.dtype):
             raise ValueError(problem)
-        use_attention_kernel(args.attention_kernel)
-        info = tokenizer_info(load_tokenizer(args.tokenizer, args.model))
+        use_attention_kernel(kernel)
+        info = tokenizer_info(load_tokenizer(cfg0.tokenizer, args.model))
         family = check_model(args.model, args.max_input_len).sequence_kind
-        model = build_run_model(args.model, args.tokenizer, info, family, seed=args.seed)
+        model = build_run_model(args.model, cfg0.tokenizer, info, family, seed=args.seed)
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
         batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []
@@ -431,7 +458,7 @@ def bench(args, methods: list[str]) -> dict | None:
         if ctx.is_planner:
             from dynabatch.runtime.trainer import run_calibration
 
-            cost_model = planner_cost_model(_config(args, "dynamic"), model.config, layout)  # the base every method shares
+            cost_model = planner_cost_model(base_config(args), model.config, layout)  # the base every method shares
             if calibrated:  # one fit shared by the calibrated methods, set up as the trainer's
                 calibration, _ = run_calibration(cfgs[calibrated[0]], cost_model, model.config.to_dict(), layout)
                 fits[""] = calibration
@@ -528,6 +555,7 @@ def bench(args, methods: list[str]) -> dict | None:
         result = results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
                          str(ctx.device), measured_saved, calibrated, stage_compute, _flag_names())
         result["layouts"] = {k: v.layout.describe() for k, v in layouts.items()}
+        result["resolved"] = resolved_json(resolved)
         if not args.tune_baselines:
             return result
         from dynabatch.commands.tuning import with_tuned

@@ -63,9 +63,9 @@ def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> di
                 out += [planner.preview(b) for b in sampled]
             return out
 
-        from dynabatch.commands.bench import _config
+        from dynabatch.commands.bench import base_config
 
-        base = _config(args, "dynamic")
+        base = base_config(args)
         if any(cfgs[m].cost_profile for m in methods):  # a profile times whole blocks: every method's split keeps them
             base = dataclasses.replace(base, split_blocks="off")
         layer_model = planner_cost_model(base, model.config, layout_for(model, 1)).model

@@ -15,7 +15,7 @@ from dynabatch.data.baselines import BASELINES
 from dynabatch.plan.ideal import balanced_efficiency, ideal_work, planned_work
 from dynabatch.schedule.step import compute_schedule
 from dynabatch.schedule.simulate import simulate
-from dynabatch.plan.step import pack_rows_on
+from dynabatch.config.resolve import lower
 
 
 def simulated(shapes, policy: str, cfg, cost_model):
@@ -160,7 +160,6 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
     import torch
 
     from dynabatch.models.attention_kernels import KERNEL_CALLS
-    from dynabatch.runtime.dist import device_type
 
     w = args.untimed_steps
     rows = {}
@@ -189,7 +188,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "candidates": dict(Counter(x["candidate"] for x in timed if x["candidate"])),  # dynamic: which plan ran
             "plan_ms_median": 1e3 * float(np.median([x["plan_s"] for x in stats])),
             "calibration": runs[m].cfg.calibration_mode if m in calibrated else "off",
-            "pack_rows": pack_rows_on(runs[m].cfg.pack_rows, device_type(runs[m].cfg.device)),  # device resolved
+            "pack_rows": lower("pack_rows", runs[m].cfg.pack_rows),  # resolved (device: per device), as the planner names it
             "prediction_error_median": _prediction_error(runs[m], t, w),
             "loss_first": losses[m][0],
             "loss_last": losses[m][-1],

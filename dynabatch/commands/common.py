@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.resolve import lower_args
+from dynabatch.config.resolve import Found, args_view, decide, lower_args, resolve_args
 from dynabatch.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
@@ -119,13 +119,19 @@ class Workload:
     """A StageCostModel over the analytic model (planner and simulator view)."""
     options: BaselineOptions
     split_blocks: bool = True
-    """``--split-blocks auto|on``: layer splits may cut inside blocks (decoder-only, T5 encoder)."""
+    """``--split-blocks`` resolved to ``on``: layer splits may cut inside blocks (decoder-only, T5 encoder)."""
+    resolved: dict = field(default_factory=dict)
+    """``{field: (value, reason)}`` of the flags the resolver decided (:func:`~dynabatch.config.resolve.resolve_args`),
+    what the command reports under ``resolved``."""
 
 
 def resolve(args: argparse.Namespace) -> Workload:
+    """The workload of ``plan``/``simulate``'s flags, their ``auto`` values decided by the resolver's rules (with
+    nothing found: these commands price analytic presets, not this machine) and then in the planners' spelling."""
 
     check_positive(args, "num_batches", "stages", "replicas", "global_batch_tokens", *option_users())
-    lower_args(args)  # a resolved config.yaml's search names (per_step, ...) are the planners' auto
+    decided = resolve_args(args, Found())
+    lower_args(args)  # the search names (per_step, ...) are the planners' auto
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
     preset = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
@@ -140,7 +146,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
     e_ref = min(args.max_input_len, 512)
-    split_blocks = getattr(args, "split_blocks", "auto") != "off"  # plan and simulate price analytically
+    split_blocks = decide(args_view(args), "split_blocks") == "on"  # the flag as resolved (the rule: without it)
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)),
                              split_blocks=split_blocks)
     memory_gib = getattr(args, "memory_gib", None)
@@ -148,7 +154,12 @@ def resolve(args: argparse.Namespace) -> Workload:
     cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"),
                           zero=getattr(args, "zero", 0), replicas=getattr(args, "replicas", 1))
     options = BaselineOptions.of(args)
-    return Workload(args.lengths or default_mixture_path(), family, limits, cost, options, split_blocks)
+    return Workload(args.lengths or default_mixture_path(), family, limits, cost, options, split_blocks, decided)
+
+
+def resolved_json(w: Workload) -> dict:
+    """``--json``'s ``resolved``: ``{field: [value, reason]}``."""
+    return {name: [value, why] for name, (value, why) in w.resolved.items()}
 
 
 def model_states(cost_model) -> dict:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from dynabatch.commands.common import check_positive, parse_methods, write_json
 from dynabatch.config.flags import add_fields
+from dynabatch.config.resolve import Found, resolve_args
 from dynabatch.core.methods import check_method_family, methods_for
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
@@ -207,8 +208,10 @@ def run(args: argparse.Namespace) -> int:
     parse_max_lens(args.max_lens)
     parse_methods(args.methods, tuple(BASELINES))
     spec = _spec(args)
+    decided = resolve_args(args, Found())  # --tokenizer auto: the resolver's rule (no --model: builtin)
     tokenizer = load_tokenizer(args.tokenizer)
-    print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer)))
+    why = decided["tokenizer"][1] if "tokenizer" in decided else None
+    print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer), why))
     families = FAMILIES if args.family == "both" else (args.family,)
     print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
     for family in families:

@@ -14,9 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from dynabatch.commands.common import describe_model_states, model_states, split_from_data, write_json, add_workload_arguments, compared_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, resolve
 from dynabatch.config.flags import add_fields
-from dynabatch.plan.step import pack_rows_on
+from dynabatch.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, METHODS, is_planner, objective_note
 from dynabatch.workload import global_batches, kept_limits, method_micro_batches
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return AnalyticSliceCostModel.from_stage_model(cost_model) if sliced else None
 
     rows = {}
-    pack_rows = pack_rows_on(args.pack_rows, None)  # plan prices presets: device = off
+    pack_rows = args.pack_rows  # resolved (plan prices presets: device = off) and lowered
     try:
         _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options,
                                   slice_cost_model=slicer(w.cost_model), pack_rows=pack_rows)
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         "methods": rows,
         "dynamic_speedup_vs_best_baseline": speedup,
         "model_states": model_states(w.cost_model),
+        "resolved": resolved_json(w),
     }
     if args.json and write_json(summary, args.json):
         return 0
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
           f"{stages} stages, reference split: {summary['layout']}; baseline rows up to the longest kept sample "
           f"({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
+    if w.resolved:
+        print(describe_choices(w.resolved))
     print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8}  plan ms/batch p50 [p10-p90] max")
     for method, r in rows.items():
         print(f"{method + ('*' if 'changes_objective' in r else ''):<19} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dynabatch.config.flags import add_fields, add_sections
+from dynabatch.config.resolve import Found, describe_choices, resolve_args
 from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
@@ -111,7 +112,8 @@ def _check(args) -> int:
         return _check_run(args.check)
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
-    args.device = _device(args.device)
+    args.device, decided = _device(args)
+    _log_choices(decided)
     from dynabatch.cost.calibrate import format_summary, run_check, summarize
     from dynabatch.models.families import layer_builder
 
@@ -127,11 +129,23 @@ def _check(args) -> int:
     return 0
 
 
-def _device(name: str) -> str:
-    """``--device`` resolved (``auto``: cuda when available); after :func:`_set_thp`, as it imports torch."""
+def _device(args) -> tuple[str, dict]:
+    """``--device``, ``--clock`` and ``--p2p`` as the resolver decides them (``auto``: cuda when available; thread
+    CPU time on one CPU thread, else the wall clock; gloo on CPU, nccl with two CUDA devices:
+    :mod:`dynabatch.config.resolve`), then the device of this process (``cuda``: ``cuda:0``), and the resolver's
+    choices; after :func:`_set_thp`, as it imports torch."""
+    import torch
+
     from dynabatch.runtime.dist import resolve_device
 
-    return str(resolve_device(name)[1])
+    cuda = torch.cuda.is_available()
+    decided = resolve_args(args, Found(cuda_available=cuda, cuda_devices=torch.cuda.device_count() if cuda else 0))
+    return str(resolve_device(args.device)[1]), decided
+
+
+def _log_choices(decided: dict) -> None:
+    if decided:
+        logger.info(describe_choices(decided))
 
 
 def run(args) -> int:
@@ -140,7 +154,7 @@ def run(args) -> int:
         return _check(args)
     if args.device in ("cpu", "auto") and not args.no_thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
-    args.device = _device(args.device)
+    args.device, decided = _device(args)
     from dynabatch.cost.measure import MeasureSettings
     from dynabatch.cost.profile import run_profile, save_profile
     from dynabatch.models.families import layer_builder
@@ -151,6 +165,7 @@ def run(args) -> int:
                        _ints(args.dec_lengths, "--dec-lengths"), args.max_tokens)
     settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
     kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
+    _log_choices(decided)  # after the flags are checked: a bad one is the command's only line
     p2p = None if args.p2p == "none" else args.p2p
     profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],
                           num_threads=threads, dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,

@@ -40,18 +40,18 @@ from typing import Literal
 
 import numpy as np
 
-from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, resolve
 from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.config.sections import arg
 from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
-from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on, with_pairs
+from dynabatch.plan.step import DEFAULT_PACK_ROWS, with_pairs
 from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, METHODS, is_planner, objective_note
 from dynabatch.workload import global_batches, kept_limits, method_micro_batches
-from dynabatch.cost.recompute import policy_for
+from dynabatch.config.resolve import args_view, decide, describe_choices, lower
 from dynabatch.schedule.policies import adaptive, choose_schedule
 from dynabatch.schedule.simulate import with_message_buffers
 from dynabatch.schedule.virtual import placed_step
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     options = SimulateOptions(
         in_flight=args.in_flight, cap_tolerance=args.cap_tolerance, max_samples=args.max_samples,
         objective_stages=_objective_stages(args.objective_stages),
-        link=args.link, search_steps=args.search_steps, pack_rows=pack_rows_on(args.pack_rows, None), slice_long=args.slice_long,
+        link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows, slice_long=args.slice_long,
     )
     stages = w.cost_model.num_stages
     candidates = [Placement.parse(name, stages) for name in
@@ -246,8 +246,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
 
     if method == DYNAMIC_SLICED:  # the planner with token slices: --slice-long for this method
         options = dataclasses.replace(options, slice_long=True)
-    w = dataclasses.replace(w, cost_model=dataclasses.replace(
-        w.cost_model, recompute=policy_for("dynamic" if is_planner(method) else method, w.cost_model.recompute)))
+    w = dataclasses.replace(w, cost_model=dataclasses.replace(w.cost_model, recompute=method_recompute(method, w)))
     cm = w.cost_model
     ideal_model = dataclasses.replace(cm, recompute="none")  # the ideal never recomputes
     real = computed = micro = sliced = 0
@@ -295,6 +294,13 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
         schedule_ms_max=1e3 * float(np.max(sched_wall)), plan_ms_median=1e3 * float(np.median(plan_wall)),
     )
+
+
+def method_recompute(method: str, w) -> str:
+    """The recomputation ``method`` runs with under the workload's ``--recompute`` (resolved and lowered: ``auto``
+    is the search): the resolver's rule for that method (a baseline's ``auto``: none, its knob fits memory)."""
+    view = args_view(recompute=w.cost_model.recompute, method="dynamic" if is_planner(method) else method)
+    return lower("recompute", decide(view, "recompute"))
 
 
 def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOptions()):
@@ -478,6 +484,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
         "model_states": model_states(w.cost_model),
+        "resolved": resolved_json(w),
         "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
                     for k, v in rows.items()},
         "best_baseline": best.method if best else None,
@@ -500,6 +507,8 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
           f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device; "
           f"baseline rows up to the longest kept sample ({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
+    if summary["resolved"]:
+        print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
     print(f"{'method':<19} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
           f"{'step s':>7} "
           f"{'peak GiB':>8} {'fits':>4} "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from dynabatch.core.methods import objective_note
 from dynabatch.data.baselines import BaselineOptions, Trial, baseline_spec, best_trial, grid_settings, with_twins
+from dynabatch.config.resolve import lower
 from dynabatch.schedule.step import lower_step
 
 
@@ -120,7 +121,7 @@ def memory_error(planned_steps, cfg, spec) -> str:
     same validation :func:`~dynabatch.runtime.step.train_step` runs on rank 0."""
     for p in planned_steps:
         try:
-            lower_step([list(s) for s in p.shapes], spec, policy=cfg.policy, step=p.step, costs=p.costs,
+            lower_step([list(s) for s in p.shapes], spec, policy=lower("policy", cfg.policy), step=p.step, costs=p.costs,
                       memory_limit_bytes=cfg.memory_gib * 2**30, schedules=p.schedules, slice_links=p.slice_links,
                       model_state_bytes=p.model_state_bytes)
         except ValueError as e:

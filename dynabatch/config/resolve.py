@@ -4,8 +4,14 @@
 kind, the world size, the device memory) and returns a :class:`Resolved`: the configuration with no ``auto`` left and
 one short reason per decided field. Each field that can say ``auto`` has one rule in :data:`RULES` (a registry:
 ``@rule("name")``); the rules run in registry order, each on the configuration resolved so far. Components take the
-resolved values; code that may still be handed an unresolved configuration (a test, the HF DataLoader) asks
-:func:`decide` for one field, so the same rule answers there too.
+resolved values; code that may still be handed an unresolved configuration (a test, a caller of a runtime
+function) asks :func:`decide` for one field, so the same rule answers there too.
+
+Every command and API goes through these rules: ``train`` (:func:`resolve` of its TrainConfig), ``bench`` (the
+TrainConfig of each method, :func:`resolve`), ``plan``, ``simulate``, ``profile`` and ``data-report``
+(:func:`resolve_args` on the parsed flags: the rules of the fields the command takes, with ``train``'s defaults
+for the fields it lacks), :class:`~dynabatch.integrations.dataloader.DynaBatchDataLoader` (its ``hardware``:
+:func:`decide` with what the process finds).
 
 Some ``auto`` choices are searches the run makes as it goes (the schedule policy per step, recomputation per
 micro-batch, row packing per step, the attention kernel per call): ``auto`` resolves to the search's own name
@@ -19,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
-from dynabatch.config.sections import PLAN_COSTS_AUTO, SEARCHES
+from dynabatch.config.sections import PLAN_COSTS_AUTO, SEARCHES, SECTIONS
 from dynabatch.core.methods import DYNAMIC
 from dynabatch.data.tokenize import resolve_tokenizer
 
@@ -37,6 +44,8 @@ class Found:
     world_size: int = 1
     memory_gib: float | None = None
     """The device's memory, when known (``--memory-gib`` is what the planner may use)."""
+    cuda_devices: int | None = None
+    """``torch.cuda.device_count()``, where a rule needs it (``profile``'s p2p sweep needs two devices)."""
 
     @property
     def device_type(self) -> str | None:
@@ -74,12 +83,47 @@ def _device(cfg, found: Found):
     return "cpu", "no CUDA device"
 
 
+@rule("hardware")
+def _hardware(cfg, found: Found):
+    """The analytic hardware preset of :class:`~dynabatch.integrations.dataloader.DynaBatchDataLoader` (``plan`` and
+    ``simulate`` name theirs: a paper-scale preset, no ``auto``)."""
+    if getattr(cfg, "hardware", None) != "auto" or found.cuda_available is None:
+        return None
+    if found.cuda_available:
+        return "cuda", "CUDA is available: the preset of the CUDA device's name, with its memory"
+    return "cpu", "no CUDA device: the cpu preset"
+
+
+@rule("clock")
+def _clock(cfg, found: Found):
+    """``profile``'s timer (:func:`dynabatch.cost.measure.resolve_clock` checks a given one)."""
+    if getattr(cfg, "clock", None) != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cpu" and getattr(cfg, "threads", None) in (None, 1):
+        return "thread_cpu", "CPU, one thread: this thread's CPU time, which other processes cannot inflate"
+    return "wall", "CUDA or several threads: the wall clock"
+
+
+@rule("p2p")
+def _p2p(cfg, found: Found):
+    """``profile``'s point-to-point sweep (:func:`dynabatch.cost.p2p.default_backend` for callers of the API)."""
+    if getattr(cfg, "p2p", None) != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cpu":
+        return "gloo", "CPU: gloo"
+    if found.cuda_devices is None:
+        return None
+    if found.cuda_devices >= 2:
+        return "nccl", "two or more CUDA devices: nccl"
+    return "none", "one CUDA device: no peer to send to"
+
+
 @rule("tokenizer")
 def _tokenizer(cfg, found: Found):
     if cfg.tokenizer != "auto":
         return None
     name = resolve_tokenizer("auto", cfg.model)
-    return name, ("the --model folder's own tokenizer" if name == cfg.model else "the model names no tokenizer")
+    return name, ("the --model folder's own tokenizer" if name == cfg.model else "no --model folder holding a tokenizer")
 
 
 @rule("attention_kernel")
@@ -125,6 +169,11 @@ def _plan_costs(cfg, found: Found):
 
 @rule("planner")
 def _planner(cfg, found: Found):
+    """The process on CUDA (rank 0's loop launches kernels from Python and would wait for a planner thread's GIL), the
+    thread on CPU. On CPU the niced process measured better on the main job (t5-tiny, 2 stages, 2 cores, 30 steps:
+    dynamic 1.15x packing_free against 0.98x with the thread, medians of 3, 2026-12-06), and ``scripts/run.sh`` asks
+    for it; it stays opt-in there because with it a run whose peer rank is stopped (SIGSTOP) does not end within its
+    timeout (tests/dist/test_faults.py), which is not yet understood."""
     if cfg.planner != "auto" or (kind := _device_type(cfg, found)) is None:
         return None
     if kind == "cuda":
@@ -134,6 +183,11 @@ def _planner(cfg, found: Found):
 
 @rule("pack_rows")
 def _pack_rows(cfg, found: Found):
+    """``device`` (the default) is the search on a CUDA device and ``off`` on CPU and without a device (``plan``,
+    ``simulate``), both by measurement: on one H200 the search ran GPT-2 small 1.82x and T5-small 2.63x faster
+    than ``off`` (docs/benchmarks/gpu_h200/); on a CPU's runtime ``off`` was as fast or faster, and simulated on the
+    analytic presets the search was 0.986-1.020x of ``off`` at 3-6x the planning time (docs/algorithms/planner.md,
+    "Row packing in the planner")."""
     if cfg.pack_rows not in ("device", "auto"):
         return None
     if cfg.pack_rows == "auto":
@@ -212,8 +266,44 @@ def resolve(cfg, found: Found) -> Resolved:
 def decide(cfg, name: str, found: Found = Found()) -> Any:
     """The value of field ``name`` that ``cfg`` runs with: its own, or its rule's (for a configuration that did not
     go through :func:`resolve`)."""
+    return decide_why(cfg, name, found)[0]
+
+
+def decide_why(cfg, name: str, found: Found = Found()) -> tuple[Any, str | None]:
+    """:func:`decide` and the rule's reason (``None``: the value is ``cfg``'s own)."""
     decided = RULES[name](cfg, found) if name in RULES else None
-    return getattr(cfg, name) if decided is None else decided[0]
+    return (getattr(cfg, name), None) if decided is None else decided
+
+
+def args_view(args=None, **values: Any) -> SimpleNamespace:
+    """What the rules read of a command's parsed flags ``args`` (or of nothing): ``train``'s default of every
+    TrainConfig field, then every flag of ``args``, then ``values``."""
+    defaults = {f.name: f.default for s in SECTIONS for f in dataclasses.fields(s)}
+    return SimpleNamespace(**{**defaults, **(vars(args) if args is not None else {}), **values})
+
+
+def resolve_args(args, found: Found = Found()) -> dict[str, tuple[Any, str]]:
+    """A command's parsed flags through :data:`RULES`, as :func:`resolve` takes a TrainConfig: every rule runs in
+    order on :func:`args_view` (the flags, ``train``'s defaults for the fields the command lacks, each decision
+    seen by the later rules); the fields the command takes are set to their decided values (in place). Returns
+    ``{field: (value, reason)}`` of those fields, what the command reports as its resolved choices."""
+    view = args_view(args)
+    decided = {}
+    for name, fn in RULES.items():
+        choice = fn(view, found)
+        if choice is None:
+            continue
+        setattr(view, name, choice[0])
+        if hasattr(args, name):
+            setattr(args, name, choice[0])
+            decided[name] = choice
+    return decided
+
+
+def describe_choices(decided: dict[str, tuple[Any, str]]) -> str:
+    """One line of :func:`resolve_args`' choices: ``resolved: --split-blocks on (why); ...``."""
+    return "resolved: " + "; ".join(f"--{name.replace('_', '-')} {value} ({why})"
+                                    for name, (value, why) in decided.items())
 
 
 def lower(name: str, value: Any) -> Any:

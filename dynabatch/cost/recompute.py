@@ -22,8 +22,8 @@ store whole run with recomputation instead of being refused.
 
 Policies (``--recompute``): ``none`` (the default before this module), ``auto``, and ``selective`` /
 ``full`` (that mode for every micro-batch on every stage). ``auto`` is the dynamic planner's: a baseline
-batcher under ``auto`` runs without recomputation (:func:`policy_for`; its knob is what a user tunes to
-fit memory), while an explicit ``selective`` / ``full`` applies to every method (``full`` is what Hugging
+batcher under ``auto`` runs without recomputation (the resolver's rule, :mod:`dynabatch.config.resolve`; its knob
+is what a user tunes to fit memory), while an explicit ``selective`` / ``full`` applies to every method (``full`` is what Hugging
 Face's ``gradient_checkpointing`` does). A token slice (TeraPipe piece) runs the mode chosen for its own
 ``(1, slice length)`` shape, its costs scaled by the slice cost model like an unsliced piece's
 (:func:`~dynabatch.plan.slice_costs.slice_stage_costs`); the runtime recomputes slices exactly.
@@ -62,11 +62,6 @@ class RecomputeTerms:
     @classmethod
     def fields(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def policy_for(method: str, policy: str) -> str:
-    """The recompute policy ``method`` runs under ``--recompute policy`` (module docstring)."""
-    return "none" if policy == "auto" and method != "dynamic" else check_policy(policy)
 
 
 def check_policy(policy: str) -> str:

@@ -65,10 +65,13 @@ def resolve_tokenizer(name: str, model: str | None = None) -> str:
     return model if model and has_tokenizer_files(model) else "builtin"
 
 
-def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo") -> str:
-    """The start-up line that says which tokenizer a run uses and why."""
+def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo", why: str | None = None) -> str:
+    """The start-up line that says which tokenizer a run uses and why (``why``: the resolver's reason for the
+    already resolved ``name``)."""
     resolved = resolve_tokenizer(name, model)
-    if name != AUTO:
+    if why is not None:
+        why = f"--tokenizer auto: {why}"
+    elif name != AUTO:
         why = "--tokenizer"
     elif resolved == model:
         why = "the --model folder's own (--tokenizer auto)"

@@ -32,8 +32,8 @@ target token weighs the same, however the batch was cut.
 
 The cost model for ``dynamic`` defaults to the analytic model of the Hugging Face ``model_config``
 (:func:`~dynabatch.models.families.analytic_spec`, one stage, the device's memory minus
-parameters, gradients and Adam states; ``hardware="auto"`` picks the preset from the CUDA device name,
-``cpu`` without one; activations priced as the trainer prices its own runs, in ``dtype`` under ``attention``)
+parameters, gradients and Adam states; ``hardware="auto"``, decided by the resolver's rule
+(:mod:`dynabatch.config.resolve`), is the CUDA device's preset by its name, ``cpu`` without one; activations priced as the trainer prices its own runs, in ``dtype`` under ``attention``)
 or, without a config, to
 :class:`~dynabatch.plan.costs.PolynomialCostModel`. Planning a global batch of a few hundred samples
 takes ~1-20 ms (numba, warm); collating is numpy + ``torch.from_numpy``.
@@ -45,8 +45,10 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field, fields
+from types import SimpleNamespace
 from typing import Any
 
+from dynabatch.config.resolve import Found, decide_why
 from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.core.dtypes import DTYPES
 from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
@@ -146,15 +148,26 @@ def default_cost_model(
 
     from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
 
-    if hardware == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        spec = device_hardware(device)
+    hardware = resolved_hardware(hardware)[0]
+    if hardware == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("hardware='cuda' prices this machine's CUDA device, but CUDA is not available; use "
+                             "hardware='auto' or a preset name")
+        spec = device_hardware("cuda")
     else:
         spec = hardware_spec(hardware)
-        device = "cpu" if hardware == "cpu" else "cuda"
+    device = "cpu" if hardware == "cpu" else "cuda"
     model = run_cost_model(model_config, device, dtype=dtype, attention_path=attention, dropout=True, hardware=spec)
     memory = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
     return StageCostModel(model, balanced_layout(model, 1), float(memory))
+
+
+def resolved_hardware(hardware: str) -> tuple[str, str | None]:
+    """``hardware`` as the resolver's ``hardware`` rule decides it with what this process finds (``auto``: ``cuda``,
+    the CUDA device's own preset, when CUDA is available, else ``cpu``), and the rule's reason (``None``: given)."""
+    import torch
+
+    return decide_why(SimpleNamespace(hardware=hardware), "hardware", Found(cuda_available=torch.cuda.is_available()))
 
 
 @dataclass(eq=False)
@@ -177,7 +190,9 @@ class DynaBatchDataLoader:
     model_config: Any = None
     """Hugging Face ``T5Config`` / ``GPT2Config`` for the default analytic cost model."""
     hardware: str = "auto"
-    """Hardware preset of the default analytic cost model (``dynabatch.cost.hardware``); ``auto``: this machine's."""
+    """Hardware preset of the default analytic cost model (``dynabatch.cost.hardware``), ``cuda`` (the preset of this
+    machine's CUDA device, with its memory) or ``auto`` (the resolver's rule: ``cuda`` when CUDA is available, else
+    ``cpu``; :attr:`resolved` says what it chose)."""
     device_memory_bytes: float | None = None
     """Device memory for the default analytic cost model (default: the detected device's, else the preset's)."""
     dtype: str = "fp32"
@@ -216,6 +231,8 @@ class DynaBatchDataLoader:
     """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
     columns: Mapping[str, str] | str | None = None
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
+    resolved: dict = field(init=False, repr=False, default_factory=dict)
+    """``{field: (value, reason)}`` of the options the resolver decided (``hardware`` of the default cost model)."""
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
     _collator: Batcher = field(init=False, repr=False)
     _start_state: dict = field(init=False, repr=False)
@@ -282,7 +299,12 @@ class DynaBatchDataLoader:
             if self.method_options:
                 raise ValueError(f"method_options {dict(self.method_options)} apply to baselines, not 'dynamic'")
             if self.cost_model is None:
-                self.cost_model = default_cost_model(self.model_config, self.hardware, self.device_memory_bytes,
+                hardware = self.hardware
+                if self.model_config is not None:
+                    hardware, why = resolved_hardware(self.hardware)
+                    if why is not None:
+                        self.resolved["hardware"] = (hardware, why)
+                self.cost_model = default_cost_model(self.model_config, hardware, self.device_memory_bytes,
                                                      dtype=self.dtype, attention=self.attention)
             self._collator = Batcher(limits=self.limits, tokens=tokens, loss_on_inputs=self.loss_on_inputs)
         else:

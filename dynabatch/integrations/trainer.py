@@ -50,6 +50,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
+from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.models.forward import forward_loss
 from dynabatch.runtime.evaluate import generate_ids
@@ -73,6 +74,8 @@ class DynaBatchTrainer(Trainer):
         attention: str = "segments",
         **kwargs,
     ):
+        if attention not in ATTENTION_PATHS:  # the choices of --attention
+            raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_PATHS)}")
         given = [k for k in _NOT_ACCEPTED if kwargs.get(k) is not None]
         if given:
             raise ValueError(f"DynaBatchTrainer takes train_loader= and eval_loader=, not {given}")

@@ -59,18 +59,10 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.baselines import RowGroup
 
 DEFAULT_PACK_ROWS = "device"
-"""The commands' and ``TrainConfig``'s default: :func:`pack_rows_on` resolves it per device."""
+"""The commands' and ``TrainConfig``'s default: the resolver's ``pack_rows`` rule (:mod:`dynabatch.config.resolve`)
+decides it per device, ``auto`` on CUDA and ``off`` on CPU and in ``plan``/``simulate``."""
 
 
-def pack_rows_on(choice: str, device_type: str | None) -> str:
-    """The ``pack_rows`` value the planner runs with: ``choice``, except that ``device`` is ``auto`` on a CUDA
-    device and ``off`` on CPU and in ``plan``/``simulate`` (``device_type=None``). Both by measurement: on one
-    H200 ``auto`` ran GPT-2 small 1.82x and T5-small 2.63x faster than ``off`` (docs/benchmarks/gpu_h200/); on this
-    CPU's runtime ``off`` was as fast or faster, and simulated on the analytic presets ``auto`` was 0.986-1.020x
-    of ``off`` at 3-6x the planning time (docs/algorithms/planner.md, "Row packing in the planner")."""
-    if choice != "device":
-        return choice
-    return "auto" if device_type == "cuda" else "off"
 FILL_SCALES = (1.0, 0.5, 0.25)
 """Weights on the partition DP's fill-and-drain term that :func:`plan_step` tries when it has a simulated
 ``score`` (the trainer's and bench's planner): with measured (calibrated) costs, the plain formula's

@@ -5,12 +5,11 @@ wait.
 :class:`PlanAhead` runs the planner in a background thread of rank 0. numba kernels and numpy release the GIL only
 inside their kernels: measured (``scripts/probe_planner_gil.py``), the thread holds the GIL for nearly all of its
 planning time, which rank 0's loop then waits for, so :func:`plan_ahead` can run the planner in a child process
-instead (:mod:`dynabatch.runtime.planner_process`, ``--planner``; :func:`auto_planner` chooses for ``auto``).
+instead (:mod:`dynabatch.runtime.planner_process`, ``--planner``; the resolver's rule decides ``auto``).
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -18,30 +17,15 @@ import time
 from dynabatch.runtime.planner import PlannedStep, StepPlanner
 from dynabatch.runtime.planner_process import ProcessPlanAhead
 
-logger = logging.getLogger(__name__)
 
-
-def auto_planner(device: str) -> tuple[str, str]:
-    """Where ``--planner auto`` plans, and why: the process on CUDA (rank 0's loop launches kernels from Python and
-    would wait for a planner thread's GIL), the thread on CPU. On CPU the niced process measured better on the main
-    job (t5-tiny, 2 stages, 2 cores, 30 steps: dynamic 1.15x packing_free against 0.98x with the thread, medians of
-    3, 2026-12-06), and ``scripts/run.sh`` asks for it; it stays opt-in there because with it a run whose peer rank is
-    stopped (SIGSTOP) does not end within its timeout (tests/dist/test_faults.py), which is not yet understood."""
-    if str(device).startswith("cuda"):
-        return "process", "CUDA: the training loop would wait for a planner thread's GIL"
-    return "thread", "CPU: no planner process start-up (--planner process plans off rank 0's GIL)"
-
-
-def plan_ahead(planner: StepPlanner, num_steps: int, depth: int, where: str = "thread", device: str = "cpu"):
+def plan_ahead(planner: StepPlanner, num_steps: int, depth: int, where: str = "thread"):
     """The background planner of a run: :class:`PlanAhead` (``where="thread"``) or
-    :class:`~dynabatch.runtime.planner_process.ProcessPlanAhead` (``"process"``); ``"auto"``: :func:`auto_planner`."""
-    if where == "auto":
-        where, why = auto_planner(device)
-        logger.info(f"planner: {where} (--planner auto: {why})")
+    :class:`~dynabatch.runtime.planner_process.ProcessPlanAhead` (``"process"``); ``--planner auto`` is decided
+    before, by the resolver's rule (:mod:`dynabatch.config.resolve`)."""
     if where == "process":
         return ProcessPlanAhead(planner, num_steps, depth)
     if where != "thread":
-        raise ValueError(f"unknown planner {where!r}; valid: auto, process, thread")
+        raise ValueError(f"unknown planner {where!r}; valid: process, thread (auto is the resolver's to decide)")
     return PlanAhead(planner, num_steps, depth)
 
 

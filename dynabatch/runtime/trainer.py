@@ -144,7 +144,7 @@ def build_run_model(model: str, tokenizer: str, info, family: str, dropout: floa
 
 
 def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
-    """Model stage, optimizer and executor on every rank; data (``datasets`` in memory, else as ``cfg`` says:
+    """Model stage, optimizer and executor on every rank of the resolved configuration ``cfg`` (:func:`resolve_run`); data (``datasets`` in memory, else as ``cfg`` says:
     :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
     are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
@@ -160,7 +160,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     info = tokenizer_info(tokenizer)
     model = build_run_model(cfg.model, cfg.tokenizer, info, family, dropout=cfg.dropout, seed=cfg.seed)
     check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
-    kernel = lower("attention_kernel", decide(cfg, "attention_kernel", Found(cuda_available=ctx.device.type == "cuda")))
+    kernel = lower("attention_kernel", cfg.attention_kernel)  # resolved (train_method's configuration)
     if cfg.attention_path == "segments" and (problem := kernel_problem(kernel, ctx.device, cfg.dtype)):
         raise ValueError(problem)
     use_attention_kernel(kernel)
@@ -289,9 +289,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     if evaluation_enabled(cfg):  # rank 0 loads the evaluation set (runtime.evaluate)
         evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
     bad_steps = 0
-    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, decide(cfg, "planner", found_here(ctx)),
-                       ctx.device) \
-        if ctx.is_planner else None
+    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, cfg.planner) if ctx.is_planner else None
     if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
         try:
             quick_calibration(run.executor, ctx, run.planner, run.spec, start,  # collective
@@ -553,11 +551,6 @@ def resolve_run(cfg: TrainConfig) -> Resolved:
     kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
     return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
                               world_size=cfg.world_size))
-
-
-def found_here(ctx: DistContext) -> Found:
-    """What this rank finds: its device."""
-    return Found(cuda_available=ctx.device.type == "cuda", world_size=ctx.world_size)
 
 
 def record_resolved(resolved: Resolved, resuming: bool) -> None:

@@ -63,6 +63,10 @@ def test_bench_two_ranks_reports_every_field(tmp_path):
     assert set(result["methods"]) == {"dynamic", "packing", "padding", "pipelining"}
     assert result["best_baseline"] in ("packing", "padding")  # the external peer is not a baseline
     assert result["machine"]["planner_preset"] == "cpu"  # a CPU run plans with the cpu preset (CUDA: its GPU's)
+    resolved = result["resolved"]  # each method's configuration through the resolver, with the reasons
+    assert set(resolved) == set(result["methods"]) and resolved["dynamic"]["device"][0] == "cpu"
+    assert resolved["dynamic"]["recompute"][0] == "per_micro_batch" and resolved["padding"]["recompute"][0] == "none"
+    assert all(why for choices in resolved.values() for _, why in choices.values())
     for row in result["methods"].values():
         for field in FIELDS:
             assert field in row, field

@@ -226,7 +226,12 @@ def test_packing_with_token_slices_keeps_slices_whole_samples():
 def test_device_default_is_auto_on_cuda_and_off_elsewhere():
     """``--pack-rows device`` (the default): auto on CUDA (measured on an H200), off on CPU and in plan/simulate."""
     from dynabatch.config import TrainConfig
-    from dynabatch.plan.step import DEFAULT_PACK_ROWS, pack_rows_on
+    from dynabatch.config.resolve import Found, decide, lower
+    from dynabatch.plan.step import DEFAULT_PACK_ROWS
+
+    def pack_rows_on(choice: str, device_type: str | None) -> str:  # the resolver's rule, in the planner's spelling
+        found = Found(cuda_available=None if device_type is None else device_type == "cuda")
+        return lower("pack_rows", decide(TrainConfig(pack_rows=choice), "pack_rows", found))
 
     assert TrainConfig().pack_rows == DEFAULT_PACK_ROWS == "device"
     assert [pack_rows_on("device", d) for d in ("cuda", "cpu", None)] == ["auto", "off", "off"]
