@@ -18,7 +18,7 @@ from dynabatch.commands.common import describe_model_states, model_states, resol
 from dynabatch.config.flags import add_fields
 from dynabatch.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.core.methods import DYNAMIC_SLICED, METHODS, is_planner, objective_note
+from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 

@@ -49,7 +49,7 @@ from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, with_pairs
 from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.core.methods import DYNAMIC_SLICED, METHODS, is_planner, objective_note
+from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.config.resolve import args_view, decide, describe_choices, lower
 from dynabatch.schedule.policies import adaptive, choose_schedule
