@@ -116,7 +116,12 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.placement not in ("linear", "auto"):  # auto keeps to the placements the other flags allow
             from dynabatch.schedule.placement import Placement
 
-            Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
+            placed = Placement.parse(self.placement, self.stages)  # a malformed placement: a ValueError naming the forms
+            if self.zero == 2 and self.replicas > 1 and placed.chunks_per_device > 1:
+                raise ValueError(f"--zero 2 reduces a chunk's gradients after each micro-batch's backward, in the order "
+                                 f"the device runs its chunks, and with --placement {self.placement} every replica "
+                                 "orders its chunks for its own micro-batches, so the replicas' reductions would not "
+                                 "pair up: use --zero 1 or --placement linear")
         if self.eval_mixture and self.eval_holdout:
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:
@@ -152,9 +157,6 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                              "blocks); drop cost_profile or use split_blocks auto")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
-        if self.zero == 2 and self.replicas > 1 and self.method != "dynamic":
-            raise ValueError(f"--zero 2 needs as many micro-batches on every replica of a stage, which the dynamic "
-                             f"planner gives them; --method {self.method} does not: use --method dynamic or --zero 1")
         if not self.learning_rate > 0 or self.max_grad_norm <= 0 or self.memory_gib <= 0:
             raise ValueError(f"learning_rate, max_grad_norm and memory_gib must be > 0, got {self.learning_rate}, "
                              f"{self.max_grad_norm}, {self.memory_gib}")

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from dynabatch.cli import main
+from dynabatch.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.model_specs import layer_param_count
 from dynabatch.cost.model_states import per_rank_state_bytes
@@ -81,11 +82,16 @@ def test_plan_reports_the_states_per_device(capsys):
     assert "model states per device (--zero 1, 4 replicas)" in capsys.readouterr().out
 
 
-def test_train_refuses_zero_2_with_a_baseline_method_in_one_line(tmp_path, capsys):
-    """``--zero 2`` needs equal micro-batch counts per replica, which only the dynamic planner gives (it trains:
-    ``tests/dist/test_zero.py``); a baseline's dealt micro-batches would hang its per-micro-batch collectives."""
-    assert main(["train", "--zero", "2", "--replicas", "2", "--method", "packing", "--output-dir",
-                 str(tmp_path / "out")]) == 2
+def test_train_refuses_zero_2_on_virtual_stages_in_one_line(tmp_path, capsys):
+    """``--zero 2`` reduces each chunk's gradients after every micro-batch's backward in the device's chunk order,
+    which the replicas choose apart on virtual stages; ``--zero 1`` (step-boundary collectives) trains there
+    (``tests/dist/test_zero.py``). Baselines train under ``--zero 2`` with evened counts
+    (``tests/unit/test_equal_counts.py``, ``tests/dist/test_zero.py``)."""
+    assert main(["train", "--zero", "2", "--replicas", "2", "--stages", "2", "--placement", "interleaved:2",
+                 "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--zero 2 needs as many micro-batches on every replica" in err[0]
-    assert "--method dynamic or --zero 1" in err[0]
+    assert len(err) == 1 and "--zero 2 reduces a chunk's gradients" in err[0]
+    assert "--zero 1 or --placement linear" in err[0]
+    for zero, placement in ((1, "interleaved:2"), (2, "linear"), (2, "auto")):
+        TrainConfig.of(replicas=2, stages=2, zero=zero, placement=placement)
+    TrainConfig.of(zero=2, replicas=2, method="packing")  # no longer refused: the baseline's counts are evened
