@@ -116,12 +116,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.placement not in ("linear", "auto"):  # auto keeps to the placements the other flags allow
             from dynabatch.schedule.placement import Placement
 
-            placed = Placement.parse(self.placement, self.stages)  # a malformed placement: a ValueError naming the forms
-            if self.zero == 2 and self.replicas > 1 and placed.chunks_per_device > 1:
-                raise ValueError(f"--zero 2 reduces a chunk's gradients after each micro-batch's backward, in the order "
-                                 f"the device runs its chunks, and with --placement {self.placement} every replica "
-                                 "orders its chunks for its own micro-batches, so the replicas' reductions would not "
-                                 "pair up: use --zero 1 or --placement linear")
+            Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
         if self.eval_mixture and self.eval_holdout:
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:

@@ -90,12 +90,8 @@ class RunLayout:
 
 def candidate_placements(cfg, seq2seq: bool) -> list[Placement]:
     """The placements ``cfg.placement`` allows: itself, or with ``auto`` linear and the model family's virtual
-    stages where the flags allow them (not under ``--zero 2`` on several replicas, which runs linear only: the
-    configuration's check says why)."""
-    names = placement_candidates(cfg.placement, cfg.stages, seq2seq)
-    if cfg.zero >= 2 and cfg.replicas > 1:
-        names = [n for n in names if Placement.parse(n, cfg.stages).chunks_per_device == 1]
-    return [Placement.parse(name, cfg.stages) for name in names]
+    stages where the flags allow them."""
+    return [Placement.parse(name, cfg.stages) for name in placement_candidates(cfg.placement, cfg.stages, seq2seq)]
 
 
 def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageLayout], list]) -> RunLayout:
