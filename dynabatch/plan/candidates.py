@@ -98,7 +98,7 @@ def knob_values(method: str, options) -> list[int]:
 
 def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
                         padding_free: bool = True, methods: Sequence[str] | None = None,
-                        cost_model=None, work: dict | None = None) -> list[Candidate]:
+                        cost_model=None, work: dict | None = None, equal_counts: bool = False) -> list[Candidate]:
     """The plans of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
     :func:`knob_values`, as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs its
     micro-batches, dealt to replicas by :func:`deal_to_replicas`. Values whose micro-batches equal an earlier
@@ -106,7 +106,8 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
     bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0. ``work``: a dict of each
     micro-batch's :func:`~dynabatch.cost.pairs.row_work` by its rows, shared with the pricing of the same batch
-    (:func:`~dynabatch.plan.step.with_pairs`)."""
+    (:func:`~dynabatch.plan.step.with_pairs`). ``equal_counts`` (``--zero 2``): every candidate then gets equal
+    counts per replica (:func:`even_counts`), and a setting that cannot be evened is left out."""
 
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
@@ -126,11 +127,16 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     times = _piece_times(cost_model, [s for *_, shapes in kept for s in shapes],
                          [g for _, _, groups, _ in kept for g in groups], batch, family, padding_free,
                          {} if work is None else work)
+    even = (lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)) if equal_counts else None
     out: list[Candidate] = []
     start = 0
     for method, value, groups, shapes in kept:
-        plan = _dealt(groups, shapes, times[start:start + len(groups)], family, num_stages, num_replicas)
+        piece_times = times[start:start + len(groups)]
         start += len(groups)
+        try:
+            plan = _dealt(groups, shapes, piece_times, family, num_stages, num_replicas, even)
+        except ValueError:  # equal counts out of reach (single samples, too few of them)
+            continue
         out.append(Candidate(method, value, plan))
     return out
 

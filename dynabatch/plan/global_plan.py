@@ -13,7 +13,8 @@ the DataLoader yields is what ``train`` runs for the same global batch, method a
   by :func:`~dynabatch.plan.candidates.deal_to_replicas` (largest first to the least-loaded replica, each replica
   keeping the baseline's order): the one dealing rule, the same by which a baseline candidate of the dynamic
   method is dealt. Under ``--zero 2`` (the cost model's ``equal_micro_batch_counts``) the dealt micro-batches are
-  then given equal counts per replica (:func:`~dynabatch.plan.candidates.even_counts`), as the DP's plans are.
+  then given equal counts per replica (:func:`~dynabatch.plan.candidates.even_counts`), as the DP's plans are, a
+  baseline method's and the dynamic method's baseline candidates alike.
 
 The result is a :class:`~dynabatch.plan.step.StepPlan` (per replica, the pieces in execution order); its
 :meth:`~dynabatch.plan.step.StepPlan.to_row_groups` are the row groups every caller collates.
@@ -120,7 +121,8 @@ class GlobalPlanner:
         baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, plan.num_stages,
                                         num_replicas=self.num_replicas, options=self.options,
                                         padding_free=self.padding_free,
-                                        cost_model=self.cost_model if self.timed_candidates else None, work=work)
+                                        cost_model=self.cost_model if self.timed_candidates else None, work=work,
+                                        equal_counts=wants_equal_counts(self.cost_model))
         candidates = [Candidate(DP, None, plan), *baselines]
         if choose_among is not None:
             chosen = choose_among(candidates)

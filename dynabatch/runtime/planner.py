@@ -288,9 +288,7 @@ class StepPlanner:
         ``dynamic`` method) unless ``plan_candidates="off"`` or on virtual stages. The DP itself runs as
         :meth:`_plan` (the simulated score) and candidates are priced by :meth:`_choose`."""
         cfg = self.cfg
-        # --zero 2: the baselines deal unequal counts, so the DP's (evened) plan runs
-        candidates = (getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
-                      and not wants_equal_counts(self.cost_model))
+        candidates = getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
         return GlobalPlanner(cfg.method, self.limits, cfg.stages, cfg.replicas, self.cost_model,
                              BaselineOptions.of(cfg), candidates=candidates, padding_free=self.padding_free,
                              timed_candidates=False)

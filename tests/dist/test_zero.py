@@ -240,8 +240,8 @@ def test_zero2_fp16_loss_scaling_matches_zero0(runs):
 
     The tolerance is ``--zero 1``'s (test above) for the same reason (float64 norms over shards against per-tensor
     float32 norms: the clipping factor differs in its last bits, and some weights then round to other fp16 values);
-    ``--zero 2`` also plans other micro-batches (equal counts), and still agrees within it (measured: losses within
-    6e-7 relative, gradient norms within 5e-6, weights and moments within 7e-5)."""
+    ``--zero 2`` also plans other micro-batches (equal counts, evened baseline candidates), and still agrees within it
+    (measured: losses within 6e-7 relative, gradient norms within 9e-6, weights and moments within 8.2e-5)."""
     got, want = _records(runs("fp16-2")), _records(runs("fp16-0"))
     assert [r["loss_scale"] for r in got] == [r["loss_scale"] for r in want] == [2.0**16] * 3
     assert any(len({len(replica) for replica in r["micro_batch_shapes"]}) > 1 for r in want)

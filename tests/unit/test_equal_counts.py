@@ -14,7 +14,7 @@ from dynabatch.cost.stages import StageCostModel, balanced_layout
 from dynabatch.data.baselines import BaselineOptions
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.plan.candidates import baseline_plan
+from dynabatch.plan.candidates import baseline_candidates, baseline_plan
 from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.replicas import equalize_counts, plan_replicas
@@ -142,3 +142,31 @@ def test_zero_2_gives_a_baselines_replicas_equal_counts(method):
             planned = GlobalPlanner(method, limits, 4, replicas, _model(zero, replicas), options).plan(batch).plan
             assert (len({len(p) for p in planned.replicas}) == 1) == same
     assert uneven  # the free deal was uneven somewhere, so evening was tested
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_zero_2_evens_the_dynamic_methods_baseline_candidates(replicas):
+    """Under ``--zero 2`` the dynamic method's baseline candidates are evened as a baseline method's plans are, so they
+    compete with the DP's plan (whichever is chosen runs equal counts); a setting that cannot be evened is left out."""
+    e, d = _heavy_tailed(2, 300)
+    limits = LengthLimits("gpt2", max_input_len=1024, max_target_len=1024, max_seq_len=1024)
+    free = baseline_candidates(e, d, limits, 4, num_replicas=replicas)
+    equal = baseline_candidates(e, d, limits, 4, num_replicas=replicas, equal_counts=True)
+    assert any(len({len(p) for p in c.plan.replicas}) > 1 for c in free)
+    assert equal and all(len({len(p) for p in c.plan.replicas}) == 1 for c in equal)
+    assert {c.label for c in equal} <= {c.label for c in free}
+    for c in equal:
+        assert sorted(i for ps in c.plan.replicas for p in ps for i in p.sample_ids) == list(range(e.size))
+    batch = GlobalBatch(0, tuple(TokenizedSample("t", np.zeros(a, np.int32), np.zeros(b, np.int32))
+                                 for a, b in zip(e, d)))
+    chosen = GlobalPlanner("dynamic", limits, 4, replicas, _model(2, replicas)).plan(batch)
+    assert len({len(p) for p in chosen.plan.replicas}) == 1
+    # one-sample micro-batches, fewer than two a replica: no cutting evens them, so the setting is left out
+    e3, d3 = np.array([900, 800, 700]), np.zeros(3, np.int64)
+    options = BaselineOptions(token_budget_tokens=1024)
+    one = {c.label: c for c in baseline_candidates(e3, d3, limits, 4, num_replicas=2, methods=["token_budget"],
+                                                   options=options)}
+    assert sorted(len(p) for p in one["token_budget=1024"].plan.replicas) == [1, 2]
+    evened = [c.label for c in baseline_candidates(e3, d3, limits, 4, num_replicas=2, methods=["token_budget"],
+                                                   options=options, equal_counts=True)]
+    assert "token_budget=1024" not in evened and evened == [k for k in one if k != "token_budget=1024"]
