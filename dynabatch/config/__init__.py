@@ -152,9 +152,6 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                              "blocks); drop cost_profile or use split_blocks auto")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
-        if self.zero == 2 and self.replicas > 1 and self.method != "dynamic":
-            raise ValueError(f"--zero 2 needs as many micro-batches on every replica of a stage, which the dynamic "
-                             f"planner gives them; --method {self.method} does not: use --method dynamic or --zero 1")
         if not self.learning_rate > 0 or self.max_grad_norm <= 0 or self.memory_gib <= 0:
             raise ValueError(f"learning_rate, max_grad_norm and memory_gib must be > 0, got {self.learning_rate}, "
                              f"{self.max_grad_norm}, {self.memory_gib}")

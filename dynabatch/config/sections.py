@@ -175,7 +175,8 @@ class PipelineArgs:
                        "stages): 0 (every replica keeps full weights, gradients and AdamW states), 1 (AdamW "
                        "states sharded: gradients reduce-scattered and weights all-gathered at the step boundary; "
                        "any micro-batch counts) or 2 (gradients sharded too, reduced after each micro-batch's backward: "
-                       "the planner gives every replica of a stage the same number of micro-batches); the planner "
+                       "every replica of a stage runs the same number of micro-batches, a baseline's cut to match, "
+                       "and on virtual stages replica 0's chunk order); the planner "
                        "prices each rank's share", choices=[0, 1, 2])
     recompute: Literal[(*RECOMPUTE_POLICIES, SEARCHES["recompute"])] = experimental(
         "auto", f"activation recomputation: {RECOMPUTE_POLICIES.describe(' or ')} (none wherever memory does not "

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynabatch.cost.pairs import AttentionPairs, row_work, stacked_pairs
-from dynabatch.data.baselines import BASELINES, GROUPING_TOKENS, BaselineOptions, Packing, baseline_spec, group_shape, make_batcher
+from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, Packing, RowGroup, baseline_spec,
+                                      group_shape, make_batcher)
 from dynabatch.plan.costs import evaluate_costs
+from dynabatch.plan.replicas import equalize_counts
 from dynabatch.plan.step import Piece, StepPlan, with_pairs
 
 DP = "dp"
@@ -96,7 +98,7 @@ def knob_values(method: str, options) -> list[int]:
 
 def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
                         padding_free: bool = True, methods: Sequence[str] | None = None,
-                        cost_model=None, work: dict | None = None) -> list[Candidate]:
+                        cost_model=None, work: dict | None = None, equal_counts: bool = False) -> list[Candidate]:
     """The plans of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
     :func:`knob_values`, as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs its
     micro-batches, dealt to replicas by :func:`deal_to_replicas`. Values whose micro-batches equal an earlier
@@ -104,7 +106,8 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
     bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0. ``work``: a dict of each
     micro-batch's :func:`~dynabatch.cost.pairs.row_work` by its rows, shared with the pricing of the same batch
-    (:func:`~dynabatch.plan.step.with_pairs`)."""
+    (:func:`~dynabatch.plan.step.with_pairs`). ``equal_counts`` (``--zero 2``): every candidate then gets equal
+    counts per replica (:func:`even_counts`), and a setting that cannot be evened is left out."""
 
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
@@ -124,23 +127,30 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     times = _piece_times(cost_model, [s for *_, shapes in kept for s in shapes],
                          [g for _, _, groups, _ in kept for g in groups], batch, family, padding_free,
                          {} if work is None else work)
+    even = (lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)) if equal_counts else None
     out: list[Candidate] = []
     start = 0
     for method, value, groups, shapes in kept:
-        plan = _dealt(groups, shapes, times[start:start + len(groups)], family, num_stages, num_replicas)
+        piece_times = times[start:start + len(groups)]
         start += len(groups)
+        try:
+            plan = _dealt(groups, shapes, piece_times, family, num_stages, num_replicas, even)
+        except ValueError:  # equal counts out of reach (single samples, too few of them)
+            continue
         out.append(Candidate(method, value, plan))
     return out
 
 
 def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1,
-                  options=None, batcher_options=None, cost_model=None, padding_free: bool = True) -> StepPlan:
+                  options=None, batcher_options=None, cost_model=None, padding_free: bool = True,
+                  equal_counts: bool = False) -> StepPlan:
     """Baseline ``method``'s plan of a global batch of lengths ``input_lens``, ``target_lens`` at its knob value in
     ``options``: its micro-batches in the baseline's order, dealt to replicas by :func:`deal_to_replicas` (a
     ``ValueError`` when there are fewer micro-batches than replicas). What a run of that baseline executes, and
     exactly the candidate of the same value. ``cost_model``: each piece's ``time_s``, as in
     :func:`baseline_candidates`. ``batcher_options``: the batcher's fields as given (the DataLoader's
-    ``method_options``) instead of ``options``."""
+    ``method_options``) instead of ``options``. ``equal_counts`` (``--zero 2``): then every replica gets as many
+    micro-batches as the one with the most (:func:`even_counts`)."""
     batch = _Lengths(input_lens, target_lens)
     if batcher_options is not None:
         groups = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options).group(batch)
@@ -148,20 +158,59 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
         groups = _groups(method, batch, limits, options or BaselineOptions())
     shapes = [group_shape(batch, g, limits.family) for g in groups]
     times = _piece_times(cost_model, shapes, groups, batch, limits.family, padding_free, {})
-    return _dealt(groups, shapes, times, limits.family, num_stages, num_replicas)
+    even = (lambda dealt: even_counts(dealt, batch, limits.family, cost_model, padding_free)) if equal_counts else None
+    return _dealt(groups, shapes, times, limits.family, num_stages, num_replicas, even)
 
 
 def _groups(method: str, batch: _Lengths, limits, options) -> list:
     return make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits)).group(batch)
 
 
-def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: int) -> StepPlan:
+def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: int, even=None) -> StepPlan:
     """Row groups of a baseline, their shapes and priced times, as a :class:`~dynabatch.plan.step.StepPlan`
-    dealt to replicas."""
-    pieces = [Piece(tuple(i for row in g.rows for i in row), s, t, rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
-              for g, s, t in zip(groups, shapes, times)]
-    replicas = deal_to_replicas(pieces, [b * (e + d) for b, e, d in shapes], num_replicas)
-    return StepPlan(family, num_stages, tuple(map(tuple, replicas)), ())
+    dealt to replicas (``even``: then given equal counts, :func:`even_counts`)."""
+    dealt = deal_to_replicas(list(zip(groups, shapes, times)), [b * (e + d) for b, e, d in shapes], num_replicas)
+    if even is not None:
+        dealt = even(dealt)
+
+    def piece(g, s, t) -> Piece:
+        return Piece(tuple(i for row in g.rows for i in row), s, t, rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+
+    return StepPlan(family, num_stages, tuple(tuple(piece(*x) for x in xs) for xs in dealt), ())
+
+
+def even_counts(dealt, batch, family: str, cost_model=None, padding_free: bool = True) -> list[list]:
+    """A baseline's micro-batches (per replica, ``(row group, shape, time)`` items as dealt) given equal counts
+    for ``--zero 2`` by :func:`~dynabatch.plan.replicas.equalize_counts`, the rule the dynamic method's plans follow:
+    on a replica with fewer, its costliest micro-batch of two or more rows is cut into its first and second half of
+    rows (a row of several packed samples into two rows of half of them), each keeping the baseline's fixed row
+    lengths; a replica with nothing left to cut takes the cheapest micro-batch of a replica with the most.
+    Micro-batches are priced by ``cost_model`` (the halves too, with ``time_s`` set as the others'); without one by
+    their computed tokens (and ``time_s`` stays 0). Raises ``ValueError`` (equalize_counts') when no cutting evens
+    the counts (replicas of one-sample micro-batches and too few of them)."""
+    if len({len(xs) for xs in dealt}) <= 1:
+        return [list(xs) for xs in dealt]
+
+    def item(g: RowGroup):
+        shape = group_shape(batch, g, family)
+        return g, shape, _piece_times(cost_model, [shape], [g], batch, family, padding_free, {})[0]
+
+    def price(xs) -> list[float]:
+        return [t if cost_model is not None else b * (e + d) for _, (b, e, d), t in xs]
+
+    def split(x):
+        g = x[0]
+        if len(g.rows) >= 2:
+            half = len(g.rows) // 2
+            parts = (g.rows[:half], g.rows[half:])
+        elif len(g.rows[0]) >= 2:
+            half = len(g.rows[0]) // 2
+            parts = ((g.rows[0][:half],), (g.rows[0][half:],))
+        else:
+            return None
+        return tuple(item(RowGroup(part, g.encoder_len, g.decoder_len)) for part in parts)
+
+    return equalize_counts(dealt, price, split)
 
 
 def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool, work: dict) -> list[float]:
@@ -313,4 +362,4 @@ def concatenated_pairs(pairs: list):
 
 
 __all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "baseline_plan", "candidate_baselines", "choose",
-           "concatenated_pairs", "deal_to_replicas", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]
+           "concatenated_pairs", "deal_to_replicas", "even_counts", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]

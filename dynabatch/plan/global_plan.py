@@ -12,7 +12,9 @@ the DataLoader yields is what ``train`` runs for the same global batch, method a
 * a baseline of :data:`~dynabatch.data.baselines.BASELINES`: its batcher's micro-batches, dealt to the replicas
   by :func:`~dynabatch.plan.candidates.deal_to_replicas` (largest first to the least-loaded replica, each replica
   keeping the baseline's order): the one dealing rule, the same by which a baseline candidate of the dynamic
-  method is dealt.
+  method is dealt. Under ``--zero 2`` (the cost model's ``equal_micro_batch_counts``) the dealt micro-batches are
+  then given equal counts per replica (:func:`~dynabatch.plan.candidates.even_counts`), as the DP's plans are, a
+  baseline method's and the dynamic method's baseline candidates alike.
 
 The result is a :class:`~dynabatch.plan.step.StepPlan` (per replica, the pieces in execution order); its
 :meth:`~dynabatch.plan.step.StepPlan.to_row_groups` are the row groups every caller collates.
@@ -30,6 +32,7 @@ from dynabatch.data.batching import LengthLimits
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, baseline_plan, choose, formula_prices
+from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.step import StepPlan, plan_step
 
 DYNAMIC = "dynamic"
@@ -102,9 +105,12 @@ class GlobalPlanner:
         default :func:`~dynabatch.plan.candidates.formula_price`). A ``ValueError`` about a sample names its
         global batch and, with the run's ``data``, its source row."""
         if self.method != DYNAMIC:
+            equal = wants_equal_counts(self.cost_model)  # --zero 2: the baseline's counts evened, priced
             return GlobalPlan(baseline_plan(self.method, batch.input_lens, batch.target_lens, self.limits,
                                             self.num_stages, num_replicas=self.num_replicas, options=self.options,
-                                            batcher_options=self.batcher_options))
+                                            batcher_options=self.batcher_options, equal_counts=equal,
+                                            cost_model=self.cost_model if equal else None,
+                                            padding_free=self.padding_free))
         try:
             plan = dp() if dp is not None else self._dp(batch)
         except ValueError as e:  # "sample K ..." -> which global batch, which source row
@@ -115,7 +121,8 @@ class GlobalPlanner:
         baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, plan.num_stages,
                                         num_replicas=self.num_replicas, options=self.options,
                                         padding_free=self.padding_free,
-                                        cost_model=self.cost_model if self.timed_candidates else None, work=work)
+                                        cost_model=self.cost_model if self.timed_candidates else None, work=work,
+                                        equal_counts=wants_equal_counts(self.cost_model))
         candidates = [Candidate(DP, None, plan), *baselines]
         if choose_among is not None:
             chosen = choose_among(candidates)

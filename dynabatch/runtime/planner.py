@@ -288,9 +288,7 @@ class StepPlanner:
         ``dynamic`` method) unless ``plan_candidates="off"`` or on virtual stages. The DP itself runs as
         :meth:`_plan` (the simulated score) and candidates are priced by :meth:`_choose`."""
         cfg = self.cfg
-        # --zero 2: the baselines deal unequal counts, so the DP's (evened) plan runs
-        candidates = (getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
-                      and not wants_equal_counts(self.cost_model))
+        candidates = getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
         return GlobalPlanner(cfg.method, self.limits, cfg.stages, cfg.replicas, self.cost_model,
                              BaselineOptions.of(cfg), candidates=candidates, padding_free=self.padding_free,
                              timed_candidates=False)
@@ -408,12 +406,20 @@ class StepPlanner:
         fits = True
         memory = self.cfg.memory_gib * 2**30
         states, send = np.array(model.model_state_bytes), send_time_of(model)
+        first = None  # --zero 2 on virtual stages: replica 0's placed step, whose device orders every replica runs
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
             c = costs_in[k] if costs_in is not None else piece_costs(model, self.slice_model, s, ctx, lk, pr)
             if self.placement is not None:  # virtual stages: the placed order plan_step lowers
-                from dynabatch.schedule.virtual import chunk_schedule, placed_step
+                from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
 
-                result = placed_step(c, self.placement, states, memory, send, links=lk)
+                if first is not None:
+                    result = replayed_step(first, c, self.placement, states, memory, send, links=lk)
+                    if result is None:
+                        raise ValueError(f"--zero 2 runs every replica of a device in one chunk order, and replica {k}'s "
+                                         "token slices cannot run in replica 0's: drop --slice-long or use --zero 1")
+                else:
+                    result = placed_step(c, self.placement, states, memory, send, links=lk)
+                    first = result if wants_equal_counts(self.cost_model) else None
                 schedule = chunk_schedule(result.order, self.placement.num_stages, len(s), result.policy)
             else:
                 buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself

@@ -31,7 +31,9 @@ soon as it and those before it are ready: per replica whose shard it overlaps, i
 the micro-batch's backward (:meth:`ZeroShards.end_backward`) reduces what is left in that order (zeros for a parameter
 the micro-batch did not reach). So every replica of a stage issues the same collectives in the same order once per
 micro-batch, which needs as many micro-batches on every replica of a stage (the planner gives them that,
-:func:`~dynabatch.plan.replicas.equalize_counts`): no replica holds the stage's full gradients at any time, only its
+:func:`~dynabatch.plan.replicas.equalize_counts`, a baseline's too, :func:`~dynabatch.plan.candidates.even_counts`;
+on virtual stages, where the chunks' backwards interleave, every replica of a device also runs replica 0's chunk
+order, :func:`~dynabatch.schedule.virtual.replayed_step`): no replica holds the stage's full gradients at any time, only its
 shard's (``4N / R``, kept from :meth:`ZeroShards.begin_step` to the next step) and the parameter being reduced.
 :attr:`ZeroShards.peak_gradient_bytes` measures that peak. Parameters tied across stages (GPT-2's token table) are
 reduced like the others during the backward; at ``REDUCE`` (:meth:`ZeroShards.reduce_tied`) each rank lays its owned

@@ -77,6 +77,24 @@ def placed_step(costs, placement: Placement, model_state_bytes=0.0, memory_limit
     return min(results, key=lambda r: (not r.fits_memory, r.makespan_s))
 
 
+def replayed_step(first, costs, placement: Placement, model_state_bytes=0.0, memory_limit_bytes=None,
+                  send_time=None, links=()):
+    """Another replica's step on ``placement`` run in the device orders of ``first`` (a
+    :class:`~dynabatch.schedule.placement.PlacedResult` of as many micro-batches), priced by its own ``costs``
+    (arguments as :func:`placed_step`'s): ``--zero 2`` reduces each chunk's gradients after each backward in the order
+    the device runs them, so every replica of a device must run its chunks in one order. ``None`` when this replica's
+    token-slice chains (``links``) cannot run in that order."""
+    V, M = np.shape(costs.fwd_s)
+    forwards = sum(1 for ops in first.order for op in ops if op[0] == "F")
+    if forwards != V * M:
+        raise ValueError(f"the device orders run {forwards // V} micro-batches, this replica has {M}")
+    states = per_stage_values(model_state_bytes, V, "model_state_bytes")
+    limit = None if memory_limit_bytes is None else float(np.min(memory_limit_bytes))
+    orders = [[(phase, c, m) for phase, c, m, *_ in ops] for ops in first.order]
+    return replay(orders, with_message_buffers(costs), placement, stage_send_times(costs, send_time), states, limit,
+                  policy=first.policy, links=check_links(links, M))
+
+
 def chunk_schedule(device_orders, num_stages: int, num_micro_batches: int, policy: str = "list") -> ComputeSchedule:
     """The :class:`~dynabatch.schedule.compute.ComputeSchedule` of per-device orders ``[(phase, stage,
     micro_batch, ...), ...]``: each chunk's order, the device orders kept (what :func:`lower_placed` merges)."""

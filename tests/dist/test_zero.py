@@ -7,7 +7,9 @@ cost model only) and dropout 0; memory does not bind at the default ``--memory-g
 and ``1`` (asserted), which the step-boundary collectives of ``--zero 1`` allow; ``--zero 2`` reduces the gradients
 after every micro-batch's backward, so its planner gives every replica the same number (asserted, with the same
 number of gradient collectives on every replica of a stage: unequal counts would hang until ``--timeout-s``).
-``--max-grad-norm 0.05`` keeps global-norm clipping active at every step.
+``--max-grad-norm 0.05`` keeps global-norm clipping active at every step. ``--zero 2`` also runs under fp16 loss
+scaling, and a baseline (``padding``, whose dealt micro-batches it evens) under bf16 autocast; ``--zero 1`` and ``2``
+also run on virtual stages (GPT-2 interleaved, two chunks a device).
 
 Every training run is started once per module (:class:`_Runs`, lazily, so a ``-k`` filter starts only the runs its
 tests read) and serves every test that reads it."""
@@ -38,7 +40,11 @@ RUNS: dict[str, tuple[tuple[str, ...], bool]] = {
     "zero0": ((*TRAINED, "--zero", "0"), True),
     "zero1": ((*TRAINED, "--zero", "1"), True),
     "zero2": ((*TRAINED, "--zero", "2", *SLICED), True),
-    **{f"fp16-{z}": (("--max-steps", "3", "--dtype", "fp16", "--zero", z), True) for z in "01"},
+    **{f"fp16-{z}": (("--max-steps", "3", "--dtype", "fp16", "--zero", z), True) for z in "012"},
+    **{f"bf16-{z}": (("--max-steps", "3", "--dtype", "bf16", "--method", "padding", "--samples-per-micro-batch", "4",
+                      "--zero", z), True) for z in "02"},
+    **{f"virtual-{z}": (("--max-steps", "2", "--model", "gpt2-mini", "--placement", "interleaved:2", "--zero", z), True)
+       for z in "012"},
     **{f"diverge-{z}": (("--max-steps", "6", "--learning-rate", "1e6", "--max-bad-steps", "2", "--save-steps", "0",
                          "--zero", z), False) for z in "012"},
 }
@@ -217,3 +223,64 @@ def test_zero2_divergence_guard_skips_like_zero0(runs):
     got, want = _records(runs("diverge-2")), _records(runs("diverge-0"))
     assert any(r["skipped"] for r in got) and not got[0]["skipped"]
     _same_steps(got, want, shapes=False)
+
+
+def _equal_counts_and_collectives(records: list[dict]) -> None:
+    """Every step of a ``--zero 2`` run: as many micro-batches on both replicas, and as many gradient collectives on
+    both replicas of a stage (rank = replica x 2 + stage)."""
+    for r in records:
+        assert len({len(replica) for replica in r["micro_batch_shapes"]}) == 1
+        calls = r["gradient_collectives"]
+        assert calls[0] == calls[2] > 0 and calls[1] == calls[3] > 0
+
+
+def test_zero2_fp16_loss_scaling_matches_zero0(runs):
+    """fp16 autocast with loss scaling under ``--zero 2``: the scaled gradients are reduced per micro-batch onto their
+    owners, unscaled together with the clipping on the shard, as under ``--zero 0``.
+
+    The tolerance is ``--zero 1``'s (test above) for the same reason (float64 norms over shards against per-tensor
+    float32 norms: the clipping factor differs in its last bits, and some weights then round to other fp16 values);
+    ``--zero 2`` also plans other micro-batches (equal counts, evened baseline candidates), and still agrees within it
+    (measured: losses within 6e-7 relative, gradient norms within 9e-6, weights and moments within 8.2e-5)."""
+    got, want = _records(runs("fp16-2")), _records(runs("fp16-0"))
+    assert [r["loss_scale"] for r in got] == [r["loss_scale"] for r in want] == [2.0**16] * 3
+    assert any(len({len(replica) for replica in r["micro_batch_shapes"]}) > 1 for r in want)
+    _equal_counts_and_collectives(got)
+    _same_steps(got, want, rtol=1e-4, shapes=False)
+    _same_checkpoints(runs("fp16-2"), runs("fp16-0"), rtol=1e-4, atol=1e-4)
+
+
+def test_zero2_trains_a_baseline_under_bf16_with_evened_counts_like_zero0(runs):
+    """A baseline (``padding``, 4 samples a micro-batch) under ``--zero 2``: the micro-batches it deals are evened per
+    replica (a short replica's costliest cut in two), so it trains, under bf16 autocast, like ``--zero 0``.
+
+    bf16 keeps 8 bits of mantissa, so the runs agree to bf16's rounding, not fp32's: a cut micro-batch runs its rows
+    in other matmul shapes, whose bf16 products round differently (measured: losses within 7e-6 relative, gradient
+    norms within 6e-5, weights and moments within 9e-5; the tolerances leave about 5x)."""
+    got, want = _records(runs("bf16-2")), _records(runs("bf16-0"))
+    assert [r["dtype"] for r in got] == ["bf16"] * 3
+    assert any(len({len(replica) for replica in r["micro_batch_shapes"]}) > 1 for r in want)  # the deal is uneven
+    _equal_counts_and_collectives(got)
+    _same_steps(got, want, rtol=3e-4, shapes=False)
+    _same_checkpoints(runs("bf16-2"), runs("bf16-0"), rtol=1e-3, atol=5e-4)
+
+
+def test_zero1_on_virtual_stages_trains_like_zero0(runs):
+    """``--zero 1`` on GPT-2 interleaved over 2 devices (each holds two chunks, the token table tied between device
+    0's first chunk and device 1's last): the shards span both chunks of a device, the collectives stay at the step
+    boundary, and the steps, weights and moments equal ``--zero 0``'s."""
+    got, want = _records(runs("virtual-1")), _records(runs("virtual-0"))
+    assert [r["step"] for r in got] == [0, 1]
+    _same_steps(got, want)
+    _same_checkpoints(runs("virtual-1"), runs("virtual-0"))
+
+
+def test_zero2_on_virtual_stages_runs_one_chunk_order_like_zero0(runs):
+    """``--zero 2`` on GPT-2 interleaved (2 devices x 2 chunks x 2 replicas): every replica of a device runs replica 0's
+    chunk order (the planner replays it with the replica's own costs), so their per-micro-batch reductions pair up: as
+    many on both replicas of a device, and the steps, weights and moments of ``--zero 0``."""
+    got, want = _records(runs("virtual-2")), _records(runs("virtual-0"))
+    assert [r["step"] for r in got] == [0, 1]
+    _equal_counts_and_collectives(got)
+    _same_steps(got, want, shapes=False)
+    _same_checkpoints(runs("virtual-2"), runs("virtual-0"))

@@ -11,7 +11,12 @@ import pytest
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.data.baselines import BaselineOptions
+from dynabatch.data.batching import LengthLimits
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.plan.candidates import baseline_candidates, baseline_plan
 from dynabatch.plan.costs import PolynomialCostModel
+from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.replicas import equalize_counts, plan_replicas
 from dynabatch.plan.slice_costs import PolynomialSliceCostModel
 from dynabatch.plan.step import plan_step
@@ -107,3 +112,61 @@ def test_zero_2_halves_token_slices_and_cuts_a_one_sample_micro_batch_into_slice
     if lengths == (300, 300, 300):  # three single samples, nothing to halve without slices
         with pytest.raises(ValueError, match="same number of micro-batches .*--zero 1"):
             plan_step(e, d, _EqualCounts(), 4, family="gpt2", num_replicas=2)
+
+
+@pytest.mark.parametrize("method", ["padding", "length_grouped", "token_budget", "packing", "packing_free",
+                                    "packing_free_split"])
+def test_zero_2_gives_a_baselines_replicas_equal_counts(method):
+    """A baseline under ``--zero 2`` (the cost model asks for equal counts): its micro-batches dealt as at ``--zero 1``,
+    then the replicas with fewer cut their costliest ones (rows halved, a packed row's samples halved), so every
+    replica of 2 and 8 runs as many, each sample still once, each piece priced by the cost model."""
+    e, d = _heavy_tailed(1, 300)
+    limits = LengthLimits("gpt2", max_input_len=1024, max_target_len=1024, max_seq_len=1024)
+    options = BaselineOptions(samples_per_micro_batch=5, token_budget_tokens=3000, packing_rows=4, packing_free_rows=4,
+                              packing_free_split_tokens=3000)  # each deals uneven counts to 2 or 8 replicas
+    uneven = 0
+    for replicas in (2, 8):
+        free = baseline_plan(method, e, d, limits, 4, num_replicas=replicas, options=options)
+        model = _model(2, replicas)
+        equal = baseline_plan(method, e, d, limits, 4, num_replicas=replicas, options=options, cost_model=model,
+                              equal_counts=True)
+        uneven += len({len(p) for p in free.replicas}) > 1
+        assert len({len(p) for p in equal.replicas}) == 1
+        assert sum(map(len, equal.replicas)) >= sum(map(len, free.replicas))
+        assert sorted(i for ps in equal.replicas for p in ps for i in p.sample_ids) == list(range(e.size))
+        assert all(p.time_s > 0 for ps in equal.replicas for p in ps)
+        # the GlobalPlanner (what train, plan and simulate run) evens a baseline's counts as its cost model asks
+        batch = GlobalBatch(0, tuple(TokenizedSample("t", np.zeros(a, np.int32), np.zeros(b, np.int32))
+                                     for a, b in zip(e, d)))
+        for zero, same in ((2, True), (1, len({len(p) for p in free.replicas}) == 1)):
+            planned = GlobalPlanner(method, limits, 4, replicas, _model(zero, replicas), options).plan(batch).plan
+            assert (len({len(p) for p in planned.replicas}) == 1) == same
+    assert uneven  # the free deal was uneven somewhere, so evening was tested
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_zero_2_evens_the_dynamic_methods_baseline_candidates(replicas):
+    """Under ``--zero 2`` the dynamic method's baseline candidates are evened as a baseline method's plans are, so they
+    compete with the DP's plan (whichever is chosen runs equal counts); a setting that cannot be evened is left out."""
+    e, d = _heavy_tailed(2, 300)
+    limits = LengthLimits("gpt2", max_input_len=1024, max_target_len=1024, max_seq_len=1024)
+    free = baseline_candidates(e, d, limits, 4, num_replicas=replicas)
+    equal = baseline_candidates(e, d, limits, 4, num_replicas=replicas, equal_counts=True)
+    assert any(len({len(p) for p in c.plan.replicas}) > 1 for c in free)
+    assert equal and all(len({len(p) for p in c.plan.replicas}) == 1 for c in equal)
+    assert {c.label for c in equal} <= {c.label for c in free}
+    for c in equal:
+        assert sorted(i for ps in c.plan.replicas for p in ps for i in p.sample_ids) == list(range(e.size))
+    batch = GlobalBatch(0, tuple(TokenizedSample("t", np.zeros(a, np.int32), np.zeros(b, np.int32))
+                                 for a, b in zip(e, d)))
+    chosen = GlobalPlanner("dynamic", limits, 4, replicas, _model(2, replicas)).plan(batch)
+    assert len({len(p) for p in chosen.plan.replicas}) == 1
+    # one-sample micro-batches, fewer than two a replica: no cutting evens them, so the setting is left out
+    e3, d3 = np.array([900, 800, 700]), np.zeros(3, np.int64)
+    options = BaselineOptions(token_budget_tokens=1024)
+    one = {c.label: c for c in baseline_candidates(e3, d3, limits, 4, num_replicas=2, methods=["token_budget"],
+                                                   options=options)}
+    assert sorted(len(p) for p in one["token_budget=1024"].plan.replicas) == [1, 2]
+    evened = [c.label for c in baseline_candidates(e3, d3, limits, 4, num_replicas=2, methods=["token_budget"],
+                                                   options=options, equal_counts=True)]
+    assert "token_budget=1024" not in evened and evened == [k for k in one if k != "token_budget=1024"]

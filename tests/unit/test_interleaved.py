@@ -85,3 +85,28 @@ def test_lowered_fixed_order_plans_validate_under_nccl_and_gloo(kind, spec, devi
     for semantics in ("nccl", "gloo"):
         report = validate(plans, semantics=semantics)
         assert report.ok, report
+
+
+def test_a_replica_replays_another_replicas_device_orders():
+    """``--zero 2`` on virtual stages: a replica runs replica 0's device orders (its chunk order fixes the order of
+    the gradient reductions, which the replicas must issue alike) priced by its own costs, where alone it would have
+    been ordered otherwise; ``None`` when its token-slice chains cannot run in that order."""
+    from dynabatch.schedule.virtual import replayed_step
+
+    placement = Placement("interleaved", 2, 2)
+    rng = np.random.default_rng(3)
+    first_costs, own_costs = (StageCosts(f, 2 * f, np.zeros((4, 5)), np.zeros((4, 5)), np.zeros((4, 5)))
+                              for f in (rng.uniform(0.1, 1.0, (4, 5)), rng.uniform(0.1, 1.0, (4, 5))))
+    first, alone = placed_step(first_costs, placement), placed_step(own_costs, placement)
+
+    def ops(result):
+        return [[op[:3] for op in device] for device in result.order]
+
+    assert ops(first) != ops(alone)  # the replica would order its chunks otherwise
+    shared = replayed_step(first, own_costs, placement)
+    assert ops(shared) == ops(first) and shared.policy == first.policy
+    # micro-batch 0 a later slice of micro-batch 4, which replica 0's order runs first: cannot follow it
+    assert replayed_step(first, own_costs, placement, links=(4, -1, -1, -1, -1)) is None
+    with pytest.raises(ValueError, match="run 5 micro-batches, this replica has 4"):
+        replayed_step(first, StageCosts(*(np.asarray(a)[:, :4] for a in (own_costs.fwd_s, own_costs.bwd_s,
+                      own_costs.stored_bytes, own_costs.peak_bytes, own_costs.send_bytes))), placement)

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from dynabatch.cli import main
+from dynabatch.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.model_specs import layer_param_count
 from dynabatch.cost.model_states import per_rank_state_bytes
@@ -81,11 +82,12 @@ def test_plan_reports_the_states_per_device(capsys):
     assert "model states per device (--zero 1, 4 replicas)" in capsys.readouterr().out
 
 
-def test_train_refuses_zero_2_with_a_baseline_method_in_one_line(tmp_path, capsys):
-    """``--zero 2`` needs equal micro-batch counts per replica, which only the dynamic planner gives (it trains:
-    ``tests/dist/test_zero.py``); a baseline's dealt micro-batches would hang its per-micro-batch collectives."""
-    assert main(["train", "--zero", "2", "--replicas", "2", "--method", "packing", "--output-dir",
-                 str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--zero 2 needs as many micro-batches on every replica" in err[0]
-    assert "--method dynamic or --zero 1" in err[0]
+def test_train_takes_zero_2_with_a_baseline_and_on_virtual_stages():
+    """``--zero 2`` was refused with a baseline method and is not: a baseline's dealt micro-batches are evened
+    (``tests/unit/test_equal_counts.py``, trained in ``tests/dist/test_zero.py``), and on virtual stages every replica
+    of a device runs replica 0's chunk order (``tests/unit/test_virtual_lowering.py``, trained in
+    ``tests/dist/test_zero.py``)."""
+    for method, placement in (("packing", "linear"), ("padding", "auto"), ("dynamic", "interleaved:2"),
+                              ("dynamic", "cyclic")):
+        cfg = TrainConfig.of(zero=2, replicas=2, stages=2, method=method, placement=placement)
+        assert (cfg.zero, cfg.method, cfg.placement) == (2, method, placement)

@@ -64,6 +64,7 @@ def test_run_layout_text_round_trip_and_bad_cover():
     ("gpt", {"slice_long": True, "model": "gpt2-tiny"}, ["linear", "interleaved:2"]),  # slices run on chunks too
     ("t5", {"calibrate": "quick"}, ["linear", "cyclic"]),  # virtual stages calibrate too
     ("t5", {"stages": 1}, ["linear"]),
+    ("gpt", {"zero": 2, "replicas": 2}, ["linear", "interleaved:2"]),  # replicas share one chunk order (planner)
 ])
 def test_auto_candidates_follow_the_flags(family, overrides, expected):
     from dynabatch.runtime.run_layout import candidate_placements
