@@ -46,6 +46,7 @@ from dynabatch.config.sections import (  # noqa: F401 (the registries are import
     OptimArgs,
     PipelineArgs,
 )
+from dynabatch.core.devices import check_device_name
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,6 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                 raise ValueError("columns maps the columns of --data (or of datasets given to train()); a mixture "
                                  "spec maps its own")
         if self.device != "auto":
-            from dynabatch.runtime.dist import check_device_name
-
             check_device_name(self.device)
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) < 1.0:

@@ -38,6 +38,14 @@ def test_no_new_layer_violations_and_allowlist_only_shrinks(check_layers):
                       "scripts/layers_allowlist.txt:\n" + "\n".join(gone))
 
 
+def test_no_cycle_and_no_upward_import(check_layers):
+    """The package's top-level parts import one way: no strongly connected parts, nothing reaching up a layer."""
+    report = check_layers.analyse(check_layers.collect())
+    assert report.cycles == [], f"import cycles between parts: {report.cycles}"
+    assert [f"{i.path}:{i.line}" for i in report.upward] == []
+    assert not any(v.startswith(("cycle ", "upward ")) for v in check_layers.read_allowlist())
+
+
 def test_every_part_has_a_layer(check_layers):
     report = check_layers.analyse(check_layers.collect())
     for imp in report.imports:
