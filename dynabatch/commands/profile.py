@@ -25,6 +25,13 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
+from dynabatch.cost.calibrate import format_summary, run_check, summarize
+from dynabatch.cost.measure import MeasureSettings
+from dynabatch.cost.profile import run_profile, save_profile
+from dynabatch.cost.tables import CostTables
+from dynabatch.models.families import layer_builder
+from dynabatch.runtime.dist import resolve_device
+from dynabatch.runtime.metrics import format_prediction_report
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +95,6 @@ def _check_run(run_dir: str) -> int:
     """``--check RUN_DIR``: predicted against measured per step and stage, from the run's metrics.jsonl."""
     import json
 
-    from dynabatch.runtime.metrics import format_prediction_report
-
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
         with open(path, encoding="utf-8") as f:
@@ -105,15 +110,11 @@ def _check_run(run_dir: str) -> int:
 
 
 def _check(args) -> int:
-    from dynabatch.cost.tables import CostTables
-
     if os.path.isdir(args.check):
         return _check_run(args.check)
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
     args.device = _device(args.device)
-    from dynabatch.cost.calibrate import format_summary, run_check, summarize
-    from dynabatch.models.families import layer_builder
 
     meta = tables.meta
     print(f"profile {args.check}: {meta['model']['name']} on {meta['device']['name']}, "
@@ -129,8 +130,6 @@ def _check(args) -> int:
 
 def _device(name: str) -> str:
     """``--device`` resolved (``auto``: cuda when available); after :func:`_set_thp`, as it imports torch."""
-    from dynabatch.runtime.dist import resolve_device
-
     return str(resolve_device(name)[1])
 
 
@@ -141,9 +140,6 @@ def run(args) -> int:
     if args.device in ("cpu", "auto") and not args.no_thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
     args.device = _device(args.device)
-    from dynabatch.cost.measure import MeasureSettings
-    from dynabatch.cost.profile import run_profile, save_profile
-    from dynabatch.models.families import layer_builder
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     # a bad grid, kind or model is a ValueError: the CLI prints it as its one error line and exits 2
