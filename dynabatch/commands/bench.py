@@ -472,7 +472,6 @@ def bench(args, methods: list[str]) -> dict | None:
                     runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
         if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
-
             for placement_name in dict.fromkeys(key.partition("@")[2] for key in calibrated):
                 first = runs[next(key for key in calibrated if key.partition("@")[2] == placement_name)]
                 quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, first.spec, 0)
@@ -490,7 +489,6 @@ def bench(args, methods: list[str]) -> dict | None:
                 planned = r.planned[step] if ctx.is_planner else None
                 elapsed, loss, saved_peak, peak, result = _timed_step(r, ctx, step, planned, cuda)
                 if result is not None:  # every method on our executor: measured compute per stage
-
                     gathered = gather_measurements(ctx, result)  # collective, outside the timed region
                     if ctx.is_planner:
                         if step >= args.untimed_steps:

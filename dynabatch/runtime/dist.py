@@ -37,12 +37,9 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.core.devices import DEVICES, check_device_name  # noqa: F401 (device_type checks; DEVICES read from here)
+from dynabatch.runtime.errors import PipelineError  # noqa: F401 (raised here; imported from here too)
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-class PipelineError(RuntimeError):
-    """A distributed step failed: a peer died or timed out, or an instruction raised."""
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from dynabatch.cost.online import CalibratedStageCostModel
 from dynabatch.schedule.placement import Placement
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.schedule.policies import adaptive
-from dynabatch.schedule.virtual import placed_step
+from dynabatch.schedule.virtual import chunk_schedule, placed_step
+from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
 
 
@@ -157,8 +158,6 @@ class StepPlanner:
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
         self.slice_model = None
         if cfg.slice_long:
-            from dynabatch.plan.slice_costs import AnalyticSliceCostModel
-
             self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
 
     @property
@@ -411,8 +410,6 @@ class StepPlanner:
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
             c = costs_in[k] if costs_in is not None else piece_costs(model, self.slice_model, s, ctx, lk, pr)
             if self.placement is not None:  # virtual stages: the placed order plan_step lowers
-                from dynabatch.schedule.virtual import chunk_schedule, placed_step
-
                 result = placed_step(c, self.placement, states, memory, send, links=lk)
                 schedule = chunk_schedule(result.order, self.placement.num_stages, len(s), result.policy)
             else:

@@ -185,7 +185,6 @@ def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Load
         logger.info(f"data: {note}")
     held_out = None
     if cfg.eval_holdout:  # these rows are evaluated, never trained on
-
         data, held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
     maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
     limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
@@ -435,7 +434,6 @@ def _write_timeline(run: _Run, result, planned) -> None:
     shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
     costs = (planned.predicted_costs or planned.costs)[0]
     if run.placement is not None:  # virtual stages: the planner's list schedule, the order plan_step lowered
-
         simulated = timeline_ops(planned.schedules[0].device_orders)
         makespan = max(op.end_s for op in simulated)
     else:
