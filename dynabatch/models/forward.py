@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
+from dynabatch.data.microbatch import IGNORE_INDEX, CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import use_segment_attention
 from dynabatch.models.families import family_for_config
 from dynabatch.models.masks import (  # noqa: F401 (the masks and token losses are imported from here too)

@@ -63,20 +63,16 @@ communication or per-stage differences; the schedule simulator is the judge.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dynabatch.cost.pairs import sample_pairs
+from dynabatch.data.baselines import RowGroup
 from dynabatch.plan._kernels import _best_fit_rows
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.partition import PartitionPlan
 from dynabatch.sequence import is_seq2seq
-
-if TYPE_CHECKING:
-    from dynabatch.data.baselines import RowGroup
-from dynabatch.cost.pairs import sample_pairs
-from dynabatch.data.baselines import RowGroup
 
 
 @dataclass(frozen=True)
