@@ -25,13 +25,7 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
-from dynabatch.cost.calibrate import format_summary, run_check, summarize
-from dynabatch.cost.measure import MeasureSettings
-from dynabatch.cost.profile import run_profile, save_profile
 from dynabatch.cost.tables import CostTables
-from dynabatch.models.families import layer_builder
-from dynabatch.runtime.dist import resolve_device
-from dynabatch.runtime.metrics import format_prediction_report
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +89,8 @@ def _check_run(run_dir: str) -> int:
     """``--check RUN_DIR``: predicted against measured per step and stage, from the run's metrics.jsonl."""
     import json
 
+    from dynabatch.runtime.metrics import format_prediction_report  # lazy: imports torch, which must load after _set_thp
+
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
         with open(path, encoding="utf-8") as f:
@@ -115,6 +111,9 @@ def _check(args) -> int:
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
     args.device = _device(args.device)
+    from dynabatch.cost.calibrate import (  # lazy: imports torch, which must load after _set_thp
+        format_summary, run_check, summarize)
+    from dynabatch.models.families import layer_builder  # lazy: imports torch, which must load after _set_thp
 
     meta = tables.meta
     print(f"profile {args.check}: {meta['model']['name']} on {meta['device']['name']}, "
@@ -130,6 +129,8 @@ def _check(args) -> int:
 
 def _device(name: str) -> str:
     """``--device`` resolved (``auto``: cuda when available); after :func:`_set_thp`, as it imports torch."""
+    from dynabatch.runtime.dist import resolve_device  # lazy: imports torch, which must load after _set_thp
+
     return str(resolve_device(name)[1])
 
 
@@ -140,6 +141,9 @@ def run(args) -> int:
     if args.device in ("cpu", "auto") and not args.no_thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
     args.device = _device(args.device)
+    from dynabatch.cost.measure import MeasureSettings  # lazy: imports torch, which must load after _set_thp
+    from dynabatch.cost.profile import run_profile, save_profile  # lazy: imports torch, which must load after _set_thp
+    from dynabatch.models.families import layer_builder  # lazy: imports torch, which must load after _set_thp
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     # a bad grid, kind or model is a ValueError: the CLI prints it as its one error line and exits 2
