@@ -28,6 +28,9 @@ from dynabatch.data.baselines import GROUPING_TOKENS, BaselineOptions, RowGroup,
 from dynabatch.data.batching import GlobalBatcher, LengthLimits, truncate_sample
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.plan.global_plan import GlobalPlanner
+from dynabatch.data.mixture import MixtureSpec
+from dynabatch.data.pipeline import MixtureData
+from dynabatch.data.tokenize import load_tokenizer
 
 MODEL_FAMILIES = {"t5": "seq2seq", "gpt": "causal", "gpt2": "causal", "llama": "causal"}
 """``--model`` of ``plan``/``simulate``: a model family name -> its sequence kind (the analytic preset gives the shape)."""
@@ -142,10 +145,6 @@ def global_batches(
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
     if is_mixture_spec(path):
-        from dynabatch.data.mixture import MixtureSpec
-        from dynabatch.data.pipeline import MixtureData
-        from dynabatch.data.tokenize import load_tokenizer
-
         data = MixtureData.load(MixtureSpec.from_file(path), load_tokenizer(tokenizer), family)
         batcher = GlobalBatcher(data, limits, token_budget=token_budget)
         return [batcher.next_batch() for _ in range(num_batches)]

@@ -69,6 +69,7 @@ PLACEMENT: dict[str, str] = {
     "runtime.planner_process": "app",
     "runtime.calibration": "app",
     "runtime.run_layout": "app",
+    "runtime.cost_model": "app",
     "runtime.evaluate": "app",
     "runtime.metrics": "app",
     "runtime.tracking": "app",

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     from dynabatch.commands.common import Workload
     from dynabatch.commands.simulate import SimulateOptions, simulate_method, simulation_workload
-    from dynabatch.commands.tuning import tune_simulated
+    from dynabatch.commands.simulate import tune_simulated
     from dynabatch.cost.planner_model import UNPRICED, ProfiledLayerModel
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.cost.tables import CostTables

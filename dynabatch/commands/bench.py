@@ -79,7 +79,7 @@ from dynabatch.config.flags import add_fields, add_sections
 from dynabatch.config.resolve import Found, Resolved, lower, lower_args, resolve
 from dynabatch.config.sections import arg
 from dynabatch.data.builtin import default_mixture_path
-from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer
+from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import CAUSAL_ONLY, DYNAMIC_SLICED, check_method_family
@@ -89,7 +89,21 @@ from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.workload import global_batches, is_mixture_spec
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.inputs import load_data
-from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key
+from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key, with_tuned
+from dynabatch.config import TrainConfig
+from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
+from dynabatch.models.families import check_model
+from dynabatch.models.split import build_stage, pipeline_spec_for
+from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_times
+from dynabatch.runtime.dist import shutdown
+from dynabatch.runtime.executor import Executor
+from dynabatch.runtime.launch import launch_local
+from dynabatch.runtime.metrics import peak_rss_bytes
+from dynabatch.runtime.planner import StepPlanner
+from dynabatch.runtime.precision import autocast_dtype
+from dynabatch.runtime.step import train_step
+from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
+from dynabatch.runtime.trainer import build_run_model, connect, planner_cost_model, run_calibration
 
 BASELINES = tuple(BASELINE_SPECS)
 SLICED = DYNAMIC_SLICED
@@ -186,8 +200,6 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
 def _family(model: str) -> str:
     """The sequence kind (``causal``/``seq2seq``) of a preset name or a local checkpoint directory."""
-    from dynabatch.models.families import check_model
-
     return check_model(model, None).sequence_kind
 
 
@@ -207,8 +219,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"need timed-steps >= 1, untimed-steps >= 0, stages >= 1, tune-steps >= 1; got {args.timed_steps}, {args.untimed_steps}, "
                          f"{args.stages}, {args.tune_steps}")
     if args.stages > 1 and "RANK" not in os.environ:
-        from dynabatch.runtime.launch import launch_local
-
         return launch_local(["-m", "dynabatch", "bench", *_argv(args)], args.stages)
     result = bench(args, methods)
     if result is None:
@@ -261,8 +271,6 @@ def resolved_json(resolved: dict[str, Resolved]) -> dict:
 
 
 def _config(args, method: str):
-    from dynabatch.config import TrainConfig
-
     return TrainConfig(
         model=args.model, tokenizer=args.tokenizer, attention_kernel=args.attention_kernel, stages=args.stages, method="dynamic" if method in (SLICED, *PACK_ROWS_OF, *OWN_BASE, *PLAN_VARIANTS) else method,
         policy=args.policy,
@@ -348,8 +356,6 @@ def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list
     ``rows`` x stages gets ``ceil(rows of the step / stages)`` rows per micro-batch instead."""
     import torch.distributed as dist
 
-    from dynabatch.runtime.torch_pipelining import fixed_shape_inputs
-
     meta: list = [None]
     inputs = []
     if is_planner:
@@ -370,8 +376,6 @@ def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, o
     """One training step of method ``r``; returns its loss (on rank 0), this rank's peak bytes saved for
     backward (``None`` for the torch pipelining peer, which is not metered) and the executor's
     :class:`~dynabatch.runtime.executor.StepResult` (``None`` for the peer)."""
-    from dynabatch.runtime.step import train_step
-
     if r.peer_steps is not None:
         num, shape, tokens, inputs = r.peer_steps[step]
         return r.executor.step(num, shape, tokens, inputs), None, None
@@ -392,18 +396,6 @@ def bench(args, methods: list[str]) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
-    from dynabatch.models.families import check_model
-    from dynabatch.models.split import build_stage, pipeline_spec_for
-    from dynabatch.runtime.dist import shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.precision import autocast_dtype
-    from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
-    from dynabatch.runtime.metrics import peak_rss_bytes
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer
-    from dynabatch.runtime.trainer import build_run_model, connect, planner_cost_model
-
     resolved = method_configs(args, methods, found_here(args))
     cfgs = {m: r.config for m, r in resolved.items()}
     cfg0 = cfgs[methods[0]]
@@ -421,7 +413,7 @@ def bench(args, methods: list[str]) -> dict | None:
         limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                               max_seq_len=args.max_input_len)
         batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []
-        layouts = choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx)  # collective
+        layouts = choose_layouts(args, methods, cfgs, base_config(args), model, batches, limits, info, ctx)  # collective
         layout = layouts["linear"].layout
         spec = pipeline_spec_for(model, layout, "float32")
         base = [build_stage(model, layout, ctx.stage_index)]
@@ -456,8 +448,6 @@ def bench(args, methods: list[str]) -> dict | None:
 
         calibration = None
         if ctx.is_planner:
-            from dynabatch.runtime.trainer import run_calibration
-
             cost_model = planner_cost_model(base_config(args), model.config, layout)  # the base every method shares
             if calibrated:  # one fit shared by the calibrated methods, set up as the trainer's
                 calibration, _ = run_calibration(cfgs[calibrated[0]], cost_model, model.config.to_dict(), layout)
@@ -502,7 +492,6 @@ def bench(args, methods: list[str]) -> dict | None:
         if args.tune_baselines:
             tuned = _tune(args, [m for m in methods if m in BASELINES], cfgs, ctx, spec, batches, limits, new_run,
                           plan, runs, cuda)
-            from dynabatch.commands.tuning import tuned_key
 
             for key in [tuned_key(m) for m in BASELINES if tuned_key(m) in runs and calibrated]:  # calibrated too
                 calibrated.append(key)
@@ -510,8 +499,6 @@ def bench(args, methods: list[str]) -> dict | None:
                     runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
         if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
-            from dynabatch.runtime.calibration import quick_calibration
-
             for placement_name in dict.fromkeys(key.partition("@")[2] for key in calibrated):
                 first = runs[next(key for key in calibrated if key.partition("@")[2] == placement_name)]
                 quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, first.spec, 0)
@@ -529,8 +516,6 @@ def bench(args, methods: list[str]) -> dict | None:
                 planned = r.planned[step] if ctx.is_planner else None
                 elapsed, loss, saved_peak, peak, result = _timed_step(r, ctx, step, planned, cuda)
                 if result is not None:  # every method on our executor: measured compute per stage
-                    from dynabatch.runtime.calibration import gather_measurements, stage_times
-
                     gathered = gather_measurements(ctx, result)  # collective, outside the timed region
                     if ctx.is_planner:
                         if step >= args.untimed_steps:
@@ -558,7 +543,6 @@ def bench(args, methods: list[str]) -> dict | None:
         result["resolved"] = resolved_json(resolved)
         if not args.tune_baselines:
             return result
-        from dynabatch.commands.tuning import with_tuned
 
         return with_tuned(result, tuned)
     finally:

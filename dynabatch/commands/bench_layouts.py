@@ -4,7 +4,17 @@
 from __future__ import annotations
 
 import dataclasses
+
+import torch.distributed as dist
+
+from dynabatch.commands.bench_report import PEER
 from dynabatch.cost.model_specs import layer_kinds
+from dynabatch.models.families import analytic_spec
+from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
+from dynabatch.runtime.cost_model import planner_cost_model
+from dynabatch.runtime.planner import StepPlanner
+from dynabatch.runtime.run_layout import RunLayout, SAMPLED_BATCHES, choose_run_layout
+from dynabatch.schedule.placement import Placement
 
 
 class ListBatcher:
@@ -24,32 +34,21 @@ class ListBatcher:
 
 def placements(args) -> list:
     """The :class:`~dynabatch.schedule.placement.Placement` of every entry of ``--placements`` but linear."""
-    from dynabatch.schedule.placement import Placement
-
     placements = [Placement.parse(t.strip(), args.stages) for t in args.placements.split(",")]
     return [p for p in placements if p.kind != "linear"]
 
 
 def placed_methods(args, methods) -> dict:
     """``METHOD@PLACEMENT`` -> ``(Placement, METHOD)`` for every non-linear placement of ``--placements``."""
-    from dynabatch.commands.bench import PEER
-
     return {f"{m}@{p.describe()}": (p, m) for p in placements(args) for m in methods if m != PEER}
 
 
-def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> dict:
+def choose_layouts(args, methods, cfgs, base, model, batches, limits, info, ctx) -> dict:
     """Collective: ``linear`` and every placement of ``--placements`` -> its
     :class:`~dynabatch.runtime.run_layout.RunLayout`, chosen on rank 0 and broadcast. ``--layer-split data``
     balances each placement's chunks over the micro-batches every method (the peer as packing) cuts the first
-    global batches into, so all methods run on the same stage modules and none on a split tuned for it alone."""
-    import torch.distributed as dist
-
-    from dynabatch.models.families import analytic_spec
-    from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.run_layout import SAMPLED_BATCHES, RunLayout, choose_run_layout
-    from dynabatch.runtime.trainer import planner_cost_model
-
+    global batches into, so all methods run on the same stage modules and none on a split tuned for it alone.
+    ``base`` is the dynamic method's configuration, whose cost model prices the layers each split balances."""
     texts: list = [None]
     if ctx.is_planner:
         sampled = batches[:SAMPLED_BATCHES]
@@ -63,9 +62,6 @@ def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> di
                 out += [planner.preview(b) for b in sampled]
             return out
 
-        from dynabatch.commands.bench import base_config
-
-        base = base_config(args)
         if any(cfgs[m].cost_profile for m in methods):  # a profile times whole blocks: every method's split keeps them
             base = dataclasses.replace(base, split_blocks="off")
         layer_model = planner_cost_model(base, model.config, layout_for(model, 1)).model
@@ -78,8 +74,6 @@ def choose_layouts(args, methods, cfgs, model, batches, limits, info, ctx) -> di
 
 def placed_chunks(layouts: dict, model, device: int) -> dict:
     """Per non-linear placement of ``layouts``: its chunk layout, pipeline spec and the chunks ``device`` holds."""
-    from dynabatch.models.split import build_device_stages, pipeline_spec_for
-
     out = {}
     for name, run in layouts.items():
         if run.placement.kind == "linear":

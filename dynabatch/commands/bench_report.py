@@ -7,6 +7,7 @@ import json
 import sys
 
 from dynabatch.config.sections import PLAN_COSTS
+from dynabatch.commands.tuning import describe
 
 PEER = "pipelining"
 """The external peer method (``torch.distributed.pipelining`` on packing's rows)."""
@@ -89,8 +90,6 @@ def print_table(result: dict) -> None:
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
     if "tuned" in result:
-        from dynabatch.commands.tuning import describe
-
         print(f"tuned baselines (fastest knob value that fits --memory-gib over {c['tune_steps']} measured steps each, "
               f"then timed for {c['timed_steps']} steps; the default if that was faster):")
         for m, t in result["tuned"].items():

@@ -16,6 +16,12 @@ from dynabatch.plan.ideal import balanced_efficiency, ideal_work, planned_work
 from dynabatch.schedule.step import compute_schedule
 from dynabatch.schedule.simulate import simulate
 from dynabatch.config.resolve import lower
+from dynabatch.cost.planner_model import UNPRICED
+from dynabatch.models.attention_kernels import KERNEL_CALLS
+from dynabatch.models.families import check_model
+from dynabatch.runtime.dist import device_type
+from dynabatch.runtime.planner import send_time_of
+from dynabatch.schedule.virtual import placed_step
 
 
 def simulated(shapes, policy: str, cfg, cost_model):
@@ -29,9 +35,6 @@ def simulated(shapes, policy: str, cfg, cost_model):
 
 def step_stats(r, cost_model) -> list[dict]:
     """Per step: real and computed tokens, micro-batches, predicted step time, bubble and peak memory."""
-    from dynabatch.runtime.planner import send_time_of
-    from dynabatch.schedule.virtual import placed_step
-
     out = []
     for i, p in enumerate(r.planned):
         if r.peer_steps is not None:  # fixed shapes, 1F1B
@@ -79,12 +82,9 @@ def _efficiency_balanced(run, measured: np.ndarray, times: np.ndarray, warmup: i
     """Median over the timed steps of :func:`~dynabatch.plan.ideal.balanced_efficiency`: the amortised
     whole-model ideal over the plan's predicted work (one cost model: unitless) times the measured mean
     device busy fraction (``measured``: (steps, devices) compute seconds of replica 0, the only one)."""
-    from dynabatch.models.families import check_model
-
     model = _plan_cost_model(run, cost_model, getattr(args, "cost_profile", None))
     if model is None:
         return None
-    from dynabatch.cost.planner_model import UNPRICED
 
     family = check_model(args.model, None).sequence_kind
     values = []
@@ -123,8 +123,6 @@ def _drop_off_grid_prices(row: dict, timed: list[dict]) -> None:
     """A cost profile prices shapes beyond its grid as ``INFEASIBLE`` (1e30 s and bytes): a method whose timed
     steps hold such a micro-batch gets ``None`` for every predicted field, and ``priced_off_grid`` (a baseline's
     token budget beyond the profiled batch sizes, say), rather than 1e30 seconds in the report."""
-    from dynabatch.cost.planner_model import UNPRICED
-
     off = any(x["predicted_s"] >= UNPRICED or x["peak"] >= UNPRICED for x in timed)
     row["priced_off_grid"] = off
     if off:
@@ -158,8 +156,6 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
     import platform
 
     import torch
-
-    from dynabatch.models.attention_kernels import KERNEL_CALLS
 
     w = args.untimed_steps
     rows = {}

@@ -182,8 +182,6 @@ def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     with ``w``'s reference split; one round: the micro-batches hardly depend on the split). A workload the
     method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error comes
     where the method runs, with that command's advice."""
-    from dynabatch.cost.stages import balanced_layout
-
     micro_batches = _planned_micro_batches(w, batches, method)
     if micro_batches is None:
         return w

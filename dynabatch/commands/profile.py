@@ -26,6 +26,7 @@ from dynabatch.config.resolve import Found, describe_choices, resolve_args
 from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
+from dynabatch.cost.tables import CostTables
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _check_run(run_dir: str) -> int:
     """``--check RUN_DIR``: predicted against measured per step and stage, from the run's metrics.jsonl."""
     import json
 
-    from dynabatch.runtime.metrics import format_prediction_report
+    from dynabatch.runtime.metrics import format_prediction_report  # lazy: imports torch, which must load after _set_thp
 
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
@@ -106,16 +107,15 @@ def _check_run(run_dir: str) -> int:
 
 
 def _check(args) -> int:
-    from dynabatch.cost.tables import CostTables
-
     if os.path.isdir(args.check):
         return _check_run(args.check)
     tables = CostTables.load(args.check)
     _set_thp((tables.meta.get("device") or {}).get("thp_mem_alloc"))
     args.device, decided = _device(args)
     _log_choices(decided)
-    from dynabatch.cost.calibrate import format_summary, run_check, summarize
-    from dynabatch.models.families import layer_builder
+    from dynabatch.cost.calibrate import (  # lazy: imports torch, which must load after _set_thp
+        format_summary, run_check, summarize)
+    from dynabatch.models.families import layer_builder  # lazy: imports torch, which must load after _set_thp
 
     meta = tables.meta
     print(f"profile {args.check}: {meta['model']['name']} on {meta['device']['name']}, "
@@ -136,7 +136,7 @@ def _device(args) -> tuple[str, dict]:
     choices; after :func:`_set_thp`, as it imports torch."""
     import torch
 
-    from dynabatch.runtime.dist import resolve_device
+    from dynabatch.runtime.dist import resolve_device  # lazy: imports torch, which must load after _set_thp
 
     cuda = torch.cuda.is_available()
     decided = resolve_args(args, Found(cuda_available=cuda, cuda_devices=torch.cuda.device_count() if cuda else 0))
@@ -155,9 +155,9 @@ def run(args) -> int:
     if args.device in ("cpu", "auto") and not args.no_thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
     args.device, decided = _device(args)
-    from dynabatch.cost.measure import MeasureSettings
-    from dynabatch.cost.profile import run_profile, save_profile
-    from dynabatch.models.families import layer_builder
+    from dynabatch.cost.measure import MeasureSettings  # lazy: imports torch, which must load after _set_thp
+    from dynabatch.cost.profile import run_profile, save_profile  # lazy: imports torch, which must load after _set_thp
+    from dynabatch.models.families import layer_builder  # lazy: imports torch, which must load after _set_thp
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     # a bad grid, kind or model is a ValueError: the CLI prints it as its one error line and exits 2

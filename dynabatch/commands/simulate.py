@@ -53,10 +53,10 @@ from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.config.resolve import args_view, decide, describe_choices, lower
 from dynabatch.schedule.policies import adaptive, choose_schedule
-from dynabatch.schedule.simulate import with_message_buffers
+from dynabatch.schedule.simulate import simulate, with_message_buffers
 from dynabatch.schedule.virtual import placed_step
 from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
-from dynabatch.commands.tuning import best_tuned
+from dynabatch.commands.tuning import Tuned, best_tuned, describe, tune
 
 
 @dataclass(frozen=True)
@@ -213,8 +213,6 @@ def run(args: argparse.Namespace) -> int:
         placed[method], rows[method] = tried[name]
     tuned = {}
     if args.tune_baselines:
-        from dynabatch.commands.tuning import tune_simulated
-
         tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m]) for m in methods if not is_planner(m)}
     summary = _summary(args, w, batches, rows, tuned)
     if args.json and write_json(summary, args.json):
@@ -399,8 +397,6 @@ def _simulated_price(w, batch, options: SimulateOptions):
     """The price of a candidate plan (:mod:`dynabatch.plan.candidates`) in ``simulate``: its simulated makespan
     under the adaptive schedule, per segment, with the workload's link and memory limit (``inf`` when it does
     not fit); the step itself is then scheduled by :func:`simulate_step`'s search."""
-    from dynabatch.schedule.simulate import simulate, with_message_buffers
-
     cm = w.cost_model
     limit = cm.device_memory_bytes * (1 - cm.memory_margin)
 
@@ -531,8 +527,6 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
         print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; whole-sample baselines), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
     if tuned:
-        from dynabatch.commands.tuning import describe
-
         print("tuned baselines (best knob value that fits memory, simulated tokens/s):")
         for m, t in tuned.items():
             print("  " + describe(m, t.to_dict(), rows[m].tokens_per_s) + (" *" if objective_note(m) else ""))
@@ -540,3 +534,21 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
             print(f"{summary['dynamic_method']} vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), "
                   "real tokens/s: "
                   f"{summary['dynamic_throughput_vs_best_tuned_baseline']:.2f}x")
+
+
+def tune_simulated(method: str, batches, w, options, default_summary=None, placed=None) -> Tuned:
+    """``simulate --tune-baselines`` for one baseline (``w``: a resolved Workload; ``placed``: the placement
+    it is simulated on, as in :func:`simulate_method`); ``default_summary``, the
+    default's :class:`MethodSummary`, is reused instead of simulated again."""
+    default = w.options.value(method)
+
+    def run(value: int):
+        if default_summary is not None and value == default:
+            s = default_summary
+        else:
+            s = simulate_method(method, batches, dataclasses.replace(w, options=w.options.with_value(method, value)), options,
+                                placed=placed)
+        note = "" if s.fits_memory else f"does not fit memory (peak {s.peak_memory_gib:.1f} GiB)"
+        return s.tokens_per_s, note
+
+    return tune(method, batches, w.limits, w.options, run)

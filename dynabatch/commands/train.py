@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynabatch.runtime.trainer import train
+    from dynabatch.runtime.trainer import train  # lazy: keeps torch and transformers out of `dynabatch train --help`
 
     given = None
     argv = getattr(args, "argv", None)
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         given = given_flags(p, argv)
     cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
     if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
-        from dynabatch.runtime.launch import launch_local
+        from dynabatch.runtime.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
 
         return launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
     if objective_note(cfg.method) and os.environ.get("RANK", "0") == "0":  # packing_free_split: say so, once

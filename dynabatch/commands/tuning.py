@@ -73,26 +73,6 @@ def _tuned(method: str, options: BaselineOptions, trials: tuple[Trial, ...]) -> 
                  best.tokens_per_s if best else None)
 
 
-def tune_simulated(method: str, batches, w, options, default_summary=None, placed=None) -> Tuned:
-    """``simulate --tune-baselines`` for one baseline (``w``: a resolved Workload; ``placed``: the placement
-    it is simulated on, as in :func:`~dynabatch.commands.simulate.simulate_method`); ``default_summary``, the
-    default's :class:`~dynabatch.commands.simulate.MethodSummary`, is reused instead of simulated again."""
-    from dynabatch.commands.simulate import simulate_method
-
-    default = w.options.value(method)
-
-    def run(value: int):
-        if default_summary is not None and value == default:
-            s = default_summary
-        else:
-            s = simulate_method(method, batches, replace(w, options=w.options.with_value(method, value)), options,
-                                placed=placed)
-        note = "" if s.fits_memory else f"does not fit memory (peak {s.peak_memory_gib:.1f} GiB)"
-        return s.tokens_per_s, note
-
-    return tune(method, batches, w.limits, w.options, run)
-
-
 def describe(method: str, tuned: dict, default_tokens_per_s: float) -> str:
     """One line of a :meth:`Tuned.to_dict`: default -> tuned value and tokens/s, and the values skipped."""
     skipped = "; ".join(f"{t['value']}: {t['note']}" for t in tuned["trials"] if t["note"])

@@ -46,6 +46,9 @@ from dynabatch.config.sections import (  # noqa: F401 (the registries are import
     OptimArgs,
     PipelineArgs,
 )
+from dynabatch.core.devices import check_device_name
+from dynabatch.data.baselines import attention_for
+from dynabatch.data.inputs import parse_columns
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,6 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
     @property
     def attention_path(self) -> str:
         """The attention path this run uses (``packing``, the dense-mask baseline, always ``dense``)."""
-        from dynabatch.data.baselines import attention_for
-
         return attention_for(self.method, self.attention)
 
     @property
@@ -114,7 +115,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             if t not in (*TRACKERS, "all", "none"):
                 raise ValueError(f"report_to: unknown tracker {t!r}; valid: {', '.join(TRACKERS)}, all, none")
         if self.placement not in ("linear", "auto"):  # auto keeps to the placements the other flags allow
-            from dynabatch.schedule.placement import Placement
+            from dynabatch.schedule.placement import Placement  # lazy: keeps numba/scipy out of `dynabatch --help`
 
             Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
         if self.eval_mixture and self.eval_holdout:
@@ -122,15 +123,11 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.mixture and self.data:
             raise ValueError(f"give mixture or data, not both (got {self.mixture!r} and {self.data!r})")
         if self.columns:  # malformed --columns text is one line before anything loads
-            from dynabatch.data.inputs import parse_columns
-
             parse_columns(self.columns)
             if self.mixture:
                 raise ValueError("columns maps the columns of --data (or of datasets given to train()); a mixture "
                                  "spec maps its own")
         if self.device != "auto":
-            from dynabatch.runtime.dist import check_device_name
-
             check_device_name(self.device)
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) < 1.0:

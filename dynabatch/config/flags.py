@@ -15,6 +15,10 @@ import dataclasses
 import os
 from typing import Any
 
+# The package defines these before it imports this module (config/__init__.py's last lines), so they exist
+# whichever of the two is imported first.
+from dynabatch.config import TrainConfig, _allowed, canonical, field_types
+from dynabatch.config.sections import SECTIONS
 from dynabatch.data.user_files import parse_user_file
 
 _NOT_GIVEN = object()
@@ -155,8 +159,6 @@ def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | Non
                helps: dict[str, str] | None = None) -> None:
     """The flags of the TrainConfig fields ``names`` (grouped by their sections), for a command that shares
     them with ``dynabatch train``: the same name means the same thing in every command."""
-    from dynabatch.config import SECTIONS
-
     names = set(names)
     known = {f.name for s in SECTIONS for f in dataclasses.fields(s)}
     assert names <= known, sorted(names - known)
@@ -165,8 +167,6 @@ def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | Non
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Every TrainConfig flag, grouped by section, plus ``--config FILE``."""
-    from dynabatch.config import SECTIONS
-
     p.add_argument("--config", default=None, help="YAML/JSON file of TrainConfig fields (flat, or nested by section)")
     add_sections(p, SECTIONS)
 
@@ -184,8 +184,6 @@ def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
     """The TrainConfig of parsed flags: defaults, then ``args.config``'s values, then the flags in ``given``
     (``None``: every value in ``args`` that differs from its field's default counts as given)."""
-    from dynabatch.config import TrainConfig
-
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     if given is None:
         given = {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
@@ -212,8 +210,6 @@ def parse_config(p: argparse.ArgumentParser, argv: list[str]):
 
 def load_config_file(path: str) -> dict[str, Any]:
     """A config file's fields (flat, or nested under section names), under current names, numbers parsed."""
-    from dynabatch.config import SECTIONS, TrainConfig, canonical
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path!r} not found")
     if os.path.isdir(path):
@@ -255,8 +251,6 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def _coerce(path: str, name: str, value: Any) -> Any:
     """YAML 1.1 reads ``learning_rate: 3e-4`` as a string: turn numeric strings into the field's number type."""
-    from dynabatch.config import _allowed, field_types
-
     allowed, _, _ = _allowed(field_types()[name])
     number = float if float in allowed else int if int in allowed else None
     if isinstance(value, str) and number is not None:

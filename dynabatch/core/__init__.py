@@ -7,6 +7,7 @@ Each name is registered once, here, and every choice list, help text and check e
 - :mod:`~dynabatch.core.placements`: how stages sit on devices;
 - :mod:`~dynabatch.core.sequence`: sequence kinds (causal, seq2seq);
 - :mod:`~dynabatch.core.dtypes`: compute precisions;
+- :mod:`~dynabatch.core.devices`: device names (``--device``);
 - :mod:`~dynabatch.core.attention` and :mod:`~dynabatch.core.packing`: attention paths and kernels, row packing.
 
 :class:`~dynabatch.core.registry.Registry` is the tuple of a kind's names with a help line each. Nothing here

@@ -95,7 +95,7 @@ class Batcher:
         return [self.collate(batch, g) for g in self.group(batch)]
 
     def collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
-        from dynabatch.data.collate import collate_causal, collate_seq2seq
+        from dynabatch.data.collate import collate_causal, collate_seq2seq  # lazy: keeps torch out of `dynabatch --help`
 
         if is_seq2seq(self.family):
             return collate_seq2seq(

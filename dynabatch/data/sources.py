@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dynabatch import __version__
+from dynabatch.data.builtin import BUILTIN_TASKS, generate_examples
 
 FIELDS = ("inputs", "targets")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
@@ -148,8 +149,6 @@ class SourceSpec:
 
 
 def _builtin_rows(task: str, num_examples: int, seed: int, version: str):
-    from dynabatch.data.builtin import generate_examples
-
     yield from generate_examples(task, num_examples, seed)
 
 
@@ -241,8 +240,6 @@ def _load_raw(spec: SourceSpec, dataset=None):
     if dataset is not None:
         raise ValueError(f"source {spec.task!r} loads its own rows; a dataset is given only with in_memory=True")
     if spec.builtin:
-        from dynabatch.data.builtin import BUILTIN_TASKS
-
         if spec.builtin not in BUILTIN_TASKS:
             raise ValueError(f"source {spec.task!r}: unknown built-in task {spec.builtin!r}; valid: {', '.join(BUILTIN_TASKS)}")
         # The package version is part of the cache key, so an upgrade never reuses stale rows.

@@ -11,7 +11,7 @@ __all__ = ["DynaBatchDataLoader", "DynaBatchTrainer", "StepBatch", "StepStats"]
 
 def __getattr__(name: str):
     if name == "DynaBatchTrainer":
-        from dynabatch.integrations.trainer import DynaBatchTrainer
+        from dynabatch.integrations.trainer import DynaBatchTrainer  # lazy: optional, needs transformers' Trainer
 
         return DynaBatchTrainer
     raise AttributeError(f"module 'dynabatch.integrations' has no attribute {name!r}")

@@ -68,7 +68,7 @@ from dynabatch.data.inputs import load_data
 def model_sequence_kind(config) -> str:
     """The sequence kind (``causal``/``seq2seq``) of a supported HF config; ``ValueError`` naming the
     supported families otherwise (the family registry, :mod:`dynabatch.models.families`)."""
-    from dynabatch.models.families import family_for_config
+    from dynabatch.models.families import family_for_config  # lazy: keeps transformers out of the DataLoader import
 
     return family_for_config(config).sequence_kind
 
@@ -146,7 +146,7 @@ def default_cost_model(
         return PolynomialCostModel()
     import torch
 
-    from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
+    from dynabatch.models.families import run_cost_model  # lazy: keeps transformers out of the DataLoader import
 
     hardware = resolved_hardware(hardware)[0]
     if hardware == "cuda":

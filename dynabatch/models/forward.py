@@ -1,7 +1,7 @@
 """Run Hugging Face T5 and GPT-2 on dynabatch micro-batches, with masks built from segment ids.
 
 Padding and packing share one path. Every row carries segment ids (1.. per sample, 0 = pad), and
-this module turns them into 4-D *additive float* masks, shape (B, 1, Q, K): 0 where a query may
+the masks (:mod:`dynabatch.models.masks`) are 4-D *additive float* masks, shape (B, 1, Q, K): 0 where a query may
 attend a key, ``finfo(dtype).min`` where it may not. The rules:
 
 * T5 encoder self-attention: block-diagonal, bidirectional (same segment).
@@ -34,61 +34,17 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dynabatch.data.microbatch import IGNORE_INDEX, CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
-
-# ----------------------------------------------------------------------------------------------
-# Masks
-# ----------------------------------------------------------------------------------------------
-
-
-def _same_segment(query_segment_ids: torch.Tensor, key_segment_ids: torch.Tensor) -> torch.Tensor:
-    """Bool (B, Q, K): real query ``q`` may see key ``k`` of the same segment; pad queries see all keys."""
-    q = query_segment_ids[:, :, None]  # (B, Q, 1)
-    k = key_segment_ids[:, None, :]  # (B, 1, K)
-    return ((q == k) & (q > 0)) | (q == 0)
-
-
-def _to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool (B, Q, K) -> additive float (B, 1, Q, K): 0 where allowed, ``finfo(dtype).min`` elsewhere."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, blocked)[:, None, :, :]
-
-
-def bidirectional_segment_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Block-diagonal bidirectional mask (T5 encoder) from (B, T) segment ids; returns (B, 1, T, T)."""
-    return _to_additive(_same_segment(segment_ids, segment_ids), dtype)
-
-
-def causal_segment_mask(
-    segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32, context_segment_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Block-diagonal causal mask (GPT-2, T5 decoder self-attention); (B, T) -> (B, 1, T, C + T).
-
-    Segments are contiguous in a row, so "earlier in the row and same segment" is "earlier in the
-    same sample". Pad queries keep their full (non-causal) row so that no row is empty.
-    ``context_segment_ids`` (B, C): a token slice's queries also see the ``C`` earlier tokens of their
-    rows (keys are context then slice; the causal diagonal is aligned bottom-right, so query ``i``
-    sees keys ``<= C + i``).
-    """
-    keys = segment_ids if context_segment_ids is None else torch.cat([context_segment_ids, segment_ids], dim=1)
-    t, c = segment_ids.shape[1], keys.shape[1] - segment_ids.shape[1]
-    earlier = torch.ones(t, c + t, dtype=torch.bool, device=segment_ids.device).tril(diagonal=c)  # (T, C + T)
-    allowed = _same_segment(segment_ids, keys) & (earlier | (segment_ids == 0)[:, :, None])
-    return _to_additive(allowed, dtype)
-
-
-def cross_segment_mask(
-    query_segment_ids: torch.Tensor, key_segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Cross-attention confined to the same sample: decoder (B, D) x encoder (B, E) -> (B, 1, D, E).
-
-    Every decoder segment k must have encoder tokens with segment k (collate guarantees it);
-    otherwise that query's row is fully masked and its output is meaningless (finite, not NaN).
-    """
-    return _to_additive(_same_segment(query_segment_ids, key_segment_ids), dtype)
+from dynabatch.models.attention import use_segment_attention
+from dynabatch.models.families import family_for_config
+from dynabatch.models.masks import (  # noqa: F401 (the masks and token losses are imported from here too)
+    _token_losses,
+    bidirectional_segment_mask,
+    causal_segment_mask,
+    cross_segment_mask,
+)
+from dynabatch.models.split import layout_for, micro_batch_inputs, pipeline_spec_for
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,15 +62,6 @@ class LossOutput:
     """Tokens that carry loss (targets != ``IGNORE_INDEX``)."""
     token_losses: torch.Tensor
     """(B, T) fp32 per-token losses shaped like the targets, 0 where ignored."""
-
-
-def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token fp32 cross-entropy: logits (B, T, V), targets (B, T) -> (B, T), 0 where ignored."""
-    b, t, v = logits.shape
-    losses = F.cross_entropy(
-        logits.float().reshape(b * t, v), targets.reshape(b * t), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return losses.view(b, t)  # (B, T)
 
 
 def _embedding_weight(model: torch.nn.Module) -> torch.Tensor:
@@ -170,8 +117,6 @@ def forward_loss(model: torch.nn.Module, mb: MicroBatch, attention: str = "dense
     (:func:`whole_model_stage`), the same code the pipeline stages run.
     """
     if attention == "segments":
-        from dynabatch.models.split import micro_batch_inputs
-
         stage, spec = whole_model_stage(model)
         out = stage({}, micro_batch_inputs(mb, spec, 0))
         return LossOutput(loss_sum=out.loss_sum, num_loss_tokens=out.num_loss_tokens, token_losses=out.token_losses)
@@ -193,10 +138,6 @@ def whole_model_stage(model: torch.nn.Module):
     implementation to the padding-free one, which hands dense masks and generation to the previous one."""
     view = _VIEWS.get(model)
     if view is None:
-        from dynabatch.models.attention import use_segment_attention
-        from dynabatch.models.families import family_for_config
-        from dynabatch.models.split import layout_for, pipeline_spec_for
-
         layout = layout_for(model, 1)
         stage = family_for_config(model.config).stage_class(model, layout, 0)
         stage.attention = "segments"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from dynabatch.data.microbatch import IGNORE_INDEX
-from dynabatch.models.forward import _token_losses, bidirectional_segment_mask, causal_segment_mask
+from dynabatch.models.masks import _token_losses, bidirectional_segment_mask, causal_segment_mask
 from dynabatch.models.attention import build_segments
 
 if TYPE_CHECKING:

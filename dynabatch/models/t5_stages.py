@@ -47,7 +47,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 from dynabatch.cost.model_specs import BLOCK_HALVES, ENCODER_ATTENTION_KINDS
 from dynabatch.models.attention import Segments, build_segments
 from dynabatch.models.block_parts import stage_blocks
-from dynabatch.models.forward import cross_segment_mask
+from dynabatch.models.masks import cross_segment_mask
 from dynabatch.models.recompute import run_block
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
 

@@ -63,18 +63,16 @@ communication or per-stage differences; the schedule simulator is the judge.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dynabatch.cost.pairs import sample_pairs
+from dynabatch.data.baselines import RowGroup
 from dynabatch.plan._kernels import _best_fit_rows
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.partition import PartitionPlan
 from dynabatch.sequence import is_seq2seq
-
-if TYPE_CHECKING:
-    from dynabatch.data.baselines import RowGroup
 
 
 @dataclass(frozen=True)
@@ -121,8 +119,6 @@ class RowPackedPlan:
 
     def to_row_groups(self) -> list[RowGroup]:
         """One :class:`RowGroup` per micro-batch with fixed row lengths ``(E, D)`` (GPT: ``E``)."""
-        from dynabatch.data.baselines import RowGroup  # imports torch (collate); the planner itself does not
-
         return [
             RowGroup(rows=p.rows, encoder_len=p.shape[1], decoder_len=p.shape[2] if is_seq2seq(self.family) else None)
             for p in self.packings
@@ -176,8 +172,6 @@ def pack_units(input_lens, target_lens, family: str, capacity: tuple[int, int]) 
     """Rows of at most ``capacity = (E, D)`` tokens (decoder-only: ``(L, 0)``, one sequence of inputs +
     targets), filled best-fit-decreasing by the normalised size ``e / E + d / D``; a sample over the
     capacity gets a row of its own. Deterministic (ties by sample index)."""
-    from dynabatch.cost.pairs import sample_pairs
-
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     e, d = padded_lengths(e_raw, d_raw, family)
     cap_e, cap_d = int(capacity[0]), (int(capacity[1]) if is_seq2seq(family) else 0)

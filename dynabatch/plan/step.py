@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
-from dynabatch.cost.pairs import AttentionPairs, row_calls, row_longest, sample_pairs
+from dynabatch.cost.pairs import AttentionPairs, row_calls, row_longest, row_work, sample_pairs
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import equalize_counts, group_pricing, plan_replicas, wants_equal_counts
@@ -400,8 +400,6 @@ def with_pairs(plan: StepPlan, e, d, work: dict | None = None) -> StepPlan:
     caller keeps for one step's lengths) holds each piece's :func:`~dynabatch.cost.pairs.row_work` by its rows,
     for plans that share micro-batches."""
     from dataclasses import replace
-
-    from dynabatch.cost.pairs import row_work
 
     work = {} if work is None else work
 

@@ -30,6 +30,8 @@ import numpy as np
 
 from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit
 from dynabatch.cost.tables import PROFILE_CONFIG_KEYS
+from dynabatch.runtime.dist import gather_to_planner
+from dynabatch.runtime.step import train_step
 
 
 _COMPUTE_KEY = re.compile(r"^(\d+)([FB])(\d+)$")
@@ -50,8 +52,6 @@ def compute_times(timeline) -> dict[str, dict[tuple[int, int], float]]:
 def gather_measurements(ctx, result) -> list[dict] | None:
     """Collective over the world: rank 0 gets, per global rank, ``{"F": ..., "B": ..., "saved_peak": bytes,
     "model_state": bytes, "grad_peak": bytes, "grad_peak_predicted": bytes, "grad_collectives": count}`` of this step; the other ranks ``None``."""
-    from dynabatch.runtime.dist import gather_to_planner
-
     mine = {**compute_times(result.timeline), "saved_peak": result.saved_peak_bytes,
             "model_state": result.model_state_bytes, "grad_peak": result.gradient_peak_bytes,
             "grad_peak_predicted": result.gradient_peak_bytes_predicted, "grad_collectives": result.gradient_collectives}
@@ -210,8 +210,6 @@ def quick_calibration(executor, ctx, planner, spec, step: int, rounds: int = 2,
     synthetic micro-batches spanning the run's lengths; rank 0 records the last round as step ``step - 1``.
     ``startup_timeout_s``: how long the other ranks wait for the first round's plan (rank 0 may still be
     loading and tokenizing the data), as for a run's first step."""
-    from dynabatch.runtime.step import train_step
-
     planned = planner.synthetic_step(step) if ctx.is_planner else None
     for k in range(rounds):
         result = train_step(executor, ctx, step, planned.replica_micro_batches if planned else None, spec=spec,

@@ -36,11 +36,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dynabatch.core.devices import DEVICES, check_device_name  # noqa: F401 (device_type checks; DEVICES read from here)
+from dynabatch.runtime.errors import PipelineError  # noqa: F401 (raised here; imported from here too)
+
 DEFAULT_TIMEOUT_S = 300.0
-
-
-class PipelineError(RuntimeError):
-    """A distributed step failed: a peer died or timed out, or an instruction raised."""
 
 
 @dataclass(frozen=True)
@@ -134,17 +133,6 @@ def check_world(world_size: int, num_stages: int, num_replicas: int | None) -> i
             f"(= {num_stages * num_replicas}); launch that many processes or change the configuration"
         )
     return num_replicas
-
-
-DEVICES = ("auto", "cpu", "cuda", "cuda:N")
-"""``--device`` forms."""
-
-
-def check_device_name(name: str) -> None:
-    """``ValueError`` unless ``name`` is one of :data:`DEVICES` (``N`` a device number)."""
-    index = name[5:] if name.startswith("cuda:") else None
-    if name not in ("auto", "cpu", "cuda") and not (index is not None and index.isdigit()):
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N (N a device number), got {name!r}")
 
 
 def device_type(name: str) -> str:

@@ -16,7 +16,7 @@ schedule and strips it to its forwards (:func:`~dynabatch.runtime.step.forward_o
 and run like a training step's (:func:`~dynabatch.runtime.step.train_step` with ``forward_only=True``), so
 the loss goes through the same stages, ranks and attention kernels, under ``no_grad`` with the stages in
 eval mode, and changes no weight, optimizer, scheduler or RNG state. The per-task losses come from the last
-stages' per-segment losses (:func:`~dynabatch.runtime.trainer.gather_task_losses`); the overall loss is the
+stages' per-segment losses (:func:`gather_task_losses`); the overall loss is the
 summed token loss over every loss token of the set.
 
 **Generation** (every ``--generate-every`` evaluations, and always at the end): the ranks of replica 0 send
@@ -61,7 +61,8 @@ from dynabatch.data.mixture import MixtureSpec, mixture_rates
 from dynabatch.data.baselines import RowGroup, group_shape, make_batcher
 from dynabatch.plan.candidates import deal_to_replicas
 from dynabatch.runtime.step import train_step
-from dynabatch.runtime.trainer import gather_task_losses
+from dynabatch.models.families import check_model
+from dynabatch.models.presets import build_run_model
 
 _DONE_TAG = 7
 """Tag of rank 0's "generation finished" message to the other ranks (delivery uses 0 and 1)."""
@@ -301,6 +302,24 @@ def evaluation_enabled(cfg) -> bool:
     return bool(cfg.eval_mixture or cfg.eval_holdout)
 
 
+def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | None:
+    """Collective: rank 0 gets the step's mean token loss per task, from every replica's last stage."""
+    payload = {m: t.numpy() for m, t in result.segment_losses.items()}
+    gathered = gather_to_planner(ctx, payload, f"step {result.step}'s task losses")
+    if not ctx.is_planner:
+        return None
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for r in range(ctx.num_replicas):
+        for m, arr in gathered[ctx.rank_of(r, ctx.num_stages - 1)].items():
+            for row, ids in enumerate(planned.replica_micro_batches[r][m].sample_ids):
+                for k, i in enumerate(ids[: arr.shape[1]]):  # a token slice may hold a row's first segments only
+                    task = planned.batch.samples[i].task
+                    sums[task] = sums.get(task, 0.0) + float(arr[row, k, 0])
+                    counts[task] = counts.get(task, 0.0) + float(arr[row, k, 1])
+    return {t: sums[t] / counts[t] for t in sorted(sums) if counts[t] > 0}
+
+
 @dataclass
 class Evaluator:
     """Evaluation of one training run on this rank (see the module docstring); rank 0 holds the set."""
@@ -326,8 +345,6 @@ class Evaluator:
         if not ctx.is_planner:
             return ev
         ev.writer = MetricsWriter(metrics_path) if metrics_path else None
-        from dynabatch.models.families import check_model
-
         family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
         ev.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
         ev.tokens = tokenizer_info(ev.tokenizer)
@@ -389,9 +406,6 @@ class Evaluator:
     def _generate_and_score(self, weights: dict[str, torch.Tensor]) -> dict[str, Any] | None:
         t0 = time.perf_counter()
         if self.model is None:
-            from dynabatch.models.families import check_model
-            from dynabatch.runtime.trainer import build_run_model
-
             family = check_model(self.cfg.model, None).sequence_kind
             with torch.random.fork_rng(devices=[]):  # build_model seeds the global RNG
                 self.model = build_run_model(self.cfg.model, self.cfg.tokenizer, self.tokens, family,

@@ -84,9 +84,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dynabatch.cost.model_states import gradient_peak_bytes
 from dynabatch.models.recompute import recompute_mode
+from dynabatch.models.split import forked_rng, seed_for
 from dynabatch.models.stage import StageModule, StageOutput
 from dynabatch.runtime.delivery import StepInputs
 from dynabatch.runtime.dist import DistContext, PipelineError, tied_groups
+from dynabatch.runtime.memory import SavedActivationMeter
 from dynabatch.runtime.p2p import TORCH_DTYPES, allocate, start_recv, start_send, wait_all
 from dynabatch.runtime.precision import LossScaler
 from dynabatch.runtime.zero import model_state_bytes
@@ -276,8 +278,6 @@ class Executor:
         self._current = None
         meter = None
         if self.measure_memory and not evaluating:
-            from dynabatch.runtime.memory import SavedActivationMeter
-
             meter = SavedActivationMeter(exclude=self.params)
         was_training = self.stage.training
         try:
@@ -443,8 +443,6 @@ class Executor:
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype))
         if self.dropout_seed is not None:
-            from dynabatch.models.split import forked_rng, seed_for
-
             seed = seed_for(self.dropout_seed, self.inputs.plan.step, m, self.ctx.replica_index * self.num_stages + stage)
             stack.enter_context(forked_rng(seed, self.device))
         return stack

@@ -28,6 +28,9 @@ from dynabatch.data.tokenize import inference_tokenizer
 from dynabatch.runtime.checkpoint import CheckpointError, first_non_finite, resolve_checkpoint
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.tokenize import encodes_like_training, load_tokenizer, tokenizer_info
+from dynabatch.models.families import check_model
+from dynabatch.models.presets import build_run_model
+from dynabatch.runtime.reshard import model_weights
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +56,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     """Write the HF model of ``checkpoint`` (a ``step-N`` folder, or a run's ``checkpoints`` folder for
     the newest complete one) to ``out_dir``; returns ``out_dir``. ``CheckpointError`` (nothing written)
     if a weight is not finite; ``ValueError`` for an output folder :func:`check_out_dir` refuses."""
-    from dynabatch.models.families import check_model
-    from dynabatch.runtime.reshard import model_weights
-    from dynabatch.runtime.trainer import build_run_model
-
     check_out_dir(out_dir, force)
     info = resolve_checkpoint(checkpoint)
     cfg = TrainConfig.of(**info.manifest["config"])

@@ -39,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
+from dynabatch.runtime.errors import PipelineError
+
 USER_ERRORS = (ValueError, FileNotFoundError)
 """Bad input or a run that cannot go on as configured: one line, exit status 2."""
 
@@ -169,8 +171,6 @@ def write_error_file(message: str, callstack: str, timestamp: int) -> None:
 
 
 def _describe(error: BaseException) -> str:
-    from dynabatch.runtime.dist import PipelineError
-
     if is_user_error(error):
         return user_message(error)
     if isinstance(error, KeyboardInterrupt):
@@ -187,8 +187,6 @@ def _exit_status(error: BaseException) -> int:
 
 
 def _is_bug(error: BaseException) -> bool:
-    from dynabatch.runtime.dist import PipelineError
-
     return not (is_user_error(error) or isinstance(error, (PipelineError, KeyboardInterrupt)))
 
 

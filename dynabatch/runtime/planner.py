@@ -51,7 +51,8 @@ from dynabatch.cost.online import CalibratedStageCostModel
 from dynabatch.schedule.placement import Placement
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.schedule.policies import adaptive
-from dynabatch.schedule.virtual import placed_step
+from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
+from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
 
 
@@ -157,8 +158,6 @@ class StepPlanner:
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
         self.slice_model = None
         if cfg.slice_long:
-            from dynabatch.plan.slice_costs import AnalyticSliceCostModel
-
             self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
 
     @property
@@ -410,8 +409,6 @@ class StepPlanner:
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
             c = costs_in[k] if costs_in is not None else piece_costs(model, self.slice_model, s, ctx, lk, pr)
             if self.placement is not None:  # virtual stages: the placed order plan_step lowers
-                from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
-
                 if first is not None:
                     result = replayed_step(first, c, self.placement, states, memory, send, links=lk)
                     if result is None:

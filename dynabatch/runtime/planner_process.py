@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dynabatch.runtime.planner import StepPlanner
+
 _POLL_S = 0.1
 """How often blocked waits look at the stop flag and the child's life."""
 PLANNER_NICENESS = 10
@@ -105,8 +107,6 @@ def _dumps(obj) -> bytes:
 def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, stop) -> None:
     """The child process: rebuild the planner, plan ``num_steps`` steps into ``out`` (pickled bytes)."""
     import os
-
-    from dynabatch.runtime.planner import StepPlanner
 
     _die_with_parent()
     if hasattr(os, "nice"):  # plans ahead of training: on cores the ranks fill, take what they leave idle

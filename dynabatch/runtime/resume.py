@@ -34,8 +34,10 @@ import torch.distributed as dist
 
 from dynabatch.config import FIXED_ON_RESUME, TrainConfig, canonical
 from dynabatch.config.flags import NOT_RUN_SETTINGS
-from dynabatch.runtime.checkpoint import CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint, save_collective
 from dynabatch.cost.online import OnlineFit
+from dynabatch.runtime.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint,
+                                          save_collective)
+from dynabatch.runtime.reshard import dcp_writer, load_stage_state, stage_state
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,6 @@ def save_checkpoint(run, step: int, batcher_state: dict | None) -> str:
     every rank's write) and prunes this run's old checkpoints (:func:`~dynabatch.runtime.checkpoint.save_collective`:
     ``NonFiniteError`` or ``CheckpointWriteError`` on every rank). A fresh run gets its id
     (``run.run_id``) at its first save; a resumed run keeps its checkpoint's. Returns the step folder."""
-    from dynabatch.runtime.reshard import dcp_writer, stage_state
-
     if not run.run_id:
         run.run_id = new_run_id()  # only rank 0's id is written
     extra = None
@@ -133,8 +133,6 @@ def find_resume_checkpoint(cfg: TrainConfig, ctx) -> CheckpointInfo | None:
 def resume(run, info: CheckpointInfo | None, lr_lambda: Callable[[int], float]) -> int:
     """Load checkpoint ``info`` (from :func:`find_resume_checkpoint`, any layout) into ``run``; returns the
     step to continue from."""
-    from dynabatch.runtime.reshard import load_stage_state
-
     if info is None:
         return 0
     cfg, manifest = run.cfg, info.manifest

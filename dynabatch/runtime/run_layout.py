@@ -42,7 +42,14 @@ import torch.distributed as dist
 
 from dynabatch.config.placement_choice import VIRTUAL_MARGIN, pick_placement, placement_candidates  # noqa: F401
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.cost.stages import StageLayout, join_halves, split_halves
+from dynabatch.cost.stages import StageLayout, join_halves, placement_layout, split_halves
+from dynabatch.data.batching import GlobalBatcher
+from dynabatch.models.families import family_for_config
+from dynabatch.models.split import layout_for
+from dynabatch.runtime.cost_model import planner_cost_model
+from dynabatch.runtime.dist import PipelineError
+from dynabatch.runtime.planner import StepPlanner
+from dynabatch.runtime.step import receive_failure
 from dynabatch.schedule.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -99,10 +106,6 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     batches with ``cfg``'s method and its base cost model over ``layout`` and returns the
     :class:`~dynabatch.runtime.planner.PlannedStep` of each; ``layer_model`` (that cost model's per-layer
     model) prices the layers the split balances."""
-    from dynabatch.cost.stages import placement_layout
-    from dynabatch.models.families import family_for_config
-    from dynabatch.models.split import layout_for
-
     seq2seq = is_seq2seq(family_for_config(model.config).sequence_kind)
     planned_s: dict = {}
 
@@ -140,11 +143,6 @@ def sampled_run_layout(cfg, model, data, batcher) -> RunLayout:
     """Rank 0: :func:`choose_run_layout` over the first :data:`SAMPLED_BATCHES` global batches of the run's stream
     (``data``, drawn by a fresh batcher like ``batcher``), each planned by a
     :class:`~dynabatch.runtime.planner.StepPlanner` with the run's base cost model (no calibration)."""
-    from dynabatch.data.batching import GlobalBatcher
-    from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
-
     fresh = GlobalBatcher(data, batcher.limits, token_budget=batcher.token_budget, overlong=batcher.overlong)
     sampled = [fresh.next_batch() for _ in range(SAMPLED_BATCHES)]
 
@@ -163,9 +161,6 @@ def _micro_batches(planned: list) -> list:
 
 def share_run_layout(ctx, run_layout: RunLayout | None, kinds: list[str], timeout_s: float) -> RunLayout:
     """Collective over the delivery group: rank 0 sends ``run_layout`` to every rank; the others return it."""
-    from dynabatch.runtime.dist import PipelineError
-    from dynabatch.runtime.step import receive_failure
-
     if ctx.world_size == 1:
         return run_layout
     buffer = torch.zeros(_MAX_TEXT, dtype=torch.uint8)

@@ -35,6 +35,7 @@ from dynabatch.schedule.step import (  # noqa: F401 (re-exported for older impor
     token_costs,
     without_update,
 )
+from dynabatch.models.split import micro_batch_inputs
 
 plan_step = lower_step
 """The older name of :func:`dynabatch.schedule.step.lower_step`."""
@@ -60,7 +61,7 @@ def step_payloads(
 ) -> dict[int, StepInputs]:
     """Per rank, its plan and the host tensors its stage loads for its replica's micro-batches."""
     if inputs_fn is None:
-        from dynabatch.models.split import micro_batch_inputs as inputs_fn
+        inputs_fn = micro_batch_inputs
     tokens = sum(mb.num_loss_tokens for mbs in replica_micro_batches for mb in mbs)
     out = {}
     for rank, plan in plans.items():

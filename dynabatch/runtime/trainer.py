@@ -32,22 +32,42 @@ import torch.distributed as dist
 
 from dynabatch.config import Found, Resolved, TrainConfig, decide, lower, resolve
 from dynabatch.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
-from dynabatch.cost.tables import check_profile_config
-from dynabatch.models.attention_kernels import KERNEL_CALLS, attention_kernel, calls_since, use_attention_kernel
-from dynabatch.models.families import check_model
-from dynabatch.runtime.plan_ahead import plan_ahead
-from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
-from dynabatch.runtime.determinism import full_determinism
-from dynabatch.runtime.dist import DistContext, gather_to_planner, init_distributed, shutdown
-from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
-from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes, planning_overlap,
-                                       summarize)
-from dynabatch.runtime.zero import ZeroShards
-from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
 from dynabatch.core.progress import progress
-from dynabatch.core.sequence import is_seq2seq
-from dynabatch.data.tokenize import (check_tokenizer_fits, describe_tokenizer, load_tokenizer, resolve_tokenizer,
-                                     tokenizer_info)
+from dynabatch.cost.model_specs import layer_kinds
+from dynabatch.cost.p2p import loopback_store
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.inputs import data_notes, load_training_data
+from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
+from dynabatch.models.attention_kernels import (KERNEL_CALLS, attention_kernel, calls_since, kernel_problem,
+                                                use_attention_kernel)
+from dynabatch.models.families import analytic_spec, check_model
+from dynabatch.models.presets import build_run_model
+from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, layout_for, pipeline_spec_for
+from dynabatch.runtime.calibration import (RunCalibration, calibration_key, gather_measurements, load_calibration,
+                                           new_fit, quick_calibration, save_calibration, stage_peaks, stage_times)
+from dynabatch.runtime.cost_model import planner_cost_model
+from dynabatch.runtime.determinism import full_determinism
+from dynabatch.runtime.dist import DistContext, init_distributed, shutdown
+from dynabatch.runtime.evaluate import (Evaluator, evaluation_enabled, flat_metrics, format_eval, gather_task_losses,
+                                        hold_out)
+from dynabatch.runtime.executor import Executor
+from dynabatch.runtime.faults import fail_fast, maybe_crash, maybe_slow_start
+from dynabatch.runtime.log import log_result, quiet_third_party, setup_logging
+from dynabatch.runtime.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
+                                       planning_overlap, summarize)
+from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
+from dynabatch.runtime.plan_ahead import plan_ahead
+from dynabatch.runtime.planner import StepPlanner
+from dynabatch.runtime.precision import autocast_dtype
+from dynabatch.runtime.resume import find_resume_checkpoint, resume, save_checkpoint
+from dynabatch.runtime.run_layout import RunLayout, sampled_run_layout, share_run_layout
+from dynabatch.runtime.step import train_step
+from dynabatch.runtime.timeline import gather_timelines
+from dynabatch.runtime.tracking import Trackers, check_trackers, open_trackers, step_scalars
+from dynabatch.runtime.zero import ZeroShards
+from dynabatch.schedule.placement import Placement, timeline_ops
+from dynabatch.schedule.simulate import simulate
+from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
 
 logger = logging.getLogger(__name__)
 
@@ -98,49 +118,9 @@ def connect(cfg: TrainConfig) -> DistContext:
             f"{cfg.stages} stages x {cfg.replicas} replicas need {cfg.world_size} processes: launch with "
             f"`torchrun --nproc-per-node {cfg.world_size} -m dynabatch train ...`"
         )
-    from dynabatch.cost.p2p import loopback_store
 
     store = loopback_store(1, cfg.timeout_s)  # listens on 127.0.0.1 only, for the whole run
     return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s, device=cfg.device)
-
-
-def planner_cost_model(cfg: TrainConfig, model_config, layout):
-    """The planner's ``StageCostModel``: profiled tables when ``cfg.cost_profile`` is set (their model config
-    must match ``model_config``), else the analytic model with the preset of the run's device (the rough
-    ``cpu`` one on CPU, the GPU's on CUDA: :func:`~dynabatch.cost.hardware.device_hardware`). Activation
-    recomputation as ``cfg.recompute`` says (``auto``: as :mod:`dynabatch.config.resolve` decides: per micro-batch
-    for the dynamic planner, none for a baseline or with profiled tables, which do not price it; an explicit
-    ``selective`` / ``full`` with a profile is refused with one line)."""
-    from dynabatch.cost.stages import StageCostModel
-
-    if cfg.cost_profile:
-        from dynabatch.cost.planner_model import ProfiledLayerModel
-        from dynabatch.cost.tables import CostTables
-
-        tables = CostTables.load(cfg.cost_profile)
-        check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
-        layer_model = ProfiledLayerModel(tables)
-    else:
-        from dynabatch.models.families import run_cost_model  # lazy: the family registry imports transformers
-        from dynabatch.runtime.dist import device_type
-
-        layer_model = run_cost_model(model_config, device_type(cfg.device), dtype=cfg.dtype,
-                                     attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
-    recompute = lower("recompute", decide(cfg, "recompute"))  # the resolver's rule (a profile: none)
-    return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
-                          zero=cfg.zero, replicas=cfg.replicas)
-
-
-def build_run_model(model: str, tokenizer: str, info, family: str, dropout: float = 0.0, seed: int = 0):
-    """The model a run trains with the tokenizer ``info`` describes (``tokenizer`` names it): a preset built with
-    the tokenizer's vocabulary and special ids, or a model folder, loaded after
-    :func:`~dynabatch.data.tokenize.check_tokenizer_fits` accepts the pair (one ``ValueError`` line otherwise)."""
-    from dynabatch.models.presets import build_model, load_config
-
-    if os.path.isdir(model):
-        check_tokenizer_fits(info, load_config(model), resolve_tokenizer(tokenizer, model), model)
-    return build_model(model, vocab_size=info.vocab_size, dropout=dropout, seed=seed,
-                       special_ids=info.config_ids(is_seq2seq(family)))
 
 
 def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
@@ -148,12 +128,6 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
     are rank 0's start-up choice (:mod:`dynabatch.runtime.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
-    from dynabatch.models.attention_kernels import kernel_problem
-    from dynabatch.models.families import check_model
-    from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, pipeline_spec_for
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.precision import autocast_dtype
-
     family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
     torch.set_num_threads(cfg.threads)
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
@@ -184,8 +158,6 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
                placement=placement if placement.chunks_per_device > 1 else None)
     if ctx.is_planner:
-        from dynabatch.runtime.planner import StepPlanner
-
         logger.info(f"pipeline: {chosen.describe()}" + "".join(
             f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
         run.held_out, run.batcher = loaded.held_out, loaded.batcher
@@ -208,17 +180,11 @@ class _Loaded(NamedTuple):
 
 def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:
     """Rank 0: the training data (``datasets`` in memory, else as ``cfg`` says) and its batcher."""
-    from dynabatch.data.batching import GlobalBatcher, LengthLimits
-    from dynabatch.data.inputs import data_notes, load_training_data
-    from dynabatch.runtime.faults import maybe_slow_start
-
     data = load_training_data(cfg, tokenizer, family, datasets)
     for note in data_notes(data):  # numbers cast to text, malformed rows skipped
         logger.info(f"data: {note}")
     held_out = None
     if cfg.eval_holdout:  # these rows are evaluated, never trained on
-        from dynabatch.runtime.evaluate import hold_out
-
         data, held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
     maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
     limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
@@ -230,12 +196,6 @@ def _run_layout(cfg: TrainConfig, ctx: DistContext, model, loaded: _Loaded | Non
     """Every rank: the run's :class:`~dynabatch.runtime.run_layout.RunLayout`. The reference split of an
     explicit placement needs no data, so every rank cuts it alone; otherwise rank 0 (``loaded``) chooses from
     its first global batches and the others receive the choice."""
-    from dynabatch.cost.model_specs import layer_kinds
-    from dynabatch.models.families import analytic_spec
-    from dynabatch.models.split import layout_for
-    from dynabatch.runtime.run_layout import RunLayout, sampled_run_layout, share_run_layout
-    from dynabatch.schedule.placement import Placement
-
     if cfg.layer_split == "reference" and cfg.placement != "auto":
         placement = Placement.parse(cfg.placement, cfg.stages)
         return RunLayout(placement, layout_for(model, placement.num_stages, placement, cfg.cuts_inside_blocks))
@@ -247,8 +207,6 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
     """Rank 0's :class:`~dynabatch.runtime.calibration.RunCalibration` (fit ``None`` with ``--calibrate off``;
     warm-started from ``--calibration-file``) and the key a calibration file of this run carries. A fresh
     run with the start-up calibration waits for it before planning step 0 (``recorded_through = -2``)."""
-    from dynabatch.runtime.calibration import RunCalibration, calibration_key, load_calibration, new_fit
-
     key = calibration_key(cfg, model_config, layout)
     mode = cfg.calibration_mode
     if mode == "off":
@@ -261,13 +219,6 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
 def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
     """Train ``max_steps`` steps of the resolved configuration (on ``datasets`` in memory when given); rank 0 prints
     the resolved choices, writes ``OUTPUT/config.yaml`` and returns the summary."""
-    from dynabatch.runtime.step import train_step
-
-    from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_peaks
-    from dynabatch.runtime.evaluate import Evaluator, evaluation_enabled, flat_metrics, format_eval
-    from dynabatch.runtime.faults import maybe_crash
-    from dynabatch.runtime.outputs import prepare_output_dir, truncate_metrics
-
     cfg = resolved.config
     if checkpoints:
         prepare_output_dir(cfg, ctx)
@@ -387,8 +338,6 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
         if cfg.timeline and result is not None:
             _write_timeline(run, result, planned)
         if ctx.is_planner and run.calibration.enabled and result is not None:
-            from dynabatch.runtime.calibration import save_calibration
-
             save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
                              cfg.max_steps - 1)
     finally:
@@ -411,24 +360,6 @@ class TrainingDivergedError(ValueError):
 
 def _non_finite(result) -> str:
     return f"loss {result.loss} and gradient norm {result.grad_norm}"
-
-
-def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | None:
-    """Collective: rank 0 gets the step's mean token loss per task, from every replica's last stage."""
-    payload = {m: t.numpy() for m, t in result.segment_losses.items()}
-    gathered = gather_to_planner(ctx, payload, f"step {result.step}'s task losses")
-    if not ctx.is_planner:
-        return None
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for r in range(ctx.num_replicas):
-        for m, arr in gathered[ctx.rank_of(r, ctx.num_stages - 1)].items():
-            for row, ids in enumerate(planned.replica_micro_batches[r][m].sample_ids):
-                for k, i in enumerate(ids[: arr.shape[1]]):  # a token slice may hold a row's first segments only
-                    task = planned.batch.samples[i].task
-                    sums[task] = sums.get(task, 0.0) + float(arr[row, k, 0])
-                    counts[task] = counts.get(task, 0.0) + float(arr[row, k, 1])
-    return {t: sums[t] / counts[t] for t in sorted(sums) if counts[t] > 0}
 
 
 _SHOWN = ("step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s", "predicted_step_s",
@@ -472,8 +403,6 @@ def prediction_record(ctx, gathered, planned, elapsed: float, records: list, cal
     the step's relative error and its running median over the last 10 steps (``records``: the earlier ones)."""
     import numpy as np
 
-    from dynabatch.runtime.calibration import stage_times
-
     err = abs(planned.predicted_step_s - elapsed) / elapsed if elapsed > 0 else 0.0
     recent = [r["prediction_error"] for r in records[-9:] if "prediction_error" in r] + [err]
     c = (planned.predicted_costs or planned.costs)[0]
@@ -497,18 +426,12 @@ def _write_timeline(run: _Run, result, planned) -> None:
     """Collective: the last step's measured timeline (replica 0) next to its simulated twin."""
     import numpy as np
 
-    from dynabatch.runtime.timeline import gather_timelines
-    from dynabatch.schedule.simulate import simulate
-    from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
-
     measured = gather_timelines(run.ctx, result)
     if not run.ctx.is_planner:
         return
     shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
     costs = (planned.predicted_costs or planned.costs)[0]
     if run.placement is not None:  # virtual stages: the planner's list schedule, the order plan_step lowered
-        from dynabatch.schedule.placement import timeline_ops
-
         simulated = timeline_ops(planned.schedules[0].device_orders)
         makespan = max(op.end_s for op in simulated)
     else:
@@ -593,8 +516,6 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
 
 def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None:
     """:func:`train` of the configuration as ``given`` and as ``resolved``."""
-    from dynabatch.runtime.faults import fail_fast
-
     cfg = resolved.config
     ctx = connect(cfg)
     setup_logging(cfg.log_level, ctx.rank)

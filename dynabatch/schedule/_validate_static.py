@@ -14,6 +14,29 @@ from dynabatch.schedule.ir import COMM_OPS, SEND_OPS, ExecutionPlan, Instr, Op
 _PARTNER = {Op.SEND_ACT: Op.RECV_ACT, Op.RECV_ACT: Op.SEND_ACT, Op.SEND_GRAD: Op.RECV_GRAD, Op.RECV_GRAD: Op.SEND_GRAD}
 
 
+@dataclass(frozen=True)
+class ValidationReport:
+    """Result of :func:`~dynabatch.schedule.validate.validate`."""
+
+    ok: bool
+    errors: tuple[str, ...]
+    peak_memory_bytes: dict[int, float]
+    """Per rank, the largest live bytes seen (buffers, plus stored/peak activations when given)."""
+    num_instructions: int
+    deadlocked_ranks: tuple[int, ...] = ()
+    num_errors: int = 0
+    """All errors found; ``errors`` keeps at most ``max_errors`` of them."""
+
+    def __str__(self) -> str:
+        head = f"{'ok' if self.ok else 'INVALID'}: {self.num_instructions} instructions"
+        head += f" on {len(self.peak_memory_bytes)} ranks"
+        if self.ok:
+            return head
+        lines = [head + f", {self.num_errors} errors"] + [f"  {e}" for e in self.errors]
+        more = self.num_errors - len(self.errors)
+        return "\n".join(lines + ([f"  ... and {more} more"] if more else []))
+
+
 class _Errors:
     def __init__(self, limit: int) -> None:
         self.items: list[str] = []
@@ -26,8 +49,6 @@ class _Errors:
             self.items.append(msg)
 
     def report(self, peaks, num_instructions: int, deadlocked=()):
-        from dynabatch.schedule.validate import ValidationReport
-
         ok = self.count == 0
         return ValidationReport(ok, tuple(self.items), peaks, num_instructions, tuple(deadlocked), self.count)
 

@@ -450,24 +450,20 @@ class ExecutionPlan:
 
     def to_text(self) -> str:
         """Readable form: a header line, then one :meth:`Instr.to_text` line per instruction."""
-        from dynabatch.schedule.serialize import plan_to_text
-
-        return plan_to_text(self)
+        return serialize.plan_to_text(self)
 
     @staticmethod
     def from_text(text: str) -> "ExecutionPlan":
-        from dynabatch.schedule.serialize import plan_from_text
-
-        return plan_from_text(text)
+        return serialize.plan_from_text(text)
 
     def to_bytes(self) -> bytes:
         """Compact versioned binary form (zlib-compressed JSON tables; no pickle)."""
-        from dynabatch.schedule.serialize import plan_to_bytes
-
-        return plan_to_bytes(self)
+        return serialize.plan_to_bytes(self)
 
     @staticmethod
     def from_bytes(data: bytes) -> "ExecutionPlan":
-        from dynabatch.schedule.serialize import plan_from_bytes
+        return serialize.plan_from_bytes(data)
 
-        return plan_from_bytes(data)
+
+# serialize builds these classes, so it is imported once they exist (either module may be imported first)
+from dynabatch.schedule import serialize  # noqa: E402

@@ -51,6 +51,7 @@ from dynabatch.schedule.chains import check_schedule
 from dynabatch.schedule.compute import ComputeSchedule, Phase
 from dynabatch.schedule.ir import RECOMPUTE_MODES, ExecutionPlan, Instr, Op, PipelineSpec, message_tag
 from dynabatch.schedule.rows import lowered_lists
+from dynabatch.schedule.validate import validate_or_raise
 
 _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 
@@ -388,8 +389,6 @@ def lower(
             offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links), modes
         )
     if check:
-        from dynabatch.schedule.validate import validate_or_raise
-
         validate_or_raise(plans)
     return plans
 

@@ -34,6 +34,8 @@ import numpy as np
 from dynabatch.core.placements import PLACEMENTS  # ``--placement`` kinds; ``interleaved`` takes ``:V``
 from dynabatch.cost.stages import StageCosts
 from dynabatch.schedule.chains import successors
+from dynabatch.schedule.compute import Phase
+from dynabatch.schedule.trace import TimelineOp
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,6 @@ class PlacedResult:
 def timeline_ops(order) -> list:
     """Per-device orders ``(phase, stage, micro-batch, start s, end s)`` as
     :class:`~dynabatch.schedule.trace.TimelineOp`."""
-    from dynabatch.schedule.compute import Phase
-    from dynabatch.schedule.trace import TimelineOp
-
     return [TimelineOp(v, Phase(phase), m, start, end) for ops in order for phase, v, m, start, end in ops]
 
 

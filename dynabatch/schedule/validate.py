@@ -34,8 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from dynabatch.schedule._validate_static import (
+from dynabatch.schedule._validate_static import (  # noqa: F401 (ValidationReport is imported from here)
     _PARTNER,
+    ValidationReport,
     _check_layout,
     _check_pairing,
     _Errors,
@@ -46,29 +47,6 @@ from dynabatch.schedule.chains import successors
 from dynabatch.schedule.ir import SEND_OPS, ExecutionPlan, Instr, Op
 
 _RECV_ACT, _RECV_GRAD = Op.RECV_ACT, Op.RECV_GRAD  # enum member lookups are slow in hot loops
-
-
-@dataclass(frozen=True)
-class ValidationReport:
-    """Result of :func:`validate`."""
-
-    ok: bool
-    errors: tuple[str, ...]
-    peak_memory_bytes: dict[int, float]
-    """Per rank, the largest live bytes seen (buffers, plus stored/peak activations when given)."""
-    num_instructions: int
-    deadlocked_ranks: tuple[int, ...] = ()
-    num_errors: int = 0
-    """All errors found; ``errors`` keeps at most ``max_errors`` of them."""
-
-    def __str__(self) -> str:
-        head = f"{'ok' if self.ok else 'INVALID'}: {self.num_instructions} instructions"
-        head += f" on {len(self.peak_memory_bytes)} ranks"
-        if self.ok:
-            return head
-        lines = [head + f", {self.num_errors} errors"] + [f"  {e}" for e in self.errors]
-        more = self.num_errors - len(self.errors)
-        return "\n".join(lines + ([f"  ... and {more} more"] if more else []))
 
 
 class PlanValidationError(ValueError):

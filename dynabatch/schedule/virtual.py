@@ -39,6 +39,7 @@ from dynabatch.schedule.chains import check_links
 from dynabatch.schedule.interleaved import interleaved_1f1b_orders, replay
 from dynabatch.schedule.simulate import per_stage_values, stage_send_times, with_message_buffers
 from dynabatch.schedule.wait_free_cyclic import wait_free_cyclic_orders
+from dynabatch.schedule.validate import validate_or_raise
 
 _RECV_OF = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
@@ -149,8 +150,6 @@ def lower_placed(
         plans[offset + d] = ExecutionPlan(offset + d, d, V, replica_index, num_replicas, M, num_slots, tuple(instrs),
                                           step, tuple(links), modes, num_devices=S)
     if check:
-        from dynabatch.schedule.validate import validate_or_raise
-
         validate_or_raise(plans)
     return plans
 

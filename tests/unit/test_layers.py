@@ -7,6 +7,7 @@ entry that no longer occurs, so the list only shrinks.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -36,6 +37,36 @@ def test_no_new_layer_violations_and_allowlist_only_shrinks(check_layers):
                      + "\n".join(new))
     assert not gone, ("fixed violations still allowlisted; delete these lines from "
                       "scripts/layers_allowlist.txt:\n" + "\n".join(gone))
+
+
+def test_no_cycle_and_no_upward_import(check_layers):
+    """The package's top-level parts import one way: no strongly connected parts, nothing reaching up a layer."""
+    report = check_layers.analyse(check_layers.collect())
+    assert report.cycles == [], f"import cycles between parts: {report.cycles}"
+    assert [f"{i.path}:{i.line}" for i in report.upward] == []
+    assert not any(v.startswith(("cycle ", "upward ")) for v in check_layers.read_allowlist())
+
+
+def test_few_in_function_imports_each_with_its_reason(check_layers):
+    """An import inside a function stays only to keep a heavy dependency out of a light command, or because it is
+    optional; each says which with a ``# lazy:`` reason (``check_layers.py --list`` prints them)."""
+    report = check_layers.analyse(check_layers.collect())
+    assert len(report.in_function) <= 20, "\n".join(f"{i.path}:{i.line}" for i in report.in_function)
+    assert [f"{i.path}:{i.line}" for i in report.in_function if i.reason is None] == []
+
+
+def test_help_stays_light():
+    """``dynabatch --help`` imports neither torch, transformers nor numba, and ``dynabatch train --help`` not torch:
+    the lazy imports above are what keeps them so."""
+    probe = ("import sys, runpy; sys.argv = ['dynabatch'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('dynabatch', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'numba') if m in sys.modules))")
+    for argv, heavy in (([], set()), (["train"], {"transformers"})):
+        done = subprocess.run([sys.executable, "-c", probe, *argv, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        imported = set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
+        assert imported <= heavy, (argv, imported)
 
 
 def test_every_part_has_a_layer(check_layers):

@@ -38,7 +38,7 @@ from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
 from dynabatch.models.hf_compat import cache_kwargs
 from dynabatch.models.families import ModelFamily, register_family
-from dynabatch.models.forward import _token_losses, causal_segment_mask
+from dynabatch.models.masks import _token_losses, causal_segment_mask
 from dynabatch.models.gpt2_stages import SHARED_EMBEDDING, gpt2_tied_groups
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
