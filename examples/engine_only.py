@@ -10,9 +10,9 @@ configuration). The micro-batches the planner makes have different shapes, which
     python examples/engine_only.py                                            # starts its own two gloo ranks
     torchrun --standalone --nproc-per-node 2 examples/engine_only.py          # the same under torchrun
 
-Every rank prints the step's micro-batch shapes and its loss (the global token-normalised loss, the same on both
-ranks), after checking that no module of the training application was imported. tests/dist/test_engine_only.py
-runs it and compares the loss with the unsplit model's.
+Rank 0 prints the step's micro-batch shapes; every rank checks that no module of the training application was
+imported and prints the step's loss (the global token-normalised loss, the same on both ranks).
+tests/dist/test_engine_only.py runs it and compares the loss with the unsplit model's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 if __name__ == "__main__" and "RANK" not in os.environ:  # started directly: run as two local ranks, as
     from dynabatch.runtime.launch import launch_local  # torchrun --standalone would (before the heavy imports)
 
-    sys.exit(launch_local([os.path.abspath(__file__)], 2))
+    sys.exit(launch_local([os.path.abspath(__file__)], 2))  # 2 = NUM_STAGES
 
 import numpy as np
 import torch
@@ -80,6 +80,12 @@ def plan_micro_batches(samples: list[TokenizedSample]) -> list[CausalMicroBatch]
     return [collate_causal(samples, group.rows, PAD_ID, group.encoder_len) for group in plan.to_row_groups(0)]
 
 
+def say(line: str) -> None:
+    """Print one line in a single write, so two ranks sharing a terminal or pipe never interleave within it."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     ctx = init_distributed(NUM_STAGES, 1, backend="gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from the launcher
     torch.set_num_threads(1)
@@ -95,13 +101,12 @@ def main() -> None:
         micro_batches = plan_micro_batches(make_samples())
         shapes = [micro_batch_shape(mb) for mb in micro_batches]
         plans = lower_step([shapes], spec, policy="1f1b", step=0)
-        print(f"micro-batch shapes (b, T, 0): {shapes}", flush=True)
+        say(f"micro-batch shapes (b, T, 0): {shapes}")
     result = train_step(executor, ctx, 0, [micro_batches] if ctx.is_planner else None, spec=spec, plans=plans)
     imported = [m for m in APP_MODULES if m in sys.modules]
     if imported:
         raise SystemExit(f"rank {ctx.rank}: the engine imported the training application: {', '.join(imported)}")
-    print(f"rank {ctx.rank}: app modules imported: none; loss {result.loss!r} over {result.num_loss_tokens} "
-          "loss tokens", flush=True)
+    say(f"rank {ctx.rank}: app modules imported: none; loss {result.loss!r} over {result.num_loss_tokens} loss tokens")
     shutdown()
 
 
