@@ -4,6 +4,7 @@ application imported), and its loss is the unsplit Hugging Face model's on the s
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -56,13 +57,14 @@ def test_engine_runs_a_variable_shape_step_without_the_application():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    run = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    assert run.returncode == 0, run.stdout + run.stderr
-    ranks = {int(r): (float(loss), int(tokens)) for r, loss, tokens in RANK_LINE.findall(run.stdout)}
-    assert sorted(ranks) == [0, 1], run.stdout + run.stderr  # both ranks checked sys.modules and reported
-    shapes = eval(SHAPES_LINE.search(run.stdout).group(1))  # noqa: S307 (a list of tuples the example printed)
+    assert proc.returncode == 0, stdout + stderr
+    ranks = {int(r): (float(loss), int(n)) for r, loss, n in RANK_LINE.findall(stdout)}
+    assert sorted(ranks) == [0, 1], stdout + stderr  # both ranks checked sys.modules and reported
+    shapes = ast.literal_eval(SHAPES_LINE.search(stdout).group(1))
     assert len(shapes) >= 2 and len(set(shapes)) >= 2, shapes  # variable-shape micro-batches in one step
     assert sum(b for b, _, _ in shapes) == len(example.LENGTHS)  # every sample in one row, planned once
+    planned = [example.micro_batch_shape(mb) for mb in example.plan_micro_batches(example.make_samples())]
+    assert shapes == planned  # what ran is what the plan layer cut
     assert ranks[0] == ranks[1]
     loss, got_tokens = ranks[0]
     assert got_tokens == tokens
