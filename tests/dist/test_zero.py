@@ -157,6 +157,7 @@ def test_zero1_trains_like_zero0_with_unequal_micro_batch_counts(runs):
                 assert measured == pytest.approx(r["model_state_bytes_predicted"][rank % 2], rel=0.05), (zero, rank)
 
 
+@pytest.mark.slow  # fast cover: test_zero2_checkpoint_resumes_on_one_replica_under_zero0 (the same resharding load across replica counts and --zero settings)
 def test_zero1_and_zero0_checkpoints_resume_across_settings(runs):
     """A ``--zero 1`` checkpoint of 2 replicas resumes on 1 replica under ``--zero 0``, and a ``--zero 0`` one on 2
     replicas under ``--zero 1``, each continuing with the uninterrupted run's losses."""
@@ -250,6 +251,7 @@ def test_zero2_fp16_loss_scaling_matches_zero0(runs):
     _same_checkpoints(runs("fp16-2"), runs("fp16-0"), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # fast cover: test_zero2_fp16_loss_scaling_matches_zero0 (autocast under --zero 2) and tests/unit/test_equal_counts.py (a baseline's evened counts)
 def test_zero2_trains_a_baseline_under_bf16_with_evened_counts_like_zero0(runs):
     """A baseline (``padding``, 4 samples a micro-batch) under ``--zero 2``: the micro-batches it deals are evened per
     replica (a short replica's costliest cut in two), so it trains, under bf16 autocast, like ``--zero 0``.
@@ -265,6 +267,7 @@ def test_zero2_trains_a_baseline_under_bf16_with_evened_counts_like_zero0(runs):
     _same_checkpoints(runs("bf16-2"), runs("bf16-0"), rtol=1e-3, atol=5e-4)
 
 
+@pytest.mark.slow  # fast cover: test_zero2_on_virtual_stages_runs_one_chunk_order_like_zero0 (sharded states on virtual stages) and the --zero 1 linear tests
 def test_zero1_on_virtual_stages_trains_like_zero0(runs):
     """``--zero 1`` on GPT-2 interleaved over 2 devices (each holds two chunks, the token table tied between device
     0's first chunk and device 1's last): the shards span both chunks of a device, the collectives stay at the step
