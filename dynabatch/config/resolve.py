@@ -135,22 +135,18 @@ def _attention_kernel(cfg, found: Found):
     return SEARCHES["attention_kernel"], "CUDA: per call, FlashAttention varlen where it applies, else flex, else sdpa"
 
 
-@rule("split_blocks")
-def _split_blocks(cfg, found: Found):
-    if cfg.split_blocks != "auto":
-        return None
-    if cfg.cost_profile:
-        return "off", "a cost profile times whole blocks only"
-    return "on", "the analytic cost model prices a block's attention and MLP halves"
+def _by_cost_profile(name: str, with_profile: tuple[str, str], analytic: tuple[str, str]) -> None:
+    """Register the rule of field ``name`` whose ``auto`` depends only on whether a cost profile is given:
+    ``(value, reason)`` with one, ``(value, reason)`` with the analytic model."""
+    rule(name)(lambda cfg, found: None if getattr(cfg, name) != "auto" else
+               with_profile if cfg.cost_profile else analytic)
 
 
-@rule("calibrate")
-def _calibrate(cfg, found: Found):
-    if cfg.calibrate != "auto":
-        return None
-    if cfg.cost_profile:
-        return "online", "a cost profile holds this device's measured costs: the online fit only refines them"
-    return "quick", "the analytic model: a few seconds of start-up measurements, then the online fit"
+_by_cost_profile("split_blocks", ("off", "a cost profile times whole blocks only"),
+                 ("on", "the analytic cost model prices a block's attention and MLP halves"))
+_by_cost_profile("calibrate",
+                 ("online", "a cost profile holds this device's measured costs: the online fit only refines them"),
+                 ("quick", "the analytic model: a few seconds of start-up measurements, then the online fit"))
 
 
 @rule("plan_costs")
@@ -170,9 +166,8 @@ def _plan_costs(cfg, found: Found):
 @rule("planner")
 def _planner(cfg, found: Found):
     """The process on CUDA (rank 0's loop launches kernels from Python and would wait for a planner thread's GIL), the
-    thread on CPU. On CPU the niced process measured better on the main job (t5-tiny, 2 stages, 2 cores, 30 steps:
-    dynamic 1.15x packing_free against 0.98x with the thread, medians of 3, 2026-12-06), and ``scripts/run.sh`` asks
-    for it; it stays opt-in there because with it a run whose peer rank is stopped (SIGSTOP) does not end within its
+    thread on CPU. On CPU the niced process measured better on the main job (docs/benchmarks/main_job/), and
+    ``scripts/run.sh`` asks for it; it stays opt-in there because with it a run whose peer rank is stopped (SIGSTOP) does not end within its
     timeout (tests/dist/test_faults.py), which is not yet understood."""
     if cfg.planner != "auto" or (kind := _device_type(cfg, found)) is None:
         return None

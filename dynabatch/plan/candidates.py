@@ -127,7 +127,7 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     times = _piece_times(cost_model, [s for *_, shapes in kept for s in shapes],
                          [g for _, _, groups, _ in kept for g in groups], batch, family, padding_free,
                          {} if work is None else work)
-    even = (lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)) if equal_counts else None
+    even = _evener(equal_counts, batch, family, cost_model, padding_free)
     out: list[Candidate] = []
     start = 0
     for method, value, groups, shapes in kept:
@@ -158,8 +158,15 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
         groups = _groups(method, batch, limits, options or BaselineOptions())
     shapes = [group_shape(batch, g, limits.family) for g in groups]
     times = _piece_times(cost_model, shapes, groups, batch, limits.family, padding_free, {})
-    even = (lambda dealt: even_counts(dealt, batch, limits.family, cost_model, padding_free)) if equal_counts else None
+    even = _evener(equal_counts, batch, limits.family, cost_model, padding_free)
     return _dealt(groups, shapes, times, limits.family, num_stages, num_replicas, even)
+
+
+def _evener(equal_counts: bool, batch, family: str, cost_model, padding_free: bool):
+    """What :func:`_dealt` applies to the dealt micro-batches: :func:`even_counts` under ``equal_counts``, else nothing."""
+    if not equal_counts:
+        return None
+    return lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)
 
 
 def _groups(method: str, batch: _Lengths, limits, options) -> list:
