@@ -2,7 +2,7 @@
 
 Layers, bottom to top (each imports only from below; docs/architecture.md, checked by
 ``scripts/check_layers.py``): ``core`` (names and registries) -> ``data`` -> ``cost`` -> ``plan`` ->
-``schedule`` -> ``models`` -> the engine and the training application (``runtime``, ``config``) ->
+``schedule`` -> ``models`` -> the pipeline engine (``engine``) -> the training application (``training``) ->
 ``integrations`` -> ``commands`` -> ``cli``.
 """
 

@@ -4,7 +4,7 @@ Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int
 imported lazily so ``dynabatch --help`` stays fast. Bad user input (``ValueError``,
 ``FileNotFoundError``) prints one clear line and exits 2; set ``DYNABATCH_DEBUG=1`` for the traceback.
 Under torchrun, a failing rank prints its own line, prefixed ``[rank N]``, and exits at once
-(:mod:`dynabatch.runtime.faults`).
+(:mod:`dynabatch.engine.faults`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import importlib
 import os
 import sys
 
-from dynabatch.config.flags import HelpFormatter, add_help_levels
-from dynabatch.runtime.faults import error_line, is_user_error, user_message  # no torch import: `dynabatch --help` stays fast
-from dynabatch.runtime.log import quiet_third_party, setup_logging
+from dynabatch.training.config.flags import HelpFormatter, add_help_levels
+from dynabatch.engine.faults import error_line, is_user_error, user_message  # no torch import: `dynabatch --help` stays fast
+from dynabatch.engine.log import quiet_third_party, setup_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
     "bench": ("dynabatch.commands.bench", "measured real-token throughput of every batching method on the same executor"),
-    "export": ("dynabatch.runtime.export", "export a training checkpoint to a Hugging Face save_pretrained folder"),
+    "export": ("dynabatch.commands.export", "export a training checkpoint to a Hugging Face save_pretrained folder"),
     "data-report": ("dynabatch.commands.data_report", "per-task length statistics and baseline padding efficiency, "
                                                       "or a lengths file's tail (--lengths)"),
     "profile": ("dynabatch.commands.profile", "profile per-layer time and memory on this device"),
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(f"dynabatch {argv[0]}", f"{e} (see `dynabatch {argv[0]} --help`)"), file=sys.stderr)
         return 2
     args.argv = argv[1:]  # which flags were given (a --config file's values yield only to those)
-    setup_logging()  # info on rank 0 (train applies --log-level), warnings elsewhere (runtime.log)
+    setup_logging()  # info on rank 0 (train applies --log-level), warnings elsewhere (engine.log)
     quiet_third_party()
     try:
         return int(module.run(args) or 0)

@@ -21,7 +21,7 @@ import os
 import sys
 
 if __name__ == "__main__" and "RANK" not in os.environ:  # started directly: run as two local ranks, as
-    from dynabatch.runtime.launch import launch_local  # torchrun --standalone would (before the heavy imports)
+    from dynabatch.engine.launch import launch_local  # torchrun --standalone would (before the heavy imports)
 
     sys.exit(launch_local([os.path.abspath(__file__)], 2))  # 2 = NUM_STAGES
 
@@ -35,9 +35,9 @@ from dynabatch.data.sample import TokenizedSample
 from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
 from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.step import plan_step
-from dynabatch.runtime.dist import init_distributed, shutdown
-from dynabatch.runtime.executor import Executor
-from dynabatch.runtime.step import micro_batch_shape, train_step
+from dynabatch.engine.dist import init_distributed, shutdown
+from dynabatch.engine.executor import Executor
+from dynabatch.engine.step import micro_batch_shape, train_step
 from dynabatch.schedule.step import lower_step
 
 NUM_STAGES = 2
@@ -47,8 +47,8 @@ SEED = 0
 LENGTHS = ((5, 3), (40, 12), (9, 6), (22, 20), (3, 2), (60, 4), (14, 9), (7, 30), (31, 8), (11, 2))
 """``(input, target)`` token lengths of the step's samples: short and long, so the DP cuts micro-batches of
 different shapes."""
-APP_MODULES = ("dynabatch.runtime.trainer", "dynabatch.runtime.planner", "dynabatch.runtime.calibration",
-               "dynabatch.config", "dynabatch.commands")
+APP_MODULES = ("dynabatch.training.trainer", "dynabatch.training.planner", "dynabatch.training.calibration",
+               "dynabatch.training.config", "dynabatch.commands")
 """Modules of the training application (and the commands above it) this script must not import."""
 COST_MODEL = PolynomialCostModel(overhead_s=2e-5, time_per_token_s=1e-6, time_per_token_pair_s=1e-8)
 """A stage's time and memory as a polynomial in the padded micro-batch shape (a small fixed cost per micro-batch,

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from dynabatch.runtime.metrics import prediction_summary
+from dynabatch.training.metrics import prediction_summary
 
 
 def train(model: str, mode: str, steps: int, out: str, extra: list[str]) -> list[dict]:

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from dynabatch.commands.common import resolve
     from dynabatch.commands.simulate import add_arguments, simulation_workload
     from dynabatch.plan.step import plan_step
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)

@@ -11,7 +11,7 @@ What is compared (every rank holds both, built from the same seeded model, and r
   step: ``executor``), and the full ``train_step`` (planning, lowering, validation and delivery from
   rank 0 every step: ``train_step``). The step includes ``REDUCE`` (a no-op: one replica, no tied
   parameters) and ``STEP`` (a 2-float all-reduce for loss and grad norm, ``optimizer.step``);
-* theirs: :class:`dynabatch.runtime.torch_pipelining.TorchPipeliningPeer` (also ``dynabatch bench``'s
+* theirs: :class:`dynabatch.engine.torch_pipelining.TorchPipeliningPeer` (also ``dynabatch bench``'s
   method ``pipelining``): ``PipelineStage`` (static shapes) over the same ``GPT2Stage`` module, the
   segment ids and labels travelling with the activations, the last stage's token-loss sum divided by
   the step's tokens in ``loss_fn``, ``Schedule1F1B`` with ``scale_grads=False``, then the grad-norm
@@ -70,12 +70,12 @@ def build_model(args):
 def worker(rank: int, world: int, args, init_method: str) -> None:
     from dynabatch.data.microbatch import CausalMicroBatch
     from dynabatch.models.split import build_stage, layout_for, micro_batch_inputs, pipeline_spec_for
-    from dynabatch.runtime.delivery import receive_step, send_step
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import step_payloads, train_step
+    from dynabatch.engine.delivery import receive_step, send_step
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.step import step_payloads, train_step
     from dynabatch.schedule.step import lower_step as plan_step
-    from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
+    from dynabatch.engine.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
 
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)

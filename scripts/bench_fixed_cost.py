@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-    from dynabatch.runtime import executor
+    from dynabatch.engine import executor
     from dynabatch.schedule.ir import Op
 
     def slowed(handler, seconds):
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     executor.HANDLERS[Op.FORWARD] = slowed(executor.HANDLERS[Op.FORWARD], args.fwd_s)
     executor.HANDLERS[Op.BACKWARD] = slowed(executor.HANDLERS[Op.BACKWARD], args.bwd_s)
     if args.plan_costs:
-        from dynabatch.config import PLAN_COSTS_AUTO
+        from dynabatch.training.config import PLAN_COSTS_AUTO
 
         PLAN_COSTS_AUTO["causal"] = args.plan_costs
     spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "scripts", "gpu_bench.py"))

@@ -4,7 +4,7 @@ For every global batch of ``dynabatch simulate`` (same flags; default ``--model 
 65,536 tokens), the dynamic method is planned and its schedule chosen exactly as ``simulate`` does
 (:func:`~dynabatch.commands.simulate.simulate_step`; search time summed over its variants), then the kept
 schedule is lowered to per-rank plans (:func:`~dynabatch.schedule.lower.lower`, ``check=False``) and validated
-with memory (:func:`~dynabatch.runtime.step.check_step_memory`), which is what rank 0 runs on every training
+with memory (:func:`~dynabatch.engine.step.check_step_memory`), which is what rank 0 runs on every training
 step. Steps run in order after one untimed warm-up step (a process's first call loads the numba kernels:
 reported apart). Lowering and validation are repeated ``--repeat`` times and the fastest kept (a noisy shared
 CPU); every lowering starts from the shared instruction table (:mod:`dynabatch.schedule.rows`) as the
@@ -33,7 +33,7 @@ from dynabatch.schedule import rows  # noqa: E402
 from dynabatch.schedule.ir import PipelineSpec  # noqa: E402
 from dynabatch.schedule.lower import lower  # noqa: E402
 from dynabatch.schedule.simulate import simulate, with_message_buffers  # noqa: E402
-from dynabatch.workload import global_batches  # noqa: E402
+from dynabatch.training.workload import global_batches  # noqa: E402
 
 
 def _best_of(repeat: int, fn, before=lambda: None):

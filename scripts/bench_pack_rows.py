@@ -44,7 +44,7 @@ def workload_args(lengths: str | None, model: str, max_len: int, num_batches: in
 def run_one(lengths, model, max_len, num_batches, tokens, baselines) -> dict:
     from dynabatch.commands.common import resolve
     from dynabatch.commands.simulate import SimulateOptions, simulate_method, simulate_step
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     args = workload_args(lengths, model, max_len, num_batches, tokens)
     w = resolve(args)

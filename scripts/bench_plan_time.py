@@ -49,7 +49,7 @@ def plan_command(a: argparse.Namespace) -> dict:
     from dynabatch.commands.common import add_workload_arguments, resolve
     from dynabatch.plan.global_plan import GlobalPlanner
     from dynabatch.plan.step import plan_step
-    from dynabatch.workload import global_batches, method_micro_batches
+    from dynabatch.training.workload import global_batches, method_micro_batches
 
     p = argparse.ArgumentParser()
     add_workload_arguments(p)
@@ -90,14 +90,14 @@ def plan_command(a: argparse.Namespace) -> dict:
 
 def trainer(a: argparse.Namespace) -> dict:
     """Per-step CPU time of the main job's planner for each ``--pack-rows`` value, interleaved."""
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.data.inputs import load_training_data
     from dynabatch.data.tokenize import load_tokenizer
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     modes = a.pack_rows.split(",")
     base = TrainConfig(model="t5-tiny", stages=2)

@@ -1,7 +1,7 @@
 """Does the background planner thread slow rank 0's training steps? A/B of ``dynabatch train`` runs.
 
 Run under torchrun with the ``train`` flags after ``--``. ``--mode thread`` trains as ``dynabatch train`` does
-(:class:`~dynabatch.runtime.plan_ahead.PlanAhead`: the planner thread plans while rank 0 trains); ``--mode
+(:class:`~dynabatch.training.plan_ahead.PlanAhead`: the planner thread plans while rank 0 trains); ``--mode
 precomputed`` plans every step synchronously before the first one (the same plans: planning is
 deterministic), so nothing plans while rank 0 trains. Needs ``--calibrate off`` (online calibration plans
 step k from the measurements of step k - plan_ahead - 1, which a precomputed run does not have yet). Each
@@ -24,7 +24,7 @@ import numpy as np
 
 
 class Precomputed:
-    """:class:`~dynabatch.runtime.plan_ahead.PlanAhead`'s interface over steps planned up front, synchronously."""
+    """:class:`~dynabatch.training.plan_ahead.PlanAhead`'s interface over steps planned up front, synchronously."""
 
     def __init__(self, planner, num_steps: int, depth: int = 2):
         self._steps = [planner() for _ in range(num_steps)]
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     own, _, train = " ".join(argv).partition(" -- ")
     a = p.parse_args(own.split())
     if a.mode == "precomputed":
-        import dynabatch.runtime.plan_ahead as planner
+        import dynabatch.training.plan_ahead as planner
 
         planner.PlanAhead = Precomputed  # the trainer imports it when it starts
     from dynabatch.cli import main as cli

@@ -33,7 +33,7 @@ from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.model_presets import build_model
 from dynabatch.models.presets import PAD_ID
 from dynabatch.models.split import build_stage, layout_for, micro_batch_inputs, pipeline_spec_for
-from dynabatch.workload import load_lengths
+from dynabatch.training.workload import load_lengths
 
 
 def global_batch(path: str, tokens: int, limits: LengthLimits, vocab: int, seed: int) -> GlobalBatch:

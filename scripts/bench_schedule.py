@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from dynabatch.commands.common import resolve  # noqa: E402
 from dynabatch.commands.simulate import add_arguments, simulate_method  # noqa: E402
-from dynabatch.workload import METHODS, global_batches  # noqa: E402
+from dynabatch.training.workload import METHODS, global_batches  # noqa: E402
 
 TASKS = (  # name, weight, input median, input sigma, target median, target sigma (lognormal)
     ("ni", 0.60, 300, 0.6, 5, 0.8),

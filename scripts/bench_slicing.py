@@ -13,7 +13,7 @@ chains of token slices), and print the two side by side.
   executor. Per global batch both variants run one training step each, alternating which goes first
   (the optimizer is not stepped, so both see the same weights); reported: the median step time over
   batches and the peak activation bytes autograd saved on the busiest rank
-  (:class:`~dynabatch.runtime.memory.SavedActivationMeter`; the CPU allocator has no peak counter).
+  (:class:`~dynabatch.engine.memory.SavedActivationMeter`; the CPU allocator has no peak counter).
 
 Lengths (``heavy_tail_lengths``): 85% of the samples are FLAN-like short ones (lognormal, median about
 200 tokens), 15% come from a long tail spread evenly over [max/4, max]; GPT sequences are input +
@@ -61,7 +61,7 @@ def heavy_tail_lengths(num_tokens: int, max_len: int, seed: int) -> tuple[np.nda
 def plan_sliced(e, d, stage_model, slicer, num_stages: int, memory=None):
     """The dynamic plan of one batch with token slicing, as the trainer plans it (one replica)."""
     from dynabatch.plan.step import plan_step
-    from dynabatch.runtime.planner import simulated_step_time
+    from dynabatch.training.planner import simulated_step_time
 
     return plan_step(e, d, stage_model, num_stages, family="gpt2", slice_cost_model=slicer,
                      score=simulated_step_time(stage_model, slicer, memory))
@@ -76,7 +76,7 @@ def plan_both(e, d, stage_model, slicer, num_stages: int, memory=None):
 
 def plan_costs(plan, stage_model, slicer):
     """Per-stage costs and slice links of a plan's only replica."""
-    from dynabatch.runtime.planner import piece_costs
+    from dynabatch.training.planner import piece_costs
 
     links = plan.slice_links(0)
     return piece_costs(stage_model, slicer, [p.shape for p in plan.replicas[0]], plan.contexts(0), links), links
@@ -166,11 +166,11 @@ def _worker(rank: int, a, workdir: str) -> None:
     from dynabatch.models.presets import PAD_ID, build_model
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.memory import SavedActivationMeter
-    from dynabatch.runtime.planner import micro_batches_of, plan_units
-    from dynabatch.runtime.step import train_step
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.memory import SavedActivationMeter
+    from dynabatch.training.planner import micro_batches_of, plan_units
+    from dynabatch.engine.step import train_step
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_schedule import write_flan_like  # noqa: E402
 
 from dynabatch.commands.common import add_workload_arguments, resolve  # noqa: E402
-from dynabatch.workload import METHODS, global_batches  # noqa: E402
+from dynabatch.training.workload import METHODS, global_batches  # noqa: E402
 
 
 from dynabatch.data.baselines import BASELINES  # noqa: E402

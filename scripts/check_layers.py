@@ -4,11 +4,10 @@ Every module under ``dynabatch/`` is parsed with :mod:`ast` (nothing is imported
 (``import dynabatch.x``, ``from dynabatch.x import y``, relative imports) is resolved to the module it names and
 mapped twice:
 
-- to a **part**: the package's top-level subpackage or module (``cost``, ``runtime``, ``workload``, ...). The
+- to a **part**: the package's top-level subpackage or module (``cost``, ``engine``, ``training``, ...). The
   part-level graph and its strongly connected components (cycles) are printed;
 - to a **layer** of :data:`LAYERS`, the target order bottom to top. A module is placed by the longest prefix in
-  :data:`PLACEMENT` (so ``runtime.trainer`` can sit in the application while the rest of ``runtime`` is the
-  engine). An import from a lower layer into a higher one is *upward*.
+  :data:`PLACEMENT` (so a module can sit in another layer than the rest of its package). An import from a lower layer into a higher one is *upward*.
 
 An internal import inside a function (or method) is *in-function*; it is explained by a trailing
 ``# lazy: <reason>`` comment on the import's line(s), else it reads "no reason". Imports under
@@ -62,33 +61,17 @@ PLACEMENT: dict[str, str] = {
     "plan": "plan",
     "schedule": "schedule",
     "models": "models",
-    "runtime": "engine",
-    "runtime.trainer": "app",
-    "runtime.planner": "app",
-    "runtime.plan_ahead": "app",
-    "runtime.planner_process": "app",
-    "runtime.calibration": "app",
-    "runtime.run_layout": "app",
-    "runtime.cost_model": "app",
-    "runtime.evaluate": "app",
-    "runtime.metrics": "app",
-    "runtime.tracking": "app",
-    "runtime.export": "app",
-    "runtime.resume": "app",
-    "runtime.reshard": "app",
-    "train": "app",
     "engine": "engine",
-    "config": "app",
-    "workload": "app",
+    "training": "app",
     "integrations": "integrations",
     "commands": "commands",
     "cli": "cli",
     "__main__": "cli",
 }
 """Where today's modules sit in :data:`LAYERS`: a module (without the ``dynabatch.`` prefix) takes the layer of
-its longest listed prefix. ``runtime`` is today two things, the engine and the training application, so its
-application modules are listed one by one; ``config`` (the training configuration) and ``workload`` (the
-plan/simulate/bench planning path over a ``TrainConfig``-like view) sit with the application."""
+its longest listed prefix. The engine and the application are separate packages: ``engine`` and ``training``
+(which holds the training configuration, ``training.config``, and ``training.workload``, the
+plan/simulate/bench planning path over a ``TrainConfig``-like view)."""
 
 LAZY_TAG = "# lazy:"
 

@@ -12,7 +12,7 @@ What it measures, in one process on one device (the results go to ``--out``, def
    memory (printed and saved as ``profile_check.json``).
 2. **Throughput** (``dynabatch bench``'s :func:`~dynabatch.commands.bench.bench`, in this process): each
    method trains its own copy of the same seeded model on the same global batches of the built-in mixture
-   through our :class:`~dynabatch.runtime.executor.Executor` (fp32 master weights, bf16 autocast), steps
+   through our :class:`~dynabatch.engine.executor.Executor` (fp32 master weights, bf16 autocast), steps
    interleaved across methods. ``dynamic`` plans with the profile just measured (``--cost-profile``);
    with ``--analytic`` also a second ``dynamic`` run planned with the analytic model is reported.
 

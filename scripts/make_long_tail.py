@@ -7,7 +7,7 @@ whose rare long documents a user keeps whole (the long-tail benchmark, ``docs/be
     dynabatch data-report --lengths data/long_tail_32k.npz
 
 The file holds integer arrays ``input_len``, ``target_len`` (uint16) and ``task`` (uint8 task ids), the format
-:func:`dynabatch.workload.load_lengths` reads. The mixture:
+:func:`dynabatch.training.workload.load_lengths` reads. The mixture:
 
 - 24 tasks, each with lognormal input lengths (medians 24-600 tokens) and target lengths (medians 2-160);
   inputs clipped to 4,096 and targets to 1,000 tokens;

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dynabatch.commands.common import add_workload_arguments, resolve  # noqa: E402
-from dynabatch.workload import global_batches, method_micro_batches  # noqa: E402
+from dynabatch.training.workload import global_batches, method_micro_batches  # noqa: E402
 
 
 def draw(ax, batch, plan, cost_model, stages: int, title: str) -> None:

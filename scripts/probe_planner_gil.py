@@ -1,6 +1,6 @@
 """How long does rank 0's planner hold the GIL per planned step? A probe, one process, no torch.distributed.
 
-Builds the trainer's :class:`~dynabatch.runtime.planner.StepPlanner` (``--model``, ``--stages``, built-in
+Builds the trainer's :class:`~dynabatch.training.planner.StepPlanner` (``--model``, ``--stages``, built-in
 mixture, ``--calibrate off``) and measures, in turns of ``--seconds`` each (``--rounds`` times, so machine noise
 hits both alike):
 
@@ -29,12 +29,12 @@ import numpy as np  # noqa: E402
 
 
 def build_planner(model: str, stages: int, extra: dict):
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import _load_data, planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import _load_data, planner_cost_model
     from dynabatch.models.families import check_model
 
     cfg = TrainConfig(model=model, stages=stages, calibrate="off", **extra)

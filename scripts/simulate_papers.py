@@ -52,7 +52,7 @@ PAPER = {"t5": 4.39, "gpt": 3.25, "terapipe": 5.0}
 def dynapipe_point(path, model, preset, max_len, stages, num_batches, hardware, link) -> dict:
     from dynabatch.commands.common import add_workload_arguments, resolve
     from dynabatch.commands.simulate import SimulateOptions, simulate_method, simulation_workload
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)

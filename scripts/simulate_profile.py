@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from dynabatch.data.baselines import BaselineOptions
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.builtin import default_mixture_path
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     from dynabatch.cost.hardware import hardware_spec
 

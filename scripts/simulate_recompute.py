@@ -27,7 +27,7 @@ from bench_schedule import write_flan_like  # noqa: E402
 def point(path: str, model: str, preset: str, max_len: int, policy: str, num_batches: int) -> dict:
     from dynabatch.commands.common import add_workload_arguments, resolve
     from dynabatch.commands.simulate import SimulateOptions, simulate_step, simulation_workload
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)

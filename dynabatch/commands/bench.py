@@ -5,10 +5,10 @@ pipeline stages; for each method (``dynamic``; for GPT models ``dynamic_sliced``
 to cut long samples into token slices as ``dynamic train --slice-long`` does; and every baseline of
 :data:`~dynabatch.data.baselines.BASELINES`: ``padding``, ``length_grouped``, ``token_budget``,
 ``packing``, ``packing_free``) every rank builds its own copy of its stage from the *same seed*
-(identical initial weights), its own AdamW and its own :class:`~dynabatch.runtime.executor.Executor`.
+(identical initial weights), its own AdamW and its own :class:`~dynabatch.engine.executor.Executor`.
 All methods train on the *same global batches* (drawn once on rank 0 from the built-in mixture, a
 mixture spec, ``--data`` with ``--columns`` and ``--tokenizer`` read as ``train`` reads them, or a lengths
-file ``.npz``/``.jsonl`` whose samples get random token ids of exactly those lengths), cut by :class:`~dynabatch.runtime.planner.StepPlanner` with the method, priced by the
+file ``.npz``/``.jsonl`` whose samples get random token ids of exactly those lengths), cut by :class:`~dynabatch.training.planner.StepPlanner` with the method, priced by the
 planner's stage cost model (analytic, or ``--cost-profile``'s measured tables) and scheduled by
 ``--policy`` exactly as in ``dynabatch train``.
 
@@ -40,7 +40,7 @@ keyed by ``--methods`` at their flags' values; ``tuned`` adds per baseline the k
 the tuned setting's tokens/s, and every method gets ``ratio_to_best_tuned_baseline``.
 
 External peer (method ``pipelining``): ``torch.distributed.pipelining``'s ``Schedule1F1B`` over the same
-stage modules (:mod:`dynabatch.runtime.torch_pipelining`), fed packing's rows as fixed-shape
+stage modules (:mod:`dynabatch.engine.torch_pipelining`), fed packing's rows as fixed-shape
 micro-batches (``--packing-rows`` rows of the maximal lengths each, fewer when a step has fewer than
 ``packing-rows x stages`` rows, as 1F1B needs a micro-batch per stage; the last micro-batch of a step is
 filled with empty rows, PyTorch's schedules need equal chunks). Its step includes the same tied-gradient
@@ -52,11 +52,11 @@ Models: ``--model t5`` / ``gpt`` are the benchmark presets ``t5-d256`` (d_model 
 ``gpt2-d256`` (d_model 256, 8 layers); any preset name or local checkpoint works.
 
 Layer split (``--layer-split``, default ``data``): one split per placement, balanced over the micro-batches
-every method cuts the first global batches into (:mod:`dynabatch.runtime.run_layout`), so all methods run on
+every method cuts the first global batches into (:mod:`dynabatch.training.run_layout`), so all methods run on
 the same stage modules; the JSON's ``layouts`` names them.
 
 Launch: ``--stages 1`` runs in this process; with more stages and no torchrun environment the command
-starts one process per stage on this machine (:func:`~dynabatch.runtime.launch.launch_local`; gloo on CPU, NCCL on
+starts one process per stage on this machine (:func:`~dynabatch.engine.launch.launch_local`; gloo on CPU, NCCL on
 GPUs).
 """
 
@@ -75,9 +75,9 @@ from dynabatch.commands.bench_report import (  # noqa: F401 (gpu_bench imports t
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
-from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.resolve import Found, Resolved, lower, lower_args, resolve
-from dynabatch.config.sections import arg
+from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.training.config.resolve import Found, Resolved, lower, lower_args, resolve
+from dynabatch.training.config.sections import arg
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
@@ -86,24 +86,24 @@ from dynabatch.core.methods import CAUSAL_ONLY, DYNAMIC_SLICED, check_method_fam
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.workload import global_batches, is_mixture_spec
+from dynabatch.training.workload import global_batches, is_mixture_spec
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.inputs import load_data
 from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key, with_tuned
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
 from dynabatch.models.families import check_model
 from dynabatch.models.split import build_stage, pipeline_spec_for
-from dynabatch.runtime.calibration import gather_measurements, quick_calibration, stage_times
-from dynabatch.runtime.dist import shutdown
-from dynabatch.runtime.executor import Executor
-from dynabatch.runtime.launch import launch_local
-from dynabatch.runtime.metrics import peak_rss_bytes
-from dynabatch.runtime.planner import StepPlanner
-from dynabatch.runtime.precision import autocast_dtype
-from dynabatch.runtime.step import train_step
-from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
-from dynabatch.runtime.trainer import build_run_model, connect, planner_cost_model, run_calibration
+from dynabatch.training.calibration import gather_measurements, quick_calibration, stage_times
+from dynabatch.engine.dist import shutdown
+from dynabatch.engine.executor import Executor
+from dynabatch.engine.launch import launch_local
+from dynabatch.training.metrics import peak_rss_bytes
+from dynabatch.training.planner import StepPlanner
+from dynabatch.engine.precision import autocast_dtype
+from dynabatch.engine.step import train_step
+from dynabatch.engine.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
+from dynabatch.training.trainer import build_run_model, connect, planner_cost_model, run_calibration
 
 BASELINES = tuple(BASELINE_SPECS)
 SLICED = DYNAMIC_SLICED
@@ -248,7 +248,7 @@ class _Method:
 
 def method_configs(args, methods: list[str], found: Found) -> dict[str, Resolved]:
     """Each method's TrainConfig (``pipelining``: packing's), resolved by the resolver's rules
-    (:func:`~dynabatch.config.resolve.resolve`) with what this process finds, as ``train`` resolves its own:
+    (:func:`~dynabatch.training.config.resolve.resolve`) with what this process finds, as ``train`` resolves its own:
     every ``auto`` decided per method (a baseline's ``--recompute auto``: none)."""
     return {m: resolve(_config(args, PEER_PLANS_AS if m == PEER else m), found) for m in methods}
 
@@ -375,7 +375,7 @@ def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list
 def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, object]:
     """One training step of method ``r``; returns its loss (on rank 0), this rank's peak bytes saved for
     backward (``None`` for the torch pipelining peer, which is not metered) and the executor's
-    :class:`~dynabatch.runtime.executor.StepResult` (``None`` for the peer)."""
+    :class:`~dynabatch.engine.executor.StepResult` (``None`` for the peer)."""
     if r.peer_steps is not None:
         num, shape, tokens, inputs = r.peer_steps[step]
         return r.executor.step(num, shape, tokens, inputs), None, None

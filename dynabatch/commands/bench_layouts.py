@@ -11,9 +11,9 @@ from dynabatch.commands.bench_report import PEER
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.models.families import analytic_spec
 from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
-from dynabatch.runtime.cost_model import planner_cost_model
-from dynabatch.runtime.planner import StepPlanner
-from dynabatch.runtime.run_layout import RunLayout, SAMPLED_BATCHES, choose_run_layout
+from dynabatch.training.cost_model import planner_cost_model
+from dynabatch.training.planner import StepPlanner
+from dynabatch.training.run_layout import RunLayout, SAMPLED_BATCHES, choose_run_layout
 from dynabatch.schedule.placement import Placement
 
 
@@ -45,7 +45,7 @@ def placed_methods(args, methods) -> dict:
 
 def choose_layouts(args, methods, cfgs, base, model, batches, limits, info, ctx) -> dict:
     """Collective: ``linear`` and every placement of ``--placements`` -> its
-    :class:`~dynabatch.runtime.run_layout.RunLayout`, chosen on rank 0 and broadcast. ``--layer-split data``
+    :class:`~dynabatch.training.run_layout.RunLayout`, chosen on rank 0 and broadcast. ``--layer-split data``
     balances each placement's chunks over the micro-batches every method (the peer as packing) cuts the first
     global batches into, so all methods run on the same stage modules and none on a split tuned for it alone.
     ``base`` is the dynamic method's configuration, whose cost model prices the layers each split balances."""

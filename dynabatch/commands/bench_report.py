@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dynabatch.config.sections import PLAN_COSTS
+from dynabatch.training.config.sections import PLAN_COSTS
 from dynabatch.commands.tuning import describe
 
 PEER = "pipelining"

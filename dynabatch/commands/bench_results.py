@@ -15,12 +15,12 @@ from dynabatch.data.baselines import BASELINES
 from dynabatch.plan.ideal import balanced_efficiency, ideal_work, planned_work
 from dynabatch.schedule.step import compute_schedule
 from dynabatch.schedule.simulate import simulate
-from dynabatch.config.resolve import lower
+from dynabatch.training.config.resolve import lower
 from dynabatch.cost.planner_model import UNPRICED
 from dynabatch.models.attention_kernels import KERNEL_CALLS
 from dynabatch.models.families import check_model
-from dynabatch.runtime.dist import device_type
-from dynabatch.runtime.planner import send_time_of
+from dynabatch.engine.dist import device_type
+from dynabatch.training.planner import send_time_of
 from dynabatch.schedule.virtual import placed_step
 
 

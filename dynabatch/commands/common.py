@@ -6,13 +6,13 @@ import argparse
 from dataclasses import dataclass, field, replace
 
 from dynabatch.data.batching import LengthLimits
-from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.resolve import Found, args_view, decide, lower_args, resolve_args
-from dynabatch.config.sections import arg
+from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.training.config.resolve import Found, args_view, decide, lower_args, resolve_args
+from dynabatch.training.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
-from dynabatch.workload import MODEL_FAMILIES, method_micro_batches
+from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout
 from dynabatch.data.builtin import default_mixture_path
@@ -121,7 +121,7 @@ class Workload:
     split_blocks: bool = True
     """``--split-blocks`` resolved to ``on``: layer splits may cut inside blocks (decoder-only, T5 encoder)."""
     resolved: dict = field(default_factory=dict)
-    """``{field: (value, reason)}`` of the flags the resolver decided (:func:`~dynabatch.config.resolve.resolve_args`),
+    """``{field: (value, reason)}`` of the flags the resolver decided (:func:`~dynabatch.training.config.resolve.resolve_args`),
     what the command reports under ``resolved``."""
 
 

@@ -21,8 +21,8 @@ import numpy as np
 from tqdm import tqdm
 
 from dynabatch.commands.common import check_positive, parse_methods, write_json
-from dynabatch.config.flags import add_fields
-from dynabatch.config.resolve import Found, resolve_args
+from dynabatch.training.config.flags import add_fields
+from dynabatch.training.config.resolve import Found, resolve_args
 from dynabatch.core.methods import check_method_family, methods_for
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
@@ -32,7 +32,7 @@ from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
-from dynabatch.workload import Lengths, load_lengths
+from dynabatch.training.workload import Lengths, load_lengths
 
 TAIL_PERCENTILES = (50, 90, 99, 99.9)
 TAIL_THRESHOLDS = (4096, 8192, 16384)

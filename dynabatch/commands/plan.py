@@ -15,11 +15,11 @@ import dataclasses
 import numpy as np
 
 from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, resolve
-from dynabatch.config.flags import add_fields
-from dynabatch.config.resolve import describe_choices
+from dynabatch.training.config.flags import add_fields
+from dynabatch.training.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
-from dynabatch.workload import global_batches, kept_limits, method_micro_batches
+from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
 

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.resolve import Found, describe_choices, resolve_args
-from dynabatch.config.sections import DTYPE_TORCH_NAMES, arg
+from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.training.config.resolve import Found, describe_choices, resolve_args
+from dynabatch.training.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.cost.tables import CostTables
@@ -90,7 +90,7 @@ def _check_run(run_dir: str) -> int:
     """``--check RUN_DIR``: predicted against measured per step and stage, from the run's metrics.jsonl."""
     import json
 
-    from dynabatch.runtime.metrics import format_prediction_report  # lazy: imports torch, which must load after _set_thp
+    from dynabatch.training.metrics import format_prediction_report  # lazy: imports torch, which must load after _set_thp
 
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
@@ -132,11 +132,11 @@ def _check(args) -> int:
 def _device(args) -> tuple[str, dict]:
     """``--device``, ``--clock`` and ``--p2p`` as the resolver decides them (``auto``: cuda when available; thread
     CPU time on one CPU thread, else the wall clock; gloo on CPU, nccl with two CUDA devices:
-    :mod:`dynabatch.config.resolve`), then the device of this process (``cuda``: ``cuda:0``), and the resolver's
+    :mod:`dynabatch.training.config.resolve`), then the device of this process (``cuda``: ``cuda:0``), and the resolver's
     choices; after :func:`_set_thp`, as it imports torch."""
     import torch
 
-    from dynabatch.runtime.dist import resolve_device  # lazy: imports torch, which must load after _set_thp
+    from dynabatch.engine.dist import resolve_device  # lazy: imports torch, which must load after _set_thp
 
     cuda = torch.cuda.is_available()
     decided = resolve_args(args, Found(cuda_available=cuda, cuda_devices=torch.cuda.device_count() if cuda else 0))

@@ -2,7 +2,7 @@
 
 For each method (the dynamic planner and every baseline) and each global batch: micro-batches ->
 per-stage analytic costs, attention priced per segment as the padding-free runtime computes it (each
-sample's own block of every row, :attr:`~dynabatch.workload.MethodPlan.pairs`) -> :func:`~dynabatch.schedule.policies.choose_schedule` (GPipe, 1F1B and the
+sample's own block of every row, :attr:`~dynabatch.training.workload.MethodPlan.pairs`) -> :func:`~dynabatch.schedule.policies.choose_schedule` (GPipe, 1F1B and the
 memory-aware adaptive policy over a few micro-batch orders) -> simulated step. Prints per method:
 real tokens/s (real tokens / simulated step time), padding efficiency (real / computed tokens),
 bubble fraction, the busiest stage's utilisation, peak memory per device (and whether every step
@@ -41,17 +41,17 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, resolve
-from dynabatch.config.flags import add_fields, add_sections
-from dynabatch.config.placement_choice import pick_placement, placement_candidates
-from dynabatch.config.sections import arg
+from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
+from dynabatch.training.config.sections import arg
 from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, with_pairs
 from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
-from dynabatch.workload import global_batches, kept_limits, method_micro_batches
-from dynabatch.config.resolve import args_view, decide, describe_choices, lower
+from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
+from dynabatch.training.config.resolve import args_view, decide, describe_choices, lower
 from dynabatch.schedule.policies import adaptive, choose_schedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
 from dynabatch.schedule.virtual import placed_step

@@ -1,8 +1,8 @@
 """``dynabatch train``: train a T5, GPT-2 or Llama-style model on a mixture with dynamic micro-batching.
 
 Launch directly: one process, or with ``--stages`` / ``--replicas`` above 1 one per rank on this machine
-(:mod:`dynabatch.runtime.launch`); or with ``torchrun --nproc-per-node STAGES*REPLICAS`` (several machines too).
-Every field of :class:`dynabatch.config.TrainConfig` is a flag (``dynabatch train --help`` lists them by section).
+(:mod:`dynabatch.engine.launch`); or with ``torchrun --nproc-per-node STAGES*REPLICAS`` (several machines too).
+Every field of :class:`dynabatch.training.config.TrainConfig` is a flag (``dynabatch train --help`` lists them by section).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from dynabatch.config.flags import add_config_arguments, config_from_args, given_flags
+from dynabatch.training.config.flags import add_config_arguments, config_from_args, given_flags
 from dynabatch.core.methods import objective_note
 
 
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynabatch.runtime.trainer import train  # lazy: keeps torch and transformers out of `dynabatch train --help`
+    from dynabatch.training.trainer import train  # lazy: keeps torch and transformers out of `dynabatch train --help`
 
     given = None
     argv = getattr(args, "argv", None)
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         given = given_flags(p, argv)
     cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
     if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
-        from dynabatch.runtime.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
+        from dynabatch.engine.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
 
         return launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
     if objective_note(cfg.method) and os.environ.get("RANK", "0") == "0":  # packing_free_split: say so, once

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from dynabatch.core.methods import objective_note
 from dynabatch.data.baselines import BaselineOptions, Trial, baseline_spec, best_trial, grid_settings, with_twins
-from dynabatch.config.resolve import lower
+from dynabatch.training.config.resolve import lower
 from dynabatch.schedule.step import lower_step
 
 
@@ -98,7 +98,7 @@ def best_tuned(tuned: dict[str, Tuned]) -> str | None:
 
 def memory_error(planned_steps, cfg, spec) -> str:
     """Why the runtime would refuse these planned steps under ``cfg.memory_gib`` ('' when they fit): the
-    same validation :func:`~dynabatch.runtime.step.train_step` runs on rank 0."""
+    same validation :func:`~dynabatch.engine.step.train_step` runs on rank 0."""
     for p in planned_steps:
         try:
             lower_step([list(s) for s in p.shapes], spec, policy=lower("policy", cfg.policy), step=p.step, costs=p.costs,

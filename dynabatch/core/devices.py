@@ -1,6 +1,6 @@
 """Device names (``--device``), torch-free: the forms a run accepts and their check.
 
-:mod:`dynabatch.runtime.dist` resolves a name to a backend and a torch device; the configuration checks the name
+:mod:`dynabatch.engine.dist` resolves a name to a backend and a torch device; the configuration checks the name
 with :func:`check_device_name` before anything imports torch.
 """
 

@@ -1,6 +1,6 @@
 """Compute precisions (``--dtype``), torch-free: names, their torch dtype names and element sizes.
 
-bf16 / fp16 train fp32 weights under autocast (:mod:`dynabatch.runtime.precision` maps these names to torch).
+bf16 / fp16 train fp32 weights under autocast (:mod:`dynabatch.engine.precision` maps these names to torch).
 """
 
 from __future__ import annotations

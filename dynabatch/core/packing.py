@@ -5,7 +5,7 @@ from __future__ import annotations
 from dynabatch.core.registry import Registry
 
 PACK_ROWS = Registry("pack_rows", [
-    ("device", "resolved per device (the pack_rows rule of dynabatch.config.resolve)"),
+    ("device", "resolved per device (the pack_rows rule of dynabatch.training.config.resolve)"),
     ("auto", "plan with and without packed rows, per-segment pricing; keep the best"),
     ("off", "one sample per row"),
     ("flat", "every micro-batch one row of its samples back to back: no pad computed"),

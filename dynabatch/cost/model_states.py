@@ -5,7 +5,7 @@ optimizer states: the layer model's :meth:`model_state_bytes` (16 bytes a parame
 autocast copy). Sharding over the ``R`` replicas of the stage divides parts of it (DeepSpeed's ZeRO stages):
 
 * ``--zero 1``: the optimizer states (AdamW's two fp32 moments, :data:`~dynabatch.cost.analytic.OPTIMIZER_STATE_BYTES`)
-  are divided by ``R`` (:mod:`dynabatch.runtime.zero`);
+  are divided by ``R`` (:mod:`dynabatch.engine.zero`);
 * ``--zero 2``: the gradients too (:data:`GRADIENT_BYTES` a parameter: the runtime's gradients are fp32 like its
   weights), reduced onto their owners as the backward produces them; during the backward a rank also holds the
   full gradient of the parameter being reduced (:func:`gradient_peak_bytes`).

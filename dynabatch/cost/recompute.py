@@ -22,7 +22,7 @@ store whole run with recomputation instead of being refused.
 
 Policies (``--recompute``): ``none`` (the default before this module), ``auto``, and ``selective`` /
 ``full`` (that mode for every micro-batch on every stage). ``auto`` is the dynamic planner's: a baseline
-batcher under ``auto`` runs without recomputation (the resolver's rule, :mod:`dynabatch.config.resolve`; its knob
+batcher under ``auto`` runs without recomputation (the resolver's rule, :mod:`dynabatch.training.config.resolve`; its knob
 is what a user tunes to fit memory), while an explicit ``selective`` / ``full`` applies to every method (``full`` is what Hugging
 Face's ``gradient_checkpointing`` does). A token slice (TeraPipe piece) runs the mode chosen for its own
 ``(1, slice length)`` shape, its costs scaled by the slice cost model like an unsliced piece's

@@ -38,7 +38,7 @@ from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.core.sequence import is_seq2seq
 
-if TYPE_CHECKING:  # torch-free at import: dynabatch.config imports the registry (`train --help` stays fast)
+if TYPE_CHECKING:  # torch-free at import: dynabatch.training.config imports the registry (`train --help` stays fast)
     from dynabatch.data.microbatch import MicroBatch
 
 

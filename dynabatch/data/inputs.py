@@ -88,8 +88,8 @@ def load_data(
 
 
 def load_training_data(cfg, tokenizer, family: str, datasets: Any = None) -> MixtureData:
-    """The training data of a :class:`~dynabatch.config.TrainConfig` (``mixture``, or ``data`` + ``columns``), or
-    ``datasets`` given in memory (``dynabatch.runtime.trainer.train(cfg, datasets=...)``)."""
+    """The training data of a :class:`~dynabatch.training.config.TrainConfig` (``mixture``, or ``data`` + ``columns``), or
+    ``datasets`` given in memory (``dynabatch.training.trainer.train(cfg, datasets=...)``)."""
     return load_data(tokenizer, family, mixture=cfg.mixture, data=cfg.data, columns=cfg.columns, datasets=datasets,
                      bad_rows=cfg.bad_rows, seed=cfg.seed)
 

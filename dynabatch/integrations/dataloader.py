@@ -33,7 +33,7 @@ target token weighs the same, however the batch was cut.
 The cost model for ``dynamic`` defaults to the analytic model of the Hugging Face ``model_config``
 (:func:`~dynabatch.models.families.analytic_spec`, one stage, the device's memory minus
 parameters, gradients and Adam states; ``hardware="auto"``, decided by the resolver's rule
-(:mod:`dynabatch.config.resolve`), is the CUDA device's preset by its name, ``cpu`` without one; activations priced as the trainer prices its own runs, in ``dtype`` under ``attention``)
+(:mod:`dynabatch.training.config.resolve`), is the CUDA device's preset by its name, ``cpu`` without one; activations priced as the trainer prices its own runs, in ``dtype`` under ``attention``)
 or, without a config, to
 :class:`~dynabatch.plan.costs.PolynomialCostModel`. Planning a global batch of a few hundred samples
 takes ~1-20 ms (numba, warm); collating is numpy + ``torch.from_numpy``.
@@ -48,7 +48,7 @@ from dataclasses import KW_ONLY, dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
-from dynabatch.config.resolve import Found, decide_why
+from dynabatch.training.config.resolve import Found, decide_why
 from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.core.dtypes import DTYPES
 from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline

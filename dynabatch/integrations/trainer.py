@@ -53,7 +53,7 @@ from transformers.trainer_utils import (
 from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.models.forward import forward_loss
-from dynabatch.runtime.evaluate import generate_ids
+from dynabatch.training.evaluate import generate_ids
 
 LOADER_STATE_NAME = "dynabatch_loader.json"
 """File in each checkpoint folder holding the train loader's stream position."""

@@ -26,7 +26,7 @@ recomputation also runs under the forward's mode (:func:`_in_mode`; the backward
 thread or outside the executor's context) and the forward's autocast state (the checkpoint records it).
 
 Meter. Inside a checkpointed region the checkpoint's own saved-tensor hooks replace the outer ones, so
-:class:`~dynabatch.runtime.memory.SavedActivationMeter` would not see what the region keeps. Each region's
+:class:`~dynabatch.engine.memory.SavedActivationMeter` would not see what the region keeps. Each region's
 tensor inputs therefore first pass through :class:`_KeepInputs`, an identity autograd node that saves
 them (the tensor the checkpoint holds anyway, no copy): the meter counts them once per storage and stops
 counting them when the node's backward has run, right after the region's backward. Not metered: the

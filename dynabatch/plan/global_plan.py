@@ -1,7 +1,7 @@
 """The one planning path: a global batch and a batching method -> each data-parallel replica's micro-batches.
 
-``dynabatch train`` (:class:`~dynabatch.runtime.planner.StepPlanner`), ``plan`` / ``simulate`` / ``bench``
-(:func:`~dynabatch.workload.method_micro_batches`) and :class:`~dynabatch.integrations.dataloader.DynaBatchDataLoader`
+``dynabatch train`` (:class:`~dynabatch.training.planner.StepPlanner`), ``plan`` / ``simulate`` / ``bench``
+(:func:`~dynabatch.training.workload.method_micro_batches`) and :class:`~dynabatch.integrations.dataloader.DynaBatchDataLoader`
 all cut a global batch through :meth:`GlobalPlanner.plan`, so what ``plan`` and ``simulate`` describe and what
 the DataLoader yields is what ``train`` runs for the same global batch, method and layout:
 

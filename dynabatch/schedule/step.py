@@ -5,7 +5,7 @@ micro-batches into every rank's :class:`~dynabatch.schedule.ir.ExecutionPlan`: p
 schedule of the chosen policy (:func:`compute_schedule`), lowers it to instructions
 (:func:`dynabatch.schedule.lower.lower`, or :func:`~dynabatch.schedule.virtual.lower_placed` on virtual stages)
 and validates every plan, with memory when the costs price it (:func:`check_step_memory`). Pure: no process
-group, no tensors; the engine (:mod:`dynabatch.runtime.step`) runs what comes out.
+group, no tensors; the engine (:mod:`dynabatch.engine.step`) runs what comes out.
 
 Policies (:data:`dynabatch.core.policies.POLICY_CHOICES`): ``gpipe``, ``1f1b``, ``adaptive`` (memory-aware list
 schedule) and ``auto`` (:func:`~dynabatch.schedule.policies.choose_schedule`: best simulated makespan over
@@ -203,7 +203,7 @@ def forward_only_plan(plan: ExecutionPlan) -> ExecutionPlan:
     """``plan`` as an evaluation pass: only its loads, forwards and activation transfers (their starts and
     waits), in their order, each micro-batch's ``FREE`` moved right after its last remaining instruction
     (no backward, gradient transfer, ``REDUCE`` or ``STEP``). The executor runs a plan without backwards
-    under ``no_grad`` with the stage in eval mode (:class:`~dynabatch.runtime.executor.Executor`).
+    under ``no_grad`` with the stage in eval mode (:class:`~dynabatch.engine.executor.Executor`).
 
     Why it is safe: the training plan it comes from was validated, and both ends of each link still issue
     its activation messages in the same order (dropping the gradient messages keeps the relative order of

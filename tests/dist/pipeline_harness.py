@@ -277,11 +277,11 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
     rank 0 the replicas' micro-batches and slice links; results go to ``<name><tag>.rank<r>.pt``."""
     from dynabatch.cost.stages import StageLayout
     from dynabatch.models.split import build_device_stages, layout_for, pipeline_spec_for
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.precision import autocast_dtype
-    from dynabatch.runtime.step import train_step
-    from dynabatch.runtime.timeline import gather_timelines
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.precision import autocast_dtype
+    from dynabatch.engine.step import train_step
+    from dynabatch.engine.timeline import gather_timelines
 
     if rank >= sc.world_size:
         return
@@ -333,7 +333,7 @@ def run_scenario(rank: int, sc: Scenario, workdir: str, wrap_stage=None, make_st
 def placed_schedule(mbs, placement, policy: str, links=()):
     """The chunk schedule with device orders of ``policy`` for micro-batches ``mbs`` (token-slice ``links``) under
     token costs (what the trainer's planner hands train_step on virtual stages)."""
-    from dynabatch.runtime.step import micro_batch_shape
+    from dynabatch.engine.step import micro_batch_shape
     from dynabatch.schedule.step import token_costs
     from dynabatch.schedule.virtual import chunk_schedule, placed_step
 
@@ -422,7 +422,7 @@ def dead_rank_worker(rank: int, workdir: str, die_rank: int, timeout_s: float, h
             return stage
         return DyingStage(stage, forwards_per_step + 2, hang_s, os.path.join(workdir, "stopped_at"))
 
-    from dynabatch.runtime.dist import exit_on_error
+    from dynabatch.engine.dist import exit_on_error
 
     sys.stderr = open(os.path.join(workdir, f"rank{rank}.err"), "w")  # exit_on_error reports here
     exit_on_error(run_scenario, rank, sc, workdir, wrap_stage=wrap)
@@ -432,7 +432,7 @@ def silent_gather_worker(rank: int, workdir: str, timeout_s: float) -> None:
     """2 ranks, no model: rank 1 stays silent (sleeps past the timeout) while rank 0 gathers to itself;
     rank 0 writes the error it got to ``gather.err``."""
     _setup_worker()
-    from dynabatch.runtime.dist import gather_to_planner, init_distributed
+    from dynabatch.engine.dist import gather_to_planner, init_distributed
 
     ctx = init_distributed(1, rank=rank, world_size=2, init_method=f"file://{workdir}/rendezvous",
                            timeout_s=timeout_s, device="cpu")
@@ -454,7 +454,7 @@ def silent_gather_worker(rank: int, workdir: str, timeout_s: float) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-PRELOAD = ["torch", "transformers", "dynabatch.models.split", "dynabatch.runtime.step", "pipeline_harness"]
+PRELOAD = ["torch", "transformers", "dynabatch.models.split", "dynabatch.engine.step", "pipeline_harness"]
 
 
 def launch(world_size: int, target, args: tuple, deadline_s: float) -> tuple[list[int | None], float]:

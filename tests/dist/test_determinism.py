@@ -24,7 +24,7 @@ def mixture(tmp_path_factory) -> str:
 
 
 def _train(mixture: str, out: str, *extra: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    """A directly launched 2-rank ``dynabatch train`` (:mod:`dynabatch.runtime.launch` starts the ranks)."""
+    """A directly launched 2-rank ``dynabatch train`` (:mod:`dynabatch.engine.launch` starts the ranks)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DYNABATCH_CRASH_AT")}
     env["OMP_NUM_THREADS"] = "1"
     if crash_at:

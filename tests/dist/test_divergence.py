@@ -15,8 +15,8 @@ import torch
 @pytest.mark.parametrize("model", [pytest.param("t5-tiny", marks=pytest.mark.slow), "gpt2-tiny"])
 # t5-tiny is slow-only: the guard is the same for every family, and gpt2-tiny runs it across two ranks
 def test_two_stage_divergence_stops_every_rank(tmp_path, toy_mixture_dir, model):
-    from dynabatch.runtime.checkpoint import latest_checkpoint
-    from dynabatch.runtime.reshard import model_weights
+    from dynabatch.engine.checkpoint import latest_checkpoint
+    from dynabatch.training.reshard import model_weights
 
     out = tmp_path / "div"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -1,6 +1,6 @@
 """Evaluation through a gloo pipeline (T5 2 stages; GPT-2 2 stages x 2 replicas) equals the unsplit model.
 
-One launch of 4 processes. Each scenario evaluates (forward-only plans, :mod:`dynabatch.runtime.evaluate`)
+One launch of 4 processes. Each scenario evaluates (forward-only plans, :mod:`dynabatch.training.evaluate`)
 before training, trains a step, evaluates again, gathers the model on rank 0 and trains another step; a
 twin run trains the same two steps without evaluating. The parent checks: per-task and overall eval loss
 equal the unsplit HF model's on the same samples (1e-5), the gathered weights equal the initial model's,
@@ -33,7 +33,7 @@ def eval_set(sc: H.Scenario):
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.tokenize import TokenizerInfo
     from dynabatch.models.presets import EOS_ID, PAD_ID
-    from dynabatch.runtime.evaluate import build_eval_set
+    from dynabatch.training.evaluate import build_eval_set
 
     limits = LengthLimits(sc.family, max_input_len=32, max_target_len=16, max_seq_len=48)
     tokens = TokenizerInfo(pad_id=PAD_ID, eos_id=EOS_ID, decoder_start_id=PAD_ID, vocab_size=H.VOCAB)
@@ -42,11 +42,11 @@ def eval_set(sc: H.Scenario):
 
 def run(rank: int, sc: H.Scenario, workdir: str, evaluate: bool) -> None:
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.evaluate import gather_weights
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import train_step
-    from dynabatch.runtime.trainer import gather_task_losses
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.training.evaluate import gather_weights
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.step import train_step
+    from dynabatch.training.trainer import gather_task_losses
 
     if rank >= sc.world_size:
         return
@@ -140,7 +140,7 @@ def test_pipeline_eval_loss_equals_the_unsplit_model(results, sc):
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[sc.name for sc in SCENARIOS])
 def test_gathered_model_after_a_step_gives_the_pipeline_eval_loss(results, sc):
-    from dynabatch.runtime.evaluate import load_weights
+    from dynabatch.training.evaluate import load_weights
 
     got = results[(sc.name, "eval")]
     model = H.make_model(sc)

@@ -9,7 +9,7 @@
   ``[rank 0]`` line and exits 2, and torchrun's root cause is rank 0, not the peer that exited after it;
 * (no torchrun) only stopped processes whose pid and start time match a peer's are killed.
 
-The slow-start tests need the trainer to call ``runtime.faults.maybe_slow_start`` after loading the data.
+The slow-start tests need the trainer to call ``engine.faults.maybe_slow_start`` after loading the data.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _wait_state(pid: int, state: str) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 def test_kill_stopped_peers_kills_only_stopped_processes_it_knows():
-    from dynabatch.runtime.faults import ProcessId, current_process, kill_stopped_peers
+    from dynabatch.engine.faults import ProcessId, current_process, kill_stopped_peers
 
     stopped, running, reused = (subprocess.Popen(["sleep", "30"]) for _ in range(3))
     try:
@@ -196,7 +196,7 @@ def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixtu
 
 
 def direct(mixture: str, out: str, *extra: str, timeout: float = 120):
-    """``dynabatch train --stages 2`` started directly: it launches its own two ranks (dynabatch.runtime.launch)."""
+    """``dynabatch train --stages 2`` started directly: it launches its own two ranks (dynabatch.engine.launch)."""
     cmd = _cmd(mixture, out, *extra)
     cmd = [sys.executable, *cmd[cmd.index("-m", 3):]]  # drop torch.distributed.run and its flags
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)

@@ -32,7 +32,7 @@ def recompute_worker(rank: int, workdir: str) -> None:
     H._setup_worker()
     try:
         from dynabatch.models import recompute
-        from dynabatch.runtime.executor import Executor
+        from dynabatch.engine.executor import Executor
 
         calls = [0]
         real_checkpoint, real_run = recompute.checkpoint, Executor.run

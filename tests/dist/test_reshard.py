@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dynabatch.cli import main
-from dynabatch.runtime.checkpoint import data_files, step_dir
+from dynabatch.engine.checkpoint import data_files, step_dir
 
 STEPS, SAVE_AT = 4, 2
 RTOL = 1e-5

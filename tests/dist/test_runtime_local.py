@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import pipeline_harness as H
-from dynabatch.runtime import executor as executor_module
-from dynabatch.runtime.delivery import StepInputs, pack, unpack
-from dynabatch.runtime.dist import PipelineError, check_world, init_distributed, shutdown
-from dynabatch.runtime.executor import HANDLERS, Executor
-from dynabatch.runtime.step import micro_batch_shape, step_payloads, train_step
+from dynabatch.engine import executor as executor_module
+from dynabatch.engine.delivery import StepInputs, pack, unpack
+from dynabatch.engine.dist import PipelineError, check_world, init_distributed, shutdown
+from dynabatch.engine.executor import HANDLERS, Executor
+from dynabatch.engine.step import micro_batch_shape, step_payloads, train_step
 from dynabatch.schedule.step import lower_step as plan_step
 from dynabatch.schedule.ir import Op, PipelineSpec
 

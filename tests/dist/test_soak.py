@@ -20,8 +20,8 @@ from collections import defaultdict
 
 import pytest
 
-from dynabatch.runtime.checkpoint import data_files
-from dynabatch.runtime.metrics import MetricsWriter
+from dynabatch.engine.checkpoint import data_files
+from dynabatch.training.metrics import MetricsWriter
 
 STEPS = 24
 CHECKPOINT_EVERY = 4
@@ -94,7 +94,7 @@ def replay_draws(mixture: str, num_steps: int):
     from dynabatch.data.mixture import MixtureSpec
     from dynabatch.data.pipeline import MixtureData
     from dynabatch.data.tokenize import load_tokenizer
-    from dynabatch.runtime.trainer import _digest
+    from dynabatch.training.trainer import _digest
 
     data = MixtureData.load(MixtureSpec.from_file(mixture), load_tokenizer("byt5"), "t5")
     limits = LengthLimits("t5", max_input_len=128, max_target_len=32, max_seq_len=128)

@@ -3,7 +3,7 @@
 One launch of 2 gloo processes; for GPT-2 and T5 (2 stages, tied embeddings, T5's relative-position
 tables on both stages), every rank builds its stage twice from the same seeded model, then runs one
 clipped AdamW step of the same packed micro-batches with our executor (``train_step``, 1F1B) and with
-:class:`~dynabatch.runtime.torch_pipelining.TorchPipeliningPeer` (``Schedule1F1B``, the last
+:class:`~dynabatch.engine.torch_pipelining.TorchPipeliningPeer` (``Schedule1F1B``, the last
 micro-batch padded to the fixed row count with empty rows). Loss, gradient norm, the clipped
 gradients of every parameter (tied copies summed across stages) and the updated parameters must match.
 """
@@ -46,10 +46,10 @@ def worker(rank: int, workdir: str) -> None:
 
 def _run(rank: int, family: str, workdir: str) -> None:
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import train_step
-    from dynabatch.runtime.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.step import train_step
+    from dynabatch.engine.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
 
     sc = H.Scenario(f"peer-{family}", family, f"{family}-tiny", 2)
     ctx = init_distributed(2, 1, rank=rank, world_size=2, init_method=f"file://{workdir}/{family}.init", timeout_s=60)

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from dynabatch.runtime.checkpoint import step_dir
+from dynabatch.engine.checkpoint import step_dir
 
 STEPS, SAVE_AT = 4, 2
 COMMON = ["--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", "2", "--replicas", "2",
@@ -99,7 +99,7 @@ def _checkpoint_tensors(out) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    from dynabatch.runtime.checkpoint import latest_checkpoint
+    from dynabatch.engine.checkpoint import latest_checkpoint
 
     folder = latest_checkpoint(os.path.join(out, "checkpoints")).path
     meta = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata

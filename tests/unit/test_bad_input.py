@@ -77,7 +77,7 @@ def test_missing_mixture_and_tokenizer(tmp_path, capsys):
 
 def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     # A 3-process torchrun is too slow for the unit suite: stand in for its world and check the CLI path.
-    import dynabatch.runtime.trainer as trainer
+    import dynabatch.training.trainer as trainer
 
     ctx = types.SimpleNamespace(rank=0, world_size=3, stage_index=0, device="cpu", is_planner=True)
     monkeypatch.setenv("RANK", "0")  # rank 0 of that world: the command does not launch ranks of its own

@@ -11,7 +11,7 @@ import pytest
 from dynabatch.commands import simulate
 from dynabatch.commands.common import resolve, split_from_data
 from dynabatch.cost.stages import StageCostModel, balanced_layout
-from dynabatch.workload import global_batches, method_micro_batches
+from dynabatch.training.workload import global_batches, method_micro_batches
 
 
 @pytest.fixture(scope="module")

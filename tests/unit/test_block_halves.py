@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.models.families import run_cost_model
 from dynabatch.cost.hardware import hardware_spec
@@ -125,7 +125,7 @@ def test_split_needs_a_layer_model_that_prices_halves():
 
 
 def test_run_layout_with_a_cut_inside_a_block_round_trips():
-    from dynabatch.runtime.run_layout import RunLayout
+    from dynabatch.training.run_layout import RunLayout
     from dynabatch.schedule.placement import Placement
 
     kinds = ["embedding", "gpt", "gpt", "gpt", "lm_head"]
@@ -202,7 +202,7 @@ def test_t5_halves_keep_what_the_model_prices():
     from dynabatch.models.families import analytic_spec
     from dynabatch.models.presets import PAD_ID
     from dynabatch.models.split import build_stages, micro_batch_inputs, pipeline_spec_for
-    from dynabatch.runtime.memory import SavedActivationMeter
+    from dynabatch.engine.memory import SavedActivationMeter
     from test_stage_split import _model, _samples
 
     model = _model("t5-tiny")
@@ -237,7 +237,7 @@ def test_the_data_split_cuts_inside_a_block_only_where_the_planned_steps_are_sho
     from types import SimpleNamespace
 
     from dynabatch.models.presets import build_model
-    from dynabatch.runtime.run_layout import choose_run_layout
+    from dynabatch.training.run_layout import choose_run_layout
 
     model = build_model("gpt2-mini", vocab_size=512)
     cfg = TrainConfig.of(model="gpt2-mini", stages=3, placement="linear", layer_split="data", split_blocks="auto")

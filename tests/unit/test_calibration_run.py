@@ -81,11 +81,11 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
     assert "pass a `dynabatch train` output folder" in capsys.readouterr().err
 
     # --calibration-file: build_run's run_calibration warm-starts the fit from the file (coefficients and overhead)
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.cost.online import CalibratedStageCostModel
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.trainer import planner_cost_model, run_calibration
+    from dynabatch.training.trainer import planner_cost_model, run_calibration
 
     cfg = TrainConfig(model="gpt2-tiny", stages=2, max_input_len=128, max_target_len=32, global_batch_tokens=1024,
                       calibrate="online", calibration_file=str(tmp_path / "quick" / "calibration.json"))
@@ -99,7 +99,7 @@ def test_quick_calibration_changes_no_weight_and_metrics_compare_prediction(tmp_
     np.testing.assert_allclose(warm.coefficients, saved["coefficients"])
     assert calibration.overhead_for(0) == saved["overhead_s"]
 
-    from dynabatch.runtime.calibration import load_calibration
+    from dynabatch.training.calibration import load_calibration
 
     key = dict(saved["key"], layout=[["embedding", "gpt", "gpt", "lm_head"]])  # the same model on one stage
     with pytest.raises(ValueError, match="another layout than this run; drop --calibration-file"):

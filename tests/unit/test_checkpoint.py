@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dynabatch.runtime.checkpoint import (
+from dynabatch.engine.checkpoint import (
     MANIFEST,
     RUN_ID_FILE,
     CheckpointError,
@@ -34,7 +34,7 @@ from dynabatch.runtime.checkpoint import (
     verify,
     write_manifest,
 )
-from dynabatch.runtime.reshard import dcp_writer, load_stage_state, model_weights, stage_state
+from dynabatch.training.reshard import dcp_writer, load_stage_state, model_weights, stage_state
 
 
 def _file_writer(rank: int, fail: OSError | None = None):
@@ -343,7 +343,7 @@ def test_a_one_stage_checkpoint_loads_into_two_stages_with_tied_weights_and_mome
 def _model_checkpoint(root, step: int, poison: str | None = None):
     """A one-stage t5-tiny checkpoint with ``poison`` (a stage parameter name) holding a NaN, written
     without the save's finiteness check (as by hand). Returns (folder, stage)."""
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from dynabatch.cli import COMMANDS
-from dynabatch.config import SECTIONS, TrainConfig, canonical
-from dynabatch.config.flags import HelpFormatter, add_config_arguments, load_config_file, parse_config
+from dynabatch.training.config import SECTIONS, TrainConfig, canonical
+from dynabatch.training.config.flags import HelpFormatter, add_config_arguments, load_config_file, parse_config
 
 FLAG_COMMANDS = ("train", "bench", "plan", "simulate", "profile", "data-report")
 

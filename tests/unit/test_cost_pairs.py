@@ -235,7 +235,7 @@ def test_method_plans_carry_their_pairs():
     from dynabatch.data.baselines import RowGroup
     from dynabatch.data.batching import LengthLimits
     from dynabatch.data.sample import GlobalBatch, TokenizedSample
-    from dynabatch.workload import method_micro_batches, micro_batch_pairs
+    from dynabatch.training.workload import method_micro_batches, micro_batch_pairs
 
     lens = [(30, 10), (5, 3), (12, 4), (60, 20), (7, 1)]
     batch = GlobalBatch(0, tuple(TokenizedSample("t", np.zeros(a, np.int32), np.zeros(b, np.int32), 0, i)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from test_cost_tables import synthetic_profile
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.planner_model import ProfiledLayerModel
 from dynabatch.cost.stages import in_flight_buffer_bytes
 from dynabatch.models.presets import build_model
 from dynabatch.models.split import layout_for
-from dynabatch.runtime.trainer import planner_cost_model
+from dynabatch.training.trainer import planner_cost_model
 
 
 @pytest.fixture(scope="module")

@@ -158,8 +158,8 @@ def test_data_names_a_saved_dataset_or_one_in_the_local_hub_cache(tmp_path, monk
 
 
 def test_train_on_datasets_in_memory_and_on_a_csv_with_columns(tmp_path, capsys):
-    from dynabatch.config import TrainConfig
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import train
 
     cfg = TrainConfig(**TINY, columns="inputs=question,targets=answer", output_dir=str(tmp_path / "mem"))
     summary = train(cfg, datasets={"qa": _qa(), "stream": _stream()})

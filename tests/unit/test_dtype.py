@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynabatch.cli import main
-from dynabatch.runtime.dist import resolve_device
+from dynabatch.engine.dist import resolve_device
 
 TINY = dict(model="gpt2-tiny", tokenizer="byt5", global_batch_tokens=512, max_input_len=64, max_target_len=16,
             logging_steps=0, task_loss_every=0, timeline=False, calibrate="off")
@@ -26,8 +26,8 @@ def _records(folder: str) -> list[dict]:
 
 
 def _run(tmp_path, toy_mixture_dir, dtype: str, steps: int) -> list[dict]:
-    from dynabatch.config import TrainConfig
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import train
 
     cfg = TrainConfig(**TINY, mixture=os.path.join(toy_mixture_dir, "toy.json"), dtype=dtype, max_steps=steps,
                       output_dir=str(tmp_path / dtype))
@@ -49,10 +49,10 @@ def test_bf16_and_fp16_train_on_cpu_close_to_fp32(tmp_path, toy_mixture_dir):
 
 
 def test_the_planner_prices_activations_in_the_compute_dtype():
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
 
     model = build_model("gpt2-tiny", vocab_size=384)
     layout = layout_for(model, 1)
@@ -93,10 +93,10 @@ def test_a_resumed_fp16_run_goes_on_with_the_saved_loss_scale(tmp_path, toy_mixt
     import functools
     import shutil
 
-    import dynabatch.runtime.executor as executor
-    from dynabatch.config import TrainConfig
-    from dynabatch.runtime.precision import LossScaler
-    from dynabatch.runtime.trainer import train
+    import dynabatch.engine.executor as executor
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.engine.precision import LossScaler
+    from dynabatch.training.trainer import train
 
     monkeypatch.setattr(executor, "LossScaler", functools.partial(LossScaler, scale=2.0**8, growth_interval=1))
     common = dict(TINY, mixture=os.path.join(toy_mixture_dir, "toy.json"), dtype="fp16", max_steps=3, save_steps=2)

@@ -1,4 +1,4 @@
-"""Evaluation (``dynabatch.runtime.evaluate``): forward-only plans, generation metrics on real tiny models,
+"""Evaluation (``dynabatch.training.evaluate``): forward-only plans, generation metrics on real tiny models,
 held-out rows, and ``dynabatch train`` with evaluation in one process (rows, resume, training unchanged).
 The 2-stage pipeline against the unsplit model: tests/dist/test_eval_pipeline.py."""
 
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.data.sample import TokenizedSample
 from dynabatch.data.tokenize import tokenizer_info
 from dynabatch.models.presets import build_model
-from dynabatch.runtime.evaluate import (
+from dynabatch.training.evaluate import (
     decode,
     generate_ids,
     generation_scores,
@@ -130,7 +130,7 @@ def _rows(out) -> list[dict]:
 
 
 def test_train_with_evaluation_writes_task_rows_and_leaves_training_unchanged(tmp_path, toy_mixture_dir):
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.trainer import train
 
     plain = train(_config(toy_mixture_dir, tmp_path / "plain"))
     cfg = _config(toy_mixture_dir, tmp_path / "eval", eval_mixture=os.path.join(toy_mixture_dir, "toy.json"),
@@ -154,14 +154,14 @@ def test_train_with_evaluation_writes_task_rows_and_leaves_training_unchanged(tm
     assert summary["runs"][0]["steps"] == plain["runs"][0]["steps"] == 3  # eval rows are not steps
 
     # a resume at step 2 drops what the first run logged after it, evaluation rows included, and redoes it
-    from dynabatch.runtime.outputs import truncate_metrics
+    from dynabatch.engine.outputs import truncate_metrics
 
     truncate_metrics(os.path.join(tmp_path / "eval", "metrics.jsonl"), 2)
     assert [(r["step"], r.get("kind")) for r in _rows(tmp_path / "eval")] == [(0, None), (1, None), (1, "eval")]
 
 
 def test_eval_holdout_trains_on_the_other_rows(tmp_path, toy_mixture_dir):
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.trainer import train
 
     cfg = _config(toy_mixture_dir, tmp_path / "ho", eval_holdout=0.2, eval_samples=4, max_steps=1, generate_every=0,
                   generation_max_new_tokens=2)

@@ -34,10 +34,10 @@ def _block_weight_bytes_bf16(stage) -> int:
 
 
 def test_micro_batches_in_flight_share_one_bf16_copy_of_the_weights(tmp_path, monkeypatch):
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.memory import SavedActivationMeter
-    from dynabatch.runtime.step import micro_batch_shape, step_payloads
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.memory import SavedActivationMeter
+    from dynabatch.engine.step import micro_batch_shape, step_payloads
     from dynabatch.schedule.step import lower_step as plan_step
 
     # the meter leaves autocast's weight copies out (model states); count them here, where they are the point
@@ -74,7 +74,7 @@ def test_micro_batches_in_flight_share_one_bf16_copy_of_the_weights(tmp_path, mo
 def test_the_meter_leaves_autocast_weight_copies_out():
     """Under autocast a linear saves its bf16 weight copy (a view of it) and its input's bf16 cast: the meter
     counts the input's cast (an activation) and not the weight's (a model state, priced as ``cast_copy_bytes``)."""
-    from dynabatch.runtime.memory import SavedActivationMeter
+    from dynabatch.engine.memory import SavedActivationMeter
 
     layer = torch.nn.Linear(64, 32, bias=False)
     x = torch.randn(8, 64, requires_grad=True)

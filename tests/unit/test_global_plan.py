@@ -1,5 +1,5 @@
 """The one planning path (:mod:`dynabatch.plan.global_plan`): ``train``'s step planner, ``plan`` / ``simulate``
-(:func:`dynabatch.workload.method_micro_batches`) and :class:`~dynabatch.integrations.dataloader.DynaBatchDataLoader`
+(:func:`dynabatch.training.workload.method_micro_batches`) and :class:`~dynabatch.integrations.dataloader.DynaBatchDataLoader`
 cut the same global batch into the same micro-batches on every replica, for the dynamic method and every baseline."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.core.methods import METHODS, methods_for
 from dynabatch.data.baselines import BaselineOptions, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
 from dynabatch.plan.candidates import deal_to_replicas
 from dynabatch.plan.global_plan import GlobalPlanner
-from dynabatch.runtime.step import micro_batch_shape
-from dynabatch.workload import method_micro_batches
+from dynabatch.engine.step import micro_batch_shape
+from dynabatch.training.workload import method_micro_batches
 
 NUM_BATCHES = 3
 
@@ -32,10 +32,10 @@ def _shape(shape) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def setup(toy_data):
     """A run of the toy mixture at one stage: its config, length limits, first global batches and the planner's
-    stage cost model (what ``train`` builds, :func:`~dynabatch.runtime.trainer.planner_cost_model`)."""
+    stage cost model (what ``train`` builds, :func:`~dynabatch.training.trainer.planner_cost_model`)."""
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
 
     model_name = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
     cfg = TrainConfig(model=model_name, stages=1, max_input_len=128, max_target_len=64, global_batch_tokens=3000)
@@ -51,7 +51,7 @@ def setup(toy_data):
 @pytest.mark.parametrize("method", METHODS)
 def test_train_plan_and_dataloader_cut_the_same_micro_batches(toy_data, setup, method, replicas):
     from dynabatch.commands.bench_layouts import ListBatcher
-    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.training.planner import StepPlanner
 
     cfg, limits, batches, cost_model = setup
     # packing_free_split at rows shorter than the longest samples, so that it cuts some
@@ -133,7 +133,7 @@ def test_plan_prices_the_dp_per_segment_as_train_does_and_is_never_predicted_slo
 
     from dynabatch.commands.common import add_workload_arguments, resolve
     from dynabatch.plan.candidates import formula_price
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     heavy = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
     p = argparse.ArgumentParser()

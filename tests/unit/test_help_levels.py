@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from dynabatch.cli import command_parser, main
-from dynabatch.config import SECTIONS, TrainConfig
-from dynabatch.config.flags import add_help_levels, add_sections, basic_help
-from dynabatch.config.sections import arg, experimental
+from dynabatch.training.config import SECTIONS, TrainConfig
+from dynabatch.training.config.flags import add_help_levels, add_sections, basic_help
+from dynabatch.training.config.sections import arg, experimental
 
 COMMANDS = ("train", "bench", "plan", "simulate", "profile", "data-report")
 
@@ -123,7 +123,7 @@ def test_simulate_takes_placement_auto_as_train_does(tmp_path, capsys):
     for name in ("linear", "interleaved:2"):
         assert main([*args, "--placement", name]) == 0
         runs[name] = json.loads(capsys.readouterr().out)["methods"]["dynamic"]
-    from dynabatch.config.placement_choice import pick_placement
+    from dynabatch.training.config.placement_choice import pick_placement
 
     chosen = pick_placement({k: r["step_s"] for k, r in runs.items()}, {"linear": 1, "interleaved:2": 2})
     assert auto["step_s"] == runs[chosen]["step_s"]

@@ -133,10 +133,10 @@ def test_default_cost_model_prices_memory_as_the_trainer(model_name, dtype):
     """The loader's analytic model is the trainer's planner model of the same run (one stage, CPU): the same
     activation bytes per micro-batch, the half-precision weight copy, fused-attention memory but for T5 on CPU, and
     the dense path's masks when the loop runs it."""
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.cost.stages import balanced_layout
     from dynabatch.integrations.dataloader import default_cost_model
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
 
     config = build_config(model_name)
     loader_model = default_cost_model(config, "cpu", 2**30, dtype=dtype)

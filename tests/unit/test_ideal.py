@@ -14,7 +14,7 @@ from dynabatch.commands import simulate
 from dynabatch.commands.common import resolve
 from dynabatch.plan.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
                                   measured_efficiency, planned_work)
-from dynabatch.workload import global_batches
+from dynabatch.training.workload import global_batches
 
 
 @pytest.fixture(scope="module")

@@ -125,9 +125,13 @@ def test_checker_finds_cycles_upward_and_unexplained_imports(check_layers, tmp_p
     assert check_layers.counts(report)["in_function_without_reason"] == 1
 
 
-def test_layer_placement_uses_longest_prefix(check_layers):
-    assert check_layers.layer_of("runtime.trainer") == "app"
-    assert check_layers.layer_of("runtime.executor") == "engine"
+def test_layer_placement_uses_longest_prefix(check_layers, monkeypatch):
+    assert check_layers.layer_of("training.trainer") == "app"
+    assert check_layers.layer_of("engine.executor") == "engine"
+    monkeypatch.setitem(check_layers.PLACEMENT, "engine.executor", "app")
+    assert check_layers.layer_of("engine.executor.inner") == "app"
+    assert check_layers.layer_of("engine.executor") == "app"
+    assert check_layers.layer_of("engine.p2p") == "engine"
     assert check_layers.layer_of("cost.analytic") == "cost"
     with pytest.raises(KeyError):
         check_layers.layer_of("nowhere.module")

@@ -116,7 +116,7 @@ def test_lower_floors_do_not_import_models():
 
     modules = ("dynabatch.cost.profile", "dynabatch.cost.calibrate", "dynabatch.cost.planner_model",
                "dynabatch.data.pipeline", "dynabatch.data.baselines", "dynabatch.plan.step", "dynabatch.schedule.lower",
-               "dynabatch.model_presets", "dynabatch.workload")
+               "dynabatch.model_presets", "dynabatch.training.workload")
     code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('dynabatch.models')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

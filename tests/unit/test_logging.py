@@ -15,7 +15,7 @@ import pytest
 from tqdm import tqdm
 
 from dynabatch.cli import main
-from dynabatch.runtime.log import log_result, setup_logging
+from dynabatch.engine.log import log_result, setup_logging
 
 BASE = ["--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
         "--max-target-len", "32", "--no-timeline", "--calibrate", "off"]
@@ -29,7 +29,7 @@ def _segments(text: str) -> list[str]:
 
 
 def test_other_ranks_log_warnings_only_with_their_rank(capsys):
-    log = logging.getLogger("dynabatch.runtime.trainer")
+    log = logging.getLogger("dynabatch.training.trainer")
     setup_logging("info", rank=1)
     log.info("step 0: loss 9.1")
     log.warning("disk is slow")
@@ -48,7 +48,7 @@ def test_other_ranks_log_warnings_only_with_their_rank(capsys):
 
 @pytest.mark.parametrize("level", ["debug", "info", "warning", "error"])
 def test_result_lines_are_printed_at_every_level_without_a_prefix(capsys, level):
-    log = logging.getLogger("dynabatch.runtime.trainer")
+    log = logging.getLogger("dynabatch.training.trainer")
     setup_logging(level, rank=0)
     log.info("step 0: loss 9.1")
     log_result(log, "speed-up of dynamic over padding (real tokens/s, same batches): 1.50x")
@@ -61,7 +61,7 @@ def test_a_line_logged_during_the_progress_bar_is_a_line_of_its_own(capsys):
     setup_logging("info", rank=0)
     bar = tqdm(total=3, desc="train dynamic", file=sys.stderr)
     bar.update(1)
-    logging.getLogger("dynabatch.runtime.trainer").info('{"step": 0, "loss": 9.1}')
+    logging.getLogger("dynabatch.training.trainer").info('{"step": 0, "loss": 9.1}')
     bar.update(1)
     bar.close()
     segments = _segments(capsys.readouterr().err)

@@ -18,7 +18,7 @@ from dynabatch.data.baselines import make_batcher, split_long_samples
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.workload import kept_limits
+from dynabatch.training.workload import kept_limits
 
 TOKENS = TokenizerInfo(pad_id=0, eos_id=1, decoder_start_id=0, vocab_size=100)
 
@@ -177,7 +177,7 @@ def test_long_tail_file_is_what_its_script_writes_and_has_the_tail():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     from make_long_tail import long_tail_lengths
 
-    from dynabatch.workload import load_lengths
+    from dynabatch.training.workload import load_lengths
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "data", "long_tail_32k.npz")
     assert os.path.getsize(path) < 100_000  # KBs, in the repository

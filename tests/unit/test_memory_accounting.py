@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 
 GIB = 2**30
 
@@ -17,8 +17,8 @@ def _planner(toy_data, memory_gib: float, policy: str = "adaptive", recompute: s
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     cfg = TrainConfig(model="gpt2-tiny", stages=2, policy=policy, global_batch_tokens=8192, max_input_len=128,
                       memory_gib=memory_gib, recompute=recompute)
@@ -41,7 +41,7 @@ def gpt_data(toy_mixture_dir, byt5):
 def test_planned_training_schedule_fits_once_model_states_count(gpt_data):
     """The trainer's planner schedules within the device memory with model states and message buffers
     counted; a schedule priced without model states (the old training path) overflows the same device."""
-    from dynabatch.runtime.planner import send_time_of
+    from dynabatch.training.planner import send_time_of
     from dynabatch.schedule.step import compute_schedule
     from dynabatch.schedule.simulate import simulate, with_message_buffers
 

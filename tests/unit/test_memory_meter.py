@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dynabatch.runtime.memory import SavedActivationMeter
+from dynabatch.engine.memory import SavedActivationMeter
 
 
 def test_counts_saved_storages_once_and_releases_them_after_backward():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynabatch.runtime.metrics import format_summary, planning_overlap, summarize
+from dynabatch.training.metrics import format_summary, planning_overlap, summarize
 
 
 def _record(step: int, plan_s: float, wait_s: float) -> dict:

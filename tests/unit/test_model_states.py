@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dynabatch.cli import main
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.model_specs import layer_param_count
 from dynabatch.cost.model_states import per_rank_state_bytes

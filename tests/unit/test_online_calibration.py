@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit, shape_features
 from dynabatch.cost.robust_fit import fit_relative, nnls
 
@@ -93,7 +93,7 @@ def test_fit_as_of_a_step_ignores_later_steps_and_survives_a_round_trip():
 def _stage_model(preset: str = "gpt2-tiny", stages: int = 2):
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
 
     cfg = TrainConfig(model=preset, stages=stages, max_input_len=128, max_target_len=32, global_batch_tokens=4096)
     model = build_model(preset, vocab_size=384)
@@ -148,7 +148,7 @@ def test_scaled_plan_costs_keep_the_base_ranking_and_take_each_stages_measured_t
 
 
 def test_planner_waits_for_the_measurements_it_plans_with():
-    from dynabatch.runtime.calibration import RunCalibration
+    from dynabatch.training.calibration import RunCalibration
 
     base, _ = _stage_model()
     cal = RunCalibration(base, OnlineFit(2, False), plan_ahead=2, recorded_through=-1)
@@ -171,8 +171,8 @@ def test_resumed_planner_with_the_checkpointed_fit_plans_as_the_uninterrupted_on
     import torch
 
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
-    from dynabatch.runtime.calibration import RunCalibration
-    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.training.calibration import RunCalibration
+    from dynabatch.training.planner import StepPlanner
 
     preset = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
     base, _ = _stage_model(preset)
@@ -253,7 +253,7 @@ def test_virtual_stages_observe_every_chunk_on_the_device_that_ran_it():
     device against per-chunk predictions, is left out."""
     from types import SimpleNamespace
 
-    from dynabatch.runtime.calibration import RunCalibration, compute_times
+    from dynabatch.training.calibration import RunCalibration, compute_times
 
     ctx = SimpleNamespace(num_stages=2, rank_of=lambda replica, stage: replica * 2 + stage)
     V, M, F = 4, 3, 8
@@ -327,7 +327,7 @@ def test_measured_memory_never_refuses_a_sample_the_run_admitted_by_recomputing(
     cfg = TrainConfig(model="t5-tiny", stages=stages, max_input_len=4096, max_target_len=128)
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
 
     model = build_model("t5-tiny", vocab_size=8192)
     base = planner_cost_model(cfg, model.config, layout_for(model, stages))

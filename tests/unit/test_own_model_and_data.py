@@ -219,11 +219,11 @@ def test_bench_reads_data_with_columns_and_a_tokenizer_as_train_does(tmp_path, c
 
 
 def test_train_evaluates_every_held_out_row_once(tmp_path, toy_mixture_dir, byt5):
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.mixture import MixtureSpec
     from dynabatch.data.pipeline import MixtureData
-    from dynabatch.runtime.evaluate import hold_out
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.evaluate import hold_out
+    from dynabatch.training.trainer import train
 
     mixture = os.path.join(toy_mixture_dir, "toy.json")
     cfg = TrainConfig.of(model="t5-tiny", tokenizer="byt5", mixture=mixture, global_batch_tokens=1024,
@@ -246,7 +246,7 @@ def test_an_each_row_once_loader_evaluates_every_row_once(toy_data, tmp_path):
     from dynabatch.integrations.dataloader import DynaBatchDataLoader, sample_loss_tokens
     from dynabatch.integrations.trainer import DynaBatchTrainer
     from dynabatch.models.presets import build_model
-    from dynabatch.runtime.evaluate import hold_out
+    from dynabatch.training.evaluate import hold_out
 
     _, held = hold_out(toy_data, 0.1, seed=7)
     limits = LengthLimits(toy_data.family, max_input_len=96, max_target_len=32, max_seq_len=128)

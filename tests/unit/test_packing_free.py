@@ -117,7 +117,7 @@ def test_every_method_list_and_knob_comes_from_the_registry():
 def test_every_command_gets_the_method_and_its_knob_flag():
     from dynabatch.commands import bench, plan, simulate
     from dynabatch.commands import data_report as report
-    from dynabatch.config import add_config_arguments
+    from dynabatch.training.config import add_config_arguments
 
     p = argparse.ArgumentParser()
     add_config_arguments(p)
@@ -262,8 +262,8 @@ def test_bench_tune_baselines_measures_the_grid_and_times_the_best(tmp_path, cap
 def test_train_packing_free_matches_packing(tmp_path, toy_mixture_dir):
     """Two steps of a tiny GPT-2, in one process: the same rows as packing, padded only to the longest
     row, and the same first loss (attention never crosses a sample either way)."""
-    from dynabatch.config import TrainConfig
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import train
 
     cfg = TrainConfig(model="gpt2-tiny", tokenizer="byt5", mixture=os.path.join(toy_mixture_dir, "toy.json"),
                       method="packing_free", compare_method="packing", packing_free_rows=2, packing_rows=2,

@@ -71,7 +71,7 @@ def test_cyclic_t5_trains_checkpoints_and_resumes_like_uninterrupted(tmp_path, t
 
 
 def test_placement_flag_errors_are_one_line():
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
 
     with pytest.raises(ValueError, match="interleaved:V needs a chunk count"):
         TrainConfig.of(placement="interleaved:x", stages=2)

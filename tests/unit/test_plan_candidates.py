@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 from dynabatch.data.baselines import BASELINES, BaselineOptions, group_shape, make_batcher
 from dynabatch.data.batching import LengthLimits
 from dynabatch.plan.candidates import (
@@ -32,8 +32,8 @@ def _planner(cfg, batches, limits, tokens):
     from dynabatch.commands.bench_layouts import ListBatcher
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     model = build_model(cfg.model, vocab_size=max(tokens.vocab_size, 8))
     cost_model = planner_cost_model(cfg, model.config, layout_for(model, cfg.stages))
@@ -52,7 +52,7 @@ def _builtin_batches(cfg, limits, num):
 
 def _heavy_batches(limits, budget, num):
     from dynabatch.data.baselines import GROUPING_TOKENS
-    from dynabatch.workload import global_batches
+    from dynabatch.training.workload import global_batches
 
     batches = global_batches(HEAVY, limits.family, limits, budget, 40)
     step = max(1, len(batches) // num)  # spread over the file: its tail comes in bursts

@@ -51,7 +51,7 @@ def _workload(lengths: str | None, model: str = "t5", num_batches: int = 3):
 def plan_step_cases() -> dict:
     from dynabatch.plan.candidates import formula_price
     from dynabatch.plan.step import plan_step
-    from dynabatch.runtime.planner import simulated_step_time
+    from dynabatch.training.planner import simulated_step_time
 
     w = _workload(HEAVY)
     z = np.load(HEAVY)
@@ -72,7 +72,7 @@ def plan_step_cases() -> dict:
 
 
 def plan_command_cases() -> dict:
-    from dynabatch.workload import global_batches, method_micro_batches
+    from dynabatch.training.workload import global_batches, method_micro_batches
 
     w = _workload(HEAVY)
     batches = global_batches(w.path, w.family, w.limits, 65_536, 2, "builtin")
@@ -86,14 +86,14 @@ def plan_command_cases() -> dict:
 
 
 def trainer_cases(num_steps: int = 3) -> dict:
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.data.inputs import load_training_data
     from dynabatch.data.tokenize import load_tokenizer
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     base = TrainConfig(model="t5-tiny", stages=2)
     data = load_training_data(base, load_tokenizer("builtin"), "t5")

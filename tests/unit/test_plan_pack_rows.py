@@ -225,8 +225,8 @@ def test_packing_with_token_slices_keeps_slices_whole_samples():
 
 def test_device_default_is_auto_on_cuda_and_off_elsewhere():
     """``--pack-rows device`` (the default): auto on CUDA (measured on an H200), off on CPU and in plan/simulate."""
-    from dynabatch.config import TrainConfig
-    from dynabatch.config.resolve import Found, decide, lower
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.config.resolve import Found, decide, lower
     from dynabatch.plan.step import DEFAULT_PACK_ROWS
 
     def pack_rows_on(choice: str, device_type: str | None) -> str:  # the resolver's rule, in the planner's spelling
@@ -244,12 +244,12 @@ def test_trainer_planner_runs_packed_rows(toy_data, pack_rows):
     """The runtime planner passes ``TrainConfig.pack_rows`` (``device`` resolved: off on this CPU) to
     plan_step: its collated micro-batches hold every sample of the global batch exactly once (several per row
     when packed), priced per segment. (Baseline candidates off: this is about the DP's plan.)"""
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     t5 = is_seq2seq(toy_data.family)
     name = "t5-tiny" if t5 else "gpt2-tiny"
@@ -310,7 +310,7 @@ def test_trainer_score_of_many_plans_is_each_plans_own():
     import os
 
     from dynabatch.commands.common import add_workload_arguments, resolve
-    from dynabatch.runtime.planner import simulated_step_time
+    from dynabatch.training.planner import simulated_step_time
     import argparse
 
     heavy = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")

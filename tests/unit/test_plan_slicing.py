@@ -314,11 +314,11 @@ def test_planned_chain_fits_the_validators_accounting(stages, recompute):
     backward. Counted without them, gpt2-tiny at 0.0145 GiB planned slices [0, 320, 512] 3% over the budget and
     the run stopped when the validator refused the schedule. Under ``--recompute full`` the slices are priced
     recomputed, as they run (they were priced storing everything, so such budgets refused the sample)."""
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.cost.stages import balanced_layout, in_flight_buffer_bytes
     from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_config
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
 
     config = build_config("gpt2-tiny", vocab_size=384)  # the byt5 tokenizer's vocabulary, as `train` builds it
     layer_model = run_cost_model(config, "cpu")

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from dynabatch.config import TrainConfig
-from dynabatch.runtime.plan_ahead import PlanAhead
-from dynabatch.runtime.planner_process import ProcessPlanAhead
+from dynabatch.training.config import TrainConfig
+from dynabatch.training.plan_ahead import PlanAhead
+from dynabatch.training.planner_process import ProcessPlanAhead
 from dynabatch.schedule.step import lower_step as plan_step
 
 
@@ -22,9 +22,9 @@ def _planner(toy_data, calibrated: bool = False, plan_costs: str = "auto"):
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for, pipeline_spec_for
-    from dynabatch.runtime.calibration import RunCalibration
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.calibration import RunCalibration
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32,
                       plan_ahead=1, plan_costs=plan_costs)
@@ -134,7 +134,7 @@ def test_steps_travel_with_their_tensors_as_numpy_and_come_back_equal():
 
     import torch
 
-    from dynabatch.runtime.planner_process import _dumps
+    from dynabatch.training.planner_process import _dumps
 
     x = {"view": torch.arange(6).reshape(2, 3)[:, 1:], "bf16": torch.ones(3, dtype=torch.bfloat16),
          "mask": torch.tensor([True, False])}
@@ -154,7 +154,7 @@ def test_a_planner_child_does_not_outlive_its_rank(tmp_path):
     pid_file = tmp_path / "child.pid"
     script = textwrap.dedent(f"""
         import multiprocessing as mp, os, time
-        from dynabatch.runtime.planner_process import _die_with_parent
+        from dynabatch.training.planner_process import _die_with_parent
 
         def child(path):
             _die_with_parent()

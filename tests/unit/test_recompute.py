@@ -24,7 +24,7 @@ from dynabatch.models import recompute
 from dynabatch.models.presets import PAD_ID, build_model
 from dynabatch.models.recompute import current_mode, recompute_mode
 from dynabatch.models.split import build_stages, forked_rng, layout_for, micro_batch_inputs, pipeline_spec_for, seed_for
-from dynabatch.runtime.memory import SavedActivationMeter
+from dynabatch.engine.memory import SavedActivationMeter
 from family_configs import build, decoder_config
 
 MODES = ("none", "selective", "full")
@@ -244,7 +244,7 @@ def test_t5_decoder_stage_keeps_its_block_inputs_under_full():
 def test_the_executor_runs_each_micro_batch_under_the_plans_mode(tmp_path):
     """One-rank pipeline, dropout seeded per micro-batch: a plan that recomputes (``full`` / ``selective`` /
     mixed per micro-batch) gives the gradients of the plan that does not, with less saved memory."""
-    from dynabatch.runtime.dist import init_distributed, shutdown
+    from dynabatch.engine.dist import init_distributed, shutdown
 
     ctx = init_distributed(1, 1, rank=0, world_size=1, init_method=f"file://{tmp_path}/init", timeout_s=30)
     try:
@@ -254,8 +254,8 @@ def test_the_executor_runs_each_micro_batch_under_the_plans_mode(tmp_path):
 
 
 def _check_executor_modes(ctx) -> None:
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import micro_batch_shape, step_payloads
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.step import micro_batch_shape, step_payloads
     from dynabatch.schedule.step import lower_step as plan_step
 
     model = _model("gpt2")

@@ -56,8 +56,8 @@ def _tree_digest(folder) -> dict[str, str]:
 
 @pytest.mark.parametrize("model", ["t5-tiny", "gpt2-tiny"])
 def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_checkpoints(tmp_path, toy_mixture_dir, model, capsys):
-    from dynabatch.runtime.checkpoint import latest_checkpoint, list_checkpoints
-    from dynabatch.runtime.reshard import model_weights
+    from dynabatch.engine.checkpoint import latest_checkpoint, list_checkpoints
+    from dynabatch.training.reshard import model_weights
 
     out = _cli(capsys, tmp_path, toy_mixture_dir, "div", "--steps", "12", "--lr", "1e6", "--checkpoint-every", "1",
                "--keep-checkpoints", "2", "--max-bad-steps", "2", model=model)
@@ -82,9 +82,9 @@ def test_skipped_step_leaves_weights_and_optimizer_untouched():
     from dynabatch.data.sample import TokenizedSample
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for, pipeline_spec_for
-    from dynabatch.runtime.dist import init_distributed, shutdown
-    from dynabatch.runtime.executor import Executor
-    from dynabatch.runtime.step import train_step
+    from dynabatch.engine.dist import init_distributed, shutdown
+    from dynabatch.engine.executor import Executor
+    from dynabatch.engine.step import train_step
 
     ctx = init_distributed(1, 1, rank=0, world_size=1, init_method=f"file://{os.getcwd()}/.pg-{os.getpid()}")
     try:
@@ -223,7 +223,7 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, text, expected):
 
 
 def test_yaml_scientific_notation_is_a_number(tmp_path):
-    from dynabatch.config import TrainConfig, load_config_file
+    from dynabatch.training.config import TrainConfig, load_config_file
 
     path = tmp_path / "run.yaml"
     path.write_text("lr: 3e-4\nsteps: '7'\n")

@@ -1,4 +1,4 @@
-"""One resolver (issue 42, item 2): every ``auto`` decided in :mod:`dynabatch.config.resolve` with a reason; the run
+"""One resolver (issue 42, item 2): every ``auto`` decided in :mod:`dynabatch.training.config.resolve` with a reason; the run
 prints the choices, writes ``OUTPUT/config.yaml`` (every field, resolved), and ``--config`` of that file runs the
 same again; a resume says which fields differ; the components follow the resolver's rules."""
 
@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from dynabatch.cli import main
-from dynabatch.config import TrainConfig, decide, lower, resolve
-from dynabatch.config.resolve import RULES, SEARCHES, Found
+from dynabatch.training.config import TrainConfig, decide, lower, resolve
+from dynabatch.training.config.resolve import RULES, SEARCHES, Found
 
 SMALL = ["--max-input-len", "64", "--max-target-len", "16", "--global-batch-tokens", "1024", "--no-timeline",
          "--logging-steps", "0"]

@@ -1,6 +1,6 @@
 """Every command and API goes through the one resolver (issue 42, item 5): ``plan``, ``simulate``, ``bench``,
 ``profile``, ``data-report`` and the DataLoader decide their ``auto`` values by the rules of
-:data:`dynabatch.config.resolve.RULES`, so a changed rule changes what they run, and ``plan``/``simulate`` report the
+:data:`dynabatch.training.config.resolve.RULES`, so a changed rule changes what they run, and ``plan``/``simulate`` report the
 choices."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import re
 import pytest
 
 from dynabatch.cli import command_parser, main
-from dynabatch.config import TrainConfig, resolve
-from dynabatch.config.resolve import RULES, SEARCHES, Found, args_view, decide, resolve_args
+from dynabatch.training.config import TrainConfig, resolve
+from dynabatch.training.config.resolve import RULES, SEARCHES, Found, args_view, decide, resolve_args
 
 PLAN = ["--model", "gpt", "--stages", "5", "--num-batches", "1", "--global-batch-tokens", "16384", "--methods",
         "dynamic", "--layer-split", "reference", "--json"]

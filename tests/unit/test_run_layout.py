@@ -1,4 +1,4 @@
-"""The start-up choice of the layer split and placement (dynabatch.runtime.run_layout) and the planner's
+"""The start-up choice of the layer split and placement (dynabatch.training.run_layout) and the planner's
 prediction of virtual-stage steps.
 
 The torchrun path (rank 0 sends the choice, the other ranks build their chunks from it, a resume chooses the
@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 
 
 def _setup(toy_data, **overrides):
@@ -45,7 +45,7 @@ def test_run_layout_text_round_trip_and_bad_cover():
     from dynabatch.models.families import analytic_spec
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.run_layout import RunLayout
+    from dynabatch.training.run_layout import RunLayout
     from dynabatch.schedule.placement import Placement
 
     model = build_model("t5-tiny", vocab_size=300)
@@ -67,7 +67,7 @@ def test_run_layout_text_round_trip_and_bad_cover():
     ("gpt", {"zero": 2, "replicas": 2}, ["linear", "interleaved:2"]),  # replicas share one chunk order (planner)
 ])
 def test_auto_candidates_follow_the_flags(family, overrides, expected):
-    from dynabatch.runtime.run_layout import candidate_placements
+    from dynabatch.training.run_layout import candidate_placements
 
     cfg = TrainConfig.of(**{"stages": 2, "placement": "auto", **overrides})
     assert [p.describe() for p in candidate_placements(cfg, family == "t5")] == expected
@@ -78,9 +78,9 @@ def test_auto_candidates_follow_the_flags(family, overrides, expected):
 @pytest.mark.parametrize("toy_data", ["t5", "gpt2"], indirect=True)
 def test_data_split_is_no_worse_than_reference_over_the_sampled_micro_batches(toy_data):
     from dynabatch.models.split import layout_for
-    from dynabatch.runtime.run_layout import SAMPLED_BATCHES, sampled_run_layout
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.run_layout import SAMPLED_BATCHES, sampled_run_layout
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
 
     cfg, model, batcher = _setup(toy_data, stages=3)
     chosen = sampled_run_layout(cfg, model, toy_data, batcher)
@@ -99,7 +99,7 @@ def test_data_split_is_no_worse_than_reference_over_the_sampled_micro_batches(to
 
 @pytest.mark.parametrize("toy_data", ["t5", "gpt2"], indirect=True)
 def test_auto_placement_takes_virtual_stages_only_past_the_margin(toy_data):
-    from dynabatch.runtime.run_layout import VIRTUAL_MARGIN, sampled_run_layout
+    from dynabatch.training.run_layout import VIRTUAL_MARGIN, sampled_run_layout
 
     cfg, model, batcher = _setup(toy_data, placement="auto", calibrate="off")
     chosen = sampled_run_layout(cfg, model, toy_data, batcher)
@@ -118,7 +118,7 @@ def test_auto_keeps_linear_unless_virtual_stages_are_predicted_faster_by_the_mar
                                                                                    expected):
     from types import SimpleNamespace
 
-    from dynabatch.runtime.run_layout import VIRTUAL_MARGIN, choose_run_layout
+    from dynabatch.training.run_layout import VIRTUAL_MARGIN, choose_run_layout
 
     assert 1 - virtual_over_linear != VIRTUAL_MARGIN
     cfg, model, _ = _setup(toy_data, placement="auto", layer_split="reference")
@@ -137,9 +137,9 @@ def test_planner_predicts_and_plan_step_lowers_the_same_placed_order(toy_data):
     """Virtual stages: the planner's prediction is the list schedule with sends priced, and plan_step lowers
     exactly the device orders the planner predicted (as the linear path runs the planner's schedules)."""
     from dynabatch.models.split import layout_for, pipeline_spec_for
-    from dynabatch.runtime.planner import StepPlanner, send_time_of
+    from dynabatch.training.planner import StepPlanner, send_time_of
     from dynabatch.schedule.step import lower_step as plan_step
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.trainer import planner_cost_model
     from dynabatch.schedule.ir import Op
     from dynabatch.schedule.placement import Placement
     from dynabatch.schedule.virtual import placed_step
@@ -172,8 +172,8 @@ def test_the_planners_score_orders_the_step_on_the_placement(toy_data):
     makespan (as the runtime will run it), not a pipeline with one chunk per device."""
     from dynabatch.models.split import layout_for
     from dynabatch.plan.step import plan_step
-    from dynabatch.runtime.planner import StepPlanner, simulated_step_time
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner, simulated_step_time
+    from dynabatch.training.trainer import planner_cost_model
     from dynabatch.schedule.placement import Placement
 
     cfg, model, batcher = _setup(toy_data, placement="cyclic", global_batch_tokens=2048)

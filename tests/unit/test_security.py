@@ -15,7 +15,7 @@ import torch
 
 from conftest import LOOPBACK, child_pids, listening_sockets as _listening
 
-from dynabatch.runtime.checkpoint import MANIFEST, CheckpointError, file_entry, step_dir, verify, write_manifest
+from dynabatch.engine.checkpoint import MANIFEST, CheckpointError, file_entry, step_dir, verify, write_manifest
 
 SHARD = "shard-00001-model-00001-of-00001.safetensors"
 
@@ -37,9 +37,9 @@ def test_loopback_store_listens_on_127_0_0_1_only():
 
 @needs_proc
 def test_single_process_train_world_listens_on_loopback_only(monkeypatch):
-    from dynabatch.config import TrainConfig
-    from dynabatch.runtime.dist import shutdown
-    from dynabatch.runtime.trainer import connect
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.engine.dist import shutdown
+    from dynabatch.training.trainer import connect
 
     monkeypatch.delenv("RANK", raising=False)
     before = set(_listening([os.getpid()]))

@@ -208,10 +208,10 @@ def test_a_slice_record_rejects_a_carried_gradient_of_the_wrong_size():
 def _slicing_planner(toy_data, preset: str, memory_gib: float, placement: str = "linear"):
     """The trainer's planner with ``--slice-long`` on 2 devices over the toy data (2,048-token batches, inputs up to
     512 tokens), and the chunk layout it plans for."""
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
-    from dynabatch.runtime.planner import StepPlanner
-    from dynabatch.runtime.trainer import planner_cost_model
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
     from dynabatch.schedule.placement import Placement
 
     cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=2048, max_input_len=512, slice_long=True,
@@ -254,7 +254,7 @@ def test_the_planner_orders_slices_on_virtual_stages_and_the_plans_validate(toy_
     """``--slice-long`` with ``--placement interleaved:2``: each step's device orders keep every chain on every chunk
     (a slice's forward after its previous slice's, its backward before it), and the step lowers onto the two
     devices' four chunks into plans that validate, the chains checked on the instructions."""
-    from dynabatch.runtime.step import micro_batch_shape
+    from dynabatch.engine.step import micro_batch_shape
 
     planner, spec, placement = _slicing_planner(toy_data, "gpt2-mini", 0.03, "interleaved:2")
     sliced = 0
@@ -308,7 +308,7 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.plan.step import plan_step as plan_batch
-    from dynabatch.runtime.planner import simulated_step_time
+    from dynabatch.training.planner import simulated_step_time
 
     model = AnalyticCostModel(model_spec("gpt-1.3b"), hardware_spec("a100-80gb"))
     stages = StageCostModel(model, balanced_layout(model, 8, ref_shape=(1, 4096, 0)), model.hardware.memory_bytes)
@@ -327,7 +327,7 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
 
 
 def test_slice_long_config_errors_are_clear():
-    from dynabatch.config import TrainConfig
+    from dynabatch.training.config import TrainConfig
 
     with pytest.raises(ValueError, match="slice_long plans token slices with the dynamic planner"):
         TrainConfig(model="gpt2-tiny", slice_long=True, method="packing")

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from dynabatch.cli import main
-from dynabatch.runtime.tracking import check_trackers, open_trackers
+from dynabatch.training.tracking import check_trackers, open_trackers
 
 BASE = ["--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
         "--max-target-len", "32", "--logging-steps", "0", "--no-timeline", "--calibrate", "off"]

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from dynabatch.config import TrainConfig
+from dynabatch.training.config import TrainConfig
 
 
 def _flags(tmp_path, toy_mixture_dir, out: str, *extra: str) -> list[str]:
@@ -70,7 +70,7 @@ def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path, toy_mixture_
 def test_world_size_mismatch_is_a_clear_error(tmp_path, monkeypatch):
     """``train(cfg)`` from Python in one process cannot run 2 stages (the ``dynabatch train`` command launches its own
     ranks instead: tests/dist/test_faults.py)."""
-    from dynabatch.runtime.trainer import train
+    from dynabatch.training.trainer import train
 
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="need 2 processes: launch with `torchrun --nproc-per-node 2"):
@@ -94,8 +94,8 @@ def test_plan_ahead_delivers_the_synchronous_plans(toy_data):
     from dynabatch.models.presets import build_config
     from dynabatch.models.split import layout_for
     from dynabatch.models.presets import build_model
-    from dynabatch.runtime.plan_ahead import PlanAhead
-    from dynabatch.runtime.planner import StepPlanner
+    from dynabatch.training.plan_ahead import PlanAhead
+    from dynabatch.training.planner import StepPlanner
 
     preset = "t5-tiny" if toy_data.family == "seq2seq" else "gpt2-tiny"
     cfg = TrainConfig(model=preset, stages=2, global_batch_tokens=1024, max_input_len=128, max_target_len=32)
@@ -124,9 +124,9 @@ def test_export_to_hugging_face(tmp_path, toy_mixture_dir, capsys):
     from transformers import T5ForConditionalGeneration
 
     from dynabatch.models.presets import build_model
-    from dynabatch.runtime.checkpoint import latest_checkpoint
-    from dynabatch.runtime.export import export_checkpoint
-    from dynabatch.runtime.reshard import model_weights
+    from dynabatch.engine.checkpoint import latest_checkpoint
+    from dynabatch.commands.export import export_checkpoint
+    from dynabatch.training.reshard import model_weights
 
     code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "exp", "--steps", "2")
     assert code == 0, err[-2000:]

@@ -1,0 +1,93 @@
+"""Launching a run of several processes on this machine without ``torchrun``.
+
+``dynabatch train --stages 2`` (or ``bench``) started directly, outside a ``torchrun`` world, starts its own ranks:
+:func:`launch_local` runs the command once per rank with the environment ``torchrun
+--standalone`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS=1``
+unless set) and waits for them. The launcher hosts the rendezvous store, as torchrun's agent does, so the store
+outlives any rank and a rank failing after another still reads which one failed first; the store accepts
+connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, unauthenticated). Then:
+
+* the run's exit status is the failing rank's own (2 for bad input, :mod:`dynabatch.engine.faults`; 2 wins when
+  ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback;
+* once a rank has failed the others are stopped (SIGTERM, SIGKILL after :data:`GRACE_S`), so a rank waiting on
+  the dead one never holds the job until its timeout;
+* Ctrl-C reaches every rank (one process group) and the launcher returns 130 once they are gone; a SIGTERM or
+  SIGHUP to the launcher (a job scheduler ending the job) is passed on the same way (exit 143 / 129), so no rank is
+  left running without it.
+
+Several machines still launch with ``torchrun`` (docs/user_guide/training.md, "Launching with torchrun").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from dynabatch.cost.p2p import loopback_store
+
+GRACE_S = 10.0
+"""Seconds the other ranks get to exit after SIGTERM before SIGKILL."""
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment of rank ``rank``: this process's, plus what ``torchrun --standalone`` sets for a worker
+    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``)."""
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after :data:`GRACE_S`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class _Signalled(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum, _frame) -> None:
+    raise _Signalled(signum)
+
+
+def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
+    """Run ``python *command`` (e.g. ``-m dynabatch train ...``) as ranks ``0 .. world_size - 1`` on this machine
+    (module docstring); returns the run's exit status."""
+    store = loopback_store(world_size, timeout_s=300.0)  # outlives any rank, as torchrun's does; 127.0.0.1 only
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    procs: list[subprocess.Popen] = []
+    try:
+        for r in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, *command], env=rank_environment(r, world_size, store.port)))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:  # a rank failing because a peer went away exits 1; the peer's own bad-input 2 names the run
+                _stop(procs)
+                return 2 if 2 in failed else failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+    except _Signalled as e:
+        _stop(procs)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,288 @@
+"""Flags and config files of :class:`~dynabatch.training.config.TrainConfig` (and of any command that uses its sections).
+
+:func:`add_sections` puts the flags of some sections into a parser, through ``transformers.HfArgumentParser``'s
+field-to-argument rules (``Literal`` -> choices, bool -> ``--flag [true|false]`` and ``--no-flag``, a field's
+metadata -> help and aliases; ``--name-with-dashes`` and ``--name_with_underscores`` both). The layering
+(defaults < ``--config`` file < flags given on the command line) is :func:`config_from_args`: a parser built
+with every default set to a marker tells which flags were given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+from typing import Any
+
+# The package defines these before it imports this module (config/__init__.py's last lines), so they exist
+# whichever of the two is imported first.
+from dynabatch.training.config import TrainConfig, _allowed, canonical, field_types
+from dynabatch.training.config.sections import SECTIONS
+from dynabatch.data.user_files import parse_user_file
+
+_NOT_GIVEN = object()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every default shown, except where the help text already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+class _BasicHelp(argparse.Action):
+    """``-h``/``--help``: the ``basic`` options, one line each (:func:`basic_help`)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(basic_help(parser), end="")
+        parser.exit()
+
+
+class _FullHelp(_BasicHelp):
+    """``--help-all``: every option, grouped by section, research switches in the ``experimental`` group."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.print_help()
+        parser.exit()
+
+
+def add_help_levels(p: argparse.ArgumentParser) -> None:
+    """``-h``/``--help`` (the basic options) and ``--help-all`` (every option) on a parser made with
+    ``add_help=False``: both are generated from the fields' ``level`` metadata, nothing is listed by hand."""
+    p.add_argument("-h", "--help", action=_BasicHelp, help="the options a run needs, one line each")
+    p.add_argument("--help-all", action=_FullHelp, help="every option (research switches in the experimental group)")
+
+
+def basic_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions ``--help`` lists: every flag whose field is ``basic`` (a command's own flags are), one per
+    destination (a bool field's ``--no-X`` twin is left out), in group order."""
+    out, seen = [], set()
+    for group in p._action_groups:
+        for action in group._group_actions:
+            if action.help == argparse.SUPPRESS or getattr(action, "level", "basic") != "basic":
+                continue
+            if action.dest in seen and action.dest != argparse.SUPPRESS:
+                continue
+            seen.add(action.dest)
+            out.append(action)
+    return out
+
+
+def basic_help(p: argparse.ArgumentParser) -> str:
+    """``--help``: usage, then per group its basic options, one line each (flag, what it does, its default), and
+    how many more ``--help-all`` lists."""
+    formatter = p._get_formatter()
+    shown = basic_options(p)
+    rows: list[tuple[str, str, str]] = []  # (group title, invocation, help)
+    for group in p._action_groups:
+        for action in group._group_actions:
+            if action not in shown:
+                continue
+            if action.option_strings:
+                flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+                if action.nargs != 0:  # a short metavar: the help text names the choices
+                    metavar = action.metavar or action.dest.upper()
+                    flag += " " + (f"[{metavar}]" if action.nargs == "?" else metavar)
+            else:
+                flag = action.dest
+            text = " ".join(formatter._expand_help(action).split()) if action.help else ""
+            if "default" not in text and action.default not in (None, argparse.SUPPRESS) and action.nargs != 0:
+                text += f" (default: {action.default})"
+            rows.append((group.title or "options", flag, text))
+    width = min(max(len(r[1]) for r in rows), 34)
+    hidden = {a.dest for a in p._actions if a.help != argparse.SUPPRESS} - {a.dest for a in shown}
+    lines = [f"usage: {p.prog} [options]", ""]
+    if p.description:
+        lines += [p.description, ""]
+    title = None
+    for group_title, flag, text in rows:
+        if group_title != title:
+            lines += ([""] if title is not None else []) + [f"{group_title}:"]
+            title = group_title
+        lines.append(f"  {flag.ljust(width)}  {text}".rstrip())
+    if hidden:
+        lines += ["", f"{len(hidden)} more options (advanced, and research switches in the experimental group): "
+                      f"{p.prog} --help-all"]
+    return "\n".join(lines) + "\n"
+
+
+EXPERIMENTAL_GROUP = "experimental"
+"""The ``--help-all`` group of every ``experimental``-level field (:data:`dynabatch.training.config.sections.LEVELS`)."""
+
+
+def add_sections(p: argparse.ArgumentParser, sections, defaults: dict[str, Any] | None = None,
+                 only: set[str] | None = None, helps: dict[str, str] | None = None) -> None:
+    """One flag per field of each section in ``sections`` (an argument group each, named after the section;
+    ``experimental`` fields go to one ``experimental`` group, listed last). ``only`` keeps the named fields alone;
+    ``defaults`` and ``helps`` override a field's default and help text for this command (``--help`` shows
+    them). Each flag's action carries its field's help ``level`` (``action.level``), which ``--help`` reads."""
+    import typing
+
+    from transformers import HfArgumentParser
+
+    groups = {g.title: g for g in p._action_groups}
+    for section in sections:
+        hints = typing.get_type_hints(section)
+        fields = [f for f in dataclasses.fields(section) if only is None or f.name in only]
+        for f in fields:
+            level = f.metadata.get("level", "basic")
+            name = EXPERIMENTAL_GROUP if level == "experimental" else section._argument_group_name
+            group = groups.get(name) or p.add_argument_group(name)
+            groups[name] = group
+            f = copy.copy(f)  # HfArgumentParser rewrites the field's type; the section keeps its own
+            f.type = hints[f.name]
+            metadata = {k: v for k, v in f.metadata.items() if k != "level"}
+            if helps and f.name in helps:
+                metadata["help"] = helps[f.name]
+            f.metadata = metadata
+            before = len(p._actions)
+            HfArgumentParser._parse_dataclass_field(group, f)
+            main = "--" + f.name.replace("_", "-")
+            for action in p._actions[before:]:  # show --dashed-names first (both spellings parse)
+                action.option_strings.sort(key=lambda o: (o not in (main, "--no-" + main[2:]), "_" in o))
+                action.level = level
+    if EXPERIMENTAL_GROUP in groups:  # research switches last
+        p._action_groups.remove(groups[EXPERIMENTAL_GROUP])
+        p._action_groups.append(groups[EXPERIMENTAL_GROUP])
+    if defaults:
+        p.set_defaults(**defaults)
+
+
+def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | None = None,
+               helps: dict[str, str] | None = None) -> None:
+    """The flags of the TrainConfig fields ``names`` (grouped by their sections), for a command that shares
+    them with ``dynabatch train``: the same name means the same thing in every command."""
+    names = set(names)
+    known = {f.name for s in SECTIONS for f in dataclasses.fields(s)}
+    assert names <= known, sorted(names - known)
+    add_sections(p, SECTIONS, defaults, only=names, helps=helps)
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """Every TrainConfig flag, grouped by section, plus ``--config FILE``."""
+    p.add_argument("--config", default=None, help="YAML/JSON file of TrainConfig fields (flat, or nested by section)")
+    add_sections(p, SECTIONS)
+
+
+def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags ``argv`` sets (a parse with every default replaced by a marker)."""
+    marker = copy.deepcopy(p)
+    for action in marker._actions:
+        if action.dest != "help":
+            action.default = _NOT_GIVEN
+    ns = marker.parse_args(argv)
+    return {k for k, v in vars(ns).items() if v is not _NOT_GIVEN}
+
+
+def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
+    """The TrainConfig of parsed flags: defaults, then ``args.config``'s values, then the flags in ``given``
+    (``None``: every value in ``args`` that differs from its field's default counts as given)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    if given is None:
+        given = {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    config_path = getattr(args, "config", None)
+    from_file = load_config_file(config_path) if config_path else {}
+    values = dict(from_file)
+    for name in defaults:
+        if name in given and hasattr(args, name):
+            values[name] = getattr(args, name)
+            from_file.pop(name, None)
+    try:
+        return TrainConfig(**values)
+    except ValueError as e:  # name the file when the offending field came from it
+        if any(str(e).startswith(f"{name} ") for name in from_file):
+            raise ValueError(f"config file {config_path}: {e}") from None
+        raise
+
+
+def parse_config(p: argparse.ArgumentParser, argv: list[str]):
+    """``p.parse_args(argv)`` and the TrainConfig it describes (with ``--config`` layered under the flags)."""
+    args = p.parse_args(argv)
+    return args, config_from_args(args, given_flags(p, argv))
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """A config file's fields (flat, or nested under section names), under current names, numbers parsed."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path!r} not found")
+    if os.path.isdir(path):
+        raise ValueError(f"config file {path!r} is a folder; pass a YAML or JSON file of TrainConfig fields")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    raw = parse_user_file(text, f"config file {path}", path.endswith((".yaml", ".yml")))
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path} must hold a mapping of TrainConfig fields, got {type(raw).__name__}")
+    sections = {s._argument_group_name: {f.name for f in dataclasses.fields(s)} for s in SECTIONS}
+    sections[EXPERIMENTAL_GROUP] = {f.name for s in SECTIONS for f in dataclasses.fields(s)
+                                    if f.metadata.get("level") == "experimental"}  # as --help-all groups them
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in sections and isinstance(value, dict):  # nested: {optim: {learning_rate: ...}}
+            fields = sections[key]
+            for name, v in canonical(value).items():
+                if name not in fields:
+                    raise ValueError(f"{path}: section {key!r} has no field {name!r}; valid: {sorted(fields)}")
+                if name in flat:
+                    raise ValueError(f"{path}: {name} is given twice (under {key!r} and elsewhere); give it once")
+                flat[name] = v
+        else:
+            if key in flat:
+                raise ValueError(f"{path}: {key} is given twice (flat and under a section); give it once")
+            flat[key] = value
+    try:
+        flat = canonical(flat)
+    except ValueError as e:
+        raise ValueError(f"config file {path}: {e}") from None
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(flat) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown config keys {sorted(unknown)}; valid: {sorted(known)} "
+                         f"(or nested under {', '.join(sections)})")
+    return {k: _coerce(path, k, v) for k, v in flat.items()}
+
+
+def _coerce(path: str, name: str, value: Any) -> Any:
+    """YAML 1.1 reads ``learning_rate: 3e-4`` as a string: turn numeric strings into the field's number type."""
+    allowed, _, _ = _allowed(field_types()[name])
+    number = float if float in allowed else int if int in allowed else None
+    if isinstance(value, str) and number is not None:
+        try:
+            return number(value)
+        except ValueError:
+            raise ValueError(f"config file {path}: {name} must be a number, got {value!r}") from None
+    return value
+
+
+CONFIG_FILE = "config.yaml"
+"""What a run writes into its output folder: every field, resolved, nested by section."""
+
+
+def write_config_file(path: str, cfg) -> None:
+    """``cfg`` as a YAML file nested by section (what :func:`load_config_file` reads back), written atomically."""
+    import yaml
+
+    text = ("# dynabatch train --config this file: every field of the run, resolved (docs/configuration.md)\n"
+            + yaml.safe_dump(cfg.sections(), sort_keys=False, default_flow_style=False))
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+NOT_RUN_SETTINGS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
+"""Fields that say where and how a run starts, not what it runs: a resume does not report them as differences."""
+
+
+def config_differences(old: dict[str, Any], new) -> list[str]:
+    """``"name: old -> new"`` for every field whose value in ``old`` (a config file's fields) is not ``new``'s."""
+    current = dataclasses.asdict(new)
+    return [f"{name}: {old[name]!r} -> {current[name]!r}" for name in current
+            if name in old and old[name] != current[name] and name not in NOT_RUN_SETTINGS]

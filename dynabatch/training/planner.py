@@ -1,0 +1,625 @@
+"""Rank 0's step planner: global batch -> micro-batches per replica -> collated tensors, ahead of time.
+
+:class:`StepPlanner` makes one :class:`PlannedStep` per call: it draws the next global batch, cuts it
+with the configured method through the planning path ``plan``, ``simulate`` and the DataLoader share
+(:class:`~dynabatch.plan.global_plan.GlobalPlanner`; ``dynamic``: :func:`dynabatch.plan.step.plan_step` with the
+stage cost model, scored by the simulated step; a baseline: its batcher, micro-batches dealt to replicas
+longest-first), collates each replica's
+micro-batches into tensors, prices them per stage (with ``attention=segments``, attention by the pairs
+each micro-batch's rows really compute, :func:`units_pairs`), picks the compute schedule the runtime will run
+and simulates it (the *predicted* step time and bubble, the measured step's twin).
+
+:mod:`dynabatch.training.plan_ahead` runs a planner a few steps ahead of training (a thread or a process). The
+batcher position recorded with each step is the position *after* its global batch, which is what a checkpoint
+taken after that step must store. Plans are deterministic, so planning ahead delivers exactly the plans of the
+synchronous planner (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dynabatch.training.config import Found, TrainConfig, decide, lower
+from dynabatch.cost.pairs import row_work, stacked_pairs
+from dynabatch.cost.stages import StageCostModel, StageCosts
+from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.collate import collate_causal, collate_seq2seq
+from dynabatch.data.microbatch import MicroBatch, token_slices
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.data.tokenize import TokenizerInfo
+from dynabatch.plan.candidates import Candidate, choose, concatenated_pairs, step_lower_bound
+from dynabatch.plan.global_plan import GlobalPlanner
+from dynabatch.plan.replicas import wants_equal_counts
+from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
+from dynabatch.plan.step import flat_row_limit, plan_step, with_pairs
+from dynabatch.engine.dist import device_type
+from dynabatch.engine.step import compute_schedule, micro_batch_shape
+from dynabatch.schedule.chains import chains, links_for
+from dynabatch.schedule.compute import ComputeSchedule
+from dynabatch.schedule.simulate import simulate, with_message_buffers
+from dynabatch.sequence import is_seq2seq
+from dynabatch.schedule.ir import RECOMPUTE_MODES
+from dynabatch.engine.step import plan_step as lower_step
+from dynabatch.cost.online import CalibratedStageCostModel
+from dynabatch.schedule.placement import Placement
+from dynabatch.plan.costs import evaluate_costs
+from dynabatch.schedule.policies import adaptive
+from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
+from dynabatch.plan.slice_costs import AnalyticSliceCostModel
+
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """Everything rank 0 needs to run and report one step."""
+
+    step: int
+    batch: GlobalBatch
+    replica_micro_batches: tuple[tuple[MicroBatch, ...], ...]
+    shapes: tuple[tuple[tuple[int, int, int], ...], ...]
+    """Per replica, the ``(b, E, D)`` of each micro-batch."""
+    costs: tuple[StageCosts, ...]
+    """Per replica, predicted per-stage costs of its micro-batches (drive the schedule)."""
+    schedules: tuple[ComputeSchedule, ...]
+    """Per replica, the compute schedule chosen for ``policy`` (the runtime runs exactly these)."""
+    slice_links: tuple[tuple[int, ...], ...]
+    """Per replica, token-slice links of its micro-batches (:mod:`dynabatch.schedule.chains`); ``()`` when none."""
+    predicted_step_s: float
+    """Simulated makespan of the slowest replica under the schedule the runtime will run."""
+    bubble_fraction: float
+    computed_tokens: int
+    plan_time_s: float
+    batcher_state_after: dict[str, Any]
+    """Global batcher position after this step's batch: what a checkpoint taken after this step stores."""
+    predicted_saved_bytes: tuple[float, ...] = ()
+    """Replica 0, per stage: the simulated peak of the activations its schedule keeps for backward
+    (stored bytes only: what :class:`~dynabatch.engine.memory.SavedActivationMeter` measures)."""
+    model_state_bytes: tuple[float, ...] = ()
+    """Per stage, the parameter, gradient and optimizer bytes the schedule's memory was priced with
+    (the validator takes them off the device memory)."""
+    predicted_costs: tuple[StageCosts, ...] = ()
+    """Per replica, the per-stage costs predictions are made with (the online fit when calibrating; the same
+    as ``costs`` otherwise, or with ``plan_costs="calibrated"``)."""
+    predicted_makespan_s: float = 0.0
+    """The simulated makespan alone; ``predicted_step_s`` adds the calibrated step overhead to it."""
+    pairs: tuple = ()
+    """Per replica, the attention pairs of its micro-batches (:func:`units_pairs`; ``None`` on the dense path)."""
+    features: tuple[np.ndarray, ...] = ()
+    """With online calibration, per replica, ``(S, 2, M, F)`` features of each micro-batch's forward and
+    backward on every stage (:meth:`~dynabatch.cost.online.CalibratedStageCostModel.features`; NaN rows for
+    token slices, which the slice cost model prices); ``()`` without calibration."""
+    plans: dict | None = None
+    """Every rank's lowered, validated :class:`~dynabatch.schedule.ir.ExecutionPlan` (by rank), when the planner
+    has the run's pipeline spec (:attr:`StepPlanner.spec`); ``plan_time_s`` then includes the lowering."""
+    candidate: str = ""
+    """Which plan of the global batch ran (the ``dynamic`` method, :mod:`dynabatch.plan.candidates`): ``dp`` (the
+    partition DP's) or a baseline's at one knob value (``packing_free=4``); ``""`` for a baseline method."""
+    plan_model: Any = None
+    """The stage cost model this step was planned with (the online fit as of its step with
+    ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
+    moves on with the steps it plans ahead (and stays in the planner's process with ``--planner process``)."""
+
+    @property
+    def real_tokens(self) -> int:
+        return self.batch.num_tokens
+
+    @property
+    def num_micro_batches(self) -> int:
+        return sum(len(s) for s in self.shapes)
+
+    @property
+    def recompute_counts(self) -> dict[str, int]:
+        """How many (micro-batch, stage) forwards of the step run each recomputing mode (``{}``: none)."""
+
+        codes = [c.recompute.ravel() for c in self.costs if c.recompute is not None]
+        counts = np.bincount(np.concatenate(codes), minlength=len(RECOMPUTE_MODES)) if codes else ()
+        return {m: int(n) for m, n in zip(RECOMPUTE_MODES, counts) if m != "none" and n}
+
+    @property
+    def num_sliced_samples(self) -> int:
+        """Samples that run as chains of token slices (each chain's first slice has no link)."""
+        return sum(len(chains(links)) for links in self.slice_links)
+
+
+class StepPlanner:
+    """Deterministic producer of :class:`PlannedStep` (see the module docstring)."""
+
+    def __init__(self, batcher: GlobalBatcher, cfg: TrainConfig, cost_model: StageCostModel, tokens: TokenizerInfo,
+                 calibration=None, spec=None):
+        self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
+        self.calibration = calibration
+        """:class:`~dynabatch.training.calibration.RunCalibration` (online calibration) or ``None``."""
+        self.spec = spec
+        """The run's :class:`~dynabatch.schedule.ir.PipelineSpec`: with it, every training step is also lowered and
+        validated here (:attr:`PlannedStep.plans`), off the training loop; ``None``: the loop lowers it."""
+        self.predict_model = cost_model
+        """The model predictions are made with: the online fit when calibrating (``cost_model`` plans: the fit too
+        with ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``, else the base model)."""
+        self.limits: LengthLimits = batcher.limits
+        self.family = self.limits.family
+        self.step = batcher.step
+        # Attention per segment (pad never computed): micro-batches are priced by their attention pairs and
+        # the dynamic planner may pack rows (cfg.pack_rows); the dense path computes whole padded rows.
+        self.padding_free = getattr(cfg, "attention_path", "segments") == "segments"
+        run_device = device_type(getattr(cfg, "device", "auto"))
+        self.flat_row = flat_row_limit(run_device, self.family, cfg.max_input_len, cfg.max_target_len)
+        """The bound on a flat micro-batch's tokens on the run's device type (:data:`~dynabatch.plan.step.FLAT_ROW_LIMITS`)."""
+        self.pack_rows = lower("pack_rows", decide(cfg, "pack_rows", Found(cuda_available=run_device == "cuda")))
+        """``--pack-rows`` as the resolver decides it on the run's device (``device``: auto on CUDA, off on CPU)."""
+        self.placement = _virtual_placement(cfg)
+        """Virtual stages (``--placement`` other than linear): steps are predicted by the placement's list
+        schedule, the order the runtime lowers; ``None`` on the linear placement."""
+        self.slice_model = None
+        if cfg.slice_long:
+            self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
+
+    @property
+    def plan_costs(self) -> str:
+        """``--plan-costs`` as the resolver decides it for this run's sequence kind (:mod:`dynabatch.training.config.resolve`)."""
+        return decide(self.cfg, "plan_costs", Found(sequence_kind=self.family))
+
+    def __call__(self) -> PlannedStep:
+        _maybe_crash(self.step)
+        if self.calibration is not None and self.calibration.enabled:  # may wait for the measurements it needs
+            self.predict_model = self.calibration.cost_model_for(self.step)
+            costs = self.plan_costs
+            self.cost_model = (self.calibration.base if costs == "base" else self.predict_model if costs == "calibrated"
+                               else self.calibration.cost_model_for(self.step, scaled=True))
+        start = time.perf_counter()
+        batch = self._baseline_batch(self.batcher.next_batch())
+        state = copy.deepcopy(self.batcher.state_dict())
+        units, candidate, recompute = self._units(batch)
+        planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate)
+        if self.spec is not None:
+            planned = replace(planned, plans=self._lowered(planned), plan_time_s=time.perf_counter() - start)
+        self.step += 1
+        return planned
+
+    def _lowered(self, planned: PlannedStep) -> dict:
+        """Every rank's validated plans of ``planned``: what :func:`~dynabatch.engine.step.train_step` would lower
+        on rank 0 from the same step (:func:`~dynabatch.engine.step.plan_step`, memory checked)."""
+
+        return lower_step([list(s) for s in planned.shapes], self.spec, policy=lower("policy", self.cfg.policy), step=planned.step,
+                          costs=planned.costs, memory_limit_bytes=self.cfg.memory_gib * 2**30,
+                          schedules=planned.schedules, slice_links=planned.slice_links,
+                          model_state_bytes=planned.model_state_bytes, placement=self.placement)
+
+    def preview(self, batch: GlobalBatch) -> PlannedStep:
+        """``batch`` planned and predicted as a training step would be, the stream and the step count left
+        alone (the start-up choice of the layer split and placement, :mod:`dynabatch.training.run_layout`)."""
+        start = time.perf_counter()
+        batch = self._baseline_batch(batch)
+        units, candidate, recompute = self._units(batch)
+        return replace(self._planned(self.step, batch, units, {}, start, recompute), candidate=candidate)
+
+    def _baseline_batch(self, batch: GlobalBatch) -> GlobalBatch:
+        """``batch`` as the baseline method groups it (:meth:`~dynabatch.data.baselines.Batcher.prepare`:
+        ``packing_free_split`` cuts long samples into chunks, each its own sample); ``dynamic``: ``batch``."""
+        if self.cfg.method == "dynamic":
+            return batch
+        options = BaselineOptions.of(self.cfg)
+        return make_batcher(self.cfg.method, self.limits, self.tokens,
+                            **options.batcher_options(self.cfg.method, self.limits)).prepare(batch)
+
+    def synthetic_step(self, step: int) -> PlannedStep:
+        """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
+        the current cost model, for the start-up calibration; the data stream does not move."""
+        batch, units = synthetic_units(self.limits, self.tokens, self.cfg.global_batch_tokens)
+        return self._planned(step, batch, [units] * self.cfg.replicas, {}, time.perf_counter())
+
+    def _planned(self, step: int, batch: GlobalBatch, replica_units, state, start: float,
+                 recompute: str | None = None) -> PlannedStep:
+        """The step of ``replica_units``, priced and predicted; ``recompute="none"``: priced without activation
+        recomputation (a candidate that fits only that way under ``--recompute auto``, :meth:`_choose`)."""
+        plan_model, predict_model = self.cost_model, self.predict_model
+        if recompute is not None:
+            plan_model, predict_model = (replace(m, recompute=recompute) for m in (plan_model, predict_model))
+        replicas, links, contexts, pairs = [], [], [], []
+        for units in replica_units:
+            mbs, lk, ctx = micro_batches_of(units, lambda g: self._collate(batch, g))
+            replicas.append(tuple(mbs))
+            links.append(lk)
+            contexts.append(ctx)
+            pairs.append(units_pairs(batch, units, self.family) if self.padding_free else None)
+        shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
+        if wants_equal_counts(self.cost_model) and len({len(s) for s in shapes}) > 1:  # would hang under --zero 2
+            raise ValueError(f"step {step}: --zero 2 needs as many micro-batches on every replica, but the plan has "
+                             f"{[len(s) for s in shapes]}")
+        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model)
+        predicted_costs = costs
+        if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
+            predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, predict_model,
+                                                                  schedules)
+        saved = simulate(schedules[0], replace(predicted_costs[0],
+                                               peak_bytes=np.zeros_like(predicted_costs[0].peak_bytes)))
+        computed = sum(b * (e + d) for s in shapes for b, e, d in s)
+        features = ()
+        overhead = 0.0
+        if self.calibration is not None and self.calibration.enabled:
+            features = tuple(self._features(s, lk, pr, c.recompute) for s, lk, pr, c in zip(shapes, links, pairs, costs))
+            overhead = self.calibration.overhead_for(step)
+        return PlannedStep(
+            step=step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
+            schedules=schedules, slice_links=tuple(links), predicted_step_s=max(predicted + overhead, 0.5 * predicted),
+            bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
+            batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
+            predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes), predicted_makespan_s=predicted,
+            features=features, predicted_costs=predicted_costs, pairs=tuple(pairs), plan_model=self.cost_model,
+        )
+
+    def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
+        """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices), priced
+        with the ``recompute`` modes they run with."""
+
+        arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+        model = CalibratedStageCostModel.of(self.cost_model)
+        x = model.features(arr[:, 0], arr[:, 1], arr[:, 2], pairs, modes=recompute)
+        for chain in chains(links) if links else ():
+            x[:, :, list(chain), :] = np.nan
+        return x
+
+    def _units(self, batch: GlobalBatch) -> tuple[list[list[Unit]], str, str | None]:
+        """Per replica, the units of ``batch`` to collate (:attr:`global_planner`: the DP's plan priced against the
+        baselines' by :meth:`_choose`, or a baseline's micro-batches dealt to replicas), which candidate they come
+        from (:attr:`PlannedStep.candidate`) and the recomputation the chosen plan was priced with."""
+        planner, picked = self.global_planner, {}
+
+        def choose_among(candidates) -> Candidate:
+            chosen, picked["recompute"] = self._choose(batch, candidates)
+            return chosen
+
+        planned = planner.plan(batch, getattr(self.batcher, "data", None),
+                               dp=lambda: self._plan(batch, self.cost_model), choose_among=choose_among)
+        units = [plan_units(planned.plan, r) for r in range(planner.num_replicas)]
+        return units, planned.candidate if planner.method == "dynamic" else "", picked.get("recompute")
+
+    @property
+    def global_planner(self) -> GlobalPlanner:
+        """How this run cuts a global batch (:class:`~dynabatch.plan.global_plan.GlobalPlanner`, the path ``plan``,
+        ``simulate`` and the DataLoader share): the method, its options, stages and replicas; candidates (the
+        ``dynamic`` method) unless ``plan_candidates="off"`` or on virtual stages. The DP itself runs as
+        :meth:`_plan` (the simulated score) and candidates are priced by :meth:`_choose`."""
+        cfg = self.cfg
+        candidates = getattr(cfg, "plan_candidates", "baselines") != "off" and self.placement is None
+        return GlobalPlanner(cfg.method, self.limits, cfg.stages, cfg.replicas, self.cost_model,
+                             BaselineOptions.of(cfg), candidates=candidates, padding_free=self.padding_free,
+                             timed_candidates=False)
+
+    def _choose(self, batch: GlobalBatch, candidates: list[Candidate]) -> tuple[Candidate, str | None]:
+        """The DP's plan of ``batch`` (``candidates[0]``) or a baseline's
+        (:func:`~dynabatch.plan.candidates.baseline_candidates`), whichever this planner predicts shortest
+        (:meth:`_price`: the step the runtime would run, priced as :meth:`_planned` predicts it, memory checked)."""
+        cfg = self.cfg
+        candidates = list(candidates)
+        # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
+        # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs);
+        # under --full-determinism by the planning model, which does not depend on measured times
+        model = self.cost_model if getattr(cfg, "full_determinism", False) else self.predict_model
+        parts = dict(zip((id(c.plan) for c in candidates),
+                         self._plan_costs(batch, [c.plan for c in candidates], model)))
+        without: set[int] = set()  # the plans priced without recomputation
+        if getattr(model, "recompute", "none") == "auto":
+            # auto recomputes a micro-batch that does not fit S in flight; the simulated schedule admits by actual
+            # memory, so the same plan may fit without recomputation (faster): price each plan that way too, as
+            # _plan does for the DP's own plans, and let the memory check decide
+            plain = [replace(c, plan=replace(c.plan)) for c in candidates  # only those that recompute somewhere
+                     if any(cost.recompute is not None for cost in parts[id(c.plan)][0])]
+            none = replace(model, recompute="none")
+            if plain:
+                parts.update(zip((id(c.plan) for c in plain), self._plan_costs(batch, [c.plan for c in plain], none)))
+            candidates += plain
+            without = {id(c.plan) for c in plain}
+
+        def bound(p) -> float:
+            return max(step_lower_bound(c.fwd_s, c.bwd_s) for c in parts[id(p)][0])
+
+        chosen = choose(candidates, lambda p: self._price(parts[id(p)], model), bound).candidate
+        return chosen, "none" if id(chosen.plan) in without else None
+
+    def _plan_costs(self, batch: GlobalBatch, plans, model: StageCostModel | None = None) -> list[tuple]:
+        """Per plan of whole-sample pieces, ``(costs, shapes, links, contexts, pairs)`` per replica as
+        :meth:`_planned` prices them (under ``model``, default the planner's): every piece of every plan priced in
+        one cost-model call (a call costs several ms of Python on the analytic model; the pieces' prices do not
+        depend on one another)."""
+        work_of: dict = {}
+        shapes, pairs_work, spans = [], [], []
+        for plan in plans:
+            for pieces in plan.replicas:
+                lo = len(shapes)
+                for p in pieces:
+                    shapes.append(tuple(int(x) for x in p.shape))
+                    if self.padding_free:
+                        rows = p.row_samples
+                        if rows not in work_of:
+                            work_of[rows] = row_work(rows, batch.input_lens, batch.target_lens, self.family)
+                        pairs_work.append(work_of[rows])
+                spans.append((lo, len(shapes)))
+        pairs = stacked_pairs(pairs_work) if self.padding_free else None
+        costs = piece_costs(model or self.cost_model, None, shapes, [0] * len(shapes), (), pairs)
+        out, k = [], 0
+        for plan in plans:
+            replicas = []
+            for _ in plan.replicas:
+                lo, hi = spans[k]
+                k += 1
+                replicas.append((_columns(costs, lo, hi), shapes[lo:hi], (), [0] * (hi - lo),
+                                 None if pairs is None else pairs[lo:hi]))
+            out.append(tuple(map(list, zip(*replicas))))
+        return out
+
+    def _price(self, parts: tuple, model: StageCostModel | None = None) -> float:
+        """The predicted makespan of a plan (:meth:`_predict` of its :meth:`_plan_costs`, the planning model),
+        ``inf`` when a replica's simulated step does not fit the memory limit."""
+        costs, shapes, links, contexts, pairs = parts
+        _, _, predicted, _, fits = self._predict(shapes, links, contexts, pairs, model, costs_in=costs,
+                                                 check_memory=True)
+        return predicted if fits else float("inf")
+
+    def _plan(self, batch: GlobalBatch, model: StageCostModel):
+        """The dynamic planner's plan of ``batch`` under ``model``, judged by the simulated step. Under
+        ``recompute="auto"``, when the plan holds a micro-batch that fits only with recomputation (or only by
+        the per-stage bound), the batch is also planned without recomputation and the better-scoring plan kept,
+        so auto is never slower than none by the simulated step (as in ``dynabatch simulate``)."""
+        cfg = self.cfg
+        lengths = (batch.input_lens, batch.target_lens) if self.padding_free else None
+        score = simulated_step_time(model, self.slice_model, cfg.memory_gib * 2**30, lengths, self.placement)
+        plan = plan_step(
+            batch.input_lens, batch.target_lens, model, cfg.stages, family=self.family,
+            num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
+            score=score, pack_rows=self.pack_rows if self.padding_free else "off",
+            segment_pricing=self.padding_free, flat_row=self.flat_row,
+        )
+        if getattr(model, "recompute", "none") != "auto" or fits_without_recompute(plan, model):
+            return plan
+        try:
+            other = self._plan(batch, replace(model, recompute="none"))
+        except ValueError:  # a sample fits only with recomputation
+            return plan
+        return other if score(other) < score(plan) else plan
+
+    def _tokens(self, batch: GlobalBatch, g: RowGroup) -> int:
+        b, e, d = group_shape(batch, g, self.family)
+        return b * (e + d)
+
+    def _collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
+        t = self.tokens
+        if is_seq2seq(self.family):
+            return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
+        return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
+
+    def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None, costs_in=None,
+                 check_memory: bool = False):
+        """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
+        compute schedule (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble).
+        With ``check_memory`` a fifth value says whether every replica's simulated step fits the memory limit."""
+
+        model = model or self.cost_model
+        costs, schedules, makespans, bubbles = [], [], [], []
+        fits = True
+        memory = self.cfg.memory_gib * 2**30
+        states, send = np.array(model.model_state_bytes), send_time_of(model)
+        first = None  # --zero 2 on virtual stages: replica 0's placed step, whose device orders every replica runs
+        for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
+            c = costs_in[k] if costs_in is not None else piece_costs(model, self.slice_model, s, ctx, lk, pr)
+            if self.placement is not None:  # virtual stages: the placed order plan_step lowers
+                if first is not None:
+                    result = replayed_step(first, c, self.placement, states, memory, send, links=lk)
+                    if result is None:
+                        raise ValueError(f"--zero 2 runs every replica of a device in one chunk order, and replica {k}'s "
+                                         "token slices cannot run in replica 0's: drop --slice-long or use --zero 1")
+                else:
+                    result = placed_step(c, self.placement, states, memory, send, links=lk)
+                    first = result if wants_equal_counts(self.cost_model) else None
+                schedule = chunk_schedule(result.order, self.placement.num_stages, len(s), result.policy)
+            else:
+                buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
+                schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
+                    lower("policy", self.cfg.policy), np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
+                    send_time=send, model_state_bytes=states)
+                result = simulate(schedule, buffered, send_time=send, model_state_bytes=states,
+                                  memory_limit_bytes=memory if check_memory else None)
+            fits = fits and bool(result.fits_memory)
+            costs.append(c)
+            schedules.append(schedule)
+            makespans.append(result.makespan_s)
+            bubbles.append(result.bubble_fraction)
+        out = tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
+        return (*out, fits) if check_memory else out
+
+
+def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
+    """Micro-batches ``lo:hi`` of per-stage ``costs`` (every array ``(S, M)``)."""
+    return StageCosts(*(None if a is None else a[:, lo:hi] for a in (
+        costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes, costs.send_bytes, costs.recompute,
+        costs.load_bytes)))
+
+
+def _virtual_placement(cfg: TrainConfig):
+    """The :class:`~dynabatch.schedule.placement.Placement` of ``cfg.placement`` when it holds several chunks per
+    device, else ``None``."""
+
+    text = getattr(cfg, "placement", "linear")
+    if text == "linear":
+        return None
+    placement = Placement.parse(text, cfg.stages)
+    return placement if placement.chunks_per_device > 1 else None
+
+
+def fits_without_recompute(plan, model: StageCostModel) -> bool:
+    """Whether every whole-sample piece of ``plan`` fits ``model``'s memory bound without recomputation (the
+    planner's maxima over stages, ``S`` in flight); token slices are judged by the slice planner."""
+
+    none = replace(model, recompute="none")
+    for r, pieces in enumerate(plan.replicas):
+        whole = np.array([not p.is_slice for p in pieces], dtype=bool)
+        if not whole.any():
+            continue
+        shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
+        pairs = plan.pairs(r)
+        _, stored, peak = evaluate_costs(none, shapes[:, 0], shapes[:, 1], shapes[:, 2],
+                                         pairs=None if pairs is None else pairs[whole])
+        if np.any(model.num_stages * stored + peak > model.memory_budget_bytes):
+            return False
+    return True
+
+
+def send_time_of(stage_model: StageCostModel):
+    """Seconds to send a message of ``n`` bytes to a pipeline neighbour, as the layer model prices it
+    (the analytic model's intra-node link); ``None`` (free) for a model without link costs."""
+    send_time = getattr(stage_model.model, "send_time", None)
+    return None if send_time is None else (lambda num_bytes: send_time(num_bytes, "intra"))
+
+
+def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None, lengths=None,
+                        placement=None):
+    """``score(plan)`` for :func:`~dynabatch.plan.step.plan_step`: the simulated makespan of the slowest
+    replica under the adaptive schedule (a few ms; the step formula ``sum + (S - 1) max`` misjudges
+    token slices, whose chains cannot overlap their own backward). With the step's ``lengths``
+    ``(input_lens, target_lens)`` (the padding-free runtime) every piece is priced with the attention
+    pairs and calls its rows really compute (:func:`~dynabatch.plan.step.with_pairs`), as the step that
+    runs is: the DP prices dense ``b x E^2`` in one call per layer, and with calibrated per-call costs
+    (several ms on CPU) a run spanning many lengths costs more than the DP sees. With a ``placement`` of
+    virtual stages (``stage_model`` then prices its chunks) the step is ordered on it as the runtime will
+    (:func:`~dynabatch.schedule.virtual.placed_step`), not as a pipeline of one chunk per device."""
+
+    states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
+
+    def makespan(costs, links) -> float:
+        if placement is not None:
+            return placed_step(costs, placement, states, memory_limit_bytes, send, links=links).makespan_s
+        costs = with_message_buffers(costs)
+        schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
+        return simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s
+
+    def score(plan) -> float:
+        if lengths is not None:
+            plan = with_pairs(plan, *lengths)
+        worst = 0.0
+        for r in range(len(plan.replicas)):
+            links = plan.slice_links(r)
+            costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links,
+                                plan.pairs(r))
+            worst = max(worst, makespan(costs, links))
+        return worst
+
+    def many(plans) -> list[float]:
+        """``score`` of each plan, the whole-sample pieces of all of them priced in one cost-model call (a call is
+        milliseconds of Python on the analytic model; the pieces' prices do not depend on one another). Plans with
+        token slices are scored one by one."""
+        work: dict = {}
+        plans = [with_pairs(p, *lengths, work) if lengths is not None else p for p in plans]
+        whole = [p for p in plans if not p.sliced_samples]
+        pairs = [p.pairs(r) for p in whole for r in range(len(p.replicas))]
+        if len(whole) < 2 or len({x is None for x in pairs}) > 1:
+            return [score(p) for p in plans]
+        shapes = [q.shape for p in whole for pieces in p.replicas for q in pieces]
+        costs = piece_costs(stage_model, slice_model, shapes, [0] * len(shapes), (),
+                            None if pairs[0] is None else concatenated_pairs(pairs))
+        out, lo = {}, 0
+        for p in whole:
+            worst = 0.0
+            for pieces in p.replicas:
+                worst = max(worst, makespan(_columns(costs, lo, lo + len(pieces)), ()))
+                lo += len(pieces)
+            out[id(p)] = worst
+        return [out[id(p)] if id(p) in out else score(p) for p in plans]
+
+    score.many = many
+    return score
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Rows to collate as one micro-batch, or, with ``bounds``, as a chain of token slices."""
+
+    group: RowGroup
+    bounds: tuple[int, ...] | None = None
+    """Token slice boundaries ``0 < ... < length`` of a sliced sample (TeraPipe)."""
+
+
+def synthetic_units(limits: LengthLimits, tokens: TokenizerInfo, global_batch_tokens: int, num_lengths: int = 5,
+                    seed: int = 0) -> tuple[GlobalBatch, list[Unit]]:
+    """Synthetic samples and micro-batches spanning a run's shapes, for the start-up calibration: for
+    ``num_lengths`` lengths from short to the limit (geometric; T5: encoder and decoder lengths paired
+    short-long and long-short too), one single-sample micro-batch and one of about
+    ``global_batch_tokens / 8`` tokens (at most 64 rows). Random token ids; a quarter of a GPT sequence is
+    target."""
+
+    rng = np.random.default_rng(seed)
+    seq2seq = is_seq2seq(limits.family)
+    top_e = limits.max_input_len if seq2seq else limits.max_seq_len
+    enc = np.unique(np.geomspace(min(32, top_e), top_e, num_lengths).astype(int))
+    dec = np.unique(np.geomspace(min(8, limits.max_target_len), limits.max_target_len, len(enc)).astype(int))
+    dec = np.resize(dec, len(enc))
+    pairs = [(int(e), int(d)) for e, d in zip(enc, dec)]
+    if seq2seq:
+        pairs += [(int(e), int(d)) for e, d in zip(enc[::2], dec[::-2])]
+    samples, units = [], []
+    per_mb = max(1, global_batch_tokens // 8)
+    for e, d in pairs:
+        for b in sorted({1, int(min(64, max(1, per_mb // (e + (d if seq2seq else 0)))))}):
+            rows = []
+            for _ in range(b):
+                n_in, n_out = (e, d) if seq2seq else (e - max(1, e // 4), max(1, e // 4))
+                ids = rng.integers(3, tokens.vocab_size, size=n_in + n_out).astype(np.int32)
+                samples.append(TokenizedSample("calibration", ids[:n_in], ids[n_in:]))
+                rows.append((len(samples) - 1,))
+            units.append(Unit(RowGroup(tuple(rows))))
+    return GlobalBatch(-1, tuple(samples)), units
+
+
+def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
+    """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of the micro-batches :func:`micro_batches_of` makes
+    of ``units``: each sample's own block of every row, one attention call per distinct length; a token
+    slice of ``s`` tokens is priced ``s^2`` in one call (its context is the slice cost model's)."""
+
+    work = []
+    for u in units:
+        if u.bounds:
+            work += [((float(hi - lo) ** 2, 0.0, 0.0), (1, 1, 1), (hi - lo, 0))
+                     for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
+        else:
+            work.append(row_work(u.group.rows, batch.input_lens, batch.target_lens, family))
+    return stacked_pairs(work)
+
+
+def micro_batches_of(units: list[Unit], collate) -> tuple[list[MicroBatch], tuple[int, ...], list[int]]:
+    """Collate units (``collate(RowGroup) -> MicroBatch``): the micro-batches in order, their token-slice
+    links (``()`` without slices) and each one's context length (0 unless a later slice)."""
+    pieces = []
+    for u in units:
+        mb = collate(u.group)
+        pieces.append(token_slices(mb, u.bounds) if u.bounds else [mb])
+    links = links_for([len(ps) for ps in pieces]) if any(u.bounds for u in units) else ()
+    contexts = [c for u in units for c in (u.bounds[:-1] if u.bounds else (0,))]
+    return [mb for ps in pieces for mb in ps], links, contexts
+
+
+def plan_units(plan, replica: int) -> list[Unit]:
+    """A replica's planned pieces as units: the slices of one sample become one unit, collated whole
+    (one row of its full length) and cut at the slices' token ranges."""
+    pieces, groups = plan.replicas[replica], plan.to_row_groups(replica)
+    links = plan.slice_links(replica) or (-1,) * len(pieces)
+    out: list[Unit] = []
+    for piece, group, prev in zip(pieces, groups, links):
+        if prev >= 0:
+            out[-1] = Unit(out[-1].group, (*out[-1].bounds, piece.token_range[1]))
+        elif piece.is_slice:
+            out.append(Unit(RowGroup(group.rows), (0, piece.token_range[1])))
+        else:
+            out.append(Unit(group))
+    return out
+
+
+def _maybe_crash(step: int) -> None:
+    """Fault injection for tests: ``DYNABATCH_PLANNER_CRASH_AT=STEP`` makes planning that step raise."""
+    at = os.environ.get("DYNABATCH_PLANNER_CRASH_AT")
+    if at and int(at) == step:
+        raise RuntimeError(f"injected planner crash at step {step} (DYNABATCH_PLANNER_CRASH_AT)")

@@ -1,0 +1,223 @@
+"""Rank 0's step planner in a child process (``--planner process``): planning never holds the training loop's GIL.
+
+:class:`ProcessPlanAhead` has :class:`~dynabatch.training.plan_ahead.PlanAhead`'s interface. It spawns one child
+(``multiprocessing`` spawn context: nothing of the parent's threads or CUDA state is inherited) that rebuilds the
+:class:`~dynabatch.training.planner.StepPlanner` from its picklable parts (batcher with its data and position,
+config, cost models, tokenizer info) and plans ``num_steps`` steps, at most ``depth`` ahead of the training loop
+(the queue's size). Each :class:`~dynabatch.training.planner.PlannedStep` comes back pickled as bytes, its CPU
+tensors as numpy arrays (:func:`_dumps`: no shared-memory file descriptors to run out of, and the parent, which
+holds the training loop's GIL while it unpickles, rebuilds a gpt2-tiny step in 1.5-2 ms instead of 10-15 ms).
+
+Online calibration: the child's planner asks :class:`_FedCalibration` for the cost model of step ``k``; a feeder
+thread in the parent takes exactly that model from the run's
+:class:`~dynabatch.training.calibration.RunCalibration` (``cost_model_for(k)``: the fit as of step
+``k - plan_ahead - 1``, waiting until the loop recorded it, as the thread planner waits), the base model scaled to
+it (with ``--plan-costs scaled`` only) and the step's overhead, and sends them, step by step, to the child. The fit as of a step is a pure function of the measurements up to it,
+so the child plans exactly what the planner thread plans (tested, with online calibration too).
+
+Failures: an exception in the child comes back as its type name and message and :meth:`ProcessPlanAhead.get`
+raises the thread planner's one-line error (``the background planner failed: RuntimeError: ...``; a
+``ValueError`` stays one); a child that dies without a word is reported with its exit code. Every wait has a
+timeout, and :meth:`ProcessPlanAhead.close` terminates a child that does not stop in time.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dynabatch.training.planner import StepPlanner
+
+_POLL_S = 0.1
+"""How often blocked waits look at the stop flag and the child's life."""
+PLANNER_NICENESS = 10
+"""The child's scheduling niceness: it plans a few steps ahead of training, so on a machine whose cores the ranks
+keep busy it runs in what they leave idle (pipeline bubbles, waits on peers) instead of taking time from rank 0."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """An exception raised in the child, as text (its class need not unpickle in the parent)."""
+
+    kind: str
+    message: str
+    value_error: bool
+
+
+class _FedCalibration:
+    """The child's stand-in for :class:`~dynabatch.training.calibration.RunCalibration`: the cost model and overhead
+    of each step, as the parent's feeder sends them (in step order)."""
+
+    def __init__(self, base, enabled: bool, feed, stop):
+        self.base, self._enabled, self._feed, self._stop = base, enabled, feed, stop
+        self._models: dict[int, tuple[Any, Any, float]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def _entry(self, step: int, timeout_s: float = 600.0) -> tuple[Any, Any, float]:
+        deadline = time.monotonic() + timeout_s
+        while step not in self._models:
+            if self._stop.is_set():
+                raise RuntimeError(f"stopped while waiting for the cost model of step {step}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"planning step {step}: the training process sent no cost model within {timeout_s:.0f} s")
+            try:
+                k, *entry = self._feed.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            self._models[k] = tuple(entry)
+        return self._models[step]
+
+    def cost_model_for(self, step: int, timeout_s: float = 600.0, scaled: bool = False):
+        return self._entry(step, timeout_s)[1 if scaled else 0]
+
+    def overhead_for(self, step: int) -> float:
+        return self._entry(step)[2]
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles CPU tensors without autograd as numpy arrays (``torch.from_numpy`` rebuilds them, contiguous);
+    torch's own reduction rebuilds each tensor's storage through ``torch.load`` (about 150 us a tensor)."""
+
+    def reducer_override(self, obj):
+        import torch
+
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return torch.from_numpy, (obj.numpy(),)
+            except TypeError:  # a dtype numpy lacks (bfloat16): torch's own reduction
+                pass
+        return NotImplemented
+
+
+def _dumps(obj) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
+def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, stop) -> None:
+    """The child process: rebuild the planner, plan ``num_steps`` steps into ``out`` (pickled bytes)."""
+    import os
+
+    _die_with_parent()
+    if hasattr(os, "nice"):  # plans ahead of training: on cores the ranks fill, take what they leave idle
+        os.nice(PLANNER_NICENESS)
+    try:
+        planner = StepPlanner.__new__(StepPlanner)
+        planner.__dict__.update(state)
+        planner.calibration = None if calibration is None else _FedCalibration(feed=feed, stop=stop, **calibration)
+        for _ in range(num_steps):
+            if stop.is_set() or not _offer(out, _dumps(planner()), stop):
+                return
+    except BaseException as e:  # delivered to the parent, never lost in the child
+        _offer(out, _dumps(_Failure(type(e).__name__, str(e), isinstance(e, ValueError))), stop)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this child when its parent dies, however it dies (``SIGKILL``, ``os._exit``, a
+    launcher's kill), so no planner outlives its rank, holding the rank's inherited output pipes open (a caller
+    waiting for them would hang). Elsewhere the child still stops when the parent closes it."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(0)
+
+
+def _offer(out, item, stop) -> bool:
+    """Put ``item`` once there is room; ``False`` when the parent asked to stop first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+class ProcessPlanAhead:
+    """Runs a :class:`~dynabatch.training.planner.StepPlanner` in a child process, ``depth`` steps ahead."""
+
+    def __init__(self, planner, num_steps: int, depth: int = 2):
+        ctx = mp.get_context("spawn")
+        self._out, self._feed, self._stop = ctx.Queue(maxsize=depth), ctx.Queue(), ctx.Event()
+        state = {k: v for k, v in planner.__dict__.items() if k != "calibration"}
+        cal = planner.calibration
+        fed = None
+        if cal is not None and cal.enabled:
+            fed = {"base": cal.base, "enabled": True}
+        self._process = ctx.Process(target=_child, args=(state, fed, num_steps, self._out, self._feed, self._stop),
+                                    daemon=True, name="dynabatch-planner")
+        self._process.start()
+        self._feeder = None
+        if fed is not None:
+            self._feeder = threading.Thread(target=self._feed_fits, args=(cal, planner.step, num_steps,
+                                                                          planner.plan_costs == "scaled"), daemon=True,
+                                            name="dynabatch-planner-feed")
+            self._feeder.start()
+
+    def _feed_fits(self, cal, start: int, num_steps: int, scaled: bool) -> None:
+        """Parent thread: send the child each step's cost model (and with ``scaled`` the base model scaled to it) once
+        the loop has recorded what it is fitted on."""
+        for step in range(start, start + num_steps):
+            while not self._stop.is_set():
+                try:
+                    models = (cal.cost_model_for(step, timeout_s=1.0),
+                              cal.cost_model_for(step, scaled=True) if scaled else None)
+                    break
+                except RuntimeError:  # not recorded yet: the loop is still on an earlier step
+                    continue
+            if self._stop.is_set():
+                return
+            self._feed.put((step, *models, cal.overhead_for(step)))
+
+    def get(self, timeout_s: float = 600.0):
+        """The next planned step and the seconds the caller waited for it (as :meth:`PlanAhead.get`)."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                item = pickle.loads(self._out.get(timeout=_POLL_S))
+                break
+            except queue.Empty:
+                if not self._process.is_alive() and self._out.empty():
+                    raise RuntimeError(f"the background planner process died (exit code {self._process.exitcode}) "
+                                       "without a planned step or an error") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the background planner produced no step within {timeout_s:.0f} s "
+                                       "(its process is still running)") from None
+        if isinstance(item, _Failure):
+            kind = ValueError if item.value_error else RuntimeError
+            raise kind(f"the background planner failed: {item.kind}: {item.message}")
+        return item, time.perf_counter() - start
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop planning: the child finishes the step it is on and exits, or is terminated after ``timeout_s``."""
+        self._stop.set()
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(10.0)
+        if self._feeder is not None:
+            self._feeder.join(5.0)
+        for q in (self._out, self._feed):
+            q.cancel_join_thread()  # items nobody will read must not keep this process from exiting
+            q.close()

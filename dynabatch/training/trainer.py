@@ -1,0 +1,553 @@
+"""``dynabatch train``: the training loop on every rank.
+
+Every rank builds the same seeded model, keeps only its own pipeline stage (``models.split``) and an
+:class:`~dynabatch.engine.executor.Executor` with AdamW and a warm-up + decay LR schedule. Rank 0
+also owns the data: it loads and tokenizes the mixture, and a background planner (a thread,
+:class:`~dynabatch.training.plan_ahead.PlanAhead`, or a child process, ``--planner``,
+:mod:`~dynabatch.training.planner_process`) prepares the next steps' micro-batches, costs, schedules and
+validated plans while the current step trains. Each step, :func:`~dynabatch.engine.step.train_step`
+delivers plans and host tensors and runs them everywhere. Rank 0 logs one JSON record per step
+(loss, real tokens/s, padding efficiency, micro-batch shapes, plan time and wait, predicted vs
+measured step time, peak memory) and shows a progress bar. Checkpoints are per-rank shards plus a
+manifest with the data position (``engine.checkpoint``), keyed by the global model's names so any
+stage and replica count resumes them (``training.resume``); ``--resume-from-checkpoint`` continues from
+one, so later losses match an uninterrupted run and no sample is skipped or repeated.
+At the end the last step's measured timeline is written next to its simulated twin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dynabatch.training.config import Found, Resolved, TrainConfig, decide, lower, resolve
+from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
+from dynabatch.core.progress import progress
+from dynabatch.cost.model_specs import layer_kinds
+from dynabatch.cost.p2p import loopback_store
+from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.inputs import data_notes, load_training_data
+from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
+from dynabatch.models.attention_kernels import (KERNEL_CALLS, attention_kernel, calls_since, kernel_problem,
+                                                use_attention_kernel)
+from dynabatch.models.families import analytic_spec, check_model
+from dynabatch.models.presets import build_run_model
+from dynabatch.models.split import DeviceChunks, build_device_stages, check_num_stages, layout_for, pipeline_spec_for
+from dynabatch.training.calibration import (RunCalibration, calibration_key, gather_measurements, load_calibration,
+                                           new_fit, quick_calibration, save_calibration, stage_peaks, stage_times)
+from dynabatch.training.cost_model import planner_cost_model
+from dynabatch.engine.determinism import full_determinism
+from dynabatch.engine.dist import DistContext, init_distributed, shutdown
+from dynabatch.training.evaluate import (Evaluator, evaluation_enabled, flat_metrics, format_eval, gather_task_losses,
+                                        hold_out)
+from dynabatch.engine.executor import Executor
+from dynabatch.engine.faults import fail_fast, maybe_crash, maybe_slow_start
+from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
+from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
+                                       planning_overlap, summarize)
+from dynabatch.engine.outputs import prepare_output_dir, truncate_metrics
+from dynabatch.training.plan_ahead import plan_ahead
+from dynabatch.training.planner import StepPlanner
+from dynabatch.engine.precision import autocast_dtype
+from dynabatch.training.resume import find_resume_checkpoint, resume, save_checkpoint
+from dynabatch.training.run_layout import RunLayout, sampled_run_layout, share_run_layout
+from dynabatch.engine.step import train_step
+from dynabatch.engine.timeline import gather_timelines
+from dynabatch.training.tracking import Trackers, check_trackers, open_trackers, step_scalars
+from dynabatch.engine.zero import ZeroShards
+from dynabatch.schedule.placement import Placement, timeline_ops
+from dynabatch.schedule.simulate import simulate
+from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Run:
+    """The per-method state of a run on this rank."""
+
+    cfg: TrainConfig
+    ctx: DistContext
+    stage: torch.nn.Module
+    spec: Any
+    layout: Any
+    executor: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batcher: Any = None
+    planner: Any = None
+    run_id: str | None = None
+    """Written into every checkpoint's manifest; a resumed run keeps its checkpoint's (pruning touches only it)."""
+    calibration: Any = None
+    """Rank 0: the :class:`~dynabatch.training.calibration.RunCalibration` the planner plans with."""
+    calibration_key: Any = None
+    held_out: Any = None
+    """Rank 0 with ``--eval-holdout``: the rows held out of training (:func:`~dynabatch.training.evaluate.hold_out`)."""
+    placement: Any = None
+    """The :class:`~dynabatch.schedule.placement.Placement` of ``--placement`` (``None``: linear)."""
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return 1.0 - progress if cfg.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def connect(cfg: TrainConfig) -> DistContext:
+    """Join torchrun's world, or make a world of one when launched directly."""
+    if "RANK" in os.environ:
+        return init_distributed(cfg.stages, cfg.replicas, timeout_s=cfg.timeout_s, device=cfg.device)
+    if cfg.world_size != 1:
+        raise ValueError(
+            f"{cfg.stages} stages x {cfg.replicas} replicas need {cfg.world_size} processes: launch with "
+            f"`torchrun --nproc-per-node {cfg.world_size} -m dynabatch train ...`"
+        )
+
+    store = loopback_store(1, cfg.timeout_s)  # listens on 127.0.0.1 only, for the whole run
+    return init_distributed(1, 1, rank=0, world_size=1, store=store, timeout_s=cfg.timeout_s, device=cfg.device)
+
+
+def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
+    """Model stage, optimizer and executor on every rank of the resolved configuration ``cfg`` (:func:`resolve_run`); data (``datasets`` in memory, else as ``cfg`` says:
+    :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
+    are rank 0's start-up choice (:mod:`dynabatch.training.run_layout`); the run's ``cfg`` has its placement
+    resolved (``auto`` becomes the chosen one)."""
+    family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
+    torch.set_num_threads(cfg.threads)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+    info = tokenizer_info(tokenizer)
+    model = build_run_model(cfg.model, cfg.tokenizer, info, family, dropout=cfg.dropout, seed=cfg.seed)
+    check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
+    kernel = lower("attention_kernel", cfg.attention_kernel)  # resolved (train_method's configuration)
+    if cfg.attention_path == "segments" and (problem := kernel_problem(kernel, ctx.device, cfg.dtype)):
+        raise ValueError(problem)
+    use_attention_kernel(kernel)
+    loaded = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
+    chosen = _run_layout(cfg, ctx, model, loaded)
+    cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
+    layout, placement = chosen.layout, chosen.placement
+    spec = pipeline_spec_for(model, layout, "float32")
+    chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path)]
+    stage = chunks[0] if len(chunks) == 1 else DeviceChunks(chunks)
+    zero = None
+    if cfg.zero >= 1 and ctx.num_replicas > 1:  # AdamW over this replica's flat shards (engine.zero)
+
+        zero = ZeroShards([p for c in chunks for p in c.parameters() if p.requires_grad], ctx.dp_group,
+                          ctx.num_replicas, ctx.replica_index, shard_gradients=cfg.zero >= 2)
+    optimizer = torch.optim.AdamW(zero.shard_params if zero is not None else stage.parameters(), lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    executor = Executor(chunks, ctx, optimizer, scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, dropout_seed=cfg.seed,
+                        measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype), zero=zero)
+    run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
+               placement=placement if placement.chunks_per_device > 1 else None)
+    if ctx.is_planner:
+        logger.info(f"pipeline: {chosen.describe()}" + "".join(
+            f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
+        run.held_out, run.batcher = loaded.held_out, loaded.batcher
+        cost_model = planner_cost_model(cfg, model.config, layout)
+        run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
+        run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration,
+                                  spec=spec)
+        if run.calibration.enabled:
+            logger.info(f"cost model: calibration {cfg.calibration_mode}; plans with the {run.planner.plan_costs} costs")
+    return run
+
+
+class _Loaded(NamedTuple):
+    """Rank 0's training data, the rows held out of it (``--eval-holdout``) and its batcher."""
+
+    data: Any
+    held_out: Any
+    batcher: Any
+
+
+def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:
+    """Rank 0: the training data (``datasets`` in memory, else as ``cfg`` says) and its batcher."""
+    data = load_training_data(cfg, tokenizer, family, datasets)
+    for note in data_notes(data):  # numbers cast to text, malformed rows skipped
+        logger.info(f"data: {note}")
+    held_out = None
+    if cfg.eval_holdout:  # these rows are evaluated, never trained on
+        data, held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
+    maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
+    limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                          max_seq_len=cfg.max_input_len)
+    return _Loaded(data, held_out, GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong))
+
+
+def _run_layout(cfg: TrainConfig, ctx: DistContext, model, loaded: _Loaded | None):
+    """Every rank: the run's :class:`~dynabatch.training.run_layout.RunLayout`. The reference split of an
+    explicit placement needs no data, so every rank cuts it alone; otherwise rank 0 (``loaded``) chooses from
+    its first global batches and the others receive the choice."""
+    if cfg.layer_split == "reference" and cfg.placement != "auto":
+        placement = Placement.parse(cfg.placement, cfg.stages)
+        return RunLayout(placement, layout_for(model, placement.num_stages, placement, cfg.cuts_inside_blocks))
+    chosen = sampled_run_layout(cfg, model, loaded.data, loaded.batcher) if ctx.is_planner else None
+    return share_run_layout(ctx, chosen, layer_kinds(analytic_spec(model.config)), cfg.startup_timeout_s)
+
+
+def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
+    """Rank 0's :class:`~dynabatch.training.calibration.RunCalibration` (fit ``None`` with ``--calibrate off``;
+    warm-started from ``--calibration-file``) and the key a calibration file of this run carries. A fresh
+    run with the start-up calibration waits for it before planning step 0 (``recorded_through = -2``)."""
+    key = calibration_key(cfg, model_config, layout)
+    mode = cfg.calibration_mode
+    if mode == "off":
+        return RunCalibration(cost_model, None, cfg.plan_ahead), key
+    warm = load_calibration(cfg.calibration_file, key) if cfg.calibration_file else None
+    fit = new_fit(cost_model, cfg, warm)
+    return RunCalibration(cost_model, fit, cfg.plan_ahead, recorded_through=-2 if mode == "quick" else -1), key
+
+
+def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
+    """Train ``max_steps`` steps of the resolved configuration (on ``datasets`` in memory when given); rank 0 prints
+    the resolved choices, writes ``OUTPUT/config.yaml`` and returns the summary."""
+    cfg = resolved.config
+    if checkpoints:
+        prepare_output_dir(cfg, ctx)
+    info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
+    run = build_run(cfg, ctx, datasets)
+    if cfg.placement != run.cfg.placement:  # --placement auto, chosen from the run's first global batches
+        resolved = resolved.with_choice("placement", run.cfg.placement, "the shortest predicted step on the run's "
+                                        "first global batches")
+    cfg = run.cfg
+    if ctx.is_planner:
+        record_resolved(resolved, resuming=info is not None)
+    start = resume(run, info, _lr_lambda(cfg))
+    memory = cfg.memory_gib * 2**30
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if ctx.is_planner:
+        truncate_metrics(metrics_path, start)  # steps the earlier run logged after its last checkpoint
+    writer = MetricsWriter(metrics_path) if ctx.is_planner else None
+    evaluator = None
+    if evaluation_enabled(cfg):  # rank 0 loads the evaluation set (training.evaluate)
+        evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
+    bad_steps = 0
+    ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, cfg.planner) if ctx.is_planner else None
+    if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
+        try:
+            quick_calibration(run.executor, ctx, run.planner, run.spec, start,  # collective
+                              startup_timeout_s=cfg.startup_timeout_s)
+        except BaseException:
+            if ahead is not None:
+                run.calibration.close()
+                ahead.close()
+            raise
+    tracker = Trackers()  # rank 0: TensorBoard / W&B as --report-to says (training.tracking)
+    bar = progress(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", unit="steps", disable=not ctx.is_planner,
+                   leave=False)  # a bar on a terminal, plain periodic lines in a file
+    planned = result = None
+    try:
+        if ctx.is_planner:
+            tracker = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_dict(), start)
+        for step in range(start, cfg.max_steps):
+            maybe_crash(step, ctx.rank)
+            wait = 0.0
+            if ctx.is_planner:
+                planned, wait = ahead.get(timeout_s=max(600.0, cfg.timeout_s))
+                assert planned.step == step, (planned.step, step)
+            kernels_before = Counter(KERNEL_CALLS)
+            t0 = time.perf_counter()
+            result = train_step(
+                run.executor, ctx, step,
+                planned.replica_micro_batches if ctx.is_planner else None,
+                spec=run.spec, policy=lower("policy", cfg.policy),
+                costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
+                schedules=planned.schedules if ctx.is_planner else None,
+                slice_links=planned.slice_links if ctx.is_planner else None,
+                receive_timeout_s=cfg.startup_timeout_s if step == start else None,  # rank 0 may still be loading
+                model_state_bytes=planned.model_state_bytes if ctx.is_planner else 0.0, placement=run.placement,
+                plans=planned.plans if ctx.is_planner else None,  # lowered and validated by the planner
+            )
+            elapsed = time.perf_counter() - t0
+            gathered = gather_measurements(ctx, result)  # collective
+            if ctx.is_planner:
+                saved_peaks = stage_peaks(ctx, gathered)
+                run.calibration.record(ctx, planned, gathered, elapsed)
+            bad_steps = bad_steps + 1 if result.skipped and not result.overflowed else 0
+            if result.overflowed and ctx.is_planner:
+                logger.info(f"step {step}: fp16 gradients overflowed at loss scale {result.loss_scale:g}; the step was "
+                            "skipped and the scale halved")
+            elif result.skipped and ctx.is_planner:
+                logger.warning(f"step {step}: {_non_finite(result)}; the optimizer step was skipped "
+                               f"({bad_steps} in a row; the run stops at --max-bad-steps {cfg.max_bad_steps})")
+            task_loss = None
+            if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.max_steps):
+                task_loss = gather_task_losses(ctx, result, planned)  # collective
+            if ctx.is_planner:
+                record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
+                record["attention"] = run.stage.attention
+                record["attention_kernels"] = calls_since(kernels_before)  # this rank's calls per kernel
+                record["dtype"] = cfg.dtype
+                if result.loss_scale is not None:
+                    record["loss_scale"] = result.loss_scale
+                record["memory_measured_bytes"] = saved_peaks
+                record["model_state_bytes"] = [g["model_state"] for g in gathered]  # per global rank, measured
+                record["model_state_bytes_predicted"] = list(planned.model_state_bytes)  # per stage, priced
+                record["gradient_peak_bytes"] = [g["grad_peak"] for g in gathered]  # per global rank, measured
+                record["gradient_peak_bytes_predicted"] = [g["grad_peak_predicted"] for g in gathered]
+                if cfg.zero >= 2:
+                    record["gradient_collectives"] = [g["grad_collectives"] for g in gathered]  # per global rank
+                record["memory_predicted_bytes"] = list(planned.predicted_saved_bytes)
+                record.update(prediction_record(ctx, gathered, planned, elapsed, writer.records, run.calibration))
+                record.update(efficiency_record(ctx, gathered, planned, elapsed, planned.plan_model,
+                                                run.planner.family))
+                if task_loss is not None:
+                    record["task_loss"] = task_loss
+                    logger.info(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
+                writer.write(record)
+                tracker.log(step_scalars(record), step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if cfg.logging_steps and (step + 1) % cfg.logging_steps == 0:
+                    logger.info(json.dumps({k: record[k] for k in _SHOWN}))
+            if bad_steps >= cfg.max_bad_steps:
+                if ctx.world_size > 1:  # every rank decides alike; wait so rank 0 has written this step's record
+                    dist.barrier(group=ctx.delivery_group)
+                raise TrainingDivergedError(
+                    f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
+                    f"gradient norm (step {step}: {_non_finite(result)}) and were skipped (--max-bad-steps "
+                    f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --learning-rate (now {cfg.learning_rate:g}) or "
+                    "--max-grad-norm, or check the data; --resume-from-checkpoint continues from the newest checkpoint"
+                )
+            if evaluator is not None and evaluator.due(step):
+                row = evaluator.evaluate(run, step)  # collective; rank 0 appends the row to metrics.jsonl
+                if row is not None:
+                    logger.info(format_eval(row))
+                    tracker.log(flat_metrics(row), step)
+            last = step + 1 == cfg.max_steps
+            if checkpoints and ((cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last):
+                save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
+        if cfg.timeline and result is not None:
+            _write_timeline(run, result, planned)
+        if ctx.is_planner and run.calibration.enabled and result is not None:
+            save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
+                             cfg.max_steps - 1)
+    finally:
+        bar.close()
+        tracker.close()
+        if ahead is not None:
+            run.calibration.close()
+            ahead.close()
+    if not ctx.is_planner:
+        return None
+    summary = summarize(writer.records, cfg.method)
+    if evaluator is not None and evaluator.rows:
+        summary["eval"] = evaluator.rows[-1]["eval"]
+    return summary
+
+
+class TrainingDivergedError(ValueError):
+    """``max_bad_steps`` steps in a row had a non-finite loss or gradient norm (the settings diverge)."""
+
+
+def _non_finite(result) -> str:
+    return f"loss {result.loss} and gradient norm {result.grad_norm}"
+
+
+_SHOWN = ("step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s", "predicted_step_s",
+          "plan_wait_s")
+
+
+def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> dict[str, Any]:
+    return {
+        "step": step,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": lr,
+        "real_tokens": planned.real_tokens,
+        "computed_tokens": planned.computed_tokens,
+        "padding_efficiency": planned.real_tokens / planned.computed_tokens,
+        "loss_tokens": result.num_loss_tokens,
+        "num_samples": len(planned.batch),
+        "num_micro_batches": planned.num_micro_batches,
+        "sliced_samples": planned.num_sliced_samples,
+        "candidate": planned.candidate,
+        "recompute": planned.recompute_counts,
+        "micro_batch_shapes": [list(map(list, s)) for s in planned.shapes],
+        "tokens_per_s": planned.real_tokens / elapsed,
+        "step_time_s": elapsed,
+        "predicted_step_s": planned.predicted_step_s,
+        "bubble_fraction_predicted": planned.bubble_fraction,
+        "schedule_policy": [s.policy for s in planned.schedules],  # per replica: linear policy, or the placed order
+        "plan_time_s": planned.plan_time_s,
+        "plan_wait_s": wait,
+        "plan_overlap": planning_overlap([{"plan_time_s": planned.plan_time_s, "plan_wait_s": wait}]),
+        "skipped": result.skipped,
+        "truncated": planned.batch.num_truncated,
+        "dropped": planned.batch.num_dropped,
+        "samples_digest": _digest(planned.batch),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def prediction_record(ctx, gathered, planned, elapsed: float, records: list, calibration) -> dict[str, Any]:
+    """Predicted against measured for one step's record: per stage (replica 0, forward + backward seconds),
+    the step's relative error and its running median over the last 10 steps (``records``: the earlier ones)."""
+    import numpy as np
+
+    err = abs(planned.predicted_step_s - elapsed) / elapsed if elapsed > 0 else 0.0
+    recent = [r["prediction_error"] for r in records[-9:] if "prediction_error" in r] + [err]
+    c = (planned.predicted_costs or planned.costs)[0]
+    predicted = (np.asarray(c.fwd_s) + np.asarray(c.bwd_s)).sum(axis=1)
+    out = {"predicted_makespan_s": planned.predicted_makespan_s,
+           "stage_time_measured_s": stage_times(ctx, gathered), "stage_time_predicted_s": [float(x) for x in predicted],
+           "prediction_error": err, "prediction_error_median": float(np.median(recent)),
+           "calibration": "off" if not calibration.enabled else f"online as of step {calibration.as_of(planned.step)}"}
+    return out
+
+
+def _digest(batch) -> str:
+    """Short hash of the (source, row) ids of a global batch: equal digests = the same samples."""
+    import hashlib
+
+    ids = ",".join(f"{s.source_index}:{s.row_index}" for s in batch.samples)
+    return hashlib.sha1(ids.encode()).hexdigest()[:16]
+
+
+def _write_timeline(run: _Run, result, planned) -> None:
+    """Collective: the last step's measured timeline (replica 0) next to its simulated twin."""
+    import numpy as np
+
+    measured = gather_timelines(run.ctx, result)
+    if not run.ctx.is_planner:
+        return
+    shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
+    costs = (planned.predicted_costs or planned.costs)[0]
+    if run.placement is not None:  # virtual stages: the planner's list schedule, the order plan_step lowered
+        simulated = timeline_ops(planned.schedules[0].device_orders)
+        makespan = max(op.end_s for op in simulated)
+    else:
+        simulated = simulate(planned.schedules[0], costs)
+        makespan = simulated.makespan_s
+    out = run.cfg.output_dir
+    trace = to_chrome_trace(measured[0], shapes=shapes, pid=0, process_name=f"measured step {planned.step}")
+    twin = to_chrome_trace(simulated, shapes=shapes, pid=1, process_name=f"simulated step {planned.step}")
+    trace["traceEvents"] += twin["traceEvents"]
+    with open(os.path.join(out, "timeline.json"), "w", encoding="utf-8") as f:
+        json.dump(trace, f)
+    paths = [os.path.join(out, "timeline_measured.png"), os.path.join(out, "timeline_simulated.png")]
+    plot_timeline(measured[0], paths[0], title=f"measured step {planned.step} ({run.cfg.method})", memory=False)
+    plot_timeline(simulated, paths[1], title=f"simulated twin (cost model), makespan {makespan:.3f} s",
+                  memory=False)
+    _stack_pngs(paths, os.path.join(out, "timeline.png"))
+
+
+def _stack_pngs(paths: list[str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = [plt.imread(p) for p in paths]
+    fig, axes = plt.subplots(len(images), 1, figsize=(12, 3.2 * len(images)))
+    for ax, img in zip(axes, images):
+        ax.imshow(img)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def resolve_run(cfg: TrainConfig) -> Resolved:
+    """``cfg`` resolved for this machine and model (:func:`dynabatch.training.config.resolve.resolve`): whether CUDA is
+    available, the model's sequence kind (checked before anything loads) and the world size. The tokenizer is
+    resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
+    name it."""
+    kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
+    return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
+                              world_size=cfg.world_size))
+
+
+def record_resolved(resolved: Resolved, resuming: bool) -> None:
+    """Rank 0: log the resolved choices once as a short table and write ``OUTPUT/config.yaml`` (every field,
+    resolved: ``dynabatch train --config`` it to run the same again). A resume first reads the earlier run's
+    file and logs the fields that differ."""
+    cfg = resolved.config
+    path = os.path.join(cfg.output_dir, CONFIG_FILE)
+    if resolved.reasons:
+        logger.info("resolved configuration (option, value, why):\n" + resolved.table())
+    if resuming and os.path.exists(path):
+        changed = config_differences(load_config_file(path), cfg)
+        logger.info(f"resume: {CONFIG_FILE} of the earlier run " + (
+            "differs in " + "; ".join(changed) if changed else "is this run's configuration"))
+    write_config_file(path, cfg)
+
+
+def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
+    if ctx.is_planner:
+        info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
+        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
+
+
+def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
+    """Run ``cfg`` (and ``cfg.compare_method`` from the same start); rank 0 logs and returns the summary.
+    ``datasets``: train on a ``datasets.Dataset`` / ``IterableDataset`` (or a mapping of task names to them)
+    instead of ``cfg.mixture`` / ``cfg.data`` (rank 0's are used; ``cfg.columns`` maps their columns).
+    With several ranks, an error ends this process at once with one line of its own
+    (:func:`~dynabatch.engine.faults.fail_fast`); in a world of one it is raised for the CLI to print.
+    ``cfg.full_determinism``: torch's deterministic settings for the run (:mod:`dynabatch.engine.determinism`)."""
+    resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
+    kernel = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
+    try:
+        with full_determinism(resolved.config.full_determinism, resolved.config.seed):
+            return _train(cfg, resolved, datasets)
+    finally:
+        use_attention_kernel(kernel)
+
+
+def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None:
+    """:func:`train` of the configuration as ``given`` and as ``resolved``."""
+    cfg = resolved.config
+    ctx = connect(cfg)
+    setup_logging(cfg.log_level, ctx.rank)
+    quiet_third_party(ctx.rank)
+    try:
+        # With peers, a failure prints this rank's line and exits at once, groups left up (engine.faults).
+        with fail_fast(ctx):
+            if ctx.is_planner:
+                check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
+            log_tokenizer(given, ctx)
+            summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
+            if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
+                other = resolve_run(dataclasses.replace(
+                    given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
+                    output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
+                os.makedirs(other.config.output_dir, exist_ok=True)
+                summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+            if not ctx.is_planner:
+                return None
+            summary = {"runs": summaries, "config": cfg.to_dict()}
+            log_result(logger, "== summary ==")  # the run's result: printed at every --log-level
+            for s in summaries:
+                log_result(logger, format_summary(s))
+            if len(summaries) == 2 and summaries[1]["tokens_per_s"] > 0:
+                ratio = summaries[0]["tokens_per_s"] / summaries[1]["tokens_per_s"]
+                summary["speedup_vs_compare"] = ratio
+                log_result(logger, f"speed-up of {cfg.method} over {cfg.compare_method} (real tokens/s, same "
+                                   f"batches): {ratio:.2f}x")
+            if cfg.timeline:
+                logger.info(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
+            with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1)
+            return summary
+    finally:
+        shutdown()
