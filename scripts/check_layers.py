@@ -17,7 +17,7 @@ The rules: no edge inside a cycle, no upward import (at module level or in a fun
 without a reason. Today's violations are listed in ``scripts/layers_allowlist.txt``; the script exits 1 on any violation that is not in the allowlist and on any allowlisted entry that no longer occurs (so
 the list only shrinks: delete the line when its violation is fixed). ``--no-allowlist`` reports every violation.
 
-Usage: ``python scripts/check_layers.py [--graph] [--list] [--no-allowlist] [--prune]`` (tests/unit/test_layers.py runs it).
+Usage: ``python scripts/check_layers.py [--graph] [--list] [--no-allowlist] [--prune]`` (tests/unit/project/test_layers.py runs it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PACKAGE = "dynabatch"
 ALLOWLIST = Path(__file__).resolve().parent / "layers_allowlist.txt"
 
 LAYERS: tuple[str, ...] = (
-    "core", "data", "cost", "plan", "schedule", "models", "engine", "app", "integrations", "commands", "cli",
+    "core", "data", "cost", "plan", "schedule", "models", "engine", "training", "integrations", "commands", "cli",
 )
 """The target layers, bottom to top: each may import only from layers below it (and itself).
 
@@ -45,7 +45,7 @@ LAYERS: tuple[str, ...] = (
 - ``schedule``: policies, simulator, placement, lowering to per-rank instructions, validator;
 - ``models``: model families, stage modules, attention paths;
 - ``engine``: the pipeline engine (process groups, p2p, delivery, executor, checkpoint I/O, launch);
-- ``app``: the training application (loop, planner service, calibration, layout choice, evaluation, metrics,
+- ``training``: the training application (loop, planner service, calibration, layout choice, evaluation, metrics,
   tracking, its configuration);
 - ``integrations``: Hugging Face DataLoader and Trainer;
 - ``commands`` and ``cli``: every command, the top of the house.
@@ -62,7 +62,7 @@ PLACEMENT: dict[str, str] = {
     "schedule": "schedule",
     "models": "models",
     "engine": "engine",
-    "training": "app",
+    "training": "training",
     "integrations": "integrations",
     "commands": "commands",
     "cli": "cli",

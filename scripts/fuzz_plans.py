@@ -13,7 +13,7 @@ token slicing and a schedule policy (gpipe, 1f1b, adaptive with a slack, or ``ch
   and the adaptive policy stays within the memory limit it was given whenever every micro-batch fits alone.
 
 Deterministic for a seed. ``python scripts/fuzz_plans.py --cases 5000`` (the test suite runs 300
-cases via ``tests/unit/test_fuzz_pipeline.py``). Measured on one core: about 35-40 cases/s (1000 cases
+cases via ``tests/unit/plan/test_fuzz_pipeline.py``). Measured on one core: about 35-40 cases/s (1000 cases
 in 28 s: 806 planned and validated, 194 clear errors); seeds 0-499 and 1000-4999 and 5000-5999 pass.
 """
 

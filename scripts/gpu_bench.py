@@ -1,7 +1,7 @@
 """One-GPU benchmark: dynamic micro-batching vs packing_free vs packing vs padding (bf16, padding-free attention), plus a cost-model profile.
 
     python scripts/gpu_bench.py                       # CUDA, bf16 autocast, about 5-8 minutes on one GPU
-    python scripts/gpu_bench.py --device cpu --quick  # smoke run of the same code path (tests/unit/test_gpu_bench.py)
+    python scripts/gpu_bench.py --device cpu --quick  # smoke run of the same code path (tests/unit/cost/test_gpu_bench.py)
 
 What it measures, in one process on one device (the results go to ``--out``, default ``runs/gpu_bench``):
 

@@ -8,7 +8,7 @@ models) a token-sliced micro-batch of heavy-tailed lengths, each kernel of
 :mod:`dynabatch.models.attention_kernels` runs the same micro-batch; the script prints, per family, layout,
 dtype and kernel, which kernels served the calls, the loss's and the gradients' largest relative
 difference from ``sdpa``, and the median forward + backward time over ``--repeats``. It ends with one JSON
-line. ``tests/unit/test_attention_kernels.py`` checks the same on CPU (flex forward, varlen's packing).
+line. ``tests/unit/models/test_attention_kernels.py`` checks the same on CPU (flex forward, varlen's packing).
 """
 
 from __future__ import annotations

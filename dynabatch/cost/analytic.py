@@ -47,7 +47,7 @@ the attention-score gradients (eager attention: ``2 p b h Tq Tk``). The LM head'
 forward's logits and their fp32 copy (``(p + 4) bT V``) and its backward's two fp32 logit gradients (the
 log-probabilities' and the logits', ``8 bT V`` whatever ``p``): under bf16 autocast the backward is the
 peak (measured on CPU with the allocator's events: 12 bytes per logit above the hidden states in fp32 and
-in bf16; ``tests/unit/test_analytic.py``).
+in bf16; ``tests/unit/cost/test_analytic.py``).
 
 Per-segment (padding-free) attention: ``pairs=`` (:class:`~dynabatch.cost.pairs.AttentionPairs`) gives the
 score pairs each attention kind computes, summed over rows and over the samples packed in a row (``sum

@@ -48,7 +48,7 @@ Precision (:mod:`dynabatch.engine.precision`): forwards run under ``torch.autoca
 one outer, disabled autocast region, so autocast's cast cache lives for the step: every micro-batch's forward
 shares one half-precision copy of each weight. With autocast entered per forward only, each forward re-cast
 the weights and each micro-batch in flight kept its own copy saved for backward (GPT-2 small on the H200: 85
-micro-batches of one step held about 20 GB of them; ``tests/unit/test_executor_autocast.py``). Backward runs
+micro-batches of one step held about 20 GB of them; ``tests/unit/engine/test_executor_autocast.py``). Backward runs
 with autocast disabled, as before. Activations travel in the
 plan's dtype and gradients are cast back to the dtype of the tensor they belong to. Under fp16 the last stage
 backpropagates the loss times :class:`~dynabatch.engine.precision.LossScaler`'s scale; ``STEP`` divides the

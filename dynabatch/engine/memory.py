@@ -14,7 +14,7 @@ core the checkpoint's own hooks replace these, so nothing the region saves inter
 dropped and recomputed in backward). What the region really keeps, its tensor inputs, is saved through an
 identity autograd node in front of it, so the meter counts it like any saved tensor, once per storage, until
 the region's backward has run. The recomputed activations, alive only during one region's backward, are
-not counted. Measured (tests/unit/test_recompute.py): a two-block GPT-2 stage keeps exactly its two
+not counted. Measured (tests/unit/models/test_recompute.py): a two-block GPT-2 stage keeps exactly its two
 ``(B, T, d)`` block inputs under ``full``.
 """
 

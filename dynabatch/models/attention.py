@@ -31,7 +31,7 @@ HF layers reach this through ``transformers.AttentionInterface``: :data:`SEGMENT
 as an attention implementation, a stage built with ``attention="segments"`` sets it on its copy of the
 config, and passes a :class:`Segments` where HF passes ``attention_mask``; GPT-2, Llama/Qwen2/Mistral and
 T5 layers hand it unchanged to the attention function. Outputs, losses and gradients equal the dense
-path's on real tokens (fp32 ``assert_close``, tests/unit/test_attention.py); a sample's loss has exactly
+path's on real tokens (fp32 ``assert_close``, tests/unit/models/test_attention.py); a sample's loss has exactly
 zero gradient with respect to another sample's inputs in the same row.
 
 Measured (``scripts/bench_attention.py``): see docs/algorithms/runtime.md, "Padding-free attention".

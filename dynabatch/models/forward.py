@@ -23,7 +23,7 @@ ones, so packing needs no position ids there. T5 runs ``model.encoder`` / ``mode
 (``T5ForConditionalGeneration.forward`` would rebuild 2-D masks) and then rescales the decoder output
 by ``d_model ** -0.5`` when ``config.scale_decoder_outputs`` (tied embeddings) before ``lm_head``,
 exactly as HF does. Losses are token sums in fp32; normalising by the global batch's loss-token
-count is the caller's job. Tests (tests/unit/test_forward.py) show per-sample losses and gradients
+count is the caller's job. Tests (tests/unit/models/test_forward.py) show per-sample losses and gradients
 equal between single-sample, padded and packed micro-batches under ``sdpa`` and ``eager``, and
 equal to HF's own ``labels=`` loss.
 """

@@ -16,7 +16,7 @@ A stage holds a contiguous run of the layer kinds ``embedding, gpt x L, lm_head`
   loss sum against the micro-batch's pre-shifted ``target_ids`` (loaded as ``labels``).
 
 Chained stages reproduce :func:`~dynabatch.models.forward.causal_lm_forward` on the whole model, loss
-and gradients (tests/unit/test_stage_split.py). The constructor references the model's own
+and gradients (tests/unit/models/test_stage_split.py). The constructor references the model's own
 submodules; :func:`dynabatch.models.split.build_stage` deep-copies the result so the stage owns its
 parameters and fills :attr:`GPT2Stage.parameter_map`.
 """

@@ -21,7 +21,7 @@ RNG exactness. The checkpoint runs with ``preserve_rng_state=True``: it stashes 
 device) RNG state on entry and restores it for the recomputation, so dropout masks drawn again equal the
 original ones; the executor seeds each stage forward with ``forked_rng(seed_for(...))``
 (:mod:`dynabatch.models.split`, "Dropout"), so the stashed state is the same in every mode and losses and
-gradients under ``selective`` / ``full`` equal ``none`` (fp32, tests/unit/test_recompute.py). The
+gradients under ``selective`` / ``full`` equal ``none`` (fp32, tests/unit/models/test_recompute.py). The
 recomputation also runs under the forward's mode (:func:`_in_mode`; the backward may run on another
 thread or outside the executor's context) and the forward's autocast state (the checkpoint records it).
 
@@ -38,7 +38,7 @@ slice cache during the recomputation again; :meth:`~dynabatch.models.slice_kv.Sl
 the block's keys/values are already recorded and returns the recorded context leaf joined with the
 recomputed keys/values without recording anything, so the backward roots, the context leaves whose
 gradient goes to the previous slice and the context handed to the next slice stay the original forward's.
-Sliced forwards therefore run all three modes exactly (tests/unit/test_recompute.py).
+Sliced forwards therefore run all three modes exactly (tests/unit/models/test_recompute.py).
 """
 
 from __future__ import annotations

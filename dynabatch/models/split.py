@@ -16,7 +16,7 @@ spec and stage inputs a model has; this module only composes them.
 3. ``stage.parameter_map`` (also ``stage.original_names()``) maps every stage parameter name to the
    original model's parameter name (the canonical one ``model.named_parameters()`` yields, e.g.
    ``transformer.wte.weight`` for GPT-2's tied head). Summing the gradients of the stage parameters that
-   map to one name gives the unsplit model's gradient of that name (tests/unit/test_stage_split.py).
+   map to one name gives the unsplit model's gradient of that name (tests/unit/models/test_stage_split.py).
 4. :func:`micro_batch_inputs` maps a micro-batch to a stage's ``loaded`` dict by the names of
    :meth:`~dynabatch.schedule.ir.PipelineSpec.load_tensors` (GPT's ``labels`` are the pre-shifted
    ``target_ids``; T5's ``segment_ids`` are the encoder segment ids).

@@ -80,7 +80,7 @@ def relative_position_bias(table: nn.Embedding, config, query_length: int, key_l
     backward then sums the windows' gradients (``unfold``'s native backward) into Q + K - 1 rows before
     the embedding's scatter, instead of scattering Q x K x H values; at Q = K = 2048 with 4 heads that
     takes the bias's forward + backward from about 0.8-1.0 s to 0.1-0.3 s on one CPU core. Values are
-    bitwise HF's; gradients equal up to summation order (tests/unit/test_stage_split.py).
+    bitwise HF's; gradients equal up to summation order (tests/unit/models/test_stage_split.py).
     """
     offsets = torch.arange(-(query_length - 1), key_length, dtype=torch.long, device=table.weight.device)
     buckets = T5Attention._relative_position_bucket(

@@ -39,7 +39,7 @@ micro-batch in stream order cut the summed predicted time by 45% (T5) / 53% (GPT
 samples fit one row; one cost-model call for the whole plan).
 
 Measured, fill/drain order (1F1B simulated op by op, the ``simulate_1f1b`` helper of
-``tests/unit/test_plan_rowpack.py``: forward 1/3 and backward 2/3 of each bottleneck time on every stage,
+``tests/unit/plan/test_plan_rowpack.py``: forward 1/3 and backward 2/3 of each bottleneck time on every stage,
 no communication; same batches; makespan over the DP's formula ``sum(t) + (S - 1) max(t)``)::
 
     family  S  plans                M    planner order  ascending  descending  fill/drain

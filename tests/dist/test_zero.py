@@ -251,7 +251,7 @@ def test_zero2_fp16_loss_scaling_matches_zero0(runs):
     _same_checkpoints(runs("fp16-2"), runs("fp16-0"), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # fast cover: test_zero2_fp16_loss_scaling_matches_zero0 (autocast under --zero 2) and tests/unit/test_equal_counts.py (a baseline's evened counts)
+@pytest.mark.slow  # fast cover: test_zero2_fp16_loss_scaling_matches_zero0 (autocast under --zero 2) and tests/unit/plan/test_equal_counts.py (a baseline's evened counts)
 def test_zero2_trains_a_baseline_under_bf16_with_evened_counts_like_zero0(runs):
     """A baseline (``padding``, 4 samples a micro-batch) under ``--zero 2``: the micro-batches it deals are evened per
     replica (a short replica's costliest cut in two), so it trains, under bf16 autocast, like ``--zero 0``.

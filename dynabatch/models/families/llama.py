@@ -23,7 +23,7 @@ the slice's own position ids continue the sample's (tests/dist/test_llama_pipeli
 
 Qwen2 adds Q/K/V biases, Qwen3 a per-head RMSNorm of Q and K inside the attention (the layer is called
 the same way); Mistral's sliding window is not modelled by the dense mask, so a length limit above
-``sliding_window`` is refused at start. Tried: Llama, Qwen2, Qwen3 and Mistral (tests/unit/test_llama_family.py).
+``sliding_window`` is refused at start. Tried: Llama, Qwen2, Qwen3 and Mistral (tests/unit/models/test_llama_family.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 from conftest import WORDS, random_rows, write_jsonl
 from dynabatch.cli import main
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "inference.md")
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "inference.md")
 SMALL = ["--global-batch-tokens", "1024", "--max-input-len", "128", "--max-target-len", "32", "--max-steps", "1",
          "--no-timeline", "--calibrate", "off", "--logging-steps", "0", "--task-loss-every", "0"]
 

@@ -25,7 +25,7 @@ from dynabatch.plan.candidates import (
 )
 from dynabatch.plan.step import StepPlan
 
-HEAVY = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+HEAVY = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "heavy_tail_1024.npz")
 
 
 def _planner(cfg, batches, limits, tokens):

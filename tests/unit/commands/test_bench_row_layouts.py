@@ -13,8 +13,8 @@ import numpy as np
 
 from dynabatch.data.batching import LengthLimits
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_row_layouts.py")
-HEAVY = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts", "bench_row_layouts.py")
+HEAVY = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "heavy_tail_1024.npz")
 
 
 def _script():

@@ -307,7 +307,7 @@ def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path):
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_trainer.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "hf_trainer.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single, parallel = tmp_path / "single", tmp_path / "parallel"
     common = [script, "--steps", "4"]

@@ -84,8 +84,8 @@ def test_plan_reports_the_states_per_device(capsys):
 
 def test_train_takes_zero_2_with_a_baseline_and_on_virtual_stages():
     """``--zero 2`` was refused with a baseline method and is not: a baseline's dealt micro-batches are evened
-    (``tests/unit/test_equal_counts.py``, trained in ``tests/dist/test_zero.py``), and on virtual stages every replica
-    of a device runs replica 0's chunk order (``tests/unit/test_virtual_lowering.py``, trained in
+    (``tests/unit/plan/test_equal_counts.py``, trained in ``tests/dist/test_zero.py``), and on virtual stages every replica
+    of a device runs replica 0's chunk order (``tests/unit/schedule/test_virtual_lowering.py``, trained in
     ``tests/dist/test_zero.py``)."""
     for method, placement in (("packing", "linear"), ("padding", "auto"), ("dynamic", "interleaved:2"),
                               ("dynamic", "cyclic")):

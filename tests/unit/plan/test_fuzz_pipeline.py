@@ -16,7 +16,7 @@ import pytest
 from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.step import plan_step
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "fuzz_plans.py")
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts", "fuzz_plans.py")
 _spec = importlib.util.spec_from_file_location("fuzz_plans", _PATH)
 fuzz_plans = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("fuzz_plans", fuzz_plans)  # dataclasses look their module up

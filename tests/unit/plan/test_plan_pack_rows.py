@@ -313,7 +313,7 @@ def test_trainer_score_of_many_plans_is_each_plans_own():
     from dynabatch.training.planner import simulated_step_time
     import argparse
 
-    heavy = os.path.join(os.path.dirname(__file__), "..", "..", "data", "heavy_tail_1024.npz")
+    heavy = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "heavy_tail_1024.npz")
     p = argparse.ArgumentParser()
     add_workload_arguments(p)
     w = resolve(p.parse_args(["--model", "t5", "--lengths", heavy]))

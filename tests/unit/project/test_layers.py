@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "check_layers.py"
 
 
@@ -126,12 +126,22 @@ def test_checker_finds_cycles_upward_and_unexplained_imports(check_layers, tmp_p
 
 
 def test_layer_placement_uses_longest_prefix(check_layers, monkeypatch):
-    assert check_layers.layer_of("training.trainer") == "app"
+    assert check_layers.layer_of("training.trainer") == "training"
     assert check_layers.layer_of("engine.executor") == "engine"
-    monkeypatch.setitem(check_layers.PLACEMENT, "engine.executor", "app")
-    assert check_layers.layer_of("engine.executor.inner") == "app"
-    assert check_layers.layer_of("engine.executor") == "app"
+    monkeypatch.setitem(check_layers.PLACEMENT, "engine.executor", "training")
+    assert check_layers.layer_of("engine.executor.inner") == "training"
+    assert check_layers.layer_of("engine.executor") == "training"
     assert check_layers.layer_of("engine.p2p") == "engine"
     assert check_layers.layer_of("cost.analytic") == "cost"
     with pytest.raises(KeyError):
         check_layers.layer_of("nowhere.module")
+
+
+def test_unit_tests_are_filed_by_layer(check_layers):
+    """``tests/unit`` mirrors the layers: one folder per layer of the package (``cli`` tests sit with
+    ``commands``), plus ``project`` for checks of the repository as a whole; no test file loose at the top."""
+    unit = ROOT / "tests" / "unit"
+    folders = {p.name for p in unit.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders <= set(check_layers.LAYERS) | {"project"}, sorted(folders - set(check_layers.LAYERS))
+    assert set(check_layers.LAYERS) - {"cli"} <= folders
+    assert not sorted(unit.glob("test_*.py"))

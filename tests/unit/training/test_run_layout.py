@@ -2,7 +2,7 @@
 prediction of virtual-stage steps.
 
 The torchrun path (rank 0 sends the choice, the other ranks build their chunks from it, a resume chooses the
-same) is tests/unit/test_placement_train.py's; the startup timeout while rank 0 loads is tests/dist/test_faults.py's.
+same) is tests/unit/training/test_placement_train.py's; the startup timeout while rank 0 loads is tests/dist/test_faults.py's.
 """
 
 from __future__ import annotations

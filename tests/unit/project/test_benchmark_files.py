@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCH = os.path.join(ROOT, "docs", "benchmarks")
 RESULT_EXT = (".json", ".jsonl", ".npz", ".png", ".csv", ".log", ".txt")
 FENCE = re.compile(r"^```[^\n]*\n.*?^```", re.M | re.S)

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_slicing.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts", "bench_slicing.py")
 
 
 @pytest.mark.slow  # the script's parts run fast elsewhere: test_bench.py's dynamic_sliced run, test_simulate_slicing.py

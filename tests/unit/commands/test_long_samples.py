@@ -174,12 +174,12 @@ def test_bench_runs_packing_free_split_on_chunks(tmp_path):
 
 
 def test_long_tail_file_is_what_its_script_writes_and_has_the_tail():
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
     from make_long_tail import long_tail_lengths
 
     from dynabatch.training.workload import load_lengths
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "data", "long_tail_32k.npz")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "long_tail_32k.npz")
     assert os.path.getsize(path) < 100_000  # KBs, in the repository
     lengths = load_lengths(path)
     e, d, task = long_tail_lengths()

@@ -1,5 +1,5 @@
 """The planner's speed work changes no plan: for fixed inputs the planned micro-batches are exactly those recorded
-before it (``tests/unit/data/planned_micro_batches.json``).
+before it (``tests/unit/training/golden/planned_micro_batches.json``).
 
 Three paths, each on fixed lengths or a fixed data stream:
 
@@ -11,7 +11,7 @@ Three paths, each on fixed lengths or a fixed data stream:
 - the trainer's planner (``StepPlanner``: t5-tiny, the built-in mixture, 2 stages, 8,192-token batches, as the main
   job plans) with ``pack_rows`` off and auto, three steps each.
 
-Recorded by ``python tests/unit/test_plan_identical.py --write`` at the commit before the speed work (samples by
+Recorded by ``python tests/unit/training/test_plan_identical.py --write`` at the commit before the speed work (samples by
 global-batch index, micro-batches in run order, rows as planned, the kept candidate). A change that is meant to
 change plans records them again, with a test that the new plans are predicted no slower: ``plan``'s cases were
 recorded again when ``plan`` came to price the DP per segment as ``train`` does (the one planning path;
@@ -27,8 +27,8 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "planned_micro_batches.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "planned_micro_batches.json")
 HEAVY = os.path.join(ROOT, "data", "heavy_tail_1024.npz")
 
 
@@ -133,7 +133,7 @@ def test_planned_micro_batches_are_those_recorded(case):
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        raise SystemExit("usage: python tests/unit/test_plan_identical.py --write")
+        raise SystemExit("usage: python tests/unit/training/test_plan_identical.py --write")
     cases = [getattr(c, "values", (c,))[0] for c in CASES.values()]  # pytest.param(case, marks=...) -> case
     result = {k: v for case in cases for k, v in case().items()}
     os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)

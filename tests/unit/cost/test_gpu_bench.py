@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 
 
 def test_gpu_bench_cpu_quick_smoke(tmp_path, capsys, monkeypatch):

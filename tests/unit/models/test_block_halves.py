@@ -4,7 +4,7 @@ The analytic halves add up to the block; the split uses them only where the slow
 ``SPLIT_GAIN`` faster (GPT-1.3B on 4 stages: its head costs about two blocks); a layout with a cut inside a
 block travels between ranks and is checked against the model; token-slice costs price halves like the
 analytic model; chained stages cut inside a block equal the unsplit model under full recomputation too
-(without recomputation: tests/unit/test_stage_split.py and test_llama_family.py).
+(without recomputation: tests/unit/models/test_stage_split.py and test_llama_family.py).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def test_whole_model_padding_free_loss_equals_the_dense_one(family):
 @pytest.mark.parametrize("family", list(MODELS))
 def test_segments_equal_the_dense_path(family, rows, tolerance, monkeypatch):
     """Padded-only and packed-only micro-batches against the whole-model dense reference:
-    tests/unit/test_stage_split.py and test_llama_family.py (their stages are padding-free)."""
+    tests/unit/models/test_stage_split.py and test_llama_family.py (their stages are padding-free)."""
     if tolerance is not None:  # 0: one SDPA call per exact length; 1: every sample padded into one call
         monkeypatch.setattr(pairs, "PAD_TOLERANCE", tolerance)
     model = MODELS[family]()
