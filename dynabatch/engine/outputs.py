@@ -61,14 +61,14 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | Non
     return None
 
 
-def prepare_output_dir(cfg, ctx) -> None:
-    """Collective: rank 0 checks (and with ``cfg.overwrite_output_dir`` clears) the output folder and
-    every rank raises the same ``ValueError`` if the run may not start there."""
+def prepare_output_dir(output_dir: str, ctx, resume: str | bool | None = None, overwrite: bool = False) -> None:
+    """Collective: rank 0 checks (and with ``overwrite`` clears) ``output_dir`` and every rank raises the same
+    ``ValueError`` if the run may not start there (``resume``: the checkpoint the run resumes from, if any)."""
     import torch.distributed as dist
 
     problem = [None]
     if ctx.is_planner:
-        problem[0] = output_dir_problem(cfg.output_dir, resume=cfg.resume_from_checkpoint, overwrite=cfg.overwrite_output_dir)
+        problem[0] = output_dir_problem(output_dir, resume=resume, overwrite=overwrite)
     if ctx.world_size > 1:
         dist.broadcast_object_list(problem, src=0, group=ctx.delivery_group)
     if problem[0] is not None:

@@ -221,7 +221,8 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     the resolved choices, writes ``OUTPUT/config.yaml`` and returns the summary."""
     cfg = resolved.config
     if checkpoints:
-        prepare_output_dir(cfg, ctx)
+        prepare_output_dir(cfg.output_dir, ctx, resume=cfg.resume_from_checkpoint,
+                           overwrite=cfg.overwrite_output_dir)
     info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
     run = build_run(cfg, ctx, datasets)
     if cfg.placement != run.cfg.placement:  # --placement auto, chosen from the run's first global batches
