@@ -68,27 +68,22 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from dynabatch.commands.bench_report import (  # noqa: F401 (gpu_bench imports them from here)
     PACK_ROWS_OF, PEER, PLAN_VARIANTS, print_progress, print_table, summary_line)
+from dynabatch.commands.bench_data import LazyPlans, load_batches
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
 from dynabatch.commands.common import json_arg, parse_methods, write_json
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.resolve import Found, Resolved, lower, lower_args, resolve
 from dynabatch.training.config.sections import arg
-from dynabatch.data.builtin import default_mixture_path
-from dynabatch.data.tokenize import load_tokenizer, resolve_tokenizer, tokenizer_info
+from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import CAUSAL_ONLY, DYNAMIC_SLICED, check_method_family
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
-from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.training.workload import global_batches, is_mixture_spec
-from dynabatch.data.batching import GlobalBatcher, LengthLimits
-from dynabatch.data.inputs import load_data
+from dynabatch.data.batching import LengthLimits
 from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key, with_tuned
 from dynabatch.training.config import TrainConfig
 from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
@@ -290,64 +285,6 @@ def _config(args, method: str):
     )
 
 
-class _LazyPlans:
-    """A calibrated method's planned steps, planned on first access in step order (the online fit a step is
-    planned with needs the measurements of the steps before it); indexable and iterable like a list."""
-
-    def __init__(self, planner, num_steps: int) -> None:
-        self.planner, self.num_steps, self._plans = planner, num_steps, []
-
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(self.num_steps))]
-        while len(self._plans) <= k:
-            self._plans.append(self.planner())
-        return self._plans[k]
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-    def __iter__(self):
-        return (self[i] for i in range(self.num_steps))
-
-
-def load_batches(args, family: str, limits, info, num_batches: int) -> list:
-    """``num_batches`` global batches of the workload (``--data`` with ``--columns``, read as ``train`` reads it,
-    or ``--lengths``); lengths files get random ids of their exact lengths."""
-
-    tokenizer = resolve_tokenizer(args.tokenizer, args.model)
-    if args.data is not None:
-        return _data_batches(args, family, limits, tokenizer, num_batches)
-    path = args.lengths or default_mixture_path()
-    batches = global_batches(path, family, limits, args.global_batch_tokens, num_batches, tokenizer=tokenizer)
-    if not batches:
-        raise ValueError(f"{path}: no global batch could be formed")
-    if is_mixture_spec(path):
-        return batches
-    rng = np.random.default_rng(args.seed)
-    special = max(info.pad_id, info.eos_id, info.decoder_start_id) + 1
-    low = min(special, info.vocab_size - 1)
-
-    def ids(n: int) -> np.ndarray:
-        return rng.integers(low, info.vocab_size, size=n, dtype=np.int64).astype(np.int32)
-
-    out = []
-    for b in batches:
-        samples = tuple(TokenizedSample(s.task, ids(s.input_len), ids(s.target_len), s.source_index, s.row_index)
-                        for s in b.samples)
-        out.append(GlobalBatch(step=b.step, samples=samples, num_truncated=b.num_truncated))
-    return out
-
-
-def _data_batches(args, family: str, limits, tokenizer: str, num_batches: int) -> list:
-    """The first ``num_batches`` global batches of ``--data`` (:func:`~dynabatch.data.inputs.load_data`, as
-    ``dynabatch train`` reads it: the same columns, task column and row order)."""
-
-    data = load_data(load_tokenizer(tokenizer), family, data=args.data, columns=args.columns, seed=args.seed)
-    batcher = GlobalBatcher(data, limits, token_budget=args.global_batch_tokens)
-    return [batcher.next_batch() for _ in range(num_batches)]
-
-
 def _peer_steps(planned: list, spec, rows: int, is_planner: bool, group) -> list:
     """The ``pipelining`` method's steps from packing's planned steps: fixed-shape inputs on rank 0, and the
     micro-batch count, shape and loss-token count broadcast to every rank (before the timed loop).
@@ -461,7 +398,7 @@ def bench(args, methods: list[str]) -> dict | None:
         if ctx.is_planner:
             for m in methods:
                 if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
-                    runs[m].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
+                    runs[m].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
                                                              calibration=calibration), num_steps)
                 elif m in OWN_BASE:  # planned ahead with their own base model
                     own = planner_cost_model(cfgs[m], model.config, layout)
@@ -478,7 +415,7 @@ def bench(args, methods: list[str]) -> dict | None:
                 if key in calibrated:  # one fit per placement, a coefficient set per chunk
                     if name not in fits:
                         fits[name], _ = run_calibration(placed_cfg, own, model.config.to_dict(), chunk_layout)
-                    runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info,
+                    runs[key].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info,
                                                                calibration=fits[name]), num_steps)
                 else:
                     planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
@@ -496,7 +433,7 @@ def bench(args, methods: list[str]) -> dict | None:
             for key in [tuned_key(m) for m in BASELINES if tuned_key(m) in runs and calibrated]:  # calibrated too
                 calibrated.append(key)
                 if ctx.is_planner:
-                    runs[key].planned = _LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
+                    runs[key].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
                                                                info, calibration=calibration), num_steps)
         if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
             for placement_name in dict.fromkeys(key.partition("@")[2] for key in calibrated):
