@@ -20,7 +20,8 @@ import sys
 os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "numba"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from dynabatch.commands.bench import METHODS, main  # noqa: E402
+from dynabatch.cli import main  # noqa: E402
+from dynabatch.commands.bench import METHODS  # noqa: E402
 
 
 def plot(out: str, files: list[str]) -> None:
@@ -63,4 +64,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--plot":
         plot(sys.argv[2], sys.argv[3:])
         sys.exit(0)
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ What it measures, in one process on one device (the results go to ``--out``, def
    shapes, saved as ``profile.json``, then a calibration check (:func:`dynabatch.cost.calibrate.run_check`)
    of the tables against freshly measured off-grid shapes: the relative error of the predicted time and
    memory (printed and saved as ``profile_check.json``).
-2. **Throughput** (``dynabatch bench``'s :func:`~dynabatch.commands.bench.bench`, in this process): each
+2. **Throughput** (``dynabatch bench``'s :func:`~dynabatch.commands.bench_run.bench`, in this process): each
    method trains its own copy of the same seeded model on the same global batches of the built-in mixture
    through our :class:`~dynabatch.engine.executor.Executor` (fp32 master weights, bf16 autocast), steps
    interleaved across methods. ``dynamic`` plans with the profile just measured (``--cost-profile``);
@@ -97,7 +97,8 @@ def profile(settings: dict, model: str, device: str, out: str) -> tuple[str, dic
 
 def bench_args(settings: dict, model: str, methods: str, cost_profile: str | None, out_json: str,
                lengths: str | None = None, tune: bool = False) -> argparse.Namespace:
-    from dynabatch.commands.bench import add_arguments, resolve_defaults
+    from dynabatch.commands.bench import add_arguments
+    from dynabatch.commands.bench_run import resolve_defaults
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -135,7 +136,8 @@ def main(argv=None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the executor picks CUDA whenever it sees one
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    from dynabatch.commands.bench import bench, print_table, summary_line
+    from dynabatch.commands.bench_report import print_table, summary_line
+    from dynabatch.commands.bench_run import bench
 
     profile_path, check = (None, None) if args.skip_profile else profile(settings, settings["model"], args.device, args.out)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from dynabatch.commands.bench import add_arguments, resolve_defaults
+from dynabatch.commands.bench import add_arguments
+from dynabatch.commands.bench_run import resolve_defaults
 from dynabatch.commands.bench_data import load_batches
 
 FIELDS = ("tokens_per_s", "tokens_per_s_per_step", "step_time_s", "padding_efficiency", "bubble_fraction_predicted",

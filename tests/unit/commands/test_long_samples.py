@@ -224,12 +224,12 @@ def test_bench_passes_its_timeout_to_the_runs():
     """A step of long micro-batches on a busy CPU can outlast the default 120 s peer timeout: --timeout-s raises it."""
     import argparse
 
-    from dynabatch.commands import bench
+    from dynabatch.commands import bench, bench_run
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     args = p.parse_args(["--model", "gpt2-d256-8k", "--max-input-len", "8192", "--global-batch-tokens", "65536",
                          "--timeout-s", "1800"])
-    bench.resolve_defaults(args)
-    assert bench._config(args, "packing_free_split").timeout_s == 1800
-    assert bench._config(args, "dynamic_sliced").slice_long
+    bench_run.resolve_defaults(args)
+    assert bench_run._config(args, "packing_free_split").timeout_s == 1800
+    assert bench_run._config(args, "dynamic_sliced").slice_long

@@ -95,7 +95,7 @@ def test_a_sample_over_the_row_length_is_an_error():
 
 
 def test_every_method_list_and_knob_comes_from_the_registry():
-    from dynabatch import config, workload
+    from dynabatch.training import config, workload
     from dynabatch.commands import bench
     from dynabatch.integrations import dataloader
 

@@ -55,12 +55,12 @@ def test_simulate_prices_a_baselines_recompute_auto_by_the_rule(monkeypatch):
 
 
 def test_bench_resolves_each_methods_config_by_the_rules(monkeypatch):
-    from dynabatch.commands import bench
+    from dynabatch.commands import bench, bench_run
 
     args = command_parser("bench")[1].parse_args(["--model", "gpt2-mini", "--stages", "1"])
-    bench.resolve_defaults(args)
+    bench_run.resolve_defaults(args)
     found = Found(cuda_available=False, sequence_kind="causal")
-    resolved = bench.method_configs(args, ["dynamic", "padding", bench.PEER], found)
+    resolved = bench_run.method_configs(args, ["dynamic", "padding", bench.PEER], found)
     assert all(r.unresolved() == [] for r in resolved.values())
     cfgs = {m: r.config for m, r in resolved.items()}
     assert (cfgs["dynamic"].recompute, cfgs["padding"].recompute) == (SEARCHES["recompute"], "none")
@@ -70,9 +70,9 @@ def test_bench_resolves_each_methods_config_by_the_rules(monkeypatch):
         for m, cfg in cfgs.items():                                              # as it is (components' decide())
             assert decide(cfg, name, found) == getattr(cfg, name), (m, name)
     monkeypatch.setitem(RULES, "policy", lambda cfg, found: ("1f1b", "a test's rule") if cfg.policy == "auto" else None)
-    changed = bench.method_configs(args, ["dynamic"], found)["dynamic"]
+    changed = bench_run.method_configs(args, ["dynamic"], found)["dynamic"]
     assert changed.config.policy == "1f1b" and changed.reasons["policy"] == "a test's rule"
-    assert bench.resolved_json({"dynamic": changed})["dynamic"]["policy"] == ["1f1b", "a test's rule"]
+    assert bench_run.resolved_json({"dynamic": changed})["dynamic"]["policy"] == ["1f1b", "a test's rule"]
 
 
 def test_a_resolved_train_config_is_left_as_it_is_by_every_rule():

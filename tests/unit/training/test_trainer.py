@@ -125,7 +125,7 @@ def test_export_to_hugging_face(tmp_path, toy_mixture_dir, capsys):
 
     from dynabatch.models.presets import build_model
     from dynabatch.engine.checkpoint import latest_checkpoint
-    from dynabatch.commands.export import export_checkpoint
+    from dynabatch.training.export import export_checkpoint
     from dynabatch.training.reshard import model_weights
 
     code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "exp", "--steps", "2")
