@@ -344,12 +344,17 @@ class AnalyticCostModel(StoredBytes):
             T = D if k == "t5_decoder" else E
             layer = None if layers is None or self.recompute else layers.get(k)
             stored = self._stored(k, b, E, D, work) if layer is None else layer.stored_activation_bytes
-            cores = ([] if k in FFN_HALVES else
-                     {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)]}.get(
-                         k, [(E, E, role("encoder"), False)]))
-            core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
-                           for op in self._core_ops(b, tq, tk, pr, calls))
-            core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
+            core = None if layers is None else layers.get(("recompute_core", k))
+            if core is None:  # the attention cores' forward time and stored bytes (the same on every stage)
+                cores = ([] if k in FFN_HALVES else
+                         {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)]}.get(
+                             k, [(E, E, role("encoder"), False)]))
+                core = (sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
+                            for op in self._core_ops(b, tq, tk, pr, calls)),
+                        sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores))
+                if layers is not None:
+                    layers[("recompute_core", k)] = core
+            core_fwd, core_stored = core
             block_fwd = (sum(self._op_time(op) for op in self._ops(k, b, E, D, work)) if layer is None
                          else layer.fwd_time_s)
             terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
