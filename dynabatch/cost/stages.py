@@ -320,6 +320,7 @@ class StageCostModel:
         ``None`` the dense ``b x Tq x Tk``. Activation recomputation as :attr:`recompute` chooses it, or as
         ``modes`` (mode codes broadcast to ``(S, *b.shape)``) says: the costs of a step that ran with them."""
         layers = {} if getattr(self.model, "shares_layer_costs", False) else None
+        b, E, D = self._inputs(b, E, D)  # the same arrays for every stage and term (checked once, layers)
         costs = self._priced(b, E, D, pairs, layers)
         if modes is None and self.recompute == "none":
             return costs
@@ -341,7 +342,7 @@ class StageCostModel:
             bwd_s=_stack((c.bwd_time_s for c in costs), b.shape),
             stored_bytes=_stack((c.stored_activation_bytes for c in costs), b.shape),
             peak_bytes=_stack((c.peak_extra_bytes for c in costs), b.shape),
-            send_bytes=self._send_bytes(b, E, D),
+            send_bytes=self._send_bytes(b, E, D, layers),
             load_bytes=self._load_bytes(b, E, D),
         )
 
@@ -469,9 +470,11 @@ class StageCostModel:
         tokens = b * (E if D is None else E + D)
         return _stack([LOAD_BYTES_PER_TOKEN * tokens] * self.num_stages, b.shape)
 
-    def _send_bytes(self, b, E, D) -> np.ndarray:
-        """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays)."""
-        return _stack((self.model.send_bytes(s[-1], b, E, D) for s in self.layout.stages), b.shape)
+    def _send_bytes(self, b, E, D, layers: dict | None = None) -> np.ndarray:
+        """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays; ``layers``: the layer
+        model's memo of this call, which keeps the checked inputs)."""
+        extra = {} if layers is None else {"layers": layers}
+        return _stack((self.model.send_bytes(s[-1], b, E, D, **extra) for s in self.layout.stages), b.shape)
 
 
 def _stack(values, shape) -> np.ndarray:
