@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,12 +247,16 @@ def rows_work(groups: Sequence[Sequence[Sequence[int]]], input_lens, target_lens
     (``_kernels._count_groups_many``)."""
     if not groups:
         return []
-    rows = [r for g in groups for r in g]
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
-    sizes = np.fromiter((sum(len(r) for r in g) for g in groups), dtype=np.int64, count=len(groups))
+    rows = list(chain.from_iterable(groups))
+    row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
+    group_rows = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+    if (group_rows == 0).any():
+        raise ValueError("a micro-batch needs at least one sample")
+    sizes = np.add.reduceat(row_sizes, np.cumsum(group_rows) - group_rows)  # samples per micro-batch
     if (sizes == 0).any():
         raise ValueError("a micro-batch needs at least one sample")
-    alone = np.fromiter((len(r) == 1 for r in rows for _ in r), dtype=bool, count=ids.size)
+    alone = np.repeat(row_sizes == 1, row_sizes)  # each sample: alone in its row
     starts = np.cumsum(sizes) - sizes
     ei = np.asarray(input_lens, dtype=np.int64)[ids]
     di = np.asarray(target_lens, dtype=np.int64)[ids]

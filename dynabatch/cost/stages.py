@@ -355,6 +355,7 @@ class StageCostModel:
         bb, EE, DD = self._inputs(b, E, D)
         if modes is not None and not np.any(modes):
             return costs  # every entry ran without recomputation
+        fits = None
         if modes is None and self.recompute == "auto":
             fits = self._fits_without_recompute(costs, bb)
             if np.all(fits):
@@ -381,7 +382,7 @@ class StageCostModel:
             in_flight = self._in_flight(bb)
             codes = choose_modes(by_mode, buffers, in_flight, self.memory_budget_bytes)
             # what fits without recomputation under the planner's bound (maxima over stages) stays as it is
-            codes = np.where(self._fits_without_recompute(costs, bb), 0, codes).astype(np.int8)
+            codes = np.where(fits, 0, codes).astype(np.int8)
         else:
             codes = np.full(shape, RECOMPUTE_MODES.index(self.recompute), dtype=np.int8)
         return select(by_mode, codes)
@@ -478,8 +479,12 @@ class StageCostModel:
 
 
 def _stack(values, shape) -> np.ndarray:
-    """One float64 row per stage, each broadcast to ``shape``."""
-    return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for v in values])
+    """One float64 row per stage, each broadcast to ``shape`` (written into one array: no broadcast views)."""
+    values = list(values)
+    out = np.empty((len(values), *tuple(shape)), dtype=np.float64)
+    for row, value in zip(out, values):
+        row[...] = value
+    return out
 
 
 def message_buffer_bytes(send_bytes) -> np.ndarray:

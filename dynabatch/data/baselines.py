@@ -29,6 +29,7 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from itertools import chain
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
@@ -153,9 +154,9 @@ def group_shapes(batch, groups, family: str) -> list[tuple[int, int, int]]:
     """:func:`group_shape` of each of ``groups`` (every row's lengths summed once, the groups' maxima in numpy)."""
     if not groups:
         return []
-    rows = [r for g in groups for r in g.rows]
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int64)
-    row_sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    rows = list(chain.from_iterable(g.rows for g in groups))
+    row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
     group_sizes = np.fromiter((len(g.rows) for g in groups), dtype=np.int64, count=len(groups))
     row_starts, group_starts = np.cumsum(row_sizes) - row_sizes, np.cumsum(group_sizes) - group_sizes
     e, d = np.asarray(batch.input_lens, dtype=np.int64)[ids], np.asarray(batch.target_lens, dtype=np.int64)[ids]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -188,7 +189,9 @@ def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: in
         dealt = even(dealt)
 
     def piece(g, s, t) -> Piece:
-        return Piece(tuple(i for row in g.rows for i in row), s, t, rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+        packed = any(len(r) > 1 for r in g.rows)
+        return Piece(tuple(chain.from_iterable(g.rows)) if packed else tuple(r[0] for r in g.rows), s, t,
+                     rows=g.rows if packed else None)
 
     return StepPlan(family, num_stages, tuple(tuple(piece(*x) for x in xs) for xs in dealt), ())
 
@@ -268,6 +271,8 @@ def deal_to_replicas(items: list, sizes: list[int], num_replicas: int) -> list[l
     replica keeping the baseline's order."""
     if len(items) < num_replicas:
         raise ValueError(f"{len(items)} micro-batches cannot feed {num_replicas} replicas; raise global_batch_tokens")
+    if num_replicas == 1:  # every item to the one replica, in order
+        return [list(items)]
     load = [0] * num_replicas
     owner = [0] * len(items)
     for k in sorted(range(len(items)), key=lambda k: (-sizes[k], k)):
