@@ -173,3 +173,22 @@ def test_calibrated_model_keeps_the_policy():
     a, b = cal.per_stage(B, E, D), base.per_stage(B, E, D)
     np.testing.assert_allclose(a.stored_bytes, 1.5 * b.stored_bytes)
     assert dataclasses.replace(a, stored_bytes=b.stored_bytes).recompute.tolist() == b.recompute.tolist()
+
+
+def test_select_picks_as_np_choose():
+    """select (nested np.where) takes every entry from the mode its code names, exactly as np.choose does, and
+    refuses a code out of range."""
+    from dynabatch.cost.recompute import select
+
+    rng = np.random.default_rng(2)
+    c = _model("gpt-1.3b", "none", 16.0).per_stage(B, E, D)
+    by_mode = [dataclasses.replace(c, bwd_s=c.bwd_s * (1 + m), stored_bytes=c.stored_bytes / (1 + m),
+                                   peak_bytes=c.peak_bytes + m) for m in range(3)]
+    codes = rng.integers(0, 3, c.fwd_s.shape).astype(np.int8)
+    out = select(by_mode, codes)
+    for f in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"):
+        np.testing.assert_array_equal(getattr(out, f), np.choose(codes, [getattr(x, f) for x in by_mode]))
+    assert out.recompute is codes or np.array_equal(out.recompute, codes)
+    assert select(by_mode, np.zeros_like(codes)).recompute is None
+    with pytest.raises(ValueError, match="mode codes"):
+        select(by_mode, np.full_like(codes, 3))
