@@ -98,6 +98,14 @@ def plan_command(a: argparse.Namespace) -> dict:
     from dynabatch.commands.common import add_workload_arguments, resolve, split_from_data
     from dynabatch.workload import global_batches, kept_limits, method_micro_batches
 
+    if not a.default_malloc:  # as `dynabatch plan` runs (a tree without dynabatch.core.allocator: as it ran)
+        try:
+            from dynabatch.core.allocator import keep_freed_memory
+        except ImportError:
+            pass
+        else:
+            keep_freed_memory()
+
     p = argparse.ArgumentParser()
     add_workload_arguments(p)
     argv = ["--model", a.model, "--global-batch-tokens", str(a.global_batch_tokens), "--num-batches", "100",
@@ -135,6 +143,7 @@ def plan_command(a: argparse.Namespace) -> dict:
     parts = {k: v + [0.0] * (len(cpu) - len(v)) for k, v in parts.items()}
     samples = [len(b) for b in batches]
     out = {"mode": "plan", "model": a.model, "lengths": a.lengths, "pack_rows": a.pack_rows,
+           "default_malloc": a.default_malloc,
            "global_batches": len(batches), "samples_per_batch": samples, "rounds": a.rounds,
            "layout": cost_model.layout.describe(), "per_batch_wall": spread(wall), "per_batch_cpu": spread(cpu),
            "parts_cpu": {k: spread(v) for k, v in sorted(parts.items())},
@@ -201,6 +210,8 @@ def main() -> int:
     p.add_argument("--global-batch-tokens", type=int, default=65_536)
     p.add_argument("--pack-rows", default=None, help="plan: off (default); --trainer: off,auto")
     p.add_argument("--rounds", type=int, default=5, help="plan: times each global batch is planned")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="plan: leave the C allocator as it is (dynabatch plan keeps freed memory, core.allocator)")
     p.add_argument("--steps", type=int, default=20, help="--trainer: timed steps per mode and round")
     p.add_argument("--repeats", type=int, default=3, help="--trainer: interleaved rounds")
     a = p.parse_args()
