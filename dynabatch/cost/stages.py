@@ -482,8 +482,8 @@ def _stack(values, shape) -> np.ndarray:
     """One float64 row per stage, each broadcast to ``shape`` (written into one array: no broadcast views)."""
     values = list(values)
     out = np.empty((len(values), *tuple(shape)), dtype=np.float64)
-    for row, value in zip(out, values):
-        row[...] = value
+    for i, value in enumerate(values):
+        out[i] = value
     return out
 
 

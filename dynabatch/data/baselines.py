@@ -216,7 +216,7 @@ class TokenBudget(Batcher):
         groups: list[RowGroup] = []
         current: list[int] = []
         max_e = max_d = 0
-        inputs, targets = batch.input_lens.tolist(), batch.target_lens.tolist()
+        inputs, targets = np.asarray(batch.input_lens).tolist(), np.asarray(batch.target_lens).tolist()
         t5 = is_seq2seq(self.family)
         for i in self._longest_first(batch):
             e, d = inputs[i], targets[i]
@@ -252,7 +252,7 @@ def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order: list[int]) -> 
     cap_d = limits.max_target_len if t5 else 0
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # remaining (encoder, decoder) capacity per row
-    inputs, targets = batch.input_lens.tolist(), batch.target_lens.tolist()
+    inputs, targets = np.asarray(batch.input_lens).tolist(), np.asarray(batch.target_lens).tolist()
     for i in order:
         e, d = inputs[i], targets[i]
         if not t5:
