@@ -3,11 +3,14 @@
 Two measurements, each printed as median, p10-p90 and max over every timed batch (CPU time of this process,
 ``time.process_time``: less sensitive than wall time to other jobs on shared cores), with the parts:
 
-* ``plan`` (default): what ``dynabatch plan --model MODEL`` times per global batch for ``dynamic``
-  (``method_micro_batches``: the partition DP's plan, then the baseline candidates), on the 65,536-token global
-  batches of ``--lengths`` (default ``data/heavy_tail_1024.npz``). The batches of a lengths file are few, so
-  each is planned ``--rounds`` times (after one warm-up batch); plans are deterministic, so every round repeats the
-  same work.
+* ``plan`` (default): what ``dynabatch plan --model MODEL --methods dynamic`` times per global batch (the wall
+  time of ``GlobalPlanner.plan``, printed too, beside this process's CPU time), planned as the command plans it
+  (the batches' kept length limits, the layer split balanced over dynamic's micro-batches), on the 65,536-token
+  global batches of ``--lengths`` (default ``data/heavy_tail_1024.npz``). The batches of a lengths file are few,
+  so each is planned ``--rounds`` times (after one warm-up batch); plans are deterministic, so every round repeats
+  the same work. The parts: ``dp`` (the partition DP, ``plan_step``), ``candidates`` (the baselines' plans built
+  and their micro-batches priced), ``choice`` (the step formula over every candidate), and the cost-model time
+  inside each (``cost in ...``, with the entries priced per batch).
 * ``--trainer``: the main job's planner in-process (``StepPlanner``: t5-tiny, the built-in mixture, 2 stages,
   8,192-token global batches, ``scripts/run.sh``'s setting), ``--steps`` steps after 3 warm-up steps, for each
   ``--pack-rows`` value given (default ``off,auto``), interleaved over ``--repeats`` rounds so both see the same
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "numba"))
@@ -44,12 +46,64 @@ def line(name: str, s: dict) -> str:
             f"max {s['max_ms']:6.1f}  (n={s['n']})")
 
 
+class _Parts:
+    """CPU time spent inside named functions during a timed call, by wrapping them while it is installed (the
+    planner's own code is not touched): the partition DP (``GlobalPlanner._dp``), the baseline candidates
+    (``baseline_candidates``), the step-formula choice (``formula_prices``), and the cost-model calls made
+    inside each (``StageCostModel.evaluate``, with the entries priced)."""
+
+    def __init__(self) -> None:
+        from dynabatch.cost import stages
+        from dynabatch.plan import global_plan
+
+        self.seconds: dict[str, float] = {}
+        self.entries: dict[str, int] = {}
+        self._inside: list[str] = []
+        self._patched = [(global_plan.GlobalPlanner, "_dp", "dp"),
+                         (global_plan, "baseline_candidates", "candidates"),
+                         (global_plan, "formula_prices", "choice"),
+                         (stages.StageCostModel, "evaluate", None)]
+        self._saved = [getattr(owner, name) for owner, name, _ in self._patched]
+        for owner, name, label in self._patched:
+            setattr(owner, name, self._wrap(getattr(owner, name), label))
+
+    def _wrap(self, fn, label):
+        def timed(*args, **kwargs):
+            where = label or f"cost in {self._inside[-1] if self._inside else 'other'}"
+            if label:
+                self._inside.append(label)
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[where] = self.seconds.get(where, 0.0) + time.process_time() - start
+                if label:
+                    self._inside.pop()
+                else:
+                    size = int(np.size(args[1] if len(args) > 1 else kwargs["b"]))
+                    self.entries[where] = self.entries.get(where, 0) + size
+        return timed
+
+    def restore(self) -> None:
+        for (owner, name, _), fn in zip(self._patched, self._saved):
+            setattr(owner, name, fn)
+
+
 def plan_command(a: argparse.Namespace) -> dict:
-    """Per-batch CPU time of ``dynabatch plan``'s dynamic method, with its two parts."""
-    from dynabatch.commands.common import add_workload_arguments, resolve
-    from dynabatch.plan.global_plan import GlobalPlanner
-    from dynabatch.plan.step import plan_step
-    from dynabatch.training.workload import global_batches, method_micro_batches
+    """Per-batch time of ``dynabatch plan``'s dynamic method, as the command plans it (the batches' kept length
+    limits, the layer split balanced over the method's micro-batches), with its parts."""
+    import dataclasses
+
+    from dynabatch.commands.common import add_workload_arguments, resolve, split_from_data
+    from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
+
+    if not a.default_malloc:  # as `dynabatch plan` runs (a tree without dynabatch.core.allocator: as it ran)
+        try:
+            from dynabatch.core.allocator import keep_freed_memory
+        except ImportError:
+            pass
+        else:
+            keep_freed_memory()
 
     p = argparse.ArgumentParser()
     add_workload_arguments(p)
@@ -58,33 +112,50 @@ def plan_command(a: argparse.Namespace) -> dict:
     args = p.parse_args(argv + (["--lengths", a.lengths] if a.lengths else []))
     w = resolve(args)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
-    stages = w.cost_model.num_stages
-    candidates = GlobalPlanner("dynamic", w.limits, stages, 1, w.cost_model, w.options)  # the DP's plan against the baselines'
-    parts: dict[str, list[float]] = {"plan_step": [], "candidates": []}
-    total = []
-    method_micro_batches("dynamic", batches[0], w.limits, w.cost_model, stages, w.options, pack_rows=a.pack_rows)  # warm
+    w = dataclasses.replace(w, limits=kept_limits(w.limits, batches))  # as `dynabatch plan` does
+    cost_model = split_from_data(w, batches, "dynamic").cost_model  # its default --layer-split data
+    stages = cost_model.num_stages
+
+    def plan(batch):
+        return method_micro_batches("dynamic", batch, w.limits, cost_model, stages, w.options, pack_rows=a.pack_rows)
+
+    plan(batches[0])  # warm
+    wall, cpu, kept = [], [], {}
+    parts: dict[str, list[float]] = {}
+    entries: dict[str, list[int]] = {}
     for _ in range(a.rounds):
         for batch in batches:
-            t0 = time.process_time()
-            method_micro_batches("dynamic", batch, w.limits, w.cost_model, stages, w.options, pack_rows=a.pack_rows)
-            total.append(time.process_time() - t0)
-            # the two parts, called as method_micro_batches calls them
-            t0 = time.process_time()
-            plan = plan_step(batch.input_lens, batch.target_lens, w.cost_model, stages, family=w.family,
-                             pack_rows=a.pack_rows)
-            parts["plan_step"].append(time.process_time() - t0)
-            t0 = time.process_time()
-            candidates.plan(batch, dp=lambda: plan)
-            parts["candidates"].append(time.process_time() - t0)
+            watch = _Parts()
+            try:
+                start = time.process_time()
+                chosen = plan(batch)
+                cpu.append(time.process_time() - start)
+            finally:
+                watch.restore()
+            wall.append(chosen.plan_time_s)  # what `dynabatch plan` reports (wall time of GlobalPlanner.plan)
+            kept[chosen.candidate] = kept.get(chosen.candidate, 0) + 1
+            for k, v in watch.seconds.items():
+                parts.setdefault(k, []).append(v)
+            for k, v in watch.entries.items():
+                entries.setdefault(k, []).append(v)
+    # every part over every batch (0 where a batch had none)
+    parts = {k: v + [0.0] * (len(cpu) - len(v)) for k, v in parts.items()}
     samples = [len(b) for b in batches]
     out = {"mode": "plan", "model": a.model, "lengths": a.lengths, "pack_rows": a.pack_rows,
-           "global_batches": len(batches), "samples_per_batch": float(np.mean(samples)), "rounds": a.rounds,
-           "per_batch": spread(total), **{k: spread(v) for k, v in parts.items() if v}}
+           "default_malloc": a.default_malloc,
+           "global_batches": len(batches), "samples_per_batch": samples, "rounds": a.rounds,
+           "layout": cost_model.layout.describe(), "per_batch_wall": spread(wall), "per_batch_cpu": spread(cpu),
+           "parts_cpu": {k: spread(v) for k, v in sorted(parts.items())},
+           "entries_priced_median": {k: float(np.median(v)) for k, v in sorted(entries.items())},
+           "candidates_kept": kept}
     print(f"{a.model}, {a.lengths or 'built-in mixture'}: {len(batches)} global batches of "
-          f"{args.global_batch_tokens} tokens, {np.mean(samples):.0f} samples each on average, {a.rounds} rounds")
-    print(line("per batch", out["per_batch"]))
-    for k in parts:
-        print(line(f"  {k}", out[k]))
+          f"{args.global_batch_tokens} tokens ({', '.join(map(str, samples))} samples), {a.rounds} rounds")
+    print(line("per batch (wall)", out["per_batch_wall"]))
+    print(line("per batch (cpu)", out["per_batch_cpu"]))
+    for k, v in out["parts_cpu"].items():
+        priced = out["entries_priced_median"].get(k)
+        print(line(f"  {k}", v), "" if priced is None else f"{priced:.0f} entries priced (median)")
+    print("kept:", kept)
     return out
 
 
@@ -138,6 +209,8 @@ def main() -> int:
     p.add_argument("--global-batch-tokens", type=int, default=65_536)
     p.add_argument("--pack-rows", default=None, help="plan: off (default); --trainer: off,auto")
     p.add_argument("--rounds", type=int, default=5, help="plan: times each global batch is planned")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="plan: leave the C allocator as it is (dynabatch plan keeps freed memory, core.allocator)")
     p.add_argument("--steps", type=int, default=20, help="--trainer: timed steps per mode and round")
     p.add_argument("--repeats", type=int, default=3, help="--trainer: interleaved rounds")
     a = p.parse_args()

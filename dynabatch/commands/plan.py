@@ -16,6 +16,7 @@ import numpy as np
 
 from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, resolve
 from dynabatch.training.config.flags import add_fields
+from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.training.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
     w = resolve(args)
     methods = compared_methods(args.methods, w.family, args.model)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)

@@ -40,6 +40,7 @@ from typing import Literal
 
 import numpy as np
 
+from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
@@ -179,6 +180,7 @@ class SimulateOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
     check_positive(args, "in_flight", "max_samples")
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")

@@ -368,3 +368,16 @@ def _count_groups(q, k, alone, keep):
         labels = _greedy_groups(q, k, order, keep, np.inf)
         total += labels[-1] + 1
     return total
+
+
+@njit(cache=True, nogil=True)
+def _count_groups_many(q, k, alone, starts, keep):
+    """``_count_groups`` of each micro-batch of the samples ``q``, ``k``, ``alone`` laid out one micro-batch after
+    another, micro-batch ``m`` starting at ``starts[m]`` (the last one ends at the arrays' end)."""
+    num = starts.shape[0]
+    out = np.empty(num, dtype=np.int64)
+    for m in range(num):
+        lo = starts[m]
+        hi = starts[m + 1] if m + 1 < num else q.shape[0]
+        out[m] = _count_groups(q[lo:hi], k[lo:hi], alone[lo:hi], keep)
+    return out

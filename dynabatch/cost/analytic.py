@@ -167,6 +167,8 @@ def _broadcast_pairs(pairs: AttentionPairs | None, shape) -> AttentionPairs | No
         raise ValueError(f"pairs of shape {pairs.shape} do not broadcast to the micro-batch shape {shape}") from e
 
 
+_CHECKED = ("checked inputs",)
+"""The key under which a ``layers`` memo keeps the checked inputs (:meth:`AnalyticCostModel._arrays`)."""
 MASK_BYTES = 24.0
 """Memory traffic per element of an additive segment mask (segment compare, select, float write)."""
 BIAS_BYTES_PER_PAIR = 0.0
@@ -292,7 +294,7 @@ class AnalyticCostModel(StoredBytes):
         for kind in counts:
             check_kind(self.spec, kind)
             self._check_decoder_length(kind, D)
-        scalar, arrays = self._arrays(b, E, D)  # checked once for every layer of the stage
+        scalar, arrays = self._arrays(b, E, D, layers)  # checked once for every layer of the stage (and layout)
         work = _broadcast_pairs(pairs, arrays[0].shape)
         if layers is None:
             layers = {}
@@ -306,7 +308,7 @@ class AnalyticCostModel(StoredBytes):
 
         fwd, bwd = total("fwd_time_s"), total("bwd_time_s")
         if self.context_costs:
-            ctx_fwd, ctx_bwd = self.context_cost(kinds, b, E, D, pairs)
+            ctx_fwd, ctx_bwd = self.context_cost(kinds, b, E, D, pairs, layers)
             fwd, bwd = fwd + ctx_fwd, bwd + ctx_bwd
         stored = total("stored_activation_bytes")
         if "t5_decoder" in kinds and not self.autocast:  # under autocast each layer's K / V projection casts it
@@ -332,7 +334,7 @@ class AnalyticCostModel(StoredBytes):
         s, p, d = self.spec, self.spec.dtype_bytes, self.spec.d_model
         blocks = [k for k in kinds if k in BLOCK_KINDS]
         kind = blocks[0] if blocks else kinds[0]
-        _, (b, E, D) = self._inputs(kind, b, E, D)
+        _, (b, E, D) = self._inputs(kind, b, E, D, layers)
         work = _broadcast_pairs(pairs, b.shape)
         zero = np.zeros_like(b)
 
@@ -344,12 +346,17 @@ class AnalyticCostModel(StoredBytes):
             T = D if k == "t5_decoder" else E
             layer = None if layers is None or self.recompute else layers.get(k)
             stored = self._stored(k, b, E, D, work) if layer is None else layer.stored_activation_bytes
-            cores = ([] if k in FFN_HALVES else
-                     {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)]}.get(
-                         k, [(E, E, role("encoder"), False)]))
-            core_fwd = sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
-                           for op in self._core_ops(b, tq, tk, pr, calls))
-            core_stored = sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores)
+            core = None if layers is None else layers.get(("recompute_core", k))
+            if core is None:  # the attention cores' forward time and stored bytes (the same on every stage)
+                cores = ([] if k in FFN_HALVES else
+                         {"t5_decoder": [(D, D, role("decoder"), False), (D, E, role("cross"), True)]}.get(
+                             k, [(E, E, role("encoder"), False)]))
+                core = (sum(self._op_time(op) for tq, tk, (pr, calls), _ in cores
+                            for op in self._core_ops(b, tq, tk, pr, calls)),
+                        sum(self._core_stored(b, tq, tk, pr, cross) for tq, tk, (pr, _), cross in cores))
+                if layers is not None:
+                    layers[("recompute_core", k)] = core
+            core_fwd, core_stored = core
             block_fwd = (sum(self._op_time(op) for op in self._ops(k, b, E, D, work)) if layer is None
                          else layer.fwd_time_s)
             terms["full_extra_s"] = terms["full_extra_s"] + n * block_fwd
@@ -374,15 +381,16 @@ class AnalyticCostModel(StoredBytes):
         return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})
 
     def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
-                     pairs: AttentionPairs | None = None):
+                     pairs: AttentionPairs | None = None, layers: dict | None = None):
         """(forward, backward) seconds of the masks and position biases a T5 stage of ``kinds`` builds once
         per micro-batch (module docstring); zero for a stage without T5 blocks and for GPT. With ``pairs``
-        the mask elements are the pairs (per-segment masks); the bias keeps its ``(1, h, T, T)`` size."""
+        the mask elements are the pairs (per-segment masks); the bias keeps its ``(1, h, T, T)`` size.
+        ``layers``: as in :meth:`stage_cost` (the inputs' check is kept there too)."""
         s, p = self.spec, self.spec.dtype_bytes
         kind = next((k for k in kinds if k in ("t5_decoder", *ENCODER_ATTENTION_KINDS)), None)
         if kind is None:  # no T5 attention (GPT, or only an encoder block's FFN half)
             return 0.0, 0.0
-        _, (b, E, D) = self._inputs(kind, b, E, D)
+        _, (b, E, D) = self._inputs(kind, b, E, D, layers)
         work = _broadcast_pairs(pairs, b.shape)
         masks, bias_pairs = np.zeros_like(b), []
         Le, Ld = (E, D) if work is None else work.bias_lengths(E, D)  # noqa: N806 - the bias windows
@@ -399,12 +407,13 @@ class AnalyticCostModel(StoredBytes):
             fwd, bwd = fwd + bias, bwd + BIAS_BWD_FACTOR * bias
         return fwd, bwd
 
-    def send_bytes(self, last_kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None) -> Value:
+    def send_bytes(self, last_kind: str, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
+                   layers: dict | None = None) -> Value:
         """Activation bytes a stage whose last layer is ``last_kind`` sends downstream (its gradient, of the
         same size, comes back): ``p b E d`` after encoder/GPT layers, ``p b (E + D) d`` after the decoder
-        has started, 0 after ``lm_head``."""
+        has started, 0 after ``lm_head``. ``layers``: as in :meth:`stage_cost` (the inputs' check is kept there)."""
         check_kind(self.spec, last_kind)
-        scalar, (b, E, D) = self._inputs(last_kind, b, E, D)
+        scalar, (b, E, D) = self._inputs(last_kind, b, E, D, layers)
         tokens = {"lm_head": 0.0, "decoder_embedding": E + D, "t5_decoder": E + D}.get(last_kind, E)
         out = np.broadcast_to(self.spec.dtype_bytes * b * tokens * self.spec.d_model, b.shape)
         return float(out) if scalar else out.copy()
@@ -451,10 +460,11 @@ class AnalyticCostModel(StoredBytes):
 
     # ---------------------------------------------------------------- helpers
 
-    def _inputs(self, kind: str, b, E, D) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Validated float64 arrays broadcast to one shape, and whether all inputs were scalars."""
+    def _inputs(self, kind: str, b, E, D, layers: dict | None = None) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Validated float64 arrays broadcast to one shape, and whether all inputs were scalars (``layers``: see
+        :meth:`_arrays`)."""
         self._check_decoder_length(kind, D)
-        return self._arrays(b, E, D)
+        return self._arrays(b, E, D, layers)
 
     def _check_decoder_length(self, kind: str, D) -> None:
         """``ValueError`` when ``kind`` needs the decoder length and ``D`` is None; a warning for a GPT's ``D``."""
@@ -464,9 +474,18 @@ class AnalyticCostModel(StoredBytes):
         if not is_seq2seq(self.spec.family) and D is not None and np.any(np.asarray(D) != 0):
             warnings.warn("D (decoder length) has no effect for a gpt model; the sequence length is E", stacklevel=4)
 
-    def _arrays(self, b, E, D) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _arrays(self, b, E, D, layers: dict | None = None) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``b, E, D`` (``D`` None: 1) as float64 arrays broadcast to one shape, each finite and >= 1, and whether
-        all were scalars."""
+        all were scalars. ``layers`` (the memo of one :class:`~dynabatch.cost.stages.StageCostModel` call, whose
+        stages and terms all take the same inputs): the checked result is kept there for those same input objects,
+        so a layout's stages check them once, not once per stage and per term."""
+        if layers is not None:
+            seen = layers.get(_CHECKED)
+            if seen is not None and all(x is y for x, y in zip(seen[0], (b, E, D))):
+                return seen[1]
+            out = self._arrays(b, E, D)
+            layers[_CHECKED] = ((b, E, D), out)  # the inputs held: their ids stay theirs for the call
+            return out
         scalar = all(np.ndim(x) == 0 for x in (b, E, D) if x is not None)
         arrays = [np.asarray(x if x is not None else 1.0, dtype=np.float64) for x in (b, E, D)]
         for name, x in zip("bED", arrays):
@@ -476,9 +495,11 @@ class AnalyticCostModel(StoredBytes):
 
     def _op_time(self, op: _Op) -> np.ndarray:
         hw = self.hardware
-        eff = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency, "memory": 1.0}[op.unit]
-        compute = op.flops / (hw.peak_flops * eff)
         memory = op.bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+        if op.unit == "memory":  # no FLOPs (_mem): max(0, memory) is memory itself, bytes being >= 0
+            return memory + op.launches * hw.kernel_launch_s
+        eff = hw.matmul_efficiency if op.unit == "matmul" else hw.attention_efficiency
+        compute = op.flops / (hw.peak_flops * eff)
         return np.maximum(compute, memory) + op.launches * hw.kernel_launch_s
 
     def _residual(self, n_tokens) -> _Op:

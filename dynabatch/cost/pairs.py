@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
 
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.cost._kernels import _count_groups, _greedy_groups
+from dynabatch.cost._kernels import _count_groups, _count_groups_many, _greedy_groups
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,47 @@ def row_work(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str
     return _pairs_of(ei, di, family), _calls_of(ei, di, alone, family), _longest_of(ei, di, family)
 
 
+def rows_work(groups: Sequence[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> list[RowWork]:
+    """:func:`row_work` of each of ``groups`` (micro-batches as rows of sample indices), the same values: the
+    samples gathered once for all, pairs and longest segments summed and maximised per micro-batch in numpy (the
+    pairs in integers, which the float sums hold exactly), the calls counted by one numba pass
+    (``_kernels._count_groups_many``)."""
+    if not groups:
+        return []
+    rows = list(chain.from_iterable(groups))
+    row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
+    group_rows = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+    if (group_rows == 0).any():
+        raise ValueError("a micro-batch needs at least one sample")
+    sizes = np.add.reduceat(row_sizes, np.cumsum(group_rows) - group_rows)  # samples per micro-batch
+    if (sizes == 0).any():
+        raise ValueError("a micro-batch needs at least one sample")
+    alone = np.repeat(row_sizes == 1, row_sizes)  # each sample: alone in its row
+    starts = np.cumsum(sizes) - sizes
+    ei = np.asarray(input_lens, dtype=np.int64)[ids]
+    di = np.asarray(target_lens, dtype=np.int64)[ids]
+    keep = 1.0 - PAD_TOLERANCE
+    if not is_seq2seq(family):
+        n = ei + di
+        pairs = np.add.reduceat(n * n, starts).tolist()
+        calls = _count_groups_many(n, n, alone, starts, keep).tolist()
+        longest = np.maximum.reduceat(n, starts).tolist()
+        return [((float(p), 0.0, 0.0), (c, 1, 1), (t, 0)) for p, c, t in zip(pairs, calls, longest)]
+    sums = [np.add.reduceat(x, starts).tolist() for x in (ei * ei, di * di, di * ei)]
+    counts = [_count_groups_many(a, b, alone, starts, keep).tolist() for a, b in ((ei, ei), (di, di), (di, ei))]
+    tops = [np.maximum.reduceat(x, starts).tolist() for x in (ei, di)]
+    return [((float(a), float(b), float(c)), (x, y, z), (u, v))
+            for a, b, c, x, y, z, u, v in zip(*sums, *counts, *tops)]
+
+
+def fill_work(work: dict, groups, input_lens, target_lens, family: str) -> None:
+    """Add to ``work`` (a dict: rows of sample indices -> their :func:`row_work`) the micro-batches of ``groups``
+    it lacks, all in one :func:`rows_work` pass."""
+    missing = list(dict.fromkeys(rows for rows in groups if rows not in work))
+    work.update(zip(missing, rows_work(missing, input_lens, target_lens, family)))
+
+
 def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls and longest segments) of M micro-batches' :data:`RowWork`."""
     values, calls, longest = (np.array([w[k] for w in work], dtype=np.float64).reshape(-1, n)
@@ -250,7 +292,7 @@ def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
 def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls) of micro-batches given as rows of sample indices
     (``RowGroup.rows``)."""
-    return stacked_pairs([row_work(rows, input_lens, target_lens, family) for rows in groups])
+    return stacked_pairs(rows_work(list(groups), input_lens, target_lens, family))
 
 
 def sample_pairs(input_lens, target_lens, family: str) -> np.ndarray:

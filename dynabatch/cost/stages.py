@@ -32,6 +32,7 @@ Any layer-level model with ``stage_cost(kinds, b, E, D)``, ``send_bytes(last_kin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,10 @@ from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
 from dynabatch.cost.model_states import per_rank_state_bytes
 from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, check_policy, choose_modes, select
 
+RECOMPUTE_SUBSET_FITS = 0.5
+"""``auto``: when at least this fraction of a call's entries fits without recomputation, the recomputation terms
+are priced for the others alone (:meth:`StageCostModel._recomputed_where`; the same values, less work); below it,
+gathering and scattering the subset costs more than it saves."""
 SPLIT_GAIN = 0.01
 """A split inside a block is kept only where it lowers the slowest stage's time by more than this fraction."""
 
@@ -315,6 +320,7 @@ class StageCostModel:
         ``None`` the dense ``b x Tq x Tk``. Activation recomputation as :attr:`recompute` chooses it, or as
         ``modes`` (mode codes broadcast to ``(S, *b.shape)``) says: the costs of a step that ran with them."""
         layers = {} if getattr(self.model, "shares_layer_costs", False) else None
+        b, E, D = self._inputs(b, E, D)  # the same arrays for every stage and term (checked once, layers)
         costs = self._priced(b, E, D, pairs, layers)
         if modes is None and self.recompute == "none":
             return costs
@@ -336,7 +342,7 @@ class StageCostModel:
             bwd_s=_stack((c.bwd_time_s for c in costs), b.shape),
             stored_bytes=_stack((c.stored_activation_bytes for c in costs), b.shape),
             peak_bytes=_stack((c.peak_extra_bytes for c in costs), b.shape),
-            send_bytes=self._send_bytes(b, E, D),
+            send_bytes=self._send_bytes(b, E, D, layers),
             load_bytes=self._load_bytes(b, E, D),
         )
 
@@ -349,8 +355,13 @@ class StageCostModel:
         bb, EE, DD = self._inputs(b, E, D)
         if modes is not None and not np.any(modes):
             return costs  # every entry ran without recomputation
-        if modes is None and self.recompute == "auto" and np.all(self._fits_without_recompute(costs, bb)):
-            return costs  # what fits without recomputation stays as it is: the terms are not needed at all
+        fits = None
+        if modes is None and self.recompute == "auto":
+            fits = self._fits_without_recompute(costs, bb)
+            if np.all(fits):
+                return costs  # what fits without recomputation stays as it is: the terms are not needed at all
+            if bb.ndim == 1 and fits.mean() >= RECOMPUTE_SUBSET_FITS:  # the terms of the entries that need them only
+                return self._recomputed_where(costs, bb, EE, DD, pairs, np.flatnonzero(~fits), layers)
         extra = {} if pairs is None else {"pairs": pairs}
         if layers is not None:
             extra["layers"] = layers
@@ -371,10 +382,35 @@ class StageCostModel:
             in_flight = self._in_flight(bb)
             codes = choose_modes(by_mode, buffers, in_flight, self.memory_budget_bytes)
             # what fits without recomputation under the planner's bound (maxima over stages) stays as it is
-            codes = np.where(self._fits_without_recompute(costs, bb), 0, codes).astype(np.int8)
+            codes = np.where(fits, 0, codes).astype(np.int8)
         else:
             codes = np.full(shape, RECOMPUTE_MODES.index(self.recompute), dtype=np.int8)
         return select(by_mode, codes)
+
+    def _recomputed_where(self, costs: StageCosts, bb, EE, DD, pairs, idx, layers: dict | None) -> StageCosts:  # noqa: N803
+        """``auto``'s :meth:`_recomputed` of 1-D entries where only those at ``idx`` do not fit without
+        recomputation: the others keep ``costs`` (mode ``none``, as :meth:`_recomputed` leaves them), and the
+        recomputation terms and choice are made for ``idx`` alone. Every entry is priced on its own, so the
+        values are those of the whole call; on the partition DP's tables most short runs fit and are skipped.
+        ``layers``: the layer model's memo of these entries' layer costs, passed on restricted to ``idx``."""
+        def take(a):
+            return None if a is None else a[:, idx]
+
+        part = StageCosts(*(take(getattr(costs, f.name)) for f in dataclasses.fields(StageCosts)))
+        work = None if pairs is None else pairs.broadcast_to(bb.shape)[idx]
+        kept = None if layers is None else {
+            kind: type(cost)(*(np.asarray(getattr(cost, f.name))[idx] for f in dataclasses.fields(cost)))
+            for kind, cost in layers.items() if isinstance(kind, str) and np.ndim(cost.fwd_time_s) == 1}
+        sub = self._recomputed(part, bb[idx], EE[idx], None if DD is None else DD[idx], work, None, kept)
+        picked = {}
+        for name in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"):
+            full = np.array(getattr(costs, name), dtype=np.float64)
+            full[:, idx] = getattr(sub, name)
+            picked[name] = full
+        codes = np.zeros(costs.fwd_s.shape, dtype=np.int8)
+        if sub.recompute is not None:
+            codes[:, idx] = sub.recompute
+        return dataclasses.replace(costs, **picked, recompute=codes if np.any(codes) else None)
 
     def _in_flight(self, bb):
         """Micro-batches in flight on a stage under ``auto``'s test: ``S``, or 1 for a single sample with
@@ -435,14 +471,20 @@ class StageCostModel:
         tokens = b * (E if D is None else E + D)
         return _stack([LOAD_BYTES_PER_TOKEN * tokens] * self.num_stages, b.shape)
 
-    def _send_bytes(self, b, E, D) -> np.ndarray:
-        """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays)."""
-        return _stack((self.model.send_bytes(s[-1], b, E, D) for s in self.layout.stages), b.shape)
+    def _send_bytes(self, b, E, D, layers: dict | None = None) -> np.ndarray:
+        """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays; ``layers``: the layer
+        model's memo of this call, which keeps the checked inputs)."""
+        extra = {} if layers is None else {"layers": layers}
+        return _stack((self.model.send_bytes(s[-1], b, E, D, **extra) for s in self.layout.stages), b.shape)
 
 
 def _stack(values, shape) -> np.ndarray:
-    """One float64 row per stage, each broadcast to ``shape``."""
-    return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for v in values])
+    """One float64 row per stage, each broadcast to ``shape`` (written into one array: no broadcast views)."""
+    values = list(values)
+    out = np.empty((len(values), *tuple(shape)), dtype=np.float64)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
 
 
 def message_buffer_bytes(send_bytes) -> np.ndarray:

@@ -29,7 +29,10 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, ClassVar
+from itertools import chain
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import numpy as np
 
 from dynabatch.core.methods import (BASELINE_METHODS, LENGTH_GROUPED, PACKING, PACKING_FREE, PACKING_FREE_SPLIT,
                                     PADDING, TOKEN_BUDGET, check_method_family)
@@ -119,6 +122,52 @@ class Batcher:
             return lambda i: (-batch.input_lens[i], -batch.target_lens[i], i)
         return lambda i: (-(batch.input_lens[i] + batch.target_lens[i]), i)
 
+    def _longest_first(self, batch: GlobalBatch) -> list[int]:
+        """The sample indices sorted by :meth:`_sort_key` (one stable numpy sort, the same order), kept in the
+        batch's :func:`memo` when it has one (the candidates' batchers of one global batch share it)."""
+        return memo(batch, ("longest_first", is_seq2seq(self.family)), lambda: longest_first(batch, self.family))
+
+
+def memo(batch, key, compute: Callable):
+    """``compute()``, kept in ``batch.memo`` (a dict) under ``key`` when the batch carries one: what the batchers
+    derive from a batch's lengths alone (its longest-first order, its packed rows), computed once for the several
+    batchers and knob values that group one global batch (:mod:`dynabatch.plan.candidates`). Callers do not
+    mutate what it returns."""
+    cache = getattr(batch, "memo", None)
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def longest_first(batch, family: str) -> list[int]:
+    """Sample indices longest first, as :meth:`Batcher._sort_key` orders them: by total length (GPT) or by
+    (input, target) length (T5), ties by index (a stable sort on the negated lengths)."""
+    e, d = np.asarray(batch.input_lens, dtype=np.int64), np.asarray(batch.target_lens, dtype=np.int64)
+    index = np.arange(e.size)
+    keys = (index, -d, -e) if is_seq2seq(family) else (index, -(e + d))
+    return np.lexsort(keys).tolist()
+
+
+def group_shapes(batch, groups, family: str) -> list[tuple[int, int, int]]:
+    """:func:`group_shape` of each of ``groups`` (every row's lengths summed once, the groups' maxima in numpy)."""
+    if not groups:
+        return []
+    rows = list(chain.from_iterable(g.rows for g in groups))
+    row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
+    group_sizes = np.fromiter((len(g.rows) for g in groups), dtype=np.int64, count=len(groups))
+    row_starts, group_starts = np.cumsum(row_sizes) - row_sizes, np.cumsum(group_sizes) - group_sizes
+    e, d = np.asarray(batch.input_lens, dtype=np.int64)[ids], np.asarray(batch.target_lens, dtype=np.int64)[ids]
+    if not is_seq2seq(family):
+        e, d = e + d, np.zeros_like(d)
+    enc = np.maximum.reduceat(np.add.reduceat(e, row_starts), group_starts).tolist()
+    dec = np.maximum.reduceat(np.add.reduceat(d, row_starts), group_starts).tolist()
+    t5 = is_seq2seq(family)
+    return [(len(g.rows), int(g.encoder_len or x), int(g.decoder_len or y) if t5 else 0)
+            for g, x, y in zip(groups, enc, dec)]
+
 
 def group_shape(batch: GlobalBatch, g: RowGroup, family: str) -> tuple[int, int, int]:
     """Computed shape ``(rows, E, D)`` of a row group (GPT: ``E`` = row length, ``D`` = 0)."""
@@ -148,7 +197,7 @@ class LengthGrouped(Batcher):
     samples_per_micro_batch: int = 8
 
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        return _chunks(sorted(range(len(batch)), key=self._sort_key(batch)), self.samples_per_micro_batch)
+        return _chunks(self._longest_first(batch), self.samples_per_micro_batch)
 
 
 @dataclass(frozen=True)
@@ -167,9 +216,11 @@ class TokenBudget(Batcher):
         groups: list[RowGroup] = []
         current: list[int] = []
         max_e = max_d = 0
-        for i in sorted(range(len(batch)), key=self._sort_key(batch)):
-            e, d = int(batch.input_lens[i]), int(batch.target_lens[i])
-            if not is_seq2seq(self.family):  # one sequence: inputs + targets
+        inputs, targets = np.asarray(batch.input_lens).tolist(), np.asarray(batch.target_lens).tolist()
+        t5 = is_seq2seq(self.family)
+        for i in self._longest_first(batch):
+            e, d = inputs[i], targets[i]
+            if not t5:  # one sequence: inputs + targets
                 e, d = e + d, 0
             new_e, new_d = max(max_e, e), max(max_d, d)
             if current and (len(current) + 1) * (new_e + new_d) > self.max_tokens:
@@ -191,13 +242,19 @@ def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
     Samples are within the limits already (the global batcher truncates, drops or rejects over-long
     ones, as TRL's ``bfd`` truncates); one that is not is a ``ValueError`` naming it.
     """
+    return _packed_rows(batch, limits, sorted(range(len(batch)), key=key))
+
+
+def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order: list[int]) -> list[list[int]]:
+    """:func:`pack_rows` with the samples visited in ``order``."""
     t5 = is_seq2seq(limits.family)
     cap_e = limits.max_input_len if t5 else limits.max_seq_len
     cap_d = limits.max_target_len if t5 else 0
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # remaining (encoder, decoder) capacity per row
-    for i in sorted(range(len(batch)), key=key):
-        e, d = int(batch.input_lens[i]), int(batch.target_lens[i])
+    inputs, targets = np.asarray(batch.input_lens).tolist(), np.asarray(batch.target_lens).tolist()
+    for i in order:
+        e, d = inputs[i], targets[i]
         if not t5:
             e, d = e + d, 0
         if e > cap_e or d > cap_d:
@@ -228,7 +285,8 @@ class Packing(Batcher):
     """Rows are padded to the row length (``packing``), or only to the micro-batch's longest row."""
 
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        rows = pack_rows(batch, self.limits, self._sort_key(batch))
+        rows = memo(batch, ("packed_rows", self.limits),
+                    lambda: _packed_rows(batch, self.limits, self._longest_first(batch)))
         enc = dec = None
         if self.fixed_row_length:
             t5 = is_seq2seq(self.family)
@@ -290,7 +348,7 @@ class PackingFreeSplit(PackingFree):
         if longest > self.row_tokens:
             raise ValueError(f"packing_free_split: a sample of {longest} tokens is longer than a row "
                              f"({self.row_tokens}); split the batch first (Batcher.prepare)")
-        rows = pack_rows(batch, replace(self.limits, max_seq_len=self.row_tokens), self._sort_key(batch))
+        rows = _packed_rows(batch, replace(self.limits, max_seq_len=self.row_tokens), self._longest_first(batch))
         n = self.rows_per_micro_batch
         return [RowGroup(rows=tuple(tuple(r) for r in rows[k : k + n])) for k in range(0, len(rows), n)]
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
-from dynabatch.cost.pairs import AttentionPairs, row_work, stacked_pairs
+from dynabatch.cost.pairs import AttentionPairs, fill_work, stacked_pairs
 from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, Packing, RowGroup, baseline_spec,
-                                      group_shape, make_batcher)
+                                      group_shape, group_shapes, make_batcher)
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.plan.replicas import equalize_counts
 from dynabatch.plan.step import Piece, StepPlan, with_pairs
@@ -70,11 +71,14 @@ class Choice:
 
 class _Lengths:
     """The lengths-only view of a global batch the batchers' ``group`` reads (``input_lens``, ``target_lens``,
-    ``len``): candidates are planned from lengths, as the DP is."""
+    ``len``): candidates are planned from lengths, as the DP is. Its :attr:`memo` keeps what the batchers derive
+    from the lengths alone (:func:`~dynabatch.data.baselines.memo`: the longest-first order, the packed rows),
+    so the batchers and knob values of one global batch compute each once."""
 
     def __init__(self, input_lens, target_lens):
         self.input_lens = np.asarray(input_lens, dtype=np.int64)
         self.target_lens = np.asarray(target_lens, dtype=np.int64)
+        self.memo: dict = {}
 
     def __len__(self) -> int:
         return len(self.input_lens)
@@ -98,7 +102,8 @@ def knob_values(method: str, options) -> list[int]:
 
 def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
                         padding_free: bool = True, methods: Sequence[str] | None = None,
-                        cost_model=None, work: dict | None = None, equal_counts: bool = False) -> list[Candidate]:
+                        cost_model=None, work: dict | None = None, equal_counts: bool = False,
+                        priced: dict | None = None, also: Sequence = ()) -> list[Candidate]:
     """The plans of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
     :func:`knob_values`, as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs its
     micro-batches, dealt to replicas by :func:`deal_to_replicas`. Values whose micro-batches equal an earlier
@@ -107,7 +112,10 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0. ``work``: a dict of each
     micro-batch's :func:`~dynabatch.cost.pairs.row_work` by its rows, shared with the pricing of the same batch
     (:func:`~dynabatch.plan.step.with_pairs`). ``equal_counts`` (``--zero 2``): every candidate then gets equal
-    counts per replica (:func:`even_counts`), and a setting that cannot be evened is left out."""
+    counts per replica (:func:`even_counts`), and a setting that cannot be evened is left out. ``priced``
+    (padding-free, with a ``cost_model``): a dict of each micro-batch's ``(time, stored, peak)`` by its rows and
+    shape (:func:`price_micro_batches`), which :func:`formula_prices` then reads instead of pricing the same
+    micro-batches again; ``also``: further ``(rows, shape)`` micro-batches (the DP's) priced in the same call."""
 
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
@@ -121,12 +129,12 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
             if key in seen or len(groups) < num_replicas:
                 continue
             seen.add(key)
-            kept.append((method, value, groups, [group_shape(batch, g, family) for g in groups]))
+            kept.append((method, value, groups, group_shapes(batch, groups, family)))
     # every candidate's pieces priced in one cost-model call (a call's fixed cost is milliseconds of Python on the
     # analytic model; the pieces' prices do not depend on one another)
     times = _piece_times(cost_model, [s for *_, shapes in kept for s in shapes],
                          [g for _, _, groups, _ in kept for g in groups], batch, family, padding_free,
-                         {} if work is None else work)
+                         {} if work is None else work, priced, also)
     even = _evener(equal_counts, batch, family, cost_model, padding_free)
     out: list[Candidate] = []
     start = 0
@@ -156,7 +164,7 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
         groups = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options).group(batch)
     else:
         groups = _groups(method, batch, limits, options or BaselineOptions())
-    shapes = [group_shape(batch, g, limits.family) for g in groups]
+    shapes = group_shapes(batch, groups, limits.family)
     times = _piece_times(cost_model, shapes, groups, batch, limits.family, padding_free, {})
     even = _evener(equal_counts, batch, limits.family, cost_model, padding_free)
     return _dealt(groups, shapes, times, limits.family, num_stages, num_replicas, even)
@@ -181,7 +189,9 @@ def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: in
         dealt = even(dealt)
 
     def piece(g, s, t) -> Piece:
-        return Piece(tuple(i for row in g.rows for i in row), s, t, rows=g.rows if any(len(r) > 1 for r in g.rows) else None)
+        packed = any(len(r) > 1 for r in g.rows)
+        return Piece(tuple(chain.from_iterable(g.rows)) if packed else tuple(r[0] for r in g.rows), s, t,
+                     rows=g.rows if packed else None)
 
     return StepPlan(family, num_stages, tuple(tuple(piece(*x) for x in xs) for xs in dealt), ())
 
@@ -220,19 +230,40 @@ def even_counts(dealt, batch, family: str, cost_model=None, padding_free: bool =
     return equalize_counts(dealt, price, split)
 
 
-def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool, work: dict) -> list[float]:
+def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool, work: dict,
+                 priced: dict | None = None, also: Sequence = ()) -> list[float]:
     if cost_model is None or not shapes:
         return [0.0] * len(shapes)
+    if padding_free and priced is not None:
+        keys = [(g.rows, tuple(s)) for g, s in zip(groups, shapes)]
+        price_micro_batches(cost_model, [*keys, *also], batch.input_lens, batch.target_lens, family, work, priced)
+        return [priced[k][0] for k in keys]
 
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
     pairs = None
     if padding_free:  # groups_pairs, each micro-batch's row work computed once per batch
-        for g in groups:
-            if g.rows not in work:
-                work[g.rows] = row_work(g.rows, batch.input_lens, batch.target_lens, family)
+        fill_work(work, [g.rows for g in groups], batch.input_lens, batch.target_lens, family)
         pairs = stacked_pairs([work[g.rows] for g in groups])
     t, _, _ = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2], pairs=pairs)
     return [float(x) for x in t]
+
+
+def price_micro_batches(cost_model, keys: Sequence, input_lens, target_lens, family: str, work: dict,
+                        priced: dict) -> None:
+    """Add to ``priced`` the ``(time, stored, peak)`` (floats, :func:`~dynabatch.plan.costs.evaluate_costs`) of each
+    micro-batch of ``keys`` (``(rows, shape)``: rows of sample indices, padded shape ``(b, E, D)``) it lacks, with
+    the attention pairs, calls and longest segments its rows compute (``work``, filled as needed), all in one
+    cost-model call. The cost model prices entries independently, so these are the values any call holding the
+    same micro-batch gives: the candidates' pieces and :func:`formula_prices` share them within one global batch."""
+    missing = list(dict.fromkeys(k for k in keys if k not in priced))
+    if not missing:
+        return
+    fill_work(work, [rows for rows, _ in missing], input_lens, target_lens, family)
+    arr = np.asarray([shape for _, shape in missing], dtype=np.float64).reshape(-1, 3)
+    t, stored, peak = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2],
+                                     pairs=stacked_pairs([work[rows] for rows, _ in missing]))
+    priced.update(zip(missing, zip(np.asarray(t, dtype=np.float64).tolist(), np.asarray(stored, dtype=np.float64).tolist(),
+                                   np.asarray(peak, dtype=np.float64).tolist())))
 
 
 def deal_to_replicas(items: list, sizes: list[int], num_replicas: int) -> list[list]:
@@ -240,6 +271,8 @@ def deal_to_replicas(items: list, sizes: list[int], num_replicas: int) -> list[l
     replica keeping the baseline's order."""
     if len(items) < num_replicas:
         raise ValueError(f"{len(items)} micro-batches cannot feed {num_replicas} replicas; raise global_batch_tokens")
+    if num_replicas == 1:  # every item to the one replica, in order
+        return [list(items)]
     load = [0] * num_replicas
     owner = [0] * len(items)
     for k in sorted(range(len(items)), key=lambda k: (-sizes[k], k)):
@@ -308,17 +341,21 @@ def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True
 
 
 def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan], padding_free: bool = True,
-                   in_flight: int | None = None, work: dict | None = None) -> list[float]:
+                   in_flight: int | None = None, work: dict | None = None, priced: dict | None = None) -> list[float]:
     """:func:`formula_price` of each of ``plans``, every whole-sample piece of every plan priced in one cost-model
     call (one for the pieces priced with attention pairs, one for those priced dense): the same prices. ``work``:
-    as :func:`baseline_candidates`'."""
+    as :func:`baseline_candidates`'. ``priced`` (padding-free): the micro-batches' prices already known (as
+    :func:`baseline_candidates` leaves them, :func:`price_micro_batches`); the others are priced in one call and
+    added."""
     e, d = np.asarray(input_lens), np.asarray(target_lens)
     budget = float(getattr(cost_model, "memory_budget_bytes", np.inf))
     parts = []  # per plan, per replica: (times, whole, held, pairs or None, rows into the calls' entries)
     queries: dict[bool, list] = {False: [], True: []}  # dense / with pairs: [(shapes (k, 3), pairs or None)]
     counts = {False: 0, True: 0}
+    memo = padding_free and priced is not None
+    family = plans[0].family if plans else "t5"
     for plan in plans:
-        plan = with_pairs(plan, e, d, work) if padding_free else plan
+        plan = with_pairs(plan, e, d, work) if padding_free and not memo else plan
         held, replicas = in_flight or plan.num_stages, []
         for r, pieces in enumerate(plan.replicas):
             if not pieces:
@@ -326,7 +363,9 @@ def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan
             times = np.array([p.time_s for p in pieces])
             whole = np.array([not p.is_slice for p in pieces])
             entry = None
-            if whole.any():
+            if memo and whole.any():  # looked up below, by rows and shape
+                entry = ("memo", [(p.row_samples, tuple(p.shape)) for p in pieces if not p.is_slice])
+            elif whole.any():
                 shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
                 pairs = plan.pairs(r)
                 kind = pairs is not None
@@ -335,20 +374,26 @@ def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan
                 counts[kind] += len(shapes)
             replicas.append((times, whole, entry))
         parts.append((plan.num_stages, held, replicas))
-    priced = {}
+    results = {}
     for kind, batch in queries.items():
         if not batch:
             continue
         shapes = np.concatenate([s for s, _ in batch])
         pairs = concatenated_pairs([p for _, p in batch]) if kind else None
-        priced[kind] = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+        results[kind] = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
+    if memo:
+        keys = [k for *_, replicas in parts for *_, entry in replicas if entry is not None for k in entry[1]]
+        price_micro_batches(cost_model, keys, e, d, family, {} if work is None else work, priced)
     out = []
     for num_stages, held, replicas in parts:
         worst = 0.0
         for times, whole, entry in replicas:
-            if entry is not None:
+            if entry is not None and entry[0] == "memo":
+                t, stored, peak = (np.array(a, dtype=np.float64) for a in zip(*(priced[k] for k in entry[1])))
+            elif entry is not None:
                 kind, lo, hi = entry
-                t, stored, peak = (a[lo:hi] for a in priced[kind])
+                t, stored, peak = (a[lo:hi] for a in results[kind])
+            if entry is not None:
                 if np.any(held * stored + peak > budget):
                     worst = float("inf")
                     break

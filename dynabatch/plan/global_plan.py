@@ -118,11 +118,16 @@ class GlobalPlanner:
         if not self.candidates or plan.sliced_samples:  # the baselines cannot run a sample that needs slicing
             return GlobalPlan(plan, DP)
         work: dict = {}  # each micro-batch's attention work, shared by the candidates' pricing
+        # with the step formula, each distinct micro-batch (the DP's and the baselines') is priced once, in one call
+        formula = choose_among is None and price is None
+        priced: dict | None = {} if formula and self.timed_candidates else None
+        also = [(p.row_samples, p.shape) for pieces in plan.replicas for p in pieces if not p.is_slice] \
+            if priced is not None and self.padding_free else []
         baselines = baseline_candidates(batch.input_lens, batch.target_lens, self.limits, plan.num_stages,
                                         num_replicas=self.num_replicas, options=self.options,
                                         padding_free=self.padding_free,
                                         cost_model=self.cost_model if self.timed_candidates else None, work=work,
-                                        equal_counts=wants_equal_counts(self.cost_model))
+                                        equal_counts=wants_equal_counts(self.cost_model), priced=priced, also=also)
         candidates = [Candidate(DP, None, plan), *baselines]
         if choose_among is not None:
             chosen = choose_among(candidates)
@@ -131,7 +136,7 @@ class GlobalPlanner:
                 plans = [c.plan for c in candidates]
                 prices = dict(zip(map(id, plans), formula_prices(
                     self.cost_model, batch.input_lens, batch.target_lens, plans, self.padding_free,
-                    self.planner_options.get("in_flight"), work)))
+                    self.planner_options.get("in_flight"), work, priced)))
                 price = lambda plan: prices[id(plan)]  # noqa: E731
             chosen = choose(candidates, price).candidate
         return GlobalPlan(chosen.plan, chosen.label)

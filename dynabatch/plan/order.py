@@ -69,7 +69,12 @@ def valid_orders(family: str) -> tuple[str, ...]:
 
 def order_samples(input_lens, target_lens, family: str, order: str = "auto") -> np.ndarray:
     """A permutation of ``range(N)`` (int64) putting samples of similar padded shape next to each other."""
-    e, d = padded_lengths(*check_lengths(input_lens, target_lens), family)
+    return order_padded(*padded_lengths(*check_lengths(input_lens, target_lens), family), family, order)
+
+
+def order_padded(e: np.ndarray, d: np.ndarray, family: str, order: str = "auto") -> np.ndarray:
+    """:func:`order_samples` of lengths already checked (:func:`check_lengths`) and padded (:func:`padded_lengths`):
+    the partition DP orders the arrays it has checked and padded once, without a second pass over them."""
     if order not in valid_orders(family):
         raise ValueError(f"unknown {family} ordering {order!r}; valid: {', '.join(valid_orders(family))}")
     if order == "auto":

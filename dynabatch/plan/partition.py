@@ -46,7 +46,7 @@ import numpy as np
 
 from dynabatch.plan._kernels import _run_shapes, _solve_partition
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
-from dynabatch.plan.order import check_lengths, order_samples, padded_lengths
+from dynabatch.plan.order import check_lengths, order_padded, padded_lengths
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.baselines import RowGroup
 from dynabatch.cost.pairs import AttentionPairs
@@ -260,8 +260,8 @@ def _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows) -> tu
 
 
 def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs, flat_rows) -> _Table:
-    perm = order_samples(e_raw, d_raw, family, order)
-    e_all, d_all = padded_lengths(e_raw, d_raw, family)
+    e_all, d_all = padded_lengths(e_raw, d_raw, family)  # e_raw, d_raw: checked by plan_partition
+    perm = order_padded(e_all, d_all, family, order)
     e, d = e_all[perm], d_all[perm]
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
     runs = _Runs(e, d, prefix, flat_rows)

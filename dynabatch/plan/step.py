@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
-from dynabatch.cost.pairs import AttentionPairs, row_calls, row_longest, row_work, sample_pairs
+from dynabatch.cost.pairs import AttentionPairs, fill_work, row_calls, row_longest, sample_pairs
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import equalize_counts, group_pricing, plan_replicas, wants_equal_counts
@@ -401,16 +401,14 @@ def with_pairs(plan: StepPlan, e, d, work: dict | None = None) -> StepPlan:
     for plans that share micro-batches."""
     from dataclasses import replace
 
-    work = {} if work is None else work
+    work = {} if work is None else work  # the pieces rebuilt below keep every other field (faster than replace)
+    fill_work(work, [p.row_samples for pieces in plan.replicas for p in pieces if not p.is_slice], e, d, plan.family)
 
     def priced(p: Piece) -> Piece:
         if p.is_slice:
             return p
-        rows = p.row_samples
-        if rows not in work:
-            work[rows] = row_work(rows, e, d, plan.family)
-        pairs, calls, longest = work[rows]
-        return replace(p, pairs=tuple(pairs), calls=tuple(calls), longest=tuple(longest))
+        pairs, calls, longest = work[p.row_samples]
+        return Piece(p.sample_ids, p.shape, p.time_s, p.token_range, p.rows, tuple(pairs), tuple(calls), tuple(longest))
 
     return replace(plan, replicas=tuple(tuple(priced(p) for p in pieces) for pieces in plan.replicas))
 

@@ -359,3 +359,33 @@ def test_layer_costs_shared_over_stages_price_bitwise_as_stage_by_stage(preset, 
         alone = StageCostModel(plain, layout, 40 * 2**30, recompute=recompute).per_stage(b, E, D, work)
         for field in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"):
             assert np.array_equal(getattr(shared, field), getattr(alone, field)), (field, work is None)
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_rows_work_is_row_work_of_each_micro_batch(family):
+    """rows_work (all micro-batches in one numpy / numba pass) gives every micro-batch's pairs, calls and longest
+    segments exactly as row_work does one by one (rows alone and packed, ties, one-sample micro-batches), and
+    refuses a micro-batch without samples the same way."""
+    from dynabatch.cost.pairs import row_work, rows_work
+
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        n = int(rng.integers(1, 50))
+        e, d = rng.integers(0, 900, n), rng.integers(1, 130, n)
+        e[rng.random(n) < 0.3] = 300  # ties share attention calls
+        perm, groups, k = rng.permutation(n).tolist(), [], 0
+        while k < n:
+            rows = []
+            for _ in range(int(rng.integers(1, 5))):
+                if k < n:
+                    width = int(rng.integers(1, 4))
+                    rows.append(tuple(perm[k:k + width]))
+                    k += width
+            groups.append(tuple(rows))
+        got = rows_work(groups, e, d, family)
+        want = [row_work(g, e, d, family) for g in groups]
+        assert [tuple(map(tuple, w)) for w in got] == [tuple(map(tuple, w)) for w in want]
+        assert all(isinstance(x, float) for w in got for x in w[0])
+    for bad in ([()], [((),)]):
+        with pytest.raises(ValueError, match="at least one sample"):
+            rows_work(bad, [5], [5], family)

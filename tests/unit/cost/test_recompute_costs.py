@@ -81,6 +81,33 @@ def test_auto_picks_the_fastest_mode_that_fits():
             assert chosen.bwd_s[s, k] == by_mode[expected].bwd_s[s, k]
 
 
+@pytest.mark.parametrize("pairs", [False, True])
+def test_auto_prices_the_terms_of_the_entries_that_need_them_alone(monkeypatch, pairs):
+    """When most entries fit without recomputation, auto prices the recomputation terms of the others only
+    (StageCostModel._recomputed_where): every array, the chosen modes included, is exactly that of pricing every
+    entry's terms, and the entries that fit keep the costs of no recomputation."""
+    import dynabatch.cost.stages as stages
+    from dynabatch.cost.pairs import AttentionPairs
+
+    rng = np.random.default_rng(3)
+    b = np.concatenate([rng.integers(1, 4, 40), rng.integers(48, 96, 8)]).astype(float)  # 8 of 48 too big
+    e, d = rng.integers(64, 2048, 48).astype(float), rng.integers(8, 256, 48).astype(float)
+    work = AttentionPairs(0.6 * b * e * e, 0.6 * b * d * d, 0.6 * b * d * e, (np.ceil(b / 2),) * 3, (0.8 * e, 0.8 * d))
+    model = _model("t5-large", "auto", 24.0, stages=4)
+    kw = {"pairs": work} if pairs else {}
+    subset, subset_view = model.per_stage(b, e, d, **kw), model.evaluate(b, e, d, **kw)
+    monkeypatch.setattr(stages, "RECOMPUTE_SUBSET_FITS", 2.0)  # never: every entry's terms priced
+    whole, whole_view = model.per_stage(b, e, d, **kw), model.evaluate(b, e, d, **kw)
+    assert whole.recompute is not None and 0 < (whole.recompute.max(axis=0) > 0).mean() <= 0.5
+    for f in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes", "recompute"):
+        np.testing.assert_array_equal(getattr(subset, f), getattr(whole, f))
+    for x, y in zip(subset_view, whole_view):
+        np.testing.assert_array_equal(x, y)
+    none = _model("t5-large", "none", 24.0, stages=4).per_stage(b, e, d, **kw)
+    fits = whole.recompute.max(axis=0) == 0
+    np.testing.assert_array_equal(subset.bwd_s[:, fits], none.bwd_s[:, fits])
+
+
 def test_evaluate_takes_the_tightest_stage():
     """With recomputation each stage fits on its own: the planner view is the stage needing the most memory,
     and it fits the budget exactly when every stage does."""
@@ -146,3 +173,22 @@ def test_calibrated_model_keeps_the_policy():
     a, b = cal.per_stage(B, E, D), base.per_stage(B, E, D)
     np.testing.assert_allclose(a.stored_bytes, 1.5 * b.stored_bytes)
     assert dataclasses.replace(a, stored_bytes=b.stored_bytes).recompute.tolist() == b.recompute.tolist()
+
+
+def test_select_picks_as_np_choose():
+    """select (nested np.where) takes every entry from the mode its code names, exactly as np.choose does, and
+    refuses a code out of range."""
+    from dynabatch.cost.recompute import select
+
+    rng = np.random.default_rng(2)
+    c = _model("gpt-1.3b", "none", 16.0).per_stage(B, E, D)
+    by_mode = [dataclasses.replace(c, bwd_s=c.bwd_s * (1 + m), stored_bytes=c.stored_bytes / (1 + m),
+                                   peak_bytes=c.peak_bytes + m) for m in range(3)]
+    codes = rng.integers(0, 3, c.fwd_s.shape).astype(np.int8)
+    out = select(by_mode, codes)
+    for f in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"):
+        np.testing.assert_array_equal(getattr(out, f), np.choose(codes, [getattr(x, f) for x in by_mode]))
+    assert out.recompute is codes or np.array_equal(out.recompute, codes)
+    assert select(by_mode, np.zeros_like(codes)).recompute is None
+    with pytest.raises(ValueError, match="mode codes"):
+        select(by_mode, np.full_like(codes, 3))

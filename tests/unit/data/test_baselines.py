@@ -96,3 +96,41 @@ def test_unknown_batcher_lists_options(batch_and_limits):
         make_batcher("pack", limits, data.tokens)
     with pytest.raises(ValueError, match="cannot hold one maximal sample"):
         make_batcher("token_budget", limits, data.tokens, max_tokens=10)
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_vectorised_grouping_helpers_match_the_one_group_rules(family):
+    """longest_first is the order of Batcher._sort_key, group_shapes is group_shape of each group (rows alone and
+    packed, fixed row lengths), and a batch carrying a memo (the candidates' lengths view) is grouped by every
+    batcher as a plain batch is, its derived order and rows computed once."""
+    import numpy as np
+
+    from dynabatch.data.baselines import RowGroup, group_shape, group_shapes, longest_first
+    from dynabatch.data.tokenize import TokenizerInfo
+
+    class Lengths:
+        def __init__(self, e, d, memo=None):
+            self.input_lens, self.target_lens = e, d
+            if memo is not None:
+                self.memo = memo
+
+        def __len__(self):
+            return len(self.input_lens)
+
+    rng = np.random.default_rng(5)
+    e, d = rng.integers(1, 400, 80), rng.integers(1, 60, 80)
+    e[:20], d[:10] = 200, 30  # ties, broken by index
+    limits = LengthLimits(family, max_input_len=400 if family == "t5" else 460, max_target_len=60)
+    plain, memo = Lengths(e, d), {}
+    kept = Lengths(e, d, memo)
+    batcher = make_batcher("token_budget", limits, TokenizerInfo(0, 0, 1, 8), max_tokens=4096)
+    assert longest_first(plain, family) == sorted(range(80), key=batcher._sort_key(plain))
+    for name, extra in (("length_grouped", {}), ("token_budget", {"max_tokens": 4096}),
+                        ("packing_free", {"rows_per_micro_batch": 3}), ("packing", {"rows_per_micro_batch": 2})):
+        b = make_batcher(name, limits, TokenizerInfo(0, 0, 1, 8), **extra)
+        groups = b.group(plain)
+        assert b.group(kept) == groups
+        assert group_shapes(plain, groups, family) == [group_shape(plain, g, family) for g in groups]
+    assert set(k[0] for k in memo) == {"longest_first", "packed_rows"}
+    fixed = [RowGroup(((0, 1), (2,)), 400, 60 if family == "t5" else None)]
+    assert group_shapes(plain, fixed, family) == [group_shape(plain, fixed[0], family)]

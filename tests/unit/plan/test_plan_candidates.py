@@ -227,3 +227,29 @@ def test_formula_prices_of_many_plans_are_each_plans_own(padding_free):
                                                  padding_free=padding_free, methods=[c.method])
                   if x.value == c.value]
         assert [p.time_s for r in own.plan.replicas for p in r] == [p.time_s for r in c.plan.replicas for p in r]
+
+
+def test_micro_batches_priced_once_give_the_same_prices_and_times():
+    """GlobalPlanner.plan prices each distinct micro-batch once (price_micro_batches: the baselines' and the DP's in
+    one call, then read by formula_prices): every piece time and every plan's price is the one it gets without that
+    memo, with two replicas and a budget some plans break."""
+    from dynabatch.plan.candidates import formula_prices
+    from dynabatch.plan.costs import PolynomialCostModel
+    from dynabatch.plan.step import plan_step
+
+    rng = np.random.default_rng(9)
+    e, d = rng.integers(4, 400, 90), rng.integers(1, 60, 90)
+    limits = LengthLimits("t5", max_input_len=512, max_target_len=128)
+    cost = PolynomialCostModel(memory_budget_bytes=2.5e9)
+    dp = [plan_step(e, d, cost, 3, family="t5", num_replicas=2, pack_rows=p) for p in ("off", "auto")]
+    also = [(p.row_samples, p.shape) for plan in dp for r in plan.replicas for p in r if not p.is_slice]
+    priced: dict = {}
+    memo = baseline_candidates(e, d, limits, 3, num_replicas=2, cost_model=cost, work={}, priced=priced, also=also)
+    plain = baseline_candidates(e, d, limits, 3, num_replicas=2, cost_model=cost)
+    assert [c.label for c in memo] == [c.label for c in plain] and len(priced) >= len(also)
+    for a, b in zip(memo, plain):
+        assert a.plan == b.plan
+    plans = dp + [c.plan for c in plain]
+    with_memo = formula_prices(cost, e, d, plans, True, None, {}, priced)
+    assert with_memo == formula_prices(cost, e, d, plans, True)
+    assert any(np.isinf(with_memo)) and not all(np.isinf(with_memo))
