@@ -15,8 +15,19 @@ import torch
 
 from dynabatch.data.microbatch import IGNORE_INDEX, CausalMicroBatch, Seq2SeqMicroBatch
 from dynabatch.data.sample import TokenizedSample
+from dynabatch.core.sequence import is_seq2seq
 
 Rows = Sequence[Sequence[int]]
+
+
+def collate_rows(samples: Sequence[TokenizedSample], rows: Rows, family: str, tokens, encoder_len: int | None = None,
+                 decoder_len: int | None = None, loss_on_inputs: bool = False):
+    """Rows of ``samples`` as one micro-batch of the sequence kind ``family`` (:func:`collate_seq2seq` or
+    :func:`collate_causal`, ``encoder_len`` the fixed row length there), padded with ``tokens``' ids
+    (:class:`~dynabatch.data.tokenize.TokenizerInfo`)."""
+    if is_seq2seq(family):
+        return collate_seq2seq(samples, rows, tokens.pad_id, tokens.decoder_start_id, encoder_len, decoder_len)
+    return collate_causal(samples, rows, tokens.pad_id, encoder_len, loss_on_inputs)
 
 
 def _check_length(needed: int, fixed: int | None, what: str) -> int:
