@@ -9,7 +9,8 @@ Each rank times, per step, from the training loop asking its background planner 
 (``PlanAhead.get`` / ``ProcessPlanAhead.get``) to its executor starting the step (``Executor.run``): on rank 0
 that is the wait for the planner, taking the step in (unpickling, resolving the batch, collating) and building
 and starting the deliveries (the other ranks have no planner: their lists stay empty). ``DIR/rank{R}.json`` holds
-the per-step seconds, the planner's waits and the rank's peak RSS (``ru_maxrss``; rank 0's planner child, a
+the per-step seconds, the planner's waits, where ranks collate their own micro-batches the seconds each took
+(``StepData.micro_batches``), and the rank's peak RSS (``ru_maxrss``; rank 0's planner child, a
 waited-for child, as ``children_peak_rss_bytes``). ``--summary DIR...`` prints the medians and spreads of earlier
 runs side by side. It patches by name (``get``, ``Executor.run``), so the same script measures older trees.
 """
@@ -53,6 +54,20 @@ def _patch(times: dict) -> None:
         return run(self, inputs, *a, **k)
 
     Executor.run = timed_run
+    try:  # trees where every rank collates its own micro-batches
+        from dynabatch.training.step_data import StepData
+    except ImportError:
+        return
+    collate = StepData.micro_batches
+
+    def timed_collate(self, layout):
+        t0 = time.perf_counter()
+        try:
+            return collate(self, layout)
+        finally:
+            times["collate_s"].append(time.perf_counter() - t0)
+
+    StepData.micro_batches = timed_collate
 
 
 def _summary(dirs: list[str]) -> None:
@@ -71,6 +86,8 @@ def _summary(dirs: list[str]) -> None:
                 q = statistics.quantiles(steps, n=10) if len(steps) > 2 else [min(steps), max(steps)]
                 line += (f"; get->run median {1e3 * statistics.median(steps):.1f} ms (p10 {1e3 * q[0]:.1f}, p90 "
                          f"{1e3 * q[-1]:.1f}) over {len(steps)} steps")
+            if r.get("collate_s"):
+                line += f"; own collation median {1e3 * statistics.median(r['collate_s'][2:] or r['collate_s']):.1f} ms"
             if r["wait_s"][2:]:
                 line += f"; planner wait median {1e3 * statistics.median(r['wait_s'][2:]):.1f} ms"
             print(line)
@@ -85,7 +102,7 @@ def main() -> int:
         _summary(args.summary)
         return 0
     rest = rest[1:] if rest and rest[0] == "--" else rest
-    times: dict = {"to_run_s": [], "wait_s": []}
+    times: dict = {"to_run_s": [], "wait_s": [], "collate_s": []}
     _patch(times)
     from dynabatch.cli import main as cli
 

@@ -41,9 +41,7 @@ class PlanAhead:
     def _run(self, planner: StepPlanner, num_steps: int) -> None:
         try:
             for _ in range(num_steps):
-                planned = planner()
-                planned.replica_micro_batches  # collated here, ahead, in the process that trains on them
-                if self._stop.is_set() or not self._offer(planned):
+                if self._stop.is_set() or not self._offer(planner()):
                     return
         except BaseException as e:  # delivered to the consumer, never lost in the thread
             self._offer(e)

@@ -34,7 +34,7 @@ from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, mak
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.collate import collate_rows
 from dynabatch.data.microbatch import MicroBatch, token_slices
-from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.data.sample import BatchRows, GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.candidates import Candidate, choose, concatenated_pairs, step_lower_bound
 from dynabatch.plan.global_plan import GlobalPlanner
@@ -65,7 +65,12 @@ class PlannedStep:
     step: int
     batch: GlobalBatch
     """The step's samples (as the method prepared them: ``packing_free_split`` cuts long ones); on its way out of the
-    planner process, :class:`~dynabatch.data.sample.BatchRows` (:meth:`without_data`, :meth:`StepPlanner.with_data`)."""
+    planner process, :attr:`drawn` (:meth:`without_data`, :meth:`StepPlanner.with_data`)."""
+    drawn: BatchRows | None
+    """The global batch as the batcher drew it, by ``(source, row)`` ids (before the method prepared it: ``batch``
+    may hold chunks of its samples): what rebuilds ``batch`` elsewhere (:meth:`StepPlanner.with_data`,
+    :mod:`dynabatch.training.step_data`); ``None`` for a step of samples not drawn from the data (the start-up
+    calibration's)."""
     replica_units: tuple[tuple[Unit, ...], ...]
     """Per replica, its micro-batches as rows of ``batch`` sample indices (and token-slice bounds): what
     :attr:`replica_micro_batches` collates."""
@@ -123,13 +128,24 @@ class PlannedStep:
         if not isinstance(self.batch, GlobalBatch):
             raise TypeError(f"step {self.step} holds its batch by reference ({type(self.batch).__name__}); resolve it "
                             "against the data first (StepPlanner.with_data)")
-        return tuple(tuple(micro_batches_of(list(units), lambda g: collate_group(self.batch, g, self.family,
-                                                                                   self.tokens))[0]) for units in self.replica_units)
+        def collate(g: RowGroup) -> MicroBatch:
+            return collate_group(self.batch, g, self.family, self.tokens)
+
+        return tuple(tuple(micro_batches_of(list(units), collate)[0]) for units in self.replica_units)
+
+    @property
+    def replica_rows(self) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]:
+        """Per replica, per micro-batch (token slices each), its rows of :attr:`batch` sample indices: the
+        ``sample_ids`` of :attr:`replica_micro_batches`, without collating them."""
+        return tuple(tuple(u.group.rows for u in units for _ in range(len(u.bounds) - 1 if u.bounds else 1))
+                     for units in self.replica_units)
 
     def without_data(self) -> PlannedStep:
-        """This step without token data: :attr:`batch` as its :class:`~dynabatch.data.sample.BatchRows` (what the
-        planner process sends; :meth:`StepPlanner.with_data` rebuilds the batch from the same data)."""
-        return replace(self, batch=self.batch.rows())
+        """This step without token data: :attr:`batch` as :attr:`drawn`, the ids it was drawn as (what the planner
+        process sends; :meth:`StepPlanner.with_data` rebuilds the batch from the same data)."""
+        if self.drawn is None:
+            raise ValueError(f"step {self.step} holds samples not drawn from the data; only its own process can use it")
+        return replace(self, batch=self.drawn)
 
     @property
     def real_tokens(self) -> int:
@@ -198,10 +214,12 @@ class StepPlanner:
             self.cost_model = (self.calibration.base if costs == "base" else self.predict_model if costs == "calibrated"
                                else self.calibration.cost_model_for(self.step, scaled=True))
         start = time.perf_counter()
-        batch = self._baseline_batch(self.batcher.next_batch())
+        drawn = self.batcher.next_batch()
+        batch = self._baseline_batch(drawn)
         state = copy.deepcopy(self.batcher.state_dict())
         units, candidate, recompute = self._units(batch)
-        planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate)
+        planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate,
+                          drawn=drawn.rows())
         if self.spec is not None:
             planned = replace(planned, plans=self._lowered(planned), plan_time_s=time.perf_counter() - start)
         self.step += 1
@@ -233,13 +251,7 @@ class StepPlanner:
         return replace(self._planned(self.step, batch, units, {}, start, recompute), candidate=candidate)
 
     def _baseline_batch(self, batch: GlobalBatch) -> GlobalBatch:
-        """``batch`` as the baseline method groups it (:meth:`~dynabatch.data.baselines.Batcher.prepare`:
-        ``packing_free_split`` cuts long samples into chunks, each its own sample); ``dynamic``: ``batch``."""
-        if self.cfg.method == "dynamic":
-            return batch
-        options = BaselineOptions.of(self.cfg)
-        return make_batcher(self.cfg.method, self.limits, self.tokens,
-                            **options.batcher_options(self.cfg.method, self.limits)).prepare(batch)
+        return prepared_batch(self.cfg, self.limits, self.tokens, batch)
 
     def synthetic_step(self, step: int) -> PlannedStep:
         """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
@@ -279,7 +291,8 @@ class StepPlanner:
             features = tuple(self._features(s, lk, pr, c.recompute) for s, lk, pr, c in zip(shapes, links, pairs, costs))
             overhead = self.calibration.overhead_for(step)
         return PlannedStep(
-            step=step, batch=batch, replica_units=tuple(tuple(u) for u in replica_units), shapes=shapes, costs=costs,
+            step=step, batch=batch, drawn=None, replica_units=tuple(tuple(u) for u in replica_units), shapes=shapes,
+            costs=costs,
             schedules=schedules, slice_links=tuple(links), predicted_step_s=max(predicted + overhead, 0.5 * predicted),
             bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
             batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
@@ -460,6 +473,16 @@ class StepPlanner:
             bubbles.append(result.bubble_fraction)
         out = tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
         return (*out, fits) if check_memory else out
+
+
+def prepared_batch(cfg: TrainConfig, limits: LengthLimits, tokens: TokenizerInfo, batch: GlobalBatch) -> GlobalBatch:
+    """``batch`` as the run's baseline method groups it (:meth:`~dynabatch.data.baselines.Batcher.prepare`:
+    ``packing_free_split`` cuts long samples into chunks, each its own sample); ``dynamic``: ``batch``. What the
+    planner's units index, on whichever process rebuilds the batch."""
+    if cfg.method == "dynamic":
+        return batch
+    options = BaselineOptions.of(cfg)
+    return make_batcher(cfg.method, limits, tokens, **options.batcher_options(cfg.method, limits)).prepare(batch)
 
 
 def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
