@@ -10,8 +10,8 @@ Each rank times, per step, from the training loop asking its background planner 
 that is the wait for the planner, taking the step in (unpickling, resolving the batch, collating) and building
 and starting the deliveries (the other ranks have no planner: their lists stay empty). ``DIR/rank{R}.json`` holds
 the per-step seconds, the planner's waits, where ranks collate their own micro-batches the seconds each took
-(``StepData.micro_batches``), and the rank's peak RSS (``ru_maxrss``; rank 0's planner child, a
-waited-for child, as ``children_peak_rss_bytes``). ``--summary DIR...`` prints the medians and spreads of earlier
+(``StepData.micro_batches``), and the rank's peak RSS (``ru_maxrss``; the largest of its waited-for child
+processes, such as rank 0's planner process, as ``children_peak_rss_bytes``). ``--summary DIR...`` prints the medians and spreads of earlier
 runs side by side. It patches by name (``get``, ``Executor.run``), so the same script measures older trees.
 """
 
@@ -81,7 +81,7 @@ def _summary(dirs: list[str]) -> None:
             steps = r["to_run_s"][2:]  # the first steps wait for the start-up
             line = f"  {name[:-5]}: peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
             if r.get("children_peak_rss_bytes"):
-                line += f" (planner child {r['children_peak_rss_bytes'] / 2**20:.0f} MiB)"
+                line += f" (largest child process {r['children_peak_rss_bytes'] / 2**20:.0f} MiB)"
             if steps:
                 q = statistics.quantiles(steps, n=10) if len(steps) > 2 else [min(steps), max(steps)]
                 line += (f"; get->run median {1e3 * statistics.median(steps):.1f} ms (p10 {1e3 * q[0]:.1f}, p90 "
