@@ -79,8 +79,8 @@ def data_ready(ctx: DistContext, timeout_s: float) -> None:
         try:
             dist.irecv(flag, src=r, group=ctx.delivery_group, tag=_READY_TAG).wait(wait)
         except RuntimeError as e:
-            raise PipelineError(f"rank 0: rank {r} did not load the data within startup_timeout_s={timeout_s:g} s "
-                                f"({e})") from e
+            raise PipelineError(f"rank 0: rank {r} did not report the data loaded within startup_timeout_s="
+                                f"{timeout_s:g} s (it may have failed: see its own line; {e})") from e
 
 
 @dataclass
