@@ -98,13 +98,10 @@ class Batcher:
         return [self.collate(batch, g) for g in self.group(batch)]
 
     def collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
-        from dynabatch.data.collate import collate_causal, collate_seq2seq  # lazy: keeps torch out of `dynabatch --help`
+        from dynabatch.data.collate import collate_rows  # lazy: keeps torch out of `dynabatch --help`
 
-        if is_seq2seq(self.family):
-            return collate_seq2seq(
-                batch.samples, g.rows, self.tokens.pad_id, self.tokens.decoder_start_id, g.encoder_len, g.decoder_len
-            )
-        return collate_causal(batch.samples, g.rows, self.tokens.pad_id, g.encoder_len, self.loss_on_inputs)
+        return collate_rows(batch.samples, g.rows, self.family, self.tokens, g.encoder_len, g.decoder_len,
+                            self.loss_on_inputs)
 
     def stats(self, batch: GlobalBatch) -> BatchStats:
         """Real and computed tokens of this batching, from lengths alone."""

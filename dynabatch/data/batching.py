@@ -23,7 +23,7 @@ import numpy as np
 
 from dynabatch.data.mixture import require_keys
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.data.sample import BatchRows, GlobalBatch, TokenizedSample
 from dynabatch.core.sequence import is_seq2seq, sequence_kind
 
 OVERLONG_POLICIES = ("truncate", "drop", "error")
@@ -184,6 +184,15 @@ class GlobalBatcher:
         self.num_truncated += truncated
         self.num_dropped += dropped
         return batch
+
+    def resolve(self, rows: BatchRows) -> GlobalBatch:
+        """The batch :meth:`next_batch` made, rebuilt from its :meth:`~dynabatch.data.sample.GlobalBatch.rows` on this
+        batcher's data (its limits and over-long policy cut each sample as drawing it did); the position stays."""
+        samples = tuple(self._prepare(int(source), int(row)) for source, row in rows.ids)
+        if any(s is None for s in samples):
+            raise ValueError(f"batch {rows.step} names a row this batcher drops; it was drawn from other data")
+        return GlobalBatch(step=rows.step, samples=samples, num_truncated=rows.num_truncated,
+                           num_dropped=rows.num_dropped)
 
     def _raw_num_tokens(self, source: int, row: int) -> int:
         src = self.data.sources[source]

@@ -15,8 +15,30 @@ import torch
 
 from dynabatch.data.microbatch import IGNORE_INDEX, CausalMicroBatch, Seq2SeqMicroBatch
 from dynabatch.data.sample import TokenizedSample
+from dynabatch.core.sequence import is_seq2seq
 
 Rows = Sequence[Sequence[int]]
+
+
+def collate_rows(samples: Sequence[TokenizedSample], rows: Rows, family: str, tokens, encoder_len: int | None = None,
+                 decoder_len: int | None = None, loss_on_inputs: bool = False):
+    """Rows of ``samples`` as one micro-batch of the sequence kind ``family`` (:func:`collate_seq2seq` or
+    :func:`collate_causal`, ``encoder_len`` the fixed row length there), padded with ``tokens``' ids
+    (:class:`~dynabatch.data.tokenize.TokenizerInfo`)."""
+    if is_seq2seq(family):
+        return collate_seq2seq(samples, rows, tokens.pad_id, tokens.decoder_start_id, encoder_len, decoder_len)
+    return collate_causal(samples, rows, tokens.pad_id, encoder_len, loss_on_inputs)
+
+
+def loss_token_count(input_lens, target_lens, family: str, loss_on_inputs: bool = False) -> int:
+    """The loss tokens the collate functions lay out for samples of these lengths (arrays), from the lengths
+    alone: every target token of an encoder-decoder; a decoder-only sample's tokens after its first loss
+    position (``max(input_len, 1)``, or 1 with ``loss_on_inputs``: its first token is never predicted)."""
+    input_lens, target_lens = np.asarray(input_lens, dtype=np.int64), np.asarray(target_lens, dtype=np.int64)
+    if is_seq2seq(family):
+        return int(target_lens.sum())
+    first = 1 if loss_on_inputs else np.maximum(input_lens, 1)
+    return int(np.maximum(input_lens + target_lens - first, 0).sum())
 
 
 def _check_length(needed: int, fixed: int | None, what: str) -> int:

@@ -65,3 +65,25 @@ class GlobalBatch:
     def num_tokens(self) -> int:
         """Real tokens (inputs + targets) in the batch."""
         return int(self.input_lens.sum() + self.target_lens.sum())
+
+    def rows(self) -> BatchRows:
+        """The batch as the rows it was drawn from, without its tokens (:class:`BatchRows`)."""
+        ids = np.array([(s.source_index, s.row_index) for s in self.samples], dtype=np.int64).reshape(-1, 2)
+        return BatchRows(self.step, ids, self.num_truncated, self.num_dropped)
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """A :class:`GlobalBatch` by reference: which ``(source, row)`` of the mixture each sample is, in order, and
+    the batch's counts, but no token ids. A process that holds the same tokenized data rebuilds the batch from it
+    (:meth:`dynabatch.data.batching.GlobalBatcher.resolve`): what the planner process sends back instead of the
+    samples (nothing tokenized crosses the process boundary per step)."""
+
+    step: int
+    ids: np.ndarray
+    """(N, 2) int64: the source index and row index of every sample."""
+    num_truncated: int = 0
+    num_dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)

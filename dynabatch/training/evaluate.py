@@ -81,6 +81,11 @@ class EvalSet:
     def tasks(self) -> list[str]:
         return sorted({s.task for s in self.batch.samples})
 
+    @property
+    def replica_rows(self) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]:
+        """Per replica, per micro-batch, its rows of ``batch`` sample indices (as a planned step's)."""
+        return tuple(tuple(mb.sample_ids for mb in mbs) for mbs in self.replica_micro_batches)
+
 
 # ---------------------------------------------------------------------------------------------- the set
 
@@ -312,7 +317,7 @@ def gather_task_losses(ctx: DistContext, result, planned) -> dict[str, float] | 
     counts: dict[str, float] = {}
     for r in range(ctx.num_replicas):
         for m, arr in gathered[ctx.rank_of(r, ctx.num_stages - 1)].items():
-            for row, ids in enumerate(planned.replica_micro_batches[r][m].sample_ids):
+            for row, ids in enumerate(planned.replica_rows[r][m]):
                 for k, i in enumerate(ids[: arr.shape[1]]):  # a token slice may hold a row's first segments only
                     task = planned.batch.samples[i].task
                     sums[task] = sums.get(task, 0.0) + float(arr[row, k, 0])

@@ -1,11 +1,12 @@
-"""Rank 0's step planner: global batch -> micro-batches per replica -> collated tensors, ahead of time.
+"""Rank 0's step planner: global batch -> micro-batches per replica -> shapes, costs and plans, ahead of time.
 
 :class:`StepPlanner` makes one :class:`PlannedStep` per call: it draws the next global batch, cuts it
 with the configured method through the planning path ``plan``, ``simulate`` and the DataLoader share
 (:class:`~dynabatch.plan.global_plan.GlobalPlanner`; ``dynamic``: :func:`dynabatch.plan.step.plan_step` with the
 stage cost model, scored by the simulated step; a baseline: its batcher, micro-batches dealt to replicas
-longest-first), collates each replica's
-micro-batches into tensors, prices them per stage (with ``attention=segments``, attention by the pairs
+longest-first), lays out each replica's micro-batches as :class:`Unit` s (rows of sample indices, token-slice
+bounds) and their shapes, without collating them (:attr:`PlannedStep.replica_micro_batches` collates where the
+tensors are used), prices them per stage (with ``attention=segments``, attention by the pairs
 each micro-batch's rows really compute, :func:`units_pairs`), picks the compute schedule the runtime will run
 and simulates it (the *predicted* step time and bubble, the measured step's twin).
 
@@ -21,6 +22,7 @@ import copy
 import os
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -30,9 +32,9 @@ from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
-from dynabatch.data.collate import collate_causal, collate_seq2seq
+from dynabatch.data.collate import collate_rows
 from dynabatch.data.microbatch import MicroBatch, token_slices
-from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.data.sample import BatchRows, GlobalBatch, TokenizedSample
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.plan.candidates import Candidate, choose, concatenated_pairs, step_lower_bound
 from dynabatch.plan.global_plan import GlobalPlanner
@@ -40,7 +42,7 @@ from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
 from dynabatch.plan.step import flat_row_limit, plan_step, with_pairs
 from dynabatch.engine.dist import device_type
-from dynabatch.engine.step import compute_schedule, micro_batch_shape
+from dynabatch.engine.step import compute_schedule
 from dynabatch.schedule.chains import chains, links_for
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
@@ -62,7 +64,16 @@ class PlannedStep:
 
     step: int
     batch: GlobalBatch
-    replica_micro_batches: tuple[tuple[MicroBatch, ...], ...]
+    """The step's samples (as the method prepared them: ``packing_free_split`` cuts long ones); on its way out of the
+    planner process, :attr:`drawn` (:meth:`without_data`, :meth:`StepPlanner.with_data`)."""
+    drawn: BatchRows | None
+    """The global batch as the batcher drew it, by ``(source, row)`` ids (before the method prepared it: ``batch``
+    may hold chunks of its samples): what rebuilds ``batch`` elsewhere (:meth:`StepPlanner.with_data`,
+    :mod:`dynabatch.training.step_data`); ``None`` for a step of samples not drawn from the data (the start-up
+    calibration's)."""
+    replica_units: tuple[tuple[Unit, ...], ...]
+    """Per replica, its micro-batches as rows of ``batch`` sample indices (and token-slice bounds): what
+    :attr:`replica_micro_batches` collates."""
     shapes: tuple[tuple[tuple[int, int, int], ...], ...]
     """Per replica, the ``(b, E, D)`` of each micro-batch."""
     costs: tuple[StageCosts, ...]
@@ -101,10 +112,40 @@ class PlannedStep:
     candidate: str = ""
     """Which plan of the global batch ran (the ``dynamic`` method, :mod:`dynabatch.plan.candidates`): ``dp`` (the
     partition DP's) or a baseline's at one knob value (``packing_free=4``); ``""`` for a baseline method."""
+    family: str = ""
+    """The sequence kind :attr:`replica_micro_batches` collates for (``seq2seq`` or ``causal``)."""
+    tokens: TokenizerInfo | None = None
+    """The pad and decoder-start ids :attr:`replica_micro_batches` collates with."""
     plan_model: Any = None
     """The stage cost model this step was planned with (the online fit as of its step with
     ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``): what its measured efficiencies are priced with. The planner's own ``cost_model``
     moves on with the steps it plans ahead (and stays in the planner's process with ``--planner process``)."""
+
+    @cached_property
+    def replica_micro_batches(self) -> tuple[tuple[MicroBatch, ...], ...]:
+        """Per replica, its micro-batches collated from :attr:`batch` (in execution order; token slices cut), made
+        on first use, in the process (and thread) that uses them: the planner ships the units, never tensors."""
+        if not isinstance(self.batch, GlobalBatch):
+            raise TypeError(f"step {self.step} holds its batch by reference ({type(self.batch).__name__}); resolve it "
+                            "against the data first (StepPlanner.with_data)")
+        def collate(g: RowGroup) -> MicroBatch:
+            return collate_group(self.batch, g, self.family, self.tokens)
+
+        return tuple(tuple(micro_batches_of(list(units), collate)[0]) for units in self.replica_units)
+
+    @property
+    def replica_rows(self) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]:
+        """Per replica, per micro-batch (token slices each), its rows of :attr:`batch` sample indices: the
+        ``sample_ids`` of :attr:`replica_micro_batches`, without collating them."""
+        return tuple(tuple(u.group.rows for u in units for _ in range(len(u.bounds) - 1 if u.bounds else 1))
+                     for units in self.replica_units)
+
+    def without_data(self) -> PlannedStep:
+        """This step without token data: :attr:`batch` as :attr:`drawn`, the ids it was drawn as (what the planner
+        process sends; :meth:`StepPlanner.with_data` rebuilds the batch from the same data)."""
+        if self.drawn is None:
+            raise ValueError(f"step {self.step} holds samples not drawn from the data; only its own process can use it")
+        return replace(self, batch=self.drawn)
 
     @property
     def real_tokens(self) -> int:
@@ -173,10 +214,12 @@ class StepPlanner:
             self.cost_model = (self.calibration.base if costs == "base" else self.predict_model if costs == "calibrated"
                                else self.calibration.cost_model_for(self.step, scaled=True))
         start = time.perf_counter()
-        batch = self._baseline_batch(self.batcher.next_batch())
+        drawn = self.batcher.next_batch()
+        batch = self._baseline_batch(drawn)
         state = copy.deepcopy(self.batcher.state_dict())
         units, candidate, recompute = self._units(batch)
-        planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate)
+        planned = replace(self._planned(self.step, batch, units, state, start, recompute), candidate=candidate,
+                          drawn=drawn.rows())
         if self.spec is not None:
             planned = replace(planned, plans=self._lowered(planned), plan_time_s=time.perf_counter() - start)
         self.step += 1
@@ -191,6 +234,14 @@ class StepPlanner:
                           schedules=planned.schedules, slice_links=planned.slice_links,
                           model_state_bytes=planned.model_state_bytes, placement=self.placement)
 
+    def with_data(self, planned: PlannedStep) -> PlannedStep:
+        """``planned`` with its batch rebuilt from this planner's data when it holds it by reference
+        (:meth:`PlannedStep.without_data`: a step from the planner process): the same samples, as the method
+        prepared them, so :attr:`PlannedStep.replica_micro_batches` collates what the planner planned."""
+        if isinstance(planned.batch, GlobalBatch):
+            return planned
+        return replace(planned, batch=self._baseline_batch(self.batcher.resolve(planned.batch)))
+
     def preview(self, batch: GlobalBatch) -> PlannedStep:
         """``batch`` planned and predicted as a training step would be, the stream and the step count left
         alone (the start-up choice of the layer split and placement, :mod:`dynabatch.training.run_layout`)."""
@@ -200,13 +251,7 @@ class StepPlanner:
         return replace(self._planned(self.step, batch, units, {}, start, recompute), candidate=candidate)
 
     def _baseline_batch(self, batch: GlobalBatch) -> GlobalBatch:
-        """``batch`` as the baseline method groups it (:meth:`~dynabatch.data.baselines.Batcher.prepare`:
-        ``packing_free_split`` cuts long samples into chunks, each its own sample); ``dynamic``: ``batch``."""
-        if self.cfg.method == "dynamic":
-            return batch
-        options = BaselineOptions.of(self.cfg)
-        return make_batcher(self.cfg.method, self.limits, self.tokens,
-                            **options.batcher_options(self.cfg.method, self.limits)).prepare(batch)
+        return prepared_batch(self.cfg, self.limits, self.tokens, batch)
 
     def synthetic_step(self, step: int) -> PlannedStep:
         """A step of synthetic micro-batches spanning the run's lengths (:func:`synthetic_units`), planned with
@@ -221,14 +266,14 @@ class StepPlanner:
         plan_model, predict_model = self.cost_model, self.predict_model
         if recompute is not None:
             plan_model, predict_model = (replace(m, recompute=recompute) for m in (plan_model, predict_model))
-        replicas, links, contexts, pairs = [], [], [], []
+        shapes, links, contexts, pairs = [], [], [], []
         for units in replica_units:
-            mbs, lk, ctx = micro_batches_of(units, lambda g: self._collate(batch, g))
-            replicas.append(tuple(mbs))
+            sh, lk, ctx = units_layout(batch, units, self.family)
+            shapes.append(sh)
             links.append(lk)
             contexts.append(ctx)
             pairs.append(units_pairs(batch, units, self.family) if self.padding_free else None)
-        shapes = tuple(tuple(micro_batch_shape(mb) for mb in mbs) for mbs in replicas)
+        shapes = tuple(shapes)
         if wants_equal_counts(self.cost_model) and len({len(s) for s in shapes}) > 1:  # would hang under --zero 2
             raise ValueError(f"step {step}: --zero 2 needs as many micro-batches on every replica, but the plan has "
                              f"{[len(s) for s in shapes]}")
@@ -246,12 +291,14 @@ class StepPlanner:
             features = tuple(self._features(s, lk, pr, c.recompute) for s, lk, pr, c in zip(shapes, links, pairs, costs))
             overhead = self.calibration.overhead_for(step)
         return PlannedStep(
-            step=step, batch=batch, replica_micro_batches=tuple(replicas), shapes=shapes, costs=costs,
+            step=step, batch=batch, drawn=None, replica_units=tuple(tuple(u) for u in replica_units), shapes=shapes,
+            costs=costs,
             schedules=schedules, slice_links=tuple(links), predicted_step_s=max(predicted + overhead, 0.5 * predicted),
             bubble_fraction=bubble, computed_tokens=computed, plan_time_s=time.perf_counter() - start,
             batcher_state_after=state, model_state_bytes=tuple(self.cost_model.model_state_bytes),
             predicted_saved_bytes=tuple(float(x) for x in saved.peak_memory_bytes), predicted_makespan_s=predicted,
             features=features, predicted_costs=predicted_costs, pairs=tuple(pairs), plan_model=self.cost_model,
+            family=self.family, tokens=self.tokens,
         )
 
     def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
@@ -388,12 +435,6 @@ class StepPlanner:
         b, e, d = group_shape(batch, g, self.family)
         return b * (e + d)
 
-    def _collate(self, batch: GlobalBatch, g: RowGroup) -> MicroBatch:
-        t = self.tokens
-        if is_seq2seq(self.family):
-            return collate_seq2seq(batch.samples, g.rows, t.pad_id, t.decoder_start_id, g.encoder_len, g.decoder_len)
-        return collate_causal(batch.samples, g.rows, t.pad_id, g.encoder_len)
-
     def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None, costs_in=None,
                  check_memory: bool = False):
         """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
@@ -432,6 +473,16 @@ class StepPlanner:
             bubbles.append(result.bubble_fraction)
         out = tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
         return (*out, fits) if check_memory else out
+
+
+def prepared_batch(cfg: TrainConfig, limits: LengthLimits, tokens: TokenizerInfo, batch: GlobalBatch) -> GlobalBatch:
+    """``batch`` as the run's baseline method groups it (:meth:`~dynabatch.data.baselines.Batcher.prepare`:
+    ``packing_free_split`` cuts long samples into chunks, each its own sample); ``dynamic``: ``batch``. What the
+    planner's units index, on whichever process rebuilds the batch."""
+    if cfg.method == "dynamic":
+        return batch
+    options = BaselineOptions.of(cfg)
+    return make_batcher(cfg.method, limits, tokens, **options.batcher_options(cfg.method, limits)).prepare(batch)
 
 
 def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
@@ -588,6 +639,27 @@ def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
         else:
             work.append(row_work(u.group.rows, batch.input_lens, batch.target_lens, family))
     return stacked_pairs(work)
+
+
+def collate_group(batch: GlobalBatch, g: RowGroup, family: str, tokens: TokenizerInfo) -> MicroBatch:
+    """One row group of ``batch`` collated as the planner lays it out (no loss on inputs)."""
+    return collate_rows(batch.samples, g.rows, family, tokens, g.encoder_len, g.decoder_len)
+
+
+def units_layout(batch: GlobalBatch, units, family: str) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...], list[int]]:
+    """What :func:`micro_batches_of` makes of ``units``, from the lengths alone (nothing collated): each micro-batch's
+    padded ``(b, E, D)`` (:func:`~dynabatch.data.baselines.group_shape`; a token slice ``(b, hi - lo, 0)``), the
+    token-slice links (``()`` without slices) and each one's context length."""
+    shapes: list[tuple[int, int, int]] = []
+    for u in units:
+        if u.bounds:
+            b = len(u.group.rows)
+            shapes += [(b, int(hi - lo), 0) for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
+        else:
+            shapes.append(tuple(int(x) for x in group_shape(batch, u.group, family)))
+    links = links_for([len(u.bounds) - 1 if u.bounds else 1 for u in units]) if any(u.bounds for u in units) else ()
+    contexts = [c for u in units for c in (u.bounds[:-1] if u.bounds else (0,))]
+    return tuple(shapes), links, contexts
 
 
 def micro_batches_of(units: list[Unit], collate) -> tuple[list[MicroBatch], tuple[int, ...], list[int]]:

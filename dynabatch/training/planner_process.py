@@ -3,10 +3,13 @@
 :class:`ProcessPlanAhead` has :class:`~dynabatch.training.plan_ahead.PlanAhead`'s interface. It spawns one child
 (``multiprocessing`` spawn context: nothing of the parent's threads or CUDA state is inherited) that rebuilds the
 :class:`~dynabatch.training.planner.StepPlanner` from its picklable parts (batcher with its data and position,
-config, cost models, tokenizer info) and plans ``num_steps`` steps, at most ``depth`` ahead of the training loop
-(the queue's size). Each :class:`~dynabatch.training.planner.PlannedStep` comes back pickled as bytes, its CPU
-tensors as numpy arrays (:func:`_dumps`: no shared-memory file descriptors to run out of, and the parent, which
-holds the training loop's GIL while it unpickles, rebuilds a gpt2-tiny step in 1.5-2 ms instead of 10-15 ms).
+config, cost models, tokenizer info; once, at the start) and plans ``num_steps`` steps, at most ``depth`` ahead of the
+training loop (the queue's size). Each :class:`~dynabatch.training.planner.PlannedStep` comes back pickled as bytes,
+plans only (:meth:`~dynabatch.training.planner.PlannedStep.without_data`): the global batch as the ``(source, row)``
+ids of its samples, each replica's micro-batches as units (rows of sample indices, token-slice bounds), shapes,
+costs, schedules and the lowered plans; no token ids and no tensors (:func:`_dumps` refuses them). The parent
+rebuilds the batch from its own copy of the data (:meth:`~dynabatch.training.planner.StepPlanner.with_data`) and
+collates the micro-batches where they are used (:attr:`~dynabatch.training.planner.PlannedStep.replica_micro_batches`).
 
 Online calibration: the child's planner asks :class:`_FedCalibration` for the cost model of step ``k``; a feeder
 thread in the parent takes exactly that model from the run's
@@ -32,6 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from dynabatch.data.microbatch import CausalMicroBatch, Seq2SeqMicroBatch
+from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.training.planner import StepPlanner
 
 _POLL_S = 0.1
@@ -84,18 +91,17 @@ class _FedCalibration:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles CPU tensors without autograd as numpy arrays (``torch.from_numpy`` rebuilds them, contiguous);
-    torch's own reduction rebuilds each tensor's storage through ``torch.load`` (about 150 us a tensor)."""
+    """Pickles what the child sends, refusing data: a tensor, a tokenized sample or a collated micro-batch raises
+    ``TypeError`` (the planner ships plans; the data stays with the processes that hold it)."""
 
     def reducer_override(self, obj):
-        import torch
-
-        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
-            try:
-                return torch.from_numpy, (obj.numpy(),)
-            except TypeError:  # a dtype numpy lacks (bfloat16): torch's own reduction
-                pass
+        if isinstance(obj, _REFUSED):
+            raise TypeError(f"the planner process sends plans only, not a {type(obj).__name__}")
         return NotImplemented
+
+
+_REFUSED = (torch.Tensor, TokenizedSample, GlobalBatch, CausalMicroBatch, Seq2SeqMicroBatch)
+"""What never crosses from the planner process to the training loop."""
 
 
 def _dumps(obj) -> bytes:
@@ -116,7 +122,7 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
         planner.__dict__.update(state)
         planner.calibration = None if calibration is None else _FedCalibration(feed=feed, stop=stop, **calibration)
         for _ in range(num_steps):
-            if stop.is_set() or not _offer(out, _dumps(planner()), stop):
+            if stop.is_set() or not _offer(out, _dumps(planner().without_data()), stop):
                 return
     except BaseException as e:  # delivered to the parent, never lost in the child
         _offer(out, _dumps(_Failure(type(e).__name__, str(e), isinstance(e, ValueError))), stop)
@@ -160,6 +166,7 @@ class ProcessPlanAhead:
         ctx = mp.get_context("spawn")
         self._out, self._feed, self._stop = ctx.Queue(maxsize=depth), ctx.Queue(), ctx.Event()
         state = {k: v for k, v in planner.__dict__.items() if k != "calibration"}
+        self._with_data = planner.with_data  # the parent's planner holds the same data the child plans from
         cal = planner.calibration
         fed = None
         if cal is not None and cal.enabled:
@@ -190,7 +197,8 @@ class ProcessPlanAhead:
             self._feed.put((step, *models, cal.overhead_for(step)))
 
     def get(self, timeout_s: float = 600.0):
-        """The next planned step and the seconds the caller waited for it (as :meth:`PlanAhead.get`)."""
+        """The next planned step and the seconds the caller waited for it (as :meth:`PlanAhead.get`), its batch
+        rebuilt from this process's data (:meth:`~dynabatch.training.planner.StepPlanner.with_data`)."""
         start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -207,7 +215,7 @@ class ProcessPlanAhead:
         if isinstance(item, _Failure):
             kind = ValueError if item.value_error else RuntimeError
             raise kind(f"the background planner failed: {item.kind}: {item.message}")
-        return item, time.perf_counter() - start
+        return self._with_data(item), time.perf_counter() - start
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop planning: the child finishes the step it is on and exits, or is terminated after ``timeout_s``."""

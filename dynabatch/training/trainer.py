@@ -1,12 +1,14 @@
 """``dynabatch train``: the training loop on every rank.
 
 Every rank builds the same seeded model, keeps only its own pipeline stage (``models.split``) and an
-:class:`~dynabatch.engine.executor.Executor` with AdamW and a warm-up + decay LR schedule. Rank 0
-also owns the data: it loads and tokenizes the mixture, and a background planner (a thread,
+:class:`~dynabatch.engine.executor.Executor` with AdamW and a warm-up + decay LR schedule. Rank 0 loads and
+tokenizes the mixture first and plans: a background planner (a thread,
 :class:`~dynabatch.training.plan_ahead.PlanAhead`, or a child process, ``--planner``,
-:mod:`~dynabatch.training.planner_process`) prepares the next steps' micro-batches, costs, schedules and
-validated plans while the current step trains. Each step, :func:`~dynabatch.engine.step.train_step`
-delivers plans and host tensors and runs them everywhere. Rank 0 logs one JSON record per step
+:mod:`~dynabatch.training.planner_process`) prepares the next steps' micro-batches (as rows of sample ids),
+costs, schedules and validated plans while the current step trains. The other ranks then load the same data
+(from the tokenizing cache), so each step :func:`~dynabatch.engine.step.train_step` delivers every rank its plan
+and its replica's layout (:mod:`dynabatch.training.step_data`), and each rank collates its own micro-batches;
+with datasets given in memory (rank 0's), rank 0 delivers the host tensors instead. Rank 0 logs one JSON record per step
 (loss, real tokens/s, padding efficiency, micro-batch shapes, plan time and wait, predicted vs
 measured step time, peak memory) and shows a progress bar. Checkpoints are per-rank shards plus a
 manifest with the data position (``engine.checkpoint``), keyed by the global model's names so any
@@ -61,6 +63,7 @@ from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
 from dynabatch.training.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.training.run_layout import RunLayout, sampled_run_layout, share_run_layout
+from dynabatch.training.step_data import StepData, announce_data, data_ready
 from dynabatch.engine.step import train_step
 from dynabatch.engine.timeline import gather_timelines
 from dynabatch.training.tracking import Trackers, check_trackers, open_trackers, step_scalars
@@ -95,6 +98,9 @@ class _Run:
     """Rank 0 with ``--eval-holdout``: the rows held out of training (:func:`~dynabatch.training.evaluate.hold_out`)."""
     placement: Any = None
     """The :class:`~dynabatch.schedule.placement.Placement` of ``--placement`` (``None``: linear)."""
+    step_data: Any = None
+    """Every rank, when the ranks collate their own micro-batches: the :class:`~dynabatch.training.step_data.StepData`
+    layouts are made of (rank 0) and collated from (every rank); ``None``: rank 0 delivers tensors."""
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -138,8 +144,15 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     if cfg.attention_path == "segments" and (problem := kernel_problem(kernel, ctx.device, cfg.dtype)):
         raise ValueError(problem)
     use_attention_kernel(kernel)
-    loaded = _load_data(cfg, tokenizer, family, datasets) if ctx.is_planner else None
-    chosen = _run_layout(cfg, ctx, model, loaded)
+    loaded = None
+    if ctx.is_planner:
+        loaded = _load_data(cfg, tokenizer, family, datasets)
+        maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
+    # every rank collates its own micro-batches when it can read the data as rank 0 does (training.step_data)
+    collates = announce_data(ctx, datasets is None, cfg.startup_timeout_s)
+    if collates and not ctx.is_planner:
+        loaded = _load_data(cfg, tokenizer, family, None)  # rank 0 has tokenized it: from the cache
+    chosen = _run_layout(cfg, ctx, model, loaded, lambda: data_ready(ctx, cfg.startup_timeout_s) if collates else None)
     cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
     layout, placement = chosen.layout, chosen.placement
     spec = pipeline_spec_for(model, layout, "float32")
@@ -157,6 +170,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
                         measure_memory=True, autocast_dtype=autocast_dtype(cfg.dtype), zero=zero)
     run = _Run(cfg, ctx, stage, spec, layout, executor, optimizer, scheduler,
                placement=placement if placement.chunks_per_device > 1 else None)
+    if collates:
+        run.step_data = StepData(loaded.batcher, cfg, loaded.data.tokens)
     if ctx.is_planner:
         logger.info(f"pipeline: {chosen.describe()}" + "".join(
             f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
@@ -179,27 +194,30 @@ class _Loaded(NamedTuple):
 
 
 def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:
-    """Rank 0: the training data (``datasets`` in memory, else as ``cfg`` says) and its batcher."""
+    """The training data (``datasets`` in memory, else as ``cfg`` says) and its batcher: rank 0's, and every
+    rank's when the ranks collate their own micro-batches (the same rows, held out alike)."""
     data = load_training_data(cfg, tokenizer, family, datasets)
     for note in data_notes(data):  # numbers cast to text, malformed rows skipped
         logger.info(f"data: {note}")
     held_out = None
     if cfg.eval_holdout:  # these rows are evaluated, never trained on
         data, held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
-    maybe_slow_start()  # fault injection for the start-up tests (DYNABATCH_SLOW_START_S)
     limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                           max_seq_len=cfg.max_input_len)
     return _Loaded(data, held_out, GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong))
 
 
-def _run_layout(cfg: TrainConfig, ctx: DistContext, model, loaded: _Loaded | None):
+def _run_layout(cfg: TrainConfig, ctx: DistContext, model, loaded: _Loaded | None, peers_ready=lambda: None):
     """Every rank: the run's :class:`~dynabatch.training.run_layout.RunLayout`. The reference split of an
     explicit placement needs no data, so every rank cuts it alone; otherwise rank 0 (``loaded``) chooses from
-    its first global batches and the others receive the choice."""
+    its first global batches and the others receive the choice. ``peers_ready`` (collective) runs before the
+    choice is shared: the other ranks may still be loading the data while rank 0 chooses."""
     if cfg.layer_split == "reference" and cfg.placement != "auto":
+        peers_ready()
         placement = Placement.parse(cfg.placement, cfg.stages)
         return RunLayout(placement, layout_for(model, placement.num_stages, placement, cfg.cuts_inside_blocks))
     chosen = sampled_run_layout(cfg, model, loaded.data, loaded.batcher) if ctx.is_planner else None
+    peers_ready()
     return share_run_layout(ctx, chosen, layer_kinds(analytic_spec(model.config)), cfg.startup_timeout_s)
 
 
@@ -266,9 +284,13 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                 assert planned.step == step, (planned.step, step)
             kernels_before = Counter(KERNEL_CALLS)
             t0 = time.perf_counter()
+            thin = run.step_data is not None  # plans and layouts travel; each rank collates its own micro-batches
             result = train_step(
                 run.executor, ctx, step,
-                planned.replica_micro_batches if ctx.is_planner else None,
+                planned.replica_micro_batches if ctx.is_planner and not thin else None,
+                replica_layouts=run.step_data.layouts(planned) if ctx.is_planner and thin else None,
+                global_loss_tokens=run.step_data.loss_tokens(planned) if ctx.is_planner and thin else None,
+                collate=run.step_data.micro_batches if thin else None,
                 spec=run.spec, policy=lower("policy", cfg.policy),
                 costs=planned.costs if ctx.is_planner else None, memory_limit_bytes=memory,
                 schedules=planned.schedules if ctx.is_planner else None,

@@ -11,7 +11,7 @@ from dynabatch.engine import executor as executor_module
 from dynabatch.engine.delivery import StepInputs, pack, unpack
 from dynabatch.engine.dist import PipelineError, check_world, init_distributed, shutdown
 from dynabatch.engine.executor import HANDLERS, Executor
-from dynabatch.engine.step import micro_batch_shape, step_payloads, train_step
+from dynabatch.engine.step import layout_payloads, micro_batch_shape, own_inputs, step_payloads, train_step
 from dynabatch.schedule.step import lower_step as plan_step
 from dynabatch.schedule.ir import Op, PipelineSpec
 
@@ -57,6 +57,35 @@ def test_delivery_packs_only_the_stage_inputs(family, num_stages):
         assert sorted(payloads[0].loaded[0]) == ["input_ids", "position_ids", "segment_ids"]
 
 
+def test_a_layout_travels_instead_of_tensors_and_each_rank_collates_its_own():
+    """With layouts, a rank's message is its plan and its replica's layout, no tensor; the rank's own collate makes
+    exactly the tensors rank 0 would have delivered; a rank given no collate says so."""
+    _, mbs = H.step_batch("gpt2", seed=0, step=0)
+    spec = PipelineSpec.gpt(2, 64, "float32")
+    replicas = H.split_replicas(mbs, 2)
+    plans = plan_step([[micro_batch_shape(mb) for mb in r] for r in replicas], spec, policy="1f1b", step=3)
+    tokens = sum(mb.num_loss_tokens for mb in mbs)
+    delivered = step_payloads(plans, replicas, spec)
+    layouts = [b"replica 0", b"replica one"]
+    collated = []
+    for rank, inputs in layout_payloads(plans, layouts, tokens).items():
+        header, message = pack(inputs)
+        plan_bytes = len(inputs.plan.to_bytes())
+        assert len(message) < plan_bytes + len(inputs.layout) + 16  # the plan, the layout, alignment: no tensor
+        assert len(pack(delivered[rank])[1]) > len(message) + 64  # what the tensors weighed
+        got = unpack(header, message)
+        assert got.plan == inputs.plan and got.layout == layouts[inputs.plan.replica_index] and got.loaded == {}
+        own = own_inputs(got, spec, lambda layout: collated.append(layout) or replicas[layouts.index(layout)])
+        assert own.global_loss_tokens == tokens and own.loaded.keys() == delivered[rank].loaded.keys()
+        for m, tensors in delivered[rank].loaded.items():
+            assert own.loaded[m].keys() == tensors.keys()
+            assert all(torch.equal(own.loaded[m][k], t) for k, t in tensors.items())
+        with pytest.raises(PipelineError, match="sent a layout of the micro-batches, but this rank was given no"):
+            own_inputs(got, spec, None)
+    assert sorted(collated) == sorted(layouts * 2)  # each rank collated its replica's, once
+    assert own_inputs(delivered[0], spec, None) is delivered[0]  # tensors delivered: nothing to collate
+
+
 def test_delivery_rejects_a_wrong_shape():
     _, mbs = H.step_batch("gpt2", seed=0, step=0)
     spec = PipelineSpec.gpt(2, 64, "float32")
@@ -100,6 +129,22 @@ def test_one_stage_step_matches_reference_and_records_a_timeline(one_rank_world)
     keys = [k for k, _, _ in result.timeline]
     assert len(keys) == 4 * len(mbs) + 2 and keys[-2:] == ["0REDUCE", "0STEP"]
     assert all(t0 <= t1 for _, t0, t1 in result.timeline)
+
+
+def test_a_step_from_a_layout_trains_as_from_micro_batches(one_rank_world):
+    sc = H.Scenario("one-stage", "gpt2", "gpt2-tiny", 1, policy="gpipe")
+    ex, spec, stage = _one_stage(one_rank_world, sc)
+    _, mbs = H.step_batch(sc.family, sc.seed, 0)
+    plans = plan_step([[micro_batch_shape(mb) for mb in mbs]], spec, policy="gpipe", step=0)
+    result = train_step(ex, one_rank_world, 0, spec=spec, plans=plans, replica_layouts=[b"the step"],
+                        global_loss_tokens=sum(mb.num_loss_tokens for mb in mbs),
+                        collate=lambda layout: mbs if layout == b"the step" else None)
+    want = H.reference_run(sc)
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, want["grads"][0][stage.parameter_map[name]])
+    assert result.loss == pytest.approx(want["loss"][0], rel=1e-6)
+    with pytest.raises(ValueError, match="with replica_layouts needs one per replica, plans and global_loss_tokens"):
+        train_step(ex, one_rank_world, 1, spec=spec, replica_layouts=[b"the step"], collate=lambda _: mbs)
 
 
 def test_unknown_opcode_and_failing_instruction_are_named(one_rank_world, monkeypatch):

@@ -1,5 +1,5 @@
 """``--planner process``: the child process plans exactly the thread planner's steps (their lowered, validated
-plans included), with and without online calibration; a crash in the child is the thread planner's one-line
+plans included), with and without online calibration, and sends plans only (no tensors, no token ids); a crash in the child is the thread planner's one-line
 error; nothing waits forever."""
 
 from __future__ import annotations
@@ -129,19 +129,80 @@ def test_nothing_waits_forever(toy_data):
     ahead.close(timeout_s=5)
 
 
-def test_steps_travel_with_their_tensors_as_numpy_and_come_back_equal():
-    import pickle
-
+def _integer_arrays(obj, seen=None):
+    """Every integer array reachable from ``obj`` (tensors as numpy), flattened to int64."""
     import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        obj = obj.numpy()
+    if isinstance(obj, np.ndarray):
+        return [obj.astype(np.int64).ravel()] if obj.dtype.kind in "iu" else []
+    if isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+    return [a for x in items for a in _integer_arrays(x, seen)]
+
+
+def _token_runs(obj, samples) -> int:
+    """How many of ``samples``' token sequences (inputs + targets, 8 tokens or more) appear whole in an integer
+    array reachable from ``obj``."""
+    arrays = [a.tobytes() for a in _integer_arrays(obj)]
+    runs = [np.concatenate([s.input_ids, s.target_ids]).astype(np.int64).tobytes() for s in samples if s.num_tokens >= 8]
+    assert runs, "the batch has no sample long enough to look for"
+    return sum(any(r in a for a in arrays) for r in runs)
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+def test_the_planner_process_sends_plans_only(toy_data):
+    """What the child puts on its queue per step: no tensor, no tokenized sample or micro-batch (no class of
+    torch's or of the data's unpickles from it) and no token ids in any integer array; the parent rebuilds the
+    batch and collates the thread planner's micro-batches from it. The same probes find the tokens in a step
+    that carries its data, and the child's pickler refuses such a step."""
+    import pickle
 
     from dynabatch.training.planner_process import _dumps
 
-    x = {"view": torch.arange(6).reshape(2, 3)[:, 1:], "bf16": torch.ones(3, dtype=torch.bfloat16),
-         "mask": torch.tensor([True, False])}
-    y = pickle.loads(_dumps(x))
-    for k in x:
-        assert y[k].dtype == x[k].dtype and torch.equal(y[k], x[k])
-    assert y["view"].is_contiguous()  # rebuilt from numpy: a compact copy of the view
+    classes = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            classes.append((module, name))
+            return super().find_class(module, name)
+
+    planner, reference = _planner(toy_data), _planner(toy_data)
+    ahead = ProcessPlanAhead(planner, 3, 2)
+    try:
+        for step in range(3):
+            raw = ahead._out.get(timeout=60)
+            sent = Recording(__import__("io").BytesIO(raw)).load()
+            assert sent.step == step and "replica_micro_batches" not in vars(sent)  # nothing collated
+            planned = planner.with_data(sent)
+            want = reference()
+            assert _token_runs(sent, planned.batch.samples) == 0
+            assert [s.row_index for s in planned.batch.samples] == [s.row_index for s in want.batch.samples]
+            for mbs_w, mbs_g in zip(want.replica_micro_batches, planned.replica_micro_batches, strict=True):
+                assert [m.sample_ids for m in mbs_w] == [m.sample_ids for m in mbs_g]
+                assert all((a.input_ids == b.input_ids).all() for a, b in zip(mbs_w, mbs_g))
+                assert all((a.target_ids == b.target_ids).all() for a, b in zip(mbs_w, mbs_g))
+    finally:
+        ahead.close(timeout_s=30)
+    assert not [c for c in classes if c[0].split(".")[0] == "torch"], classes
+    data_classes = {"TokenizedSample", "GlobalBatch", "CausalMicroBatch", "Seq2SeqMicroBatch"}
+    assert not [c for c in classes if c[1] in data_classes], classes
+    assert ("dynabatch.data.sample", "BatchRows") in classes
+    # the probes can fail: a step that carries its data shows its tokens, and the child would refuse to send it
+    assert _token_runs(want, want.batch.samples) > 0  # its batch, and its micro-batches, collated above
+    assert _token_runs(want.replica_micro_batches, want.batch.samples) > 0
+    with pytest.raises(TypeError, match="sends plans only, not a"):
+        _dumps(want)
+    assert _token_runs(pickle.loads(_dumps(want.without_data())), want.batch.samples) == 0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
