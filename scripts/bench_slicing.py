@@ -61,7 +61,7 @@ def heavy_tail_lengths(num_tokens: int, max_len: int, seed: int) -> tuple[np.nda
 def plan_sliced(e, d, stage_model, slicer, num_stages: int, memory=None):
     """The dynamic plan of one batch with token slicing, as the trainer plans it (one replica)."""
     from dynabatch.plan.step import plan_step
-    from dynabatch.training.planner import simulated_step_time
+    from dynabatch.training.step_score import simulated_step_time
 
     return plan_step(e, d, stage_model, num_stages, family="gpt2", slice_cost_model=slicer,
                      score=simulated_step_time(stage_model, slicer, memory))
@@ -76,7 +76,7 @@ def plan_both(e, d, stage_model, slicer, num_stages: int, memory=None):
 
 def plan_costs(plan, stage_model, slicer):
     """Per-stage costs and slice links of a plan's only replica."""
-    from dynabatch.training.planner import piece_costs
+    from dynabatch.plan.slice_costs import piece_costs
 
     links = plan.slice_links(0)
     return piece_costs(stage_model, slicer, [p.shape for p in plan.replicas[0]], plan.contexts(0), links), links
@@ -169,7 +169,7 @@ def _worker(rank: int, a, workdir: str) -> None:
     from dynabatch.engine.dist import init_distributed, shutdown
     from dynabatch.engine.executor import Executor
     from dynabatch.engine.memory import SavedActivationMeter
-    from dynabatch.training.planner import micro_batches_of, plan_units
+    from dynabatch.training.units import micro_batches_of, plan_units
     from dynabatch.engine.step import train_step
 
     torch.set_num_threads(1)

@@ -19,8 +19,7 @@ from dynabatch.training.config.resolve import lower
 from dynabatch.cost.planner_model import UNPRICED
 from dynabatch.models.attention_kernels import KERNEL_CALLS
 from dynabatch.models.families import check_model
-from dynabatch.engine.dist import device_type
-from dynabatch.training.planner import send_time_of
+from dynabatch.training.step_score import send_time_of
 from dynabatch.schedule.virtual import placed_step
 
 

@@ -10,8 +10,8 @@ heap kept). :func:`keep_freed_memory` sets ``M_TOP_PAD`` so that the heap grows 
 :data:`TOP_PAD_BYTES`: the temporaries reuse pages already mapped. The cost is that much more resident memory
 at most; values computed are unchanged.
 
-A process-wide setting, so it is made where a process plans and owns its memory: ``dynabatch plan`` and
-``dynabatch simulate`` call it. Elsewhere than glibc (macOS, musl) it does nothing and says so.
+A process-wide setting, so it is made where a process plans and owns its memory: ``dynabatch plan``,
+``dynabatch simulate`` and the training run's planner process (``--planner process``) call it. Elsewhere than glibc (macOS, musl) it does nothing and says so.
 """
 
 from __future__ import annotations

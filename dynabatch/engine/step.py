@@ -13,15 +13,12 @@ own bytes naming the samples and rows of the replica's micro-batches) and, on ev
 micro-batches): rank 0 then sends each rank its plan and its replica's layout, and each rank collates its own
 micro-batches (:func:`own_inputs`); no token travels. The engine never reads a layout.
 
-The lowering lives in :mod:`dynabatch.schedule.step` (pure, no process group); its names are re-exported here
-for older imports (``plan_step`` is :func:`~dynabatch.schedule.step.lower_step`).
+The lowering lives in :mod:`dynabatch.schedule.step` (pure, no process group).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from dynabatch.cost.stages import StageCosts
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch
@@ -31,20 +28,8 @@ from dynabatch.engine.executor import Executor, StepResult
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.ir import ExecutionPlan, PipelineSpec
 from dynabatch.schedule.placement import Placement
-from dynabatch.schedule.step import (  # noqa: F401 (re-exported for older imports)
-    POLICIES,
-    check_step_memory,
-    compute_schedule,
-    forward_only_plan,
-    lower_step,
-    token_costs,
-    without_update,
-)
+from dynabatch.schedule.step import forward_only_plan, lower_step, without_update
 from dynabatch.models.split import micro_batch_inputs
-
-plan_step = lower_step
-"""The older name of :func:`dynabatch.schedule.step.lower_step`."""
-
 
 def micro_batch_shape(mb: MicroBatch) -> tuple[int, int, int]:
     """Padded ``(b, E, D)`` of a micro-batch (``D = 0`` for decoder-only)."""

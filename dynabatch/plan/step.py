@@ -212,7 +212,7 @@ def plan_step(
     """Plan one global batch end to end (see the module docstring). ``score(plan)`` (lower is better;
     default :attr:`StepPlan.objective_s`) decides whether slicing for the bubble pays off and, with
     ``pack_rows="auto"``, which row packing to keep; the trainer passes the simulated step time
-    (:func:`dynabatch.training.planner.simulated_step_time`).
+    (:func:`dynabatch.training.step_score.simulated_step_time`).
 
     ``fill_scales``: the partition DP's weights on its fill-and-drain term
     (:func:`~dynabatch.plan.partition.plan_partition`'s ``fill_scale``); each is planned and the best

@@ -32,29 +32,27 @@ from dynabatch.cost.pairs import row_work, stacked_pairs
 from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.data.baselines import BaselineOptions, RowGroup, group_shape, make_batcher
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
-from dynabatch.data.collate import collate_rows
-from dynabatch.data.microbatch import MicroBatch, token_slices
-from dynabatch.data.sample import BatchRows, GlobalBatch, TokenizedSample
+from dynabatch.data.microbatch import MicroBatch
+from dynabatch.data.sample import BatchRows, GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.candidates import Candidate, choose, concatenated_pairs, step_lower_bound
+from dynabatch.plan.candidates import Candidate, choose, step_lower_bound
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.replicas import wants_equal_counts
-from dynabatch.plan.slice_costs import piece_costs  # noqa: F401 (re-exported: the planner prices its pieces with it)
-from dynabatch.plan.step import flat_row_limit, plan_step, with_pairs
+from dynabatch.plan.step import flat_row_limit, plan_step
 from dynabatch.engine.dist import device_type
-from dynabatch.engine.step import compute_schedule
-from dynabatch.schedule.chains import chains, links_for
+from dynabatch.schedule.step import compute_schedule
+from dynabatch.schedule.chains import chains
 from dynabatch.schedule.compute import ComputeSchedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
-from dynabatch.sequence import is_seq2seq
 from dynabatch.schedule.ir import RECOMPUTE_MODES
-from dynabatch.engine.step import plan_step as lower_step
+from dynabatch.schedule.step import lower_step
 from dynabatch.cost.online import CalibratedStageCostModel
 from dynabatch.schedule.placement import Placement
-from dynabatch.plan.costs import evaluate_costs
-from dynabatch.schedule.policies import adaptive
 from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
-from dynabatch.plan.slice_costs import AnalyticSliceCostModel
+from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
+from dynabatch.training.step_score import columns, fits_without_recompute, send_time_of, simulated_step_time
+from dynabatch.training.units import (
+    Unit, collate_group, micro_batches_of, plan_units, synthetic_units, units_layout, units_pairs)
 
 
 
@@ -396,7 +394,7 @@ class StepPlanner:
             for _ in plan.replicas:
                 lo, hi = spans[k]
                 k += 1
-                replicas.append((_columns(costs, lo, hi), shapes[lo:hi], (), [0] * (hi - lo),
+                replicas.append((columns(costs, lo, hi), shapes[lo:hi], (), [0] * (hi - lo),
                                  None if pairs is None else pairs[lo:hi]))
             out.append(tuple(map(list, zip(*replicas))))
         return out
@@ -485,13 +483,6 @@ def prepared_batch(cfg: TrainConfig, limits: LengthLimits, tokens: TokenizerInfo
     return make_batcher(cfg.method, limits, tokens, **options.batcher_options(cfg.method, limits)).prepare(batch)
 
 
-def _columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
-    """Micro-batches ``lo:hi`` of per-stage ``costs`` (every array ``(S, M)``)."""
-    return StageCosts(*(None if a is None else a[:, lo:hi] for a in (
-        costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes, costs.send_bytes, costs.recompute,
-        costs.load_bytes)))
-
-
 def _virtual_placement(cfg: TrainConfig):
     """The :class:`~dynabatch.schedule.placement.Placement` of ``cfg.placement`` when it holds several chunks per
     device, else ``None``."""
@@ -501,193 +492,6 @@ def _virtual_placement(cfg: TrainConfig):
         return None
     placement = Placement.parse(text, cfg.stages)
     return placement if placement.chunks_per_device > 1 else None
-
-
-def fits_without_recompute(plan, model: StageCostModel) -> bool:
-    """Whether every whole-sample piece of ``plan`` fits ``model``'s memory bound without recomputation (the
-    planner's maxima over stages, ``S`` in flight); token slices are judged by the slice planner."""
-
-    none = replace(model, recompute="none")
-    for r, pieces in enumerate(plan.replicas):
-        whole = np.array([not p.is_slice for p in pieces], dtype=bool)
-        if not whole.any():
-            continue
-        shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
-        pairs = plan.pairs(r)
-        _, stored, peak = evaluate_costs(none, shapes[:, 0], shapes[:, 1], shapes[:, 2],
-                                         pairs=None if pairs is None else pairs[whole])
-        if np.any(model.num_stages * stored + peak > model.memory_budget_bytes):
-            return False
-    return True
-
-
-def send_time_of(stage_model: StageCostModel):
-    """Seconds to send a message of ``n`` bytes to a pipeline neighbour, as the layer model prices it
-    (the analytic model's intra-node link); ``None`` (free) for a model without link costs."""
-    send_time = getattr(stage_model.model, "send_time", None)
-    return None if send_time is None else (lambda num_bytes: send_time(num_bytes, "intra"))
-
-
-def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_bytes=None, lengths=None,
-                        placement=None):
-    """``score(plan)`` for :func:`~dynabatch.plan.step.plan_step`: the simulated makespan of the slowest
-    replica under the adaptive schedule (a few ms; the step formula ``sum + (S - 1) max`` misjudges
-    token slices, whose chains cannot overlap their own backward). With the step's ``lengths``
-    ``(input_lens, target_lens)`` (the padding-free runtime) every piece is priced with the attention
-    pairs and calls its rows really compute (:func:`~dynabatch.plan.step.with_pairs`), as the step that
-    runs is: the DP prices dense ``b x E^2`` in one call per layer, and with calibrated per-call costs
-    (several ms on CPU) a run spanning many lengths costs more than the DP sees. With a ``placement`` of
-    virtual stages (``stage_model`` then prices its chunks) the step is ordered on it as the runtime will
-    (:func:`~dynabatch.schedule.virtual.placed_step`), not as a pipeline of one chunk per device."""
-
-    states, send = np.array(stage_model.model_state_bytes), send_time_of(stage_model)
-
-    def makespan(costs, links) -> float:
-        if placement is not None:
-            return placed_step(costs, placement, states, memory_limit_bytes, send, links=links).makespan_s
-        costs = with_message_buffers(costs)
-        schedule = adaptive(costs, memory_limit_bytes, links=links, model_state_bytes=states, send_time=send)
-        return simulate(schedule, costs, model_state_bytes=states, send_time=send).makespan_s
-
-    def score(plan) -> float:
-        if lengths is not None:
-            plan = with_pairs(plan, *lengths)
-        worst = 0.0
-        for r in range(len(plan.replicas)):
-            links = plan.slice_links(r)
-            costs = piece_costs(stage_model, slice_model, [p.shape for p in plan.replicas[r]], plan.contexts(r), links,
-                                plan.pairs(r))
-            worst = max(worst, makespan(costs, links))
-        return worst
-
-    def many(plans) -> list[float]:
-        """``score`` of each plan, the whole-sample pieces of all of them priced in one cost-model call (a call is
-        milliseconds of Python on the analytic model; the pieces' prices do not depend on one another). Plans with
-        token slices are scored one by one."""
-        work: dict = {}
-        plans = [with_pairs(p, *lengths, work) if lengths is not None else p for p in plans]
-        whole = [p for p in plans if not p.sliced_samples]
-        pairs = [p.pairs(r) for p in whole for r in range(len(p.replicas))]
-        if len(whole) < 2 or len({x is None for x in pairs}) > 1:
-            return [score(p) for p in plans]
-        shapes = [q.shape for p in whole for pieces in p.replicas for q in pieces]
-        costs = piece_costs(stage_model, slice_model, shapes, [0] * len(shapes), (),
-                            None if pairs[0] is None else concatenated_pairs(pairs))
-        out, lo = {}, 0
-        for p in whole:
-            worst = 0.0
-            for pieces in p.replicas:
-                worst = max(worst, makespan(_columns(costs, lo, lo + len(pieces)), ()))
-                lo += len(pieces)
-            out[id(p)] = worst
-        return [out[id(p)] if id(p) in out else score(p) for p in plans]
-
-    score.many = many
-    return score
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Rows to collate as one micro-batch, or, with ``bounds``, as a chain of token slices."""
-
-    group: RowGroup
-    bounds: tuple[int, ...] | None = None
-    """Token slice boundaries ``0 < ... < length`` of a sliced sample (TeraPipe)."""
-
-
-def synthetic_units(limits: LengthLimits, tokens: TokenizerInfo, global_batch_tokens: int, num_lengths: int = 5,
-                    seed: int = 0) -> tuple[GlobalBatch, list[Unit]]:
-    """Synthetic samples and micro-batches spanning a run's shapes, for the start-up calibration: for
-    ``num_lengths`` lengths from short to the limit (geometric; T5: encoder and decoder lengths paired
-    short-long and long-short too), one single-sample micro-batch and one of about
-    ``global_batch_tokens / 8`` tokens (at most 64 rows). Random token ids; a quarter of a GPT sequence is
-    target."""
-
-    rng = np.random.default_rng(seed)
-    seq2seq = is_seq2seq(limits.family)
-    top_e = limits.max_input_len if seq2seq else limits.max_seq_len
-    enc = np.unique(np.geomspace(min(32, top_e), top_e, num_lengths).astype(int))
-    dec = np.unique(np.geomspace(min(8, limits.max_target_len), limits.max_target_len, len(enc)).astype(int))
-    dec = np.resize(dec, len(enc))
-    pairs = [(int(e), int(d)) for e, d in zip(enc, dec)]
-    if seq2seq:
-        pairs += [(int(e), int(d)) for e, d in zip(enc[::2], dec[::-2])]
-    samples, units = [], []
-    per_mb = max(1, global_batch_tokens // 8)
-    for e, d in pairs:
-        for b in sorted({1, int(min(64, max(1, per_mb // (e + (d if seq2seq else 0)))))}):
-            rows = []
-            for _ in range(b):
-                n_in, n_out = (e, d) if seq2seq else (e - max(1, e // 4), max(1, e // 4))
-                ids = rng.integers(3, tokens.vocab_size, size=n_in + n_out).astype(np.int32)
-                samples.append(TokenizedSample("calibration", ids[:n_in], ids[n_in:]))
-                rows.append((len(samples) - 1,))
-            units.append(Unit(RowGroup(tuple(rows))))
-    return GlobalBatch(-1, tuple(samples)), units
-
-
-def units_pairs(batch: GlobalBatch, units: list[Unit], family: str):
-    """(M,) :class:`~dynabatch.cost.pairs.AttentionPairs` of the micro-batches :func:`micro_batches_of` makes
-    of ``units``: each sample's own block of every row, one attention call per distinct length; a token
-    slice of ``s`` tokens is priced ``s^2`` in one call (its context is the slice cost model's)."""
-
-    work = []
-    for u in units:
-        if u.bounds:
-            work += [((float(hi - lo) ** 2, 0.0, 0.0), (1, 1, 1), (hi - lo, 0))
-                     for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
-        else:
-            work.append(row_work(u.group.rows, batch.input_lens, batch.target_lens, family))
-    return stacked_pairs(work)
-
-
-def collate_group(batch: GlobalBatch, g: RowGroup, family: str, tokens: TokenizerInfo) -> MicroBatch:
-    """One row group of ``batch`` collated as the planner lays it out (no loss on inputs)."""
-    return collate_rows(batch.samples, g.rows, family, tokens, g.encoder_len, g.decoder_len)
-
-
-def units_layout(batch: GlobalBatch, units, family: str) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...], list[int]]:
-    """What :func:`micro_batches_of` makes of ``units``, from the lengths alone (nothing collated): each micro-batch's
-    padded ``(b, E, D)`` (:func:`~dynabatch.data.baselines.group_shape`; a token slice ``(b, hi - lo, 0)``), the
-    token-slice links (``()`` without slices) and each one's context length."""
-    shapes: list[tuple[int, int, int]] = []
-    for u in units:
-        if u.bounds:
-            b = len(u.group.rows)
-            shapes += [(b, int(hi - lo), 0) for lo, hi in zip(u.bounds[:-1], u.bounds[1:])]
-        else:
-            shapes.append(tuple(int(x) for x in group_shape(batch, u.group, family)))
-    links = links_for([len(u.bounds) - 1 if u.bounds else 1 for u in units]) if any(u.bounds for u in units) else ()
-    contexts = [c for u in units for c in (u.bounds[:-1] if u.bounds else (0,))]
-    return tuple(shapes), links, contexts
-
-
-def micro_batches_of(units: list[Unit], collate) -> tuple[list[MicroBatch], tuple[int, ...], list[int]]:
-    """Collate units (``collate(RowGroup) -> MicroBatch``): the micro-batches in order, their token-slice
-    links (``()`` without slices) and each one's context length (0 unless a later slice)."""
-    pieces = []
-    for u in units:
-        mb = collate(u.group)
-        pieces.append(token_slices(mb, u.bounds) if u.bounds else [mb])
-    links = links_for([len(ps) for ps in pieces]) if any(u.bounds for u in units) else ()
-    contexts = [c for u in units for c in (u.bounds[:-1] if u.bounds else (0,))]
-    return [mb for ps in pieces for mb in ps], links, contexts
-
-
-def plan_units(plan, replica: int) -> list[Unit]:
-    """A replica's planned pieces as units: the slices of one sample become one unit, collated whole
-    (one row of its full length) and cut at the slices' token ranges."""
-    pieces, groups = plan.replicas[replica], plan.to_row_groups(replica)
-    links = plan.slice_links(replica) or (-1,) * len(pieces)
-    out: list[Unit] = []
-    for piece, group, prev in zip(pieces, groups, links):
-        if prev >= 0:
-            out[-1] = Unit(out[-1].group, (*out[-1].bounds, piece.token_range[1]))
-        elif piece.is_slice:
-            out.append(Unit(RowGroup(group.rows), (0, piece.token_range[1])))
-        else:
-            out.append(Unit(group))
-    return out
 
 
 def _maybe_crash(step: int) -> None:

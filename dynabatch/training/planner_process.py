@@ -39,6 +39,7 @@ import torch
 
 from dynabatch.data.microbatch import CausalMicroBatch, Seq2SeqMicroBatch
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
+from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.training.planner import StepPlanner
 
 _POLL_S = 0.1
@@ -117,6 +118,7 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
     _die_with_parent()
     if hasattr(os, "nice"):  # plans ahead of training: on cores the ranks fill, take what they leave idle
         os.nice(PLANNER_NICENESS)
+    keep_freed_memory()  # the child only plans: its cost-model temporaries reuse heap pages (core.allocator)
     try:
         planner = StepPlanner.__new__(StepPlanner)
         planner.__dict__.update(state)

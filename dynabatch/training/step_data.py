@@ -37,7 +37,8 @@ from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.engine.dist import DistContext, PipelineError
 from dynabatch.engine.step import receive_failure
 from dynabatch.training.config import TrainConfig
-from dynabatch.training.planner import PlannedStep, Unit, collate_group, micro_batches_of, prepared_batch
+from dynabatch.training.planner import PlannedStep, prepared_batch
+from dynabatch.training.units import Unit, collate_group, micro_batches_of
 
 LAYOUT_VERSION = 1
 """The layout's format: ``(version, step, ids bytes, truncated, dropped, units)``."""

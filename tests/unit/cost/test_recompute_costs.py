@@ -126,7 +126,7 @@ def test_evaluate_takes_the_tightest_stage():
 def test_recomputation_lets_long_samples_fit_and_reaches_the_plans():
     """A batch whose longest samples do not fit whole is refused without recomputation; with auto it is planned,
     the long samples recompute, and the lowered per-rank plans carry each micro-batch's mode."""
-    from dynabatch.training.planner import piece_costs
+    from dynabatch.plan.slice_costs import piece_costs
     from dynabatch.schedule.step import lower_step
     from dynabatch.schedule.ir import PipelineSpec
 

@@ -310,7 +310,7 @@ def test_trainer_score_of_many_plans_is_each_plans_own():
     import os
 
     from dynabatch.commands.common import add_workload_arguments, resolve
-    from dynabatch.training.planner import simulated_step_time
+    from dynabatch.training.step_score import simulated_step_time
     import argparse
 
     heavy = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "heavy_tail_1024.npz")

@@ -41,7 +41,7 @@ def gpt_data(toy_mixture_dir, byt5):
 def test_planned_training_schedule_fits_once_model_states_count(gpt_data):
     """The trainer's planner schedules within the device memory with model states and message buffers
     counted; a schedule priced without model states (the old training path) overflows the same device."""
-    from dynabatch.training.planner import send_time_of
+    from dynabatch.training.step_score import send_time_of
     from dynabatch.schedule.step import compute_schedule
     from dynabatch.schedule.simulate import simulate, with_message_buffers
 

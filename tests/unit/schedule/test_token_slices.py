@@ -308,7 +308,7 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.plan.step import plan_step as plan_batch
-    from dynabatch.training.planner import simulated_step_time
+    from dynabatch.training.step_score import simulated_step_time
 
     model = AnalyticCostModel(model_spec("gpt-1.3b"), hardware_spec("a100-80gb"))
     stages = StageCostModel(model, balanced_layout(model, 8, ref_shape=(1, 4096, 0)), model.hardware.memory_bytes)

@@ -137,7 +137,8 @@ def test_planner_predicts_and_plan_step_lowers_the_same_placed_order(toy_data):
     """Virtual stages: the planner's prediction is the list schedule with sends priced, and plan_step lowers
     exactly the device orders the planner predicted (as the linear path runs the planner's schedules)."""
     from dynabatch.models.split import layout_for, pipeline_spec_for
-    from dynabatch.training.planner import StepPlanner, send_time_of
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.step_score import send_time_of
     from dynabatch.schedule.step import lower_step as plan_step
     from dynabatch.training.trainer import planner_cost_model
     from dynabatch.schedule.ir import Op
@@ -172,7 +173,8 @@ def test_the_planners_score_orders_the_step_on_the_placement(toy_data):
     makespan (as the runtime will run it), not a pipeline with one chunk per device."""
     from dynabatch.models.split import layout_for
     from dynabatch.plan.step import plan_step
-    from dynabatch.training.planner import StepPlanner, simulated_step_time
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.step_score import simulated_step_time
     from dynabatch.training.trainer import planner_cost_model
     from dynabatch.schedule.placement import Placement
 
