@@ -1,6 +1,6 @@
 """Executor: runs one rank's :class:`ExecutionPlan` of a training step on its stage module(s).
 
-:data:`HANDLERS` maps each :class:`~dynabatch.schedule.ir.Op` to a small ``_exec_<op>`` function;
+:data:`~dynabatch.engine.handlers.HANDLERS` maps each :class:`~dynabatch.schedule.ir.Op` to a small ``_exec_<op>`` function;
 an opcode without a handler raises ``ValueError`` naming it. Per step the executor keeps:
 
 * ``states``: per live micro-batch its loaded inputs, received activations (leaf tensors with
@@ -83,13 +83,12 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dynabatch.cost.model_states import gradient_peak_bytes
-from dynabatch.models.recompute import recompute_mode
 from dynabatch.models.split import forked_rng, seed_for
-from dynabatch.models.stage import StageModule, StageOutput
+from dynabatch.models.stage import StageModule
 from dynabatch.engine.delivery import StepInputs
 from dynabatch.engine.dist import DistContext, PipelineError, tied_groups
 from dynabatch.engine.memory import SavedActivationMeter
-from dynabatch.engine.p2p import TORCH_DTYPES, allocate, start_recv, start_send, wait_all
+from dynabatch.engine.handlers import HANDLERS, MicroBatchState, Transfer
 from dynabatch.engine.precision import LossScaler
 from dynabatch.engine.zero import model_state_bytes
 from dynabatch.schedule.chains import successors
@@ -130,24 +129,6 @@ class StepResult:
     """What :func:`~dynabatch.cost.model_states.gradient_peak_bytes` predicts for this rank's parameters."""
     gradient_collectives: int | None = None
     """``--zero 2``: the gradient reductions this rank issued during the backward."""
-
-
-@dataclass
-class _MicroBatchState:
-    loaded: dict[str, torch.Tensor] | None = None
-    received: dict[str, torch.Tensor] = field(default_factory=dict)
-    output: StageOutput | None = None
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Received gradients of the stage's outputs."""
-    input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Gradients of the received activations, to send upstream."""
-
-
-@dataclass
-class _Transfer:
-    works: list
-    tensors: list[torch.Tensor]
-    instr: Instr
 
 
 class Executor:
@@ -223,9 +204,9 @@ class Executor:
         self._current: Instr | None = None
         """The instruction running (for error messages)."""
         self.inputs: StepInputs | None = None
-        self.states: dict[tuple[int, int], _MicroBatchState] = {}
+        self.states: dict[tuple[int, int], MicroBatchState] = {}
         """(stage, micro-batch) -> its state."""
-        self.pending: dict[tuple[Op, int, int], _Transfer] = {}
+        self.pending: dict[tuple[Op, int, int], Transfer] = {}
         """(op, stage, micro-batch) of the transfers started and not yet waited."""
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.num_loss_tokens = 0
@@ -424,11 +405,11 @@ class Executor:
             return f"all {self.ctx.world_size} ranks"
         return "local"
 
-    def _state(self, ins: Instr) -> _MicroBatchState:
+    def _state(self, ins: Instr) -> MicroBatchState:
         key = (ins.stage, ins.micro_batch)
         st = self.states.get(key)
         if st is None:
-            st = self.states[key] = _MicroBatchState()
+            st = self.states[key] = MicroBatchState()
         return st
 
     def _step_autocast(self):
@@ -448,130 +429,6 @@ class Executor:
         return stack
 
 
-# ----------------------------------------------------------------------------------------------
-# Handlers: one per opcode
-# ----------------------------------------------------------------------------------------------
-
-
-def _exec_load(ex: Executor, ins: Instr) -> None:
-    host = ex.inputs.loaded[ins.micro_batch]
-    ex._state(ins).loaded = {t.name: host[t.name].to(ex.device, non_blocking=True) for t in ins.tensors}
-
-
-def _exec_recv(ex: Executor, ins: Instr) -> None:
-    buffers = allocate(ins.tensors, ex.device)
-    ex.pending[(ins.op, ins.stage, ins.micro_batch)] = _Transfer(start_recv(buffers, ins.peer, ins.tag), buffers, ins)
-
-
-def _exec_wait(ex: Executor, ins: Instr) -> None:
-    transfer = ex.pending.pop((ins.waits_on, ins.stage, ins.micro_batch))
-    wait_all(transfer.works)
-    names = [t.name for t in transfer.instr.tensors]
-    if ins.waits_on is Op.RECV_ACT:
-        ex._state(ins).received = {n: b.requires_grad_() for n, b in zip(names, transfer.tensors)}
-    elif ins.waits_on is Op.RECV_GRAD:
-        ex._state(ins).grads = dict(zip(names, transfer.tensors))
-
-
-def _exec_forward(ex: Executor, ins: Instr) -> None:
-    s, m = ins.stage, ins.micro_batch
-    st = ex._state(ins)
-    chunk = ex.chunks[s]
-    prev = ex.links[m] if ex.links else -1
-    with ex._forward_context(s, m), recompute_mode(ex.inputs.plan.recompute_of(s, m)):
-        if prev >= 0 or m in ex.next_slice:
-            if prev >= 0 and (s, m) not in ex.contexts:
-                raise ValueError(f"token slice {m} runs before slice {prev}, whose keys/values it extends")
-            out = chunk(st.received, st.loaded, ex.contexts.pop((s, m), None), sliced=True)
-            if m in ex.next_slice:
-                ex.contexts[s, ex.next_slice[m]] = out.slice_record.extend()
-        else:
-            out = chunk(st.received, st.loaded)
-    st.output, st.loaded = out, None
-    if s == ex.num_stages - 1:
-        if out.loss_sum is None:
-            raise ValueError("the last stage returned no loss_sum")
-        ex.loss_sum += out.loss_sum.detach()
-        ex.num_loss_tokens += out.num_loss_tokens
-        if out.segment_losses is not None:
-            ex.segment_losses[m] = out.segment_losses
-
-
-def _exec_backward(ex: Executor, ins: Instr) -> None:
-    s, m = ins.stage, ins.micro_batch
-    st = ex._state(ins)
-    out = st.output
-    tensors, grads = [], []
-    if s == ex.num_stages - 1:
-        loss = out.loss_sum / ex.inputs.global_loss_tokens
-        tensors.append(loss if ex.loss_scaler is None else loss * ex.loss_scaler.scale)  # a power of two: exact
-        grads.append(None)
-    else:
-        for name, t in out.sends.items():
-            if t.requires_grad:
-                g = st.grads[name]
-                tensors.append(t)
-                grads.append(g if g.dtype == t.dtype else g.to(t.dtype))
-    record, carried = out.slice_record, None
-    if record is not None:
-        if m in ex.next_slice:
-            if (s, m) not in ex.kv_grads:
-                raise ValueError(f"token slice {m} runs its backward before slice {ex.next_slice[m]}'s")
-            carried = ex.kv_grads.pop((s, m))
-        extra, extra_grads = record.backward_roots(carried)
-        tensors += extra
-        grads += extra_grads
-    if tensors:
-        torch.autograd.backward(tensors, grads)
-    if ex.zero is not None:
-        ex.zero.end_backward(s)  # --zero 2: this micro-batch's gradients onto their owners
-    if record is not None and ex.links[m] >= 0:
-        ex.kv_grads[s, ex.links[m]] = record.context_grads(carried)
-    st.input_grads = {n: t.grad for n, t in st.received.items()}
-    st.output, st.received, st.grads = None, {}, {}
-
-
-def _outgoing(ins: Instr, source: dict[str, torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
-    """The tensors of a send, in the instruction's order, detached, in the plan's dtype, contiguous."""
-    out = []
-    for spec in ins.tensors:
-        dtype = TORCH_DTYPES[spec.dtype]
-        t = source.get(spec.name)
-        if t is None:  # a received activation the stage did not use: its gradient is zero
-            t = torch.zeros(spec.shape, dtype=dtype, device=device)
-        t = t.detach()
-        if tuple(t.shape) != spec.shape:
-            raise ValueError(f"{spec.name} has shape {tuple(t.shape)} but the plan sends {spec.shape}")
-        out.append((t if t.dtype == dtype else t.to(dtype)).contiguous())
-    return out
-
-
-def _exec_send_act(ex: Executor, ins: Instr) -> None:
-    tensors = _outgoing(ins, ex._state(ins).output.sends, ex.device)
-    ex.pending[(ins.op, ins.stage, ins.micro_batch)] = _Transfer(start_send(tensors, ins.peer, ins.tag), tensors, ins)
-
-
-def _exec_send_grad(ex: Executor, ins: Instr) -> None:
-    tensors = _outgoing(ins, ex._state(ins).input_grads, ex.device)
-    ex.pending[(ins.op, ins.stage, ins.micro_batch)] = _Transfer(start_send(tensors, ins.peer, ins.tag), tensors, ins)
-
-
-def _exec_free(ex: Executor, ins: Instr) -> None:
-    key = (ins.stage, ins.micro_batch)
-    busy = [f"{op.value}{m}" for op, s, m in ex.pending if (s, m) == key]
-    if busy:
-        raise ValueError(f"FREE of micro-batch {ins.micro_batch} with transfers {busy} in flight")
-    ex.states.pop(key, None)
-
-
-def _exec_reduce(ex: Executor, ins: Instr) -> None:
-    ex.reduce_gradients()
-
-
-def _exec_step(ex: Executor, ins: Instr) -> None:
-    ex.optimizer_step(ex.inputs.global_loss_tokens)
-
-
 def predicted_gradient_peak(params: list[torch.nn.Parameter], shards: int) -> int:
     """:func:`~dynabatch.cost.model_states.gradient_peak_bytes` of ``params`` (their gradients in their own dtypes)
     sharded over ``shards`` replicas (1: unsharded)."""
@@ -584,19 +441,3 @@ def _by_dtype(params: list[torch.nn.Parameter]) -> dict[torch.dtype, list[torch.
     for p in params:
         out.setdefault(p.dtype, []).append(p)
     return out
-
-
-HANDLERS = {
-    Op.LOAD: _exec_load,
-    Op.FORWARD: _exec_forward,
-    Op.BACKWARD: _exec_backward,
-    Op.SEND_ACT: _exec_send_act,
-    Op.RECV_ACT: _exec_recv,
-    Op.SEND_GRAD: _exec_send_grad,
-    Op.RECV_GRAD: _exec_recv,
-    Op.WAIT: _exec_wait,
-    Op.FREE: _exec_free,
-    Op.REDUCE_GRADS: _exec_reduce,
-    Op.OPTIMIZER_STEP: _exec_step,
-}
-"""Opcode -> handler ``(executor, instr)``."""
