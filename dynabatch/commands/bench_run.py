@@ -27,7 +27,7 @@ from dynabatch.sequence import is_seq2seq
 from dynabatch.data.batching import LengthLimits
 from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key, with_tuned
 from dynabatch.training.config import TrainConfig
-from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
+from dynabatch.models.attention_kernels import attention_kernel, kernel_problem, use_attention_kernel
 from dynabatch.models.families import check_model
 from dynabatch.models.split import build_stage, pipeline_spec_for
 from dynabatch.training.calibration import gather_measurements, quick_calibration, stage_times
@@ -200,6 +200,7 @@ def bench(args, methods: list[str]) -> dict | None:
     cfg0 = cfgs[methods[0]]
     num_steps = args.untimed_steps + args.timed_steps
     ctx = connect(cfg0)
+    kernel_before = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
     try:
         torch.set_num_threads(args.threads)
         kernel = lower("attention_kernel", cfg0.attention_kernel)
@@ -345,6 +346,7 @@ def bench(args, methods: list[str]) -> dict | None:
 
         return with_tuned(result, tuned)
     finally:
+        use_attention_kernel(kernel_before)
         shutdown()
 
 

@@ -30,15 +30,20 @@ def collate_rows(samples: Sequence[TokenizedSample], rows: Rows, family: str, to
     return collate_causal(samples, rows, tokens.pad_id, encoder_len, loss_on_inputs)
 
 
-def loss_token_count(input_lens, target_lens, family: str, loss_on_inputs: bool = False) -> int:
-    """The loss tokens the collate functions lay out for samples of these lengths (arrays), from the lengths
-    alone: every target token of an encoder-decoder; a decoder-only sample's tokens after its first loss
-    position (``max(input_len, 1)``, or 1 with ``loss_on_inputs``: its first token is never predicted)."""
+def sample_loss_tokens(input_lens, target_lens, family: str, loss_on_inputs: bool = False) -> np.ndarray:
+    """(N,) int64: the loss tokens the collate functions lay out for each sample of these lengths (arrays), from
+    the lengths alone: every target token of an encoder-decoder; a decoder-only sample's tokens after its first
+    loss position (``max(input_len, 1)``, or 1 with ``loss_on_inputs``: its first token is never predicted)."""
     input_lens, target_lens = np.asarray(input_lens, dtype=np.int64), np.asarray(target_lens, dtype=np.int64)
     if is_seq2seq(family):
-        return int(target_lens.sum())
+        return target_lens.copy()
     first = 1 if loss_on_inputs else np.maximum(input_lens, 1)
-    return int(np.maximum(input_lens + target_lens - first, 0).sum())
+    return np.maximum(input_lens + target_lens - first, 0)
+
+
+def loss_token_count(input_lens, target_lens, family: str, loss_on_inputs: bool = False) -> int:
+    """The loss tokens of all these samples together (:func:`sample_loss_tokens`)."""
+    return int(sample_loss_tokens(input_lens, target_lens, family, loss_on_inputs).sum())
 
 
 def _check_length(needed: int, fixed: int | None, what: str) -> int:

@@ -1,7 +1,8 @@
 """Where a run's data comes from: a mixture spec, ``--data`` with ``--columns``, or datasets in memory.
 
 One function, :func:`load_data`, turns any of them into a tokenized :class:`~dynabatch.data.pipeline.MixtureData`;
-``dynabatch train`` (:func:`load_training_data`), ``dynabatch data-report`` and evaluation call it.
+``dynabatch train`` (:func:`dynabatch.training.trainer.load_training_data`), ``dynabatch data-report`` and evaluation
+call it.
 
 ``--data`` names a file (json/jsonl/csv/parquet/arrow), a local dataset folder (``save_to_disk`` output or a folder
 of data files) or a dataset in the local Hugging Face cache (a hub name such as ``org/name``; with
@@ -85,13 +86,6 @@ def load_data(
     else:
         spec = MixtureSpec.from_file(mixture or default_mixture_path())
     return MixtureData.load(spec, tokenizer, family, bad_rows=bad_rows)
-
-
-def load_training_data(cfg, tokenizer, family: str, datasets: Any = None) -> MixtureData:
-    """The training data of a :class:`~dynabatch.training.config.TrainConfig` (``mixture``, or ``data`` + ``columns``), or
-    ``datasets`` given in memory (``dynabatch.training.trainer.train(cfg, datasets=...)``)."""
-    return load_data(tokenizer, family, mixture=cfg.mixture, data=cfg.data, columns=cfg.columns, datasets=datasets,
-                     bad_rows=cfg.bad_rows, seed=cfg.seed)
 
 
 def data_notes(data: MixtureData) -> list[str]:

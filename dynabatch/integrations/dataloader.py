@@ -52,9 +52,9 @@ from dynabatch.training.config.resolve import Found, decide_why
 from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.core.dtypes import DTYPES
 from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
-from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, make_batcher
 from dynabatch.data.batching import EveryRowBatcher, GlobalBatcher, LengthLimits
+from dynabatch.data.collate import sample_loss_tokens as collate_loss_tokens
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.sample import GlobalBatch
@@ -113,19 +113,10 @@ class StepBatch:
 
 
 def sample_loss_tokens(batch: GlobalBatch, family: str, loss_on_inputs: bool = False) -> list[int]:
-    """Loss tokens of each sample, from lengths alone, exactly as collate lays them out.
-
-    Encoder-decoder: every target token. Decoder-only: the tokens after the first loss position,
-    ``n - max(input_len, 1)`` (``n - 1`` with ``loss_on_inputs``), since a sample's first token is
-    never predicted.
-    """
-    if is_seq2seq(family):
-        return batch.target_lens.tolist()
-    out = []
-    for e, d in zip(batch.input_lens.tolist(), batch.target_lens.tolist()):
-        first_loss = 1 if loss_on_inputs else max(e, 1)
-        out.append(e + d - first_loss)
-    return out
+    """Loss tokens of each sample of ``batch``, from lengths alone, exactly as collate lays them out
+    (:func:`dynabatch.data.collate.sample_loss_tokens`: every target token of an encoder-decoder; a decoder-only
+    sample's tokens after its first loss position, since its first token is never predicted)."""
+    return collate_loss_tokens(batch.input_lens, batch.target_lens, family, loss_on_inputs).tolist()
 
 
 def default_cost_model(

@@ -38,7 +38,7 @@ from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.p2p import loopback_store
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
-from dynabatch.data.inputs import data_notes, load_training_data
+from dynabatch.data.inputs import data_notes, load_data
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.models.attention_kernels import (KERNEL_CALLS, attention_kernel, calls_since, kernel_problem,
                                                 use_attention_kernel)
@@ -131,7 +131,7 @@ def connect(cfg: TrainConfig) -> DistContext:
 
 def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     """Model stage, optimizer and executor on every rank of the resolved configuration ``cfg`` (:func:`resolve_run`); data (``datasets`` in memory, else as ``cfg`` says:
-    :func:`~dynabatch.data.inputs.load_training_data`) and planner on rank 0. The layer split and placement
+    :func:`load_training_data`) and planner on rank 0. The layer split and placement
     are rank 0's start-up choice (:mod:`dynabatch.training.run_layout`); the run's ``cfg`` has its placement
     resolved (``auto`` becomes the chosen one)."""
     family = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind  # before any loading
@@ -191,6 +191,13 @@ class _Loaded(NamedTuple):
     data: Any
     held_out: Any
     batcher: Any
+
+
+def load_training_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any = None):
+    """The training data (:class:`~dynabatch.data.pipeline.MixtureData`) of ``cfg`` (``mixture``, or ``data`` +
+    ``columns``), or ``datasets`` given in memory (``train(cfg, datasets=...)``)."""
+    return load_data(tokenizer, family, mixture=cfg.mixture, data=cfg.data, columns=cfg.columns, datasets=datasets,
+                     bad_rows=cfg.bad_rows, seed=cfg.seed)
 
 
 def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:

@@ -88,12 +88,11 @@ def plan_command_cases() -> dict:
 def trainer_cases(num_steps: int = 3) -> dict:
     from dynabatch.training.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
-    from dynabatch.data.inputs import load_training_data
     from dynabatch.data.tokenize import load_tokenizer
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
     from dynabatch.training.planner import StepPlanner
-    from dynabatch.training.trainer import planner_cost_model
+    from dynabatch.training.trainer import load_training_data, planner_cost_model
 
     base = TrainConfig(model="t5-tiny", stages=2)
     data = load_training_data(base, load_tokenizer("builtin"), "t5")
