@@ -66,7 +66,7 @@ def main() -> None:
     import torch
 
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
-    from dynabatch.data.inputs import load_training_data
+    from dynabatch.training.trainer import load_training_data
     from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
     from dynabatch.engine.delivery import pack, unpack
     from dynabatch.engine.step import layout_payloads, own_inputs, step_payloads

@@ -163,7 +163,7 @@ def trainer(a: argparse.Namespace) -> dict:
     """Per-step CPU time of the main job's planner for each ``--pack-rows`` value, interleaved."""
     from dynabatch.training.config import TrainConfig
     from dynabatch.data.batching import GlobalBatcher, LengthLimits
-    from dynabatch.data.inputs import load_training_data
+    from dynabatch.training.trainer import load_training_data
     from dynabatch.data.tokenize import load_tokenizer
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for

@@ -42,7 +42,7 @@ def _planner(cfg, batches, limits, tokens):
 
 def _builtin_batches(cfg, limits, num):
     from dynabatch.data.batching import GlobalBatcher
-    from dynabatch.data.inputs import load_training_data
+    from dynabatch.training.trainer import load_training_data
     from dynabatch.data.tokenize import load_tokenizer
 
     data = load_training_data(cfg, load_tokenizer("builtin"), limits.family)
