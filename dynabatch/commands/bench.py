@@ -121,8 +121,8 @@ class BenchArgs:
 BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype",
                 "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
-                "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cost_profile", "calibrate",
-                "plan_costs", "seed", "timeout_s")
+                "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cpu_allocator", "cost_profile",
+                "calibrate", "plan_costs", "seed", "timeout_s")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
 
 

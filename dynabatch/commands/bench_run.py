@@ -21,6 +21,7 @@ from dynabatch.training.config.resolve import Found, Resolved, lower, lower_args
 from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions
+from dynabatch.core.allocator import freed_tensors_kept, host_memory_gib
 from dynabatch.core.methods import CAUSAL_ONLY, check_method_family
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
@@ -116,10 +117,12 @@ def base_config(args):
 
 
 def found_here(args) -> Found:
-    """What a bench process finds before it decides: CUDA or not, the model's sequence kind, the world size."""
+    """What a bench process finds before it decides: CUDA or not, the model's sequence kind, the world size, the
+    host's memory."""
     import torch
 
-    return Found(cuda_available=torch.cuda.is_available(), sequence_kind=_family(args.model), world_size=args.stages)
+    return Found(cuda_available=torch.cuda.is_available(), sequence_kind=_family(args.model), world_size=args.stages,
+                 host_memory_gib=host_memory_gib())
 
 
 def resolved_json(resolved: dict[str, Resolved]) -> dict:
@@ -133,7 +136,7 @@ def _config(args, method: str):
         policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
         max_target_len=args.max_target_len, **dataclasses.asdict(BaselineOptions.of(args)), memory_gib=args.memory_gib,
-        threads=args.threads, seed=args.seed, max_steps=args.untimed_steps + args.timed_steps, warmup_steps=0, lr_scheduler_type="constant",
+        threads=args.threads, cpu_allocator=getattr(args, "cpu_allocator", "auto"), seed=args.seed, max_steps=args.untimed_steps + args.timed_steps, warmup_steps=0, lr_scheduler_type="constant",
         timeline=False, cost_profile=args.compare_profile if method == PROFILED else getattr(args, "cost_profile", None),
         slice_long=method == SLICED, attention=args.attention, pack_rows=PACK_ROWS_OF.get(method, args.pack_rows),
         calibrate="off" if method in OWN_BASE else getattr(args, "calibrate", "auto"),
@@ -190,12 +193,18 @@ def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, o
 
 def bench(args, methods: list[str]) -> dict | None:
     """Build one executor per method, plan every step, run the steps interleaved; rank 0 returns results."""
+    resolved = method_configs(args, methods, found_here(args))
+    with freed_tensors_kept(resolved[methods[0]].config.cpu_allocator == "keep"):  # one setting for every method
+        return _measure(args, methods, resolved)
+
+
+def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | None:
+    """:func:`bench` of the methods' resolved configurations."""
     import copy
 
     import torch
     import torch.distributed as dist
 
-    resolved = method_configs(args, methods, found_here(args))
     cfgs = {m: r.config for m, r in resolved.items()}
     cfg0 = cfgs[methods[0]]
     num_steps = args.untimed_steps + args.timed_steps

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from dynabatch.training.config import Found, Resolved, TrainConfig, decide, lower, resolve
 from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
+from dynabatch.core.allocator import freed_tensors_kept, host_memory_gib
 from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.p2p import loopback_store
@@ -498,12 +499,12 @@ def _stack_pngs(paths: list[str], out: str) -> None:
 
 def resolve_run(cfg: TrainConfig) -> Resolved:
     """``cfg`` resolved for this machine and model (:func:`dynabatch.training.config.resolve.resolve`): whether CUDA is
-    available, the model's sequence kind (checked before anything loads) and the world size. The tokenizer is
+    available, the model's sequence kind (checked before anything loads), the world size and the host's memory. The tokenizer is
     resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
     name it."""
     kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
     return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
-                              world_size=cfg.world_size))
+                              world_size=cfg.world_size, host_memory_gib=host_memory_gib()))
 
 
 def record_resolved(resolved: Resolved, resuming: bool) -> None:
@@ -538,7 +539,8 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
     kernel = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
     try:
-        with full_determinism(resolved.config.full_determinism, resolved.config.seed):
+        with (full_determinism(resolved.config.full_determinism, resolved.config.seed),
+              freed_tensors_kept(resolved.config.cpu_allocator == "keep")):
             return _train(cfg, resolved, datasets)
     finally:
         use_attention_kernel(kernel)

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from dynabatch.training.config.sections import PLAN_COSTS_AUTO, SEARCHES, SECTIONS
+from dynabatch.core.allocator import KEPT_RESIDENT_FACTOR
 from dynabatch.core.methods import DYNAMIC
 from dynabatch.data.tokenize import resolve_tokenizer
 
@@ -46,6 +47,8 @@ class Found:
     """The device's memory, when known (``--memory-gib`` is what the planner may use)."""
     cuda_devices: int | None = None
     """``torch.cuda.device_count()``, where a rule needs it (``profile``'s p2p sweep needs two devices)."""
+    host_memory_gib: float | None = None
+    """The machine's physical memory (:func:`dynabatch.core.allocator.host_memory_gib`), where a rule needs it."""
 
     @property
     def device_type(self) -> str | None:
@@ -133,6 +136,29 @@ def _attention_kernel(cfg, found: Found):
     if kind == "cpu":
         return "sdpa", "CPU: sdpa, the kernel with a CPU backward"
     return SEARCHES["attention_kernel"], "CUDA: per call, FlashAttention varlen where it applies, else flex, else sdpa"
+
+
+@rule("cpu_allocator")
+def _cpu_allocator(cfg, found: Found):
+    """``keep`` (:func:`dynabatch.core.allocator.freed_tensors_kept`) where a step's large tensors come from the C
+    library: on CPU, for an encoder-decoder, whose eager attention materialises ``b h T^2`` scores (measured
+    1.13-1.54x at 1,024-4,096 tokens, docs/benchmarks/cpu_allocator/), when the ranks' ``--memory-gib`` times
+    :data:`~dynabatch.core.allocator.KEPT_RESIDENT_FACTOR` fit the host; a decoder-only model's SDPA keeps none."""
+    if getattr(cfg, "cpu_allocator", "auto") != "auto" or (kind := _device_type(cfg, found)) is None:
+        return None
+    if kind == "cuda":
+        return "system", "CUDA: the tensors live in device memory"
+    if found.sequence_kind is None:
+        return None
+    if found.sequence_kind != "seq2seq":
+        return "system", "CPU, decoder-only: SDPA keeps no score tensors; the C library's defaults"
+    need = found.world_size * float(cfg.memory_gib) * KEPT_RESIDENT_FACTOR
+    if found.host_memory_gib is not None and need > found.host_memory_gib:
+        return "system", (f"CPU, encoder-decoder, but {found.world_size} ranks x --memory-gib {cfg.memory_gib:g} x "
+                          f"{KEPT_RESIDENT_FACTOR:g} (a kept heap's resident set) = {need:g} GiB is over this machine's "
+                          f"{found.host_memory_gib:.1f} GiB")
+    return "keep", ("CPU, encoder-decoder: freed memory stays for the next step, whose attention scores would "
+                    "otherwise be new pages to fault in")
 
 
 def _by_cost_profile(name: str, with_profile: tuple[str, str], analytic: tuple[str, str]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # The registries of names (each registered once, in dynabatch.core) give the flags' choices and help.
+from dynabatch.core.allocator import CPU_ALLOCATORS
 from dynabatch.core.attention import ATTENTION_KERNELS, ATTENTION_PATHS
 from dynabatch.core.dtypes import DTYPE_TORCH_NAMES, DTYPES
 from dynabatch.core.methods import METHODS
@@ -98,6 +99,10 @@ class ModelArgs:
     dtype: Literal[DTYPES] = arg("fp32", f"compute precision: {', '.join(DTYPES)} (bf16 and fp16: autocast over fp32 weights)")
     device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda:LOCAL_RANK when CUDA is available, else cpu)")
     threads: int = experimental(1, "torch intra-op threads per rank (the cost profile's setting)")
+    cpu_allocator: Literal[CPU_ALLOCATORS] = experimental(
+        "auto", "a CPU rank's tensor memory: keep (freed memory stays in the process for the next step: no page faults, "
+                "a larger resident set), system (the C library's defaults) or auto (keep for an encoder-decoder on CPU, "
+                "else system)")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ same again; a resume says which fields differ; the components follow the resolve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -48,6 +49,40 @@ def test_every_auto_is_decided_with_a_reason():
         "device": "cpu", "policy": "1f1b", "recompute": "full", "planner": "process"}  # given values stay
     assert "placement" not in resolve(TrainConfig(stages=2, placement="auto"), CPU_T5).reasons  # chosen at start
     assert resolve(TrainConfig(placement="auto"), CPU_T5).config.placement == "linear"  # one stage
+
+
+def test_the_cpu_allocator_keeps_freed_tensors_for_an_encoder_decoder_on_cpu(tmp_path, monkeypatch):
+    """``--cpu-allocator auto``: ``keep`` on CPU for an encoder-decoder (its eager attention scores) when its ranks'
+    ``--memory-gib`` twice over fit the host's memory, else ``system``, as for a decoder-only model and on CUDA; a
+    train run of t5-tiny on CPU runs inside ``freed_tensors_kept`` (in effect on glibc)."""
+    import platform
+    import sys
+
+    from dynabatch.core import allocator
+    from dynabatch.training import trainer
+
+    assert resolve(TrainConfig(), CPU_T5).config.cpu_allocator == "keep"
+    assert resolve(TrainConfig(), Found(cuda_available=False, sequence_kind="causal")).config.cpu_allocator == "system"
+    assert resolve(TrainConfig(), CUDA_GPT).config.cpu_allocator == "system"
+    assert resolve(TrainConfig(cpu_allocator="system"), CPU_T5).config.cpu_allocator == "system"
+    roomy, tight = (Found(cuda_available=False, sequence_kind="seq2seq", world_size=2, host_memory_gib=g)
+                    for g in (16.0, 15.9))  # 2 ranks x 4 GiB x 2
+    assert resolve(TrainConfig(memory_gib=4.0), roomy).config.cpu_allocator == "keep"
+    tight_run = resolve(TrainConfig(memory_gib=4.0), tight)
+    assert tight_run.config.cpu_allocator == "system"
+    assert "2 ranks x --memory-gib 4 x 2 (a kept heap's resident set) = 16 GiB" in tight_run.reasons["cpu_allocator"]
+    seen = []
+
+    @contextlib.contextmanager
+    def spy(enabled=True):
+        with allocator.freed_tensors_kept(enabled) as applied:
+            seen.append((enabled, applied))
+            yield applied
+
+    monkeypatch.setattr(trainer, "freed_tensors_kept", spy)
+    assert main(["train", "--max-steps", "1", "--output-dir", str(tmp_path / "run"), *SMALL]) == 0
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert seen == [(True, glibc)]
 
 
 def test_components_ask_the_same_rules_and_lower_the_search_names():
