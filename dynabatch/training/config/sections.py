@@ -101,8 +101,8 @@ class ModelArgs:
     threads: int = experimental(1, "torch intra-op threads per rank (the cost profile's setting)")
     cpu_allocator: Literal[CPU_ALLOCATORS] = experimental(
         "auto", "a CPU rank's tensor memory: keep (freed memory stays in the process for the next step: no page faults, "
-                "a larger resident set), system (the C library's defaults) or auto (keep for an encoder-decoder on CPU, "
-                "else system)")
+                "a larger resident set), system (the C library's defaults) or auto (keep for an encoder-decoder on CPU "
+                "when the ranks' --memory-gib fit the machine twice over, else system)")
 
 
 @dataclass(frozen=True)
