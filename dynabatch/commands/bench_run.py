@@ -209,7 +209,8 @@ def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | 
     cfg0 = cfgs[methods[0]]
     num_steps = args.untimed_steps + args.timed_steps
     ctx = connect(cfg0)
-    kernel_before = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
+    # the run sets this process's attention kernel and torch threads; a process that goes on gets its own back
+    kernel_before, threads_before = attention_kernel(), torch.get_num_threads()
     try:
         torch.set_num_threads(args.threads)
         kernel = lower("attention_kernel", cfg0.attention_kernel)
@@ -356,6 +357,7 @@ def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | 
         return with_tuned(result, tuned)
     finally:
         use_attention_kernel(kernel_before)
+        torch.set_num_threads(threads_before)
         shutdown()
 
 

@@ -537,13 +537,16 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     (:func:`~dynabatch.engine.faults.fail_fast`); in a world of one it is raised for the CLI to print.
     ``cfg.full_determinism``: torch's deterministic settings for the run (:mod:`dynabatch.engine.determinism`)."""
     resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
-    kernel = attention_kernel()  # the run sets this process's kernel; a process that goes on gets its own back
+    # the run sets this process's attention kernel, torch threads and allocator; a process that goes on (a notebook,
+    # a test) gets its own back
+    kernel, threads = attention_kernel(), torch.get_num_threads()
     try:
         with (full_determinism(resolved.config.full_determinism, resolved.config.seed),
               freed_tensors_kept(resolved.config.cpu_allocator == "keep")):
             return _train(cfg, resolved, datasets)
     finally:
         use_attention_kernel(kernel)
+        torch.set_num_threads(threads)
 
 
 def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None:

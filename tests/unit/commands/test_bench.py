@@ -244,19 +244,28 @@ def test_bench_packed_rows_variants_plan_with_their_pack_rows(tmp_path):
     assert rows["dynamic_flat"]["padding_efficiency"] == 1.0 > rows["dynamic"]["padding_efficiency"]
 
 
-def test_an_in_process_bench_gives_the_process_its_attention_kernel_back(tmp_path, capsys):
+def test_an_in_process_bench_gives_the_process_its_attention_kernel_and_threads_back(tmp_path, capsys):
     """``dynabatch bench --attention-kernel sdpa`` run in a process that goes on (a notebook, a test) sets the
-    kernel for its run only: after it ends (here at start, on a memory limit too small for the model states,
-    after the kernel was set), the process's own preference is back."""
+    kernel and torch's thread count for its run only: after it ends (here at start, on a memory limit too small for
+    the model states, after both were set), the process's own are back."""
     from dynabatch.cli import main
     from dynabatch.models import attention_kernels
+
+    import torch
 
     path = str(tmp_path / "lengths.npz")
     _lengths_file(path, n=8)
     assert attention_kernels.attention_kernel() == "auto"
-    code = main(["bench", "--model", "t5-tiny", "--lengths", path, "--stages", "1", "--methods", "dynamic", "--steps", "1",
-                 "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "256", "--attention-kernel", "sdpa",
-                 "--memory-gib", "0.01"])
+    threads = torch.get_num_threads()
+    mine = 2 if threads == 1 else 1  # the bench sets --threads 1
+    torch.set_num_threads(mine)
+    try:
+        code = main(["bench", "--model", "t5-tiny", "--lengths", path, "--stages", "1", "--methods", "dynamic", "--steps", "1",
+                     "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "256", "--attention-kernel",
+                     "sdpa", "--memory-gib", "0.01"])
+        assert torch.get_num_threads() == mine
+    finally:
+        torch.set_num_threads(threads)
     assert code == 2
     assert "needs 0.010 GiB for model states alone" in capsys.readouterr().err
     assert attention_kernels.attention_kernel() == "auto"

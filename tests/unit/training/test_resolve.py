@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 from dynabatch.cli import main
@@ -54,7 +55,8 @@ def test_every_auto_is_decided_with_a_reason():
 def test_the_cpu_allocator_keeps_freed_tensors_for_an_encoder_decoder_on_cpu(tmp_path, monkeypatch):
     """``--cpu-allocator auto``: ``keep`` on CPU for an encoder-decoder (its eager attention scores) when its ranks'
     ``--memory-gib`` twice over fit the host's memory, else ``system``, as for a decoder-only model and on CUDA; a
-    train run of t5-tiny on CPU runs inside ``freed_tensors_kept`` (in effect on glibc)."""
+    train run of t5-tiny on CPU runs inside ``freed_tensors_kept`` (in effect on glibc), and gives the process its
+    torch thread count back."""
     import platform
     import sys
 
@@ -80,7 +82,13 @@ def test_the_cpu_allocator_keeps_freed_tensors_for_an_encoder_decoder_on_cpu(tmp
             yield applied
 
     monkeypatch.setattr(trainer, "freed_tensors_kept", spy)
-    assert main(["train", "--max-steps", "1", "--output-dir", str(tmp_path / "run"), *SMALL]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if threads == 1 else 1)  # the run sets --threads 1: this process gets its own back
+    try:
+        assert main(["train", "--max-steps", "1", "--output-dir", str(tmp_path / "run"), *SMALL]) == 0
+        assert torch.get_num_threads() == (2 if threads == 1 else 1)
+    finally:
+        torch.set_num_threads(threads)
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert seen == [(True, glibc)]
 
