@@ -454,7 +454,10 @@ def silent_gather_worker(rank: int, workdir: str, timeout_s: float) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-PRELOAD = ["torch", "transformers", "dynabatch.models.split", "dynabatch.engine.step", "pipeline_harness"]
+PRELOAD = ["torch", "transformers", "dynabatch.models.split", "dynabatch.engine.step", "dynabatch.training.trainer",
+           "pipeline_harness"]
+"""What the fork server imports once. One server serves the whole test process: tests/dist/test_zero.py forks its
+``dynabatch train`` ranks from it too (hence the trainer), whichever module starts it first."""
 
 
 def launch(world_size: int, target, args: tuple, deadline_s: float) -> tuple[list[int | None], float]:

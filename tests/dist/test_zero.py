@@ -1,5 +1,6 @@
 """``--zero 1`` and ``--zero 2`` against ``--zero 0`` through real gloo processes: 2 stages x 2 replicas (4 ranks) of
-GPT-2 (its token table tied between the first and the last stage), started directly by ``dynabatch train``.
+GPT-2 (its token table tied between the first and the last stage), each rank ``dynabatch train`` forked from a
+server that imported torch and transformers once (:func:`_train`).
 
 The planner must plan the runs alike, so the plans may not depend on measured times: ``--calibrate off`` (the analytic
 cost model only) and dropout 0; memory does not bind at the default ``--memory-gib`` (so the larger activation budget
@@ -19,13 +20,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from dynabatch.engine.checkpoint import step_dir
+from pipeline_harness import PRELOAD  # the fork server's imports (torch, transformers, the trainer), shared
 
 STEPS, SAVE_AT = 4, 2
 COMMON = ["--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", "2", "--replicas", "2",
@@ -80,12 +81,64 @@ def runs(tmp_path_factory, toy_mixture_dir) -> _Runs:
     return _Runs(tmp_path_factory.mktemp("zero"), toy_mixture_dir)
 
 
+def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank: ``dynabatch train`` (:func:`dynabatch.cli.main`) in the environment ``launch_local`` gives a rank,
+    its standard output and error appended to ``log``; exits with the command's status."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from dynabatch.cli import main
+
+    try:
+        code = main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def _flag(argv: list[str], name: str) -> int:
+    """The value of ``name`` in ``argv`` (the last one given wins, as argparse reads it; 1 when absent)."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+    return int(values[-1]) if values else 1
+
+
 def _train(out, mixture, *extra: str, ok: bool = True) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "dynabatch", "train", *COMMON, "--mixture", mixture, "--output-dir", str(out), *extra]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    text = run.stdout + run.stderr
-    assert (run.returncode == 0) == ok, text[-3000:]
+    """A run of ``dynabatch train`` on its stages x replicas ranks, each forked from a server that has imported torch,
+    transformers and the trainer, with the environment, rendezvous store (hosted here) and exit rule of
+    :func:`dynabatch.engine.launch.launch_local`: it succeeds when every rank exits 0. A rank started as
+    ``python -m dynabatch train`` imports them afresh (about 4 s of CPU a rank, 4 ranks a run, 11 runs by default);
+    the launcher itself is tested by tests/dist/test_faults.py's direct launches and the other dist tests' torchrun."""
+    import multiprocessing as mp
+    import time
+
+    from dynabatch.cost.p2p import loopback_store
+    from dynabatch.engine.launch import rank_environment
+
+    argv = ["train", *COMMON, "--mixture", mixture, "--output-dir", str(out), *extra]
+    world = _flag(argv, "--stages") * _flag(argv, "--replicas")
+    store = loopback_store(world, timeout_s=300.0)
+    log = f"{out}.log"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    procs = [ctx.Process(target=_rank, args=(argv, rank_environment(r, world, store.port), log)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):  # a failed rank: the others get the launcher's grace
+            break
+        time.sleep(0.1)
+    for p in procs:
+        p.join(max(0.0, min(10.0, deadline - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    with open(log) as f:
+        text = f.read()
+    assert all(p.exitcode == 0 for p in procs) == ok, ([p.exitcode for p in procs], text[-3000:])
     return text
 
 

@@ -128,12 +128,12 @@ def test_bench_dynamic_sliced_runs_token_slices_with_the_unsliced_loss(tmp_path,
         assert s["real_tokens"] == s["computed_tokens"] and s["time_s"] > 0  # equal lengths: no padding
 
 
-def test_bench_rejects_unknown_method():
-    env = {**os.environ}
-    env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "dynabatch", "bench", "--methods", "dynamic,nope"],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 2 and "unknown method 'nope'" in proc.stderr
+def test_bench_rejects_unknown_method(capsys, monkeypatch):
+    from dynabatch.cli import main  # in this process: the exit status python -m dynabatch exits with
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "--methods", "dynamic,nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
 
 
 def test_model_aliases_and_length_defaults():
@@ -169,44 +169,55 @@ def test_benchmark_presets_are_the_issue_sizes():
     assert 0.9 < n_llama / n_gpt < 1.1  # "llama-d256 about the size of gpt2-d256"
 
 
-def _one_process_bench(tmp_path, model: str, methods: str, *flags: str):
+@pytest.fixture
+def one_process_bench(tmp_path, capsys, monkeypatch):
     """``dynabatch bench`` on one stage (one process, no torchrun) over an 80-sample lengths file, 1 timed step:
-    ``(stdout, per-method JSON rows)``."""
-    path = str(tmp_path / "lengths.npz")
-    _lengths_file(path, n=80)
-    out = str(tmp_path / "bench.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", model, "--lengths", path, "--stages", "1",
-           "--methods", methods, "--steps", "1", "--warmup", "0", "--global-batch-tokens", "1024",
-           "--max-input-len", "256", "--json", out, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        return proc.stdout, json.load(f)["methods"]
+    ``(stdout, per-method JSON rows)``. It runs in this process (a world of one, as the command started on its own,
+    without the 5 s a fresh process spends importing torch and transformers); the attention kernel the bench sets
+    for its process is put back after."""
+    from dynabatch.cli import main
+    from dynabatch.models.attention_kernels import attention_kernel, use_attention_kernel
+
+    monkeypatch.delenv("RANK", raising=False)
+    kernel = attention_kernel()
+
+    def run(model: str, methods: str, *flags: str):
+        path = str(tmp_path / "lengths.npz")
+        _lengths_file(path, n=80)
+        out = str(tmp_path / "bench.json")
+        capsys.readouterr()
+        code = main(["bench", "--model", model, "--lengths", path, "--stages", "1", "--methods", methods, "--steps", "1",
+                     "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "256", "--json", out, *flags])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err[-3000:]
+        with open(out) as f:
+            return captured.out, json.load(f)["methods"]
+
+    yield run
+    use_attention_kernel(kernel)
 
 
-def test_bench_one_stage_t5_with_the_pipelining_peer(tmp_path):
+def test_bench_one_stage_t5_with_the_pipelining_peer(one_process_bench):
     """One process (stage 0 is also the last: the peer passes both inputs and target), T5, a lengths file."""
-    stdout, result = _one_process_bench(tmp_path, "t5-tiny", "packing,pipelining", "--quiet")
+    stdout, result = one_process_bench("t5-tiny", "packing,pipelining", "--quiet")
     rows = json.loads(stdout.strip().splitlines()[-1])["tokens_per_s"]
     assert set(rows) == {"packing", "pipelining"} and min(rows.values()) > 0
     assert result["pipelining"]["fixed_shapes"] == [[4, 256, 64]]  # packing rows x max lengths (target L/4)
     assert abs(result["pipelining"]["loss_first"] - result["packing"]["loss_first"]) < 1e-4
     # --dtype bf16 reaches both executors: the same rows, autocast, close to fp32 but not equal
-    _, bf16 = _one_process_bench(tmp_path, "t5-tiny", "packing,pipelining", "--quiet", "--dtype", "bf16")
+    _, bf16 = one_process_bench("t5-tiny", "packing,pipelining", "--quiet", "--dtype", "bf16")
     for m in ("packing", "pipelining"):
         assert bf16[m]["loss_first"] != result[m]["loss_first"]
         assert abs(bf16[m]["loss_first"] - result[m]["loss_first"]) < 5e-2 * result[m]["loss_first"]
     assert abs(bf16["pipelining"]["loss_first"] - bf16["packing"]["loss_first"]) < 1e-2
 
 
-def test_bench_recompute_against_no_recompute(tmp_path):
+def test_bench_recompute_against_no_recompute(one_process_bench):
     """One process, GPT-2: dynamic under --recompute full recomputes every stage forward while
     dynamic_norecompute (its --recompute none twin) recomputes none; both start from the same loss, and their
     measured saved activations fit --memory-gib and match the prediction (they differ: the cheaper memory of
     full recomputation lets the planner form larger micro-batches, whose logits the head stores as before)."""
-    stdout, rows = _one_process_bench(tmp_path, "gpt2-tiny", "dynamic,dynamic_norecompute", "--recompute", "full",
+    stdout, rows = one_process_bench("gpt2-tiny", "dynamic,dynamic_norecompute", "--recompute", "full",
                                       "--calibrate", "off")
     assert "dynamic (--recompute full) vs dynamic_norecompute:" in stdout
     full, none = rows["dynamic"], rows["dynamic_norecompute"]
@@ -219,23 +230,23 @@ def test_bench_recompute_against_no_recompute(tmp_path):
     assert full["micro_batches_per_step"] <= none["micro_batches_per_step"]
 
 
-def test_bench_plan_cost_variants_share_one_fit(tmp_path):
+def test_bench_plan_cost_variants_share_one_fit(one_process_bench):
     """One process, GPT-2: dynamic_plan_{base,scaled,calibrated} are dynamic planned with each --plan-costs, all
     calibrated by the one fit the bench shares (--calibrate quick), whatever --plan-costs says; the same global
     batches, so the same first loss."""
     variants = ("dynamic_plan_base", "dynamic_plan_scaled", "dynamic_plan_calibrated")
-    _, rows = _one_process_bench(tmp_path, "gpt2-tiny", ",".join(variants), "--calibrate", "quick", "--quiet")
+    _, rows = one_process_bench("gpt2-tiny", ",".join(variants), "--calibrate", "quick", "--quiet")
     assert set(rows) == set(variants)
     for m in variants:
         assert rows[m]["calibration"] == "quick"  # calibrated (OWN_BASE methods say "off")
         assert rows[m]["loss_first"] == pytest.approx(rows["dynamic_plan_base"]["loss_first"], abs=1e-5)
 
 
-def test_bench_packed_rows_variants_plan_with_their_pack_rows(tmp_path):
+def test_bench_packed_rows_variants_plan_with_their_pack_rows(one_process_bench):
     """One process, T5: dynamic_packed and dynamic_flat are dynamic planned with --pack-rows auto and flat next to
     dynamic's --pack-rows (off), on the same global batches (same first loss: one long row of samples back to
     back computes what padded rows do); the report compares each with dynamic."""
-    stdout, rows = _one_process_bench(tmp_path, "t5-tiny", "dynamic,dynamic_packed,dynamic_flat", "--calibrate", "off")
+    stdout, rows = one_process_bench("t5-tiny", "dynamic,dynamic_packed,dynamic_flat", "--calibrate", "off")
     for method, value in (("dynamic_packed", "auto"), ("dynamic_flat", "flat")):
         assert f"{method} (--pack-rows {value}) vs dynamic:" in stdout
         assert rows[method]["pack_rows"] == value

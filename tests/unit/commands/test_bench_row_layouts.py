@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -40,13 +39,13 @@ def test_layouts_cut_the_same_samples_into_as_many_micro_batches():
     assert [mb[0] for mb in cands["flat"]] == [[row[0] for row in mb] for mb in cands["padded"]]
 
 
-def test_small_run_reports_every_layout_per_stage(tmp_path):
+def test_small_run_reports_every_layout_per_stage(tmp_path, capsys, monkeypatch):
+    """The script's ``main`` with these arguments, in this process (no fresh interpreter's imports)."""
     path = tmp_path / "layouts.json"
-    cmd = [sys.executable, SCRIPT, "--model", "t5-tiny", "--tokens", "1024", "--seeds", "0", "--repeats", "1",
-           "--json", str(path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--model", "t5-tiny", "--tokens", "1024", "--seeds", "0", "--repeats", "1",
+                                      "--json", str(path)])
+    _script().main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(path.read_text()) == result
     (row,) = result["results"]
     assert set(row["stage_s"]) == {"packing_free", "flat", "padded"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -150,19 +149,25 @@ def test_a_limit_the_data_never_reaches_gives_the_baselines_no_longer_rows(tail_
         assert at["32768"]["methods"][m]["tokens_per_s"] == pytest.approx(at["4096"]["methods"][m]["tokens_per_s"])
 
 
-def test_bench_runs_packing_free_split_on_chunks(tmp_path):
+def test_bench_runs_packing_free_split_on_chunks(tmp_path, capsys, monkeypatch):
     """One process, gpt2-tiny: packing_free_split trains every real token of the step (its chunks), in micro-batches
-    no longer than its row, and is reported with its caveat, never as the best baseline."""
+    no longer than its row, and is reported with its caveat, never as the best baseline. The bench runs in this
+    process (a world of one, as the command started on its own); the attention kernel it sets is put back after."""
+    from dynabatch.models.attention_kernels import attention_kernel, use_attention_kernel
+
     path = str(tmp_path / "long.npz")
     np.savez(path, input_len=np.array([20, 30, 500, 40, 25, 60]), target_len=np.array([5, 4, 11, 6, 3, 5]))
     out = str(tmp_path / "bench.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "dynabatch", "bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
-           "--methods", "packing_free,packing_free_split", "--packing-free-split-tokens", "128", "--steps", "1",
-           "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "512", "--json", out, "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.delenv("RANK", raising=False)
+    kernel = attention_kernel()
+    try:
+        code = main(["bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
+                     "--methods", "packing_free,packing_free_split", "--packing-free-split-tokens", "128", "--steps",
+                     "1", "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "512", "--json", out,
+                     "--quiet"])
+    finally:
+        use_attention_kernel(kernel)
+    assert code == 0, capsys.readouterr().err[-3000:]
     with open(out) as f:
         result = json.load(f)
     rows = result["methods"]

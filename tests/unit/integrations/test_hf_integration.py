@@ -300,10 +300,13 @@ def test_trainer_rejects_gradient_accumulation_and_wrong_replica(copy_spec, byt5
         DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=loader)
 
 
-def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path):
+def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path, monkeypatch):
     """torchrun, 2 CPU processes (gloo): each rank trains its share of every global batch, gradients are
-    summed after a different number of micro-batches per rank, and the logged losses equal one process's."""
+    summed after a different number of micro-batches per rank, and the logged losses equal one process's.
+    The one process is this one (the script run as ``__main__`` with its arguments; no process group, as when
+    started alone), which spares a fresh interpreter's 7-8 s of importing torch, transformers and the Trainer."""
     import json
+    import runpy
     import subprocess
     import sys
 
@@ -311,10 +314,16 @@ def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single, parallel = tmp_path / "single", tmp_path / "parallel"
     common = [script, "--steps", "4"]
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [*common, "--output-dir", str(single)])
+    # the script ends a process group it finds with os._exit: none may be left over from an earlier test
+    assert not torch.distributed.is_initialized()
+    runpy.run_path(script, run_name="__main__")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    for cmd in ([sys.executable, *common, "--output-dir", str(single)], [*torchrun, *common, "--output-dir", str(parallel)]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    cmd = [*torchrun, *common, "--output-dir", str(parallel)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
     def losses(folder):
         with open(folder / "checkpoint-4" / "trainer_state.json") as f:
