@@ -173,13 +173,11 @@ def test_benchmark_presets_are_the_issue_sizes():
 def one_process_bench(tmp_path, capsys, monkeypatch):
     """``dynabatch bench`` on one stage (one process, no torchrun) over an 80-sample lengths file, 1 timed step:
     ``(stdout, per-method JSON rows)``. It runs in this process (a world of one, as the command started on its own,
-    without the 5 s a fresh process spends importing torch and transformers); the attention kernel the bench sets
-    for its process is put back after."""
+    without the 5 s a fresh process spends importing torch and transformers; the bench gives the process its
+    attention kernel and threads back: test_an_in_process_bench_gives_the_process_its_attention_kernel_and_threads_back)."""
     from dynabatch.cli import main
-    from dynabatch.models.attention_kernels import attention_kernel, use_attention_kernel
 
     monkeypatch.delenv("RANK", raising=False)
-    kernel = attention_kernel()
 
     def run(model: str, methods: str, *flags: str):
         path = str(tmp_path / "lengths.npz")
@@ -193,8 +191,7 @@ def one_process_bench(tmp_path, capsys, monkeypatch):
         with open(out) as f:
             return captured.out, json.load(f)["methods"]
 
-    yield run
-    use_attention_kernel(kernel)
+    return run
 
 
 def test_bench_one_stage_t5_with_the_pipelining_peer(one_process_bench):

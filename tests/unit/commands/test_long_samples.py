@@ -152,21 +152,15 @@ def test_a_limit_the_data_never_reaches_gives_the_baselines_no_longer_rows(tail_
 def test_bench_runs_packing_free_split_on_chunks(tmp_path, capsys, monkeypatch):
     """One process, gpt2-tiny: packing_free_split trains every real token of the step (its chunks), in micro-batches
     no longer than its row, and is reported with its caveat, never as the best baseline. The bench runs in this
-    process (a world of one, as the command started on its own); the attention kernel it sets is put back after."""
-    from dynabatch.models.attention_kernels import attention_kernel, use_attention_kernel
-
+    process (a world of one, as the command started on its own; it gives the process its attention kernel back)."""
     path = str(tmp_path / "long.npz")
     np.savez(path, input_len=np.array([20, 30, 500, 40, 25, 60]), target_len=np.array([5, 4, 11, 6, 3, 5]))
     out = str(tmp_path / "bench.json")
     monkeypatch.delenv("RANK", raising=False)
-    kernel = attention_kernel()
-    try:
-        code = main(["bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
-                     "--methods", "packing_free,packing_free_split", "--packing-free-split-tokens", "128", "--steps",
-                     "1", "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "512", "--json", out,
-                     "--quiet"])
-    finally:
-        use_attention_kernel(kernel)
+    code = main(["bench", "--model", "gpt2-tiny", "--lengths", path, "--stages", "1",
+                 "--methods", "packing_free,packing_free_split", "--packing-free-split-tokens", "128", "--steps",
+                 "1", "--warmup", "0", "--global-batch-tokens", "1024", "--max-input-len", "512", "--json", out,
+                 "--quiet"])
     assert code == 0, capsys.readouterr().err[-3000:]
     with open(out) as f:
         result = json.load(f)
