@@ -21,14 +21,14 @@ from dynabatch.training.config.resolve import Found, Resolved, lower, lower_args
 from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import BaselineOptions
-from dynabatch.core.allocator import freed_tensors_kept, host_memory_gib
+from dynabatch.core.allocator import host_memory_gib
 from dynabatch.core.methods import CAUSAL_ONLY, check_method_family
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
 from dynabatch.data.batching import LengthLimits
 from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key, with_tuned
 from dynabatch.training.config import TrainConfig
-from dynabatch.models.attention_kernels import attention_kernel, kernel_problem, use_attention_kernel
+from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
 from dynabatch.models.families import check_model
 from dynabatch.models.split import build_stage, pipeline_spec_for
 from dynabatch.training.calibration import gather_measurements, quick_calibration, stage_times
@@ -40,7 +40,7 @@ from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
 from dynabatch.engine.step import train_step
 from dynabatch.engine.torch_pipelining import TorchPipeliningPeer, fixed_shape_inputs
-from dynabatch.training.trainer import build_run_model, connect, planner_cost_model, run_calibration
+from dynabatch.training.trainer import build_run_model, connect, planner_cost_model, run_calibration, run_process_settings
 
 def resolve_defaults(args: argparse.Namespace) -> None:
     """Model aliases, the length-dependent default of ``--max-target-len`` and the search names of a resolved
@@ -194,7 +194,7 @@ def _run_step(r: _Method, ctx, step: int, planned) -> tuple[float, int | None, o
 def bench(args, methods: list[str]) -> dict | None:
     """Build one executor per method, plan every step, run the steps interleaved; rank 0 returns results."""
     resolved = method_configs(args, methods, found_here(args))
-    with freed_tensors_kept(resolved[methods[0]].config.cpu_allocator == "keep"):  # one setting for every method
+    with run_process_settings(resolved[methods[0]].config):  # one allocator setting for every method
         return _measure(args, methods, resolved)
 
 
@@ -209,8 +209,6 @@ def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | 
     cfg0 = cfgs[methods[0]]
     num_steps = args.untimed_steps + args.timed_steps
     ctx = connect(cfg0)
-    # the run sets this process's attention kernel and torch threads; a process that goes on gets its own back
-    kernel_before, threads_before = attention_kernel(), torch.get_num_threads()
     try:
         torch.set_num_threads(args.threads)
         kernel = lower("attention_kernel", cfg0.attention_kernel)
@@ -356,8 +354,6 @@ def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | 
 
         return with_tuned(result, tuned)
     finally:
-        use_attention_kernel(kernel_before)
-        torch.set_num_threads(threads_before)
         shutdown()
 
 

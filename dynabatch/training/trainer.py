@@ -19,6 +19,7 @@ At the end the last step's measured timeline is written next to its simulated tw
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -537,13 +538,20 @@ def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
     (:func:`~dynabatch.engine.faults.fail_fast`); in a world of one it is raised for the CLI to print.
     ``cfg.full_determinism``: torch's deterministic settings for the run (:mod:`dynabatch.engine.determinism`)."""
     resolved = resolve_run(cfg)  # every auto decided here, before any rank connects
-    # the run sets this process's attention kernel, torch threads and allocator; a process that goes on (a notebook,
-    # a test) gets its own back
+    with (run_process_settings(resolved.config),
+          full_determinism(resolved.config.full_determinism, resolved.config.seed)):
+        return _train(cfg, resolved, datasets)
+
+
+@contextlib.contextmanager
+def run_process_settings(cfg: TrainConfig):
+    """The process-wide settings of a run (``train``, ``bench``) of the resolved ``cfg``: freed memory kept as its
+    ``cpu_allocator`` says (:func:`~dynabatch.core.allocator.freed_tensors_kept`); the attention kernel and torch's
+    thread count the run sets are given back after it, so a process that goes on (a notebook, a test) gets its own."""
     kernel, threads = attention_kernel(), torch.get_num_threads()
     try:
-        with (full_determinism(resolved.config.full_determinism, resolved.config.seed),
-              freed_tensors_kept(resolved.config.cpu_allocator == "keep")):
-            return _train(cfg, resolved, datasets)
+        with freed_tensors_kept(cfg.cpu_allocator == "keep"):
+            yield
     finally:
         use_attention_kernel(kernel)
         torch.set_num_threads(threads)
