@@ -345,10 +345,12 @@ class StepPlanner:
         candidates = list(candidates)
         # whole plans are compared by the best prediction of their step at hand: the online fit when calibrating
         # (what the run reports as predicted), which may differ from the model the DP searched with (--plan-costs);
-        # under --full-determinism by the planning model, which does not depend on measured times
+        # under --full-determinism by the planning model, which does not depend on measured times. A plan runs the
+        # schedule the planning model orders (_planned), so that is the schedule each candidate is priced with
         model = self.cost_model if getattr(cfg, "full_determinism", False) else self.predict_model
-        parts = dict(zip((id(c.plan) for c in candidates),
-                         self._plan_costs(batch, [c.plan for c in candidates], model)))
+        plans = [c.plan for c in candidates]
+        parts = dict(zip(map(id, plans), self._plan_costs(batch, plans, model)))
+        ordered = parts if model is self.cost_model else dict(zip(map(id, plans), self._plan_costs(batch, plans)))
         without: set[int] = set()  # the plans priced without recomputation
         if getattr(model, "recompute", "none") == "auto":
             # auto recomputes a micro-batch that does not fit S in flight; the simulated schedule admits by actual
@@ -356,16 +358,19 @@ class StepPlanner:
             # _plan does for the DP's own plans, and let the memory check decide
             plain = [replace(c, plan=replace(c.plan)) for c in candidates  # only those that recompute somewhere
                      if any(cost.recompute is not None for cost in parts[id(c.plan)][0])]
-            none = replace(model, recompute="none")
             if plain:
-                parts.update(zip((id(c.plan) for c in plain), self._plan_costs(batch, [c.plan for c in plain], none)))
+                plain_plans = [c.plan for c in plain]
+                priced = self._plan_costs(batch, plain_plans, replace(model, recompute="none"))
+                parts.update(zip(map(id, plain_plans), priced))
+                ordered.update(zip(map(id, plain_plans), priced if model is self.cost_model else self._plan_costs(
+                    batch, plain_plans, replace(self.cost_model, recompute="none"))))
             candidates += plain
             without = {id(c.plan) for c in plain}
 
         def bound(p) -> float:
             return max(step_lower_bound(c.fwd_s, c.bwd_s) for c in parts[id(p)][0])
 
-        chosen = choose(candidates, lambda p: self._price(parts[id(p)], model), bound).candidate
+        chosen = choose(candidates, lambda p: self._price(parts[id(p)], model, ordered[id(p)][0]), bound).candidate
         return chosen, "none" if id(chosen.plan) in without else None
 
     def _plan_costs(self, batch: GlobalBatch, plans, model: StageCostModel | None = None) -> list[tuple]:
@@ -399,12 +404,16 @@ class StepPlanner:
             out.append(tuple(map(list, zip(*replicas))))
         return out
 
-    def _price(self, parts: tuple, model: StageCostModel | None = None) -> float:
-        """The predicted makespan of a plan (:meth:`_predict` of its :meth:`_plan_costs`, the planning model),
-        ``inf`` when a replica's simulated step does not fit the memory limit."""
+    def _price(self, parts: tuple, model: StageCostModel | None = None, ordered_by=None) -> float:
+        """The predicted makespan of a plan (:meth:`_predict` of its :meth:`_plan_costs` under ``model``), ``inf``
+        when a replica's simulated step does not fit the memory limit. ``ordered_by``: per replica, the costs under
+        the planning model, whose schedule the plan runs (:meth:`_planned`); default ``parts``' own."""
         costs, shapes, links, contexts, pairs = parts
-        _, _, predicted, _, fits = self._predict(shapes, links, contexts, pairs, model, costs_in=costs,
-                                                 check_memory=True)
+        schedules = None
+        if ordered_by is not None and ordered_by is not costs:
+            schedules = tuple(self._schedule(s, lk, c, self.cost_model) for s, lk, c in zip(shapes, links, ordered_by))
+        _, _, predicted, _, fits = self._predict(shapes, links, contexts, pairs, model, schedules_in=schedules,
+                                                 costs_in=costs, check_memory=True)
         return predicted if fits else float("inf")
 
     def _plan(self, batch: GlobalBatch, model: StageCostModel):
@@ -433,6 +442,15 @@ class StepPlanner:
         b, e, d = group_shape(batch, g, self.family)
         return b * (e + d)
 
+    def _schedule(self, shapes, links, costs, model, buffered=None):
+        """The compute schedule of one replica's micro-batches of ``shapes`` under ``costs`` (priced by ``model``:
+        its send time and model states; ``buffered``: ``costs`` with their message buffers, when at hand) for the
+        run's policy: what :meth:`_predict` orders and the runtime runs (linear placement)."""
+        buffered = with_message_buffers(costs) if buffered is None else buffered
+        return compute_schedule(lower("policy", self.cfg.policy), np.asarray(shapes, dtype=np.int64).reshape(-1, 3),
+                                self.cfg.stages, buffered, self.cfg.memory_gib * 2**30, links, send_time=send_time_of(model),
+                                model_state_bytes=np.array(model.model_state_bytes))
+
     def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None, costs_in=None,
                  check_memory: bool = False):
         """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
@@ -459,9 +477,7 @@ class StepPlanner:
                 schedule = chunk_schedule(result.order, self.placement.num_stages, len(s), result.policy)
             else:
                 buffered = with_message_buffers(c)  # what `dynabatch simulate` prices; the validator counts buffers itself
-                schedule = schedules_in[k] if schedules_in is not None else compute_schedule(
-                    lower("policy", self.cfg.policy), np.asarray(s, dtype=np.int64).reshape(-1, 3), self.cfg.stages, buffered, memory, lk,
-                    send_time=send, model_state_bytes=states)
+                schedule = schedules_in[k] if schedules_in is not None else self._schedule(s, lk, c, model, buffered)
                 result = simulate(schedule, buffered, send_time=send, model_state_bytes=states,
                                   memory_limit_bytes=memory if check_memory else None)
             fits = fits and bool(result.fits_memory)
