@@ -28,16 +28,21 @@ def ffn_saved_tensors(activation: str, gated: bool) -> float:
     if activation not in ACT2FN:
         raise ValueError(f"unknown activation {activation!r}; valid: {', '.join(sorted(ACT2FN))}")
     act, width = ACT2FN[activation], 16
-    down = torch.nn.Parameter(torch.randn(width, 4))
     storages: dict[int, int] = {}
+    # the count is cached for the process: measured with autograd recording and no autocast, whatever the caller's
+    # mode (a first call under no_grad, as an evaluation plans, would save nothing and price every later run wrong)
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        # fixed values, not torch's global random stream: a planning call leaves the caller's RNG as it was
+        down = torch.nn.Parameter(torch.linspace(-1.0, 1.0, width * 4).reshape(width, 4))
 
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() != down.untyped_storage().data_ptr():
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() != down.untyped_storage().data_ptr():
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
 
-    x, up = (torch.randn(8, width, requires_grad=True) * 1.0 for _ in range(2))  # non-leaf, like a projection's output
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        (act(x) * up if gated else act(x)) @ down
+        x, up = (torch.linspace(-2.0, 2.0, 8 * width).reshape(8, width).requires_grad_() * 1.0  # non-leaf, like
+                 for _ in range(2))  # a projection's output
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            (act(x) * up if gated else act(x)) @ down
     return sum(storages.values()) / (x.numel() * x.element_size())

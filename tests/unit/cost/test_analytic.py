@@ -390,3 +390,25 @@ def test_ffn_saved_tensors_are_counted_from_the_activation():
     assert TransformerSpec("gpt", 64, 4, 16, 256, 2, 0, vocab_size=100).ffn_saved_tensors == 2.0  # 0: textbook
     with pytest.raises(ValueError, match="unknown activation 'swishy'; valid: .*gelu"):
         ffn_saved_tensors("swishy", False)
+
+
+def test_ffn_saved_tensors_do_not_depend_on_the_callers_grad_mode():
+    """The count is cached for the process, so a first call under ``no_grad`` (an evaluation or a Trainer's
+    ``predict`` planning its batches) must count what training keeps; it counted 0 there, and every later run of the
+    process priced T5's FFN at the textbook 2 tensors instead of ReLU's 1 (a T5 stage's stored bytes 11% high).
+    Nor does the count draw from torch's random stream."""
+    import torch
+
+    from dynabatch.cost.activation_memory import ffn_saved_tensors
+
+    ffn_saved_tensors.cache_clear()
+    try:
+        rng = torch.get_rng_state()
+        assert ffn_saved_tensors("silu", True) == 4
+        assert torch.equal(torch.get_rng_state(), rng)  # the caller's random stream is left as it was
+        with torch.no_grad():
+            assert ffn_saved_tensors("relu", False) == 1 and ffn_saved_tensors("gelu_new", True) == 7
+        with torch.inference_mode():
+            assert ffn_saved_tensors("gelu", False) == 2
+    finally:
+        ffn_saved_tensors.cache_clear()
