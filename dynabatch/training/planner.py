@@ -172,13 +172,18 @@ class StepPlanner:
 
     def __init__(self, batcher: GlobalBatcher, cfg: TrainConfig, cost_model: StageCostModel, tokens: TokenizerInfo,
                  calibration=None, spec=None):
-        self.batcher, self.cfg, self.cost_model, self.tokens = batcher, cfg, cost_model, tokens
+        self.batcher, self.cfg, self.tokens = batcher, cfg, tokens
+        self.recompute = lower("recompute", decide(cfg, "recompute"))
+        """The activation recomputation this run's method plans with (a baseline: none), kept on every cost model
+        the planner is given: one shared by several methods (``dynabatch bench``'s base model and online fit, set up
+        for the dynamic method) would otherwise have a baseline recompute wherever ``auto`` would."""
+        self.cost_model = self._own(cost_model)
         self.calibration = calibration
         """:class:`~dynabatch.training.calibration.RunCalibration` (online calibration) or ``None``."""
         self.spec = spec
         """The run's :class:`~dynabatch.schedule.ir.PipelineSpec`: with it, every training step is also lowered and
         validated here (:attr:`PlannedStep.plans`), off the training loop; ``None``: the loop lowers it."""
-        self.predict_model = cost_model
+        self.predict_model = self.cost_model
         """The model predictions are made with: the online fit when calibrating (``cost_model`` plans: the fit too
         with ``plan_costs="calibrated"``, the base model scaled to it with ``"scaled"``, else the base model)."""
         self.limits: LengthLimits = batcher.limits
@@ -199,6 +204,12 @@ class StepPlanner:
         if cfg.slice_long:
             self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
 
+    def _own(self, model: StageCostModel) -> StageCostModel:
+        """``model`` with this method's :attr:`recompute` (the same object when it has it already)."""
+        if getattr(model, "recompute", self.recompute) == self.recompute:
+            return model
+        return replace(model, recompute=self.recompute)
+
     @property
     def plan_costs(self) -> str:
         """``--plan-costs`` as the resolver decides it for this run's sequence kind (:mod:`dynabatch.training.config.resolve`)."""
@@ -207,10 +218,10 @@ class StepPlanner:
     def __call__(self) -> PlannedStep:
         _maybe_crash(self.step)
         if self.calibration is not None and self.calibration.enabled:  # may wait for the measurements it needs
-            self.predict_model = self.calibration.cost_model_for(self.step)
+            self.predict_model = self._own(self.calibration.cost_model_for(self.step))
             costs = self.plan_costs
-            self.cost_model = (self.calibration.base if costs == "base" else self.predict_model if costs == "calibrated"
-                               else self.calibration.cost_model_for(self.step, scaled=True))
+            self.cost_model = (self._own(self.calibration.base) if costs == "base" else self.predict_model
+                               if costs == "calibrated" else self._own(self.calibration.cost_model_for(self.step, scaled=True)))
         start = time.perf_counter()
         drawn = self.batcher.next_batch()
         batch = self._baseline_batch(drawn)

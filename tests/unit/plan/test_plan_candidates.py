@@ -278,3 +278,41 @@ def test_micro_batches_priced_once_give_the_same_prices_and_times():
     with_memo = formula_prices(cost, e, d, plans, True, None, {}, priced)
     assert with_memo == formula_prices(cost, e, d, plans, True)
     assert any(np.isinf(with_memo)) and not all(np.isinf(with_memo))
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_a_baseline_planned_with_the_dynamic_methods_model_keeps_its_own_recompute(calibrated):
+    """``dynabatch bench`` gives every method one base cost model and one online fit, set up for the dynamic method
+    (``--recompute auto``); a baseline's planner keeps its own recomputation (none), so at a tight budget its
+    micro-batches run as the baseline runs them in ``train``, not recomputed wherever ``auto`` would (they were: 2-4
+    recomputed forwards a step here, 0.25-1.4 in the long-tail benches)."""
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model, run_calibration
+
+    cfg = TrainConfig(model="t5-tiny", stages=2, global_batch_tokens=8192, max_input_len=1024, max_target_len=128,
+                      memory_gib=0.02, calibrate="online" if calibrated else "off")
+    limits = LengthLimits("t5", max_input_len=1024, max_target_len=128, max_seq_len=1024)
+    batches, tokens = _heavy_batches(limits, cfg.global_batch_tokens, 3)
+    model = build_model(cfg.model, vocab_size=max(tokens.vocab_size, 8))
+    layout = layout_for(model, 2)
+    auto = planner_cost_model(cfg, model.config, layout)  # the dynamic method's: recompute auto
+    calibration = run_calibration(cfg, auto, model.config.to_dict(), layout)[0] if calibrated else None
+    assert auto.recompute == "auto"
+    grouped = replace(cfg, method="length_grouped", samples_per_micro_batch=16)
+
+    def planner(c):
+        from dynabatch.commands.bench_layouts import ListBatcher
+
+        return StepPlanner(ListBatcher(batches, limits), c, auto, tokens, calibration=calibration)
+
+    baseline, dynamic = planner(grouped), planner(cfg)
+    steps = [baseline() for _ in batches]
+    assert baseline.cost_model.recompute == baseline.predict_model.recompute == "none"
+    assert all(s.recompute_counts == {} for s in steps)
+    assert dynamic.cost_model is auto  # the dynamic method's own model, untouched
+    # the same micro-batches priced by the shared model do recompute: what the baseline ran before
+    shared = StepPlanner(baseline.batcher.__class__(batches, limits), grouped, auto, tokens)
+    shared.cost_model = shared.predict_model = auto
+    assert sum(sum(shared().recompute_counts.values()) for _ in batches) > 0
