@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.training.config.flags import add_fields, add_sections
-from dynabatch.training.config.resolve import Found, args_view, decide, lower_args, resolve_args
+from dynabatch.training.config.resolve import Found, args_view, decide, lower, lower_args, resolve_args
 from dynabatch.training.config.sections import arg
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
@@ -213,3 +213,10 @@ def _planned_micro_batches(w: Workload, batches, method: str):
     except ValueError:
         return None
     return [(p.shapes, p.pairs) for p in plans]
+
+
+def method_recompute(method: str, w) -> str:
+    """The recomputation ``method`` runs with under the workload's ``--recompute`` (resolved and lowered: ``auto``
+    is the search): the resolver's rule for that method (a baseline's ``auto``: none, its knob fits memory)."""
+    view = args_view(recompute=w.cost_model.recompute, method="dynamic" if is_planner(method) else method)
+    return lower("recompute", decide(view, "recompute"))

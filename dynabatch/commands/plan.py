@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields
 from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.training.config.resolve import describe_choices
@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{e}{hint}") from e
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         cost_model = (split_from_data(w, batches, method) if args.layer_split == "data" else w).cost_model
+        # priced with the recomputation the method runs with (a baseline's auto: none, as train and simulate run it)
+        cost_model = dataclasses.replace(cost_model, recompute=method_recompute(method, w))
         slice_model = slicer(cost_model, method) if is_planner(method) else None
         real = computed = micro = sliced = 0
         step_times, wall, kept = [], [], {}

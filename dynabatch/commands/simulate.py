@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, resolve
+from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -52,7 +52,7 @@ from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
-from dynabatch.training.config.resolve import args_view, decide, describe_choices, lower
+from dynabatch.training.config.resolve import describe_choices, lower
 from dynabatch.schedule.policies import adaptive, choose_schedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
 from dynabatch.schedule.virtual import placed_step
@@ -294,13 +294,6 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
         schedule_ms_max=1e3 * float(np.max(sched_wall)), plan_ms_median=1e3 * float(np.median(plan_wall)),
     )
-
-
-def method_recompute(method: str, w) -> str:
-    """The recomputation ``method`` runs with under the workload's ``--recompute`` (resolved and lowered: ``auto``
-    is the search): the resolver's rule for that method (a baseline's ``auto``: none, its knob fits memory)."""
-    view = args_view(recompute=w.cost_model.recompute, method="dynamic" if is_planner(method) else method)
-    return lower("recompute", decide(view, "recompute"))
 
 
 def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOptions()):
