@@ -359,9 +359,18 @@ class StepPlanner:
         # under --full-determinism by the planning model, which does not depend on measured times. A plan runs the
         # schedule the planning model orders (_planned), so that is the schedule each candidate is priced with
         model = self.cost_model if getattr(cfg, "full_determinism", False) else self.predict_model
-        plans = [c.plan for c in candidates]
-        parts = dict(zip(map(id, plans), self._plan_costs(batch, plans, model)))
-        ordered = parts if model is self.cost_model else dict(zip(map(id, plans), self._plan_costs(batch, plans)))
+        parts: dict[int, tuple] = {}  # per plan: its costs under `model`
+        ordered: dict[int, tuple] = {}  # per plan: its costs under the planning model, which orders its schedule
+
+        def price(plans, recompute=None) -> None:
+            def under(m):
+                return m if recompute is None else replace(m, recompute=recompute)
+            priced = self._plan_costs(batch, plans, under(model))
+            parts.update(zip(map(id, plans), priced))
+            ordered.update(zip(map(id, plans), priced if model is self.cost_model
+                               else self._plan_costs(batch, plans, under(self.cost_model))))
+
+        price([c.plan for c in candidates])
         without: set[int] = set()  # the plans priced without recomputation
         if getattr(model, "recompute", "none") == "auto":
             # auto recomputes a micro-batch that does not fit S in flight; the simulated schedule admits by actual
@@ -370,11 +379,7 @@ class StepPlanner:
             plain = [replace(c, plan=replace(c.plan)) for c in candidates  # only those that recompute somewhere
                      if any(cost.recompute is not None for cost in parts[id(c.plan)][0])]
             if plain:
-                plain_plans = [c.plan for c in plain]
-                priced = self._plan_costs(batch, plain_plans, replace(model, recompute="none"))
-                parts.update(zip(map(id, plain_plans), priced))
-                ordered.update(zip(map(id, plain_plans), priced if model is self.cost_model else self._plan_costs(
-                    batch, plain_plans, replace(self.cost_model, recompute="none"))))
+                price([c.plan for c in plain], "none")
             candidates += plain
             without = {id(c.plan) for c in plain}
 
