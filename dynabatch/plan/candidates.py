@@ -189,9 +189,8 @@ def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: in
         dealt = even(dealt)
 
     def piece(g, s, t) -> Piece:
-        packed = any(len(r) > 1 for r in g.rows)
-        return Piece(tuple(chain.from_iterable(g.rows)) if packed else tuple(r[0] for r in g.rows), s, t,
-                     rows=g.rows if packed else None)
+        samples = tuple(chain.from_iterable(g.rows))  # more samples than rows: some row packs several
+        return Piece(samples, s, t, rows=g.rows if len(samples) > len(g.rows) else None)
 
     return StepPlan(family, num_stages, tuple(tuple(piece(*x) for x in xs) for xs in dealt), ())
 

@@ -26,9 +26,11 @@ flight are alike, and only approximate when a small-stored, large-peak one meets
 the schedule validator checks the real memory timeline), at most ``max_samples`` samples and at most
 ``max_tokens`` padded tokens ``w (E + D)``. A run is kept only if all its shorter suffixes are (true
 for costs non-decreasing in ``b, E, D``), so the band length per end is found by doubling it for the
-ends still feasible: O(log W) cost-model calls, O(sum of band lengths) shapes. Run times are made
-non-decreasing in the run length, so the DP scans each band until the first run over the cap: one cap
-costs O(N x runs under the cap), worst case O(N x W).
+ends still feasible: O(log W) cost-model calls, O(sum of band lengths) shapes. A row stops growing, too, once
+its runs are too slow to be in a plan better than the DP's plan on the first band (``U``: no run slower than
+``U / W`` can be, ``W`` the objective's weight; :func:`_candidate_runs`), which leaves the optimum as it was and on
+heavy-tailed batches prices about half the runs. Run times are made non-decreasing in the run length, so the DP
+scans each band until the first run over the cap: one cap costs O(N x runs under the cap), worst case O(N x W).
 
 Measured (``scripts/bench_planner.py``, 2 shared CPU cores, warm, median; FLAN-like lengths, S = 4,
 16 GiB budget, tolerance 0.01): N = 256 about 1 ms, N = 1024 9-10 ms (T5 and GPT; 15 ms with another
@@ -141,6 +143,7 @@ def plan_partition(
     flat_rows: bool = False,
     max_row: tuple[int, int] | None = None,
     runs_cache: dict | None = None,
+    prune_fill_scale: float | None = None,
 ) -> PartitionPlan:
     """Order the samples and cut them into micro-batches minimising ``sum(t) + (S - 1) max(t)``.
 
@@ -172,6 +175,11 @@ def plan_partition(
     kept there and reused by a later call on the same lengths, pairs, limits and ``cost_model`` (only
     ``num_stages``, ``fill_scale`` and ``cap_tolerance`` may differ: they change the cut, not the runs); so is the
     plan of a cut already made. The plans are those of a call without the cache.
+
+    Runs too slow to be in any plan better than one already found are not priced (:func:`_candidate_runs`,
+    "Pruning"): the bound is taken under the fill-and-drain weight of ``prune_fill_scale`` (default
+    ``fill_scale``), which must be at most the ``fill_scale`` of every call the ``runs_cache`` table serves (a call
+    with a smaller one prices the table again); ``plan_step`` passes the smallest of its weights.
     """
     e_raw, d_raw = check_lengths(input_lens, target_lens)
     check_int("num_stages", num_stages)
@@ -191,14 +199,18 @@ def plan_partition(
 
     limits = _Limits(budget, in_flight, max_samples, max_tokens, None if max_row is None else tuple(max_row))
     check_non_negative("fill_scale", fill_scale)
+    weighted_stages = 1.0 + float(fill_scale) * (num_stages - 1)  # the kernel's slope is its argument - 1
+    prune_scale = fill_scale if prune_fill_scale is None else min(float(prune_fill_scale), float(fill_scale))
+    check_non_negative("prune_fill_scale", prune_scale)
+    prune_weight = 1.0 + prune_scale * (num_stages - 1)
     key = None if runs_cache is None else _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows)
     table = None if key is None else runs_cache.get(key)
-    if table is None or table.cost_model is not cost_model:
-        table = _table(e_raw, d_raw, cost_model, family, order, limits, unit_pairs, flat_rows)
+    if table is None or table.cost_model is not cost_model or table.prune_weight > weighted_stages:
+        table = _table(e_raw, d_raw, cost_model, family, order, limits, unit_pairs, flat_rows, prune_weight,
+                       float(cap_tolerance))
         if key is not None:
             runs_cache[key] = table
     T, L = table.T, table.L
-    weighted_stages = 1.0 + float(fill_scale) * (num_stages - 1)  # the kernel's slope is its argument - 1
     lengths, _, num_tried = _solve_partition(T, L, weighted_stages, float(cap_tolerance))
     cut = (lengths.tobytes(), num_stages)
     if cut in table.plans:  # the same cut under another weight: only the count of caps tried differs
@@ -250,6 +262,8 @@ class _Table:
     stored: np.ndarray
     """(N, W) stored bytes the cost model gave each run as it priced ``T`` (NaN: not priced)."""
     peak: np.ndarray
+    prune_weight: float
+    """The fill-and-drain weight the runs were pruned under: the table serves calls of this weight or more."""
     plans: dict = field(default_factory=dict)
 
 
@@ -259,15 +273,16 @@ def _table_key(e_raw, d_raw, family, order, limits, unit_pairs, flat_rows) -> tu
             None if pairs is None else (pairs.shape, pairs.tobytes()))
 
 
-def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs, flat_rows) -> _Table:
+def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs, flat_rows, prune_weight: float,
+           tolerance: float) -> _Table:
     e_all, d_all = padded_lengths(e_raw, d_raw, family)  # e_raw, d_raw: checked by plan_partition
     perm = order_padded(e_all, d_all, family, order)
     e, d = e_all[perm], d_all[perm]
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
     runs = _Runs(e, d, prefix, flat_rows)
     memory: dict = {}
-    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw, memory)
-    return _Table(cost_model, perm, e, d, runs, T, L, memory["stored"], memory["peak"])
+    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw, memory, (prune_weight, tolerance))
+    return _Table(cost_model, perm, e, d, runs, T, L, memory["stored"], memory["peak"], prune_weight)
 
 
 @dataclass(frozen=True)
@@ -327,16 +342,27 @@ class _Runs:
 
 
 def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw,
-                    memory: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) feasible band lengths;
-    runs priced as :meth:`_Runs.priced` says. ``memory`` (a dict) receives ``stored`` and ``peak``, (N, W) the
-    bytes the cost model gave each run (NaN where not priced), so a cut's runs need no second call."""
+                    memory: dict | None = None, prune: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) band lengths: the runs priced, all
+    within the limits; runs priced as :meth:`_Runs.priced` says. ``memory`` (a dict) receives ``stored`` and
+    ``peak``, (N, W) the bytes the cost model gave each run (NaN where not priced), so a cut's runs need no second
+    call.
+
+    Pruning (``prune``: the fill-and-drain weight ``W`` of the objective ``sum(t) + (W - 1) max(t)`` and the DP's
+    cap tolerance). Any plan holding a run of time ``t`` scores at least ``W t`` (its sum is at least ``t``, its max
+    at least ``t``), so once a plan scoring ``U`` is known, no run slower than ``U / W`` can be in a better one. The
+    first cost-model call prices every end's shortest runs; the DP on that band gives ``U``; an end's band then
+    grows only while its slowest run so far takes at most ``U / W`` (times are non-decreasing along a row, so every
+    longer run is slower still). The plan scoring ``U`` stays in the table, so the DP's optimum is unchanged: on the
+    heavy-tailed T5 batches of ``scripts/bench_plan_time.py`` it prices about half the runs."""
     e, d = runs.e, runs.d
     n = e.size
     max_w = min(n, limits.max_samples or n)
     band = np.zeros(n, dtype=np.int64)
+    slowest = np.zeros(n)  # each end's slowest run priced so far (within its band)
     blocks = []  # (ends, w_lo, times (K, C))
     alive = np.arange(n, dtype=np.int64)
+    bound = np.inf
     w_lo, w_hi = 1, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1
     while alive.size and w_lo <= max_w:
         b, E, D = _run_shapes(e, d, alive, w_lo, w_hi)  # (K, C) each
@@ -360,13 +386,12 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         num_fit = np.where(fits.all(axis=1), fits.shape[1], np.argmin(fits, axis=1))
         band[alive] += num_fit
         blocks.append((alive, w_lo, times))
-        alive = alive[(num_fit == fits.shape[1]) & (alive + 1 >= w_hi)]
+        slowest[alive] = np.maximum(slowest[alive], np.where(fits, times, 0.0).max(axis=1))
+        if prune is not None and w_lo == 1 and w_hi <= max_w:  # more to price: bound it by the DP on this band
+            bound = _plan_bound(blocks, band, *prune)
+        alive = alive[(num_fit == fits.shape[1]) & (alive + 1 >= w_hi) & (slowest[alive] <= bound)]
         w_lo, w_hi = w_hi, min(max_w, 2 * (w_hi - 1)) + 1
-    T = np.full((n, int(band.max())), np.inf)
-    for ends, lo, times in blocks:
-        width = min(times.shape[1], T.shape[1] - lo + 1)
-        T[ends, lo - 1 : lo - 1 + width] = times[:, :width]
-    np.maximum.accumulate(T, axis=1, out=T)
+    T = _assemble(blocks, band)
     if memory is not None:
         for key, k in (("stored", 3), ("peak", 4)):
             table = np.full(T.shape, np.nan)
@@ -378,6 +403,24 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
             memory[key] = table
         del memory["blocks"]
     return T, band
+
+
+def _assemble(blocks, band) -> np.ndarray:
+    """The (N, max band) run-time table of the priced ``blocks`` (``(ends, w_lo, times)``), made non-decreasing
+    along each row (the DP stops scanning a row at its first run over the cap)."""
+    T = np.full((band.size, int(band.max())), np.inf)
+    for ends, lo, times in blocks:
+        width = min(times.shape[1], T.shape[1] - lo + 1)
+        T[ends, lo - 1 : lo - 1 + width] = times[:, :width]
+    np.maximum.accumulate(T, axis=1, out=T)
+    return T
+
+
+def _plan_bound(blocks, band, weight: float, tolerance: float) -> float:
+    """``U / W`` (:func:`_candidate_runs`, "Pruning"): ``U`` the objective of the DP's plan on the runs priced so
+    far, under the fill-and-drain weight ``W``."""
+    _, objective, _ = _solve_partition(_assemble(blocks, band), band, weight, tolerance)
+    return float(objective) / weight
 
 
 def _evaluate_distinct(cost_model, b, E, D, pairs):  # noqa: N803 - the padded run shapes

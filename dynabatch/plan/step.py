@@ -240,8 +240,10 @@ def plan_step(
         flat_row = (max(int(flat_row[0]), int(top[0].max())), max(int(flat_row[1]), int(top[1].max())))
     # one table of priced runs per way of forming rows, shared by the fill-and-drain weights (plan_partition's
     # runs_cache), and one score per distinct plan: the candidates repeat both
-    how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order,
-                    {"runs_cache": {}, **partition_options}, pack_rows, None if score is None else _once(score),
+    # (pruned under the smallest weight: plan_partition's prune_fill_scale)
+    options = {"runs_cache": {}, "prune_fill_scale": min(fill_scales), **partition_options}
+    how = _Planning(cost_model, num_stages, family, num_replicas, fill_drain_order, options, pack_rows,
+                    None if score is None else _once(score),
                     tuple(fill_scales), segment_pricing, flat_row, slice_cost_model,
                     _once(lambda plan: _priced_objective(plan, cost_model)))
     if slice_cost_model is None:

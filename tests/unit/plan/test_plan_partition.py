@@ -133,6 +133,72 @@ def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band, one_call):
     assert L.max() > 2 * first_band and L.max() < 70  # several doubling rounds ran, limits bind
 
 
+class _Counting:
+    """A cost model that counts the runs it prices."""
+
+    def __init__(self, inner):
+        self.inner, self.priced = inner, 0
+        self.memory_budget_bytes = inner.memory_budget_bytes
+
+    def evaluate(self, b, E, D, pairs=None):  # noqa: N803
+        self.priced += int(np.size(b))
+        return self.inner.evaluate(b, E, D)
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_pruned_runs_leave_the_plan_as_it_was(monkeypatch, family):
+    """Runs slower than ``U / W`` (``U``: the DP's plan on the first band) are not priced, and every plan, at every
+    stage count and fill-and-drain weight and from a table shared by the weights, is the one planned without
+    pruning (the bound made infinite)."""
+    from dynabatch.plan import partition
+
+    monkeypatch.setattr(partition, "FIRST_BAND", 8)
+    monkeypatch.setattr(partition, "ONE_CALL_RUNS", 0)
+    rng = np.random.default_rng([11, len(family)])
+    cost = PolynomialCostModel(memory_budget_bytes=1e18, overhead_s=2e-3)
+    for trial in range(4):
+        e, d = flan_like(rng, 150) if family == "t5" else random_lengths(rng, 150, family)
+        for num_stages in (2, 4):
+            shared: dict = {}
+            plans = [plan_partition(e, d, cost, num_stages, family=family, fill_scale=s, runs_cache=shared,
+                                    prune_fill_scale=0.25) for s in (1.0, 0.5, 0.25)]
+            with monkeypatch.context() as m:
+                m.setattr(partition, "_plan_bound", lambda *args: np.inf)
+                expected = [plan_partition(e, d, cost, num_stages, family=family, fill_scale=s)
+                            for s in (1.0, 0.5, 0.25)]
+            for got, want in zip(plans, expected):
+                assert got.objective_s == want.objective_s
+                assert np.array_equal(got.order, want.order) and np.array_equal(got.boundaries, want.boundaries)
+        pruned, full = _Counting(cost), _Counting(cost)
+        plan_partition(e, d, pruned, 4, family=family)
+        with monkeypatch.context() as m:
+            m.setattr(partition, "_plan_bound", lambda *args: np.inf)
+            plan_partition(e, d, full, 4, family=family)
+        assert pruned.priced < 0.7 * full.priced, (trial, pruned.priced, full.priced)
+
+
+def test_a_table_pruned_for_a_larger_weight_is_priced_again_for_a_smaller_one(monkeypatch):
+    """A table shared by calls (``runs_cache``) was pruned under its first call's weight; a later call with a
+    smaller fill-and-drain weight (whose plans may hold slower runs) prices its runs again."""
+    from dynabatch.plan import partition
+
+    monkeypatch.setattr(partition, "FIRST_BAND", 8)
+    monkeypatch.setattr(partition, "ONE_CALL_RUNS", 0)
+    e, d = flan_like(np.random.default_rng(5), 150)
+    cost = _Counting(PolynomialCostModel(memory_budget_bytes=1e18, overhead_s=2e-3))
+    shared: dict = {}
+    plan_partition(e, d, cost, 4, family="t5", runs_cache=shared)
+    first = cost.priced
+    plan_partition(e, d, cost, 4, family="t5", fill_scale=2.0, runs_cache=shared)  # a larger weight: reused
+    assert cost.priced == first
+    small = plan_partition(e, d, cost, 4, family="t5", fill_scale=0.25, runs_cache=shared)
+    assert cost.priced > first
+    with monkeypatch.context() as m:
+        m.setattr(partition, "_plan_bound", lambda *args: np.inf)
+        want = plan_partition(e, d, cost, 4, family="t5", fill_scale=0.25)
+    assert np.array_equal(small.boundaries, want.boundaries) and small.objective_s == want.objective_s
+
+
 # --------------------------------------------------------------------------- planner vs brute force
 
 BUDGETS = {"none": 1e18, "tight": 2.0e9}
