@@ -3,8 +3,12 @@
 Forms global batches by the token budget (over-long samples truncated) from a lengths file or a
 mixture, cuts each with the dynamic planner and with every baseline, prices every micro-batch with
 the same analytic cost model (attention per segment, as the padding-free runtime computes it), and prints per method: real tokens, computed tokens, micro-batches,
-predicted step time ``sum(t) + (S - 1) max(t)`` and the method's own wall time per global batch (median, p10-p90
-and max over the batches; ``scripts/bench_plan_time.py`` times the dynamic method over more rounds).
+predicted step time ``sum(t) + (S - 1) max(t)``, whether every micro-batch fits the memory under the planner's
+bound (``S x stored + peak``, each method priced with the recomputation it runs with: a baseline's none) and the
+method's own wall time per global batch (median, p10-p90 and max over the batches;
+``scripts/bench_plan_time.py`` times the dynamic method over more rounds). The dynamic method's speedup is over the
+best whole-sample baseline that fits (over all of them when none does; ``dynabatch simulate`` checks the memory
+timeline of a whole schedule).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         cost_model = dataclasses.replace(cost_model, recompute=method_recompute(method, w))
         slice_model = slicer(cost_model, method) if is_planner(method) else None
         real = computed = micro = sliced = 0
+        need = 0.0  # the largest S x stored + peak of a micro-batch (the planner's memory bound)
         step_times, wall, kept = [], [], {}
         for batch in batches:
             extra = {"slice_cost_model": slice_model, "pack_rows": pack_rows} if is_planner(method) else {}
@@ -68,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
             if plan.predicted_times_s is not None and plan.num_sliced_samples:
                 t = plan.predicted_times_s  # token slices are priced with their context by the planner
             else:  # per-segment (padding-free) attention, as the runtime computes it
-                t, _, _ = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2], pairs=plan.pairs)
+                t, stored, peak = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
+                                                      pairs=plan.pairs)
+                need = max(need, float(np.max(stages * np.asarray(stored) + np.asarray(peak))))
             sliced += plan.num_sliced_samples
             step_times.append(float(t.sum() + (stages - 1) * t.max()))
             real += plan.real_tokens
@@ -85,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
             "micro_batches": micro,
             "sliced_samples": sliced,
             "predicted_step_s": float(np.mean(step_times)),
+            # token slices are admitted by the planner's slice model, which prices them with their context
+            "fits_memory": bool(need <= cost_model.memory_budget_bytes),
+            "largest_micro_batch_gib": need / 2**30,
+            "activation_budget_gib": cost_model.memory_budget_bytes / 2**30,  # of its own layer split
             "plan_wall_ms_median": 1e3 * float(np.median(wall)),
             "plan_wall_ms_p10": 1e3 * float(np.percentile(wall, 10)),
             "plan_wall_ms_p90": 1e3 * float(np.percentile(wall, 90)),
@@ -93,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             **({"changes_objective": objective_note(method)} if objective_note(method) else {}),
         }
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
-    baselines = [v["predicted_step_s"] for k, v in rows.items() if not is_planner(k) and not objective_note(k)]
+    whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
+    baselines = [v["predicted_step_s"] for v in ({k: v for k, v in whole.items() if v["fits_memory"]} or whole).values()]
     speedup = min(baselines) / rows["dynamic"]["predicted_step_s"] if baselines and "dynamic" in rows else None
     summary = {
         "workload": w.path,
@@ -117,10 +129,11 @@ def run(args: argparse.Namespace) -> int:
     print(describe_model_states(summary["model_states"]))
     if w.resolved:
         print(describe_choices(w.resolved))
-    print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8}  plan ms/batch p50 [p10-p90] max")
+    print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'fits':>4}  "
+          "plan ms/batch p50 [p10-p90] max")
     for method, r in rows.items():
         print(f"{method + ('*' if 'changes_objective' in r else ''):<19} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "
-              f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} "
+              f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} {'yes' if r['fits_memory'] else 'NO':>4} "
               f"{r['plan_wall_ms_median']:>8.1f} [{r['plan_wall_ms_p10']:.1f}-{r['plan_wall_ms_p90']:.1f}] "
               f"{r['plan_wall_ms_max']:.1f}")
     for method, r in rows.items():
@@ -129,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
     for method, r in rows.items():
         if "changes_objective" in r:
             print(f"* {method} {r['changes_objective']}")
+    for method, r in rows.items():
+        if not r["fits_memory"]:
+            print(f"  {method} does not fit: a micro-batch needs {r['largest_micro_batch_gib']:.2f} GiB "
+                  f"({stages} x stored + peak) of the {r['activation_budget_gib']:.2f} GiB of activation memory; tune "
+                  "its knob (--tune-baselines in dynabatch simulate) or give it more memory")
     if speedup is not None:
-        print(f"dynamic vs best baseline (whole-sample baselines; predicted step time): {speedup:.2f}x")
+        print(f"dynamic vs best baseline (whole-sample baselines that fit; predicted step time): {speedup:.2f}x")
     return 0

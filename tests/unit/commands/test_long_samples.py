@@ -232,3 +232,29 @@ def test_bench_passes_its_timeout_to_the_runs():
     bench_run.resolve_defaults(args)
     assert bench_run._config(args, "packing_free_split").timeout_s == 1800
     assert bench_run._config(args, "dynamic_sliced").slice_long
+
+
+def test_plan_says_which_baselines_do_not_fit_and_compares_with_those_that_do(capsys):
+    """T5-large at 24 GiB on the 1,024-token heavy tail: ``length_grouped``'s micro-batches need more than the
+    activation memory under the planner's bound (``S x stored + peak``, no recomputation: a baseline's) although it
+    is predicted faster than ``padding``, whose micro-batches fit. ``plan`` marks it, and dynamic's speedup is over
+    the best baseline that fits (before: over every baseline, 1.28x where it is 1.93x); with none fitting, over
+    them all."""
+    argv = ["plan", "--model", "t5", "--lengths", "data/heavy_tail_1024.npz", "--num-batches", "1"]
+    out = _json(capsys, [*argv, "--memory-gib", "24", "--methods", "dynamic,padding,length_grouped"])
+    rows = out["methods"]
+    assert rows["dynamic"]["fits_memory"] and rows["padding"]["fits_memory"]
+    assert rows["padding"]["largest_micro_batch_gib"] <= rows["padding"]["activation_budget_gib"]
+    grouped = rows["length_grouped"]
+    assert not grouped["fits_memory"] and grouped["largest_micro_batch_gib"] > grouped["activation_budget_gib"]
+    assert grouped["predicted_step_s"] < rows["padding"]["predicted_step_s"]
+    assert out["dynamic_speedup_vs_best_baseline"] == pytest.approx(
+        rows["padding"]["predicted_step_s"] / rows["dynamic"]["predicted_step_s"])
+    assert main([*argv, "--memory-gib", "24", "--methods", "dynamic,padding,length_grouped"]) == 0
+    table = capsys.readouterr().out
+    assert "length_grouped does not fit: a micro-batch needs" in table and "padding does not fit" not in table
+    alone = _json(capsys, [*argv, "--memory-gib", "16", "--methods", "dynamic,length_grouped,packing_free"])
+    rows = alone["methods"]
+    assert not rows["length_grouped"]["fits_memory"] and not rows["packing_free"]["fits_memory"]
+    assert alone["dynamic_speedup_vs_best_baseline"] == pytest.approx(
+        min(rows[m]["predicted_step_s"] for m in ("length_grouped", "packing_free")) / rows["dynamic"]["predicted_step_s"])
