@@ -101,8 +101,8 @@ def plan_command(a: argparse.Namespace) -> dict:
         try:
             from dynabatch.core.allocator import keep_freed_memory
         except ImportError:
-            pass
-        else:
+            keep_freed_memory = None
+        if keep_freed_memory is not None:
             keep_freed_memory()
 
     p = argparse.ArgumentParser()

@@ -189,14 +189,16 @@ def test_a_table_pruned_for_a_larger_weight_is_priced_again_for_a_smaller_one(mo
     shared: dict = {}
     plan_partition(e, d, cost, 4, family="t5", runs_cache=shared)
     first = cost.priced
-    plan_partition(e, d, cost, 4, family="t5", fill_scale=2.0, runs_cache=shared)  # a larger weight: reused
+    # a larger weight: reused (its bound U / W, for the same plan, is no larger: m + (sum - m) / W falls with W)
+    large = plan_partition(e, d, cost, 4, family="t5", fill_scale=2.0, runs_cache=shared)
     assert cost.priced == first
     small = plan_partition(e, d, cost, 4, family="t5", fill_scale=0.25, runs_cache=shared)
     assert cost.priced > first
     with monkeypatch.context() as m:
         m.setattr(partition, "_plan_bound", lambda *args: np.inf)
-        want = plan_partition(e, d, cost, 4, family="t5", fill_scale=0.25)
-    assert np.array_equal(small.boundaries, want.boundaries) and small.objective_s == want.objective_s
+        for got, scale in ((large, 2.0), (small, 0.25)):
+            want = plan_partition(e, d, cost, 4, family="t5", fill_scale=scale)
+            assert np.array_equal(got.boundaries, want.boundaries) and got.objective_s == want.objective_s
 
 
 # --------------------------------------------------------------------------- planner vs brute force
