@@ -50,9 +50,11 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
+from dynabatch.core.allocator import CPU_ALLOCATORS, freed_tensors_kept, host_memory_gib
 from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.models.forward import forward_loss
+from dynabatch.training.config.resolve import Found, args_view, decide_why
 from dynabatch.training.evaluate import generate_ids
 
 LOADER_STATE_NAME = "dynabatch_loader.json"
@@ -72,10 +74,13 @@ class DynaBatchTrainer(Trainer):
         train_loader: DynaBatchDataLoader | None = None,
         eval_loader: DynaBatchDataLoader | Mapping[str, DynaBatchDataLoader] | None = None,
         attention: str = "segments",
+        cpu_allocator: str = "auto",
         **kwargs,
     ):
         if attention not in ATTENTION_PATHS:  # the choices of --attention
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_PATHS)}")
+        if cpu_allocator not in CPU_ALLOCATORS:  # the choices of --cpu-allocator
+            raise ValueError(f"unknown cpu_allocator {cpu_allocator!r}; valid: {', '.join(CPU_ALLOCATORS)}")
         given = [k for k in _NOT_ACCEPTED if kwargs.get(k) is not None]
         if given:
             raise ValueError(f"DynaBatchTrainer takes train_loader= and eval_loader=, not {given}")
@@ -83,6 +88,13 @@ class DynaBatchTrainer(Trainer):
         self.train_loader = train_loader
         self.attention = attention
         """``segments`` (padding-free, :mod:`dynabatch.models.attention`) or ``dense`` (4-D masks)."""
+        self.cpu_allocator = cpu_allocator
+        """``--cpu-allocator``: ``keep`` (freed memory stays in the process while :meth:`train` runs,
+        :func:`~dynabatch.core.allocator.freed_tensors_kept`), ``system``, or ``auto`` (the resolver's rule, as
+        ``dynabatch train`` decides it: ``keep`` for an encoder-decoder on CPU whose budget fits the host)."""
+        self.resolved: dict = {}
+        """``{field: (value, reason)}`` of the options the resolver decided (``cpu_allocator``, when :meth:`train`
+        starts)."""
         self._check_setup(train_loader, eval_loader)
         self._num_non_embedding_params: int | None = None
         self._reset_step_stats()
@@ -327,9 +339,26 @@ class DynaBatchTrainer(Trainer):
                     self.train_loader.load_state_dict(json.load(f))
             else:
                 warnings.warn(f"{checkpoint} has no {LOADER_STATE_NAME}; the data stream continues from where the loader is")
-        return super().train(
-            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-        )
+        allocator, why = self._decided_cpu_allocator()
+        if self.cpu_allocator == "auto":
+            self.resolved["cpu_allocator"] = (allocator, why)
+        with freed_tensors_kept(allocator == "keep"):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _decided_cpu_allocator(self) -> tuple[str, str | None]:
+        """:attr:`cpu_allocator` as the resolver's ``cpu_allocator`` rule decides it for this process: its device, the
+        model's sequence kind, the world size, the host's memory and the device memory the train loader plans for."""
+        cost = getattr(self.train_loader, "cost_model", None)
+        memory = getattr(cost, "device_memory_bytes", None) or getattr(cost, "memory_budget_bytes", 0.0)
+        on_cuda = self.args.device.type == "cuda"
+        config = getattr(self.model, "config", None)
+        found = Found(cuda_available=on_cuda, world_size=self.args.world_size, host_memory_gib=host_memory_gib(),
+                      sequence_kind=None if config is None else model_sequence_kind(config))
+        view = args_view(cpu_allocator=self.cpu_allocator, device="cuda" if on_cuda else "cpu",
+                         memory_gib=float(memory) / 2**30)
+        value, why = decide_why(view, "cpu_allocator", found)
+        return ("system", "the model's sequence kind is not known") if value == "auto" else (value, why)
 
 
 def _padded(rows: list[list[int]], pad: int) -> np.ndarray:

@@ -285,6 +285,43 @@ def test_trainer_evaluates_saves_and_resumes_at_the_same_data(copy_spec, byt5, t
         assert loss == pytest.approx(train_losses[k], rel=1e-5)
 
 
+def test_trainer_keeps_freed_memory_as_train_decides_it(copy_spec, byt5, tmp_path, monkeypatch):
+    """``cpu_allocator="auto"`` is decided by the resolver's rule, as ``dynabatch train`` decides it: ``keep`` for an
+    encoder-decoder on CPU (its eager attention scores; the loader's budget twice over fits the host), ``system``
+    for a decoder-only model; ``train()`` runs inside ``freed_tensors_kept`` as decided (in effect on glibc) and
+    says why in ``resolved``. A value given stays; an unknown one is refused."""
+    import contextlib
+    import platform
+    import sys
+
+    from dynabatch.core import allocator
+    from dynabatch.integrations import trainer as module
+
+    seen = []
+
+    @contextlib.contextmanager
+    def spy(enabled=True):
+        with allocator.freed_tensors_kept(enabled) as applied:
+            seen.append((enabled, applied))
+            yield applied
+
+    monkeypatch.setattr(module, "freed_tensors_kept", spy)
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    for family, expected in (("t5", "keep"), ("gpt2", "system")):
+        trainer, _, _ = trainer_setup(copy_spec, byt5, family, tmp_path, max_steps=1)
+        trainer.train()
+        value, why = trainer.resolved["cpu_allocator"]
+        assert value == expected and ("encoder-decoder" if family == "t5" else "decoder-only") in why
+        assert seen.pop() == (expected == "keep", glibc and expected == "keep")
+    given, _, _ = trainer_setup(copy_spec, byt5, "t5", tmp_path, max_steps=1)
+    given.cpu_allocator = "system"
+    given.train()
+    assert seen.pop() == (False, False) and "cpu_allocator" not in given.resolved
+    with pytest.raises(ValueError, match="unknown cpu_allocator 'fast'; valid: auto, keep, system"):
+        module.DynaBatchTrainer(model=given.model, args=given.args, train_loader=given.train_loader,
+                                cpu_allocator="fast")
+
+
 def test_trainer_rejects_gradient_accumulation_and_wrong_replica(copy_spec, byt5, tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
         trainer_setup(copy_spec, byt5, "t5", tmp_path, gradient_accumulation_steps=2)
