@@ -85,6 +85,25 @@ def listening_sockets(pids=None) -> list[tuple[str, int]]:
     return out
 
 
+def spy_freed_tensors_kept(monkeypatch, module) -> list[tuple[bool, bool]]:
+    """Replace ``module.freed_tensors_kept`` by the real one that also records ``(enabled, applied)`` of every use,
+    in the list returned."""
+    import contextlib
+
+    from dynabatch.core import allocator
+
+    seen: list[tuple[bool, bool]] = []
+
+    @contextlib.contextmanager
+    def spy(enabled=True):
+        with allocator.freed_tensors_kept(enabled) as applied:
+            seen.append((enabled, applied))
+            yield applied
+
+    monkeypatch.setattr(module, "freed_tensors_kept", spy)
+    return seen
+
+
 def random_rows(task: str, n: int, seed: int, mean_in: int, mean_tg: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []

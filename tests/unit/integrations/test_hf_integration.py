@@ -290,22 +290,13 @@ def test_trainer_keeps_freed_memory_as_train_decides_it(copy_spec, byt5, tmp_pat
     encoder-decoder on CPU (its eager attention scores; the loader's budget twice over fits the host), ``system``
     for a decoder-only model; ``train()`` runs inside ``freed_tensors_kept`` as decided (in effect on glibc) and
     says why in ``resolved``. A value given stays; an unknown one is refused."""
-    import contextlib
     import platform
     import sys
 
-    from dynabatch.core import allocator
+    from conftest import spy_freed_tensors_kept
     from dynabatch.integrations import trainer as module
 
-    seen = []
-
-    @contextlib.contextmanager
-    def spy(enabled=True):
-        with allocator.freed_tensors_kept(enabled) as applied:
-            seen.append((enabled, applied))
-            yield applied
-
-    monkeypatch.setattr(module, "freed_tensors_kept", spy)
+    seen = spy_freed_tensors_kept(monkeypatch, module)
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     for family, expected in (("t5", "keep"), ("gpt2", "system")):
         trainer, _, _ = trainer_setup(copy_spec, byt5, family, tmp_path, max_steps=1)

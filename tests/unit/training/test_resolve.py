@@ -4,7 +4,6 @@ same again; a resume says which fields differ; the components follow the resolve
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -60,7 +59,7 @@ def test_the_cpu_allocator_keeps_freed_tensors_for_an_encoder_decoder_on_cpu(tmp
     import platform
     import sys
 
-    from dynabatch.core import allocator
+    from conftest import spy_freed_tensors_kept
     from dynabatch.training import trainer
 
     assert resolve(TrainConfig(), CPU_T5).config.cpu_allocator == "keep"
@@ -73,15 +72,7 @@ def test_the_cpu_allocator_keeps_freed_tensors_for_an_encoder_decoder_on_cpu(tmp
     tight_run = resolve(TrainConfig(memory_gib=4.0), tight)
     assert tight_run.config.cpu_allocator == "system"
     assert "2 ranks x --memory-gib 4 x 2 (a kept heap's resident set) = 16 GiB" in tight_run.reasons["cpu_allocator"]
-    seen = []
-
-    @contextlib.contextmanager
-    def spy(enabled=True):
-        with allocator.freed_tensors_kept(enabled) as applied:
-            seen.append((enabled, applied))
-            yield applied
-
-    monkeypatch.setattr(trainer, "freed_tensors_kept", spy)
+    seen = spy_freed_tensors_kept(monkeypatch, trainer)
     threads = torch.get_num_threads()
     torch.set_num_threads(2 if threads == 1 else 1)  # the run sets --threads 1: this process gets its own back
     try:
