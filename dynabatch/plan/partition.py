@@ -91,7 +91,8 @@ class PartitionPlan:
     num_cap_candidates_tried: int
     """Caps on the max micro-batch time for which the min-sum DP ran."""
     band_width: int
-    """``W``: the longest run any end could form within the limits (the DP band)."""
+    """``W``: the longest run any end could form within the limits and the pruning bound (the DP band;
+    :func:`_candidate_runs`)."""
     flat_rows: bool = False
     """Every micro-batch is one row of all its samples' real tokens (``shapes`` ``(1, sum e, sum d)``)."""
 
