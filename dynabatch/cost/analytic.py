@@ -138,7 +138,8 @@ class LayerCost:
 class _Op:
     """One forward kernel: FLOPs, bytes moved, which efficiency applies and its backward multiplier."""
 
-    flops: np.ndarray
+    flops: np.ndarray | float
+    """0.0 for a memory-bound kernel."""
     bytes: np.ndarray
     unit: str  # "matmul", "attention" or "memory"
     bwd_factor: float = 2.0
@@ -152,7 +153,7 @@ def _gemm(m, n, k, p: int, batch=1.0, unit: str = "matmul") -> _Op:
 
 
 def _mem(num_bytes) -> _Op:
-    return _Op(np.zeros_like(num_bytes), num_bytes, "memory")
+    return _Op(0.0, num_bytes, "memory")  # no FLOPs: a scalar zero (adds nothing to a sum, allocates nothing)
 
 
 def _broadcast_pairs(pairs: AttentionPairs | None, shape) -> AttentionPairs | None:
@@ -270,7 +271,10 @@ class AnalyticCostModel(StoredBytes):
         ops = self._ops(kind, b, E, D, pairs)
         times = [self._op_time(op) for op in ops]  # each op's forward time, once
         fwd = sum(times)
-        bwd = sum(t * op.bwd_factor for t, op in zip(times, ops))
+        if all(op.bwd_factor == 2.0 for op in ops):  # the same value: doubling is exact, so it commutes with the sum
+            bwd = 2.0 * fwd
+        else:
+            bwd = sum(t * op.bwd_factor for t, op in zip(times, ops))
         flops = sum(op.flops for op in ops)
         stored = self._stored(kind, b, E, D, pairs)
         peak = self._peak_extra(kind, b, E, D, pairs)
@@ -278,8 +282,11 @@ class AnalyticCostModel(StoredBytes):
             bwd = bwd + fwd
             peak = peak + stored
             stored = self._residual_bytes() * b * (D if kind == "t5_decoder" else E) * self.spec.d_model
-        out = [np.broadcast_to(x, b.shape) for x in (fwd, bwd, flops, stored, peak)]
-        return LayerCost(*[float(x) if scalar else x.copy() for x in out])
+        if scalar:
+            return LayerCost(*[float(x) for x in (fwd, bwd, flops, stored, peak)])
+        # each value is a fresh result of arithmetic on the inputs: kept as it is where it has their shape
+        return LayerCost(*[x if isinstance(x, np.ndarray) and x.shape == b.shape else np.broadcast_to(x, b.shape).copy()
+                           for x in (fwd, bwd, flops, stored, peak)])
 
     def stage_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
                    pairs: AttentionPairs | None = None, layers: dict | None = None) -> LayerCost:
@@ -378,7 +385,7 @@ class AnalyticCostModel(StoredBytes):
             bias = bias + 4.0 * b * E * d
         terms["full_freed_bytes"] = np.maximum(terms["full_freed_bytes"] - bias, 0.0)
         terms["selective_freed_bytes"] = np.maximum(terms["selective_freed_bytes"] - bias, 0.0)
-        return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64) for f, v in terms.items()})
+        return RecomputeTerms(**{f: np.broadcast_to(v, b.shape).astype(np.float64, copy=False) for f, v in terms.items()})
 
     def context_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
                      pairs: AttentionPairs | None = None, layers: dict | None = None):

@@ -366,13 +366,13 @@ class StageCostModel:
         if layers is not None:
             extra["layers"] = layers
         per = [self.model.recompute_terms(list(s), bb, EE, DD, **extra) for s in self.layout.stages]
-        overridden = type(self)._priced is not StageCostModel._priced
-        raw = StageCostModel._priced(self, b, E, D, pairs, layers) if overridden else costs
-        time_scale = np.where(raw.fwd_s > 0, costs.fwd_s / np.maximum(raw.fwd_s, 1e-30), 1.0)
-        byte_scale = np.where(raw.stored_bytes > 0, costs.stored_bytes / np.maximum(raw.stored_bytes, 1e-30), 1.0)
-        terms = RecomputeTerms(**{
-            f: _stack((getattr(t, f) for t in per), bb.shape) * (time_scale if f.endswith("_s") else byte_scale)
-            for f in RecomputeTerms.fields()})
+        terms = RecomputeTerms(**{f: _stack((getattr(t, f) for t in per), bb.shape) for f in RecomputeTerms.fields()})
+        if type(self)._priced is not StageCostModel._priced:  # costs scaled from the layer model's: scale the terms
+            raw = StageCostModel._priced(self, b, E, D, pairs, layers)
+            time_scale = np.where(raw.fwd_s > 0, costs.fwd_s / np.maximum(raw.fwd_s, 1e-30), 1.0)
+            byte_scale = np.where(raw.stored_bytes > 0, costs.stored_bytes / np.maximum(raw.stored_bytes, 1e-30), 1.0)
+            terms = RecomputeTerms(**{f: getattr(terms, f) * (time_scale if f.endswith("_s") else byte_scale)
+                                      for f in RecomputeTerms.fields()})
         by_mode = [apply_mode(costs, terms, m) for m in range(len(RECOMPUTE_MODES))]
         shape = costs.fwd_s.shape
         if modes is not None:
