@@ -177,17 +177,52 @@ def describe_model_states(states: dict) -> str:
             f"stage; {states['activation_budget_gib']:.1f} GiB left for activations")
 
 
+SPLIT_ROUNDS = 3
+"""Layer splits :func:`split_from_data` balances at most for the dynamic planner (each over the plan made under
+the previous one)."""
+
+
 def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     """``w`` with its layer split balanced over the micro-batches ``method`` cuts ``batches`` into (planned
-    with ``w``'s reference split; one round: the micro-batches hardly depend on the split). A workload the
-    method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error comes
-    where the method runs, with that command's advice."""
-    micro_batches = _planned_micro_batches(w, batches, method)
-    if micro_batches is None:
+    with ``w``'s reference split). A baseline's micro-batches do not depend on the split: one round. The dynamic
+    planner's do (it keeps the DP's plan or a baseline's, whichever is predicted faster under the split), so its
+    split is balanced again over the plan it makes under the new split, up to :data:`SPLIT_ROUNDS` splits, and the
+    split whose plans are predicted fastest (``sum(t) + (S - 1) max(t)`` per batch) is kept: balanced over the
+    DP's plan, a split can make a baseline's plan the faster one, which the next split then serves better. A
+    workload the method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error
+    comes where the method runs, with that command's advice."""
+    plans = _plans(w, batches, method)
+    if plans is None:
         return w
+    best, best_step, seen = w, None, set()
+    for _ in range(SPLIT_ROUNDS if is_planner(method) else 1):
+        cm = w.cost_model
+        layout = balanced_layout(cm.model, cm.num_stages, micro_batches=[(p.shapes, p.pairs) for p in plans],
+                                 split_blocks=w.split_blocks)
+        if layout in seen:
+            break
+        seen.add(layout)
+        w = replace(w, cost_model=replace(cm, layout=layout))
+        if not is_planner(method):
+            return w
+        plans = _plans(w, batches, method)
+        if plans is None:
+            break
+        step = sum(float(t.sum() + (cm.num_stages - 1) * t.max()) for t in (p.predicted_times_s for p in plans))
+        if best_step is None or step < best_step:
+            best, best_step = w, step
+    return best
+
+
+def _plans(w: Workload, batches, method: str):
+    """``method``'s plan of each batch with ``w``'s cost model (:class:`~dynabatch.training.workload.MethodPlan`
+    s); ``None`` when it cannot plan them (the reference shape then decides the split)."""
     cm = w.cost_model
-    layout = balanced_layout(cm.model, cm.num_stages, micro_batches=micro_batches, split_blocks=w.split_blocks)
-    return replace(w, cost_model=replace(cm, layout=layout))
+    method = "dynamic" if is_planner(method) else method  # dynamic_sliced: the split of dynamic's whole samples
+    try:
+        return [method_micro_batches(method, b, w.limits, cm, cm.num_stages, w.options) for b in batches]
+    except ValueError:
+        return None
 
 
 def placement_cost_model(w: Workload, batches, method: str, placement):
@@ -197,22 +232,10 @@ def placement_cost_model(w: Workload, batches, method: str, placement):
     recomputation."""
 
     cm = w.cost_model
-    layout = placement_layout(cm.model, placement, _planned_micro_batches(w, batches, method),
+    plans = _plans(w, batches, method)
+    layout = placement_layout(cm.model, placement, None if plans is None else [(p.shapes, p.pairs) for p in plans],
                               split_blocks=w.split_blocks)
     return replace(cm, layout=layout, recompute="none")
-
-
-def _planned_micro_batches(w: Workload, batches, method: str):
-    """``(shapes, pairs)`` of ``method``'s plan of each batch with ``w``'s cost model; ``None`` when it cannot
-    plan them (the reference shape then decides the split)."""
-
-    cm = w.cost_model
-    method = "dynamic" if is_planner(method) else method  # dynamic_sliced: the split of dynamic's whole samples
-    try:
-        plans = [method_micro_batches(method, b, w.limits, cm, cm.num_stages, w.options) for b in batches]
-    except ValueError:
-        return None
-    return [(p.shapes, p.pairs) for p in plans]
 
 
 def method_recompute(method: str, w) -> str:

@@ -8,18 +8,21 @@ bound (``S x stored + peak``, each method priced with the recomputation it runs 
 method's own wall time per global batch (median, p10-p90 and max over the batches;
 ``scripts/bench_plan_time.py`` times the dynamic method over more rounds). The dynamic method's speedup is over the
 best whole-sample baseline that fits (over all of them when none does; ``dynabatch simulate`` checks the memory
-timeline of a whole schedule).
+timeline of a whole schedule). ``--tune-baselines`` plans each baseline at every value of its knob's grid as well
+and compares dynamic with each one's best setting that fits (:mod:`dynabatch.commands.tuning`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
 from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
-from dynabatch.training.config.flags import add_fields
+from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.commands.tuning import best_tuned, describe, tune, tune_baselines_arg
 from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.training.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
@@ -28,9 +31,19 @@ from dynabatch.training.workload import global_batches, kept_limits, method_micr
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel
 
 
+@dataclass(frozen=True)
+class PlanArgs:
+    """``plan``'s own flags (the workload's are :mod:`dynabatch.commands.common`'s)."""
+
+    _argument_group_name = "plan"
+
+    tune_baselines: bool = tune_baselines_arg("plan and price")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     add_fields(p, ["slice_long"])
+    add_sections(p, [PlanArgs])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,75 +56,119 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
-
-    def slicer(cost_model, method: str = "dynamic"):
-
-        sliced = method == DYNAMIC_SLICED or (method == "dynamic" and args.slice_long)
-        return AnalyticSliceCostModel.from_stage_model(cost_model) if sliced else None
-
+    if "dynamic" in methods:
+        try:
+            _ = method_micro_batches("dynamic", batches[0], w.limits, w.cost_model, stages, w.options,
+                                     slice_cost_model=_slicer(w.cost_model, "dynamic", args.slice_long),
+                                     pack_rows=args.pack_rows)
+        except ValueError as e:
+            hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
+                    if not is_seq2seq(w.family) and not args.slice_long else "")
+            raise ValueError(f"{e}{hint}") from e
     rows = {}
-    pack_rows = args.pack_rows  # resolved (plan prices presets: device = off) and lowered
-    try:
-        _ = [method_micro_batches("dynamic", b, w.limits, w.cost_model, stages, w.options,
-                                  slice_cost_model=slicer(w.cost_model), pack_rows=pack_rows)
-             for b in batches[:1] if "dynamic" in methods]
-    except ValueError as e:
-        hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
-                if not is_seq2seq(w.family) and not args.slice_long else "")
-        raise ValueError(f"{e}{hint}") from e
-    for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
-        cost_model = (split_from_data(w, batches, method) if args.layer_split == "data" else w).cost_model
-        # priced with the recomputation the method runs with (a baseline's auto: none, as train and simulate run it)
-        cost_model = dataclasses.replace(cost_model, recompute=method_recompute(method, w))
-        slice_model = slicer(cost_model, method) if is_planner(method) else None
-        real = computed = micro = sliced = 0
-        need = 0.0  # the largest S x stored + peak of a micro-batch (the planner's memory bound)
-        step_times, wall, kept = [], [], {}
-        for batch in batches:
-            extra = {"slice_cost_model": slice_model, "pack_rows": pack_rows} if is_planner(method) else {}
-            plan = method_micro_batches(method, batch, w.limits, cost_model, stages, w.options, **extra)
-            if plan.predicted_times_s is not None and plan.num_sliced_samples:
-                t = plan.predicted_times_s  # token slices are priced with their context by the planner
-            else:  # per-segment (padding-free) attention, as the runtime computes it
-                t, stored, peak = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
-                                                      pairs=plan.pairs)
-                need = max(need, float(np.max(stages * np.asarray(stored) + np.asarray(peak))))
-            sliced += plan.num_sliced_samples
-            step_times.append(float(t.sum() + (stages - 1) * t.max()))
-            real += plan.real_tokens
-            computed += plan.computed_tokens
-            micro += plan.num_micro_batches
-            wall.append(plan.plan_time_s)
-            if plan.candidate:
-                kept[plan.candidate] = kept.get(plan.candidate, 0) + 1
-        rows[method] = {
-            "layout": cost_model.layout.describe(),
-            "real_tokens": real,
-            "computed_tokens": computed,
-            "efficiency": real / computed,
-            "micro_batches": micro,
-            "sliced_samples": sliced,
-            "predicted_step_s": float(np.mean(step_times)),
-            # token slices are admitted by the planner's slice model, which prices them with their context
-            "fits_memory": bool(need <= cost_model.memory_budget_bytes),
-            "largest_micro_batch_gib": need / 2**30,
-            "activation_budget_gib": cost_model.memory_budget_bytes / 2**30,  # of its own layer split
-            "plan_wall_ms_median": 1e3 * float(np.median(wall)),
-            "plan_wall_ms_p10": 1e3 * float(np.percentile(wall, 10)),
-            "plan_wall_ms_p90": 1e3 * float(np.percentile(wall, 90)),
-            "plan_wall_ms_max": 1e3 * float(np.max(wall)),
-            **({"candidates": kept} if kept else {}),
-            **({"changes_objective": objective_note(method)} if objective_note(method) else {}),
-        }
+    for method in methods:
+        rows[method] = plan_method(method, batches, w, _method_cost_model(method, batches, w, args), args)
+    tuned = {}
+    if args.tune_baselines:
+        tuned = {m: tune(m, batches, w.limits, w.options, _trial(m, batches, w, args, rows[m]))
+                 for m in methods if not is_planner(m)}
+    summary = _summary(args, w, batches, rows, tuned)
+    if args.json and write_json(summary, args.json):
+        return 0
+    _print_table(summary, rows, tuned)
+    return 0
+
+
+def _slicer(cost_model, method: str, slice_long: bool):
+    """The slice cost model of a method that cuts token slices (``dynamic_sliced``, or ``dynamic`` with
+    ``--slice-long``), else ``None``."""
+    sliced = method == DYNAMIC_SLICED or (method == "dynamic" and slice_long)
+    return AnalyticSliceCostModel.from_stage_model(cost_model) if sliced else None
+
+
+def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -> dict:
+    """One row of the table: ``method`` (at its knob value in ``w.options``) planned on every global batch and
+    priced by ``cost_model``: tokens, micro-batches, the predicted step, whether every micro-batch fits the
+    memory under the planner's bound, and the planning time."""
+    stages = cost_model.num_stages
+    slice_model = _slicer(cost_model, method, args.slice_long) if is_planner(method) else None
+    real = computed = micro = sliced = 0
+    need = 0.0  # the largest S x stored + peak of a micro-batch (the planner's memory bound)
+    step_times, wall, kept = [], [], {}
+    for batch in batches:
+        extra = {"slice_cost_model": slice_model, "pack_rows": args.pack_rows} if is_planner(method) else {}
+        plan = method_micro_batches(method, batch, w.limits, cost_model, stages, w.options, **extra)
+        if plan.predicted_times_s is not None and plan.num_sliced_samples:
+            t = plan.predicted_times_s  # token slices are priced with their context by the planner
+        else:  # per-segment (padding-free) attention, as the runtime computes it
+            t, stored, peak = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
+                                                  pairs=plan.pairs)
+            need = max(need, float(np.max(stages * np.asarray(stored) + np.asarray(peak))))
+        sliced += plan.num_sliced_samples
+        step_times.append(float(t.sum() + (stages - 1) * t.max()))
+        real += plan.real_tokens
+        computed += plan.computed_tokens
+        micro += plan.num_micro_batches
+        wall.append(plan.plan_time_s)
+        if plan.candidate:
+            kept[plan.candidate] = kept.get(plan.candidate, 0) + 1
+    return {
+        "layout": cost_model.layout.describe(),
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "efficiency": real / computed,
+        "micro_batches": micro,
+        "sliced_samples": sliced,
+        "predicted_step_s": float(np.mean(step_times)),
+        "predicted_tokens_per_s": real / float(np.sum(step_times)),
+        # token slices are admitted by the planner's slice model, which prices them with their context
+        "fits_memory": bool(need <= cost_model.memory_budget_bytes),
+        "largest_micro_batch_gib": need / 2**30,
+        "activation_budget_gib": cost_model.memory_budget_bytes / 2**30,  # of its own layer split
+        "plan_wall_ms_median": 1e3 * float(np.median(wall)),
+        "plan_wall_ms_p10": 1e3 * float(np.percentile(wall, 10)),
+        "plan_wall_ms_p90": 1e3 * float(np.percentile(wall, 90)),
+        "plan_wall_ms_max": 1e3 * float(np.max(wall)),
+        **({"candidates": kept} if kept else {}),
+        **({"changes_objective": objective_note(method)} if objective_note(method) else {}),
+    }
+
+
+def _method_cost_model(method: str, batches, w, args: argparse.Namespace):
+    """The cost model ``method`` is priced with: with ``--layer-split data`` its layer split balanced over its own
+    micro-batches (at its knob value in ``w.options``), and the recomputation it runs with (a baseline's auto:
+    none, as train and simulate run it)."""
+    cost_model = (split_from_data(w, batches, method) if args.layer_split == "data" else w).cost_model
+    return dataclasses.replace(cost_model, recompute=method_recompute(method, w))
+
+
+def _trial(method: str, batches, w, args: argparse.Namespace, default_row: dict):
+    """``--tune-baselines``' ``run(value) -> (predicted tokens/s, note)`` of baseline ``method``
+    (:func:`~dynabatch.commands.tuning.tune`), each value planned as its default is (its own layer split); the
+    default's row is reused."""
+    default = w.options.value(method)
+
+    def run(value: int):
+        tried = dataclasses.replace(w, options=w.options.with_value(method, value))
+        row = default_row if value == default else plan_method(
+            method, batches, tried, _method_cost_model(method, batches, tried, args), args)
+        note = "" if row["fits_memory"] else (f"does not fit memory (a micro-batch needs {row['largest_micro_batch_gib']:.2f} "
+                                              f"of {row['activation_budget_gib']:.2f} GiB)")
+        return row["predicted_tokens_per_s"], note
+
+    return run
+
+
+def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> dict:
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
     whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     baselines = [v["predicted_step_s"] for v in ({k: v for k, v in whole.items() if v["fits_memory"]} or whole).values()]
     speedup = min(baselines) / rows["dynamic"]["predicted_step_s"] if baselines and "dynamic" in rows else None
-    summary = {
+    out = {
         "workload": w.path,
         "model": args.model,
         "layout": w.cost_model.layout.describe(),
-        "stages": stages,
+        "stages": w.cost_model.num_stages,
         "row_limits": w.limits.describe(),
         "global_batches": len(batches),
         "samples": sum(len(b) for b in batches),
@@ -121,14 +178,24 @@ def run(args: argparse.Namespace) -> int:
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
     }
-    if args.json and write_json(summary, args.json):
-        return 0
+    if tuned:
+        top = best_tuned(tuned)
+        out["tuned"] = {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
+                        for m, t in tuned.items()}
+        out["best_tuned_baseline"] = top
+        out["dynamic_speedup_vs_best_tuned_baseline"] = (rows["dynamic"]["predicted_tokens_per_s"] / tuned[top].tokens_per_s
+                                                         if top and "dynamic" in rows else None)
+    return out
+
+
+def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
+    stages = summary["stages"]
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
           f"{stages} stages, reference split: {summary['layout']}; baseline rows up to the longest kept sample "
           f"({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
-    if w.resolved:
-        print(describe_choices(w.resolved))
+    if summary["resolved"]:
+        print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
     print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'fits':>4}  "
           "plan ms/batch p50 [p10-p90] max")
     for method, r in rows.items():
@@ -146,7 +213,14 @@ def run(args: argparse.Namespace) -> int:
         if not r["fits_memory"]:
             print(f"  {method} does not fit: a micro-batch needs {r['largest_micro_batch_gib']:.2f} GiB "
                   f"({stages} x stored + peak) of the {r['activation_budget_gib']:.2f} GiB of activation memory; tune "
-                  "its knob (--tune-baselines in dynabatch simulate) or give it more memory")
-    if speedup is not None:
-        print(f"dynamic vs best baseline (whole-sample baselines that fit; predicted step time): {speedup:.2f}x")
-    return 0
+                  f"its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory")
+    if summary["dynamic_speedup_vs_best_baseline"] is not None:
+        print("dynamic vs best baseline (whole-sample baselines that fit; predicted step time): "
+              f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x")
+    if tuned:
+        print("tuned baselines (best knob value that fits memory, predicted tokens/s):")
+        for m, t in tuned.items():
+            print("  " + describe(m, t.to_dict(), rows[m]["predicted_tokens_per_s"]) + (" *" if objective_note(m) else ""))
+        if summary["dynamic_speedup_vs_best_tuned_baseline"] is not None:
+            print(f"dynamic vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), predicted "
+                  f"real tokens/s: {summary['dynamic_speedup_vs_best_tuned_baseline']:.2f}x")

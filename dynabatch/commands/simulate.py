@@ -57,7 +57,7 @@ from dynabatch.schedule.policies import adaptive, choose_schedule
 from dynabatch.schedule.simulate import simulate, with_message_buffers
 from dynabatch.schedule.virtual import placed_step
 from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
-from dynabatch.commands.tuning import Tuned, best_tuned, describe, tune
+from dynabatch.commands.tuning import Tuned, best_tuned, describe, tune, tune_baselines_arg
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,7 @@ class SimulateArgs:
     search_steps: int = arg(24, "local-search moves per step in choose_schedule")
     trace_dir: str | None = arg(None, "write Chrome traces (.json, open in Perfetto) and PNG timelines of the first "
                                       "global batch for the dynamic and packing methods")
-    tune_baselines: bool = arg(False, "also run each baseline at every value of its knob's grid on the same global "
-                                      "batches and report its best setting that fits memory (dynabatch.commands.tuning)")
+    tune_baselines: bool = tune_baselines_arg("simulate")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

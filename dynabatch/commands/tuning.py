@@ -1,4 +1,4 @@
-"""``--tune-baselines`` of ``dynabatch simulate`` and ``dynabatch bench``: each baseline at its best knob.
+"""``--tune-baselines`` of ``dynabatch plan``, ``simulate`` and ``bench``: each baseline at its best knob.
 
 A baseline's speed depends on its micro-batch size knob (samples per micro-batch for ``padding`` and
 ``length_grouped``, the token budget of ``token_budget``, rows per micro-batch for ``packing`` and
@@ -7,6 +7,9 @@ registry grid (:attr:`~dynabatch.data.baselines.BaselineSpec.grid`, plus the def
 same global batches; a value whose micro-batches equal an earlier value's on those batches is not run
 again, and a value that does not fit the memory limit is skipped. Both are reported.
 
+- ``plan``: every value is planned and priced like the default (the predicted real tokens/s over the predicted
+  steps ``sum(t) + (S - 1) max(t)``); feasible means every micro-batch fits the activation memory under the
+  planner's bound (``S x stored + peak``).
 - ``simulate``: every value is priced by the cost model and scheduled exactly like the default (the
   predicted real tokens/s of :func:`~dynabatch.commands.simulate.simulate_method`); feasible means
   every step's simulated peak fits the device memory (``--memory-gib``, else the hardware preset's).
@@ -24,6 +27,13 @@ from dynabatch.core.methods import objective_note
 from dynabatch.data.baselines import BaselineOptions, Trial, baseline_spec, best_trial, grid_settings, with_twins
 from dynabatch.training.config.resolve import lower
 from dynabatch.schedule.step import lower_step
+from dynabatch.training.config.sections import arg
+
+
+def tune_baselines_arg(how: str):
+    """The ``--tune-baselines`` field of a command's arguments, which ``how`` each knob value (``plan``, ``simulate``)."""
+    return arg(False, f"also {how} each baseline at every value of its knob's grid on the same global batches and "
+                      "report its best setting that fits memory (dynabatch.commands.tuning)")
 
 
 @dataclass(frozen=True)

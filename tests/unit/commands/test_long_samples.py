@@ -258,3 +258,38 @@ def test_plan_says_which_baselines_do_not_fit_and_compares_with_those_that_do(ca
     assert not rows["length_grouped"]["fits_memory"] and not rows["packing_free"]["fits_memory"]
     assert alone["dynamic_speedup_vs_best_baseline"] == pytest.approx(
         min(rows[m]["predicted_step_s"] for m in ("length_grouped", "packing_free")) / rows["dynamic"]["predicted_step_s"])
+
+
+def test_plan_tunes_the_baselines_within_the_memory_and_dynamic_is_never_slower_than_the_best(capsys):
+    """``plan --tune-baselines`` (T5-large at 24 GiB, the 1,024-token heavy tail): each baseline is planned at every
+    value of its knob's grid, each value as its default would be (its own layer split), and the best value that
+    fits is kept; a default that does not fit (``length_grouped``'s 8 samples) gives way to one that does. Dynamic is
+    predicted at least as fast as the best tuned baseline: its candidates hold every baseline's plan, and its layer
+    split is balanced again over the plan it keeps (one balancing over the DP's plan left it at 0.99x the tuned
+    ``token_budget``, whose plan it had chosen under a split balanced for another)."""
+    methods = "dynamic,length_grouped,token_budget,packing_free"
+    argv = ["plan", "--model", "t5", "--lengths", "data/heavy_tail_1024.npz", "--num-batches", "1", "--memory-gib", "24"]
+    out = _json(capsys, [*argv, "--methods", methods, "--tune-baselines"])
+    rows, tuned = out["methods"], out["tuned"]
+    assert set(tuned) == {"length_grouped", "token_budget", "packing_free"}
+    assert not rows["length_grouped"]["fits_memory"]
+    grouped = tuned["length_grouped"]
+    assert grouped["value"] is not None and grouped["value"] < grouped["default"]
+    for m, t in tuned.items():
+        trials = {x["value"]: x for x in t["trials"]}
+        assert trials[t["value"]]["feasible"] and not trials[t["value"]]["note"]
+        assert any(not x["feasible"] for x in t["trials"])  # the grid's largest settings do not fit 24 GiB
+        assert t["tokens_per_s"] == max(x["tokens_per_s"] for x in t["trials"] if x["feasible"] and x["tokens_per_s"])
+    best = out["best_tuned_baseline"]
+    assert out["dynamic_speedup_vs_best_tuned_baseline"] == pytest.approx(
+        rows["dynamic"]["predicted_tokens_per_s"] / tuned[best]["tokens_per_s"])
+    assert out["dynamic_speedup_vs_best_tuned_baseline"] >= 1.0
+    # a tuned value is what planning the baseline at that value gives
+    for m in ("length_grouped", best):
+        flag = "--" + tuned[m]["knob"].replace("_", "-")
+        alone = _json(capsys, [*argv, "--methods", m, flag, str(tuned[m]["value"])])
+        assert alone["methods"][m]["predicted_tokens_per_s"] == pytest.approx(tuned[m]["tokens_per_s"])
+    assert main([*argv, "--methods", methods, "--tune-baselines"]) == 0
+    table = capsys.readouterr().out
+    assert "tuned baselines (best knob value that fits memory, predicted tokens/s):" in table
+    assert f"dynamic vs best tuned baseline ({best}; whole-sample baselines)" in table

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,7 +54,19 @@ def test_the_data_split_balances_the_planned_micro_batches_better_than_the_refer
     balanced = _stage_totals(StageCostModel(cm.model, data, cm.device_memory_bytes), plans)
     assert np.isclose(balanced.sum(), reference.sum(), rtol=1e-2)  # the same work, cut elsewhere (per-stage costs)
     assert balanced.max() < reference.max()
-    assert split_from_data(w, batches).cost_model.layout == data
+    # a baseline's micro-batches do not depend on the split: one balancing over them
+    grouped = [method_micro_batches("length_grouped", b, w.limits, cm, cm.num_stages, w.options) for b in batches]
+    assert split_from_data(w, batches, "length_grouped").cost_model.layout == balanced_layout(
+        cm.model, cm.num_stages, micro_batches=[(p.shapes, p.pairs) for p in grouped], split_blocks=w.split_blocks)
+    # the dynamic planner's do: the kept split is the first balanced one or a later one its plans are faster under
+    kept = split_from_data(w, batches).cost_model
+    assert _predicted_steps(kept, w, batches) <= _predicted_steps(replace(cm, layout=data), w, batches)
+
+
+def _predicted_steps(cm: StageCostModel, w, batches) -> float:
+    """The dynamic planner's predicted steps ``sum(t) + (S - 1) max(t)`` under ``cm``, summed over ``batches``."""
+    plans = [method_micro_batches("dynamic", b, w.limits, cm, cm.num_stages, w.options) for b in batches]
+    return sum(float(p.predicted_times_s.sum() + (cm.num_stages - 1) * p.predicted_times_s.max()) for p in plans)
 
 
 def test_efficiency_balanced_is_the_whole_models_work_over_all_stages(lengths):
