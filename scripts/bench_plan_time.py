@@ -10,7 +10,9 @@ Two measurements, each printed as median, p10-p90 and max over every timed batch
   so each is planned ``--rounds`` times (after one warm-up batch); plans are deterministic, so every round repeats
   the same work. The parts: ``dp`` (the partition DP, ``plan_step``), ``candidates`` (the baselines' plans built
   and their micro-batches priced), ``choice`` (the step formula over every candidate), and the cost-model time
-  inside each (``cost in ...``, with the entries priced per batch).
+  inside each (``cost in ...``, with the entries priced per batch). Then the DP's cost-model calls of the first
+  batch are replayed ``--replays`` times on their own (wall time, with the minimum: the cost model alone, the
+  figure least moved by other jobs).
 * ``--trainer``: the main job's planner in-process (``StepPlanner``: t5-tiny, the built-in mixture, 2 stages,
   8,192-token global batches, ``scripts/run.sh``'s setting), ``--steps`` steps after 3 warm-up steps, for each
   ``--pack-rows`` value given (default ``off,auto``), interleaved over ``--repeats`` rounds so both see the same
@@ -138,6 +140,7 @@ def plan_command(a: argparse.Namespace) -> dict:
                 parts.setdefault(k, []).append(v)
             for k, v in watch.entries.items():
                 entries.setdefault(k, []).append(v)
+    replays = _replay_dp_cost_calls(plan, batches[0], a.replays)
     # every part over every batch (0 where a batch had none)
     parts = {k: v + [0.0] * (len(cpu) - len(v)) for k, v in parts.items()}
     samples = [len(b) for b in batches]
@@ -147,7 +150,7 @@ def plan_command(a: argparse.Namespace) -> dict:
            "layout": cost_model.layout.describe(), "per_batch_wall": spread(wall), "per_batch_cpu": spread(cpu),
            "parts_cpu": {k: spread(v) for k, v in sorted(parts.items())},
            "entries_priced_median": {k: float(np.median(v)) for k, v in sorted(entries.items())},
-           "candidates_kept": kept}
+           "candidates_kept": kept, "dp_cost_calls": replays}
     print(f"{a.model}, {a.lengths or 'built-in mixture'}: {len(batches)} global batches of "
           f"{args.global_batch_tokens} tokens ({', '.join(map(str, samples))} samples), {a.rounds} rounds")
     print(line("per batch (wall)", out["per_batch_wall"]))
@@ -156,7 +159,46 @@ def plan_command(a: argparse.Namespace) -> dict:
         priced = out["entries_priced_median"].get(k)
         print(line(f"  {k}", v), "" if priced is None else f"{priced:.0f} entries priced (median)")
     print("kept:", kept)
+    print(line("dp cost calls, replayed", replays), f"min {replays['min_ms']:.2f} ms ({replays['calls']} calls, "
+          f"{replays['entries']} entries, first batch)")
     return out
+
+
+def _replay_dp_cost_calls(plan, batch, replays: int) -> dict:
+    """The partition DP's cost-model calls of planning ``batch`` once (``StageCostModel.evaluate``, recorded with
+    their arguments), then replayed ``replays`` times: the wall time of the cost model alone on the DP's own
+    queries, with its minimum (the least disturbed replay on a shared machine)."""
+    from dynabatch.cost import stages
+    from dynabatch.plan import global_plan
+
+    calls, inside = [], []
+    evaluate, dp = stages.StageCostModel.evaluate, global_plan.GlobalPlanner._dp
+
+    def recorded(self, *args, **kwargs):
+        if inside:
+            calls.append((self, args, kwargs))
+        return evaluate(self, *args, **kwargs)
+
+    def in_dp(self, *args, **kwargs):
+        inside.append(True)
+        try:
+            return dp(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    stages.StageCostModel.evaluate, global_plan.GlobalPlanner._dp = recorded, in_dp
+    try:
+        plan(batch)
+    finally:
+        stages.StageCostModel.evaluate, global_plan.GlobalPlanner._dp = evaluate, dp
+    times = []
+    for _ in range(replays):
+        start = time.perf_counter()
+        for model, args, kwargs in calls:
+            model.evaluate(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+    return {**spread(times), "min_ms": 1e3 * min(times), "calls": len(calls),
+            "entries": int(sum(np.size(args[0]) for _, args, _ in calls))}
 
 
 def trainer(a: argparse.Namespace) -> dict:
@@ -211,6 +253,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="plan: times each global batch is planned")
     p.add_argument("--default-malloc", action="store_true",
                    help="plan: leave the C allocator as it is (dynabatch plan keeps freed memory, core.allocator)")
+    p.add_argument("--replays", type=int, default=40,
+                   help="plan: times the DP's cost-model calls of the first batch are replayed (timed alone)")
     p.add_argument("--steps", type=int, default=20, help="--trainer: timed steps per mode and round")
     p.add_argument("--repeats", type=int, default=3, help="--trainer: interleaved rounds")
     a = p.parse_args()
