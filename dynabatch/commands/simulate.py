@@ -214,7 +214,11 @@ def run(args: argparse.Namespace) -> int:
         placed[method], rows[method] = tried[name]
     tuned = {}
     if args.tune_baselines:
-        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m]) for m in methods if not is_planner(m)}
+        def resplit(m):  # each knob value on its own layer split, as its default (--layer-split data)
+            return (lambda tried: split_from_data(tried, batches, m)) if args.layer_split == "data" else None
+
+        tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m], resplit(m))
+                 for m in methods if not is_planner(m)}
     summary = _summary(args, w, batches, rows, tuned)
     if args.json and write_json(summary, args.json):
         return 0
@@ -530,18 +534,20 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
                   f"{summary['dynamic_throughput_vs_best_tuned_baseline']:.2f}x")
 
 
-def tune_simulated(method: str, batches, w, options, default_summary=None, placed=None) -> Tuned:
+def tune_simulated(method: str, batches, w, options, default_summary=None, placed=None, resplit=None) -> Tuned:
     """``simulate --tune-baselines`` for one baseline (``w``: a resolved Workload; ``placed``: the placement
     it is simulated on, as in :func:`simulate_method`); ``default_summary``, the
-    default's :class:`MethodSummary`, is reused instead of simulated again."""
+    default's :class:`MethodSummary`, is reused instead of simulated again. ``resplit(workload) -> workload``: the
+    layer split of each knob value (``--layer-split data``: balanced over that value's micro-batches); ``None``:
+    ``w``'s split for every value."""
     default = w.options.value(method)
 
     def run(value: int):
         if default_summary is not None and value == default:
             s = default_summary
         else:
-            s = simulate_method(method, batches, dataclasses.replace(w, options=w.options.with_value(method, value)), options,
-                                placed=placed)
+            tried = dataclasses.replace(w, options=w.options.with_value(method, value))
+            s = simulate_method(method, batches, tried if resplit is None else resplit(tried), options, placed=placed)
         note = "" if s.fits_memory else f"does not fit memory (peak {s.peak_memory_gib:.1f} GiB)"
         return s.tokens_per_s, note
 
