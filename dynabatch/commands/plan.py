@@ -6,8 +6,8 @@ the same analytic cost model (attention per segment, as the padding-free runtime
 predicted step time ``sum(t) + (S - 1) max(t)``, whether every micro-batch fits the memory under the planner's
 bound (``S x stored + peak``, each method priced with the recomputation it runs with: a baseline's none) and the
 method's own wall time per global batch (median, p10-p90 and max over the batches;
-``scripts/bench_plan_time.py`` times the dynamic method over more rounds). The dynamic method's speedup is over the
-best whole-sample baseline that fits (over all of them when none does; ``dynabatch simulate`` checks the memory
+``scripts/bench_plan_time.py`` times the dynamic method over more rounds). The speedup of the faster of
+``dynamic`` and ``dynamic_sliced`` (those in ``--methods``) is over the best whole-sample baseline that fits (over all of them when none does; ``dynabatch simulate`` checks the memory
 timeline of a whole schedule). ``--tune-baselines`` plans each baseline at every value of its knob's grid as well
 and compares dynamic with each one's best setting that fits (:mod:`dynabatch.commands.tuning`).
 """
@@ -163,7 +163,9 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
     whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     baselines = [v["predicted_step_s"] for v in ({k: v for k, v in whole.items() if v["fits_memory"]} or whole).values()]
-    speedup = min(baselines) / rows["dynamic"]["predicted_step_s"] if baselines and "dynamic" in rows else None
+    planners = {k: v for k, v in rows.items() if is_planner(k)}
+    planner = min(planners, key=lambda k: planners[k]["predicted_step_s"]) if planners else None  # dynamic(_sliced)
+    speedup = min(baselines) / rows[planner]["predicted_step_s"] if baselines and planner else None
     out = {
         "workload": w.path,
         "model": args.model,
@@ -174,6 +176,7 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
         "methods": rows,
+        "dynamic_method": planner,
         "dynamic_speedup_vs_best_baseline": speedup,
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
@@ -183,8 +186,8 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         out["tuned"] = {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
                         for m, t in tuned.items()}
         out["best_tuned_baseline"] = top
-        out["dynamic_speedup_vs_best_tuned_baseline"] = (rows["dynamic"]["predicted_tokens_per_s"] / tuned[top].tokens_per_s
-                                                         if top and "dynamic" in rows else None)
+        out["dynamic_speedup_vs_best_tuned_baseline"] = (rows[planner]["predicted_tokens_per_s"] / tuned[top].tokens_per_s
+                                                         if top and planner else None)
     return out
 
 
@@ -215,12 +218,12 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
                   f"({stages} x stored + peak) of the {r['activation_budget_gib']:.2f} GiB of activation memory; tune "
                   f"its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory")
     if summary["dynamic_speedup_vs_best_baseline"] is not None:
-        print("dynamic vs best baseline (whole-sample baselines that fit; predicted step time): "
+        print(f"{summary['dynamic_method']} vs best baseline (whole-sample baselines that fit; predicted step time): "
               f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x")
     if tuned:
         print("tuned baselines (best knob value that fits memory, predicted tokens/s):")
         for m, t in tuned.items():
             print("  " + describe(m, t.to_dict(), rows[m]["predicted_tokens_per_s"]) + (" *" if objective_note(m) else ""))
         if summary["dynamic_speedup_vs_best_tuned_baseline"] is not None:
-            print(f"dynamic vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), predicted "
+            print(f"{summary['dynamic_method']} vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), predicted "
                   f"real tokens/s: {summary['dynamic_speedup_vs_best_tuned_baseline']:.2f}x")

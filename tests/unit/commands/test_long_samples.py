@@ -64,6 +64,13 @@ def test_plan_takes_dynamic_sliced(tail_lengths, capsys):
     rows = out["methods"]
     assert rows["dynamic"]["sliced_samples"] == 0 and rows["dynamic_sliced"]["sliced_samples"] > 0
     assert rows["dynamic_sliced"]["real_tokens"] == rows["packing_free"]["real_tokens"]
+    # the speedup is the faster planner's, as in simulate; with dynamic_sliced alone, its own
+    faster = min(("dynamic", "dynamic_sliced"), key=lambda m: rows[m]["predicted_step_s"])
+    assert out["dynamic_method"] == faster and out["dynamic_speedup_vs_best_baseline"] == pytest.approx(
+        rows["packing_free"]["predicted_step_s"] / rows[faster]["predicted_step_s"])
+    alone = _json(capsys, ["plan", "--model", "gpt", "--lengths", tail_lengths, "--num-batches", "2",
+                           "--max-input-len", "4096", "--methods", "dynamic_sliced,packing_free"])
+    assert alone["dynamic_method"] == "dynamic_sliced" and alone["dynamic_speedup_vs_best_baseline"] is not None
 
 
 @pytest.mark.parametrize("command", ["plan", "simulate"])
