@@ -14,7 +14,7 @@ from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
 from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
-from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout
+from dynabatch.cost.stages import SPLIT_ROUNDS, StageCostModel, balanced_layout, placement_layout
 from dynabatch.data.builtin import default_mixture_path
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
@@ -177,16 +177,12 @@ def describe_model_states(states: dict) -> str:
             f"stage; {states['activation_budget_gib']:.1f} GiB left for activations")
 
 
-SPLIT_ROUNDS = 3
-"""Layer splits :func:`split_from_data` balances at most for the dynamic planner (each over the plan made under
-the previous one)."""
-
-
 def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     """``w`` with its layer split balanced over the micro-batches ``method`` cuts ``batches`` into (planned
     with ``w``'s reference split). A baseline's micro-batches do not depend on the split: one round. The dynamic
     planner's do (it keeps the DP's plan or a baseline's, whichever is predicted faster under the split), so its
-    split is balanced again over the plan it makes under the new split, up to :data:`SPLIT_ROUNDS` splits, and the
+    split is balanced again over the plan it makes under the new split, up to
+    :data:`~dynabatch.cost.stages.SPLIT_ROUNDS` splits, and the
     split whose plans are predicted fastest (``sum(t) + (S - 1) max(t)`` per batch) is kept: balanced over the
     DP's plan, a split can make a baseline's plan the faster one, which the next split then serves better. A
     workload the method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error

@@ -47,6 +47,12 @@ are priced for the others alone (:meth:`StageCostModel._recomputed_where`; the s
 gathering and scattering the subset costs more than it saves."""
 SPLIT_GAIN = 0.01
 """A split inside a block is kept only where it lowers the slowest stage's time by more than this fraction."""
+SPLIT_ROUNDS = 3
+"""Layer splits balanced at most over a dynamic planner's micro-batches, each over the plan made under the previous
+one, the one its plans are predicted fastest under kept (``dynabatch plan`` / ``simulate``'s
+``commands.common.split_from_data`` and ``train``'s ``training.run_layout.choose_run_layout``): the planner keeps the
+DP's plan or a baseline's, whichever is predicted faster under the split, so a split balanced over one plan can make
+another the faster one, which a split balanced over it serves better."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ The choice (:func:`choose_run_layout`):
    analytic preset or ``--cost-profile``, never a calibration) plans the sampled batches on the reference
    split (``models.split.layout_for``), and the chunks are re-cut to balance the summed per-layer time of
    those micro-batches (:func:`~dynabatch.cost.stages.balanced_layout`, :func:`~dynabatch.cost.stages.cyclic_layout`
-   for T5's cyclic placement). One round: the micro-batches hardly depend on the split. Where that split cuts
+   for T5's cyclic placement). A baseline's micro-batches do not depend on the split: one round. The dynamic
+   planner's do (it keeps the DP's plan or a baseline's, whichever is predicted faster on the split), so its split
+   is balanced again over the plans made on the new one, up to :data:`~dynabatch.cost.stages.SPLIT_ROUNDS`
+   splits, and the one its steps are predicted shortest on is kept. Where that split cuts
    inside a block (``--split-blocks``), the whole-block split is planned too and kept when its steps are predicted
    no longer: the cut balances the stages' summed compute, and on a pipeline whose lighter stage hid the bubble,
    balancing it can bring the bubble out (T5 at 2,048 tokens on this CPU, docs/algorithms/runtime.md, "Cutting inside a block").
@@ -42,7 +45,8 @@ import torch.distributed as dist
 
 from dynabatch.training.config.placement_choice import VIRTUAL_MARGIN, pick_placement, placement_candidates  # noqa: F401
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.cost.stages import StageLayout, join_halves, placement_layout, split_halves
+from dynabatch.core.methods import is_planner
+from dynabatch.cost.stages import SPLIT_ROUNDS, StageLayout, join_halves, placement_layout, split_halves
 from dynabatch.data.batching import GlobalBatcher
 from dynabatch.models.families import family_for_config
 from dynabatch.models.split import layout_for
@@ -107,13 +111,16 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     :class:`~dynabatch.training.planner.PlannedStep` of each; ``layer_model`` (that cost model's per-layer
     model) prices the layers the split balances."""
     seq2seq = is_seq2seq(family_for_config(model.config).sequence_kind)
-    planned_s: dict = {}
+    planned: dict = {}
 
-    def predicted_s(own, layout: StageLayout) -> float:  # each (placement, layout) is planned once
+    def plans(own, layout: StageLayout) -> list:  # each (placement, layout) is planned once
         key = (own.placement, layout)
-        if key not in planned_s:
-            planned_s[key] = sum(p.predicted_makespan_s for p in preview(own, layout))
-        return planned_s[key]
+        if key not in planned:
+            planned[key] = preview(own, layout)
+        return planned[key]
+
+    def predicted_s(own, layout: StageLayout) -> float:
+        return sum(p.predicted_makespan_s for p in plans(own, layout))
 
     options = []
     for placement in candidate_placements(cfg, seq2seq):
@@ -126,10 +133,7 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
         own = replace(cfg, placement=placement.describe())
         layout, split = reference, "reference"
         if cfg.layer_split == "data":
-            sampled = _micro_batches(preview(own, reference))
-            layout, split = placement_layout(layer_model, placement, sampled, split_blocks=cfg.cuts_inside_blocks), "data"
-            if cfg.cuts_inside_blocks and layout != (whole := placement_layout(layer_model, placement, sampled)):
-                layout = min((whole, layout), key=lambda candidate: predicted_s(own, candidate))  # whole on a tie
+            layout, split = _data_split(own, reference, placement, layer_model, plans, predicted_s), "data"
         options.append((own, RunLayout(placement, layout, split=split)))
     if len(options) == 1:
         return options[0][1]
@@ -137,6 +141,27 @@ def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageL
     name = pick_placement(predicted, {run.placement.describe(): run.placement.chunks_per_device for _, run in options})
     best = next(run for _, run in options if run.placement.describe() == name)
     return replace(best, predicted_step_s=predicted)
+
+
+def _data_split(own, reference: StageLayout, placement, layer_model, plans, predicted_s) -> StageLayout:
+    """The ``data`` split of ``placement`` (module docstring, 2): balanced over the micro-batches ``plans(own,
+    layout)`` makes on the reference split; the whole-block split instead where a cut inside a block is not
+    predicted faster. A baseline's micro-batches do not depend on the split: one round. The dynamic planner's do,
+    so its split is balanced again over the plans made on the new one, up to
+    :data:`~dynabatch.cost.stages.SPLIT_ROUNDS` splits, and the one its steps are predicted shortest on is kept
+    (the first on a tie)."""
+    layout, best, seen = reference, None, set()
+    for _ in range(SPLIT_ROUNDS if is_planner(own.method) else 1):
+        sampled = _micro_batches(plans(own, layout))
+        layout = placement_layout(layer_model, placement, sampled, split_blocks=own.cuts_inside_blocks)
+        if own.cuts_inside_blocks and layout != (whole := placement_layout(layer_model, placement, sampled)):
+            layout = min((whole, layout), key=lambda candidate: predicted_s(own, candidate))  # whole on a tie
+        if layout in seen:
+            break
+        seen.add(layout)
+        if best is None or predicted_s(own, layout) < predicted_s(own, best):
+            best = layout
+    return best
 
 
 def sampled_run_layout(cfg, model, data, batcher) -> RunLayout:

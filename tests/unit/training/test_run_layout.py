@@ -192,3 +192,48 @@ def test_the_planners_score_orders_the_step_on_the_placement(toy_data):
     again = plan_step(batch.input_lens, batch.target_lens, cost, 2, family="seq2seq", segment_pricing=True,
                       score=simulated_step_time(cost, None, memory, lengths, placement))
     assert simulated_step_time(cost, None, memory, lengths, placement)(again) <= placed + 1e-12
+
+
+@pytest.mark.parametrize("second_faster", [True, False])
+def test_the_dynamic_planners_split_is_balanced_again_over_the_plan_it_keeps(second_faster):
+    """The dynamic planner keeps the DP's plan or a baseline's, whichever is predicted faster on the split, so the
+    data split is balanced again over the plans made on it, and the split whose steps are predicted shortest is kept
+    (t5-tiny, 2 stages: planned encoder-heavy on the reference split, balanced for it, the planner then cuts
+    decoder-heavy micro-batches there, and the split balanced for those is predicted shorter, or not). A baseline's
+    micro-batches do not depend on the split: one balancing, one plan."""
+    from types import SimpleNamespace
+
+    from dynabatch.cost.stages import placement_layout
+    from dynabatch.models.families import run_cost_model
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.schedule.placement import Placement
+    from dynabatch.training.run_layout import choose_run_layout
+
+    model = build_model("t5-tiny", vocab_size=512)
+    layer_model = run_cost_model(model.config)
+    linear = Placement.parse("linear", 2)
+    shapes = {"encoder-heavy": np.array([[4, 128, 128]], dtype=float), "decoder-heavy": np.array([[4, 8, 512]], dtype=float)}
+    reference = layout_for(model, 2, linear, False)
+    first, second = (placement_layout(layer_model, linear, [(shapes[k], None)]) for k in ("encoder-heavy", "decoder-heavy"))
+    assert len({reference, first, second}) == 3
+    plans = {reference: ("encoder-heavy", 1.3), first: ("decoder-heavy", 1.2),
+             second: ("decoder-heavy", 1.0 if second_faster else 1.25)}
+
+    def run(method: str):
+        planned = []
+
+        def preview(own, layout):
+            planned.append(layout)
+            kind, seconds = plans[layout]
+            return [SimpleNamespace(shapes=[shapes[kind]], pairs=None, predicted_makespan_s=seconds)]
+
+        cfg = TrainConfig.of(model="t5-tiny", stages=2, placement="linear", layer_split="data", split_blocks="off",
+                             method=method)
+        return choose_run_layout(cfg, model, layer_model, preview), planned
+
+    chosen, planned = run("dynamic")
+    assert chosen.layout == (second if second_faster else first) and chosen.split == "data"
+    assert planned == [reference, first, second]  # each split planned once
+    chosen, planned = run("length_grouped")
+    assert chosen.layout == first and planned == [reference]
