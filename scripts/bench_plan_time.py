@@ -18,8 +18,12 @@ Two measurements, each printed as median, p10-p90 and max over every timed batch
   ``--pack-rows`` value given (default ``off,auto``), interleaved over ``--repeats`` rounds so both see the same
   background load; prints auto / off.
 
+* ``--group-samples N``: each baseline batcher's grouping of one batch of the first ``N`` samples of ``--lengths``
+  (lengths only, the batchers' own passes: best-fit rows, token budgets, sorting).
+
     python scripts/bench_plan_time.py --lengths data/heavy_tail_1024.npz
     python scripts/bench_plan_time.py --trainer --steps 20 --repeats 3
+    python scripts/bench_plan_time.py --lengths data/heavy_tail_1024.npz --group-samples 2000
 
 The last line is JSON with every figure.
 """
@@ -242,6 +246,46 @@ def trainer(a: argparse.Namespace) -> dict:
     return out
 
 
+def batchers(a: argparse.Namespace) -> dict:
+    """Per-call wall time of each baseline batcher's grouping (``Batcher.group``, lengths only, no memo) on one batch
+    of the first ``--group-samples`` samples of ``--lengths``, at the default knob values."""
+    from dynabatch.core.methods import BASELINE_METHODS, check_method_family
+    from dynabatch.data.baselines import Batcher, BaselineOptions, GROUPING_TOKENS, make_batcher
+    from dynabatch.data.batching import LengthLimits
+
+    lengths = np.load(a.lengths)
+    e, d = lengths["input_len"][:a.group_samples], lengths["target_len"][:a.group_samples]
+    family = "t5" if a.model == "t5" else "gpt"
+    limits = LengthLimits("t5", max_input_len=int(e.max()), max_target_len=int(d.max())) if family == "t5" else \
+        LengthLimits("gpt", max_input_len=int((e + d).max()), max_target_len=int(d.max()), max_seq_len=int((e + d).max()))
+
+    class Lengths:  # a lengths-only batch, as the candidates group it
+        input_lens, target_lens = e, d
+
+        def __len__(self) -> int:
+            return int(e.size)
+
+    out = {}
+    options = BaselineOptions()
+    for method in BASELINE_METHODS:
+        try:
+            check_method_family(method, family)
+        except ValueError:
+            continue
+        batcher = make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits))
+        if type(batcher).prepare is not Batcher.prepare:  # packing_free_split cuts samples first: packing_free's rows
+            continue
+        batcher.group(Lengths())  # warm (numba)
+        times = []
+        for _ in range(a.rounds * 4):
+            start = time.perf_counter()
+            batcher.group(Lengths())
+            times.append(time.perf_counter() - start)
+        out[method] = spread(times)
+        print(line(method, out[method]))
+    return {"mode": "batchers", "samples": int(e.size), "lengths": a.lengths, **out}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainer", action="store_true", help="time the main job's step planner instead")
@@ -253,6 +297,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="plan: times each global batch is planned")
     p.add_argument("--default-malloc", action="store_true",
                    help="plan: leave the C allocator as it is (dynabatch plan keeps freed memory, core.allocator)")
+    p.add_argument("--group-samples", type=int, default=0,
+                   help="time each baseline batcher's grouping of the first N samples of --lengths instead")
     p.add_argument("--replays", type=int, default=40,
                    help="plan: times the DP's cost-model calls of the first batch are replayed (timed alone)")
     p.add_argument("--steps", type=int, default=20, help="--trainer: timed steps per mode and round")
@@ -260,7 +306,7 @@ def main() -> int:
     a = p.parse_args()
     a.pack_rows = a.pack_rows or ("off,auto" if a.trainer else "off")
     a.lengths = a.lengths or None
-    print(json.dumps(trainer(a) if a.trainer else plan_command(a)))
+    print(json.dumps(trainer(a) if a.trainer else batchers(a) if a.group_samples else plan_command(a)))
     return 0
 
 

@@ -210,24 +210,15 @@ class TokenBudget(Batcher):
             )
 
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        groups: list[RowGroup] = []
-        current: list[int] = []
-        max_e = max_d = 0
-        inputs, targets = np.asarray(batch.input_lens).tolist(), np.asarray(batch.target_lens).tolist()
-        t5 = is_seq2seq(self.family)
-        for i in self._longest_first(batch):
-            e, d = inputs[i], targets[i]
-            if not t5:  # one sequence: inputs + targets
-                e, d = e + d, 0
-            new_e, new_d = max(max_e, e), max(max_d, d)
-            if current and (len(current) + 1) * (new_e + new_d) > self.max_tokens:
-                groups.append(RowGroup(rows=tuple((j,) for j in current)))
-                current, new_e, new_d = [], e, d
-            current.append(i)
-            max_e, max_d = new_e, new_d
-        if current:
-            groups.append(RowGroup(rows=tuple((j,) for j in current)))
-        return groups
+        """Longest first, each micro-batch as many samples as fit ``max_tokens`` padded tokens (GPT: one sequence of
+        inputs and targets; the greedy pass: ``_kernels._budget_groups``)."""
+        order = self._longest_first(batch)
+        if not order:
+            return []
+        e, d = _lengths(batch, is_seq2seq(self.family))
+        group_of = _kernels()._budget_groups(e, d, np.asarray(order, dtype=np.int64), self.max_tokens)
+        cuts = (np.flatnonzero(np.diff(group_of)) + 1).tolist()
+        return [RowGroup(rows=tuple((j,) for j in order[a:z])) for a, z in zip([0, *cuts], [*cuts, len(order)])]
 
 
 def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
@@ -243,33 +234,36 @@ def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
 
 
 def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order: list[int]) -> list[list[int]]:
-    """:func:`pack_rows` with the samples visited in ``order``."""
+    """:func:`pack_rows` with the samples visited in ``order`` (the best-fit pass: ``_kernels._best_fit_rows``)."""
     t5 = is_seq2seq(limits.family)
     cap_e = limits.max_input_len if t5 else limits.max_seq_len
     cap_d = limits.max_target_len if t5 else 0
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # remaining (encoder, decoder) capacity per row
-    inputs, targets = np.asarray(batch.input_lens).tolist(), np.asarray(batch.target_lens).tolist()
-    for i in order:
-        e, d = inputs[i], targets[i]
-        if not t5:
-            e, d = e + d, 0
-        if e > cap_e or d > cap_d:
-            raise ValueError(f"sample {i} (input_len={batch.input_lens[i]}, target_len={batch.target_lens[i]}) "
-                             f"does not fit a packed row ({limits.describe()}); truncate it to the limits first")
-        best, best_left = -1, None
-        for r, (fe, fd) in enumerate(free):
-            if e <= fe and d <= fd:
-                left = (fe - e) / cap_e + ((fd - d) / cap_d if t5 else 0.0)
-                if best_left is None or left < best_left:
-                    best, best_left = r, left
-        if best < 0:
-            rows.append([])
-            free.append((cap_e, cap_d))
-            best = len(rows) - 1
-        rows[best].append(i)
-        free[best] = (free[best][0] - e, free[best][1] - d)
+    e, d = _lengths(batch, t5)
+    visit = np.asarray(order, dtype=np.int64)
+    over = (e[visit] > cap_e) | (d[visit] > cap_d)
+    if over.any():
+        i = int(visit[np.argmax(over)])
+        raise ValueError(f"sample {i} (input_len={batch.input_lens[i]}, target_len={batch.target_lens[i]}) "
+                         f"does not fit a packed row ({limits.describe()}); truncate it to the limits first")
+    row_of = _kernels()._best_fit_rows(e, d, visit, cap_e, cap_d).tolist()  # cap_d 0 (GPT): one length
+    rows: list[list[int]] = [[] for _ in range(max(row_of, default=-1) + 1)]
+    for i in visit.tolist():
+        rows[row_of[i]].append(i)
     return rows
+
+
+def _kernels():
+    """:mod:`dynabatch.data._kernels`, imported on first use."""
+    from dynabatch.data import _kernels as kernels  # lazy: keeps numba out of --help
+
+    return kernels
+
+
+def _lengths(batch: GlobalBatch, t5: bool) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(e, d)`` of a batch's samples as the batchers count them: T5 inputs and targets, GPT one sequence of
+    both (``d`` 0)."""
+    e, d = np.asarray(batch.input_lens, dtype=np.int64), np.asarray(batch.target_lens, dtype=np.int64)
+    return (e, d) if t5 else (e + d, np.zeros_like(d))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ With padding-free attention a row holding samples of lengths ``L_k`` pays attent
 sample's own block, ``sum L_k^2`` score pairs (:mod:`dynabatch.cost.pairs`), so packing short samples
 into long rows no longer costs the row's ``T^2``: it removes their padding (and their rows) at the
 price of coarser micro-batches. :func:`pack_units` fills rows of a given capacity best-first-fit
-decreasing (``_kernels._best_fit_rows``) and returns them as *units*: pseudo-samples with the rows'
+decreasing (``dynabatch.data._kernels._best_fit_rows``) and returns them as *units*: pseudo-samples with the rows'
 summed lengths and summed attention pairs, which the partition DP then cuts into micro-batches with
 per-segment pricing (``plan_partition(unit_pairs=...)``). :func:`apply_row_packing` below is the older,
 dense-priced pass inside already planned micro-batches.
@@ -68,7 +68,7 @@ import numpy as np
 
 from dynabatch.cost.pairs import sample_pairs
 from dynabatch.data.baselines import RowGroup
-from dynabatch.plan._kernels import _best_fit_rows
+from dynabatch.data._kernels import _best_fit_rows
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.partition import PartitionPlan

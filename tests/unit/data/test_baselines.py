@@ -134,3 +134,38 @@ def test_vectorised_grouping_helpers_match_the_one_group_rules(family):
     assert set(k[0] for k in memo) == {"longest_first", "packed_rows"}
     fixed = [RowGroup(((0, 1), (2,)), 400, 60 if family == "t5" else None)]
     assert group_shapes(plain, fixed, family) == [group_shape(plain, fixed[0], family)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_fit_rows_kernel_matches_twin(seed):
+    """``_kernels._best_fit_rows`` (the packing batchers' and the planner's row packing) puts every sample where its
+    pure-Python twin does."""
+    import numpy as np
+    from reference import batching_reference as ref  # tests/ is on sys.path via its conftest.py
+
+    from dynabatch.data import _kernels as K
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    e = rng.integers(1, 300, n).astype(np.int64)
+    two_d = seed % 2 == 0
+    d = rng.integers(1, 80, n).astype(np.int64) if two_d else np.zeros(n, np.int64)
+    cap_e, cap_d = int(rng.integers(100, 400)), (int(rng.integers(20, 100)) if two_d else 0)
+    order = rng.permutation(n).astype(np.int64)
+    assert K._best_fit_rows(e, d, order, cap_e, cap_d).tolist() == ref.best_fit_rows(e, d, order, cap_e, cap_d)
+
+
+def test_token_budget_kernel_matches_its_python_twin():
+    """``_kernels._budget_groups`` cuts where the pure-Python rule does: a new micro-batch when one more sample would
+    pad past the budget."""
+    import numpy as np
+    from reference.batching_reference import budget_groups
+
+    from dynabatch.data._kernels import _budget_groups
+
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(1, 150))
+        e, d = rng.integers(1, 300, n), rng.integers(0, 60, n)
+        order, budget = rng.permutation(n), int(rng.integers(360, 4000))
+        assert _budget_groups(e, d, order, budget).tolist() == budget_groups(e.tolist(), d.tolist(), order.tolist(), budget)

@@ -1,5 +1,5 @@
-"""Row packing in the planner (``plan_step(pack_rows="auto")``): best-fit-decreasing rows (the numba
-kernel equals its pure-Python twin), rows as units of the partition DP priced by their attention pairs,
+"""Row packing in the planner (``plan_step(pack_rows="auto")``): best-fit-decreasing rows (the kernel and its twin:
+``tests/unit/data/test_baselines.py``), rows as units of the partition DP priced by their attention pairs,
 and plans whose row groups hold every sample exactly once."""
 
 from __future__ import annotations
@@ -8,25 +8,11 @@ import numpy as np
 import pytest
 
 from dynabatch.cost.pairs import AttentionPairs, row_pairs
-from dynabatch.plan import _kernels as K
 from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.partition import plan_partition
 from dynabatch.plan.rowpack import pack_units
 from dynabatch.plan.step import plan_step
 from dynabatch.core.sequence import is_seq2seq
-from reference import plan_reference as ref  # tests/ is on sys.path via its conftest.py
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_best_fit_rows_kernel_matches_twin(seed):
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 60))
-    e = rng.integers(1, 300, n).astype(np.int64)
-    two_d = seed % 2 == 0
-    d = rng.integers(1, 80, n).astype(np.int64) if two_d else np.zeros(n, np.int64)
-    cap_e, cap_d = int(rng.integers(100, 400)), (int(rng.integers(20, 100)) if two_d else 0)
-    order = rng.permutation(n).astype(np.int64)
-    assert K._best_fit_rows(e, d, order, cap_e, cap_d).tolist() == ref.best_fit_rows(e, d, order, cap_e, cap_d)
 
 
 @pytest.mark.parametrize("family", ["causal", "seq2seq"])
