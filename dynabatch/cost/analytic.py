@@ -266,8 +266,9 @@ class AnalyticCostModel(StoredBytes):
         scalar, (b, E, D) = self._inputs(kind, b, E, D)
         return self._layer_cost(kind, scalar, b, E, D, _broadcast_pairs(pairs, b.shape))
 
-    def _layer_cost(self, kind: str, scalar: bool, b, E, D, pairs) -> LayerCost:
-        """:meth:`layer_cost` of inputs already checked and broadcast (:meth:`_arrays`, :func:`_broadcast_pairs`)."""
+    def _layer_cost(self, kind: str, scalar: bool, b, E, D, pairs, flops: bool = True) -> LayerCost:
+        """:meth:`layer_cost` of inputs already checked and broadcast (:meth:`_arrays`, :func:`_broadcast_pairs`);
+        ``flops=False``: ``fwd_flops`` is NaN, not summed (:meth:`stage_cost`)."""
         ops = self._ops(kind, b, E, D, pairs)
         times = [self._op_time(op) for op in ops]  # each op's forward time, once
         fwd = sum(times)
@@ -275,7 +276,7 @@ class AnalyticCostModel(StoredBytes):
             bwd = 2.0 * fwd
         else:
             bwd = sum(t * op.bwd_factor for t, op in zip(times, ops))
-        flops = sum(op.flops for op in ops)
+        flops = sum(op.flops for op in ops) if flops else np.nan
         stored = self._stored(kind, b, E, D, pairs)
         peak = self._peak_extra(kind, b, E, D, pairs)
         if self.recompute and kind in BLOCK_KINDS:
@@ -289,12 +290,14 @@ class AnalyticCostModel(StoredBytes):
                            for x in (fwd, bwd, flops, stored, peak)])
 
     def stage_cost(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
-                   pairs: AttentionPairs | None = None, layers: dict | None = None) -> LayerCost:
+                   pairs: AttentionPairs | None = None, layers: dict | None = None, flops: bool = True) -> LayerCost:
         """Cost of a pipeline stage made of ``kinds``: times, FLOPs and stored bytes add up, the peak
         extra is the largest layer's, and a stage with decoder layers stores the encoder output once.
         ``pairs``: per-segment attention work (:meth:`layer_cost`); ``None`` is dense. ``layers``: each kind's
         cost of these same inputs, shared by the calls over one layout's stages (filled as it goes): a kind
-        that several stages hold (a T5 encoder block on three of four stages) is priced once."""
+        that several stages hold (a T5 encoder block on three of four stages) is priced once; the calls sharing
+        one memo pass the same ``flops``. ``flops=False``: ``fwd_flops`` is NaN, the FLOPs not summed (about a
+        pass over the entries per kernel, which the planner and the simulator never read)."""
         if len(kinds) == 0:
             raise ValueError("a stage needs at least one layer kind, got an empty list")
         counts = Counter(kinds)
@@ -307,7 +310,7 @@ class AnalyticCostModel(StoredBytes):
             layers = {}
         for kind in counts:
             if kind not in layers:
-                layers[kind] = self._layer_cost(kind, scalar, *arrays, work)
+                layers[kind] = self._layer_cost(kind, scalar, *arrays, work, flops)
         costs = [(layers[kind], n) for kind, n in counts.items()]
 
         def total(field: str):
@@ -325,7 +328,7 @@ class AnalyticCostModel(StoredBytes):
         peak = costs[0][0].peak_extra_bytes
         for c, _ in costs[1:]:
             peak = np.maximum(peak, c.peak_extra_bytes)
-        out = (fwd, bwd, total("fwd_flops"), stored, peak)
+        out = (fwd, bwd, total("fwd_flops") if flops else np.nan, stored, peak)
         return LayerCost(*[float(x) if np.ndim(x) == 0 else x for x in out])
 
     def recompute_terms(self, kinds: Sequence[str], b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,

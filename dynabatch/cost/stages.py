@@ -340,8 +340,8 @@ class StageCostModel:
         extra = {} if pairs is None else {"pairs": pairs}
         if layers is None and getattr(self.model, "shares_layer_costs", False):
             layers = {}
-        if layers is not None:
-            extra["layers"] = layers
+        if layers is not None:  # a model that shares layer costs: the FLOPs, which StageCosts has not, not summed
+            extra.update(layers=layers, flops=False)
         costs = [self.model.stage_cost(list(s), b, E, D, **extra) for s in self.layout.stages]
         return StageCosts(
             fwd_s=_stack((c.fwd_time_s for c in costs), b.shape),

@@ -412,3 +412,19 @@ def test_ffn_saved_tensors_do_not_depend_on_the_callers_grad_mode():
             assert ffn_saved_tensors("gelu", False) == 2
     finally:
         ffn_saved_tensors.cache_clear()
+
+
+def test_a_stage_cost_without_flops_is_the_same_stage_cost():
+    """``stage_cost(flops=False)`` (what ``StageCostModel`` asks, with its memo) leaves the FLOPs out (NaN) and every
+    other figure as it is, bit for bit; a shared memo serves the stages after it."""
+    model = AnalyticCostModel.from_names("t5-large", "a100-80gb", recompute=False)
+    b, E, D = np.array([1.0, 4.0, 16.0]), np.array([512.0, 128.0, 64.0]), np.array([32.0, 64.0, 16.0])
+    kinds = ["embedding", "t5_encoder", "t5_encoder", "decoder_embedding", "t5_decoder", "lm_head"]
+    full = model.stage_cost(kinds, b, E, D)
+    memo: dict = {}
+    lean = model.stage_cost(kinds, b, E, D, layers=memo, flops=False)
+    assert np.all(np.asarray(full.fwd_flops) > 0) and np.all(np.isnan(lean.fwd_flops))
+    for field in ("fwd_time_s", "bwd_time_s", "stored_activation_bytes", "peak_extra_bytes"):
+        assert np.array_equal(getattr(lean, field), getattr(full, field)), field
+    again = model.stage_cost(kinds[1:3], b, E, D, layers=memo, flops=False)  # priced from the memo
+    assert np.array_equal(again.fwd_time_s, model.stage_cost(kinds[1:3], b, E, D).fwd_time_s)
