@@ -7,9 +7,10 @@ predicted step time ``sum(t) + (S - 1) max(t)``, whether every micro-batch fits 
 bound (``S x stored + peak``, each method priced with the recomputation it runs with: a baseline's none) and the
 method's own wall time per global batch (median, p10-p90 and max over the batches;
 ``scripts/bench_plan_time.py`` times the dynamic method over more rounds). The speedup of the faster of
-``dynamic`` and ``dynamic_sliced`` (those in ``--methods``) is over the best whole-sample baseline that fits (over all of them when none does; ``dynabatch simulate`` checks the memory
-timeline of a whole schedule). ``--tune-baselines`` plans each baseline at every value of its knob's grid as well
-and compares dynamic with each one's best setting that fits (:mod:`dynabatch.commands.tuning`).
+``dynamic`` and ``dynamic_sliced`` (those in ``--methods``) is over the best whole-sample baseline that fits
+(over all of them when none does; ``dynabatch simulate`` checks the memory timeline of a whole schedule).
+``--tune-baselines`` plans each baseline at every value of its knob's grid as well and compares dynamic with each
+one's best setting that fits (:mod:`dynabatch.commands.tuning`).
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def _trial(method: str, batches, w, args: argparse.Namespace, default_row: dict)
         tried = dataclasses.replace(w, options=w.options.with_value(method, value))
         row = default_row if value == default else plan_method(
             method, batches, tried, _method_cost_model(method, batches, tried, args), args)
-        note = "" if row["fits_memory"] else (f"does not fit memory (a micro-batch needs {row['largest_micro_batch_gib']:.2f} "
-                                              f"of {row['activation_budget_gib']:.2f} GiB)")
+        note = "" if row["fits_memory"] else (f"does not fit memory (a micro-batch needs "
+                                              f"{row['largest_micro_batch_gib']:.2f} of {row['activation_budget_gib']:.2f} GiB)")
         return row["predicted_tokens_per_s"], note
 
     return run
@@ -186,8 +187,8 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         out["tuned"] = {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
                         for m, t in tuned.items()}
         out["best_tuned_baseline"] = top
-        out["dynamic_speedup_vs_best_tuned_baseline"] = (rows[planner]["predicted_tokens_per_s"] / tuned[top].tokens_per_s
-                                                         if top and planner else None)
+        out["dynamic_speedup_vs_best_tuned_baseline"] = (
+            rows[planner]["predicted_tokens_per_s"] / tuned[top].tokens_per_s if top and planner else None)
     return out
 
 
