@@ -34,12 +34,23 @@ from bench_schedule import write_flan_like  # noqa: E402
 
 from dynabatch.commands.common import add_workload_arguments, resolve  # noqa: E402
 from dynabatch.training.workload import METHODS, global_batches  # noqa: E402
+from dynabatch.core.methods import is_planner, methods_for, objective_note  # noqa: E402
 
 
 from dynabatch.data.baselines import BASELINES  # noqa: E402
 
 KNOBS = {name: (spec.option, spec.grid) for name, spec in BASELINES.items()}
 """Each baseline's micro-batch size knob and the values tried (--tune): the registry's grids."""
+
+
+SWEPT = ("dynamic", *(m for m in METHODS if not is_planner(m) and not objective_note(m)))
+"""The methods swept: dynamic and the baselines that train on whole samples (``packing_free_split``, which splits
+them, changes the objective and is left out; it is decoder-only besides)."""
+
+
+def whole_sample_baselines(family: str) -> list[str]:
+    """The swept baselines a model of ``family`` runs."""
+    return [m for m in SWEPT[1:] if m in methods_for(family, METHODS)]
 
 
 def simulate_tuned(batches, w, options=None, tune: bool = True) -> dict:
@@ -51,9 +62,7 @@ def simulate_tuned(batches, w, options=None, tune: bool = True) -> dict:
 
     options = options or SimulateOptions()
     out = {"dynamic": (simulate_method("dynamic", batches, w, options), None)}
-    for m in METHODS:
-        if m == "dynamic":
-            continue
+    for m in whole_sample_baselines(w.family):
         name, values = KNOBS[m]
         if not tune:
             values = (getattr(w.options, name),)
@@ -103,7 +112,7 @@ def plot(results: dict, measured: dict, out: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         lens = sorted(results[model])
-        for m in METHODS:
+        for m in SWEPT:
             y = [results[model][L][m]["tokens_per_s"] / results[model][L]["packing"]["tokens_per_s"] for L in lens]
             ax.plot(lens, y, marker="o", label=m, lw=2.5 if m == "dynamic" else 1.2)
         for L, (mname, path) in measured.get(model, {}).items():
@@ -143,7 +152,7 @@ def main(argv=None) -> int:
     write_flan_like(path)
     results: dict = {}
     start = time.perf_counter()
-    print(f"{'model':<5} {'L':>5} | " + " ".join(f"{m[:12]:>12}" for m in METHODS)
+    print(f"{'model':<5} {'L':>5} | " + " ".join(f"{m[:12]:>12}" for m in SWEPT)
           + " | dyn/pack = padding x bubble x per-token | dyn/best")
     for model in a.models.split(","):
         results[model] = {}
@@ -154,7 +163,7 @@ def main(argv=None) -> int:
             fitting = [r["tokens_per_s"] for m, r in rows.items() if m != "dynamic" and r["fits_memory"]]
             best = max(fitting) if fitting else float("nan")
             cells = " ".join(f"{rows[m]['tokens_per_s'] / 1e3:>6.1f}k/{rows[m]['padding_efficiency']:.2f}"
-                             + ("" if rows[m]["fits_memory"] else "*") for m in METHODS)
+                             + ("" if rows[m]["fits_memory"] else "*") for m in SWEPT)
             print(f"{model:<5} {L:>5} | {cells} | {f['ratio']:.2f} = {f['padding']:.2f} x {f['bubble']:.2f} x "
                   f"{f['per_token']:.2f} | {rows['dynamic']['tokens_per_s'] / best:.2f}")
             sys.stdout.flush()

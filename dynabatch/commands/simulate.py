@@ -53,8 +53,8 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.training.config.resolve import describe_choices, lower
-from dynabatch.schedule.policies import adaptive, choose_schedule
-from dynabatch.schedule.simulate import simulate, with_message_buffers
+from dynabatch.schedule.policies import choose_schedule
+from dynabatch.schedule.simulate import with_message_buffers
 from dynabatch.schedule.virtual import placed_step
 from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
 from dynabatch.commands.tuning import Tuned, best_tuned, describe, tune, tune_baselines_arg
@@ -393,8 +393,11 @@ def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int
 
 def _simulated_price(w, batch, options: SimulateOptions):
     """The price of a candidate plan (:mod:`dynabatch.plan.candidates`) in ``simulate``: its simulated makespan
-    under the adaptive schedule, per segment, with the workload's link and memory limit (``inf`` when it does
-    not fit); the step itself is then scheduled by :func:`simulate_step`'s search."""
+    under the schedule :func:`simulate_step` would give it (``choose_schedule``: every policy and order, then the
+    seeded search), per segment, with the workload's link and memory limit (``inf`` when it does not fit). Priced
+    under the adaptive schedule alone, a baseline's plan of many small micro-batches looked slower than the DP's
+    although its best schedule was faster: T5-large at 4,096 tokens kept the DP's plan and simulated at 0.96x the
+    tuned ``packing_free`` whose plan it had (``scripts/bench_sweep.py``)."""
     cm = w.cost_model
     limit = cm.device_memory_bytes * (1 - cm.memory_margin)
 
@@ -404,9 +407,8 @@ def _simulated_price(w, batch, options: SimulateOptions):
         costs = with_message_buffers(piece_costs(cm, None, [p.shape for p in pieces], [0] * len(pieces), (),
                                                  plan.pairs(0)))
         send = cm.model.send_time(costs.send_bytes, options.link)
-        schedule = adaptive(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes)
-        result = simulate(schedule, costs, send_time=send, model_state_bytes=cm.model_state_bytes,
-                          memory_limit_bytes=limit)
+        _, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
+                                    num_search_steps=options.search_steps, seed=batch.step)
         return result.makespan_s if result.fits_memory else float("inf")
 
     return price
