@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 
 from dynabatch.commands.common import resolve  # noqa: E402
 from dynabatch.commands.simulate import add_arguments, simulate_method  # noqa: E402
-from dynabatch.training.workload import METHODS, global_batches  # noqa: E402
+from dynabatch.core.methods import whole_sample_baselines  # noqa: E402
+from dynabatch.training.workload import global_batches  # noqa: E402
 
 TASKS = (  # name, weight, input median, input sigma, target median, target sigma (lognormal)
     ("ni", 0.60, 300, 0.6, 5, 0.8),
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     path = a.save_lengths or os.path.join(tempfile.mkdtemp(prefix="bench-schedule-"), "flan_like.npz")
     write_flan_like(path)
-    methods = [m for m in METHODS if m != "dynamic"]
+    methods = whole_sample_baselines("causal")  # the same for T5 and GPT (packing_free_split: another objective)
     header = f"{'model':<5} {'L':>5} | {'dynamic':>7} " + " ".join(f"{m[:8]:>8} " for m in methods)
     header += f" | {'eff am':>6} {'bubble':>6} {'util':>5} {'dyn/best':>8} {'best':>14}"
     header += f" | {'plan ms':>7} {'sched ms':>8}"
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
                                       "--num-batches", str(a.num_batches), "--hardware", a.hardware])
             w = resolve(args)
             batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches)
-            rows = {m: simulate_method(m, batches, w) for m in METHODS}
+            rows = {m: simulate_method(m, batches, w) for m in ("dynamic", *methods)}
             fitting = [r for m, r in rows.items() if m != "dynamic" and r.fits_memory]
             best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
             dyn = rows["dynamic"]

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_schedule import write_flan_like  # noqa: E402
 
 from dynabatch.commands.common import add_workload_arguments, resolve  # noqa: E402
-from dynabatch.training.workload import METHODS, global_batches  # noqa: E402
-from dynabatch.core.methods import is_planner, methods_for, objective_note  # noqa: E402
+from dynabatch.training.workload import global_batches  # noqa: E402
+from dynabatch.core.methods import whole_sample_baselines  # noqa: E402
 
 
 from dynabatch.data.baselines import BASELINES  # noqa: E402
@@ -43,14 +43,9 @@ KNOBS = {name: (spec.option, spec.grid) for name, spec in BASELINES.items()}
 """Each baseline's micro-batch size knob and the values tried (--tune): the registry's grids."""
 
 
-SWEPT = ("dynamic", *(m for m in METHODS if not is_planner(m) and not objective_note(m)))
-"""The methods swept: dynamic and the baselines that train on whole samples (``packing_free_split``, which splits
-them, changes the objective and is left out; it is decoder-only besides)."""
-
-
-def whole_sample_baselines(family: str) -> list[str]:
-    """The swept baselines a model of ``family`` runs."""
-    return [m for m in SWEPT[1:] if m in methods_for(family, METHODS)]
+SWEPT = ("dynamic", *whole_sample_baselines("causal"))
+"""The methods swept: dynamic and the baselines that train on whole samples (the same for T5 and GPT;
+``packing_free_split`` changes the objective and is left out)."""
 
 
 def simulate_tuned(batches, w, options=None, tune: bool = True) -> dict:

@@ -80,3 +80,9 @@ def methods_for(sequence_kind: str, methods=COMPARED_METHODS) -> list[str]:
 def objective_note(method: str) -> str:
     """``""``, or why ``method``'s loss is not comparable (a different objective)."""
     return CHANGES_OBJECTIVE.get(method, "")
+
+
+def whole_sample_baselines(sequence_kind: str) -> list[str]:
+    """The baselines a model of ``sequence_kind`` runs that train on whole samples: every one but those that change
+    the objective (``packing_free_split``, which is decoder-only besides)."""
+    return [m for m in methods_for(sequence_kind, BASELINE_METHODS) if not objective_note(m)]

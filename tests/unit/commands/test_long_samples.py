@@ -42,6 +42,18 @@ def _simulate(capsys, lengths: str, methods: str, *extra: str) -> dict:
                           "--max-input-len", "4096", "--search-steps", "2", "--methods", methods, *extra])
 
 
+def test_whole_sample_baselines_leave_out_the_split_rows():
+    """What the benchmark scripts sweep (``scripts/bench_sweep.py``, ``scripts/bench_schedule.py``): every baseline a
+    model runs but ``packing_free_split``, which changes the objective (and which a T5 cannot run: the scripts had
+    stopped at it)."""
+    from dynabatch.core.methods import BASELINE_METHODS, whole_sample_baselines
+
+    for kind in ("causal", "seq2seq"):
+        kept = whole_sample_baselines(kind)
+        assert "packing_free_split" not in kept and "packing_free" in kept
+        assert set(kept) == {m for m in BASELINE_METHODS if not objective_note(m)}
+
+
 def test_dynamic_sliced_is_one_name_in_every_command():
     from dynabatch.commands import bench
 
