@@ -312,14 +312,14 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
         cm.num_stages if v is None else min(v, cm.num_stages) for v in options.objective_stages))
     # auto recomputation is judged like the objective: the plan without recomputation (when it can be made) is
     # a variant too, so the kept step is never slower than --recompute none's (the DP's objective is not the
-    # simulated step: admitting more micro-batches can lose a little). When the auto plan recomputes nothing it
-    # is already the plan without recomputation (the same DP optimum), so that variant is skipped.
+    # simulated step: admitting more micro-batches can lose a little). It is tried even when the auto plan
+    # recomputes nothing: under auto a baseline candidate is priced with the recomputation its micro-batches need
+    # to fit S in flight, without it as the baseline runs (the schedule admits by actual memory), so the two can
+    # keep different candidates (T5-3B at 1,024 tokens, scripts/simulate_papers.py: 0.99x tuned packing_free
+    # when this variant was skipped, 1.00x with it).
     models = [cm] if cm.recompute != "auto" else [cm, dataclasses.replace(cm, recompute="none")]
     best, plan_s, sched_s = None, 0.0, 0.0
-    recomputes = {}
     for objective_stages, model in [(v, m) for v in variants for m in models]:
-        if model is not cm and not recomputes.get(objective_stages, True):
-            continue
         try:
             plan = _plan(method, batch, dataclasses.replace(w, cost_model=model), options, objective_stages)
         except ValueError:
@@ -330,8 +330,6 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
         # per-segment (padding-free) attention; token slices priced with their context, scheduled as chains
         costs = with_message_buffers(piece_costs(model, _slicer(model, options, w), plan.shapes, plan.contexts,
                                                  plan.slice_links, plan.pairs))
-        if model is cm:
-            recomputes[objective_stages] = costs.recompute is not None and bool(np.any(costs.recompute != 0))
         send = cm.model.send_time(costs.send_bytes, options.link)
         start = time.perf_counter()
         schedule, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
