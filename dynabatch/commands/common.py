@@ -14,7 +14,7 @@ from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
 from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
-from dynabatch.cost.stages import SPLIT_ROUNDS, StageCostModel, balanced_layout, placement_layout
+from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout, rebalanced_layout
 from dynabatch.data.builtin import default_mixture_path
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
@@ -187,27 +187,24 @@ def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     DP's plan, a split can make a baseline's plan the faster one, which the next split then serves better. A
     workload the method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error
     comes where the method runs, with that command's advice."""
-    plans = _plans(w, batches, method)
-    if plans is None:
-        return w
-    best, best_step, seen = w, None, set()
-    for _ in range(SPLIT_ROUNDS if is_planner(method) else 1):
-        cm = w.cost_model
-        layout = balanced_layout(cm.model, cm.num_stages, micro_batches=[(p.shapes, p.pairs) for p in plans],
-                                 split_blocks=w.split_blocks)
-        if layout in seen:
-            break
-        seen.add(layout)
-        w = replace(w, cost_model=replace(cm, layout=layout))
-        if not is_planner(method):
-            return w
-        plans = _plans(w, batches, method)
-        if plans is None:
-            break
-        step = sum(float(t.sum() + (cm.num_stages - 1) * t.max()) for t in (p.predicted_times_s for p in plans))
-        if best_step is None or step < best_step:
-            best, best_step = w, step
-    return best
+    cm = w.cost_model
+    planned: dict = {}  # layout -> the method's plans under it (None: cannot plan them)
+
+    def plans(layout):
+        if layout not in planned:
+            planned[layout] = _plans(replace(w, cost_model=replace(cm, layout=layout)), batches, method)
+        return planned[layout]
+
+    def predicted(layout):  # sum(t) + (S - 1) max(t) per batch, summed
+        done = plans(layout)
+        return None if done is None else sum(float(t.sum() + (cm.num_stages - 1) * t.max())
+                                             for t in (p.predicted_times_s for p in done))
+
+    layout = rebalanced_layout(
+        cm.layout, lambda lay: None if plans(lay) is None else [(p.shapes, p.pairs) for p in plans(lay)],
+        lambda micro: balanced_layout(cm.model, cm.num_stages, micro_batches=micro, split_blocks=w.split_blocks),
+        predicted if is_planner(method) else None)
+    return w if layout is None else replace(w, cost_model=replace(cm, layout=layout))
 
 
 def _plans(w: Workload, batches, method: str):

@@ -23,7 +23,7 @@ import numpy as np
 
 from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
-from dynabatch.commands.tuning import best_tuned, describe, tune, tune_baselines_arg
+from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.training.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
@@ -183,12 +183,8 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         "resolved": resolved_json(w),
     }
     if tuned:
-        top = best_tuned(tuned)
-        out["tuned"] = {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
-                        for m, t in tuned.items()}
-        out["best_tuned_baseline"] = top
-        out["dynamic_speedup_vs_best_tuned_baseline"] = (
-            rows[planner]["predicted_tokens_per_s"] / tuned[top].tokens_per_s if top and planner else None)
+        entries, ratio = tuned_summary(tuned, rows[planner]["predicted_tokens_per_s"] if planner else None)
+        out.update(entries, dynamic_speedup_vs_best_tuned_baseline=ratio)
     return out
 
 
@@ -222,9 +218,7 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
         print(f"{summary['dynamic_method']} vs best baseline (whole-sample baselines that fit; predicted step time): "
               f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x")
     if tuned:
-        print("tuned baselines (best knob value that fits memory, predicted tokens/s):")
-        for m, t in tuned.items():
-            print("  " + describe(m, t.to_dict(), rows[m]["predicted_tokens_per_s"]) + (" *" if objective_note(m) else ""))
+        print_tuned(tuned, {m: rows[m]["predicted_tokens_per_s"] for m in tuned}, "predicted")
         if summary["dynamic_speedup_vs_best_tuned_baseline"] is not None:
             print(f"{summary['dynamic_method']} vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), predicted "
                   f"real tokens/s: {summary['dynamic_speedup_vs_best_tuned_baseline']:.2f}x")

@@ -57,7 +57,7 @@ from dynabatch.schedule.policies import choose_schedule
 from dynabatch.schedule.simulate import with_message_buffers
 from dynabatch.schedule.virtual import placed_step
 from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
-from dynabatch.commands.tuning import Tuned, best_tuned, describe, tune, tune_baselines_arg
+from dynabatch.commands.tuning import Tuned, print_tuned, tune, tune_baselines_arg, tuned_summary
 
 
 @dataclass(frozen=True)
@@ -486,12 +486,8 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
     if tuned:
-        top = best_tuned(tuned)
-        out["tuned"] = {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
-                        for m, t in tuned.items()}
-        out["best_tuned_baseline"] = top
-        out["dynamic_throughput_vs_best_tuned_baseline"] = (dynamic / tuned[top].tokens_per_s
-                                                            if top and dynamic else None)
+        entries, ratio = tuned_summary(tuned, dynamic)
+        out.update(entries, dynamic_throughput_vs_best_tuned_baseline=ratio)
     return out
 
 
@@ -525,9 +521,7 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
         print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; whole-sample baselines), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
     if tuned:
-        print("tuned baselines (best knob value that fits memory, simulated tokens/s):")
-        for m, t in tuned.items():
-            print("  " + describe(m, t.to_dict(), rows[m].tokens_per_s) + (" *" if objective_note(m) else ""))
+        print_tuned(tuned, {m: rows[m].tokens_per_s for m in tuned}, "simulated")
         if summary["dynamic_throughput_vs_best_tuned_baseline"] is not None:
             print(f"{summary['dynamic_method']} vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), "
                   "real tokens/s: "

@@ -96,6 +96,24 @@ def describe(method: str, tuned: dict, default_tokens_per_s: float) -> str:
     return f"{method:<15} {tuned['knob']} {best}" + (f" (skipped {skipped})" if skipped else "")
 
 
+def tuned_summary(tuned: dict[str, Tuned], planner_tokens_per_s: float | None) -> tuple[dict, float | None]:
+    """A command's JSON entries of ``--tune-baselines`` (every baseline's :meth:`Tuned.to_dict`, labelled where it
+    changes the objective, and the best whole-sample one, :func:`best_tuned`) and the dynamic planner's real tokens/s
+    over the best tuned baseline's (``None`` when none fits or no planner ran)."""
+    top = best_tuned(tuned)
+    entries = {"tuned": {m: {**t.to_dict(), **({"changes_objective": objective_note(m)} if objective_note(m) else {})}
+                         for m, t in tuned.items()},
+               "best_tuned_baseline": top}
+    return entries, (planner_tokens_per_s / tuned[top].tokens_per_s if top and planner_tokens_per_s else None)
+
+
+def print_tuned(tuned: dict[str, Tuned], default_tokens_per_s: dict[str, float], what: str) -> None:
+    """One :func:`describe` line per tuned baseline (``what``: how its tokens/s were had, e.g. ``simulated``)."""
+    print(f"tuned baselines (best knob value that fits memory, {what} tokens/s):")
+    for m, t in tuned.items():
+        print("  " + describe(m, t.to_dict(), default_tokens_per_s[m]) + (" *" if objective_note(m) else ""))
+
+
 def best_tuned(tuned: dict[str, Tuned]) -> str | None:
     """The whole-sample baseline whose tuned setting is fastest (``None`` when none fits); a baseline that changes
     the objective (``packing_free_split``) is tuned and reported but never the best."""

@@ -107,6 +107,32 @@ def balanced_layout(model, num_stages: int, ref_shape: tuple[int, int, int] = (4
     return StageLayout(whole)
 
 
+def rebalanced_layout(start, micro_batches_under, balance, predicted=None, rounds: int = SPLIT_ROUNDS):
+    """The layer split balanced over the micro-batches planned under ``start`` and, with ``predicted``, balanced
+    again over those planned under each new split, up to ``rounds`` splits (:data:`SPLIT_ROUNDS`): the split
+    ``predicted(layout)`` (seconds, lower is better; the first on a tie) deems fastest. ``micro_batches_under(layout)``
+    gives what ``balance(micro_batches)`` balances a layout over; either of it and ``predicted`` returns ``None`` where
+    the method cannot plan under that split (the search stops there). Without ``predicted`` (a baseline, whose
+    micro-batches do not depend on the split) one balancing. ``None`` when nothing could be planned."""
+    layout, best, best_s, seen = start, None, None, set()
+    for _ in range(rounds if predicted is not None else 1):
+        micro_batches = micro_batches_under(layout)
+        if micro_batches is None:
+            break
+        layout = balance(micro_batches)
+        if layout in seen:
+            break
+        seen.add(layout)
+        if predicted is None:
+            return layout
+        seconds = predicted(layout)
+        if seconds is None:
+            break
+        if best_s is None or seconds < best_s:
+            best, best_s = layout, seconds
+    return best
+
+
 def split_halves(kinds) -> list[str]:
     """``kinds`` with every block that has halves (:data:`BLOCK_HALVES`) written as its two halves."""
     return [h for k in kinds for h in BLOCK_HALVES.get(k, (k,))]

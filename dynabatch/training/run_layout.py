@@ -46,7 +46,7 @@ import torch.distributed as dist
 from dynabatch.training.config.placement_choice import VIRTUAL_MARGIN, pick_placement, placement_candidates  # noqa: F401
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import is_planner
-from dynabatch.cost.stages import SPLIT_ROUNDS, StageLayout, join_halves, placement_layout, split_halves
+from dynabatch.cost.stages import StageLayout, join_halves, placement_layout, rebalanced_layout, split_halves
 from dynabatch.data.batching import GlobalBatcher
 from dynabatch.models.families import family_for_config
 from dynabatch.models.split import layout_for
@@ -150,18 +150,14 @@ def _data_split(own, reference: StageLayout, placement, layer_model, plans, pred
     so its split is balanced again over the plans made on the new one, up to
     :data:`~dynabatch.cost.stages.SPLIT_ROUNDS` splits, and the one its steps are predicted shortest on is kept
     (the first on a tie)."""
-    layout, best, seen = reference, None, set()
-    for _ in range(SPLIT_ROUNDS if is_planner(own.method) else 1):
-        sampled = _micro_batches(plans(own, layout))
+    def balance(sampled) -> StageLayout:
         layout = placement_layout(layer_model, placement, sampled, split_blocks=own.cuts_inside_blocks)
         if own.cuts_inside_blocks and layout != (whole := placement_layout(layer_model, placement, sampled)):
             layout = min((whole, layout), key=lambda candidate: predicted_s(own, candidate))  # whole on a tie
-        if layout in seen:
-            break
-        seen.add(layout)
-        if best is None or predicted_s(own, layout) < predicted_s(own, best):
-            best = layout
-    return best
+        return layout
+
+    return rebalanced_layout(reference, lambda layout: _micro_batches(plans(own, layout)), balance,
+                             (lambda layout: predicted_s(own, layout)) if is_planner(own.method) else None)
 
 
 def sampled_run_layout(cfg, model, data, batcher) -> RunLayout:
