@@ -7,9 +7,12 @@ anything is loaded, rank 0 inspects the folder (:func:`output_dir_problem`):
 * a fresh run (no ``--resume-from-checkpoint``) into a folder that holds anything at all is refused, naming what it
   found and pointing at ``--resume-from-checkpoint`` (continue that run) and ``--overwrite-output-dir``; nothing in
   the folder is touched;
-* with ``--overwrite-output-dir`` the entries a dynabatch run writes are deleted first (the
-  checkpoints, metrics, summary, timelines, tracker logs and compare runs of the earlier run); anything else in the
-  folder is left alone.
+* with ``--overwrite-output-dir`` the entries the earlier run wrote are deleted first (its checkpoints, metrics,
+  summary, configuration, calibration, timelines, tracker logs and compare runs); anything else in the folder is left
+  alone. What counts as the earlier run's is what its run file says (:data:`RUN_FILE`): a run starting in a folder
+  records there what the folder held before it, so an entry named like a run's (``runs/``, ``checkpoints/``, ...)
+  that was there first is never deleted. A folder holding such entries with no run file (the user's own, or a run
+  older than the run file) is refused with one line naming them, and nothing is touched.
 
 Rank 0 decides and broadcasts the outcome, so every rank raises the same one-line ``ValueError``
 (:func:`prepare_output_dir`). On ``--resume-from-checkpoint``, :func:`truncate_metrics` drops the records of steps the
@@ -23,8 +26,11 @@ import os
 import shutil
 import tempfile
 
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "timeline.json", "timeline.png",
-               "timeline_measured.png", "timeline_simulated.png", "runs", "wandb")
+RUN_FILE = "dynabatch-run.json"
+"""Written when a run starts in a folder: the entries the folder held before it (``present_before``), so that
+``--overwrite-output-dir`` deletes only what the run wrote itself."""
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "calibration.json", "timeline.json",
+               "timeline.png", "timeline_measured.png", "timeline_simulated.png", "runs", "wandb", RUN_FILE)
 """What a training run writes into its output folder (plus ``compare-<method>/`` folders)."""
 
 
@@ -32,9 +38,51 @@ def _is_run_entry(name: str) -> bool:
     return name in RUN_ENTRIES or name.startswith("compare-")
 
 
+def _present_before(path: str) -> list[str] | None:
+    """The entries the folder held when the run that wrote its :data:`RUN_FILE` started; ``None`` without a
+    readable run file."""
+    try:
+        with open(os.path.join(path, RUN_FILE), encoding="utf-8") as f:
+            before = json.load(f).get("present_before")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(x) for x in before] if isinstance(before, list) else None
+
+
+def _record_start(path: str, found: list[str]) -> None:
+    """Write :data:`RUN_FILE`: a run starts in ``path``, which holds ``found`` (none of it the run's)."""
+    tmp = os.path.join(path, RUN_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"written_by": "dynabatch train", "present_before": sorted(found)}, f, indent=1)
+    os.replace(tmp, os.path.join(path, RUN_FILE))
+
+
+def _clear_earlier_run(path: str, found: list[str]) -> str | None:
+    """``--overwrite-output-dir``: delete the entries of ``found`` the earlier run wrote (by its run file), or say
+    why none can be deleted (entries named like a run's and no run file to tell whose they are)."""
+    before = _present_before(path)
+    named = [n for n in found if _is_run_entry(n)]
+    if before is None:
+        if not named:
+            return None
+        return (f"--overwrite-output-dir: {path!r} holds {', '.join(named[:5])}"
+                f"{f' and {len(named) - 5} more' if len(named) > 5 else ''} but no {RUN_FILE} saying a dynabatch run "
+                "wrote them, so nothing was deleted; move them away, or pass another --output-dir")
+    for name in named:
+        if name in before:  # there before that run started: not its own
+            continue
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        else:
+            os.remove(target)
+    return None
+
+
 def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | None:
     """Why a run may not use ``path`` (one line), or ``None``; with ``overwrite`` deletes the earlier
-    run's entries. Creates the folder if it does not exist."""
+    run's entries. Creates the folder if it does not exist; a fresh run records what the folder holds in
+    :data:`RUN_FILE`."""
     if os.path.exists(path) and not os.path.isdir(path):
         return f"--output-dir {path!r} is a file, not a folder; pass a folder path"
     try:
@@ -45,19 +93,17 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | Non
     except OSError as e:
         return f"--output-dir {path!r} is not writable ({e.strerror or e}); pass a folder you can write to"
     found = sorted(os.listdir(path))
-    if not found or resume:
+    if resume:
         return None
-    if not overwrite:
+    if found and not overwrite:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
         return (f"--output-dir {path!r} is not empty (it holds {shown}); pass --resume-from-checkpoint to continue the run that "
                 "wrote it, --overwrite-output-dir to replace that run's files, or another --output-dir")
-    for name in found:
-        if _is_run_entry(name):
-            target = os.path.join(path, name)
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            else:
-                os.remove(target)
+    if found:
+        problem = _clear_earlier_run(path, found)
+        if problem is not None:
+            return problem
+    _record_start(path, sorted(os.listdir(path)))
     return None
 
 

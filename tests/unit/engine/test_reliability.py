@@ -137,14 +137,54 @@ def test_fresh_run_into_a_used_folder_is_refused_and_touches_nothing(tmp_path, c
 
 def test_overwrite_output_dir_replaces_only_run_files(tmp_path, toy_mixture_dir, capsys):
     out = tmp_path / "old"
-    (out / "checkpoints" / "step-000010").mkdir(parents=True)
-    (out / "metrics.jsonl").write_text('{"step": 9}\n')
+    first = _cli(capsys, tmp_path, toy_mixture_dir, "old", "--steps", "1")  # the earlier run, and its run file
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-000001"]
     (out / "notes.txt").write_text("mine")
     run = _cli(capsys, tmp_path, toy_mixture_dir, "old", "--steps", "2", "--overwrite-output-dir")
     assert run.returncode == 0, run.stderr[-3000:]
     assert (out / "notes.txt").read_text() == "mine"
     assert [r["step"] for r in _records(out)] == [0, 1]
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000002"]
+
+
+def test_overwrite_output_dir_never_deletes_entries_no_run_wrote(tmp_path, capsys):
+    """Folders a user named like a run's (``runs/``, ``wandb/``, ``checkpoints/``), with no run file saying a run
+    wrote them: refused in one line, nothing touched."""
+    out = tmp_path / "project"
+    (out / "runs" / "exp1").mkdir(parents=True)
+    (out / "runs" / "exp1" / "results.txt").write_text("r")
+    (out / "wandb").mkdir()
+    (out / "wandb" / "settings").write_text("x")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "mydata.bin").write_bytes(b"data")
+    before = _tree_digest(out)
+    code, err = _train_inproc(tmp_path, capsys, out, "--overwrite-output-dir")
+    assert code == 2, err[-2000:]
+    msg = _error_line(err)
+    assert "nothing was deleted" in msg and "runs" in msg and "wandb" in msg and "dynabatch-run.json" in msg
+    assert _tree_digest(out) == before
+
+
+def test_overwrite_keeps_what_the_folder_held_before_the_earlier_run(tmp_path):
+    from dynabatch.engine.outputs import RUN_FILE, output_dir_problem
+
+    out = tmp_path / "run"
+    (out / "runs").mkdir(parents=True)  # the user's, there before the earlier run started (its run file says so)
+    (out / "runs" / "mine.txt").write_text("mine")
+    (out / "notes.txt").write_text("notes")
+    (out / RUN_FILE).write_text(json.dumps({"present_before": ["notes.txt", "runs"]}))
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # the earlier run's
+    (out / "compare-packing_free").mkdir()
+    assert output_dir_problem(str(out), resume=False, overwrite=False) is not None  # not empty: refused
+    assert (out / "metrics.jsonl").exists()
+    assert output_dir_problem(str(out), resume=False, overwrite=True) is None
+    assert sorted(os.listdir(out)) == sorted(["notes.txt", "runs", RUN_FILE])
+    assert (out / "runs" / "mine.txt").read_text() == "mine"
+    assert json.loads((out / RUN_FILE).read_text())["present_before"] == ["notes.txt", "runs"]
+    fresh = tmp_path / "fresh"
+    assert output_dir_problem(str(fresh), resume=False, overwrite=False) is None  # created, empty: recorded as such
+    assert json.loads((fresh / RUN_FILE).read_text())["present_before"] == []
 
 
 def test_output_dir_that_is_a_file_or_unwritable_is_one_line(tmp_path, capsys):
