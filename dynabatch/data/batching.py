@@ -204,6 +204,12 @@ class GlobalBatcher:
         while True:
             yield self.next_batch()
 
+    def data_fingerprint(self) -> list[list]:
+        """Per source ``[name, rows, tokens]`` (inputs and targets as tokenized, before any truncation): a position
+        saved by :meth:`state_dict` is only a position in these same rows."""
+        return [[s.name, len(s), int(s.input_ids.lengths.sum()) + int(s.target_ids.lengths.sum())]
+                for s in self.data.sources]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "sampler": self._sampler.state_dict(),
@@ -211,12 +217,23 @@ class GlobalBatcher:
             "step": self.step,
             "num_truncated": self.num_truncated,
             "num_dropped": self.num_dropped,
+            "data": self.data_fingerprint(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the position of a :meth:`state_dict` (of a batcher or loader over the same mixture)."""
+        """Resume at the position of a :meth:`state_dict` (of a batcher or loader over the same mixture).
+        ``ValueError`` when the state was saved over other data (another row or token count in a source; states
+        saved before the count was recorded are not checked)."""
         require_keys("batcher state", state, ("sampler", "pending", "step", "num_truncated", "num_dropped"),
                      "a GlobalBatcher or DynaBatchDataLoader")
+        saved, now = state.get("data"), self.data_fingerprint()
+        if saved is not None and [list(x) for x in saved] != now:
+            changed = next(((a, b) for a, b in zip(saved, now) if list(a) != b), None)
+            what = (f"source {changed[1][0]!r} had {changed[0][1]} rows of {changed[0][2]} tokens then, "
+                    f"{changed[1][1]} rows of {changed[1][2]} tokens now" if changed is not None else
+                    f"{len(saved)} sources then, {len(now)} now")
+            raise ValueError(f"the data changed since this position was saved ({what}); resume on the same data "
+                             "files, or start a new run in another --output-dir")
         self._sampler.load_state_dict(state["sampler"])
         self._pending = tuple(state["pending"]) if state["pending"] is not None else None
         self.step = int(state["step"])

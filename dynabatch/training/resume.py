@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from dynabatch.training.config import FIXED_ON_RESUME, TrainConfig, canonical
 from dynabatch.training.config.flags import NOT_RUN_SETTINGS
+from dynabatch.training.config.paths import run_paths
 from dynabatch.cost.online import OnlineFit
 from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint,
                                           save_collective)
@@ -46,8 +47,10 @@ _NOT_COMPARED = NOT_RUN_SETTINGS
 
 def compare_configs(old: dict[str, Any], new: TrainConfig, where: str) -> list[str]:
     """Raise ``ValueError`` if a fixed field differs; return ``"name: old -> new"`` for the others."""
-    current = new.to_dict()
-    old = canonical(old)  # a checkpoint of an older version stores older names (``lr``, ``steps``)
+    current = run_paths(new.to_dict())
+    # a checkpoint of an older version stores older names (``lr``, ``steps``) and paths as typed (relative ones are
+    # taken from this folder); the same files and columns spelled otherwise are the same setting
+    old = run_paths(canonical(old))
     fixed, notes = [], []
     for name, value in current.items():
         if name in _NOT_COMPARED or name not in old or old[name] == value:
@@ -144,7 +147,10 @@ def resume(run, info: CheckpointInfo | None, lr_lambda: Callable[[int], float]) 
         run.executor.loss_scaler.load_state_dict(manifest["loss_scaler"])
     run.run_id = info.run_id
     if run.ctx.is_planner:
-        run.batcher.load_state_dict(manifest["data"])
+        try:
+            run.batcher.load_state_dict(manifest["data"])
+        except ValueError as e:
+            raise ValueError(f"--resume-from-checkpoint {info.path}: {e}") from None
         run.planner.step = info.step
         _restore_calibration(run, manifest.get("calibration") or {}, info.path)
         if not same_world and cfg.dropout > 0:

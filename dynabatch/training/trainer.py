@@ -60,6 +60,7 @@ from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
 from dynabatch.engine.outputs import prepare_output_dir, truncate_metrics
+from dynabatch.training.config.paths import run_paths
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
@@ -502,7 +503,9 @@ def resolve_run(cfg: TrainConfig) -> Resolved:
     """``cfg`` resolved for this machine and model (:func:`dynabatch.training.config.resolve.resolve`): whether CUDA is
     available, the model's sequence kind (checked before anything loads), the world size and the host's memory. The tokenizer is
     resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
-    name it."""
+    name it. Local paths become absolute first (:func:`~dynabatch.training.config.paths.run_paths`), so
+    ``config.yaml`` and the checkpoints record files that a run from any folder finds."""
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in run_paths(cfg.to_dict()).items() if v != getattr(cfg, k)})
     kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
     return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
                               world_size=cfg.world_size, host_memory_gib=host_memory_gib()))

@@ -42,6 +42,25 @@ def test_deterministic_and_resumable(toy_data):
     assert [_ids(fresh.next_batch()) for _ in range(7)][3:] == expected
 
 
+def test_a_position_saved_over_other_data_is_refused(toy_data):
+    """A state names rows of the data it was saved over: the same rows with one row fewer in a source (a data file
+    edited between runs) are refused, naming the source, before any row is read."""
+    import json
+
+    limits = _limits(toy_data.family)
+    a = GlobalBatcher(toy_data, limits, token_budget=1500)
+    a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))  # as a checkpoint manifest keeps it
+    GlobalBatcher(toy_data, limits, token_budget=1500).load_state_dict(state)  # the same data: accepted
+    shrunk = state["data"][0][:1] + [state["data"][0][1] - 1] + state["data"][0][2:]
+    with pytest.raises(ValueError, match=r"the data changed since this position was saved \(source "
+                                         + repr(state["data"][0][0]) + r" had \d+ rows"):
+        GlobalBatcher(toy_data, limits, token_budget=1500).load_state_dict(
+            state | {"data": [shrunk, *state["data"][1:]]})
+    old = {k: v for k, v in state.items() if k != "data"}  # saved before the count was recorded: not checked
+    GlobalBatcher(toy_data, limits, token_budget=1500).load_state_dict(old)
+
+
 def test_truncation_keeps_eos_and_start(toy_data):
     limits = _limits(toy_data.family, 32)
     batch = GlobalBatcher(toy_data, limits, token_budget=4000).next_batch()

@@ -225,6 +225,56 @@ def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy
     assert lrs[1] == pytest.approx(1e-3) and lrs[2] == pytest.approx(5e-4) and lrs[3] == pytest.approx(5e-4)
 
 
+def test_resume_on_edited_data_is_one_line(tmp_path, toy_mixture_dir, capsys):
+    """A data file that shrank between the run and its resume: one line naming the source, exit 2 (a position in
+    the earlier rows, read on the new ones, would index past them or silently draw other samples)."""
+    import shutil
+
+    data = tmp_path / "mixture"
+    shutil.copytree(toy_mixture_dir, data)
+    first = _cli(capsys, tmp_path, str(data), "run", "--steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = (data / "summarize.jsonl").read_text().splitlines(keepends=True)
+    (data / "summarize.jsonl").write_text("".join(lines[: len(lines) // 2]))
+    before = _tree_digest(tmp_path / "run" / "checkpoints")
+    again = _cli(capsys, tmp_path, str(data), "run", "--steps", "4", "--resume")
+    assert again.returncode == 2, again.stderr[-3000:]
+    msg = _error_line(again.stderr)
+    assert "--resume-from-checkpoint" in msg and "the data changed" in msg and "'summarize' had 600 rows" in msg
+    assert "Traceback" not in again.stderr
+    assert _tree_digest(tmp_path / "run" / "checkpoints") == before
+
+
+def test_resume_and_config_from_another_folder_with_paths_spelled_otherwise(tmp_path, toy_mixture_dir, capsys,
+                                                                            monkeypatch):
+    """The run records the files it read as absolute paths (config.yaml, the checkpoints), so a resume from another
+    folder, spelling the same data file and columns otherwise, continues; ``--config OUTPUT/config.yaml`` runs from
+    anywhere."""
+    import shutil
+
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(os.path.join(toy_mixture_dir, "classify.jsonl"), work / "qa.jsonl")
+    monkeypatch.chdir(work)
+    args = ["train", "--model", "t5-tiny", *BASE, "--data", "qa.jsonl", "--columns", "inputs=inputs, targets=targets"]
+    assert main([*args, "--steps", "1", "--output-dir", "run"]) == 0, capsys.readouterr().err[-3000:]
+    recorded = yaml.safe_load((work / "run" / "config.yaml").read_text())
+    assert recorded["data"]["data"] == str(work / "qa.jsonl")
+    assert recorded["data"]["columns"] == "inputs=inputs,targets=targets"
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--model", "t5-tiny", *BASE, "--data", str(work / "qa.jsonl"), "--columns",
+                 "inputs=inputs,targets=targets", "--steps", "2", "--output-dir", str(work / "run"), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert [r["step"] for r in _records(work / "run")] == [0, 1]
+    code = main(["train", "--config", str(work / "run" / "config.yaml"), "--output-dir", str(tmp_path / "again"),
+                 "--steps", "1"])
+    assert code == 0, capsys.readouterr().err[-3000:]
+
+
 # ------------------------------------------------------------------------------------------ config errors
 
 
