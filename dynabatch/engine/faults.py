@@ -13,7 +13,9 @@ exception in a world of several ranks it, in this order:
    rank exits), so a rank that fails only because a peer went away says which rank failed first;
 3. prints ``dynabatch train: error: [rank N] ...`` (one line; a traceback too for a bug, i.e. not a
    ``ValueError``/``FileNotFoundError``/:class:`~dynabatch.engine.dist.PipelineError`, or with
-   ``DYNABATCH_DEBUG=1``) and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``). torchrun
+   ``DYNABATCH_DEBUG=1``) and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``). A rank that fails only
+   because another rank's bad input ended the run first (the first failure a user error, its own not) prints
+   nothing: the run's one line is the first rank's, and the error file still names it. torchrun
    names the failure with the smallest timestamp as the root cause and keeps whole seconds, so a rank
    that fails because another failed first records one second after that one;
 4. exits at once (``os._exit``: 2 for a user error, 1 otherwise, 130 on Ctrl-C) without tearing the
@@ -138,6 +140,8 @@ class FailureRecord:
     message: str
     timestamp: int
     """Whole seconds since the epoch (torchrun's resolution)."""
+    user_error: bool = False
+    """The failure was bad input (:func:`is_user_error`): that rank's line is the run's one line."""
 
 
 def claim_first_failure(mine: FailureRecord) -> FailureRecord:
@@ -149,9 +153,9 @@ def claim_first_failure(mine: FailureRecord) -> FailureRecord:
         store = c10d._get_default_store()
         store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
         key = f"dynabatch/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        value = json.dumps([mine.rank, mine.message, mine.timestamp])
+        value = json.dumps([mine.rank, mine.message, mine.timestamp, mine.user_error])
         first = json.loads(store.compare_set(key, "", value))
-        return FailureRecord(int(first[0]), str(first[1]), int(first[2]))
+        return FailureRecord(int(first[0]), str(first[1]), int(first[2]), bool(first[3]) if len(first) > 3 else False)
     except Exception:  # noqa: BLE001 - exiting anyway; the store is only a courtesy
         return mine
 
@@ -210,12 +214,14 @@ def report_and_exit(rank: int, error: BaseException, processes: tuple[ProcessId,
     try:
         killed = kill_stopped_peers(rank, processes)
         now = int(time.time())
-        first = claim_first_failure(FailureRecord(rank, _describe(error), now))
+        first = claim_first_failure(FailureRecord(rank, _describe(error), now, is_user_error(error)))
         line = failure_message(rank, error, first, killed)
         stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        if _is_bug(error) or os.environ.get("DYNABATCH_DEBUG"):
+        echo = not (first.rank != rank and first.user_error and not is_user_error(error)) or bool(killed)
+        if echo and (_is_bug(error) or os.environ.get("DYNABATCH_DEBUG")):
             sys.stderr.write(stack)
-        sys.stderr.write(error_line(prog, line) + "\n")
+        if echo or os.environ.get("DYNABATCH_DEBUG"):
+            sys.stderr.write(error_line(prog, line) + "\n")
         write_error_file(line, stack + line if _is_bug(error) else line,
                          now if first.rank == rank else max(now, first.timestamp + 1))
     finally:
