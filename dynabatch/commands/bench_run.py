@@ -16,7 +16,7 @@ from dynabatch.commands.bench_report import PACK_ROWS_OF, PEER, PLAN_VARIANTS, p
 from dynabatch.commands.bench_data import LazyPlans, load_batches
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
-from dynabatch.commands.common import parse_methods, write_json
+from dynabatch.commands.common import check_output_file, parse_methods, write_json
 from dynabatch.training.config.resolve import Found, Resolved, lower, lower_args, resolve
 from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
@@ -64,6 +64,7 @@ def _family(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
+    check_output_file(args.json)
     methods = parse_methods(args.methods, METHODS)
     if args.data and args.lengths:
         raise ValueError(f"give --data or --lengths, not both (got {args.data!r} and {args.lengths!r})")
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     result = bench(args, methods)
     if result is None:
         return 0
-    if args.json and write_json(result, args.json, indent=1):
+    if args.json and write_json(result, args.json, indent=1, command="bench"):
         return 0
     if not args.quiet:
         print_table(result)

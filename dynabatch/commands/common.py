@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, replace
 
 from dynabatch.data.batching import LengthLimits
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.resolve import Found, args_view, decide, lower, lower_args, resolve_args
 from dynabatch.training.config.sections import arg
+from dynabatch.commands.output_files import WRITTEN_BY, check_output_file, write_json  # noqa: F401 (re-exported)
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
@@ -27,16 +29,6 @@ def json_arg():
                nargs="?", const="-", metavar="PATH")
 
 
-def write_json(obj, target: str, indent: int = 2) -> bool:
-    """``--json`` output; ``True`` when it went to stdout (the command then prints nothing else)."""
-    import json
-
-    if target == "-":
-        print(json.dumps(obj, indent=indent))
-        return True
-    with open(target, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent)
-    return False
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from dynabatch.commands.common import check_positive, parse_methods, write_json
+from dynabatch.commands.common import check_output_file, check_positive, parse_methods, write_json
 from dynabatch.training.config.flags import add_fields
 from dynabatch.training.config.resolve import Found, resolve_args
 from dynabatch.core.methods import check_method_family, methods_for
@@ -225,9 +225,10 @@ def run_lengths(args: argparse.Namespace) -> int:
     """``--lengths FILE``: the file's tail as a table, or as JSON with ``--json``."""
     if args.mixture or args.data:
         raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
+    check_output_file(args.json)
     tail = lengths_tail(load_lengths(args.lengths))
     if args.json:
-        if write_json({"lengths": args.lengths, **asdict(tail)}, args.json):
+        if write_json({"lengths": args.lengths, **asdict(tail)}, args.json, command="data-report"):
             return 0
     print_tail(args.lengths, tail)
     return 0

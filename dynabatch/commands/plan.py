@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
+    check_output_file(args.json)
     w = resolve(args)
     methods = compared_methods(args.methods, w.family, args.model)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         tuned = {m: tune(m, batches, w.limits, w.options, _trial(m, batches, w, args, rows[m]))
                  for m in methods if not is_planner(m)}
     summary = _summary(args, w, batches, rows, tuned)
-    if args.json and write_json(summary, args.json):
+    if args.json and write_json(summary, args.json, command="plan"):
         return 0
     _print_table(summary, rows, tuned)
     return 0

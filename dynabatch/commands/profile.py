@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from dynabatch.commands.output_files import check_output_file
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.resolve import Found, describe_choices, resolve_args
 from dynabatch.training.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import ProfileGrid
 from dynabatch.model_presets import FAMILY_PRESETS
-from dynabatch.cost.tables import CostTables
+from dynabatch.cost.tables import FORMAT, CostTables
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def _check_run(run_dir: str) -> int:
 
 
 def _check(args) -> int:
+    if args.num_shapes < 1:
+        raise ValueError(f"--num-shapes must be >= 1, got {args.num_shapes}")
     if os.path.isdir(args.check):
         return _check_run(args.check)
     tables = CostTables.load(args.check)
@@ -165,12 +168,13 @@ def run(args) -> int:
                        _ints(args.dec_lengths, "--dec-lengths"), args.max_tokens)
     settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
     kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
+    out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
+    check_output_file(out, "--out", ours=lambda obj: obj.get("format") == FORMAT)  # replaces a profile only
     _log_choices(decided)  # after the flags are checked: a bad one is the command's only line
     p2p = None if args.p2p == "none" else args.p2p
     profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],
                           num_threads=threads, dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
                           show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
-    out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
     path = save_profile(profile, out)
     summary = {k: _count_ok(v["status"]) for k, v in profile["layers"].items()}
     logger.info(f"wrote {path}: {sum(summary.values())} points over {len(summary)} layer kinds in "

@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -181,6 +181,9 @@ class SimulateOptions:
 def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
     check_positive(args, "in_flight", "max_samples")
+    check_output_file(args.json)
+    if args.trace_dir and os.path.exists(args.trace_dir) and not os.path.isdir(args.trace_dir):
+        raise ValueError(f"--trace-dir {args.trace_dir!r} is a file, not a folder; pass a folder path")
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     w = simulation_workload(resolve(args))
@@ -220,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m], resplit(m))
                  for m in methods if not is_planner(m)}
     summary = _summary(args, w, batches, rows, tuned)
-    if args.json and write_json(summary, args.json):
+    if args.json and write_json(summary, args.json, command="simulate"):
         return 0
     _print_table(summary, rows, tuned)
     return 0

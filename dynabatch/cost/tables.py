@@ -192,8 +192,23 @@ class CostTables:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CostTables":
-        with open(path) as f:
-            return cls.from_profile(json.load(f))
+        """The tables of the profile file at ``path``; a missing, unreadable or malformed file is one line naming it."""
+        hint = "pass a file written by `dynabatch profile`"
+        try:
+            with open(path, encoding="utf-8") as f:
+                profile = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"cost profile {str(path)!r} not found; {hint}") from None
+        except (OSError, ValueError) as e:  # a folder, no permission, not JSON, not UTF-8
+            raise ValueError(f"cost profile {str(path)!r} cannot be read as a profile ({e}); {hint}") from None
+        if not isinstance(profile, dict):
+            raise ValueError(f"cost profile {str(path)!r} is not a profile (a JSON {type(profile).__name__}); {hint}")
+        try:
+            return cls.from_profile(profile)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"cost profile {str(path)!r} is not a complete profile (missing {e}); {hint}") from None
+        except ValueError as e:
+            raise ValueError(f"cost profile {str(path)!r}: {e}; {hint}") from None
 
     @classmethod
     def from_profile(cls, profile: dict) -> "CostTables":
