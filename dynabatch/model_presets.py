@@ -77,6 +77,34 @@ FAMILY_PRESETS = {"t5": "t5-d256", "gpt": "gpt2-d256", "gpt2": "gpt2-d256", "lla
 """``--model t5`` / ``gpt`` / ``llama`` in train, bench and profile: the family's benchmark preset."""
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""What ``save_pretrained`` writes for the weights (one file, or an index of shards)."""
+_FOLDER_HINT = "pass a folder written by save_pretrained (config.json and the weights)"
+
+
+def model_problem(name_or_path: str) -> str | None:
+    """Why ``--model name_or_path`` names no model a run can load (one line), from the file system alone (no
+    import of transformers: the launcher of a multi-rank run checks it once): a folder without ``config.json`` or
+    without weights, a file, a path that does not exist, an unknown preset. ``None`` when it may load."""
+    presets = f"or a preset ({', '.join(PRESETS)}; a family: {', '.join(FAMILY_PRESETS)})"
+    if os.path.isdir(name_or_path):
+        names = set(os.listdir(name_or_path))
+        if "config.json" not in names:
+            return f"--model {name_or_path!r}: the folder holds no config.json; {_FOLDER_HINT}, {presets}"
+        if not names & set(WEIGHT_FILES):
+            return (f"--model {name_or_path!r}: the folder holds config.json but no weights ({' or '.join(WEIGHT_FILES[::2])}); "
+                    f"{_FOLDER_HINT}")
+        return None
+    if os.path.exists(name_or_path):
+        return f"--model {name_or_path!r} is a file, not a model folder; {_FOLDER_HINT}, {presets}"
+    if FAMILY_PRESETS.get(name_or_path, name_or_path) in PRESETS:
+        return None
+    if os.sep in name_or_path or name_or_path.startswith((".", "~")):
+        return f"--model {name_or_path!r}: no such folder (nothing is downloaded); {_FOLDER_HINT}, {presets}"
+    return f"unknown model preset {name_or_path!r}; valid presets: {', '.join(PRESETS)}, a family " \
+           f"({', '.join(FAMILY_PRESETS)}) or a local checkpoint dir"
+
+
 def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0,
                  special_ids: dict[str, int] | None = None):
     """The Hugging Face config of a preset (or a family name of :data:`FAMILY_PRESETS`). ``dropout`` applies to
@@ -106,7 +134,15 @@ def load_config(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        if (problem := model_problem(name_or_path)) is not None and "config.json" in problem.split(";")[0]:
+            raise ValueError(problem)
+        try:
+            return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        except (OSError, ValueError) as e:  # unreadable JSON, an unknown model_type
+            raise ValueError(f"--model {name_or_path!r}: its config.json cannot be loaded "
+                             f"({' '.join(str(e).split())[:300]}); {_FOLDER_HINT}") from None
+    if (problem := model_problem(name_or_path)) is not None:
+        raise ValueError(problem)
     return build_config(name_or_path, vocab_size=vocab_size, dropout=dropout)
 
 

@@ -13,6 +13,8 @@ import sys
 
 from dynabatch.training.config.flags import add_config_arguments, config_from_args, given_flags
 from dynabatch.core.methods import objective_note
+from dynabatch.data.tokenize import tokenizer_problem
+from dynabatch.model_presets import model_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
     if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
         from dynabatch.engine.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
+
+        # what every rank would refuse alike, said once here (the file system only: no transformers import)
+        for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model)):
+            if problem is not None:
+                raise ValueError(problem)
 
         return launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
     # After the launch: a launcher that only starts the ranks never imports the training loop (its imports cost

@@ -14,6 +14,7 @@ with ``bad_rows: skip`` - is dropped and counted.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -232,11 +233,13 @@ def _load_hub(spec: SourceSpec):
         ) from e
 
 
-def _load_raw(spec: SourceSpec, dataset=None):
+def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
+    """The source's rows as loaded, and how many lines could not be read as rows (skipped under
+    ``bad_rows="skip"``: lines of a .jsonl file that are not JSON objects)."""
     import datasets
 
     if spec.in_memory:
-        return _in_memory_rows(spec, dataset)
+        return _in_memory_rows(spec, dataset), 0
     if dataset is not None:
         raise ValueError(f"source {spec.task!r} loads its own rows; a dataset is given only with in_memory=True")
     if spec.builtin:
@@ -244,9 +247,9 @@ def _load_raw(spec: SourceSpec, dataset=None):
             raise ValueError(f"source {spec.task!r}: unknown built-in task {spec.builtin!r}; valid: {', '.join(BUILTIN_TASKS)}")
         # The package version is part of the cache key, so an upgrade never reuses stale rows.
         kwargs = {"task": spec.builtin, "num_examples": spec.num_examples, "seed": spec.seed, "version": __version__}
-        return datasets.Dataset.from_generator(_builtin_rows, gen_kwargs=kwargs)
+        return datasets.Dataset.from_generator(_builtin_rows, gen_kwargs=kwargs), 0
     if spec.hf:
-        return _load_hub(spec)
+        return _load_hub(spec), 0
     missing = [f for f in spec.data_files if not os.path.exists(f)]
     if missing:
         raise FileNotFoundError(f"source {spec.task!r}: data file(s) not found: {missing}")
@@ -263,12 +266,55 @@ def _load_raw(spec: SourceSpec, dataset=None):
             f"use one kind of {sorted(FILE_BUILDERS)}"
         )
     try:
-        return datasets.load_dataset(builders.pop(), data_files=list(spec.data_files), split="train")
+        return datasets.load_dataset(builders.pop(), data_files=list(spec.data_files), split="train"), 0
     except Exception as e:  # datasets wraps parse and decode errors several levels deep
+        lines = _json_lines(spec.data_files) if exts == {".jsonl"} else None
+        if lines is not None and lines.bad:
+            path, line, why = lines.bad[0]
+            if bad_rows == "skip" and lines.rows:
+                warnings.warn(f"source {spec.task!r}: {len(lines.bad)} line(s) that are not JSON objects skipped "
+                              f"(first: {path}, line {line}: {why})", stacklevel=2)
+                return datasets.Dataset.from_list(lines.rows), len(lines.bad)
+            raise BadRowError(
+                f"source {spec.task!r}: could not read {path}, line {line}: not a JSON object ({why}); fix that line "
+                f"(one JSON object per line), or {BAD_ROW_ADVICE}") from None
         raise BadRowError(
             f"source {spec.task!r}: could not read {list(spec.data_files)}: {type(e).__name__}: {e}. "
             "Check that the file is valid UTF-8 and well-formed (one JSON object per line for .jsonl)."
         ) from e
+
+
+@dataclass(frozen=True)
+class _JsonLines:
+    rows: list
+    """Every line that is a JSON object, in file order."""
+    bad: list
+    """``(file, line number from 1, why)`` of every other non-blank line."""
+
+
+def _json_lines(files) -> _JsonLines | None:
+    """The .jsonl ``files`` read line by line (what ``datasets`` could not parse, found and named); ``None`` when a
+    file cannot be read at all."""
+    rows, bad = [], []
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                for number, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        obj = json.loads(raw.decode("utf-8").strip())
+                    except UnicodeDecodeError as e:
+                        bad.append((path, number, f"not valid UTF-8: {e.reason}"))
+                        continue
+                    except json.JSONDecodeError as e:
+                        bad.append((path, number, f"{e.msg} at column {e.colno}"))
+                        continue
+                    (rows.append(obj) if isinstance(obj, dict) else
+                     bad.append((path, number, f"a JSON {type(obj).__name__}, not an object")))
+        except OSError:
+            return None
+    return _JsonLines(rows, bad)
 
 
 def _in_memory_rows(spec: SourceSpec, dataset):
@@ -316,7 +362,7 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
         bad_rows = spec.bad_rows or "error"
     if bad_rows not in BAD_ROW_POLICIES:
         raise ValueError(f"bad_rows must be one of {BAD_ROW_POLICIES}, got {bad_rows!r}")
-    ds = _load_raw(spec, dataset)
+    ds, unreadable = _load_raw(spec, dataset, bad_rows)  # rows are numbered among the readable lines
     if spec.max_examples is not None:
         ds = ds.select(range(min(spec.max_examples, len(ds))))
     if len(ds) == 0:
@@ -372,7 +418,7 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
     bits = ds.data.column("_cast").to_numpy()
     casts = {f: int(((bits >> i) & 1).sum()) for i, f in enumerate(CAST_FIELDS)}
     ds = ds.remove_columns(["_bad", "_cast"] if num_bad else ["_bad", "_cast", "source_row"])
-    return NormalisedSource(ds, num_bad, {f: n for f, n in casts.items() if n})
+    return NormalisedSource(ds, num_bad + unreadable, {f: n for f, n in casts.items() if n})
 
 
 def _normalised_features():

@@ -85,6 +85,15 @@ def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo", why:
             f"decoder start {info.decoder_start_id})")
 
 
+def tokenizer_problem(name: str, model: str | None = None) -> str | None:
+    """Why ``--tokenizer name`` names no tokenizer (one line), from the file system alone, or ``None``."""
+    resolved = resolve_tokenizer(name, model)
+    if resolved in TOKENIZER_NAMES or os.path.isdir(resolved):
+        return None
+    return (f"tokenizer {resolved!r} is neither one of {(AUTO, *TOKENIZER_NAMES)} nor a local directory; "
+            "pass a folder containing tokenizer.json (or a slow tokenizer's files)")
+
+
 def load_tokenizer(name_or_path: str = AUTO, model: str | None = None):
     """A Hugging Face tokenizer, offline. See the module docstring for the accepted names; ``model`` (a preset
     name or a model folder) decides what ``auto`` is."""
@@ -97,11 +106,8 @@ def load_tokenizer(name_or_path: str = AUTO, model: str | None = None):
         from transformers import ByT5Tokenizer
 
         return ByT5Tokenizer()
-    if not os.path.isdir(name_or_path):
-        raise ValueError(
-            f"tokenizer {name_or_path!r} is neither one of {(AUTO, *TOKENIZER_NAMES)} nor a local directory; "
-            "pass a folder containing tokenizer.json (or a slow tokenizer's files)"
-        )
+    if (problem := tokenizer_problem(name_or_path)) is not None:
+        raise ValueError(problem)
     return _folder_tokenizer(name_or_path)
 
 

@@ -178,6 +178,8 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
     limit ``max_len`` (None: not checked) must fit its positions (:func:`check_length_limit`); token slices need a causal model.
     """
 
+    if (problem := model_problem(name_or_path)) is not None:  # before any config loads: one line
+        raise ValueError(problem)
     config = load_config(name_or_path)
     family = family_for_config(config)
     if slice_long and family.sequence_kind != CAUSAL:
@@ -193,4 +195,4 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
 # Registration: importing a family module registers it.
 from dynabatch.models.families import gpt2, llama, t5  # noqa: E402,F401
 from dynabatch.model_presets import build_config
-from dynabatch.model_presets import load_config
+from dynabatch.model_presets import load_config, model_problem

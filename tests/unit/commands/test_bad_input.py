@@ -118,3 +118,35 @@ def test_an_attention_kernel_that_cannot_train_here_is_refused(tmp_path, capsys,
 def test_packed_rows_with_dense_attention_are_refused(tmp_path, capsys, pack_rows):
     msg = _train_error(tmp_path, capsys, "--attention", "dense", "--pack-rows", pack_rows)
     assert f"--pack-rows {pack_rows} puts several samples in a padding-free row; it needs --attention segments" in msg
+
+
+def test_a_model_folder_a_run_cannot_load_is_one_line_before_anything_loads(tmp_path, capsys):
+    """A folder with config.json but no weights (a half-copied checkpoint), a folder without config.json, a file, a
+    path that does not exist: one line naming what is missing, and no output folder is left behind."""
+    from transformers import T5Config
+
+    broken = tmp_path / "broken"
+    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=384).save_pretrained(broken)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    cases = {str(broken): "holds config.json but no weights", str(tmp_path / "empty"): "holds no config.json",
+             str(tmp_path / "data.jsonl"): "is a file, not a model folder", str(tmp_path / "nope"): "no such folder"}
+    for model, expected in cases.items():
+        out = tmp_path / "out"
+        code = main(["train", "--model", model, "--tokenizer", "byt5", "--steps", "1", "--output-dir", str(out)])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if "dynabatch train: error:" in ln]
+        assert code == 2 and len(lines) == 1 and expected in lines[0] and "save_pretrained" in lines[0], err[-2000:]
+        assert "Traceback" not in err and not out.exists()
+
+
+def test_two_ranks_refuse_a_bad_model_or_tokenizer_once_before_the_launch(tmp_path):
+    import subprocess
+    import sys
+
+    for flags, expected in ((["--tokenizer", "bogus"], "tokenizer 'bogus' is neither"),
+                            (["--model", str(tmp_path / "nope")], "no such folder")):
+        r = subprocess.run([sys.executable, "-m", "dynabatch", "train", "--stages", "2", "--steps", "1",
+                            "--output-dir", str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("error:") == 1 and expected in r.stderr, r.stderr[-2000:]
+        assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started

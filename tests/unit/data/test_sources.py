@@ -66,3 +66,17 @@ def test_invalid_file_gives_clear_error(tmp_path):
     p.write_bytes(b'{"inputs": "a", "targets": "b"}\n{"inputs": "\xff\xfe broken\n')
     with pytest.raises(BadRowError, match="could not read"):
         load_source(SourceSpec(task="broken", data_files=(str(p),)))
+
+
+def test_a_line_that_is_not_json_is_named_and_skipped_with_skip(tmp_path):
+    """A .jsonl line that is not a JSON object (cut short, a list, not UTF-8): the error names the file and its
+    line (from 1); ``bad_rows="skip"`` drops such lines and counts them with the malformed rows."""
+    good = '{"inputs": "fine", "targets": "ok"}\n'
+    p = tmp_path / "cut.jsonl"
+    p.write_bytes((good * 3 + '{"inputs": "x", "targets": \n' + good + "\n" + "[1, 2]\n" + good).encode())
+    with pytest.raises(BadRowError, match=r"cut.jsonl, line 4: not a JSON object \(Expecting value at column") as info:
+        load_source(SourceSpec(task="cut", data_files=(str(p),)))
+    assert "bad_rows: skip" in str(info.value)
+    with pytest.warns(UserWarning, match="2 line"):
+        ds, skipped = load_source(SourceSpec(task="cut", data_files=(str(p),)), bad_rows="skip")
+    assert skipped == 2 and len(ds) == 5 and set(ds["targets"]) == {"ok"}
