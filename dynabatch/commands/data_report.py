@@ -184,7 +184,7 @@ def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
           f"over-long samples: {args.overlong}) ==")
     print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in methods) + f" {'truncated':>10} {'dropped':>8}")
     for max_len in progress(max_lens, desc=f"baselines {data.family}", leave=False):
-        target_len = args.max_target_len or max(max_len // 4, 2)
+        target_len = args.max_target_len if args.max_target_len is not None else max(max_len // 4, 2)
         limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
         batcher = GlobalBatcher(data, limits, token_budget=max(args.global_batch_tokens, limits.max_tokens), overlong=args.overlong)
         batches = [batcher.next_batch() for _ in range(args.num_batches)]
@@ -205,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         raise ValueError("--json goes with --lengths (the mixture report is a table)")
     check_positive(args, "global_batch_tokens", "num_batches", *option_users())
+    if args.max_target_len is not None and args.max_target_len < 2:  # EOS and one token; before any table
+        raise ValueError(f"--max-target-len must be >= 2 (a target keeps its EOS and one token), got {args.max_target_len}")
     parse_max_lens(args.max_lens)
     parse_methods(args.methods, tuple(BASELINES))
     spec = _spec(args)

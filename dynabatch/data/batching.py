@@ -139,7 +139,7 @@ class GlobalBatcher:
             raise OverlongSampleError(
                 f"{self.data.sources[source].describe_row(row)} has {sample.input_len} input and "
                 f"{sample.target_len} target tokens, over the limits ({self.limits.describe()}); "
-                "raise the limits, or use overlong='truncate' or 'drop'"
+                "raise the limits, or use --overlong truncate or drop (overlong='truncate' or 'drop' in Python)"
             )
         if self.overlong == "drop":
             return None
@@ -160,7 +160,7 @@ class GlobalBatcher:
             raise ValueError(
                 f"every one of the {total} samples the mixture can draw is over the length limits "
                 f"({self.limits.describe()}; the shortest input has {min_in} tokens, the shortest target {min_tg}, "
-                "EOS included), so overlong='drop' would drop them all; raise the limits or use overlong='truncate'"
+                "EOS included), so --overlong drop would drop them all; raise the limits or use --overlong truncate (overlong='truncate' in Python)"
             )
 
     def next_batch(self) -> GlobalBatch:

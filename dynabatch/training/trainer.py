@@ -592,7 +592,12 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
                                    f"batches): {ratio:.2f}x")
             if cfg.timeline:
                 logger.info(f"timeline: {os.path.join(cfg.output_dir, 'timeline.png')} (Chrome trace: timeline.json)")
-            with open(os.path.join(cfg.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            path = os.path.join(cfg.output_dir, "summary.json")
+            if cfg.resume_from_checkpoint and not summaries[0].get("steps") and os.path.exists(path):
+                logger.info(f"nothing left to train (the checkpoint is at --max-steps {cfg.max_steps}); the earlier "
+                            f"run's {path} is kept")
+                return summary
+            with open(path, "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=1)
             return summary
     finally:

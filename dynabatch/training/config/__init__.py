@@ -49,6 +49,7 @@ from dynabatch.training.config.sections import (  # noqa: F401 (the registries a
 from dynabatch.core.devices import check_device_name
 from dynabatch.data.baselines import attention_for
 from dynabatch.data.inputs import parse_columns
+from dynabatch.training.config.placement_choice import check_placement
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             if t not in (*TRACKERS, "all", "none"):
                 raise ValueError(f"report_to: unknown tracker {t!r}; valid: {', '.join(TRACKERS)}, all, none")
         if self.placement not in ("linear", "auto"):  # auto keeps to the placements the other flags allow
-            from dynabatch.schedule.placement import Placement  # lazy: keeps numba/scipy out of `dynabatch --help`
-
-            Placement.parse(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
+            check_placement(self.placement, self.stages)  # a malformed placement is a ValueError naming the forms
         if self.eval_mixture and self.eval_holdout:
             raise ValueError("give eval_mixture or eval_holdout, not both")
         if self.mixture and self.data:

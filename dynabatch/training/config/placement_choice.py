@@ -15,9 +15,24 @@ VIRTUAL_MARGIN = 0.05
 linear: their chunks' fixed costs and extra hand-offs are not in the cost model (docs/configuration.md)."""
 
 
+def check_placement(placement: str, stages: int) -> None:
+    """A one-line ``ValueError`` naming every accepted form (``auto`` too) when ``placement`` is none of them."""
+    if placement == "auto":
+        return
+    from dynabatch.schedule.placement import Placement  # lazy: keeps numba/scipy out of `dynabatch --help`
+
+    try:
+        Placement.parse(placement, max(stages, 1))
+    except ValueError as e:
+        if "unknown placement" not in str(e):
+            raise
+        raise ValueError(f"{e}, or auto (the placement with the shortest predicted step)") from None
+
+
 def placement_candidates(placement: str, stages: int, seq2seq: bool) -> list[str]:
     """The placements ``placement`` allows: itself, or for ``auto`` linear and the family's virtual stages."""
     if placement != "auto":
+        check_placement(placement, stages)
         return [placement]
     if stages < 2:
         return ["linear"]

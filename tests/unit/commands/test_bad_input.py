@@ -58,7 +58,7 @@ def test_overlong_sample_with_overlong_error(tmp_path, capsys):
     msg = _train_error(tmp_path, capsys, "--overlong", "error",
                        "--mixture", _spec(tmp_path, [{"task": "long", "data_files": "long.jsonl"}]))
     assert "of source 'long' has" in msg and "over the limits (max_input_len=128" in msg
-    assert "raise the limits, or use overlong='truncate' or 'drop'" in msg
+    assert "raise the limits, or use --overlong truncate or drop (overlong='truncate' or 'drop' in Python)" in msg
 
 
 def test_rates_summing_to_zero(tmp_path, capsys):

@@ -227,7 +227,7 @@ def test_every_sample_overlong_with_drop_fails_fast_through_train(tmp_path, caps
     msg = _train_error(tmp_path, capsys, "--mixture", spec, "--overlong", "drop")
     assert time.perf_counter() - start < 30
     assert "every one of the 30 samples the mixture can draw is over the length limits (max_input_len=128" in msg
-    assert "raise the limits or use overlong='truncate'" in msg
+    assert "raise the limits or use --overlong truncate (overlong='truncate' in Python)" in msg
 
 
 def test_drop_batcher_all_overlong_mostly_overlong_and_rate_zero(tmp_path, byt5):

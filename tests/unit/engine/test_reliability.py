@@ -223,6 +223,11 @@ def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy
     lrs = {r["step"]: r["lr"] for r in _records(tmp_path / "run")}
     assert sorted(lrs) == [0, 1, 2, 3]  # every step once
     assert lrs[1] == pytest.approx(1e-3) and lrs[2] == pytest.approx(5e-4) and lrs[3] == pytest.approx(5e-4)
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    done = _cli(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "4", "--resume", "--lr", "5e-4",
+                "--warmup-steps", "0", "--lr-schedule", "constant")  # nothing left to train: the summary stays
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").read_text() == summary and json.loads(summary)["runs"][0]["steps"] == 2
 
 
 def test_resume_on_edited_data_is_one_line(tmp_path, toy_mixture_dir, capsys):
