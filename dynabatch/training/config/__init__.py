@@ -148,9 +148,9 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                              "blocks); drop cost_profile or use split_blocks auto")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
-        if not self.learning_rate > 0 or self.max_grad_norm <= 0 or self.memory_gib <= 0:
-            raise ValueError(f"learning_rate, max_grad_norm and memory_gib must be > 0, got {self.learning_rate}, "
-                             f"{self.max_grad_norm}, {self.memory_gib}")
+        for name in ("learning_rate", "max_grad_norm", "memory_gib"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 _AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",
