@@ -144,6 +144,8 @@ class MethodSummary:
     schedule_ms_max: float
     plan_ms_median: float
     """Wall time of the method's micro-batching per step (median)."""
+    placement: str = "linear"
+    """The placement the method ran on (``--placement auto``: the one :func:`pick_placement` took)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
                                                                 trace_dir=trace_dir, placed=own))
         name = pick_placement({k: r.step_s for k, (_, r) in tried.items()},
                               {p.describe(): p.chunks_per_device for p in candidates})
-        placed[method], rows[method] = tried[name]
+        placed[method], rows[method] = tried[name][0], dataclasses.replace(tried[name][1], placement=name)
     tuned = {}
     if args.tune_baselines:
         def resplit(m):  # each knob value on its own layer split, as its default (--layer-split data)
@@ -514,6 +516,8 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
               f"{'yes' if r.fits_memory else 'NO':>4} "
               f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} "
               f"{'/'.join(f'{100 * b:.0f}' for b in r.stage_busy)}%  {pol}")
+    if summary["placement"] == "auto":
+        print("--placement auto: " + ", ".join(f"{r.method} {r.placement}" for r in rows.values()))
     for r in rows.values():
         if r.layout != summary["layout"]:
             print(f"  {r.method} layer split (balanced over its micro-batches): {r.layout}")

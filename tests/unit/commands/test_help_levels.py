@@ -126,5 +126,7 @@ def test_simulate_takes_placement_auto_as_train_does(tmp_path, capsys):
     from dynabatch.training.config.placement_choice import pick_placement
 
     chosen = pick_placement({k: r["step_s"] for k, r in runs.items()}, {"linear": 1, "interleaved:2": 2})
-    assert auto["step_s"] == runs[chosen]["step_s"]
+    assert auto["step_s"] == runs[chosen]["step_s"] and auto["placement"] == chosen  # and the JSON says which
+    assert runs["interleaved:2"]["placement"] == "interleaved:2"
     assert main([*args, "--placement", "zigzag"]) == 2
+    assert "or auto" in capsys.readouterr().err
