@@ -164,6 +164,12 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
         groups = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options).group(batch)
     else:
         groups = _groups(method, batch, limits, options or BaselineOptions())
+    if len(groups) < num_replicas:  # a small batch (an evaluation pass's last): the knob decides, not the budget
+        spec = baseline_spec(method)
+        raise ValueError(
+            f"{method}: this global batch of {len(batch)} samples makes {len(groups)} micro-batch(es), fewer than the "
+            f"{num_replicas} replicas; lower {spec.option}, or use the dynamic method, which deals a small batch to "
+            "every replica (a training stream: or raise global_batch_tokens)")
     shapes = group_shapes(batch, groups, limits.family)
     times = _piece_times(cost_model, shapes, groups, batch, limits.family, padding_free, {})
     even = _evener(equal_counts, batch, limits.family, cost_model, padding_free)

@@ -110,7 +110,8 @@ def test_baselines_are_dealt_longest_first(toy_data, setup):
 def test_fewer_micro_batches_than_replicas_is_one_clear_error(toy_data, setup):
     _, limits, batches, _ = setup
     planner = GlobalPlanner("padding", limits, num_replicas=2, options=BaselineOptions(samples_per_micro_batch=10**6))
-    with pytest.raises(ValueError, match="1 micro-batches cannot feed 2 replicas; raise global_batch_tokens"):
+    with pytest.raises(ValueError, match=r"padding: this global batch of \d+ samples makes 1 micro-batch\(es\), fewer "
+                                         r"than the 2 replicas; lower samples_per_micro_batch, or use the dynamic"):
         planner.plan(batches[0])
 
 
