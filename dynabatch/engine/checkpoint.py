@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -52,6 +53,7 @@ RUN_ID_FILE = "run_id"
 """Written into a step folder when its save starts: the id of the run the folder belongs to."""
 FORMAT_VERSION = 2
 DATA_SUFFIX = ".safetensors"
+logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -190,6 +192,11 @@ def verify(path: str) -> CheckpointInfo:
     return CheckpointInfo(path=path, step=int(manifest["step"]), manifest=manifest)
 
 
+def _step_of(path: str) -> int:
+    """The step of a step folder's path."""
+    return int(_STEP_DIR.match(os.path.basename(os.path.normpath(path))).group(1))
+
+
 def list_checkpoints(root: str) -> list[str]:
     """Checkpoint folders under ``root``, oldest first (complete or not)."""
     if not os.path.isdir(root):
@@ -252,13 +259,22 @@ def folder_run_id(path: str) -> str | None:
         return None
 
 
-def prune(root: str, keep: int, run_id: str) -> None:
+def prune(root: str, keep: int, run_id: str, step: int | None = None) -> list[str]:
     """Delete run ``run_id``'s step folders except its newest ``keep`` complete checkpoints, its newest
-    finite one and its newest folder (a save in progress). Another run's folders, and folders of no
-    known run, are never touched."""
+    finite one and its newest folder (a save in progress); returns the deleted folders. Another run's folders,
+    and folders of no known run, are never touched. ``step`` (the step just saved): the run's folders of later
+    steps are deleted first. They were saved before the run resumed from an earlier checkpoint, on the steps it
+    trains again: left, the newest by step would be the abandoned one, kept over the run's own and resumed or
+    exported by ``latest``."""
     if not run_id:
         raise ValueError("prune needs the id of the run whose checkpoints it may delete")
     ours = [p for p in list_checkpoints(root) if folder_run_id(p) == run_id]
+    deleted = []
+    if step is not None:
+        deleted = [p for p in ours if _step_of(p) > step]
+        for p in deleted:
+            shutil.rmtree(p, ignore_errors=True)
+        ours = [p for p in ours if p not in deleted]
     manifests = {p: _read_manifest(p) for p in ours}
     complete = [p for p in ours if manifests[p] is not None]
     finite = [p for p in complete if manifests[p].get("finite") is True]
@@ -267,6 +283,8 @@ def prune(root: str, keep: int, run_id: str) -> None:
     for p in ours:
         if p not in protected:
             shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+    return deleted
 
 
 def first_non_finite(state: Any, prefix: str = "") -> str | None:
@@ -366,7 +384,10 @@ def _finish_save(root: str, step: int, errors: list[str], extra: dict[str, Any],
         return (f"could not write checkpoint {folder} ({'; '.join(errors)}); nothing of it was kept and the earlier "
                 "checkpoints are intact: free disk space (or fix the folder's permissions) and rerun with "
                 "--resume-from-checkpoint, or pass another --output-dir")
-    prune(root, keep, run_id)
+    stale = [p for p in prune(root, keep, run_id, step) if _step_of(p) > step]
+    if stale:
+        logger.info(f"deleted {', '.join(os.path.basename(p) for p in stale)}: saved before this run resumed from an "
+                    "earlier checkpoint, on steps it has now trained again")
     return None
 
 

@@ -12,7 +12,10 @@ anything is loaded, rank 0 inspects the folder (:func:`output_dir_problem`):
   alone. What counts as the earlier run's is what its run file says (:data:`RUN_FILE`): a run starting in a folder
   records there what the folder held before it, so an entry named like a run's (``runs/``, ``checkpoints/``, ...)
   that was there first is never deleted. A folder holding such entries with no run file (the user's own, or a run
-  older than the run file) is refused with one line naming them, and nothing is touched.
+  older than the run file) is refused with one line naming them, and nothing is touched;
+* a run that stopped before its first step (bad input found while loading) leaves only what it writes at start
+  (:data:`NOTHING_TRAINED`): the next fresh run there replaces it, so correcting the command and running it again
+  works without ``--overwrite-output-dir``.
 
 Rank 0 decides and broadcasts the outcome, so every rank raises the same one-line ``ValueError``
 (:func:`prepare_output_dir`). On ``--resume-from-checkpoint``, :func:`truncate_metrics` drops the records of steps the
@@ -57,6 +60,30 @@ def _record_start(path: str, found: list[str]) -> None:
     os.replace(tmp, os.path.join(path, RUN_FILE))
 
 
+NOTHING_TRAINED = frozenset({RUN_FILE, "config.yaml", "calibration.json"})
+"""What a run writes before its first step: a folder holding no more of an earlier run than these is a run that
+stopped before it trained (bad input found while loading), and a rerun may start there."""
+
+
+def _start_of_a_run_that_trained_nothing(path: str, found: list[str]) -> list[str]:
+    """The entries of ``found`` that an earlier run wrote, when it wrote nothing beyond :data:`NOTHING_TRAINED`
+    (by its run file); else none."""
+    before = _present_before(path)
+    if before is None:
+        return []
+    own = [n for n in found if n not in before]
+    return own if set(own) <= NOTHING_TRAINED else []
+
+
+def _delete(path: str, names) -> None:
+    for name in names:
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        else:
+            os.remove(target)
+
+
 def _clear_earlier_run(path: str, found: list[str]) -> str | None:
     """``--overwrite-output-dir``: delete the entries of ``found`` the earlier run wrote (by its run file), or say
     why none can be deleted (entries named like a run's and no run file to tell whose they are)."""
@@ -68,14 +95,7 @@ def _clear_earlier_run(path: str, found: list[str]) -> str | None:
         return (f"--overwrite-output-dir: {path!r} holds {', '.join(named[:5])}"
                 f"{f' and {len(named) - 5} more' if len(named) > 5 else ''} but no {RUN_FILE} saying a dynabatch run "
                 "wrote them, so nothing was deleted; move them away, or pass another --output-dir")
-    for name in named:
-        if name in before:  # there before that run started: not its own
-            continue
-        target = os.path.join(path, name)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)
-        else:
-            os.remove(target)
+    _delete(path, [name for name in named if name not in before])  # those there before that run started: not its own
     return None
 
 
@@ -95,6 +115,9 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | Non
     found = sorted(os.listdir(path))
     if resume:
         return None
+    if unfinished := _start_of_a_run_that_trained_nothing(path, found):  # a run stopped by bad input: start again
+        _delete(path, unfinished)
+        found = sorted(os.listdir(path))
     if found and not overwrite:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
         return (f"--output-dir {path!r} is not empty (it holds {shown}); pass --resume-from-checkpoint to continue the run that "

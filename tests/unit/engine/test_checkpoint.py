@@ -183,6 +183,21 @@ def test_prune_only_touches_this_run(tmp_path):
         prune(str(tmp_path), 1, None)
 
 
+def test_a_run_resumed_from_an_earlier_checkpoint_drops_its_later_ones_on_saving(tmp_path):
+    """Run "r" saved 2, 4, 6, then resumed from 2 and saves 4 and 5 (keep 3): its step 6, of the steps it trained
+    again, goes at the first save past the resume point (else it would stay the newest by step, kept over the run's
+    own and resumed or exported as ``latest``); another run's later checkpoint stays."""
+    for s in (2, 4, 6):
+        _save(tmp_path, s, run_id="r")
+    _save(tmp_path, 9, run_id="other")
+    for step in (4, 5):
+        save_collective(str(tmp_path), step, 0, {"model/w": torch.zeros(1)}, gather=_one_rank, write=_file_writer(0),
+                        manifest_extra={}, run_id="r", keep=3)
+    assert _steps(tmp_path) == [2, 4, 5, 9]
+    assert latest_checkpoint(str(tmp_path)).run_id == "other"  # by step, as before: another run's is not ours to drop
+    assert prune(str(tmp_path), keep=3, run_id="r", step=4) == [str(step_dir(tmp_path, 5))]
+
+
 def test_prune_never_deletes_the_newest_finite_checkpoint(tmp_path):
     _save(tmp_path, 2, run_id="r")
     _save(tmp_path, 4, run_id="r", finite=False)  # as no save writes them: written by hand

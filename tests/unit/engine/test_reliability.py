@@ -185,6 +185,20 @@ def test_overwrite_keeps_what_the_folder_held_before_the_earlier_run(tmp_path):
     fresh = tmp_path / "fresh"
     assert output_dir_problem(str(fresh), resume=False, overwrite=False) is None  # created, empty: recorded as such
     assert json.loads((fresh / RUN_FILE).read_text())["present_before"] == []
+    (fresh / "config.yaml").write_text("model: {}\n")  # that run stopped on bad input before its first step
+    assert output_dir_problem(str(fresh), resume=False, overwrite=False) is None  # so the corrected rerun starts
+    assert sorted(os.listdir(fresh)) == [RUN_FILE]
+    (fresh / "metrics.jsonl").write_text('{"step": 0}\n')  # a run that trained: refused, as any used folder
+    assert "is not empty" in output_dir_problem(str(fresh), resume=False, overwrite=False)
+
+
+def test_a_corrected_rerun_after_bad_input_starts_in_the_same_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = _train_inproc(tmp_path, capsys, out, "--data", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "not found" in _error_line(err)
+    assert sorted(os.listdir(out)) == ["dynabatch-run.json"]  # what it wrote before loading the data
+    code, err = _train_inproc(tmp_path, capsys, out)
+    assert code == 0, err[-3000:]
 
 
 def test_output_dir_that_is_a_file_or_unwritable_is_one_line(tmp_path, capsys):
