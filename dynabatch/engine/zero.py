@@ -52,6 +52,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names the one-tensor collectives *_single and warns on the older names (once per call site, again after
+# every `warnings.catch_warnings` block); older torch (a GPU machine's) has only the older names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 ZERO_LEVELS = (0, 1, 2)
 """``--zero`` settings the runtime trains with (0: every replica keeps full states; 1: AdamW states sharded; 2: the
 gradients too, reduced per micro-batch)."""
@@ -238,7 +243,7 @@ class ZeroShards:
                 pieces.append(torch.zeros(pad, dtype=b.flat.dtype, device=b.flat.device))
             flat_grad = torch.cat(pieces)
             out = torch.empty(b.shard_size, dtype=flat_grad.dtype, device=flat_grad.device)
-            dist.reduce_scatter_tensor(out, flat_grad, group=self.group)
+            _reduce_scatter(out, flat_grad, group=self.group)
             b.shard.grad = out
 
     def squared_norm(self) -> torch.Tensor:
@@ -256,7 +261,7 @@ class ZeroShards:
     def all_gather(self) -> None:
         """After this rank's optimizer step: every replica's updated slice into the full weights."""
         for b in self.buckets:
-            dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), group=self.group)
+            _all_gather(b.flat, b.shard.detach().clone(), group=self.group)
 
     def release_grads(self) -> None:
         """Drop the shards' summed gradients (after the step); under ``--zero 2`` they stay until the next step
@@ -281,7 +286,7 @@ class ZeroShards:
                         out.setdefault(p, {})[key] = value.detach().clone()
                     continue
                 full = torch.empty(b.flat.numel(), dtype=value.dtype, device=value.device)
-                dist.all_gather_into_tensor(full, value.detach().contiguous(), group=self.group)
+                _all_gather(full, value.detach().contiguous(), group=self.group)
                 for p, o in zip(b.params, b.offsets):
                     out.setdefault(p, {})[key] = full[o:o + p.numel()].view_as(p)
         return out

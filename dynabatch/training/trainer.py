@@ -205,15 +205,22 @@ def load_training_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any =
 
 def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:
     """The training data (``datasets`` in memory, else as ``cfg`` says) and its batcher: rank 0's, and every
-    rank's when the ranks collate their own micro-batches (the same rows, held out alike)."""
+    rank's when the ranks collate their own micro-batches (the same rows, held out alike). A budget that holds
+    less than one maximal sample per replica is refused first: a batch of long samples would leave a replica
+    without one (a global batch holds at least ``global_batch_tokens // max_tokens`` samples)."""
+    limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                          max_seq_len=cfg.max_input_len)
+    if cfg.replicas > 1 and cfg.global_batch_tokens < cfg.replicas * limits.max_tokens:
+        raise ValueError(
+            f"global_batch_tokens {cfg.global_batch_tokens} holds less than one maximal sample ({limits.describe()}, "
+            f"{limits.max_tokens} tokens) per replica ({cfg.replicas}): a batch of long samples would leave a replica "
+            f"without one; raise it to at least {cfg.replicas * limits.max_tokens} or lower the length limits")
     data = load_training_data(cfg, tokenizer, family, datasets)
     for note in data_notes(data):  # numbers cast to text, malformed rows skipped
         logger.info(f"data: {note}")
     held_out = None
     if cfg.eval_holdout:  # these rows are evaluated, never trained on
         data, held_out = hold_out(data, cfg.eval_holdout, data.spec.seed)
-    limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
-                          max_seq_len=cfg.max_input_len)
     return _Loaded(data, held_out, GlobalBatcher(data, limits, token_budget=cfg.global_batch_tokens, overlong=cfg.overlong))
 
 

@@ -259,3 +259,15 @@ def test_bench_on_two_ranks_says_a_bad_input_once(tmp_path, flags, expected):
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.count("dynabatch bench: error:") == 1 and expected in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_budget_without_one_maximal_sample_per_replica_is_refused_at_start(tmp_path, mixture):
+    """2 replicas, a budget of 200 tokens and samples of up to 128 + 32: a global batch may hold one sample, which
+    one replica would lack (the planner failed on such a step mid-run); refused before the data loads, in one line."""
+    cmd = [sys.executable, "-m", "dynabatch", "train", "--model", "t5-tiny", "--tokenizer", "byt5", "--mixture",
+           mixture, "--replicas", "2", "--global-batch-tokens", "200", "--max-input-len", "128", "--max-target-len",
+           "32", "--steps", "2", "--output-dir", str(tmp_path / "run")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("error:") == 1 and "raise it to at least 320" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
