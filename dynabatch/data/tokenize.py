@@ -180,10 +180,14 @@ def inference_tokenizer(tokenizer, family: str):
     """A copy of ``tokenizer`` whose ``tok(text)`` (special tokens on, the default) encodes a model input as
     training did: text + EOS for an encoder-decoder, the text alone for a decoder-only prompt. Fast tokenizers
     get that as their post-processor (saved in ``tokenizer.json``); a slow tokenizer is returned as it is (the
-    export checks what it gives, :func:`encodes_like_training`)."""
+    export checks what it gives, :func:`encodes_like_training`). A decoder-only model's pads on the left, so
+    ``model.generate(**tok(texts, padding=True))`` continues each prompt from its last token."""
     import copy
 
     out = copy.deepcopy(tokenizer)
+    if not is_seq2seq(family):
+        out.padding_side = "left"
+        out.init_kwargs["padding_side"] = "left"  # what save_pretrained writes to tokenizer_config.json
     backend = getattr(out, "backend_tokenizer", None) if getattr(out, "is_fast", False) else None
     if backend is None:
         return out

@@ -144,6 +144,9 @@ def test_the_saved_inference_tokenizer_encodes_inputs_as_tokenize_dataset(tmp_pa
     assert saved(text)["input_ids"] == trained["input_ids"]
     assert (trained["input_ids"][-1] == tok.eos_token_id) == (family == "seq2seq")
     assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]  # the original is untouched
+    # a decoder-only export pads prompts on the left, so batched generation continues each from its own end
+    assert saved.padding_side == ("right" if family == "seq2seq" else "left")
+    assert tok.padding_side == "right"
 
 
 def _refusal(capsys, *argv) -> str:
