@@ -14,8 +14,9 @@ exception in a world of several ranks it, in this order:
 3. prints ``dynabatch train: error: [rank N] ...`` (one line; a traceback too for a bug, i.e. not a
    ``ValueError``/``FileNotFoundError``/:class:`~dynabatch.engine.dist.PipelineError`, or with
    ``DYNABATCH_DEBUG=1``) and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``). A rank that fails only
-   because another rank's bad input ended the run first (the first failure a user error, its own not) prints
-   nothing: the run's one line is the first rank's, and the error file still names it. torchrun
+   because another rank's bad input ended the run first (the first failure a user error, its own not), or that
+   failed the same check with the same message (a check every rank makes), prints nothing: the run's one line is
+   the first rank's, and the error file still names it. torchrun
    names the failure with the smallest timestamp as the root cause and keeps whole seconds, so a rank
    that fails because another failed first records one second after that one;
 4. exits at once (``os._exit``: 2 for a user error, 1 otherwise, 130 on Ctrl-C) without tearing the
@@ -217,7 +218,10 @@ def report_and_exit(rank: int, error: BaseException, processes: tuple[ProcessId,
         first = claim_first_failure(FailureRecord(rank, _describe(error), now, is_user_error(error)))
         line = failure_message(rank, error, first, killed)
         stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        echo = not (first.rank != rank and first.user_error and not is_user_error(error)) or bool(killed)
+        # another rank's bad input ended the run first: its line is the run's, unless this rank has news of its own
+        # (another user error, or peers it killed); a check every rank makes alike says the same once
+        echo = (first.rank == rank or not first.user_error or bool(killed)
+                or (is_user_error(error) and first.message != _describe(error)))
         if echo and (_is_bug(error) or os.environ.get("DYNABATCH_DEBUG")):
             sys.stderr.write(stack)
         if echo or os.environ.get("DYNABATCH_DEBUG"):

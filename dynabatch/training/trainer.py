@@ -533,6 +533,23 @@ def record_resolved(resolved: Resolved, resuming: bool) -> None:
     write_config_file(path, cfg)
 
 
+def check_same_settings(ctx: DistContext, given: TrainConfig) -> None:
+    """Collective: every rank was started with the same settings (on several nodes, each node's command is its
+    own, and a flag typed differently on one would train its stages otherwise, or hang at the first step that
+    counts differently). A ``ValueError`` naming the first setting that differs, the same on every rank."""
+    if ctx.world_size == 1:
+        return
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, given.to_dict(), group=ctx.delivery_group)
+    for rank, settings in enumerate(gathered):
+        changed = [k for k in gathered[0] if settings.get(k) != gathered[0][k]]
+        if changed:
+            k = changed[0]
+            raise ValueError(f"rank {rank} was started with other settings than rank 0 ({k}: {gathered[0][k]!r} on "
+                             f"rank 0, {settings.get(k)!r} on rank {rank}); start every rank (every node) with the "
+                             "same command")
+
+
 def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
     """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
     if ctx.is_planner:
@@ -576,6 +593,7 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
     try:
         # With peers, a failure prints this rank's line and exits at once, groups left up (engine.faults).
         with fail_fast(ctx):
+            check_same_settings(ctx, given)
             if ctx.is_planner:
                 check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
             log_tokenizer(given, ctx)

@@ -271,3 +271,15 @@ def test_a_budget_without_one_maximal_sample_per_replica_is_refused_at_start(tmp
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.count("error:") == 1 and "raise it to at least 320" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
+
+
+def test_a_check_every_rank_makes_alike_is_said_once(tmp_path, mixture):
+    """A fresh run into a used folder: both ranks refuse it with the same line (rank 0 decides and shares it); the
+    run prints it once, and the folder is untouched."""
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = direct(mixture, str(out), "--steps", "2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("dynabatch train: error:") == 1 and "is not empty" in r.stderr, r.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["notes.txt"]

@@ -73,3 +73,31 @@ def test_two_node_launch_trains_like_one_node(tmp_path, toy_mixture_dir):
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=0), g["step"]
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-6, abs=0), g["step"]
+
+
+def test_a_flag_typed_otherwise_on_one_node_is_one_line_at_start(tmp_path, toy_mixture_dir):
+    """Node 1 started with another --learning-rate: before any step, the run stops with one line naming the setting
+    (it trained node 1's stage at that rate, silently; another --max-steps hung until the timeout)."""
+    out = tmp_path / "run"
+    port = _free_port()
+    extra = [[], ["--learning-rate", "0.5"]]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "dynabatch", *_flags(out, toy_mixture_dir), *extra[n]],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+             for n in (0, 1)]
+    outputs = []
+    try:
+        for p in nodes:
+            outputs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in nodes), outputs
+    text = "".join(outputs)
+    lines = [ln for ln in text.splitlines() if ln.startswith("dynabatch train: error:")]
+    assert len(lines) == 1, text[-3000:]
+    assert "rank 1 was started with other settings than rank 0 (learning_rate: 0.001 on rank 0, 0.5 on rank 1)" \
+        in lines[0], lines
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
