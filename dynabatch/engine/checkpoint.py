@@ -100,11 +100,27 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    """The process's umask: from ``/proc/self/status`` (reading it through ``os.umask`` sets it for a moment, which
+    another thread's file could catch), else by setting it back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str, write) -> None:
     """Call ``write(file_object)`` on a temp file next to ``path``, fsync, then rename over ``path``."""
     folder = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide this file from the checkpoint's other readers
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -159,6 +159,10 @@ def test_save_collective_through_dcp_records_run_id_and_finiteness(tmp_path):
                              keep=2)
     info = verify(folder)
     assert info.run_id == run_id and info.manifest["finite"] is True and info.step == 4
+    mask = os.umask(0)
+    os.umask(mask)  # every file of the checkpoint readable as the shards are (mkstemp alone gives 0600)
+    modes = {name: os.stat(os.path.join(folder, name)).st_mode & 0o777 for name in os.listdir(folder)}
+    assert set(modes.values()) == {0o666 & ~mask}, modes
     assert [s["file"] for s in info.manifest["shards"]] == data_files(folder) != []
     assert folder_run_id(folder) == run_id
     assert torch.equal(model_weights(folder)["w"], torch.ones(2))
