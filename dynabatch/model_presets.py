@@ -134,8 +134,8 @@ def load_config(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
-        if (problem := model_problem(name_or_path)) is not None and "config.json" in problem.split(";")[0]:
-            raise ValueError(problem)
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise ValueError(model_problem(name_or_path))
         try:
             return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
         except (OSError, ValueError) as e:  # unreadable JSON, an unknown model_type

@@ -19,6 +19,7 @@ Adding a family is one module here that builds its :class:`ModelFamily` and call
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -178,9 +179,10 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
     limit ``max_len`` (None: not checked) must fit its positions (:func:`check_length_limit`); token slices need a causal model.
     """
 
-    if (problem := model_problem(name_or_path)) is not None:  # before any config loads: one line
+    problem = model_problem(name_or_path)
+    if problem is not None and not os.path.isdir(name_or_path):  # no such folder, a file, an unknown preset
         raise ValueError(problem)
-    config = load_config(name_or_path)
+    config = load_config(name_or_path)  # a folder without a usable config.json: one line
     family = family_for_config(config)
     if slice_long and family.sequence_kind != CAUSAL:
         raise ValueError(
@@ -189,6 +191,8 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
         )
     if family.sequence_kind == CAUSAL and max_len is not None:
         check_length_limit(config, max_len, what="the length limit (--max-input-len)")
+    if problem is not None:  # a folder without weights: after what its config alone says
+        raise ValueError(problem)
     return family
 
 

@@ -84,6 +84,7 @@ def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(trainer, "connect", lambda cfg: ctx)
     monkeypatch.setattr(trainer, "shutdown", lambda: None)
     monkeypatch.setattr(trainer, "prepare_output_dir", lambda output_dir, ctx, **kw: None)  # broadcasts in a real world of 3
+    monkeypatch.setattr(trainer, "check_same_settings", lambda ctx, given: None)  # gathers in a real world of 3
     msg = _train_error(tmp_path, capsys, "--stages", "3", "--model", "gpt2-tiny")
     assert "number of transformer blocks of this gpt2 model (2), got 3" in msg
 
