@@ -227,15 +227,20 @@ def load_config_file(path: str) -> dict[str, Any]:
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):  # nested: {optim: {learning_rate: ...}}
             fields = sections[key]
-            for name, v in canonical(value).items():
+            try:
+                value = canonical(value)
+            except ValueError as e:
+                raise ValueError(f"config file {path}, section {key!r}: {e}") from None
+            for name, v in value.items():
                 if name not in fields:
-                    raise ValueError(f"{path}: section {key!r} has no field {name!r}; valid: {sorted(fields)}")
+                    raise ValueError(f"config file {path}: section {key!r} has no field {name!r}; valid: {sorted(fields)}")
                 if name in flat:
-                    raise ValueError(f"{path}: {name} is given twice (under {key!r} and elsewhere); give it once")
+                    raise ValueError(f"config file {path}: {name} is given twice (under {key!r} and elsewhere); give it "
+                                     "once")
                 flat[name] = v
         else:
             if key in flat:
-                raise ValueError(f"{path}: {key} is given twice (flat and under a section); give it once")
+                raise ValueError(f"config file {path}: {key} is given twice (flat and under a section); give it once")
             flat[key] = value
     try:
         flat = canonical(flat)
@@ -244,7 +249,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = set(flat) - known
     if unknown:
-        raise ValueError(f"{path}: unknown config keys {sorted(unknown)}; valid: {sorted(known)} "
+        raise ValueError(f"config file {path}: unknown config keys {sorted(unknown)}; valid: {sorted(known)} "
                          f"(or nested under {', '.join(sections)})")
     return {k: _coerce(path, k, v) for k, v in flat.items()}
 

@@ -71,6 +71,11 @@ def test_config_file_flat_or_nested_with_older_names_and_flags_on_top(tmp_path):
     bad.write_text("optim:\n  stages: 2\n")
     with pytest.raises(ValueError, match="section 'optim' has no field 'stages'"):
         load_config_file(str(bad))
+    both = tmp_path / "both.yaml"  # an older name and its new one in one section: the message names the file
+    both.write_text("optim:\n  lr: 0.5\n  learning_rate: 0.002\n")
+    with pytest.raises(ValueError, match=r"^config file .*both.yaml, section 'optim': lr is an older name of "
+                                         "learning_rate; give one of them$"):
+        load_config_file(str(both))
     # A config's sections round-trip through a nested file.
     out = tmp_path / "round.json"
     out.write_text(json.dumps(cfg.sections()))
