@@ -536,11 +536,13 @@ def record_resolved(resolved: Resolved, resuming: bool) -> None:
 def check_same_settings(ctx: DistContext, given: TrainConfig) -> None:
     """Collective: every rank was started with the same settings (on several nodes, each node's command is its
     own, and a flag typed differently on one would train its stages otherwise, or hang at the first step that
-    counts differently). A ``ValueError`` naming the first setting that differs, the same on every rank."""
+    counts differently). A ``ValueError`` naming the first setting that differs, the same on every rank. The device
+    may differ (``train(cfg)`` from Python may give each rank its own ``cuda:N``)."""
     if ctx.world_size == 1:
         return
     gathered: list = [None] * ctx.world_size
-    dist.all_gather_object(gathered, given.to_dict(), group=ctx.delivery_group)
+    settings = {k: v for k, v in given.to_dict().items() if k != "device"}
+    dist.all_gather_object(gathered, settings, group=ctx.delivery_group)
     for rank, settings in enumerate(gathered):
         changed = [k for k in gathered[0] if settings.get(k) != gathered[0][k]]
         if changed:
