@@ -115,6 +115,7 @@ class GlobalBatcher:
     """Samples truncated so far."""
     num_dropped: int = field(init=False, default=0)
     """Samples dropped so far (policy ``drop``; kept in :meth:`state_dict`)."""
+    _fingerprint: list | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.overlong not in OVERLONG_POLICIES:
@@ -206,9 +207,12 @@ class GlobalBatcher:
 
     def data_fingerprint(self) -> list[list]:
         """Per source ``[name, rows, tokens]`` (inputs and targets as tokenized, before any truncation): a position
-        saved by :meth:`state_dict` is only a position in these same rows."""
-        return [[s.name, len(s), int(s.input_ids.lengths.sum()) + int(s.target_ids.lengths.sum())]
-                for s in self.data.sources]
+        saved by :meth:`state_dict` is only a position in these same rows. Computed once (the planner saves the
+        position every step)."""
+        if self._fingerprint is None:
+            self._fingerprint = [[s.name, len(s), int(s.input_ids.lengths.sum()) + int(s.target_ids.lengths.sum())]
+                                 for s in self.data.sources]
+        return [list(x) for x in self._fingerprint]
 
     def state_dict(self) -> dict[str, Any]:
         return {
