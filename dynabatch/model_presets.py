@@ -101,8 +101,12 @@ def model_problem(name_or_path: str) -> str | None:
         return None
     if os.sep in name_or_path or name_or_path.startswith((".", "~")):
         return f"--model {name_or_path!r}: no such folder (nothing is downloaded); {_FOLDER_HINT}, {presets}"
-    return f"unknown model preset {name_or_path!r}; valid presets: {', '.join(PRESETS)}, a family " \
-           f"({', '.join(FAMILY_PRESETS)}) or a local checkpoint dir"
+    return _unknown_preset(name_or_path)
+
+
+def _unknown_preset(name: str) -> str:
+    return (f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}, a family "
+            f"({', '.join(FAMILY_PRESETS)}) or a local checkpoint dir")
 
 
 def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0,
@@ -114,8 +118,7 @@ def build_config(name: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float
 
     name = FAMILY_PRESETS.get(name, name)
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}, a family "
-                         f"({', '.join(FAMILY_PRESETS)}) or a local checkpoint dir")
+        raise ValueError(_unknown_preset(name))
     p = PRESETS[name]
     fields = {**p.fields, **{k: v for k, v in (special_ids or {}).items() if k in p.fields}}
     return AutoConfig.for_model(p.model_type, vocab_size=vocab_size, **fields,

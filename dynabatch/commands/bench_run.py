@@ -204,6 +204,16 @@ def bench(args, methods: list[str]) -> dict | None:
 
 def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | None:
     """:func:`bench` of the methods' resolved configurations."""
+    ctx = connect(resolved[methods[0]].config)
+    try:
+        with fail_fast(ctx, "dynabatch bench"):  # a failing rank: its own line, the job ends at once
+            return _measure_connected(args, methods, resolved, ctx)
+    finally:
+        shutdown()
+
+
+def _measure_connected(args, methods: list[str], resolved: dict[str, Resolved], ctx) -> dict | None:
+    """:func:`_measure` on the connected ranks (``ctx``); rank 0 returns the results."""
     import copy
 
     import torch
@@ -212,154 +222,149 @@ def _measure(args, methods: list[str], resolved: dict[str, Resolved]) -> dict | 
     cfgs = {m: r.config for m, r in resolved.items()}
     cfg0 = cfgs[methods[0]]
     num_steps = args.untimed_steps + args.timed_steps
-    ctx = connect(cfg0)
-    try:
-        with fail_fast(ctx, "dynabatch bench"):  # a failing rank: its own line, the job ends at once
-            torch.set_num_threads(args.threads)
-            kernel = lower("attention_kernel", cfg0.attention_kernel)
-            if problem := kernel_problem(kernel, ctx.device, args.dtype):
-                raise ValueError(problem)
-            use_attention_kernel(kernel)
-            info = tokenizer_info(load_tokenizer(cfg0.tokenizer, args.model))
-            family = check_model(args.model, args.max_input_len).sequence_kind
-            model = build_run_model(args.model, cfg0.tokenizer, info, family, seed=args.seed)
-            limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
-                                  max_seq_len=args.max_input_len)
-            batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []
-            layouts = choose_layouts(args, methods, cfgs, base_config(args), model, batches, limits, info, ctx)  # collective
-            layout = layouts["linear"].layout
-            spec = pipeline_spec_for(model, layout, "float32")
-            base = [build_stage(model, layout, ctx.stage_index)]
-            placed = placed_chunks(layouts, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
+    torch.set_num_threads(args.threads)
+    kernel = lower("attention_kernel", cfg0.attention_kernel)
+    if problem := kernel_problem(kernel, ctx.device, args.dtype):
+        raise ValueError(problem)
+    use_attention_kernel(kernel)
+    info = tokenizer_info(load_tokenizer(cfg0.tokenizer, args.model))
+    family = check_model(args.model, args.max_input_len).sequence_kind
+    model = build_run_model(args.model, cfg0.tokenizer, info, family, seed=args.seed)
+    limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
+                          max_seq_len=args.max_input_len)
+    batches = load_batches(args, family, limits, info, num_steps) if ctx.is_planner else []
+    layouts = choose_layouts(args, methods, cfgs, base_config(args), model, batches, limits, info, ctx)  # collective
+    layout = layouts["linear"].layout
+    spec = pipeline_spec_for(model, layout, "float32")
+    base = [build_stage(model, layout, ctx.stage_index)]
+    placed = placed_chunks(layouts, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
 
-            def new_run(name: str, cfg, measure_memory: bool = True, placement=None) -> _Method:
-                """Collective: every rank builds the runs in the same order."""
-                own_layout, own_spec, chunks = placed[placement.describe()] if placement is not None else (layout, spec, base)
-                chunks = [copy.deepcopy(c).to(ctx.device) for c in chunks]
-                for c in chunks:
-                    c.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
-                opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=cfg.learning_rate,
-                                        weight_decay=cfg.weight_decay)
-                dtype = autocast_dtype(cfg.dtype)
-                if name == PEER:
-                    ex = TorchPipeliningPeer(chunks[0], spec, ctx, opt, max_grad_norm=cfg.max_grad_norm, autocast_dtype=dtype)
-                else:
-                    ex = Executor(chunks, ctx, opt, max_grad_norm=cfg.max_grad_norm, dropout_seed=args.seed,
-                                  measure_memory=measure_memory, autocast_dtype=dtype)
-                return _Method(name, ex, [], own_spec, cfg, placement=placement)
+    def new_run(name: str, cfg, measure_memory: bool = True, placement=None) -> _Method:
+        """Collective: every rank builds the runs in the same order."""
+        own_layout, own_spec, chunks = placed[placement.describe()] if placement is not None else (layout, spec, base)
+        chunks = [copy.deepcopy(c).to(ctx.device) for c in chunks]
+        for c in chunks:
+            c.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks
+        opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=cfg.learning_rate,
+                                weight_decay=cfg.weight_decay)
+        dtype = autocast_dtype(cfg.dtype)
+        if name == PEER:
+            ex = TorchPipeliningPeer(chunks[0], spec, ctx, opt, max_grad_norm=cfg.max_grad_norm, autocast_dtype=dtype)
+        else:
+            ex = Executor(chunks, ctx, opt, max_grad_norm=cfg.max_grad_norm, dropout_seed=args.seed,
+                          measure_memory=measure_memory, autocast_dtype=dtype)
+        return _Method(name, ex, [], own_spec, cfg, placement=placement)
 
-            runs: dict[str, _Method] = {m: new_run(m, cfgs[m]) for m in methods}
-            for key, (placement, m) in placed_methods(args, methods).items():
-                runs[key] = new_run(key, cfgs[m], placement=placement)
-            cost_model = None
-            calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
-            calibrated += [key for key, (_, m) in placed_methods(args, methods).items() if m in calibrated]
-            fits: dict[str, object] = {}  # rank 0: placement ("" = linear) -> the fit its calibrated methods share
+    runs: dict[str, _Method] = {m: new_run(m, cfgs[m]) for m in methods}
+    for key, (placement, m) in placed_methods(args, methods).items():
+        runs[key] = new_run(key, cfgs[m], placement=placement)
+    cost_model = None
+    calibrated = [m for m in methods if m not in (PEER, *OWN_BASE)] if args.calibrate != "off" else []
+    calibrated += [key for key, (_, m) in placed_methods(args, methods).items() if m in calibrated]
+    fits: dict[str, object] = {}  # rank 0: placement ("" = linear) -> the fit its calibrated methods share
 
-            def fit_of(key: str):
-                return fits[key.partition("@")[2]]
+    def fit_of(key: str):
+        return fits[key.partition("@")[2]]
 
-            calibration = None
+    calibration = None
+    if ctx.is_planner:
+        cost_model = planner_cost_model(base_config(args), model.config, layout)  # the base every method shares
+        if calibrated:  # one fit shared by the calibrated methods, set up as the trainer's
+            calibration, _ = run_calibration(cfgs[calibrated[0]], cost_model, model.config.to_dict(), layout)
+            fits[""] = calibration
+
+    def plan(cfg, n: int) -> list:
+        """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
+        planner = StepPlanner(ListBatcher(batches, limits), cfg, cost_model, info)
+        return [planner() for _ in range(n)]
+
+    if ctx.is_planner:
+        for m in methods:
+            if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
+                runs[m].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
+                                                         calibration=calibration), num_steps)
+            elif m in OWN_BASE:  # planned ahead with their own base model
+                own = planner_cost_model(cfgs[m], model.config, layout)
+                planner = StepPlanner(ListBatcher(batches, limits), cfgs[m], own, info)
+                runs[m].planned = [planner() for _ in range(num_steps)]
+            else:
+                runs[m].planned = plan(cfgs[m], num_steps)
+        for key, (placement, m) in placed_methods(args, methods).items():  # planned with their chunks' costs
+            name = placement.describe()
+            chunk_layout = placed[name][0]
+            own = planner_cost_model(cfgs[m], model.config, chunk_layout)
+            # the planner orders each step on the placement (sends priced), and the runtime runs those orders
+            placed_cfg = dataclasses.replace(cfgs[m], placement=name)
+            if key in calibrated:  # one fit per placement, a coefficient set per chunk
+                if name not in fits:
+                    fits[name], _ = run_calibration(placed_cfg, own, model.config.to_dict(), chunk_layout)
+                runs[key].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info,
+                                                           calibration=fits[name]), num_steps)
+            else:
+                planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
+                runs[key].planned = [planner() for _ in range(num_steps)]
+    if PEER in runs:
+        runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
+                                            ctx.delivery_group)
+    del model
+    cuda = ctx.device.type == "cuda"
+    tuned = {}
+    if args.tune_baselines:
+        tuned = _tune(args, [m for m in methods if m in BASELINES], cfgs, ctx, spec, batches, limits, new_run,
+                      plan, runs, cuda)
+
+        for key in [tuned_key(m) for m in BASELINES if tuned_key(m) in runs and calibrated]:  # calibrated too
+            calibrated.append(key)
             if ctx.is_planner:
-                cost_model = planner_cost_model(base_config(args), model.config, layout)  # the base every method shares
-                if calibrated:  # one fit shared by the calibrated methods, set up as the trainer's
-                    calibration, _ = run_calibration(cfgs[calibrated[0]], cost_model, model.config.to_dict(), layout)
-                    fits[""] = calibration
-
-            def plan(cfg, n: int) -> list:
-                """Rank 0: ``n`` planned steps of ``cfg``'s method over the global batches."""
-                planner = StepPlanner(ListBatcher(batches, limits), cfg, cost_model, info)
-                return [planner() for _ in range(n)]
-
-            if ctx.is_planner:
-                for m in methods:
-                    if m in calibrated:  # planned step by step, each with the fit as of plan_ahead + 1 steps before
-                        runs[m].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), cfgs[m], cost_model, info,
-                                                                 calibration=calibration), num_steps)
-                    elif m in OWN_BASE:  # planned ahead with their own base model
-                        own = planner_cost_model(cfgs[m], model.config, layout)
-                        planner = StepPlanner(ListBatcher(batches, limits), cfgs[m], own, info)
-                        runs[m].planned = [planner() for _ in range(num_steps)]
-                    else:
-                        runs[m].planned = plan(cfgs[m], num_steps)
-                for key, (placement, m) in placed_methods(args, methods).items():  # planned with their chunks' costs
-                    name = placement.describe()
-                    chunk_layout = placed[name][0]
-                    own = planner_cost_model(cfgs[m], model.config, chunk_layout)
-                    # the planner orders each step on the placement (sends priced), and the runtime runs those orders
-                    placed_cfg = dataclasses.replace(cfgs[m], placement=name)
-                    if key in calibrated:  # one fit per placement, a coefficient set per chunk
-                        if name not in fits:
-                            fits[name], _ = run_calibration(placed_cfg, own, model.config.to_dict(), chunk_layout)
-                        runs[key].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info,
-                                                                   calibration=fits[name]), num_steps)
-                    else:
-                        planner = StepPlanner(ListBatcher(batches, limits), placed_cfg, own, info)
-                        runs[key].planned = [planner() for _ in range(num_steps)]
-            if PEER in runs:
-                runs[PEER].peer_steps = _peer_steps(runs[PEER].planned, spec, args.packing_rows, ctx.is_planner,
-                                                    ctx.delivery_group)
-            del model
-            cuda = ctx.device.type == "cuda"
-            tuned = {}
-            if args.tune_baselines:
-                tuned = _tune(args, [m for m in methods if m in BASELINES], cfgs, ctx, spec, batches, limits, new_run,
-                              plan, runs, cuda)
-
-                for key in [tuned_key(m) for m in BASELINES if tuned_key(m) in runs and calibrated]:  # calibrated too
-                    calibrated.append(key)
-                    if ctx.is_planner:
-                        runs[key].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
-                                                                   info, calibration=calibration), num_steps)
-            if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
-                for placement_name in dict.fromkeys(key.partition("@")[2] for key in calibrated):
-                    first = runs[next(key for key in calibrated if key.partition("@")[2] == placement_name)]
-                    quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, first.spec, 0)
-            order = list(runs)
-            times = {m: [] for m in order}
-            stage_compute = {m: [] for m in order}  # per timed step, replica 0's measured fwd + bwd seconds per stage
-            losses = {m: [] for m in order}
-            peaks = {m: 0 for m in order}
-            saved = {m: None for m in order}
-            last: dict[str, float] = {}  # each method's latest step time, for the progress line
-            for step in range(num_steps):
-                k = step % len(order)
-                for m in order[k:] + order[:k]:  # rotated order: no method always runs first
-                    r = runs[m]
-                    planned = r.planned[step] if ctx.is_planner else None
-                    elapsed, loss, saved_peak, peak, result = _timed_step(r, ctx, step, planned, cuda)
-                    if result is not None:  # every method on our executor: measured compute per stage
-                        gathered = gather_measurements(ctx, result)  # collective, outside the timed region
-                        if ctx.is_planner:
-                            if step >= args.untimed_steps:
-                                stage_compute[m].append(stage_times(ctx, gathered))
-                            if m in calibrated:
-                                fit_of(m).record(ctx, planned, gathered, elapsed)
-                    if saved_peak is not None and step >= args.untimed_steps:
-                        saved[m] = max(saved[m] or 0, saved_peak)
-                    peaks[m] = max(peaks[m], peak)
-                    if step >= args.untimed_steps:
-                        times[m].append(elapsed)
-                    losses[m].append(loss)
-                    last[m] = elapsed
+                runs[key].planned = LazyPlans(StepPlanner(ListBatcher(batches, limits), runs[key].cfg, cost_model,
+                                                           info, calibration=calibration), num_steps)
+    if calibrated and cfgs[calibrated[0]].calibration_mode == "quick":  # once per fit (placement), collective
+        for placement_name in dict.fromkeys(key.partition("@")[2] for key in calibrated):
+            first = runs[next(key for key in calibrated if key.partition("@")[2] == placement_name)]
+            quick_calibration(first.executor, ctx, first.planned.planner if ctx.is_planner else None, first.spec, 0)
+    order = list(runs)
+    times = {m: [] for m in order}
+    stage_compute = {m: [] for m in order}  # per timed step, replica 0's measured fwd + bwd seconds per stage
+    losses = {m: [] for m in order}
+    peaks = {m: 0 for m in order}
+    saved = {m: None for m in order}
+    last: dict[str, float] = {}  # each method's latest step time, for the progress line
+    for step in range(num_steps):
+        k = step % len(order)
+        for m in order[k:] + order[:k]:  # rotated order: no method always runs first
+            r = runs[m]
+            planned = r.planned[step] if ctx.is_planner else None
+            elapsed, loss, saved_peak, peak, result = _timed_step(r, ctx, step, planned, cuda)
+            if result is not None:  # every method on our executor: measured compute per stage
+                gathered = gather_measurements(ctx, result)  # collective, outside the timed region
                 if ctx.is_planner:
-                    print_progress(step, num_steps, step >= args.untimed_steps, last)
-            gathered: list = [None] * ctx.world_size
-            dist.all_gather_object(gathered, (peaks, saved), group=ctx.delivery_group)
-            if not ctx.is_planner:
-                return None
-            measured_peak = {m: max(p[m] for p, _ in gathered) for m in order} if cuda else None
-            measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
-            result = results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
-                             str(ctx.device), measured_saved, calibrated, stage_compute, flag_names())
-            result["layouts"] = {k: v.layout.describe() for k, v in layouts.items()}
-            result["resolved"] = resolved_json(resolved)
-            if not args.tune_baselines:
-                return result
+                    if step >= args.untimed_steps:
+                        stage_compute[m].append(stage_times(ctx, gathered))
+                    if m in calibrated:
+                        fit_of(m).record(ctx, planned, gathered, elapsed)
+            if saved_peak is not None and step >= args.untimed_steps:
+                saved[m] = max(saved[m] or 0, saved_peak)
+            peaks[m] = max(peaks[m], peak)
+            if step >= args.untimed_steps:
+                times[m].append(elapsed)
+            losses[m].append(loss)
+            last[m] = elapsed
+        if ctx.is_planner:
+            print_progress(step, num_steps, step >= args.untimed_steps, last)
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (peaks, saved), group=ctx.delivery_group)
+    if not ctx.is_planner:
+        return None
+    measured_peak = {m: max(p[m] for p, _ in gathered) for m in order} if cuda else None
+    measured_saved = {m: max((s[m] for _, s in gathered if s[m] is not None), default=None) for m in order}
+    result = results(args, order, runs, times, losses, measured_peak, peak_rss_bytes(), cost_model, batches,
+                     str(ctx.device), measured_saved, calibrated, stage_compute, flag_names())
+    result["layouts"] = {k: v.layout.describe() for k, v in layouts.items()}
+    result["resolved"] = resolved_json(resolved)
+    if not args.tune_baselines:
+        return result
 
-            return with_tuned(result, tuned)
-    finally:
-        shutdown()
+    return with_tuned(result, tuned)
 
 
 def _timed_step(r: _Method, ctx, step: int, planned, cuda: bool) -> tuple[float, float, int | None, int, object]:

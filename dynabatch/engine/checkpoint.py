@@ -105,14 +105,11 @@ def _umask() -> int:
     another thread's file could catch), else by setting it back at once."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, ValueError, IndexError, StopIteration):  # no /proc (or no Umask line): the portable way
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def atomic_write(path: str, write) -> None:

@@ -33,15 +33,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dynabatch.training.config import Found, Resolved, TrainConfig, decide, lower, resolve
-from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
-from dynabatch.core.allocator import freed_tensors_kept, host_memory_gib
+from dynabatch.training.config import Resolved, TrainConfig, lower
+from dynabatch.core.allocator import freed_tensors_kept
 from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.p2p import loopback_store
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.inputs import data_notes, load_data
-from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
+from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.models.attention_kernels import (KERNEL_CALLS, attention_kernel, calls_since, kernel_problem,
                                                 use_attention_kernel)
 from dynabatch.models.families import analytic_spec, check_model
@@ -60,7 +59,7 @@ from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
 from dynabatch.engine.outputs import prepare_output_dir, truncate_metrics
-from dynabatch.training.config.paths import run_paths
+from dynabatch.training.run_start import check_same_settings, log_tokenizer, record_resolved, resolve_run
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
@@ -504,59 +503,6 @@ def _stack_pngs(paths: list[str], out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-
-
-def resolve_run(cfg: TrainConfig) -> Resolved:
-    """``cfg`` resolved for this machine and model (:func:`dynabatch.training.config.resolve.resolve`): whether CUDA is
-    available, the model's sequence kind (checked before anything loads), the world size and the host's memory. The tokenizer is
-    resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
-    name it. Local paths become absolute first (:func:`~dynabatch.training.config.paths.run_paths`), so
-    ``config.yaml`` and the checkpoints record files that a run from any folder finds."""
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in run_paths(cfg.to_dict()).items() if v != getattr(cfg, k)})
-    kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
-    return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
-                              world_size=cfg.world_size, host_memory_gib=host_memory_gib()))
-
-
-def record_resolved(resolved: Resolved, resuming: bool) -> None:
-    """Rank 0: log the resolved choices once as a short table and write ``OUTPUT/config.yaml`` (every field,
-    resolved: ``dynabatch train --config`` it to run the same again). A resume first reads the earlier run's
-    file and logs the fields that differ."""
-    cfg = resolved.config
-    path = os.path.join(cfg.output_dir, CONFIG_FILE)
-    if resolved.reasons:
-        logger.info("resolved configuration (option, value, why):\n" + resolved.table())
-    if resuming and os.path.exists(path):
-        changed = config_differences(load_config_file(path), cfg)
-        logger.info(f"resume: {CONFIG_FILE} of the earlier run " + (
-            "differs in " + "; ".join(changed) if changed else "is this run's configuration"))
-    write_config_file(path, cfg)
-
-
-def check_same_settings(ctx: DistContext, given: TrainConfig) -> None:
-    """Collective: every rank was started with the same settings (on several nodes, each node's command is its
-    own, and a flag typed differently on one would train its stages otherwise, or hang at the first step that
-    counts differently). A ``ValueError`` naming the first setting that differs, the same on every rank. The device
-    may differ (``train(cfg)`` from Python may give each rank its own ``cuda:N``)."""
-    if ctx.world_size == 1:
-        return
-    gathered: list = [None] * ctx.world_size
-    settings = {k: v for k, v in given.to_dict().items() if k != "device"}
-    dist.all_gather_object(gathered, settings, group=ctx.delivery_group)
-    for rank, settings in enumerate(gathered):
-        changed = [k for k in gathered[0] if settings.get(k) != gathered[0][k]]
-        if changed:
-            k = changed[0]
-            raise ValueError(f"rank {rank} was started with other settings than rank 0 ({k}: {gathered[0][k]!r} on "
-                             f"rank 0, {settings.get(k)!r} on rank {rank}); start every rank (every node) with the "
-                             "same command")
-
-
-def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
-    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
-    if ctx.is_planner:
-        info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
-        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
 
 
 def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:

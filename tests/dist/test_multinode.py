@@ -42,17 +42,13 @@ def _records(out) -> list[dict]:
         return [r for r in map(json.loads, f) if "loss" in r]
 
 
-def test_two_node_launch_trains_like_one_node(tmp_path, toy_mixture_dir):
-    one, two = tmp_path / "one-node", tmp_path / "two-nodes"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "dynabatch", *_flags(one, toy_mixture_dir)],
-                         capture_output=True, text=True, env=_env(), timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-
+def _two_nodes(out, toy_mixture_dir, extra=((), ())):
+    """``torchrun --nnodes 2`` launched twice on this machine, node ``n`` with its flags plus ``extra[n]``: the
+    launches and their output (stdout and stderr)."""
     port = _free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "dynabatch", *_flags(two, toy_mixture_dir)],
+                               "-m", "dynabatch", *_flags(out, toy_mixture_dir), *extra[n]],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
              for n in (0, 1)]
     outputs = []
@@ -63,6 +59,17 @@ def test_two_node_launch_trains_like_one_node(tmp_path, toy_mixture_dir):
         for p in nodes:
             if p.poll() is None:
                 p.kill()
+    return nodes, outputs
+
+
+def test_two_node_launch_trains_like_one_node(tmp_path, toy_mixture_dir):
+    one, two = tmp_path / "one-node", tmp_path / "two-nodes"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dynabatch", *_flags(one, toy_mixture_dir)],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+
+    nodes, outputs = _two_nodes(two, toy_mixture_dir)
     for n, (p, text) in enumerate(zip(nodes, outputs)):
         assert p.returncode == 0, f"node {n}: " + text[-3000:]
 
@@ -79,21 +86,7 @@ def test_a_flag_typed_otherwise_on_one_node_is_one_line_at_start(tmp_path, toy_m
     """Node 1 started with another --learning-rate: before any step, the run stops with one line naming the setting
     (it trained node 1's stage at that rate, silently; another --max-steps hung until the timeout)."""
     out = tmp_path / "run"
-    port = _free_port()
-    extra = [[], ["--learning-rate", "0.5"]]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "dynabatch", *_flags(out, toy_mixture_dir), *extra[n]],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-             for n in (0, 1)]
-    outputs = []
-    try:
-        for p in nodes:
-            outputs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
+    nodes, outputs = _two_nodes(out, toy_mixture_dir, ((), ("--learning-rate", "0.5")))
     assert all(p.returncode != 0 for p in nodes), outputs
     text = "".join(outputs)
     lines = [ln for ln in text.splitlines() if ln.startswith("dynabatch train: error:")]

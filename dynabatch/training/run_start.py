@@ -1,0 +1,75 @@
+"""What a training run settles before it trains: its configuration resolved with what this machine finds
+(:func:`resolve_run`), the same on every rank (:func:`check_same_settings`), recorded in ``OUTPUT/config.yaml``
+(:func:`record_resolved`), and which tokenizer it reads (:func:`log_tokenizer`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from dynabatch.core.allocator import host_memory_gib
+from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
+from dynabatch.engine.dist import DistContext
+from dynabatch.models.families import check_model
+from dynabatch.training.config import Found, Resolved, TrainConfig, resolve
+from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
+from dynabatch.training.config.paths import run_paths
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_run(cfg: TrainConfig) -> Resolved:
+    """``cfg`` resolved for this machine and model (:func:`dynabatch.training.config.resolve.resolve`): whether CUDA is
+    available, the model's sequence kind (checked before anything loads), the world size and the host's memory. The tokenizer is
+    resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
+    name it. Local paths become absolute first (:func:`~dynabatch.training.config.paths.run_paths`), so
+    ``config.yaml`` and the checkpoints record files that a run from any folder finds."""
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in run_paths(cfg.to_dict()).items() if v != getattr(cfg, k)})
+    kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
+    return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,
+                              world_size=cfg.world_size, host_memory_gib=host_memory_gib()))
+
+
+def record_resolved(resolved: Resolved, resuming: bool) -> None:
+    """Rank 0: log the resolved choices once as a short table and write ``OUTPUT/config.yaml`` (every field,
+    resolved: ``dynabatch train --config`` it to run the same again). A resume first reads the earlier run's
+    file and logs the fields that differ."""
+    cfg = resolved.config
+    path = os.path.join(cfg.output_dir, CONFIG_FILE)
+    if resolved.reasons:
+        logger.info("resolved configuration (option, value, why):\n" + resolved.table())
+    if resuming and os.path.exists(path):
+        changed = config_differences(load_config_file(path), cfg)
+        logger.info(f"resume: {CONFIG_FILE} of the earlier run " + (
+            "differs in " + "; ".join(changed) if changed else "is this run's configuration"))
+    write_config_file(path, cfg)
+
+
+def check_same_settings(ctx: DistContext, given: TrainConfig) -> None:
+    """Collective: every rank was started with the same settings (on several nodes, each node's command is its
+    own, and a flag typed differently on one would train its stages otherwise, or hang at the first step that
+    counts differently). A ``ValueError`` naming the first setting that differs, the same on every rank. The device
+    may differ (``train(cfg)`` from Python may give each rank its own ``cuda:N``)."""
+    if ctx.world_size == 1:
+        return
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, {k: v for k, v in given.to_dict().items() if k != "device"},
+                           group=ctx.delivery_group)
+    first = gathered[0]
+    for rank, theirs in enumerate(gathered):
+        k = next((k for k in first if theirs.get(k) != first[k]), None)
+        if k is not None:
+            raise ValueError(f"rank {rank} was started with other settings than rank 0 ({k}: {first[k]!r} on "
+                             f"rank 0, {theirs.get(k)!r} on rank {rank}); start every rank (every node) with the "
+                             "same command")
+
+
+def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
+    if ctx.is_planner:
+        info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
+        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
