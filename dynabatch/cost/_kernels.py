@@ -381,3 +381,125 @@ def _count_groups_many(q, k, alone, starts, keep):
         hi = starts[m + 1] if m + 1 < num else q.shape[0]
         out[m] = _count_groups(q[lo:hi], k[lo:hi], alone[lo:hi], keep)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _run_program(x, exponents, kinds, starts, cols, weights, outputs):
+    """``(len(outputs), n)`` values of a max-plus program (:class:`dynabatch.cost.symbolic.Program`) at the
+    ``(V, n)`` variables ``x``: monomial columns first, then each node a weighted sum or the maximum of earlier
+    columns, every column computed over a tile of entries at once (tiles small enough for the columns to stay
+    in cache)."""
+    n = x.shape[1]
+    k_mono = exponents.shape[0]
+    tile = 256
+    vals = np.empty((k_mono + kinds.shape[0], tile))
+    out = np.empty((outputs.shape[0], n))
+    for lo_j in range(0, n, tile):
+        m = min(tile, n - lo_j)
+        for k in range(k_mono):
+            row = vals[k]
+            row[:m] = 1.0
+            for v in range(exponents.shape[1]):
+                for _ in range(exponents[k, v]):
+                    for j in range(m):
+                        row[j] *= x[v, lo_j + j]
+        for i in range(kinds.shape[0]):
+            row = vals[k_mono + i]
+            lo, hi = starts[i], starts[i + 1]
+            if kinds[i] == 0:
+                row[:m] = 0.0
+                for q in range(lo, hi):
+                    src = vals[cols[q]]
+                    w = weights[q]
+                    for j in range(m):
+                        row[j] += w * src[j]
+            else:
+                row[:m] = vals[cols[lo], :m]
+                for q in range(lo + 1, hi):
+                    src = vals[cols[q]]
+                    for j in range(m):
+                        if src[j] > row[j]:
+                            row[j] = src[j]
+        for o in range(outputs.shape[0]):
+            out[o, lo_j:lo_j + m] = vals[outputs[o], :m]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _planner_view(fwd, bwd, stored, peak, send, load, entries, terms, has_terms, b, num_stages, single_alone, budget,
+                  policy, t_out, stored_out, peak_out, fits_out):
+    """:meth:`StageCostModel.evaluate <dynabatch.cost.stages.StageCostModel.evaluate>` of per-stage costs ``(S, n)``
+    (mode ``none``), entry by entry: each stage in its recomputation mode (``policy`` 0 none, 1 auto, 2 selective,
+    3 full; ``terms`` ``(6, S, n)``: the selective then full ``extra_s, freed_bytes, peak_bytes``), then reduced to
+    the planner's bottleneck time, stored bytes (+ the largest stage's in-flight buffers) and peak. Under ``auto``
+    an entry whose maxima fit ``in_flight`` times without recomputation keeps mode ``none``; the others (where
+    ``has_terms``) take, stage by stage, the first mode that fits, else the one needing least; entries under
+    ``auto`` that do not fit and have no terms are only flagged (``fits_out`` False) for a second pass with terms.
+    Only the ``entries`` listed are computed; ``terms[:, :, q]`` belong to entry ``entries[q]``.
+    With a policy the reduction keeps the tightest stage's stored and peak where the maxima do not fit ``S`` in
+    flight (``StageCostModel.reduce``)."""
+    S = fwd.shape[0]
+    for q in range(entries.shape[0]):
+        j = entries[q]
+        buffers = 0.0
+        for s in range(S):
+            received = send[s - 1, j] if s > 0 else 0.0
+            v = 2.0 * (received + send[s, j]) + load[s, j]
+            if s == 0 or v > buffers:
+                buffers = v
+        in_flight = 1.0 if single_alone and b[j] == 1.0 else float(num_stages)
+        top_stored = stored[0, j]
+        top_peak = peak[0, j]
+        for s in range(1, S):
+            top_stored = max(top_stored, stored[s, j])
+            top_peak = max(top_peak, peak[s, j])
+        fits = in_flight * (top_stored + buffers) + top_peak <= budget
+        fits_out[j] = fits
+        t = 0.0
+        best_stored = 0.0
+        best_peak = 0.0
+        tight = -1.0
+        max_stored = 0.0
+        max_peak = 0.0
+        for s in range(S):
+            mode = 0
+            if policy == 2 or policy == 3:
+                mode = policy - 1
+            elif policy == 1 and not fits and has_terms:
+                least = 0.0
+                best = 0
+                mode = -1
+                for k in range(3):
+                    st, pk = stored[s, j], peak[s, j]
+                    if k > 0:
+                        st = max(st - terms[3 * (k - 1) + 1, s, q], 0.0)
+                        pk = pk + terms[3 * (k - 1) + 2, s, q]
+                    need = in_flight * (st + buffers) + pk
+                    if need <= budget:
+                        mode = k
+                        break
+                    if k == 0 or need < least:
+                        least = need
+                        best = k
+                if mode < 0:
+                    mode = best
+            f, bw, st, pk = fwd[s, j], bwd[s, j], stored[s, j], peak[s, j]
+            if mode > 0:
+                bw = bw + terms[3 * (mode - 1), s, q]
+                st = max(st - terms[3 * (mode - 1) + 1, s, q], 0.0)
+                pk = pk + terms[3 * (mode - 1) + 2, s, q]
+            if s == 0 or f + bw > t:
+                t = f + bw
+            if s == 0 or st > max_stored:
+                max_stored = st
+            if s == 0 or pk > max_peak:
+                max_peak = pk
+            score = num_stages * st + pk
+            if s == 0 or score > tight:
+                tight, best_stored, best_peak = score, st, pk
+        t_out[j] = t
+        stored_out[j] = max_stored + buffers
+        peak_out[j] = max_peak
+        if policy != 0 and num_stages * stored_out[j] + max_peak > budget:
+            stored_out[j] = best_stored + buffers
+            peak_out[j] = best_peak

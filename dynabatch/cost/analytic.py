@@ -170,6 +170,13 @@ def _broadcast_pairs(pairs: AttentionPairs | None, shape) -> AttentionPairs | No
 
 _CHECKED = ("checked inputs",)
 """The key under which a ``layers`` memo keeps the checked inputs (:meth:`AnalyticCostModel._arrays`)."""
+
+
+def checked_memo(b, E, D) -> dict:  # noqa: N803 - the shape names
+    """A ``layers`` memo (:meth:`AnalyticCostModel.stage_cost`) holding ``b, E, D`` as inputs already checked and
+    broadcast (``D`` None: a decoder-only model's 1), which the methods given it take as they are: how
+    :class:`~dynabatch.cost.stage_programs.StagePrograms` runs the model on symbolic inputs."""
+    return {_CHECKED: ((b, E, D), (False, (b, E, 1.0 if D is None else D)))}
 MASK_BYTES = 24.0
 """Memory traffic per element of an additive segment mask (segment compare, select, float write)."""
 BIAS_BYTES_PER_PAIR = 0.0
@@ -322,9 +329,9 @@ class AnalyticCostModel(StoredBytes):
             fwd, bwd = fwd + ctx_fwd, bwd + ctx_bwd
         stored = total("stored_activation_bytes")
         if "t5_decoder" in kinds and not self.autocast:  # under autocast each layer's K / V projection casts it
-            stored = stored + self.spec.dtype_bytes * np.asarray(b, float) * np.asarray(E, float) * self.spec.d_model
+            stored = stored + self.spec.dtype_bytes * arrays[0] * arrays[1] * self.spec.d_model
         if self.dense_masks and not is_seq2seq(self.spec.family) and any(k in CAUSAL_ATTENTION_KINDS for k in kinds):
-            stored = stored + 4.0 * np.asarray(b, float) * np.asarray(E, float) ** 2  # the stage's (b, 1, T, T) mask
+            stored = stored + 4.0 * arrays[0] * arrays[1] ** 2  # the stage's (b, 1, T, T) mask
         peak = costs[0][0].peak_extra_bytes
         for c, _ in costs[1:]:
             peak = np.maximum(peak, c.peak_extra_bytes)
@@ -467,6 +474,14 @@ class AnalyticCostModel(StoredBytes):
     def priced_kinds(self) -> tuple[str, ...]:
         """Every layer kind this model prices: the model's own and the block halves a layer split may cut."""
         return self.spec.layer_kinds
+
+    def checked_inputs(self, b: ArrayLike, E: ArrayLike, D: ArrayLike | None = None,
+                       pairs: AttentionPairs | None = None):
+        """``(b, E, D, pairs)``: ``b, E, D`` float64 arrays of one shape, each finite and >= 1 (``D`` None stays None),
+        ``pairs`` broadcast to that shape: the checks the pricing methods make, for a caller that prices the same
+        inputs otherwise (:class:`~dynabatch.cost.stage_programs.StagePrograms`)."""
+        _, (b, E, d) = self._arrays(b, E, D)
+        return b, E, (None if D is None else d), _broadcast_pairs(pairs, b.shape)
 
     # ---------------------------------------------------------------- helpers
 

@@ -71,6 +71,19 @@ class AttentionPairs:
             rest = rest[size:]
 
     @classmethod
+    def of_sums(cls, encoder: np.ndarray, decoder: np.ndarray, cross: np.ndarray, calls=None,
+                longest=None) -> "AttentionPairs":
+        """Pairs from float64 arrays of one shape that are sums of checked pairs (the planner's prefix sums over
+        runs of samples), kept as they are: not checked again. A difference of prefix sums of non-integer pairs
+        may round a hair below zero, which the check would refuse and which prices the same."""
+        out = object.__new__(cls)
+        for name, value in (("encoder", encoder), ("decoder", decoder), ("cross", cross)):
+            object.__setattr__(out, name, value)
+        for name, value in (("calls", calls), ("longest", longest)):
+            object.__setattr__(out, name, None if value is None else tuple(np.asarray(x, dtype=np.float64) for x in value))
+        return out
+
+    @classmethod
     def dense(cls, b, E, D=None) -> "AttentionPairs":  # noqa: N803 - shape names
         """The pairs dense attention computes on ``b`` rows padded to ``(E, D)`` (``D`` None or 0: GPT)."""
         b, E = np.asarray(b, dtype=np.float64), np.asarray(E, dtype=np.float64)
@@ -98,6 +111,10 @@ class AttentionPairs:
 
     def __getitem__(self, index) -> "AttentionPairs":
         return self._derived(lambda a: a[index])
+
+    def ravel(self) -> "AttentionPairs":
+        """Every array flattened (1-D, in C order)."""
+        return self._derived(np.ravel)
 
     def broadcast_to(self, shape) -> "AttentionPairs":
         if self.encoder.shape == tuple(shape):

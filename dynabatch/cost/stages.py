@@ -39,6 +39,8 @@ import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
 from dynabatch.cost.model_states import per_rank_state_bytes
+from dynabatch.cost._kernels import _planner_view
+from dynabatch.cost.stage_programs import PRICED, StagePrograms
 from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, check_policy, choose_modes, select
 
 RECOMPUTE_SUBSET_FITS = 0.5
@@ -312,6 +314,9 @@ class StageCostModel:
     """Parameters + gradients + optimizer states of each stage, per rank (the sharded parts divided by ``replicas``)."""
     memory_budget_bytes: float = field(init=False)
     """Activation memory left on the tightest stage."""
+    programs: StagePrograms | None = field(init=False, repr=False, compare=False)
+    """The layer model's stage costs compiled (:mod:`dynabatch.cost.stage_programs`): a model that shares its layer
+    costs over a layout's stages (the analytic model); ``None``: priced by the model's methods."""
 
     @property
     def equal_micro_batch_counts(self) -> bool:
@@ -341,6 +346,9 @@ class StageCostModel:
                 + (", or shard the states across the replicas (--zero)" if self.zero < 2 else "")
             )
         object.__setattr__(self, "memory_budget_bytes", float(budget))
+        programs = StagePrograms(self.model, self.layout.stages) if getattr(self.model, "shares_layer_costs", False) \
+            else None
+        object.__setattr__(self, "programs", programs)
 
     @property
     def num_stages(self) -> int:
@@ -363,6 +371,9 @@ class StageCostModel:
         of these inputs (a model with ``shares_layer_costs``: :meth:`AnalyticCostModel.stage_cost
         <dynabatch.cost.analytic.AnalyticCostModel.stage_cost>`), shared by the stages and the recomputation terms."""
         b, E, D = self._inputs(b, E, D)
+        compiled = self._compiled("priced", b, E, D, pairs)
+        if compiled is not None:
+            return StageCosts(**dict(zip(PRICED, compiled)), load_bytes=self._load_bytes(b, E, D))
         extra = {} if pairs is None else {"pairs": pairs}
         if layers is None and getattr(self.model, "shares_layer_costs", False):
             layers = {}
@@ -394,11 +405,16 @@ class StageCostModel:
                 return costs  # what fits without recomputation stays as it is: the terms are not needed at all
             if bb.ndim == 1 and fits.mean() >= RECOMPUTE_SUBSET_FITS:  # the terms of the entries that need them only
                 return self._recomputed_where(costs, bb, EE, DD, pairs, np.flatnonzero(~fits), layers)
-        extra = {} if pairs is None else {"pairs": pairs}
-        if layers is not None:
-            extra["layers"] = layers
-        per = [self.model.recompute_terms(list(s), bb, EE, DD, **extra) for s in self.layout.stages]
-        terms = RecomputeTerms(**{f: _stack((getattr(t, f) for t in per), bb.shape) for f in RecomputeTerms.fields()})
+        compiled = self._compiled("terms", bb, EE, DD, pairs)
+        if compiled is not None:
+            terms = RecomputeTerms(**dict(zip(RecomputeTerms.fields(), compiled)))
+        else:
+            extra = {} if pairs is None else {"pairs": pairs}
+            if layers is not None:
+                extra["layers"] = layers
+            per = [self.model.recompute_terms(list(s), bb, EE, DD, **extra) for s in self.layout.stages]
+            terms = RecomputeTerms(**{f: _stack((getattr(t, f) for t in per), bb.shape)
+                                      for f in RecomputeTerms.fields()})
         if type(self)._priced is not StageCostModel._priced:  # costs scaled from the layer model's: scale the terms
             raw = StageCostModel._priced(self, b, E, D, pairs, layers)
             time_scale = np.where(raw.fwd_s > 0, costs.fwd_s / np.maximum(raw.fwd_s, 1e-30), 1.0)
@@ -444,6 +460,15 @@ class StageCostModel:
             codes[:, idx] = sub.recompute
         return dataclasses.replace(costs, **picked, recompute=codes if np.any(codes) else None)
 
+    def _compiled(self, what: str, b, E, D, pairs):  # noqa: N803
+        """:meth:`StagePrograms.priced <dynabatch.cost.stage_programs.StagePrograms.priced>` (``what="priced"``) or
+        ``.terms`` of inputs checked as the model's methods check them; ``None`` without :attr:`programs` or when the
+        model cannot be traced."""
+        if self.programs is None:
+            return None
+        b, E, D, pairs = self.model.checked_inputs(b, E, D, pairs)
+        return getattr(self.programs, what)(b, E, D, pairs)
+
     def _in_flight(self, bb):
         """Micro-batches in flight on a stage under ``auto``'s test: ``S``, or 1 for a single sample with
         :attr:`single_sample_alone`."""
@@ -467,6 +492,9 @@ class StageCostModel:
         ``bottleneck_cost(stages, b, E, D)`` (the profiled tables' fused kernel) answers the rest in one
         call; otherwise it is reduced from :meth:`per_stage`.
         """
+        compiled = self._evaluate_compiled(b, E, D, pairs)
+        if compiled is not None:
+            return compiled
         fused = getattr(self.model, "bottleneck_cost", None)
         if fused is not None and self.recompute == "none":
             t, stored, peak = fused(self.layout.stages, b, E, D, **({} if pairs is None else {"pairs": pairs}))
@@ -474,6 +502,35 @@ class StageCostModel:
             buffers = message_buffer_bytes(self._send_bytes(*inputs)) + self._load_bytes(*inputs)
             return t, stored + buffers.max(axis=0), peak
         return self.reduce(self.per_stage(b, E, D, pairs))
+
+    def _evaluate_compiled(self, b, E, D, pairs):  # noqa: N803
+        """:meth:`evaluate` through :attr:`programs` and one numba pass over the entries
+        (``dynabatch.cost._kernels._planner_view``: the recomputation choice and :meth:`reduce`, entry by entry);
+        under ``auto`` the recomputation terms are computed for the entries that do not fit without them only.
+        ``None`` where that path does not apply (no programs, a subclass pricing otherwise, a model not traced)."""
+        if self.programs is None or type(self)._priced is not StageCostModel._priced:
+            return None
+        b, E, D = self._inputs(b, E, D)
+        b, E, D, pairs = self.model.checked_inputs(b, E, D, pairs)
+        shape = b.shape
+        flat = [b.ravel(), E.ravel(), None if D is None else D.ravel(), None if pairs is None else pairs.ravel()]
+        priced = self.programs.priced(*flat)
+        if priced is None:
+            return None
+        policy = RECOMPUTE_POLICY_CODES[self.recompute]
+        load = self._load_bytes(*flat[:3])
+        terms = self.programs.terms(*flat) if policy >= 2 else None
+        n = flat[0].size
+        out = [np.empty(n) for _ in range(3)]
+        fits = np.empty(n, dtype=np.bool_)
+        view = (self.num_stages, self.single_sample_alone, self.memory_budget_bytes, policy, *out, fits)
+        _planner_view(*priced, load, np.arange(n), _NO_TERMS if terms is None else terms, terms is not None, flat[0],
+                      *view)
+        if policy == 1 and not fits.all():  # auto: the entries that do not fit without recomputation, with terms
+            idx = np.flatnonzero(~fits)
+            terms = self.programs.terms(*(x if x is None else x[idx] for x in flat))
+            _planner_view(*priced, load, idx, terms, True, flat[0], *view)
+        return tuple(x.reshape(shape) for x in out)
 
     def reduce(self, c: StageCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The planner view (:meth:`evaluate`) of per-stage costs ``c``: the largest time over the stages, the
@@ -508,6 +565,11 @@ class StageCostModel:
         model's memo of this call, which keeps the checked inputs)."""
         extra = {} if layers is None else {"layers": layers}
         return _stack((self.model.send_bytes(s[-1], b, E, D, **extra) for s in self.layout.stages), b.shape)
+
+
+RECOMPUTE_POLICY_CODES = {"none": 0, "auto": 1, "selective": 2, "full": 3}
+"""``--recompute`` policies as ``_planner_view`` reads them."""
+_NO_TERMS = np.zeros((6, 1, 0))
 
 
 def _stack(values, shape) -> np.ndarray:

@@ -310,7 +310,7 @@ def _run_pairs(prefix: np.ndarray, ends, widths, longest=None):
 
     ends, widths = np.asarray(ends), np.asarray(widths)
     total = prefix[ends + 1] - prefix[np.maximum(ends + 1 - widths, 0)]  # (..., 3)
-    return AttentionPairs(total[..., 0], total[..., 1], total[..., 2], longest=longest)
+    return AttentionPairs.of_sums(total[..., 0], total[..., 1], total[..., 2], longest=longest)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynabatch.core.packing import PACK_ROWS  # ``pack_rows`` choices, one list for the config and the planner
-from dynabatch.cost.pairs import AttentionPairs, fill_work, row_calls, row_longest, sample_pairs
+from dynabatch.cost.pairs import AttentionPairs, fill_work, rows_work, sample_pairs
 from dynabatch.plan.costs import MicroBatchCostModel, evaluate_costs
 from dynabatch.plan.order import check_lengths, padded_lengths
 from dynabatch.plan.replicas import equalize_counts, group_pricing, plan_replicas, wants_equal_counts
@@ -477,22 +477,23 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
         unit_pairs = options.get("unit_pairs")
 
         def whole_pieces(groups, shapes, times) -> list[Piece]:
+            grouped = [tuple(rows[i] for i in ids) for ids in groups]
+            samples = [tuple(i for row in group for i in row) for group in grouped]
+            if unit_pairs is None:
+                return [Piece(s, tuple(shape), float(t)) for s, shape, t in zip(samples, shapes, times)]
+            # the same rows give the same pairs, calls and longest: the calls and longest segments of those not
+            # seen yet in one pass (rows_work)
+            keys = [(capacity == FLAT, group) for group in grouped]
+            laid = [(s,) if capacity == FLAT else group for s, group in zip(samples, grouped)]
+            new = [k for k, key in enumerate(keys) if key not in how.row_work]
+            for k, (_, calls, longest) in zip(new, rows_work([laid[k] for k in new], e, d, family)):
+                total = tuple(float(x) for x in np.asarray(unit_pairs)[list(groups[k])].sum(axis=0))
+                how.row_work[keys[k]] = (laid[k], total, calls, longest)
             out = []
-            for ids, shape, t in zip(groups, shapes, times):
-                group = tuple(rows[i] for i in ids)
-                samples = tuple(i for row in group for i in row)
-                if unit_pairs is None:
-                    out.append(Piece(samples, tuple(shape), float(t)))
-                    continue
-                work = (capacity == FLAT, group)  # the same rows give the same pairs, calls and longest
-                if work not in how.row_work:
-                    laid = (samples,) if capacity == FLAT else group
-                    total = tuple(float(x) for x in np.asarray(unit_pairs)[list(ids)].sum(axis=0))
-                    how.row_work[work] = (laid, total, row_calls(laid, e, d, family), row_longest(laid, e, d, family))
-                laid, total, calls, longest = how.row_work[work]
-                packed = laid if any(len(row) > 1 for row in laid) else None
-                out.append(Piece(samples, tuple(shape), float(t), rows=packed, pairs=total, calls=calls,
-                                 longest=longest))
+            for key, s, shape, t in zip(keys, samples, shapes, times):
+                placed, total, calls, longest = how.row_work[key]
+                packed = placed if any(len(row) > 1 for row in placed) else None
+                out.append(Piece(s, tuple(shape), float(t), rows=packed, pairs=total, calls=calls, longest=longest))
             return out
 
         whole_ids = [[np.asarray(ids, dtype=np.int64) for ids in part.micro_batches] for part in rp.replicas]

@@ -354,8 +354,10 @@ def test_layer_costs_shared_over_stages_price_bitwise_as_stage_by_stage(preset, 
     D = np.array([d.max() for _, d in lens], dtype=float) if family == "t5" else None
     layout = balanced_layout(model, 4, ref_shape=(4, 512, 128))
     assert any(len(set(a) & set(b_)) for a, b_ in zip(layout.stages, layout.stages[1:]))  # a kind on two stages
+    memo = StageCostModel(model, layout, 40 * 2**30, recompute=recompute)
+    object.__setattr__(memo, "programs", None)  # the methods with their memo (the compiled programs: test_symbolic.py)
     for work in (None, pairs):
-        shared = StageCostModel(model, layout, 40 * 2**30, recompute=recompute).per_stage(b, E, D, work)
+        shared = memo.per_stage(b, E, D, work)
         alone = StageCostModel(plain, layout, 40 * 2**30, recompute=recompute).per_stage(b, E, D, work)
         for field in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes"):
             assert np.array_equal(getattr(shared, field), getattr(alone, field)), (field, work is None)
