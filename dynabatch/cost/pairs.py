@@ -283,9 +283,7 @@ def flat_work(groups: FlatGroups, input_lens, target_lens, family: str) -> tuple
 def flat_pairs(groups: FlatGroups, input_lens, target_lens, family: str) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls and longest segments) of the micro-batches of ``groups``: what
     :func:`stacked_pairs` makes of their :func:`rows_work`."""
-    values, calls, longest = (a.astype(np.float64) for a in flat_work(groups, input_lens, target_lens, family))
-    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
-                          (longest[:, 0], longest[:, 1]))
+    return work_pairs(*flat_work(groups, input_lens, target_lens, family))
 
 
 def fill_work(work: dict, groups, input_lens, target_lens, family: str) -> None:
@@ -297,8 +295,14 @@ def fill_work(work: dict, groups, input_lens, target_lens, family: str) -> None:
 
 def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls and longest segments) of M micro-batches' :data:`RowWork`."""
-    values, calls, longest = (np.array([w[k] for w in work], dtype=np.float64).reshape(-1, n)
-                              for k, n in enumerate((3, 3, 2)))
+    return work_pairs(*(np.array([w[k] for w in work], dtype=np.float64).reshape(-1, n)
+                        for k, n in enumerate((3, 3, 2))))
+
+
+def work_pairs(values, calls, longest) -> AttentionPairs:
+    """(M,) :class:`AttentionPairs` of M micro-batches' work as arrays: (M, 3) pairs, (M, 3) calls, (M, 2) longest
+    segments (:func:`flat_work`)."""
+    values, calls, longest = (np.asarray(a, dtype=np.float64) for a in (values, calls, longest))
     return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
                           (longest[:, 0], longest[:, 1]))
 
@@ -306,7 +310,7 @@ def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
 def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls) of micro-batches given as rows of sample indices
     (``RowGroup.rows``)."""
-    return stacked_pairs(rows_work(list(groups), input_lens, target_lens, family))
+    return flat_pairs(FlatGroups.of(groups), input_lens, target_lens, family)
 
 
 def sample_pairs(input_lens, target_lens, family: str) -> np.ndarray:

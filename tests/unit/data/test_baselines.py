@@ -98,6 +98,18 @@ def test_unknown_batcher_lists_options(batch_and_limits):
         make_batcher("token_budget", limits, data.tokens, max_tokens=10)
 
 
+class _Lengths:
+    """A lengths-only batch (``input_lens``, ``target_lens``), with the candidates' ``memo`` when given."""
+
+    def __init__(self, e, d, memo=None):
+        self.input_lens, self.target_lens = e, d
+        if memo is not None:
+            self.memo = memo
+
+    def __len__(self):
+        return len(self.input_lens)
+
+
 @pytest.mark.parametrize("family", ["t5", "gpt2"])
 def test_vectorised_grouping_helpers_match_the_one_group_rules(family):
     """longest_first is the order of Batcher._sort_key, group_shapes is group_shape of each group (rows alone and
@@ -108,21 +120,12 @@ def test_vectorised_grouping_helpers_match_the_one_group_rules(family):
     from dynabatch.data.baselines import RowGroup, group_shape, group_shapes, longest_first
     from dynabatch.data.tokenize import TokenizerInfo
 
-    class Lengths:
-        def __init__(self, e, d, memo=None):
-            self.input_lens, self.target_lens = e, d
-            if memo is not None:
-                self.memo = memo
-
-        def __len__(self):
-            return len(self.input_lens)
-
     rng = np.random.default_rng(5)
     e, d = rng.integers(1, 400, 80), rng.integers(1, 60, 80)
     e[:20], d[:10] = 200, 30  # ties, broken by index
     limits = LengthLimits(family, max_input_len=400 if family == "t5" else 460, max_target_len=60)
-    plain, memo = Lengths(e, d), {}
-    kept = Lengths(e, d, memo)
+    plain, memo = _Lengths(e, d), {}
+    kept = _Lengths(e, d, memo)
     batcher = make_batcher("token_budget", limits, TokenizerInfo(0, 0, 1, 8), max_tokens=4096)
     assert longest_first(plain, family) == sorted(range(80), key=batcher._sort_key(plain))
     for name, extra in (("length_grouped", {}), ("token_budget", {"max_tokens": 4096}),
@@ -209,15 +212,6 @@ def test_flat_grouping_is_the_reference_grouping(family):
     from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, FlatGroups, group_shape,
                                           group_shapes)
 
-    class Lengths:
-        def __init__(self, e, d, memo=None):
-            self.input_lens, self.target_lens = e, d
-            if memo is not None:
-                self.memo = memo
-
-        def __len__(self):
-            return len(self.input_lens)
-
     t5 = family == "t5"
     options = BaselineOptions()
     for case, e, d, limits in _length_cases(family):
@@ -230,7 +224,7 @@ def test_flat_grouping_is_the_reference_grouping(family):
                 batcher = make_batcher(method, limits, GROUPING_TOKENS, **fields)
                 knob = next(iter(fields.values()))
                 want = baseline_groups(method, e, d, t5, knob, cap_e, cap_d)
-                for batch in (Lengths(e, d, memo), Lengths(e, d)):
+                for batch in (_Lengths(e, d, memo), _Lengths(e, d)):
                     flat = batcher.flat_group(batch)
                     groups = flat.row_groups()
                     assert [g.rows for g in groups] == want, (case, method, value)
