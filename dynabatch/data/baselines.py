@@ -490,6 +490,11 @@ class BaselineSpec:
     predicted faster (:mod:`dynabatch.plan.candidates`). Not ``padding`` (stream order: the sorted chunks of
     ``length_grouped`` at the same sizes are the candidates) nor the dense-mask ``packing``."""
 
+    def batcher_fields(self, value: int, limits: LengthLimits) -> dict:
+        """The fields :func:`make_batcher` takes for this baseline at knob value ``value`` (raised to one maximal
+        sample's tokens where :attr:`at_least_one_sample`)."""
+        return {self.knob: max(value, limits.max_tokens) if self.at_least_one_sample else value}
+
 
 _SIZES = (1, 2, 4, 8, 16, 32)
 _ROWS = (1, 2, 4, 8, 16)
@@ -576,9 +581,7 @@ class BaselineOptions:
 
     def batcher_options(self, name: str, limits: LengthLimits) -> dict:
         """The fields :func:`make_batcher` takes for baseline ``name``."""
-        spec = baseline_spec(name)
-        value = self.value(name)
-        return {spec.knob: max(value, limits.max_tokens) if spec.at_least_one_sample else value}
+        return baseline_spec(name).batcher_fields(self.value(name), limits)
 
 
 def make_batcher(name: str, limits: LengthLimits, tokens: TokenizerInfo, **options) -> Batcher:

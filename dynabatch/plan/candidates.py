@@ -143,7 +143,7 @@ def baseline_settings(input_lens, target_lens, limits, *, num_replicas: int = 1,
     out = []
     for method in methods if methods is not None else candidate_baselines(padding_free):
         for value in knob_values(method, options):
-            groups = _batcher(method, limits, options.with_value(method, value)).flat_group(batch)
+            groups = _batcher(method, limits, value).flat_group(batch)
             key = groups.rows_key()
             if key in seen or len(groups) < num_replicas:
                 continue
@@ -348,7 +348,7 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
     if batcher_options is not None:
         batcher = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options)
     else:
-        batcher = _batcher(method, limits, options or BaselineOptions())
+        batcher = _batcher(method, limits, (options or BaselineOptions()).value(method))
     groups = batcher.flat_group(batch)
     if len(groups) < num_replicas:  # a small batch (an evaluation pass's last): the knob decides, not the budget
         spec = baseline_spec(method)
@@ -370,9 +370,9 @@ def _evener(equal_counts: bool, batch, family: str, cost_model, padding_free: bo
     return lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)
 
 
-def _batcher(method: str, limits, options):
-    """Baseline ``method``'s batcher at its knob value in ``options`` (lengths only)."""
-    return make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits))
+def _batcher(method: str, limits, value: int):
+    """Baseline ``method``'s batcher at knob value ``value`` (lengths only)."""
+    return make_batcher(method, limits, GROUPING_TOKENS, **baseline_spec(method).batcher_fields(value, limits))
 
 
 def even_counts(dealt, batch, family: str, cost_model=None, padding_free: bool = True) -> list[list]:
