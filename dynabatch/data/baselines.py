@@ -1,7 +1,8 @@
 """The batching methods users pick today, each cutting a global batch into micro-batches.
 
 Every batcher first *groups* sample indices into rows and micro-batches using lengths only
-(:meth:`Batcher.group`, cheap and tensor-free, used for statistics and by later planners), then
+(:meth:`Batcher.flat_group`: flat arrays, :class:`FlatGroups`; :meth:`Batcher.group`: the same as
+:class:`RowGroup` s; cheap and tensor-free, used for statistics and by later planners), then
 collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 
 - ``padding``: fixed samples per micro-batch in stream order, padded to the micro-batch max.

@@ -15,7 +15,10 @@ step formula. Candidates are priced cheaply: each gets a lower bound of its pric
 finish before it has computed all its work, after the first micro-batch's forward on the stages before it and
 before the last one's backward on the stages after it), candidates are priced in order of their bound, and a
 candidate whose bound is not below the best price so far is never simulated. The DP's plan is priced first and
-wins ties.
+wins ties. Under the step formula the baselines' plans are not built at all: their settings are flat arrays
+(:func:`baseline_settings`), priced with the DP's pieces in one cost-model call (:func:`price_settings`), their
+plans' prices computed from the arrays (:func:`settings_prices`, :func:`formula_prices`' prices), and only the kept
+one becomes a plan (:func:`formula_choice`).
 
 :func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas
 (:func:`baseline_plan`, what a run of a baseline method executes, deals by it too), so a baseline candidate is
