@@ -55,8 +55,9 @@ def line(name: str, s: dict) -> str:
 class _Parts:
     """CPU time spent inside named functions during a timed call, by wrapping them while it is installed (the
     planner's own code is not touched): the partition DP (``GlobalPlanner._dp``), the baseline candidates
-    (``baseline_candidates``), the step-formula choice (``formula_prices``), and the cost-model calls made
-    inside each (``StageCostModel.evaluate``, with the entries priced)."""
+    (``baseline_candidates``; on the step formula's path ``baseline_settings`` and ``price_settings``), the
+    step-formula choice (``formula_prices``; ``formula_choice``), and the cost-model calls made inside each
+    (``StageCostModel.evaluate``, with the entries priced). A name the tree lacks is left out (an older tree)."""
 
     def __init__(self) -> None:
         from dynabatch.cost import stages
@@ -67,8 +68,12 @@ class _Parts:
         self._inside: list[str] = []
         self._patched = [(global_plan.GlobalPlanner, "_dp", "dp"),
                          (global_plan, "baseline_candidates", "candidates"),
+                         (global_plan, "baseline_settings", "candidates"),
+                         (global_plan, "price_settings", "candidates"),
                          (global_plan, "formula_prices", "choice"),
+                         (global_plan, "formula_choice", "choice"),
                          (stages.StageCostModel, "evaluate", None)]
+        self._patched = [(owner, name, label) for owner, name, label in self._patched if hasattr(owner, name)]
         self._saved = [getattr(owner, name) for owner, name, _ in self._patched]
         for owner, name, label in self._patched:
             setattr(owner, name, self._wrap(getattr(owner, name), label))

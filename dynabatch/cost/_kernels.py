@@ -356,18 +356,44 @@ def _greedy_groups(q, k, order, keep, waste_limit):
 @njit(cache=True, nogil=True)
 def _count_groups(q, k, alone, keep):
     """``len(attention_groups(q, k, alone))`` without a padding bound: each of the two sets (``alone``, then the
-    others) sorted longest key, longest query, highest index first and counted by :func:`_greedy_groups`."""
+    others) sorted longest key, longest query, highest index first (:func:`_sort_longest_first`) and counted by
+    :func:`_greedy_groups`. One scratch array for both sets: a micro-batch costs two allocations, not a dozen."""
     total = 0
-    span = q.max() + 1 if q.shape[0] else 1
+    order = np.empty(q.shape[0], dtype=np.int64)
     for flag in (True, False):
-        candidates = np.flatnonzero(alone == flag)
-        if candidates.shape[0] == 0:
+        size = 0
+        for i in range(q.shape[0]):
+            if alone[i] == flag:
+                order[size] = i
+                size += 1
+        if size == 0:
             continue
-        key = k[candidates] * span + q[candidates]
-        order = candidates[np.argsort(key, kind="mergesort")[::-1]]
-        labels = _greedy_groups(q, k, order, keep, np.inf)
-        total += labels[-1] + 1
+        members = order[:size]
+        _sort_longest_first(q, k, members)
+        total += _greedy_groups(q, k, members, keep, np.inf)[-1] + 1
     return total
+
+
+_INSERTION_SORT_MAX = 32
+"""Up to this many samples :func:`_sort_longest_first` sorts by insertion (no allocation), beyond with numpy."""
+
+
+@njit(cache=True, nogil=True)
+def _sort_longest_first(q, k, members):
+    """Sort ``members`` (increasing sample indices into ``q``, ``k``) in place: longest key span first, then longest
+    query span, then highest index (a stable sort on ``k * span + q``, reversed)."""
+    n = members.shape[0]
+    if n > _INSERTION_SORT_MAX:
+        span = q[members].max() + 1
+        members[:] = members[np.argsort(k[members] * span + q[members], kind="mergesort")[::-1]]
+        return
+    for a in range(1, n):
+        j = members[a]  # higher than every index before it: goes first among equal lengths
+        b = a - 1
+        while b >= 0 and (k[j] > k[members[b]] or (k[j] == k[members[b]] and q[j] >= q[members[b]])):
+            members[b + 1] = members[b]
+            b -= 1
+        members[b + 1] = j
 
 
 @njit(cache=True, nogil=True)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
 
 from dynabatch.core.sequence import is_seq2seq
+from dynabatch.data.baselines import FlatGroups
 from dynabatch.cost._kernels import _count_groups, _count_groups_many, _greedy_groups
 
 
@@ -258,37 +258,49 @@ def row_work(rows: Iterable[Sequence[int]], input_lens, target_lens, family: str
 
 
 def rows_work(groups: Sequence[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> list[RowWork]:
-    """:func:`row_work` of each of ``groups`` (micro-batches as rows of sample indices), the same values: the
-    samples gathered once for all, pairs and longest segments summed and maximised per micro-batch in numpy (the
-    pairs in integers, which the float sums hold exactly), the calls counted by one numba pass
-    (``_kernels._count_groups_many``)."""
+    """:func:`row_work` of each of ``groups`` (micro-batches as rows of sample indices), the same values
+    (:func:`flat_work`'s, as tuples of Python numbers)."""
     if not groups:
         return []
-    rows = list(chain.from_iterable(groups))
-    row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
-    group_rows = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
-    if (group_rows == 0).any():
-        raise ValueError("a micro-batch needs at least one sample")
-    sizes = np.add.reduceat(row_sizes, np.cumsum(group_rows) - group_rows)  # samples per micro-batch
-    if (sizes == 0).any():
+    pairs, calls, longest = flat_work(FlatGroups.of(groups), input_lens, target_lens, family)
+    return list(zip(map(tuple, pairs.tolist()), map(tuple, calls.tolist()), map(tuple, longest.tolist())))
+
+
+def flat_work(groups: FlatGroups, input_lens, target_lens, family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The :data:`RowWork` of every micro-batch of ``groups`` as arrays: (M, 3) float64 pairs, (M, 3) int64 calls and
+    (M, 2) int64 longest segments, each row what :func:`row_work` gives that micro-batch. The samples are gathered
+    once for all; pairs and longest segments are summed and maximised per micro-batch in numpy (the pairs in
+    integers, which the float64 sums hold exactly), the calls counted by one numba pass per attention kind
+    (``_kernels._count_groups_many``). ``ValueError`` for a micro-batch without samples."""
+    if not len(groups):
+        return np.zeros((0, 3)), np.zeros((0, 3), dtype=np.int64), np.zeros((0, 2), dtype=np.int64)
+    row_sizes = np.diff(groups.row_bounds)
+    bounds = groups.row_bounds[groups.group_bounds]  # where each micro-batch's samples start, then the end
+    if (np.diff(groups.group_bounds) == 0).any() or (np.diff(bounds) == 0).any():
         raise ValueError("a micro-batch needs at least one sample")
     alone = np.repeat(row_sizes == 1, row_sizes)  # each sample: alone in its row
-    starts = np.cumsum(sizes) - sizes
-    ei = np.asarray(input_lens, dtype=np.int64)[ids]
-    di = np.asarray(target_lens, dtype=np.int64)[ids]
+    starts = bounds[:-1]
+    ei = np.asarray(input_lens, dtype=np.int64)[groups.ids]
+    di = np.asarray(target_lens, dtype=np.int64)[groups.ids]
     keep = 1.0 - PAD_TOLERANCE
     if not is_seq2seq(family):
         n = ei + di
-        pairs = np.add.reduceat(n * n, starts).tolist()
-        calls = _count_groups_many(n, n, alone, starts, keep).tolist()
-        longest = np.maximum.reduceat(n, starts).tolist()
-        return [((float(p), 0.0, 0.0), (c, 1, 1), (t, 0)) for p, c, t in zip(pairs, calls, longest)]
-    sums = [np.add.reduceat(x, starts).tolist() for x in (ei * ei, di * di, di * ei)]
-    counts = [_count_groups_many(a, b, alone, starts, keep).tolist() for a, b in ((ei, ei), (di, di), (di, ei))]
-    tops = [np.maximum.reduceat(x, starts).tolist() for x in (ei, di)]
-    return [((float(a), float(b), float(c)), (x, y, z), (u, v))
-            for a, b, c, x, y, z, u, v in zip(*sums, *counts, *tops)]
+        ones, zeros = np.ones(len(starts), dtype=np.int64), np.zeros(len(starts), dtype=np.int64)
+        pairs = np.stack([np.add.reduceat(n * n, starts), zeros, zeros], axis=1)
+        calls = np.stack([_count_groups_many(n, n, alone, starts, keep), ones, ones], axis=1)
+        longest = np.stack([np.maximum.reduceat(n, starts), zeros], axis=1)
+    else:
+        pairs = np.stack([np.add.reduceat(x, starts) for x in (ei * ei, di * di, di * ei)], axis=1)
+        calls = np.stack([_count_groups_many(a, b, alone, starts, keep) for a, b in ((ei, ei), (di, di), (di, ei))],
+                         axis=1)
+        longest = np.stack([np.maximum.reduceat(x, starts) for x in (ei, di)], axis=1)
+    return pairs.astype(np.float64), calls, longest
+
+
+def flat_pairs(groups: FlatGroups, input_lens, target_lens, family: str) -> AttentionPairs:
+    """(M,) :class:`AttentionPairs` (with calls and longest segments) of the micro-batches of ``groups``: what
+    :func:`stacked_pairs` makes of their :func:`rows_work`."""
+    return work_pairs(*flat_work(groups, input_lens, target_lens, family))
 
 
 def fill_work(work: dict, groups, input_lens, target_lens, family: str) -> None:
@@ -300,8 +312,14 @@ def fill_work(work: dict, groups, input_lens, target_lens, family: str) -> None:
 
 def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls and longest segments) of M micro-batches' :data:`RowWork`."""
-    values, calls, longest = (np.array([w[k] for w in work], dtype=np.float64).reshape(-1, n)
-                              for k, n in enumerate((3, 3, 2)))
+    return work_pairs(*(np.array([w[k] for w in work], dtype=np.float64).reshape(-1, n)
+                        for k, n in enumerate((3, 3, 2))))
+
+
+def work_pairs(values, calls, longest) -> AttentionPairs:
+    """(M,) :class:`AttentionPairs` of M micro-batches' work as arrays: (M, 3) pairs, (M, 3) calls, (M, 2) longest
+    segments (:func:`flat_work`)."""
+    values, calls, longest = (np.asarray(a, dtype=np.float64) for a in (values, calls, longest))
     return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
                           (longest[:, 0], longest[:, 1]))
 
@@ -309,7 +327,7 @@ def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
 def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` (with calls) of micro-batches given as rows of sample indices
     (``RowGroup.rows``)."""
-    return stacked_pairs(rows_work(list(groups), input_lens, target_lens, family))
+    return flat_pairs(FlatGroups.of(groups), input_lens, target_lens, family)
 
 
 def sample_pairs(input_lens, target_lens, family: str) -> np.ndarray:

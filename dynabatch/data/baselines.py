@@ -1,7 +1,8 @@
 """The batching methods users pick today, each cutting a global batch into micro-batches.
 
 Every batcher first *groups* sample indices into rows and micro-batches using lengths only
-(:meth:`Batcher.group`, cheap and tensor-free, used for statistics and by later planners), then
+(:meth:`Batcher.flat_group`: flat arrays, :class:`FlatGroups`; :meth:`Batcher.group`: the same as
+:class:`RowGroup` s; cheap and tensor-free, used for statistics and by later planners), then
 collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 
 - ``padding``: fixed samples per micro-batch in stream order, padded to the micro-batch max.
@@ -28,6 +29,7 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import chain
 from typing import TYPE_CHECKING, Callable, ClassVar
@@ -56,6 +58,101 @@ class RowGroup:
     """Fixed decoder row length (T5 only)."""
 
 
+@dataclass(frozen=True, eq=False)
+class FlatGroups:
+    """Micro-batches as three flat int64 arrays instead of a :class:`RowGroup` (and a tuple) per micro-batch and row:
+    what every batcher groups into (:meth:`Batcher.flat_group`) and what the planner's candidates price without
+    building Python objects per sample (:mod:`dynabatch.plan.candidates`).
+
+    ``ids`` holds the sample indices row after row, micro-batch after micro-batch; row ``r`` is
+    ``ids[row_bounds[r]:row_bounds[r + 1]]`` and micro-batch ``m`` the rows ``group_bounds[m]`` up to
+    ``group_bounds[m + 1]`` (both bounds start at 0 and end at the total). Fixed row lengths (packing) hold for every
+    micro-batch, as in :class:`RowGroup`."""
+
+    ids: np.ndarray
+    row_bounds: np.ndarray
+    """(R + 1,) where each row starts in :attr:`ids`, then the end."""
+    group_bounds: np.ndarray
+    """(G + 1,) where each micro-batch starts among the rows, then the number of rows."""
+    encoder_len: int | None = None
+    decoder_len: int | None = None
+
+    @classmethod
+    def single_rows(cls, order, group_bounds) -> "FlatGroups":
+        """Samples in ``order``, one per row, the rows cut into micro-batches at ``group_bounds``."""
+        order = np.asarray(order, dtype=np.int64)
+        return cls(order, np.arange(order.size + 1, dtype=np.int64), np.asarray(group_bounds, dtype=np.int64))
+
+    @classmethod
+    def chunked_rows(cls, ids, row_bounds, size: int, encoder_len: int | None = None,
+                     decoder_len: int | None = None) -> "FlatGroups":
+        """Rows (``ids``, ``row_bounds``) taken ``size`` at a time, in order (the last micro-batch may hold fewer)."""
+        num_rows = len(row_bounds) - 1
+        bounds = np.append(np.arange(0, num_rows, size, dtype=np.int64), num_rows)
+        return cls(ids, row_bounds, bounds, encoder_len, decoder_len)
+
+    @classmethod
+    def of(cls, groups: Iterable[Sequence[Sequence[int]]]) -> "FlatGroups":
+        """Micro-batches given as rows of sample indices (``RowGroup.rows``), without fixed row lengths."""
+        groups = list(groups)
+        rows = list(chain.from_iterable(groups))
+        row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
+        group_rows = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+        return cls(ids, _bounds(row_sizes), _bounds(group_rows))
+
+    @classmethod
+    def concatenated(cls, parts: Sequence["FlatGroups"]) -> "FlatGroups":
+        """The micro-batches of ``parts``, one after another (their rows; fixed row lengths are not kept)."""
+        if not parts:
+            return cls.of([])
+        ids = np.concatenate([p.ids for p in parts])
+        row_sizes = np.concatenate([np.diff(p.row_bounds) for p in parts])
+        group_rows = np.concatenate([np.diff(p.group_bounds) for p in parts])
+        return cls(ids, _bounds(row_sizes), _bounds(group_rows))
+
+    def __len__(self) -> int:
+        return len(self.group_bounds) - 1
+
+    def rows_key(self) -> tuple[bytes, bytes, bytes]:
+        """Equal for two groupings exactly when their micro-batches hold the same rows of the same samples in the same
+        order (what ``tuple(g.rows for g in groups)`` compares; fixed row lengths aside)."""
+        return self.ids.tobytes(), self.row_bounds.tobytes(), self.group_bounds.tobytes()
+
+    def row_groups(self) -> list[RowGroup]:
+        """One :class:`RowGroup` per micro-batch, its rows as tuples of sample indices."""
+        ids = self.ids.tolist()
+        if len(ids) == len(self.row_bounds) - 1 and bool((np.diff(self.row_bounds) == 1).all()):
+            rows = [(i,) for i in ids]  # one sample per row (the common case)
+        else:
+            b = self.row_bounds.tolist()
+            rows = [tuple(ids[lo:hi]) for lo, hi in zip(b[:-1], b[1:])]
+        g = self.group_bounds.tolist()
+        return [RowGroup(tuple(rows[lo:hi]), self.encoder_len, self.decoder_len) for lo, hi in zip(g[:-1], g[1:])]
+
+    def shapes(self, input_lens, target_lens, family: str) -> np.ndarray:
+        """(G, 3) int64 computed shapes ``(rows, E, D)``, as :func:`group_shape` gives each micro-batch: its longest
+        row's summed lengths (GPT: ``E`` the sequence, ``D`` 0) unless the row lengths are fixed. Every row's
+        lengths are summed once and each micro-batch's maximum taken in numpy."""
+        t5 = is_seq2seq(family)
+        out = np.zeros((len(self), 3), dtype=np.int64)
+        out[:, 0] = np.diff(self.group_bounds)
+        if not len(self):
+            return out
+        e, d = _lengths_of(input_lens, target_lens, t5)
+        row_starts, group_starts = self.row_bounds[:-1], self.group_bounds[:-1]
+        for column, lens, fixed in ((1, e, self.encoder_len), (2, d, self.decoder_len if t5 else None)):
+            out[:, column] = fixed or np.maximum.reduceat(np.add.reduceat(lens[self.ids], row_starts), group_starts)
+        return out
+
+
+def _bounds(sizes: np.ndarray) -> np.ndarray:
+    """``(0, cumulative sizes...)``: where each of consecutive parts of ``sizes`` starts, then the end."""
+    out = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
 @dataclass(frozen=True)
 class BatchStats:
     """Token accounting of one batching of a global batch."""
@@ -73,7 +170,7 @@ class BatchStats:
 
 @dataclass(frozen=True)
 class Batcher:
-    """Base class: subclasses implement :meth:`group`."""
+    """Base class: subclasses implement :meth:`flat_group`."""
 
     limits: LengthLimits
     tokens: TokenizerInfo
@@ -85,6 +182,11 @@ class Batcher:
         return self.limits.family
 
     def group(self, batch: GlobalBatch) -> list[RowGroup]:
+        """The micro-batches of ``batch`` as row groups (:meth:`flat_group`'s, one :class:`RowGroup` each)."""
+        return self.flat_group(batch).row_groups()
+
+    def flat_group(self, batch: GlobalBatch) -> FlatGroups:
+        """The micro-batches of ``batch`` as flat arrays of sample indices (lengths only)."""
         raise NotImplementedError
 
     def prepare(self, batch: GlobalBatch) -> GlobalBatch:
@@ -106,12 +208,9 @@ class Batcher:
     def stats(self, batch: GlobalBatch) -> BatchStats:
         """Real and computed tokens of this batching, from lengths alone."""
         batch = self.prepare(batch)
-        groups = self.group(batch)
-        computed = 0
-        for g in groups:
-            rows, e, d = group_shape(batch, g, self.family)
-            computed += rows * (e + d)
-        return BatchStats(num_micro_batches=len(groups), real_tokens=batch.num_tokens, computed_tokens=computed)
+        shapes = self.flat_group(batch).shapes(batch.input_lens, batch.target_lens, self.family)
+        computed = int((shapes[:, 0] * (shapes[:, 1] + shapes[:, 2])).sum())
+        return BatchStats(num_micro_batches=len(shapes), real_tokens=batch.num_tokens, computed_tokens=computed)
 
     def _sort_key(self, batch: GlobalBatch):
         """Longest first: by total length (GPT) or by (input, target) length (T5); ties by index."""
@@ -119,10 +218,10 @@ class Batcher:
             return lambda i: (-batch.input_lens[i], -batch.target_lens[i], i)
         return lambda i: (-(batch.input_lens[i] + batch.target_lens[i]), i)
 
-    def _longest_first(self, batch: GlobalBatch) -> list[int]:
-        """The sample indices sorted by :meth:`_sort_key` (one stable numpy sort, the same order), kept in the
+    def _longest_first(self, batch: GlobalBatch) -> np.ndarray:
+        """The sample indices sorted by :meth:`_sort_key` (int64, one stable numpy sort, the same order), kept in the
         batch's :func:`memo` when it has one (the candidates' batchers of one global batch share it)."""
-        return memo(batch, ("longest_first", is_seq2seq(self.family)), lambda: longest_first(batch, self.family))
+        return memo(batch, ("longest_first", is_seq2seq(self.family)), lambda: _longest_first(batch, self.family))
 
 
 def memo(batch, key, compute: Callable):
@@ -141,29 +240,22 @@ def memo(batch, key, compute: Callable):
 def longest_first(batch, family: str) -> list[int]:
     """Sample indices longest first, as :meth:`Batcher._sort_key` orders them: by total length (GPT) or by
     (input, target) length (T5), ties by index (a stable sort on the negated lengths)."""
+    return _longest_first(batch, family).tolist()
+
+
+def _longest_first(batch, family: str) -> np.ndarray:
+    """:func:`longest_first` as an int64 array."""
     e, d = np.asarray(batch.input_lens, dtype=np.int64), np.asarray(batch.target_lens, dtype=np.int64)
     index = np.arange(e.size)
     keys = (index, -d, -e) if is_seq2seq(family) else (index, -(e + d))
-    return np.lexsort(keys).tolist()
+    return np.lexsort(keys)
 
 
 def group_shapes(batch, groups, family: str) -> list[tuple[int, int, int]]:
-    """:func:`group_shape` of each of ``groups`` (every row's lengths summed once, the groups' maxima in numpy)."""
-    if not groups:
-        return []
-    rows = list(chain.from_iterable(g.rows for g in groups))
-    row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
-    group_sizes = np.fromiter((len(g.rows) for g in groups), dtype=np.int64, count=len(groups))
-    row_starts, group_starts = np.cumsum(row_sizes) - row_sizes, np.cumsum(group_sizes) - group_sizes
-    e, d = np.asarray(batch.input_lens, dtype=np.int64)[ids], np.asarray(batch.target_lens, dtype=np.int64)[ids]
-    if not is_seq2seq(family):
-        e, d = e + d, np.zeros_like(d)
-    enc = np.maximum.reduceat(np.add.reduceat(e, row_starts), group_starts).tolist()
-    dec = np.maximum.reduceat(np.add.reduceat(d, row_starts), group_starts).tolist()
+    """:func:`group_shape` of each of ``groups`` (:meth:`FlatGroups.shapes`, each group's own fixed lengths)."""
+    shapes = FlatGroups.of(g.rows for g in groups).shapes(batch.input_lens, batch.target_lens, family).tolist()
     t5 = is_seq2seq(family)
-    return [(len(g.rows), int(g.encoder_len or x), int(g.decoder_len or y) if t5 else 0)
-            for g, x, y in zip(groups, enc, dec)]
+    return [(b, int(g.encoder_len or e), int(g.decoder_len or d) if t5 else 0) for g, (b, e, d) in zip(groups, shapes)]
 
 
 def group_shape(batch: GlobalBatch, g: RowGroup, family: str) -> tuple[int, int, int]:
@@ -177,23 +269,24 @@ def group_shape(batch: GlobalBatch, g: RowGroup, family: str) -> tuple[int, int,
     return len(g.rows), int(seq), 0
 
 
-def _chunks(indices: list[int], size: int) -> list[RowGroup]:
-    return [RowGroup(rows=tuple((i,) for i in indices[k : k + size])) for k in range(0, len(indices), size)]
+def _chunks(indices, size: int) -> FlatGroups:
+    """The samples ``indices`` one per row, ``size`` rows a micro-batch, in order."""
+    return FlatGroups.chunked_rows(indices, np.arange(len(indices) + 1, dtype=np.int64), size)
 
 
 @dataclass(frozen=True)
 class Padding(Batcher):
     samples_per_micro_batch: int = 8
 
-    def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        return _chunks(list(range(len(batch))), self.samples_per_micro_batch)
+    def flat_group(self, batch: GlobalBatch) -> FlatGroups:
+        return _chunks(np.arange(len(batch), dtype=np.int64), self.samples_per_micro_batch)
 
 
 @dataclass(frozen=True)
 class LengthGrouped(Batcher):
     samples_per_micro_batch: int = 8
 
-    def group(self, batch: GlobalBatch) -> list[RowGroup]:
+    def flat_group(self, batch: GlobalBatch) -> FlatGroups:
         return _chunks(self._longest_first(batch), self.samples_per_micro_batch)
 
 
@@ -209,16 +302,16 @@ class TokenBudget(Batcher):
                 f"({self.limits.max_tokens} tokens); raise it"
             )
 
-    def group(self, batch: GlobalBatch) -> list[RowGroup]:
+    def flat_group(self, batch: GlobalBatch) -> FlatGroups:
         """Longest first, each micro-batch as many samples as fit ``max_tokens`` padded tokens (GPT: one sequence of
-        inputs and targets; the greedy pass: ``_kernels._budget_groups``)."""
+        inputs and targets; the greedy pass: ``_kernels._budget_groups``), one sample per row."""
         order = self._longest_first(batch)
-        if not order:
-            return []
-        e, d = _lengths(batch, is_seq2seq(self.family))
-        group_of = _kernels()._budget_groups(e, d, np.asarray(order, dtype=np.int64), self.max_tokens)
-        cuts = (np.flatnonzero(np.diff(group_of)) + 1).tolist()
-        return [RowGroup(rows=tuple((j,) for j in order[a:z])) for a, z in zip([0, *cuts], [*cuts, len(order)])]
+        if not order.size:
+            return FlatGroups.single_rows(order, [0])
+        e, d = _lengths_of(batch.input_lens, batch.target_lens, is_seq2seq(self.family))
+        group_of = _kernels()._budget_groups(e, d, order, self.max_tokens)
+        cuts = np.flatnonzero(np.diff(group_of)) + 1
+        return FlatGroups.single_rows(order, np.concatenate(([0], cuts, [order.size])))
 
 
 def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
@@ -230,26 +323,27 @@ def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
     Samples are within the limits already (the global batcher truncates, drops or rejects over-long
     ones, as TRL's ``bfd`` truncates); one that is not is a ``ValueError`` naming it.
     """
-    return _packed_rows(batch, limits, sorted(range(len(batch)), key=key))
+    ids, bounds = (a.tolist() for a in _packed_rows(batch, limits, sorted(range(len(batch)), key=key)))
+    return [ids[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order: list[int]) -> list[list[int]]:
-    """:func:`pack_rows` with the samples visited in ``order`` (the best-fit pass: ``_kernels._best_fit_rows``)."""
+def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pack_rows` with the samples visited in ``order`` (the best-fit pass: ``_kernels._best_fit_rows``), as
+    flat rows: the sample indices row after row, each row's in visiting order, and where each row starts (then the
+    end), rows in opening order."""
     t5 = is_seq2seq(limits.family)
     cap_e = limits.max_input_len if t5 else limits.max_seq_len
     cap_d = limits.max_target_len if t5 else 0
-    e, d = _lengths(batch, t5)
+    e, d = _lengths_of(batch.input_lens, batch.target_lens, t5)
     visit = np.asarray(order, dtype=np.int64)
     over = (e[visit] > cap_e) | (d[visit] > cap_d)
     if over.any():
         i = int(visit[np.argmax(over)])
         raise ValueError(f"sample {i} (input_len={batch.input_lens[i]}, target_len={batch.target_lens[i]}) "
                          f"does not fit a packed row ({limits.describe()}); truncate it to the limits first")
-    row_of = _kernels()._best_fit_rows(e, d, visit, cap_e, cap_d).tolist()  # cap_d 0 (GPT): one length
-    rows: list[list[int]] = [[] for _ in range(max(row_of, default=-1) + 1)]
-    for i in visit.tolist():
-        rows[row_of[i]].append(i)
-    return rows
+    row_of = _kernels()._best_fit_rows(e, d, visit, cap_e, cap_d)[visit]  # cap_d 0 (GPT): one length
+    ids = visit[np.argsort(row_of, kind="stable")]  # by row, each row's samples in visiting order
+    return ids, _bounds(np.bincount(row_of, minlength=int(row_of.max(initial=-1)) + 1))
 
 
 def _kernels():
@@ -259,10 +353,10 @@ def _kernels():
     return kernels
 
 
-def _lengths(batch: GlobalBatch, t5: bool) -> tuple[np.ndarray, np.ndarray]:
+def _lengths_of(input_lens, target_lens, t5: bool) -> tuple[np.ndarray, np.ndarray]:
     """int64 ``(e, d)`` of a batch's samples as the batchers count them: T5 inputs and targets, GPT one sequence of
     both (``d`` 0)."""
-    e, d = np.asarray(batch.input_lens, dtype=np.int64), np.asarray(batch.target_lens, dtype=np.int64)
+    e, d = np.asarray(input_lens, dtype=np.int64), np.asarray(target_lens, dtype=np.int64)
     return (e, d) if t5 else (e + d, np.zeros_like(d))
 
 
@@ -275,17 +369,21 @@ class Packing(Batcher):
     fixed_row_length: ClassVar[bool] = True
     """Rows are padded to the row length (``packing``), or only to the micro-batch's longest row."""
 
-    def group(self, batch: GlobalBatch) -> list[RowGroup]:
-        rows = memo(batch, ("packed_rows", self.limits),
-                    lambda: _packed_rows(batch, self.limits, self._longest_first(batch)))
+    def flat_group(self, batch: GlobalBatch) -> FlatGroups:
+        """The packed rows (:meth:`_row_limits`, kept in the batch's :func:`memo`), ``rows_per_micro_batch`` a
+        micro-batch in the order they were opened."""
+        limits = self._row_limits()
+        ids, bounds = memo(batch, ("packed_rows", limits), lambda: _packed_rows(batch, limits, self._longest_first(batch)))
         enc = dec = None
         if self.fixed_row_length:
             t5 = is_seq2seq(self.family)
             enc = self.limits.max_input_len if t5 else self.limits.max_seq_len
             dec = self.limits.max_target_len if t5 else None
-        n = self.rows_per_micro_batch
-        return [RowGroup(rows=tuple(tuple(r) for r in rows[k : k + n]), encoder_len=enc, decoder_len=dec)
-                for k in range(0, len(rows), n)]
+        return FlatGroups.chunked_rows(ids, bounds, self.rows_per_micro_batch, enc, dec)
+
+    def _row_limits(self) -> LengthLimits:
+        """The limits a packed row holds (:func:`pack_rows`): the run's."""
+        return self.limits
 
 
 @dataclass(frozen=True)
@@ -334,14 +432,16 @@ class PackingFreeSplit(PackingFree):
     def prepare(self, batch: GlobalBatch) -> GlobalBatch:
         return split_long_samples(batch, self.row_tokens)
 
-    def group(self, batch: GlobalBatch) -> list[RowGroup]:
+    def flat_group(self, batch: GlobalBatch) -> FlatGroups:
         longest = int((batch.input_lens + batch.target_lens).max()) if len(batch) else 0
         if longest > self.row_tokens:
             raise ValueError(f"packing_free_split: a sample of {longest} tokens is longer than a row "
                              f"({self.row_tokens}); split the batch first (Batcher.prepare)")
-        rows = _packed_rows(batch, replace(self.limits, max_seq_len=self.row_tokens), self._longest_first(batch))
-        n = self.rows_per_micro_batch
-        return [RowGroup(rows=tuple(tuple(r) for r in rows[k : k + n])) for k in range(0, len(rows), n)]
+        return super().flat_group(batch)
+
+    def _row_limits(self) -> LengthLimits:
+        """Rows of :attr:`row_tokens` tokens."""
+        return replace(self.limits, max_seq_len=self.row_tokens)
 
 
 def split_long_samples(batch: GlobalBatch, length: int) -> GlobalBatch:
@@ -390,6 +490,11 @@ class BaselineSpec:
     """The dynamic method also prices this baseline's plans of each global batch and runs one where it is
     predicted faster (:mod:`dynabatch.plan.candidates`). Not ``padding`` (stream order: the sorted chunks of
     ``length_grouped`` at the same sizes are the candidates) nor the dense-mask ``packing``."""
+
+    def batcher_fields(self, value: int, limits: LengthLimits) -> dict:
+        """The fields :func:`make_batcher` takes for this baseline at knob value ``value`` (raised to one maximal
+        sample's tokens where :attr:`at_least_one_sample`)."""
+        return {self.knob: max(value, limits.max_tokens) if self.at_least_one_sample else value}
 
 
 _SIZES = (1, 2, 4, 8, 16, 32)
@@ -477,9 +582,7 @@ class BaselineOptions:
 
     def batcher_options(self, name: str, limits: LengthLimits) -> dict:
         """The fields :func:`make_batcher` takes for baseline ``name``."""
-        spec = baseline_spec(name)
-        value = self.value(name)
-        return {spec.knob: max(value, limits.max_tokens) if spec.at_least_one_sample else value}
+        return baseline_spec(name).batcher_fields(self.value(name), limits)
 
 
 def make_batcher(name: str, limits: LengthLimits, tokens: TokenizerInfo, **options) -> Batcher:

@@ -15,7 +15,10 @@ step formula. Candidates are priced cheaply: each gets a lower bound of its pric
 finish before it has computed all its work, after the first micro-batch's forward on the stages before it and
 before the last one's backward on the stages after it), candidates are priced in order of their bound, and a
 candidate whose bound is not below the best price so far is never simulated. The DP's plan is priced first and
-wins ties.
+wins ties. Under the step formula the baselines' plans are not built at all: their settings are flat arrays
+(:func:`baseline_settings`), priced with the DP's pieces in one cost-model call (:func:`price_settings`), their
+plans' prices computed from the arrays (:func:`settings_prices`, :func:`formula_prices`' prices), and only the kept
+one becomes a plan (:func:`formula_choice`).
 
 :func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas
 (:func:`baseline_plan`, what a run of a baseline method executes, deals by it too), so a baseline candidate is
@@ -31,9 +34,9 @@ from itertools import chain
 
 import numpy as np
 
-from dynabatch.cost.pairs import AttentionPairs, fill_work, stacked_pairs
-from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, Packing, RowGroup, baseline_spec,
-                                      group_shape, group_shapes, make_batcher)
+from dynabatch.cost.pairs import AttentionPairs, fill_work, flat_work, stacked_pairs, work_pairs
+from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, FlatGroups, Packing, RowGroup,
+                                      baseline_spec, group_shape, make_batcher)
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.plan.replicas import equalize_counts
 from dynabatch.plan.step import Piece, StepPlan, with_pairs
@@ -100,53 +103,238 @@ def knob_values(method: str, options) -> list[int]:
     return sorted({*baseline_spec(method).grid, options.value(method)})
 
 
+@dataclass(frozen=True, eq=False)
+class Setting:
+    """One baseline at one knob value on a global batch, as flat arrays: its micro-batches, their padded shapes, and
+    which of them each replica runs (:func:`deal_to_replicas`). Its :class:`~dynabatch.plan.step.StepPlan` is built
+    only where it is needed (:meth:`plan`)."""
+
+    method: str
+    value: int | None
+    family: str
+    groups: FlatGroups
+    shapes: np.ndarray
+    """(G, 3) int64 padded ``(b, E, D)`` of each micro-batch."""
+    replicas: tuple[list[int], ...]
+    """Per replica, its micro-batches (indices into :attr:`groups`) in the baseline's order."""
+
+    def plan(self, times: Sequence[float], num_stages: int, even=None) -> StepPlan:
+        """This setting as a plan, each micro-batch's piece timed ``times`` (``even``: the dealt micro-batches then
+        given equal counts, :func:`even_counts`)."""
+        groups, shapes = self.groups.row_groups(), list(map(tuple, self.shapes.tolist()))
+        dealt = [[(groups[k], shapes[k], times[k]) for k in ks] for ks in self.replicas]
+        if even is not None:
+            dealt = even(dealt)
+        return StepPlan(self.family, num_stages, tuple(tuple(_piece(*x) for x in xs) for xs in dealt), ())
+
+
+def _piece(g: RowGroup, shape, time_s: float) -> Piece:
+    samples = tuple(chain.from_iterable(g.rows))  # more samples than rows: some row packs several
+    return Piece(samples, shape, time_s, rows=g.rows if len(samples) > len(g.rows) else None)
+
+
+def baseline_settings(input_lens, target_lens, limits, *, num_replicas: int = 1, options=None,
+                      padding_free: bool = True, methods: Sequence[str] | None = None) -> list[Setting]:
+    """The settings of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
+    :func:`knob_values`, in that order. A value whose micro-batches equal an earlier setting's is left out (the first
+    stays; equal rows compared as flat arrays, :meth:`~dynabatch.data.baselines.FlatGroups.rows_key`), so is one
+    with fewer micro-batches than replicas. The batchers group a lengths-only view of the batch that keeps what they
+    derive from the lengths (its longest-first order, its packed rows) for the others."""
+    options = options or BaselineOptions()
+    batch = _Lengths(input_lens, target_lens)
+    seen: set = set()
+    out = []
+    for method in methods if methods is not None else candidate_baselines(padding_free):
+        for value in knob_values(method, options):
+            groups = _batcher(method, limits, value).flat_group(batch)
+            key = groups.rows_key()
+            if key in seen or len(groups) < num_replicas:
+                continue
+            seen.add(key)
+            out.append(_setting(method, value, groups, batch, limits.family, num_replicas))
+    return out
+
+
+def _setting(method: str, value: int | None, groups: FlatGroups, batch: _Lengths, family: str,
+             num_replicas: int) -> Setting:
+    """A baseline's micro-batches with their shapes, dealt to replicas by :func:`deal_to_replicas` (by computed
+    tokens)."""
+    shapes = groups.shapes(batch.input_lens, batch.target_lens, family)
+    sizes = (shapes[:, 0] * (shapes[:, 1] + shapes[:, 2])).tolist()
+    dealt = deal_to_replicas(list(range(len(groups))), sizes, num_replicas)
+    return Setting(method, value, family, groups, shapes, tuple(dealt))
+
+
 def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
                         padding_free: bool = True, methods: Sequence[str] | None = None,
                         cost_model=None, work: dict | None = None, equal_counts: bool = False,
                         priced: dict | None = None, also: Sequence = ()) -> list[Candidate]:
-    """The plans of the baselines (``methods``, default :func:`candidate_baselines`) at every knob value of
-    :func:`knob_values`, as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs its
-    micro-batches, dealt to replicas by :func:`deal_to_replicas`. Values whose micro-batches equal an earlier
-    value's are left out (the smallest value stays); so is a setting with fewer micro-batches than replicas.
-    ``cost_model`` (a :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its
-    bottleneck-stage time; per-segment attention when ``padding_free``), else it is 0. ``work``: a dict of each
-    micro-batch's :func:`~dynabatch.cost.pairs.row_work` by its rows, shared with the pricing of the same batch
-    (:func:`~dynabatch.plan.step.with_pairs`). ``equal_counts`` (``--zero 2``): every candidate then gets equal
-    counts per replica (:func:`even_counts`), and a setting that cannot be evened is left out. ``priced``
-    (padding-free, with a ``cost_model``): a dict of each micro-batch's ``(time, stored, peak)`` by its rows and
-    shape (:func:`price_micro_batches`), which :func:`formula_prices` then reads instead of pricing the same
-    micro-batches again; ``also``: further ``(rows, shape)`` micro-batches (the DP's) priced in the same call."""
-
-    options = options or BaselineOptions()
-    batch = _Lengths(input_lens, target_lens)
+    """The plans of :func:`baseline_settings` (the baselines at every knob value, equal micro-batches once, none with
+    fewer micro-batches than replicas), as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs
+    its micro-batches, dealt to replicas by :func:`deal_to_replicas`. ``cost_model`` (a
+    :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its bottleneck-stage time;
+    per-segment attention when ``padding_free``), every candidate's pieces in one call; else it is 0.
+    ``equal_counts`` (``--zero 2``): every candidate then gets equal counts per replica (:func:`even_counts`), and
+    a setting that cannot be evened is left out. ``priced`` (padding-free, with a ``cost_model``): a dict to which
+    each micro-batch's ``(time, stored, peak)`` is added by its ``(rows, shape)`` (as :func:`price_micro_batches`
+    adds them), which :func:`formula_prices` then reads instead of pricing the same micro-batches again; ``also``:
+    further ``(rows, shape)`` micro-batches (the DP's) priced in the same call and added; ``work``: a dict to which
+    the same micro-batches' :func:`~dynabatch.cost.pairs.row_work` is added by their rows."""
     family = limits.family
-    seen: set = set()
-    kept = []  # (method, value, groups, shapes)
-    for method in methods if methods is not None else candidate_baselines(padding_free):
-        for value in knob_values(method, options):
-            groups = _groups(method, batch, limits, options.with_value(method, value))
-            key = tuple(g.rows for g in groups)
-            if key in seen or len(groups) < num_replicas:
-                continue
-            seen.add(key)
-            kept.append((method, value, groups, group_shapes(batch, groups, family)))
-    # every candidate's pieces priced in one cost-model call (a call's fixed cost is milliseconds of Python on the
-    # analytic model; the pieces' prices do not depend on one another)
-    times = _piece_times(cost_model, [s for *_, shapes in kept for s in shapes],
-                         [g for _, _, groups, _ in kept for g in groups], batch, family, padding_free,
-                         {} if work is None else work, priced, also)
-    even = _evener(equal_counts, batch, family, cost_model, padding_free)
+    settings = baseline_settings(input_lens, target_lens, limits, num_replicas=num_replicas, options=options,
+                                 padding_free=padding_free, methods=methods)
+    memo = cost_model is not None and padding_free
+    groups, shapes = _micro_batches(settings, also if memo and priced is not None else ())
+    work_arrays = _work(cost_model, groups, input_lens, target_lens, family, padding_free)
+    costs = _costs(cost_model, shapes, work_arrays)
+    if memo and (priced is not None or work is not None):
+        _remember(groups, shapes, costs, work_arrays, priced, work)
+    times = costs[0].tolist()
+    even = _evener(equal_counts, _Lengths(input_lens, target_lens), family, cost_model, padding_free)
     out: list[Candidate] = []
     start = 0
-    for method, value, groups, shapes in kept:
-        piece_times = times[start:start + len(groups)]
-        start += len(groups)
+    for setting in settings:
+        setting_times = times[start:start + len(setting.groups)]
+        start += len(setting.groups)
         try:
-            plan = _dealt(groups, shapes, piece_times, family, num_stages, num_replicas, even)
+            plan = setting.plan(setting_times, num_stages, even)
         except ValueError:  # equal counts out of reach (single samples, too few of them)
             continue
-        out.append(Candidate(method, value, plan))
+        out.append(Candidate(setting.method, setting.value, plan))
     return out
+
+
+def _micro_batches(settings: Sequence[Setting], extra: Sequence = ()) -> tuple[FlatGroups, np.ndarray]:
+    """The micro-batches of ``settings``, setting after setting, then ``extra`` ones given as ``(rows, shape)``: their
+    flat rows and (M, 3) int64 shapes, for one pricing pass."""
+    groups = FlatGroups.concatenated([*(s.groups for s in settings), FlatGroups.of(rows for rows, _ in extra)])
+    shapes = np.concatenate([*(s.shapes for s in settings),
+                             np.array([shape for _, shape in extra], dtype=np.int64).reshape(-1, 3)])
+    return groups, shapes
+
+
+def _work(cost_model, groups: FlatGroups, input_lens, target_lens, family: str, padding_free: bool):
+    """The attention pairs, calls and longest segments the micro-batches of ``groups`` compute
+    (:func:`~dynabatch.cost.pairs.flat_work`'s arrays) where they are priced per segment (``padding_free``, with a
+    cost model); else ``None``."""
+    if cost_model is None or not padding_free:
+        return None
+    return flat_work(groups, input_lens, target_lens, family)
+
+
+def _costs(cost_model, shapes: np.ndarray, work=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each micro-batch's ``(time, stored, peak)`` (float64, :func:`~dynabatch.plan.costs.evaluate_costs`) from its
+    padded ``shapes`` (M, 3) and its work (:func:`_work`: the attention pairs, calls and longest segments its rows
+    compute; ``None``: dense attention), in one cost-model call.
+    The cost model prices entries independently, so any call holding the same micro-batch gives the same values.
+    Without a cost model every time is 0 (``stored`` and ``peak`` too)."""
+    if cost_model is None or not len(shapes):
+        zeros = np.zeros(len(shapes))
+        return zeros, zeros, zeros
+    arr = shapes.astype(np.float64)
+    t, stored, peak = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2],
+                                     pairs=None if work is None else work_pairs(*work))
+    return tuple(np.asarray(x, dtype=np.float64) for x in (t, stored, peak))
+
+
+def _remember(groups: FlatGroups, shapes: np.ndarray, costs, work_arrays, priced: dict | None,
+              work: dict | None) -> None:
+    """Add the micro-batches of ``groups`` to ``priced`` (``(time, stored, peak)`` by rows and shape) and to ``work``
+    (:func:`~dynabatch.cost.pairs.row_work` by rows), where given and not there yet: the memos
+    :func:`formula_prices` reads."""
+    rows = [g.rows for g in groups.row_groups()]
+    if priced is not None:
+        for key, value in zip(zip(rows, map(tuple, shapes.tolist())), zip(*(c.tolist() for c in costs))):
+            priced.setdefault(key, value)
+    if work is not None:
+        pairs, calls, longest = (map(tuple, a.tolist()) for a in work_arrays)
+        for key, value in zip(rows, zip(pairs, calls, longest)):
+            work.setdefault(key, value)
+
+
+@dataclass(frozen=True, eq=False)
+class PricedSettings:
+    """The DP's plan and the baseline settings of one global batch with every whole-sample micro-batch of theirs
+    priced in one cost-model call (:func:`price_settings`): what :func:`formula_choice` compares."""
+
+    dp: StepPlan
+    settings: tuple[Setting, ...]
+    costs: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """``(time, stored, peak)`` of each setting's micro-batches, setting after setting, then of the DP's whole-sample
+    pieces in plan order."""
+    starts: tuple[int, ...]
+    """Where each setting's micro-batches start among :attr:`costs`, then where the DP's pieces start."""
+
+
+def price_settings(cost_model, dp: StepPlan, settings: Sequence[Setting], input_lens, target_lens,
+                   family: str) -> PricedSettings:
+    """The micro-batches of ``settings`` and the whole-sample pieces of the DP's plan ``dp`` priced per segment (with
+    the attention pairs, calls and longest segments their rows compute in model ``family``) by ``cost_model``, in
+    one call."""
+    whole = [(p.row_samples, p.shape) for pieces in dp.replicas for p in pieces if not p.is_slice]
+    groups, shapes = _micro_batches(settings, whole)
+    costs = _costs(cost_model, shapes, _work(cost_model, groups, input_lens, target_lens, family, True))
+    starts = np.cumsum([0, *(len(s.groups) for s in settings)]).tolist()
+    return PricedSettings(dp, tuple(settings), costs, tuple(starts))
+
+
+def formula_choice(priced: PricedSettings, cost_model, in_flight: int | None = None, timed: bool = True) -> Candidate:
+    """The candidate :func:`choose` keeps among the DP's plan (first) and the baseline settings' plans by
+    :func:`settings_prices` (:func:`formula_prices`' prices): the cheapest, the first on ties. Only the kept
+    baseline's plan is built, its pieces timed by their priced time (0 unless ``timed``)."""
+    prices = settings_prices(priced, cost_model, in_flight)
+    best = min(range(len(prices)), key=prices.__getitem__)  # the first of the cheapest, as choose keeps
+    if best == 0:
+        return Candidate(DP, None, priced.dp)
+    setting, start = priced.settings[best - 1], priced.starts[best - 1]
+    time = priced.costs[0][start:start + len(setting.groups)]
+    times = time.tolist() if timed else [0.0] * len(setting.groups)
+    return Candidate(setting.method, setting.value, setting.plan(times, priced.dp.num_stages))
+
+
+def settings_prices(priced: PricedSettings, cost_model, in_flight: int | None = None) -> list[float]:
+    """:func:`formula_prices` (padding-free) of the DP's plan and of each setting's plan, the same prices computed
+    from ``priced``'s arrays without building the settings' plans: each plan's step formula of its slowest replica,
+    ``inf`` where a piece breaks the memory rule (:func:`_step_formula`)."""
+    dp, (time, stored, peak) = priced.dp, priced.costs
+    held, budget = in_flight or dp.num_stages, float(getattr(cost_model, "memory_budget_bytes", np.inf))
+    prices = [_step_formula(_dp_replicas(dp, priced.costs, priced.starts[-1]), dp.num_stages, held, budget)]
+    for setting, start in zip(priced.settings, priced.starts):
+        entries = [start + np.asarray(ks, dtype=np.int64) for ks in setting.replicas if ks]
+        prices.append(_step_formula([(time[k], stored[k], peak[k]) for k in entries], dp.num_stages, held, budget))
+    return prices
+
+
+def _dp_replicas(dp: StepPlan, costs, start: int) -> list[tuple]:
+    """:func:`_step_formula`'s ``(times, stored, peak)`` of each replica of the DP's plan: its whole-sample pieces'
+    priced costs (``costs`` from entry ``start`` on, in plan order); a slice keeps its own time."""
+    out = []
+    for pieces in dp.replicas:
+        if not pieces:
+            continue
+        times = np.array([p.time_s for p in pieces])
+        whole = np.array([not p.is_slice for p in pieces])
+        if not whole.any():
+            out.append((times, None, None))
+            continue
+        entries = np.arange(start, start + int(whole.sum()))
+        start += len(entries)
+        time, stored, peak = (c[entries] for c in costs)
+        times[whole] = time
+        out.append((times, stored, peak))
+    return out
+
+
+def _step_formula(replicas, num_stages: int, held: int, budget: float) -> float:
+    """The step formula ``sum(t) + (S - 1) max(t)`` of a plan's slowest replica, ``replicas`` giving each non-empty
+    replica's piece times and its whole-sample pieces' ``stored`` and ``peak`` (``None`` when it has none); ``inf``
+    when a piece breaks ``held * stored + peak <= budget``."""
+    worst = 0.0
+    for times, stored, peak in replicas:
+        if stored is not None and np.any(held * stored + peak > budget):
+            return float("inf")
+        worst = max(worst, float(times.sum() + (num_stages - 1) * times.max()))
+    return worst
 
 
 def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1,
@@ -161,44 +349,33 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
     micro-batches as the one with the most (:func:`even_counts`)."""
     batch = _Lengths(input_lens, target_lens)
     if batcher_options is not None:
-        groups = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options).group(batch)
+        batcher = make_batcher(method, limits, GROUPING_TOKENS, **batcher_options)
     else:
-        groups = _groups(method, batch, limits, options or BaselineOptions())
+        batcher = _batcher(method, limits, (options or BaselineOptions()).value(method))
+    groups = batcher.flat_group(batch)
     if len(groups) < num_replicas:  # a small batch (an evaluation pass's last): the knob decides, not the budget
         spec = baseline_spec(method)
         raise ValueError(
             f"{method}: this global batch of {len(batch)} samples makes {len(groups)} micro-batch(es), fewer than the "
             f"{num_replicas} replicas; lower {spec.option}, or use the dynamic method, which deals a small batch to "
             "every replica (a training stream: or raise global_batch_tokens)")
-    shapes = group_shapes(batch, groups, limits.family)
-    times = _piece_times(cost_model, shapes, groups, batch, limits.family, padding_free, {})
+    setting = _setting(method, None, groups, batch, limits.family, num_replicas)
+    times = _times(cost_model, groups, setting.shapes, batch, limits.family, padding_free)
     even = _evener(equal_counts, batch, limits.family, cost_model, padding_free)
-    return _dealt(groups, shapes, times, limits.family, num_stages, num_replicas, even)
+    return setting.plan(times, num_stages, even)
 
 
 def _evener(equal_counts: bool, batch, family: str, cost_model, padding_free: bool):
-    """What :func:`_dealt` applies to the dealt micro-batches: :func:`even_counts` under ``equal_counts``, else nothing."""
+    """What :meth:`Setting.plan` applies to the dealt micro-batches: :func:`even_counts` under ``equal_counts``, else
+    nothing."""
     if not equal_counts:
         return None
     return lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)
 
 
-def _groups(method: str, batch: _Lengths, limits, options) -> list:
-    return make_batcher(method, limits, GROUPING_TOKENS, **options.batcher_options(method, limits)).group(batch)
-
-
-def _dealt(groups, shapes, times, family: str, num_stages: int, num_replicas: int, even=None) -> StepPlan:
-    """Row groups of a baseline, their shapes and priced times, as a :class:`~dynabatch.plan.step.StepPlan`
-    dealt to replicas (``even``: then given equal counts, :func:`even_counts`)."""
-    dealt = deal_to_replicas(list(zip(groups, shapes, times)), [b * (e + d) for b, e, d in shapes], num_replicas)
-    if even is not None:
-        dealt = even(dealt)
-
-    def piece(g, s, t) -> Piece:
-        samples = tuple(chain.from_iterable(g.rows))  # more samples than rows: some row packs several
-        return Piece(samples, s, t, rows=g.rows if len(samples) > len(g.rows) else None)
-
-    return StepPlan(family, num_stages, tuple(tuple(piece(*x) for x in xs) for xs in dealt), ())
+def _batcher(method: str, limits, value: int):
+    """Baseline ``method``'s batcher at knob value ``value`` (lengths only)."""
+    return make_batcher(method, limits, GROUPING_TOKENS, **baseline_spec(method).batcher_fields(value, limits))
 
 
 def even_counts(dealt, batch, family: str, cost_model=None, padding_free: bool = True) -> list[list]:
@@ -215,7 +392,7 @@ def even_counts(dealt, batch, family: str, cost_model=None, padding_free: bool =
 
     def item(g: RowGroup):
         shape = group_shape(batch, g, family)
-        return g, shape, _piece_times(cost_model, [shape], [g], batch, family, padding_free, {})[0]
+        return g, shape, _times(cost_model, FlatGroups.of([g.rows]), np.array([shape]), batch, family, padding_free)[0]
 
     def price(xs) -> list[float]:
         return [t if cost_model is not None else b * (e + d) for _, (b, e, d), t in xs]
@@ -235,22 +412,10 @@ def even_counts(dealt, batch, family: str, cost_model=None, padding_free: bool =
     return equalize_counts(dealt, price, split)
 
 
-def _piece_times(cost_model, shapes, groups, batch, family: str, padding_free: bool, work: dict,
-                 priced: dict | None = None, also: Sequence = ()) -> list[float]:
-    if cost_model is None or not shapes:
-        return [0.0] * len(shapes)
-    if padding_free and priced is not None:
-        keys = [(g.rows, tuple(s)) for g, s in zip(groups, shapes)]
-        price_micro_batches(cost_model, [*keys, *also], batch.input_lens, batch.target_lens, family, work, priced)
-        return [priced[k][0] for k in keys]
-
-    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
-    pairs = None
-    if padding_free:  # groups_pairs, each micro-batch's row work computed once per batch
-        fill_work(work, [g.rows for g in groups], batch.input_lens, batch.target_lens, family)
-        pairs = stacked_pairs([work[g.rows] for g in groups])
-    t, _, _ = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2], pairs=pairs)
-    return [float(x) for x in t]
+def _times(cost_model, groups: FlatGroups, shapes: np.ndarray, batch, family: str, padding_free: bool) -> list[float]:
+    """Each micro-batch's time under ``cost_model`` (:func:`_costs`; 0 without one)."""
+    return _costs(cost_model, shapes, _work(cost_model, groups, batch.input_lens, batch.target_lens, family,
+                                            padding_free))[0].tolist()
 
 
 def price_micro_batches(cost_model, keys: Sequence, input_lens, target_lens, family: str, work: dict,
@@ -391,20 +556,18 @@ def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan
         price_micro_batches(cost_model, keys, e, d, family, {} if work is None else work, priced)
     out = []
     for num_stages, held, replicas in parts:
-        worst = 0.0
+        priced_replicas = []
         for times, whole, entry in replicas:
+            stored = peak = None
             if entry is not None and entry[0] == "memo":
                 t, stored, peak = (np.array(a, dtype=np.float64) for a in zip(*(priced[k] for k in entry[1])))
             elif entry is not None:
                 kind, lo, hi = entry
                 t, stored, peak = (a[lo:hi] for a in results[kind])
             if entry is not None:
-                if np.any(held * stored + peak > budget):
-                    worst = float("inf")
-                    break
                 times[whole] = t
-            worst = max(worst, float(times.sum() + (num_stages - 1) * times.max()))
-        out.append(worst)
+            priced_replicas.append((times, stored, peak))
+        out.append(_step_formula(priced_replicas, num_stages, held, budget))
     return out
 
 
@@ -418,5 +581,7 @@ def concatenated_pairs(pairs: list):
                           tuple(cat(lambda p, k=k: p.longest[k]) for k in range(2)))
 
 
-__all__ = ["DP", "Candidate", "Choice", "baseline_candidates", "baseline_plan", "candidate_baselines", "choose",
-           "concatenated_pairs", "deal_to_replicas", "even_counts", "formula_price", "formula_prices", "knob_values", "step_lower_bound"]
+__all__ = ["DP", "Candidate", "Choice", "PricedSettings", "Setting", "baseline_candidates", "baseline_plan",
+           "baseline_settings", "candidate_baselines", "choose", "concatenated_pairs", "deal_to_replicas", "even_counts",
+           "formula_choice", "formula_price", "formula_prices", "knob_values", "price_settings", "settings_prices",
+           "step_lower_bound"]

@@ -31,7 +31,8 @@ from dynabatch.data.baselines import BaselineOptions, RowGroup
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
-from dynabatch.plan.candidates import DP, Candidate, baseline_candidates, baseline_plan, choose, formula_prices
+from dynabatch.plan.candidates import (DP, Candidate, baseline_candidates, baseline_plan, baseline_settings, choose,
+                                       formula_choice, formula_prices, price_settings)
 from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.step import StepPlan, plan_step
 
@@ -117,9 +118,14 @@ class GlobalPlanner:
             raise locate_sample_error(e, batch, data) from e
         if not self.candidates or plan.sliced_samples:  # the baselines cannot run a sample that needs slicing
             return GlobalPlan(plan, DP)
+        formula = choose_among is None and price is None
+        equal = wants_equal_counts(self.cost_model)
+        if formula and self.padding_free and not equal:  # every candidate priced from arrays, one plan built
+            chosen = formula_choice(self._priced_settings(batch, plan), self.cost_model,
+                                    self.planner_options.get("in_flight"), timed=self.timed_candidates)
+            return GlobalPlan(chosen.plan, chosen.label)
         work: dict = {}  # each micro-batch's attention work, shared by the candidates' pricing
         # with the step formula, each distinct micro-batch (the DP's and the baselines') is priced once, in one call
-        formula = choose_among is None and price is None
         priced: dict | None = {} if formula and self.timed_candidates else None
         also = [(p.row_samples, p.shape) for pieces in plan.replicas for p in pieces if not p.is_slice] \
             if priced is not None and self.padding_free else []
@@ -127,7 +133,7 @@ class GlobalPlanner:
                                         num_replicas=self.num_replicas, options=self.options,
                                         padding_free=self.padding_free,
                                         cost_model=self.cost_model if self.timed_candidates else None, work=work,
-                                        equal_counts=wants_equal_counts(self.cost_model), priced=priced, also=also)
+                                        equal_counts=equal, priced=priced, also=also)
         candidates = [Candidate(DP, None, plan), *baselines]
         if choose_among is not None:
             chosen = choose_among(candidates)
@@ -140,6 +146,13 @@ class GlobalPlanner:
                 price = lambda plan: prices[id(plan)]  # noqa: E731
             chosen = choose(candidates, price).candidate
         return GlobalPlan(chosen.plan, chosen.label)
+
+    def _priced_settings(self, batch: GlobalBatch, plan: StepPlan):
+        """The baselines' settings of ``batch`` (:func:`~dynabatch.plan.candidates.baseline_settings`) and the DP's
+        ``plan``, every micro-batch priced in one cost-model call."""
+        settings = baseline_settings(batch.input_lens, batch.target_lens, self.limits, num_replicas=self.num_replicas,
+                                     options=self.options, padding_free=self.padding_free)
+        return price_settings(self.cost_model, plan, settings, batch.input_lens, batch.target_lens, self.family)
 
     def _dp(self, batch: GlobalBatch) -> StepPlan:
         """The partition DP's plan, its runs priced as the run computes them: per segment on a padding-free run

@@ -41,3 +41,36 @@ def budget_groups(e, d, order, max_tokens):
             members = grown
             out.append(out[-1] if out else 0)
     return out
+
+
+def longest_first(e, d, t5):
+    """Sample indices longest first: by (input, target) length (T5) or total length (GPT), ties by index."""
+    key = (lambda i: (-e[i], -d[i], i)) if t5 else (lambda i: (-(e[i] + d[i]), i))
+    return sorted(range(len(e)), key=key)
+
+
+def baseline_groups(method, e, d, t5, value, cap_e, cap_d):
+    """Rows of each micro-batch (tuples of sample-index tuples) of the candidate baselines, built one Python tuple at
+    a time from the documented rules: ``length_grouped`` chunks of ``value`` samples longest first, ``token_budget``
+    longest first cut where :func:`budget_groups` cuts (``value`` padded tokens), ``packing_free`` the rows of
+    :func:`best_fit_rows` (each row's samples in visiting order) ``value`` rows at a time, rows in opening order.
+    ``cap_e``, ``cap_d``: a packed row's lengths (GPT: ``cap_d`` 0)."""
+    e, d = [int(x) for x in e], [int(x) for x in d]
+    order = longest_first(e, d, t5)
+    if not t5:  # one sequence of inputs and targets
+        e, d = [a + b for a, b in zip(e, d)], [0] * len(e)
+    if method == "length_grouped":
+        return [tuple((i,) for i in order[k:k + value]) for k in range(0, len(order), value)]
+    if method == "token_budget":
+        groups: list[list] = []
+        for i, g in zip(order, budget_groups(e, d, order, value)):
+            if g == len(groups):
+                groups.append([])
+            groups[g].append((i,))
+        return [tuple(g) for g in groups]
+    assert method == "packing_free", method
+    row = best_fit_rows(e, d, order, cap_e, cap_d)
+    rows: list[list[int]] = [[] for _ in range(max(row, default=-1) + 1)]
+    for i in order:
+        rows[row[i]].append(i)
+    return [tuple(tuple(r) for r in rows[k:k + value]) for k in range(0, len(rows), value)]

@@ -391,3 +391,21 @@ def test_rows_work_is_row_work_of_each_micro_batch(family):
     for bad in ([()], [((),)]):
         with pytest.raises(ValueError, match="at least one sample"):
             rows_work(bad, [5], [5], family)
+
+
+def test_call_counts_match_the_twin_few_and_many_samples():
+    """``_kernels._count_groups`` (its own sort: insertion for few samples, numpy beyond) counts the groups of the
+    pure-Python twin of the rule, with many ties, on micro-batches of one to a hundred samples."""
+    from reference import cost_reference as ref
+
+    from dynabatch.cost import _kernels as K
+    from dynabatch.cost.pairs import PAD_TOLERANCE
+
+    rng = np.random.default_rng(21)
+    for n in [*range(1, 40), 63, 64, 65, 100]:
+        for high in (4, 60, 900):
+            q = rng.integers(1, high, n)
+            k = q if n % 2 else rng.integers(1, high, n)
+            alone = rng.random(n) < 0.5
+            want = len(ref.attention_groups(q, k, alone))
+            assert K._count_groups(q, k, alone, 1.0 - PAD_TOLERANCE) == want, (n, high)

@@ -98,6 +98,18 @@ def test_unknown_batcher_lists_options(batch_and_limits):
         make_batcher("token_budget", limits, data.tokens, max_tokens=10)
 
 
+class _Lengths:
+    """A lengths-only batch (``input_lens``, ``target_lens``), with the candidates' ``memo`` when given."""
+
+    def __init__(self, e, d, memo=None):
+        self.input_lens, self.target_lens = e, d
+        if memo is not None:
+            self.memo = memo
+
+    def __len__(self):
+        return len(self.input_lens)
+
+
 @pytest.mark.parametrize("family", ["t5", "gpt2"])
 def test_vectorised_grouping_helpers_match_the_one_group_rules(family):
     """longest_first is the order of Batcher._sort_key, group_shapes is group_shape of each group (rows alone and
@@ -108,21 +120,12 @@ def test_vectorised_grouping_helpers_match_the_one_group_rules(family):
     from dynabatch.data.baselines import RowGroup, group_shape, group_shapes, longest_first
     from dynabatch.data.tokenize import TokenizerInfo
 
-    class Lengths:
-        def __init__(self, e, d, memo=None):
-            self.input_lens, self.target_lens = e, d
-            if memo is not None:
-                self.memo = memo
-
-        def __len__(self):
-            return len(self.input_lens)
-
     rng = np.random.default_rng(5)
     e, d = rng.integers(1, 400, 80), rng.integers(1, 60, 80)
     e[:20], d[:10] = 200, 30  # ties, broken by index
     limits = LengthLimits(family, max_input_len=400 if family == "t5" else 460, max_target_len=60)
-    plain, memo = Lengths(e, d), {}
-    kept = Lengths(e, d, memo)
+    plain, memo = _Lengths(e, d), {}
+    kept = _Lengths(e, d, memo)
     batcher = make_batcher("token_budget", limits, TokenizerInfo(0, 0, 1, 8), max_tokens=4096)
     assert longest_first(plain, family) == sorted(range(80), key=batcher._sort_key(plain))
     for name, extra in (("length_grouped", {}), ("token_budget", {"max_tokens": 4096}),
@@ -169,3 +172,66 @@ def test_token_budget_kernel_matches_its_python_twin():
         e, d = rng.integers(1, 300, n), rng.integers(0, 60, n)
         order, budget = rng.permutation(n), int(rng.integers(360, 4000))
         assert _budget_groups(e, d, order, budget).tolist() == budget_groups(e.tolist(), d.tolist(), order.tolist(), budget)
+
+
+def _length_cases(family):
+    """(name, input lengths, target lengths, limits): random and heavy-tailed batches and the edge cases (one sample,
+    all lengths equal, samples at the length limit)."""
+    import numpy as np
+
+    rng = np.random.default_rng(17)
+    t5 = family == "t5"
+    cap_e, cap_d = 512, 96
+    limits = LengthLimits(family, max_input_len=cap_e, max_target_len=cap_d, max_seq_len=cap_e + cap_d)
+    heavy_e = np.minimum(rng.lognormal(3.5, 1.1, 240).astype(np.int64) + 1, cap_e)
+    heavy_d = np.minimum(rng.lognormal(2.0, 0.9, 240).astype(np.int64) + 1, cap_d)
+    at_limit_e, at_limit_d = rng.integers(1, cap_e, 40), rng.integers(1, cap_d, 40)
+    at_limit_e[[0, 7, 8]], at_limit_d[[0, 7, 9]] = cap_e, cap_d
+    cases = [
+        ("random", rng.integers(1, cap_e, 150), rng.integers(1, cap_d, 150)),
+        ("heavy_tail", heavy_e, heavy_d),
+        ("one_sample", np.array([37]), np.array([5])),
+        ("all_equal", np.full(33, 64), np.full(33, 16)),
+        ("at_the_limit", at_limit_e, at_limit_d),
+        ("all_at_the_limit", np.full(9, cap_e), np.full(9, cap_d)),
+    ]
+    # GPT: inputs and targets are one sequence of at most max_seq_len tokens (cap_e + cap_d: the limit still reached)
+    return [(name, e, d if t5 else np.minimum(d, cap_e + cap_d - e), limits) for name, e, d in cases]
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_flat_grouping_is_the_reference_grouping(family):
+    """Every candidate baseline's flat grouping (Batcher.flat_group, arrays without a Python object per row) gives,
+    at every knob value of its grid, the micro-batches of the pure-Python reference built from the documented rules
+    (tests/reference/batching_reference.py), on random and heavy-tailed lengths, one sample, equal lengths and
+    samples at the length limit, with a lengths-only batch that carries the candidates' memo and one that does not;
+    its shapes are group_shape's and equal rows_key means equal rows."""
+    import numpy as np
+    from reference.batching_reference import baseline_groups
+
+    from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, FlatGroups, group_shape,
+                                          group_shapes)
+
+    t5 = family == "t5"
+    options = BaselineOptions()
+    for case, e, d, limits in _length_cases(family):
+        cap_e, cap_d = (limits.max_input_len, limits.max_target_len) if t5 else (limits.max_seq_len, 0)
+        memo: dict = {}
+        keys: dict[tuple, tuple] = {}
+        for method in ("length_grouped", "token_budget", "packing_free"):
+            for value in BASELINES[method].grid:
+                fields = options.with_value(method, value).batcher_options(method, limits)
+                batcher = make_batcher(method, limits, GROUPING_TOKENS, **fields)
+                knob = next(iter(fields.values()))
+                want = baseline_groups(method, e, d, t5, knob, cap_e, cap_d)
+                for batch in (_Lengths(e, d, memo), _Lengths(e, d)):
+                    flat = batcher.flat_group(batch)
+                    groups = flat.row_groups()
+                    assert [g.rows for g in groups] == want, (case, method, value)
+                    assert batcher.group(batch) == groups
+                    assert flat.shapes(e, d, family).tolist() == [list(group_shape(batch, g, family)) for g in groups]
+                    assert group_shapes(batch, groups, family) == [group_shape(batch, g, family) for g in groups]
+                    assert FlatGroups.of(want).rows_key() == flat.rows_key()
+                keys.setdefault(flat.rows_key(), tuple(want))
+                assert keys[flat.rows_key()] == tuple(want)  # equal keys: equal micro-batches
+        assert len(set(keys.values())) == len(keys)  # distinct keys: distinct micro-batches

@@ -316,3 +316,51 @@ def test_a_baseline_planned_with_the_dynamic_methods_model_keeps_its_own_recompu
     shared = StepPlanner(baseline.batcher.__class__(batches, limits), grouped, auto, tokens)
     shared.cost_model = shared.predict_model = auto
     assert sum(sum(shared().recompute_counts.values()) for _ in batches) > 0
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_formula_choice_from_arrays_is_the_choice_among_built_plans(family):
+    """The step formula's path prices the baseline settings from arrays (settings_prices) and builds only the kept
+    plan (formula_choice): every price is exactly formula_prices' of the built candidate plans, the kept candidate
+    exactly what choose keeps among them (timed or not), and GlobalPlanner.plan's result the general path's (the
+    same formula given as its price); heavy-tailed lengths, one to three replicas, a budget some plans break,
+    in_flight."""
+    from types import SimpleNamespace
+
+    from dynabatch.plan.candidates import (baseline_settings, formula_choice, formula_prices, price_settings,
+                                           settings_prices)
+    from dynabatch.plan.costs import PolynomialCostModel
+    from dynabatch.plan.global_plan import GlobalPlanner
+    from dynabatch.plan.step import plan_step
+
+    rng = np.random.default_rng(12)
+    limits = LengthLimits(family, max_input_len=512, max_target_len=128, max_seq_len=640)
+    kept, broken = set(), 0
+    for trial in range(8):
+        n = int(rng.integers(2, 160))
+        e = np.minimum(rng.lognormal(4, 1.2, n).astype(np.int64) + 1, 512)
+        d = np.minimum(rng.lognormal(2.5, 1, n).astype(np.int64) + 1, 128)
+        d = d if family == "t5" else np.minimum(d, 640 - e)
+        cost = PolynomialCostModel(memory_budget_bytes=(2.5e9, 1e12)[trial % 2])
+        replicas, in_flight = 1 + trial % 3, (None, 1)[trial // 4]
+        dp = plan_step(e, d, cost, 3, family=limits.family, num_replicas=replicas, segment_pricing=True)
+        priced = price_settings(cost, dp, baseline_settings(e, d, limits, num_replicas=replicas), e, d, limits.family)
+        candidates = [Candidate(DP, None, dp), *baseline_candidates(e, d, limits, 3, num_replicas=replicas,
+                                                                    cost_model=cost)]
+        plans = [c.plan for c in candidates]
+        prices = formula_prices(cost, e, d, plans, True, in_flight)
+        assert settings_prices(priced, cost, in_flight) == prices
+        broken += any(np.isinf(prices))
+        price_of = dict(zip(map(id, plans), prices))
+        want = choose(candidates, lambda plan: price_of[id(plan)]).candidate
+        got = formula_choice(priced, cost, in_flight)
+        assert (got.label, got.plan) == (want.label, want.plan)
+        untimed = formula_choice(priced, cost, in_flight, timed=False)
+        assert untimed.label == got.label
+        assert untimed.plan == got.plan or all(p.time_s == 0.0 for r in untimed.plan.replicas for p in r)
+        planner = GlobalPlanner("dynamic", limits, 3, replicas, cost,
+                                planner_options={} if in_flight is None else {"in_flight": in_flight})
+        batch = SimpleNamespace(input_lens=e, target_lens=d)
+        assert planner.plan(batch) == planner.plan(batch, price=formula_price(cost, e, d, True, in_flight))
+        kept.add(got.label == DP)
+    assert kept == {True, False} and broken  # the DP's plan and a baseline's both kept; some plans over budget
