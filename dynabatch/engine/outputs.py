@@ -10,9 +10,14 @@ anything is loaded, rank 0 inspects the folder (:func:`output_dir_problem`):
 * with ``--overwrite-output-dir`` the entries the earlier run wrote are deleted first (its checkpoints, metrics,
   summary, configuration, calibration, timelines, tracker logs and compare runs); anything else in the folder is left
   alone. What counts as the earlier run's is what its run file says (:data:`RUN_FILE`): a run starting in a folder
-  records there what the folder held before it, so an entry named like a run's (``runs/``, ``checkpoints/``, ...)
-  that was there first is never deleted. A folder holding such entries with no run file (the user's own, or a run
-  older than the run file) is refused with one line naming them, and nothing is touched;
+  records there what the folder held before it, and the folders it writes (:data:`RUN_DIRS`: ``checkpoints/``, and
+  ``runs/``, ``wandb/``, ``compare-<method>/`` when its settings write them), so an entry named like a run's that was
+  there first, or a folder the run did not write (a ``runs/`` added after a run without TensorBoard), is never
+  deleted. A folder holding such entries with no run file (the user's own, or a run older than the run file) is
+  refused with one line naming them, and nothing is touched;
+* ``--resume-from-checkpoint`` continues the run that wrote the folder (its run file, or a run older than the run file
+  whose ``checkpoints/`` hold a checkpoint); a folder no run wrote is treated as a fresh run's: refused when it holds
+  anything, so a resume never writes over files that are not a run's;
 * a run that stopped before its first step (bad input found while loading) leaves only what it writes at start
   (:data:`NOTHING_TRAINED`): the next fresh run there replaces it, so correcting the command and running it again
   works without ``--overwrite-output-dir``.
@@ -37,27 +42,77 @@ RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "c
 """What a training run writes into its output folder (plus ``compare-<method>/`` folders)."""
 
 
+RUN_DIRS = ("checkpoints", "runs", "wandb")
+"""The folders a run writes (plus ``compare-<method>/``): its run file names those it writes (``claimed``), and
+``--overwrite-output-dir`` deletes no other folder, whatever its name."""
+
+
 def _is_run_entry(name: str) -> bool:
     return name in RUN_ENTRIES or name.startswith("compare-")
+
+
+def _is_run_dir(name: str) -> bool:
+    return name in RUN_DIRS or name.startswith("compare-")
+
+
+TRACKER_DIRS = {"tensorboard": "runs", "wandb": "wandb"}
+"""The folder each experiment tracker writes into the output folder."""
+
+
+def run_dirs(trackers=(), compare_method: str | None = None) -> list[str]:
+    """The folders a run writes into its output folder (:data:`RUN_DIRS`): ``checkpoints``, each of its
+    ``trackers``' (``tensorboard``, ``wandb``), and a compare run's."""
+    names = ["checkpoints"] + [TRACKER_DIRS[t] for t in trackers if t in TRACKER_DIRS]
+    return names + ([f"compare-{compare_method}"] if compare_method else [])
+
+
+def _run_file(path: str) -> dict | None:
+    """The folder's :data:`RUN_FILE` (a dict with ``present_before``), or ``None`` without a readable one."""
+    try:
+        with open(os.path.join(path, RUN_FILE), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("present_before"), list) else None
 
 
 def _present_before(path: str) -> list[str] | None:
     """The entries the folder held when the run that wrote its :data:`RUN_FILE` started; ``None`` without a
     readable run file."""
-    try:
-        with open(os.path.join(path, RUN_FILE), encoding="utf-8") as f:
-            before = json.load(f).get("present_before")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return [str(x) for x in before] if isinstance(before, list) else None
+    record = _run_file(path)
+    return None if record is None else [str(x) for x in record["present_before"]]
 
 
-def _record_start(path: str, found: list[str]) -> None:
-    """Write :data:`RUN_FILE`: a run starts in ``path``, which holds ``found`` (none of it the run's)."""
+def _write_run_file(path: str, record: dict) -> None:
     tmp = os.path.join(path, RUN_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"written_by": "dynabatch train", "present_before": sorted(found)}, f, indent=1)
+        json.dump(record, f, indent=1)
     os.replace(tmp, os.path.join(path, RUN_FILE))
+
+
+def _record_start(path: str, found: list[str], claims=()) -> None:
+    """Write :data:`RUN_FILE`: a run starts in ``path``, which holds ``found`` (none of it the run's), and will
+    write the folders ``claims`` (those not there already)."""
+    _write_run_file(path, {"written_by": "dynabatch train", "present_before": sorted(found),
+                           "claimed": sorted(set(claims) - set(found))})
+
+
+def _claim_more(path: str, record: dict, claims) -> None:
+    """A resumed run writes ``claims`` too: add those not in the folder yet to its run file's ``claimed``."""
+    if "claimed" not in record:  # a run file older than claims: its folders are judged as before
+        return
+    present = set(os.listdir(path))
+    more = set(claims) - present - set(record["claimed"])
+    if more:
+        _write_run_file(path, {**record, "claimed": sorted(set(record["claimed"]) | more)})
+
+
+def _has_checkpoint(path: str) -> bool:
+    """``path/checkpoints`` holds a ``step-NNNNNN`` folder: a run wrote the folder (one older than the run file)."""
+    try:
+        return any(n.startswith("step-") for n in os.listdir(os.path.join(path, "checkpoints")))
+    except OSError:
+        return False
 
 
 NOTHING_TRAINED = frozenset({RUN_FILE, "config.yaml", "calibration.json"})
@@ -75,6 +130,10 @@ def _start_of_a_run_that_trained_nothing(path: str, found: list[str]) -> list[st
     return own if set(own) <= NOTHING_TRAINED else []
 
 
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def _delete(path: str, names) -> None:
     for name in names:
         target = os.path.join(path, name)
@@ -87,22 +146,23 @@ def _delete(path: str, names) -> None:
 def _clear_earlier_run(path: str, found: list[str]) -> str | None:
     """``--overwrite-output-dir``: delete the entries of ``found`` the earlier run wrote (by its run file), or say
     why none can be deleted (entries named like a run's and no run file to tell whose they are)."""
-    before = _present_before(path)
+    record = _run_file(path)
     named = [n for n in found if _is_run_entry(n)]
-    if before is None:
+    if record is None:
         if not named:
             return None
-        return (f"--overwrite-output-dir: {path!r} holds {', '.join(named[:5])}"
-                f"{f' and {len(named) - 5} more' if len(named) > 5 else ''} but no {RUN_FILE} saying a dynabatch run "
+        return (f"--overwrite-output-dir: {path!r} holds {_listed(named)} but no {RUN_FILE} saying a dynabatch run "
                 "wrote them, so nothing was deleted; move them away, or pass another --output-dir")
-    _delete(path, [name for name in named if name not in before])  # those there before that run started: not its own
+    before = set(record["present_before"])  # there before that run started: not its own
+    claimed = record.get("claimed")  # the folders it wrote (None: a run file older than claims)
+    _delete(path, [n for n in named if n not in before and (claimed is None or not _is_run_dir(n) or n in claimed)])
     return None
 
 
-def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | None:
+def output_dir_problem(path: str, *, resume: bool, overwrite: bool, claims=()) -> str | None:
     """Why a run may not use ``path`` (one line), or ``None``; with ``overwrite`` deletes the earlier
     run's entries. Creates the folder if it does not exist; a fresh run records what the folder holds in
-    :data:`RUN_FILE`."""
+    :data:`RUN_FILE`, and the folders it will write (``claims``, :func:`run_dirs`)."""
     if os.path.exists(path) and not os.path.isdir(path):
         return f"--output-dir {path!r} is a file, not a folder; pass a folder path"
     try:
@@ -113,31 +173,41 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool) -> str | Non
     except OSError as e:
         return f"--output-dir {path!r} is not writable ({e.strerror or e}); pass a folder you can write to"
     found = sorted(os.listdir(path))
-    if resume:
-        return None
+    if resume:  # continue the run that wrote the folder; a folder no run wrote is a fresh run's
+        record = _run_file(path)
+        if record is not None:
+            _claim_more(path, record, claims)
+            return None
+        if _has_checkpoint(path):
+            return None
+        if found:
+            return (f"--resume-from-checkpoint: --output-dir {path!r} holds {_listed(found)} but no {RUN_FILE} or "
+                    "checkpoints/ saying a dynabatch run wrote it, so nothing there is resumed or written over; pass "
+                    "the run's own --output-dir, or another (empty) folder")
     if unfinished := _start_of_a_run_that_trained_nothing(path, found):  # a run stopped by bad input: start again
         _delete(path, unfinished)
         found = sorted(os.listdir(path))
     if found and not overwrite:
-        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-        return (f"--output-dir {path!r} is not empty (it holds {shown}); pass --resume-from-checkpoint to continue the run that "
+        return (f"--output-dir {path!r} is not empty (it holds {_listed(found)}); pass --resume-from-checkpoint to continue the run that "
                 "wrote it, --overwrite-output-dir to replace that run's files, or another --output-dir")
     if found:
         problem = _clear_earlier_run(path, found)
         if problem is not None:
             return problem
-    _record_start(path, sorted(os.listdir(path)))
+    _record_start(path, sorted(os.listdir(path)), claims)
     return None
 
 
-def prepare_output_dir(output_dir: str, ctx, resume: str | bool | None = None, overwrite: bool = False) -> None:
+def prepare_output_dir(output_dir: str, ctx, resume: str | bool | None = None, overwrite: bool = False,
+                       claims=()) -> None:
     """Collective: rank 0 checks (and with ``overwrite`` clears) ``output_dir`` and every rank raises the same
-    ``ValueError`` if the run may not start there (``resume``: the checkpoint the run resumes from, if any)."""
+    ``ValueError`` if the run may not start there (``resume``: the checkpoint the run resumes from, if any;
+    ``claims``: the folders the run writes, :func:`run_dirs`)."""
     import torch.distributed as dist
 
     problem = [None]
     if ctx.is_planner:
-        problem[0] = output_dir_problem(output_dir, resume=resume, overwrite=overwrite)
+        problem[0] = output_dir_problem(output_dir, resume=resume, overwrite=overwrite, claims=claims)
     if ctx.world_size > 1:
         dist.broadcast_object_list(problem, src=0, group=ctx.delivery_group)
     if problem[0] is not None:

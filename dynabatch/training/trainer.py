@@ -58,7 +58,7 @@ from dynabatch.engine.faults import fail_fast, maybe_crash, maybe_slow_start
 from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
-from dynabatch.engine.outputs import prepare_output_dir, truncate_metrics
+from dynabatch.engine.outputs import prepare_output_dir, run_dirs, truncate_metrics
 from dynabatch.training.run_start import check_same_settings, log_tokenizer, record_resolved, resolve_run
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
@@ -256,7 +256,8 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     cfg = resolved.config
     if checkpoints:
         prepare_output_dir(cfg.output_dir, ctx, resume=cfg.resume_from_checkpoint,
-                           overwrite=cfg.overwrite_output_dir)
+                           overwrite=cfg.overwrite_output_dir,
+                           claims=run_dirs(check_trackers(cfg.report_to), cfg.compare_method))
     info = find_resume_checkpoint(cfg, ctx) if cfg.resume_from_checkpoint else None
     run = build_run(cfg, ctx, datasets)
     if cfg.placement != run.cfg.placement:  # --placement auto, chosen from the run's first global batches

@@ -141,9 +141,13 @@ def test_overwrite_output_dir_replaces_only_run_files(tmp_path, toy_mixture_dir,
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000001"]
     (out / "notes.txt").write_text("mine")
+    for folder in ("runs", "wandb"):  # the user's, added after a run that wrote neither (no --report-to)
+        (out / folder).mkdir()
+        (out / folder / "mine.txt").write_text("mine")
     run = _cli(capsys, tmp_path, toy_mixture_dir, "old", "--steps", "2", "--overwrite-output-dir")
     assert run.returncode == 0, run.stderr[-3000:]
     assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "runs" / "mine.txt").read_text() == "mine" and (out / "wandb" / "mine.txt").read_text() == "mine"
     assert [r["step"] for r in _records(out)] == [0, 1]
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000002"]
 
@@ -190,6 +194,60 @@ def test_overwrite_keeps_what_the_folder_held_before_the_earlier_run(tmp_path):
     assert sorted(os.listdir(fresh)) == [RUN_FILE]
     (fresh / "metrics.jsonl").write_text('{"step": 0}\n')  # a run that trained: refused, as any used folder
     assert "is not empty" in output_dir_problem(str(fresh), resume=False, overwrite=False)
+
+
+def test_overwrite_deletes_the_folders_a_run_claimed_and_no_others(tmp_path):
+    from dynabatch.engine.outputs import RUN_FILE, output_dir_problem, run_dirs
+
+    out = tmp_path / "run"
+    claims = run_dirs(("tensorboard",), "packing_free")
+    assert claims == ["checkpoints", "runs", "compare-packing_free"]
+    assert output_dir_problem(str(out), resume=False, overwrite=False, claims=claims) is None
+    assert json.loads((out / RUN_FILE).read_text())["claimed"] == sorted(claims)
+    for name in ("checkpoints", "runs", "compare-packing_free", "wandb", "compare-other"):  # the run's three, then two
+        (out / name).mkdir()                                                              # folders of the user's
+        (out / name / "f").write_text(name)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert output_dir_problem(str(out), resume=False, overwrite=True, claims=["checkpoints"]) is None
+    assert sorted(os.listdir(out)) == sorted(["wandb", "compare-other", RUN_FILE])
+    assert json.loads((out / RUN_FILE).read_text())["present_before"] == ["compare-other", "wandb"]
+
+
+def test_resume_writes_only_into_a_folder_a_run_wrote(tmp_path):
+    """``--resume-from-checkpoint`` into a folder no run wrote (no run file, no checkpoint) is a fresh run's start:
+    refused when it holds anything, nothing touched; a run's folder (run file, or an older run's checkpoints) resumes,
+    and the folders the resumed run adds are claimed."""
+    from dynabatch.engine.outputs import RUN_FILE, output_dir_problem
+
+    mine = tmp_path / "keep"
+    mine.mkdir()
+    (mine / "summary.json").write_text('{"mine": 1}')
+    problem = output_dir_problem(str(mine), resume=True, overwrite=False, claims=["checkpoints"])
+    assert "no dynabatch-run.json or checkpoints/" in problem and "summary.json" in problem
+    assert sorted(os.listdir(mine)) == ["summary.json"]
+    empty = tmp_path / "new"
+    assert output_dir_problem(str(empty), resume=True, overwrite=False, claims=["checkpoints"]) is None
+    assert json.loads((empty / RUN_FILE).read_text())["claimed"] == ["checkpoints"]  # recorded as a fresh run's
+    (empty / "checkpoints").mkdir()
+    assert output_dir_problem(str(empty), resume=True, overwrite=False, claims=["checkpoints", "runs"]) is None
+    assert json.loads((empty / RUN_FILE).read_text())["claimed"] == ["checkpoints", "runs"]
+    older = tmp_path / "older"  # a run from before run files: its checkpoints say whose the folder is
+    (older / "checkpoints" / "step-000004").mkdir(parents=True)
+    (older / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert output_dir_problem(str(older), resume=True, overwrite=False) is None
+    assert not (older / RUN_FILE).exists()
+
+
+def test_resume_into_a_folder_of_the_users_own_is_one_line(tmp_path, capsys):
+    out = tmp_path / "keep"
+    out.mkdir()
+    for name in ("summary.json", "metrics.jsonl", "config.yaml"):
+        (out / name).write_text('{"mine": 1}\n')
+    before = _tree_digest(out)
+    code, err = _train_inproc(tmp_path, capsys, out, "--resume-from-checkpoint")
+    assert code == 2, err[-2000:]
+    assert "--resume-from-checkpoint" in _error_line(err) and "summary.json" in _error_line(err)
+    assert _tree_digest(out) == before
 
 
 def test_a_corrected_rerun_after_bad_input_starts_in_the_same_folder(tmp_path, capsys):
