@@ -60,7 +60,8 @@ FIRST_BAND = 16
 """Run lengths evaluated in the first cost-model call; the band then doubles while runs still fit."""
 ONE_CALL_RUNS = 4096
 """Up to this many candidate runs (``N x`` the longest run allowed) are all priced in the first call: a call's
-fixed cost (milliseconds of Python on the analytic model) outweighs pricing runs that turn out not to fit.
+fixed cost (a tenth of a millisecond on the compiled analytic model, milliseconds on a layer model priced by its
+Python methods) outweighs pricing runs that turn out not to fit.
 Either way the table within the band is the same, and the DP reads nothing outside it."""
 
 

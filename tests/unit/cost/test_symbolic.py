@@ -11,7 +11,8 @@ from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.model_specs import model_spec
 from dynabatch.cost.pairs import AttentionPairs
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.model_specs import ATTENTION_HALVES, FFN_HALVES
+from dynabatch.cost.stages import StageCostModel, StageLayout, balanced_layout, split_halves
 from dynabatch.cost.symbolic import NotTraceable, Sym, VARIABLES, compile_forms, maximum
 
 RTOL = 1e-12
@@ -67,6 +68,25 @@ def test_compiled_stage_costs_equal_the_layer_model(preset, hardware, stages, op
 
     for compiled, python in zip(model.evaluate(b, E, D, work), reference.evaluate(b, E, D, work)):
         np.testing.assert_allclose(compiled, python, rtol=RTOL)
+
+
+@pytest.mark.parametrize("preset", ["t5-base", "gpt-350m"])
+def test_compiled_costs_of_a_layout_cut_inside_blocks(preset):
+    """Stages cut between a block's attention and feed-forward halves (``--split-blocks``), as the planner's
+    balanced splits cut them."""
+    layer = AnalyticCostModel.from_names(preset, "a100-40gb")
+    kinds = split_halves(layer.layer_kinds())
+    cut = [len(kinds) // 3 + 1, 2 * len(kinds) // 3 + 1]  # odd positions: inside blocks
+    layout = StageLayout(tuple(tuple(kinds[a:b]) for a, b in zip([0, *cut], [*cut, len(kinds)])))
+    assert any(k in ATTENTION_HALVES for k in layout.stages[0]) and any(k in FFN_HALVES for k in layout.stages[1])
+    model = StageCostModel(layer, layout, 40 * 2**30, recompute="auto")
+    for pairs in ("none", "all"):
+        b, E, D, work = _queries(is_seq2seq(layer.spec.family), 500, seed=7, pairs=pairs)  # noqa: N806
+        got, want = model.per_stage(b, E, D, work), _python(model).per_stage(b, E, D, work)
+        for f in ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes", "send_bytes"):
+            np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=RTOL, err_msg=f)
+        for compiled, python in zip(model.evaluate(b, E, D, work), _python(model).evaluate(b, E, D, work)):
+            np.testing.assert_allclose(compiled, python, rtol=RTOL)
 
 
 def test_auto_recomputes_some_entries_and_keeps_the_others():
