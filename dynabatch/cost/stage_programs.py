@@ -82,6 +82,11 @@ class StagePrograms:
         values = program.run(_variables(b, E, D, pairs, signature))
         return values.reshape(-1, len(self.stages), *np.shape(b))  # (outputs, S, *shape)
 
+    def traced(self) -> dict:
+        """Whether each ``(what, signature)`` asked for so far was traced and compiled (``False``: the model's methods
+        price it): a model change the tracer cannot follow shows here, not only as a slower planner."""
+        return {key: program is not None for key, program in self._programs.items()}
+
     def _program(self, what: str, signature: Signature) -> Program | None:
         key = (what, signature)
         if key not in self._programs:

@@ -68,6 +68,8 @@ def test_compiled_stage_costs_equal_the_layer_model(preset, hardware, stages, op
 
     for compiled, python in zip(model.evaluate(b, E, D, work), reference.evaluate(b, E, D, work)):
         np.testing.assert_allclose(compiled, python, rtol=RTOL)
+    traced = model.programs.traced()  # priced by the programs, not by a fallback to the methods
+    assert traced and all(traced.values()), traced
 
 
 @pytest.mark.parametrize("preset", ["t5-base", "gpt-350m"])
