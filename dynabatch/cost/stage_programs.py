@@ -114,6 +114,28 @@ class StagePrograms:
         return [stage[k] for k in range(len(per_stage[0])) for stage in per_stage]
 
 
+_SHARED: dict = {}
+"""The :class:`StagePrograms` of each (layer model, layout) made so far (:func:`programs_of`)."""
+_SHARED_LIMIT = 64
+
+
+def programs_of(model, stages) -> StagePrograms:
+    """The :class:`StagePrograms` of ``model`` on the layout ``stages``, one per distinct (model, layout) in a
+    process: every :class:`~dynabatch.cost.stages.StageCostModel` built on them (the online fit makes a new
+    calibrated one at every update, the planner copies with other memory) shares the programs traced so far. An
+    unhashable model gets its own."""
+    key = (model, tuple(tuple(s) for s in stages))
+    try:
+        programs = _SHARED.get(key)
+    except TypeError:
+        return StagePrograms(model, stages)
+    if programs is None:
+        if len(_SHARED) >= _SHARED_LIMIT:
+            _SHARED.pop(next(iter(_SHARED)))
+        programs = _SHARED[key] = StagePrograms(model, stages)
+    return programs
+
+
 def _variables(b, E, D, pairs: AttentionPairs | None, signature: Signature) -> np.ndarray:  # noqa: N803
     """``(len(VARIABLES), n)`` rows of the flattened inputs; the rows a signature does not use are zero."""
     n = int(np.size(b))
@@ -131,4 +153,4 @@ def _variables(b, E, D, pairs: AttentionPairs | None, signature: Signature) -> n
     return x
 
 
-__all__ = ["PRICED", "Signature", "StagePrograms"]
+__all__ = ["PRICED", "Signature", "StagePrograms", "programs_of"]

@@ -40,7 +40,7 @@ import numpy as np
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
 from dynabatch.cost.model_states import per_rank_state_bytes
 from dynabatch.cost._kernels import _planner_view
-from dynabatch.cost.stage_programs import PRICED, StagePrograms
+from dynabatch.cost.stage_programs import PRICED, StagePrograms, programs_of
 from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, check_policy, choose_modes, select
 
 RECOMPUTE_SUBSET_FITS = 0.5
@@ -346,7 +346,7 @@ class StageCostModel:
                 + (", or shard the states across the replicas (--zero)" if self.zero < 2 else "")
             )
         object.__setattr__(self, "memory_budget_bytes", float(budget))
-        programs = StagePrograms(self.model, self.layout.stages) if getattr(self.model, "shares_layer_costs", False) \
+        programs = programs_of(self.model, self.layout.stages) if getattr(self.model, "shares_layer_costs", False) \
             else None
         object.__setattr__(self, "programs", programs)
 
