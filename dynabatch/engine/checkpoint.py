@@ -218,6 +218,14 @@ def list_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, name) for _, name in steps]
 
 
+def newest_saved(root: str) -> str | None:
+    """The newest step folder under ``root`` whose manifest exists (its save finished), without reading its
+    files: what a run interrupted now names as the checkpoint to resume from (:func:`latest_checkpoint` verifies
+    checksums, too slow to wait for at Ctrl-C on a large model)."""
+    saved = [p for p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+    return saved[-1] if saved else None
+
+
 def latest_checkpoint(root: str, fallback: bool = True) -> CheckpointInfo | None:
     """The newest complete, verified checkpoint; with ``fallback`` a broken newest one is skipped
     (a warning names it), otherwise its :class:`CheckpointError` is raised."""

@@ -53,6 +53,7 @@ from dynabatch.engine.determinism import full_determinism
 from dynabatch.engine.dist import DistContext, init_distributed, shutdown
 from dynabatch.training.evaluate import (Evaluator, evaluation_enabled, flat_metrics, format_eval, gather_task_losses,
                                         hold_out)
+from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.executor import Executor
 from dynabatch.engine.faults import fail_fast, maybe_crash, maybe_slow_start
 from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
@@ -63,7 +64,7 @@ from dynabatch.training.run_start import check_same_settings, log_tokenizer, rec
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
-from dynabatch.training.resume import find_resume_checkpoint, resume, save_checkpoint
+from dynabatch.training.resume import find_resume_checkpoint, interruption_line, resume, save_checkpoint
 from dynabatch.training.run_layout import RunLayout, sampled_run_layout, share_run_layout
 from dynabatch.training.step_data import StepData, announce_data, data_ready
 from dynabatch.engine.step import train_step
@@ -289,6 +290,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     bar = progress(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", unit="steps", disable=not ctx.is_planner,
                    leave=False)  # a bar on a terminal, plain periodic lines in a file
     planned = result = None
+    step = start
     try:
         if ctx.is_planner:
             tracker = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_dict(), start)
@@ -379,6 +381,10 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
         if ctx.is_planner and run.calibration.enabled and result is not None:
             save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
                              cfg.max_steps - 1)
+    except KeyboardInterrupt as e:  # Ctrl-C: _train names the step and the newest checkpoint in one line
+        if isinstance(e, Interrupted):
+            raise
+        raise Interrupted(step=step) from None
     finally:
         bar.close()
         tracker.close()
@@ -545,13 +551,16 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
             if ctx.is_planner:
                 check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
             log_tokenizer(given, ctx)
-            summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
-            if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
-                other = resolve_run(dataclasses.replace(
-                    given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
-                    output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
-                os.makedirs(other.config.output_dir, exist_ok=True)
-                summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+            try:
+                summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
+                if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
+                    other = resolve_run(dataclasses.replace(
+                        given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
+                        output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
+                    os.makedirs(other.config.output_dir, exist_ok=True)
+                    summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+            except KeyboardInterrupt as e:  # one line: the step, and the newest complete checkpoint to resume from
+                raise Interrupted(interruption_line(cfg.output_dir, getattr(e, "step", None))) from None
             if not ctx.is_planner:
                 return None
             summary = {"runs": summaries, "config": cfg.to_dict()}
