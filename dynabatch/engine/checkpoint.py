@@ -6,6 +6,8 @@ Layout of ``OUTPUT/checkpoints/step-000120/`` (format 2):
   AdamW moments and step counts, each rank's RNG state), written collectively through
   ``torch.distributed.checkpoint`` (:mod:`dynabatch.training.reshard`): a run with another stage or
   replica count reads the parameters it owns from whichever files hold them;
+* ``model/``: the run's model config and tokenizer files, for export (written by rank 0 before the manifest;
+  :mod:`dynabatch.training.model_files`);
 * ``manifest.json``: written last, by rank 0, after every rank's write returned, with the size and
   SHA-256 of every data file. It also holds the data position (global batcher state), the LR
   scheduler state, rank 0's calibration fit (with its layout key), the world shape and the run's

@@ -57,6 +57,7 @@ from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.executor import Executor
 from dynabatch.engine.faults import fail_fast, maybe_crash, maybe_slow_start
 from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
+from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
 from dynabatch.engine.outputs import prepare_output_dir, truncate_metrics
@@ -104,6 +105,8 @@ class _Run:
     step_data: Any = None
     """Every rank, when the ranks collate their own micro-batches: the :class:`~dynabatch.training.step_data.StepData`
     layouts are made of (rank 0) and collated from (every rank); ``None``: rank 0 delivers tensors."""
+    model_files: ModelFiles | None = None
+    """Rank 0: the model config and tokenizer every checkpoint keeps for export (:mod:`dynabatch.training.model_files`)."""
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -179,6 +182,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
         logger.info(f"pipeline: {chosen.describe()}" + "".join(
             f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
         run.held_out, run.batcher = loaded.held_out, loaded.batcher
+        run.model_files = ModelFiles.of(model, tokenizer)
         cost_model = planner_cost_model(cfg, model.config, layout)
         run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
         run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration,
