@@ -255,8 +255,21 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
             raise CheckpointError(f"{path} holds no complete checkpoint: every step-NNNNNN folder in it is "
                                   "incomplete or corrupt")
         return info
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist{_saved_beside(path)}")
     raise CheckpointError(f"{path!r} is not a checkpoint: pass a step-NNNNNN folder (with {MANIFEST}) or a run's "
                           "checkpoints/ folder")
+
+
+def _saved_beside(path: str) -> str:
+    """For a checkpoint path that does not exist: the complete checkpoints its folder holds (a pruned step's
+    neighbours), or what to pass instead."""
+    root = os.path.dirname(os.path.normpath(path)) or "."
+    saved = [os.path.basename(p) for p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+    if not saved:
+        return f"; pass a step-NNNNNN folder (with {MANIFEST}) or a run's checkpoints/ folder"
+    return (f" ({root} holds {', '.join(saved)}; a run keeps only its newest --save-total-limit checkpoints); pass "
+            "one of those, or the checkpoints/ folder for its newest")
 
 
 def _read_manifest(path: str) -> dict[str, Any] | None:
