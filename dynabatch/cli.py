@@ -2,7 +2,9 @@
 
 Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; modules are
 imported lazily so ``dynabatch --help`` stays fast. Bad user input (``ValueError``,
-``FileNotFoundError``) prints one clear line and exits 2; set ``DYNABATCH_DEBUG=1`` for the traceback.
+``FileNotFoundError``) prints one clear line and exits 2; Ctrl-C prints one line (``dynabatch plan: interrupted``;
+a training run names the step and the newest checkpoint to resume from) and exits 130. Set ``DYNABATCH_DEBUG=1``
+for the traceback.
 Under torchrun, a failing rank prints its own line, prefixed ``[rank N]``, and exits at once
 (:mod:`dynabatch.engine.faults`).
 """
@@ -15,7 +17,8 @@ import os
 import sys
 
 from dynabatch.training.config.flags import HelpFormatter, add_help_levels
-from dynabatch.engine.faults import error_line, is_user_error, user_message  # no torch import: `dynabatch --help` stays fast
+from dynabatch.engine.faults import (INTERRUPTED_STATUS, error_line, interruption_message, is_user_error,  # no torch import:
+                                     user_message)  # `dynabatch --help` stays fast
 from dynabatch.engine.log import quiet_third_party, setup_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -55,12 +58,29 @@ def command_parser(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``dynabatch ARGV`` and return its exit status; Ctrl-C ends any command with one line and 130."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run_command(argv)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a training run's says where it stopped), not a traceback
+        if os.environ.get("DYNABATCH_DEBUG"):
+            raise
+        print(f"{_prog(argv)}: {interruption_message(e)}", file=sys.stderr, flush=True)
+        return INTERRUPTED_STATUS
+
+
+def _prog(argv: list[str]) -> str:
+    """``dynabatch CMD`` of ``argv`` (``dynabatch`` before a command is known)."""
+    return f"dynabatch {argv[0]}" if argv and argv[0] in COMMANDS else "dynabatch"
+
+
+def _run_command(argv: list[str]) -> int:
+    """:func:`main`'s body: parse ``argv`` and run its command; bad input is one line and 2."""
     parser = argparse.ArgumentParser(prog="dynabatch", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module_name)
-    argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         args = parser.parse_args(argv)
         parser.print_help()

@@ -5,16 +5,22 @@ micro-batches; the logged ``loss`` is the token-normalised loss of the step. Log
 evaluation and resuming are the Trainer's (``TrainingArguments``). Evaluation runs on a held-out set:
 the same built-in tasks generated with other seeds.
 
-    python examples/hf_trainer.py                               # t5-tiny, 12 steps, CPU
+    python examples/hf_trainer.py                               # t5-tiny, 12 steps, CPU, in a temporary folder
     python examples/hf_trainer.py --model gpt2-tiny
-    python examples/hf_trainer.py --resume                      # continue from the last checkpoint
+    python examples/hf_trainer.py --output-dir runs/hf                      # checkpoints in runs/hf
+    python examples/hf_trainer.py --output-dir runs/hf --resume --steps 24  # continue from its last checkpoint
     torchrun --nproc_per_node 2 examples/hf_trainer.py          # data parallel
+
+``--resume`` continues the run in ``--output-dir`` (the same ``--model``); without one, or with no checkpoint
+there, it says so in one line (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import tempfile
 
 import torch
@@ -39,7 +45,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.resume:
+        check_resumable(args.output_dir)
+    return args
+
+
+def check_resumable(output_dir: str | None) -> None:
+    """``--resume`` needs the ``--output-dir`` of an earlier run holding a checkpoint: else one line and exit 2
+    (the Trainer would raise a traceback, and without ``--output-dir`` each run writes to a new temporary folder)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if output_dir is None:
+        problem = "--resume continues a run in its --output-dir; pass the --output-dir DIR the run to continue used"
+    elif not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None:
+        problem = (f"--resume: --output-dir {output_dir!r} holds no checkpoint-N folder; run without --resume first "
+                   "(with the same --output-dir)")
+    else:
+        return
+    print(f"hf_trainer.py: error: {problem}", file=sys.stderr)
+    sys.exit(2)
 
 
 def held_out(spec: MixtureSpec, num_examples: int = 20) -> MixtureSpec:
@@ -97,9 +122,6 @@ def end_distributed() -> None:
     without an active exception", exit -6, about 1 run in 5 on loaded cores), and after an explicit
     ``destroy_process_group`` a rank could still hang in finalization; everything this script writes is on
     disk by now."""
-    import os
-    import sys
-
     import torch.distributed as dist
 
     if not dist.is_initialized():

@@ -33,7 +33,7 @@ from dynabatch.models.families import check_model
 from dynabatch.models.split import build_stage, pipeline_spec_for
 from dynabatch.training.calibration import gather_measurements, quick_calibration, stage_times
 from dynabatch.engine.dist import shutdown
-from dynabatch.engine.faults import fail_fast
+from dynabatch.engine.faults import INTERRUPTED_STATUS, fail_fast
 from dynabatch.engine.executor import Executor
 from dynabatch.engine.launch import launch_local
 from dynabatch.training.metrics import peak_rss_bytes
@@ -81,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.stages > 1 and "RANK" not in os.environ:
         method_configs(args, methods, found_here(args))  # checked once here, not once per rank after the launch
-        return launch_local(["-m", "dynabatch", "bench", *as_argv(args)], args.stages)
+        code = launch_local(["-m", "dynabatch", "bench", *as_argv(args)], args.stages)
+        if code == INTERRUPTED_STATUS:  # Ctrl-C: the ranks are stopped; the CLI says so in one line
+            raise KeyboardInterrupt
+        return code
     result = bench(args, methods)
     if result is None:
         return 0

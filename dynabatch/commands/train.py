@@ -13,12 +13,24 @@ import sys
 
 from dynabatch.training.config.flags import add_config_arguments, config_from_args, given_flags
 from dynabatch.core.methods import objective_note
+from dynabatch.engine.errors import Interrupted
+from dynabatch.engine.faults import INTERRUPTED_STATUS
 from dynabatch.data.tokenize import tokenizer_problem
 from dynabatch.model_presets import model_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
+
+
+def interrupted_run(output_dir: str) -> BaseException:
+    """The :class:`~dynabatch.engine.errors.Interrupted` of a launched run stopped by Ctrl-C, read from its output
+    folder: the step after the last one logged, and the newest complete checkpoint."""
+    from dynabatch.training.metrics import steps_logged  # lazy: torch is loaded by now (the launcher's store)
+    from dynabatch.training.resume import interruption_line  # lazy: as above
+
+    step = steps_logged(os.path.join(output_dir, "metrics.jsonl"))
+    return Interrupted(interruption_line(output_dir, step if step else None))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
             if problem is not None:
                 raise ValueError(problem)
 
-        return launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
+        code = launch_local(["-m", "dynabatch", "train", *argv], cfg.world_size)
+        if code == INTERRUPTED_STATUS:  # Ctrl-C: the ranks are stopped; the run's one line is said here
+            raise interrupted_run(cfg.output_dir)
+        return code
     # After the launch: a launcher that only starts the ranks never imports the training loop (its imports cost
     # about 4 s of a run's start-up on 2 cores, before any rank could start).
     from dynabatch.training.trainer import train  # lazy: keeps torch and transformers out of `dynabatch train --help`

@@ -29,10 +29,10 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import chain
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
@@ -583,6 +583,36 @@ class BaselineOptions:
     def batcher_options(self, name: str, limits: LengthLimits) -> dict:
         """The fields :func:`make_batcher` takes for baseline ``name``."""
         return baseline_spec(name).batcher_fields(self.value(name), limits)
+
+
+SET_BY_CALLER = ("limits", "tokens", "loss_on_inputs")
+"""Batcher fields every caller sets itself (the DataLoader from its own arguments): not options of a baseline."""
+
+
+def option_names(name: str) -> list[str]:
+    """The option names baseline ``name`` takes: its batcher's fields (``rows_per_micro_batch``) and its knob's
+    ``TrainConfig`` / flag name (``packing_free_rows``)."""
+    spec = baseline_spec(name)
+    own = [f.name for f in fields(spec.batcher) if f.init and f.name not in SET_BY_CALLER]
+    return own + ([spec.option] if spec.option not in own else [])
+
+
+def batcher_options_given(name: str, options: Mapping[str, Any], limits: LengthLimits) -> dict:
+    """The batcher fields of baseline ``name`` from ``options`` named either way (:func:`option_names`; the
+    ``TrainConfig`` name's value is taken as ``train`` takes it, e.g. a token budget raised to one maximal sample).
+    One ``ValueError`` line for a name the baseline does not take, or for its knob given under both names."""
+    spec, valid = baseline_spec(name), option_names(name)
+    unknown = [k for k in options if k not in valid]
+    if unknown:
+        raise ValueError(f"method_options {', '.join(map(repr, unknown))} not taken by baseline {name!r}; valid: "
+                         f"{', '.join(valid)}")
+    if spec.option in options and spec.knob in options:
+        raise ValueError(f"method_options give baseline {name!r}'s micro-batch size twice ({spec.knob!r} and "
+                         f"{spec.option!r}); keep one")
+    out = {k: v for k, v in options.items() if k != spec.option}
+    if spec.option in options:
+        out.update(spec.batcher_fields(options[spec.option], limits))
+    return out
 
 
 def make_batcher(name: str, limits: LengthLimits, tokens: TokenizerInfo, **options) -> Batcher:

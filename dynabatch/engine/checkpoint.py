@@ -6,6 +6,8 @@ Layout of ``OUTPUT/checkpoints/step-000120/`` (format 2):
   AdamW moments and step counts, each rank's RNG state), written collectively through
   ``torch.distributed.checkpoint`` (:mod:`dynabatch.training.reshard`): a run with another stage or
   replica count reads the parameters it owns from whichever files hold them;
+* ``model/``: the run's model config and tokenizer files, for export (written by rank 0 before the manifest;
+  :mod:`dynabatch.training.model_files`);
 * ``manifest.json``: written last, by rank 0, after every rank's write returned, with the size and
   SHA-256 of every data file. It also holds the data position (global batcher state), the LR
   scheduler state, rank 0's calibration fit (with its layout key), the world shape and the run's
@@ -218,6 +220,14 @@ def list_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, name) for _, name in steps]
 
 
+def newest_saved(root: str) -> str | None:
+    """The newest step folder under ``root`` whose manifest exists (its save finished), without reading its
+    files: what a run interrupted now names as the checkpoint to resume from (:func:`latest_checkpoint` verifies
+    checksums, too slow to wait for at Ctrl-C on a large model)."""
+    saved = [p for p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+    return saved[-1] if saved else None
+
+
 def latest_checkpoint(root: str, fallback: bool = True) -> CheckpointInfo | None:
     """The newest complete, verified checkpoint; with ``fallback`` a broken newest one is skipped
     (a warning names it), otherwise its :class:`CheckpointError` is raised."""
@@ -245,8 +255,21 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
             raise CheckpointError(f"{path} holds no complete checkpoint: every step-NNNNNN folder in it is "
                                   "incomplete or corrupt")
         return info
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist{_saved_beside(path)}")
     raise CheckpointError(f"{path!r} is not a checkpoint: pass a step-NNNNNN folder (with {MANIFEST}) or a run's "
                           "checkpoints/ folder")
+
+
+def _saved_beside(path: str) -> str:
+    """For a checkpoint path that does not exist: the complete checkpoints its folder holds (a pruned step's
+    neighbours), or what to pass instead."""
+    root = os.path.dirname(os.path.normpath(path)) or "."
+    saved = [os.path.basename(p) for p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+    if not saved:
+        return f"; pass a step-NNNNNN folder (with {MANIFEST}) or a run's checkpoints/ folder"
+    return (f" ({root} holds {', '.join(saved)}; a run keeps only its newest --save-total-limit checkpoints); pass "
+            "one of those, or the checkpoints/ folder for its newest")
 
 
 def _read_manifest(path: str) -> dict[str, Any] | None:

@@ -22,6 +22,12 @@ exception in a world of several ranks it, in this order:
 4. exits at once (``os._exit``: 2 for a user error, 1 otherwise, 130 on Ctrl-C) without tearing the
    process groups down, which can hang when a peer is dead.
 
+Ctrl-C under torchrun reaches every rank: the first rank to record it makes it the job's first failure, rank 0
+prints its line (``dynabatch train: interrupted at step N; the newest checkpoint is ...``, the
+:class:`~dynabatch.engine.errors.Interrupted` message) and every rank, also one that failed only because a peer
+left, exits 130 without a line of its own. A run started directly (:mod:`dynabatch.engine.launch`) never
+delivers SIGINT to its ranks: the launcher stops them and the command prints the line.
+
 Fault injection (environment variables, for tests): ``DYNABATCH_SLOW_START_S=SECONDS`` makes rank 0
 sleep after loading its data (:func:`maybe_slow_start`); ``DYNABATCH_CRASH_AT=STEP[:RANK]`` kills a
 process at the start of a step (:func:`maybe_crash`).
@@ -42,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from dynabatch.engine.errors import PipelineError
+from dynabatch.engine.errors import Interrupted, PipelineError
 
 USER_ERRORS = (ValueError, FileNotFoundError)
 """Bad input or a run that cannot go on as configured: one line, exit status 2."""
@@ -65,6 +71,15 @@ def user_message(error: BaseException) -> str:
     return str(error)
 
 _STORE_TIMEOUT_S = 2.0  # the store's host may be gone too; never wait long for it when exiting
+
+INTERRUPTED_STATUS = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def interruption_message(error: KeyboardInterrupt) -> str:
+    """What a command stopped by Ctrl-C says after ``dynabatch CMD: ``: an :class:`Interrupted`'s own line (a
+    training run's step and newest checkpoint), else ``interrupted``."""
+    return str(error) if isinstance(error, Interrupted) and str(error) else "interrupted"
 
 
 def error_line(prog: str, message: str) -> str:
@@ -143,6 +158,8 @@ class FailureRecord:
     """Whole seconds since the epoch (torchrun's resolution)."""
     user_error: bool = False
     """The failure was bad input (:func:`is_user_error`): that rank's line is the run's one line."""
+    interrupted: bool = False
+    """The failure was Ctrl-C: rank 0 prints its message (the interruption line), no rank anything else."""
 
 
 def claim_first_failure(mine: FailureRecord) -> FailureRecord:
@@ -154,9 +171,10 @@ def claim_first_failure(mine: FailureRecord) -> FailureRecord:
         store = c10d._get_default_store()
         store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
         key = f"dynabatch/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        value = json.dumps([mine.rank, mine.message, mine.timestamp, mine.user_error])
+        value = json.dumps([mine.rank, mine.message, mine.timestamp, mine.user_error, mine.interrupted])
         first = json.loads(store.compare_set(key, "", value))
-        return FailureRecord(int(first[0]), str(first[1]), int(first[2]), bool(first[3]) if len(first) > 3 else False)
+        return FailureRecord(int(first[0]), str(first[1]), int(first[2]), bool(first[3]) if len(first) > 3 else False,
+                             bool(first[4]) if len(first) > 4 else False)
     except Exception:  # noqa: BLE001 - exiting anyway; the store is only a courtesy
         return mine
 
@@ -179,7 +197,7 @@ def _describe(error: BaseException) -> str:
     if is_user_error(error):
         return user_message(error)
     if isinstance(error, KeyboardInterrupt):
-        return "interrupted (Ctrl-C)"
+        return interruption_message(error)
     if isinstance(error, PipelineError):
         return f"PipelineError: {error}"
     return f"{type(error).__name__}: {error}"
@@ -188,7 +206,7 @@ def _describe(error: BaseException) -> str:
 def _exit_status(error: BaseException) -> int:
     if is_user_error(error):
         return 2
-    return 130 if isinstance(error, KeyboardInterrupt) else 1
+    return INTERRUPTED_STATUS if isinstance(error, KeyboardInterrupt) else 1
 
 
 def _is_bug(error: BaseException) -> bool:
@@ -215,7 +233,13 @@ def report_and_exit(rank: int, error: BaseException, processes: tuple[ProcessId,
     try:
         killed = kill_stopped_peers(rank, processes)
         now = int(time.time())
-        first = claim_first_failure(FailureRecord(rank, _describe(error), now, is_user_error(error)))
+        first = claim_first_failure(FailureRecord(rank, _describe(error), now, is_user_error(error),
+                                                  isinstance(error, KeyboardInterrupt)))
+        if first.interrupted and not killed:  # Ctrl-C reached every rank: the run's one line is rank 0's
+            if rank == 0:
+                sys.stderr.write(f"{prog}: {first.message}\n")
+            write_error_file(first.message, first.message, now)
+            os._exit(INTERRUPTED_STATUS)
         line = failure_message(rank, error, first, killed)
         stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         # another rank's bad input ended the run first: its line is the run's, unless this rank has news of its own

@@ -11,9 +11,11 @@ connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, 
   ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback;
 * once a rank has failed the others are stopped (SIGTERM, SIGKILL after :data:`GRACE_S`), so a rank waiting on
   the dead one never holds the job until its timeout;
-* Ctrl-C reaches every rank (one process group) and the launcher returns 130 once they are gone; a SIGTERM or
-  SIGHUP to the launcher (a job scheduler ending the job) is passed on the same way (exit 143 / 129), so no rank is
-  left running without it.
+* Ctrl-C is the launcher's alone: the ranks start with SIGINT blocked (:func:`_start_ranks`), so none prints a
+  traceback or a line of its own while the launcher stops them (as after a failure) and returns 130, for the
+  command to print the run's one line (``dynabatch train: interrupted at step N; ...``). A SIGTERM or SIGHUP to the
+  launcher (a job scheduler ending the job) is passed on (exit 143 / 129), so no rank is left running without it.
+  The ranks share the launcher's process group, so Ctrl-Z still stops them all.
 
 Several machines still launch with ``torchrun`` (docs/user_guide/training.md, "Launching with torchrun").
 """
@@ -64,6 +66,18 @@ def _raise_signalled(signum, _frame) -> None:
     raise _Signalled(signum)
 
 
+def _start_ranks(command: list[str], world_size: int, port: int, procs: list[subprocess.Popen]) -> None:
+    """Start ranks ``0 .. world_size - 1`` of ``python *command`` into ``procs``, each with SIGINT blocked (a
+    child keeps its parent's signal mask), so a terminal's Ctrl-C reaches only the launcher. The launcher blocks
+    SIGINT only while it starts them: a Ctrl-C meanwhile stays pending and is raised right after."""
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for r in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, *command], env=rank_environment(r, world_size, port)))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
     """Run ``python *command`` (e.g. ``-m dynabatch train ...``) as ranks ``0 .. world_size - 1`` on this machine
     (module docstring); returns the run's exit status."""
@@ -71,8 +85,7 @@ def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> in
     previous = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)}
     procs: list[subprocess.Popen] = []
     try:
-        for r in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, *command], env=rank_environment(r, world_size, store.port)))
+        _start_ranks(command, world_size, store.port, procs)
         while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]

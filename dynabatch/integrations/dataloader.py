@@ -52,7 +52,7 @@ from dynabatch.training.config.resolve import Found, decide_why
 from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.core.dtypes import DTYPES
 from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
-from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, make_batcher
+from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, batcher_options_given, make_batcher
 from dynabatch.data.batching import EveryRowBatcher, GlobalBatcher, LengthLimits
 from dynabatch.data.collate import sample_loss_tokens as collate_loss_tokens
 from dynabatch.data.microbatch import MicroBatch
@@ -193,7 +193,9 @@ class DynaBatchDataLoader:
     """The ``forward_loss`` attention path the loop runs (``segments``: padding-free, no score tensors kept
     except T5 on CPU; ``dense``), for the default cost model's memory."""
     method_options: Mapping[str, Any] = field(default_factory=dict)
-    """Fields of the baseline batcher, e.g. ``{"samples_per_micro_batch": 8}``."""
+    """Options of a baseline ``method``: its batcher's fields (``{"rows_per_micro_batch": 2}`` for ``packing_free``) or
+    its knob's ``dynabatch train`` name (``{"packing_free_rows": 2}``); another name is a ``ValueError`` listing the
+    valid ones (:func:`~dynabatch.data.baselines.option_names`)."""
     planner_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword options of :func:`~dynabatch.plan.step.plan_step` (e.g. ``cap_tolerance``)."""
     plan_candidates: bool = True
@@ -301,6 +303,7 @@ class DynaBatchDataLoader:
         else:
             if self.cost_model is not None or self.planner_options:
                 raise ValueError(f"cost_model and planner_options apply to method 'dynamic', not {self.method!r}")
+            self.method_options = batcher_options_given(self.method, self.method_options, self.limits)
             self._collator = make_batcher(
                 self.method, self.limits, tokens, loss_on_inputs=self.loss_on_inputs, **self.method_options
             )

@@ -2,8 +2,11 @@
 :mod:`dynabatch.commands.export`).
 
 A checkpoint holds every weight once under its global (HF) name, whatever the stage count
-(:mod:`dynabatch.training.reshard`). The export rebuilds the model from the run's config (stored in the
-manifest), reads the weights (safetensors, through ``torch.distributed.checkpoint``), checks that every
+(:mod:`dynabatch.training.reshard`), and its run's model config and tokenizer (``model/``,
+:mod:`dynabatch.training.model_files`), so the ``--model`` folder may have moved since. The export first checks
+that it can create and write the output folder, then rebuilds the model from that config (a checkpoint written
+before checkpoints kept it: from the ``--model`` and ``--tokenizer`` its manifest records, which must still
+exist), reads the weights (safetensors, through ``torch.distributed.checkpoint``), checks that every
 model parameter is covered and finite, copies them in (a tied head takes its embedding's) and calls
 ``save_pretrained``. The result loads with
 ``T5ForConditionalGeneration.from_pretrained(out)`` / ``GPT2LMHeadModel.from_pretrained(out)``. The tokenizer
@@ -12,7 +15,8 @@ is saved so that ``AutoTokenizer.from_pretrained(out)(text)`` gives the ids trai
 prompt has no special token); :data:`EXPORT_MARKER` records how to encode (docs/inference.md).
 
 Weights with a NaN or inf are refused (nothing is written), and so is an output folder that is not
-empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given.
+empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given, or that cannot be
+created or written (said before anything is loaded).
 """
 
 from __future__ import annotations
@@ -20,16 +24,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 
 import torch
 
 from dynabatch.training.config import TrainConfig
 from dynabatch.data.tokenize import inference_tokenizer
-from dynabatch.engine.checkpoint import CheckpointError, first_non_finite, resolve_checkpoint
+from dynabatch.engine.checkpoint import CheckpointError, CheckpointInfo, first_non_finite, resolve_checkpoint
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.tokenize import encodes_like_training, load_tokenizer, tokenizer_info
-from dynabatch.models.families import check_model
+from dynabatch.model_presets import model_class
+from dynabatch.models.families import check_model, family_for_config
 from dynabatch.models.presets import build_run_model
+from dynabatch.training.model_files import read_model_files
 from dynabatch.training.reshard import model_weights
 
 logger = logging.getLogger(__name__)
@@ -52,37 +59,108 @@ def check_out_dir(out_dir: str, force: bool = False) -> None:
                          f"{shown}); pass a new or empty folder, or --force to write into it")
 
 
+def make_out_dir(out_dir: str) -> list[str]:
+    """Create ``out_dir`` (with its missing parents) and check that a file can be written there, before anything is
+    loaded; returns the folders this created, deepest first. ``ValueError`` (one line: which folder, why, what to
+    do) when it cannot be created or written, with whatever it created removed again."""
+    created = _missing_folders(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        remove_empty(created)
+        raise ValueError(f"output folder {out_dir!r} cannot be {'created' if created else 'written to'} "
+                         f"({e.strerror or e}); pass a folder you can write to") from None
+    return created
+
+
+def _missing_folders(path: str) -> list[str]:
+    """``path`` and its parents that do not exist yet, deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_empty(folders: list[str]) -> None:
+    """Remove ``folders`` (deepest first) that are still empty: an export that failed leaves no folder it created."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (something else wrote there), or already gone: leave it
+            return
+
+
 def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str:
     """Write the HF model of ``checkpoint`` (a ``step-N`` folder, or a run's ``checkpoints`` folder for
-    the newest complete one) to ``out_dir``; returns ``out_dir``. ``CheckpointError`` (nothing written)
-    if a weight is not finite; ``ValueError`` for an output folder :func:`check_out_dir` refuses."""
+    the newest complete one) to ``out_dir``; returns ``out_dir``. ``out_dir`` is checked first (:func:`check_out_dir`,
+    :func:`make_out_dir`: one ``ValueError`` line before anything is loaded). ``CheckpointError`` (nothing written)
+    if a weight is not finite; a folder the export created is removed again when it fails."""
     check_out_dir(out_dir, force)
-    info = resolve_checkpoint(checkpoint)
-    cfg = TrainConfig.of(**info.manifest["config"])
-    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
-    family = check_model(cfg.model, None).sequence_kind
-    model = build_run_model(cfg.model, cfg.tokenizer, tokenizer_info(tokenizer), family, dropout=cfg.dropout,
-                            seed=cfg.seed)
-    params = dict(model.named_parameters())
-    weights = model_weights(info.path)
-    missing = sorted(set(params) - set(weights))
-    if missing:
-        raise CheckpointError(f"checkpoint {info.path} does not cover parameters {missing[:5]}")
-    bad = first_non_finite({name: weights[name] for name in params})
-    if bad is not None:
-        raise CheckpointError(f"checkpoint {info.path} holds non-finite weights (NaN or inf), first in parameter "
-                              f"{bad!r}; nothing was exported: export an earlier step-NNNNNN folder")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name])
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    inference_tokenizer(tokenizer, family).save_pretrained(out_dir)
+    created = make_out_dir(out_dir)
+    try:
+        info = resolve_checkpoint(checkpoint)
+        model, tokenizer, family = _model_and_tokenizer(info)
+        _load_weights(model, info.path)
+        model.save_pretrained(out_dir)
+        inference_tokenizer(tokenizer, family).save_pretrained(out_dir)
+    except BaseException:
+        remove_empty(created)
+        raise
     encoding = _check_encoding(out_dir, family)
     with open(os.path.join(out_dir, EXPORT_MARKER), "w", encoding="utf-8") as f:
         json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id,
                    "sequence_kind": family, "encoding": encoding}, f, indent=1)
     return out_dir
+
+
+def _model_and_tokenizer(info: CheckpointInfo):
+    """``(model, tokenizer, sequence kind)`` of checkpoint ``info``, the model with fresh weights: from the model
+    config and tokenizer the checkpoint keeps (:mod:`dynabatch.training.model_files`), else (a checkpoint written
+    before checkpoints kept them) from the ``--model`` / ``--tokenizer`` its manifest records."""
+    files = read_model_files(info.path)
+    if files is not None:
+        model = model_class(files.config).from_config(files.config)
+        if files.generation_config is not None:
+            model.generation_config = files.generation_config
+        return model, files.tokenizer, family_for_config(files.config).sequence_kind
+    cfg = TrainConfig.of(**info.manifest["config"])
+    _check_recorded_paths(info.path, cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+    family = check_model(cfg.model, None).sequence_kind
+    model = build_run_model(cfg.model, cfg.tokenizer, tokenizer_info(tokenizer), family, dropout=cfg.dropout,
+                            seed=cfg.seed)
+    return model, tokenizer, family
+
+
+def _check_recorded_paths(checkpoint: str, cfg: TrainConfig) -> None:
+    """A checkpoint without ``model/``: one ``ValueError`` line when the ``--model`` or ``--tokenizer`` folder its run
+    read is gone (moved or deleted since), naming it and what to do."""
+    for flag, name in (("--model", cfg.model), ("--tokenizer", cfg.tokenizer)):
+        if (os.sep in name or name.startswith((".", "~"))) and not os.path.isdir(name):
+            raise ValueError(f"checkpoint {checkpoint} keeps no model config and tokenizer (an older dynabatch wrote "
+                             f"it), and the {flag} folder its run read, {name!r}, is gone; put that folder (or a copy "
+                             "of it) back at that path and export again")
+
+
+def _load_weights(model, checkpoint: str) -> None:
+    """Copy checkpoint ``checkpoint``'s weights into ``model`` (a tied head takes its embedding's);
+    ``CheckpointError`` if one is missing or not finite, before any is copied."""
+    params = dict(model.named_parameters())
+    weights = model_weights(checkpoint)
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise CheckpointError(f"checkpoint {checkpoint} does not cover parameters {missing[:5]}")
+    bad = first_non_finite({name: weights[name] for name in params})
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {checkpoint} holds non-finite weights (NaN or inf), first in parameter "
+                              f"{bad!r}; nothing was exported: export an earlier step-NNNNNN folder")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
 
 
 def _check_encoding(out_dir: str, family: str) -> str:

@@ -2,7 +2,8 @@
 
 :func:`save_checkpoint` writes a reshardable checkpoint (:mod:`dynabatch.training.reshard` keys every
 rank's tensors by the global model's names; :func:`~dynabatch.engine.checkpoint.save_collective` is
-the atomic, checksummed, finite-only protocol). :func:`find_resume_checkpoint` resolves the flag
+the atomic, checksummed, finite-only protocol), with the run's model config and tokenizer in its ``model/``
+folder (:mod:`dynabatch.training.model_files`: an export needs no other folder). :func:`find_resume_checkpoint` resolves the flag
 (``latest``: the newest complete checkpoint in ``OUTPUT/checkpoints``; else a step-NNNNNN folder or a
 checkpoints/ folder) and :func:`resume` loads it into a run of any stage and replica count: each rank
 reads the weights and AdamW states of the parameters its stage holds, rank 0 the data position (the
@@ -36,8 +37,9 @@ from dynabatch.training.config import FIXED_ON_RESUME, TrainConfig, canonical
 from dynabatch.training.config.flags import NOT_RUN_SETTINGS
 from dynabatch.training.config.paths import run_paths
 from dynabatch.cost.online import OnlineFit
-from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint,
+from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, newest_saved, resolve_checkpoint,
                                           save_collective)
+from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.reshard import dcp_writer, load_stage_state, stage_state
 
 logger = logging.getLogger(__name__)
@@ -101,10 +103,34 @@ def save_checkpoint(run, step: int, batcher_state: dict | None) -> str:
         dist.all_gather_object(out, obj, group=run.ctx.delivery_group)
         return out
 
+    write = dcp_writer(run.ctx.delivery_group)
+    if run.model_files is not None:  # rank 0: what export needs besides the weights
+        write = _and_model_files(write, run.model_files)
     return save_collective(checkpoint_root(run.cfg), step, run.ctx.rank,
                            stage_state(run.stage, run.optimizer, run.ctx.rank, run.executor.zero), gather=gather,
-                           write=dcp_writer(run.ctx.delivery_group), manifest_extra=extra, run_id=run.run_id,
-                           keep=run.cfg.save_total_limit)
+                           write=write, manifest_extra=extra, run_id=run.run_id, keep=run.cfg.save_total_limit)
+
+
+def _and_model_files(write: Callable[[str, dict], None], files: ModelFiles) -> Callable[[str, dict], None]:
+    """``write``, then the run's :class:`~dynabatch.training.model_files.ModelFiles` into the same step folder
+    (before the manifest, so a checkpoint that counts holds them)."""
+
+    def both(folder: str, state: dict) -> None:
+        write(folder, state)
+        files.write(folder)
+
+    return both
+
+
+def interruption_line(output_dir: str, step: int | None) -> str:
+    """The line a run stopped by Ctrl-C ends with: the step it was on (``None``: not known) and the newest
+    checkpoint to resume from, or that none was saved. A save the interrupt cut short has no manifest and is
+    never named."""
+    where = "interrupted" if step is None else f"interrupted at step {step}"
+    newest = newest_saved(os.path.join(output_dir, "checkpoints"))
+    if newest is None:
+        return f"{where}; no checkpoint was saved"
+    return f"{where}; the newest checkpoint is {newest}: resume with --resume-from-checkpoint"
 
 
 def find_resume_checkpoint(cfg: TrainConfig, ctx) -> CheckpointInfo | None:

@@ -53,9 +53,11 @@ from dynabatch.engine.determinism import full_determinism
 from dynabatch.engine.dist import DistContext, init_distributed, shutdown
 from dynabatch.training.evaluate import (Evaluator, evaluation_enabled, flat_metrics, format_eval, gather_task_losses,
                                         hold_out)
+from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.executor import Executor
 from dynabatch.engine.faults import fail_fast, maybe_crash, maybe_slow_start
 from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
+from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
 from dynabatch.engine.outputs import prepare_output_dir, run_dirs, truncate_metrics
@@ -63,7 +65,7 @@ from dynabatch.training.run_start import check_same_settings, log_tokenizer, rec
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
-from dynabatch.training.resume import find_resume_checkpoint, resume, save_checkpoint
+from dynabatch.training.resume import find_resume_checkpoint, interruption_line, resume, save_checkpoint
 from dynabatch.training.run_layout import RunLayout, sampled_run_layout, share_run_layout
 from dynabatch.training.step_data import StepData, announce_data, data_ready
 from dynabatch.engine.step import train_step
@@ -103,6 +105,8 @@ class _Run:
     step_data: Any = None
     """Every rank, when the ranks collate their own micro-batches: the :class:`~dynabatch.training.step_data.StepData`
     layouts are made of (rank 0) and collated from (every rank); ``None``: rank 0 delivers tensors."""
+    model_files: ModelFiles | None = None
+    """Rank 0: the model config and tokenizer every checkpoint keeps for export (:mod:`dynabatch.training.model_files`)."""
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -178,6 +182,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
         logger.info(f"pipeline: {chosen.describe()}" + "".join(
             f"; predicted {k} {v:.3f} s" for k, v in chosen.predicted_step_s.items()))
         run.held_out, run.batcher = loaded.held_out, loaded.batcher
+        run.model_files = ModelFiles.of(model, tokenizer)
         cost_model = planner_cost_model(cfg, model.config, layout)
         run.calibration, run.calibration_key = run_calibration(cfg, cost_model, model.config.to_dict(), layout)
         run.planner = StepPlanner(run.batcher, cfg, cost_model, loaded.data.tokens, calibration=run.calibration,
@@ -290,6 +295,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     bar = progress(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", unit="steps", disable=not ctx.is_planner,
                    leave=False)  # a bar on a terminal, plain periodic lines in a file
     planned = result = None
+    step = start
     try:
         if ctx.is_planner:
             tracker = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_dict(), start)
@@ -380,6 +386,10 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
         if ctx.is_planner and run.calibration.enabled and result is not None:
             save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
                              cfg.max_steps - 1)
+    except KeyboardInterrupt as e:  # Ctrl-C: _train names the step and the newest checkpoint in one line
+        if isinstance(e, Interrupted):
+            raise
+        raise Interrupted(step=step) from None
     finally:
         bar.close()
         tracker.close()
@@ -546,13 +556,16 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
             if ctx.is_planner:
                 check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
             log_tokenizer(given, ctx)
-            summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
-            if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
-                other = resolve_run(dataclasses.replace(
-                    given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
-                    output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
-                os.makedirs(other.config.output_dir, exist_ok=True)
-                summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+            try:
+                summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
+                if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
+                    other = resolve_run(dataclasses.replace(
+                        given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
+                        output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
+                    os.makedirs(other.config.output_dir, exist_ok=True)
+                    summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+            except KeyboardInterrupt as e:  # one line: the step, and the newest complete checkpoint to resume from
+                raise Interrupted(interruption_line(cfg.output_dir, getattr(e, "step", None))) from None
             if not ctx.is_planner:
                 return None
             summary = {"runs": summaries, "config": cfg.to_dict()}

@@ -14,8 +14,10 @@ The slow-start tests need the trainer to call ``engine.faults.maybe_slow_start``
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -244,6 +246,34 @@ def test_direct_launch_passes_sigterm_on_and_leaves_no_rank_behind(tmp_path, mix
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # stopped and reaped by the launcher
+
+
+def test_direct_launch_ctrl_c_is_one_line_from_the_launcher(tmp_path, mixture):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) to a run that launched its own ranks: the
+    ranks never see it (no rank prints a traceback or a line), the launcher stops them and the run ends with one
+    line naming the newest checkpoint, exit 130."""
+    out = str(tmp_path / "run")
+    cmd = _cmd(mixture, out, "--steps", "100000", "--save-steps", "1", "--log-level", "warning")
+    proc = subprocess.Popen([sys.executable, *cmd[cmd.index("-m", 3):]], env=_env(), stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while not glob.glob(os.path.join(out, "checkpoints", "step-*", "manifest.json")) \
+            and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    ranks = child_pids(proc.pid)
+    assert proc.poll() is None and len(ranks) == STAGES, (ranks, proc.poll())
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not exit within 60 s of Ctrl-C")
+    assert proc.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert re.fullmatch(r"dynabatch train: interrupted at step \d+; the newest checkpoint is \S+/step-\d{6}: "
+                        r"resume with --resume-from-checkpoint", lines[0]), lines[0]
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -77,6 +77,23 @@ def test_round_trip_and_latest(tmp_path):
     assert sorted(weights) == ["w0", "w1"] and torch.equal(weights["w1"], torch.full((3,), 3.0))
 
 
+def test_a_checkpoint_path_that_does_not_exist_names_the_ones_there(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 15)
+    _save(root, 20)
+    os.makedirs(step_dir(root, 25))  # an unfinished save (no manifest): not one to pass
+    with pytest.raises(CheckpointError) as e:
+        resolve_checkpoint(step_dir(root, 5))  # pruned, say
+    assert str(e.value) == (f"checkpoint {step_dir(root, 5)!r} does not exist ({root} holds step-000015, step-000020; "
+                            "a run keeps only its newest --save-total-limit checkpoints); pass one of those, or the "
+                            "checkpoints/ folder for its newest")
+    with pytest.raises(CheckpointError, match=r"^checkpoint '.*/nowhere/step-000005' does not exist; pass a step-NNNNNN "
+                                              r"folder \(with manifest.json\) or a run's checkpoints/ folder$"):
+        resolve_checkpoint(str(tmp_path / "nowhere" / "step-000005"))
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):  # a folder that exists but is none
+        resolve_checkpoint(str(tmp_path))
+
+
 def test_crash_before_manifest_falls_back(tmp_path):
     _save(tmp_path, 10)
     os.makedirs(step_dir(tmp_path, 20))

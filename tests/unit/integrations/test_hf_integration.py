@@ -151,6 +151,32 @@ def test_default_cost_model_prices_memory_as_the_trainer(model_name, dtype):
     assert dense.dense_masks and not loader_model.model.dense_masks
 
 
+def test_baseline_options_take_the_batcher_s_or_the_train_flag_s_name(toy_data):
+    """``method_options`` of a baseline: its batcher's field names or ``dynabatch train``'s (the TrainConfig field);
+    the same micro-batches either way; another name, or both names at once, is one line listing the valid ones."""
+    limits = limits_for(toy_data.family)
+
+    def cuts(method: str, options: dict) -> list[list[int]]:
+        loader = DynaBatchDataLoader(toy_data, limits, token_budget=3000, method=method, method_options=options,
+                                     max_steps=2)
+        return [[len(mb.sample_ids) for mb in step.micro_batches] for step in loader]
+
+    assert cuts("packing_free", {"packing_free_rows": 2}) == cuts("packing_free", {"rows_per_micro_batch": 2})
+    assert cuts("packing_free", {"packing_free_rows": 1}) != cuts("packing_free", {"packing_free_rows": 4})
+    # train raises a token budget below one maximal sample to one; so does its name here
+    assert cuts("token_budget", {"token_budget_tokens": 1}) == cuts("token_budget", {"max_tokens": limits.max_tokens})
+    with pytest.raises(ValueError, match=r"^method_options 'packing_rows' not taken by baseline 'packing_free'; "
+                                         r"valid: rows_per_micro_batch, packing_free_rows$"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, method="packing_free",
+                            method_options={"packing_rows": 2})
+    with pytest.raises(ValueError, match="micro-batch size twice"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, method="packing_free",
+                            method_options={"packing_free_rows": 2, "rows_per_micro_batch": 2})
+    with pytest.raises(ValueError, match="'loss_on_inputs' not taken by baseline 'padding'; valid: samples_per_micro"):
+        DynaBatchDataLoader(toy_data, limits, token_budget=3000, method="padding",
+                            method_options={"loss_on_inputs": True})
+
+
 def test_loader_rejects_bad_settings(toy_data):
     limits = limits_for(toy_data.family)
     with pytest.raises(ValueError, match="valid: dynamic"):

@@ -1,0 +1,86 @@
+"""``dynabatch export``: a run's checkpoints export without the ``--model`` folder they came from, and a bad
+destination is one line before anything is loaded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from dynabatch.cli import main
+
+
+def _saved_t5(folder) -> str:
+    """A t5-tiny model folder with the built-in tokenizer, as a user's own model is."""
+    from dynabatch.data.tokenize import load_tokenizer
+    from dynabatch.models.presets import build_model
+
+    build_model("t5-tiny", seed=0).save_pretrained(folder)
+    load_tokenizer("builtin").save_pretrained(folder)
+    return str(folder)
+
+
+def _train_one_step(capsys, toy_mixture_dir, model: str, out) -> None:
+    code = main(["train", "--model", model, "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
+                 "--global-batch-tokens", "1024", "--max-input-len", "128", "--max-target-len", "32", "--max-steps", "1",
+                 "--calibrate", "off", "--no-timeline", "--task-loss-every", "0", "--output-dir", str(out)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    capsys.readouterr()  # the run's log: not what the tests read
+
+
+@pytest.fixture
+def moved_model_run(tmp_path, toy_mixture_dir, capsys):
+    """A 1-step run of a model folder that was moved away after training: (run folder, moved model folder)."""
+    model = _saved_t5(tmp_path / "my-t5")
+    _train_one_step(capsys, toy_mixture_dir, model, tmp_path / "r1")
+    moved = tmp_path / "my-t5-moved"
+    shutil.move(model, moved)
+    return tmp_path / "r1", moved
+
+
+def test_export_needs_no_model_folder_after_training(tmp_path, moved_model_run, capsys):
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    run, moved = moved_model_run
+    assert main(["export", str(run / "checkpoints"), str(tmp_path / "hf")]) == 0, capsys.readouterr().err[-2000:]
+    model = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    original = T5ForConditionalGeneration.from_pretrained(moved)
+    assert model.config.vocab_size == original.config.vocab_size and len(tok) == len(AutoTokenizer.from_pretrained(moved))
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), original.parameters()))  # the trained weights
+    out = model.generate(**tok(["Add 12 and 30."], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert out.shape[0] == 1 and 1 < out.shape[1] <= 5
+
+
+def test_an_older_checkpoint_without_model_files_names_the_missing_folder(tmp_path, moved_model_run, capsys):
+    run, moved = moved_model_run
+    step = run / "checkpoints" / "step-000001"
+    shutil.rmtree(step / "model")  # as a checkpoint of an older dynabatch, which kept only the paths
+    assert main(["export", str(step), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert f"the --model folder its run read, '{tmp_path / 'my-t5'}', is gone" in err, err
+    assert not (tmp_path / "hf").exists()  # the folder the export created for its output is removed again
+    shutil.move(moved, tmp_path / "my-t5")  # put back: the recorded paths work again
+    assert main(["export", str(step), str(tmp_path / "hf")]) == 0, capsys.readouterr().err[-2000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("out", ["/proc/dynabatch-export-test", "/proc/self/no/such/folder"])
+def test_an_unwritable_destination_is_one_line_before_loading(tmp_path, out, capsys):
+    missing = tmp_path / "no-checkpoint-here"  # the destination is checked before the checkpoint is even looked at
+    assert main(["export", str(missing), out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"dynabatch export: error: output folder {out!r} cannot be created (No such file or directory); "
+                   "pass a folder you can write to"), err
+    assert not os.path.exists(out)
+
+
+def test_a_failed_export_removes_only_the_folders_it_created(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    assert main(["export", str(tmp_path / "no-checkpoint-here"), str(tmp_path / "mine" / "a" / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dynabatch export: error: ") and "no-checkpoint-here" in err and "\n" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []
