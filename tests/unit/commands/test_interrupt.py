@@ -76,7 +76,7 @@ def _torch_loaded(pid: int) -> bool:
 
 
 def test_ctrl_c_in_plan_is_one_line(tmp_path):
-    # GPT on 4 stages plans for about 20 s on 2 cores: interrupted while it plans
+    # GPT on 4 stages plans for about 5 s on 2 cores after loading torch: interrupted once torch is loaded
     proc = subprocess.Popen([sys.executable, "-m", "dynabatch", "plan", "--model", "gpt", "--stages", "4"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
     code, err = _interrupt(proc, lambda: _torch_loaded(proc.pid))
