@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.training.config import Resolved, TrainConfig, lower
+from dynabatch.training.config.resolve import BY_METHOD
 from dynabatch.core.allocator import freed_tensors_kept
+from dynabatch.core.policies import AUTO
 from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.p2p import loopback_store
@@ -560,8 +562,10 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
                 summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
                 if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)
                     other = resolve_run(dataclasses.replace(
-                        given, method=cfg.compare_method, slice_long=False, resume_from_checkpoint=None, timeline=False,
-                        output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}")))
+                        given, method=cfg.compare_method, compare_method=None, slice_long=False,
+                        resume_from_checkpoint=None, overwrite_output_dir=False, timeline=False,
+                        output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"),
+                        **{name: AUTO for name in BY_METHOD}))
                     os.makedirs(other.config.output_dir, exist_ok=True)
                     summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
             except KeyboardInterrupt as e:  # one line: the step, and the newest complete checkpoint to resume from

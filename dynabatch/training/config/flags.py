@@ -270,10 +270,17 @@ CONFIG_FILE = "config.yaml"
 """What a run writes into its output folder: every field, resolved, nested by section."""
 
 
+ONE_SHOT = {"resume_from_checkpoint": None, "overwrite_output_dir": False}
+"""How one start treated its output folder, not what the run runs: ``OUTPUT/config.yaml`` holds their defaults, so
+running that file again never resumes nor deletes the run it describes unless told to again."""
+
+
 def write_config_file(path: str, cfg) -> None:
-    """``cfg`` as a YAML file nested by section (what :func:`load_config_file` reads back), written atomically."""
+    """``cfg`` as a YAML file nested by section (what :func:`load_config_file` reads back), written atomically; the
+    :data:`ONE_SHOT` fields at their defaults."""
     import yaml
 
+    cfg = dataclasses.replace(cfg, **ONE_SHOT)
     text = ("# dynabatch train --config this file: every field of the run, resolved (docs/configuration.md)\n"
             + yaml.safe_dump(cfg.sections(), sort_keys=False, default_flow_style=False))
     tmp = path + ".tmp"

@@ -61,6 +61,12 @@ RULES: dict[str, Rule] = {}
 given as is. Registry order is resolution order (later rules read earlier decisions)."""
 
 
+BY_METHOD = ("recompute",)
+"""Fields whose ``auto`` the rules decide by the training method (a baseline recomputes nothing): a
+``--compare-method`` run resolves them afresh for its own method, whatever the first run was given or resolved (a
+rerun of ``OUTPUT/config.yaml`` gives them resolved)."""
+
+
 def rule(name: str):
     """Register the rule of field ``name`` (once)."""
     def register(fn: Rule) -> Rule:

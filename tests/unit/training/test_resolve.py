@@ -125,6 +125,47 @@ def test_a_resume_reads_config_yaml_and_names_the_fields_that_differ(tmp_path, c
     assert "learning_rate: 0.001 -> 0.0005" in err and "max_steps: 2 -> 3" in err
 
 
+def test_config_yaml_never_resumes_nor_overwrites_when_run_again(tmp_path, capsys):
+    """``--overwrite-output-dir`` and ``--resume-from-checkpoint`` say how one start treated its folder: the written
+    file holds their defaults, so ``--config`` of it into the same folder is refused, not a deletion of the run it
+    describes."""
+    run = str(tmp_path / "run")
+    assert main(["train", "--max-steps", "1", "--output-dir", run, "--overwrite-output-dir", *SMALL]) == 0
+    assert main(["train", "--max-steps", "2", "--output-dir", run, "--resume-from-checkpoint", *SMALL]) == 0
+    path = os.path.join(run, "config.yaml")
+    with open(path, encoding="utf-8") as f:
+        written = yaml.safe_load(f)
+    assert written["checkpoint"]["overwrite_output_dir"] is False
+    assert written["checkpoint"]["resume_from_checkpoint"] is None
+    capsys.readouterr()
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        before = f.read()
+    assert main(["train", "--config", path, "--max-steps", "3"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        assert f.read() == before
+
+
+def test_a_compare_run_resolves_recompute_for_its_own_method_also_from_config_yaml(tmp_path):
+    """The first run's resolved ``recompute`` (dynamic: per micro-batch) is written to ``config.yaml``; the baseline
+    it is compared with recomputes nothing, in the first run and in a rerun of that file, whose compare run's own file
+    names no compare run."""
+    first, again = str(tmp_path / "first"), str(tmp_path / "again")
+    assert main(["train", "--max-steps", "1", "--output-dir", first, "--compare-method", "packing_free", *SMALL]) == 0
+    assert main(["train", "--config", os.path.join(first, "config.yaml"), "--output-dir", again]) == 0
+    for run in (first, again):
+        with open(os.path.join(run, "config.yaml"), encoding="utf-8") as f:
+            assert _values_by_name(yaml.safe_load(f))["recompute"] != "none"
+        with open(os.path.join(run, "compare-packing_free", "config.yaml"), encoding="utf-8") as f:
+            compared = _values_by_name(yaml.safe_load(f))
+        assert compared["recompute"] == "none" and compared["method"] == "packing_free"
+        assert compared["compare_method"] is None
+
+
+def _values_by_name(sections: dict) -> dict:
+    return {k: v for fields in sections.values() for k, v in fields.items()}
+
+
 def test_the_run_follows_a_changed_rule(tmp_path, monkeypatch, capsys):
     """Change the resolver's policy rule: the run schedules every step with the new choice and says why."""
     monkeypatch.setitem(RULES, "policy", lambda cfg, found: ("1f1b", "a test's rule") if cfg.policy == "auto" else None)
