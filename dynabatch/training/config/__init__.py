@@ -148,9 +148,11 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                              "blocks); drop cost_profile or use split_blocks auto")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
-        for name in ("learning_rate", "max_grad_norm", "memory_gib"):
+        for name in ("learning_rate", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.max_grad_norm < float("inf"):
+            raise ValueError(f"max_grad_norm must be >= 0 and finite (0: no clipping), got {self.max_grad_norm}")
 
 
 _AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",

@@ -148,6 +148,9 @@ def add_sections(p: argparse.ArgumentParser, sections, defaults: dict[str, Any] 
             for action in p._actions[before:]:  # show --dashed-names first (both spellings parse)
                 action.option_strings.sort(key=lambda o: (o not in (main, "--no-" + main[2:]), "_" in o))
                 action.level = level
+                if action.option_strings[0].startswith("--no-") and action.help:  # a bool's off switch: its own words
+                    action.help = f"turn off --{action.option_strings[0][5:]}"
+                    action.default = argparse.SUPPRESS  # the field's default is its --flag's (parsed first)
     if EXPERIMENTAL_GROUP in groups:  # research switches last
         p._action_groups.remove(groups[EXPERIMENTAL_GROUP])
         p._action_groups.append(groups[EXPERIMENTAL_GROUP])
@@ -239,6 +242,9 @@ def load_config_file(path: str) -> dict[str, Any]:
                                      "once")
                 flat[name] = v
         else:
+            if key in sections and key not in {f.name for f in dataclasses.fields(TrainConfig)}:
+                raise ValueError(f"config file {path}: section {key!r} must be a mapping of its fields (each on its "
+                                 f"own line, indented under '{key}:'), got {type(value).__name__} {value!r}")
             if key in flat:
                 raise ValueError(f"config file {path}: {key} is given twice (flat and under a section); give it once")
             flat[key] = value

@@ -218,7 +218,8 @@ class OptimArgs:
     lr_scheduler_type: Literal[LR_SCHEDULES] = arg(
         "linear", "learning rate after warm-up: constant, linear (decay to 0 at max_steps) or cosine",
         "lr_schedule")
-    max_grad_norm: float = advanced(1.0, "gradient clipping norm")
+    max_grad_norm: float = advanced(1.0, "clip the global gradient norm to this (0: no clipping; the norm is still "
+                                         "logged and checked for divergence)")
     max_steps: int = arg(20, "optimizer steps to train (in total, counting resumed ones)", "steps")
     seed: int = arg(0, "seed of the model initialisation, the data order and dropout")
     full_determinism: bool = arg(False, "the same seed, data and configuration give the same micro-batches and "

@@ -355,6 +355,13 @@ def test_resume_and_config_from_another_folder_with_paths_spelled_otherwise(tmp_
 # ------------------------------------------------------------------------------------------ config errors
 
 
+def test_max_grad_norm_zero_trains_without_clipping(tmp_path, capsys):
+    """HF's spelling of no clipping: ``--max-grad-norm 0`` trains, the norm still logged."""
+    code, err = _train_inproc(tmp_path, capsys, tmp_path / "run", "--max-grad-norm", "0")
+    assert code == 0, err[-3000:]
+    assert all(r["grad_norm"] > 0 for r in _records(tmp_path / "run"))
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--seed", "-1"], "seed must be >= 0, got -1"),
     (["--timeout-s", "nan"], "timeout_s must be a finite number"),
@@ -363,6 +370,8 @@ def test_resume_and_config_from_another_folder_with_paths_spelled_otherwise(tmp_
     (["--bad-rows", "maybe"], "invalid choice: 'maybe' (choose from 'error', 'skip')"),
     (["--max-stepz", "3"], "unrecognized arguments: --max-stepz 3 (see `dynabatch train --help`)"),
     (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["--max-grad-norm", "-1"], "max_grad_norm must be >= 0 and finite (0: no clipping), got -1.0"),
+    (["--max-grad-norm", "inf"], "max_grad_norm must be a finite number, got inf"),
 ])
 def test_bad_flag_values_are_one_line(tmp_path, capsys, flags, expected):
     code, err = _train_inproc(tmp_path, capsys, tmp_path / "out", *flags)
@@ -377,6 +386,7 @@ def test_bad_flag_values_are_one_line(tmp_path, capsys, flags, expected):
     ("- steps\n- 3", "must hold a mapping of TrainConfig fields"),
     ("mixture: 5", "mixture must be str, got 5 (int)"),
     ("stepz: 3", "unknown config keys ['stepz']"),
+    ("optim: 3", "section 'optim' must be a mapping of its fields (each on its own line, indented under 'optim:'), got int 3"),
     ("steps: 3\nlr: 1e-3\nsteps: 5\n", "key 'steps' is given twice (line 3, first at line 1); keep one"),
     ("optim:\n  lr: 1e-3\n  lr: 2e-3\n", "key 'lr' is given twice (line 3, first at line 2); keep one"),
 ])
