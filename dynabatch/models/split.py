@@ -69,14 +69,21 @@ def _num_blocks(model: nn.Module) -> int:
     return spec.num_layers + spec.num_decoder_layers
 
 
-def check_num_stages(model: nn.Module, num_stages: int) -> None:
+def check_num_stages(model: nn.Module, num_stages: int, placement=None) -> None:
     """One-line ``ValueError`` unless ``1 <= num_stages <=`` the model's transformer blocks (every stage holds
-    one); the trainer checks it before loading any data."""
+    one), and unless the chunks of ``placement`` (a :class:`~dynabatch.schedule.placement.Placement` with several
+    chunks per device) fit them too; the trainer checks it before loading any data."""
     num_blocks = _num_blocks(model)
     if not 1 <= num_stages <= num_blocks:
         raise ValueError(
             f"num_stages must be between 1 and the number of transformer blocks of this "
             f"{model.config.model_type} model ({num_blocks}), got {num_stages}"
+        )
+    if placement is not None and placement.num_stages > num_blocks:
+        raise ValueError(
+            f"--placement {placement.describe()} cuts {num_stages} stages into {placement.num_stages} chunks, more than the "
+            f"{num_blocks} transformer blocks of this {model.config.model_type} model (every chunk holds one); use "
+            "--placement linear or fewer chunks per device"
         )
 
 
@@ -85,7 +92,7 @@ def layout_for(model: nn.Module, num_stages: int, placement=None, split_blocks: 
     ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
     decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`).
     ``split_blocks``: cuts may fall between a block's attention and MLP halves (decoder-only, T5 encoder)."""
-    check_num_stages(model, num_stages)
+    check_num_stages(model, num_stages if placement is None else placement.num_devices, placement)
     dtype_bytes = next(model.parameters()).element_size()
     cost_model = AnalyticCostModel(analytic_spec(model.config, dtype_bytes), hardware_spec("cpu"))
     if placement is not None and placement.kind == "cyclic":

@@ -147,7 +147,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
     info = tokenizer_info(tokenizer)
     model = build_run_model(cfg.model, cfg.tokenizer, info, family, dropout=cfg.dropout, seed=cfg.seed)
-    check_num_stages(model, cfg.stages)  # before the data is loaded and tokenized
+    given = None if cfg.placement == AUTO else Placement.parse(cfg.placement, cfg.stages)
+    check_num_stages(model, cfg.stages, given)  # before the data is loaded and tokenized
     kernel = lower("attention_kernel", cfg.attention_kernel)  # resolved (train_method's configuration)
     if cfg.attention_path == "segments" and (problem := kernel_problem(kernel, ctx.device, cfg.dtype)):
         raise ValueError(problem)

@@ -89,6 +89,20 @@ def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     assert "number of transformer blocks of this gpt2 model (2), got 3" in msg
 
 
+def test_more_chunks_than_blocks_names_the_placement():
+    """``--stages 2 --placement interleaved:2`` on a 2-block model: the four chunks are named, not a number of stages
+    the user never gave (checked before any data is loaded)."""
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import check_num_stages
+    from dynabatch.schedule.placement import Placement
+
+    model = build_model("gpt2-tiny")
+    check_num_stages(model, 2, Placement.parse("linear", 2))
+    with pytest.raises(ValueError, match=r"--placement interleaved:2 cuts 2 stages into 4 chunks, more than the 2 "
+                                         r"transformer blocks of this gpt2 model"):
+        check_num_stages(model, 2, Placement.parse("interleaved:2", 2))
+
+
 def test_gpt_sample_too_big_for_memory_names_it_and_hints_slicing(tmp_path, capsys):
     rng = np.random.default_rng(0)
     e = rng.integers(50, 400, 200)
