@@ -606,6 +606,8 @@ def batcher_options_given(name: str, options: Mapping[str, Any], limits: LengthL
     if unknown:
         raise ValueError(f"method_options {', '.join(map(repr, unknown))} not taken by baseline {name!r}; valid: "
                          f"{', '.join(valid)}")
+    if spec.option == spec.knob:  # one name (samples_per_micro_batch): the batcher's own field
+        return dict(options)
     if spec.option in options and spec.knob in options:
         raise ValueError(f"method_options give baseline {name!r}'s micro-batch size twice ({spec.knob!r} and "
                          f"{spec.option!r}); keep one")

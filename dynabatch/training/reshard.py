@@ -92,6 +92,8 @@ def dcp_writer(group: dist.ProcessGroup | None) -> Callable[[str, dict[str, Any]
                          process_group=group, no_dist=group is None)
         except CheckpointException as e:
             failures = e.failures
+            if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures.values()):
+                raise KeyboardInterrupt from e  # Ctrl-C during a save: the run's one interrupted line, not DCP's report
             if not all(isinstance(failure[0], OSError) for failure in failures.values()):
                 raise
             if rank in failures:

@@ -148,7 +148,7 @@ def add_sections(p: argparse.ArgumentParser, sections, defaults: dict[str, Any] 
             for action in p._actions[before:]:  # show --dashed-names first (both spellings parse)
                 action.option_strings.sort(key=lambda o: (o not in (main, "--no-" + main[2:]), "_" in o))
                 action.level = level
-                if action.option_strings[0].startswith("--no-") and action.help:  # a bool's off switch: its own words
+                if action.option_strings[0] == "--no-" + main[2:]:  # a bool field's generated off switch: own words
                     action.help = f"turn off --{action.option_strings[0][5:]}"
                     action.default = argparse.SUPPRESS  # the field's default is its --flag's (parsed first)
     if EXPERIMENTAL_GROUP in groups:  # research switches last
