@@ -69,9 +69,10 @@ def lengths_tail(lengths: Lengths) -> LengthsTail:
 def print_tail(path: str, tail: LengthsTail) -> None:
     print(f"== lengths file {path}: {tail.samples} samples, {tail.tasks} tasks, {tail.tokens} tokens ==")
     names = [*(f"p{p:g}" for p in TAIL_PERCENTILES), "max", "mean"]
-    print(f"{'':<8}" + "".join(f"{n:>9}" for n in names))
+    width = max(9, len(str(tail.percentiles["total"]["max"])) + 2)  # columns stay apart for any length
+    print(f"{'':<8}" + "".join(f"{n:>{width}}" for n in names))
     for column, row in tail.percentiles.items():
-        print(f"{column:<8}" + "".join(f"{row[n]:>9.0f}" for n in names))
+        print(f"{column:<8}" + "".join(f"{row[n]:>{width}.0f}" for n in names))
     for t, o in tail.over.items():
         print(f"total over {t:>6} tokens: {o['samples']:>6} samples ({100 * o['share']:.2f}%), "
               f"{100 * o['token_share']:.1f}% of the tokens")
@@ -228,7 +229,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     if args.mixture or args.data:
         raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
     check_output_file(args.json)
-    tail = lengths_tail(load_lengths(args.lengths))
+    tail = lengths_tail(load_lengths(args.lengths, None if args.family == "both" else args.family))
     if args.json:
         if write_json({"lengths": args.lengths, **asdict(tail)}, args.json, command="data-report"):
             return 0

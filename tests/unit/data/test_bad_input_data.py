@@ -345,6 +345,44 @@ def test_lengths_npz_with_object_or_float_arrays(tmp_path, capsys):
     assert "array 'input_len' has dtype float64, not integers" in _error(capsys, "plan", "--lengths", str(path))
 
 
+@pytest.mark.parametrize("value", ["100.5", '"100"', "true", "100.0"])
+def test_jsonl_lengths_that_are_not_whole_numbers_name_file_and_line(tmp_path, capsys, value):
+    path = tmp_path / "l.jsonl"
+    path.write_text('{"input_len": 10, "target_len": 5}\n\n{"input_len": %s, "target_len": 5}\n' % value)
+    msg = _error(capsys, "plan", "--model", "gpt", "--lengths", str(path), "--num-batches", "1")
+    assert msg.endswith(f"lengths file {path}, line 3: input_len must be a whole number of tokens, got {value}; "
+                        'write it as an integer, e.g. "input_len": 100')
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_t5_lengths_with_an_empty_input_name_the_row(tmp_path, capsys, command):
+    path = tmp_path / "l.jsonl"
+    path.write_text('{"input_len": 4, "target_len": 5}\n' + '{"input_len": 0, "target_len": 5}\n' * 3)
+    msg = _error(capsys, command, "--model", "t5", "--lengths", str(path), "--num-batches", "1")
+    assert msg.endswith(f"lengths file {path}, line 2: input_len 0 is out of range (an encoder-decoder model's "
+                        "input holds its EOS at least, so >= 1); 3 samples in all are; fix or drop them")
+    npz = tmp_path / "l.npz"
+    np.savez(npz, input_len=np.array([4, 4, 0]), target_len=np.array([5, 5, 5]))
+    assert f"lengths file {npz}, row 2 (from 0): input_len 0 is out of range" in _error(
+        capsys, command, "--model", "t5", "--lengths", str(npz), "--num-batches", "1")
+
+
+def test_huge_lengths_are_refused_over_the_bound_and_truncated_under_it(tmp_path, capsys):
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text('{"input_len": 1000000000000, "target_len": 10}\n')
+    msg = _error(capsys, "plan", "--model", "gpt", "--lengths", str(huge), "--num-batches", "1")
+    assert msg.endswith(f"lengths file {huge}, line 1: input_len 1000000000000 is out of range (over 2147483647 "
+                        "tokens, the most a lengths file may give); fix or drop it")
+    big = tmp_path / "big.jsonl"  # a billion tokens: truncated to the limit, never allocated
+    big.write_text('{"input_len": 1000000000, "target_len": 10}\n')
+    assert main(["plan", "--model", "gpt", "--lengths", str(big), "--num-batches", "1", "--methods", "padding",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["methods"]["padding"]["real_tokens"] == 1024
+    assert main(["data-report", "--lengths", str(big)]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith(("input ", "total  "))]
+    assert rows == [["input", *["1000000000"] * 6], ["total", *["1000000010"] * 6]]
+
+
 # ---------------------------------------------------------------- tokenizer folders
 
 
