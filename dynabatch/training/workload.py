@@ -25,7 +25,7 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner  # noqa: F401 (METHODS re-exported)
 from dynabatch.cost.pairs import AttentionPairs, groups_pairs
 from dynabatch.data.baselines import GROUPING_TOKENS, BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
-from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.data.mixture import MixtureSpec
@@ -187,13 +187,12 @@ def global_batches(
 
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    check_token_budget(token_budget, limits, "--global-batch-tokens")
     if is_mixture_spec(path):
         data = MixtureData.load(MixtureSpec.from_file(path), load_tokenizer(tokenizer), family)
         batcher = GlobalBatcher(data, limits, token_budget=token_budget)
         return [batcher.next_batch() for _ in range(num_batches)]
     lengths = load_lengths(path, family)
-    if token_budget < limits.max_tokens:
-        raise ValueError(f"global batch of {token_budget} tokens cannot hold one maximal sample ({limits.max_tokens})")
     batches: list[GlobalBatch] = []
     current: list[TokenizedSample] = []
     total = truncated = 0

@@ -393,3 +393,26 @@ def test_tokenizer_folder_without_tokenizer_files(tmp_path, capsys):
     msg = _train_error(tmp_path, capsys, "--tokenizer", str(folder))
     assert f"tokenizer folder '{folder}' has no tokenizer files: it needs tokenizer.json" in msg
     assert "--tokenizer builtin, gpt2 or byt5" in msg
+
+
+def test_data_report_refuses_a_global_batch_smaller_than_one_sample_before_any_table(tmp_path, capsys):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "what is two plus two", "answer": "four"}\n' * 6)
+    args = ["data-report", "--data", str(data), "--columns", "inputs=question,targets=answer", "--family", "t5"]
+    msg = _error(capsys, *args, "--global-batch-tokens", "100")
+    assert msg.endswith("--global-batch-tokens 100 cannot hold one maximal sample (max_input_len=512, "
+                        "max_target_len=128, 640 tokens); raise it to at least 640 or lower the length limits")
+    assert _error(capsys, "plan", "--model", "gpt", "--global-batch-tokens", "100", "--num-batches", "1").endswith(
+        "--global-batch-tokens 100 cannot hold one maximal sample (max_seq_len=1024, 1024 tokens); raise it to at "
+        "least 1024 or lower the length limits")  # the same check and line
+    assert main([*args, "--global-batch-tokens", "2560", "--num-batches", "1"]) == 0
+    assert "1 global batches of 2560 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family, subject", [("t5", "--family t5 is"), ("both", "--family both includes")])
+def test_data_report_names_its_family_for_a_decoder_only_method(capsys, family, subject):
+    msg = _error(capsys, "data-report", "--methods", "packing_free_split", "--family", family)
+    assert msg.endswith(f"method 'packing_free_split' cuts decoder-only sequences (split rows); {subject} "
+                        "encoder-decoder (seq2seq) data: drop packing_free_split from --methods (use packing_free or "
+                        "--overlong truncate)")
+    assert "model" not in msg
