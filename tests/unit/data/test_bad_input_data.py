@@ -416,3 +416,19 @@ def test_data_report_names_its_family_for_a_decoder_only_method(capsys, family, 
                         "encoder-decoder (seq2seq) data: drop packing_free_split from --methods (use packing_free or "
                         "--overlong truncate)")
     assert "model" not in msg
+
+
+def test_a_malformed_jsonl_line_is_our_one_line_without_the_datasets_log(tmp_path, capfd):
+    """``datasets`` logs "Failed to load JSON ..." to the real stderr before it raises: silenced for our load only."""
+    import logging
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "x", "answer": "y"}\n{"question": "bad \\x", "answer": "z"}\n')
+    code = main(["data-report", "--data", str(data), "--columns", "inputs=question,targets=answer", "--family", "t5"])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert [ln for ln in err.splitlines() if "error" in ln.lower() or "fail" in ln.lower()] == [
+        f"dynabatch data-report: error: source 'bad': could not read {data}, line 2: not a JSON object (Invalid "
+        "\\escape at column 19); fix that line (one JSON object per line), or set bad_rows: skip in the mixture spec "
+        "(or pass --bad-rows skip) to drop and count such rows"]
+    assert logging.getLogger("datasets.packaged_modules.json.json").level == logging.NOTSET  # set back after the load
