@@ -102,8 +102,9 @@ class ProfileArgs:
                                   "metrics.jsonl", metavar="PROFILE_OR_RUN_DIR")
     num_shapes: int = arg(20, "--check: random off-grid shapes")
     model_only: bool = arg(False, "--check: skip the per-layer comparison")
-    no_thp: bool = arg(False, "CPU: do not set THP_MEM_ALLOC_ENABLE=1 (huge pages for tensors >= 2 MiB) for the profile")
-    no_progress: bool = arg(False, "no progress bar")
+    thp: bool = arg(True, "CPU: set THP_MEM_ALLOC_ENABLE=1 (huge pages for tensors >= 2 MiB) for the profile; "
+                          "--no-thp does not")
+    progress: bool = arg(True, "show a progress bar (--no-progress: none)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +158,7 @@ def _check(args) -> int:
           f"{meta['num_threads']} thread(s), clock {meta['settings'].get('clock')}")
     start = time.perf_counter()
     rows = run_check(tables, layer_builder(tables.meta["model"]["name"]), args.num_shapes, args.seed, layers=not args.model_only, device=args.device,
-                     progress=not args.no_progress)
+                     progress=args.progress)
     print(format_summary(summarize(rows)))
     print(f"{len(rows)} comparisons on {args.num_shapes} shapes in {time.perf_counter() - start:.1f} s "
           "(relative error |pred - meas| / meas; time = forward + backward)")
@@ -190,7 +191,7 @@ def run(args) -> int:
     grid = _grid(args)  # every flag checked before torch loads and anything is profiled: a bad one is the only line
     _check_settings(args)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
-    if args.device in ("cpu", "auto") and not args.no_thp:
+    if args.device in ("cpu", "auto") and args.thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
     args.device, decided = _device(args)
     from dynabatch.cost.measure import MeasureSettings  # lazy: imports torch, which must load after _set_thp
@@ -205,7 +206,7 @@ def run(args) -> int:
     # a bad kind or model is a ValueError before the first point: the CLI prints it as its one error line
     profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],
                           num_threads=threads, dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
-                          show_progress=not args.no_progress, layer_builder=layer_builder(args.model),
+                          show_progress=args.progress, layer_builder=layer_builder(args.model),
                           on_start=lambda: _log_choices(decided))
     path = save_profile(profile, out)
     summary = {k: _count_ok(v["status"]) for k, v in profile["layers"].items()}
