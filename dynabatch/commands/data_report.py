@@ -25,7 +25,7 @@ from dynabatch.training.config.flags import add_fields
 from dynabatch.training.config.resolve import Found, resolve_args
 from dynabatch.core.methods import check_method_family, methods_for
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
-from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.inputs import data_notes, data_spec, parse_columns
 from dynabatch.data.mixture import MixtureSpec
@@ -69,9 +69,10 @@ def lengths_tail(lengths: Lengths) -> LengthsTail:
 def print_tail(path: str, tail: LengthsTail) -> None:
     print(f"== lengths file {path}: {tail.samples} samples, {tail.tasks} tasks, {tail.tokens} tokens ==")
     names = [*(f"p{p:g}" for p in TAIL_PERCENTILES), "max", "mean"]
-    print(f"{'':<8}" + "".join(f"{n:>9}" for n in names))
+    width = max(9, len(str(tail.percentiles["total"]["max"])) + 2)  # columns stay apart for any length
+    print(f"{'':<8}" + "".join(f"{n:>{width}}" for n in names))
     for column, row in tail.percentiles.items():
-        print(f"{column:<8}" + "".join(f"{row[n]:>9.0f}" for n in names))
+        print(f"{column:<8}" + "".join(f"{row[n]:>{width}.0f}" for n in names))
     for t, o in tail.over.items():
         print(f"total over {t:>6} tokens: {o['samples']:>6} samples ({100 * o['share']:.2f}%), "
               f"{100 * o['token_share']:.1f}% of the tokens")
@@ -173,20 +174,44 @@ def parse_max_lens(text: str) -> list[int]:
     return max_lens
 
 
+def report_limits(family: str, max_len: int, max_target_len: int | None) -> LengthLimits:
+    """The length limits of one ``--max-lens`` entry: T5 inputs up to ``max_len``, targets up to
+    ``--max-target-len`` (default ``max_len / 4``); decoder-only sequences up to ``max_len``."""
+    target_len = max_target_len if max_target_len is not None else max(max_len // 4, 2)
+    return LengthLimits(family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
+
+
+def report_methods(args: argparse.Namespace, family: str) -> list[str]:
+    """``--methods`` for the ``family`` report (default: every baseline it can run); a decoder-only method named
+    while ``--family`` reports encoder-decoder data is one line."""
+    methods = parse_methods(args.methods, tuple(methods_for(family, tuple(BASELINES))) if args.methods is None
+                            else tuple(BASELINES))
+    subject = f"--family {args.family} {'includes' if args.family == 'both' else 'is'} encoder-decoder (seq2seq) data"
+    for name in methods:  # packing_free_split cuts decoder-only sequences
+        check_method_family(name, family, subject=subject)
+    return methods
+
+
+def check_report_args(args: argparse.Namespace, families) -> None:
+    """Before any table: the methods of each family, and a ``--global-batch-tokens`` that holds one maximal sample
+    at every ``--max-lens`` (the check and line of ``train`` and ``plan``: never raised silently)."""
+    for family in families:
+        report_methods(args, family)
+        for max_len in parse_max_lens(args.max_lens):
+            check_token_budget(args.global_batch_tokens, report_limits(family, max_len, args.max_target_len),
+                               "--global-batch-tokens")
+
+
 def print_efficiency(data: MixtureData, args: argparse.Namespace) -> None:
     max_lens = parse_max_lens(args.max_lens)
-    methods = parse_methods(args.methods, tuple(methods_for(data.family, tuple(BASELINES))) if args.methods is None
-                            else tuple(BASELINES))
-    for name in methods:  # packing_free_split cuts decoder-only sequences
-        check_method_family(name, data.family)
+    methods = report_methods(args, data.family)
     options = BaselineOptions.of(args)
     print(f"\n== padding efficiency ({data.family}, {args.num_batches} global batches of {args.global_batch_tokens} tokens, "
           f"over-long samples: {args.overlong}) ==")
     print(f"{'max_len':>8} " + " ".join(f"{name:>15}" for name in methods) + f" {'truncated':>10} {'dropped':>8}")
     for max_len in progress(max_lens, desc=f"baselines {data.family}", leave=False):
-        target_len = args.max_target_len if args.max_target_len is not None else max(max_len // 4, 2)
-        limits = LengthLimits(data.family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
-        batcher = GlobalBatcher(data, limits, token_budget=max(args.global_batch_tokens, limits.max_tokens), overlong=args.overlong)
+        limits = report_limits(data.family, max_len, args.max_target_len)
+        batcher = GlobalBatcher(data, limits, token_budget=args.global_batch_tokens, overlong=args.overlong)
         batches = [batcher.next_batch() for _ in range(args.num_batches)]
         cells = []
         for name in methods:
@@ -207,14 +232,13 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, "global_batch_tokens", "num_batches", *option_users())
     if args.max_target_len is not None and args.max_target_len < 2:  # EOS and one token; before any table
         raise ValueError(f"--max-target-len must be >= 2 (a target keeps its EOS and one token), got {args.max_target_len}")
-    parse_max_lens(args.max_lens)
-    parse_methods(args.methods, tuple(BASELINES))
+    families = FAMILIES if args.family == "both" else (args.family,)
+    check_report_args(args, families)
     spec = _spec(args)
     decided = resolve_args(args, Found())  # --tokenizer auto: the resolver's rule (no --model: builtin)
     tokenizer = load_tokenizer(args.tokenizer)
     why = decided["tokenizer"][1] if "tokenizer" in decided else None
     print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer), why))
-    families = FAMILIES if args.family == "both" else (args.family,)
     print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
     for family in families:
         data = MixtureData.load(spec, tokenizer, family, bad_rows=args.bad_rows)
@@ -228,7 +252,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     if args.mixture or args.data:
         raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
     check_output_file(args.json)
-    tail = lengths_tail(load_lengths(args.lengths))
+    tail = lengths_tail(load_lengths(args.lengths, None if args.family == "both" else args.family))
     if args.json:
         if write_json({"lengths": args.lengths, **asdict(tail)}, args.json, command="data-report"):
             return 0

@@ -1,4 +1,5 @@
-"""Result files the commands write (``--json``, ``profile --out``): never over a file no dynabatch command wrote.
+"""Result files the commands write (``--json``, ``profile --out``, ``simulate --trace-dir``): never over a file no
+dynabatch command wrote.
 
 A command checks its output path before it does its work (:func:`check_output_file`), so a path it cannot write
 (a folder, a path under a file) or must not write (an existing file that is not a dynabatch output: the command's
@@ -15,11 +16,22 @@ WRITTEN_BY = "written_by"
 no other (:func:`check_output_file`)."""
 
 
+PNG_MARK = b"tEXtSoftware\x00dynabatch"
+"""How a PNG a command wrote is known: its ``Software`` text chunk starts with ``dynabatch``
+(:func:`dynabatch.schedule.trace.plot_timeline` writes it)."""
+
+
 def _is_ours(path: str, ours) -> bool:
-    """Whether the existing file at ``path`` is a dynabatch output: a JSON object with :data:`WRITTEN_BY`, or one
-    ``ours(obj)`` accepts (a command's older output, a profile)."""
+    """Whether the existing file at ``path`` is a dynabatch output: a PNG marked :data:`PNG_MARK`, a JSON object with
+    :data:`WRITTEN_BY`, or one ``ours(obj)`` accepts (a command's older output, a profile)."""
     import json
 
+    if path.endswith(".png"):
+        try:
+            with open(path, "rb") as f:
+                return PNG_MARK in f.read(1 << 16)  # the text chunks come before the image data
+        except OSError:
+            return False
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)

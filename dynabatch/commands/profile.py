@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from dynabatch.commands.common import check_positive
 from dynabatch.commands.output_files import check_output_file
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.resolve import Found, describe_choices, resolve_args
 from dynabatch.training.config.sections import DTYPE_TORCH_NAMES, arg
-from dynabatch.cost.grid import ProfileGrid
+from dynabatch.cost.grid import AXIS_RULE, ProfileGrid, check_axis
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.cost.tables import FORMAT, CostTables
 
@@ -37,6 +38,35 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         return tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
+
+
+def _axis(text: str, flag: str) -> tuple[int, ...]:
+    """One grid axis flag: comma-separated integers holding :data:`~dynabatch.cost.grid.AXIS_RULE`."""
+    axis = _ints(text, flag)
+    check_axis(axis, flag)
+    return axis
+
+
+def _grid(args) -> ProfileGrid:
+    """The grid of ``--batch-sizes``, ``--seq-lengths``, ``--dec-lengths`` and ``--max-tokens``; a bad value is one
+    line naming its flag."""
+    axes = [_axis(text, flag) for text, flag in ((args.batch_sizes, "--batch-sizes"),
+                                                 (args.seq_lengths, "--seq-lengths"), (args.dec_lengths, "--dec-lengths"))]
+    smallest = axes[0][0] * axes[1][0]
+    if args.max_tokens < smallest:
+        raise ValueError(f"--max-tokens {args.max_tokens} is below the smallest grid point ({axes[0][0]} x "
+                         f"{axes[1][0]} = {smallest} tokens); raise it")
+    return ProfileGrid(*axes, args.max_tokens)
+
+
+def _check_settings(args) -> None:
+    """``--min-repeats``, ``--max-repeats``, ``--min-time`` and ``--threads``, each error one line naming its flag
+    (the profile's own checks in :class:`~dynabatch.cost.measure.MeasureSettings` name the fields)."""
+    check_positive(args, "min_repeats", "threads")
+    if args.max_repeats < args.min_repeats:
+        raise ValueError(f"--max-repeats {args.max_repeats} is below --min-repeats {args.min_repeats}; raise it")
+    if not args.min_time >= 0:
+        raise ValueError(f"--min-time must be a number of seconds >= 0, got {args.min_time}")
 
 
 def _count_ok(status) -> int:
@@ -54,9 +84,10 @@ class ProfileArgs:
     _argument_group_name = "profile"
 
     out: str | None = arg(None, "output JSON (default runs/profiles/<model>.<device>.json)")
-    batch_sizes: str = arg(_grid_default("batch_sizes"), "b axis of the grid (comma list)")
-    seq_lengths: str = arg(_grid_default("enc_lengths"), "sequence / encoder length axis (comma list)", "lengths")
-    dec_lengths: str = arg(_grid_default("dec_lengths"), "T5 decoder length axis (comma list)")
+    batch_sizes: str = arg(_grid_default("batch_sizes"), f"b axis of the grid (comma list, {AXIS_RULE})")
+    seq_lengths: str = arg(_grid_default("enc_lengths"), f"sequence / encoder length axis (comma list, {AXIS_RULE})",
+                           "lengths")
+    dec_lengths: str = arg(_grid_default("dec_lengths"), f"T5 decoder length axis (comma list, {AXIS_RULE})")
     max_tokens: int = arg(ProfileGrid.max_tokens, "profile points whose lower neighbour has b*max(E,D) <= this")
     kinds: str | None = arg(None, "comma-separated layer kinds to profile (default: all of the model)")
     min_repeats: int = arg(3, "timed repeats per point at least")
@@ -64,14 +95,16 @@ class ProfileArgs:
     min_time: float = arg(0.03, "seconds of timing per point at least")
     clock: Literal["auto", "wall", "thread_cpu"] = arg("auto", "timer: wall clock, this thread's CPU time, or auto "
                                                                "(thread CPU time on CPU)")
-    p2p: str = arg("auto", "p2p backend: auto, gloo, nccl or none")
+    p2p: Literal["auto", "gloo", "nccl", "none"] = arg("auto", "p2p backend: auto (gloo on CPU, nccl with two CUDA "
+                                                               "devices), gloo, nccl or none")
     check: str | None = arg(None, "calibration check of an existing profile instead; or, given a `dynabatch train` "
                                   "output folder, its predicted against measured step and stage times from "
                                   "metrics.jsonl", metavar="PROFILE_OR_RUN_DIR")
     num_shapes: int = arg(20, "--check: random off-grid shapes")
     model_only: bool = arg(False, "--check: skip the per-layer comparison")
-    no_thp: bool = arg(False, "CPU: do not set THP_MEM_ALLOC_ENABLE=1 (huge pages for tensors >= 2 MiB) for the profile")
-    no_progress: bool = arg(False, "no progress bar")
+    thp: bool = arg(True, "CPU: set THP_MEM_ALLOC_ENABLE=1 (huge pages for tensors >= 2 MiB) for the profile; "
+                          "--no-thp does not")
+    progress: bool = arg(True, "show a progress bar (--no-progress: none)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +158,7 @@ def _check(args) -> int:
           f"{meta['num_threads']} thread(s), clock {meta['settings'].get('clock')}")
     start = time.perf_counter()
     rows = run_check(tables, layer_builder(tables.meta["model"]["name"]), args.num_shapes, args.seed, layers=not args.model_only, device=args.device,
-                     progress=not args.no_progress)
+                     progress=args.progress)
     print(format_summary(summarize(rows)))
     print(f"{len(rows)} comparisons on {args.num_shapes} shapes in {time.perf_counter() - start:.1f} s "
           "(relative error |pred - meas| / meas; time = forward + backward)")
@@ -155,7 +188,10 @@ def run(args) -> int:
     args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.check:
         return _check(args)
-    if args.device in ("cpu", "auto") and not args.no_thp:
+    grid = _grid(args)  # every flag checked before torch loads and anything is profiled: a bad one is the only line
+    _check_settings(args)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
+    if args.device in ("cpu", "auto") and args.thp:
         _set_thp("1")  # before torch is imported (it only affects host memory, so also harmless on CUDA)
     args.device, decided = _device(args)
     from dynabatch.cost.measure import MeasureSettings  # lazy: imports torch, which must load after _set_thp
@@ -163,18 +199,15 @@ def run(args) -> int:
     from dynabatch.models.families import layer_builder  # lazy: imports torch, which must load after _set_thp
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
-    # a bad grid, kind or model is a ValueError: the CLI prints it as its one error line and exits 2
-    grid = ProfileGrid(_ints(args.batch_sizes, "--batch-sizes"), _ints(args.seq_lengths, "--seq-lengths"),
-                       _ints(args.dec_lengths, "--dec-lengths"), args.max_tokens)
     settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
-    kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
     out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
     check_output_file(out, "--out", ours=lambda obj: obj.get("format") == FORMAT)  # replaces a profile only
-    _log_choices(decided)  # after the flags are checked: a bad one is the command's only line
     p2p = None if args.p2p == "none" else args.p2p
+    # a bad kind or model is a ValueError before the first point: the CLI prints it as its one error line
     profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],
                           num_threads=threads, dropout=args.dropout, kinds=kinds, p2p_backend=p2p, seed=args.seed,
-                          show_progress=not args.no_progress, layer_builder=layer_builder(args.model))
+                          show_progress=args.progress, layer_builder=layer_builder(args.model),
+                          on_start=lambda: _log_choices(decided))
     path = save_profile(profile, out)
     summary = {k: _count_ok(v["status"]) for k, v in profile["layers"].items()}
     logger.info(f"wrote {path}: {sum(summary.values())} points over {len(summary)} layer kinds in "

@@ -56,7 +56,7 @@ from dynabatch.training.config.resolve import describe_choices, lower
 from dynabatch.schedule.policies import choose_schedule
 from dynabatch.schedule.simulate import with_message_buffers
 from dynabatch.schedule.virtual import placed_step
-from dynabatch.schedule.trace import plot_timeline, write_chrome_trace
+from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
 from dynabatch.commands.tuning import Tuned, print_tuned, tune, tune_baselines_arg, tuned_summary
 
 
@@ -184,12 +184,11 @@ def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
     check_positive(args, "in_flight", "max_samples")
     check_output_file(args.json)
-    if args.trace_dir and os.path.exists(args.trace_dir) and not os.path.isdir(args.trace_dir):
-        raise ValueError(f"--trace-dir {args.trace_dir!r} is a file, not a folder; pass a folder path")
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     w = simulation_workload(resolve(args))
     methods = compared_methods(args.methods, w.family, args.model)
+    check_trace_dir(args.trace_dir, methods)
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long cuts decoder-only samples into token slices; drop it, or use --model gpt")
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
@@ -206,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     rows, split, placed = {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
-        trace_dir = args.trace_dir if method in ("dynamic", "packing") else None
+        trace_dir = args.trace_dir if method in TRACED_METHODS else None
         tried = {}  # --placement auto: each candidate simulated, the one pick_placement takes kept
         for placement in candidates:
             own = None
@@ -453,12 +452,36 @@ class SingleSampleRelief:
         return t, stored, peak
 
 
-def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
+TRACED_METHODS = ("dynamic", "packing")
+"""The methods whose first step ``--trace-dir`` writes."""
 
-    os.makedirs(trace_dir, exist_ok=True)
+
+def trace_paths(trace_dir: str, method: str) -> tuple[str, str]:
+    """The Chrome trace (.json) and the timeline (.png) ``--trace-dir`` writes for ``method``."""
     base = os.path.join(trace_dir, f"{method}_step0")
-    write_chrome_trace(result, base + ".json", shapes=shapes, process_name=f"{method} (simulated)")
-    plot_timeline(result, base + ".png", title=f"{method}: simulated step 0 ({result.schedule.policy})")
+    return base + ".json", base + ".png"
+
+
+def check_trace_dir(trace_dir: str | None, methods) -> None:
+    """Before anything is simulated: ``--trace-dir`` is a folder (or none yet), and every file it would write is
+    new or one a dynabatch command wrote (:func:`~dynabatch.commands.output_files.check_output_file`)."""
+    if not trace_dir:
+        return
+    if os.path.exists(trace_dir) and not os.path.isdir(trace_dir):
+        raise ValueError(f"--trace-dir {trace_dir!r} is a file, not a folder; pass a folder path")
+    for method in methods:
+        if method in TRACED_METHODS:
+            for path in trace_paths(trace_dir, method):
+                check_output_file(path, "--trace-dir")
+
+
+def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
+    """The Chrome trace and the timeline of ``method``'s first step, both marked as ``dynabatch simulate``'s."""
+    trace, png = trace_paths(trace_dir, method)
+    write_json(to_chrome_trace(result, shapes=shapes, process_name=f"{method} (simulated)"), trace, indent=None,
+               command="simulate")
+    plot_timeline(result, png, title=f"{method}: simulated step 0 ({result.schedule.policy})",
+                  software="dynabatch simulate")
 
 
 def _summary(args, w, batches, rows, tuned=None) -> dict:

@@ -63,12 +63,14 @@ def is_planner(method: str) -> bool:
     return method in PLANNER_METHODS
 
 
-def check_method_family(method: str, sequence_kind: str, model: str = "") -> None:
-    """One clear ``ValueError`` when ``method`` cuts decoder-only sequences and the model is encoder-decoder."""
+def check_method_family(method: str, sequence_kind: str, model: str = "", subject: str = "") -> None:
+    """One clear ``ValueError`` when ``method`` cuts decoder-only sequences and the model is encoder-decoder.
+    ``subject`` says what is encoder-decoder where there is no model (``data-report``: its ``--family``)."""
     if method in CAUSAL_ONLY and is_seq2seq(sequence_kind):
         what = "token slices" if method == DYNAMIC_SLICED else "split rows"
-        raise ValueError(f"method {method!r} cuts decoder-only sequences ({what}); {model or 'this model'} is an "
-                         f"encoder-decoder model: drop {method} from --methods (use "
+        subject = subject or f"{model or 'this model'} is an encoder-decoder model"
+        raise ValueError(f"method {method!r} cuts decoder-only sequences ({what}); {subject}: drop {method} from "
+                         f"--methods (use "
                          f"{'dynamic' if method == DYNAMIC_SLICED else 'packing_free or --overlong truncate'})")
 
 

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+AXIS_RULE = "at least two strictly increasing values >= 1"
+"""What each axis of the grid must hold (the error lines and ``profile --help`` say it)."""
+
+
+def check_axis(axis: tuple[int, ...], name: str) -> None:
+    """``ValueError`` naming ``name`` (a field, or the flag that gave it) unless ``axis`` holds :data:`AXIS_RULE`."""
+    if len(axis) < 2 or axis[0] < 1 or list(axis) != sorted(set(axis)):
+        values = ",".join(map(str, axis)) or "nothing"
+        raise ValueError(f"{name} needs {AXIS_RULE} (e.g. 16,32,64), got {values}")
+
+
 @dataclass(frozen=True)
 class ProfileGrid:
     """The shapes to profile."""
@@ -20,11 +31,10 @@ class ProfileGrid:
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "enc_lengths", "dec_lengths"):
-            axis = getattr(self, name)
-            if len(axis) < 2 or axis[0] < 1 or list(axis) != sorted(set(axis)):
-                raise ValueError(f"{name} needs >= 2 strictly increasing positive values, got {axis}")
+            check_axis(getattr(self, name), name)
         if self.max_tokens < self.batch_sizes[0] * self.enc_lengths[0]:
-            raise ValueError(f"max_tokens={self.max_tokens} is below the smallest grid point")
+            raise ValueError(f"max_tokens={self.max_tokens} is below the smallest grid point "
+                             f"({self.batch_sizes[0]} x {self.enc_lengths[0]} tokens)")
 
     def axis(self, dim: str) -> tuple[int, ...]:
         return {"b": self.batch_sizes, "E": self.enc_lengths, "D": self.dec_lengths}[dim]

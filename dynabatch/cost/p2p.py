@@ -97,11 +97,19 @@ def default_backend(device: torch.device) -> str | None:
     return "nccl" if torch.cuda.device_count() >= 2 else None
 
 
+def check_backend(backend: str) -> None:
+    """``ValueError`` unless this machine can measure p2p over ``backend``: gloo, or nccl with two CUDA devices."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown p2p backend {backend!r}; valid: auto, gloo, nccl, none")
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise ValueError(f"p2p backend nccl needs two CUDA devices, found {torch.cuda.device_count()}; "
+                         "use --p2p gloo or --p2p none")
+
+
 def measure_p2p(backend: str = "gloo", sizes: tuple[int, ...] = DEFAULT_SIZES, warmup: int = 3,
                 repeats: int = 20, timeout_s: float = 120.0) -> P2PResult:
     """Spawn two local processes and measure one-way send time per message size."""
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"unknown p2p backend {backend!r}; valid: gloo, nccl")
+    check_backend(backend)
     if not sizes or any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
         raise ValueError(f"sizes must be positive and strictly increasing, got {sizes}")
     import torch.multiprocessing as mp

@@ -59,7 +59,7 @@ from dynabatch.cost.attention_cores import add_attention_cores, attention_core_k
 from dynabatch.cost.layers import KindSpec, ModelLayers, build_layers
 from dynabatch.cost.measure import MeasureSettings, measure_step, prepare_params, resolve_clock, settle_cpu_allocator
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.cost.p2p import default_backend, measure_p2p
+from dynabatch.cost.p2p import check_backend, default_backend, measure_p2p
 
 FORMAT = "dynabatch.profile"
 FORMAT_VERSION = 1
@@ -153,19 +153,22 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
                 device: str = "cpu", dtype: str = "float32", num_threads: int | None = None, dropout: float = 0.0,
                 kinds: tuple[str, ...] | None = None, p2p_backend: str | None = "auto", seed: int = 0,
                 show_progress: bool = True, layer_builder: Callable | None = None,
-                attention_cores: bool = True) -> dict:
+                attention_cores: bool = True, on_start: Callable[[], None] | None = None) -> dict:
     """Profile ``model`` (preset name or local checkpoint) and return the JSON-ready profile dict.
 
     ``layer_builder`` is the model family's profiler layer builder
     (``dynabatch.models.families.layer_builder(model)``); this module knows no family. ``attention_cores``
     also profiles each block's attention core as its own kind (:mod:`dynabatch.cost.attention_cores`: the
-    per-segment term of the tables).
+    per-segment term of the tables). Every argument is checked before the first point is measured; ``on_start``
+    is called then (``dynabatch profile`` logs its resolved choices there, so a bad argument is its only line).
     """
     if layer_builder is None:
         raise ValueError("run_profile needs the model family's layer_builder "
                          "(dynabatch.models.families.layer_builder(model))")
-
-
+    dev = torch.device(device)
+    backend = default_backend(dev) if p2p_backend == "auto" else p2p_backend
+    if backend:
+        check_backend(backend)  # now: measured after the layers, a bad backend would cost the whole profile
     if num_threads is not None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -173,7 +176,6 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"unknown dtype {dtype!r}; valid: float32, bfloat16, float16")
-    dev = torch.device(device)
     if dev.type == "cpu":
         settle_cpu_allocator()
     start = time.perf_counter()
@@ -189,6 +191,8 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
         if unknown:
             raise ValueError(f"unknown layer kinds {unknown}; valid for {layers.family}: {sorted(valid)}")
         selected = tuple(k for k in layers.kinds if k.name in kinds)
+    if on_start is not None:
+        on_start()
     records = {}
     with progress_bar(total=count_points(selected, grid), desc=f"profile {model}", unit="pt",
               disable=not show_progress) as bar:
@@ -198,7 +202,6 @@ def run_profile(model: str, grid: ProfileGrid = ProfileGrid(), settings: Measure
             records[kind.name] = profile_kind(layers, kind, grid, dev, settings, bar)
             records[kind.name]["time_s"] = round(time.perf_counter() - kind_start, 3)
     p2p = None
-    backend = default_backend(dev) if p2p_backend == "auto" else p2p_backend
     if backend:
         p2p = asdict(measure_p2p(backend))
     axes = {"b": list(grid.batch_sizes), "E": list(grid.enc_lengths)}

@@ -84,6 +84,15 @@ class LengthLimits:
         return f"max_seq_len={self.max_seq_len}"
 
 
+def check_token_budget(budget: int, limits: LengthLimits, name: str = "token_budget") -> None:
+    """One ``ValueError`` line when a global batch of ``budget`` tokens cannot hold one maximal sample of ``limits``
+    (``name``: the argument or flag that gave it, e.g. ``--global-batch-tokens``). Never raised silently: a
+    command refuses such a budget rather than use another."""
+    if budget < limits.max_tokens:
+        raise ValueError(f"{name} {budget} cannot hold one maximal sample ({limits.describe()}, {limits.max_tokens} "
+                         f"tokens); raise it to at least {limits.max_tokens} or lower the length limits")
+
+
 def _cut(ids: np.ndarray, n: int, eos: int) -> np.ndarray:
     """First ``n`` tokens, keeping a final EOS if the sequence had one."""
     if len(ids) <= n:
@@ -122,11 +131,7 @@ class GlobalBatcher:
             raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
         if self.limits.family != self.data.family:
             raise ValueError(f"length limits are for {self.limits.family!r} but the data is tokenized for {self.data.family!r}")
-        if self.token_budget < self.limits.max_tokens:
-            raise ValueError(
-                f"token_budget {self.token_budget} is smaller than one maximal sample ({self.limits.describe()}, "
-                f"{self.limits.max_tokens} tokens); raise the budget or lower the limits"
-            )
+        check_token_budget(self.token_budget, self.limits)
         if self.overlong == "drop":
             self._check_something_fits()
         self._sampler = self.data.sampler()
@@ -284,9 +289,7 @@ class EveryRowBatcher:
         if self.limits.family != self.data.family:
             raise ValueError(f"length limits are for {self.limits.family!r} but the data is tokenized for "
                              f"{self.data.family!r}")
-        if self.token_budget < self.limits.max_tokens:
-            raise ValueError(f"token_budget {self.token_budget} is smaller than one maximal sample "
-                             f"({self.limits.describe()}, {self.limits.max_tokens} tokens); raise the budget")
+        check_token_budget(self.token_budget, self.limits)
         eos = self.data.tokens.eos_id
         self.batches = []
         current: list[TokenizedSample] = []

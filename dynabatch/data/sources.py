@@ -14,7 +14,9 @@ with ``bad_rows: skip`` - is dropped and counted.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import warnings
@@ -265,8 +267,10 @@ def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
             f"source {spec.task!r}: cannot load files with extensions {sorted(exts)}; "
             f"use one kind of {sorted(FILE_BUILDERS)}"
         )
+    builder = builders.pop()
     try:
-        return datasets.load_dataset(builders.pop(), data_files=list(spec.data_files), split="train"), 0
+        with _builder_log_quiet(builder):
+            return datasets.load_dataset(builder, data_files=list(spec.data_files), split="train"), 0
     except Exception as e:  # datasets wraps parse and decode errors several levels deep
         lines = _json_lines(spec.data_files) if exts == {".jsonl"} else None
         if lines is not None and lines.bad:
@@ -282,6 +286,20 @@ def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
             f"source {spec.task!r}: could not read {list(spec.data_files)}: {type(e).__name__}: {e}. "
             "Check that the file is valid UTF-8 and well-formed (one JSON object per line for .jsonl)."
         ) from e
+
+
+@contextlib.contextmanager
+def _builder_log_quiet(builder: str):
+    """``datasets``' file builder ``builder`` (``json``, ``csv``, ...) logs a parse error ("Failed to load JSON
+    from file ...") before it raises it; the error raised from it here names the file and line, so that log would
+    be a second line. Its logger is silenced for this load only, then set back."""
+    builder_logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    level = builder_logger.level
+    builder_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        builder_logger.setLevel(level)
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,11 @@ def read_chrome_trace(trace: Union[str, dict], pid: int | None = None) -> list[T
 
 
 def plot_timeline(timeline: Timeline, path: str, *, title: str | None = None, memory: bool = True,
-                  memory_limit_bytes=None) -> None:
+                  memory_limit_bytes=None, software: str = "dynabatch") -> None:
     """Gantt chart of a step, one row per stage (forwards blue, backwards orange, labelled with the
-    micro-batch), and below it each stage's memory over time when known. Writes a PNG to ``path``."""
+    micro-batch), and below it each stage's memory over time when known. Writes a PNG to ``path``, its
+    ``Software`` text ``software`` (how a later run knows the file as dynabatch's to replace:
+    :data:`dynabatch.commands.output_files.PNG_MARK`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,5 +174,5 @@ def plot_timeline(timeline: Timeline, path: str, *, title: str | None = None, me
         mx.legend(loc="upper right", fontsize=7, ncol=stages + 1)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Software": software})
     plt.close(fig)

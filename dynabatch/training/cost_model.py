@@ -6,6 +6,7 @@ Shared by the training loop (:mod:`dynabatch.training.trainer`), the start-up la
 
 from __future__ import annotations
 
+from dynabatch.core.sequence import is_seq2seq
 from dynabatch.training.config import TrainConfig, decide, lower
 from dynabatch.cost.planner_model import ProfiledLayerModel
 from dynabatch.cost.stages import StageCostModel
@@ -24,6 +25,7 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     if cfg.cost_profile:
         tables = CostTables.load(cfg.cost_profile)
         check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
+        check_profile_covers(tables, cfg)
         layer_model = ProfiledLayerModel(tables)
     else:
         layer_model = run_cost_model(model_config, device_type(cfg.device), dtype=cfg.dtype,
@@ -31,3 +33,32 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     recompute = lower("recompute", decide(cfg, "recompute"))  # the resolver's rule (a profile: none)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
                           zero=cfg.zero, replicas=cfg.replicas)
+
+
+def _reaching(axis, need: int) -> str:
+    """A grid axis that reaches ``need``: ``axis`` doubled from its last value until it does."""
+    values = [int(v) for v in axis]
+    while values[-1] < need:
+        values.append(min(2 * values[-1], need))
+    return ",".join(map(str, values))
+
+
+def check_profile_covers(tables: CostTables, cfg: TrainConfig) -> None:
+    """One ``ValueError`` line when the lengths of ``cfg.cost_profile``'s grid stop below the run's length limits
+    (``--max-input-len``; T5 also ``--max-target-len``): a sample beyond the grid has no price, and the planner
+    would find it needs "infinite" memory only once the data is loaded. Said before anything loads."""
+    seq2seq = is_seq2seq(tables.family)
+    axes = [("encoder lengths" if seq2seq else "lengths", "--seq-lengths", tables.axis_e, cfg.max_input_len,
+             "--max-input-len")]
+    if seq2seq:
+        axes.append(("decoder lengths", "--dec-lengths", tables.axis_d, cfg.max_target_len, "--max-target-len"))
+    short = [(what, flag, axis, need, limit) for what, flag, axis, need, limit in axes if axis[-1] < need]
+    if not short:
+        return
+    covers = " and ".join(f"{what} up to {int(axis[-1])}" for what, _, axis, _, _ in short)
+    needs = " and ".join(f"{limit} {need}" for _, _, _, need, limit in short)
+    redo = " ".join(f"{flag} {_reaching(axis, need)}" for _, flag, axis, need, _ in short)
+    lower_to = " and ".join(f"{limit} to {int(axis[-1])}" for _, _, axis, _, limit in short)
+    raise ValueError(f"cost profile {cfg.cost_profile} covers {covers} (batch sizes up to {int(tables.axis_b[-1])}), "
+                     f"but this run's samples reach {needs}; re-profile with `dynabatch profile ... {redo}` covering "
+                     f"them, or lower {lower_to}")

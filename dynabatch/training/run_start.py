@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.core.allocator import host_memory_gib
+from dynabatch.cost.tables import CostTables
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.engine.dist import DistContext
 from dynabatch.models.families import check_model
 from dynabatch.training.config import Found, Resolved, TrainConfig, resolve
 from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
 from dynabatch.training.config.paths import run_paths
+from dynabatch.training.cost_model import check_profile_covers
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,10 @@ def resolve_run(cfg: TrainConfig) -> Resolved:
     available, the model's sequence kind (checked before anything loads), the world size and the host's memory. The tokenizer is
     resolved before a resume compares it with a checkpoint's; the checkpoints, ``summary.json`` and an export
     name it. Local paths become absolute first (:func:`~dynabatch.training.config.paths.run_paths`), so
-    ``config.yaml`` and the checkpoints record files that a run from any folder finds."""
+    ``config.yaml`` and the checkpoints record files that a run from any folder finds. A ``--cost-profile`` whose
+    grid stops below the length limits is refused here, before anything loads (:func:`check_profile_covers`)."""
+    if cfg.cost_profile:
+        check_profile_covers(CostTables.load(cfg.cost_profile), cfg)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in run_paths(cfg.to_dict()).items() if v != getattr(cfg, k)})
     kind = check_model(cfg.model, cfg.max_input_len, cfg.slice_long).sequence_kind
     return resolve(cfg, Found(cuda_available=torch.cuda.is_available(), sequence_kind=kind,

@@ -25,7 +25,7 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner  # noqa: F401 (METHODS re-exported)
 from dynabatch.cost.pairs import AttentionPairs, groups_pairs
 from dynabatch.data.baselines import GROUPING_TOKENS, BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
-from dynabatch.data.batching import GlobalBatcher, LengthLimits, truncate_sample
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.data.mixture import MixtureSpec
@@ -49,12 +49,11 @@ class Lengths:
             raise ValueError(f"input_len {self.input_len.shape} and target_len {self.target_len.shape} must be equal 1-D")
         if len(self.input_len) == 0:
             raise ValueError("the lengths file holds no samples")
-        if (self.input_len < 0).any() or (self.target_len < 1).any():
-            bad = int(np.flatnonzero((self.input_len < 0) | (self.target_len < 1))[0])
-            raise ValueError(
-                f"row {bad} (from 0) has input_len {self.input_len[bad]} and target_len "
-                f"{self.target_len[bad]}; input lengths must be >= 0 and target lengths >= 1"
-            )
+
+
+MAX_LENGTH = 2**31 - 1
+"""The longest input or target a lengths file may give (the int32 range of token positions): far beyond any
+sample, and small enough that every count and sum over the file stays exact."""
 
 
 LENGTHS_FORMATS = (
@@ -64,26 +63,48 @@ LENGTHS_FORMATS = (
 """What a lengths file is, for error messages."""
 
 
-def load_lengths(path: str) -> Lengths:
-    """Read a ``.npz`` (arrays ``input_len``, ``target_len``[, ``task``]) or ``.jsonl`` lengths file."""
+def load_lengths(path: str, family: str | None = None) -> Lengths:
+    """Read a ``.npz`` (arrays ``input_len``, ``target_len``[, ``task``]) or ``.jsonl`` lengths file, every value
+    checked once here: a whole number of tokens, inputs >= 0 (``family`` encoder-decoder: >= 1, the EOS an input
+    always holds), targets >= 1, none over :data:`MAX_LENGTH`; a bad one is one line naming the file and its row
+    (``.npz``, from 0) or line (``.jsonl``, from 1)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"lengths file {path!r} not found")
     if os.path.isdir(path):
         raise ValueError(f"lengths file {path!r} is a directory; expected {LENGTHS_FORMATS}")
     where = f"lengths file {path}"
     if path.endswith(".npz"):
-        columns = _read_npz_lengths(path, where)
+        *columns, rows = _read_npz_lengths(path, where)
     elif path.endswith(".jsonl"):
-        columns = _read_jsonl_lengths(path, where)
+        *columns, rows = _read_jsonl_lengths(path, where)
     else:
         raise ValueError(f"{path}: lengths files are .npz or .jsonl (mixture specs are .yaml/.json)")
     try:
-        return Lengths(*columns)
+        lengths = Lengths(*columns)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
+    _check_range(lengths, family, where, rows)
+    return lengths
 
 
-def _read_npz_lengths(path: str, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _check_range(lengths: Lengths, family: str | None, where: str, rows) -> None:
+    """The first length out of range, as one line: ``rows(i)`` names sample ``i`` (its row or line)."""
+    min_input = 1 if family is not None and is_seq2seq(family) else 0
+    for name, values, low in (("input_len", lengths.input_len, min_input), ("target_len", lengths.target_len, 1)):
+        bad = np.flatnonzero((values < low) | (values > MAX_LENGTH))
+        if not len(bad):
+            continue
+        i = int(bad[0])
+        why = (f"over {MAX_LENGTH} tokens, the most a lengths file may give" if values[i] > MAX_LENGTH else
+               "an encoder-decoder model's input holds its EOS at least, so >= 1" if low == 1 and name == "input_len"
+               else f">= {low}")
+        more = f"; {len(bad)} samples in all are" if len(bad) > 1 else ""
+        raise ValueError(f"{where}, {rows(i)}: {name} {int(values[i])} is out of range ({why}){more}; fix or drop "
+                         f"{'them' if more else 'it'}")
+
+
+def _read_npz_lengths(path: str, where: str):
+    """``(input_len, target_len, task or None, rows)``; ``rows(i)`` names sample ``i``'s row (from 0)."""
     if not zipfile.is_zipfile(path):  # np.load would try to unpickle it and suggest allow_pickle
         raise ValueError(f"{where}: not a valid .npz (zip) file; expected {LENGTHS_FORMATS}")
     try:
@@ -102,11 +123,14 @@ def _read_npz_lengths(path: str, where: str) -> tuple[np.ndarray, np.ndarray, np
         if arrays[name].dtype.kind not in "iu":
             raise ValueError(f"{where}: array {name!r} has dtype {arrays[name].dtype}, not integers; "
                              f"expected {LENGTHS_FORMATS}")
-    return arrays["input_len"].astype(np.int64), arrays["target_len"].astype(np.int64), arrays.get("task")
+    return (arrays["input_len"].astype(np.int64), arrays["target_len"].astype(np.int64), arrays.get("task"),
+            lambda i: f"row {i} (from 0)")
 
 
-def _read_jsonl_lengths(path: str, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    inputs, targets, tasks = [], [], []
+def _read_jsonl_lengths(path: str, where: str):
+    """``(input_len, target_len, task, rows)``; ``rows(i)`` names sample ``i``'s line (from 1; blank lines are
+    skipped). A value that is not a whole number (``100.5``, ``"100"``, ``true``) is refused, never rounded."""
+    inputs, targets, tasks, lines = [], [], [], []
     with open(path, encoding="utf-8") as f:
         line_no = 0
         try:
@@ -114,14 +138,33 @@ def _read_jsonl_lengths(path: str, where: str) -> tuple[np.ndarray, np.ndarray, 
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                inputs.append(int(row["input_len"]))
-                targets.append(int(row["target_len"]))
+                if not isinstance(row, dict):
+                    raise ValueError(f"a JSON {type(row).__name__}, not an object")
+                inputs.append(_whole_number(row, "input_len", f"{where}, line {line_no}"))
+                targets.append(_whole_number(row, "target_len", f"{where}, line {line_no}"))
                 tasks.append(str(row.get("task", "")))
+                lines.append(line_no)
         except UnicodeDecodeError as e:
             raise ValueError(f"{where}: not UTF-8 text ({e}); expected {LENGTHS_FORMATS}") from e
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except _BadValue as e:
+            raise ValueError(str(e)) from None
+        except (ValueError, KeyError) as e:
             raise ValueError(f"{where}, line {line_no}: need integer fields input_len and target_len ({e})") from e
-    return np.array(inputs, dtype=np.int64), np.array(targets, dtype=np.int64), np.array(tasks)
+    return (np.array(inputs, dtype=np.int64), np.array(targets, dtype=np.int64), np.array(tasks),
+            lambda i: f"line {lines[i]}")
+
+
+class _BadValue(ValueError):
+    """A field of a .jsonl lengths line that is there but not a whole number (its message is the whole line)."""
+
+
+def _whole_number(row: dict, name: str, where: str) -> int:
+    """``row[name]`` if it is a JSON integer (not a bool, a float or a string of digits)."""
+    value = row[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _BadValue(f"{where}: {name} must be a whole number of tokens, got {json.dumps(value)}; "
+                        f"write it as an integer, e.g. \"{name}\": 100")
+    return value
 
 
 def is_mixture_spec(path: str) -> bool:
@@ -144,23 +187,22 @@ def global_batches(
 
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    check_token_budget(token_budget, limits, "--global-batch-tokens")
     if is_mixture_spec(path):
         data = MixtureData.load(MixtureSpec.from_file(path), load_tokenizer(tokenizer), family)
         batcher = GlobalBatcher(data, limits, token_budget=token_budget)
         return [batcher.next_batch() for _ in range(num_batches)]
-    lengths = load_lengths(path)
-    if token_budget < limits.max_tokens:
-        raise ValueError(f"global batch of {token_budget} tokens cannot hold one maximal sample ({limits.max_tokens})")
+    lengths = load_lengths(path, family)
     batches: list[GlobalBatch] = []
     current: list[TokenizedSample] = []
     total = truncated = 0
     for i in range(len(lengths.input_len)):
         e, d = int(lengths.input_len[i]), int(lengths.target_len[i])
         task = str(lengths.task[i]) if lengths.task is not None else ""
-        sample = TokenizedSample(task, np.zeros(e, np.int32), np.zeros(d, np.int32), 0, i)
         over = limits.is_overlong(e, d)
-        if over:
-            sample = truncate_sample(sample, limits, eos=-1)
+        if over:  # truncated before any array is made: a file may give lengths far beyond memory
+            e, d = limits.truncated_lengths(e, d)
+        sample = TokenizedSample(task, np.zeros(e, np.int32), np.zeros(d, np.int32), 0, i)
         if current and total + sample.num_tokens > token_budget:
             batches.append(GlobalBatch(step=len(batches), samples=tuple(current), num_truncated=truncated))
             current, total, truncated = [], 0, 0

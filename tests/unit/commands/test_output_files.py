@@ -80,3 +80,25 @@ def test_profile_check_of_a_missing_or_malformed_file_is_one_line(tmp_path, caps
     assert "cannot be read as a profile" in msg
     assert "--num-shapes must be >= 1" in _one_line(capsys, "profile", main(["profile", "--check", str(bad),
                                                                             "--num-shapes", "0"]))
+
+
+def test_trace_dir_never_replaces_files_no_command_wrote_and_replaces_its_own(tmp_path, capsys):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    args = ["simulate", "--model", "gpt", "--num-batches", "1", "--methods", "dynamic", "--lengths", _lengths(tmp_path),
+            "--trace-dir", str(traces)]
+    mine = {"dynamic_step0.json": '{"my": "precious"}\n', "dynamic_step0.png": "notpng\n"}
+    for name, text in mine.items():
+        (traces / name).write_text(text)
+        msg = _one_line(capsys, "simulate", main(args))
+        assert f"--trace-dir '{traces / name}' exists and no dynabatch command wrote it" in msg
+        assert (traces / name).read_text() == text
+        (traces / name).unlink()
+    assert main(args) == 0, capsys.readouterr().err[-2000:]
+    trace = json.loads((traces / "dynamic_step0.json").read_text())
+    assert trace[WRITTEN_BY] == "dynabatch simulate" and trace["traceEvents"]
+    png = (traces / "dynamic_step0.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and b"tEXtSoftware\x00dynabatch simulate" in png
+    (traces / "dynamic_step0.json").write_text(json.dumps({**trace, "note": "stale"}))
+    assert main(args) == 0, capsys.readouterr().err[-2000:]  # its own earlier output: replaced
+    assert "note" not in json.loads((traces / "dynamic_step0.json").read_text())

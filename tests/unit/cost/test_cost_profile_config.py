@@ -35,7 +35,7 @@ def _profile(tmp_path, config: dict) -> str:
 def test_cost_profile_plans_with_measured_tables(tmp_path, t5_tiny):
     config, layout = t5_tiny
     assert isinstance(planner_cost_model(TrainConfig(stages=2), config, layout).model, AnalyticCostModel)
-    cfg = TrainConfig(stages=2, cost_profile=_profile(tmp_path, config.to_dict()))
+    cfg = TrainConfig(stages=2, cost_profile=_profile(tmp_path, config.to_dict()), max_input_len=256)
     cost_model = planner_cost_model(cfg, config, layout)
     assert isinstance(cost_model.model, ProfiledLayerModel)
     b, e, d = np.array([1.0, 4.0, 16.0]), np.array([20.0, 100.0, 200.0]), np.array([10.0, 50.0, 100.0])
@@ -50,6 +50,36 @@ def test_cost_profile_plans_with_measured_tables(tmp_path, t5_tiny):
 def test_mismatched_cost_profile_is_a_clear_error(tmp_path, t5_tiny):
     config, layout = t5_tiny
     other = {**config.to_dict(), "d_model": config.d_model * 2, "vocab_size": config.vocab_size + 1}
-    cfg = TrainConfig(stages=2, cost_profile=_profile(tmp_path, other))
+    cfg = TrainConfig(stages=2, cost_profile=_profile(tmp_path, other), max_input_len=256)
     with pytest.raises(ValueError, match=r"different model config.*vocab_size.*d_model: profile 128 != model 64"):
         planner_cost_model(cfg, config, layout)
+
+
+def test_a_profile_whose_grid_stops_below_the_length_limits_is_one_line(tmp_path, t5_tiny):
+    config, layout = t5_tiny
+    path = _profile(tmp_path, config.to_dict())  # encoder lengths up to 256, decoder lengths up to 128
+    cfg = TrainConfig(stages=2, cost_profile=path, max_input_len=300, max_target_len=200)
+    with pytest.raises(ValueError) as e:
+        planner_cost_model(cfg, config, layout)
+    assert str(e.value) == (
+        f"cost profile {path} covers encoder lengths up to 256 and decoder lengths up to 128 (batch sizes up to 16), "
+        "but this run's samples reach --max-input-len 300 and --max-target-len 200; re-profile with `dynabatch "
+        "profile ... --seq-lengths 16,32,64,128,256,300 --dec-lengths 8,32,128,200` covering them, or lower "
+        "--max-input-len to 256 and --max-target-len to 128")
+    planner_cost_model(TrainConfig(stages=2, cost_profile=path, max_input_len=256, max_target_len=128), config, layout)
+
+
+def test_train_refuses_a_short_profile_before_anything_loads(tmp_path, capsys):
+    from dynabatch.cli import main
+
+    path = tmp_path / "gpt.json"
+    path.write_text(json.dumps(synthetic_profile("gpt2")))  # lengths up to 256
+    code = main(["train", "--model", "gpt2-tiny", "--cost-profile", str(path), "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        f"dynabatch train: error: cost profile {path} covers lengths up to 256 (batch sizes up to 16), but this run's "
+        "samples reach --max-input-len 512; re-profile with `dynabatch profile ... --seq-lengths 16,32,64,128,256,512` "
+        "covering them, or lower --max-input-len to 256"]
+    assert not (tmp_path / "run").exists()

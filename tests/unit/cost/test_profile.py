@@ -141,7 +141,8 @@ def test_a_bad_grid_is_the_clis_one_error_line(tmp_path, capsys):
 
     assert main(["profile", "--model", "gpt2-tiny", "--out", str(tmp_path / "p.json"), "--batch-sizes", "2,1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dynabatch profile: error: batch_sizes needs >= 2 strictly increasing positive values, got (2, 1)"]
+    assert err == ["dynabatch profile: error: --batch-sizes needs at least two strictly increasing values >= 1 "
+                   "(e.g. 16,32,64), got 2,1"]
     assert main(["profile", "--model", "gpt2-tiny", "--seq-lengths", "8,x"]) == 2
     assert "--seq-lengths expects comma-separated integers, got '8,x'" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()

@@ -345,6 +345,44 @@ def test_lengths_npz_with_object_or_float_arrays(tmp_path, capsys):
     assert "array 'input_len' has dtype float64, not integers" in _error(capsys, "plan", "--lengths", str(path))
 
 
+@pytest.mark.parametrize("value", ["100.5", '"100"', "true", "100.0"])
+def test_jsonl_lengths_that_are_not_whole_numbers_name_file_and_line(tmp_path, capsys, value):
+    path = tmp_path / "l.jsonl"
+    path.write_text('{"input_len": 10, "target_len": 5}\n\n{"input_len": %s, "target_len": 5}\n' % value)
+    msg = _error(capsys, "plan", "--model", "gpt", "--lengths", str(path), "--num-batches", "1")
+    assert msg.endswith(f"lengths file {path}, line 3: input_len must be a whole number of tokens, got {value}; "
+                        'write it as an integer, e.g. "input_len": 100')
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_t5_lengths_with_an_empty_input_name_the_row(tmp_path, capsys, command):
+    path = tmp_path / "l.jsonl"
+    path.write_text('{"input_len": 4, "target_len": 5}\n' + '{"input_len": 0, "target_len": 5}\n' * 3)
+    msg = _error(capsys, command, "--model", "t5", "--lengths", str(path), "--num-batches", "1")
+    assert msg.endswith(f"lengths file {path}, line 2: input_len 0 is out of range (an encoder-decoder model's "
+                        "input holds its EOS at least, so >= 1); 3 samples in all are; fix or drop them")
+    npz = tmp_path / "l.npz"
+    np.savez(npz, input_len=np.array([4, 4, 0]), target_len=np.array([5, 5, 5]))
+    assert f"lengths file {npz}, row 2 (from 0): input_len 0 is out of range" in _error(
+        capsys, command, "--model", "t5", "--lengths", str(npz), "--num-batches", "1")
+
+
+def test_huge_lengths_are_refused_over_the_bound_and_truncated_under_it(tmp_path, capsys):
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text('{"input_len": 1000000000000, "target_len": 10}\n')
+    msg = _error(capsys, "plan", "--model", "gpt", "--lengths", str(huge), "--num-batches", "1")
+    assert msg.endswith(f"lengths file {huge}, line 1: input_len 1000000000000 is out of range (over 2147483647 "
+                        "tokens, the most a lengths file may give); fix or drop it")
+    big = tmp_path / "big.jsonl"  # a billion tokens: truncated to the limit, never allocated
+    big.write_text('{"input_len": 1000000000, "target_len": 10}\n')
+    assert main(["plan", "--model", "gpt", "--lengths", str(big), "--num-batches", "1", "--methods", "padding",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["methods"]["padding"]["real_tokens"] == 1024
+    assert main(["data-report", "--lengths", str(big)]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith(("input ", "total  "))]
+    assert rows == [["input", *["1000000000"] * 6], ["total", *["1000000010"] * 6]]
+
+
 # ---------------------------------------------------------------- tokenizer folders
 
 
@@ -355,3 +393,42 @@ def test_tokenizer_folder_without_tokenizer_files(tmp_path, capsys):
     msg = _train_error(tmp_path, capsys, "--tokenizer", str(folder))
     assert f"tokenizer folder '{folder}' has no tokenizer files: it needs tokenizer.json" in msg
     assert "--tokenizer builtin, gpt2 or byt5" in msg
+
+
+def test_data_report_refuses_a_global_batch_smaller_than_one_sample_before_any_table(tmp_path, capsys):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "what is two plus two", "answer": "four"}\n' * 6)
+    args = ["data-report", "--data", str(data), "--columns", "inputs=question,targets=answer", "--family", "t5"]
+    msg = _error(capsys, *args, "--global-batch-tokens", "100")
+    assert msg.endswith("--global-batch-tokens 100 cannot hold one maximal sample (max_input_len=512, "
+                        "max_target_len=128, 640 tokens); raise it to at least 640 or lower the length limits")
+    assert _error(capsys, "plan", "--model", "gpt", "--global-batch-tokens", "100", "--num-batches", "1").endswith(
+        "--global-batch-tokens 100 cannot hold one maximal sample (max_seq_len=1024, 1024 tokens); raise it to at "
+        "least 1024 or lower the length limits")  # the same check and line
+    assert main([*args, "--global-batch-tokens", "2560", "--num-batches", "1"]) == 0
+    assert "1 global batches of 2560 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family, subject", [("t5", "--family t5 is"), ("both", "--family both includes")])
+def test_data_report_names_its_family_for_a_decoder_only_method(capsys, family, subject):
+    msg = _error(capsys, "data-report", "--methods", "packing_free_split", "--family", family)
+    assert msg.endswith(f"method 'packing_free_split' cuts decoder-only sequences (split rows); {subject} "
+                        "encoder-decoder (seq2seq) data: drop packing_free_split from --methods (use packing_free or "
+                        "--overlong truncate)")
+    assert "model" not in msg
+
+
+def test_a_malformed_jsonl_line_is_our_one_line_without_the_datasets_log(tmp_path, capfd):
+    """``datasets`` logs "Failed to load JSON ..." to the real stderr before it raises: silenced for our load only."""
+    import logging
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "x", "answer": "y"}\n{"question": "bad \\x", "answer": "z"}\n')
+    code = main(["data-report", "--data", str(data), "--columns", "inputs=question,targets=answer", "--family", "t5"])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert [ln for ln in err.splitlines() if "error" in ln.lower() or "fail" in ln.lower()] == [
+        f"dynabatch data-report: error: source 'bad': could not read {data}, line 2: not a JSON object (Invalid "
+        "\\escape at column 19); fix that line (one JSON object per line), or set bad_rows: skip in the mixture spec "
+        "(or pass --bad-rows skip) to drop and count such rows"]
+    assert logging.getLogger("datasets.packaged_modules.json.json").level == logging.NOTSET  # set back after the load

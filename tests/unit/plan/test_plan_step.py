@@ -116,6 +116,9 @@ def test_plan_command_bad_lengths_file(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input_len": 3, "target_len": 2}\n{"input_len": "x"}\n')
     assert main(["plan", "--lengths", str(path), "--num-batches", "1"]) == 2
+    assert 'bad.jsonl, line 2: input_len must be a whole number of tokens, got "x"' in capsys.readouterr().err
+    path.write_text('{"input_len": 3, "target_len": 2}\n{"input_len": 3}\n')
+    assert main(["plan", "--lengths", str(path), "--num-batches", "1"]) == 2
     assert "bad.jsonl, line 2: need integer fields input_len and target_len" in capsys.readouterr().err
 
 
