@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch.cost.planner_model import UNPRICED
 from dynabatch.plan.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
                                   measured_efficiency, planned_work, without_recompute)
 from dynabatch.training.calibration import stage_times
@@ -124,10 +125,13 @@ def efficiency_record(ctx, gathered, planned, elapsed: float, cost_model, family
         return {"device_busy_fraction": busy_fractions(compute[0], elapsed) if elapsed > 0 else None,
                 "efficiency_balanced": None, "efficiency_amortised": None}
     bottleneck = ideal_step_time(planned.batch, without_recompute(cost_model), family, AMORTISED_TOKENS)
+    work = ideal_work(planned.batch, cost_model, family)
+    # an ideal priced beyond a cost profile's grid (amortised copies of a sample: batch sizes it did not time) is
+    # not a time: no efficiency rather than one of 1e30
     return {"device_busy_fraction": busy_fractions(compute[0], elapsed),
-            "efficiency_balanced": balanced_efficiency(ideal_work(planned.batch, cost_model, family), plan, devices,
-                                                       elapsed),
-            "efficiency_amortised": measured_efficiency(bottleneck, plan, devices, elapsed)}
+            "efficiency_balanced": None if work >= UNPRICED else balanced_efficiency(work, plan, devices, elapsed),
+            "efficiency_amortised": None if bottleneck >= UNPRICED else measured_efficiency(bottleneck, plan, devices,
+                                                                                              elapsed)}
 
 
 def _median_of(records: list[dict[str, Any]], key: str, axis: int | None = None):

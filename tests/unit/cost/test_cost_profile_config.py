@@ -83,3 +83,24 @@ def test_train_refuses_a_short_profile_before_anything_loads(tmp_path, capsys):
         "samples reach --max-input-len 512; re-profile with `dynabatch profile ... --seq-lengths 16,32,64,128,256,512` "
         "covering them, or lower --max-input-len to 256"]
     assert not (tmp_path / "run").exists()
+
+
+def test_efficiencies_beyond_the_profiles_batch_sizes_are_not_reported(tmp_path, capsys):
+    """A profile that times one sample a micro-batch only (every larger batch size out of memory) trains, and the
+    ideal step of amortised copies, which it cannot price, gives no efficiency instead of one of about 1e30."""
+    from dynabatch.cli import main
+
+    profile = synthetic_profile("gpt2", oom_at=(2, 1))
+    profile["model"]["config"] = build_model("gpt2-tiny").config.to_dict()
+    path = tmp_path / "gpt.json"
+    path.write_text(json.dumps(profile))
+    run = tmp_path / "run"
+    code = main(["train", "--model", "gpt2-tiny", "--cost-profile", str(path), "--max-steps", "2", "--max-input-len",
+                 "128", "--max-target-len", "64", "--global-batch-tokens", "1024", "--no-timeline",
+                 "--output-dir", str(run)])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    with open(run / "metrics.jsonl", encoding="utf-8") as f:
+        steps = [r for r in map(json.loads, f) if "kind" not in r]
+    assert len(steps) == 2 and all(r["efficiency_balanced"] is None and r["efficiency_amortised"] is None
+                                   for r in steps)
+    assert all(0 < x <= 1 for r in steps for x in r["device_busy_fraction"])
