@@ -55,7 +55,7 @@ from dynabatch.engine.determinism import full_determinism
 from dynabatch.engine.dist import DistContext, init_distributed, shutdown
 from dynabatch.training.evaluate import (Evaluator, evaluation_enabled, flat_metrics, format_eval, gather_task_losses,
                                         hold_out)
-from dynabatch.engine.errors import Interrupted
+from dynabatch.engine.errors import InterruptLatch, Interrupted
 from dynabatch.engine.executor import Executor
 from dynabatch.engine.faults import fail_fast, maybe_crash, maybe_slow_start
 from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
@@ -299,10 +299,13 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                    leave=False)  # a bar on a terminal, plain periodic lines in a file
     planned = result = None
     step = start
+    latch = InterruptLatch()
     try:
+        latch.__enter__()
         if ctx.is_planner:
             tracker = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_dict(), start)
         for step in range(start, cfg.max_steps):
+            latch.check()  # a Ctrl-C Python dropped inside a destructor (during a save, say) stops here
             maybe_crash(step, ctx.rank)
             wait = 0.0
             if ctx.is_planner:
@@ -394,6 +397,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
             raise
         raise Interrupted(step=step) from None
     finally:
+        latch.__exit__()
         bar.close()
         tracker.close()
         if ahead is not None:
