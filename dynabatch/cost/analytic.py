@@ -105,6 +105,7 @@ from dynabatch.cost.model_specs import (
     num_params,
 )
 from dynabatch.cost.pairs import AttentionPairs
+from dynabatch.cost.roofline import Op as _Op, gemm as _gemm, memory_op as _mem
 from dynabatch.cost.stored_bytes import LOSS_BYTES, StoredBytes
 from dynabatch.cost.recompute import RecomputeTerms
 
@@ -132,28 +133,6 @@ class LayerCost:
     """Bytes kept from the forward until the backward of this micro-batch."""
     peak_extra_bytes: Value
     """Transient bytes on top of the stored activations while the layer runs (a stage takes the maximum)."""
-
-
-@dataclass(frozen=True)
-class _Op:
-    """One forward kernel: FLOPs, bytes moved, which efficiency applies and its backward multiplier."""
-
-    flops: np.ndarray | float
-    """0.0 for a memory-bound kernel."""
-    bytes: np.ndarray
-    unit: str  # "matmul", "attention" or "memory"
-    bwd_factor: float = 2.0
-    launches: object = 1.0
-    """Kernel launches (the attention core of per-segment attention: one per call)."""
-
-
-def _gemm(m, n, k, p: int, batch=1.0, unit: str = "matmul") -> _Op:
-    """``batch`` GEMMs of ``(m, k) @ (k, n)``."""
-    return _Op(2.0 * batch * m * n * k, p * batch * (m * k + k * n + m * n), unit)
-
-
-def _mem(num_bytes) -> _Op:
-    return _Op(0.0, num_bytes, "memory")  # no FLOPs: a scalar zero (adds nothing to a sum, allocates nothing)
 
 
 def _broadcast_pairs(pairs: AttentionPairs | None, shape) -> AttentionPairs | None:

@@ -29,9 +29,8 @@ collates the groups into model-ready tensors (:meth:`Batcher.__call__`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
@@ -39,118 +38,13 @@ import numpy as np
 from dynabatch.core.methods import (BASELINE_METHODS, LENGTH_GROUPED, PACKING, PACKING_FREE, PACKING_FREE_SPLIT,
                                     PADDING, TOKEN_BUDGET, check_method_family)
 from dynabatch.data.batching import LengthLimits
+from dynabatch.data.groups import FlatGroups, RowGroup, bounds, lengths_of
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.core.sequence import is_seq2seq
 
 if TYPE_CHECKING:  # torch-free at import: dynabatch.training.config imports the registry (`train --help` stays fast)
     from dynabatch.data.microbatch import MicroBatch
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """One micro-batch as rows of sample indices, with fixed row lengths (packing) or ``None``."""
-
-    rows: tuple[tuple[int, ...], ...]
-    encoder_len: int | None = None
-    """Fixed encoder row length (T5) or sequence row length (GPT); ``None`` pads to the longest row."""
-    decoder_len: int | None = None
-    """Fixed decoder row length (T5 only)."""
-
-
-@dataclass(frozen=True, eq=False)
-class FlatGroups:
-    """Micro-batches as three flat int64 arrays instead of a :class:`RowGroup` (and a tuple) per micro-batch and row:
-    what every batcher groups into (:meth:`Batcher.flat_group`) and what the planner's candidates price without
-    building Python objects per sample (:mod:`dynabatch.plan.candidates`).
-
-    ``ids`` holds the sample indices row after row, micro-batch after micro-batch; row ``r`` is
-    ``ids[row_bounds[r]:row_bounds[r + 1]]`` and micro-batch ``m`` the rows ``group_bounds[m]`` up to
-    ``group_bounds[m + 1]`` (both bounds start at 0 and end at the total). Fixed row lengths (packing) hold for every
-    micro-batch, as in :class:`RowGroup`."""
-
-    ids: np.ndarray
-    row_bounds: np.ndarray
-    """(R + 1,) where each row starts in :attr:`ids`, then the end."""
-    group_bounds: np.ndarray
-    """(G + 1,) where each micro-batch starts among the rows, then the number of rows."""
-    encoder_len: int | None = None
-    decoder_len: int | None = None
-
-    @classmethod
-    def single_rows(cls, order, group_bounds) -> "FlatGroups":
-        """Samples in ``order``, one per row, the rows cut into micro-batches at ``group_bounds``."""
-        order = np.asarray(order, dtype=np.int64)
-        return cls(order, np.arange(order.size + 1, dtype=np.int64), np.asarray(group_bounds, dtype=np.int64))
-
-    @classmethod
-    def chunked_rows(cls, ids, row_bounds, size: int, encoder_len: int | None = None,
-                     decoder_len: int | None = None) -> "FlatGroups":
-        """Rows (``ids``, ``row_bounds``) taken ``size`` at a time, in order (the last micro-batch may hold fewer)."""
-        num_rows = len(row_bounds) - 1
-        bounds = np.append(np.arange(0, num_rows, size, dtype=np.int64), num_rows)
-        return cls(ids, row_bounds, bounds, encoder_len, decoder_len)
-
-    @classmethod
-    def of(cls, groups: Iterable[Sequence[Sequence[int]]]) -> "FlatGroups":
-        """Micro-batches given as rows of sample indices (``RowGroup.rows``), without fixed row lengths."""
-        groups = list(groups)
-        rows = list(chain.from_iterable(groups))
-        row_sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(row_sizes.sum()))
-        group_rows = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
-        return cls(ids, _bounds(row_sizes), _bounds(group_rows))
-
-    @classmethod
-    def concatenated(cls, parts: Sequence["FlatGroups"]) -> "FlatGroups":
-        """The micro-batches of ``parts``, one after another (their rows; fixed row lengths are not kept)."""
-        if not parts:
-            return cls.of([])
-        ids = np.concatenate([p.ids for p in parts])
-        row_sizes = np.concatenate([np.diff(p.row_bounds) for p in parts])
-        group_rows = np.concatenate([np.diff(p.group_bounds) for p in parts])
-        return cls(ids, _bounds(row_sizes), _bounds(group_rows))
-
-    def __len__(self) -> int:
-        return len(self.group_bounds) - 1
-
-    def rows_key(self) -> tuple[bytes, bytes, bytes]:
-        """Equal for two groupings exactly when their micro-batches hold the same rows of the same samples in the same
-        order (what ``tuple(g.rows for g in groups)`` compares; fixed row lengths aside)."""
-        return self.ids.tobytes(), self.row_bounds.tobytes(), self.group_bounds.tobytes()
-
-    def row_groups(self) -> list[RowGroup]:
-        """One :class:`RowGroup` per micro-batch, its rows as tuples of sample indices."""
-        ids = self.ids.tolist()
-        if len(ids) == len(self.row_bounds) - 1 and bool((np.diff(self.row_bounds) == 1).all()):
-            rows = [(i,) for i in ids]  # one sample per row (the common case)
-        else:
-            b = self.row_bounds.tolist()
-            rows = [tuple(ids[lo:hi]) for lo, hi in zip(b[:-1], b[1:])]
-        g = self.group_bounds.tolist()
-        return [RowGroup(tuple(rows[lo:hi]), self.encoder_len, self.decoder_len) for lo, hi in zip(g[:-1], g[1:])]
-
-    def shapes(self, input_lens, target_lens, family: str) -> np.ndarray:
-        """(G, 3) int64 computed shapes ``(rows, E, D)``, as :func:`group_shape` gives each micro-batch: its longest
-        row's summed lengths (GPT: ``E`` the sequence, ``D`` 0) unless the row lengths are fixed. Every row's
-        lengths are summed once and each micro-batch's maximum taken in numpy."""
-        t5 = is_seq2seq(family)
-        out = np.zeros((len(self), 3), dtype=np.int64)
-        out[:, 0] = np.diff(self.group_bounds)
-        if not len(self):
-            return out
-        e, d = _lengths_of(input_lens, target_lens, t5)
-        row_starts, group_starts = self.row_bounds[:-1], self.group_bounds[:-1]
-        for column, lens, fixed in ((1, e, self.encoder_len), (2, d, self.decoder_len if t5 else None)):
-            out[:, column] = fixed or np.maximum.reduceat(np.add.reduceat(lens[self.ids], row_starts), group_starts)
-        return out
-
-
-def _bounds(sizes: np.ndarray) -> np.ndarray:
-    """``(0, cumulative sizes...)``: where each of consecutive parts of ``sizes`` starts, then the end."""
-    out = np.zeros(sizes.size + 1, dtype=np.int64)
-    np.cumsum(sizes, out=out[1:])
-    return out
 
 
 @dataclass(frozen=True)
@@ -308,7 +202,7 @@ class TokenBudget(Batcher):
         order = self._longest_first(batch)
         if not order.size:
             return FlatGroups.single_rows(order, [0])
-        e, d = _lengths_of(batch.input_lens, batch.target_lens, is_seq2seq(self.family))
+        e, d = lengths_of(batch.input_lens, batch.target_lens, is_seq2seq(self.family))
         group_of = _kernels()._budget_groups(e, d, order, self.max_tokens)
         cuts = np.flatnonzero(np.diff(group_of)) + 1
         return FlatGroups.single_rows(order, np.concatenate(([0], cuts, [order.size])))
@@ -334,7 +228,7 @@ def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order) -> tuple[np.nd
     t5 = is_seq2seq(limits.family)
     cap_e = limits.max_input_len if t5 else limits.max_seq_len
     cap_d = limits.max_target_len if t5 else 0
-    e, d = _lengths_of(batch.input_lens, batch.target_lens, t5)
+    e, d = lengths_of(batch.input_lens, batch.target_lens, t5)
     visit = np.asarray(order, dtype=np.int64)
     over = (e[visit] > cap_e) | (d[visit] > cap_d)
     if over.any():
@@ -343,7 +237,7 @@ def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order) -> tuple[np.nd
                          f"does not fit a packed row ({limits.describe()}); truncate it to the limits first")
     row_of = _kernels()._best_fit_rows(e, d, visit, cap_e, cap_d)[visit]  # cap_d 0 (GPT): one length
     ids = visit[np.argsort(row_of, kind="stable")]  # by row, each row's samples in visiting order
-    return ids, _bounds(np.bincount(row_of, minlength=int(row_of.max(initial=-1)) + 1))
+    return ids, bounds(np.bincount(row_of, minlength=int(row_of.max(initial=-1)) + 1))
 
 
 def _kernels():
@@ -351,13 +245,6 @@ def _kernels():
     from dynabatch.data import _kernels as kernels  # lazy: keeps numba out of --help
 
     return kernels
-
-
-def _lengths_of(input_lens, target_lens, t5: bool) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ``(e, d)`` of a batch's samples as the batchers count them: T5 inputs and targets, GPT one sequence of
-    both (``d`` 0)."""
-    e, d = np.asarray(input_lens, dtype=np.int64), np.asarray(target_lens, dtype=np.int64)
-    return (e, d) if t5 else (e + d, np.zeros_like(d))
 
 
 @dataclass(frozen=True)

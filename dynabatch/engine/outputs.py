@@ -130,8 +130,17 @@ def _start_of_a_run_that_trained_nothing(path: str, found: list[str]) -> list[st
     return own if set(own) <= NOTHING_TRAINED else []
 
 
-def _listed(names: list[str]) -> str:
+def listed(names: list[str]) -> str:
+    """The first five of ``names`` and how many more, for a one-line message."""
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def make_writable_dir(path: str) -> None:
+    """Create ``path`` (and its parents) and check that a file can be written there; ``OSError`` otherwise."""
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+    os.close(fd)
+    os.remove(probe)
 
 
 def _delete(path: str, names) -> None:
@@ -151,7 +160,7 @@ def _clear_earlier_run(path: str, found: list[str]) -> str | None:
     if record is None:
         if not named:
             return None
-        return (f"--overwrite-output-dir: {path!r} holds {_listed(named)} but no {RUN_FILE} saying a dynabatch run "
+        return (f"--overwrite-output-dir: {path!r} holds {listed(named)} but no {RUN_FILE} saying a dynabatch run "
                 "wrote them, so nothing was deleted; move them away, or pass another --output-dir")
     before = set(record["present_before"])  # there before that run started: not its own
     claimed = record.get("claimed")  # the folders it wrote (None: a run file older than claims)
@@ -166,10 +175,7 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool, claims=()) -
     if os.path.exists(path) and not os.path.isdir(path):
         return f"--output-dir {path!r} is a file, not a folder; pass a folder path"
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
-        os.close(fd)
-        os.remove(probe)
+        make_writable_dir(path)
     except OSError as e:
         return f"--output-dir {path!r} is not writable ({e.strerror or e}); pass a folder you can write to"
     found = sorted(os.listdir(path))
@@ -181,14 +187,14 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool, claims=()) -
         if _has_checkpoint(path):
             return None
         if found:
-            return (f"--resume-from-checkpoint: --output-dir {path!r} holds {_listed(found)} but no {RUN_FILE} or "
+            return (f"--resume-from-checkpoint: --output-dir {path!r} holds {listed(found)} but no {RUN_FILE} or "
                     "checkpoints/ saying a dynabatch run wrote it, so nothing there is resumed or written over; pass "
                     "the run's own --output-dir, or another (empty) folder")
     if unfinished := _start_of_a_run_that_trained_nothing(path, found):  # a run stopped by bad input: start again
         _delete(path, unfinished)
         found = sorted(os.listdir(path))
     if found and not overwrite:
-        return (f"--output-dir {path!r} is not empty (it holds {_listed(found)}); pass --resume-from-checkpoint to continue the run that "
+        return (f"--output-dir {path!r} is not empty (it holds {listed(found)}); pass --resume-from-checkpoint to continue the run that "
                 "wrote it, --overwrite-output-dir to replace that run's files, or another --output-dir")
     if found:
         problem = _clear_earlier_run(path, found)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 
 import torch
 
 from dynabatch.training.config import TrainConfig
 from dynabatch.data.tokenize import inference_tokenizer
 from dynabatch.engine.checkpoint import CheckpointError, CheckpointInfo, first_non_finite, resolve_checkpoint
+from dynabatch.engine.outputs import listed, make_writable_dir
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.tokenize import encodes_like_training, load_tokenizer, tokenizer_info
 from dynabatch.model_presets import model_class
@@ -54,9 +54,8 @@ def check_out_dir(out_dir: str, force: bool = False) -> None:
         return
     found = sorted(os.listdir(out_dir))
     if found:
-        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
         raise ValueError(f"output folder {out_dir!r} is not empty and holds no earlier export (it holds "
-                         f"{shown}); pass a new or empty folder, or --force to write into it")
+                         f"{listed(found)}); pass a new or empty folder, or --force to write into it")
 
 
 def make_out_dir(out_dir: str) -> list[str]:
@@ -65,10 +64,7 @@ def make_out_dir(out_dir: str) -> list[str]:
     do) when it cannot be created or written, with whatever it created removed again."""
     created = _missing_folders(out_dir)
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out_dir)
-        os.close(fd)
-        os.remove(probe)
+        make_writable_dir(out_dir)
     except OSError as e:
         remove_empty(created)
         raise ValueError(f"output folder {out_dir!r} cannot be {'created' if created else 'written to'} "
