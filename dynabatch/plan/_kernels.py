@@ -17,31 +17,90 @@ from numba import njit
 
 
 @njit(cache=True)
-def _run_shapes(e, d, ends, w_lo, w_hi):
-    """Padded shapes ``(b, E, D)`` of runs ending at ``ends[k]`` with lengths ``w_lo .. w_hi - 1``.
+def _band_runs(e, d, cum_e, cum_d, prefix, flat, ends, w_lo, w_hi):
+    """The runs of lengths ``w_lo[k] .. w_hi[k] - 1`` ending at each ``ends[k]`` (those starting at sample 0 or
+    later), end by end, shortest first, as the cost model prices them.
 
-    Returns three (K, w_hi - w_lo) int64 arrays; runs that would start before sample 0 get ``b = 0``.
+    Returns ``counts`` (K,): the runs of each end; then per run (M = ``counts.sum()``): ``b, E, D`` (int64) priced
+    padded (``(w, longest e, longest d)``) or, with ``flat``, as one row (``(1, sum e, sum d)``), the longest ``e``
+    and ``d`` of the run, and ``pairs`` (M, 3): the sums of the units' attention pairs over the run from their
+    prefix sums ``prefix`` ((N + 1, 3); a (0, 3) array: no pairs, and ``pairs`` is (0, 3) too).
     """
     num_ends = ends.shape[0]
-    width = w_hi - w_lo
-    b = np.zeros((num_ends, width), dtype=np.int64)
-    E = np.zeros((num_ends, width), dtype=np.int64)
-    D = np.zeros((num_ends, width), dtype=np.int64)
+    counts = np.zeros(num_ends, dtype=np.int64)
+    for k in range(num_ends):
+        counts[k] = max(0, min(w_hi[k] - 1, ends[k] + 1) - w_lo[k] + 1)
+    m = counts.sum()
+    b = np.empty(m, dtype=np.int64)
+    E = np.empty(m, dtype=np.int64)
+    D = np.empty(m, dtype=np.int64)
+    longest_e = np.empty(m, dtype=np.int64)
+    longest_d = np.empty(m, dtype=np.int64)
+    with_pairs = prefix.shape[0] > 0
+    pairs = np.empty((m if with_pairs else 0, 3))
+    q = 0
     for k in range(num_ends):
         j = ends[k]
         max_e = 0
         max_d = 0
-        for w in range(1, min(w_hi - 1, j + 1) + 1):
+        for w in range(1, min(w_hi[k] - 1, j + 1) + 1):
             i = j - w + 1
             if e[i] > max_e:
                 max_e = e[i]
             if d[i] > max_d:
                 max_d = d[i]
-            if w >= w_lo:
-                b[k, w - w_lo] = w
-                E[k, w - w_lo] = max_e
-                D[k, w - w_lo] = max_d
-    return b, E, D
+            if w < w_lo[k]:
+                continue
+            longest_e[q] = max_e
+            longest_d[q] = max_d
+            if flat:
+                b[q] = 1
+                E[q] = cum_e[j + 1] - cum_e[i]
+                D[q] = cum_d[j + 1] - cum_d[i]
+            else:
+                b[q] = w
+                E[q] = max_e
+                D[q] = max_d
+            if with_pairs:
+                for c in range(3):
+                    pairs[q, c] = prefix[j + 1, c] - prefix[i, c]
+            q += 1
+    return counts, b, E, D, longest_e, longest_d, pairs
+
+
+@njit(cache=True)
+def _band_fits(counts, times, fits):
+    """Per end of a band (runs laid out as :func:`_band_runs` returns them): how many of its runs, shortest first,
+    fit before the first that does not (``fits``), and the slowest time of those of its runs that fit (0: none)."""
+    num_ends = counts.shape[0]
+    num_fit = np.zeros(num_ends, dtype=np.int64)
+    slowest = np.zeros(num_ends)
+    q = 0
+    for k in range(num_ends):
+        leading = True
+        for c in range(counts[k]):
+            if fits[q + c]:
+                if leading:
+                    num_fit[k] += 1
+                if times[q + c] > slowest[k]:
+                    slowest[k] = times[q + c]
+            else:
+                leading = False
+        q += counts[k]
+    return num_fit, slowest
+
+
+@njit(cache=True)
+def _scatter_band(table, ends, w_lo, counts, values):
+    """Write a band's per-run ``values`` (laid out as :func:`_band_runs` returns them, the runs of ``ends[k]`` from
+    length ``w_lo[k]``) into the run table ``table[end, w - 1]``, the lengths past the table's width left out."""
+    q = 0
+    for k in range(ends.shape[0]):
+        for c in range(counts[k]):
+            col = w_lo[k] - 1 + c
+            if col < table.shape[1]:
+                table[ends[k], col] = values[q + c]
+        q += counts[k]
 
 
 @njit(cache=True)

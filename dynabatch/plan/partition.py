@@ -25,11 +25,12 @@ of up to ``S`` micro-batches while running one backward; the bound is exact when
 flight are alike, and only approximate when a small-stored, large-peak one meets large-stored ones, so
 the schedule validator checks the real memory timeline), at most ``max_samples`` samples and at most
 ``max_tokens`` padded tokens ``w (E + D)``. A run is kept only if all its shorter suffixes are (true
-for costs non-decreasing in ``b, E, D``), so the band length per end is found by doubling it for the
+for costs non-decreasing in ``b, E, D``), so the band length per end is found by growing it for the
 ends still feasible: O(log W) cost-model calls, O(sum of band lengths) shapes. A row stops growing, too, once
 its runs are too slow to be in a plan better than the DP's plan on the first band (``U``: no run slower than
 ``U / W`` can be, ``W`` the objective's weight; :func:`_candidate_runs`), which leaves the optimum as it was and on
-heavy-tailed batches prices about half the runs. Run times are made non-decreasing in the run length, so the DP
+heavy-tailed batches prices about half the runs; once ``U`` is known, each row's next band reaches about where its
+runs cross ``U / W`` (:func:`_next_band_end`), mostly in one more call. Run times are made non-decreasing in the run length, so the DP
 scans each band until the first run over the cap: one cap costs O(N x runs under the cap), worst case O(N x W).
 
 Measured (``scripts/bench_planner.py``, 2 shared CPU cores, warm, median; FLAN-like lengths, S = 4,
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynabatch.plan._kernels import _run_shapes, _solve_partition
+from dynabatch.plan._kernels import _band_fits, _band_runs, _scatter_band, _solve_partition
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_padded, padded_lengths
 from dynabatch.core.sequence import is_seq2seq
@@ -57,12 +58,15 @@ if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup
 
 FIRST_BAND = 16
-"""Run lengths evaluated in the first cost-model call; the band then doubles while runs still fit."""
+"""Run lengths evaluated in the first cost-model call; the band then grows while runs still fit
+(:func:`_next_band_end`)."""
 ONE_CALL_RUNS = 4096
 """Up to this many candidate runs (``N x`` the longest run allowed) are all priced in the first call: a call's
 fixed cost (a tenth of a millisecond on the compiled analytic model, milliseconds on a layer model priced by its
 Python methods) outweighs pricing runs that turn out not to fit.
 Either way the table within the band is the same, and the DP reads nothing outside it."""
+BAND_MARGIN = 0.1
+"""How far past its estimated reach of the pruning bound an end's next band goes (:func:`_next_band_end`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -342,6 +346,33 @@ class _Runs:
         return (np.ones_like(widths), self.cum_e[ends + 1] - self.cum_e[starts],
                 self.cum_d[ends + 1] - self.cum_d[starts], pairs)
 
+    def band(self, ends, w_lo: int, w_hi: int):
+        """The runs of lengths ``w_lo .. w_hi - 1`` ending at ``ends``, end by end (those starting at sample 0 or
+        later): ``(counts, b, E, D, pairs)``, ``counts`` the runs of each end and the rest as :meth:`priced` gives
+        them, run by run (:func:`~dynabatch.plan._kernels._band_runs`: one pass)."""
+        prefix = _NO_PAIRS if self.prefix is None else self.prefix
+        counts, b, E, D, longest_e, longest_d, sums = _band_runs(self.e, self.d, self.cum_e, self.cum_d, prefix,
+                                                                  self.flat, ends, w_lo, w_hi)
+        pairs = None if self.prefix is None else AttentionPairs.of_sums(
+            sums[:, 0], sums[:, 1], sums[:, 2], longest=(longest_e, longest_d) if self.flat else None)
+        return counts, b, E, D, pairs
+
+
+_NO_PAIRS = np.zeros((0, 3))
+
+
+@dataclass(frozen=True)
+class _Band:
+    """One cost-model call of :func:`_candidate_runs`: the runs of lengths ``w_lo ..`` ending at ``ends``, end by
+    end (``counts`` each), with their times and bytes."""
+
+    ends: np.ndarray
+    w_lo: int
+    counts: np.ndarray
+    times: np.ndarray
+    stored: np.ndarray
+    peak: np.ndarray
+
 
 def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw,
                     memory: dict | None = None, prune: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -362,66 +393,79 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
     max_w = min(n, limits.max_samples or n)
     band = np.zeros(n, dtype=np.int64)
     slowest = np.zeros(n)  # each end's slowest run priced so far (within its band)
-    blocks = []  # (ends, w_lo, times (K, C))
+    bands: list[_Band] = []
     alive = np.arange(n, dtype=np.int64)
+    w_lo = np.ones(n, dtype=np.int64)  # the lengths each alive end prices next: w_lo .. w_hi - 1
+    w_hi = np.full(n, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1, dtype=np.int64)
     bound = np.inf
-    w_lo, w_hi = 1, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1
-    while alive.size and w_lo <= max_w:
-        b, E, D = _run_shapes(e, d, alive, w_lo, w_hi)  # (K, C) each
-        exists = b > 0
-        times = np.full(b.shape, np.inf)
-        fits = np.zeros(b.shape, dtype=bool)
-        ends = np.broadcast_to(alive[:, None], b.shape)
-        rb, rE, rD, pairs = runs.priced(ends[exists], b[exists], E[exists], D[exists])
+    while alive.size:
+        counts, rb, rE, rD, pairs = runs.band(alive, w_lo, w_hi)
         t, stored, peak = _evaluate_distinct(cost_model, rb, rE, rD, pairs)
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= rb * (rE + rD) <= limits.max_tokens
         if limits.max_row is not None:
             ok &= (rE <= limits.max_row[0]) & (rD <= limits.max_row[1])
-        times[exists] = t
-        fits[exists] = ok
-        if memory is not None:
-            memory.setdefault("blocks", []).append((alive, w_lo, exists, np.asarray(stored), np.asarray(peak)))
-        if w_lo == 1 and not fits[:, 0].all():
+        num_fit, slowest_fit = _band_fits(counts, t, ok)
+        first = not bands
+        if first and not num_fit.all():
             _raise_single_sample(cost_model, limits, perm, e_raw, d_raw, e, d)
-        num_fit = np.where(fits.all(axis=1), fits.shape[1], np.argmin(fits, axis=1))
         band[alive] += num_fit
-        blocks.append((alive, w_lo, times))
-        slowest[alive] = np.maximum(slowest[alive], np.where(fits, times, 0.0).max(axis=1))
-        if prune is not None and w_lo == 1 and w_hi <= max_w:  # more to price: bound it by the DP on this band
-            bound = _plan_bound(blocks, band, *prune)
-        alive = alive[(num_fit == fits.shape[1]) & (alive + 1 >= w_hi) & (slowest[alive] <= bound)]
-        w_lo, w_hi = w_hi, min(max_w, 2 * (w_hi - 1)) + 1
-    T = _assemble(blocks, band)
+        bands.append(_Band(alive, w_lo, counts, t, stored, peak))
+        slowest[alive] = np.maximum(slowest[alive], slowest_fit)
+        if prune is not None and first and (w_hi <= max_w).any():  # more to price: bound it by the DP on this band
+            bound = _plan_bound(bands, band, *prune)
+        more = (num_fit == w_hi - w_lo) & (alive + 1 >= w_hi) & (slowest[alive] <= bound) & (w_hi <= max_w)
+        next_hi = _next_band_end(counts, t, w_lo, w_hi, bound, max_w)
+        alive, w_lo, w_hi = alive[more], w_hi[more], next_hi[more]
+    T = _assemble(bands, band)
     if memory is not None:
-        for key, k in (("stored", 3), ("peak", 4)):
-            table = np.full(T.shape, np.nan)
-            for ends, lo, exists, *values in memory["blocks"]:
-                block = np.full(exists.shape, np.nan)
-                block[exists] = values[k - 3]
-                width = min(block.shape[1], T.shape[1] - lo + 1)
-                table[ends, lo - 1 : lo - 1 + width] = block[:, :width]
-            memory[key] = table
-        del memory["blocks"]
+        for key in ("stored", "peak"):
+            memory[key] = _table_of(bands, T.shape, key, np.nan)
     return T, band
 
 
-def _assemble(blocks, band) -> np.ndarray:
-    """The (N, max band) run-time table of the priced ``blocks`` (``(ends, w_lo, times)``), made non-decreasing
-    along each row (the DP stops scanning a row at its first run over the cap)."""
-    T = np.full((band.size, int(band.max())), np.inf)
-    for ends, lo, times in blocks:
-        width = min(times.shape[1], T.shape[1] - lo + 1)
-        T[ends, lo - 1 : lo - 1 + width] = times[:, :width]
+def _next_band_end(counts, times, w_lo, w_hi, bound: float, max_w: int) -> np.ndarray:
+    """Where each end's next band stops (exclusive), its runs so far ``w_lo .. w_hi - 1`` priced at ``times`` (laid
+    out as :func:`~dynabatch.plan._kernels._band_runs` gives them). Without a pruning ``bound`` the band doubles.
+    Under one, it goes a little (:data:`BAND_MARGIN`) past the length where the line through the band's first and
+    last times reaches the bound, in one cost-model call: runs slower than the bound are in no better plan, and an
+    end whose band still ends below the bound grows again in the next call (doubling where its times do not rise).
+    Which lengths each call prices changes, not which runs the table ends with within the bound."""
+    last = np.cumsum(counts) - 1
+    longest = w_hi - 1
+    doubled = np.minimum(max_w, 2 * longest)
+    if not np.isfinite(bound) or not last.size:
+        return doubled + 1
+    t_first, t_last = times[np.maximum(last - counts + 1, 0)], times[np.maximum(last, 0)]
+    rising = (counts > 1) & (t_last > t_first)
+    slope = np.where(rising, (t_last - t_first) / np.maximum(longest - w_lo, 1), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        reach = np.where(rising, longest + (bound - t_last) / np.where(rising, slope, 1.0), np.inf)
+    guess = np.ceil(reach * (1.0 + BAND_MARGIN))
+    return np.minimum(max_w, np.maximum(longest + 1, np.nan_to_num(guess, posinf=doubled))).astype(np.int64) + 1
+
+
+def _table_of(bands: list[_Band], shape, field: str, fill: float) -> np.ndarray:
+    """The (N, W) table of one field of the runs of ``bands`` (``fill`` where no run was priced)."""
+    table = np.full(shape, fill)
+    for x in bands:
+        _scatter_band(table, x.ends, x.w_lo, x.counts, np.asarray(getattr(x, field), dtype=np.float64))
+    return table
+
+
+def _assemble(bands: list[_Band], band) -> np.ndarray:
+    """The (N, max band) run-time table of the priced ``bands``, made non-decreasing along each row (the DP stops
+    scanning a row at its first run over the cap)."""
+    T = _table_of(bands, (band.size, int(band.max())), "times", np.inf)
     np.maximum.accumulate(T, axis=1, out=T)
     return T
 
 
-def _plan_bound(blocks, band, weight: float, tolerance: float) -> float:
+def _plan_bound(bands: list[_Band], band, weight: float, tolerance: float) -> float:
     """``U / W`` (:func:`_candidate_runs`, "Pruning"): ``U`` the objective of the DP's plan on the runs priced so
     far, under the fill-and-drain weight ``W``."""
-    _, objective, _ = _solve_partition(_assemble(blocks, band), band, weight, tolerance)
+    _, objective, _ = _solve_partition(_assemble(bands, band), band, weight, tolerance)
     return float(objective) / weight
 
 

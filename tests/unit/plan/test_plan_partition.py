@@ -82,10 +82,46 @@ def test_small_kernels_match_twins(seed):
     ends = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
     w_lo = int(rng.integers(1, 5))
     w_hi = w_lo + int(rng.integers(1, 8))
-    got = K._run_shapes(e, d, ends, w_lo, w_hi)
-    want = ref.run_shapes(e, d, ends.tolist(), w_lo, w_hi)
-    for g, w in zip(got, want):
-        assert g.tolist() == w
+    w_lo = rng.integers(1, 5, ends.size)  # each end its own lengths
+    w_hi = w_lo + rng.integers(1, 8, ends.size)
+    per_end = [ref.run_shapes(e, d, [j], lo, hi) for j, lo, hi in zip(ends.tolist(), w_lo.tolist(), w_hi.tolist())]
+    runs = [(j, w, me, md) for j, (bs, es, ds) in zip(ends.tolist(), per_end)
+            for w, me, md in zip(bs[0], es[0], ds[0]) if w > 0]  # (end, length, longest e, longest d) run by run
+    cum_e, cum_d = np.concatenate(([0], np.cumsum(e))), np.concatenate(([0], np.cumsum(d)))
+    prefix = np.concatenate([np.zeros((1, 3)), np.cumsum(rng.random((n, 3)), axis=0)])
+    for flat, pairs in itertools.product((False, True), (np.zeros((0, 3)), prefix)):
+        counts, b, E, D, longest_e, longest_d, sums = K._band_runs(e, d, cum_e, cum_d, pairs, flat, ends, w_lo, w_hi)
+        assert counts.tolist() == [sum(w > 0 for w in bs[0]) for bs, _, _ in per_end]
+        assert longest_e.tolist() == [me for _, _, me, _ in runs]
+        assert longest_d.tolist() == [md for _, _, _, md in runs]
+        run_ends = np.array([j for j, _, _, _ in runs], dtype=np.int64)
+        widths = np.array([w for _, w, _, _ in runs], dtype=np.int64)
+        starts = run_ends + 1 - widths
+        if flat:
+            assert b.tolist() == [1] * b.size
+            assert E.tolist() == [int(e[i : j + 1].sum()) for i, j in zip(starts, run_ends)]
+            assert D.tolist() == [int(d[i : j + 1].sum()) for i, j in zip(starts, run_ends)]
+        else:
+            assert (b.tolist(), E.tolist(), D.tolist()) == (widths.tolist(), longest_e.tolist(), longest_d.tolist())
+        assert sums.shape == ((b.size, 3) if pairs.size else (0, 3))
+        if pairs.size:
+            assert np.array_equal(sums, pairs[run_ends + 1] - pairs[starts])
+    times, fits = rng.random(b.size), rng.random(b.size) < 0.8
+    num_fit, slowest = K._band_fits(counts, times, fits)
+    q = 0
+    for k, c in enumerate(counts):
+        row_fits, row_times = fits[q : q + c], times[q : q + c]
+        assert num_fit[k] == (c if row_fits.all() else int(np.argmin(row_fits)))
+        assert slowest[k] == np.where(row_fits, row_times, 0.0).max(initial=0.0)
+        q += c
+    table = np.full((n, 3), -1.0)
+    K._scatter_band(table, ends, w_lo, counts, times)
+    written = 0
+    for (j, w, _, _), t in zip(runs, times):
+        if w <= 3:
+            assert table[j, w - 1] == t
+            written += 1
+    assert (table != -1.0).sum() == written
     T, L = random_bands(rng, n, 6, integer_times=True)
     assert K._min_max_dp(T, L) == ref.min_max_dp(T.tolist(), L.tolist())
     for tol in (0.0, 0.1, 1.0):
