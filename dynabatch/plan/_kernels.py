@@ -91,6 +91,32 @@ def _band_fits(counts, times, fits):
 
 
 @njit(cache=True)
+def _next_band_ends(counts, times, w_lo, w_hi, bound, max_w, margin):
+    """Where each end's next band stops (exclusive), its runs so far ``w_lo[k] .. w_hi[k] - 1`` priced at ``times``
+    (laid out as :func:`_band_runs` returns them), at most ``max_w + 1``. Without a pruning ``bound`` (inf) the band
+    doubles. Under one, it goes ``margin`` past the length where the line through the band's last (up to 5) times
+    reaches the bound, in one cost-model call: runs slower than the bound are in no better plan, and an end whose
+    band still ends below it grows again in the next call (doubling where its times do not rise). Which lengths
+    each call prices changes, not which runs the table ends with within the bound. (The last times: on heavy-tailed
+    batches a row's times grow faster than a line, and the slope from its first time overshot the bound more.)"""
+    num_ends = counts.shape[0]
+    out = np.empty(num_ends, dtype=np.int64)
+    q = 0
+    for k in range(num_ends):
+        longest = w_hi[k] - 1
+        end = min(max_w, 2 * longest)
+        c = counts[k]
+        first = q + max(c - 4, 0)
+        if c > 1 and bound < np.inf and times[q + c - 1] > times[first]:
+            slope = (times[q + c - 1] - times[first]) / (q + c - 1 - first)
+            reach = longest + (bound - times[q + c - 1]) / slope
+            end = int(min(float(max_w), max(float(longest + 1), np.ceil(reach * (1.0 + margin)))))
+        out[k] = end + 1
+        q += c
+    return out
+
+
+@njit(cache=True)
 def _scatter_band(table, ends, w_lo, counts, values):
     """Write a band's per-run ``values`` (laid out as :func:`_band_runs` returns them, the runs of ``ends[k]`` from
     length ``w_lo[k]``) into the run table ``table[end, w - 1]``, the lengths past the table's width left out."""

@@ -30,7 +30,7 @@ ends still feasible: O(log W) cost-model calls, O(sum of band lengths) shapes. A
 its runs are too slow to be in a plan better than the DP's plan on the first band (``U``: no run slower than
 ``U / W`` can be, ``W`` the objective's weight; :func:`_candidate_runs`), which leaves the optimum as it was and on
 heavy-tailed batches prices about half the runs; once ``U`` is known, each row's next band reaches about where its
-runs cross ``U / W`` (:func:`_next_band_end`), mostly in one more call. Run times are made non-decreasing in the run length, so the DP
+runs cross ``U / W`` (:func:`~dynabatch.plan._kernels._next_band_ends`), mostly in one more call. Run times are made non-decreasing in the run length, so the DP
 scans each band until the first run over the cap: one cap costs O(N x runs under the cap), worst case O(N x W).
 
 Measured (``scripts/bench_planner.py``, 2 shared CPU cores, warm, median; FLAN-like lengths, S = 4,
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynabatch.plan._kernels import _band_fits, _band_runs, _scatter_band, _solve_partition
+from dynabatch.plan._kernels import _band_fits, _band_runs, _next_band_ends, _scatter_band, _solve_partition
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_padded, padded_lengths
 from dynabatch.core.sequence import is_seq2seq
@@ -59,14 +59,14 @@ if TYPE_CHECKING:
 
 FIRST_BAND = 16
 """Run lengths evaluated in the first cost-model call; the band then grows while runs still fit
-(:func:`_next_band_end`)."""
+(:func:`~dynabatch.plan._kernels._next_band_ends`)."""
 ONE_CALL_RUNS = 4096
 """Up to this many candidate runs (``N x`` the longest run allowed) are all priced in the first call: a call's
 fixed cost (a tenth of a millisecond on the compiled analytic model, milliseconds on a layer model priced by its
 Python methods) outweighs pricing runs that turn out not to fit.
 Either way the table within the band is the same, and the DP reads nothing outside it."""
 BAND_MARGIN = 0.1
-"""How far past its estimated reach of the pruning bound an end's next band goes (:func:`_next_band_end`)."""
+"""How far past its estimated reach of the pruning bound an end's next band goes (:func:`~dynabatch.plan._kernels._next_band_ends`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -416,34 +416,13 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         if prune is not None and first and (w_hi <= max_w).any():  # more to price: bound it by the DP on this band
             bound = _plan_bound(bands, band, *prune)
         more = (num_fit == w_hi - w_lo) & (alive + 1 >= w_hi) & (slowest[alive] <= bound) & (w_hi <= max_w)
-        next_hi = _next_band_end(counts, t, w_lo, w_hi, bound, max_w)
+        next_hi = _next_band_ends(counts, t, w_lo, w_hi, bound, max_w, BAND_MARGIN)
         alive, w_lo, w_hi = alive[more], w_hi[more], next_hi[more]
     T = _assemble(bands, band)
     if memory is not None:
         for key in ("stored", "peak"):
             memory[key] = _table_of(bands, T.shape, key, np.nan)
     return T, band
-
-
-def _next_band_end(counts, times, w_lo, w_hi, bound: float, max_w: int) -> np.ndarray:
-    """Where each end's next band stops (exclusive), its runs so far ``w_lo .. w_hi - 1`` priced at ``times`` (laid
-    out as :func:`~dynabatch.plan._kernels._band_runs` gives them). Without a pruning ``bound`` the band doubles.
-    Under one, it goes a little (:data:`BAND_MARGIN`) past the length where the line through the band's first and
-    last times reaches the bound, in one cost-model call: runs slower than the bound are in no better plan, and an
-    end whose band still ends below the bound grows again in the next call (doubling where its times do not rise).
-    Which lengths each call prices changes, not which runs the table ends with within the bound."""
-    last = np.cumsum(counts) - 1
-    longest = w_hi - 1
-    doubled = np.minimum(max_w, 2 * longest)
-    if not np.isfinite(bound) or not last.size:
-        return doubled + 1
-    t_first, t_last = times[np.maximum(last - counts + 1, 0)], times[np.maximum(last, 0)]
-    rising = (counts > 1) & (t_last > t_first)
-    slope = np.where(rising, (t_last - t_first) / np.maximum(longest - w_lo, 1), 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        reach = np.where(rising, longest + (bound - t_last) / np.where(rising, slope, 1.0), np.inf)
-    guess = np.ceil(reach * (1.0 + BAND_MARGIN))
-    return np.minimum(max_w, np.maximum(longest + 1, np.nan_to_num(guess, posinf=doubled))).astype(np.int64) + 1
 
 
 def _table_of(bands: list[_Band], shape, field: str, fill: float) -> np.ndarray:
