@@ -486,9 +486,9 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
             keys = [(capacity == FLAT, group) for group in grouped]
             laid = [(s,) if capacity == FLAT else group for s, group in zip(samples, grouped)]
             new = [k for k, key in enumerate(keys) if key not in how.row_work]
-            for k, (_, calls, longest) in zip(new, rows_work([laid[k] for k in new], e, d, family)):
-                total = tuple(float(x) for x in np.asarray(unit_pairs)[list(groups[k])].sum(axis=0))
-                how.row_work[keys[k]] = (laid[k], total, calls, longest)
+            totals = _group_sums(unit_pairs, [groups[k] for k in new])  # integers: exact in any order
+            for k, total, (_, calls, longest) in zip(new, totals, rows_work([laid[k] for k in new], e, d, family)):
+                how.row_work[keys[k]] = (laid[k], tuple(total), calls, longest)
             out = []
             for key, s, shape, t in zip(keys, samples, shapes, times):
                 placed, total, calls, longest = how.row_work[key]
@@ -536,6 +536,17 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     sliced_ids = [i for i, _, _ in sliced]  # and those --zero 2's equal counts cut into slices
     sliced_ids += sorted({p.sample_ids[0] for ps in replica_pieces for p in ps if p.is_slice} - set(sliced_ids))
     return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(sliced_ids))
+
+
+def _group_sums(values, groups) -> list[list[float]]:
+    """The sums of the rows of ``values`` (N, K) over each of ``groups`` (non-empty sequences of row indices), in
+    one ``reduceat``."""
+    if not groups:
+        return []
+    sizes = [len(g) for g in groups]
+    ids = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=sum(sizes))
+    starts = np.cumsum([0, *sizes[:-1]])
+    return np.add.reduceat(np.asarray(values, dtype=np.float64)[ids], starts, axis=0).tolist()
 
 
 def _halve_slice(piece: Piece, slice_cost_model) -> tuple[Piece, Piece] | None:
