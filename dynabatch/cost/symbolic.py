@@ -265,8 +265,8 @@ def compile_forms(forms) -> Program:
         key = form.key
         if key in nodes:
             return nodes[key]
-        if len(key) == 1 and key[0][0][0] == "m" and key[0][1] == 1.0:
-            return ("m", monomial(key[0][0][1]))
+        if len(key) == 1 and key[0][1] == 1.0:  # a bare monomial or maximum: its own column, not a copy
+            return column_of_atom(key[0][0])
         entries = [(column_of_atom(atom), w) for atom, w in key]
         node_list.append((0, entries))
         nodes[key] = ("n", len(node_list) - 1)
