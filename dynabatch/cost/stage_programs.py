@@ -76,11 +76,17 @@ class StagePrograms:
 
     def _run(self, what: str, b, E, D, pairs):  # noqa: N803
         signature = Signature.of(D, pairs)
+        values = self.rows(what, variables(b, E, D, pairs, signature), signature)
+        return None if values is None else values.reshape(-1, len(self.stages), *np.shape(b))  # (outputs, S, *shape)
+
+    def rows(self, what: str, x: np.ndarray, signature: Signature) -> np.ndarray | None:
+        """``(outputs, S, n)``: :meth:`priced` (``what="priced"``) or :meth:`terms` of the queries whose inputs are
+        the columns of ``x`` (``(len(VARIABLES), n)`` float64, :func:`variables`), all of ``signature``; ``None``
+        when the model cannot be traced."""
         program = self._program(what, signature)
         if program is None:
             return None
-        values = program.run(_variables(b, E, D, pairs, signature))
-        return values.reshape(-1, len(self.stages), *np.shape(b))  # (outputs, S, *shape)
+        return program.run(x).reshape(-1, len(self.stages), x.shape[1])
 
     def traced(self) -> dict:
         """Whether each ``(what, signature)`` asked for so far was traced and compiled (``False``: the model's methods
@@ -136,7 +142,7 @@ def programs_of(model, stages) -> StagePrograms:
     return programs
 
 
-def _variables(b, E, D, pairs: AttentionPairs | None, signature: Signature) -> np.ndarray:  # noqa: N803
+def variables(b, E, D, pairs: AttentionPairs | None, signature: Signature) -> np.ndarray:  # noqa: N803
     """``(len(VARIABLES), n)`` rows of the flattened inputs; the rows a signature does not use are zero."""
     n = int(np.size(b))
     x = np.zeros((len(VARIABLES), n))
@@ -153,4 +159,4 @@ def _variables(b, E, D, pairs: AttentionPairs | None, signature: Signature) -> n
     return x
 
 
-__all__ = ["PRICED", "Signature", "StagePrograms", "programs_of"]
+__all__ = ["PRICED", "Signature", "StagePrograms", "programs_of", "variables"]

@@ -40,7 +40,7 @@ import numpy as np
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
 from dynabatch.cost.model_states import per_rank_state_bytes
 from dynabatch.cost._kernels import _planner_view
-from dynabatch.cost.stage_programs import PRICED, StagePrograms, programs_of
+from dynabatch.cost.stage_programs import PRICED, Signature, StagePrograms, programs_of, variables
 from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, check_policy, choose_modes, select
 
 RECOMPUTE_SUBSET_FITS = 0.5
@@ -504,33 +504,53 @@ class StageCostModel:
         return self.reduce(self.per_stage(b, E, D, pairs))
 
     def _evaluate_compiled(self, b, E, D, pairs):  # noqa: N803
-        """:meth:`evaluate` through :attr:`programs` and one numba pass over the entries
-        (``dynabatch.cost._kernels._planner_view``: the recomputation choice and :meth:`reduce`, entry by entry);
-        under ``auto`` the recomputation terms are computed for the entries that do not fit without them only.
-        ``None`` where that path does not apply (no programs, a subclass pricing otherwise, a model not traced)."""
+        """:meth:`evaluate` through :attr:`programs` (:meth:`evaluate_variables`), ``None`` where that path does not
+        apply (no programs, a subclass pricing otherwise, a model not traced)."""
         if self.programs is None or type(self)._priced is not StageCostModel._priced:
             return None
         b, E, D = self._inputs(b, E, D)
         b, E, D, pairs = self.model.checked_inputs(b, E, D, pairs)
-        shape = b.shape
-        flat = [b.ravel(), E.ravel(), None if D is None else D.ravel(), None if pairs is None else pairs.ravel()]
-        priced = self.programs.priced(*flat)
+        signature = Signature.of(D, pairs)
+        flat = (b.ravel(), E.ravel(), None if D is None else D.ravel(), None if pairs is None else pairs.ravel())
+        out = self.evaluate_variables(variables(*flat, signature), pairs=signature.pairs, calls=signature.calls,
+                                      longest=signature.longest)
+        return None if out is None else tuple(x.reshape(b.shape) for x in out)
+
+    def evaluate_variables(self, x: np.ndarray, *, pairs: bool = False, calls: bool = False, longest: bool = False):
+        """:meth:`evaluate` of queries given as the columns of ``x``: ``(len(VARIABLES), n)`` float64 rows of
+        :data:`~dynabatch.cost.symbolic.VARIABLES` (the decoder row read only by a layout with a decoder; ``pairs``,
+        ``calls``, ``longest``: which of those rows the queries have, the others zero), as the planner builds its runs
+        without a per-call check of arrays it made. ``None`` where the compiled path does not apply (then
+        :meth:`evaluate`, as in a subclass that prices otherwise) or where ``b``, ``E`` or ``D`` is not >= 1
+        (:meth:`evaluate` says why).
+
+        One numba pass over the entries (``dynabatch.cost._kernels._planner_view``) makes the recomputation choice
+        and :meth:`reduce`, entry by entry; under ``auto`` the recomputation terms are computed for the entries that
+        do not fit without them only."""
+        if type(self).evaluate is not StageCostModel.evaluate:
+            return None
+        if self.programs is None or type(self)._priced is not StageCostModel._priced:
+            return None
+        decoder = self._has_decoder()
+        signature = Signature(decoder, pairs, calls, longest)
+        b, E, D = x[0], x[1], (x[2] if decoder else None)
+        if x.shape[1] and not all(a.min() >= 1 for a in (b, E, D) if a is not None):  # NaN fails too
+            return None
+        priced = self.programs.rows("priced", x, signature)
         if priced is None:
             return None
         policy = RECOMPUTE_POLICY_CODES[self.recompute]
-        load = self._load_bytes(*flat[:3])
-        terms = self.programs.terms(*flat) if policy >= 2 else None
-        n = flat[0].size
+        load = self._load_bytes(b, E, D)
+        terms = self.programs.rows("terms", x, signature) if policy >= 2 else None
+        n = x.shape[1]
         out = [np.empty(n) for _ in range(3)]
         fits = np.empty(n, dtype=np.bool_)
         view = (self.num_stages, self.single_sample_alone, self.memory_budget_bytes, policy, *out, fits)
-        _planner_view(*priced, load, np.arange(n), _NO_TERMS if terms is None else terms, terms is not None, flat[0],
-                      *view)
+        _planner_view(*priced, load, np.arange(n), _NO_TERMS if terms is None else terms, terms is not None, b, *view)
         if policy == 1 and not fits.all():  # auto: the entries that do not fit without recomputation, with terms
             idx = np.flatnonzero(~fits)
-            terms = self.programs.terms(*(x if x is None else x[idx] for x in flat))
-            _planner_view(*priced, load, idx, terms, True, flat[0], *view)
-        return tuple(x.reshape(shape) for x in out)
+            _planner_view(*priced, load, idx, self.programs.rows("terms", x[:, idx], signature), True, b, *view)
+        return tuple(out)
 
     def reduce(self, c: StageCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The planner view (:meth:`evaluate`) of per-stage costs ``c``: the largest time over the stages, the
@@ -553,7 +573,10 @@ class StageCostModel:
     def _inputs(self, b, E, D):
         """Float arrays ``(b, E, D)``; ``D = None`` for a decoder-only layout (E is the sequence length)."""
         b, E, D = (np.asarray(x, dtype=np.float64) for x in (b, E, D))
-        return b, E, (D if any("t5_decoder" in s for s in self.layout.stages) else None)
+        return b, E, (D if self._has_decoder() else None)
+
+    def _has_decoder(self) -> bool:
+        return any("t5_decoder" in s for s in self.layout.stages)
 
     def _load_bytes(self, b, E, D) -> np.ndarray:
         """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays; :data:`LOAD_BYTES_PER_TOKEN`)."""

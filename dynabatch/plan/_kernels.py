@@ -17,27 +17,22 @@ from numba import njit
 
 
 @njit(cache=True)
-def _band_runs(e, d, cum_e, cum_d, prefix, flat, ends, w_lo, w_hi):
+def _band_runs(e, d, cum_e, cum_d, prefix, flat, ends, w_lo, w_hi, rows_at, num_rows):
     """The runs of lengths ``w_lo[k] .. w_hi[k] - 1`` ending at each ``ends[k]`` (those starting at sample 0 or
     later), end by end, shortest first, as the cost model prices them.
 
-    Returns ``counts`` (K,): the runs of each end; then per run (M = ``counts.sum()``): ``b, E, D`` (int64) priced
-    padded (``(w, longest e, longest d)``) or, with ``flat``, as one row (``(1, sum e, sum d)``), the longest ``e``
-    and ``d`` of the run, and ``pairs`` (M, 3): the sums of the units' attention pairs over the run from their
-    prefix sums ``prefix`` ((N + 1, 3); a (0, 3) array: no pairs, and ``pairs`` is (0, 3) too).
+    Returns ``counts`` (K,): the runs of each end, and ``x`` (``num_rows``, M = ``counts.sum()``) float64, one column
+    per run: row ``rows_at[0]``, ``[1]``, ``[2]`` its ``b, E, D`` priced padded (``(w, longest e, longest d)``) or,
+    with ``flat``, as one row (``(1, sum e, sum d)``); rows ``rows_at[3:6]`` the sums of the units' attention pairs
+    over the run from their prefix sums ``prefix`` ((N + 1, 3); a (0, 3) array: none); rows ``rows_at[6:8]`` its
+    longest ``e`` and ``d``. A negative ``rows_at`` entry is not written; rows not written are zero.
     """
     num_ends = ends.shape[0]
     counts = np.zeros(num_ends, dtype=np.int64)
     for k in range(num_ends):
         counts[k] = max(0, min(w_hi[k] - 1, ends[k] + 1) - w_lo[k] + 1)
-    m = counts.sum()
-    b = np.empty(m, dtype=np.int64)
-    E = np.empty(m, dtype=np.int64)
-    D = np.empty(m, dtype=np.int64)
-    longest_e = np.empty(m, dtype=np.int64)
-    longest_d = np.empty(m, dtype=np.int64)
+    x = np.zeros((num_rows, counts.sum()))
     with_pairs = prefix.shape[0] > 0
-    pairs = np.empty((m if with_pairs else 0, 3))
     q = 0
     for k in range(num_ends):
         j = ends[k]
@@ -51,21 +46,23 @@ def _band_runs(e, d, cum_e, cum_d, prefix, flat, ends, w_lo, w_hi):
                 max_d = d[i]
             if w < w_lo[k]:
                 continue
-            longest_e[q] = max_e
-            longest_d[q] = max_d
             if flat:
-                b[q] = 1
-                E[q] = cum_e[j + 1] - cum_e[i]
-                D[q] = cum_d[j + 1] - cum_d[i]
+                shape = (1, cum_e[j + 1] - cum_e[i], cum_d[j + 1] - cum_d[i])
             else:
-                b[q] = w
-                E[q] = max_e
-                D[q] = max_d
+                shape = (w, max_e, max_d)
+            for r in range(3):
+                if rows_at[r] >= 0:
+                    x[rows_at[r], q] = shape[r]
             if with_pairs:
                 for c in range(3):
-                    pairs[q, c] = prefix[j + 1, c] - prefix[i, c]
+                    if rows_at[3 + c] >= 0:
+                        x[rows_at[3 + c], q] = prefix[j + 1, c] - prefix[i, c]
+            if rows_at[6] >= 0:
+                x[rows_at[6], q] = max_e
+            if rows_at[7] >= 0:
+                x[rows_at[7], q] = max_d
             q += 1
-    return counts, b, E, D, longest_e, longest_d, pairs
+    return counts, x
 
 
 @njit(cache=True)

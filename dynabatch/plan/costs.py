@@ -138,6 +138,12 @@ def evaluate_costs(
                 raise
             raise ValueError(f"{what} {type(cost_model).__name__} does not price per-segment attention "
                              f"(evaluate has no pairs argument); plan with pack_rows='off'") from e
+    return checked_costs(out, b, x, y, what=what, axes=axes)
+
+
+def checked_costs(out, b, x, y, *, what: str = "cost model", axes: tuple[str, str] = ("E", "D")):
+    """``out``, what a cost model's ``evaluate`` returned for the queries ``(b, x, y)``, as three float64 arrays
+    shaped like ``b``, checked against the contract (:func:`evaluate_costs`)."""
     if not (isinstance(out, tuple) and len(out) == 3):
         raise ValueError(f"{what} evaluate must return (time_s, stored_bytes, peak_bytes), got {type(out)}")
     arrays = tuple(np.asarray(a, dtype=np.float64) for a in out)

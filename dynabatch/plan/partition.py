@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dynabatch.plan._kernels import _band_fits, _band_runs, _next_band_ends, _scatter_band, _solve_partition
-from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, evaluate_costs
+from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, checked_costs, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_padded, padded_lengths
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.baselines import RowGroup
 from dynabatch.cost.pairs import AttentionPairs
+from dynabatch.cost.symbolic import VARIABLES
 
 if TYPE_CHECKING:
     from dynabatch.data.baselines import RowGroup
@@ -346,19 +347,40 @@ class _Runs:
         return (np.ones_like(widths), self.cum_e[ends + 1] - self.cum_e[starts],
                 self.cum_d[ends + 1] - self.cum_d[starts], pairs)
 
-    def band(self, ends, w_lo: int, w_hi: int):
-        """The runs of lengths ``w_lo .. w_hi - 1`` ending at ``ends``, end by end (those starting at sample 0 or
-        later): ``(counts, b, E, D, pairs)``, ``counts`` the runs of each end and the rest as :meth:`priced` gives
-        them, run by run (:func:`~dynabatch.plan._kernels._band_runs`: one pass)."""
-        prefix = _NO_PAIRS if self.prefix is None else self.prefix
-        counts, b, E, D, longest_e, longest_d, sums = _band_runs(self.e, self.d, self.cum_e, self.cum_d, prefix,
-                                                                  self.flat, ends, w_lo, w_hi)
+    def band(self, ends, w_lo, w_hi) -> tuple[np.ndarray, np.ndarray]:
+        """The runs of lengths ``w_lo[k] .. w_hi[k] - 1`` ending at ``ends[k]``, end by end (those starting at
+        sample 0 or later): ``(counts, x)``, ``counts`` the runs of each end and ``x`` the inputs the cost model
+        prices each run with (as :meth:`priced` gives them), one column per run, in the rows of
+        :data:`~dynabatch.cost.symbolic.VARIABLES` (:func:`~dynabatch.plan._kernels._band_runs`: one pass)."""
+        rows_at = _ROWS_AT.copy()
+        if self.prefix is None:
+            rows_at[3:] = -1
+        elif not self.flat:
+            rows_at[6:] = -1
+        return _band_runs(self.e, self.d, self.cum_e, self.cum_d, _NO_PAIRS if self.prefix is None else self.prefix,
+                          self.flat, ends, w_lo, w_hi, rows_at, len(VARIABLES))
+
+    def price(self, cost_model, x: np.ndarray):
+        """``(time, stored, peak)`` of the runs whose inputs are the columns of ``x`` (:meth:`band`): through the
+        cost model's ``evaluate_variables`` where it has one of its own (the compiled analytic model: no per-call
+        check of arrays this planner made, :meth:`~dynabatch.cost.stages.StageCostModel.evaluate_variables`; not one a
+        wrapper forwards past its own ``evaluate``) and it applies, else its ``evaluate``."""
+        b, E, D = x[_ROWS_AT[0]], x[_ROWS_AT[1]], x[_ROWS_AT[2]]
+        fast = getattr(cost_model, "evaluate_variables", None)
+        if getattr(fast, "__self__", None) is cost_model and self.prefix is not None:  # not a wrapper's forward
+            out = fast(x, pairs=True, longest=self.flat)
+            if out is not None:
+                return checked_costs(out, b, E, D)
         pairs = None if self.prefix is None else AttentionPairs.of_sums(
-            sums[:, 0], sums[:, 1], sums[:, 2], longest=(longest_e, longest_d) if self.flat else None)
-        return counts, b, E, D, pairs
+            *(x[r] for r in _ROWS_AT[3:6]), longest=tuple(x[r] for r in _ROWS_AT[6:]) if self.flat else None)
+        return _evaluate_distinct(cost_model, *(a.astype(np.int64) for a in (b, E, D)), pairs)
 
 
 _NO_PAIRS = np.zeros((0, 3))
+_ROWS_AT = np.array([VARIABLES.index(name) for name in ("b", "E", "D", "pairs_encoder", "pairs_decoder", "pairs_cross",
+                                                        "longest_input", "longest_target")], dtype=np.int64)
+"""The rows of :data:`~dynabatch.cost.symbolic.VARIABLES` a run's inputs go to, in the order
+:func:`~dynabatch.plan._kernels._band_runs` writes them."""
 
 
 @dataclass(frozen=True)
@@ -399,8 +421,9 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
     w_hi = np.full(n, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1, dtype=np.int64)
     bound = np.inf
     while alive.size:
-        counts, rb, rE, rD, pairs = runs.band(alive, w_lo, w_hi)
-        t, stored, peak = _evaluate_distinct(cost_model, rb, rE, rD, pairs)
+        counts, x = runs.band(alive, w_lo, w_hi)
+        t, stored, peak = runs.price(cost_model, x)
+        rb, rE, rD = x[_ROWS_AT[0]], x[_ROWS_AT[1]], x[_ROWS_AT[2]]
         ok = limits.in_flight * stored + peak <= limits.budget
         if limits.max_tokens is not None:
             ok &= rb * (rE + rD) <= limits.max_tokens

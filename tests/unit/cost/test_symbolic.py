@@ -112,6 +112,36 @@ def test_compiled_inputs_are_checked_as_the_model_checks_them():
         model.evaluate(np.array([1.0]), np.array([8.0]), None, pairs=(1.0, 0.0, 0.0))
 
 
+@pytest.mark.parametrize("preset,policy", [("t5-large", "auto"), ("gpt-1.3b", "auto"), ("t5-base", "full"),
+                                           ("gpt-350m", "none")])
+def test_variables_as_rows_are_priced_as_evaluate_prices_them(preset, policy):
+    """``evaluate_variables`` (the planner's runs, their inputs laid out as the rows of ``VARIABLES`` with no
+    per-call check) gives exactly what ``evaluate`` gives; with ``b``, ``E`` or ``D`` below 1 it gives ``None``, and
+    ``evaluate`` says why."""
+    layer = AnalyticCostModel.from_names(preset, "a100-40gb")
+    model = StageCostModel(layer, balanced_layout(layer, 4), 12 * 2**30, recompute=policy)
+    seq2seq = is_seq2seq(layer.spec.family)
+    for pairs in ("none", "pairs", "calls", "all"):
+        b, E, D, work = _queries(seq2seq, 700, seed=len(preset), pairs=pairs)  # noqa: N806
+        x = np.zeros((len(VARIABLES), b.size))
+        x[0], x[1] = b, E
+        if seq2seq:
+            x[2] = D
+        if work is not None:
+            x[3], x[4], x[5] = work.encoder, work.decoder, work.cross
+            for r, a in zip((6, 7, 8), work.calls or ()):
+                x[r] = a
+            for r, a in zip((9, 10), work.longest or ()):
+                x[r] = a
+        got = model.evaluate_variables(x, pairs=work is not None, calls=pairs in ("calls", "all"),
+                                       longest=pairs == "all")
+        for rows, evaluated in zip(got, model.evaluate(b, E, D, work)):
+            assert np.array_equal(rows, evaluated)
+    x[1, 5] = 0.0
+    assert model.evaluate_variables(x, pairs=True, calls=True, longest=True) is None
+    assert _python(model).evaluate_variables(x[:, :5], pairs=True) is None  # not compiled: evaluate prices it
+
+
 def test_scalar_and_two_dimensional_queries_keep_their_shape():
     layer = AnalyticCostModel.from_names("t5-base", "a100-40gb")
     model = StageCostModel(layer, balanced_layout(layer, 2), 40 * 2**30, recompute="auto")

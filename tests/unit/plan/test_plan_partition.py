@@ -89,23 +89,37 @@ def test_small_kernels_match_twins(seed):
             for w, me, md in zip(bs[0], es[0], ds[0]) if w > 0]  # (end, length, longest e, longest d) run by run
     cum_e, cum_d = np.concatenate(([0], np.cumsum(e))), np.concatenate(([0], np.cumsum(d)))
     prefix = np.concatenate([np.zeros((1, 3)), np.cumsum(rng.random((n, 3)), axis=0)])
-    for flat, pairs in itertools.product((False, True), (np.zeros((0, 3)), prefix)):
-        counts, b, E, D, longest_e, longest_d, sums = K._band_runs(e, d, cum_e, cum_d, pairs, flat, ends, w_lo, w_hi)
+    rows_at = np.array([4, 0, 2, 7, 5, 3, 1, 6])  # where each of b, E, D, 3 pair sums, 2 longest goes
+    for flat, pairs, skip in itertools.product((False, True), (np.zeros((0, 3)), prefix), (None, 2)):
+        at = rows_at.copy()
+        if skip is not None:
+            at[skip] = -1  # not written: stays zero
+        counts, x = K._band_runs(e, d, cum_e, cum_d, pairs, flat, ends, w_lo, w_hi, at, 9)
+        assert x.shape == (9, len(runs))
+        b, E, D, longest_e, longest_d = (x[r] for r in rows_at[[0, 1, 2, 6, 7]])
         assert counts.tolist() == [sum(w > 0 for w in bs[0]) for bs, _, _ in per_end]
         assert longest_e.tolist() == [me for _, _, me, _ in runs]
         assert longest_d.tolist() == [md for _, _, _, md in runs]
         run_ends = np.array([j for j, _, _, _ in runs], dtype=np.int64)
         widths = np.array([w for _, w, _, _ in runs], dtype=np.int64)
         starts = run_ends + 1 - widths
+        if skip is not None:
+            assert not D.any()
+        elif flat:
+            assert D.tolist() == [int(d[i : j + 1].sum()) for i, j in zip(starts, run_ends)]
+        else:
+            assert D.tolist() == longest_d.tolist()
         if flat:
             assert b.tolist() == [1] * b.size
             assert E.tolist() == [int(e[i : j + 1].sum()) for i, j in zip(starts, run_ends)]
-            assert D.tolist() == [int(d[i : j + 1].sum()) for i, j in zip(starts, run_ends)]
         else:
-            assert (b.tolist(), E.tolist(), D.tolist()) == (widths.tolist(), longest_e.tolist(), longest_d.tolist())
-        assert sums.shape == ((b.size, 3) if pairs.size else (0, 3))
+            assert (b.tolist(), E.tolist()) == (widths.tolist(), longest_e.tolist())
+        sums = x[rows_at[3:6]].T
         if pairs.size:
             assert np.array_equal(sums, pairs[run_ends + 1] - pairs[starts])
+        else:
+            assert not sums.any()
+        assert not x[8].any()  # a row nothing goes to
     times, fits = rng.random(b.size), rng.random(b.size) < 0.8
     num_fit, slowest = K._band_fits(counts, times, fits)
     q = 0
@@ -407,3 +421,51 @@ def test_bad_lengths_and_cost_model():
     assert isinstance(Broken(), MicroBatchCostModel)
     with pytest.raises(ValueError, match="time_s must be finite"):
         plan_partition(np.array([3, 4]), np.array([1, 2]), Broken(), 2, family="t5")
+
+
+class _Doubled:
+    """A wrapper that forwards every attribute to a cost model (``evaluate_variables`` too) but prices its own way."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def evaluate(self, b, E, D, pairs=None):  # noqa: N803
+        t, stored, peak = self.inner.evaluate(b, E, D, pairs=pairs)
+        return 2 * t, stored, peak
+
+
+def test_runs_are_priced_by_the_models_own_evaluate():
+    """The compiled model prices a band's runs through ``evaluate_variables`` (the same values as ``evaluate``); a
+    wrapper that forwards that method but prices otherwise, and a subclass pricing otherwise, price through their own
+    ``evaluate``."""
+    from dynabatch.cost.analytic import AnalyticCostModel
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.plan import partition
+
+    class Halved(StageCostModel):
+        def evaluate(self, b, E, D, pairs=None):  # noqa: N803
+            t, stored, peak = super().evaluate(b, E, D, pairs)
+            return t / 2, stored, peak
+
+    layer = AnalyticCostModel.from_names("t5-base", "a100-40gb")
+    model = StageCostModel(layer, balanced_layout(layer, 2), 40 * 2**30, recompute="auto")
+    rng = np.random.default_rng(5)
+    e, d = np.sort(rng.integers(1, 900, 60)), rng.integers(1, 200, 60)
+    unit_pairs = np.stack([e * e, d * d, d * e], axis=1).astype(float)
+    for flat in (False, True):
+        runs = partition._Runs(e, d, partition._pair_prefix(unit_pairs, np.arange(60), 60), flat)
+        counts, x = runs.band(np.arange(60), np.ones(60, dtype=np.int64), np.full(60, 9))
+        rows = partition._ROWS_AT
+        pairs = partition.AttentionPairs.of_sums(*(x[r] for r in rows[3:6]),
+                                                 longest=tuple(x[r] for r in rows[6:]) if flat else None)
+        want = model.evaluate(x[0], x[1], x[2], pairs=pairs)
+        assert model.evaluate_variables(x, pairs=True, longest=flat) is not None
+        for got, expected in zip(runs.price(model, x), want):
+            assert np.array_equal(got, expected)
+        assert np.array_equal(runs.price(_Doubled(model), x)[0], 2 * want[0])
+        halved = Halved(layer, model.layout, model.memory_budget_bytes, recompute="auto")
+        assert halved.evaluate_variables(x, pairs=True, longest=flat) is None
+        assert np.array_equal(runs.price(halved, x)[0], want[0] / 2)
