@@ -114,6 +114,16 @@ def _next_band_ends(counts, times, w_lo, w_hi, bound, max_w, margin):
 
 
 @njit(cache=True)
+def _running_max_rows(table):
+    """Each row of ``table`` made non-decreasing in place: every entry the largest of it and those before it in its
+    row (``np.maximum.accumulate(table, axis=1)``, which runs the rows' strided axis slowly)."""
+    for j in range(table.shape[0]):
+        for w in range(1, table.shape[1]):
+            if table[j, w - 1] > table[j, w]:
+                table[j, w] = table[j, w - 1]
+
+
+@njit(cache=True)
 def _scatter_band(table, ends, w_lo, counts, values):
     """Write a band's per-run ``values`` (laid out as :func:`_band_runs` returns them, the runs of ``ends[k]`` from
     length ``w_lo[k]``) into the run table ``table[end, w - 1]``, the lengths past the table's width left out."""

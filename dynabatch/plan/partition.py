@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynabatch.plan._kernels import _band_fits, _band_runs, _next_band_ends, _scatter_band, _solve_partition
+from dynabatch.plan._kernels import (_band_fits, _band_runs, _next_band_ends, _running_max_rows, _scatter_band,
+                                     _solve_partition)
 from dynabatch.plan.costs import MicroBatchCostModel, check_int, check_non_negative, checked_costs, evaluate_costs
 from dynabatch.plan.order import check_lengths, order_padded, padded_lengths
 from dynabatch.core.sequence import is_seq2seq
@@ -460,7 +461,7 @@ def _assemble(bands: list[_Band], band) -> np.ndarray:
     """The (N, max band) run-time table of the priced ``bands``, made non-decreasing along each row (the DP stops
     scanning a row at its first run over the cap)."""
     T = _table_of(bands, (band.size, int(band.max())), "times", np.inf)
-    np.maximum.accumulate(T, axis=1, out=T)
+    _running_max_rows(T)
     return T
 
 

@@ -469,3 +469,12 @@ def test_runs_are_priced_by_the_models_own_evaluate():
         halved = Halved(layer, model.layout, model.memory_budget_bytes, recompute="auto")
         assert halved.evaluate_variables(x, pairs=True, longest=flat) is None
         assert np.array_equal(runs.price(halved, x)[0], want[0] / 2)
+
+
+def test_running_max_rows_is_the_rows_accumulated_maximum():
+    rng = np.random.default_rng(9)
+    table = rng.random((7, 11))
+    table[2, 4] = np.inf
+    want = np.maximum.accumulate(table, axis=1)
+    K._running_max_rows(table)
+    assert np.array_equal(table, want)
