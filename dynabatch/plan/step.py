@@ -452,7 +452,7 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     family, num_stages, num_replicas = how.family, how.num_stages, how.num_replicas
     partition_options = how.partition_options
     replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
-    whole_ids: list[list[np.ndarray]] = []
+    whole_ids: list[tuple[tuple[int, ...], ...]] = []
     """Per replica, the units of each whole-sample micro-batch (for --zero 2's equal counts)."""
     if len(keep):
         # Fewer unsliced samples than replicas (every sample long): the DP fills as many replicas as it can,
@@ -463,7 +463,8 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
         else:
             units = (_single_units(e[keep], d[keep], family) if capacity in ((0, 0), FLAT)
                      else pack_units(e[keep], d[keep], family, capacity))
-            rows = [tuple(int(keep[i]) for i in r) for r in units.rows]
+            kept = keep.tolist()
+            rows = [tuple(kept[i] for i in r) for r in units.rows]
             ue, ud = units.input_lens, units.target_lens
             options = {**partition_options, "unit_pairs": units.pairs, "flat_rows": capacity == FLAT}
             if capacity == FLAT and how.flat_row is not None:
@@ -496,9 +497,9 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
                 out.append(Piece(s, tuple(shape), float(t), rows=packed, pairs=total, calls=calls, longest=longest))
             return out
 
-        whole_ids = [[np.asarray(ids, dtype=np.int64) for ids in part.micro_batches] for part in rp.replicas]
+        whole_ids = [part.micro_batches for part in rp.replicas]
         for r, part in enumerate(rp.replicas):
-            replica_pieces[r] = whole_pieces(part.micro_batches, part.shapes.tolist(), part.times_s.tolist())
+            replica_pieces[r] = whole_pieces(whole_ids[r], part.shapes.tolist(), part.times_s.tolist())
     # Sliced samples: longest first, whole, to the replica with the smallest predicted time.
     for i, pieces, _ in sorted(sliced, key=lambda x: (-sum(p.time_s for p in x[1]), x[0])):
         loads = [_time([p.time_s for p in rp_], num_stages) for rp_ in replica_pieces]
@@ -508,8 +509,9 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
         # tokens (priced by the slice model), a one-sample micro-batch of a decoder-only model cut into two token
         # slices; only whole micro-batches move between replicas (a chain stays on one)
         pricing = group_pricing(ue, ud, how.cost_model, family, options) if len(keep) else None
-        whole_ids += [[] for _ in range(num_replicas - len(whole_ids))]
-        items = [[("whole", ids) for ids in whole_ids[r]] + [("slice", p) for p in pieces if p.is_slice]
+        whole_ids += [() for _ in range(num_replicas - len(whole_ids))]
+        items = [[("whole", np.asarray(ids, dtype=np.int64)) for ids in whole_ids[r]] +
+                 [("slice", p) for p in pieces if p.is_slice]
                  for r, pieces in enumerate(replica_pieces)]
 
         def price(xs) -> list[float]:
