@@ -529,3 +529,48 @@ def _planner_view(fwd, bwd, stored, peak, send, load, entries, terms, has_terms,
         if policy != 0 and num_stages * stored_out[j] + max_peak > budget:
             stored_out[j] = best_stored + buffers
             peak_out[j] = best_peak
+
+
+@njit(cache=True, nogil=True)
+def _planner_view_plain(fwd, bwd, stored, peak, send, load, b, num_stages, single_alone, budget, policy, t_out,
+                        stored_out, peak_out, fits_out):
+    """:func:`_planner_view` of every entry with no stage recomputing (``policy`` 0, or 1 before any terms), stage
+    by stage over all entries (contiguous rows, no per-entry branching on modes): the same values."""
+    S, n = fwd.shape
+    buffers = np.empty(n)
+    tight = np.empty(n)
+    best_stored = np.empty(n)
+    best_peak = np.empty(n)
+    for j in range(n):
+        buffers[j] = 2.0 * (0.0 + send[0, j]) + load[0, j]
+        t_out[j] = fwd[0, j] + bwd[0, j]
+        stored_out[j] = stored[0, j]
+        peak_out[j] = peak[0, j]
+        tight[j] = num_stages * stored[0, j] + peak[0, j]
+        best_stored[j] = stored[0, j]
+        best_peak[j] = peak[0, j]
+    for s in range(1, S):
+        for j in range(n):
+            v = 2.0 * (send[s - 1, j] + send[s, j]) + load[s, j]
+            if v > buffers[j]:
+                buffers[j] = v
+            v = fwd[s, j] + bwd[s, j]
+            if v > t_out[j]:
+                t_out[j] = v
+            st, pk = stored[s, j], peak[s, j]
+            if st > stored_out[j]:
+                stored_out[j] = st
+            if pk > peak_out[j]:
+                peak_out[j] = pk
+            v = num_stages * st + pk
+            if v > tight[j]:
+                tight[j] = v
+                best_stored[j] = st
+                best_peak[j] = pk
+    for j in range(n):
+        in_flight = 1.0 if single_alone and b[j] == 1.0 else float(num_stages)
+        fits_out[j] = in_flight * (stored_out[j] + buffers[j]) + peak_out[j] <= budget
+        stored_out[j] += buffers[j]
+        if policy != 0 and num_stages * stored_out[j] + peak_out[j] > budget:
+            stored_out[j] = best_stored[j] + buffers[j]
+            peak_out[j] = best_peak[j]

@@ -39,7 +39,7 @@ import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
 from dynabatch.cost.model_states import per_rank_state_bytes
-from dynabatch.cost._kernels import _planner_view
+from dynabatch.cost._kernels import _planner_view, _planner_view_plain
 from dynabatch.cost.stage_programs import PRICED, Signature, StagePrograms, programs_of, variables
 from dynabatch.cost.recompute import RECOMPUTE_MODES, RecomputeTerms, apply_mode, check_policy, choose_modes, select
 
@@ -525,8 +525,8 @@ class StageCostModel:
         (:meth:`evaluate` says why).
 
         One numba pass over the entries (``dynabatch.cost._kernels._planner_view``) makes the recomputation choice
-        and :meth:`reduce`, entry by entry; under ``auto`` the recomputation terms are computed for the entries that
-        do not fit without them only."""
+        and :meth:`reduce`, entry by entry (stage by stage where no stage recomputes: ``_planner_view_plain``); under
+        ``auto`` the recomputation terms are computed for the entries that do not fit without them only."""
         if type(self).evaluate is not StageCostModel.evaluate:
             return None
         if self.programs is None or type(self)._priced is not StageCostModel._priced:
@@ -546,7 +546,10 @@ class StageCostModel:
         out = [np.empty(n) for _ in range(3)]
         fits = np.empty(n, dtype=np.bool_)
         view = (self.num_stages, self.single_sample_alone, self.memory_budget_bytes, policy, *out, fits)
-        _planner_view(*priced, load, np.arange(n), _NO_TERMS if terms is None else terms, terms is not None, b, *view)
+        if terms is None:
+            _planner_view_plain(*priced, load, b, *view)
+        else:
+            _planner_view(*priced, load, np.arange(n), terms, True, b, *view)
         if policy == 1 and not fits.all():  # auto: the entries that do not fit without recomputation, with terms
             idx = np.flatnonzero(~fits)
             _planner_view(*priced, load, idx, self.programs.rows("terms", x[:, idx], signature), True, b, *view)
@@ -592,7 +595,6 @@ class StageCostModel:
 
 RECOMPUTE_POLICY_CODES = {"none": 0, "auto": 1, "selective": 2, "full": 3}
 """``--recompute`` policies as ``_planner_view`` reads them."""
-_NO_TERMS = np.zeros((6, 1, 0))
 
 
 def _stack(values, shape) -> np.ndarray:
