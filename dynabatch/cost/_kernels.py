@@ -414,7 +414,8 @@ def _run_program(x, exponents, kinds, starts, cols, weights, outputs):
     """``(len(outputs), n)`` values of a max-plus program (:class:`dynabatch.cost.symbolic.Program`) at the
     ``(V, n)`` variables ``x``: monomial columns first, then each node a weighted sum or the maximum of earlier
     columns, every column computed over a tile of entries at once (tiles small enough for the columns to stay
-    in cache)."""
+    in cache). A sum adds its terms in order, ``((0 + w0 a) + w1 b) + ...``, up to four terms a pass over the
+    tile (fewer passes, the same additions in the same order)."""
     n = x.shape[1]
     k_mono = exponents.shape[0]
     tile = 256
@@ -423,31 +424,44 @@ def _run_program(x, exponents, kinds, starts, cols, weights, outputs):
     for lo_j in range(0, n, tile):
         m = min(tile, n - lo_j)
         for k in range(k_mono):
-            row = vals[k]
-            row[:m] = 1.0
+            for j in range(m):
+                vals[k, j] = 1.0
             for v in range(exponents.shape[1]):
                 for _ in range(exponents[k, v]):
                     for j in range(m):
-                        row[j] *= x[v, lo_j + j]
+                        vals[k, j] *= x[v, lo_j + j]
         for i in range(kinds.shape[0]):
-            row = vals[k_mono + i]
+            r = k_mono + i
             lo, hi = starts[i], starts[i + 1]
             if kinds[i] == 0:
-                row[:m] = 0.0
-                for q in range(lo, hi):
-                    src = vals[cols[q]]
-                    w = weights[q]
+                for j in range(m):
+                    vals[r, j] = 0.0
+                q = lo
+                while q + 3 < hi:
+                    c1, c2, c3, c4 = cols[q], cols[q + 1], cols[q + 2], cols[q + 3]
+                    w1, w2, w3, w4 = weights[q], weights[q + 1], weights[q + 2], weights[q + 3]
                     for j in range(m):
-                        row[j] += w * src[j]
+                        vals[r, j] = (((vals[r, j] + w1 * vals[c1, j]) + w2 * vals[c2, j]) + w3 * vals[c3, j]) \
+                            + w4 * vals[c4, j]
+                    q += 4
+                while q < hi:
+                    c1, w1 = cols[q], weights[q]
+                    for j in range(m):
+                        vals[r, j] += w1 * vals[c1, j]
+                    q += 1
             else:
-                row[:m] = vals[cols[lo], :m]
+                c0 = cols[lo]
+                for j in range(m):
+                    vals[r, j] = vals[c0, j]
                 for q in range(lo + 1, hi):
-                    src = vals[cols[q]]
+                    c = cols[q]
                     for j in range(m):
-                        if src[j] > row[j]:
-                            row[j] = src[j]
+                        if vals[c, j] > vals[r, j]:
+                            vals[r, j] = vals[c, j]
         for o in range(outputs.shape[0]):
-            out[o, lo_j:lo_j + m] = vals[outputs[o], :m]
+            c = outputs[o]
+            for j in range(m):
+                out[o, lo_j + j] = vals[c, j]
     return out
 
 
