@@ -73,3 +73,26 @@ def _budget_groups(e, d, order, max_tokens):
         max_e = new_e
         max_d = new_d
     return group_of
+
+
+@njit(cache=True)
+def _longest_rows(e, d, ids, row_bounds, group_bounds):
+    """Each micro-batch's longest row (:meth:`~dynabatch.data.groups.FlatGroups.shapes`): micro-batch ``m`` holds
+    the rows ``group_bounds[m]`` up to ``group_bounds[m + 1]``, row ``r`` the samples ``ids[row_bounds[r]:row_bounds[r +
+    1]]``. Returns (G, 2) int64: the largest summed ``e`` over a micro-batch's rows and the largest summed ``d``
+    (each maximised on its own; every micro-batch holds a row)."""
+    num = group_bounds.shape[0] - 1
+    out = np.empty((num, 2), dtype=np.int64)
+    for m in range(num):
+        first = group_bounds[m]
+        for r in range(first, group_bounds[m + 1]):
+            sum_e = 0
+            sum_d = 0
+            for p in range(row_bounds[r], row_bounds[r + 1]):
+                sum_e += e[ids[p]]
+                sum_d += d[ids[p]]
+            if r == first or sum_e > out[m, 0]:
+                out[m, 0] = sum_e
+            if r == first or sum_d > out[m, 1]:
+                out[m, 1] = sum_d
+    return out
