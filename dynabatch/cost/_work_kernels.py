@@ -8,8 +8,9 @@ its lengths are at least ``keep`` of the group's (its first sample's key, its lo
 the next group. The count depends only on the order of the lengths, not on how ties are broken (tied samples have the
 same lengths), so one order of the batch's samples serves every micro-batch: :func:`_count_calls` visits the samples
 once per attention kind, longest first, and each appearance of a sample updates the open group of its micro-batch.
-That is ``O(N log N + P)`` for ``N`` samples appearing ``P`` times in all (the baseline candidates' settings hold
-every sample of a global batch once each), where counting micro-batch by micro-batch sorts each one.
+That is ``O(N log N + P)`` for ``N`` samples appearing ``P`` times in all micro-batches, where counting micro-batch
+by micro-batch sorts each one: the baseline candidates price a global batch's samples in some twenty groupings at
+once, each sample in one micro-batch of each (:mod:`dynabatch.plan.candidates`).
 
 Plain twin: ``micro_batch_work`` in ``tests/reference/cost_reference.py``.
 """
@@ -45,8 +46,8 @@ def _sums(e, d, ids, starts, pairs, longest):
     """Each micro-batch's summed pairs and longest lengths (:func:`_micro_batch_work`)."""
     for m in range(starts.shape[0] - 1):
         enc = dec = cross = 0
-        first = ids[starts[m]]
-        top_e, top_d = e[first], d[first]
+        head = ids[starts[m]]
+        top_e, top_d = e[head], d[head]
         for p in range(starts[m], starts[m + 1]):
             i = ids[p]
             enc += e[i] * e[i]
@@ -82,7 +83,8 @@ def _count_calls(q, k, slots, first, keep, num, out):
     """``out[m]``: the attention-core calls of micro-batch ``m`` for query lengths ``q`` and key lengths ``k`` (module
     docstring): the samples visited longest key first, then longest query (a stable sort on ``k * span + q``,
     reversed), each appearance joining its slot's open group or opening the next one. ``need_k``, ``need_q``: the
-    least key and query length that still joins a slot's open group."""
+    least key and query length that still joins a slot's open group, ``keep`` times its first key and its longest
+    query (``keep * max`` is ``max`` of ``keep *``: rounding is monotone, so the comparisons are the rule's)."""
     order = np.argsort(k * (q.max() + 1) + q, kind="mergesort")[::-1]
     count = np.zeros(2 * num, dtype=np.int64)
     need_k = np.empty(2 * num)

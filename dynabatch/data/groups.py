@@ -118,17 +118,11 @@ def bounds(sizes: np.ndarray) -> np.ndarray:
 
 def joined_bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
     """The bounds of consecutive parts given each by its own bounds (int64, from 0 to its total), as one array from 0
-    to the sum of the totals: the parts' bounds laid side by side, each shifted by the totals of the parts before it,
-    the start of each part after the first dropped (it is the end of the part before). A few numpy passes for all
-    the parts, not one per part."""
+    to the sum of the totals: each part's bounds after its first shifted by the totals of the parts before it (its
+    first is the end of the part before). One numba pass over the parts' bounds laid side by side
+    (``_kernels._joined_bounds``)."""
     sizes = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-    ends = np.cumsum(sizes)  # where each part's bounds end among the laid-out ones
-    laid = np.concatenate(parts)
-    totals = laid[ends - 1]
-    laid += np.repeat(np.cumsum(totals) - totals, sizes)
-    keep = np.ones(laid.size, dtype=bool)
-    keep[ends[:-1]] = False
-    return laid[keep]
+    return data_kernels()._joined_bounds(np.concatenate(parts), sizes)
 
 
 def data_kernels():

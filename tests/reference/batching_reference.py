@@ -84,3 +84,13 @@ def longest_rows(e, d, ids, row_bounds, group_bounds):
         rows = [ids[row_bounds[r]:row_bounds[r + 1]] for r in range(group_bounds[m], group_bounds[m + 1])]
         out.append([max(sum(int(e[i]) for i in row) for row in rows), max(sum(int(d[i]) for i in row) for row in rows)])
     return out
+
+
+def joined_bounds(parts):
+    """Twin of ``_joined_bounds``, given the parts' bounds one list each: their bounds one after another, each part's
+    (but its first, the end of the part before) shifted by the totals of the parts before it."""
+    out, shift = [0], 0
+    for part in parts:
+        out.extend(int(x) + shift for x in part[1:])
+        shift += int(part[-1])
+    return out

@@ -200,6 +200,21 @@ def test_longest_rows_kernel_matches_its_python_twin():
         assert got == longest_rows(e, d, ids, row_bounds, group_bounds)
 
 
+def test_joined_bounds_kernel_matches_its_python_twin():
+    """``_kernels._joined_bounds`` (FlatGroups.concatenated's bounds) joins parts' bounds as the pure-Python twin
+    does, parts without entries (bounds ``[0]``) among them."""
+    import numpy as np
+    from reference.batching_reference import joined_bounds
+
+    from dynabatch.data.groups import bounds, data_kernels
+
+    rng = np.random.default_rng(8)
+    for _ in range(50):
+        parts = [bounds(rng.integers(0, 5, int(rng.integers(0, 7)))) for _ in range(int(rng.integers(1, 9)))]
+        sizes = np.array([len(p) for p in parts])
+        assert data_kernels()._joined_bounds(np.concatenate(parts), sizes).tolist() == joined_bounds(parts)
+
+
 def test_concatenated_groups_are_the_parts_one_after_another():
     """FlatGroups.concatenated (the parts' bounds joined in a few numpy passes) holds the micro-batches of its parts in
     order, rows as they were, whatever the parts: packed rows, single rows, a part without micro-batches."""
