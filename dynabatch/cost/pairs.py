@@ -28,7 +28,9 @@ import numpy as np
 
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.baselines import FlatGroups
-from dynabatch.cost._kernels import _count_groups, _count_groups_many, _greedy_groups
+from dynabatch.data.groups import lengths_of
+from dynabatch.cost._kernels import _count_groups, _greedy_groups
+from dynabatch.cost._work_kernels import _micro_batch_work
 
 
 @dataclass(frozen=True)
@@ -268,32 +270,23 @@ def rows_work(groups: Sequence[Sequence[Sequence[int]]], input_lens, target_lens
 
 def flat_work(groups: FlatGroups, input_lens, target_lens, family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The :data:`RowWork` of every micro-batch of ``groups`` as arrays: (M, 3) float64 pairs, (M, 3) int64 calls and
-    (M, 2) int64 longest segments, each row what :func:`row_work` gives that micro-batch. The samples are gathered
-    once for all; pairs and longest segments are summed and maximised per micro-batch in numpy (the pairs in
-    integers, which the float64 sums hold exactly), the calls counted by one numba pass per attention kind
-    (``_kernels._count_groups_many``). ``ValueError`` for a micro-batch without samples."""
-    if not len(groups):
+    (M, 2) int64 longest segments, each row what :func:`row_work` gives that micro-batch. One numba pass for all
+    (``_work_kernels._micro_batch_work``): the pairs summed in integers (which the float64 sums hold exactly), the
+    longest segments, and the calls of every micro-batch counted from one longest-first order of the samples per
+    attention kind. ``ValueError`` for a micro-batch without samples."""
+    num = len(groups)
+    if not num:
         return np.zeros((0, 3)), np.zeros((0, 3), dtype=np.int64), np.zeros((0, 2), dtype=np.int64)
-    row_sizes = np.diff(groups.row_bounds)
-    bounds = groups.row_bounds[groups.group_bounds]  # where each micro-batch's samples start, then the end
-    if (np.diff(groups.group_bounds) == 0).any() or (np.diff(bounds) == 0).any():
+    row_sizes = groups.row_bounds[1:] - groups.row_bounds[:-1]
+    starts = groups.row_bounds[groups.group_bounds]  # where each micro-batch's samples start, then the end
+    if (groups.group_bounds[1:] == groups.group_bounds[:-1]).any() or (starts[1:] == starts[:-1]).any():
         raise ValueError("a micro-batch needs at least one sample")
-    alone = np.repeat(row_sizes == 1, row_sizes)  # each sample: alone in its row
-    starts = bounds[:-1]
-    ei = np.asarray(input_lens, dtype=np.int64)[groups.ids]
-    di = np.asarray(target_lens, dtype=np.int64)[groups.ids]
-    keep = 1.0 - PAD_TOLERANCE
-    if not is_seq2seq(family):
-        n = ei + di
-        ones, zeros = np.ones(len(starts), dtype=np.int64), np.zeros(len(starts), dtype=np.int64)
-        pairs = np.stack([np.add.reduceat(n * n, starts), zeros, zeros], axis=1)
-        calls = np.stack([_count_groups_many(n, n, alone, starts, keep), ones, ones], axis=1)
-        longest = np.stack([np.maximum.reduceat(n, starts), zeros], axis=1)
-    else:
-        pairs = np.stack([np.add.reduceat(x, starts) for x in (ei * ei, di * di, di * ei)], axis=1)
-        calls = np.stack([_count_groups_many(a, b, alone, starts, keep) for a, b in ((ei, ei), (di, di), (di, ei))],
-                         axis=1)
-        longest = np.stack([np.maximum.reduceat(x, starts) for x in (ei, di)], axis=1)
+    t5 = is_seq2seq(family)
+    e, d = lengths_of(input_lens, target_lens, t5)  # a decoder-only model: one sequence, no targets
+    pairs, calls = np.empty((num, 3), dtype=np.int64), np.empty((num, 3), dtype=np.int64)
+    longest = np.empty((num, 2), dtype=np.int64)
+    _micro_batch_work(e, d, groups.ids, np.repeat(row_sizes == 1, row_sizes), starts, 1.0 - PAD_TOLERANCE,
+                      3 if t5 else 1, pairs, calls, longest)
     return pairs.astype(np.float64), calls, longest
 
 
@@ -318,10 +311,15 @@ def stacked_pairs(work: Sequence[RowWork]) -> AttentionPairs:
 
 def work_pairs(values, calls, longest) -> AttentionPairs:
     """(M,) :class:`AttentionPairs` of M micro-batches' work as arrays: (M, 3) pairs, (M, 3) calls, (M, 2) longest
-    segments (:func:`flat_work`)."""
+    segments (:func:`flat_work`). Each of the three arrays is checked finite and >= 0 as a whole, the check
+    :class:`AttentionPairs` makes column by column, and its columns are then taken as they are
+    (:meth:`AttentionPairs.of_sums`)."""
     values, calls, longest = (np.asarray(a, dtype=np.float64) for a in (values, calls, longest))
-    return AttentionPairs(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
-                          (longest[:, 0], longest[:, 1]))
+    for name, a in (("pairs", values), ("calls", calls), ("longest", longest)):
+        if a.size and not (np.isfinite(a).all() and (a >= 0).all()):
+            raise ValueError(f"attention {name} must be finite and >= 0, got min {a.min()}")
+    return AttentionPairs.of_sums(values[:, 0], values[:, 1], values[:, 2], (calls[:, 0], calls[:, 1], calls[:, 2]),
+                                  (longest[:, 0], longest[:, 1]))
 
 
 def groups_pairs(groups: Iterable[Sequence[Sequence[int]]], input_lens, target_lens, family: str) -> AttentionPairs:

@@ -1,5 +1,5 @@
-"""numba kernels of the baseline batchers' greedy passes: arrays in, arrays out, no validation (``baselines.py``
-validates and builds the row groups).
+"""numba kernels of the baseline batchers' greedy passes and of the flat groups' passes (:mod:`dynabatch.data.groups`:
+shapes, concatenation): arrays in, arrays out, no validation (``baselines.py`` validates and builds the row groups).
 
 Every kernel has a slow pure-Python twin in ``tests/reference/batching_reference.py``; tests compare them.
 """
@@ -73,3 +73,46 @@ def _budget_groups(e, d, order, max_tokens):
         max_e = new_e
         max_d = new_d
     return group_of
+
+
+@njit(cache=True)
+def _longest_rows(e, d, ids, row_bounds, group_bounds):
+    """Each micro-batch's longest row (:meth:`~dynabatch.data.groups.FlatGroups.shapes`): micro-batch ``m`` holds
+    the rows ``group_bounds[m]`` up to ``group_bounds[m + 1]``, row ``r`` the samples ``ids[row_bounds[r]:row_bounds[r +
+    1]]``. Returns (G, 2) int64: the largest summed ``e`` over a micro-batch's rows and the largest summed ``d``
+    (each maximised on its own; every micro-batch holds a row)."""
+    num = group_bounds.shape[0] - 1
+    out = np.empty((num, 2), dtype=np.int64)
+    for m in range(num):
+        first = group_bounds[m]
+        for r in range(first, group_bounds[m + 1]):
+            sum_e = 0
+            sum_d = 0
+            for p in range(row_bounds[r], row_bounds[r + 1]):
+                sum_e += e[ids[p]]
+                sum_d += d[ids[p]]
+            if r == first or sum_e > out[m, 0]:
+                out[m, 0] = sum_e
+            if r == first or sum_d > out[m, 1]:
+                out[m, 1] = sum_d
+    return out
+
+
+@njit(cache=True)
+def _joined_bounds(laid, sizes):
+    """:func:`~dynabatch.data.groups.joined_bounds` of parts whose bounds (each from 0 to its total) are laid side by
+    side in ``laid``, part ``p`` taking ``sizes[p]`` entries: one array from 0 to the sum of the totals, each part's
+    bounds after its first shifted by the totals of the parts before it."""
+    out = np.empty(laid.shape[0] - sizes.shape[0] + 1, dtype=np.int64)
+    out[0] = 0
+    k = 1
+    start = 0
+    shift = 0
+    for p in range(sizes.shape[0]):
+        end = start + sizes[p]
+        for j in range(start + 1, end):
+            out[k] = laid[j] + shift
+            k += 1
+        shift += laid[end - 1]
+        start = end
+    return out

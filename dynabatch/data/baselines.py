@@ -38,7 +38,7 @@ import numpy as np
 from dynabatch.core.methods import (BASELINE_METHODS, LENGTH_GROUPED, PACKING, PACKING_FREE, PACKING_FREE_SPLIT,
                                     PADDING, TOKEN_BUDGET, check_method_family)
 from dynabatch.data.batching import LengthLimits
-from dynabatch.data.groups import FlatGroups, RowGroup, bounds, lengths_of
+from dynabatch.data.groups import FlatGroups, RowGroup, bounds, data_kernels, lengths_of
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.core.sequence import is_seq2seq
@@ -203,9 +203,8 @@ class TokenBudget(Batcher):
         if not order.size:
             return FlatGroups.single_rows(order, [0])
         e, d = lengths_of(batch.input_lens, batch.target_lens, is_seq2seq(self.family))
-        group_of = _kernels()._budget_groups(e, d, order, self.max_tokens)
-        cuts = np.flatnonzero(np.diff(group_of)) + 1
-        return FlatGroups.single_rows(order, np.concatenate(([0], cuts, [order.size])))
+        group_of = data_kernels()._budget_groups(e, d, order, self.max_tokens)  # non-decreasing from 0, no gaps
+        return FlatGroups.single_rows(order, bounds(np.bincount(group_of)))
 
 
 def pack_rows(batch: GlobalBatch, limits: LengthLimits, key) -> list[list[int]]:
@@ -235,16 +234,9 @@ def _packed_rows(batch: GlobalBatch, limits: LengthLimits, order) -> tuple[np.nd
         i = int(visit[np.argmax(over)])
         raise ValueError(f"sample {i} (input_len={batch.input_lens[i]}, target_len={batch.target_lens[i]}) "
                          f"does not fit a packed row ({limits.describe()}); truncate it to the limits first")
-    row_of = _kernels()._best_fit_rows(e, d, visit, cap_e, cap_d)[visit]  # cap_d 0 (GPT): one length
+    row_of = data_kernels()._best_fit_rows(e, d, visit, cap_e, cap_d)[visit]  # cap_d 0 (GPT): one length
     ids = visit[np.argsort(row_of, kind="stable")]  # by row, each row's samples in visiting order
     return ids, bounds(np.bincount(row_of, minlength=int(row_of.max(initial=-1)) + 1))
-
-
-def _kernels():
-    """:mod:`dynabatch.data._kernels`, imported on first use."""
-    from dynabatch.data import _kernels as kernels  # lazy: keeps numba out of --help
-
-    return kernels
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ class FlatGroups:
                      decoder_len: int | None = None) -> "FlatGroups":
         """Rows (``ids``, ``row_bounds``) taken ``size`` at a time, in order (the last micro-batch may hold fewer)."""
         num_rows = len(row_bounds) - 1
-        bounds = np.append(np.arange(0, num_rows, size, dtype=np.int64), num_rows)
-        return cls(ids, row_bounds, bounds, encoder_len, decoder_len)
+        starts = np.arange(0, num_rows + size, size, dtype=np.int64)  # the last one the first at or past the end
+        return cls(ids, row_bounds, np.minimum(starts, num_rows), encoder_len, decoder_len)
 
     @classmethod
     def of(cls, groups: Iterable[Sequence[Sequence[int]]]) -> "FlatGroups":
@@ -72,9 +72,7 @@ class FlatGroups:
         if not parts:
             return cls.of([])
         ids = np.concatenate([p.ids for p in parts])
-        row_sizes = np.concatenate([np.diff(p.row_bounds) for p in parts])
-        group_rows = np.concatenate([np.diff(p.group_bounds) for p in parts])
-        return cls(ids, bounds(row_sizes), bounds(group_rows))
+        return cls(ids, joined_bounds([p.row_bounds for p in parts]), joined_bounds([p.group_bounds for p in parts]))
 
     def __len__(self) -> int:
         return len(self.group_bounds) - 1
@@ -98,16 +96,16 @@ class FlatGroups:
     def shapes(self, input_lens, target_lens, family: str) -> np.ndarray:
         """(G, 3) int64 computed shapes ``(rows, E, D)``, as :func:`group_shape` gives each micro-batch: its longest
         row's summed lengths (GPT: ``E`` the sequence, ``D`` 0) unless the row lengths are fixed. Every row's
-        lengths are summed once and each micro-batch's maximum taken in numpy."""
+        lengths are summed and each micro-batch's maximum taken in one numba pass (``_kernels._longest_rows``)."""
         t5 = is_seq2seq(family)
         out = np.zeros((len(self), 3), dtype=np.int64)
-        out[:, 0] = np.diff(self.group_bounds)
+        out[:, 0] = self.group_bounds[1:] - self.group_bounds[:-1]
         if not len(self):
             return out
         e, d = lengths_of(input_lens, target_lens, t5)
-        row_starts, group_starts = self.row_bounds[:-1], self.group_bounds[:-1]
-        for column, lens, fixed in ((1, e, self.encoder_len), (2, d, self.decoder_len if t5 else None)):
-            out[:, column] = fixed or np.maximum.reduceat(np.add.reduceat(lens[self.ids], row_starts), group_starts)
+        longest = data_kernels()._longest_rows(e, d, self.ids, self.row_bounds, self.group_bounds)
+        out[:, 1] = self.encoder_len or longest[:, 0]
+        out[:, 2] = (self.decoder_len if t5 else None) or longest[:, 1]
         return out
 
 
@@ -116,6 +114,22 @@ def bounds(sizes: np.ndarray) -> np.ndarray:
     out = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=out[1:])
     return out
+
+
+def joined_bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The bounds of consecutive parts given each by its own bounds (int64, from 0 to its total), as one array from 0
+    to the sum of the totals: each part's bounds after its first shifted by the totals of the parts before it (its
+    first is the end of the part before). One numba pass over the parts' bounds laid side by side
+    (``_kernels._joined_bounds``)."""
+    sizes = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+    return data_kernels()._joined_bounds(np.concatenate(parts), sizes)
+
+
+def data_kernels():
+    """:mod:`dynabatch.data._kernels`, imported on first use."""
+    from dynabatch.data import _kernels as kernels  # lazy: keeps numba out of --help
+
+    return kernels
 
 
 def lengths_of(input_lens, target_lens, t5: bool) -> tuple[np.ndarray, np.ndarray]:

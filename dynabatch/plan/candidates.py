@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain
 
 import numpy as np
@@ -139,11 +140,12 @@ def baseline_settings(input_lens, target_lens, limits, *, num_replicas: int = 1,
     :func:`knob_values`, in that order. A value whose micro-batches equal an earlier setting's is left out (the first
     stays; equal rows compared as flat arrays, :meth:`~dynabatch.data.baselines.FlatGroups.rows_key`), so is one
     with fewer micro-batches than replicas. The batchers group a lengths-only view of the batch that keeps what they
-    derive from the lengths (its longest-first order, its packed rows) for the others."""
+    derive from the lengths (its longest-first order, its packed rows) for the others; the shapes of every kept
+    setting's micro-batches are computed in one pass (:func:`_shapes_of`)."""
     options = options or BaselineOptions()
     batch = _Lengths(input_lens, target_lens)
     seen: set = set()
-    out = []
+    kept = []
     for method in methods if methods is not None else candidate_baselines(padding_free):
         for value in knob_values(method, options):
             groups = _batcher(method, limits, value).flat_group(batch)
@@ -151,18 +153,35 @@ def baseline_settings(input_lens, target_lens, limits, *, num_replicas: int = 1,
             if key in seen or len(groups) < num_replicas:
                 continue
             seen.add(key)
-            out.append(_setting(method, value, groups, batch, limits.family, num_replicas))
+            kept.append((method, value, groups))
+    shapes = _shapes_of([groups for *_, groups in kept], batch, limits.family)
+    return [_setting(method, value, groups, s, limits.family, num_replicas)
+            for (method, value, groups), s in zip(kept, shapes)]
+
+
+def _shapes_of(parts: Sequence[FlatGroups], batch: _Lengths, family: str) -> list[np.ndarray]:
+    """:meth:`~dynabatch.data.baselines.FlatGroups.shapes` of each of ``parts``, computed for all of them at once
+    on their concatenation (each part's fixed row lengths then set on its rows)."""
+    if not parts:
+        return []
+    joined = FlatGroups.concatenated(parts).shapes(batch.input_lens, batch.target_lens, family)
+    ends = np.cumsum([len(p) for p in parts]).tolist()
+    out = [joined[lo:hi] for lo, hi in zip([0, *ends[:-1]], ends)]
+    for part, shapes in zip(parts, out):
+        if part.encoder_len or part.decoder_len:
+            shapes[:] = part.shapes(batch.input_lens, batch.target_lens, family)
     return out
 
 
-def _setting(method: str, value: int | None, groups: FlatGroups, batch: _Lengths, family: str,
+def _setting(method: str, value: int | None, groups: FlatGroups, shapes: np.ndarray, family: str,
              num_replicas: int) -> Setting:
     """A baseline's micro-batches with their shapes, dealt to replicas by :func:`deal_to_replicas` (by computed
     tokens)."""
-    shapes = groups.shapes(batch.input_lens, batch.target_lens, family)
+    items = list(range(len(groups)))
+    if num_replicas == 1 and items:  # deal_to_replicas' one replica: every micro-batch, in order (sizes unread)
+        return Setting(method, value, family, groups, shapes, (items,))
     sizes = (shapes[:, 0] * (shapes[:, 1] + shapes[:, 2])).tolist()
-    dealt = deal_to_replicas(list(range(len(groups))), sizes, num_replicas)
-    return Setting(method, value, family, groups, shapes, tuple(dealt))
+    return Setting(method, value, family, groups, shapes, tuple(deal_to_replicas(items, sizes, num_replicas)))
 
 
 def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1, options=None,
@@ -295,14 +314,46 @@ def formula_choice(priced: PricedSettings, cost_model, in_flight: int | None = N
 def settings_prices(priced: PricedSettings, cost_model, in_flight: int | None = None) -> list[float]:
     """:func:`formula_prices` (padding-free) of the DP's plan and of each setting's plan, the same prices computed
     from ``priced``'s arrays without building the settings' plans: each plan's step formula of its slowest replica,
-    ``inf`` where a piece breaks the memory rule (:func:`_step_formula`)."""
-    dp, (time, stored, peak) = priced.dp, priced.costs
+    ``inf`` where a piece breaks the memory rule (:func:`_step_formula` for the DP's plan; the settings' replicas
+    all at once, :func:`_replica_formulas`)."""
+    dp = priced.dp
     held, budget = in_flight or dp.num_stages, float(getattr(cost_model, "memory_budget_bytes", np.inf))
     prices = [_step_formula(_dp_replicas(dp, priced.costs, priced.starts[-1]), dp.num_stages, held, budget)]
-    for setting, start in zip(priced.settings, priced.starts):
-        entries = [start + np.asarray(ks, dtype=np.int64) for ks in setting.replicas if ks]
-        prices.append(_step_formula([(time[k], stored[k], peak[k]) for k in entries], dp.num_stages, held, budget))
+    entries, replica_bounds, setting_bounds = _replica_entries(priced)
+    values = _replica_formulas(priced.costs, entries, replica_bounds, dp.num_stages, held, budget)
+    prices.extend(max(values[lo:hi], default=0.0) for lo, hi in zip(setting_bounds[:-1], setting_bounds[1:]))
     return prices
+
+
+def _replica_entries(priced: PricedSettings) -> tuple[np.ndarray, list[int], list[int]]:
+    """The non-empty replicas of every setting of ``priced``, one after another: their micro-batches' entries into
+    :attr:`PricedSettings.costs` (int64, each replica's in its order), where each replica starts among them (then
+    the end), and where each setting's replicas start among the replicas (then their number)."""
+    replicas = [[(start, ks) for ks in setting.replicas if ks]
+                for setting, start in zip(priced.settings, priced.starts)]
+    laid = list(chain.from_iterable(replicas))
+    sizes = [len(ks) for _, ks in laid]
+    entries = np.fromiter(chain.from_iterable(ks for _, ks in laid), dtype=np.int64, count=sum(sizes))
+    entries += np.repeat(np.array([start for start, _ in laid], dtype=np.int64), sizes)
+    return entries, np.cumsum([0, *sizes]).tolist(), np.cumsum([0, *map(len, replicas)]).tolist()
+
+
+def _replica_formulas(costs, entries: np.ndarray, bounds: list[int], num_stages: int, held: int,
+                      budget: float) -> list[float]:
+    """:func:`_step_formula` of each replica whose micro-batches are ``entries[bounds[r]:bounds[r + 1]]`` (entries into
+    ``costs``, ``(time, stored, peak)``): ``sum(t) + (S - 1) max(t)``, ``inf`` when a micro-batch breaks
+    ``held * stored + peak <= budget``. The memory rule and the maxima are computed for all replicas in a few numpy
+    passes; each sum stays numpy's sum of that replica's times laid out contiguously, so rounding is the same as
+    :func:`_step_formula`'s (a segmented sum would associate differently)."""
+    time, stored, peak = costs
+    times = time[entries]
+    starts = bounds[:-1]
+    over = np.logical_or.reduceat((held * stored + peak > budget)[entries], starts)
+    longest = np.maximum.reduceat(times, starts)
+    sums = np.array([times[lo:hi].sum() for lo, hi in zip(starts, bounds[1:])])
+    values = sums + (num_stages - 1) * longest
+    values[over] = np.inf
+    return values.tolist()
 
 
 def _dp_replicas(dp: StepPlan, costs, start: int) -> list[tuple]:
@@ -359,7 +410,8 @@ def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int,
             f"{method}: this global batch of {len(batch)} samples makes {len(groups)} micro-batch(es), fewer than the "
             f"{num_replicas} replicas; lower {spec.option}, or use the dynamic method, which deals a small batch to "
             "every replica (a training stream: or raise global_batch_tokens)")
-    setting = _setting(method, None, groups, batch, limits.family, num_replicas)
+    shapes = groups.shapes(batch.input_lens, batch.target_lens, limits.family)
+    setting = _setting(method, None, groups, shapes, limits.family, num_replicas)
     times = _times(cost_model, groups, setting.shapes, batch, limits.family, padding_free)
     even = _evener(equal_counts, batch, limits.family, cost_model, padding_free)
     return setting.plan(times, num_stages, even)
@@ -373,8 +425,10 @@ def _evener(equal_counts: bool, batch, family: str, cost_model, padding_free: bo
     return lambda dealt: even_counts(dealt, batch, family, cost_model, padding_free)
 
 
+@lru_cache(maxsize=256)
 def _batcher(method: str, limits, value: int):
-    """Baseline ``method``'s batcher at knob value ``value`` (lengths only)."""
+    """Baseline ``method``'s batcher at knob value ``value`` (lengths only). Batchers are frozen, so one is made per
+    method, limits and value and kept: the candidates of every global batch use the same few."""
     return make_batcher(method, limits, GROUPING_TOKENS, **baseline_spec(method).batcher_fields(value, limits))
 
 

@@ -74,3 +74,23 @@ def baseline_groups(method, e, d, t5, value, cap_e, cap_d):
     for i in order:
         rows[row[i]].append(i)
     return [tuple(tuple(r) for r in rows[k:k + value]) for k in range(0, len(rows), value)]
+
+
+def longest_rows(e, d, ids, row_bounds, group_bounds):
+    """Twin of ``_longest_rows``: for each micro-batch (rows ``group_bounds[m]`` up to ``group_bounds[m + 1]``, row
+    ``r`` the samples ``ids[row_bounds[r]:row_bounds[r + 1]]``), its largest row sum of ``e`` and of ``d``."""
+    out = []
+    for m in range(len(group_bounds) - 1):
+        rows = [ids[row_bounds[r]:row_bounds[r + 1]] for r in range(group_bounds[m], group_bounds[m + 1])]
+        out.append([max(sum(int(e[i]) for i in row) for row in rows), max(sum(int(d[i]) for i in row) for row in rows)])
+    return out
+
+
+def joined_bounds(parts):
+    """Twin of ``_joined_bounds``, given the parts' bounds one list each: their bounds one after another, each part's
+    (but its first, the end of the part before) shifted by the totals of the parts before it."""
+    out, shift = [0], 0
+    for part in parts:
+        out.extend(int(x) + shift for x in part[1:])
+        shift += int(part[-1])
+    return out

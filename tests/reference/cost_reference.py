@@ -1,4 +1,4 @@
-"""Slow pure-Python twins of the cost-table kernels in :mod:`dynabatch.cost._kernels`.
+"""Slow pure-Python twins of the cost kernels in :mod:`dynabatch.cost._kernels` and :mod:`dynabatch.cost._work_kernels`.
 
 Written from the documented rules rather than copied: linear scans instead of binary search, nested
 Python lists instead of arrays. Tests compare them with the kernels on random queries.
@@ -147,3 +147,20 @@ def attention_groups(query_lens, key_lens, alone, waste_limit=INF, tolerance=0.2
         if group:
             groups.append(sorted(group))
     return groups
+
+
+def micro_batch_work(e, d, ids, alone, starts, kinds=3, tolerance=0.25):
+    """Twin of ``_work_kernels._micro_batch_work``, one micro-batch at a time (micro-batch ``m``: the samples
+    ``ids[starts[m]:starts[m + 1]]``, ``alone`` per appearance): ``(pairs, calls, longest)`` as lists, the pairs
+    ``sum e^2, sum d^2, sum d e``, the calls the groups of :func:`attention_groups` of the kinds ``(e, e)``,
+    ``(d, d)``, ``(d, e)`` (the first ``kinds`` of them; one call for each other), the longest ``max e, max d``."""
+    pairs, calls, longest = [], [], []
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        me, md = [int(e[i]) for i in ids[lo:hi]], [int(d[i]) for i in ids[lo:hi]]
+        flags = [bool(x) for x in alone[lo:hi]]
+        pairs.append([sum(x * x for x in me), sum(y * y for y in md), sum(x * y for x, y in zip(me, md))])
+        kind_lengths = [(me, me), (md, md), (md, me)][:kinds]  # (queries, keys) of each kind counted
+        calls.append([len(attention_groups(q, k, flags, tolerance=tolerance)) for q, k in kind_lengths]
+                     + [1] * (3 - kinds))
+        longest.append([max(me), max(md)])
+    return pairs, calls, longest

@@ -409,3 +409,40 @@ def test_call_counts_match_the_twin_few_and_many_samples():
             alone = rng.random(n) < 0.5
             want = len(ref.attention_groups(q, k, alone))
             assert K._count_groups(q, k, alone, 1.0 - PAD_TOLERANCE) == want, (n, high)
+
+
+@pytest.mark.parametrize("kinds", [3, 1])
+def test_micro_batch_work_kernel_matches_the_twin(kinds):
+    """``_work_kernels._micro_batch_work`` (every micro-batch's calls counted from one longest-first order of the
+    samples) gives each micro-batch's pairs, calls and longest lengths as the pure-Python twin does one micro-batch at
+    a time, on micro-batches laid out as the baseline candidates' are: every sample in several of them (one grouping
+    after another), rows of one to three samples (alone or not), many ties, one-sample micro-batches, long ones."""
+    from reference import cost_reference as ref
+
+    from dynabatch.cost._work_kernels import _micro_batch_work
+    from dynabatch.cost.pairs import PAD_TOLERANCE
+
+    rng = np.random.default_rng(5 + kinds)
+    for trial in range(40):
+        n = int(rng.integers(1, 90))
+        high = (6, 80, 1000)[trial % 3]
+        e, d = rng.integers(0, high, n), rng.integers(1, high, n)
+        if kinds == 1:  # a decoder-only model: one sequence, no targets
+            e, d = e + d, np.zeros(n, dtype=np.int64)
+        ids, alone, starts = [], [], [0]
+        for _ in range(int(rng.integers(1, 4))):  # groupings of all the samples, one after another
+            perm, k = rng.permutation(n), 0
+            while k < n:
+                for _ in range(int(rng.integers(1, 40))):
+                    width = min(int(rng.integers(1, 4)), n - k)
+                    ids.extend(perm[k:k + width])
+                    alone.extend([width == 1] * width)
+                    k += width
+                    if k == n:
+                        break
+                starts.append(len(ids))
+        ids, alone, starts = np.array(ids), np.array(alone), np.array(starts)
+        got = [np.empty((len(starts) - 1, w), dtype=np.int64) for w in (3, 3, 2)]
+        _micro_batch_work(e, d, ids, alone, starts, 1.0 - PAD_TOLERANCE, kinds, *got)
+        want = ref.micro_batch_work(e, d, ids, alone, starts, kinds, PAD_TOLERANCE)
+        assert tuple(g.tolist() for g in got) == want, trial

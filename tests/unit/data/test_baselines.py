@@ -174,6 +174,60 @@ def test_token_budget_kernel_matches_its_python_twin():
         assert _budget_groups(e, d, order, budget).tolist() == budget_groups(e.tolist(), d.tolist(), order.tolist(), budget)
 
 
+def test_longest_rows_kernel_matches_its_python_twin():
+    """``_kernels._longest_rows`` (FlatGroups.shapes' pass) finds each micro-batch's longest row sums as the
+    pure-Python twin does, on rows of one to four samples and micro-batches of one to six rows."""
+    import numpy as np
+    from reference.batching_reference import longest_rows
+
+    from dynabatch.data._kernels import _longest_rows
+
+    def cut(total, most):
+        """Bounds from 0 to ``total`` with parts of one to ``most`` each."""
+        out = [0]
+        while out[-1] < total:
+            out.append(min(total, out[-1] + int(rng.integers(1, most + 1))))
+        return np.array(out)
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(1, 120))
+        e, d = rng.integers(0, 500, n), rng.integers(0, 90, n)
+        ids = rng.permutation(n)
+        row_bounds = cut(n, 4)
+        group_bounds = cut(len(row_bounds) - 1, 6)
+        got = _longest_rows(e, d, ids, row_bounds, group_bounds).tolist()
+        assert got == longest_rows(e, d, ids, row_bounds, group_bounds)
+
+
+def test_joined_bounds_kernel_matches_its_python_twin():
+    """``_kernels._joined_bounds`` (FlatGroups.concatenated's bounds) joins parts' bounds as the pure-Python twin
+    does, parts without entries (bounds ``[0]``) among them."""
+    import numpy as np
+    from reference.batching_reference import joined_bounds
+
+    from dynabatch.data.groups import bounds, data_kernels
+
+    rng = np.random.default_rng(8)
+    for _ in range(50):
+        parts = [bounds(rng.integers(0, 5, int(rng.integers(0, 7)))) for _ in range(int(rng.integers(1, 9)))]
+        sizes = np.array([len(p) for p in parts])
+        assert data_kernels()._joined_bounds(np.concatenate(parts), sizes).tolist() == joined_bounds(parts)
+
+
+def test_concatenated_groups_are_the_parts_one_after_another():
+    """FlatGroups.concatenated (the parts' bounds joined in a few numpy passes) holds the micro-batches of its parts in
+    order, rows as they were, whatever the parts: packed rows, single rows, a part without micro-batches."""
+    from dynabatch.data.baselines import FlatGroups
+
+    parts = [FlatGroups.of([[(3, 1), (0,)], [(2,)]]), FlatGroups.of([]), FlatGroups.of([[(4,)], [(0, 1, 2), (3,)]]),
+             FlatGroups.single_rows([2, 0, 1], [0, 2, 3])]
+    joined = FlatGroups.concatenated(parts)
+    assert [g.rows for g in joined.row_groups()] == [g.rows for p in parts for g in p.row_groups()]
+    assert joined.rows_key() == FlatGroups.of(g.rows for p in parts for g in p.row_groups()).rows_key()
+    assert len(FlatGroups.concatenated([FlatGroups.of([])])) == 0
+
+
 def _length_cases(family):
     """(name, input lengths, target lengths, limits): random and heavy-tailed batches and the edge cases (one sample,
     all lengths equal, samples at the length limit)."""
