@@ -397,19 +397,6 @@ def _sort_longest_first(q, k, members):
 
 
 @njit(cache=True, nogil=True)
-def _count_groups_many(q, k, alone, starts, keep):
-    """``_count_groups`` of each micro-batch of the samples ``q``, ``k``, ``alone`` laid out one micro-batch after
-    another, micro-batch ``m`` starting at ``starts[m]`` (the last one ends at the arrays' end)."""
-    num = starts.shape[0]
-    out = np.empty(num, dtype=np.int64)
-    for m in range(num):
-        lo = starts[m]
-        hi = starts[m + 1] if m + 1 < num else q.shape[0]
-        out[m] = _count_groups(q[lo:hi], k[lo:hi], alone[lo:hi], keep)
-    return out
-
-
-@njit(cache=True, nogil=True)
 def _run_program(x, exponents, kinds, starts, cols, weights, outputs):
     """``(len(outputs), n)`` values of a max-plus program (:class:`dynabatch.cost.symbolic.Program`) at the
     ``(V, n)`` variables ``x``: monomial columns first, then each node a weighted sum or the maximum of earlier
