@@ -540,7 +540,7 @@ class StageCostModel:
         if priced is None:
             return None
         policy = RECOMPUTE_POLICY_CODES[self.recompute]
-        load = self._load_bytes(b, E, D)
+        load = self._load_bytes(b, E, D, view=True)
         terms = self.programs.rows("terms", x, signature) if policy >= 2 else None
         n = x.shape[1]
         out = [np.empty(n) for _ in range(3)]
@@ -581,10 +581,13 @@ class StageCostModel:
     def _has_decoder(self) -> bool:
         return any("t5_decoder" in s for s in self.layout.stages)
 
-    def _load_bytes(self, b, E, D) -> np.ndarray:
-        """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays; :data:`LOAD_BYTES_PER_TOKEN`)."""
-        tokens = b * (E if D is None else E + D)
-        return _stack([LOAD_BYTES_PER_TOKEN * tokens] * self.num_stages, b.shape)
+    def _load_bytes(self, b, E, D, *, view: bool = False) -> np.ndarray:  # noqa: N803
+        """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays; :data:`LOAD_BYTES_PER_TOKEN`): the
+        same on every stage (``view``: one row broadcast, read-only)."""
+        row = LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))
+        if view:
+            return np.broadcast_to(row, (self.num_stages, *np.shape(b)))
+        return _stack([row] * self.num_stages, b.shape)
 
     def _send_bytes(self, b, E, D, layers: dict | None = None) -> np.ndarray:
         """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays; ``layers``: the layer
