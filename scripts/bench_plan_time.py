@@ -57,7 +57,8 @@ class _Parts:
     planner's own code is not touched): the partition DP (``GlobalPlanner._dp``), the baseline candidates
     (``baseline_candidates``; on the step formula's path ``baseline_settings`` and ``price_settings``), the
     step-formula choice (``formula_prices``; ``formula_choice``), and the cost-model calls made inside each
-    (``StageCostModel.evaluate``, with the entries priced). A name the tree lacks is left out (an older tree)."""
+    (``StageCostModel.evaluate``, and ``evaluate_variables`` where the DP prices its runs through it, with the
+    entries priced). A name the tree lacks is left out (an older tree)."""
 
     def __init__(self) -> None:
         from dynabatch.cost import stages
@@ -72,7 +73,8 @@ class _Parts:
                          (global_plan, "price_settings", "candidates"),
                          (global_plan, "formula_prices", "choice"),
                          (global_plan, "formula_choice", "choice"),
-                         (stages.StageCostModel, "evaluate", None)]
+                         (stages.StageCostModel, "evaluate", None),
+                         (stages.StageCostModel, "evaluate_variables", None)]
         self._patched = [(owner, name, label) for owner, name, label in self._patched if hasattr(owner, name)]
         self._saved = [getattr(owner, name) for owner, name, _ in self._patched]
         for owner, name, label in self._patched:
@@ -80,19 +82,18 @@ class _Parts:
 
     def _wrap(self, fn, label):
         def timed(*args, **kwargs):
+            if self._inside and self._inside[-1] is None:  # a cost-model call inside another (evaluate's own)
+                return fn(*args, **kwargs)
             where = label or f"cost in {self._inside[-1] if self._inside else 'other'}"
-            if label:
-                self._inside.append(label)
+            self._inside.append(label)
             start = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[where] = self.seconds.get(where, 0.0) + time.process_time() - start
-                if label:
-                    self._inside.pop()
-                else:
-                    size = int(np.size(args[1] if len(args) > 1 else kwargs["b"]))
-                    self.entries[where] = self.entries.get(where, 0) + size
+                self._inside.pop()
+                if not label:
+                    self.entries[where] = self.entries.get(where, 0) + _entries(fn, args[1:], kwargs)
         return timed
 
     def restore(self) -> None:
@@ -173,20 +174,37 @@ def plan_command(a: argparse.Namespace) -> dict:
     return out
 
 
+def _entries(fn, args, kwargs) -> int:
+    """The entries a cost-model call prices (``args``: its arguments after the model): ``evaluate(b, E, D, ...)``'s
+    ``b``, ``evaluate_variables(x)``'s columns."""
+    if fn.__name__ == "evaluate_variables":
+        return int(np.shape(args[0] if args else kwargs["x"])[1])
+    return int(np.size(args[0] if args else kwargs["b"]))
+
+
 def _replay_dp_cost_calls(plan, batch, replays: int) -> dict:
-    """The partition DP's cost-model calls of planning ``batch`` once (``StageCostModel.evaluate``, recorded with
-    their arguments), then replayed ``replays`` times: the wall time of the cost model alone on the DP's own
-    queries, with its minimum (the least disturbed replay on a shared machine)."""
+    """The partition DP's cost-model calls of planning ``batch`` once (``StageCostModel.evaluate`` and
+    ``evaluate_variables`` where the tree has it, recorded with their arguments), then replayed ``replays`` times:
+    the wall time of the cost model alone on the DP's own queries, with its minimum (the least disturbed replay on a
+    shared machine)."""
     from dynabatch.cost import stages
     from dynabatch.plan import global_plan
 
     calls, inside = [], []
-    evaluate, dp = stages.StageCostModel.evaluate, global_plan.GlobalPlanner._dp
+    names = [name for name in ("evaluate", "evaluate_variables") if hasattr(stages.StageCostModel, name)]
+    saved = {name: getattr(stages.StageCostModel, name) for name in names}
+    dp = global_plan.GlobalPlanner._dp
 
-    def recorded(self, *args, **kwargs):
-        if inside:
-            calls.append((self, args, kwargs))
-        return evaluate(self, *args, **kwargs)
+    def recording(fn):
+        def recorded(self, *args, **kwargs):
+            if inside and inside[-1]:  # in the DP, not inside another cost-model call (evaluate's own)
+                calls.append((fn, self, args, kwargs))
+            inside.append(False)
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                inside.pop()
+        return recorded
 
     def in_dp(self, *args, **kwargs):
         inside.append(True)
@@ -195,19 +213,23 @@ def _replay_dp_cost_calls(plan, batch, replays: int) -> dict:
         finally:
             inside.pop()
 
-    stages.StageCostModel.evaluate, global_plan.GlobalPlanner._dp = recorded, in_dp
+    for name in names:
+        setattr(stages.StageCostModel, name, recording(saved[name]))
+    global_plan.GlobalPlanner._dp = in_dp
     try:
         plan(batch)
     finally:
-        stages.StageCostModel.evaluate, global_plan.GlobalPlanner._dp = evaluate, dp
+        for name in names:
+            setattr(stages.StageCostModel, name, saved[name])
+        global_plan.GlobalPlanner._dp = dp
     times = []
     for _ in range(replays):
         start = time.perf_counter()
-        for model, args, kwargs in calls:
-            model.evaluate(*args, **kwargs)
+        for fn, model, args, kwargs in calls:
+            fn(model, *args, **kwargs)
         times.append(time.perf_counter() - start)
     return {**spread(times), "min_ms": 1e3 * min(times), "calls": len(calls),
-            "entries": int(sum(np.size(args[0]) for _, args, _ in calls))}
+            "entries": sum(_entries(fn, args, kwargs) for fn, _, args, kwargs in calls)}
 
 
 def trainer(a: argparse.Namespace) -> dict:
