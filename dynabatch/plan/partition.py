@@ -232,7 +232,7 @@ def plan_partition(
     b, E, D, pairs = runs.priced(ends, lengths, np.maximum.reduceat(e, starts), np.maximum.reduceat(d, starts))
     shapes = np.stack([b, E, D], axis=1)
     times = T[ends, lengths - 1].copy()
-    stored, peak = table.stored[ends, lengths - 1], table.peak[ends, lengths - 1]  # as the runs were priced
+    stored, peak = _run_bytes(table.bands, ends, lengths)  # as the runs were priced
     if np.isnan(stored).any() or np.isnan(peak).any():  # not expected: every run in the band was priced
         _, stored, peak = evaluate_costs(cost_model, b, E, D, pairs=pairs)
     objective = float(np.cumsum(times)[-1] + (num_stages - 1) * times.max())
@@ -267,9 +267,8 @@ class _Table:
     runs: _Runs
     T: np.ndarray  # noqa: N815 - the run-time table
     L: np.ndarray  # noqa: N815 - the band lengths
-    stored: np.ndarray
-    """(N, W) stored bytes the cost model gave each run as it priced ``T`` (NaN: not priced)."""
-    peak: np.ndarray
+    bands: tuple
+    """The :class:`_Band` s priced: the bytes the cost model gave each run as it priced ``T``."""
     prune_weight: float
     """The fill-and-drain weight the runs were pruned under: the table serves calls of this weight or more."""
     plans: dict = field(default_factory=dict)
@@ -288,9 +287,9 @@ def _table(e_raw, d_raw, cost_model, family, order, limits: _Limits, unit_pairs,
     e, d = e_all[perm], d_all[perm]
     prefix = None if unit_pairs is None else _pair_prefix(unit_pairs, perm, e_raw.size)
     runs = _Runs(e, d, prefix, flat_rows)
-    memory: dict = {}
-    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw, memory, (prune_weight, tolerance))
-    return _Table(cost_model, perm, e, d, runs, T, L, memory["stored"], memory["peak"], prune_weight)
+    bands: list = []
+    T, L = _candidate_runs(runs, cost_model, limits, perm, e_raw, d_raw, bands, (prune_weight, tolerance))
+    return _Table(cost_model, perm, e, d, runs, T, L, tuple(bands), prune_weight)
 
 
 @dataclass(frozen=True)
@@ -398,11 +397,10 @@ class _Band:
 
 
 def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw,
-                    memory: dict | None = None, prune: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    bands: list | None = None, prune: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Dense ``T`` (N, W) run times (non-decreasing along rows) and ``L`` (N,) band lengths: the runs priced, all
-    within the limits; runs priced as :meth:`_Runs.priced` says. ``memory`` (a dict) receives ``stored`` and
-    ``peak``, (N, W) the bytes the cost model gave each run (NaN where not priced), so a cut's runs need no second
-    call.
+    within the limits; runs priced as :meth:`_Runs.priced` says. ``bands`` (a list) receives the :class:`_Band` s
+    priced, with the bytes the cost model gave each run (:func:`_run_bytes`), so a cut's runs need no second call.
 
     Pruning (``prune``: the fill-and-drain weight ``W`` of the objective ``sum(t) + (W - 1) max(t)`` and the DP's
     cap tolerance). Any plan holding a run of time ``t`` scores at least ``W t`` (its sum is at least ``t``, its max
@@ -416,7 +414,7 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
     max_w = min(n, limits.max_samples or n)
     band = np.zeros(n, dtype=np.int64)
     slowest = np.zeros(n)  # each end's slowest run priced so far (within its band)
-    bands: list[_Band] = []
+    bands = [] if bands is None else bands
     alive = np.arange(n, dtype=np.int64)
     w_lo = np.ones(n, dtype=np.int64)  # the lengths each alive end prices next: w_lo .. w_hi - 1
     w_hi = np.full(n, (max_w if n * max_w <= ONE_CALL_RUNS else min(max_w, FIRST_BAND)) + 1, dtype=np.int64)
@@ -442,25 +440,29 @@ def _candidate_runs(runs: _Runs, cost_model, limits: _Limits, perm, e_raw, d_raw
         more = (num_fit == w_hi - w_lo) & (alive + 1 >= w_hi) & (slowest[alive] <= bound) & (w_hi <= max_w)
         next_hi = _next_band_ends(counts, t, w_lo, w_hi, bound, max_w, BAND_MARGIN)
         alive, w_lo, w_hi = alive[more], w_hi[more], next_hi[more]
-    T = _assemble(bands, band)
-    if memory is not None:
-        for key in ("stored", "peak"):
-            memory[key] = _table_of(bands, T.shape, key, np.nan)
-    return T, band
+    return _assemble(bands, band), band
 
 
-def _table_of(bands: list[_Band], shape, field: str, fill: float) -> np.ndarray:
-    """The (N, W) table of one field of the runs of ``bands`` (``fill`` where no run was priced)."""
-    table = np.full(shape, fill)
+def _run_bytes(bands, ends, widths) -> tuple[np.ndarray, np.ndarray]:
+    """``(stored, peak)`` the cost model gave the runs ending at ``ends`` of ``widths`` units as ``bands`` priced them
+    (NaN where none did). A band's ends are increasing (alive ends, filtered in order)."""
+    stored, peak = np.full(ends.size, np.nan), np.full(ends.size, np.nan)
     for x in bands:
-        _scatter_band(table, x.ends, x.w_lo, x.counts, np.asarray(getattr(x, field), dtype=np.float64))
-    return table
+        k = np.minimum(np.searchsorted(x.ends, ends), x.ends.size - 1)
+        first = np.cumsum(x.counts) - x.counts  # each end's first run in the band's arrays
+        hit = (x.ends[k] == ends) & (widths >= x.w_lo[k]) & (widths < x.w_lo[k] + x.counts[k])
+        q = first[k[hit]] + widths[hit] - x.w_lo[k[hit]]
+        stored[hit], peak[hit] = np.asarray(x.stored)[q], np.asarray(x.peak)[q]
+    return stored, peak
 
 
 def _assemble(bands: list[_Band], band) -> np.ndarray:
-    """The (N, max band) run-time table of the priced ``bands``, made non-decreasing along each row (the DP stops
-    scanning a row at its first run over the cap)."""
-    T = _table_of(bands, (band.size, int(band.max())), "times", np.inf)
+    """The (N, max band) run-time table of the priced ``bands`` (inf where no run was priced; the lengths past the
+    table's width left out), made non-decreasing along each row (the DP stops scanning a row at its first run over
+    the cap)."""
+    T = np.full((band.size, int(band.max())), np.inf)
+    for x in bands:
+        _scatter_band(T, x.ends, x.w_lo, x.counts, np.asarray(x.times, dtype=np.float64))
     _running_max_rows(T)
     return T
 

@@ -371,7 +371,7 @@ def _candidates_at(e, d, sliced, how: _Planning) -> list[StepPlan]:
         return [_plan_units(e, d, sliced, FLAT, how)]
     if how.pack_rows != "auto":
         return [_plan_units(e, d, sliced, (0, 0) if how.segment_pricing else None, how)]
-    keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
+    keep = _unsliced(len(e), sliced)
     plans = []
     for capacity in [None, (0, 0), FLAT, *_capacities(e[keep], d[keep], how.family)]:
         plan = _plan_units(e, d, sliced, capacity, how)
@@ -448,7 +448,7 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     """:func:`_plan` for one way of forming rows: ``capacity`` None (one sample per row, dense pricing), rows of
     ``capacity`` priced by their attention pairs (``(0, 0)``: one sample per row), or :data:`FLAT` (every
     micro-batch one row)."""
-    keep = np.setdiff1d(np.arange(len(e)), [i for i, _, _ in sliced])
+    keep = _unsliced(len(e), sliced)
     family, num_stages, num_replicas = how.family, how.num_stages, how.num_replicas
     partition_options = how.partition_options
     replica_pieces: list[list[Piece]] = [[] for _ in range(num_replicas)]
@@ -538,6 +538,12 @@ def _plan_units(e, d, sliced, capacity, how: _Planning) -> StepPlan:
     sliced_ids = [i for i, _, _ in sliced]  # and those --zero 2's equal counts cut into slices
     sliced_ids += sorted({p.sample_ids[0] for ps in replica_pieces for p in ps if p.is_slice} - set(sliced_ids))
     return StepPlan(family, num_stages, tuple(tuple(p) for p in replica_pieces), tuple(sliced_ids))
+
+
+def _unsliced(n: int, sliced) -> np.ndarray:
+    """The indices of the ``n`` samples that ``sliced`` (``(index, pieces, reason)``) does not run as slices."""
+    everything = np.arange(n)
+    return np.setdiff1d(everything, [i for i, _, _ in sliced]) if sliced else everything
 
 
 def _group_sums(values, groups) -> list[list[float]]:

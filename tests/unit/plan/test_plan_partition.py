@@ -184,7 +184,8 @@ def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band, one_call):
     cost = PolynomialCostModel(memory_budget_bytes=6e9)
     limits = partition._Limits(cost.memory_budget_bytes, 3, 70, 20000)
     perm = np.arange(90)
-    T, L = partition._candidate_runs(partition._Runs(e, d, None, False), cost, limits, perm, e, d)
+    bands: list = []
+    T, L = partition._candidate_runs(partition._Runs(e, d, None, False), cost, limits, perm, e, d, bands)
     for j in range(90):
         w = 0
         while w < min(j + 1, 70):
@@ -193,8 +194,11 @@ def test_candidate_runs_match_a_direct_loop(monkeypatch, first_band, one_call):
             if 3 * s[0] + p[0] > cost.memory_budget_bytes or b * (me + md) > 20000:
                 break
             assert T[j, w] == t[0]
+            stored, peak = partition._run_bytes(bands, np.array([j]), np.array([w + 1]))
+            assert (stored[0], peak[0]) == (s[0], p[0])  # the bytes of the same call, found in its band
             w += 1
         assert L[j] == w, j
+    assert np.isnan(partition._run_bytes(bands, np.array([5]), np.array([7]))[0][0])  # never priced: longer than j + 1
     assert L.max() > 2 * first_band and L.max() < 70  # several doubling rounds ran, limits bind
 
 
