@@ -552,7 +552,7 @@ class StageCostModel:
             _planner_view(*priced, load, np.arange(n), terms, True, b, *view)
         if policy == 1 and not fits.all():  # auto: the entries that do not fit without recomputation, with terms
             idx = np.flatnonzero(~fits)
-            _planner_view(*priced, load, idx, self.programs.rows("terms", x[:, idx], signature), True, b, *view)
+            _planner_view(*priced, load, idx, self.programs.rows("terms", x.take(idx, axis=1), signature), True, b, *view)
         return tuple(out)
 
     def reduce(self, c: StageCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
