@@ -457,7 +457,8 @@ def _planner_view(fwd, bwd, stored, peak, send, load, entries, terms, has_terms,
                   policy, t_out, stored_out, peak_out, fits_out):
     """:meth:`StageCostModel.evaluate <dynabatch.cost.stages.StageCostModel.evaluate>` of per-stage costs ``(S, n)``
     (mode ``none``), entry by entry: each stage in its recomputation mode (``policy`` 0 none, 1 auto, 2 selective,
-    3 full; ``terms`` ``(6, S, n)``: the selective then full ``extra_s, freed_bytes, peak_bytes``), then reduced to
+    3 full; ``terms`` ``(6, S, n)``: the selective then full ``extra_s, freed_bytes, peak_bytes``; ``load`` ``(n,)``:
+    the host-input bytes every stage loads), then reduced to
     the planner's bottleneck time, stored bytes (+ the largest stage's in-flight buffers) and peak. Under ``auto``
     an entry whose maxima fit ``in_flight`` times without recomputation keeps mode ``none``; the others (where
     ``has_terms``) take, stage by stage, the first mode that fits, else the one needing least; entries under
@@ -471,7 +472,7 @@ def _planner_view(fwd, bwd, stored, peak, send, load, entries, terms, has_terms,
         buffers = 0.0
         for s in range(S):
             received = send[s - 1, j] if s > 0 else 0.0
-            v = 2.0 * (received + send[s, j]) + load[s, j]
+            v = 2.0 * (received + send[s, j]) + load[j]
             if s == 0 or v > buffers:
                 buffers = v
         in_flight = 1.0 if single_alone and b[j] == 1.0 else float(num_stages)
@@ -543,7 +544,7 @@ def _planner_view_plain(fwd, bwd, stored, peak, send, load, b, num_stages, singl
     best_stored = np.empty(n)
     best_peak = np.empty(n)
     for j in range(n):
-        buffers[j] = 2.0 * (0.0 + send[0, j]) + load[0, j]
+        buffers[j] = 2.0 * (0.0 + send[0, j]) + load[j]
         t_out[j] = fwd[0, j] + bwd[0, j]
         stored_out[j] = stored[0, j]
         peak_out[j] = peak[0, j]
@@ -552,7 +553,7 @@ def _planner_view_plain(fwd, bwd, stored, peak, send, load, b, num_stages, singl
         best_peak[j] = peak[0, j]
     for s in range(1, S):
         for j in range(n):
-            v = 2.0 * (send[s - 1, j] + send[s, j]) + load[s, j]
+            v = 2.0 * (send[s - 1, j] + send[s, j]) + load[j]
             if v > buffers[j]:
                 buffers[j] = v
             v = fwd[s, j] + bwd[s, j]

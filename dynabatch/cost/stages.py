@@ -534,13 +534,13 @@ class StageCostModel:
         decoder = self._has_decoder()
         signature = Signature(decoder, pairs, calls, longest)
         b, E, D = x[0], x[1], (x[2] if decoder else None)
-        if x.shape[1] and not all(a.min() >= 1 for a in (b, E, D) if a is not None):  # NaN fails too
+        if x.shape[1] and not x[: 3 if decoder else 2].min() >= 1:  # b, E (and D) >= 1; NaN fails too
             return None
         priced = self.programs.rows("priced", x, signature)
         if priced is None:
             return None
         policy = RECOMPUTE_POLICY_CODES[self.recompute]
-        load = self._load_bytes(b, E, D, view=True)
+        load = LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))  # every stage's: _load_bytes' row
         terms = self.programs.rows("terms", x, signature) if policy >= 2 else None
         n = x.shape[1]
         out = [np.empty(n) for _ in range(3)]
@@ -581,13 +581,10 @@ class StageCostModel:
     def _has_decoder(self) -> bool:
         return any("t5_decoder" in s for s in self.layout.stages)
 
-    def _load_bytes(self, b, E, D, *, view: bool = False) -> np.ndarray:  # noqa: N803
+    def _load_bytes(self, b, E, D) -> np.ndarray:  # noqa: N803
         """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays; :data:`LOAD_BYTES_PER_TOKEN`): the
-        same on every stage (``view``: one row broadcast, read-only)."""
-        row = LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))
-        if view:
-            return np.broadcast_to(row, (self.num_stages, *np.shape(b)))
-        return _stack([row] * self.num_stages, b.shape)
+        same on every stage."""
+        return _stack([LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))] * self.num_stages, b.shape)
 
     def _send_bytes(self, b, E, D, layers: dict | None = None) -> np.ndarray:
         """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays; ``layers``: the layer

@@ -188,7 +188,7 @@ def test_plain_planner_view_equals_the_entry_by_entry_view(policy, single_alone)
     S, n = 4, 3000  # noqa: N806
     priced = rng.random((5, S, n)) * np.array([1.0, 2.0, 5e9, 3e9, 1e9])[:, None, None]
     priced[:, :, :40] = priced[:, :1, :40]  # ties between stages
-    load, b = rng.random((S, n)) * 1e8, rng.integers(1, 4, n).astype(float)
+    load, b = rng.random(n) * 1e8, rng.integers(1, 4, n).astype(float)
     outs = []
     for kernel in ("plain", "entries"):
         out = [np.empty(n) for _ in range(3)] + [np.empty(n, dtype=np.bool_)]
