@@ -30,8 +30,9 @@ ends still feasible: O(log W) cost-model calls, O(sum of band lengths) shapes. A
 its runs are too slow to be in a plan better than the DP's plan on the first band (``U``: no run slower than
 ``U / W`` can be, ``W`` the objective's weight; :func:`_candidate_runs`), which leaves the optimum as it was and on
 heavy-tailed batches prices about half the runs; once ``U`` is known, each row's next band reaches about where its
-runs cross ``U / W`` (:func:`~dynabatch.plan._kernels._next_band_ends`), mostly in one more call. Run times are made non-decreasing in the run length, so the DP
-scans each band until the first run over the cap: one cap costs O(N x runs under the cap), worst case O(N x W).
+runs cross ``U / W`` (:func:`~dynabatch.plan._kernels._next_band_ends`), mostly in one more call. Run times are
+made non-decreasing in the run length, so the DP scans each band until the first run over the cap: one cap costs
+O(N x runs under the cap), worst case O(N x W).
 
 Measured (``scripts/bench_planner.py``, 2 shared CPU cores, warm, median; FLAN-like lengths, S = 4,
 16 GiB budget, tolerance 0.01): N = 256 about 1 ms, N = 1024 9-10 ms (T5 and GPT; 15 ms with another
@@ -68,7 +69,8 @@ fixed cost (a tenth of a millisecond on the compiled analytic model, millisecond
 Python methods) outweighs pricing runs that turn out not to fit.
 Either way the table within the band is the same, and the DP reads nothing outside it."""
 BAND_MARGIN = 0.1
-"""How far past its estimated reach of the pruning bound an end's next band goes (:func:`~dynabatch.plan._kernels._next_band_ends`)."""
+"""How far past its estimated reach of the pruning bound an end's next band goes
+(:func:`~dynabatch.plan._kernels._next_band_ends`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -385,11 +387,13 @@ _ROWS_AT = np.array([VARIABLES.index(name) for name in ("b", "E", "D", "pairs_en
 
 @dataclass(frozen=True)
 class _Band:
-    """One cost-model call of :func:`_candidate_runs`: the runs of lengths ``w_lo ..`` ending at ``ends``, end by
-    end (``counts`` each), with their times and bytes."""
+    """One cost-model call of :func:`_candidate_runs`: the runs of lengths ``w_lo[k] ..`` ending at ``ends[k]``, end
+    by end (``counts[k]`` each), with their times and bytes, run by run."""
 
     ends: np.ndarray
-    w_lo: int
+    """(K,) increasing: the ends priced (alive ends, filtered in order)."""
+    w_lo: np.ndarray
+    """(K,) the shortest run priced of each end."""
     counts: np.ndarray
     times: np.ndarray
     stored: np.ndarray
