@@ -17,7 +17,7 @@ before the last one's backward on the stages after it), candidates are priced in
 candidate whose bound is not below the best price so far is never simulated. The DP's plan is priced first and
 wins ties. Under the step formula the baselines' plans are not built at all: their settings are flat arrays
 (:func:`baseline_settings`), priced with the DP's pieces in one cost-model call (:func:`price_settings`), their
-plans' prices computed from the arrays (:func:`settings_prices`, :func:`formula_prices`' prices), and only the kept
+plans' prices computed from the arrays (:func:`settings_prices`, :func:`~dynabatch.plan.formula.formula_prices`' prices), and only the kept
 one becomes a plan (:func:`formula_choice`).
 
 :func:`deal_to_replicas` is the one rule by which baseline micro-batches go to data-parallel replicas
@@ -35,12 +35,13 @@ from itertools import chain
 
 import numpy as np
 
-from dynabatch.cost.pairs import AttentionPairs, fill_work, flat_work, stacked_pairs, work_pairs
+from dynabatch.cost.pairs import flat_work, work_pairs
 from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOptions, FlatGroups, Packing, RowGroup,
                                       baseline_spec, group_shape, make_batcher)
 from dynabatch.plan.costs import evaluate_costs
+from dynabatch.plan.formula import price_micro_batches, step_formula
 from dynabatch.plan.replicas import equalize_counts
-from dynabatch.plan.step import Piece, StepPlan, with_pairs
+from dynabatch.plan.step import Piece, StepPlan
 
 DP = "dp"
 """The label of the partition DP's own plan (:attr:`Candidate.label`)."""
@@ -195,8 +196,8 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
     per-segment attention when ``padding_free``), every candidate's pieces in one call; else it is 0.
     ``equal_counts`` (``--zero 2``): every candidate then gets equal counts per replica (:func:`even_counts`), and
     a setting that cannot be evened is left out. ``priced`` (padding-free, with a ``cost_model``): a dict to which
-    each micro-batch's ``(time, stored, peak)`` is added by its ``(rows, shape)`` (as :func:`price_micro_batches`
-    adds them), which :func:`formula_prices` then reads instead of pricing the same micro-batches again; ``also``:
+    each micro-batch's ``(time, stored, peak)`` is added by its ``(rows, shape)`` (as :func:`~dynabatch.plan.formula.price_micro_batches`
+    adds them), which :func:`~dynabatch.plan.formula.formula_prices` then reads instead of pricing the same micro-batches again; ``also``:
     further ``(rows, shape)`` micro-batches (the DP's) priced in the same call and added; ``work``: a dict to which
     the same micro-batches' :func:`~dynabatch.cost.pairs.row_work` is added by their rows."""
     family = limits.family
@@ -260,7 +261,7 @@ def _remember(groups: FlatGroups, shapes: np.ndarray, costs, work_arrays, priced
               work: dict | None) -> None:
     """Add the micro-batches of ``groups`` to ``priced`` (``(time, stored, peak)`` by rows and shape) and to ``work``
     (:func:`~dynabatch.cost.pairs.row_work` by rows), where given and not there yet: the memos
-    :func:`formula_prices` reads."""
+    :func:`~dynabatch.plan.formula.formula_prices` reads."""
     rows = [g.rows for g in groups.row_groups()]
     if priced is not None:
         for key, value in zip(zip(rows, map(tuple, shapes.tolist())), zip(*(c.tolist() for c in costs))):
@@ -299,7 +300,7 @@ def price_settings(cost_model, dp: StepPlan, settings: Sequence[Setting], input_
 
 def formula_choice(priced: PricedSettings, cost_model, in_flight: int | None = None, timed: bool = True) -> Candidate:
     """The candidate :func:`choose` keeps among the DP's plan (first) and the baseline settings' plans by
-    :func:`settings_prices` (:func:`formula_prices`' prices): the cheapest, the first on ties. Only the kept
+    :func:`settings_prices` (:func:`~dynabatch.plan.formula.formula_prices`' prices): the cheapest, the first on ties. Only the kept
     baseline's plan is built, its pieces timed by their priced time (0 unless ``timed``)."""
     prices = settings_prices(priced, cost_model, in_flight)
     best = min(range(len(prices)), key=prices.__getitem__)  # the first of the cheapest, as choose keeps
@@ -312,13 +313,13 @@ def formula_choice(priced: PricedSettings, cost_model, in_flight: int | None = N
 
 
 def settings_prices(priced: PricedSettings, cost_model, in_flight: int | None = None) -> list[float]:
-    """:func:`formula_prices` (padding-free) of the DP's plan and of each setting's plan, the same prices computed
+    """:func:`~dynabatch.plan.formula.formula_prices` (padding-free) of the DP's plan and of each setting's plan, the same prices computed
     from ``priced``'s arrays without building the settings' plans: each plan's step formula of its slowest replica,
-    ``inf`` where a piece breaks the memory rule (:func:`_step_formula` for the DP's plan; the settings' replicas
+    ``inf`` where a piece breaks the memory rule (:func:`~dynabatch.plan.formula.step_formula` for the DP's plan; the settings' replicas
     all at once, :func:`_replica_formulas`)."""
     dp = priced.dp
     held, budget = in_flight or dp.num_stages, float(getattr(cost_model, "memory_budget_bytes", np.inf))
-    prices = [_step_formula(_dp_replicas(dp, priced.costs, priced.starts[-1]), dp.num_stages, held, budget)]
+    prices = [step_formula(_dp_replicas(dp, priced.costs, priced.starts[-1]), dp.num_stages, held, budget)]
     entries, replica_bounds, setting_bounds = _replica_entries(priced)
     values = _replica_formulas(priced.costs, entries, replica_bounds, dp.num_stages, held, budget)
     prices.extend(max(values[lo:hi], default=0.0) for lo, hi in zip(setting_bounds[:-1], setting_bounds[1:]))
@@ -340,11 +341,11 @@ def _replica_entries(priced: PricedSettings) -> tuple[np.ndarray, list[int], lis
 
 def _replica_formulas(costs, entries: np.ndarray, bounds: list[int], num_stages: int, held: int,
                       budget: float) -> list[float]:
-    """:func:`_step_formula` of each replica whose micro-batches are ``entries[bounds[r]:bounds[r + 1]]`` (entries into
+    """:func:`~dynabatch.plan.formula.step_formula` of each replica whose micro-batches are ``entries[bounds[r]:bounds[r + 1]]`` (entries into
     ``costs``, ``(time, stored, peak)``): ``sum(t) + (S - 1) max(t)``, ``inf`` when a micro-batch breaks
     ``held * stored + peak <= budget``. The memory rule and the maxima are computed for all replicas in a few numpy
     passes; each sum stays numpy's sum of that replica's times laid out contiguously, so rounding is the same as
-    :func:`_step_formula`'s (a segmented sum would associate differently)."""
+    :func:`~dynabatch.plan.formula.step_formula`'s (a segmented sum would associate differently)."""
     time, stored, peak = costs
     times = time[entries]
     starts = bounds[:-1]
@@ -357,7 +358,7 @@ def _replica_formulas(costs, entries: np.ndarray, bounds: list[int], num_stages:
 
 
 def _dp_replicas(dp: StepPlan, costs, start: int) -> list[tuple]:
-    """:func:`_step_formula`'s ``(times, stored, peak)`` of each replica of the DP's plan: its whole-sample pieces'
+    """:func:`~dynabatch.plan.formula.step_formula`'s ``(times, stored, peak)`` of each replica of the DP's plan: its whole-sample pieces'
     priced costs (``costs`` from entry ``start`` on, in plan order); a slice keeps its own time."""
     out = []
     for pieces in dp.replicas:
@@ -374,18 +375,6 @@ def _dp_replicas(dp: StepPlan, costs, start: int) -> list[tuple]:
         times[whole] = time
         out.append((times, stored, peak))
     return out
-
-
-def _step_formula(replicas, num_stages: int, held: int, budget: float) -> float:
-    """The step formula ``sum(t) + (S - 1) max(t)`` of a plan's slowest replica, ``replicas`` giving each non-empty
-    replica's piece times and its whole-sample pieces' ``stored`` and ``peak`` (``None`` when it has none); ``inf``
-    when a piece breaks ``held * stored + peak <= budget``."""
-    worst = 0.0
-    for times, stored, peak in replicas:
-        if stored is not None and np.any(held * stored + peak > budget):
-            return float("inf")
-        worst = max(worst, float(times.sum() + (num_stages - 1) * times.max()))
-    return worst
 
 
 def baseline_plan(method: str, input_lens, target_lens, limits, num_stages: int, *, num_replicas: int = 1,
@@ -472,24 +461,6 @@ def _times(cost_model, groups: FlatGroups, shapes: np.ndarray, batch, family: st
                                             padding_free))[0].tolist()
 
 
-def price_micro_batches(cost_model, keys: Sequence, input_lens, target_lens, family: str, work: dict,
-                        priced: dict) -> None:
-    """Add to ``priced`` the ``(time, stored, peak)`` (floats, :func:`~dynabatch.plan.costs.evaluate_costs`) of each
-    micro-batch of ``keys`` (``(rows, shape)``: rows of sample indices, padded shape ``(b, E, D)``) it lacks, with
-    the attention pairs, calls and longest segments its rows compute (``work``, filled as needed), all in one
-    cost-model call. The cost model prices entries independently, so these are the values any call holding the
-    same micro-batch gives: the candidates' pieces and :func:`formula_prices` share them within one global batch."""
-    missing = list(dict.fromkeys(k for k in keys if k not in priced))
-    if not missing:
-        return
-    fill_work(work, [rows for rows, _ in missing], input_lens, target_lens, family)
-    arr = np.asarray([shape for _, shape in missing], dtype=np.float64).reshape(-1, 3)
-    t, stored, peak = evaluate_costs(cost_model, arr[:, 0], arr[:, 1], arr[:, 2],
-                                     pairs=stacked_pairs([work[rows] for rows, _ in missing]))
-    priced.update(zip(missing, zip(np.asarray(t, dtype=np.float64).tolist(), np.asarray(stored, dtype=np.float64).tolist(),
-                                   np.asarray(peak, dtype=np.float64).tolist())))
-
-
 def deal_to_replicas(items: list, sizes: list[int], num_replicas: int) -> list[list]:
     """Baseline micro-batches (``items``) to replicas, largest ``sizes`` first to the least-loaded replica, each
     replica keeping the baseline's order."""
@@ -536,106 +507,6 @@ _BOUND_SLACK = 1e-9
 """Relative slack on a bound before it rules a candidate out (a bound can equal the price up to rounding)."""
 
 
-def step_lower_bound(fwd_s, bwd_s) -> float:
-    """A lower bound of any pipeline schedule's makespan of micro-batches with per-stage forward and backward
-    times ``(S, M)`` (messages free): stage ``s`` computes all its work, its first op starts no earlier than some
-    micro-batch's forwards on the stages before it end, and after its last op (a backward) that micro-batch's
-    backwards on the stages before it still run."""
-    fwd, bwd = np.asarray(fwd_s, dtype=np.float64), np.asarray(bwd_s, dtype=np.float64)
-    if fwd.size == 0:
-        return 0.0
-    work = (fwd + bwd).sum(axis=1)  # (S,)
-    head = np.cumsum(fwd, axis=0) - fwd  # (S, M): forwards on the stages before s
-    tail = np.cumsum(bwd, axis=0) - bwd  # (S, M): backwards on the stages before s, after s's
-    return float((work + head.min(axis=1) + tail.min(axis=1)).max())
-
-
-def formula_price(cost_model, input_lens, target_lens, padding_free: bool = True,
-                  in_flight: int | None = None) -> Callable[[StepPlan], float]:
-    """The step formula ``sum(t) + (S - 1) max(t)`` of the slowest replica, every whole-sample piece priced by
-    ``cost_model`` (with the attention pairs its rows compute when ``padding_free``; dense otherwise): the
-    price of ``dynabatch plan``, which has no schedule simulator. ``inf`` when a piece breaks the partition DP's
-    own memory rule ``in_flight * stored + peak <= memory_budget_bytes`` (``in_flight`` default ``S``), so a
-    baseline's plan is held to the memory the DP's plans fit."""
-
-    def price(plan: StepPlan) -> float:
-        return formula_prices(cost_model, input_lens, target_lens, [plan], padding_free, in_flight)[0]
-
-    return price
-
-
-def formula_prices(cost_model, input_lens, target_lens, plans: Sequence[StepPlan], padding_free: bool = True,
-                   in_flight: int | None = None, work: dict | None = None, priced: dict | None = None) -> list[float]:
-    """:func:`formula_price` of each of ``plans``, every whole-sample piece of every plan priced in one cost-model
-    call (one for the pieces priced with attention pairs, one for those priced dense): the same prices. ``work``:
-    as :func:`baseline_candidates`'. ``priced`` (padding-free): the micro-batches' prices already known (as
-    :func:`baseline_candidates` leaves them, :func:`price_micro_batches`); the others are priced in one call and
-    added."""
-    e, d = np.asarray(input_lens), np.asarray(target_lens)
-    budget = float(getattr(cost_model, "memory_budget_bytes", np.inf))
-    parts = []  # per plan, per replica: (times, whole, held, pairs or None, rows into the calls' entries)
-    queries: dict[bool, list] = {False: [], True: []}  # dense / with pairs: [(shapes (k, 3), pairs or None)]
-    counts = {False: 0, True: 0}
-    memo = padding_free and priced is not None
-    family = plans[0].family if plans else "t5"
-    for plan in plans:
-        plan = with_pairs(plan, e, d, work) if padding_free and not memo else plan
-        held, replicas = in_flight or plan.num_stages, []
-        for r, pieces in enumerate(plan.replicas):
-            if not pieces:
-                continue
-            times = np.array([p.time_s for p in pieces])
-            whole = np.array([not p.is_slice for p in pieces])
-            entry = None
-            if memo and whole.any():  # looked up below, by rows and shape
-                entry = ("memo", [(p.row_samples, tuple(p.shape)) for p in pieces if not p.is_slice])
-            elif whole.any():
-                shapes = np.array([p.shape for p in pieces], dtype=np.float64)[whole]
-                pairs = plan.pairs(r)
-                kind = pairs is not None
-                queries[kind].append((shapes, None if pairs is None else pairs[whole]))
-                entry = (kind, counts[kind], counts[kind] + len(shapes))
-                counts[kind] += len(shapes)
-            replicas.append((times, whole, entry))
-        parts.append((plan.num_stages, held, replicas))
-    results = {}
-    for kind, batch in queries.items():
-        if not batch:
-            continue
-        shapes = np.concatenate([s for s, _ in batch])
-        pairs = concatenated_pairs([p for _, p in batch]) if kind else None
-        results[kind] = evaluate_costs(cost_model, shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=pairs)
-    if memo:
-        keys = [k for *_, replicas in parts for *_, entry in replicas if entry is not None for k in entry[1]]
-        price_micro_batches(cost_model, keys, e, d, family, {} if work is None else work, priced)
-    out = []
-    for num_stages, held, replicas in parts:
-        priced_replicas = []
-        for times, whole, entry in replicas:
-            stored = peak = None
-            if entry is not None and entry[0] == "memo":
-                t, stored, peak = (np.array(a, dtype=np.float64) for a in zip(*(priced[k] for k in entry[1])))
-            elif entry is not None:
-                kind, lo, hi = entry
-                t, stored, peak = (a[lo:hi] for a in results[kind])
-            if entry is not None:
-                times[whole] = t
-            priced_replicas.append((times, stored, peak))
-        out.append(_step_formula(priced_replicas, num_stages, held, budget))
-    return out
-
-
-def concatenated_pairs(pairs: list):
-    """One :class:`~dynabatch.cost.pairs.AttentionPairs` of several (1-D, each with calls and longest segments)."""
-    def cat(get):
-        return np.concatenate([get(p) for p in pairs])
-
-    return AttentionPairs(cat(lambda p: p.encoder), cat(lambda p: p.decoder), cat(lambda p: p.cross),
-                          tuple(cat(lambda p, k=k: p.calls[k]) for k in range(3)),
-                          tuple(cat(lambda p, k=k: p.longest[k]) for k in range(2)))
-
-
 __all__ = ["DP", "Candidate", "Choice", "PricedSettings", "Setting", "baseline_candidates", "baseline_plan",
-           "baseline_settings", "candidate_baselines", "choose", "concatenated_pairs", "deal_to_replicas", "even_counts",
-           "formula_choice", "formula_price", "formula_prices", "knob_values", "price_settings", "settings_prices",
-           "step_lower_bound"]
+           "baseline_settings", "candidate_baselines", "choose", "deal_to_replicas", "even_counts", "formula_choice",
+           "knob_values", "price_settings", "settings_prices"]

@@ -32,7 +32,8 @@ from dynabatch.data.batching import LengthLimits
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.candidates import (DP, Candidate, baseline_candidates, baseline_plan, baseline_settings, choose,
-                                       formula_choice, formula_prices, price_settings)
+                                       formula_choice, price_settings)
+from dynabatch.plan.formula import formula_prices
 from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.step import StepPlan, plan_step
 
@@ -103,7 +104,7 @@ class GlobalPlanner:
         ``dynamic`` only: ``dp()`` replaces the plain :func:`~dynabatch.plan.step.plan_step` call (the trainer plans
         with its simulated score and its recomputation choice); ``choose_among(candidates)`` picks among the DP's
         plan (listed first) and the baselines' (default: :func:`~dynabatch.plan.candidates.choose` by ``price``,
-        default :func:`~dynabatch.plan.candidates.formula_price`). A ``ValueError`` about a sample names its
+        default :func:`~dynabatch.plan.formula.formula_price`). A ``ValueError`` about a sample names its
         global batch and, with the run's ``data``, its source row."""
         if self.method != DYNAMIC:
             equal = wants_equal_counts(self.cost_model)  # --zero 2: the baseline's counts evened, priced

@@ -35,7 +35,8 @@ from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.sample import BatchRows, GlobalBatch
 from dynabatch.data.tokenize import TokenizerInfo
-from dynabatch.plan.candidates import Candidate, choose, step_lower_bound
+from dynabatch.plan.candidates import Candidate, choose
+from dynabatch.plan.formula import step_lower_bound
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.plan.replicas import wants_equal_counts
 from dynabatch.plan.step import flat_row_limit, plan_step

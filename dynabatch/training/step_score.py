@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 
 from dynabatch.cost.stages import StageCostModel, StageCosts
-from dynabatch.plan.candidates import concatenated_pairs
+from dynabatch.plan.formula import concatenated_pairs
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.plan.slice_costs import piece_costs
 from dynabatch.plan.step import with_pairs

@@ -19,10 +19,9 @@ from dynabatch.plan.candidates import (
     candidate_baselines,
     choose,
     deal_to_replicas,
-    formula_price,
     knob_values,
-    step_lower_bound,
 )
+from dynabatch.plan.formula import formula_price, step_lower_bound
 from dynabatch.plan.step import StepPlan
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data")
@@ -232,7 +231,7 @@ def test_formula_prices_of_many_plans_are_each_plans_own(padding_free):
     """Pricing every candidate in one cost-model call (what GlobalPlanner.plan does) gives each plan exactly the price it
     gets alone, with two replicas and a memory budget some plans break (inf); so do the baseline candidates'
     piece times, priced together, against one candidate's pieces priced alone."""
-    from dynabatch.plan.candidates import formula_prices
+    from dynabatch.plan.formula import formula_prices
     from dynabatch.plan.costs import PolynomialCostModel
     from dynabatch.plan.step import plan_step
 
@@ -258,7 +257,7 @@ def test_micro_batches_priced_once_give_the_same_prices_and_times():
     """GlobalPlanner.plan prices each distinct micro-batch once (price_micro_batches: the baselines' and the DP's in
     one call, then read by formula_prices): every piece time and every plan's price is the one it gets without that
     memo, with two replicas and a budget some plans break."""
-    from dynabatch.plan.candidates import formula_prices
+    from dynabatch.plan.formula import formula_prices
     from dynabatch.plan.costs import PolynomialCostModel
     from dynabatch.plan.step import plan_step
 
@@ -327,8 +326,8 @@ def test_formula_choice_from_arrays_is_the_choice_among_built_plans(family):
     in_flight."""
     from types import SimpleNamespace
 
-    from dynabatch.plan.candidates import (baseline_settings, formula_choice, formula_prices, price_settings,
-                                           settings_prices)
+    from dynabatch.plan.candidates import baseline_settings, formula_choice, price_settings, settings_prices
+    from dynabatch.plan.formula import formula_prices
     from dynabatch.plan.costs import PolynomialCostModel
     from dynabatch.plan.global_plan import GlobalPlanner
     from dynabatch.plan.step import plan_step

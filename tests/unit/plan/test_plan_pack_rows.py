@@ -267,7 +267,7 @@ def test_auto_is_never_predicted_slower_than_the_plan_it_starts_from(family, see
     with every piece priced by its pairs) against the dense planner's plan priced that way, and under a caller's
     score (the padding-free step formula, fill-and-drain weights tried) against ``off`` with and without
     per-segment pricing (the trainer plans ``off`` with it), one and two replicas."""
-    from dynabatch.plan.candidates import formula_price
+    from dynabatch.plan.formula import formula_price
     from dynabatch.plan.step import _priced_objective, with_pairs
 
     rng = np.random.default_rng(seed)

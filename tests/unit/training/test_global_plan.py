@@ -133,7 +133,7 @@ def test_plan_prices_the_dp_per_segment_as_train_does_and_is_never_predicted_slo
     import os
 
     from dynabatch.commands.common import add_workload_arguments, resolve
-    from dynabatch.plan.candidates import formula_price
+    from dynabatch.plan.formula import formula_price
     from dynabatch.training.workload import global_batches
 
     heavy = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "heavy_tail_1024.npz")

@@ -54,7 +54,7 @@ def _workload(lengths: str | None, model: str = "t5", num_batches: int = 3):
 
 
 def plan_step_cases() -> dict:
-    from dynabatch.plan.candidates import formula_price
+    from dynabatch.plan.formula import formula_price
     from dynabatch.plan.step import plan_step
     from dynabatch.training.step_score import simulated_step_time
 
