@@ -90,12 +90,13 @@ def _band_fits(counts, times, fits):
 @njit(cache=True)
 def _next_band_ends(counts, times, w_lo, w_hi, bound, max_w, margin):
     """Where each end's next band stops (exclusive), its runs so far ``w_lo[k] .. w_hi[k] - 1`` priced at ``times``
-    (laid out as :func:`_band_runs` returns them), at most ``max_w + 1``. Without a pruning ``bound`` (inf) the band
-    doubles. Under one, it goes ``margin`` past the length where the line through the band's last (up to 5) times
-    reaches the bound, in one cost-model call: runs slower than the bound are in no better plan, and an end whose
-    band still ends below it grows again in the next call (doubling where its times do not rise). Which lengths
-    each call prices changes, not which runs the table ends with within the bound. (The last times: on heavy-tailed
-    batches a row's times grow faster than a line, and the slope from its first time overshot the bound more.)"""
+    (laid out as :func:`_band_runs` returns them), at most ``max_w + 1``: the band doubles, and under a pruning
+    ``bound`` (not inf) it stops sooner, ``margin`` past the length where the line through the band's last (up to 5)
+    times reaches the bound: runs slower than the bound are in no better plan, and an end whose band still ends
+    below it grows again in the next call. Which lengths each call prices changes, not which runs the table ends
+    with within the bound. (The last times: on heavy-tailed batches a row's times grow faster than a line, and the
+    slope from its first time overshot the bound more. Never past doubling: where times barely rise the line
+    reaches the bound far out, and on 2,000-sample batches a band sized by it alone priced twice the runs.)"""
     num_ends = counts.shape[0]
     out = np.empty(num_ends, dtype=np.int64)
     q = 0
@@ -107,7 +108,7 @@ def _next_band_ends(counts, times, w_lo, w_hi, bound, max_w, margin):
         if c > 1 and bound < np.inf and times[q + c - 1] > times[first]:
             slope = (times[q + c - 1] - times[first]) / (q + c - 1 - first)
             reach = longest + (bound - times[q + c - 1]) / slope
-            end = int(min(float(max_w), max(float(longest + 1), np.ceil(reach * (1.0 + margin)))))
+            end = int(min(float(end), max(float(longest + 1), np.ceil(reach * (1.0 + margin)))))  # float: no overflow
         out[k] = end + 1
         q += c
     return out

@@ -29,10 +29,10 @@ for costs non-decreasing in ``b, E, D``), so the band length per end is found by
 ends still feasible: O(log W) cost-model calls, O(sum of band lengths) shapes. A row stops growing, too, once
 its runs are too slow to be in a plan better than the DP's plan on the first band (``U``: no run slower than
 ``U / W`` can be, ``W`` the objective's weight; :func:`_candidate_runs`), which leaves the optimum as it was and on
-heavy-tailed batches prices about half the runs; once ``U`` is known, each row's next band reaches about where its
-runs cross ``U / W`` (:func:`~dynabatch.plan._kernels._next_band_ends`), mostly in one more call. Run times are
-made non-decreasing in the run length, so the DP scans each band until the first run over the cap: one cap costs
-O(N x runs under the cap), worst case O(N x W).
+heavy-tailed batches prices about half the runs; once ``U`` is known, a row's next band stops a little past where
+its runs cross ``U / W``, if that comes before doubling (:func:`~dynabatch.plan._kernels._next_band_ends`). Run
+times are made non-decreasing in the run length, so the DP scans each band until the first run over the cap: one
+cap costs O(N x runs under the cap), worst case O(N x W).
 
 Measured (``scripts/bench_planner.py``, 2 shared CPU cores, warm, median; FLAN-like lengths, S = 4,
 16 GiB budget, tolerance 0.01): N = 256 about 1 ms, N = 1024 9-10 ms (T5 and GPT; 15 ms with another

@@ -143,19 +143,23 @@ def test_small_kernels_match_twins(seed):
         assert K._cap_candidates(T, L, 2.0, 9.0, tol).tolist() == want
 
 
-def test_next_band_ends_reach_the_bound_or_double():
+def test_next_band_ends_double_or_stop_past_the_bound():
     """A band doubles without a bound, and where its times are flat; under a bound it stops a margin past where its
-    times, a line, reach it (never before its next length, never past ``max_w``)."""
+    times, a line, reach it, if that is sooner (never before its next length, never past ``max_w``)."""
     counts = np.array([4, 4, 1, 4, 4])
     w_lo, w_hi = np.array([5, 5, 5, 5, 5]), np.array([9, 9, 6, 9, 9])
-    line = 1.0 + 0.5 * np.arange(5, 9)  # t = 1 + w / 2: reaches 10 at w = 18
+    line = 1.0 + 0.5 * np.arange(5, 9)  # t = 1 + w / 2: reaches 7 at w = 12, 10 at w = 18
     times = np.concatenate([line, np.full(4, 2.0), [3.0], line, line])
     doubled = [17, 17, 11, 17, 17]
     assert K._next_band_ends(counts, times, w_lo, w_hi, np.inf, 100, 0.1).tolist() == doubled
-    got = K._next_band_ends(counts, times, w_lo, w_hi, 10.0, 100, 0.1)
-    assert got.tolist() == [int(np.ceil(18 * 1.1)) + 1, 17, 11, 21, 21]
-    assert K._next_band_ends(counts, times, w_lo, w_hi, 10.0, 12, 0.1).tolist() == [13, 13, 11, 13, 13]
+    assert K._next_band_ends(counts, times, w_lo, w_hi, 10.0, 100, 0.1).tolist() == doubled  # 19.8: past doubling
+    got = K._next_band_ends(counts, times, w_lo, w_hi, 7.0, 100, 0.1)
+    assert got.tolist() == [int(np.ceil(12 * 1.1)) + 1, 17, 11, 15, 15]
+    assert K._next_band_ends(counts, times, w_lo, w_hi, 7.0, 12, 0.1).tolist() == [13, 13, 11, 13, 13]
     assert K._next_band_ends(counts, times, w_lo, w_hi, 1.0, 100, 0.1).tolist() == [10, 17, 11, 10, 10]
+    for rise in (1.0 + 1e-12 * np.arange(4), 1e-300 * np.arange(4)):  # reaching the bound far out (7e300: no overflow)
+        flat = np.concatenate([rise, np.full(4, 2.0), [3.0], line, line])
+        assert K._next_band_ends(counts, flat, w_lo, w_hi, 7.0, 100, 0.1)[0] == 17
 
 
 @pytest.mark.parametrize("seed", range(8))
