@@ -294,3 +294,21 @@ def layer_kinds(spec: TransformerSpec) -> list[str]:
 def num_params(spec: TransformerSpec) -> int:
     """Parameters of the whole model (the sum over :func:`layer_kinds`)."""
     return sum(layer_param_count(spec, kind) for kind in layer_kinds(spec))
+
+
+def split_halves(kinds) -> list[str]:
+    """``kinds`` with every block that has halves (:data:`BLOCK_HALVES`) written as its two halves."""
+    return [h for k in kinds for h in BLOCK_HALVES.get(k, (k,))]
+
+
+def join_halves(kinds) -> tuple[str, ...]:
+    """One stage's ``kinds`` with each block's two adjacent halves written as the whole block again (a stage
+    keeps a half only at its edge, where a cut falls inside the block)."""
+    whole = {pair: block for block, pair in BLOCK_HALVES.items()}
+    out: list[str] = []
+    for k in kinds:
+        if out and (out[-1], k) in whole:
+            out[-1] = whole[(out[-1], k)]
+        else:
+            out.append(k)
+    return tuple(out)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS
+from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS, join_halves, split_halves
 from dynabatch.cost.model_states import per_rank_state_bytes
 from dynabatch.cost._kernels import _planner_view, _planner_view_plain
 from dynabatch.cost.stage_programs import PRICED, Signature, StagePrograms, programs_of, variables
@@ -133,24 +133,6 @@ def rebalanced_layout(start, micro_batches_under, balance, predicted=None, round
         if best_s is None or seconds < best_s:
             best, best_s = layout, seconds
     return best
-
-
-def split_halves(kinds) -> list[str]:
-    """``kinds`` with every block that has halves (:data:`BLOCK_HALVES`) written as its two halves."""
-    return [h for k in kinds for h in BLOCK_HALVES.get(k, (k,))]
-
-
-def join_halves(kinds) -> tuple[str, ...]:
-    """One stage's ``kinds`` with each block's two adjacent halves written as the whole block again (a stage
-    keeps a half only at its edge, where a cut falls inside the block)."""
-    whole = {pair: block for block, pair in BLOCK_HALVES.items()}
-    out: list[str] = []
-    for k in kinds:
-        if out and (out[-1], k) in whole:
-            out[-1] = whole[(out[-1], k)]
-        else:
-            out.append(k)
-    return tuple(out)
 
 
 def model_kinds(model) -> tuple[str, ...]:
@@ -506,7 +488,7 @@ class StageCostModel:
     def _evaluate_compiled(self, b, E, D, pairs):  # noqa: N803
         """:meth:`evaluate` through :attr:`programs` (:meth:`evaluate_variables`), ``None`` where that path does not
         apply (no programs, a subclass pricing otherwise, a model not traced)."""
-        if self.programs is None or type(self)._priced is not StageCostModel._priced:
+        if not self._compiles():
             return None
         b, E, D = self._inputs(b, E, D)
         b, E, D, pairs = self.model.checked_inputs(b, E, D, pairs)
@@ -516,20 +498,19 @@ class StageCostModel:
                                       longest=signature.longest)
         return None if out is None else tuple(x.reshape(b.shape) for x in out)
 
+    def _compiles(self) -> bool:
+        """Whether :attr:`programs` price this model (a subclass pricing its stages otherwise does not use them)."""
+        return self.programs is not None and type(self)._priced is StageCostModel._priced
+
     def evaluate_variables(self, x: np.ndarray, *, pairs: bool = False, calls: bool = False, longest: bool = False):
         """:meth:`evaluate` of queries given as the columns of ``x``: ``(len(VARIABLES), n)`` float64 rows of
         :data:`~dynabatch.cost.symbolic.VARIABLES` (the decoder row read only by a layout with a decoder; ``pairs``,
-        ``calls``, ``longest``: which of those rows the queries have, the others zero), as the planner builds its runs
-        without a per-call check of arrays it made. ``None`` where the compiled path does not apply (then
-        :meth:`evaluate`, as in a subclass that prices otherwise) or where ``b``, ``E`` or ``D`` is not >= 1
-        (:meth:`evaluate` says why).
-
-        One numba pass over the entries (``dynabatch.cost._kernels._planner_view``) makes the recomputation choice
+        ``calls``, ``longest``: which of those rows the queries have, the others zero), as the planner builds its runs,
+        not checked per call. ``None`` where the compiled path does not apply (then :meth:`evaluate`, as in a subclass
+        that prices otherwise) or where ``b``, ``E`` or ``D`` is not >= 1 (:meth:`evaluate` says why). One numba pass over the entries (``dynabatch.cost._kernels._planner_view``) makes the recomputation choice
         and :meth:`reduce`, entry by entry (stage by stage where no stage recomputes: ``_planner_view_plain``); under
         ``auto`` the recomputation terms are computed for the entries that do not fit without them only."""
-        if type(self).evaluate is not StageCostModel.evaluate:
-            return None
-        if self.programs is None or type(self)._priced is not StageCostModel._priced:
+        if type(self).evaluate is not StageCostModel.evaluate or not self._compiles():
             return None
         decoder = self._has_decoder()
         signature = Signature(decoder, pairs, calls, longest)
@@ -540,7 +521,7 @@ class StageCostModel:
         if priced is None:
             return None
         policy = RECOMPUTE_POLICY_CODES[self.recompute]
-        load = LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))  # every stage's: _load_bytes' row
+        load = self._load_row(b, E, D)  # every stage loads the same
         terms = self.programs.rows("terms", x, signature) if policy >= 2 else None
         n = x.shape[1]
         out = [np.empty(n) for _ in range(3)]
@@ -582,9 +563,13 @@ class StageCostModel:
         return any("t5_decoder" in s for s in self.layout.stages)
 
     def _load_bytes(self, b, E, D) -> np.ndarray:  # noqa: N803
-        """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays; :data:`LOAD_BYTES_PER_TOKEN`): the
-        same on every stage."""
-        return _stack([LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))] * self.num_stages, b.shape)
+        """(S, ...) host-input bytes each stage loads (of :meth:`_inputs`' arrays): :meth:`_load_row` on every stage."""
+        return _stack([self._load_row(b, E, D)] * self.num_stages, b.shape)
+
+    @staticmethod
+    def _load_row(b, E, D) -> np.ndarray:  # noqa: N803
+        """Host-input bytes a stage loads per entry (:data:`LOAD_BYTES_PER_TOKEN` a token)."""
+        return LOAD_BYTES_PER_TOKEN * (b * (E if D is None else E + D))
 
     def _send_bytes(self, b, E, D, layers: dict | None = None) -> np.ndarray:
         """(S, ...) activation bytes each stage sends downstream (of :meth:`_inputs`' arrays; ``layers``: the layer

@@ -46,7 +46,8 @@ import torch.distributed as dist
 from dynabatch.training.config.placement_choice import VIRTUAL_MARGIN, pick_placement, placement_candidates  # noqa: F401
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import is_planner
-from dynabatch.cost.stages import StageLayout, join_halves, placement_layout, rebalanced_layout, split_halves
+from dynabatch.cost.model_specs import join_halves, split_halves
+from dynabatch.cost.stages import StageLayout, placement_layout, rebalanced_layout
 from dynabatch.data.batching import GlobalBatcher
 from dynabatch.models.families import family_for_config
 from dynabatch.models.split import layout_for

@@ -12,7 +12,8 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.model_specs import model_spec
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.cost.model_specs import ATTENTION_HALVES, FFN_HALVES
-from dynabatch.cost.stages import StageCostModel, StageLayout, balanced_layout, split_halves
+from dynabatch.cost.model_specs import split_halves
+from dynabatch.cost.stages import StageCostModel, StageLayout, balanced_layout
 from dynabatch.cost.symbolic import NotTraceable, Sym, VARIABLES, compile_forms, maximum
 
 RTOL = 1e-12

@@ -18,7 +18,8 @@ from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.models.families import run_cost_model
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.pairs import AttentionPairs
-from dynabatch.cost.stages import SPLIT_GAIN, StageCostModel, StageLayout, balanced_layout, join_halves, split_halves
+from dynabatch.cost.model_specs import join_halves, split_halves
+from dynabatch.cost.stages import SPLIT_GAIN, StageCostModel, StageLayout, balanced_layout
 
 FIELDS = ("fwd_time_s", "bwd_time_s", "fwd_flops", "stored_activation_bytes")
 
