@@ -41,7 +41,7 @@ from dynabatch.data.baselines import (BASELINES, GROUPING_TOKENS, BaselineOption
 from dynabatch.plan.costs import evaluate_costs
 from dynabatch.plan.formula import price_micro_batches, step_formula
 from dynabatch.plan.replicas import equalize_counts
-from dynabatch.plan.step import Piece, StepPlan
+from dynabatch.plan.step_plan import Piece, StepPlan
 
 DP = "dp"
 """The label of the partition DP's own plan (:attr:`Candidate.label`)."""
@@ -108,7 +108,7 @@ def knob_values(method: str, options) -> list[int]:
 @dataclass(frozen=True, eq=False)
 class Setting:
     """One baseline at one knob value on a global batch, as flat arrays: its micro-batches, their padded shapes, and
-    which of them each replica runs (:func:`deal_to_replicas`). Its :class:`~dynabatch.plan.step.StepPlan` is built
+    which of them each replica runs (:func:`deal_to_replicas`). Its :class:`~dynabatch.plan.step_plan.StepPlan` is built
     only where it is needed (:meth:`plan`)."""
 
     method: str
@@ -190,7 +190,7 @@ def baseline_candidates(input_lens, target_lens, limits, num_stages: int, *, num
                         cost_model=None, work: dict | None = None, equal_counts: bool = False,
                         priced: dict | None = None, also: Sequence = ()) -> list[Candidate]:
     """The plans of :func:`baseline_settings` (the baselines at every knob value, equal micro-batches once, none with
-    fewer micro-batches than replicas), as :class:`~dynabatch.plan.step.StepPlan` s in the order the baseline runs
+    fewer micro-batches than replicas), as :class:`~dynabatch.plan.step_plan.StepPlan` s in the order the baseline runs
     its micro-batches, dealt to replicas by :func:`deal_to_replicas`. ``cost_model`` (a
     :class:`~dynabatch.plan.costs.MicroBatchCostModel`) sets each piece's ``time_s`` (its bottleneck-stage time;
     per-segment attention when ``padding_free``), every candidate's pieces in one call; else it is 0.

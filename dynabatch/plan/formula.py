@@ -11,7 +11,8 @@ import numpy as np
 
 from dynabatch.cost.pairs import AttentionPairs, fill_work, stacked_pairs
 from dynabatch.plan.costs import evaluate_costs
-from dynabatch.plan.step import StepPlan, with_pairs
+from dynabatch.plan.step import with_pairs
+from dynabatch.plan.step_plan import StepPlan
 
 
 def step_lower_bound(fwd_s, bwd_s) -> float:

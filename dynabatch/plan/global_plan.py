@@ -16,8 +16,8 @@ the DataLoader yields is what ``train`` runs for the same global batch, method a
   then given equal counts per replica (:func:`~dynabatch.plan.candidates.even_counts`), as the DP's plans are, a
   baseline method's and the dynamic method's baseline candidates alike.
 
-The result is a :class:`~dynabatch.plan.step.StepPlan` (per replica, the pieces in execution order); its
-:meth:`~dynabatch.plan.step.StepPlan.to_row_groups` are the row groups every caller collates.
+The result is a :class:`~dynabatch.plan.step_plan.StepPlan` (per replica, the pieces in execution order); its
+:meth:`~dynabatch.plan.step_plan.StepPlan.to_row_groups` are the row groups every caller collates.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from dynabatch.plan.candidates import (DP, Candidate, baseline_candidates, basel
                                        formula_choice, price_settings)
 from dynabatch.plan.formula import formula_prices
 from dynabatch.plan.replicas import wants_equal_counts
-from dynabatch.plan.step import StepPlan, plan_step
+from dynabatch.plan.step import plan_step
+from dynabatch.plan.step_plan import StepPlan
 
 DYNAMIC = "dynamic"
 

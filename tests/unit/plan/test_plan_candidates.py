@@ -22,7 +22,7 @@ from dynabatch.plan.candidates import (
     knob_values,
 )
 from dynabatch.plan.formula import formula_price, step_lower_bound
-from dynabatch.plan.step import StepPlan
+from dynabatch.plan.step_plan import StepPlan
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data")
 HEAVY = os.path.join(DATA, "heavy_tail_1024.npz")
