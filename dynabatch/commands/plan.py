@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if "dynamic" in methods:
         try:
             _ = method_micro_batches("dynamic", batches[0], w.limits, w.cost_model, stages, w.options,
-                                     slice_cost_model=_slicer(w.cost_model, "dynamic", args.slice_long),
+                                     slice_cost_model=_slicer(w.cost_model, "dynamic", args.slice_long, w.limits),
                                      pack_rows=args.pack_rows)
         except ValueError as e:
             hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
@@ -81,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slicer(cost_model, method: str, slice_long: bool):
+def _slicer(cost_model, method: str, slice_long: bool, limits):
     """The slice cost model of a method that cuts token slices (``dynamic_sliced``, or ``dynamic`` with
-    ``--slice-long``), else ``None``."""
+    ``--slice-long``; the slowest stage for a sample of the longest input, as the trainer's planner picks
+    it), else ``None``."""
     sliced = method == DYNAMIC_SLICED or (method == "dynamic" and slice_long)
-    return AnalyticSliceCostModel.from_stage_model(cost_model) if sliced else None
+    return AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=limits.max_input_len) if sliced else None
 
 
 def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -> dict:
@@ -93,7 +94,7 @@ def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -
     priced by ``cost_model``: tokens, micro-batches, the predicted step, whether every micro-batch fits the
     memory under the planner's bound, and the planning time."""
     stages = cost_model.num_stages
-    slice_model = _slicer(cost_model, method, args.slice_long) if is_planner(method) else None
+    slice_model = _slicer(cost_model, method, args.slice_long, w.limits) if is_planner(method) else None
     real = computed = micro = sliced = 0
     need = 0.0  # the largest S x stored + peak of a micro-batch (the planner's memory bound)
     step_times, wall, kept = [], [], {}

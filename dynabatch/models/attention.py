@@ -22,7 +22,7 @@ masked in a packed row. This module runs it per *segment* instead:
    real query attends.
 3. Masks are per group and small: none for bidirectional attention, ``is_causal`` for causal
    self-attention (the flash/efficient kernels apply, CPU and CUDA), an explicit bottom-right ``(Lq, Lk)``
-   triangle for slices, and T5's relative-position bias as the additive mask. The bias depends on
+   triangle for slices (on CPU, two flash calls merged instead: :mod:`dynabatch.models.context_attention`), and T5's relative-position bias as the additive mask. The bias depends on
    ``j - i`` only (Toeplitz), so one ``(1, H, L, L)`` bias of the longest segment serves every segment
    through its top-left ``(Lq, Lk)`` window. T5's cross-attention bias is zero (HF builds zeros), so it
    is dropped.
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from dynabatch.core.attention import ATTENTION_PATHS  # segments (padding-free) or dense (4-D masks, the reference)
 from dynabatch.cost.pairs import attention_groups, group_waste_limit
-from dynabatch.models import attention_kernels
+from dynabatch.models import attention_kernels, context_attention
 from dynabatch.models.recompute import run_attention_core
 
 SEGMENT_ATTENTION = "dynabatch_segments"
@@ -293,9 +293,7 @@ def segment_attention(
         return out
     gqa = query.shape[1] != key.shape[1]
     if segments.is_dense_rows:  # every row one unpadded sample: no mask, no copies
-        mask, causal = _cached_mask(segments, 0, bias, query.dtype)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
-                                             dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        out = _sdpa(query, key, value, segments, 0, bias, scale, dropout_p, gqa)
         return out.transpose(1, 2)  # (B, Q, H, Dh)
     b, h, q_len, head_dim = query.shape
     out = None  # (B, Q, H, Dh) in SDPA's output dtype: under autocast it may differ from the queries' (Llama's
@@ -305,13 +303,24 @@ def segment_attention(
         q = _take(query, g, g.query_starts, g.query_len, qs)
         k = _take(key, g, g.key_starts, g.key_len, ks)
         v = _take(value, g, g.key_starts, g.key_len, ks)
-        mask, causal = _cached_mask(segments, index, bias, query.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
-                                           scale=scale, enable_gqa=gqa).transpose(1, 2)  # (n, lq, H, Dh)
+        o = _sdpa(q, k, v, segments, index, bias, scale, dropout_p, gqa).transpose(1, 2)  # (n, lq, H, Dh)
         if out is None:
             out = o.new_zeros(b, q_len, h, head_dim)
         _put(out, o, g)
     return out if out is not None else query.new_zeros(b, q_len, h, head_dim)
+
+
+def _sdpa(q, k, v, segments: Segments, index: int, bias, scale, dropout_p, gqa) -> torch.Tensor:
+    """One group's (n, H, Lq, Dh) attention: a token slice's aligned group (keys ``Lk - Lq`` of context, then
+    the slice's own) as two flash calls merged (:mod:`dynabatch.models.context_attention`) where that
+    applies, else SDPA with the group's mask (:func:`_group_mask`)."""
+    g = segments.groups[index]
+    context = g.key_len - g.query_len if segments.kind == "causal" and g.aligned else 0
+    if context_attention.applies(q, k, context, bias, dropout_p):
+        return context_attention.context_causal_attention(q, k, v, context, scale)
+    mask, causal = _cached_mask(segments, index, bias, q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
 
 
 def _put(out: torch.Tensor, o: torch.Tensor, g: SegmentGroup) -> None:

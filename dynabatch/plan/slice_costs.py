@@ -176,11 +176,20 @@ class AnalyticSliceCostModel:
         object.__setattr__(self, "_counts", tuple(Counter(kinds).items()))
 
     @classmethod
-    def from_stage_model(cls, stages, *, ref_length: int = 2048, attention: str = "dense") -> "AnalyticSliceCostModel":
+    def from_stage_model(cls, stages, *, ref_length: int = 2048, attention: str | None = None) -> "AnalyticSliceCostModel":
         """The slowest stage (fwd + bwd of one sample of ``ref_length`` tokens) of a
         :class:`~dynabatch.cost.stages.StageCostModel`, with that model's memory budget. Under its ``full``
         recompute policy the slices' blocks are priced recomputed, as the runtime runs them; under ``auto`` and
-        ``selective`` without (the safe side: a slice's mode there is chosen for its own shape)."""
+        ``selective`` without (the safe side: a slice's mode there is chosen for its own shape).
+
+        ``attention``: ``causal`` where the kernel that runs a whole sample skips the blocks above the causal
+        diagonal (fused attention: the padding-free runtime's ``is_causal`` calls, whose slices compute their
+        causal share, :mod:`dynabatch.models.context_attention`; the analytic model's ``flash_attention``),
+        so that a sample's slices cost what it costs whole; ``dense`` where the whole sample computes its full
+        square (4-D masks, eager kernels) and a slice only its ``s (c + s)`` rectangle. ``None``: ``causal``
+        if the stage model's analytic model has ``flash_attention``, else ``dense``."""
+        if attention is None:
+            attention = "causal" if getattr(stages.model, "flash_attention", False) else "dense"
 
         per = stages.per_stage(np.array([1.0]), np.array([float(ref_length)]), np.array([0.0]))
         slowest = int(np.argmax((per.fwd_s + per.bwd_s)[:, 0]))

@@ -203,7 +203,8 @@ class StepPlanner:
         schedule, the order the runtime lowers; ``None`` on the linear placement."""
         self.slice_model = None
         if cfg.slice_long:
-            self.slice_model = AnalyticSliceCostModel.from_stage_model(cost_model, ref_length=cfg.max_input_len)
+            self.slice_model = AnalyticSliceCostModel.from_stage_model(  # padding-free: causal kernels, whole or sliced
+                cost_model, ref_length=cfg.max_input_len, attention="causal" if self.padding_free else "dense")
 
     def _own(self, model: StageCostModel) -> StageCostModel:
         """``model`` with this method's :attr:`recompute` (the same object when it has it already)."""

@@ -227,7 +227,7 @@ def _slicing_planner(toy_data, preset: str, memory_gib: float, placement: str = 
 
 @pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
 def test_the_trainers_planner_turns_planned_slices_into_chains(toy_data):
-    planner, _, _ = _slicing_planner(toy_data, "gpt2-tiny", 0.02)  # the longest samples do not fit whole
+    planner, _, _ = _slicing_planner(toy_data, "gpt2-tiny", 0.012)  # the longest samples do not fit whole, recomputed or not
     sliced = 0
     for _ in range(6):
         step = planner()

@@ -25,7 +25,7 @@ CASES = {
     "t5-dynamic-2-replicas": ("t5", dict(model="t5-tiny", replicas=2, global_batch_tokens=2048, max_input_len=256,
                                          max_target_len=64)),
     "gpt2-token-slices": ("gpt2", dict(model="gpt2-tiny", global_batch_tokens=2048, max_input_len=512,
-                                       slice_long=True, memory_gib=0.02)),
+                                       slice_long=True, memory_gib=0.012)),
     "gpt2-packing-free-split": ("gpt2", dict(model="gpt2-tiny", global_batch_tokens=2048, max_input_len=512,
                                              method="packing_free_split", packing_free_split_tokens=64)),
 }
