@@ -22,8 +22,9 @@ no gradient, which is why this is an :class:`torch.autograd.Function` rather tha
 
 Together the two calls compute ``s c + s^2 / 2`` scores, the slice's causal share, so a sample's slices
 cost what the sample costs unsliced. Used for CPU tensors when the installed torch has the CPU flash
-ops, no dropout, no additive bias and as many key heads as query heads; anything else takes the masked
-call (:func:`dynabatch.models.attention.segment_attention`).
+ops (they take grouped-query heads, fewer key than query heads, in both directions), with no dropout and
+no additive bias; anything else takes the masked call (:func:`dynabatch.models.attention.segment_attention`).
+Measured: ``docs/benchmarks/token_slicing/slice_attention_2cpu_20261207.md``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ _aten = torch.ops.aten
 def applies(query: torch.Tensor, key: torch.Tensor, context: int, bias, dropout_p: float) -> bool:
     """Whether :func:`context_causal_attention` can serve this call."""
     return (context > 0 and bias is None and not dropout_p and query.device.type == "cpu"
-            and query.shape[1] == key.shape[1] and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"))
+            and query.shape[1] % key.shape[1] == 0 and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
 def context_causal_attention(query, key, value, context: int, scale: float | None = None) -> torch.Tensor:
-    """Attention of ``(n, H, s, Dh)`` queries over ``(n, H, c + s, Dh)`` keys/values, the first ``c`` of them
+    """Attention of ``(n, H, s, Dh)`` queries over ``(n, Hk, c + s, Dh)`` keys/values, the first ``c`` of them
     (``context``) all visible, the last ``s`` causal. Returns ``(n, H, s, Dh)`` as SDPA would, in the dtype
     SDPA would compute in (autocast's, where it is on)."""
     device = query.device.type

@@ -1,7 +1,7 @@
 """A token slice's attention as two flash calls merged by log-sum-exp (dynabatch.models.context_attention).
 
 Outputs and the gradients of queries, keys and values equal SDPA with the explicit bottom-right mask (fp32,
-several shapes, a context of one token, strided inputs); under bf16 autocast it computes in bf16 as SDPA does;
+several shapes, a context of one token, grouped-query heads, strided inputs); under bf16 autocast it computes in bf16 as SDPA does;
 ``segment_attention`` serves a slice's groups (padded and packed) with it and gives the masked call's results.
 """
 
@@ -20,18 +20,20 @@ from dynabatch.models.context_attention import context_causal_attention
 def _masked(q, k, v, context, scale=None):
     s = q.shape[2]
     mask = torch.ones(s, context + s, dtype=torch.bool).tril(context)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _leaves(*shapes, dtype=torch.float32):
     return [torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in shapes]
 
 
-@pytest.mark.parametrize("n, heads, s, context, head_dim, scale", [
-    (1, 4, 64, 192, 64, None), (3, 2, 17, 40, 8, 0.3), (2, 4, 33, 1, 16, None), (1, 1, 1, 5, 8, None)])
-def test_merged_flash_calls_equal_the_masked_attention(n, heads, s, context, head_dim, scale):
+@pytest.mark.parametrize("n, heads, kv_heads, s, context, head_dim, scale", [
+    (1, 4, 4, 64, 192, 64, None), (3, 2, 2, 17, 40, 8, 0.3), (2, 4, 4, 33, 1, 16, None), (1, 1, 1, 1, 5, 8, None),
+    (2, 8, 2, 24, 50, 16, None)])  # the last: grouped-query attention, 4 query heads per key head
+def test_merged_flash_calls_equal_the_masked_attention(n, heads, kv_heads, s, context, head_dim, scale):
     torch.manual_seed(0)
-    q, k, v = _leaves((n, heads, s, head_dim), (n, heads, context + s, head_dim), (n, heads, context + s, head_dim))
+    q, k, v = _leaves((n, heads, s, head_dim), (n, kv_heads, context + s, head_dim), (n, kv_heads, context + s, head_dim))
+    assert context_attention.applies(q, k, context, None, 0.0)
     want = _masked(q, k, v, context, scale)
     grad = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
