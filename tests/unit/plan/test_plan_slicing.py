@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -284,6 +285,32 @@ def test_analytic_slices_add_up_to_the_unsliced_flops(GPT):  # noqa: N803 - the 
     assert st_causal.sum() == pytest.approx(float(st_whole), rel=1e-12)
     _, st_dense, _ = dense.evaluate(b, s, c)
     assert st_dense.sum() < float(st_whole)
+
+
+@pytest.mark.parametrize("preset, hardware", [("gpt-350m", "a100-80gb"), ("llama3-8b", "a100-80gb")])
+def test_a_samples_slices_cost_its_whole_cost_on_every_stage(preset, hardware):
+    """Causal pricing, each stage its own ratio: on every stage of a split whose last stage holds the output head
+    (a cost that grows with the slice's own tokens only), a sample's slices add up to its unsliced cost (within the
+    slices' fixed costs, kernel launches, a small share at 4,096-token slices). The bottleneck stage's ratio on every stage overprices the head's stage."""
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+
+    base = AnalyticCostModel.from_names(preset, hardware, flash_attention=True)
+    stages = StageCostModel(base, balanced_layout(base, 4), base.hardware.memory_bytes)
+    sliced = AnalyticSliceCostModel.from_stage_model(stages, ref_length=32768)
+    assert sliced.attention == "causal"  # flash_attention: whole samples skip the blocks above the diagonal
+    length, k = 32768, 8  # long slices: their fixed costs (kernel launches) stay a small share
+    bounds = np.round(np.arange(k + 1) * length / k).astype(np.int64)
+    s, c, b = np.diff(bounds), bounds[:-1], np.ones(k, dtype=np.int64)
+    whole = stages.per_stage(np.ones(1), np.array([float(length)]), np.zeros(1))
+    whole_s = (whole.fwd_s + whole.bwd_s)[:, 0]
+
+    def summed(model):
+        costs = slice_stage_costs(stages.per_stage(b.astype(float), s.astype(float), np.zeros(k)), model, b, s, c)
+        return (costs.fwd_s + costs.bwd_s).sum(axis=1)
+
+    np.testing.assert_allclose(summed(sliced), whole_s, rtol=0.03)
+    bottleneck_only = dataclasses.replace(sliced, stages=None)  # no per-stage ratios
+    assert np.max(summed(bottleneck_only) / whole_s) > 1.1
 
 
 def test_analytic_adapter_validates_and_plans():

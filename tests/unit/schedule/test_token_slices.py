@@ -301,7 +301,9 @@ def test_training_with_slices_takes_the_same_steps_as_without(tmp_path, toy_mixt
 def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
     """GPT-1.3B on 8 A100-80GB stages: two 4,000-token samples among short ones. In a small global batch
     they dominate the bubble and slicing them shortens the simulated step; among 600 short samples the
-    bubble is amortised, so the planner keeps them whole."""
+    bubble is amortised, so the planner keeps them whole. Slices are priced as their causal share of the whole
+    sample (``attention="causal"``), so slicing saves no compute and only the bubble decides (with ``dense``
+    pricing an eager kernel's slices skip part of the square, and the planner rightly keeps them for that)."""
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
     from dynabatch.cost.model_specs import model_spec
@@ -312,7 +314,7 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
 
     model = AnalyticCostModel(model_spec("gpt-1.3b"), hardware_spec("a100-80gb"))
     stages = StageCostModel(model, balanced_layout(model, 8, ref_shape=(1, 4096, 0)), model.hardware.memory_bytes)
-    slicer = AnalyticSliceCostModel.from_stage_model(stages, ref_length=4096)
+    slicer = AnalyticSliceCostModel.from_stage_model(stages, ref_length=4096, attention="causal")
     score = simulated_step_time(stages, slicer, model.hardware.memory_bytes)
     rng = np.random.default_rng(0)
     for num_short, expect_sliced in ((30, True), (600, False)):
