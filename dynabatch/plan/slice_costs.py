@@ -232,20 +232,22 @@ class AnalyticSliceCostModel:
             rows.append(np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0))
         return np.array(rows)
 
-    def _keys(self, s, c):
+    def keys(self, s, c):
+        """The key length a slice's attention is priced at: ``c + s`` (``dense``) or ``2c + s`` (``causal``, the
+        causal share of the square in the square's units)."""
         return c + s if self.attention == "dense" else 2.0 * c + s
 
     def _block_ops(self, kind: str, b, s, c) -> list:
         """The analytic kernels of a block (``gpt``) or block half on a slice of ``s`` tokens after ``c``."""
         m = self.model
-        attention = m._attention_ops(b, s, self._keys(s, c), True) if kind != "gpt_mlp" else []
+        attention = m._attention_ops(b, s, self.keys(s, c), True) if kind != "gpt_mlp" else []
         return attention + (m._ffn_ops(b, s) if kind != "gpt_attn" else [])
 
     def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
         m, spec = self.model, self.model.spec
         p, d, a, h, kv = spec.dtype_bytes, spec.d_model, spec.d_attn, spec.num_heads, spec.d_kv_attn  # kv: K/V width (GQA)
-        keys = self._keys(s, c)
+        keys = self.keys(s, c)
         time = np.zeros_like(s)
         stored = np.zeros_like(s)
         peak = np.zeros_like(s)
@@ -312,14 +314,17 @@ class AnalyticSliceCostModel:
         return total
 
 
-def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c) -> "StageCosts":
+def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c, *,
+                      time_priced: bool = False) -> "StageCosts":
     """Per-stage costs of token slices for the runtime's schedule and memory checks: the unsliced costs
     of ``(b, s)`` (``costs``, every micro-batch) scaled, where ``c > 0``, by the slice cost model's ratio
     ``t(b, s, c) / t(b, s, 0)`` for times (each stage's own where the model gives them,
     ``stage_time_ratios``, else the bottleneck stage's) and stored bytes, plus the carried keys/values: the context's
     key/value gradients in the peak, and, when the model says (``context_kv_bytes``), the concatenated
     context keys/values each slice's attention keeps for its backward in the stored bytes (the
-    bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs."""
+    bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs.
+    ``time_priced``: the caller prices the slices' times itself (their attention pairs, :func:`piece_costs`), so
+    times are left unscaled."""
 
     if slice_model is None:
         raise ValueError("token slices need a slice cost model (slice_long)")
@@ -331,6 +336,8 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c)
     ratios = per_stage(bi, si, ci) if per_stage is not None else None
     if ratios is not None and ratios.shape == costs.fwd_s.shape:  # (S, M): each stage its own
         time_ratio = ratios
+    if time_priced:
+        time_ratio = np.ones_like(time_ratio)
     stored_ratio = np.where(st0 > 0, st1 / np.maximum(st0, 1e-30), 1.0)
     kv = getattr(slice_model, "context_kv_bytes", None)
     copies = kv(bi, ci) if kv is not None else 0.0
@@ -351,7 +358,26 @@ def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None) -
     ``contexts`` (:func:`slice_stage_costs`); ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,))
     prices per-segment attention. What the trainer's planner and ``dynabatch simulate`` price a step with."""
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+    contexts = np.asarray(contexts, dtype=np.float64).reshape(-1)
     costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
-    if links:
-        costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], np.asarray(contexts, dtype=np.float64))
+    if not links:
+        return costs
+    keys = getattr(slice_model, "keys", None)
+    priced = pairs is not None and keys is not None
+    costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], contexts, time_priced=priced)
+    if priced:  # times from the slices' own score pairs; memory as scaled above (score bytes counted once)
+        timed = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], slice_context_pairs(pairs, arr, contexts, keys))
+        costs = dataclasses.replace(costs, fwd_s=timed.fwd_s, bwd_s=timed.bwd_s)
     return costs
+
+
+def slice_context_pairs(pairs, shapes: np.ndarray, contexts: np.ndarray, keys):
+    """``pairs`` with each token slice's score pairs counted with its context: ``b s keys(s, c)`` for ``s``
+    tokens after ``c`` (:meth:`AnalyticSliceCostModel.keys`: ``2c + s`` where whole samples run causal kernels,
+    the causal share in the full-square units whole samples are counted in, so a sample's slices add up to
+    its whole count; ``c + s`` on the dense path). The stage model then prices their attention with its own
+    (calibrated) per-pair cost, not the analytic model's weighting. Pieces with ``c = 0`` keep their pairs."""
+    b, s = shapes[:, 0], shapes[:, 1]
+    sliced = contexts > 0
+    encoder = np.where(sliced, b * s * keys(s, contexts), np.asarray(pairs.encoder, dtype=np.float64))
+    return dataclasses.replace(pairs, encoder=encoder)
