@@ -267,6 +267,7 @@ def slice_long_samples(
     reserved_bytes: float = 0.0,
     in_flight: int = 1,
     fits_whole: np.ndarray | None = None,
+    must_slice: np.ndarray | None = None,
 ) -> SliceDecision:
     """Which samples to token-slice, and how: those that do not fit in memory whole (they must be
     sliced; ``in_flight`` copies of the stored activations plus the peak, the partition planner's
@@ -278,7 +279,10 @@ def slice_long_samples(
     known. Samples of one length share one plan. Raises ``ValueError`` naming the sample when one
     cannot be made to fit. ``fits_whole``: optional (N,) bools, the samples the partition planner can run
     whole anyway (with activation recomputation, :mod:`dynabatch.cost.recompute`): they are never forced
-    into slices, and one the slicer cannot cut stays whole.
+    into slices, and one the slicer cannot cut stays whole. ``must_slice``: optional (N,) bools, the samples
+    the partition planner cannot run whole: forced into slices even where this model's own test keeps them
+    whole (it prices one stage's blocks, the partition every stage of a whole micro-batch; under ``full``
+    recompute they differ by a few percent, and a sample left whole between the two was refused).
     """
     lens = np.asarray(lengths)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer) or lens.min() < 1:
@@ -297,6 +301,10 @@ def slice_long_samples(
         whole = np.zeros(len(unique), dtype=bool)
         np.logical_or.at(whole, inverse, np.asarray(fits_whole, dtype=bool))
         fits = fits | whole
+    if must_slice is not None:
+        forced = np.zeros(len(unique), dtype=bool)
+        np.logical_or.at(forced, inverse, np.asarray(must_slice, dtype=bool))
+        fits = fits & ~forced
     if step_time_s is None:
         step_time_s = float(t[inverse].sum() + (num_stages - 1) * t.max())
     if not (np.isfinite(step_time_s) and step_time_s > 0):
