@@ -30,7 +30,8 @@ values included) whenever stored bytes are sub-additive along the sequence (true
 here: equal for linear terms and causal-pair terms, an over-estimate of the dense ``s (c + s)`` softmax
 storage). It does not bound the earlier slices' context copies, which depend on the whole path: so the
 chosen slices' real timeline, ``sum_{i <= j} kept_i + peak_j + reserved``, is checked, and where it is over
-the budget the DP is solved again with the budget less the excess (at most :data:`MAX_TIGHTENINGS` times).
+the budget the DP is solved again with the budget less the excess, and at least less what the bound missed on
+a slice over the budget, so the refused chain cannot come back (at most :data:`MAX_TIGHTENINGS` times).
 A model that knows its pipeline (``chain_memory``:
 :meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.chain_memory`) gives that timeline as the schedule
 validator counts it, on every stage and with the recompute modes the runtime uses (under ``full`` its peak
@@ -180,7 +181,10 @@ def plan_slices(
         over = float(exact.max()) - budget
         if over <= 0:
             break
-        slack += over
+        # at least what the bound under-counted on a slice over the budget, so that slice is refused next time
+        # (the overrun alone can be smaller than the bound's gap below the budget: the same path again)
+        refused = exact > budget
+        slack = max(slack + over, float((exact - memory[flat])[refused].min()))
     else:
         raise ValueError(f"sequence of length {length} (batch_size {batch_size}): no slicing at granularity "
                          f"{granularity} found within the activation memory budget of {budget / 2**30:.3f} GiB after "

@@ -343,6 +343,28 @@ def test_planned_chain_fits_the_validators_accounting(stages, recompute):
     assert slicer.model.recompute == (recompute == "full")
 
 
+
+def test_tightening_excludes_a_chain_the_validator_refuses():
+    """Under ``--recompute full`` the DP's per-slice bound put a whole 270-token gpt2-tiny sample at 26.5 MiB and the
+    validator's timeline at 27.5 MiB against a 27.4 MiB budget. Each re-solve tightened the budget by the 0.07 MiB
+    overrun alone, so the DP picked the same single slice eight times and ``train --slice-long --recompute full
+    --memory-gib 0.04`` stopped ("no slicing ... after 8 tightenings"). A re-solve must exclude the refused chain."""
+    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.models.families import run_cost_model
+    from dynabatch.models.presets import build_config
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import planner_cost_model
+
+    config = build_config("gpt2-tiny", vocab_size=8192)  # the builtin tokenizer's vocabulary
+    cfg = TrainConfig(model="gpt2-tiny", memory_gib=0.04, recompute="full", slice_long=True)
+    stage_model = planner_cost_model(cfg, config, balanced_layout(run_cost_model(config, "cpu"), 1))
+    slicer = AnalyticSliceCostModel.from_stage_model(stage_model, ref_length=512, attention="causal")
+    whole = slicer.chain_memory(1, np.array([270]), np.array([0]))
+    assert whole[0] > slicer.memory_budget_bytes  # the validator refuses it whole
+    plan = plan_slices(270, slicer, 1, granularity=16)
+    assert plan.num_slices > 1
+    assert slicer.chain_memory(1, plan.slice_lengths, plan.contexts).max() <= slicer.memory_budget_bytes
+
 def test_slice_long_samples_picks_bubble_and_memory_samples():
     base = PolynomialSliceCostModel()
     lengths = np.array([200] * 40 + [6000, 300, 9000, 6000])
