@@ -36,9 +36,10 @@ A model that knows its pipeline (``chain_memory``:
 :meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.chain_memory`) gives that timeline as the schedule
 validator counts it, on every stage and with the recompute modes the runtime uses (under ``full`` its peak
 adds the largest block's stored bytes to the largest layer peak, more than the slice model's per-layer sum);
-``SlicePlan.memory_bound_bytes`` reports it. ``reserved_bytes`` is memory held by other micro-batches in
-flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that the
-validator then refused mid-run.
+``SlicePlan.memory_bound_bytes`` reports it. Such a model also bounds each candidate slice that way on every
+stage (:func:`_stage_bounds`): the stage whose memory binds need not be the slowest one the slice model
+prices. ``reserved_bytes`` is memory held by other micro-batches in flight. Without the copies and buffers,
+gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that the validator then refused mid-run.
 
 Measured (2 shared CPU cores, warm, median; :class:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel` of gpt-1.3b on a100-80gb,
 slowest of 4 balanced stages = 7 blocks, one 2048-token sample, eager dense attention): unsliced
@@ -50,14 +51,16 @@ half of it pricing the 2.1 M candidate slices, so use g >= 8 for long sequences.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from dynabatch.cost.stages import in_flight_buffer_bytes
 from dynabatch.plan._slicing_kernels import _solve_slices
 from dynabatch.plan.costs import check_int, check_non_negative, evaluate_costs
-from dynabatch.plan.slice_costs import SliceCostModel
+from dynabatch.plan.slice_costs import SliceCostModel, slice_stage_costs
 
 MAX_GRID_POINTS = 2048
 """Largest ``ceil(length / granularity)``: the DP holds dense (n + 1)^2 float64 matrices (33 MiB at 2048)."""
@@ -165,6 +168,9 @@ def plan_slices(
     kept = stored if held is None else stored + held(np.full_like(s, batch_size), s, c)
     prefix = np.concatenate(([0.0], kept[starts == 0]))  # kept(b, x_i, 0) at grid point i
     memory = prefix[starts] + kept + peak + float(reserved_bytes)
+    stage_bound = _stage_bounds(cost_model, batch_size, s, c, starts)
+    if stage_bound is not None:  # every stage as the validator counts it, not only the slice model's one
+        memory = np.maximum(memory, stage_bound + float(reserved_bytes))
     T = np.full((n + 1, n + 1), np.inf)
     chain = getattr(cost_model, "chain_memory", None)  # the validator's own accounting, when the model has it
     slack = 0.0
@@ -256,6 +262,30 @@ class SliceDecision:
         if k < len(self.sample_indices) and self.sample_indices[k] == sample_index:
             return self.plans[k]
         return None
+
+
+def _stage_bounds(cost_model, batch_size: int, s: np.ndarray, c: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
+    """(P,) the per-slice bound of the module docstring on every stage of the pipeline, as the validator counts
+    a slice (:func:`~dynabatch.plan.slice_costs.slice_stage_costs` of the model's ``stages``: recompute modes,
+    in-flight buffers, context copies), the largest over the stages; ``None`` for a model without ``stages``.
+
+    The slice model prices one stage, the slowest; the stage whose memory binds can be another one (the LM
+    head's logits on the last stage): on gpt2-mini over 2 stages the DP's bound for a 427-token sample stayed
+    under 12 MiB of a 28 MiB budget while the last stage's real timeline was over it, and no additive tightening
+    of the budget could tell the slices that fit (short ones: the logits scale with the slice) from those that
+    did not, so ``--slice-long`` refused a sample that small slices run within the budget."""
+    stages = getattr(cost_model, "stages", None)
+    if stages is None:
+        return None
+    lengths, inverse = np.unique(s, return_inverse=True)  # a slice's unsliced costs depend on its length alone
+    whole = stages.per_stage(np.full(lengths.shape, float(batch_size)), lengths.astype(np.float64),
+                             np.zeros(lengths.shape))
+    per_slice = dataclasses.replace(whole, **{f.name: getattr(whole, f.name)[:, inverse]
+                                              for f in dataclasses.fields(whole) if getattr(whole, f.name) is not None})
+    costs = slice_stage_costs(per_slice, cost_model, np.full(s.shape, batch_size), s, c)
+    kept = costs.stored_bytes + in_flight_buffer_bytes(costs)  # (S, P)
+    prefix = np.concatenate([np.zeros((kept.shape[0], 1)), kept[:, starts == 0]], axis=1)  # (S, n + 1)
+    return (prefix[:, starts] + kept + costs.peak_bytes).max(axis=0)
 
 
 def slice_long_samples(
