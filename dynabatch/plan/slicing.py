@@ -36,10 +36,11 @@ A model that knows its pipeline (``chain_memory``:
 :meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.chain_memory`) gives that timeline as the schedule
 validator counts it, on every stage and with the recompute modes the runtime uses (under ``full`` its peak
 adds the largest block's stored bytes to the largest layer peak, more than the slice model's per-layer sum);
-``SlicePlan.memory_bound_bytes`` reports it. Such a model also bounds each candidate slice that way on every
-stage (:func:`_stage_bounds`): the stage whose memory binds need not be the slowest one the slice model
-prices. ``reserved_bytes`` is memory held by other micro-batches in flight. Without the copies and buffers,
-gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that the validator then refused mid-run.
+``SlicePlan.memory_bound_bytes`` reports it. Where that timeline refuses the chosen chain, such a model also
+bounds each candidate slice that way on every stage before the budget is tightened (:func:`_stage_bounds`): the
+stage whose memory binds need not be the slowest one the slice model prices. ``reserved_bytes`` is memory held
+by other micro-batches in flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over
+the budget that the validator then refused mid-run.
 
 Measured (2 shared CPU cores, warm, median; :class:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel` of gpt-1.3b on a100-80gb,
 slowest of 4 balanced stages = 7 blocks, one 2048-token sample, eager dense attention): unsliced
@@ -168,12 +169,9 @@ def plan_slices(
     kept = stored if held is None else stored + held(np.full_like(s, batch_size), s, c)
     prefix = np.concatenate(([0.0], kept[starts == 0]))  # kept(b, x_i, 0) at grid point i
     memory = prefix[starts] + kept + peak + float(reserved_bytes)
-    stage_bound = _stage_bounds(cost_model, batch_size, s, c, starts)
-    if stage_bound is not None:  # every stage as the validator counts it, not only the slice model's one
-        memory = np.maximum(memory, stage_bound + float(reserved_bytes))
     T = np.full((n + 1, n + 1), np.inf)
     chain = getattr(cost_model, "chain_memory", None)  # the validator's own accounting, when the model has it
-    slack = 0.0
+    slack, every_stage = 0.0, False
     for _ in range(MAX_TIGHTENINGS):
         T[ends, starts] = np.where(memory + slack <= budget, t, np.inf)
         path, objective, num_tried = _solve_slices(T, int(num_stages), float(cap_tolerance), int(max_slices or n))
@@ -187,6 +185,11 @@ def plan_slices(
         over = float(exact.max()) - budget
         if over <= 0:
             break
+        if not every_stage:  # the bound on every stage: priced only once a chain is refused (2.5x the DP's time)
+            every_stage, bound = True, _stage_bounds(cost_model, batch_size, s, c, starts)
+            if bound is not None:
+                memory = np.maximum(memory, bound + float(reserved_bytes))
+                continue
         # at least what the bound under-counted on a slice over the budget, so that slice is refused next time
         # (the overrun alone can be smaller than the bound's gap below the budget: the same path again)
         refused = exact > budget
