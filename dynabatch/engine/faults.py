@@ -16,7 +16,7 @@ exception in a world of several ranks it, in this order:
    ``DYNABATCH_DEBUG=1``) and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``). A rank that fails only
    because another rank's bad input ended the run first (the first failure a user error, its own not), or that
    failed the same check with the same message (a check every rank makes), prints nothing: the run's one line is
-   the first rank's, and the error file still names it. torchrun
+   the first rank's, and the error file still names it (its line, without a traceback). torchrun
    names the failure with the smallest timestamp as the root cause and keeps whole seconds, so a rank
    that fails because another failed first records one second after that one;
 4. exits at once (``os._exit``: 2 for a user error, 1 otherwise, 130 on Ctrl-C) without tearing the
@@ -250,7 +250,8 @@ def report_and_exit(rank: int, error: BaseException, processes: tuple[ProcessId,
             sys.stderr.write(stack)
         if echo or os.environ.get("DYNABATCH_DEBUG"):
             sys.stderr.write(error_line(prog, line) + "\n")
-        write_error_file(line, stack + line if _is_bug(error) else line,
+        # the error file too: torchrun prints every rank's under "Failures", so a consequence's stack is noise there
+        write_error_file(line, stack + line if _is_bug(error) and echo else line,
                          now if first.rank == rank else max(now, first.timestamp + 1))
     finally:
         sys.stderr.flush()

@@ -40,6 +40,12 @@ class AttentionHalf(nn.Module):
         self.norm = norm
         self.attention = attention
 
+    @property
+    def cache_target(self) -> nn.Module:
+        """The module its keyword arguments reach, so the KV-cache keyword is that module's
+        (:func:`~dynabatch.models.hf_compat.cache_kwargs`)."""
+        return self.attention
+
     def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
         out = self.attention(self.norm(hidden), **kwargs)[0]  # (B, T, d)
         return out + hidden

@@ -20,5 +20,8 @@ def _cache_name(block_type: type) -> str:
 
 
 def cache_kwargs(block, cache) -> dict:
-    """``{name: cache}`` with the KV-cache keyword that ``block``'s forward takes."""
-    return {_cache_name(type(block)): cache}
+    """``{name: cache}`` with the KV-cache keyword that ``block``'s forward takes, or for a module that hands its
+    keywords on (a block's attention half: ``cache_target``) the keyword of the module they reach. Resolved against
+    the half itself, whose forward names none, it was ``past_key_values``: under 5.25 a FutureWarning on every stage
+    cut inside a block, and from 5.40, where the alias goes, a slice's context silently unused."""
+    return {_cache_name(type(getattr(block, "cache_target", block))): cache}

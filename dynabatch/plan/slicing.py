@@ -30,14 +30,17 @@ values included) whenever stored bytes are sub-additive along the sequence (true
 here: equal for linear terms and causal-pair terms, an over-estimate of the dense ``s (c + s)`` softmax
 storage). It does not bound the earlier slices' context copies, which depend on the whole path: so the
 chosen slices' real timeline, ``sum_{i <= j} kept_i + peak_j + reserved``, is checked, and where it is over
-the budget the DP is solved again with the budget less the excess (at most :data:`MAX_TIGHTENINGS` times).
+the budget the DP is solved again with the budget less the excess, and at least less what the bound missed on
+a slice over the budget, so the refused chain cannot come back (at most :data:`MAX_TIGHTENINGS` times).
 A model that knows its pipeline (``chain_memory``:
 :meth:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel.chain_memory`) gives that timeline as the schedule
 validator counts it, on every stage and with the recompute modes the runtime uses (under ``full`` its peak
 adds the largest block's stored bytes to the largest layer peak, more than the slice model's per-layer sum);
-``SlicePlan.memory_bound_bytes`` reports it. ``reserved_bytes`` is memory held by other micro-batches in
-flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over the budget that the
-validator then refused mid-run.
+``SlicePlan.memory_bound_bytes`` reports it. Where that timeline refuses the chosen chain, such a model also
+bounds each candidate slice that way on every stage before the budget is tightened (:func:`_stage_bounds`): the
+stage whose memory binds need not be the slowest one the slice model prices. ``reserved_bytes`` is memory held
+by other micro-batches in flight. Without the copies and buffers, gpt2-tiny at 0.0145 GiB planned a chain 3% over
+the budget that the validator then refused mid-run.
 
 Measured (2 shared CPU cores, warm, median; :class:`~dynabatch.plan.slice_costs.AnalyticSliceCostModel` of gpt-1.3b on a100-80gb,
 slowest of 4 balanced stages = 7 blocks, one 2048-token sample, eager dense attention): unsliced
@@ -49,14 +52,16 @@ half of it pricing the 2.1 M candidate slices, so use g >= 8 for long sequences.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from dynabatch.cost.stages import in_flight_buffer_bytes
 from dynabatch.plan._slicing_kernels import _solve_slices
 from dynabatch.plan.costs import check_int, check_non_negative, evaluate_costs
-from dynabatch.plan.slice_costs import SliceCostModel
+from dynabatch.plan.slice_costs import SliceCostModel, slice_stage_costs
 
 MAX_GRID_POINTS = 2048
 """Largest ``ceil(length / granularity)``: the DP holds dense (n + 1)^2 float64 matrices (33 MiB at 2048)."""
@@ -166,13 +171,13 @@ def plan_slices(
     memory = prefix[starts] + kept + peak + float(reserved_bytes)
     T = np.full((n + 1, n + 1), np.inf)
     chain = getattr(cost_model, "chain_memory", None)  # the validator's own accounting, when the model has it
-    slack = 0.0
+    slack, every_stage = 0.0, False
     for _ in range(MAX_TIGHTENINGS):
         T[ends, starts] = np.where(memory + slack <= budget, t, np.inf)
         path, objective, num_tried = _solve_slices(T, int(num_stages), float(cap_tolerance), int(max_slices or n))
         if path.size == 0:
             _raise_infeasible(length, batch_size, granularity, max_slices, budget, reserved_bytes, T, points,
-                              memory + slack)
+                              memory + slack, _recompute_advice(cost_model))
         flat = path[1:] * (path[1:] - 1) // 2 + path[:-1]
         # the chain's real timeline: slice j's backward runs with slices 0..j stored (their own copies included)
         timeline = chain(batch_size, points[path[1:]] - points[path[:-1]], points[path[:-1]]) if chain else None
@@ -180,11 +185,20 @@ def plan_slices(
         over = float(exact.max()) - budget
         if over <= 0:
             break
-        slack += over
+        if not every_stage:  # the bound on every stage: priced only once a chain is refused (2.5x the DP's time)
+            every_stage, bound = True, _stage_bounds(cost_model, batch_size, s, c, starts)
+            if bound is not None:
+                memory = np.maximum(memory, bound + float(reserved_bytes))
+                continue
+        # at least what the bound under-counted on a slice over the budget, so that slice is refused next time
+        # (the overrun alone can be smaller than the bound's gap below the budget: the same path again)
+        refused = exact > budget
+        slack = max(slack + over, float((exact - memory[flat])[refused].min()))
     else:
         raise ValueError(f"sequence of length {length} (batch_size {batch_size}): no slicing at granularity "
                          f"{granularity} found within the activation memory budget of {budget / 2**30:.3f} GiB after "
-                         f"{MAX_TIGHTENINGS} tightenings; raise the budget or use more pipeline stages")
+                         f"{MAX_TIGHTENINGS} tightenings; raise the budget{_recompute_advice(cost_model)} or use more "
+                         "pipeline stages")
     whole = n * (n - 1) // 2  # slice (0 -> n)
     unsliced = t[whole] + (num_stages - 1) * t[whole] if memory[whole] <= budget else np.inf
     return SlicePlan(
@@ -203,7 +217,8 @@ def plan_slices(
     )
 
 
-def _raise_infeasible(length, batch_size, granularity, max_slices, budget, reserved, T, points, memory) -> None:
+def _raise_infeasible(length, batch_size, granularity, max_slices, budget, reserved, T, points, memory,
+                      advice: str = "") -> None:
     """``ValueError`` naming the first token no fitting slice reaches, and that slice's memory."""
     n = T.shape[0] - 1
     reach = np.zeros(n + 1, dtype=bool)
@@ -224,8 +239,17 @@ def _raise_infeasible(length, batch_size, granularity, max_slices, budget, reser
         f"reserved {reserved / gib:.3f} GiB) even when sliced at granularity {granularity}: no slice reaches "
         f"past token {int(points[frontier])}; the smallest, tokens [{int(points[frontier])}, "
         f"{int(points[frontier + 1])}), needs {memory[flat] / gib:.3f} GiB (stored prefix + its stored + "
-        f"peak + reserved). Use more pipeline stages, a larger budget or shorter sequences"
+        f"peak + reserved). Use more pipeline stages, a larger budget{advice} or shorter sequences"
     )
+
+
+def _recompute_advice(cost_model) -> str:
+    """``, --recompute full`` where the slices are priced storing every activation but could be recomputed: under
+    ``--recompute`` none, auto and selective the slice model prices none (the safe side, ``from_stage_model``),
+    under ``full`` it prices and the runtime runs the slices' blocks recomputed. GPT-1.3B on 4 stages at 16 GiB
+    fits a 7,038-token sample of the long tail only so, and the refusal named stages, budget and lengths alone."""
+    model = getattr(cost_model, "model", None)
+    return "" if getattr(model, "recompute", True) else ", --recompute full (the slices' blocks then recompute)"
 
 
 # --------------------------------------------------------------------------- which samples to slice
@@ -254,6 +278,30 @@ class SliceDecision:
         return None
 
 
+def _stage_bounds(cost_model, batch_size: int, s: np.ndarray, c: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
+    """(P,) the per-slice bound of the module docstring on every stage of the pipeline, as the validator counts
+    a slice (:func:`~dynabatch.plan.slice_costs.slice_stage_costs` of the model's ``stages``: recompute modes,
+    in-flight buffers, context copies), the largest over the stages; ``None`` for a model without ``stages``.
+
+    The slice model prices one stage, the slowest; the stage whose memory binds can be another one (the LM
+    head's logits on the last stage): on gpt2-mini over 2 stages the DP's bound for a 427-token sample stayed
+    under 12 MiB of a 28 MiB budget while the last stage's real timeline was over it, and no additive tightening
+    of the budget could tell the slices that fit (short ones: the logits scale with the slice) from those that
+    did not, so ``--slice-long`` refused a sample that small slices run within the budget."""
+    stages = getattr(cost_model, "stages", None)
+    if stages is None:
+        return None
+    lengths, inverse = np.unique(s, return_inverse=True)  # a slice's unsliced costs depend on its length alone
+    whole = stages.per_stage(np.full(lengths.shape, float(batch_size)), lengths.astype(np.float64),
+                             np.zeros(lengths.shape))
+    per_slice = dataclasses.replace(whole, **{f.name: getattr(whole, f.name)[:, inverse]
+                                              for f in dataclasses.fields(whole) if getattr(whole, f.name) is not None})
+    costs = slice_stage_costs(per_slice, cost_model, np.full(s.shape, batch_size), s, c)
+    kept = costs.stored_bytes + in_flight_buffer_bytes(costs)  # (S, P)
+    prefix = np.concatenate([np.zeros((kept.shape[0], 1)), kept[:, starts == 0]], axis=1)  # (S, n + 1)
+    return (prefix[:, starts] + kept + costs.peak_bytes).max(axis=0)
+
+
 def slice_long_samples(
     lengths: Sequence[int] | np.ndarray,
     cost_model: SliceCostModel,
@@ -267,6 +315,7 @@ def slice_long_samples(
     reserved_bytes: float = 0.0,
     in_flight: int = 1,
     fits_whole: np.ndarray | None = None,
+    must_slice: np.ndarray | None = None,
 ) -> SliceDecision:
     """Which samples to token-slice, and how: those that do not fit in memory whole (they must be
     sliced; ``in_flight`` copies of the stored activations plus the peak, the partition planner's
@@ -278,7 +327,10 @@ def slice_long_samples(
     known. Samples of one length share one plan. Raises ``ValueError`` naming the sample when one
     cannot be made to fit. ``fits_whole``: optional (N,) bools, the samples the partition planner can run
     whole anyway (with activation recomputation, :mod:`dynabatch.cost.recompute`): they are never forced
-    into slices, and one the slicer cannot cut stays whole.
+    into slices, and one the slicer cannot cut stays whole. ``must_slice``: optional (N,) bools, the samples
+    the partition planner cannot run whole: forced into slices even where this model's own test keeps them
+    whole (it prices one stage's blocks, the partition every stage of a whole micro-batch; under ``full``
+    recompute they differ by a few percent, and a sample left whole between the two was refused).
     """
     lens = np.asarray(lengths)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer) or lens.min() < 1:
@@ -297,6 +349,10 @@ def slice_long_samples(
         whole = np.zeros(len(unique), dtype=bool)
         np.logical_or.at(whole, inverse, np.asarray(fits_whole, dtype=bool))
         fits = fits | whole
+    if must_slice is not None:
+        forced = np.zeros(len(unique), dtype=bool)
+        np.logical_or.at(forced, inverse, np.asarray(must_slice, dtype=bool))
+        fits = fits & ~forced
     if step_time_s is None:
         step_time_s = float(t[inverse].sum() + (num_stages - 1) * t.max())
     if not (np.isfinite(step_time_s) and step_time_s > 0):

@@ -153,8 +153,9 @@ def plan_step(
         return _plan(e, d, [], how)
     if is_seq2seq(family):
         raise ValueError(f"token slicing needs a decoder-only (causal) model, got {family!r}")
-    # Which samples must run sliced is the partition's own memory test (the slice model prices one stage); with
-    # activation recomputation the samples that fit whole that way are not forced into slices either.
+    # Which samples must run sliced is the partition's own memory test (the slice model prices one stage): what
+    # fails it is sliced whatever the slice model says, and with activation recomputation what passes it is not
+    # forced into slices either.
     in_flight = partition_options.get("in_flight") or num_stages
     lens = (e + d).astype(np.float64)
     _, stored, peak = cost_model.evaluate(np.ones_like(lens), lens, np.zeros_like(lens))
@@ -162,6 +163,7 @@ def plan_step(
     decision = slice_long_samples(
         e + d, slice_cost_model, num_stages, bubble_fraction=bubble_fraction, granularity=slice_granularity,
         in_flight=in_flight, fits_whole=fits_whole if getattr(cost_model, "recompute", "none") != "none" else None,
+        must_slice=~fits_whole,
     )
     sliced = [
         (i, [Piece((i,), (1, hi - lo, 0), float(t), (lo, hi)) for lo, hi, t in zip(b[:-1], b[1:], plan.times_s)], why)

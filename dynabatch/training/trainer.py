@@ -572,7 +572,11 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
                         output_dir=os.path.join(cfg.output_dir, f"compare-{cfg.compare_method}"),
                         **{name: AUTO for name in BY_METHOD}))
                     os.makedirs(other.config.output_dir, exist_ok=True)
-                    summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+                    try:  # after this run's steps: its line says so, or it reads as this run's failure
+                        summaries.append(train_method(other, ctx, checkpoints=False, datasets=datasets))
+                    except ValueError as err:
+                        raise ValueError(f"--compare-method {cfg.compare_method}: {err} (this run's steps are in "
+                                         f"{os.path.join(cfg.output_dir, 'metrics.jsonl')})") from err
             except KeyboardInterrupt as e:  # one line: the step, and the newest complete checkpoint to resume from
                 raise Interrupted(interruption_line(cfg.output_dir, getattr(e, "step", None))) from None
             if not ctx.is_planner:

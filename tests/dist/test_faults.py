@@ -313,3 +313,16 @@ def test_a_check_every_rank_makes_alike_is_said_once(tmp_path, mixture):
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.count("dynabatch train: error:") == 1 and "is not empty" in r.stderr, r.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_bench_under_torchrun_a_rank_that_fails_after_rank_0_s_bad_input_records_no_traceback(tmp_path):
+    """``torchrun ... dynabatch bench`` where only rank 0 finds the input bad (a sample over the memory budget, found
+    while planning): rank 1, waiting in a collective, fails with gloo's "Connection closed by peer". It printed no
+    line, but its error file held its traceback, and torchrun's report printed it under "Failures"."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dynabatch",
+           "bench", "--model", "gpt2-tiny", "--stages", "2", "--memory-gib", "0.04", "--timed-steps", "1",
+           "--untimed-steps", "0", "--methods", "dynamic"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=180, cwd=tmp_path)
+    assert r.returncode != 0 and r.stderr.count("dynabatch bench: error: [rank 0] ") == 1, r.stderr[-3000:]
+    assert "do not fit alone" in _root_cause(r.stderr), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr.split("Failures:", 1)[-1], r.stderr[-3000:]

@@ -238,6 +238,21 @@ def test_train_runs_packing_free_split_and_says_it_changes_the_objective(tmp_pat
     assert step["padding_efficiency"] == 1.0  # one row of chunks per micro-batch: nothing padded
 
 
+
+def test_a_compare_run_that_cannot_plan_says_it_is_the_compare_run(tmp_path, capsys):
+    """``--slice-long --compare-method dynamic`` where samples fit only sliced: the sliced run trains, then the
+    unsliced comparison cannot plan. Its one line named a sample that "does not fit alone" and nothing else, as if
+    the run itself had failed; it must say that the comparison failed and where the run's own metrics are."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", "gpt2-tiny", "--slice-long", "--memory-gib", "0.04", "--max-steps", "1",
+                 "--compare-method", "dynamic", "--calibrate", "off", "--no-timeline", "--logging-steps", "0",
+                 "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dynabatch train: error: --compare-method dynamic: ") and "do not fit alone" in err[-1]
+    assert str(out / "metrics.jsonl") in err[-1] and "Traceback" not in "\n".join(err)
+    with open(out / "metrics.jsonl") as f:
+        assert json.loads(f.readline())["sliced_samples"] > 0
+
 def test_bench_passes_its_timeout_to_the_runs():
     """A step of long micro-batches on a busy CPU can outlast the default 120 s peer timeout: --timeout-s raises it."""
     import argparse

@@ -47,3 +47,19 @@ def test_slice_long_is_refused_for_encoder_decoder_models():
     args = p.parse_args(["--model", "t5", "--num-batches", "1", "--slice-long"])
     with pytest.raises(ValueError, match="--slice-long cuts decoder-only samples into token slices"):
         simulate.run(args)
+
+
+def test_a_sample_that_fits_only_recomputed_says_recompute_full(capsys):
+    """GPT-1.3B on 4 stages at 16 GiB: under ``--recompute auto`` (the default) slices are priced storing every
+    activation (the safe side), and a 7,038-token sample of the long tail fits no slicing; under ``full`` they are
+    priced and run recomputed and it fits. The refusal named stages, budget and lengths only."""
+    from dynabatch.cli import main
+
+    flags = ["simulate", "--model", "gpt", "--lengths", "data/long_tail_32k.npz", "--max-input-len", "16384",
+             "--methods", "dynamic_sliced", "--num-batches", "1", "--memory-gib", "16"]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "even when sliced" in err and "--recompute full" in err, err
+    assert main([*flags, "--recompute", "full"]) == 0
+    assert main([*flags, "--recompute", "full", "--memory-gib", "9"]) == 2  # recomputed too: no advice to recompute
+    assert "even when sliced" in (err := capsys.readouterr().err) and "--recompute full" not in err, err

@@ -257,3 +257,35 @@ def test_the_data_split_cuts_inside_a_block_only_where_the_planned_steps_are_sho
     assert cut(run.layout) == halves_faster and run.split == "data"
     # both the whole-block split and the cut one were planned (the reference split here is the cut one), each once
     assert {cut(layout) for layout in planned} == {False, True} and len(planned) == len(set(planned))
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_an_attention_half_hands_the_slice_cache_under_its_attention_s_keyword(preset):
+    """A block's KV-cache keyword is resolved against the module that receives it (:mod:`dynabatch.models.hf_compat`).
+    An attention half forwards its keywords to the block's attention, but the keyword was resolved against the half,
+    whose ``forward(hidden, **kwargs)`` names none: it got ``past_key_values``, which transformers 5.25's attention
+    takes only as a deprecated alias (a FutureWarning on every stage cut inside a block) and 5.40 drops (the slice's
+    context silently unused)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from dynabatch.models.block_parts import ATTENTION_HALF, block_parts
+    from dynabatch.models.families.llama import LLAMA_BLOCK
+    from dynabatch.models.gpt2_stages import GPT2_BLOCK
+    from dynabatch.models.hf_compat import cache_kwargs
+    from dynabatch.models.presets import build_config
+    from dynabatch.models.slice_kv import SliceCache
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(preset, vocab_size=64))
+    llama = preset.startswith("llama")
+    blocks = model.model.layers if llama else model.transformer.h
+    (half,) = block_parts(blocks, StageLayout(((ATTENTION_HALF,),)), 0, LLAMA_BLOCK if llama else GPT2_BLOCK)
+    hidden = torch.randn(1, 5, model.config.hidden_size)
+    extra = {"position_embeddings": model.model.rotary_emb(hidden, torch.arange(5)[None])} if llama else {}
+    cache = SliceCache(None, [0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        half(hidden, attention_mask=None, **extra, **cache_kwargs(half, cache))
+    assert cache.own_keys[0] is not None  # the attention called the cache's update hook

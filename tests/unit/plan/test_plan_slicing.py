@@ -370,6 +370,52 @@ def test_planned_chain_fits_the_validators_accounting(stages, recompute):
     assert slicer.model.recompute == (recompute == "full")
 
 
+
+def test_tightening_excludes_a_chain_the_validator_refuses():
+    """Under ``--recompute full`` the DP's per-slice bound put a whole 270-token gpt2-tiny sample at 26.5 MiB and the
+    validator's timeline at 27.5 MiB against a 27.4 MiB budget. Each re-solve tightened the budget by the 0.07 MiB
+    overrun alone, so the DP picked the same single slice eight times and ``train --slice-long --recompute full
+    --memory-gib 0.04`` stopped ("no slicing ... after 8 tightenings"). A re-solve must exclude the refused chain."""
+    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.models.families import run_cost_model
+    from dynabatch.models.presets import build_config
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import planner_cost_model
+
+    config = build_config("gpt2-tiny", vocab_size=8192)  # the builtin tokenizer's vocabulary
+    cfg = TrainConfig(model="gpt2-tiny", memory_gib=0.04, recompute="full", slice_long=True)
+    stage_model = planner_cost_model(cfg, config, balanced_layout(run_cost_model(config, "cpu"), 1))
+    slicer = AnalyticSliceCostModel.from_stage_model(stage_model, ref_length=512, attention="causal")
+    whole = slicer.chain_memory(1, np.array([270]), np.array([0]))
+    assert whole[0] > slicer.memory_budget_bytes  # the validator refuses it whole
+    plan = plan_slices(270, slicer, 1, granularity=16)
+    assert plan.num_slices > 1
+    assert slicer.chain_memory(1, plan.slice_lengths, plan.contexts).max() <= slicer.memory_budget_bytes
+
+
+def test_the_bound_counts_the_stage_whose_memory_binds():
+    """The slice model prices the slowest stage (gpt2-mini over 2 stages: the embedding and three blocks); the
+    memory binds on the other (a block and the LM head, whose logits grow with the slice). The DP's bound let
+    through slices the validator refused, and the tightenings then refused every slice:
+    ``train --model gpt2-mini --stages 2 --slice-long --memory-gib 0.06`` stopped ("no slice reaches past
+    token 224") for a 427-token sample that three slices run within the budget."""
+    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.models.families import run_cost_model
+    from dynabatch.models.presets import build_config
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import planner_cost_model
+
+    config = build_config("gpt2-mini", vocab_size=8192)  # the builtin tokenizer's vocabulary
+    cfg = TrainConfig(model="gpt2-mini", stages=2, memory_gib=0.06, slice_long=True)
+    stage_model = planner_cost_model(cfg, config, balanced_layout(run_cost_model(config, "cpu"), 2))
+    slicer = AnalyticSliceCostModel.from_stage_model(stage_model, ref_length=512, attention="causal")
+    assert "lm_head" not in slicer.stage_kinds
+    plan = plan_slices(427, slicer, 2, granularity=16)
+    check_plan(plan, slicer)
+    assert plan.num_slices > 1
+    assert plan.memory_bound_bytes.max() <= slicer.memory_budget_bytes
+    np.testing.assert_allclose(plan.memory_bound_bytes, slicer.chain_memory(1, plan.slice_lengths, plan.contexts))
+
 def test_slice_long_samples_picks_bubble_and_memory_samples():
     base = PolynomialSliceCostModel()
     lengths = np.array([200] * 40 + [6000, 300, 9000, 6000])

@@ -70,6 +70,34 @@ def test_slicing_rescues_a_sample_too_long_for_memory():
     assert sum(1 for p in step.replicas[0] + step.replicas[1] if p.is_slice) >= 2
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_sample_the_partition_cannot_run_whole_is_sliced(recompute):
+    """The slice model prices one stage's blocks; the partition's memory test prices every stage as a whole
+    micro-batch. Where they disagree (under ``--recompute full`` the slice model's whole gpt2-tiny sample of 279
+    tokens needed 26.5 MiB, the partition's 28.4 MiB, at a 27.4 MiB budget) the sample was left whole for the
+    slicer and refused by the partition: ``train --slice-long --recompute full --memory-gib 0.04`` stopped with
+    "do not fit alone". A sample the partition cannot run whole must be sliced."""
+    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.models.families import run_cost_model
+    from dynabatch.models.presets import build_config
+    from dynabatch.plan.slice_costs import AnalyticSliceCostModel
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.trainer import planner_cost_model
+
+    config = build_config("gpt2-tiny", vocab_size=8192)  # the builtin tokenizer's vocabulary
+    cfg = TrainConfig(model="gpt2-tiny", memory_gib=0.04, recompute=recompute, slice_long=True)
+    stage_model = planner_cost_model(cfg, config, balanced_layout(run_cost_model(config, "cpu"), 1))
+    slicer = AnalyticSliceCostModel.from_stage_model(stage_model, ref_length=512, attention="causal")
+    e, d = np.array([40, 60, 90, 273, 120]), np.array([6, 3, 8, 6, 2])
+    _, stored, peak = stage_model.evaluate(np.ones(5), (e + d).astype(float), np.zeros(5))
+    whole = stored + peak <= stage_model.memory_budget_bytes
+    assert whole.tolist() == [True, True, True, False, True]
+    step = plan_step(e, d, stage_model, 1, family="gpt2", slice_cost_model=slicer)
+    assert 3 in step.sliced_samples
+    assert sum(p.is_slice for p in step.replicas[0]) >= 2  # a chain, not the whole sample as one slice
+    _check_cover(step, e, d)
+
+
 @pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_every_sample_sliced_still_fills_every_replica(replicas):
     """All samples too long to run whole: no unsliced sample is left for the DP, and with fewer unsliced
