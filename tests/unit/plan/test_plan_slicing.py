@@ -313,6 +313,37 @@ def test_a_samples_slices_cost_its_whole_cost_on_every_stage(preset, hardware):
     assert np.max(summed(bottleneck_only) / whole_s) > 1.1
 
 
+def test_slices_priced_by_pairs_take_the_stage_models_per_pair_cost():
+    """With attention pairs (the padding-free runtime, simulate), a slice's time is the stage model's own price of
+    its score pairs with the context, ``b s (2c + s)`` under causal pricing, not the unsliced cost scaled by the
+    analytic ratio; its memory is the ratio-scaled one either way."""
+    from dynabatch.cost.pairs import AttentionPairs
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.plan.slice_costs import piece_costs
+    from dynabatch.schedule.chains import links_for
+
+    def stage_model(hardware):
+        base = AnalyticCostModel.from_names("gpt-350m", hardware, flash_attention=True)
+        return StageCostModel(base, balanced_layout(base, 2), base.hardware.memory_bytes)
+
+    # the slice model's analytic ratio weighs attention as an A100 does; the stage model prices as a CPU does
+    stages, sliced = stage_model("cpu"), AnalyticSliceCostModel.from_stage_model(stage_model("a100-80gb"), ref_length=4096)
+    s, c = np.array([1024, 1024, 2048]), np.array([0, 1024, 2048])
+    shapes = [(1, int(x), 0) for x in s]
+    zeros = np.zeros(3)
+    own = AttentionPairs((s * s).astype(float), zeros, zeros)  # what units_pairs gives a slice: its own square
+    got = piece_costs(stages, sliced, shapes, c, links_for([3]), own)
+    want = stages.per_stage(np.ones(3), s.astype(float), zeros, AttentionPairs((s * (2 * c + s)).astype(float), zeros, zeros))
+    np.testing.assert_allclose(got.fwd_s, want.fwd_s, rtol=1e-12)
+    np.testing.assert_allclose(got.bwd_s, want.bwd_s, rtol=1e-12)
+    assert np.all(got.fwd_s[:, 1:] > stages.per_stage(np.ones(2), s[1:].astype(float), zeros[1:], AttentionPairs(
+        (s[1:] ** 2).astype(float), zeros[1:], zeros[1:])).fwd_s)  # the context costs
+    ratio = piece_costs(stages, sliced, shapes, c, links_for([3]), None)
+    assert np.max(np.abs(ratio.fwd_s / want.fwd_s - 1)) > 0.05  # the ratio's A100 weighting would price them apart
+    np.testing.assert_allclose(got.stored_bytes, ratio.stored_bytes, rtol=1e-12)
+    np.testing.assert_allclose(got.peak_bytes, ratio.peak_bytes, rtol=1e-12)
+
+
 def test_analytic_adapter_validates_and_plans():
     with pytest.raises(ValueError, match="decoder-only"):
         AnalyticSliceCostModel(AnalyticCostModel.from_names("t5-base", "a100-80gb"), ("t5_encoder",), 1e9)
