@@ -209,7 +209,7 @@ class AnalyticSliceCostModel:
             return None
 
         bb, ss = np.full(len(s), float(b)), np.asarray(s, dtype=np.float64)
-        costs = slice_stage_costs(self.stages.per_stage(bb, ss, np.zeros_like(ss)), self, bb, ss, c)
+        costs = slice_stage_costs(self.stages.per_stage(bb, ss, np.zeros_like(ss)), self, bb, ss, c, memory_only=True)
         kept = costs.stored_bytes + in_flight_buffer_bytes(costs)  # (S, k)
         return (np.cumsum(kept, axis=1) + costs.peak_bytes).max(axis=0)
 
@@ -315,7 +315,7 @@ class AnalyticSliceCostModel:
 
 
 def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c, *,
-                      time_priced: bool = False) -> "StageCosts":
+                      time_priced: bool = False, memory_only: bool = False) -> "StageCosts":
     """Per-stage costs of token slices for the runtime's schedule and memory checks: the unsliced costs
     of ``(b, s)`` (``costs``, every micro-batch) scaled, where ``c > 0``, by the slice cost model's ratio
     ``t(b, s, c) / t(b, s, 0)`` for times (each stage's own where the model gives them,
@@ -324,7 +324,9 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c,
     context keys/values each slice's attention keeps for its backward in the stored bytes (the
     bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs.
     ``time_priced``: the caller prices the slices' times itself (their attention pairs, :func:`piece_costs`), so
-    times are left unscaled."""
+    times are left unscaled. ``memory_only``: the caller reads the bytes alone, and times keep the bottleneck
+    stage's ratio (the per-stage ratios price every stage twice, which the memory bounds of every candidate
+    slice would pay for nothing)."""
 
     if slice_model is None:
         raise ValueError("token slices need a slice cost model (slice_long)")
@@ -332,7 +334,7 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c,
     t1, st1, pk1 = slice_model.evaluate(bi, si, ci)
     t0, st0, pk0 = slice_model.evaluate(bi, si, np.zeros_like(ci))
     time_ratio = np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0)  # (M,): the bottleneck stage's
-    per_stage = getattr(slice_model, "stage_time_ratios", None)
+    per_stage = None if memory_only or time_priced else getattr(slice_model, "stage_time_ratios", None)
     ratios = per_stage(bi, si, ci) if per_stage is not None else None
     if ratios is not None and ratios.shape == costs.fwd_s.shape:  # (S, M): each stage its own
         time_ratio = ratios

@@ -296,7 +296,7 @@ def _stage_bounds(cost_model, batch_size: int, s: np.ndarray, c: np.ndarray, sta
                              np.zeros(lengths.shape))
     per_slice = dataclasses.replace(whole, **{f.name: getattr(whole, f.name)[:, inverse]
                                               for f in dataclasses.fields(whole) if getattr(whole, f.name) is not None})
-    costs = slice_stage_costs(per_slice, cost_model, np.full(s.shape, batch_size), s, c)
+    costs = slice_stage_costs(per_slice, cost_model, np.full(s.shape, batch_size), s, c, memory_only=True)
     kept = costs.stored_bytes + in_flight_buffer_bytes(costs)  # (S, P)
     prefix = np.concatenate([np.zeros((kept.shape[0], 1)), kept[:, starts == 0]], axis=1)  # (S, n + 1)
     return (prefix[:, starts] + kept + costs.peak_bytes).max(axis=0)
