@@ -13,6 +13,7 @@ is :mod:`dynabatch.plan.slicing`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -222,15 +223,21 @@ class AnalyticSliceCostModel:
         if self.stages is None:
             return None
         rows = []
-        for kinds in self.stages.layout.stages:
-            if not set(kinds) & set(SLICE_BLOCKS):
+        for own in self._stage_models:
+            if own is None:
                 rows.append(np.ones(np.broadcast(b, s, c).shape))
                 continue
-            own = dataclasses.replace(self, stage_kinds=tuple(kinds), stages=None)
             t1 = own.evaluate(b, s, c)[0]
             t0 = own.evaluate(b, s, np.zeros_like(c))[0]
             rows.append(np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0))
         return np.array(rows)
+
+    @functools.cached_property
+    def _stage_models(self) -> tuple["AnalyticSliceCostModel | None", ...]:
+        """This model on each stage of :attr:`stages` (its own layer kinds), ``None`` for a stage without an
+        attention block; built once (a model is immutable)."""
+        return tuple(dataclasses.replace(self, stage_kinds=tuple(kinds), stages=None)
+                     if set(kinds) & set(SLICE_BLOCKS) else None for kinds in self.stages.layout.stages)
 
     def keys(self, s, c):
         """The key length a slice's attention is priced at: ``c + s`` (``dense``) or ``2c + s`` (``causal``, the
@@ -315,7 +322,7 @@ class AnalyticSliceCostModel:
 
 
 def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c, *,
-                      time_priced: bool = False, memory_only: bool = False) -> "StageCosts":
+                      memory_only: bool = False) -> "StageCosts":
     """Per-stage costs of token slices for the runtime's schedule and memory checks: the unsliced costs
     of ``(b, s)`` (``costs``, every micro-batch) scaled, where ``c > 0``, by the slice cost model's ratio
     ``t(b, s, c) / t(b, s, 0)`` for times (each stage's own where the model gives them,
@@ -323,10 +330,9 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c,
     key/value gradients in the peak, and, when the model says (``context_kv_bytes``), the concatenated
     context keys/values each slice's attention keeps for its backward in the stored bytes (the
     bottleneck stage's, on every stage: the safe side). Ordinary micro-batches (``c = 0``) keep their costs.
-    ``time_priced``: the caller prices the slices' times itself (their attention pairs, :func:`piece_costs`), so
-    times are left unscaled. ``memory_only``: the caller reads the bytes alone, and times keep the bottleneck
-    stage's ratio (the per-stage ratios price every stage twice, which the memory bounds of every candidate
-    slice would pay for nothing)."""
+    ``memory_only``: the caller reads the bytes alone (or prices the times itself, :func:`piece_costs`), and
+    times keep the bottleneck stage's ratio (the per-stage ratios price every stage twice, which the memory
+    bounds of every candidate slice would pay for nothing)."""
 
     if slice_model is None:
         raise ValueError("token slices need a slice cost model (slice_long)")
@@ -334,12 +340,10 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c,
     t1, st1, pk1 = slice_model.evaluate(bi, si, ci)
     t0, st0, pk0 = slice_model.evaluate(bi, si, np.zeros_like(ci))
     time_ratio = np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0)  # (M,): the bottleneck stage's
-    per_stage = None if memory_only or time_priced else getattr(slice_model, "stage_time_ratios", None)
+    per_stage = None if memory_only else getattr(slice_model, "stage_time_ratios", None)
     ratios = per_stage(bi, si, ci) if per_stage is not None else None
     if ratios is not None and ratios.shape == costs.fwd_s.shape:  # (S, M): each stage its own
         time_ratio = ratios
-    if time_priced:
-        time_ratio = np.ones_like(time_ratio)
     stored_ratio = np.where(st0 > 0, st1 / np.maximum(st0, 1e-30), 1.0)
     kv = getattr(slice_model, "context_kv_bytes", None)
     copies = kv(bi, ci) if kv is not None else 0.0
@@ -366,7 +370,7 @@ def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None) -
         return costs
     keys = getattr(slice_model, "keys", None)
     priced = pairs is not None and keys is not None
-    costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], contexts, time_priced=priced)
+    costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], contexts, memory_only=priced)
     if priced:  # times from the slices' own score pairs; memory as scaled above (score bytes counted once)
         timed = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], slice_context_pairs(pairs, arr, contexts, keys))
         costs = dataclasses.replace(costs, fwd_s=timed.fwd_s, bwd_s=timed.bwd_s)
