@@ -71,12 +71,10 @@ from dynabatch.training.resume import find_resume_checkpoint, interruption_line,
 from dynabatch.training.run_layout import RunLayout, sampled_run_layout, share_run_layout
 from dynabatch.training.step_data import StepData, announce_data, data_ready
 from dynabatch.engine.step import train_step
-from dynabatch.engine.timeline import gather_timelines
 from dynabatch.training.tracking import Trackers, check_trackers, open_trackers, step_scalars
 from dynabatch.engine.zero import ZeroShards
-from dynabatch.schedule.placement import Placement, timeline_ops
-from dynabatch.schedule.simulate import simulate
-from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
+from dynabatch.schedule.placement import Placement
+from dynabatch.training.timeline_files import write_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -388,7 +386,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
             if checkpoints and ((cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last):
                 save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
         if cfg.timeline and result is not None:
-            _write_timeline(run, result, planned)
+            write_timeline(run, result, planned)
         if ctx.is_planner and run.calibration.enabled and result is not None:
             save_calibration(os.path.join(cfg.output_dir, "calibration.json"), run.calibration_key, run.calibration.fit,
                              cfg.max_steps - 1)
@@ -477,50 +475,6 @@ def _digest(batch) -> str:
 
     ids = ",".join(f"{s.source_index}:{s.row_index}" for s in batch.samples)
     return hashlib.sha1(ids.encode()).hexdigest()[:16]
-
-
-def _write_timeline(run: _Run, result, planned) -> None:
-    """Collective: the last step's measured timeline (replica 0) next to its simulated twin."""
-    import numpy as np
-
-    measured = gather_timelines(run.ctx, result)
-    if not run.ctx.is_planner:
-        return
-    shapes = np.asarray(planned.shapes[0], dtype=np.int64).reshape(-1, 3)
-    costs = (planned.predicted_costs or planned.costs)[0]
-    if run.placement is not None:  # virtual stages: the planner's list schedule, the order plan_step lowered
-        simulated = timeline_ops(planned.schedules[0].device_orders)
-        makespan = max(op.end_s for op in simulated)
-    else:
-        simulated = simulate(planned.schedules[0], costs)
-        makespan = simulated.makespan_s
-    out = run.cfg.output_dir
-    trace = to_chrome_trace(measured[0], shapes=shapes, pid=0, process_name=f"measured step {planned.step}")
-    twin = to_chrome_trace(simulated, shapes=shapes, pid=1, process_name=f"simulated step {planned.step}")
-    trace["traceEvents"] += twin["traceEvents"]
-    with open(os.path.join(out, "timeline.json"), "w", encoding="utf-8") as f:
-        json.dump(trace, f)
-    paths = [os.path.join(out, "timeline_measured.png"), os.path.join(out, "timeline_simulated.png")]
-    plot_timeline(measured[0], paths[0], title=f"measured step {planned.step} ({run.cfg.method})", memory=False)
-    plot_timeline(simulated, paths[1], title=f"simulated twin (cost model), makespan {makespan:.3f} s",
-                  memory=False)
-    _stack_pngs(paths, os.path.join(out, "timeline.png"))
-
-
-def _stack_pngs(paths: list[str], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    images = [plt.imread(p) for p in paths]
-    fig, axes = plt.subplots(len(images), 1, figsize=(12, 3.2 * len(images)))
-    for ax, img in zip(axes, images):
-        ax.imshow(img)
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
 
 
 def train(cfg: TrainConfig, datasets: Any = None) -> dict | None:
