@@ -152,12 +152,16 @@ def load_config(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
 def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0,
                 special_ids: dict[str, int] | None = None):
     """A preset built from config (random init, seeded; ``special_ids`` as :func:`build_config`) or a local
-    checkpoint directory."""
+    checkpoint directory, loaded in fp32 whatever dtype its weights were saved in.
+
+    ``from_pretrained`` keeps a bf16/fp16 checkpoint's own dtype (transformers 5 loads ``dtype="auto"``); a run
+    would then keep bf16 master weights and AdamW states that lose most small updates, while ``--dtype`` and the
+    memory model say fp32 weights (bf16/fp16 are autocast over them). Loading in fp32 is what ``--dtype`` promises."""
     import torch
 
     if os.path.isdir(name_or_path):
         config = load_config(name_or_path)
-        return model_class(config).from_pretrained(name_or_path, local_files_only=True)
+        return model_class(config).from_pretrained(name_or_path, local_files_only=True, dtype=torch.float32)
     config = build_config(name_or_path, vocab_size=vocab_size, dropout=dropout, special_ids=special_ids)
     torch.manual_seed(seed)
     return model_class(config).from_config(config)

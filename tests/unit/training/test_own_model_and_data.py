@@ -174,6 +174,27 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused_at_start(tmp_path, c
     assert "pad_token_id 0 in the config, 1 in the tokenizer" in line and "eos_token_id 1 in the config, 0" in line
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_model_folder_trains_fp32_weights(tmp_path, dtype):
+    """A folder saved in bf16/fp16 (as most hub checkpoints are) is trained with fp32 weights holding the saved
+    values: ``from_pretrained`` alone would keep the half dtype, and AdamW would then update half weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dynabatch.data.tokenize import tokenizer_info
+    from dynabatch.models.presets import build_run_model
+
+    tok = own_tokenizer()
+    folder = model_folder(tmp_path / "my-llama", tok, preset="llama-tiny")
+    saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(getattr(torch, dtype))
+    saved.save_pretrained(folder)
+    model = build_run_model(folder, "auto", tokenizer_info(tok), "causal")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    expected = saved.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name].float()), name
+
+
 # ---------------------------------------------------------------------------------------------- tasks
 
 
