@@ -270,7 +270,8 @@ def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
     builder = builders.pop()
     try:
         with _builder_log_quiet(builder):
-            return datasets.load_dataset(builder, data_files=list(spec.data_files), split="train"), 0
+            ds = datasets.load_dataset(builder, data_files=list(spec.data_files), split="train")
+        return (_exact_mixed_columns(ds, spec.data_files) if builder == "json" else ds), 0
     except Exception as e:  # datasets wraps parse and decode errors several levels deep
         lines = _json_lines(spec.data_files) if exts == {".jsonl"} else None
         if lines is not None and lines.bad:
@@ -286,6 +287,56 @@ def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
             f"source {spec.task!r}: could not read {list(spec.data_files)}: {type(e).__name__}: {e}. "
             "Check that the file is valid UTF-8 and well-formed (one JSON object per line for .jsonl)."
         ) from e
+
+
+def _exact_mixed_columns(ds, files):
+    """``ds``, read from the JSON ``files``, with every mixed-type column (text in some rows, numbers, booleans or
+    objects in others: a ``datasets.Json`` column) holding the values the files wrote.
+
+    ``datasets`` stores such a column's strings unquoted when they parse as JSON, so reading it back turns the text
+    ``"007"`` into 7, ``"1.50"`` into 1.5, ``"1e3"`` into 1000.0, ``"null"`` into a missing value and ``"[1, 2]"``
+    into a list: targets would change silently, or a row be refused for a value it does not hold. The rows are
+    read again with the ``json`` module and the column rebuilt as properly quoted JSON text, so text stays text
+    and only real numbers and booleans are cast (and counted) later. When the files cannot be read back row for
+    row as ``datasets`` read them, ``ds`` is returned as it is."""
+    import datasets
+    import pyarrow as pa
+
+    mixed = [name for name, feature in ds.features.items() if isinstance(feature, datasets.Json)]
+    if not mixed:
+        return ds
+    rows = _json_file_rows(files)
+    if rows is None or len(rows) != len(ds):
+        return ds
+    table = ds.data.table
+    for name in mixed:
+        text = pa.array([None if row.get(name) is None else json.dumps(row[name], ensure_ascii=False)
+                         for row in rows], pa.string())
+        column = pa.ExtensionArray.from_storage(table.schema.field(name).type, text)
+        table = table.set_column(table.schema.get_field_index(name), name, column)
+    return datasets.Dataset(datasets.table.InMemoryTable(table), info=ds.info)
+
+
+def _json_file_rows(files) -> list | None:
+    """The rows of JSON ``files`` in file order, as the ``json`` module reads them: a file holding one JSON list of
+    objects, or one object per line (:func:`_json_lines`); ``None`` when a file is neither."""
+    rows: list = []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                whole = json.load(f)
+        except (OSError, UnicodeDecodeError):
+            return None
+        except json.JSONDecodeError:  # JSON lines
+            whole = None
+        if isinstance(whole, list) and all(isinstance(row, dict) for row in whole):
+            rows += whole
+            continue
+        lines = _json_lines([path])
+        if lines is None or lines.bad:
+            return None
+        rows += lines.rows
+    return rows
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from dynabatch.cli import main
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.mixture import MixtureSpec, mixture_rates
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import SourceSpec, load_source
+from dynabatch.data.sources import SourceSpec, load_normalised, load_source
 
 TRAIN = ["train", "--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024",
          "--max-input-len", "128", "--max-target-len", "32", "--log-every", "0", "--no-timeline", "--steps", "1"]
@@ -202,6 +202,22 @@ def test_numeric_csv_columns_become_text(tmp_path, capsys):
     ds, _ = load_source(SourceSpec(task="labels", data_files=(str(path),)))
     assert ds["targets"][:] == ["1", "0"]
     assert main([*REPORT, "--data", str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_text_in_a_json_column_that_also_holds_numbers_stays_as_written(tmp_path, suffix):
+    """One number among text targets makes ``datasets`` read the column as mixed JSON, which decodes text that
+    looks like JSON: "007" came back as 7, "null" as a missing target. The text must stay as written; only the
+    real number and boolean are cast (and counted)."""
+    rows = [{"inputs": f"q{i}", "targets": t} for i, t in enumerate(["007", "1.50", 5, "null", "[1, 2]", True, "1e3"])]
+    path = tmp_path / f"mixed{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows), encoding="utf-8")
+    else:
+        write_jsonl(path, rows)
+    out = load_normalised(SourceSpec(task="mixed", data_files=(str(path),)))
+    assert out.dataset["targets"][:] == ["007", "1.50", "5", "null", "[1, 2]", "True", "1e3"]
+    assert out.casts == {"targets": 2}
 
 
 def test_template_naming_a_missing_column(tmp_path):
