@@ -149,10 +149,37 @@ def load_config(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
     return build_config(name_or_path, vocab_size=vocab_size, dropout=dropout)
 
 
+DROPOUT_FIELDS = tuple(dict.fromkeys(key for p in PRESETS.values() for key in p.dropout_fields))
+"""Every config field a preset's ``dropout`` sets (T5's ``dropout_rate``, GPT-2's three, Llama-style
+``attention_dropout``): the fields ``--dropout`` sets in a model folder's config too."""
+
+
+def folder_dropout(config) -> dict[str, float]:
+    """The dropout fields of a model folder's ``config`` (:data:`DROPOUT_FIELDS` it has) and their values.
+
+    ``build_model`` sets them to the run's ``dropout``: the run prices dropout masks in memory, seeds them and
+    records ``--dropout`` from that one value, so a folder's own rate (T5's and GPT-2's configs default to 0.1)
+    left in place would train with dropout the run believes is off, or ignore ``--dropout``."""
+    return {key: getattr(config, key) for key in DROPOUT_FIELDS if hasattr(config, key)}
+
+
+def describe_dropout(model: str, dropout: float) -> str | None:
+    """A log line when ``--dropout`` replaces another rate in the ``model`` folder's config, else ``None``."""
+    if not os.path.isdir(model):
+        return None
+    other = {k: v for k, v in folder_dropout(load_config(model)).items() if v != dropout}
+    if not other:
+        return None
+    given = ", ".join(f"{k} {v}" for k, v in other.items())
+    return (f"model {model}: dropout {dropout} (--dropout) in place of its config's {given}; pass --dropout with "
+            "the config's rate to train with it")
+
+
 def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0,
                 special_ids: dict[str, int] | None = None):
     """A preset built from config (random init, seeded; ``special_ids`` as :func:`build_config`) or a local
-    checkpoint directory, loaded in fp32 whatever dtype its weights were saved in.
+    checkpoint directory, loaded in fp32 whatever dtype its weights were saved in, with ``dropout`` in its config
+    (:func:`folder_dropout`).
 
     ``from_pretrained`` keeps a bf16/fp16 checkpoint's own dtype (transformers 5 loads ``dtype="auto"``); a run
     would then keep bf16 master weights and AdamW states that lose most small updates, while ``--dtype`` and the
@@ -161,7 +188,10 @@ def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
 
     if os.path.isdir(name_or_path):
         config = load_config(name_or_path)
-        return model_class(config).from_pretrained(name_or_path, local_files_only=True, dtype=torch.float32)
+        for key in folder_dropout(config):
+            setattr(config, key, dropout)
+        return model_class(config).from_pretrained(name_or_path, config=config, local_files_only=True,
+                                                   dtype=torch.float32)
     config = build_config(name_or_path, vocab_size=vocab_size, dropout=dropout, special_ids=special_ids)
     torch.manual_seed(seed)
     return model_class(config).from_config(config)

@@ -15,6 +15,7 @@ from dynabatch.core.allocator import host_memory_gib
 from dynabatch.cost.tables import CostTables
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.engine.dist import DistContext
+from dynabatch.model_presets import describe_dropout
 from dynabatch.models.families import check_model
 from dynabatch.training.config import Found, Resolved, TrainConfig, resolve
 from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
@@ -74,7 +75,10 @@ def check_same_settings(ctx: DistContext, given: TrainConfig) -> None:
 
 
 def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
-    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
+    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given), and when
+    ``--dropout`` replaces another rate that the model folder's config gives (:func:`describe_dropout`)."""
     if ctx.is_planner:
         info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
         logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
+        if (line := describe_dropout(cfg.model, cfg.dropout)) is not None:
+            logger.info(line)

@@ -95,7 +95,7 @@ class ModelArgs:
     attention_kernel: Literal[(*ATTENTION_KERNELS, SEARCHES["attention_kernel"])] = experimental(
         "auto", f"kernel of --attention segments: {ATTENTION_KERNELS.describe(' or ')}; auto resolves to sdpa on "
                 "CPU, per_call on CUDA; metrics.jsonl's attention_kernels says which ran")
-    dropout: float = advanced(0.0, "dropout probability of the model")
+    dropout: float = advanced(0.0, "dropout probability of the model (also replaces a --model folder's own rate)")
     dtype: Literal[DTYPES] = arg("fp32", f"compute precision: {', '.join(DTYPES)} (bf16 and fp16: autocast over fp32 weights)")
     device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda:LOCAL_RANK when CUDA is available, else cpu)")
     threads: int = experimental(1, "torch intra-op threads per rank (the cost profile's setting)")

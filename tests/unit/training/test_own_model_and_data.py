@@ -195,6 +195,32 @@ def test_a_half_precision_model_folder_trains_fp32_weights(tmp_path, dtype):
         assert torch.equal(value, expected[name].float()), name
 
 
+@pytest.mark.parametrize("preset", ["t5-tiny", "gpt2-tiny", "llama-tiny"])
+def test_dropout_of_a_model_folder_is_the_runs_dropout(tmp_path, preset):
+    """A folder whose config sets dropout 0.1 (T5's and GPT-2's defaults) trains with ``--dropout``, the rate the
+    run prices in memory, seeds and records; it used to keep its own rate and ignore the flag. The log says so."""
+    import torch
+
+    from dynabatch.data.tokenize import tokenizer_info
+    from dynabatch.model_presets import build_config, describe_dropout, model_class
+    from dynabatch.models.presets import build_run_model
+
+    tok = own_tokenizer()
+    folder = str(tmp_path / "my-model")
+    config = build_config(preset, vocab_size=len(tok), dropout=0.1)
+    model_class(config).from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    kind = "seq2seq" if preset.startswith("t5") else "causal"
+    for rate in (0.0, 0.3):
+        model = build_run_model(folder, "auto", tokenizer_info(tok), kind, dropout=rate)
+        rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+        rates |= {getattr(m, "attention_dropout") for m in model.modules() if hasattr(m, "attention_dropout")}
+        assert rates == {rate}, (rate, rates)
+    line = describe_dropout(folder, 0.0)
+    assert line is not None and line.startswith(f"model {folder}: dropout 0.0 (--dropout) in place of its config's ")
+    assert "0.1" in line and describe_dropout(folder, 0.1) is None and describe_dropout(preset, 0.0) is None
+
+
 # ---------------------------------------------------------------------------------------------- tasks
 
 
