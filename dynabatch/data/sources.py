@@ -217,8 +217,10 @@ def _load_hub(spec: SourceSpec):
         saved = datasets.load_from_disk(spec.hf)
         if isinstance(saved, datasets.DatasetDict):
             if spec.split not in saved:
+                one = os.path.join(spec.hf, sorted(saved)[0])
                 raise ValueError(f"source {spec.task!r}: saved dataset {spec.hf} has no split {spec.split!r}; "
-                                 f"its splits are {sorted(saved)} (set split:)")
+                                 f"its splits are {sorted(saved)}: pass a split's folder (--data {one}), or set "
+                                 f"split: in the mixture spec's source")
             saved = saved[spec.split]
         return saved
     try:

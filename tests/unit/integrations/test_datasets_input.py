@@ -155,6 +155,15 @@ def test_data_names_a_saved_dataset_or_one_in_the_local_hub_cache(tmp_path, monk
         load_data(byt5, "seq2seq", data="org/missing")
     with pytest.raises(FileNotFoundError, match="--data: file 'nope.csv' not found"):
         data_spec("nope.csv")
+    # a DatasetDict without a train split: --data has no split option, so the line names the folder to pass
+    folder = str(tmp_path / "dict")
+    datasets.DatasetDict({"validation": _qa(4)}).save_to_disk(folder)
+    with pytest.raises(ValueError, match=r"saved dataset .*dict has no split 'train'; its splits are \['validation'\]: "
+                                         r"pass a split's folder \(--data .*dict/validation\), or set split: in the "
+                                         r"mixture spec's source"):
+        load_data(byt5, "seq2seq", data=folder, columns="inputs=question,targets=answer")
+    data = load_data(byt5, "seq2seq", data=os.path.join(folder, "validation"), columns="inputs=question,targets=answer")
+    assert len(data.sources[0]) == 4
 
 
 def test_train_on_datasets_in_memory_and_on_a_csv_with_columns(tmp_path, capsys):
