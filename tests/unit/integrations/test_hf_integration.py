@@ -360,6 +360,19 @@ def test_trainer_resumed_inside_an_epoch_of_a_restarting_loader_trains_on_the_sa
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5)
 
 
+def test_evaluate_takes_the_name_of_one_eval_loader_as_trainer_evaluate_does(copy_spec, byt5, tmp_path):
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    trainer, _, evaluation = trainer_setup(copy_spec, byt5, "t5", tmp_path)
+    named = DynaBatchTrainer(model=trainer.model, args=trainer.args, eval_loader={"qa": evaluation})
+    by_name = named.evaluate("qa")
+    assert by_name["eval_loss"] == pytest.approx(named.evaluate()["eval_qa_loss"], rel=1e-6)
+    with pytest.raises(ValueError, match=r"evaluate\('nope'\) names an eval loader, but eval_loader has \['qa'\]"):
+        named.evaluate("nope")
+    with pytest.raises(ValueError, match="not a dict"):
+        trainer.evaluate("qa")
+
+
 def test_trainer_keeps_freed_memory_as_train_decides_it(copy_spec, byt5, tmp_path, monkeypatch):
     """``cpu_allocator="auto"`` is decided by the resolver's rule, as ``dynabatch train`` decides it: ``keep`` for an
     encoder-decoder on CPU (its eager attention scores; the loader's budget twice over fits the host), ``system``
