@@ -63,6 +63,7 @@ from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.cost.hardware import device_hardware, hardware_spec
 from dynabatch.cost.stages import StageCostModel, balanced_layout
 from dynabatch.data.inputs import load_data
+from dynabatch.data.sources import BadRowError
 
 
 def model_sequence_kind(config) -> str:
@@ -224,6 +225,9 @@ class DynaBatchDataLoader:
     """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
     columns: Mapping[str, str] | str | None = None
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
+    bad_rows: str = "error"
+    """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
+    naming it) or ``skip`` (dropped and counted in ``data.sources[i].num_skipped``), as ``--bad-rows``."""
     resolved: dict = field(init=False, repr=False, default_factory=dict)
     """``{field: (value, reason)}`` of the options the resolver decided (``hardware`` of the default cost model)."""
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
@@ -328,7 +332,12 @@ class DynaBatchDataLoader:
                              f"mapping of task names to them, got {type(datasets).__name__}")
         if self.tokenizer is None:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
-        return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns)
+        try:
+            return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
+                             bad_rows=self.bad_rows)
+        except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
+            advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
+            raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None
 
     @staticmethod
     def _check_same(name: str, given, actual) -> None:
