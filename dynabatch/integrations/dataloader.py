@@ -63,6 +63,7 @@ from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.cost.hardware import device_hardware, hardware_spec
 from dynabatch.cost.stages import StageCostModel, balanced_layout
 from dynabatch.data.inputs import load_data
+from dynabatch.data.sources import BadRowError
 
 
 def model_sequence_kind(config) -> str:
@@ -224,12 +225,19 @@ class DynaBatchDataLoader:
     """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
     columns: Mapping[str, str] | str | None = None
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
+    bad_rows: str = "error"
+    """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
+    naming it) or ``skip`` (dropped and counted in ``data.sources[i].num_skipped``), as ``--bad-rows``."""
     resolved: dict = field(init=False, repr=False, default_factory=dict)
     """``{field: (value, reason)}`` of the options the resolver decided (``hardware`` of the default cost model)."""
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
     _collator: Batcher = field(init=False, repr=False)
     _start_state: dict = field(init=False, repr=False)
     _planner: GlobalPlanner = field(init=False, repr=False)
+    _pass_step: int = field(init=False, repr=False, default=0)
+    """Steps yielded so far in the current iteration (what :meth:`state_dict` saves as ``pass_step``)."""
+    _resume_pass_step: int | None = field(init=False, repr=False, default=None)
+    """Set by :meth:`load_state_dict`: the next iteration finishes the saved, unfinished iteration."""
 
     def __post_init__(self) -> None:
         if self.eval_samples is not None and not self.each_row_once:
@@ -324,7 +332,12 @@ class DynaBatchDataLoader:
                              f"mapping of task names to them, got {type(datasets).__name__}")
         if self.tokenizer is None:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
-        return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns)
+        try:
+            return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
+                             bad_rows=self.bad_rows)
+        except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
+            advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
+            raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None
 
     @staticmethod
     def _check_same(name: str, given, actual) -> None:
@@ -369,12 +382,20 @@ class DynaBatchDataLoader:
     # ------------------------------------------------------------------ iteration and state
 
     def __iter__(self) -> Iterator[StepBatch]:
-        if self.restart_on_iter:
+        """``max_steps`` steps (endless without), from where the stream is; ``restart_on_iter`` starts each
+        iteration at the loader's first position. After :meth:`load_state_dict` of a position saved inside an
+        iteration, the next iteration yields only that iteration's remaining steps and, with ``restart_on_iter``,
+        does not restart: a resumed run sees the batches the uninterrupted run saw, and a ``Trainer`` counting
+        ``len()`` steps per epoch keeps its epochs aligned with the loader's."""
+        num_steps, self._resume_pass_step = self._resume_pass_step or 0, None
+        if num_steps == 0 and self.restart_on_iter:
             self.batcher.load_state_dict(self._start_state)
-        num_steps = 0
+        self._pass_step = num_steps
         while self.max_steps is None or num_steps < self.max_steps:
-            yield self.next_step()
+            step = self.next_step()
             num_steps += 1
+            self._pass_step = num_steps  # before yielding: a checkpoint saved while the step trains counts it
+            yield step
 
     def __len__(self) -> int:
         if self.max_steps is None:
@@ -382,9 +403,16 @@ class DynaBatchDataLoader:
         return self.max_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The stream position (the GlobalBatcher's state): the next step is the next global batch."""
-        return self.batcher.state_dict()
+        """The stream position (the batcher's state; the next step is the next global batch) and, with
+        ``max_steps``, ``pass_step``: the steps already yielded by the current iteration."""
+        state = self.batcher.state_dict()
+        if self.max_steps is not None:
+            state["pass_step"] = self._pass_step
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a :meth:`state_dict` position; a dict that is not one is a ``ValueError`` naming what it lacks."""
+        """Resume at a :meth:`state_dict` position; a dict that is not one is a ``ValueError`` naming what it lacks.
+        A position inside an iteration (``0 < pass_step < max_steps``) makes the next iteration finish that one."""
         self.batcher.load_state_dict(state)
+        pass_step = int(state.get("pass_step", 0))
+        self._resume_pass_step = pass_step if self.max_steps is not None and 0 < pass_step < self.max_steps else None

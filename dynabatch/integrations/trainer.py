@@ -233,10 +233,17 @@ class DynaBatchTrainer(Trainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval",
                  **gen_kwargs) -> dict[str, float]:
-        """``{prefix}_loss``: summed token loss / loss tokens over every step of the eval loader(s). With
+        """``{prefix}_loss``: summed token loss / loss tokens over every step of the eval loader(s) (``eval_dataset``:
+        a loader, a dict of them, or the name of one in a dict ``eval_loader``, as ``Trainer.evaluate``). With
         ``args.predict_with_generate`` (``Seq2SeqTrainingArguments``) it also generates for every sample and
         adds ``compute_metrics``' metrics, prefixed, as ``Seq2SeqTrainer`` does (see :meth:`predict`)."""
         loader = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(loader, str):  # as Trainer.evaluate: the name of one loader of a dict eval_loader
+            named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+            if loader not in named:
+                raise ValueError(f"evaluate({loader!r}) names an eval loader, but eval_loader has "
+                                 f"{sorted(named) if named else 'no names (it is not a dict)'}")
+            loader = named[loader]
         if loader is None:
             raise ValueError("DynaBatchTrainer: evaluation needs "
                              "eval_loader=DynaBatchDataLoader(..., each_row_once=True)")

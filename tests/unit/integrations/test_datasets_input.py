@@ -106,6 +106,22 @@ def test_none_lists_and_dicts_stay_malformed_rows(byt5):
     assert data.sources[0].casts == {"targets": 2}
 
 
+def test_the_loader_names_its_own_options_for_bad_rows_and_can_skip_them(byt5):
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"question": ["a", None, "c"], "answer": ["x", "y", ""]})
+    limits = LengthLimits("seq2seq", max_input_len=16, max_target_len=16)
+    options = dict(token_budget=64, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"},
+                   each_row_once=True)
+    with pytest.raises(ValueError, match=r"row 1: missing field 'inputs'.* In DynaBatchDataLoader: .*bad_rows='skip'"):
+        DynaBatchDataLoader(rows, limits, **options)
+    with pytest.raises(ValueError, match=r"column 'q' \(for 'inputs'\) not found.* In DynaBatchDataLoader: columns="):
+        DynaBatchDataLoader(rows, limits, **{**options, "columns": {"inputs": "q", "targets": "answer"}})
+    loader = DynaBatchDataLoader(rows, limits, bad_rows="skip", **options)
+    assert loader.batcher.data.sources[0].num_skipped == 2
+    assert [s.row_index for step in loader for s in step.batch.samples] == [0]
+
+
 def test_columns_text_and_unknown_columns_are_one_line(tmp_path, capsys):
     assert parse_columns("inputs=question, targets=answer,task=category") == {
         "inputs": "question", "targets": "answer", "task": "category"}

@@ -119,6 +119,28 @@ def test_length_restart_and_shared_batcher(toy_data):
     assert batcher.step == 1  # the loader advances the batcher it was given
 
 
+def test_a_position_saved_inside_an_iteration_finishes_that_iteration(toy_data):
+    """A restarting loader resumed at step 2 of 3 yields the third batch of its pass, then restarts, as the
+    uninterrupted loader does (it used to restart at once and replay the first batch)."""
+    def keys(steps) -> list:
+        return [sample_keys(s.batch, range(len(s.batch))) for s in steps]
+
+    for restart in (True, False):
+        loader = make_loader(toy_data, max_steps=3, restart_on_iter=restart)
+        passes = iter(loader)
+        first = [next(passes), next(passes)]
+        state = loader.state_dict()  # saved while the second step trains, as a Trainer checkpoint is
+        uninterrupted = keys(first) + keys(passes) + keys(loader)
+        resumed = make_loader(toy_data, max_steps=3, restart_on_iter=restart)
+        resumed.load_state_dict(state)
+        rest = keys(resumed)
+        assert len(rest) == 1
+        assert keys(first) + rest + keys(resumed) == uninterrupted
+    assert uninterrupted[3] != uninterrupted[0]  # the stream loader goes on
+    restarting = make_loader(toy_data, max_steps=3, restart_on_iter=True)
+    assert keys(restarting)[0] == keys(restarting)[0]
+
+
 def test_smaller_memory_gives_more_micro_batches(toy_data):
     counts = []
     for memory in (2**36, 2**26):
@@ -309,6 +331,46 @@ def test_trainer_evaluates_saves_and_resumes_at_the_same_data(copy_spec, byt5, t
     assert sorted(resumed_losses) == [3, 4]
     for k, loss in resumed_losses.items():
         assert loss == pytest.approx(train_losses[k], rel=1e-5)
+
+
+def test_trainer_resumed_inside_an_epoch_of_a_restarting_loader_trains_on_the_same_batches(copy_spec, byt5, tmp_path):
+    """Epochs over a ``restart_on_iter`` loader (the same batches each epoch), resumed at step 2 of 3: the
+    resumed steps see the batches, and so the losses, of the uninterrupted run."""
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "gpt2")
+
+    def run(resume: str | None = None) -> dict[int, float]:
+        model = build_model("gpt2-tiny", vocab_size=len(byt5))
+        loader = DynaBatchDataLoader(data, limits_for("gpt2"), token_budget=400, cost_model=PolynomialCostModel(),
+                                     max_steps=3, restart_on_iter=True)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), num_train_epochs=2, save_steps=2, logging_steps=1,
+                                 learning_rate=3e-3, lr_scheduler_type="constant", ignore_data_skip=True,
+                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        trainer = DynaBatchTrainer(model=model, args=args, train_loader=loader)
+        trainer.train(resume_from_checkpoint=resume)
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    uninterrupted = run()
+    resumed = run(str(tmp_path / "out" / "checkpoint-2"))
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(3, 7):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+def test_evaluate_takes_the_name_of_one_eval_loader_as_trainer_evaluate_does(copy_spec, byt5, tmp_path):
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    trainer, _, evaluation = trainer_setup(copy_spec, byt5, "t5", tmp_path)
+    named = DynaBatchTrainer(model=trainer.model, args=trainer.args, eval_loader={"qa": evaluation})
+    by_name = named.evaluate("qa")
+    assert by_name["eval_loss"] == pytest.approx(named.evaluate()["eval_qa_loss"], rel=1e-6)
+    with pytest.raises(ValueError, match=r"evaluate\('nope'\) names an eval loader, but eval_loader has \['qa'\]"):
+        named.evaluate("nope")
+    with pytest.raises(ValueError, match="not a dict"):
+        trainer.evaluate("qa")
 
 
 def test_trainer_keeps_freed_memory_as_train_decides_it(copy_spec, byt5, tmp_path, monkeypatch):
