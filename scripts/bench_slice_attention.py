@@ -14,7 +14,7 @@ The three run alternately, ``--repeats`` times each after one warm-up; the table
 (min-max) and each one's ratio to ``whole``.
 
     python scripts/bench_slice_attention.py [--lengths 4096,8192] [--slices 2,4] [--model gpt2-d256-8k] \
-        [--levels core,model] [--repeats 5] [--json out.json]
+        [--levels core,model] [--ways whole,masked,merged] [--repeats 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slices", default="2,4")
     p.add_argument("--model", default="gpt2-d256-8k")
     p.add_argument("--levels", default="core,model")
+    p.add_argument("--ways", default=",".join(WAYS), help="which of whole, masked, merged to run (whole always runs)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
@@ -128,19 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    ways = ("whole",) + tuple(w for w in WAYS[1:] if w in args.ways.split(","))
     rows = []
-    print(f"{'level':<6} {'L':>6} {'k':>3}  " + "  ".join(f"{w + ' s (min-max)':>24}" for w in WAYS)
-          + "  masked/whole merged/whole")
+    print(f"{'level':<6} {'L':>6} {'k':>3}  " + "  ".join(f"{w + ' s (min-max)':>24}" for w in ways)
+          + "  " + " ".join(f"{w}/whole" for w in ways[1:]))
     for level in args.levels.split(","):
         for length in (int(x) for x in args.lengths.split(",")):
             for k in (int(x) for x in args.slices.split(",")):
                 runs = (_core_runs(length, k, args.heads, args.head_dim) if level == "core"
                         else _model_runs(length, k, args.model))
-                times = _time(runs, args.repeats)
-                med = {w: statistics.median(times[w]) for w in WAYS}
-                cells = "  ".join(f"{med[w]:>8.3f} ({min(times[w]):.3f}-{max(times[w]):.3f})" for w in WAYS)
-                print(f"{level:<6} {length:>6} {k:>3}  {cells}  {med['masked'] / med['whole']:>12.2f}"
-                      f" {med['merged'] / med['whole']:>12.2f}")
+                times = _time({w: runs[w] for w in ways}, args.repeats)
+                med = {w: statistics.median(times[w]) for w in ways}
+                cells = "  ".join(f"{med[w]:>8.3f} ({min(times[w]):.3f}-{max(times[w]):.3f})" for w in ways)
+                print(f"{level:<6} {length:>6} {k:>3}  {cells}  "
+                      + " ".join(f"{med[w] / med['whole']:>12.2f}" for w in ways[1:]), flush=True)
                 rows.append({"level": level, "length": length, "slices": k, "times_s": times,
                              "median_s": med})
     if args.json:

@@ -58,18 +58,15 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
-    if "dynamic" in methods:
-        try:
-            _ = method_micro_batches("dynamic", batches[0], w.limits, w.cost_model, stages, w.options,
-                                     slice_cost_model=_slicer(w.cost_model, "dynamic", args.slice_long, w.limits),
-                                     pack_rows=args.pack_rows)
-        except ValueError as e:
-            hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
-                    if not is_seq2seq(w.family) and not args.slice_long else "")
-            raise ValueError(f"{e}{hint}") from e
     rows = {}
     for method in methods:
-        rows[method] = plan_method(method, batches, w, _method_cost_model(method, batches, w, args), args)
+        cost_model = _method_cost_model(method, batches, w, args)
+        try:
+            rows[method] = plan_method(method, batches, w, cost_model, args)
+        except ValueError as e:  # a sample the planner cannot admit even alone
+            hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
+                    if method == "dynamic" and not is_seq2seq(w.family) and not args.slice_long else "")
+            raise ValueError(f"{e}{hint}") from e
     tuned = {}
     if args.tune_baselines:
         tuned = {m: tune(m, batches, w.limits, w.options, _trial(m, batches, w, args, rows[m]))

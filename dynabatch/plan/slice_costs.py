@@ -21,9 +21,24 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, CAUSAL_ATTENTION_KINDS
+from dynabatch.cost.roofline import Op, memory_op
 from dynabatch.plan.costs import PolynomialCostModel, check_non_negative_fields
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.stages import StageCosts, in_flight_buffer_bytes
+
+CONTEXT_KV_PASSES = (5, 7)
+"""Passes over the context's keys and values (each ``b c a_kv`` elements) that one slice makes per attention
+block besides its attention core's reads, forward and backward, counted from the runtime
+(:mod:`dynabatch.models.slice_kv`, :mod:`dynabatch.models.context_attention`). Forward: the cache joins context
+and own keys (read, write: 2), the context call reads them (1), and the context the next slice sees is joined
+again (2). Backward: the context call's backward reads them and writes their gradient (2), the two key sets'
+gradients are joined (2), and the gradient handed to the previous slice adds the carried one (read 2, write 1).
+The slices of one sample make these passes over a context that grows with every slice, so cutting it finer
+costs memory traffic the attention pairs do not show; with each slice's fixed cost (kernel launches), it decides
+how many slices pay: gpt2-d256-8k on one CPU thread ran a 2,048-token sample 1.16x slower in 16 slices than in 8
+and 1.56x in 32 (``docs/benchmarks/token_slicing/slice_attention_2cpu_20261207.md``)."""
+CONTEXT_KV_LAUNCHES = 3
+"""Kernels of the forward passes (the joins and the context call's reads); the backward's scale with its passes."""
 
 if TYPE_CHECKING:
     from dynabatch.cost.analytic import AnalyticCostModel
@@ -151,6 +166,9 @@ class AnalyticSliceCostModel:
     buffer_bytes_per_token: float = 0.0
     """In-flight buffers a slice holds per token until its backward: loaded inputs and message buffers
     (:func:`~dynabatch.cost.stages.in_flight_buffer_bytes`, the largest stage's; :meth:`held_bytes`)."""
+    context_passes: bool = True
+    """Price the passes over the context's keys and values (:meth:`context_op`); ``False``: the attention core's
+    work alone (:meth:`context_time_ratios` divides by that)."""
     stages: object = field(default=None, repr=False, compare=False)
     """The :class:`~dynabatch.cost.stages.StageCostModel` it was taken from (:meth:`from_stage_model`), for
     :meth:`chain_memory`; ``None``: the chain is checked on this stage's own numbers."""
@@ -220,6 +238,18 @@ class AnalyticSliceCostModel:
         :attr:`stages`. The bottleneck stage's ratio misprices the others: gpt2-d256 on 2 CPU stages (5 blocks |
         3 blocks and the head) priced the 40 slices of an 8,192-token sample 58% above the whole sample on the
         second stage, whose head grows with ``s`` alone."""
+        return self._stage_ratios(b, s, c, lambda own: own.evaluate(b, s, np.zeros_like(c))[0])
+
+    def context_time_ratios(self, b, s, c) -> np.ndarray | None:
+        """(S, M) per stage of :attr:`stages`: a slice's time with its passes over the context's keys and values
+        (:data:`CONTEXT_KV_PASSES`) over its time without them (1 on a stage without an attention block, and where
+        ``c = 0``). :func:`piece_costs` scales a stage model's price of a slice's score pairs by it: the pairs count
+        the attention core's work, not these passes. ``None`` without :attr:`stages`."""
+        return self._stage_ratios(
+            b, s, c, lambda own: dataclasses.replace(own, context_passes=False).evaluate(b, s, c)[0])
+
+    def _stage_ratios(self, b, s, c, reference) -> np.ndarray | None:
+        """(S, M) ``t(b, s, c) / reference(own)`` with each stage's own model (1 on a stage without attention)."""
         if self.stages is None:
             return None
         rows = []
@@ -227,8 +257,7 @@ class AnalyticSliceCostModel:
             if own is None:
                 rows.append(np.ones(np.broadcast(b, s, c).shape))
                 continue
-            t1 = own.evaluate(b, s, c)[0]
-            t0 = own.evaluate(b, s, np.zeros_like(c))[0]
+            t1, t0 = own.evaluate(b, s, c)[0], reference(own)
             rows.append(np.where(t0 > 0, t1 / np.maximum(t0, 1e-30), 1.0))
         return np.array(rows)
 
@@ -245,10 +274,22 @@ class AnalyticSliceCostModel:
         return c + s if self.attention == "dense" else 2.0 * c + s
 
     def _block_ops(self, kind: str, b, s, c) -> list:
-        """The analytic kernels of a block (``gpt``) or block half on a slice of ``s`` tokens after ``c``."""
+        """The analytic kernels of a block (``gpt``) or block half on a slice of ``s`` tokens after ``c``: with an
+        attention half, also the passes over the context's keys and values (:meth:`context_op`)."""
         m = self.model
-        attention = m._attention_ops(b, s, self.keys(s, c), True) if kind != "gpt_mlp" else []
+        context = [self.context_op(b, c)] if self.context_passes else []
+        attention = m._attention_ops(b, s, self.keys(s, c), True) + context if kind != "gpt_mlp" else []
         return attention + (m._ffn_ops(b, s) if kind != "gpt_attn" else [])
+
+    def context_op(self, b, c) -> Op:
+        """The passes one attention block makes over the ``c`` context tokens' keys and values
+        (:data:`CONTEXT_KV_PASSES`), as one memory-bound kernel with its backward factor; nothing (no bytes, no
+        launch) where ``c = 0``, so an unsliced micro-batch keeps the analytic model's own price."""
+        spec = self.model.spec
+        fwd, bwd = CONTEXT_KV_PASSES
+        launches = np.where(np.asarray(c) > 0, float(CONTEXT_KV_LAUNCHES), 0.0)
+        op = memory_op(fwd * 2.0 * spec.dtype_bytes * np.asarray(b, dtype=np.float64) * c * spec.d_kv_attn)
+        return dataclasses.replace(op, bwd_factor=bwd / fwd, launches=launches)
 
     def evaluate(self, b, s, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b, s, c = (np.asarray(x, dtype=np.float64) for x in np.broadcast_arrays(b, s, c))
@@ -373,7 +414,10 @@ def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None) -
     costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], contexts, memory_only=priced)
     if priced:  # times from the slices' own score pairs; memory as scaled above (score bytes counted once)
         timed = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], slice_context_pairs(pairs, arr, contexts, keys))
-        costs = dataclasses.replace(costs, fwd_s=timed.fwd_s, bwd_s=timed.bwd_s)
+        ratios = getattr(slice_model, "context_time_ratios", None)
+        passes = ratios(arr[:, 0], arr[:, 1], contexts) if ratios is not None else None
+        scale = passes if passes is not None and passes.shape == timed.fwd_s.shape else 1.0
+        costs = dataclasses.replace(costs, fwd_s=timed.fwd_s * scale, bwd_s=timed.bwd_s * scale)
     return costs
 
 

@@ -290,8 +290,10 @@ def test_analytic_slices_add_up_to_the_unsliced_flops(GPT):  # noqa: N803 - the 
 @pytest.mark.parametrize("preset, hardware", [("gpt-350m", "a100-80gb"), ("llama3-8b", "a100-80gb")])
 def test_a_samples_slices_cost_its_whole_cost_on_every_stage(preset, hardware):
     """Causal pricing, each stage its own ratio: on every stage of a split whose last stage holds the output head
-    (a cost that grows with the slice's own tokens only), a sample's slices add up to its unsliced cost (within the
-    slices' fixed costs, kernel launches, a small share at 4,096-token slices). The bottleneck stage's ratio on every stage overprices the head's stage."""
+    (a cost that grows with the slice's own tokens only), a sample's slices' attention and layers add up to its
+    unsliced cost (within the slices' fixed costs, kernel launches, a small share at 4,096-token slices); their
+    passes over the context's keys and values come on top. The bottleneck stage's ratio on every stage overprices
+    the head's stage."""
     from dynabatch.cost.stages import StageCostModel, balanced_layout
 
     base = AnalyticCostModel.from_names(preset, hardware, flash_attention=True)
@@ -308,15 +310,20 @@ def test_a_samples_slices_cost_its_whole_cost_on_every_stage(preset, hardware):
         costs = slice_stage_costs(stages.per_stage(b.astype(float), s.astype(float), np.zeros(k)), model, b, s, c)
         return (costs.fwd_s + costs.bwd_s).sum(axis=1)
 
-    np.testing.assert_allclose(summed(sliced), whole_s, rtol=0.03)
-    bottleneck_only = dataclasses.replace(sliced, stages=None)  # no per-stage ratios
+    attention_only = dataclasses.replace(sliced, context_passes=False)  # the causal share alone
+    np.testing.assert_allclose(summed(attention_only), whole_s, rtol=0.03)
+    bottleneck_only = dataclasses.replace(attention_only, stages=None)  # no per-stage ratios
     assert np.max(summed(bottleneck_only) / whole_s) > 1.1
+    # the passes over the context's keys and values come on top, on the stages with attention blocks
+    extra = summed(sliced) - summed(attention_only)
+    assert np.all(extra > 0) and np.all(extra < 0.1 * whole_s)
 
 
 def test_slices_priced_by_pairs_take_the_stage_models_per_pair_cost():
     """With attention pairs (the padding-free runtime, simulate), a slice's time is the stage model's own price of
-    its score pairs with the context, ``b s (2c + s)`` under causal pricing, not the unsliced cost scaled by the
-    analytic ratio; its memory is the ratio-scaled one either way."""
+    its score pairs with the context, ``b s (2c + s)`` under causal pricing (times its passes over the context's keys
+    and values, which pairs do not count), not the unsliced cost scaled by the analytic ratio; its memory is the
+    ratio-scaled one either way."""
     from dynabatch.cost.pairs import AttentionPairs
     from dynabatch.cost.stages import StageCostModel, balanced_layout
     from dynabatch.plan.slice_costs import piece_costs
@@ -334,12 +341,20 @@ def test_slices_priced_by_pairs_take_the_stage_models_per_pair_cost():
     own = AttentionPairs((s * s).astype(float), zeros, zeros)  # what units_pairs gives a slice: its own square
     got = piece_costs(stages, sliced, shapes, c, links_for([3]), own)
     want = stages.per_stage(np.ones(3), s.astype(float), zeros, AttentionPairs((s * (2 * c + s)).astype(float), zeros, zeros))
-    np.testing.assert_allclose(got.fwd_s, want.fwd_s, rtol=1e-12)
-    np.testing.assert_allclose(got.bwd_s, want.bwd_s, rtol=1e-12)
+    # times the passes over the context's keys and values, which the pairs do not count: each stage's slice model
+    # with them over without them (1 for the unsliced piece)
+    passes = []
+    for kinds in sliced.stages.layout.stages:
+        own = dataclasses.replace(sliced, stage_kinds=tuple(kinds), stages=None)
+        passes.append(own.evaluate(1, s, c)[0] / dataclasses.replace(own, context_passes=False).evaluate(1, s, c)[0])
+    passes = np.array(passes)
+    assert np.all(passes[:, 0] == 1.0) and np.all(passes[:, 1:] > 1.0)
+    np.testing.assert_allclose(got.fwd_s, want.fwd_s * passes, rtol=1e-12)
+    np.testing.assert_allclose(got.bwd_s, want.bwd_s * passes, rtol=1e-12)
     assert np.all(got.fwd_s[:, 1:] > stages.per_stage(np.ones(2), s[1:].astype(float), zeros[1:], AttentionPairs(
         (s[1:] ** 2).astype(float), zeros[1:], zeros[1:])).fwd_s)  # the context costs
     ratio = piece_costs(stages, sliced, shapes, c, links_for([3]), None)
-    assert np.max(np.abs(ratio.fwd_s / want.fwd_s - 1)) > 0.05  # the ratio's A100 weighting would price them apart
+    assert np.max(np.abs(ratio.fwd_s / (want.fwd_s * passes) - 1)) > 0.05  # the ratio's A100 weighting would price them apart
     np.testing.assert_allclose(got.stored_bytes, ratio.stored_bytes, rtol=1e-12)
     np.testing.assert_allclose(got.peak_bytes, ratio.peak_bytes, rtol=1e-12)
 
@@ -501,3 +516,28 @@ def test_argument_errors():
         slice_long_samples([], cost, 4)
     with pytest.raises(ValueError, match="bubble_fraction"):
         slice_long_samples([10], cost, 4, bubble_fraction=0)
+
+
+def test_the_passes_over_the_context_make_the_dp_cut_fewer_longer_slices():
+    """Each slice reads, joins and writes back its context's keys and values in every attention block
+    (``CONTEXT_KV_PASSES``), work its score pairs do not count and that grows with the context: priced, the DP
+    stops cutting where a slice's passes cost more than the bubble it removes. Unpriced, a CPU model cut an
+    8,192-token sample into 40 slices, each one's passes unpaid for."""
+    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.plan.slice_costs import CONTEXT_KV_PASSES
+
+    base = AnalyticCostModel.from_names("gpt-350m", "cpu", flash_attention=True)
+    stages = StageCostModel(base, balanced_layout(base, 2), base.hardware.memory_bytes)
+    priced = AnalyticSliceCostModel.from_stage_model(stages, ref_length=8192)
+    unpriced = dataclasses.replace(priced, context_passes=False)
+    with_passes, without = plan_slices(8192, priced, 2, granularity=16), plan_slices(8192, unpriced, 2, granularity=16)
+    assert with_passes.num_slices < without.num_slices
+    assert with_passes.slice_lengths.min() > without.slice_lengths.min()
+    # the op: (5 + 7) passes of b c a_kv elements per attention block, nothing at c = 0
+    op = priced.context_op(np.array([1.0, 2.0]), np.array([0.0, 1000.0]))
+    spec = base.spec
+    np.testing.assert_allclose(op.bytes * (1 + op.bwd_factor),
+                               [0.0, sum(CONTEXT_KV_PASSES) * 2 * spec.dtype_bytes * 2 * 1000 * spec.d_kv_attn])
+    assert list(op.launches) == [0.0, 3.0]
+    t_ctx0 = priced.evaluate(1, 512, 0)[0]
+    assert t_ctx0 == pytest.approx(unpriced.evaluate(1, 512, 0)[0], rel=1e-12)
