@@ -437,6 +437,9 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
     if spec.max_examples is not None:
         ds = ds.select(range(min(spec.max_examples, len(ds))))
     if len(ds) == 0:
+        if spec.in_memory:  # a dataset passed in Python: DynaBatchDataLoader's data, or train's datasets=
+            raise ValueError(f"dataset {spec.task!r} passed in memory (DynaBatchDataLoader data= or datasets=) has "
+                             "no rows; pass a dataset with rows, or leave this one out")
         raise ValueError(f"source {spec.task!r} has no rows; remove it from the mixture or fix its files")
     names = {"task": spec.columns.get("task", "task"), **{f: spec.columns.get(f, f) for f in FIELDS}}
     for f in CAST_FIELDS:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import KW_ONLY, dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -118,6 +118,11 @@ def sample_loss_tokens(batch: GlobalBatch, family: str, loss_on_inputs: bool = F
     (:func:`dynabatch.data.collate.sample_loss_tokens`: every target token of an encoder-decoder; a decoder-only
     sample's tokens after its first loss position, since its first token is never predicted)."""
     return collate_loss_tokens(batch.input_lens, batch.target_lens, family, loss_on_inputs).tolist()
+
+
+def _batcher_seed(batcher: GlobalBatcher | EveryRowBatcher) -> int:
+    """The seed that orders a batcher's rows (an ``EveryRowBatcher`` has its own; a stream's is its mixture's)."""
+    return batcher.seed if isinstance(batcher, EveryRowBatcher) else batcher.data.spec.seed
 
 
 def default_cost_model(
@@ -228,8 +233,16 @@ class DynaBatchDataLoader:
     bad_rows: str = "error"
     """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
     naming it) or ``skip`` (dropped and counted in ``data.sources[i].num_skipped``), as ``--bad-rows``."""
+    seed: int | None = None
+    """Orders the rows: the mixture sampler's draws (``each_row_once``: the row order). ``None``: 0 for datasets as
+    ``data`` (the seed a :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` replaces with
+    ``TrainingArguments``' ``data_seed`` or ``seed``, :meth:`reseed`), the mixture's own seed for ``MixtureData``
+    (as ``dynabatch train --mixture``). A seed given re-seeds ``MixtureData``; with a batcher as ``data`` it must be
+    the batcher's."""
     resolved: dict = field(init=False, repr=False, default_factory=dict)
     """``{field: (value, reason)}`` of the options the resolver decided (``hardware`` of the default cost model)."""
+    tokenized_here: bool = field(init=False, default=False)
+    """``data`` was datasets, tokenized by this loader (its unset ``seed`` is then the trainer's to choose)."""
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
     _collator: Batcher = field(init=False, repr=False)
     _start_state: dict = field(init=False, repr=False)
@@ -245,6 +258,7 @@ class DynaBatchDataLoader:
         if isinstance(self.data, (GlobalBatcher, EveryRowBatcher)):
             self._check_same("limits", self.limits, self.data.limits)
             self._check_same("token_budget", self.token_budget, self.data.token_budget)
+            self._check_same("seed", self.seed, _batcher_seed(self.data))
             if self.each_row_once and isinstance(self.data, GlobalBatcher):
                 raise ValueError("each_row_once reads every row of MixtureData or datasets; a GlobalBatcher is a "
                                  "stream: pass its .data instead")
@@ -254,12 +268,10 @@ class DynaBatchDataLoader:
                 raise ValueError(f"with MixtureData or datasets give limits and token_budget (got limits={self.limits}, "
                                  f"token_budget={self.token_budget})")
             if not isinstance(self.data, MixtureData):
-                self.data = self._tokenized(self.data)
-            if self.each_row_once:
-                self.batcher = EveryRowBatcher(self.data, self.limits, self.token_budget, per_task=self.eval_samples,
-                                               seed=self.data.spec.seed)
-            else:
-                self.batcher = GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
+                self.data, self.tokenized_here = self._tokenized(self.data), True
+            elif self.seed is not None:
+                self.data = replace(self.data, spec=replace(self.data.spec, seed=self.seed))
+            self.batcher = self._new_batcher()
         if isinstance(self.batcher, EveryRowBatcher):
             if self.max_steps not in (None, len(self.batcher)):
                 raise ValueError(f"max_steps={self.max_steps} with each_row_once: the data makes {len(self.batcher)} "
@@ -322,6 +334,31 @@ class DynaBatchDataLoader:
         )
         self._start_state = self.batcher.state_dict()
 
+    def _new_batcher(self) -> GlobalBatcher | EveryRowBatcher:
+        """A batcher at the start of ``data`` (``MixtureData``), ordered by its spec's seed."""
+        if self.each_row_once:
+            return EveryRowBatcher(self.data, self.limits, self.token_budget, per_task=self.eval_samples,
+                                   seed=self.data.spec.seed)
+        return GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
+
+    @property
+    def data_seed(self) -> int:
+        """The seed that orders the rows (``seed`` as given, or the default it stands for)."""
+        return _batcher_seed(self.batcher)
+
+    def reseed(self, seed: int) -> None:
+        """Order the rows with ``seed``, as if the loader had been built with it: how a ``DynaBatchTrainer`` makes
+        ``TrainingArguments(seed=...)`` decide the order of datasets, as the stock ``Trainer``'s sampler does.
+        Only before the first step, and not for a loader built on a batcher (whose order is fixed)."""
+        if not isinstance(self.data, MixtureData):
+            raise ValueError("reseed: this loader was built on a batcher, whose order is fixed; pass its .data")
+        if self.batcher.state_dict() != self._start_state:
+            raise ValueError("reseed: the loader has already drawn steps; build it with seed= instead")
+        self.seed = seed
+        self.data = replace(self.data, spec=replace(self.data.spec, seed=seed))
+        self.batcher = self._new_batcher()
+        self._start_state = self.batcher.state_dict()
+
     def _tokenized(self, datasets) -> MixtureData:
         """``data`` given as datasets, tokenized with ``tokenizer`` for the family of ``limits``."""
         import datasets as hf_datasets
@@ -334,7 +371,7 @@ class DynaBatchDataLoader:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
         try:
             return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
-                             bad_rows=self.bad_rows)
+                             bad_rows=self.bad_rows, seed=self.seed or 0)
         except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
             advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
             raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None

@@ -28,11 +28,16 @@ clipping, callbacks and mixed precision stay the Trainer's own:
   instead of replaying batches (``TrainingArguments(ignore_data_skip=True)`` is required for that).
 
 Logs also carry ``padding_efficiency`` (real / computed tokens), ``micro_batches_per_step`` and
-``plan_time_s`` of this process's replica, averaged since the previous log.
+``plan_time_s`` of this process's replica, averaged since the previous log, and ``truncated``: the samples cut to
+the loader's limits since then (one warning after ``train()`` gives the total). ``train_samples_per_second``
+counts the samples the steps held, not ``per_device_train_batch_size`` per step; the ``TrainingArguments`` of the
+stock dataloaders (:data:`DECIDED_BY_LOADER`) have no effect, and setting one is a warning. A train loader that
+tokenized datasets without ``seed=`` is ordered by ``TrainingArguments``' ``data_seed`` or ``seed``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -62,6 +67,13 @@ LOADER_STATE_NAME = "dynabatch_loader.json"
 ALL_REDUCE_BUCKET_NUMEL = 2**25
 """Gradient elements per flat all-reduce (128 MiB of fp32): bounds the extra memory of the copy."""
 _NOT_ACCEPTED = ("train_dataset", "eval_dataset", "data_collator")
+DECIDED_BY_LOADER = {
+    "per_device_train_batch_size": "the train loader's token_budget decides the samples of each step",
+    "per_device_eval_batch_size": "the eval loader's token_budget decides the samples of each batch",
+    "dataloader_num_workers": "the loader plans and collates in the training process",
+}
+"""``TrainingArguments`` the stock ``Trainer`` uses to build its dataloaders, which a ``DynaBatchTrainer`` never
+builds: setting one is a warning naming what decides instead."""
 
 
 class DynaBatchTrainer(Trainer):
@@ -84,6 +96,11 @@ class DynaBatchTrainer(Trainer):
         given = [k for k in _NOT_ACCEPTED if kwargs.get(k) is not None]
         if given:
             raise ValueError(f"DynaBatchTrainer takes train_loader= and eval_loader=, not {given}")
+        strategy = getattr(getattr(args, "eval_strategy", "no"), "value", "no")
+        if strategy != "no" and eval_loader is None:  # before Trainer's own error, which asks for eval_dataset
+            raise ValueError(f"TrainingArguments(eval_strategy={strategy!r}) evaluates during training, but no "
+                             "eval_loader was given: pass eval_loader=DynaBatchDataLoader(..., each_row_once=True), "
+                             "or set eval_strategy='no'")
         super().__init__(model=model, args=args, eval_dataset=eval_loader, **kwargs)
         self.train_loader = train_loader
         self.attention = attention
@@ -93,9 +110,12 @@ class DynaBatchTrainer(Trainer):
         :func:`~dynabatch.core.allocator.freed_tensors_kept`), ``system``, or ``auto`` (the resolver's rule, as
         ``dynabatch train`` decides it: ``keep`` for an encoder-decoder on CPU whose budget fits the host)."""
         self.resolved: dict = {}
-        """``{field: (value, reason)}`` of the options the resolver decided (``cpu_allocator``, when :meth:`train`
-        starts)."""
+        """``{field: (value, reason)}`` of the options decided for the user: ``data_seed`` (the train loader's,
+        from ``TrainingArguments``) and ``cpu_allocator`` (by the resolver, when :meth:`train` starts)."""
         self._check_setup(train_loader, eval_loader)
+        self._seed_train_loader(train_loader)
+        self._warn_ignored_arguments()
+        self._trained_samples = self._trained_truncated = 0
         self._num_non_embedding_params: int | None = None
         self._reset_step_stats()
 
@@ -141,6 +161,33 @@ class DynaBatchTrainer(Trainer):
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")
+
+    def _seed_train_loader(self, loader: DynaBatchDataLoader | None) -> None:
+        """Let ``TrainingArguments``' ``data_seed`` (else ``seed``) order the training data, as the stock ``Trainer``'s
+        sampler does, which an HF user expects: a train loader that tokenized datasets without ``seed=`` is re-seeded
+        with it. A seed given to the loader (or a mixture's own) stays; a given one that differs is a warning."""
+        if loader is None:
+            return
+        name = "data_seed" if self.args.data_seed is not None else "seed"
+        seed = getattr(self.args, name)
+        if loader.seed is None and loader.tokenized_here:
+            try:
+                loader.reseed(seed)
+            except ValueError as e:
+                warnings.warn(f"train_loader keeps seed {loader.data_seed}, not TrainingArguments.{name}={seed}: {e}")
+                return
+            self.resolved["data_seed"] = (seed, f"TrainingArguments.{name}; the train loader was built without seed=")
+        elif loader.seed is not None and loader.seed != seed:
+            warnings.warn(f"train_loader was built with seed={loader.seed}, which orders its data instead of "
+                          f"TrainingArguments.{name}={seed}; build it with seed=args.{name} to follow TrainingArguments")
+
+    def _warn_ignored_arguments(self) -> None:
+        """One warning per :data:`DECIDED_BY_LOADER` argument set to other than its default: it has no effect."""
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+        for name, instead in DECIDED_BY_LOADER.items():
+            value = getattr(self.args, name, defaults.get(name))
+            if value != defaults.get(name):
+                warnings.warn(f"TrainingArguments({name}={value!r}) has no effect on a DynaBatchTrainer: {instead}")
 
     # ------------------------------------------------------------------ training
 
@@ -212,9 +259,13 @@ class DynaBatchTrainer(Trainer):
 
     def _reset_step_stats(self) -> None:
         self._stat_steps = self._stat_micro_batches = self._stat_real = self._stat_computed = 0
+        self._stat_truncated = 0
         self._stat_plan_s = 0.0
 
     def _record_step_stats(self, step: StepBatch) -> None:
+        self._trained_samples += len(step.batch)  # the global batch: every replica's samples
+        self._trained_truncated += step.batch.num_truncated
+        self._stat_truncated += step.batch.num_truncated
         self._stat_steps += 1
         self._stat_micro_batches += step.stats.num_micro_batches
         self._stat_real += step.stats.real_tokens
@@ -226,7 +277,11 @@ class DynaBatchTrainer(Trainer):
             logs["padding_efficiency"] = self._stat_real / max(self._stat_computed, 1)
             logs["micro_batches_per_step"] = self._stat_micro_batches / self._stat_steps
             logs["plan_time_s"] = self._stat_plan_s / self._stat_steps
+            logs["truncated"] = self._stat_truncated
             self._reset_step_stats()
+        if "train_runtime" in logs and "train_samples_per_second" in logs:
+            # Trainer counts per_device_train_batch_size samples a step; the steps held these
+            logs["train_samples_per_second"] = round(self._trained_samples / max(logs["train_runtime"], 1e-9), 3)
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
@@ -279,7 +334,7 @@ class DynaBatchTrainer(Trainer):
         was_training = module.training
         module.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.args.device)
-        num_tokens = num_samples = num_steps = 0
+        num_tokens = num_samples = num_steps = num_truncated = 0
         samples = []
         with torch.no_grad():
             for step in loader:
@@ -289,11 +344,13 @@ class DynaBatchTrainer(Trainer):
                     samples += [step.batch.samples[i] for row in mb.sample_ids for i in row]
                 num_tokens += step.num_loss_tokens
                 num_samples += len(step.batch)
+                num_truncated += step.batch.num_truncated
                 num_steps += 1
         if loader.num_replicas > 1:
             torch.distributed.all_reduce(loss_sum)
         module.train(was_training)
-        metrics = {f"{prefix}_loss": loss_sum.item() / max(num_tokens, 1), f"{prefix}_loss_tokens": num_tokens}
+        metrics = {f"{prefix}_loss": loss_sum.item() / max(num_tokens, 1), f"{prefix}_loss_tokens": num_tokens,
+                   f"{prefix}_truncated": num_truncated}
         predictions = labels = None
         if generate:
             predictions, labels = self._generate(module, loader, samples, gen_kwargs)
@@ -349,9 +406,15 @@ class DynaBatchTrainer(Trainer):
         allocator, why = self._decided_cpu_allocator()
         if self.cpu_allocator == "auto":
             self.resolved["cpu_allocator"] = (allocator, why)
+        self._trained_samples = self._trained_truncated = 0
         with freed_tensors_kept(allocator == "keep"):
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        if self._trained_truncated and self.is_world_process_zero():
+            warnings.warn(f"{self._trained_truncated} of the {self._trained_samples} samples trained were truncated "
+                          f"to the train loader's limits ({self.train_loader.limits.describe()}); the logs count "
+                          "them as 'truncated'. Raise the LengthLimits to train on them whole")
+        return output
 
     def _decided_cpu_allocator(self) -> tuple[str, str | None]:
         """:attr:`cpu_allocator` as the resolver's ``cpu_allocator`` rule decides it for this process: its device, the

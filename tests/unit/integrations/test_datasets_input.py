@@ -122,6 +122,44 @@ def test_the_loader_names_its_own_options_for_bad_rows_and_can_skip_them(byt5):
     assert [s.row_index for step in loader for s in step.batch.samples] == [0]
 
 
+def test_the_loader_s_seed_orders_datasets_and_reseeds_a_mixture(byt5):
+    """``seed=`` orders the rows of datasets (it was always 0) and re-seeds ``MixtureData``; a batcher's order is
+    fixed, so another seed for one is refused; :meth:`reseed` gives the order of a loader built with that seed."""
+    options = dict(limits=LengthLimits("t5", max_input_len=64, max_target_len=16), token_budget=400, tokenizer=byt5,
+                   columns={"inputs": "question", "targets": "answer"}, method="padding")
+
+    def rows(loader: DynaBatchDataLoader) -> list:
+        return [(s.source_index, s.row_index) for _ in range(2) for s in loader.next_step().batch.samples]
+
+    default, zero, seven = (DynaBatchDataLoader(_qa(), **options, **extra) for extra in ({}, {"seed": 0}, {"seed": 7}))
+    assert (default.seed, default.data_seed, seven.data_seed) == (None, 0, 7) and default.tokenized_here
+    assert rows(default) == rows(zero) and rows(seven) != rows(DynaBatchDataLoader(_qa(), **options))
+    mixture = DynaBatchDataLoader(_qa(), **options).batcher.data
+    del options["tokenizer"], options["columns"]
+    reseeded = DynaBatchDataLoader(mixture, **options, seed=7)
+    assert reseeded.data_seed == 7 and not reseeded.tokenized_here
+    assert rows(reseeded) == rows(DynaBatchDataLoader(_qa(), tokenizer=byt5, seed=7, columns="inputs=question,targets=answer",
+                                                      **options))
+    later = DynaBatchDataLoader(mixture, **options)
+    later.reseed(7)
+    assert rows(later) == rows(DynaBatchDataLoader(mixture, **options, seed=7))
+    with pytest.raises(ValueError, match="already drawn steps; build it with seed="):
+        later.reseed(8)
+    with pytest.raises(ValueError, match="seed=7 differs from the GlobalBatcher's 0; leave it unset"):
+        DynaBatchDataLoader(DynaBatchDataLoader(mixture, **options).batcher, seed=7)
+
+
+def test_an_empty_dataset_is_named_as_the_loader_s_input(byt5):
+    import datasets
+
+    empty = datasets.Dataset.from_dict({"question": [], "answer": []})
+    options = dict(token_budget=64, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    with pytest.raises(ValueError, match=r"^dataset 'none' passed in memory \(DynaBatchDataLoader data= or datasets=\) "
+                                         r"has no rows; pass a dataset with rows, or leave this one out$"):
+        DynaBatchDataLoader({"qa": _qa(), "none": empty}, LengthLimits("seq2seq", max_input_len=16, max_target_len=16),
+                            **options)
+
+
 def test_columns_text_and_unknown_columns_are_one_line(tmp_path, capsys):
     assert parse_columns("inputs=question, targets=answer,task=category") == {
         "inputs": "question", "targets": "answer", "task": "category"}

@@ -414,6 +414,103 @@ def test_trainer_rejects_gradient_accumulation_and_wrong_replica(copy_spec, byt5
     )
     with pytest.raises(ValueError, match="replica 1 of 2 but this process is 0 of 1"):
         DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=loader)
+    from transformers import TrainingArguments
+
+    evaluating = TrainingArguments(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=2, report_to=[],
+                                   use_cpu=True)
+    with pytest.raises(ValueError, match=r"^TrainingArguments\(eval_strategy='steps'\) evaluates during training, but "
+                                         r"no eval_loader was given: pass eval_loader=DynaBatchDataLoader\(\.\.\., "
+                                         r"each_row_once=True\), or set eval_strategy='no'$"):
+        DynaBatchTrainer(model=trainer.model, args=evaluating, train_loader=trainer.train_loader)
+
+
+def test_training_arguments_seed_orders_a_loader_built_on_datasets(byt5, tmp_path):
+    """As the stock Trainer's sampler: ``TrainingArguments``' ``data_seed`` (else ``seed``) orders a train loader that
+    tokenized datasets without ``seed=`` (it always used 0); a seed given to the loader stays, with a warning."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    rows = datasets.Dataset.from_dict({"inputs": [f"copy: {w}" for w in WORDS * 4], "targets": WORDS * 4})
+    model = build_model("gpt2-tiny", vocab_size=len(byt5))
+
+    def loader(**kwargs) -> DynaBatchDataLoader:
+        return DynaBatchDataLoader(rows, limits_for("gpt2"), token_budget=200, tokenizer=byt5,
+                                   cost_model=PolynomialCostModel(), **kwargs)
+
+    def trainer(train: DynaBatchDataLoader, **settings) -> DynaBatchTrainer:
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings)
+        return DynaBatchTrainer(model=model, args=args, train_loader=train)
+
+    def order(train: DynaBatchDataLoader) -> list[int]:
+        return [s.row_index for _ in range(2) for s in train.next_step().batch.samples]
+
+    followed = loader()
+    assert trainer(followed, seed=5).resolved["data_seed"] == (5, "TrainingArguments.seed; the train loader was "
+                                                                  "built without seed=")
+    assert order(followed) == order(loader(seed=5)) != order(loader())
+    by_data_seed = loader()
+    trainer(by_data_seed, seed=5, data_seed=6)
+    assert by_data_seed.data_seed == 6
+    own = loader(seed=3)
+    with pytest.warns(UserWarning, match=r"^train_loader was built with seed=3, which orders its data instead of "
+                                         r"TrainingArguments.seed=5; build it with seed=args.seed"):
+        trainer(own, seed=5)
+    assert own.data_seed == 3
+
+
+def test_trainer_logs_and_warns_of_truncated_samples(copy_spec, byt5, tmp_path):
+    """Samples cut to the loader's limits are counted as ``dynabatch train`` counts them: ``truncated`` in each
+    training log, one warning with the total after ``train()``, ``eval_truncated`` in the evaluation metrics."""
+    import re
+
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "gpt2")
+    limits = LengthLimits("gpt2", max_seq_len=48)  # some copy samples are longer
+    train = DynaBatchDataLoader(data, limits, token_budget=300, cost_model=PolynomialCostModel())
+    evaluation = DynaBatchDataLoader(data, limits, token_budget=300, cost_model=PolynomialCostModel(),
+                                     each_row_once=True)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = DynaBatchTrainer(model=build_model("gpt2-tiny", vocab_size=len(byt5)), args=args, train_loader=train)
+    with pytest.warns(UserWarning) as caught:
+        trainer.train()
+    logged = [h["truncated"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and sum(logged) == train.batcher.num_truncated > 0
+    found = [re.match(r"(\d+) of the (\d+) samples trained were truncated to the train loader's limits "
+                      r"\(max_seq_len=48\); the logs count them as 'truncated'", str(w.message)) for w in caught]
+    (match,) = [m for m in found if m]
+    assert int(match[1]) == train.batcher.num_truncated < int(match[2])
+    metrics = trainer.evaluate(evaluation)
+    assert metrics["eval_truncated"] == sum(b.num_truncated for b in evaluation.batcher.batches) > 0
+
+
+def test_trainer_warns_of_arguments_the_loader_decides_and_counts_samples_trained(copy_spec, byt5, tmp_path):
+    """``per_device_train_batch_size`` and ``dataloader_num_workers`` do nothing here: each set is one warning
+    naming what decides instead; ``train_samples_per_second`` counts the samples the steps held, not
+    ``per_device_train_batch_size`` per step."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as defaults:
+        warnings.simplefilter("always")
+        trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=2)
+    assert not [w for w in defaults if "has no effect on a DynaBatchTrainer" in str(w.message)]
+    with pytest.warns(UserWarning) as caught:
+        trainer, twin, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=2, per_device_train_batch_size=64,
+                                         dataloader_num_workers=2)
+    messages = [str(w.message) for w in caught]
+    assert ("TrainingArguments(per_device_train_batch_size=64) has no effect on a DynaBatchTrainer: the train "
+            "loader's token_budget decides the samples of each step") in messages
+    assert ("TrainingArguments(dataloader_num_workers=2) has no effect on a DynaBatchTrainer: the loader plans and "
+            "collates in the training process") in messages
+    metrics = trainer.train().metrics
+    samples = sum(len(twin.next_step().batch) for _ in range(2))
+    assert metrics["train_samples_per_second"] == pytest.approx(samples / metrics["train_runtime"], rel=1e-2)
+    assert trainer.state.log_history[-1]["train_samples_per_second"] == metrics["train_samples_per_second"]
 
 
 def test_data_parallel_trainer_logs_the_single_process_losses(tmp_path, monkeypatch):
