@@ -150,7 +150,10 @@ def task_rows(data: MixtureData) -> list[TaskRows]:
             for task, ps in parts.items()]
 
 
-def print_task_table(data: MixtureData) -> None:
+def print_task_table(data: MixtureData, notes: bool = True) -> None:
+    """The per-task length table of ``data``, then (``notes``) one line per source with numbers cast to text or
+    rows skipped. Those come from reading the files, the same for every family, so a report of both families says
+    them under the first table only."""
     labels = ",".join(str(e) for e in HIST_EDGES[1:])
     tasks = task_rows(data)
     print(f"\n== tasks ({data.family}, {len(tasks)} tasks in {len(data.sources)} sources) ==")
@@ -159,7 +162,7 @@ def print_task_table(data: MixtureData) -> None:
     for t in tasks:
         e, d = t.input_lens, t.target_lens
         print(f"{t.task:<22} {t.num_rows:>6d} {t.rate:>6.3f} | {_pct(e)} | {_pct(d)} | {_histogram(e + d)}")
-    for note in data_notes(data):
+    for note in data_notes(data) if notes else ():
         print(f"  {note}")
 
 
@@ -240,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
     why = decided["tokenizer"][1] if "tokenizer" in decided else None
     print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer), why))
     print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
-    for family in families:
+    for i, family in enumerate(families):
         data = MixtureData.load(spec, tokenizer, family, bad_rows=args.bad_rows)
-        print_task_table(data)
+        print_task_table(data, notes=i == 0)
         print_efficiency(data, args)
     return 0
 

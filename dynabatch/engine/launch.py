@@ -8,7 +8,8 @@ outlives any rank and a rank failing after another still reads which one failed 
 connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, unauthenticated). Then:
 
 * the run's exit status is the failing rank's own (2 for bad input, :mod:`dynabatch.engine.faults`; 2 wins when
-  ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback;
+  ranks seen failing together differ), where ``torchrun`` would report 1 and a launcher traceback; a rank ended by
+  a signal is named in one line and gives ``128 + N`` (137 for SIGKILL);
 * once a rank has failed the others are stopped (SIGTERM, SIGKILL after :data:`GRACE_S`), so a rank waiting on
   the dead one never holds the job until its timeout;
 * Ctrl-C is the launcher's alone: the ranks start with SIGINT blocked (:func:`_start_ranks`), so none prints a
@@ -78,6 +79,25 @@ def _start_ranks(command: list[str], world_size: int, port: int, procs: list[sub
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
+def _run_status(failed: list[int]) -> int:
+    """The run's exit status from the failed ranks' codes: 2 (bad input) wins, then a rank's own status; a rank
+    ended by a signal (``Popen``'s code ``-N``) is ``128 + N`` as a shell says it (137 for SIGKILL), where passing
+    ``-9`` on would exit 247."""
+    if 2 in failed:
+        return 2
+    own = [c for c in failed if c > 0]
+    return own[0] if own else 128 - failed[0]
+
+
+def _say_signalled(procs: list[subprocess.Popen]) -> None:
+    """One line per rank ended by a signal (the kernel's out-of-memory killer, a ``kill -9``): its peers' lines only
+    say the connection to it broke, and a rank killed so prints nothing of its own."""
+    for rank, p in enumerate(procs):
+        if p.returncode is not None and p.returncode < 0:
+            print(f"rank {rank} (pid {p.pid}) was killed by {signal.Signals(-p.returncode).name} (out of memory, or "
+                  "killed by hand?); the run stops", file=sys.stderr, flush=True)
+
+
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
     """Run ``python *command`` (e.g. ``-m dynabatch train ...``) as ranks ``0 .. world_size - 1`` on this machine
     (module docstring); returns the run's exit status."""
@@ -90,8 +110,9 @@ def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> in
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:  # a rank failing because a peer went away exits 1; the peer's own bad-input 2 names the run
+                _say_signalled(procs)
                 _stop(procs)
-                return 2 if 2 in failed else failed[0]
+                return _run_status(failed)
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)

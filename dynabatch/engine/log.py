@@ -12,7 +12,10 @@ Every module logs through ``logging.getLogger(__name__)``, under the ``dynabatch
   :data:`RESULT` level, above every ``--log-level``, so it is printed at each of them, as a plain line;
 * lines go through ``tqdm.write``, which clears the training progress bar, writes the line and draws
   the bar again, so log lines never break the bar;
-* the stream is looked up at each line (``sys.stderr`` then), so a redirected stream gets the line.
+* the stream is looked up at each line (``sys.stderr`` then), so a redirected stream gets the line;
+* a Python warning raised in dynabatch's own code becomes such a ``warning:`` line (no file path, no
+  ``UserWarning:``), each text once per process; an
+  :class:`~dynabatch.core.rank_warnings.EveryRankWarning` (the same on every rank) is said by rank 0 only.
 
 :func:`quiet_third_party` silences the progress bars of ``datasets`` (its ``map`` / ``filter`` bars put
 one line per update into a run's log) on every rank, and sets ``transformers``' logging to warnings
@@ -24,6 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
+
+from dynabatch.core.rank_warnings import EveryRankWarning
 
 LOGGER_NAME = "dynabatch"
 RESULT = logging.CRITICAL + 5
@@ -70,10 +76,44 @@ class _TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The ``dynabatch`` package's folder: warnings raised from files under it are dynabatch's own."""
+
+
+class _WarningsToLog:
+    """A ``warnings.showwarning`` that logs dynabatch's own warnings as one ``warning:`` line each, every text once
+    (a check that runs at start-up and again per method would otherwise repeat it, and Python's own once-per-place
+    record is cleared whenever a filter changes); other packages' warnings go to Python's usual printer."""
+
+    def __init__(self, fallback):
+        self.fallback = fallback
+        self.said: set[tuple[type, str]] = set()
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if not os.path.abspath(filename).startswith(PACKAGE_DIR + os.sep):
+            self.fallback(message, category, filename, lineno, file, line)
+            return
+        key = (category, str(message))
+        if key not in self.said:
+            self.said.add(key)
+            logging.getLogger(LOGGER_NAME).warning(str(message))
+
+
+def _log_warnings(rank: int) -> None:
+    """Route dynabatch's warnings through its logger (:class:`_WarningsToLog`, installed once per process), and
+    on ranks other than 0 drop the :class:`EveryRankWarning` ones, which rank 0 says for the run."""
+    if not isinstance(warnings.showwarning, _WarningsToLog):
+        warnings.showwarning = _WarningsToLog(warnings.showwarning)
+    if rank != 0:
+        warnings.filterwarnings("ignore", category=EveryRankWarning)
+
+
 def setup_logging(level: str = "info", rank: int | None = None) -> logging.Logger:
     """Configure the ``dynabatch`` logger for this process (idempotent: a second call replaces the first's
-    handler): ``level`` on rank 0, warnings on other ranks (``rank``: :func:`process_rank` by default)."""
+    handler): ``level`` on rank 0, warnings on other ranks (``rank``: :func:`process_rank` by default), and
+    dynabatch's Python warnings as its log lines (:func:`_log_warnings`)."""
     rank = process_rank() if rank is None else rank
+    _log_warnings(rank)
     logger = logging.getLogger(LOGGER_NAME)
     for old in [h for h in logger.handlers if isinstance(h, _TqdmHandler)]:
         logger.removeHandler(old)

@@ -26,6 +26,7 @@ from typing import Callable
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.model_specs import TransformerSpec
+from dynabatch.core.rank_warnings import EveryRankWarning
 from dynabatch.core.sequence import CAUSAL, SEQUENCE_KINDS
 
 
@@ -152,7 +153,8 @@ def check_length_limit(config, max_len: int, what: str = "the length limit") -> 
 
     Above a learned position table (GPT-2's ``n_positions``) it is a ``ValueError`` (the embedding
     lookup would fail mid-run); above a rotary model's ``max_position_embeddings`` it is a warning
-    (positions run past those the model was trained on).
+    (positions run past those the model was trained on), an :class:`EveryRankWarning`: each rank of a run checks
+    the same config, and rank 0 alone says it.
     """
     family = family_for_config(config)
     table = family.position_table(config) if family.position_table else None
@@ -166,7 +168,7 @@ def check_length_limit(config, max_len: int, what: str = "the length limit") -> 
         warnings.warn(
             f"{what} is {max_len} tokens but this {config.model_type} model was trained for "
             f"{trained} positions (max_position_embeddings); longer samples use untrained rotary positions",
-            stacklevel=2,
+            EveryRankWarning, stacklevel=2,
         )
     if family.check_config is not None:
         family.check_config(config, max_len)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,19 @@ def test_data_report_on_a_file(tmp_path, capsys):
         eff = [float(x) for x in row[1:5]]
         assert all(0 < e <= 1 for e in eff)
         assert eff[1] >= eff[0]  # length grouping never loses to plain padding here
+
+
+def test_data_report_says_casts_once_for_both_families(tmp_path, capsys):
+    """Casting numbers to text happens when the file is read, the same for either family: one line, not one per
+    family's table."""
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps([{"q": i if i % 3 == 0 else f"text {i}", "a": f"ans {i}"} for i in range(30)]))
+    code = main(["data-report", "--data", str(path), "--columns", "inputs=q,targets=a", "--max-lens", "128",
+                 "--num-batches", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("== tasks (") == 2
+    assert out.count("numbers/bools cast to text") == 1
+    assert "source 'mixed': 10 numbers/bools cast to text (inputs 10)" in out
 
 
 def test_python_dash_m_entry_point():

@@ -10,12 +10,15 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 from tqdm import tqdm
 
 from dynabatch.cli import main
 from dynabatch.engine.log import log_result, setup_logging
+from dynabatch.models.families import check_model
+from family_configs import build, decoder_config
 
 BASE = ["--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
         "--max-target-len", "32", "--no-timeline", "--calibrate", "off"]
@@ -44,6 +47,30 @@ def test_other_ranks_log_warnings_only_with_their_rank(capsys):
     log.info("== summary ==")
     captured = capsys.readouterr()
     assert captured.err.splitlines() == ["== summary =="] and captured.out == ""
+
+
+def test_a_model_warning_is_one_log_line_said_by_rank_0_once(tmp_path, capsys):
+    """The start-up check of a length limit above a rotary model's trained positions runs on every rank, and more
+    than once on each: the run says it in one ``warning:`` line (no file path, no ``UserWarning:``), on rank 0."""
+    folder = str(tmp_path / "llama")
+    build(decoder_config("llama", max_position_embeddings=32, num_layers=2)).save_pretrained(folder)
+    capsys.readouterr()  # the saving's progress bar
+    with warnings.catch_warnings():  # gives back the process's warning printer and filters
+        warnings.simplefilter("default")
+        setup_logging("info", rank=1)
+        check_model(folder, 64)
+        assert capsys.readouterr().err == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        setup_logging("info", rank=0)
+        for _ in range(2):
+            check_model(folder, 64)
+        with warnings.catch_warnings():  # a filter change clears Python's record of warnings given
+            warnings.filterwarnings("ignore", message="unrelated")
+        check_model(folder, 64)
+        assert capsys.readouterr().err.splitlines() == [
+            "warning: the length limit (--max-input-len) is 64 tokens but this llama model was trained for 32 positions "
+            "(max_position_embeddings); longer samples use untrained rotary positions"]
 
 
 @pytest.mark.parametrize("level", ["debug", "info", "warning", "error"])
