@@ -22,7 +22,7 @@ from dynabatch.engine.faults import (INTERRUPTED_STATUS, error_line, interruptio
 from dynabatch.engine.log import quiet_third_party, setup_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
+    "train": ("dynabatch.commands.train", "train a T5/GPT-2/Llama-style model with dynamic micro-batching"),
     "bench": ("dynabatch.commands.bench", "measured real-token throughput of every batching method on the same executor"),
     "export": ("dynabatch.commands.export", "export a training checkpoint to a Hugging Face save_pretrained folder"),
     "data-report": ("dynabatch.commands.data_report", "per-task length statistics and baseline padding efficiency, "
@@ -31,6 +31,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("dynabatch.commands.plan", "plan global batches with every method and compare predicted step times"),
     "simulate": ("dynabatch.commands.simulate", "plan, schedule and simulate global batches with every method"),
 }
+
+
+DESCRIPTION = ("dynamic micro-batching and pipeline scheduling for training Hugging Face encoder-decoder and "
+               "decoder-only models")
+EPILOG = ("`dynabatch COMMAND --help` lists a command's main options, `--help-all` all of them. `dynabatch train` "
+          "alone trains the t5-tiny preset on the built-in offline mixture.")
 
 
 class FlagError(ValueError):
@@ -76,7 +82,7 @@ def _prog(argv: list[str]) -> str:
 
 def _run_command(argv: list[str]) -> int:
     """:func:`main`'s body: parse ``argv`` and run its command; bad input is one line and 2."""
-    parser = argparse.ArgumentParser(prog="dynabatch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dynabatch", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
