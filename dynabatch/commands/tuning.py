@@ -32,8 +32,9 @@ from dynabatch.training.config.sections import arg
 
 def tune_baselines_arg(how: str):
     """The ``--tune-baselines`` field of a command's arguments, which ``how`` each knob value (``plan``, ``simulate``)."""
-    return arg(False, f"also {how} each baseline at every value of its knob's grid on the same global batches and "
-                      "report its best setting that fits memory (dynabatch.commands.tuning)")
+    return arg(False, f"also {how} each baseline at every value of its own setting (packing_free: 1, 2, 4, 8, 16 rows "
+                      "per micro-batch; padding: 1 to 32 samples; ...) on the same global batches and report its "
+                      "best setting that fits memory")
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,11 @@ def test_top_level_help_says_what_the_tool_is_and_where_the_options_are(capsys):
     assert "micro-batching" in text.split("positional arguments")[0]
     assert "``" not in text and "module" not in text
     assert "dynabatch COMMAND --help" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_no_python_module_for_a_user_to_read(command, capsys):
+    """A user reads ``--help`` in a terminal: it said ``dynabatch.model_presets`` where the preset names belong."""
+    with pytest.raises(SystemExit):
+        main([command, "--help-all"])
+    assert not re.findall(r"dynabatch\.[a-z_]+", capsys.readouterr().out)
