@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from dynabatch.training.config.flags import HelpFormatter, add_help_levels
@@ -47,7 +48,7 @@ class OneLineErrors(argparse.ArgumentParser):
     """A sub-command's parser: a bad flag is one line (what, and where to look), not the whole usage."""
 
     def error(self, message: str):
-        raise FlagError(message)
+        raise FlagError(re.sub(r"/--[\w-]*_[\w-]*(?=[/:])", "", message))  # not its --name_with_underscores twins
 
 
 def command_parser(name: str):

@@ -168,3 +168,11 @@ def test_help_names_no_python_module_for_a_user_to_read(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help-all"])
     assert not re.findall(r"dynabatch\.[a-z_]+", capsys.readouterr().out)
+
+
+def test_a_refused_flag_value_names_the_flag_as_help_spells_it(capsys):
+    assert main(["train", "--bad-rows", "maybe"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --bad-rows: invalid choice: 'maybe'" in err and "--bad_rows" not in err
+    assert main(["train", "--lr", "x"]) == 2
+    assert "argument --learning-rate/--lr: invalid float value: 'x'" in capsys.readouterr().err
