@@ -176,3 +176,12 @@ def test_a_refused_flag_value_names_the_flag_as_help_spells_it(capsys):
     assert "argument --bad-rows: invalid choice: 'maybe'" in err and "--bad_rows" not in err
     assert main(["train", "--lr", "x"]) == 2
     assert "argument --learning-rate/--lr: invalid float value: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "bench"])
+def test_tune_baselines_help_says_which_settings_it_tries(command):
+    from dynabatch.data.baselines import baseline_spec
+
+    action = next(a for a in command_parser(command)[1]._actions if a.dest == "tune_baselines")
+    rows = ", ".join(map(str, baseline_spec("packing_free").grid))
+    assert f"packing_free: {rows} rows per micro-batch" in action.help and "knob" not in action.help
