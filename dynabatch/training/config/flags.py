@@ -198,7 +198,8 @@ def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | Non
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Every TrainConfig flag, grouped by section, plus ``--config FILE``."""
-    p.add_argument("--config", default=None, help="YAML/JSON file of TrainConfig fields (flat, or nested by section)")
+    p.add_argument("--config", default=None, help="YAML/JSON file of these options, e.g. a run's config.yaml (flat, or "
+                                                  "nested by section); flags given with it override its values")
     add_sections(p, SECTIONS)
 
 

@@ -167,7 +167,9 @@ def test_help_names_no_python_module_for_a_user_to_read(command, capsys):
     """A user reads ``--help`` in a terminal: it said ``dynabatch.model_presets`` where the preset names belong."""
     with pytest.raises(SystemExit):
         main([command, "--help-all"])
-    assert not re.findall(r"dynabatch\.[a-z_]+", capsys.readouterr().out)
+    text = capsys.readouterr().out
+    assert not re.findall(r"dynabatch\.[a-z_]+", text)
+    assert "TrainConfig" not in text  # --config named the Python class its file fills
 
 
 def test_a_refused_flag_value_names_the_flag_as_help_spells_it(capsys):
