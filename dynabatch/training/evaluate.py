@@ -296,7 +296,8 @@ def format_eval(row: dict[str, Any]) -> str:
     """The one line rank 0 prints after an evaluation."""
     ev = row["eval"]
     tasks = len(ev["task_loss"])
-    line = (f"eval after step {row['step']}: loss {ev['loss']:.4f} over {ev['samples']} samples of "
+    done = row["step"] + 1  # as the progress bar and the checkpoint folders count (metrics.jsonl's step is from 0)
+    line = (f"eval after {done} step{'s' if done != 1 else ''}: loss {ev['loss']:.4f} over {ev['samples']} samples of "
             f"{tasks} task{'s' if tasks != 1 else ''}")
     if tasks > 1:
         worst = max(ev["task_loss"].items(), key=lambda kv: kv[1])

@@ -226,9 +226,10 @@ def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tm
 
 
 def test_the_eval_line_names_the_worst_task_only_among_several():
+    """It counts steps as the progress bar and step-000005 do: with --eval-steps 5 it said "eval after step 4"."""
     one = {"step": 4, "eval": {"loss": 6.95, "samples": 20, "task_loss": {"train": 6.95}, "time_s": 0.7}}
-    assert format_eval(one) == "eval after step 4: loss 6.9500 over 20 samples of 1 task (0.7 s)"  # not "highest train"
+    assert format_eval(one) == "eval after 5 steps: loss 6.9500 over 20 samples of 1 task (0.7 s)"  # not "highest train"
     many = {"step": 9, "eval": {"loss": 8.45, "samples": 384, "task_loss": {"a": 8.0, "b": 9.19}, "time_s": 10.7,
                                 "exact_match": {}, "exact_match_all": 0.0, "rouge_l_all": 0.25}}
-    assert format_eval(many) == ("eval after step 9: loss 8.4500 over 384 samples of 2 tasks (highest task loss: "
+    assert format_eval(many) == ("eval after 10 steps: loss 8.4500 over 384 samples of 2 tasks (highest task loss: "
                                  "b 9.1900), exact match 0.000, ROUGE-L 0.250 (10.7 s)")
