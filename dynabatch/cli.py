@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from dynabatch.training.config.flags import HelpFormatter, add_help_levels
@@ -22,7 +23,7 @@ from dynabatch.engine.faults import (INTERRUPTED_STATUS, error_line, interruptio
 from dynabatch.engine.log import quiet_third_party, setup_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("dynabatch.commands.train", "train a T5/GPT-2 on a mixture with dynamic micro-batching"),
+    "train": ("dynabatch.commands.train", "train a T5/GPT-2/Llama-style model with dynamic micro-batching"),
     "bench": ("dynabatch.commands.bench", "measured real-token throughput of every batching method on the same executor"),
     "export": ("dynabatch.commands.export", "export a training checkpoint to a Hugging Face save_pretrained folder"),
     "data-report": ("dynabatch.commands.data_report", "per-task length statistics and baseline padding efficiency, "
@@ -33,6 +34,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+DESCRIPTION = ("dynamic micro-batching and pipeline scheduling for training Hugging Face encoder-decoder and "
+               "decoder-only models")
+EPILOG = ("`dynabatch COMMAND --help` lists a command's main options, `--help-all` all of them. `dynabatch train` "
+          "alone trains the t5-tiny preset on the built-in offline mixture.")
+
+
 class FlagError(ValueError):
     """A flag argparse refuses (unknown flag, a value of the wrong type or not among the choices)."""
 
@@ -41,7 +48,7 @@ class OneLineErrors(argparse.ArgumentParser):
     """A sub-command's parser: a bad flag is one line (what, and where to look), not the whole usage."""
 
     def error(self, message: str):
-        raise FlagError(message)
+        raise FlagError(re.sub(r"/--[\w-]*_[\w-]*(?=[/:])", "", message))  # not its --name_with_underscores twins
 
 
 def command_parser(name: str):
@@ -76,7 +83,7 @@ def _prog(argv: list[str]) -> str:
 
 def _run_command(argv: list[str]) -> int:
     """:func:`main`'s body: parse ``argv`` and run its command; bad input is one line and 2."""
-    parser = argparse.ArgumentParser(prog="dynabatch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dynabatch", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 
 from dynabatch.commands.bench_report import PACK_ROWS_OF, PEER, PLAN_VARIANTS
 from dynabatch.commands.common import json_arg
+from dynabatch.commands.tuning import SETTINGS_TRIED
 from dynabatch.core.methods import DYNAMIC_SLICED
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
 from dynabatch.data.baselines import option_users
@@ -104,9 +105,9 @@ class BenchArgs:
     methods: str | None = arg(None, f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: decoder-only models only)")
     timed_steps: int = arg(8, "timed steps per method", "steps")
     untimed_steps: int = arg(2, "untimed steps per method first", "warmup")
-    tune_baselines: bool = arg(False, "also sweep each baseline's knob over its grid and time its best setting that "
-                                      "fits memory")
-    tune_steps: int = arg(2, "--tune-baselines: timed steps per knob value")
+    tune_baselines: bool = arg(False, f"also time each baseline at every value of its own setting ({SETTINGS_TRIED}) "
+                                      "and report its best setting that fits memory")
+    tune_steps: int = arg(2, "--tune-baselines: timed steps per value of a baseline's setting")
     compare_profile: str | None = arg(None, f"also run {PROFILED}: dynamic planned with this `dynabatch profile` "
                                             "JSON, no calibration")
     placements: str = arg("linear", "comma list of placements of pipeline stages on the devices, each method (but "

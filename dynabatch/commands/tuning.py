@@ -30,10 +30,20 @@ from dynabatch.schedule.step import lower_step
 from dynabatch.training.config.sections import arg
 
 
+def _values(method: str) -> str:
+    grid = baseline_spec(method).grid
+    return f"{grid[0]} to {grid[-1]}" if len(grid) > 5 else ", ".join(map(str, grid))
+
+
+SETTINGS_TRIED = (f"packing_free: {_values('packing_free')} rows per micro-batch; padding: {_values('padding')} "
+                  "samples; ...")
+"""What ``--tune-baselines`` tries, in words for its help text (from the baselines' own grids)."""
+
+
 def tune_baselines_arg(how: str):
     """The ``--tune-baselines`` field of a command's arguments, which ``how`` each knob value (``plan``, ``simulate``)."""
-    return arg(False, f"also {how} each baseline at every value of its knob's grid on the same global batches and "
-                      "report its best setting that fits memory (dynabatch.commands.tuning)")
+    return arg(False, f"also {how} each baseline at every value of its own setting ({SETTINGS_TRIED}) on the same "
+                      "global batches and report its best setting that fits memory")
 
 
 @dataclass(frozen=True)

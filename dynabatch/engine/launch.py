@@ -120,6 +120,8 @@ def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> in
         _stop(procs)
         return 130
     except _Signalled as e:
+        for sig in previous:  # a second SIGTERM while the ranks stop (timeout, a job scheduler) changes nothing
+            signal.signal(sig, signal.SIG_IGN)
         _stop(procs)
         return 128 + e.signum
     finally:

@@ -167,7 +167,7 @@ def simulate(
     mem_a, after_a = op_memory(codes, stored, peak, np.asarray(states, dtype=np.float64))
     makespan = float(end_a.max()) if end_a.size else 0.0
     busy = (end_a - start_a).sum(axis=1)
-    bubble = 1.0 - float(busy.sum()) / (num_stages * makespan) if makespan > 0 else 0.0
+    bubble = max(0.0, 1.0 - float(busy.sum()) / (num_stages * makespan)) if makespan > 0 else 0.0  # not -2e-16
     peak = mem_a.max(axis=1) if num_mb else states.copy()
     fits = True if limit is None else bool(np.all(peak <= limit))
     return SimResult(schedule, makespan, busy, bubble, start_a, end_a, mem_a, after_a, peak, limit, fits)

@@ -295,9 +295,13 @@ def flat_metrics(row: dict[str, Any]) -> dict[str, float]:
 def format_eval(row: dict[str, Any]) -> str:
     """The one line rank 0 prints after an evaluation."""
     ev = row["eval"]
-    worst = max(ev["task_loss"].items(), key=lambda kv: kv[1])
-    line = (f"eval after step {row['step']}: loss {ev['loss']:.4f} over {ev['samples']} samples of "
-            f"{len(ev['task_loss'])} tasks (highest {worst[0]} {worst[1]:.4f})")
+    tasks = len(ev["task_loss"])
+    done = row["step"] + 1  # as the progress bar and the checkpoint folders count (metrics.jsonl's step is from 0)
+    line = (f"eval after {done} step{'s' if done != 1 else ''}: loss {ev['loss']:.4f} over {ev['samples']} samples of "
+            f"{tasks} task{'s' if tasks != 1 else ''}")
+    if tasks > 1:
+        worst = max(ev["task_loss"].items(), key=lambda kv: kv[1])
+        line += f" (highest task loss: {worst[0]} {worst[1]:.4f})"
     if "exact_match" in ev:
         line += f", exact match {ev['exact_match_all']:.3f}, ROUGE-L {ev['rouge_l_all']:.3f}"
     return line + f" ({ev['time_s']:.1f} s)"

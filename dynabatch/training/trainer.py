@@ -367,7 +367,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if cfg.logging_steps and (step + 1) % cfg.logging_steps == 0:
-                    logger.info(json.dumps({k: record[k] for k in _SHOWN}))
+                    logger.info(step_line(record))
             if bad_steps >= cfg.max_bad_steps:
                 if ctx.world_size > 1:  # every rank decides alike; wait so rank 0 has written this step's record
                     dist.barrier(group=ctx.delivery_group)
@@ -419,6 +419,17 @@ def _non_finite(result) -> str:
 
 _SHOWN = ("step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s", "predicted_step_s",
           "plan_wait_s")
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """The line ``--logging-steps`` prints: a few of the step's metrics as JSON, rounded to what a reader compares
+    (4 significant digits, whole tokens per second); ``metrics.jsonl`` keeps the full values."""
+    def short(v):
+        if not isinstance(v, float) or not math.isfinite(v):
+            return v
+        return round(v) if abs(v) >= 1000 else float(f"{v:.4g}")
+
+    return json.dumps({k: short(record[k]) for k in _SHOWN})
 
 
 def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> dict[str, Any]:

@@ -25,13 +25,41 @@ _NOT_GIVEN = object()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with every default shown, except where the help text already says what the default is."""
+    """``--help`` with every default shown, except where the help text already says what the default is; a flag's
+    ``--name_with_underscores`` twin is left out and its value named once (both spellings still parse)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if "default" in text or action.default is None:
             return text
         return super()._get_help_string(action)
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings or action.nargs == 0:
+            return ", ".join(shown_options(action)) or super()._format_action_invocation(action)
+        if getattr(action.type, "__name__", "") == "string_to_bool":
+            return ", ".join(shown_options(action)) + " " + value_name(action)
+        return ", ".join(shown_options(action)) + " " + self._format_args(action, action.dest.upper())
+
+
+def shown_options(action: argparse.Action) -> list[str]:
+    """The spellings help shows of a flag: each one but the ``--name_with_underscores`` twin of a dashed one."""
+    dashed = {o.replace("_", "-") for o in action.option_strings if "_" not in o}
+    return [o for o in action.option_strings if "_" not in o or o.replace("_", "-") not in dashed]
+
+
+def value_name(action: argparse.Action) -> str:
+    """What help writes for a flag's value: ``[true|false]`` for a switch, else its metavar (optional in [])."""
+    if getattr(action.type, "__name__", "") == "string_to_bool":
+        return "[true|false]"
+    metavar = action.metavar or action.dest.upper()
+    return f"[{metavar}]" if action.nargs == "?" else metavar
+
+
+def short_usage(p: argparse.ArgumentParser) -> str:
+    """``PROG [options]`` and the positional arguments, in order (both help levels start with it)."""
+    positionals = [a.metavar or a.dest for a in p._actions if not a.option_strings and a.help != argparse.SUPPRESS]
+    return " ".join([p.prog, "[options]", *positionals])
 
 
 class _BasicHelp(argparse.Action):
@@ -49,6 +77,7 @@ class _FullHelp(_BasicHelp):
     """``--help-all``: every option, grouped by section, research switches in the ``experimental`` group."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        parser.usage = short_usage(parser)
         parser.print_help()
         parser.exit()
 
@@ -88,8 +117,7 @@ def basic_help(p: argparse.ArgumentParser) -> str:
             if action.option_strings:
                 flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
                 if action.nargs != 0:  # a short metavar: the help text names the choices
-                    metavar = action.metavar or action.dest.upper()
-                    flag += " " + (f"[{metavar}]" if action.nargs == "?" else metavar)
+                    flag += " " + value_name(action)
             else:
                 flag = action.dest
             text = " ".join(formatter._expand_help(action).split()) if action.help else ""
@@ -98,7 +126,7 @@ def basic_help(p: argparse.ArgumentParser) -> str:
             rows.append((group.title or "options", flag, text))
     width = min(max(len(r[1]) for r in rows), 34)
     hidden = {a.dest for a in p._actions if a.help != argparse.SUPPRESS} - {a.dest for a in shown}
-    lines = [f"usage: {p.prog} [options]", ""]
+    lines = [f"usage: {short_usage(p)}", ""]
     if p.description:
         lines += [p.description, ""]
     title = None
@@ -170,7 +198,8 @@ def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | Non
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Every TrainConfig flag, grouped by section, plus ``--config FILE``."""
-    p.add_argument("--config", default=None, help="YAML/JSON file of TrainConfig fields (flat, or nested by section)")
+    p.add_argument("--config", default=None, help="YAML/JSON file of these options, e.g. a run's config.yaml (flat, or "
+                                                  "nested by section); flags given with it override its values")
     add_sections(p, SECTIONS)
 
 

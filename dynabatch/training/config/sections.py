@@ -86,8 +86,8 @@ def experimental(default: Any, help: str, *aliases: str, **argparse_kwargs: Any)
 class ModelArgs:
     _argument_group_name = "model"
 
-    model: str = arg("t5-tiny", "model preset (t5-tiny, gpt2-mini, llama-tiny, ...: dynabatch.model_presets) or a "
-                                "local Hugging Face checkpoint folder")
+    model: str = arg("t5-tiny", "model preset (t5-tiny, t5-small, gpt2-tiny, gpt2-small, llama-tiny, ...: an unknown "
+                                "name lists them all) or a local Hugging Face checkpoint folder")
     tokenizer: str = arg("auto", "builtin, gpt2, byt5, a local tokenizer folder, or auto (the --model folder's own, "
                                  "else builtin)")
     attention: Literal[ATTENTION_PATHS] = experimental(

@@ -130,3 +130,60 @@ def test_simulate_takes_placement_auto_as_train_does(tmp_path, capsys):
     assert runs["interleaved:2"]["placement"] == "interleaved:2"
     assert main([*args, "--placement", "zigzag"]) == 2
     assert "or auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", ["--help", "--help-all"])
+def test_both_help_levels_start_with_a_short_usage_naming_the_positional_arguments(level, capsys):
+    with pytest.raises(SystemExit):
+        main(["export", level])
+    assert capsys.readouterr().out.splitlines()[0] == "usage: dynabatch export [options] checkpoint out"
+    with pytest.raises(SystemExit):
+        main(["train", level])
+    assert capsys.readouterr().out.splitlines()[:2] == ["usage: dynabatch train [options]", ""]
+
+
+def test_help_all_names_each_flag_once_without_its_underscore_twin(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help-all"])
+    text = capsys.readouterr().out
+    assert not re.search(r"--\w+_\w+", text)  # the --name_with_underscores spellings parse but are not listed
+    assert "  --max-input-len MAX_INPUT_LEN\n" in text and "  --dtype {fp32,bf16,fp16}\n" in text
+    assert "  --full-determinism [true|false]\n" in text and "[FULL_DETERMINISM]" not in text
+    assert "  --learning-rate, --lr LEARNING_RATE\n" in text  # other aliases stay, the value named once
+    _, p = command_parser("train")
+    assert p.parse_args(["--max_input_len", "64"]).max_input_len == 64
+
+
+def test_top_level_help_says_what_the_tool_is_and_where_the_options_are(capsys):
+    assert main([]) == 0
+    text = capsys.readouterr().out
+    assert "micro-batching" in text.split("positional arguments")[0]
+    assert "``" not in text and "module" not in text
+    assert "dynabatch COMMAND --help" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_no_python_module_for_a_user_to_read(command, capsys):
+    """A user reads ``--help`` in a terminal: it said ``dynabatch.model_presets`` where the preset names belong."""
+    with pytest.raises(SystemExit):
+        main([command, "--help-all"])
+    text = capsys.readouterr().out
+    assert not re.findall(r"dynabatch\.[a-z_]+", text)
+    assert "TrainConfig" not in text  # --config named the Python class its file fills
+
+
+def test_a_refused_flag_value_names_the_flag_as_help_spells_it(capsys):
+    assert main(["train", "--bad-rows", "maybe"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --bad-rows: invalid choice: 'maybe'" in err and "--bad_rows" not in err
+    assert main(["train", "--lr", "x"]) == 2
+    assert "argument --learning-rate/--lr: invalid float value: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "bench"])
+def test_tune_baselines_help_says_which_settings_it_tries(command):
+    from dynabatch.data.baselines import baseline_spec
+
+    action = next(a for a in command_parser(command)[1]._actions if a.dest == "tune_baselines")
+    rows = ", ".join(map(str, baseline_spec("packing_free").grid))
+    assert f"packing_free: {rows} rows per micro-batch" in action.help and "knob" not in action.help

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
 from dynabatch.engine.launch import launch_local
@@ -23,3 +26,29 @@ def test_a_rank_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(capfd)
     assert time.monotonic() - start < 10  # rank 0 (asleep) is stopped at once, not waited for
     err = capfd.readouterr().err
     assert err.count("rank 1 (pid ") == 1 and "was killed by SIGKILL" in err
+
+
+SLOW_TO_STOP = ("import os, signal, sys, time\n"
+                "def stop(*_):\n"
+                "    time.sleep(1.5)\n"
+                "    sys.exit(143)\n"
+                "signal.signal(signal.SIGTERM, stop)\n"
+                "open(os.path.join(sys.argv[1], 'started-' + os.environ['RANK']), 'w').close()\n"
+                "time.sleep(60)\n")
+
+
+def test_a_second_sigterm_while_the_ranks_stop_is_no_traceback(tmp_path):
+    """``timeout`` or a job scheduler may send SIGTERM twice (to the launcher, then to its process group); the second
+    one arriving while the launcher waits for its ranks to stop must not end it with a traceback."""
+    launcher = ("import sys\n"
+                "from dynabatch.engine.launch import launch_local\n"
+                f"sys.exit(launch_local(['-c', {SLOW_TO_STOP!r}, {str(tmp_path)!r}], 2))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the launcher is in its wait for the ranks, which take 1.5 s to stop
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]

@@ -179,3 +179,13 @@ def test_with_message_buffers_adds_both_links():
     out = with_message_buffers(costs)
     assert out.stored_bytes.tolist() == [[1 + 20.0, 1 + 40.0], [1 + 22.0, 1 + 44.0], [1 + 2.0, 1 + 4.0]]
     assert out.fwd_s is costs.fwd_s
+
+
+def test_a_stage_busy_the_whole_step_has_no_negative_bubble():
+    """One stage is busy from its first op to its last: the busy time summed op by op may round a hair above the
+    makespan, and the summary printed ``predicted bubble -0.000``."""
+    fwd = np.array([[0.194, 0.079, 0.953, 0.183, 0.313]])
+    bwd = np.array([[0.408, 0.817, 0.297, 0.157, 0.427]])
+    ones = np.ones_like(fwd)
+    r = simulate(gpipe(5, 1), StageCosts(fwd, bwd, ones, 0 * ones, ones))
+    assert r.bubble_fraction == 0.0

@@ -18,6 +18,7 @@ from dynabatch.data.tokenize import tokenizer_info
 from dynabatch.models.presets import build_model
 from dynabatch.training.evaluate import (
     decode,
+    format_eval,
     generate_ids,
     generation_scores,
     hold_out,
@@ -222,3 +223,13 @@ def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tm
     metrics = trainer.evaluate()
     assert set(metrics) >= {"eval_loss", "eval_exact_match", "eval_num"} and len(seen) == 2
     assert metrics["eval_loss"] == pytest.approx(out.metrics["test_loss"])
+
+
+def test_the_eval_line_names_the_worst_task_only_among_several():
+    """It counts steps as the progress bar and step-000005 do: with --eval-steps 5 it said "eval after step 4"."""
+    one = {"step": 4, "eval": {"loss": 6.95, "samples": 20, "task_loss": {"train": 6.95}, "time_s": 0.7}}
+    assert format_eval(one) == "eval after 5 steps: loss 6.9500 over 20 samples of 1 task (0.7 s)"  # not "highest train"
+    many = {"step": 9, "eval": {"loss": 8.45, "samples": 384, "task_loss": {"a": 8.0, "b": 9.19}, "time_s": 10.7,
+                                "exact_match": {}, "exact_match_all": 0.0, "rouge_l_all": 0.25}}
+    assert format_eval(many) == ("eval after 10 steps: loss 8.4500 over 384 samples of 2 tasks (highest task loss: "
+                                 "b 9.1900), exact match 0.000, ROUGE-L 0.250 (10.7 s)")

@@ -150,3 +150,19 @@ def test_task_losses_average_to_the_step_loss(tmp_path, toy_mixture_dir, capsys)
         assert set(r["task_loss"]) <= {"short", "classify", "summarize"} and len(r["task_loss"]) >= 2
         losses = list(r["task_loss"].values())
         assert min(losses) <= r["loss"] <= max(losses)  # the step loss is a token-weighted mean of them
+
+
+def test_the_printed_step_line_is_rounded_and_metrics_jsonl_keeps_full_values(tmp_path, toy_mixture_dir, capsys):
+    """``--logging-steps`` prints a short JSON line a reader can scan (it printed ``"plan_wait_s":
+    1.7875994672067463e-05``); the record in ``metrics.jsonl`` is unchanged."""
+    code, err = _train_in_process(capsys, tmp_path, toy_mixture_dir, "line", "--steps", "1", "--log-every", "1")
+    assert code == 0, err[-2000:]
+    shown = json.loads(next(line for line in err.splitlines() if line.startswith('{"step": 0')))
+    record = _records(tmp_path, "line")[0]
+    assert set(shown) == {"step", "loss", "tokens_per_s", "padding_efficiency", "num_micro_batches", "step_time_s",
+                          "predicted_step_s", "plan_wait_s"}
+    for key, value in shown.items():
+        if isinstance(value, float):
+            assert len(f"{value:e}".split("e")[0].rstrip("0").replace(".", "").lstrip("-")) <= 4, (key, value)
+            assert value == pytest.approx(record[key], rel=1e-3), key
+    assert shown["tokens_per_s"] == round(record["tokens_per_s"]) and shown["step"] == record["step"]
