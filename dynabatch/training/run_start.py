@@ -1,6 +1,7 @@
 """What a training run settles before it trains: its configuration resolved with what this machine finds
 (:func:`resolve_run`), the same on every rank (:func:`check_same_settings`), recorded in ``OUTPUT/config.yaml``
-(:func:`record_resolved`), and which tokenizer it reads (:func:`log_tokenizer`)."""
+(:func:`record_resolved`), and what it reads: which tokenizer (:func:`log_tokenizer`) and, for a model folder, the
+dropout it trains with (:func:`log_dropout`)."""
 
 from __future__ import annotations
 
@@ -75,10 +76,14 @@ def check_same_settings(ctx: DistContext, given: TrainConfig) -> None:
 
 
 def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
-    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given), and when
-    ``--dropout`` replaces another rate that the model folder's config gives (:func:`describe_dropout`)."""
+    """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
     if ctx.is_planner:
         info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
         logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
-        if (line := describe_dropout(cfg.model, cfg.dropout)) is not None:
-            logger.info(line)
+
+
+def log_dropout(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 logs when ``--dropout`` replaces another rate that the model folder's config gives
+    (:func:`~dynabatch.model_presets.describe_dropout`)."""
+    if ctx.is_planner and (line := describe_dropout(cfg.model, cfg.dropout)) is not None:
+        logger.info(line)

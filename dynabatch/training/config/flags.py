@@ -35,11 +35,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
     def _format_action_invocation(self, action):
+        shown = ", ".join(shown_options(action))
         if not action.option_strings or action.nargs == 0:
-            return ", ".join(shown_options(action)) or super()._format_action_invocation(action)
-        if getattr(action.type, "__name__", "") == "string_to_bool":
-            return ", ".join(shown_options(action)) + " " + value_name(action)
-        return ", ".join(shown_options(action)) + " " + self._format_args(action, action.dest.upper())
+            return shown or super()._format_action_invocation(action)
+        value = value_name(action) if _is_switch(action) else self._format_args(action, action.dest.upper())
+        return f"{shown} {value}"
+
+
+def _is_switch(action: argparse.Action) -> bool:
+    """An on/off option (its value parsed by ``string_to_bool``: ``--flag``, ``--flag false``)."""
+    return getattr(action.type, "__name__", "") == "string_to_bool"
 
 
 def shown_options(action: argparse.Action) -> list[str]:
@@ -50,7 +55,7 @@ def shown_options(action: argparse.Action) -> list[str]:
 
 def value_name(action: argparse.Action) -> str:
     """What help writes for a flag's value: ``[true|false]`` for a switch, else its metavar (optional in [])."""
-    if getattr(action.type, "__name__", "") == "string_to_bool":
+    if _is_switch(action):
         return "[true|false]"
     metavar = action.metavar or action.dest.upper()
     return f"[{metavar}]" if action.nargs == "?" else metavar
