@@ -396,21 +396,23 @@ def _plan(method: str, batch, w, options: SimulateOptions, objective_stages: int
 def _simulated_price(w, batch, options: SimulateOptions):
     """The price of a candidate plan (:mod:`dynabatch.plan.candidates`) in ``simulate``: its simulated makespan
     under the schedule :func:`simulate_step` would give it (``choose_schedule``: every policy and order, then the
-    seeded search), per segment, with the workload's link and memory limit (``inf`` when it does not fit). Priced
+    seeded search), per segment (token slices with their contexts and chains), with the workload's link and
+    memory limit (``inf`` when it does not fit). Priced
     under the adaptive schedule alone, a baseline's plan of many small micro-batches looked slower than the DP's
     although its best schedule was faster: T5-large at 4,096 tokens kept the DP's plan and simulated at 0.96x the
     tuned ``packing_free`` whose plan it had (``scripts/bench_sweep.py``)."""
     cm = w.cost_model
     limit = cm.device_memory_bytes * (1 - cm.memory_margin)
+    slicer = _slicer(cm, options, w)
 
     def price(plan) -> float:
         plan = with_pairs(plan, batch.input_lens, batch.target_lens)
-        pieces = plan.replicas[0]
-        costs = with_message_buffers(piece_costs(cm, None, [p.shape for p in pieces], [0] * len(pieces), (),
+        pieces, links = plan.replicas[0], plan.slice_links(0)
+        costs = with_message_buffers(piece_costs(cm, slicer, [p.shape for p in pieces], plan.contexts(0), links,
                                                  plan.pairs(0)))
         send = cm.model.send_time(costs.send_bytes, options.link)
         _, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
-                                    num_search_steps=options.search_steps, seed=batch.step)
+                                    num_search_steps=options.search_steps, seed=batch.step, links=links)
         return result.makespan_s if result.fits_memory else float("inf")
 
     return price

@@ -45,6 +45,9 @@ from dynabatch.plan.step_plan import Piece, StepPlan
 
 DP = "dp"
 """The label of the partition DP's own plan (:attr:`Candidate.label`)."""
+DP_WHOLE = "dp_whole"
+"""The label of the partition DP's plan with every sample kept whole, a candidate when the DP's own plan cuts samples
+into token slices (:class:`~dynabatch.plan.global_plan.GlobalPlanner`)."""
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,15 @@ class Candidate:
     """One plan of a global batch the dynamic method may run: the DP's, or a baseline's at one knob value."""
 
     method: str
-    """:data:`DP`, or a baseline of :data:`~dynabatch.data.baselines.BASELINES`."""
+    """:data:`DP`, :data:`DP_WHOLE`, or a baseline of :data:`~dynabatch.data.baselines.BASELINES`."""
     value: int | None
-    """The baseline's knob value (``None`` for the DP)."""
+    """The baseline's knob value (``None`` for the DP's plans)."""
     plan: StepPlan
 
     @property
     def label(self) -> str:
-        """``dp``, or ``<baseline>=<knob value>`` (``packing_free=4``: four rows per micro-batch)."""
-        return DP if self.method == DP else f"{self.method}={self.value}"
+        """``dp``, ``dp_whole``, or ``<baseline>=<knob value>`` (``packing_free=4``: four rows per micro-batch)."""
+        return self.method if self.method in (DP, DP_WHOLE) else f"{self.method}={self.value}"
 
 
 @dataclass(frozen=True)
@@ -507,6 +510,6 @@ _BOUND_SLACK = 1e-9
 """Relative slack on a bound before it rules a candidate out (a bound can equal the price up to rounding)."""
 
 
-__all__ = ["DP", "Candidate", "Choice", "PricedSettings", "Setting", "baseline_candidates", "baseline_plan",
+__all__ = ["DP", "DP_WHOLE", "Candidate", "Choice", "PricedSettings", "Setting", "baseline_candidates", "baseline_plan",
            "baseline_settings", "candidate_baselines", "choose", "deal_to_replicas", "even_counts", "formula_choice",
            "knob_values", "price_settings", "settings_prices"]

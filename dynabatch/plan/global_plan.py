@@ -8,7 +8,9 @@ the DataLoader yields is what ``train`` runs for the same global batch, method a
 * ``dynamic``: the partition DP (:func:`~dynabatch.plan.step.plan_step`, split over the replicas by
   :mod:`dynabatch.plan.replicas`), then, with :attr:`GlobalPlanner.candidates`, the DP's plan or a baseline's
   (:mod:`dynabatch.plan.candidates`), whichever is priced lowest. The price is the caller's to give (the
-  trainer's simulated step; ``simulate``'s simulated makespan; default the step formula under the cost model);
+  trainer's simulated step; ``simulate``'s simulated makespan; default the step formula under the cost model).
+  With token slices (``dynamic_sliced``, ``--slice-long``) a plan that slices competes with the DP's plan of
+  whole samples and the baselines' where the caller's price prices slice chains;
 * a baseline of :data:`~dynabatch.data.baselines.BASELINES`: its batcher's micro-batches, dealt to the replicas
   by :func:`~dynabatch.plan.candidates.deal_to_replicas` (largest first to the least-loaded replica, each replica
   keeping the baseline's order): the one dealing rule, the same by which a baseline candidate of the dynamic
@@ -31,7 +33,7 @@ from dynabatch.data.baselines import BaselineOptions, RowGroup
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.pipeline import locate_sample_error
 from dynabatch.data.sample import GlobalBatch
-from dynabatch.plan.candidates import (DP, Candidate, baseline_candidates, baseline_plan, baseline_settings, choose,
+from dynabatch.plan.candidates import (DP, DP_WHOLE, Candidate, baseline_candidates, baseline_plan, baseline_settings, choose,
                                        formula_choice, price_settings)
 from dynabatch.plan.formula import formula_prices
 from dynabatch.plan.replicas import wants_equal_counts
@@ -99,14 +101,20 @@ class GlobalPlanner:
 
     def plan(self, batch: GlobalBatch, data=None, *, dp: Callable[[], StepPlan] | None = None,
              choose_among: Callable[[Sequence[Candidate]], Candidate] | None = None,
-             price: Callable[[StepPlan], float] | None = None) -> GlobalPlan:
+             price: Callable[[StepPlan], float] | None = None,
+             dp_whole: Callable[[], StepPlan] | None = None) -> GlobalPlan:
         """``batch`` cut into each replica's micro-batches.
 
         ``dynamic`` only: ``dp()`` replaces the plain :func:`~dynabatch.plan.step.plan_step` call (the trainer plans
         with its simulated score and its recomputation choice); ``choose_among(candidates)`` picks among the DP's
         plan (listed first) and the baselines' (default: :func:`~dynabatch.plan.candidates.choose` by ``price``,
-        default :func:`~dynabatch.plan.formula.formula_price`). A ``ValueError`` about a sample names its
-        global batch and, with the run's ``data``, its source row."""
+        default :func:`~dynabatch.plan.formula.formula_price`). When the DP's plan cuts samples into token slices
+        and the caller prices plans (``price`` or ``choose_among``, which must price slice chains), the DP also
+        plans the batch with every sample whole (``dp_whole()``, default the DP without its slice cost model) and
+        the candidates are the sliced plan, that whole one (:data:`~dynabatch.plan.candidates.DP_WHOLE`) and the
+        baselines'; a batch with a sample that fits only in slices, or priced by the step formula, keeps the
+        sliced plan. A ``ValueError`` about a sample names its global batch and, with the run's ``data``, its
+        source row."""
         if self.method != DYNAMIC:
             equal = wants_equal_counts(self.cost_model)  # --zero 2: the baseline's counts evened, priced
             return GlobalPlan(baseline_plan(self.method, batch.input_lens, batch.target_lens, self.limits,
@@ -118,8 +126,17 @@ class GlobalPlanner:
             plan = dp() if dp is not None else self._dp(batch)
         except ValueError as e:  # "sample K ..." -> which global batch, which source row
             raise locate_sample_error(e, batch, data) from e
-        if not self.candidates or plan.sliced_samples:  # the baselines cannot run a sample that needs slicing
+        if not self.candidates:
             return GlobalPlan(plan, DP)
+        sliced = None  # the DP's plan with token slices, a candidate beside its plan of whole samples
+        if plan.sliced_samples:
+            if choose_among is None and price is None:  # the step formula does not price slice chains
+                return GlobalPlan(plan, DP)
+            try:
+                whole = dp_whole() if dp_whole is not None else self._dp(batch, sliced=False)
+            except ValueError:  # a sample fits the memory only in slices: no whole-sample plan can run it
+                return GlobalPlan(plan, DP)
+            sliced, plan = plan, whole
         formula = choose_among is None and price is None
         equal = wants_equal_counts(self.cost_model)
         if formula and self.padding_free and not equal:  # every candidate priced from arrays, one plan built
@@ -136,7 +153,8 @@ class GlobalPlanner:
                                         padding_free=self.padding_free,
                                         cost_model=self.cost_model if self.timed_candidates else None, work=work,
                                         equal_counts=equal, priced=priced, also=also)
-        candidates = [Candidate(DP, None, plan), *baselines]
+        candidates = [Candidate(DP, None, plan), *baselines] if sliced is None else \
+            [Candidate(DP, None, sliced), Candidate(DP_WHOLE, None, plan), *baselines]
         if choose_among is not None:
             chosen = choose_among(candidates)
         else:
@@ -156,12 +174,14 @@ class GlobalPlanner:
                                      options=self.options, padding_free=self.padding_free)
         return price_settings(self.cost_model, plan, settings, batch.input_lens, batch.target_lens, self.family)
 
-    def _dp(self, batch: GlobalBatch) -> StepPlan:
+    def _dp(self, batch: GlobalBatch, sliced: bool = True) -> StepPlan:
         """The partition DP's plan, its runs priced as the run computes them: per segment on a padding-free run
-        (``segment_pricing``, as ``train`` plans), unless :attr:`planner_options` says otherwise."""
+        (``segment_pricing``, as ``train`` plans), unless :attr:`planner_options` says otherwise; ``sliced=False``:
+        every sample kept whole."""
         options = {"segment_pricing": self.padding_free, **self.planner_options}
         return plan_step(batch.input_lens, batch.target_lens, self.cost_model, self.num_stages, family=self.family,
-                         num_replicas=self.num_replicas, slice_cost_model=self.slice_cost_model, **options)
+                         num_replicas=self.num_replicas, slice_cost_model=self.slice_cost_model if sliced else None,
+                         **options)
 
 
 __all__ = ["GlobalPlan", "GlobalPlanner"]

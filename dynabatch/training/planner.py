@@ -334,7 +334,8 @@ class StepPlanner:
             return chosen
 
         planned = planner.plan(batch, getattr(self.batcher, "data", None),
-                               dp=lambda: self._plan(batch, self.cost_model), choose_among=choose_among)
+                               dp=lambda: self._plan(batch, self.cost_model), choose_among=choose_among,
+                               dp_whole=lambda: self._plan(batch, self.cost_model, sliced=False))
         units = [plan_units(planned.plan, r) for r in range(planner.num_replicas)]
         return units, planned.candidate if planner.method == "dynamic" else "", picked.get("recompute")
 
@@ -351,8 +352,8 @@ class StepPlanner:
                              timed_candidates=False)
 
     def _choose(self, batch: GlobalBatch, candidates: list[Candidate]) -> tuple[Candidate, str | None]:
-        """The DP's plan of ``batch`` (``candidates[0]``) or a baseline's
-        (:func:`~dynabatch.plan.candidates.baseline_candidates`), whichever this planner predicts shortest
+        """The DP's plan of ``batch`` (``candidates[0]``; with token slices, also its plan of whole samples) or a
+        baseline's (:func:`~dynabatch.plan.candidates.baseline_candidates`), whichever this planner predicts shortest
         (:meth:`_price`: the step the runtime would run, priced as :meth:`_planned` predicts it, memory checked)."""
         cfg = self.cfg
         candidates = list(candidates)
@@ -392,10 +393,30 @@ class StepPlanner:
         return chosen, "none" if id(chosen.plan) in without else None
 
     def _plan_costs(self, batch: GlobalBatch, plans, model: StageCostModel | None = None) -> list[tuple]:
-        """Per plan of whole-sample pieces, ``(costs, shapes, links, contexts, pairs)`` per replica as
-        :meth:`_planned` prices them (under ``model``, default the planner's): every piece of every plan priced in
-        one cost-model call (a call costs several ms of Python on the analytic model; the pieces' prices do not
-        depend on one another)."""
+        """Per plan, ``(costs, shapes, links, contexts, pairs)`` per replica as :meth:`_planned` prices them (under
+        ``model``, default the planner's): every piece of every plan of whole samples priced in one cost-model call
+        (a call costs several ms of Python on the analytic model; the pieces' prices do not depend on one another),
+        a plan with token slices through its units, with its links and contexts, as :meth:`_planned` lays it out."""
+        model = model or self.cost_model
+        sliced = {id(p): self._sliced_costs(batch, p, model) for p in plans if p.sliced_samples}
+        whole = iter(self._whole_costs(batch, [p for p in plans if not p.sliced_samples], model))
+        return [sliced[id(p)] if id(p) in sliced else next(whole) for p in plans]
+
+    def _sliced_costs(self, batch: GlobalBatch, plan, model: StageCostModel) -> tuple:
+        """``(costs, shapes, links, contexts, pairs)`` per replica of a plan with token slices."""
+        replicas = []
+        for r in range(len(plan.replicas)):
+            units = plan_units(plan, r)
+            shapes, links, contexts = units_layout(batch, units, self.family)
+            pairs = units_pairs(batch, units, self.family) if self.padding_free else None
+            replicas.append((piece_costs(model, self.slice_model, shapes, contexts, links, pairs), shapes, links,
+                             contexts, pairs))
+        return tuple(map(list, zip(*replicas)))
+
+    def _whole_costs(self, batch: GlobalBatch, plans, model: StageCostModel) -> list[tuple]:
+        """:meth:`_plan_costs` of plans of whole-sample pieces, priced in one cost-model call."""
+        if not plans:
+            return []
         work_of: dict = {}
         shapes, pairs_work, spans = [], [], []
         for plan in plans:
@@ -410,7 +431,7 @@ class StepPlanner:
                         pairs_work.append(work_of[rows])
                 spans.append((lo, len(shapes)))
         pairs = stacked_pairs(pairs_work) if self.padding_free else None
-        costs = piece_costs(model or self.cost_model, None, shapes, [0] * len(shapes), (), pairs)
+        costs = piece_costs(model, None, shapes, [0] * len(shapes), (), pairs)
         out, k = [], 0
         for plan in plans:
             replicas = []
@@ -434,8 +455,9 @@ class StepPlanner:
                                                  costs_in=costs, check_memory=True)
         return predicted if fits else float("inf")
 
-    def _plan(self, batch: GlobalBatch, model: StageCostModel):
-        """The dynamic planner's plan of ``batch`` under ``model``, judged by the simulated step. Under
+    def _plan(self, batch: GlobalBatch, model: StageCostModel, sliced: bool = True):
+        """The dynamic planner's plan of ``batch`` under ``model``, judged by the simulated step (``sliced=False``:
+        every sample whole, even with ``--slice-long``). Under
         ``recompute="auto"``, when the plan holds a micro-batch that fits only with recomputation (or only by
         the per-stage bound), the batch is also planned without recomputation and the better-scoring plan kept,
         so auto is never slower than none by the simulated step (as in ``dynabatch simulate``)."""
@@ -444,14 +466,14 @@ class StepPlanner:
         score = simulated_step_time(model, self.slice_model, cfg.memory_gib * 2**30, lengths, self.placement)
         plan = plan_step(
             batch.input_lens, batch.target_lens, model, cfg.stages, family=self.family,
-            num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples, slice_cost_model=self.slice_model,
-            score=score, pack_rows=self.pack_rows if self.padding_free else "off",
+            num_replicas=cfg.replicas, max_samples=cfg.max_micro_batch_samples,
+            slice_cost_model=self.slice_model if sliced else None, score=score, pack_rows=self.pack_rows if self.padding_free else "off",
             segment_pricing=self.padding_free, flat_row=self.flat_row,
         )
         if getattr(model, "recompute", "none") != "auto" or fits_without_recompute(plan, model):
             return plan
         try:
-            other = self._plan(batch, replace(model, recompute="none"))
+            other = self._plan(batch, replace(model, recompute="none"), sliced)
         except ValueError:  # a sample fits only with recomputation
             return plan
         return other if score(other) < score(plan) else plan

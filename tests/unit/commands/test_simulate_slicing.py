@@ -33,6 +33,7 @@ def test_long_samples_run_as_chains_of_slices(tmp_path, capsys):
     assert sliced["micro_batches"] > whole["micro_batches"]  # a sliced sample is several pieces
     # the long samples' single-piece micro-batches no longer dominate fill and drain
     assert sliced["bubble_fraction"] < whole["bubble_fraction"]
+    assert sliced["step_s"] <= whole["step_s"] * (1 + 1e-9)  # the DP's whole-sample plan is a candidate too
 
 
 def test_slices_run_on_virtual_stages_too(tmp_path, capsys):

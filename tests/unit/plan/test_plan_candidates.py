@@ -14,6 +14,7 @@ from dynabatch.data.baselines import BASELINES, BaselineOptions, group_shape, ma
 from dynabatch.data.batching import LengthLimits
 from dynabatch.plan.candidates import (
     DP,
+    DP_WHOLE,
     Candidate,
     baseline_candidates,
     candidate_baselines,
@@ -124,6 +125,30 @@ def test_chosen_plan_is_never_predicted_slower_than_a_baseline(case):
         assert planned.candidate == DP or planned.candidate.split("=")[0] in BASELINES
     assert all(p.candidate == DP for p in dp)
     assert beaten > 0 or all(p.candidate == DP for p in chosen)
+
+
+def test_a_sliced_plan_competes_with_the_whole_plans():
+    """With token slices (``--slice-long``) the DP's sliced plan is one candidate among the DP's plan of whole
+    samples (``dp_whole``) and the baselines': the step that runs is predicted at most as long as the whole-sample
+    dynamic method's and the sliced DP plan alone's, on every sampled batch of the heavy-tailed file; on some batch
+    the sliced plan runs, and on another the DP sliced a sample yet a plan of whole samples was predicted faster."""
+    cfg = TrainConfig(model="gpt2-tiny", stages=2, global_batch_tokens=8192, max_input_len=2048, max_target_len=128,
+                      memory_gib=4.0, calibrate="off", slice_long=True)
+    limits = LengthLimits("gpt2", max_input_len=2048, max_target_len=128, max_seq_len=2048)
+    batches, tokens = _heavy_batches(limits, cfg.global_batch_tokens, 6, os.path.join(DATA, "heavy_tail_2048.npz"))
+    make = _planner(cfg, batches, limits, tokens)
+    sliced, whole, dp_sliced = make(cfg), make(replace(cfg, slice_long=False)), make(replace(cfg, plan_candidates="off"))
+    ran_sliced = overruled = 0
+    for batch in batches:
+        chosen, other, alone = sliced(), whole(), dp_sliced()
+        assert chosen.batch is batch
+        assert chosen.predicted_step_s <= other.predicted_step_s * (1 + 1e-9)
+        assert chosen.predicted_step_s <= alone.predicted_step_s * (1 + 1e-9)
+        assert chosen.candidate in (DP, DP_WHOLE) or chosen.candidate.split("=")[0] in BASELINES
+        assert other.num_sliced_samples == 0 and (chosen.num_sliced_samples == 0) == (chosen.candidate != DP)
+        ran_sliced += chosen.num_sliced_samples > 0
+        overruled += alone.num_sliced_samples > 0 and chosen.predicted_step_s < alone.predicted_step_s * (1 - 1e-9)
+    assert ran_sliced > 0 and overruled > 0
 
 
 def test_lower_bound_never_exceeds_a_simulated_makespan():
