@@ -167,7 +167,7 @@ def check_tokenizer_fits(info: TokenizerInfo, config, tokenizer: str, model: str
         raise ValueError(f"tokenizer {tokenizer} does not fit model {model}: its vocabulary has {info.vocab_size} "
                          f"tokens but the model's embedding has {vocab} rows; {fix}")
     wanted = info.config_ids(bool(getattr(config, "is_encoder_decoder", False)))
-    wanted.pop("bos_token_id", None)  # training adds BOS only as the tokenizer's own call does: the config's is not read
+    wanted.pop("bos_token_id", None)  # a BOS comes from the tokenizer's own call (input_start), not the config
     diffs = []
     for key, ours in wanted.items():
         theirs = getattr(config, key, None)

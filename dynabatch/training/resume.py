@@ -82,8 +82,10 @@ def resume_settings_line(info: CheckpointInfo, cfg: TrainConfig, earlier: dict[s
     if earlier is None:
         return f"--resume-from-checkpoint {info.path}: {said}" if notes else None
     written = [change for _, change in setting_changes(earlier, cfg)]
-    if written == notes:
-        tail = f"{CONFIG_FILE} of the earlier run differs in the same" if notes else f"nor from {CONFIG_FILE} of the earlier run"
+    if written == notes and not notes:
+        tail = f"nor from {CONFIG_FILE} of the earlier run"
+    elif written == notes:
+        tail = f"{CONFIG_FILE} of the earlier run differs in the same"
     else:
         tail = f"{CONFIG_FILE} of the earlier run differs in " + ("; ".join(written) or "nothing")
     return f"--resume-from-checkpoint {info.path}: {said} ({tail})"
