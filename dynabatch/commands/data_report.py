@@ -28,7 +28,7 @@ from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, o
 from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.inputs import data_notes, data_spec, parse_columns
-from dynabatch.data.mixture import MixtureSpec
+from dynabatch.data.mixture import DEFAULT_NAME, MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
@@ -242,12 +242,20 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     why = decided["tokenizer"][1] if "tokenizer" in decided else None
     print(describe_tokenizer(args.tokenizer, None, tokenizer_info(tokenizer), why))
-    print(f"mixture {spec.name!r}: {len(spec.sources)} sources, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}")
+    print(mixture_line(spec))
     for i, family in enumerate(families):
         data = MixtureData.load(spec, tokenizer, family, bad_rows=args.bad_rows)
         print_task_table(data, notes=i == 0)
         print_efficiency(data, args)
     return 0
+
+
+def mixture_line(spec: MixtureSpec) -> str:
+    """The report's line about the mixture: its name unless it is the default one (``mixture``, which the line's
+    first word already says), how many sources (``1 source``, ``2 sources``), its rule, cap and seed."""
+    named = "mixture" if spec.name == DEFAULT_NAME else f"mixture {spec.name!r}"
+    count = len(spec.sources)
+    return f"{named}: {count} source{'' if count == 1 else 's'}, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}"
 
 
 def run_lengths(args: argparse.Namespace) -> int:

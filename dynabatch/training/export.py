@@ -12,7 +12,8 @@ model parameter is covered and finite, copies them in (a tied head takes its emb
 ``T5ForConditionalGeneration.from_pretrained(out)`` / ``GPT2LMHeadModel.from_pretrained(out)``. The tokenizer
 is saved so that ``AutoTokenizer.from_pretrained(out)(text)`` gives the ids training fed the model
 (:func:`~dynabatch.data.tokenize.inference_tokenizer`: an encoder-decoder's inputs end with EOS, a decoder-only
-prompt has no special token); :data:`EXPORT_MARKER` records how to encode (docs/inference.md).
+prompt has no special token but the BOS the tokenizer's own call puts first, if any); :data:`EXPORT_MARKER`
+records how to encode (docs/inference.md).
 
 Weights with a NaN or inf are refused (nothing is written), and so is an output folder that is not
 empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given, or that cannot be
@@ -32,7 +33,7 @@ from dynabatch.data.tokenize import inference_tokenizer
 from dynabatch.engine.checkpoint import CheckpointError, CheckpointInfo, first_non_finite, resolve_checkpoint
 from dynabatch.engine.outputs import listed, make_writable_dir
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.data.tokenize import encodes_like_training, load_tokenizer, tokenizer_info
+from dynabatch.data.tokenize import encodes_like_training, input_start, load_tokenizer, tokenizer_info
 from dynabatch.model_presets import model_class
 from dynabatch.models.families import check_model, family_for_config
 from dynabatch.models.presets import build_run_model
@@ -103,10 +104,11 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
         _load_weights(model, info.path)
         model.save_pretrained(out_dir)
         inference_tokenizer(tokenizer, family).save_pretrained(out_dir)
+        start = input_start(tokenizer, family)
     except BaseException:
         remove_empty(created)
         raise
-    encoding = _check_encoding(out_dir, family)
+    encoding = _check_encoding(out_dir, family, start)
     with open(os.path.join(out_dir, EXPORT_MARKER), "w", encoding="utf-8") as f:
         json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id,
                    "sequence_kind": family, "encoding": encoding}, f, indent=1)
@@ -159,19 +161,21 @@ def _load_weights(model, checkpoint: str) -> None:
             p.copy_(weights[name])
 
 
-def _check_encoding(out_dir: str, family: str) -> str:
-    """How to encode a model input with the exported tokenizer as training did: reloads it the way a user
-    does (``AutoTokenizer.from_pretrained``) and compares with training's encoding; a warning says what to do
-    where the two differ (a slow tokenizer, whose special tokens cannot be set in its files)."""
+def _check_encoding(out_dir: str, family: str, start: list[int]) -> str:
+    """How to encode a model input with the exported tokenizer as training did (``start``: the ids training put
+    before the text, :func:`~dynabatch.data.tokenize.input_start`): reloads it the way a user does
+    (``AutoTokenizer.from_pretrained``) and compares with training's encoding; a warning says what to do where the
+    two differ (a slow tokenizer, whose special tokens cannot be set in its files)."""
     from transformers import AutoTokenizer
 
 
     saved = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # ByT5 saves no vocabulary file
-    if encodes_like_training(saved, family):
+    if encodes_like_training(saved, family, start):
         return "tokenizer(text)" + (" (EOS appended, as in training)" if is_seq2seq(family) else "")
     eos = tokenizer_info(saved).eos_id
+    before = f"{start} + " if start else ""
     how = (f"tokenizer(text, add_special_tokens=False).input_ids + [{eos}]" if is_seq2seq(family)
-           else "tokenizer(text, add_special_tokens=False).input_ids")
+           else f"{before}tokenizer(text, add_special_tokens=False).input_ids")
     logger.warning(f"{out_dir}: tokenizer(text) of this tokenizer differs from how training encoded inputs; "
                    f"encode them as {how}")
     return how

@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dynabatch.training.config import FIXED_ON_RESUME, TrainConfig, canonical
-from dynabatch.training.config.flags import NOT_RUN_SETTINGS
+from dynabatch.training.config.flags import CONFIG_FILE, NOT_RUN_SETTINGS
 from dynabatch.training.config.paths import run_paths
 from dynabatch.cost.online import OnlineFit
 from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, newest_saved, resolve_checkpoint,
@@ -47,24 +47,48 @@ logger = logging.getLogger(__name__)
 _NOT_COMPARED = NOT_RUN_SETTINGS
 
 
+def setting_changes(old: dict[str, Any], new: TrainConfig) -> list[tuple[str, str]]:
+    """``(name, "name: old -> new")`` for every run setting whose value in ``old`` is not ``new``'s. ``old`` is the
+    fields a checkpoint's manifest or an earlier run's ``config.yaml`` holds: a checkpoint of an older version
+    stores older names (``lr``, ``steps``) and paths as typed (relative ones are taken from this folder); the same
+    files and columns spelled otherwise are the same setting."""
+    current = run_paths(new.to_dict())
+    old = run_paths(canonical(old))
+    return [(name, f"{name}: {old[name]!r} -> {value!r}") for name, value in current.items()
+            if name not in _NOT_COMPARED and name in old and old[name] != value]
+
+
 def compare_configs(old: dict[str, Any], new: TrainConfig, where: str) -> list[str]:
     """Raise ``ValueError`` if a fixed field differs; return ``"name: old -> new"`` for the others."""
-    current = run_paths(new.to_dict())
-    # a checkpoint of an older version stores older names (``lr``, ``steps``) and paths as typed (relative ones are
-    # taken from this folder); the same files and columns spelled otherwise are the same setting
-    old = run_paths(canonical(old))
-    fixed, notes = [], []
-    for name, value in current.items():
-        if name in _NOT_COMPARED or name not in old or old[name] == value:
-            continue
-        change = f"{name}: {old[name]!r} -> {value!r}"
-        (fixed if name in FIXED_ON_RESUME else notes).append(change)
+    changes = setting_changes(old, new)
+    fixed = [change for name, change in changes if name in FIXED_ON_RESUME]
     if fixed:
         raise ValueError(
             f"--resume-from-checkpoint: checkpoint {where} was written with other settings that cannot change ({'; '.join(fixed)}); "
             "use the checkpoint's values, or start a new run in another --output-dir"
         )
-    return notes
+    return [change for name, change in changes if name not in FIXED_ON_RESUME]
+
+
+def resume_settings_line(info: CheckpointInfo, cfg: TrainConfig, earlier: dict[str, Any] | None) -> str | None:
+    """The one line a resume from ``info`` logs about its settings (``None``: nothing to say): those that differ
+    from the checkpoint's, which apply from its step. ``earlier`` is the fields of the ``config.yaml`` an earlier
+    start wrote into the output folder (``None``: there is none, e.g. a checkpoint of another folder); the line adds
+    what that file differs in: "the same" as the checkpoint, or its own list when a start after the checkpoint's
+    wrote it with other settings."""
+    notes = compare_configs(info.manifest.get("config", {}), cfg, info.path)
+    said = (f"changed settings apply from step {info.step}: {'; '.join(notes)}" if notes
+            else "no setting differs from the checkpoint's")
+    if earlier is None:
+        return f"--resume-from-checkpoint {info.path}: {said}" if notes else None
+    written = [change for _, change in setting_changes(earlier, cfg)]
+    if written == notes and not notes:
+        tail = f"nor from {CONFIG_FILE} of the earlier run"
+    elif written == notes:
+        tail = f"{CONFIG_FILE} of the earlier run differs in the same"
+    else:
+        tail = f"{CONFIG_FILE} of the earlier run differs in " + ("; ".join(written) or "nothing")
+    return f"--resume-from-checkpoint {info.path}: {said} ({tail})"
 
 
 def apply_hyperparameters(optimizer, scheduler, cfg: TrainConfig, lr_lambda: Callable[[int], float]) -> None:
@@ -136,8 +160,8 @@ def interruption_line(output_dir: str, step: int | None) -> str:
 def find_resume_checkpoint(cfg: TrainConfig, ctx) -> CheckpointInfo | None:
     """The checkpoint ``cfg.resume_from_checkpoint`` names (``latest`` with none in the output folder:
     ``None``, start at step 0 with a warning; a PATH that is no checkpoint: ``ValueError``), after
-    checking that no setting that cannot change did; changed settings that may change are logged. Runs
-    before any data is loaded."""
+    checking that no setting that cannot change did (:func:`resume_settings_line` is the line rank 0 logs about
+    those that may). Runs before any data is loaded."""
     flag = "--resume-from-checkpoint"
     if cfg.resume_from_checkpoint == "latest":
         info = latest_checkpoint(checkpoint_root(cfg))
@@ -153,9 +177,7 @@ def find_resume_checkpoint(cfg: TrainConfig, ctx) -> CheckpointInfo | None:
     if info.step > cfg.max_steps:
         raise ValueError(f"{flag}: checkpoint {info.path} is at step {info.step}, past --max-steps "
                          f"{cfg.max_steps}; raise --max-steps to train further")
-    notes = compare_configs(info.manifest.get("config", {}), cfg, info.path)
-    if notes and ctx.is_planner:
-        logger.info(f"{flag} {info.path}: changed settings apply from step {info.step}: {'; '.join(notes)}")
+    compare_configs(info.manifest.get("config", {}), cfg, info.path)  # the changes that may are logged once, later
     return info
 
 

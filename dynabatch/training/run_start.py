@@ -15,13 +15,15 @@ import torch.distributed as dist
 from dynabatch.core.allocator import host_memory_gib
 from dynabatch.cost.tables import CostTables
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
+from dynabatch.engine.checkpoint import CheckpointInfo
 from dynabatch.engine.dist import DistContext
 from dynabatch.model_presets import describe_dropout
 from dynabatch.models.families import check_model
 from dynabatch.training.config import Found, Resolved, TrainConfig, resolve
-from dynabatch.training.config.flags import CONFIG_FILE, config_differences, load_config_file, write_config_file
+from dynabatch.training.config.flags import CONFIG_FILE, load_config_file, write_config_file
 from dynabatch.training.config.paths import run_paths
 from dynabatch.training.cost_model import check_profile_covers
+from dynabatch.training.resume import resume_settings_line
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +43,19 @@ def resolve_run(cfg: TrainConfig) -> Resolved:
                               world_size=cfg.world_size, host_memory_gib=host_memory_gib()))
 
 
-def record_resolved(resolved: Resolved, resuming: bool) -> None:
+def record_resolved(resolved: Resolved, resumed: CheckpointInfo | None) -> None:
     """Rank 0: log the resolved choices once as a short table and write ``OUTPUT/config.yaml`` (every field,
-    resolved: ``dynabatch train --config`` it to run the same again). A resume first reads the earlier run's
-    file and logs the fields that differ."""
+    resolved: ``dynabatch train --config`` it to run the same again). A resume from checkpoint ``resumed`` first
+    logs one line about the settings that differ from the checkpoint's and from the earlier run's file
+    (:func:`~dynabatch.training.resume.resume_settings_line`)."""
     cfg = resolved.config
     path = os.path.join(cfg.output_dir, CONFIG_FILE)
     if resolved.reasons:
         logger.info("resolved configuration (option, value, why):\n" + resolved.table())
-    if resuming and os.path.exists(path):
-        changed = config_differences(load_config_file(path), cfg)
-        logger.info(f"resume: {CONFIG_FILE} of the earlier run " + (
-            "differs in " + "; ".join(changed) if changed else "is this run's configuration"))
+    if resumed is not None:
+        line = resume_settings_line(resumed, cfg, load_config_file(path) if os.path.exists(path) else None)
+        if line is not None:
+            logger.info(line)
     write_config_file(path, cfg)
 
 

@@ -271,7 +271,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                                         "first global batches")
     cfg = run.cfg
     if ctx.is_planner:
-        record_resolved(resolved, resuming=info is not None)
+        record_resolved(resolved, info)
     start = resume(run, info, _lr_lambda(cfg))
     memory = cfg.memory_gib * 2**30
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")

@@ -331,10 +331,3 @@ def write_config_file(path: str, cfg) -> None:
 
 NOT_RUN_SETTINGS = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
 """Fields that say where and how a run starts, not what it runs: a resume does not report them as differences."""
-
-
-def config_differences(old: dict[str, Any], new) -> list[str]:
-    """``"name: old -> new"`` for every field whose value in ``old`` (a config file's fields) is not ``new``'s."""
-    current = dataclasses.asdict(new)
-    return [f"{name}: {old[name]!r} -> {current[name]!r}" for name in current
-            if name in old and old[name] != current[name] and name not in NOT_RUN_SETTINGS]

@@ -73,6 +73,21 @@ def test_data_report_on_a_file(tmp_path, capsys):
         assert eff[1] >= eff[0]  # length grouping never loses to plain padding here
 
 
+def test_data_report_names_the_mixture_once_and_counts_its_sources(tmp_path, capsys):
+    """A mixture without a name of its own is "mixture", not "mixture 'mixture'"; one source is "1 source"."""
+    path = write_jsonl(tmp_path / "one.jsonl", random_rows("one", 20, 5, 20, 5))
+    assert main(["data-report", "--data", path, "--family", "gpt2", "--max-lens", "128", "--num-batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture: 1 source, rule examples_proportional, cap None, seed 0" in out.splitlines()
+    other = write_jsonl(tmp_path / "two.jsonl", random_rows("two", 20, 5, 20, 5))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"name": "pair", "sources": [{"task": "one", "data_files": [path]},
+                                                            {"task": "two", "data_files": [other]}]}))
+    assert main(["data-report", "--mixture", str(spec), "--family", "gpt2", "--max-lens", "128",
+                 "--num-batches", "1"]) == 0
+    assert "mixture 'pair': 2 sources, rule examples_proportional, cap None, seed 0" in capsys.readouterr().out
+
+
 def test_data_report_says_casts_once_for_both_families(tmp_path, capsys):
     """Casting numbers to text happens when the file is read, the same for either family: one line, not one per
     family's table."""

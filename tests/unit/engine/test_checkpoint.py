@@ -94,6 +94,22 @@ def test_a_checkpoint_path_that_does_not_exist_names_the_ones_there(tmp_path):
         resolve_checkpoint(str(tmp_path))
 
 
+def test_a_run_folder_with_an_empty_checkpoints_folder_is_one_line_and_exit_2(tmp_path, capsys, toy_mixture_dir):
+    """The run's output folder or its checkpoints/ folder, with no step folder in it: one line saying so, where,
+    and what to do; ``dynabatch train`` exits 2."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    said = (f"no checkpoint in {run / 'checkpoints'}; start without --resume-from-checkpoint, or pass a step-NNNNNN "
+            "folder or a checkpoints/ folder that holds one")
+    for path in (run, run / "checkpoints"):
+        with pytest.raises(CheckpointError) as e:
+            resolve_checkpoint(str(path))
+        assert str(e.value) == said
+    code, err = _cli(capsys, *TRAIN, "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--max-steps", "1",
+                     "--output-dir", str(tmp_path / "new"), "--resume-from-checkpoint", str(run))
+    assert code == 2 and _error_line(err) == f"dynabatch train: error: --resume-from-checkpoint {run}: {said}"
+
+
 def test_crash_before_manifest_falls_back(tmp_path):
     _save(tmp_path, 10)
     os.makedirs(step_dir(tmp_path, 20))

@@ -149,6 +149,41 @@ def test_the_saved_inference_tokenizer_encodes_inputs_as_tokenize_dataset(tmp_pa
     assert tok.padding_side == "right"
 
 
+def bos_tokenizer():
+    """:func:`own_tokenizer` with a BOS (``<s>``, id 3) that its own call puts first, as a Llama-3 tokenizer does."""
+    from tokenizers import processors
+
+    tok = own_tokenizer(specials=("<pad>", "</s>", "<unk>", "<s>"))
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 3)])
+    tok.bos_token = "<s>"
+    return tok
+
+
+def test_a_decoder_only_prompt_starts_with_the_bos_the_tokenizer_itself_adds(tmp_path):
+    """Where ``tokenizer(text)`` starts with BOS, a decoder-only model trains on prompts that start with it and the
+    export's tokenizer gives the same ids; targets get no BOS, and an encoder-decoder's inputs none either."""
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.sources import SourceSpec, load_source
+    from dynabatch.data.tokenize import encodes_like_training, inference_tokenizer, input_start, tokenize_dataset
+
+    text, target = "alpha beta gamma", "gamma beta alpha"
+    path = write_jsonl(tmp_path / "a.jsonl", [{"inputs": text, "targets": target}])
+    ds, _ = load_source(SourceSpec(task="a", data_files=(path,)))
+    tok = bos_tokenizer()
+    plain = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok(text)["input_ids"] == [3, *plain] and input_start(tok, "causal") == [3]
+    trained = tokenize_dataset(ds, tok, "causal")[0]
+    assert trained["input_ids"] == tok(text)["input_ids"]
+    assert trained["target_ids"] == tok(target, add_special_tokens=False)["input_ids"] + [1]
+    assert tokenize_dataset(ds, tok, "seq2seq")[0]["input_ids"] == plain + [1]
+    inference_tokenizer(tok, "causal").save_pretrained(tmp_path / "saved")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert saved(text)["input_ids"] == trained["input_ids"] and encodes_like_training(saved, "causal", [3])
+    assert not encodes_like_training(saved, "causal", [])  # the check sees a BOS training did not put there
+
+
 def _refusal(capsys, *argv) -> str:
     code = main(list(argv))
     err = capsys.readouterr().err

@@ -4,6 +4,7 @@ same again; a resume says which fields differ; the components follow the resolve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,8 +13,10 @@ import torch
 import yaml
 
 from dynabatch.cli import main
+from dynabatch.engine.checkpoint import CheckpointInfo
 from dynabatch.training.config import TrainConfig, decide, lower, resolve
 from dynabatch.training.config.resolve import RULES, SEARCHES, Found
+from dynabatch.training.resume import resume_settings_line
 
 SMALL = ["--max-input-len", "64", "--max-target-len", "16", "--global-batch-tokens", "1024", "--no-timeline",
          "--logging-steps", "0"]
@@ -123,6 +126,30 @@ def test_a_resume_reads_config_yaml_and_names_the_fields_that_differ(tmp_path, c
     err = capsys.readouterr().err
     assert "config.yaml of the earlier run differs in" in err
     assert "learning_rate: 0.001 -> 0.0005" in err and "max_steps: 2 -> 3" in err
+    assert err.count("learning_rate: 0.001 -> 0.0005") == 1  # one line, from the checkpoint and config.yaml both
+
+
+def test_a_resume_says_its_changed_settings_in_one_line():
+    """The checkpoint's settings decide what applies from its step; the earlier run's config.yaml adds only whether
+    it says the same, or what it says otherwise (a later start than the checkpoint's wrote it)."""
+    saved = TrainConfig(max_steps=4)
+    info = CheckpointInfo(path="run/checkpoints/step-000002", step=2, manifest={"config": saved.to_dict()})
+    now = dataclasses.replace(saved, learning_rate=5e-4)
+    head = "--resume-from-checkpoint run/checkpoints/step-000002: "
+    assert resume_settings_line(info, now, None) == (
+        head + "changed settings apply from step 2: learning_rate: 0.001 -> 0.0005")
+    assert resume_settings_line(info, now, saved.to_dict()) == (
+        head + "changed settings apply from step 2: learning_rate: 0.001 -> 0.0005 (config.yaml of the earlier "
+        "run differs in the same)")
+    assert resume_settings_line(info, now, now.to_dict()) == (
+        head + "changed settings apply from step 2: learning_rate: 0.001 -> 0.0005 (config.yaml of the earlier "
+        "run differs in nothing)")
+    assert resume_settings_line(info, saved, None) is None
+    assert resume_settings_line(info, saved, saved.to_dict()) == (
+        head + "no setting differs from the checkpoint's (nor from config.yaml of the earlier run)")
+    assert resume_settings_line(info, saved, now.to_dict()) == (
+        head + "no setting differs from the checkpoint's (config.yaml of the earlier run differs in learning_rate: "
+        "0.0005 -> 0.001)")
 
 
 def test_config_yaml_never_resumes_nor_overwrites_when_run_again(tmp_path, capsys):
