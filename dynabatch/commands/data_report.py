@@ -156,7 +156,7 @@ def print_task_table(data: MixtureData, notes: bool = True) -> None:
     them under the first table only."""
     labels = ",".join(str(e) for e in HIST_EDGES[1:])
     tasks = task_rows(data)
-    print(f"\n== tasks ({data.family}, {len(tasks)} tasks in {len(data.sources)} sources) ==")
+    print(f"\n== tasks ({data.family}, {counted(len(tasks), 'task')} in {counted(len(data.sources), 'source')}) ==")
     header = f"{'task':<22} {'rows':>6} {'rate':>6} | inputs p{'/p'.join(map(str, PERCENTILES))} max | targets p{'/p'.join(map(str, PERCENTILES))} max | hist(total, bins <{labels},+)"
     print(header)
     for t in tasks:
@@ -254,8 +254,12 @@ def mixture_line(spec: MixtureSpec) -> str:
     """The report's line about the mixture: its name unless it is the default one (``mixture``, which the line's
     first word already says), how many sources (``1 source``, ``2 sources``), its rule, cap and seed."""
     named = "mixture" if spec.name == DEFAULT_NAME else f"mixture {spec.name!r}"
-    count = len(spec.sources)
-    return f"{named}: {count} source{'' if count == 1 else 's'}, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}"
+    return f"{named}: {counted(len(spec.sources), 'source')}, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}"
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 source``, ``2 sources``: a count and its noun, plural unless one."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def run_lengths(args: argparse.Namespace) -> int:

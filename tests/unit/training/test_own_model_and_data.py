@@ -272,7 +272,7 @@ def test_data_report_of_a_file_with_a_task_field_reports_its_tasks(tmp_path, cap
                  "--max-lens", "128", "--num-batches", "1"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "== tasks (seq2seq, 3 tasks in 1 sources) ==" in out
+    assert "== tasks (seq2seq, 3 tasks in 1 source) ==" in out
     rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()
             if line.split()[:1] in (["qa"], ["sum"], ["cls"])}
     assert {t: int(v[0]) for t, v in rows.items()} == {"qa": 30, "sum": 20, "cls": 10}
