@@ -186,6 +186,10 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool, claims=()) -
             return None
         if _has_checkpoint(path):
             return None
+        if found == ["checkpoints"]:  # an empty (or step-less) checkpoints/ and nothing else: no run to continue
+            return (f"--resume-from-checkpoint: --output-dir {path!r} holds an empty checkpoints/ folder and no "
+                    f"{RUN_FILE}, so there is no checkpoint to resume; remove the empty folder and start without "
+                    "--resume-from-checkpoint, or pass the run's own --output-dir")
         if found:
             return (f"--resume-from-checkpoint: --output-dir {path!r} holds {listed(found)} but no {RUN_FILE} or "
                     "checkpoints/ saying a dynabatch run wrote it, so nothing there is resumed or written over; pass "

@@ -231,6 +231,11 @@ def test_resume_writes_only_into_a_folder_a_run_wrote(tmp_path):
     (empty / "checkpoints").mkdir()
     assert output_dir_problem(str(empty), resume=True, overwrite=False, claims=["checkpoints", "runs"]) is None
     assert json.loads((empty / RUN_FILE).read_text())["claimed"] == ["checkpoints", "runs"]
+    bare = tmp_path / "bare"  # an empty checkpoints/ alone says no run: refused as such, nothing written
+    (bare / "checkpoints").mkdir(parents=True)
+    problem = output_dir_problem(str(bare), resume=True, overwrite=False)
+    assert "holds an empty checkpoints/ folder" in problem and "no checkpoint to resume" in problem
+    assert sorted(os.listdir(bare)) == ["checkpoints"] and not os.listdir(bare / "checkpoints")
     older = tmp_path / "older"  # a run from before run files: its checkpoints say whose the folder is
     (older / "checkpoints" / "step-000004").mkdir(parents=True)
     (older / "metrics.jsonl").write_text('{"step": 0}\n')
