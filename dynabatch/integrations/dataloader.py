@@ -74,6 +74,23 @@ def model_sequence_kind(config) -> str:
     return family_for_config(config).sequence_kind
 
 
+def check_data_fits_model(config, limits: LengthLimits, vocab_size: int, name: str) -> None:
+    """One ``ValueError`` line, at build time, when data of ``limits`` tokenized with a vocabulary of ``vocab_size``
+    would fail inside the model of the HF ``config`` mid-run (``name``: the loader's name): a token id past the model's
+    embedding, or a sample longer than a learned position table (GPT-2's ``n_positions``); longer than a rotary
+    model's trained positions is a warning (:func:`~dynabatch.models.families.check_length_limit`, as ``dynabatch
+    train`` checks its flags at start)."""
+    from dynabatch.models.families import check_length_limit  # lazy: keeps transformers out of the DataLoader import
+
+    rows = getattr(config, "vocab_size", None)
+    if rows is not None and vocab_size > rows:
+        raise ValueError(f"{name}'s data is tokenized with a vocabulary of {vocab_size} tokens but the "
+                         f"{getattr(config, 'model_type', None)!r} model's embedding has {rows} rows; tokenize with "
+                         "the model's own tokenizer (load_tokenizer(<model folder>))")
+    if limits.family == "causal":
+        check_length_limit(config, limits.max_seq_len, what=f"{name}'s LengthLimits max_seq_len")
+
+
 @dataclass(frozen=True)
 class StepStats:
     """Token accounting of one replica's share of a step."""
@@ -299,6 +316,7 @@ class DynaBatchDataLoader:
                     f"model_config is a {getattr(self.model_config, 'model_type', None)!r} model ({kind}) but the "
                     f"data is tokenized for {self.family!r} models"
                 )
+            check_data_fits_model(self.model_config, self.limits, self.batcher.data.tokens.vocab_size, "the loader")
         tokens = self.batcher.data.tokens
         defaults = {f.name: f.default for f in fields(self)}
         unused = {k: getattr(self, k) for k in ("hardware", "device_memory_bytes", "dtype", "attention")

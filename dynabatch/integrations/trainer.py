@@ -57,7 +57,12 @@ from transformers.trainer_utils import (
 
 from dynabatch.core.allocator import CPU_ALLOCATORS, freed_tensors_kept, host_memory_gib
 from dynabatch.core.attention import ATTENTION_PATHS
-from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
+from dynabatch.integrations.dataloader import (
+    DynaBatchDataLoader,
+    StepBatch,
+    check_data_fits_model,
+    model_sequence_kind,
+)
 from dynabatch.models.forward import forward_loss
 from dynabatch.training.config.resolve import Found, args_view, decide_why
 from dynabatch.training.evaluate import generate_ids
@@ -71,6 +76,10 @@ DECIDED_BY_LOADER = {
     "per_device_train_batch_size": "the train loader's token_budget decides the samples of each step",
     "per_device_eval_batch_size": "the eval loader's token_budget decides the samples of each batch",
     "dataloader_num_workers": "the loader plans and collates in the training process",
+    "train_sampling_strategy": "the loader's seed orders the rows and its method groups them into micro-batches "
+                               "(method='length_grouped' groups by length)",
+    "auto_find_batch_size": "the train loader's token_budget sizes each step and the planner fits its micro-batches "
+                            "to the cost model's memory (lower token_budget or device_memory_bytes if a step runs out)",
 }
 """``TrainingArguments`` the stock ``Trainer`` uses to build its dataloaders, which a ``DynaBatchTrainer`` never
 builds: setting one is a warning naming what decides instead."""
@@ -128,6 +137,11 @@ class DynaBatchTrainer(Trainer):
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one StepBatch is one optimizer "
                 "step already (its size is the loader's token_budget); set gradient_accumulation_steps=1"
             )
+        if args.label_smoothing_factor:
+            raise ValueError(
+                f"label_smoothing_factor={args.label_smoothing_factor}: a DynaBatchTrainer trains on forward_loss's "
+                "summed token cross-entropy, without label smoothing; set label_smoothing_factor=0"
+            )
         if args.n_gpu > 1:
             raise ValueError(
                 f"{args.n_gpu} GPUs in one process (nn.DataParallel) are not supported; "
@@ -158,6 +172,8 @@ class DynaBatchTrainer(Trainer):
                 )
             if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
                 raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
+            if model_type is not None:
+                check_data_fits_model(self.model.config, loader.limits, loader.batcher.data.tokens.vocab_size, name)
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")
@@ -397,6 +413,9 @@ class DynaBatchTrainer(Trainer):
                     "resuming a DynaBatchTrainer needs TrainingArguments(ignore_data_skip=True): the loader's stream "
                     f"position is restored from {LOADER_STATE_NAME} instead of replaying batches"
                 )
+            if not os.path.isdir(checkpoint):
+                raise ValueError(f"resume_from_checkpoint={checkpoint!r} is not a folder; pass a checkpoint-N folder "
+                                 f"or True (the last checkpoint in output_dir {self.args.output_dir!r})")
             path = os.path.join(checkpoint, LOADER_STATE_NAME)
             if os.path.exists(path):
                 with open(path, encoding="utf-8") as f:

@@ -160,6 +160,23 @@ def test_an_empty_dataset_is_named_as_the_loader_s_input(byt5):
                             **options)
 
 
+def test_a_dataset_dict_of_splits_is_refused_not_trained_on_split_by_split(byt5):
+    """``load_dataset(...)`` without ``split=`` gives a ``DatasetDict``, a dict of splits: taken as tasks, its test
+    split was silently trained on as a second task. It is one line; ``dict(dataset)`` says the splits are tasks."""
+    import datasets
+
+    splits = datasets.DatasetDict({"train": _qa(8), "test": _qa(4, offset=8)})
+    options = dict(token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=16)
+    with pytest.raises(ValueError, match=r"^the data is a DatasetDict of the splits \['test', 'train'\], each of which "
+                                         r"would be trained on as a task; pass one split \(dataset\['train'\]\), or "
+                                         r"dict\(dataset\) to train on every split as a task$"):
+        DynaBatchDataLoader(splits, limits, **options)
+    assert len(DynaBatchDataLoader(splits["train"], limits, **options).batcher.data.sources) == 1
+    assert [s.name for s in DynaBatchDataLoader(dict(splits), limits, **options).batcher.data.sources] == [
+        "train", "test"]
+
+
 def test_columns_text_and_unknown_columns_are_one_line(tmp_path, capsys):
     assert parse_columns("inputs=question, targets=answer,task=category") == {
         "inputs": "question", "targets": "answer", "task": "category"}

@@ -564,3 +564,68 @@ def test_loader_plans_for_a_llama_config_and_checks_the_sequence_kind(copy_spec,
 
     with pytest.raises(ValueError, match="model type 'bart' is not supported"):
         DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, model_config=AutoConfig.for_model("bart"))
+
+
+def test_loader_and_trainer_refuse_data_the_model_cannot_embed(copy_spec, byt5, tmp_path):
+    """Token ids past the model's embedding, or causal samples longer than GPT-2's position table, used to fail
+    mid-run inside torch (``IndexError: index out of range in self``); the loader given ``model_config``, and the
+    trainer for every loader, say so in one line when they are built, as ``dynabatch train`` does at start."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    small = dict(n_embd=32, n_layer=1, n_head=2)
+    with pytest.raises(ValueError, match=rf"^the loader's data is tokenized with a vocabulary of {len(byt5)} tokens "
+                                         r"but the 'gpt2' model's embedding has 300 rows; tokenize with the model's "
+                                         r"own tokenizer \(load_tokenizer\(<model folder>\)\)$"):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu",
+                            model_config=GPT2Config(vocab_size=300, **small))
+    short = GPT2Config(vocab_size=len(byt5), n_positions=64, **small)
+    with pytest.raises(ValueError, match=r"^the loader's LengthLimits max_seq_len is 192 tokens but this gpt2 model "
+                                         r"has only 64 positions \(n_positions\); lower the limit to at most 64$"):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu", model_config=short)
+    fits = LengthLimits("causal", max_seq_len=64)
+    assert DynaBatchDataLoader(data, fits, token_budget=800, hardware="cpu", model_config=short).limits == fits
+    # Without model_config (a cost model of its own) the loader cannot know the model: the trainer checks it.
+    train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, cost_model=PolynomialCostModel())
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match=r"^train_loader's LengthLimits max_seq_len is 192 tokens but this gpt2 "
+                                         r"model has only 64 positions"):
+        DynaBatchTrainer(model=GPT2LMHeadModel(short), args=args, train_loader=train)
+    fitting = DynaBatchDataLoader(data, fits, token_budget=800, cost_model=PolynomialCostModel())
+    evaluation = DynaBatchDataLoader(data, fits, token_budget=800, cost_model=PolynomialCostModel(), each_row_once=True)
+    with pytest.raises(ValueError, match=rf"^eval_loader\['qa'\]'s data is tokenized with a vocabulary of {len(byt5)} "
+                                         r"tokens but the 'gpt2' model's embedding has 300 rows"):
+        DynaBatchTrainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, **small)), args=args,
+                         train_loader=None, eval_loader={"qa": evaluation})
+    DynaBatchTrainer(model=GPT2LMHeadModel(short), args=args, train_loader=fitting, eval_loader={"qa": evaluation})
+
+
+def test_trainer_refuses_label_smoothing_warns_of_sampling_arguments_and_names_a_missing_checkpoint(
+        copy_spec, byt5, tmp_path):
+    """``label_smoothing_factor`` was silently not applied (the loss is forward_loss's, not the Trainer's label
+    smoother): one line refuses it. ``train_sampling_strategy`` and ``auto_find_batch_size`` did nothing without a
+    word: a warning names what decides instead. Resuming from a path that is no folder said first that it had no
+    loader position, then failed in Trainer: one line names the path."""
+    with pytest.raises(ValueError, match=r"^label_smoothing_factor=0\.1: a DynaBatchTrainer trains on forward_loss's "
+                                         r"summed token cross-entropy, without label smoothing; set "
+                                         r"label_smoothing_factor=0$"):
+        trainer_setup(copy_spec, byt5, "gpt2", tmp_path, label_smoothing_factor=0.1)
+    with pytest.warns(UserWarning) as caught:
+        trainer, _, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=1, ignore_data_skip=True,
+                                      train_sampling_strategy="group_by_length", auto_find_batch_size=True)
+    messages = [str(w.message) for w in caught]
+    assert ("TrainingArguments(train_sampling_strategy='group_by_length') has no effect on a DynaBatchTrainer: the "
+            "loader's seed orders the rows and its method groups them into micro-batches (method='length_grouped' "
+            "groups by length)") in messages
+    assert any(m.startswith("TrainingArguments(auto_find_batch_size=True) has no effect on a DynaBatchTrainer: the "
+                            "train loader's token_budget sizes each step") for m in messages)
+    import warnings
+
+    missing = str(tmp_path / "checkpoint-9")
+    with warnings.catch_warnings(record=True) as said, pytest.raises(
+            ValueError, match=rf"^resume_from_checkpoint='{missing}' is not a folder; pass a checkpoint-N folder or True"):
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=missing)
+    assert not [w for w in said if "dynabatch_loader.json" in str(w.message)]
