@@ -249,7 +249,8 @@ class DynaBatchDataLoader:
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
     bad_rows: str = "error"
     """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
-    naming it) or ``skip`` (dropped and counted in ``data.sources[i].num_skipped``), as ``--bad-rows``."""
+    naming it) or ``skip`` (dropped, counted in ``data.sources[i].num_skipped`` and said in a warning), as
+    ``--bad-rows``."""
     seed: int | None = None
     """Orders the rows: the mixture sampler's draws (``each_row_once``: the row order). ``None``: 0 for datasets as
     ``data`` (the seed a :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` replaces with
@@ -388,11 +389,17 @@ class DynaBatchDataLoader:
         if self.tokenizer is None:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
         try:
-            return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
+            data = load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
                              bad_rows=self.bad_rows, seed=self.seed or 0)
         except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
             advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
             raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None
+        for src in data.sources:  # as the run log of dynabatch train --bad-rows skip says it
+            if src.num_skipped:
+                warnings.warn(f"dataset {src.name!r}: {src.num_skipped} of {src.num_skipped + len(src)} rows were "
+                              "malformed (a missing or empty field) and skipped (bad_rows='skip'); "
+                              "loader.batcher.data.sources[i].num_skipped counts them", stacklevel=3)
+        return data
 
     @staticmethod
     def _check_same(name: str, given, actual) -> None:
