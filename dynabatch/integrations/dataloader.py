@@ -259,6 +259,9 @@ class DynaBatchDataLoader:
     the batcher's."""
     resolved: dict = field(init=False, repr=False, default_factory=dict)
     """``{field: (value, reason)}`` of the options the resolver decided (``hardware`` of the default cost model)."""
+    priced_for_run: bool = field(init=False, default=False)
+    """The cost model is the default analytic one of ``model_config``, priced for ``dtype`` and ``attention`` (a
+    :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` checks them against how it trains)."""
     tokenized_here: bool = field(init=False, default=False)
     """``data`` was datasets, tokenized by this loader (its unset ``seed`` is then the trainer's to choose)."""
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
@@ -338,6 +341,7 @@ class DynaBatchDataLoader:
                         self.resolved["hardware"] = (hardware, why)
                 self.cost_model = default_cost_model(self.model_config, hardware, self.device_memory_bytes,
                                                      dtype=self.dtype, attention=self.attention)
+                self.priced_for_run = self.model_config is not None
             self._collator = Batcher(limits=self.limits, tokens=tokens, loss_on_inputs=self.loss_on_inputs)
         else:
             if self.cost_model is not None or self.planner_options:

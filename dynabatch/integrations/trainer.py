@@ -122,6 +122,7 @@ class DynaBatchTrainer(Trainer):
         """``{field: (value, reason)}`` of the options decided for the user: ``data_seed`` (the train loader's,
         from ``TrainingArguments``) and ``cpu_allocator`` (by the resolver, when :meth:`train` starts)."""
         self._check_setup(train_loader, eval_loader)
+        self._check_pricing(train_loader)
         self._seed_train_loader(train_loader)
         self._warn_ignored_arguments()
         self._trained_samples = self._trained_truncated = 0
@@ -177,6 +178,21 @@ class DynaBatchTrainer(Trainer):
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")
+
+    def _check_pricing(self, loader: DynaBatchDataLoader | None) -> None:
+        """A warning when the train loader's default cost model prices another ``dtype`` or ``attention`` than this
+        trainer runs (``TrainingArguments(bf16=/fp16=)``, ``attention=``): its micro-batches are then sized for memory
+        the steps do not take (too large a share of the device when it prices fp32 or segments for bf16 or dense)."""
+        if loader is None or not loader.priced_for_run:
+            return
+        dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
+        runs = {"dtype": dtype, "attention": self.attention}
+        differ = {k: v for k, v in runs.items() if getattr(loader, k) != v}
+        if differ:
+            priced = ", ".join(f"{k}={getattr(loader, k)!r}" for k in differ)
+            wanted = ", ".join(f"{k}={v!r}" for k, v in differ.items())
+            warnings.warn(f"train_loader prices micro-batch memory for {priced} but this trainer runs {wanted} "
+                          f"(TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with {wanted}")
 
     def _seed_train_loader(self, loader: DynaBatchDataLoader | None) -> None:
         """Let ``TrainingArguments``' ``data_seed`` (else ``seed``) order the training data, as the stock ``Trainer``'s

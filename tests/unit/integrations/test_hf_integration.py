@@ -629,3 +629,36 @@ def test_trainer_refuses_label_smoothing_warns_of_sampling_arguments_and_names_a
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=missing)
     assert not [w for w in said if "dynabatch_loader.json" in str(w.message)]
+
+
+def test_trainer_warns_when_the_loader_prices_another_precision_or_attention_than_it_runs(copy_spec, byt5, tmp_path):
+    """The loader's default cost model sizes micro-batches for its ``dtype`` and ``attention``; a trainer running
+    ``bf16`` or ``attention="dense"`` against a loader priced for ``fp32`` / ``segments`` said nothing. One warning
+    names both sides; a loader built to match, or one with a cost model of its own, is quiet."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    model = build_model("gpt2-tiny", vocab_size=len(byt5))
+
+    def said(args: dict, runs: str = "segments", **loader) -> list[str]:
+        train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, **loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DynaBatchTrainer(model=model, train_loader=train, attention=runs,
+                             args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args))
+        return [str(w.message) for w in caught if "prices micro-batch memory" in str(w.message)]
+
+    priced = dict(hardware="cpu", model_config=model.config)
+    assert said({"bf16": True}, "dense", **priced) == [
+        "train_loader prices micro-batch memory for dtype='fp32', attention='segments' but this trainer runs "
+        "dtype='bf16', attention='dense' (TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with "
+        "dtype='bf16', attention='dense'"]
+    assert said({}, "dense", **priced) == [
+        "train_loader prices micro-batch memory for attention='segments' but this trainer runs attention='dense' "
+        "(TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with attention='dense'"]
+    assert said({"bf16": True}, "dense", dtype="bf16", attention="dense", **priced) == []
+    assert said({"bf16": True}, cost_model=PolynomialCostModel()) == []
