@@ -662,3 +662,34 @@ def test_trainer_warns_when_the_loader_prices_another_precision_or_attention_tha
         "(TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with attention='dense'"]
     assert said({"bf16": True}, "dense", dtype="bf16", attention="dense", **priced) == []
     assert said({"bf16": True}, cost_model=PolynomialCostModel()) == []
+
+
+def test_the_hf_trainer_example_says_in_one_line_what_it_cannot_run(tmp_path, monkeypatch, capsys):
+    """examples/hf_trainer.py: ``--resume`` on a checkpoint of another ``--model`` ended in a traceback blaming
+    changed data (or weights of other shapes), ``--steps 0`` and a ``--token-budget`` below one sample in
+    tracebacks; each is now one line naming it, exit 2, before any data loads. The same model resumes."""
+    import runpy
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "hf_trainer.py")
+    build_config("gpt2-tiny").save_pretrained(tmp_path / "checkpoint-3")
+    checkpoint = tmp_path / "checkpoint-3"
+    cases = {
+        ("--model", "t5-tiny", "--output-dir", str(tmp_path), "--resume"):
+            f"--resume: {checkpoint} holds another model than --model t5-tiny (a gpt2 model there, t5 for t5-tiny); "
+            "pass the --model the run trained, or another --output-dir",
+        ("--model", "gpt2-mini", "--output-dir", str(tmp_path), "--resume"):
+            f"--resume: {checkpoint} holds another model than --model gpt2-mini (n_embd 64 there, 128 for gpt2-mini; "
+            "n_layer 2 there, 4 for gpt2-mini; n_inner 256 there, 512 for gpt2-mini); pass the --model the run "
+            "trained, or another --output-dir",
+        ("--steps", "0"): "argument --steps: must be at least 1, got 0",
+        ("--token-budget", "100"): "--token-budget 100 cannot hold one maximal sample (320 tokens); pass at least 320",
+    }
+    for argv, expected in cases.items():
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(script, run_name="__main__")
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "Traceback" not in err, err[-2000:]
+        assert [line for line in err.splitlines() if "error:" in line] == [f"hf_trainer.py: error: {expected}"]
+    assert runpy.run_path(script)["check_resumable"](str(tmp_path), "gpt2-tiny") is None
