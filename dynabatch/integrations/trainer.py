@@ -358,8 +358,12 @@ class DynaBatchTrainer(Trainer):
 
     def _evaluation_loop(self, loader, prefix: str, generate: bool, gen_kwargs: dict) -> PredictionOutput:
         """Loss over every step of ``loader``; with ``generate``, predictions, labels and ``compute_metrics``."""
-        if not isinstance(loader, DynaBatchDataLoader) or loader.max_steps is None:
-            raise ValueError(f"evaluate() / predict() need a DynaBatchDataLoader with max_steps, got {loader!r:.120}")
+        if not isinstance(loader, DynaBatchDataLoader):
+            raise ValueError(f"evaluate() / predict() take a DynaBatchDataLoader, got a {type(loader).__name__}; build "
+                             "one on the data with each_row_once=True (every row once)")
+        if loader.max_steps is None:
+            raise ValueError("evaluate() / predict() got an endless DynaBatchDataLoader (a training stream, which draws "
+                             "rows with repetition and never ends); build it with each_row_once=True (every row once)")
         self._memory_tracker.start()
         start = time.time()
         module = self.model

@@ -371,6 +371,14 @@ def test_evaluate_takes_the_name_of_one_eval_loader_as_trainer_evaluate_does(cop
         named.evaluate("nope")
     with pytest.raises(ValueError, match="not a dict"):
         trainer.evaluate("qa")
+    # an endless train loader, or the data itself, was refused with a repr (over lines for a Dataset) and no advice
+    with pytest.raises(ValueError, match=r"^evaluate\(\) / predict\(\) got an endless DynaBatchDataLoader \(a training "
+                                         r"stream, which draws rows with repetition and never ends\); build it with "
+                                         r"each_row_once=True \(every row once\)$"):
+        trainer.predict(trainer.train_loader)
+    with pytest.raises(ValueError, match=r"^evaluate\(\) / predict\(\) take a DynaBatchDataLoader, got a MixtureData; "
+                                         r"build one on the data with each_row_once=True \(every row once\)$"):
+        trainer.evaluate(evaluation.batcher.data)
 
 
 def test_trainer_keeps_freed_memory_as_train_decides_it(copy_spec, byt5, tmp_path, monkeypatch):
