@@ -123,6 +123,7 @@ class DynaBatchTrainer(Trainer):
         from ``TrainingArguments``) and ``cpu_allocator`` (by the resolver, when :meth:`train` starts)."""
         self._check_setup(train_loader, eval_loader)
         self._check_pricing(train_loader)
+        self._warn_endless_epochs(train_loader)
         self._seed_train_loader(train_loader)
         self._warn_ignored_arguments()
         self._trained_samples = self._trained_truncated = 0
@@ -178,6 +179,16 @@ class DynaBatchTrainer(Trainer):
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")
+
+    def _warn_endless_epochs(self, loader: DynaBatchDataLoader | None) -> None:
+        """An endless train loader makes the whole run one epoch: ``"epoch"`` strategies then act once, at the end."""
+        if loader is None or loader.max_steps is not None:
+            return
+        for name in ("eval_strategy", "save_strategy", "logging_strategy"):
+            if getattr(getattr(self.args, name, None), "value", None) == "epoch":
+                warnings.warn(f"TrainingArguments({name}='epoch') with an endless train_loader: the run is one epoch, "
+                              f"so it acts only after the last step; use {name}='steps', or build the loader with "
+                              "max_steps=N (an epoch of N steps)")
 
     def _check_pricing(self, loader: DynaBatchDataLoader | None) -> None:
         """A warning when the train loader's default cost model prices another ``dtype`` or ``attention`` than this

@@ -701,3 +701,26 @@ def test_the_hf_trainer_example_says_in_one_line_what_it_cannot_run(tmp_path, mo
         assert exited.value.code == 2 and "Traceback" not in err, err[-2000:]
         assert [line for line in err.splitlines() if "error:" in line] == [f"hf_trainer.py: error: {expected}"]
     assert runpy.run_path(script)["check_resumable"](str(tmp_path), "gpt2-tiny") is None
+
+
+def test_trainer_warns_that_epoch_strategies_act_once_on_an_endless_loader(copy_spec, byt5, tmp_path):
+    """With an endless train loader the Trainer runs one epoch of ``max_steps`` steps, so ``eval_strategy="epoch"``
+    (or ``save_strategy``) evaluated only after the last step, without a word; a warning says so."""
+    import warnings
+
+    with pytest.warns(UserWarning) as caught:
+        trainer, _, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=2, eval_strategy="epoch")
+    assert ("TrainingArguments(eval_strategy='epoch') with an endless train_loader: the run is one epoch, so it acts "
+            "only after the last step; use eval_strategy='steps', or build the loader with max_steps=N (an epoch of "
+            "N steps)") in [str(w.message) for w in caught]
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2]  # after the last step alone
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    epochs = DynaBatchDataLoader(trainer.train_loader.batcher.data, trainer.train_loader.limits, token_budget=800,
+                                 cost_model=PolynomialCostModel(), max_steps=1)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=epochs,
+                         eval_loader=trainer.eval_dataset)
+    assert not [w for w in quiet if "endless train_loader" in str(w.message)]
