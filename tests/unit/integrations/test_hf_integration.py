@@ -724,3 +724,26 @@ def test_trainer_warns_that_epoch_strategies_act_once_on_an_endless_loader(copy_
         DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=epochs,
                          eval_loader=trainer.eval_dataset)
     assert not [w for w in quiet if "endless train_loader" in str(w.message)]
+
+
+def test_a_rotary_model_s_trained_positions_are_said_once_for_a_loader_and_its_trainer(copy_spec, byt5, tmp_path):
+    """Above a rotary model's ``max_position_embeddings`` the loader built with the model's config warns; the trainer
+    given that loader does not say it again (it checks loaders built without the model's config)."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    model = build_model("llama-tiny", vocab_size=len(byt5))
+    model.config.max_position_embeddings = 64
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu",
+                                    model_config=model.config)
+        DynaBatchTrainer(model=model, train_loader=train,
+                         args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    assert [str(w.message) for w in caught if "max_position_embeddings" in str(w.message)] == [
+        "the loader's LengthLimits max_seq_len is 192 tokens but this llama model was trained for 64 positions "
+        "(max_position_embeddings); longer samples use untrained rotary positions"]
