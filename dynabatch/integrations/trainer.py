@@ -57,7 +57,12 @@ from transformers.trainer_utils import (
 
 from dynabatch.core.allocator import CPU_ALLOCATORS, freed_tensors_kept, host_memory_gib
 from dynabatch.core.attention import ATTENTION_PATHS
-from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
+from dynabatch.integrations.dataloader import (
+    DynaBatchDataLoader,
+    StepBatch,
+    check_data_fits_model,
+    model_sequence_kind,
+)
 from dynabatch.models.forward import forward_loss
 from dynabatch.training.config.resolve import Found, args_view, decide_why
 from dynabatch.training.evaluate import generate_ids
@@ -71,6 +76,10 @@ DECIDED_BY_LOADER = {
     "per_device_train_batch_size": "the train loader's token_budget decides the samples of each step",
     "per_device_eval_batch_size": "the eval loader's token_budget decides the samples of each batch",
     "dataloader_num_workers": "the loader plans and collates in the training process",
+    "train_sampling_strategy": "the loader's seed orders the rows and its method groups them into micro-batches "
+                               "(method='length_grouped' groups by length)",
+    "auto_find_batch_size": "the train loader's token_budget sizes each step and the planner fits its micro-batches "
+                            "to the cost model's memory (lower token_budget or device_memory_bytes if a step runs out)",
 }
 """``TrainingArguments`` the stock ``Trainer`` uses to build its dataloaders, which a ``DynaBatchTrainer`` never
 builds: setting one is a warning naming what decides instead."""
@@ -113,6 +122,8 @@ class DynaBatchTrainer(Trainer):
         """``{field: (value, reason)}`` of the options decided for the user: ``data_seed`` (the train loader's,
         from ``TrainingArguments``) and ``cpu_allocator`` (by the resolver, when :meth:`train` starts)."""
         self._check_setup(train_loader, eval_loader)
+        self._check_pricing(train_loader)
+        self._warn_endless_epochs(train_loader)
         self._seed_train_loader(train_loader)
         self._warn_ignored_arguments()
         self._trained_samples = self._trained_truncated = 0
@@ -127,6 +138,11 @@ class DynaBatchTrainer(Trainer):
             raise ValueError(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one StepBatch is one optimizer "
                 "step already (its size is the loader's token_budget); set gradient_accumulation_steps=1"
+            )
+        if args.label_smoothing_factor:
+            raise ValueError(
+                f"label_smoothing_factor={args.label_smoothing_factor}: a DynaBatchTrainer trains on forward_loss's "
+                "summed token cross-entropy, without label smoothing; set label_smoothing_factor=0"
             )
         if args.n_gpu > 1:
             raise ValueError(
@@ -158,9 +174,36 @@ class DynaBatchTrainer(Trainer):
                 )
             if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
                 raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
+            if model_type is not None and loader.model_config is not self.model.config:  # else the loader checked
+                check_data_fits_model(self.model.config, loader.limits, loader.batcher.data.tokens.vocab_size, name)
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")
+
+    def _warn_endless_epochs(self, loader: DynaBatchDataLoader | None) -> None:
+        """An endless train loader makes the whole run one epoch: ``"epoch"`` strategies then act once, at the end."""
+        if loader is None or loader.max_steps is not None:
+            return
+        for name in ("eval_strategy", "save_strategy", "logging_strategy"):
+            if getattr(getattr(self.args, name, None), "value", None) == "epoch":
+                warnings.warn(f"TrainingArguments({name}='epoch') with an endless train_loader: the run is one epoch, "
+                              f"so it acts only after the last step; use {name}='steps', or build the loader with "
+                              "max_steps=N (an epoch of N steps)")
+
+    def _check_pricing(self, loader: DynaBatchDataLoader | None) -> None:
+        """A warning when the train loader's default cost model prices another ``dtype`` or ``attention`` than this
+        trainer runs (``TrainingArguments(bf16=/fp16=)``, ``attention=``): its micro-batches are then sized for memory
+        the steps do not take (too large a share of the device when it prices fp32 or segments for bf16 or dense)."""
+        if loader is None or not loader.priced_for_run:
+            return
+        dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
+        runs = {"dtype": dtype, "attention": self.attention}
+        differ = {k: v for k, v in runs.items() if getattr(loader, k) != v}
+        if differ:
+            priced = ", ".join(f"{k}={getattr(loader, k)!r}" for k in differ)
+            wanted = ", ".join(f"{k}={v!r}" for k, v in differ.items())
+            warnings.warn(f"train_loader prices micro-batch memory for {priced} but this trainer runs {wanted} "
+                          f"(TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with {wanted}")
 
     def _seed_train_loader(self, loader: DynaBatchDataLoader | None) -> None:
         """Let ``TrainingArguments``' ``data_seed`` (else ``seed``) order the training data, as the stock ``Trainer``'s
@@ -326,8 +369,12 @@ class DynaBatchTrainer(Trainer):
 
     def _evaluation_loop(self, loader, prefix: str, generate: bool, gen_kwargs: dict) -> PredictionOutput:
         """Loss over every step of ``loader``; with ``generate``, predictions, labels and ``compute_metrics``."""
-        if not isinstance(loader, DynaBatchDataLoader) or loader.max_steps is None:
-            raise ValueError(f"evaluate() / predict() need a DynaBatchDataLoader with max_steps, got {loader!r:.120}")
+        if not isinstance(loader, DynaBatchDataLoader):
+            raise ValueError(f"evaluate() / predict() take a DynaBatchDataLoader, got a {type(loader).__name__}; build "
+                             "one on the data with each_row_once=True (every row once)")
+        if loader.max_steps is None:
+            raise ValueError("evaluate() / predict() got an endless DynaBatchDataLoader (a training stream, which draws "
+                             "rows with repetition and never ends); build it with each_row_once=True (every row once)")
         self._memory_tracker.start()
         start = time.time()
         module = self.model
@@ -397,6 +444,9 @@ class DynaBatchTrainer(Trainer):
                     "resuming a DynaBatchTrainer needs TrainingArguments(ignore_data_skip=True): the loader's stream "
                     f"position is restored from {LOADER_STATE_NAME} instead of replaying batches"
                 )
+            if not os.path.isdir(checkpoint):
+                raise ValueError(f"resume_from_checkpoint={checkpoint!r} is not a folder; pass a checkpoint-N folder "
+                                 f"or True (the last checkpoint in output_dir {self.args.output_dir!r})")
             path = os.path.join(checkpoint, LOADER_STATE_NAME)
             if os.path.exists(path):
                 with open(path, encoding="utf-8") as f:

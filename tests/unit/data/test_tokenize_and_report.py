@@ -35,6 +35,23 @@ def test_unknown_tokenizer_is_a_clear_error(tmp_path):
         load_tokenizer(str(tmp_path / "missing"))
 
 
+def test_a_tokenizer_name_shadowing_a_folder_here_is_a_warning(tmp_path, monkeypatch):
+    """``load_tokenizer("byt5")`` (or ``gpt2``, ``builtin``) is the named tokenizer even with a folder of that name
+    in the working directory, which a model saved as ``save_pretrained("gpt2")`` makes; the folder's tokenizer was
+    silently not the one loaded. A warning says how to load the folder."""
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        load_tokenizer("byt5")
+    assert not [w for w in quiet if "not the folder" in str(w.message)]
+    os.mkdir("byt5")
+    with pytest.warns(UserWarning, match=r"^tokenizer 'byt5' is dynabatch's byt5 tokenizer, not the folder 'byt5' "
+                                         r"here; pass '\./byt5' to load the folder's$"):
+        assert type(load_tokenizer("byt5")).__name__ == "ByT5Tokenizer"
+
+
 @pytest.mark.parametrize("family", ["t5", "gpt2"])
 def test_tokenize_appends_eos_per_family(tmp_path, family):
     path = write_jsonl(tmp_path / "a.jsonl", [{"inputs": "ab", "targets": "c"}])

@@ -117,7 +117,11 @@ def test_the_loader_names_its_own_options_for_bad_rows_and_can_skip_them(byt5):
         DynaBatchDataLoader(rows, limits, **options)
     with pytest.raises(ValueError, match=r"column 'q' \(for 'inputs'\) not found.* In DynaBatchDataLoader: columns="):
         DynaBatchDataLoader(rows, limits, **{**options, "columns": {"inputs": "q", "targets": "answer"}})
-    loader = DynaBatchDataLoader(rows, limits, bad_rows="skip", **options)
+    # skipped rows are said, not only counted (a third of the data could vanish without a word)
+    with pytest.warns(UserWarning, match=r"^dataset 'train': 2 of 3 rows were malformed \(a missing or empty field\) "
+                                         r"and skipped \(bad_rows='skip'\); loader\.batcher\.data\.sources\[i\]\."
+                                         r"num_skipped counts them$"):
+        loader = DynaBatchDataLoader(rows, limits, bad_rows="skip", **options)
     assert loader.batcher.data.sources[0].num_skipped == 2
     assert [s.row_index for step in loader for s in step.batch.samples] == [0]
 
@@ -158,6 +162,23 @@ def test_an_empty_dataset_is_named_as_the_loader_s_input(byt5):
                                          r"has no rows; pass a dataset with rows, or leave this one out$"):
         DynaBatchDataLoader({"qa": _qa(), "none": empty}, LengthLimits("seq2seq", max_input_len=16, max_target_len=16),
                             **options)
+
+
+def test_a_dataset_dict_of_splits_is_refused_not_trained_on_split_by_split(byt5):
+    """``load_dataset(...)`` without ``split=`` gives a ``DatasetDict``, a dict of splits: taken as tasks, its test
+    split was silently trained on as a second task. It is one line; ``dict(dataset)`` says the splits are tasks."""
+    import datasets
+
+    splits = datasets.DatasetDict({"train": _qa(8), "test": _qa(4, offset=8)})
+    options = dict(token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=16)
+    with pytest.raises(ValueError, match=r"^the data is a DatasetDict of the splits \['test', 'train'\], each of which "
+                                         r"would be trained on as a task; pass one split \(dataset\['train'\]\), or "
+                                         r"dict\(dataset\) to train on every split as a task$"):
+        DynaBatchDataLoader(splits, limits, **options)
+    assert len(DynaBatchDataLoader(splits["train"], limits, **options).batcher.data.sources) == 1
+    assert [s.name for s in DynaBatchDataLoader(dict(splits), limits, **options).batcher.data.sources] == [
+        "train", "test"]
 
 
 def test_columns_text_and_unknown_columns_are_one_line(tmp_path, capsys):

@@ -371,6 +371,14 @@ def test_evaluate_takes_the_name_of_one_eval_loader_as_trainer_evaluate_does(cop
         named.evaluate("nope")
     with pytest.raises(ValueError, match="not a dict"):
         trainer.evaluate("qa")
+    # an endless train loader, or the data itself, was refused with a repr (over lines for a Dataset) and no advice
+    with pytest.raises(ValueError, match=r"^evaluate\(\) / predict\(\) got an endless DynaBatchDataLoader \(a training "
+                                         r"stream, which draws rows with repetition and never ends\); build it with "
+                                         r"each_row_once=True \(every row once\)$"):
+        trainer.predict(trainer.train_loader)
+    with pytest.raises(ValueError, match=r"^evaluate\(\) / predict\(\) take a DynaBatchDataLoader, got a MixtureData; "
+                                         r"build one on the data with each_row_once=True \(every row once\)$"):
+        trainer.evaluate(evaluation.batcher.data)
 
 
 def test_trainer_keeps_freed_memory_as_train_decides_it(copy_spec, byt5, tmp_path, monkeypatch):
@@ -564,3 +572,178 @@ def test_loader_plans_for_a_llama_config_and_checks_the_sequence_kind(copy_spec,
 
     with pytest.raises(ValueError, match="model type 'bart' is not supported"):
         DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, model_config=AutoConfig.for_model("bart"))
+
+
+def test_loader_and_trainer_refuse_data_the_model_cannot_embed(copy_spec, byt5, tmp_path):
+    """Token ids past the model's embedding, or causal samples longer than GPT-2's position table, used to fail
+    mid-run inside torch (``IndexError: index out of range in self``); the loader given ``model_config``, and the
+    trainer for every loader, say so in one line when they are built, as ``dynabatch train`` does at start."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    small = dict(n_embd=32, n_layer=1, n_head=2)
+    with pytest.raises(ValueError, match=rf"^the loader's data is tokenized with a vocabulary of {len(byt5)} tokens "
+                                         r"but the 'gpt2' model's embedding has 300 rows; tokenize with the model's "
+                                         r"own tokenizer \(load_tokenizer\(<model folder>\)\)$"):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu",
+                            model_config=GPT2Config(vocab_size=300, **small))
+    short = GPT2Config(vocab_size=len(byt5), n_positions=64, **small)
+    with pytest.raises(ValueError, match=r"^the loader's LengthLimits max_seq_len is 192 tokens but this gpt2 model "
+                                         r"has only 64 positions \(n_positions\); lower the limit to at most 64$"):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu", model_config=short)
+    fits = LengthLimits("causal", max_seq_len=64)
+    assert DynaBatchDataLoader(data, fits, token_budget=800, hardware="cpu", model_config=short).limits == fits
+    # Without model_config (a cost model of its own) the loader cannot know the model: the trainer checks it.
+    train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, cost_model=PolynomialCostModel())
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match=r"^train_loader's LengthLimits max_seq_len is 192 tokens but this gpt2 "
+                                         r"model has only 64 positions"):
+        DynaBatchTrainer(model=GPT2LMHeadModel(short), args=args, train_loader=train)
+    fitting = DynaBatchDataLoader(data, fits, token_budget=800, cost_model=PolynomialCostModel())
+    evaluation = DynaBatchDataLoader(data, fits, token_budget=800, cost_model=PolynomialCostModel(), each_row_once=True)
+    with pytest.raises(ValueError, match=rf"^eval_loader\['qa'\]'s data is tokenized with a vocabulary of {len(byt5)} "
+                                         r"tokens but the 'gpt2' model's embedding has 300 rows"):
+        DynaBatchTrainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, **small)), args=args,
+                         train_loader=None, eval_loader={"qa": evaluation})
+    DynaBatchTrainer(model=GPT2LMHeadModel(short), args=args, train_loader=fitting, eval_loader={"qa": evaluation})
+
+
+def test_trainer_refuses_label_smoothing_warns_of_sampling_arguments_and_names_a_missing_checkpoint(
+        copy_spec, byt5, tmp_path):
+    """``label_smoothing_factor`` was silently not applied (the loss is forward_loss's, not the Trainer's label
+    smoother): one line refuses it. ``train_sampling_strategy`` and ``auto_find_batch_size`` did nothing without a
+    word: a warning names what decides instead. Resuming from a path that is no folder said first that it had no
+    loader position, then failed in Trainer: one line names the path."""
+    with pytest.raises(ValueError, match=r"^label_smoothing_factor=0\.1: a DynaBatchTrainer trains on forward_loss's "
+                                         r"summed token cross-entropy, without label smoothing; set "
+                                         r"label_smoothing_factor=0$"):
+        trainer_setup(copy_spec, byt5, "gpt2", tmp_path, label_smoothing_factor=0.1)
+    with pytest.warns(UserWarning) as caught:
+        trainer, _, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=1, ignore_data_skip=True,
+                                      train_sampling_strategy="group_by_length", auto_find_batch_size=True)
+    messages = [str(w.message) for w in caught]
+    assert ("TrainingArguments(train_sampling_strategy='group_by_length') has no effect on a DynaBatchTrainer: the "
+            "loader's seed orders the rows and its method groups them into micro-batches (method='length_grouped' "
+            "groups by length)") in messages
+    assert any(m.startswith("TrainingArguments(auto_find_batch_size=True) has no effect on a DynaBatchTrainer: the "
+                            "train loader's token_budget sizes each step") for m in messages)
+    import warnings
+
+    missing = str(tmp_path / "checkpoint-9")
+    with warnings.catch_warnings(record=True) as said, pytest.raises(
+            ValueError, match=rf"^resume_from_checkpoint='{missing}' is not a folder; pass a checkpoint-N folder or True"):
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=missing)
+    assert not [w for w in said if "dynabatch_loader.json" in str(w.message)]
+
+
+def test_trainer_warns_when_the_loader_prices_another_precision_or_attention_than_it_runs(copy_spec, byt5, tmp_path):
+    """The loader's default cost model sizes micro-batches for its ``dtype`` and ``attention``; a trainer running
+    ``bf16`` or ``attention="dense"`` against a loader priced for ``fp32`` / ``segments`` said nothing. One warning
+    names both sides; a loader built to match, or one with a cost model of its own, is quiet."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    model = build_model("gpt2-tiny", vocab_size=len(byt5))
+
+    def said(args: dict, runs: str = "segments", **loader) -> list[str]:
+        train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, **loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DynaBatchTrainer(model=model, train_loader=train, attention=runs,
+                             args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args))
+        return [str(w.message) for w in caught if "prices micro-batch memory" in str(w.message)]
+
+    priced = dict(hardware="cpu", model_config=model.config)
+    assert said({"bf16": True}, "dense", **priced) == [
+        "train_loader prices micro-batch memory for dtype='fp32', attention='segments' but this trainer runs "
+        "dtype='bf16', attention='dense' (TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with "
+        "dtype='bf16', attention='dense'"]
+    assert said({}, "dense", **priced) == [
+        "train_loader prices micro-batch memory for attention='segments' but this trainer runs attention='dense' "
+        "(TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with attention='dense'"]
+    assert said({"bf16": True}, "dense", dtype="bf16", attention="dense", **priced) == []
+    assert said({"bf16": True}, cost_model=PolynomialCostModel()) == []
+
+
+def test_the_hf_trainer_example_says_in_one_line_what_it_cannot_run(tmp_path, monkeypatch, capsys):
+    """examples/hf_trainer.py: ``--resume`` on a checkpoint of another ``--model`` ended in a traceback blaming
+    changed data (or weights of other shapes), ``--steps 0`` and a ``--token-budget`` below one sample in
+    tracebacks; each is now one line naming it, exit 2, before any data loads. The same model resumes."""
+    import runpy
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "hf_trainer.py")
+    build_config("gpt2-tiny").save_pretrained(tmp_path / "checkpoint-3")
+    checkpoint = tmp_path / "checkpoint-3"
+    cases = {
+        ("--model", "t5-tiny", "--output-dir", str(tmp_path), "--resume"):
+            f"--resume: {checkpoint} holds another model than --model t5-tiny (a gpt2 model there, t5 for t5-tiny); "
+            "pass the --model the run trained, or another --output-dir",
+        ("--model", "gpt2-mini", "--output-dir", str(tmp_path), "--resume"):
+            f"--resume: {checkpoint} holds another model than --model gpt2-mini (n_embd 64 there, 128 for gpt2-mini; "
+            "n_layer 2 there, 4 for gpt2-mini; n_inner 256 there, 512 for gpt2-mini); pass the --model the run "
+            "trained, or another --output-dir",
+        ("--steps", "0"): "argument --steps: must be at least 1, got 0",
+        ("--token-budget", "100"): "--token-budget 100 cannot hold one maximal sample (320 tokens); pass at least 320",
+    }
+    for argv, expected in cases.items():
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(script, run_name="__main__")
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "Traceback" not in err, err[-2000:]
+        assert [line for line in err.splitlines() if "error:" in line] == [f"hf_trainer.py: error: {expected}"]
+    assert runpy.run_path(script)["check_resumable"](str(tmp_path), "gpt2-tiny") is None
+
+
+def test_trainer_warns_that_epoch_strategies_act_once_on_an_endless_loader(copy_spec, byt5, tmp_path):
+    """With an endless train loader the Trainer runs one epoch of ``max_steps`` steps, so ``eval_strategy="epoch"``
+    (or ``save_strategy``) evaluated only after the last step, without a word; a warning says so."""
+    import warnings
+
+    with pytest.warns(UserWarning) as caught:
+        trainer, _, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=2, eval_strategy="epoch")
+    assert ("TrainingArguments(eval_strategy='epoch') with an endless train_loader: the run is one epoch, so it acts "
+            "only after the last step; use eval_strategy='steps', or build the loader with max_steps=N (an epoch of "
+            "N steps)") in [str(w.message) for w in caught]
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2]  # after the last step alone
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    epochs = DynaBatchDataLoader(trainer.train_loader.batcher.data, trainer.train_loader.limits, token_budget=800,
+                                 cost_model=PolynomialCostModel(), max_steps=1)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=epochs,
+                         eval_loader=trainer.eval_dataset)
+    assert not [w for w in quiet if "endless train_loader" in str(w.message)]
+
+
+def test_a_rotary_model_s_trained_positions_are_said_once_for_a_loader_and_its_trainer(copy_spec, byt5, tmp_path):
+    """Above a rotary model's ``max_position_embeddings`` the loader built with the model's config warns; the trainer
+    given that loader does not say it again (it checks loaders built without the model's config)."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    model = build_model("llama-tiny", vocab_size=len(byt5))
+    model.config.max_position_embeddings = 64
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu",
+                                    model_config=model.config)
+        DynaBatchTrainer(model=model, train_loader=train,
+                         args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    assert [str(w.message) for w in caught if "max_position_embeddings" in str(w.message)] == [
+        "the loader's LengthLimits max_seq_len is 192 tokens but this llama model was trained for 64 positions "
+        "(max_position_embeddings); longer samples use untrained rotary positions"]
