@@ -33,9 +33,10 @@ COMMON = ["--model", "gpt2-tiny", "--tokenizer", "byt5", "--stages", "2", "--rep
           "--global-batch-tokens", "4096", "--max-input-len", "128", "--max-target-len", "32",
           "--logging-steps", "0", "--no-timeline", "--task-loss-every", "0", "--calibrate", "off",
           "--planner", "thread", "--timeout-s", "60", "--max-grad-norm", "0.05"]
-SLICED = ["--slice-long", "--memory-gib", "0.006"]
+SLICED = ["--slice-long", "--memory-gib", "0.006", "--plan-candidates", "off"]
 """Little enough memory that the planner cuts a sample into token slices (step 0; the other steps run whole
-micro-batches), yet enough that ``--zero 2`` evens the counts (at 0.005 GiB it cannot)."""
+micro-batches), yet enough that ``--zero 2`` evens the counts (at 0.005 GiB it cannot). The DP's plan alone: as a
+candidate, its sliced plan of step 0 is predicted slower than a plan of whole samples, which would then run."""
 TRAINED = ["--max-steps", str(STEPS), "--save-steps", str(SAVE_AT)]
 RUNS: dict[str, tuple[tuple[str, ...], bool]] = {
     "zero0": ((*TRAINED, "--zero", "0"), True),
