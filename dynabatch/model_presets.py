@@ -10,6 +10,7 @@ Vocabulary and special ids default to the built-in offline tokenizer (pad 0, eos
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -102,6 +103,47 @@ def model_problem(name_or_path: str) -> str | None:
     if os.sep in name_or_path or name_or_path.startswith((".", "~")):
         return f"--model {name_or_path!r}: no such folder (nothing is downloaded); {_FOLDER_HINT}, {presets}"
     return _unknown_preset(name_or_path)
+
+
+def num_blocks(name_or_path: str) -> tuple[str, int] | None:
+    """The ``model_type`` of ``--model name_or_path`` and its transformer blocks (an encoder-decoder's encoder and
+    decoder blocks together), from a preset's fields or the folder's ``config.json`` alone (no import of
+    transformers: the launcher checks ``--stages`` against it once); ``None`` when they cannot be told so (the
+    ranks check it on the loaded model)."""
+    if os.path.isdir(name_or_path):
+        try:
+            with open(os.path.join(name_or_path, "config.json"), encoding="utf-8") as f:
+                fields = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(fields, dict):
+            return None
+        model_type = str(fields.get("model_type", "this"))
+    elif (preset := PRESETS.get(FAMILY_PRESETS.get(name_or_path, name_or_path))) is not None:
+        fields, model_type = preset.fields, preset.model_type
+    else:
+        return None
+    if model_type in ("t5", "mt5", "umt5") and isinstance(fields.get("num_layers"), int):
+        decoder = fields.get("num_decoder_layers")
+        return model_type, fields["num_layers"] + (decoder if isinstance(decoder, int) else fields["num_layers"])
+    for key in ("n_layer", "num_hidden_layers"):
+        if isinstance(fields.get(key), int):
+            return model_type, fields[key]
+    return None
+
+
+def stages_line(model_type: str, blocks: int, stages: int) -> str:
+    """The one line for ``--stages`` outside ``1 ..`` the model's transformer blocks (every stage holds one)."""
+    hint = f"use --stages {blocks} or fewer, or a model with more blocks" if stages > blocks else "use --stages 1 or more"
+    return (f"--stages must be between 1 and the number of transformer blocks of this {model_type} model ({blocks}), "
+            f"got {stages}; {hint}")
+
+
+def stages_problem(name_or_path: str, stages: int) -> str | None:
+    """The line of :func:`stages_line` when ``--model name_or_path`` has fewer transformer blocks than ``stages``,
+    told from the file system alone (:func:`num_blocks`); ``None`` otherwise, or when that cannot tell."""
+    shape = num_blocks(name_or_path)
+    return stages_line(*shape, stages) if shape is not None and stages > shape[1] else None
 
 
 def _unknown_preset(name: str) -> str:

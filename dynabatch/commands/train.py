@@ -16,7 +16,7 @@ from dynabatch.core.methods import objective_note
 from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.faults import INTERRUPTED_STATUS
 from dynabatch.data.tokenize import tokenizer_problem
-from dynabatch.model_presets import model_problem
+from dynabatch.model_presets import model_problem, stages_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         from dynabatch.engine.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
 
         # what every rank would refuse alike, said once here (the file system only: no transformers import)
-        for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model)):
+        for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model),
+                        stages_problem(cfg.model, cfg.stages)):
             if problem is not None:
                 raise ValueError(problem)
 

@@ -86,7 +86,7 @@ def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(trainer, "prepare_output_dir", lambda output_dir, ctx, **kw: None)  # broadcasts in a real world of 3
     monkeypatch.setattr(trainer, "check_same_settings", lambda ctx, given: None)  # gathers in a real world of 3
     msg = _train_error(tmp_path, capsys, "--stages", "3", "--model", "gpt2-tiny")
-    assert "number of transformer blocks of this gpt2 model (2), got 3" in msg
+    assert "number of transformer blocks of this gpt2 model (2), got 3" in msg and "use --stages 2 or fewer" in msg
 
 
 def test_more_chunks_than_blocks_names_the_placement():
@@ -165,3 +165,39 @@ def test_two_ranks_refuse_a_bad_model_or_tokenizer_once_before_the_launch(tmp_pa
                             "--output-dir", str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and r.stderr.count("error:") == 1 and expected in r.stderr, r.stderr[-2000:]
         assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_more_stages_than_blocks_is_refused_once_before_the_launch(tmp_path):
+    """``--stages 3`` on gpt2-tiny (2 blocks): the launcher says so in one line with the fix, before any rank starts
+    (the ranks used to start, load the model and refuse it each, after most of a minute on 2 cores)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dynabatch", "train", "--stages", "3", "--model", "gpt2-tiny",
+                        "--steps", "1", "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert ("--stages must be between 1 and the number of transformer blocks of this gpt2 model (2), got 3; "
+            "use --stages 2 or fewer") in r.stderr, r.stderr[-2000:]
+    assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_blocks_of_a_model_folder_are_read_from_its_config_alone(tmp_path):
+    from transformers import GPT2Config, LlamaConfig, T5Config
+
+    from dynabatch.model_presets import num_blocks, stages_problem
+
+    T5Config(num_layers=3, num_decoder_layers=2).save_pretrained(tmp_path / "t5")
+    T5Config(num_layers=3).save_pretrained(tmp_path / "t5-same")
+    GPT2Config(n_layer=5).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(num_hidden_layers=7).save_pretrained(tmp_path / "llama")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert num_blocks(str(tmp_path / "t5")) == ("t5", 5)
+    assert num_blocks(str(tmp_path / "t5-same")) == ("t5", 6)
+    assert num_blocks(str(tmp_path / "gpt2")) == ("gpt2", 5)
+    assert num_blocks(str(tmp_path / "llama")) == ("llama", 7)
+    assert num_blocks("t5-tiny") == ("t5", 4) and num_blocks("llama-tiny") == ("llama", 2)
+    assert num_blocks(str(tmp_path / "bad")) is None and num_blocks("nosuch") is None
+    assert stages_problem(str(tmp_path / "llama"), 7) is None
+    assert stages_problem(str(tmp_path / "llama"), 8).endswith("got 8; use --stages 7 or fewer, or a model with more blocks")
