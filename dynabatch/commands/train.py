@@ -15,6 +15,7 @@ from dynabatch.training.config.flags import add_config_arguments, config_from_ar
 from dynabatch.core.methods import objective_note
 from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.faults import INTERRUPTED_STATUS
+from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA
 from dynabatch.data.tokenize import tokenizer_problem
 from dynabatch.model_presets import model_problem, stages_problem
 
@@ -41,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         add_arguments(p)
         given = given_flags(p, argv)
     cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
+    if cfg.columns and not cfg.data:  # train() may map in-memory datasets; the command has only --data to map
+        raise ValueError(COLUMNS_WITHOUT_DATA)
     if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
         from dynabatch.engine.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
 

@@ -48,7 +48,7 @@ from dynabatch.training.config.sections import (  # noqa: F401 (the registries a
 )
 from dynabatch.core.devices import check_device_name
 from dynabatch.data.baselines import attention_for
-from dynabatch.data.inputs import parse_columns
+from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA, parse_columns
 from dynabatch.training.config.placement_choice import check_placement
 
 
@@ -124,8 +124,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.columns:  # malformed --columns text is one line before anything loads
             parse_columns(self.columns)
             if self.mixture:
-                raise ValueError("columns maps the columns of --data (or of datasets given to train()); a mixture "
-                                 "spec maps its own")
+                raise ValueError(COLUMNS_WITHOUT_DATA)
         if self.device != "auto":
             check_device_name(self.device)
         for name in ("timeout_s", "startup_timeout_s"):

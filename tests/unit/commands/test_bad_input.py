@@ -201,3 +201,24 @@ def test_blocks_of_a_model_folder_are_read_from_its_config_alone(tmp_path):
     assert num_blocks(str(tmp_path / "bad")) is None and num_blocks("nosuch") is None
     assert stages_problem(str(tmp_path / "llama"), 7) is None
     assert stages_problem(str(tmp_path / "llama"), 8).endswith("got 8; use --stages 7 or fewer, or a model with more blocks")
+
+
+def test_columns_without_data_is_one_line_with_the_fix_before_anything_loads(tmp_path, capsys):
+    """``dynabatch train --columns ...`` without ``--data`` (the built-in mixture, or ``--mixture``): one line saying to
+    pass --data or drop --columns, before the model is built (the line used to come after it, without a fix)."""
+    out = tmp_path / "out"
+    for extra in ([], ["--mixture", _spec(tmp_path, [{"task": "t", "data_files": "x.jsonl"}])]):
+        code = main(["train", "--columns", "inputs=question", "--steps", "1", "--output-dir", str(out), *extra])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if "dynabatch train: error:" in ln]
+        assert code == 2 and len(lines) == 1, err[-2000:]
+        assert "pass --data FILE with it, or drop --columns" in lines[0], lines[0]
+        assert "tokenizer:" not in err and not out.exists()  # nothing loaded, nothing written
+
+
+def test_bench_refuses_more_stages_than_blocks_before_the_launch(tmp_path, capsys):
+    code = main(["bench", "--model", "gpt2-tiny", "--stages", "3", "--timed-steps", "1", "--untimed-steps", "0"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert code == 2 and len(lines) == 1 and "[rank" not in err, err[-2000:]
+    assert "transformer blocks of this gpt2 model (2), got 3; use --stages 2 or fewer" in lines[0], lines[0]
