@@ -105,25 +105,42 @@ def model_problem(name_or_path: str) -> str | None:
     return _unknown_preset(name_or_path)
 
 
-def num_blocks(name_or_path: str) -> tuple[str, int] | None:
-    """The ``model_type`` of ``--model name_or_path`` and its transformer blocks (an encoder-decoder's encoder and
-    decoder blocks together), from a preset's fields or the folder's ``config.json`` alone (no import of
-    transformers: the launcher checks ``--stages`` against it once); ``None`` when they cannot be told so (the
-    ranks check it on the loaded model)."""
+_ENCODER_DECODER_TYPES = ("t5", "mt5", "umt5")
+
+
+def _type_and_fields(name_or_path: str) -> tuple[str, dict] | None:
+    """The ``model_type`` and config fields of a preset, or of a model folder's ``config.json`` read as JSON (no
+    import of transformers); ``None`` when neither tells them."""
     if os.path.isdir(name_or_path):
         try:
             with open(os.path.join(name_or_path, "config.json"), encoding="utf-8") as f:
                 fields = json.load(f)
         except (OSError, ValueError):
             return None
-        if not isinstance(fields, dict):
-            return None
-        model_type = str(fields.get("model_type", "this"))
-    elif (preset := PRESETS.get(FAMILY_PRESETS.get(name_or_path, name_or_path))) is not None:
-        fields, model_type = preset.fields, preset.model_type
-    else:
+        return (str(fields.get("model_type", "this")), fields) if isinstance(fields, dict) else None
+    preset = PRESETS.get(FAMILY_PRESETS.get(name_or_path, name_or_path))
+    return (preset.model_type, preset.fields) if preset is not None else None
+
+
+def sequence_kind(name_or_path: str) -> str | None:
+    """``seq2seq`` for an encoder-decoder ``--model`` (T5's types), ``causal`` for another preset or folder with a
+    ``model_type``, told from the file system alone (:func:`_type_and_fields`); ``None`` when it cannot tell."""
+    found = _type_and_fields(name_or_path)
+    if found is None or found[0] == "this":
         return None
-    if model_type in ("t5", "mt5", "umt5") and isinstance(fields.get("num_layers"), int):
+    return "seq2seq" if found[0] in _ENCODER_DECODER_TYPES else "causal"
+
+
+def num_blocks(name_or_path: str) -> tuple[str, int] | None:
+    """The ``model_type`` of ``--model name_or_path`` and its transformer blocks (an encoder-decoder's encoder and
+    decoder blocks together), from a preset's fields or the folder's ``config.json`` alone (no import of
+    transformers: the launcher checks ``--stages`` against it once); ``None`` when they cannot be told so (the
+    ranks check it on the loaded model)."""
+    found = _type_and_fields(name_or_path)
+    if found is None:
+        return None
+    model_type, fields = found
+    if model_type in _ENCODER_DECODER_TYPES and isinstance(fields.get("num_layers"), int):
         decoder = fields.get("num_decoder_layers")
         return model_type, fields["num_layers"] + (decoder if isinstance(decoder, int) else fields["num_layers"])
     for key in ("n_layer", "num_hidden_layers"):

@@ -15,9 +15,10 @@ from dynabatch.training.config.flags import add_config_arguments, config_from_ar
 from dynabatch.core.methods import objective_note
 from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.faults import INTERRUPTED_STATUS
+from dynabatch.data.batching import LengthLimits, replica_budget_problem
 from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA
 from dynabatch.data.tokenize import tokenizer_problem
-from dynabatch.model_presets import model_problem, stages_problem
+from dynabatch.model_presets import model_problem, sequence_kind, stages_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,17 @@ def interrupted_run(output_dir: str) -> BaseException:
 
     step = steps_logged(os.path.join(output_dir, "metrics.jsonl"))
     return Interrupted(interruption_line(output_dir, step if step else None))
+
+
+def _budget_problem(cfg) -> str | None:
+    """The trainer's refusal of a global batch that holds less than one maximal sample per replica, said before the
+    launch where the model's sequence kind can be told from the file system (else each rank says it)."""
+    kind = sequence_kind(cfg.model)
+    if kind is None:
+        return None
+    limits = LengthLimits(kind, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                          max_seq_len=cfg.max_input_len)
+    return replica_budget_problem(cfg.global_batch_tokens, cfg.replicas, limits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
         # what every rank would refuse alike, said once here (the file system only: no transformers import)
         for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model),
-                        stages_problem(cfg.model, cfg.stages)):
+                        stages_problem(cfg.model, cfg.stages), _budget_problem(cfg)):
             if problem is not None:
                 raise ValueError(problem)
 

@@ -222,3 +222,30 @@ def test_bench_refuses_more_stages_than_blocks_before_the_launch(tmp_path, capsy
     lines = [ln for ln in err.splitlines() if "error:" in ln]
     assert code == 2 and len(lines) == 1 and "[rank" not in err, err[-2000:]
     assert "transformer blocks of this gpt2 model (2), got 3; use --stages 2 or fewer" in lines[0], lines[0]
+
+
+def test_a_global_batch_below_one_sample_per_replica_is_refused_before_the_launch(tmp_path):
+    """2 replicas of t5-tiny with 256 tokens a step and 32 + 128 tokens a sample: one line from the launcher, naming
+    the flag and the least budget (each rank used to say it after start-up, as ``global_batch_tokens 256 ...``)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dynabatch", "train", "--replicas", "2", "--model", "t5-tiny",
+                        "--max-input-len", "32", "--global-batch-tokens", "256", "--steps", "1",
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert ("--global-batch-tokens 256 holds less than one maximal sample (max_input_len=32, max_target_len=128, "
+            "160 tokens) per replica (2)") in r.stderr and "raise it to at least 320" in r.stderr, r.stderr[-2000:]
+    assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_sequence_kind_of_a_preset_or_folder(tmp_path):
+    from transformers import GPT2Config, T5Config
+
+    from dynabatch.model_presets import sequence_kind
+
+    T5Config(num_layers=1).save_pretrained(tmp_path / "t5")
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    assert sequence_kind(str(tmp_path / "t5")) == "seq2seq" and sequence_kind(str(tmp_path / "gpt2")) == "causal"
+    assert sequence_kind("t5-tiny") == "seq2seq" and sequence_kind("llama-tiny") == "causal"
+    assert sequence_kind("gpt") == "causal" and sequence_kind("nosuch") is None
