@@ -10,6 +10,7 @@ Vocabulary and special ids default to the built-in offline tokenizer (pad 0, eos
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -102,6 +103,64 @@ def model_problem(name_or_path: str) -> str | None:
     if os.sep in name_or_path or name_or_path.startswith((".", "~")):
         return f"--model {name_or_path!r}: no such folder (nothing is downloaded); {_FOLDER_HINT}, {presets}"
     return _unknown_preset(name_or_path)
+
+
+_ENCODER_DECODER_TYPES = ("t5", "mt5", "umt5")
+
+
+def _type_and_fields(name_or_path: str) -> tuple[str, dict] | None:
+    """The ``model_type`` and config fields of a preset, or of a model folder's ``config.json`` read as JSON (no
+    import of transformers); ``None`` when neither tells them."""
+    if os.path.isdir(name_or_path):
+        try:
+            with open(os.path.join(name_or_path, "config.json"), encoding="utf-8") as f:
+                fields = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return (str(fields.get("model_type", "this")), fields) if isinstance(fields, dict) else None
+    preset = PRESETS.get(FAMILY_PRESETS.get(name_or_path, name_or_path))
+    return (preset.model_type, preset.fields) if preset is not None else None
+
+
+def sequence_kind(name_or_path: str) -> str | None:
+    """``seq2seq`` for an encoder-decoder ``--model`` (T5's types), ``causal`` for another preset or folder with a
+    ``model_type``, told from the file system alone (:func:`_type_and_fields`); ``None`` when it cannot tell."""
+    found = _type_and_fields(name_or_path)
+    if found is None or found[0] == "this":
+        return None
+    return "seq2seq" if found[0] in _ENCODER_DECODER_TYPES else "causal"
+
+
+def num_blocks(name_or_path: str) -> tuple[str, int] | None:
+    """The ``model_type`` of ``--model name_or_path`` and its transformer blocks (an encoder-decoder's encoder and
+    decoder blocks together), from a preset's fields or the folder's ``config.json`` alone (no import of
+    transformers: the launcher checks ``--stages`` against it once); ``None`` when they cannot be told so (the
+    ranks check it on the loaded model)."""
+    found = _type_and_fields(name_or_path)
+    if found is None:
+        return None
+    model_type, fields = found
+    if model_type in _ENCODER_DECODER_TYPES and isinstance(fields.get("num_layers"), int):
+        decoder = fields.get("num_decoder_layers")
+        return model_type, fields["num_layers"] + (decoder if isinstance(decoder, int) else fields["num_layers"])
+    for key in ("n_layer", "num_hidden_layers"):
+        if isinstance(fields.get(key), int):
+            return model_type, fields[key]
+    return None
+
+
+def stages_line(model_type: str, blocks: int, stages: int) -> str:
+    """The one line for ``--stages`` outside ``1 ..`` the model's transformer blocks (every stage holds one)."""
+    hint = f"use --stages {blocks} or fewer, or a model with more blocks" if stages > blocks else "use --stages 1 or more"
+    return (f"--stages must be between 1 and the number of transformer blocks of this {model_type} model ({blocks}), "
+            f"got {stages}; {hint}")
+
+
+def stages_problem(name_or_path: str, stages: int) -> str | None:
+    """The line of :func:`stages_line` when ``--model name_or_path`` has fewer transformer blocks than ``stages``,
+    told from the file system alone (:func:`num_blocks`); ``None`` otherwise, or when that cannot tell."""
+    shape = num_blocks(name_or_path)
+    return stages_line(*shape, stages) if shape is not None and stages > shape[1] else None
 
 
 def _unknown_preset(name: str) -> str:

@@ -471,6 +471,10 @@ def check_trace_dir(trace_dir: str | None, methods) -> None:
         return
     if os.path.exists(trace_dir) and not os.path.isdir(trace_dir):
         raise ValueError(f"--trace-dir {trace_dir!r} is a file, not a folder; pass a folder path")
+    if not any(method in TRACED_METHODS for method in methods):  # else nothing is written, without a word
+        raise ValueError(f"--trace-dir writes the first step of {' and '.join(TRACED_METHODS)}, and --methods "
+                         f"{','.join(methods)} runs neither; add {' or '.join(TRACED_METHODS)} to --methods, or drop "
+                         "--trace-dir")
     for method in methods:
         if method in TRACED_METHODS:
             for path in trace_paths(trace_dir, method):

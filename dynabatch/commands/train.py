@@ -15,8 +15,10 @@ from dynabatch.training.config.flags import add_config_arguments, config_from_ar
 from dynabatch.core.methods import objective_note
 from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.faults import INTERRUPTED_STATUS
+from dynabatch.data.batching import LengthLimits, replica_budget_problem
+from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA
 from dynabatch.data.tokenize import tokenizer_problem
-from dynabatch.model_presets import model_problem
+from dynabatch.model_presets import model_problem, sequence_kind, stages_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +35,17 @@ def interrupted_run(output_dir: str) -> BaseException:
     return Interrupted(interruption_line(output_dir, step if step else None))
 
 
+def _budget_problem(cfg) -> str | None:
+    """The trainer's refusal of a global batch that holds less than one maximal sample per replica, said before the
+    launch where the model's sequence kind can be told from the file system (else each rank says it)."""
+    kind = sequence_kind(cfg.model)
+    if kind is None:
+        return None
+    limits = LengthLimits(kind, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
+                          max_seq_len=cfg.max_input_len)
+    return replica_budget_problem(cfg.global_batch_tokens, cfg.replicas, limits)
+
+
 def run(args: argparse.Namespace) -> int:
     given = None
     argv = getattr(args, "argv", None)
@@ -41,11 +54,14 @@ def run(args: argparse.Namespace) -> int:
         add_arguments(p)
         given = given_flags(p, argv)
     cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
+    if cfg.columns and not cfg.data:  # train() may map in-memory datasets; the command has only --data to map
+        raise ValueError(COLUMNS_WITHOUT_DATA)
     if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
         from dynabatch.engine.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
 
         # what every rank would refuse alike, said once here (the file system only: no transformers import)
-        for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model)):
+        for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model),
+                        stages_problem(cfg.model, cfg.stages), _budget_problem(cfg)):
             if problem is not None:
                 raise ValueError(problem)
 

@@ -93,6 +93,18 @@ def check_token_budget(budget: int, limits: LengthLimits, name: str = "token_bud
                          f"tokens); raise it to at least {limits.max_tokens} or lower the length limits")
 
 
+def replica_budget_problem(budget: int, replicas: int, limits: LengthLimits,
+                           name: str = "--global-batch-tokens") -> str | None:
+    """The one line when a global batch of ``budget`` tokens holds less than one maximal sample of ``limits`` per
+    replica (a batch of long samples would leave a replica without one: a global batch holds at least
+    ``budget // max_tokens`` samples); ``None`` when it holds enough, or with one replica."""
+    if replicas <= 1 or budget >= replicas * limits.max_tokens:
+        return None
+    return (f"{name} {budget} holds less than one maximal sample ({limits.describe()}, {limits.max_tokens} tokens) "
+            f"per replica ({replicas}): a batch of long samples would leave a replica without one; raise it to at "
+            f"least {replicas * limits.max_tokens} or lower the length limits")
+
+
 def _cut(ids: np.ndarray, n: int, eos: int) -> np.ndarray:
     """First ``n`` tokens, keeping a final EOS if the sequence had one."""
     if len(ids) <= n:

@@ -25,6 +25,11 @@ from dynabatch.data.sources import CAST_FIELDS, FILE_BUILDERS, SourceSpec
 COLUMNS_EXAMPLE = "inputs=question,targets=answer[,task=category]"
 
 
+COLUMNS_WITHOUT_DATA = ("--columns maps the columns of --data (or of in-memory datasets); pass --data FILE with it, or "
+                        "drop --columns (a mixture spec maps its own)")
+"""The one line for ``--columns`` given without ``--data``."""
+
+
 def parse_columns(text: str | None) -> dict[str, str]:
     """``--columns`` text as ``{field: column}``; any malformed text is one ``ValueError`` line."""
     if not text or not text.strip():
@@ -76,7 +81,7 @@ def load_data(
     if len(given) > 1:
         raise ValueError(f"give one of mixture, data or datasets, got {' and '.join(given)}")
     if columns and not (data or datasets is not None):
-        raise ValueError("columns maps the columns of --data (or of in-memory datasets); a mixture spec maps its own")
+        raise ValueError(COLUMNS_WITHOUT_DATA)
     if datasets is not None:
         cols = parse_columns(columns) if isinstance(columns, str) else columns
         return MixtureData.from_datasets(datasets, tokenizer, family, columns=cols, seed=seed,

@@ -52,6 +52,7 @@ from dynabatch.cost.stages import (
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import check_attention_path, use_segment_attention
 from dynabatch.models.families import analytic_spec, family_for_config
+from dynabatch.model_presets import stages_line
 from dynabatch.models.stage import StageModule
 from dynabatch.schedule.ir import PipelineSpec
 from dynabatch.core.sequence import CAUSAL, SEQ2SEQ
@@ -75,10 +76,7 @@ def check_num_stages(model: nn.Module, num_stages: int, placement=None) -> None:
     chunks per device) fit them too; the trainer checks it before loading any data."""
     num_blocks = _num_blocks(model)
     if not 1 <= num_stages <= num_blocks:
-        raise ValueError(
-            f"num_stages must be between 1 and the number of transformer blocks of this "
-            f"{model.config.model_type} model ({num_blocks}), got {num_stages}"
-        )
+        raise ValueError(stages_line(model.config.model_type, num_blocks, num_stages))
     if placement is not None and placement.num_stages > num_blocks:
         raise ValueError(
             f"--placement {placement.describe()} cuts {num_stages} stages into {placement.num_stages} chunks, more than the "

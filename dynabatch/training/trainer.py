@@ -40,7 +40,7 @@ from dynabatch.core.policies import AUTO
 from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.p2p import loopback_store
-from dynabatch.data.batching import GlobalBatcher, LengthLimits
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, replica_budget_problem
 from dynabatch.data.inputs import data_notes, load_data
 from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.models.attention_kernels import (KERNEL_CALLS, attention_kernel, calls_since, kernel_problem,
@@ -215,11 +215,8 @@ def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Load
     without one (a global batch holds at least ``global_batch_tokens // max_tokens`` samples)."""
     limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                           max_seq_len=cfg.max_input_len)
-    if cfg.replicas > 1 and cfg.global_batch_tokens < cfg.replicas * limits.max_tokens:
-        raise ValueError(
-            f"global_batch_tokens {cfg.global_batch_tokens} holds less than one maximal sample ({limits.describe()}, "
-            f"{limits.max_tokens} tokens) per replica ({cfg.replicas}): a batch of long samples would leave a replica "
-            f"without one; raise it to at least {cfg.replicas * limits.max_tokens} or lower the length limits")
+    if (problem := replica_budget_problem(cfg.global_batch_tokens, cfg.replicas, limits)) is not None:
+        raise ValueError(problem)
     data = load_training_data(cfg, tokenizer, family, datasets)
     for note in data_notes(data):  # numbers cast to text, malformed rows skipped
         logger.info(f"data: {note}")

@@ -48,7 +48,7 @@ from dynabatch.training.config.sections import (  # noqa: F401 (the registries a
 )
 from dynabatch.core.devices import check_device_name
 from dynabatch.data.baselines import attention_for
-from dynabatch.data.inputs import parse_columns
+from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA, parse_columns
 from dynabatch.training.config.placement_choice import check_placement
 
 
@@ -124,8 +124,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.columns:  # malformed --columns text is one line before anything loads
             parse_columns(self.columns)
             if self.mixture:
-                raise ValueError("columns maps the columns of --data (or of datasets given to train()); a mixture "
-                                 "spec maps its own")
+                raise ValueError(COLUMNS_WITHOUT_DATA)
         if self.device != "auto":
             check_device_name(self.device)
         for name in ("timeout_s", "startup_timeout_s"):
@@ -151,9 +150,11 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         for name in ("learning_rate", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.eval_steps and not (self.eval_mixture or self.eval_holdout):
-            raise ValueError(f"eval_steps {self.eval_steps} evaluates on evaluation data, and none is given: pass "
-                             "--eval-mixture SPEC or --eval-holdout FRACTION, or drop --eval-steps")
+        for name, flag, does in (("eval_steps", "--eval-steps", "evaluates on"), ("eval_samples", "--eval-samples", "caps")):
+            value = getattr(self, name)
+            if value and not (self.eval_mixture or self.eval_holdout):  # else ignored without a word
+                raise ValueError(f"{name} {value} {does} evaluation data, and none is given: pass "
+                                 f"--eval-mixture SPEC or --eval-holdout FRACTION, or drop {flag}")
         if not 0 <= self.max_grad_norm < float("inf"):
             raise ValueError(f"max_grad_norm must be >= 0 and finite (0: no clipping), got {self.max_grad_norm}")
 

@@ -86,7 +86,7 @@ def test_more_stages_than_blocks_via_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(trainer, "prepare_output_dir", lambda output_dir, ctx, **kw: None)  # broadcasts in a real world of 3
     monkeypatch.setattr(trainer, "check_same_settings", lambda ctx, given: None)  # gathers in a real world of 3
     msg = _train_error(tmp_path, capsys, "--stages", "3", "--model", "gpt2-tiny")
-    assert "number of transformer blocks of this gpt2 model (2), got 3" in msg
+    assert "number of transformer blocks of this gpt2 model (2), got 3" in msg and "use --stages 2 or fewer" in msg
 
 
 def test_more_chunks_than_blocks_names_the_placement():
@@ -165,3 +165,87 @@ def test_two_ranks_refuse_a_bad_model_or_tokenizer_once_before_the_launch(tmp_pa
                             "--output-dir", str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and r.stderr.count("error:") == 1 and expected in r.stderr, r.stderr[-2000:]
         assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_more_stages_than_blocks_is_refused_once_before_the_launch(tmp_path):
+    """``--stages 3`` on gpt2-tiny (2 blocks): the launcher says so in one line with the fix, before any rank starts
+    (the ranks used to start, load the model and refuse it each, after most of a minute on 2 cores)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dynabatch", "train", "--stages", "3", "--model", "gpt2-tiny",
+                        "--steps", "1", "--output-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert ("--stages must be between 1 and the number of transformer blocks of this gpt2 model (2), got 3; "
+            "use --stages 2 or fewer") in r.stderr, r.stderr[-2000:]
+    assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_blocks_of_a_model_folder_are_read_from_its_config_alone(tmp_path):
+    from transformers import GPT2Config, LlamaConfig, T5Config
+
+    from dynabatch.model_presets import num_blocks, stages_problem
+
+    T5Config(num_layers=3, num_decoder_layers=2).save_pretrained(tmp_path / "t5")
+    T5Config(num_layers=3).save_pretrained(tmp_path / "t5-same")
+    GPT2Config(n_layer=5).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(num_hidden_layers=7).save_pretrained(tmp_path / "llama")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert num_blocks(str(tmp_path / "t5")) == ("t5", 5)
+    assert num_blocks(str(tmp_path / "t5-same")) == ("t5", 6)
+    assert num_blocks(str(tmp_path / "gpt2")) == ("gpt2", 5)
+    assert num_blocks(str(tmp_path / "llama")) == ("llama", 7)
+    assert num_blocks("t5-tiny") == ("t5", 4) and num_blocks("llama-tiny") == ("llama", 2)
+    assert num_blocks(str(tmp_path / "bad")) is None and num_blocks("nosuch") is None
+    assert stages_problem(str(tmp_path / "llama"), 7) is None
+    assert stages_problem(str(tmp_path / "llama"), 8).endswith("got 8; use --stages 7 or fewer, or a model with more blocks")
+
+
+def test_columns_without_data_is_one_line_with_the_fix_before_anything_loads(tmp_path, capsys):
+    """``dynabatch train --columns ...`` without ``--data`` (the built-in mixture, or ``--mixture``): one line saying to
+    pass --data or drop --columns, before the model is built (the line used to come after it, without a fix)."""
+    out = tmp_path / "out"
+    for extra in ([], ["--mixture", _spec(tmp_path, [{"task": "t", "data_files": "x.jsonl"}])]):
+        code = main(["train", "--columns", "inputs=question", "--steps", "1", "--output-dir", str(out), *extra])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if "dynabatch train: error:" in ln]
+        assert code == 2 and len(lines) == 1, err[-2000:]
+        assert "pass --data FILE with it, or drop --columns" in lines[0], lines[0]
+        assert "tokenizer:" not in err and not out.exists()  # nothing loaded, nothing written
+
+
+def test_bench_refuses_more_stages_than_blocks_before_the_launch(tmp_path, capsys):
+    code = main(["bench", "--model", "gpt2-tiny", "--stages", "3", "--timed-steps", "1", "--untimed-steps", "0"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert code == 2 and len(lines) == 1 and "[rank" not in err, err[-2000:]
+    assert "transformer blocks of this gpt2 model (2), got 3; use --stages 2 or fewer" in lines[0], lines[0]
+
+
+def test_a_global_batch_below_one_sample_per_replica_is_refused_before_the_launch(tmp_path):
+    """2 replicas of t5-tiny with 256 tokens a step and 32 + 128 tokens a sample: one line from the launcher, naming
+    the flag and the least budget (each rank used to say it after start-up, as ``global_batch_tokens 256 ...``)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dynabatch", "train", "--replicas", "2", "--model", "t5-tiny",
+                        "--max-input-len", "32", "--global-batch-tokens", "256", "--steps", "1",
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert ("--global-batch-tokens 256 holds less than one maximal sample (max_input_len=32, max_target_len=128, "
+            "160 tokens) per replica (2)") in r.stderr and "raise it to at least 320" in r.stderr, r.stderr[-2000:]
+    assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_sequence_kind_of_a_preset_or_folder(tmp_path):
+    from transformers import GPT2Config, T5Config
+
+    from dynabatch.model_presets import sequence_kind
+
+    T5Config(num_layers=1).save_pretrained(tmp_path / "t5")
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    assert sequence_kind(str(tmp_path / "t5")) == "seq2seq" and sequence_kind(str(tmp_path / "gpt2")) == "causal"
+    assert sequence_kind("t5-tiny") == "seq2seq" and sequence_kind("llama-tiny") == "causal"
+    assert sequence_kind("gpt") == "causal" and sequence_kind("nosuch") is None

@@ -102,3 +102,14 @@ def test_trace_dir_never_replaces_files_no_command_wrote_and_replaces_its_own(tm
     (traces / "dynamic_step0.json").write_text(json.dumps({**trace, "note": "stale"}))
     assert main(args) == 0, capsys.readouterr().err[-2000:]  # its own earlier output: replaced
     assert "note" not in json.loads((traces / "dynamic_step0.json").read_text())
+
+
+def test_trace_dir_without_a_traced_method_is_one_line(tmp_path, capsys):
+    """``--trace-dir`` traces dynamic and packing; with --methods naming neither it wrote nothing and said nothing."""
+    traces = tmp_path / "traces"
+    code = main(["simulate", "--model", "gpt", "--num-batches", "1", "--methods", "packing_free,padding",
+                 "--lengths", _lengths(tmp_path), "--trace-dir", str(traces)])
+    msg = _one_line(capsys, "simulate", code)
+    assert ("--trace-dir writes the first step of dynamic and packing, and --methods packing_free,padding runs neither; "
+            "add dynamic or packing to --methods, or drop --trace-dir") in msg
+    assert not traces.exists()

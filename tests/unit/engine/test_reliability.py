@@ -376,6 +376,8 @@ def test_max_grad_norm_zero_trains_without_clipping(tmp_path, capsys):
     (["--max-stepz", "3"], "unrecognized arguments: --max-stepz 3 (see `dynabatch train --help`)"),
     (["--dropout", "1.5"], "dropout must be in [0, 1)"),
     (["--eval-steps", "5"], "eval_steps 5 evaluates on evaluation data, and none is given: pass --eval-mixture"),
+    (["--eval-samples", "4"], "eval_samples 4 caps evaluation data, and none is given: pass --eval-mixture SPEC or "
+                              "--eval-holdout FRACTION, or drop --eval-samples"),
     (["--max-grad-norm", "-1"], "max_grad_norm must be >= 0 and finite (0: no clipping), got -1.0"),
     (["--max-grad-norm", "inf"], "max_grad_norm must be a finite number, got inf"),
 ])
