@@ -170,7 +170,8 @@ def test_eval_holdout_trains_on_the_other_rows(tmp_path, toy_mixture_dir):
     rows = _rows(tmp_path / "ho")
     assert [r.get("kind") for r in rows] == [None, "eval"]
     assert sorted(rows[1]["eval"]["exact_match"]) == ["classify", "short", "summarize"]
-    cfg2 = dataclasses.replace(cfg, eval_holdout=0.0, output_dir=str(tmp_path / "plain"))
+    # no evaluation data then, so no eval_samples either (refused without data)
+    cfg2 = dataclasses.replace(cfg, eval_holdout=0.0, eval_samples=None, output_dir=str(tmp_path / "plain"))
     train(cfg2)
     assert _rows(tmp_path / "plain")[0]["samples_digest"] != rows[0]["samples_digest"]  # other training rows
 
