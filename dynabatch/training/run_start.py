@@ -90,3 +90,18 @@ def log_dropout(cfg: TrainConfig, ctx: DistContext) -> None:
     (:func:`~dynabatch.model_presets.describe_dropout`)."""
     if ctx.is_planner and (line := describe_dropout(cfg.model, cfg.dropout)) is not None:
         logger.info(line)
+
+
+def describe_zero(zero: int, replicas: int) -> str | None:
+    """The line a run logs when ``--zero`` has nothing to shard: with one replica every stage keeps its whole
+    states, as under ``--zero 0`` (the trainer shards only across two or more replicas); ``None`` otherwise."""
+    if zero >= 1 and replicas == 1:
+        return (f"--zero {zero} with one replica: there is nothing to shard across replicas, so every stage keeps its "
+                "whole states (as --zero 0); pass --replicas 2 or more to shard them")
+    return None
+
+
+def log_zero(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 warns when ``--zero`` is set with one replica (:func:`describe_zero`)."""
+    if ctx.is_planner and (line := describe_zero(cfg.zero, ctx.num_replicas)) is not None:
+        logger.warning(line)

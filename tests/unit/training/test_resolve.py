@@ -234,3 +234,17 @@ def test_full_determinism_in_process_gives_equal_runs_and_puts_torch_back(tmp_pa
         with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
             records.append([(r["samples_digest"], r["num_micro_batches"], r["loss"]) for r in map(json.loads, f)])
     assert records[0] == records[1] and len(records[0]) == 3
+
+
+def test_zero_with_one_replica_is_said_once_and_runs_as_zero_0(tmp_path, capsys):
+    """``--zero 1`` on one replica has nothing to shard: the run warns once and keeps whole states (as ``--zero 0``);
+    with two replicas there is no such line."""
+    from dynabatch.training.run_start import describe_zero
+
+    assert describe_zero(0, 1) is None and describe_zero(1, 2) is None and describe_zero(2, 4) is None
+    assert "--zero 2 with one replica" in describe_zero(2, 1)
+    out = str(tmp_path / "z")
+    assert main(["train", "--max-steps", "1", "--output-dir", out, "--zero", "1", *SMALL]) == 0
+    err = capsys.readouterr().err
+    assert err.count("--zero 1 with one replica: there is nothing to shard") == 1, err[-2000:]
+    assert len(_losses(out)) == 1
