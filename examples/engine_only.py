@@ -10,7 +10,7 @@ configuration). The micro-batches the planner makes have different shapes, which
     python examples/engine_only.py                                            # starts its own two gloo ranks
     torchrun --standalone --nproc-per-node 2 examples/engine_only.py          # the same under torchrun
 
-Rank 0 prints the step's micro-batch shapes; every rank checks that no module of the training application was
+It takes no arguments (any is refused in one line, exit 2). Rank 0 prints the step's micro-batch shapes; every rank checks that no module of the training application was
 imported and prints the step's loss (the global token-normalised loss, the same on both ranks).
 tests/dist/test_engine_only.py runs it and compares the loss with the unsplit model's.
 """
@@ -19,6 +19,11 @@ from __future__ import annotations
 
 import os
 import sys
+
+if __name__ == "__main__":  # it takes no arguments: one line and exit 2 for any (they were ignored)
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
 if __name__ == "__main__" and "RANK" not in os.environ:  # started directly: run as two local ranks, as
     from dynabatch.engine.launch import launch_local  # torchrun --standalone would (before the heavy imports)

@@ -28,32 +28,20 @@ import tempfile
 import torch
 from transformers import TrainingArguments
 
-from dynabatch.data.batching import LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
+from dynabatch.integrations.example_args import (EXAMPLE_MODELS, check_token_budget, family_of, length_limits,
+                                                   positive)
 from dynabatch.integrations.trainer import DynaBatchTrainer
 from dynabatch.models.presets import build_config, build_model
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def length_limits(family: str) -> LengthLimits:
-    """Per-sample limits of both loaders."""
-    return LengthLimits(family, max_input_len=256, max_target_len=64, max_seq_len=320)
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="t5-tiny", choices=["t5-tiny", "t5-mini", "gpt2-tiny", "gpt2-mini"],
+    p.add_argument("--model", default="t5-tiny", choices=EXAMPLE_MODELS,
                    help="model preset, built from its config (with --resume: the one the run trained)")
     p.add_argument("--output-dir", default=None, help="checkpoints (default: a temporary folder)")
     p.add_argument("--steps", type=positive, default=12,
@@ -64,17 +52,10 @@ def parse_args() -> argparse.Namespace:
                    help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     args = p.parse_args()
-    longest = length_limits(family_of(args.model)).max_tokens
-    if args.token_budget < longest:
-        p.error(f"--token-budget {args.token_budget} cannot hold one maximal sample ({longest} tokens); "
-                f"pass at least {longest}")
+    check_token_budget(p, args.token_budget, args.model)
     if args.resume:
         check_resumable(args.output_dir, args.model)
     return args
-
-
-def family_of(model: str) -> str:
-    return "t5" if model.startswith("t5") else "gpt2"
 
 
 def check_resumable(output_dir: str | None, model: str) -> None:

@@ -8,6 +8,9 @@ gradient is that of the token-normalised loss however the batch was cut.
     python examples/train_loop.py --model gpt2-tiny --method packing
     torchrun --nproc_per_node 2 examples/train_loop.py     # data parallel (gloo on CPU, nccl on GPU)
 
+A ``--steps``, ``--threads`` or ``--token-budget`` it cannot run (below 1, or a budget below one maximal sample)
+is one line, exit 2, as in ``examples/hf_trainer.py``.
+
 With several processes every rank builds the same loader with its own ``replica_index``; gradients are
 summed (not averaged) over ranks, since each rank's loss is already divided by the global token count.
 """
@@ -21,25 +24,28 @@ import time
 import torch
 import torch.distributed as dist
 
-from dynabatch.data.batching import LengthLimits
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import METHODS, DynaBatchDataLoader
+from dynabatch.integrations.example_args import EXAMPLE_MODELS, check_token_budget, family_of, length_limits, positive
 from dynabatch.models.forward import forward_loss
 from dynabatch.models.presets import build_model
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="t5-tiny", choices=["t5-tiny", "t5-mini", "gpt2-tiny", "gpt2-mini"])
+    p.add_argument("--model", default="t5-tiny", choices=EXAMPLE_MODELS)
     p.add_argument("--method", default="dynamic", choices=METHODS)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--token-budget", type=int, default=4096, help="real tokens per global batch")
+    p.add_argument("--steps", type=positive, default=10)
+    p.add_argument("--token-budget", type=positive, default=4096, help="real tokens per global batch")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
-    return p.parse_args()
+    p.add_argument("--threads", type=positive, default=1,
+                   help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
+    args = p.parse_args()
+    check_token_budget(p, args.token_budget, args.model)  # one line, exit 2, before any data loads
+    return args
 
 
 def main() -> None:
@@ -54,10 +60,10 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
 
-    family = "t5" if args.model.startswith("t5") else "gpt2"
+    family = family_of(args.model)
     data = MixtureData.load(MixtureSpec.from_file(default_mixture_path()), load_tokenizer("builtin"), family)
     model = build_model(args.model, seed=0).to(device)  # same initial weights on every rank
-    limits = LengthLimits(family, max_input_len=256, max_target_len=64, max_seq_len=320)
+    limits = length_limits(family)
     options = {"samples_per_micro_batch": 8} if args.method in ("padding", "length_grouped") else {}
     loader = DynaBatchDataLoader(
         data,

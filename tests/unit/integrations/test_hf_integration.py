@@ -677,7 +677,6 @@ def test_the_hf_trainer_example_says_in_one_line_what_it_cannot_run(tmp_path, mo
     changed data (or weights of other shapes), ``--steps 0`` and a ``--token-budget`` below one sample in
     tracebacks; each is now one line naming it, exit 2, before any data loads. The same model resumes."""
     import runpy
-    import sys
 
     script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "hf_trainer.py")
     build_config("gpt2-tiny").save_pretrained(tmp_path / "checkpoint-3")
@@ -693,14 +692,54 @@ def test_the_hf_trainer_example_says_in_one_line_what_it_cannot_run(tmp_path, mo
         ("--steps", "0"): "argument --steps: must be at least 1, got 0",
         ("--token-budget", "100"): "--token-budget 100 cannot hold one maximal sample (320 tokens); pass at least 320",
     }
+    _assert_one_line_errors(script, cases, monkeypatch, capsys)
+    assert runpy.run_path(script)["check_resumable"](str(tmp_path), "gpt2-tiny") is None
+
+
+def _assert_one_line_errors(script: str, cases: dict, monkeypatch, capsys) -> None:
+    """Each ``argv -> expected`` of ``cases`` ends ``script`` (run as ``__main__``) in exit 2, without a traceback,
+    with ``expected`` its only ``error:`` line."""
+    import runpy
+    import sys
+
     for argv, expected in cases.items():
         monkeypatch.setattr(sys, "argv", [script, *argv])
         with pytest.raises(SystemExit) as exited:
             runpy.run_path(script, run_name="__main__")
         err = capsys.readouterr().err
         assert exited.value.code == 2 and "Traceback" not in err, err[-2000:]
-        assert [line for line in err.splitlines() if "error:" in line] == [f"hf_trainer.py: error: {expected}"]
-    assert runpy.run_path(script)["check_resumable"](str(tmp_path), "gpt2-tiny") is None
+        assert [line for line in err.splitlines() if "error:" in line] == [
+            f"{os.path.basename(script)}: error: {expected}"]
+
+
+def test_the_train_loop_example_says_in_one_line_what_it_cannot_run(monkeypatch, capsys):
+    """examples/train_loop.py: ``--steps 0`` (or negative), ``--threads 0`` and a ``--token-budget`` below one maximal
+    sample ended in tracebacks (the loader's ``ValueError``, torch's ``set_num_threads``) after the data had loaded;
+    it now checks them as examples/hf_trainer.py does (``dynabatch.integrations.example_args``)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "train_loop.py")
+    cases = {
+        ("--steps", "0"): "argument --steps: must be at least 1, got 0",
+        ("--steps", "-3"): "argument --steps: must be at least 1, got -3",
+        ("--threads", "0"): "argument --threads: must be at least 1, got 0",
+        ("--model", "gpt2-tiny", "--token-budget", "100"):
+            "--token-budget 100 cannot hold one maximal sample (320 tokens); pass at least 320",
+    }
+    _assert_one_line_errors(script, cases, monkeypatch, capsys)
+
+
+def test_the_engine_only_example_refuses_arguments_instead_of_ignoring_them():
+    """examples/engine_only.py takes no arguments and ran its step ignoring any it was given: now one line, exit 2."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "engine_only.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, script, "--steps", "0"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert [line for line in done.stderr.splitlines() if "error:" in line] == [
+        "engine_only.py: error: unrecognized arguments: --steps 0"]
+    assert "rank 0" not in done.stdout  # no step ran
 
 
 def test_trainer_warns_that_epoch_strategies_act_once_on_an_endless_loader(copy_spec, byt5, tmp_path):
