@@ -33,7 +33,7 @@ from dynabatch.data.tokenize import inference_tokenizer
 from dynabatch.engine.checkpoint import CheckpointError, CheckpointInfo, first_non_finite, resolve_checkpoint
 from dynabatch.engine.outputs import listed, make_writable_dir
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.data.tokenize import encodes_like_training, input_start, load_tokenizer, tokenizer_info
+from dynabatch.data.tokenize import PROBE_TEXT, encodes_like_training, input_start, load_tokenizer, tokenizer_info
 from dynabatch.model_presets import model_class
 from dynabatch.models.families import check_model, family_for_config
 from dynabatch.models.presets import build_run_model
@@ -108,7 +108,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     except BaseException:
         remove_empty(created)
         raise
-    encoding = _check_encoding(out_dir, family, start)
+    encoding = _check_encoding(out_dir, family, start, tokenizer)
     with open(os.path.join(out_dir, EXPORT_MARKER), "w", encoding="utf-8") as f:
         json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id,
                    "sequence_kind": family, "encoding": encoding}, f, indent=1)
@@ -161,21 +161,33 @@ def _load_weights(model, checkpoint: str) -> None:
             p.copy_(weights[name])
 
 
-def _check_encoding(out_dir: str, family: str, start: list[int]) -> str:
+def _check_encoding(out_dir: str, family: str, start: list[int], trained) -> str:
     """How to encode a model input with the exported tokenizer as training did (``start``: the ids training put
-    before the text, :func:`~dynabatch.data.tokenize.input_start`): reloads it the way a user does
-    (``AutoTokenizer.from_pretrained``) and compares with training's encoding; a warning says what to do where the
-    two differ (a slow tokenizer, whose special tokens cannot be set in its files)."""
+    before the text, :func:`~dynabatch.data.tokenize.input_start`; ``trained``: the tokenizer training encoded
+    with): reloads it the way a user does (``AutoTokenizer.from_pretrained``) and compares with training's encoding;
+    a warning says what to do where the two differ: a slow tokenizer, whose special tokens cannot be set in its
+    files, or ``AutoTokenizer`` loading another class than training's (a Qwen2 folder's config makes it load an empty
+    ``Qwen2Tokenizer`` beside a saved ``ByT5Tokenizer``), which encodes the text itself differently."""
     from transformers import AutoTokenizer
 
-
     saved = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # ByT5 saves no vocabulary file
+    load = ""
+    if _plain_ids(saved) != _plain_ids(trained):
+        cls = type(trained).__name__
+        logger.warning(f"{out_dir}: AutoTokenizer.from_pretrained loads a {type(saved).__name__} that encodes text "
+                       f"unlike the {cls} training used; load the tokenizer with {cls}.from_pretrained")
+        saved, load = type(trained).from_pretrained(out_dir, local_files_only=True), f"{cls}.from_pretrained, then "
     if encodes_like_training(saved, family, start):
-        return "tokenizer(text)" + (" (EOS appended, as in training)" if is_seq2seq(family) else "")
+        return load + "tokenizer(text)" + (" (EOS appended, as in training)" if is_seq2seq(family) else "")
     eos = tokenizer_info(saved).eos_id
     before = f"{start} + " if start else ""
     how = (f"tokenizer(text, add_special_tokens=False).input_ids + [{eos}]" if is_seq2seq(family)
            else f"{before}tokenizer(text, add_special_tokens=False).input_ids")
     logger.warning(f"{out_dir}: tokenizer(text) of this tokenizer differs from how training encoded inputs; "
                    f"encode them as {how}")
-    return how
+    return load + how
+
+
+def _plain_ids(tokenizer) -> list[int]:
+    """The ids ``tokenizer`` gives :data:`~dynabatch.data.tokenize.PROBE_TEXT` without special tokens."""
+    return tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]

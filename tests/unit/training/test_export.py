@@ -84,3 +84,26 @@ def test_a_failed_export_removes_only_the_folders_it_created(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("dynabatch export: error: ") and "no-checkpoint-here" in err and "\n" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []
+
+
+def test_the_export_check_compares_with_the_training_tokenizer_not_with_itself(tmp_path, caplog):
+    """A Qwen2 folder's config makes ``AutoTokenizer`` load an empty ``Qwen2Tokenizer`` beside a saved ByT5 tokenizer
+    (it encodes every text to nothing): the check compares the reloaded tokenizer's ids with the training tokenizer's,
+    so it says so and records how to load it (the training class), under which the ids are training's again."""
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from dynabatch.data.tokenize import inference_tokenizer, load_tokenizer
+    from dynabatch.training.export import _check_encoding
+
+    folder = str(tmp_path / "qwen2")
+    Qwen2Config(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128).save_pretrained(folder)
+    trained = load_tokenizer("byt5")
+    inference_tokenizer(trained, "causal").save_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder)("Add 12")["input_ids"] == []  # the trap itself
+    with caplog.at_level("WARNING"):
+        how = _check_encoding(folder, "causal", [], trained)
+    assert how.startswith("ByT5Tokenizer.from_pretrained, then ") and "loads a Qwen2Tokenizer" in caplog.text
+    reloaded = type(trained).from_pretrained(folder)
+    assert reloaded("Add 12", add_special_tokens=False)["input_ids"] == trained("Add 12", add_special_tokens=False)[
+        "input_ids"] != []
