@@ -234,11 +234,18 @@ def describe_dropout(model: str, dropout: float) -> str | None:
             "the config's rate to train with it")
 
 
+UNSET_IDS_FILLED = ("eos_token_id",)
+"""Special ids a model folder's config may leave unset (``Qwen2Config()`` has no ``eos_token_id``) that
+:func:`build_model` takes from the run's tokenizer: without EOS the exported model's ``generate`` never stops. Not the
+pad id: a Llama-style model makes it its embedding's ``padding_idx``, whose row then trains no more (decoder-only
+tokenizers often pad with EOS)."""
+
+
 def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0,
                 special_ids: dict[str, int] | None = None):
     """A preset built from config (random init, seeded; ``special_ids`` as :func:`build_config`) or a local
     checkpoint directory, loaded in fp32 whatever dtype its weights were saved in, with ``dropout`` in its config
-    (:func:`folder_dropout`).
+    (:func:`folder_dropout`) and the ``special_ids`` of :data:`UNSET_IDS_FILLED` where its config leaves them unset.
 
     ``from_pretrained`` keeps a bf16/fp16 checkpoint's own dtype (transformers 5 loads ``dtype="auto"``); a run
     would then keep bf16 master weights and AdamW states that lose most small updates, while ``--dtype`` and the
@@ -249,8 +256,16 @@ def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
         config = load_config(name_or_path)
         for key in folder_dropout(config):
             setattr(config, key, dropout)
-        return model_class(config).from_pretrained(name_or_path, config=config, local_files_only=True,
-                                                   dtype=torch.float32)
+        filled = {key: special_ids[key] for key in UNSET_IDS_FILLED  # without EOS an export's generate never stops
+                  if getattr(config, key, None) is None and key in (special_ids or {})}
+        for key, value in filled.items():
+            setattr(config, key, value)
+        model = model_class(config).from_pretrained(name_or_path, config=config, local_files_only=True,
+                                                    dtype=torch.float32)
+        for key, value in filled.items():  # the folder's generation_config.json leaves it unset too
+            if getattr(model.generation_config, key, None) is None:
+                setattr(model.generation_config, key, value)
+        return model
     config = build_config(name_or_path, vocab_size=vocab_size, dropout=dropout, special_ids=special_ids)
     torch.manual_seed(seed)
     return model_class(config).from_config(config)

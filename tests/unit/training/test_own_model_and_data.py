@@ -354,3 +354,22 @@ def test_an_each_row_once_loader_evaluates_every_row_once(toy_data, tmp_path):
     assert sorted(tasks) == sorted(["short"] * 3 + ["classify"] * 3 + ["summarize"] * 3)
     with pytest.raises(ValueError, match="eval_samples caps the rows of an each_row_once loader"):
         DynaBatchDataLoader(held, limits, token_budget=600, eval_samples=3)
+
+
+def test_a_model_folder_without_eos_takes_the_tokenizers_and_keeps_its_own_otherwise(tmp_path):
+    """``Qwen2Config()`` leaves ``eos_token_id`` unset, so an exported model's ``generate`` would never stop: the run's
+    model takes the tokenizer's EOS (config and generation config); a folder's own EOS and an unset pad id stay."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from dynabatch.model_presets import build_model
+
+    small = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128)
+    bare, own = str(tmp_path / "bare"), str(tmp_path / "own")
+    AutoModelForCausalLM.from_config(Qwen2Config(**small, eos_token_id=None, pad_token_id=None)).save_pretrained(bare)
+    AutoModelForCausalLM.from_config(Qwen2Config(**small, eos_token_id=7, pad_token_id=None)).save_pretrained(own)
+    ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
+    model = build_model(bare, special_ids=ids)
+    assert model.config.eos_token_id == 1 and model.generation_config.eos_token_id == 1
+    assert model.config.pad_token_id is None and model.config.bos_token_id is None
+    assert build_model(own, special_ids=ids).config.eos_token_id == 7
