@@ -103,5 +103,5 @@ def describe_zero(zero: int, replicas: int) -> str | None:
 
 def log_zero(cfg: TrainConfig, ctx: DistContext) -> None:
     """Rank 0 warns when ``--zero`` is set with one replica (:func:`describe_zero`)."""
-    if ctx.is_planner and (line := describe_zero(cfg.zero, ctx.num_replicas)) is not None:
+    if ctx.is_planner and (line := describe_zero(cfg.zero, cfg.replicas)) is not None:
         logger.warning(line)
