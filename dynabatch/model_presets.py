@@ -14,6 +14,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from dynabatch.core.sequence import CAUSAL, SEQ2SEQ
+
 BUILTIN_VOCAB_SIZE = 8192
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 
@@ -28,6 +30,8 @@ class ModelPreset:
     """Config fields of the shape (widths, depths, heads)."""
     dropout_fields: tuple[str, ...] = ()
     """Config fields that ``build_config(dropout=...)`` sets."""
+    sequence_kind: str = CAUSAL
+    """``seq2seq`` (encoder-decoder) or ``causal``."""
 
 
 _SPECIAL_IDS = dict(pad_token_id=PAD_ID, eos_token_id=EOS_ID, use_cache=False)
@@ -37,7 +41,7 @@ def _t5(d_model: int, num_layers: int, num_heads: int, d_ff: int) -> ModelPreset
     fields = dict(d_model=d_model, d_kv=d_model // num_heads, d_ff=d_ff, num_layers=num_layers,
                   num_decoder_layers=num_layers, num_heads=num_heads, decoder_start_token_id=PAD_ID,
                   feed_forward_proj="relu", tie_word_embeddings=True, **_SPECIAL_IDS)
-    return ModelPreset("t5", fields, ("dropout_rate",))
+    return ModelPreset("t5", fields, ("dropout_rate",), SEQ2SEQ)
 
 
 def _gpt2(d_model: int, num_layers: int, num_heads: int, d_ff: int, max_positions: int = 4096) -> ModelPreset:
@@ -105,30 +109,28 @@ def model_problem(name_or_path: str) -> str | None:
     return _unknown_preset(name_or_path)
 
 
-_ENCODER_DECODER_TYPES = ("t5", "mt5", "umt5")
-
-
-def _type_and_fields(name_or_path: str) -> tuple[str, dict] | None:
-    """The ``model_type`` and config fields of a preset, or of a model folder's ``config.json`` read as JSON (no
-    import of transformers); ``None`` when neither tells them."""
+def _type_and_fields(name_or_path: str) -> tuple[str, dict, str] | None:
+    """The ``model_type``, config fields and sequence kind of a preset, or of a model folder's ``config.json`` read
+    as JSON (no import of transformers; its ``is_encoder_decoder``, which Hugging Face writes for T5, says
+    ``seq2seq``); ``None`` when neither tells them."""
     if os.path.isdir(name_or_path):
         try:
             with open(os.path.join(name_or_path, "config.json"), encoding="utf-8") as f:
                 fields = json.load(f)
         except (OSError, ValueError):
             return None
-        return (str(fields.get("model_type", "this")), fields) if isinstance(fields, dict) else None
+        if not isinstance(fields, dict):
+            return None
+        return str(fields.get("model_type", "this")), fields, SEQ2SEQ if fields.get("is_encoder_decoder") else CAUSAL
     preset = PRESETS.get(FAMILY_PRESETS.get(name_or_path, name_or_path))
-    return (preset.model_type, preset.fields) if preset is not None else None
+    return (preset.model_type, preset.fields, preset.sequence_kind) if preset is not None else None
 
 
 def sequence_kind(name_or_path: str) -> str | None:
-    """``seq2seq`` for an encoder-decoder ``--model`` (T5's types), ``causal`` for another preset or folder with a
-    ``model_type``, told from the file system alone (:func:`_type_and_fields`); ``None`` when it cannot tell."""
+    """``seq2seq`` or ``causal`` for ``--model``: a preset's, or a folder's with a ``model_type``, told from the file
+    system alone (:func:`_type_and_fields`); ``None`` when it cannot tell."""
     found = _type_and_fields(name_or_path)
-    if found is None or found[0] == "this":
-        return None
-    return "seq2seq" if found[0] in _ENCODER_DECODER_TYPES else "causal"
+    return None if found is None or found[0] == "this" else found[2]
 
 
 def num_blocks(name_or_path: str) -> tuple[str, int] | None:
@@ -139,8 +141,8 @@ def num_blocks(name_or_path: str) -> tuple[str, int] | None:
     found = _type_and_fields(name_or_path)
     if found is None:
         return None
-    model_type, fields = found
-    if model_type in _ENCODER_DECODER_TYPES and isinstance(fields.get("num_layers"), int):
+    model_type, fields, kind = found
+    if kind == SEQ2SEQ and isinstance(fields.get("num_layers"), int):
         decoder = fields.get("num_decoder_layers")
         return model_type, fields["num_layers"] + (decoder if isinstance(decoder, int) else fields["num_layers"])
     for key in ("n_layer", "num_hidden_layers"):
