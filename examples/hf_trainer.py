@@ -33,9 +33,10 @@ from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
-from dynabatch.integrations.example_args import (EXAMPLE_MODELS, check_token_budget, family_of, length_limits,
+from dynabatch.integrations.example_args import (EXAMPLE_MODELS, check_token_budget, length_limits,
                                                    positive)
 from dynabatch.integrations.trainer import DynaBatchTrainer
+from dynabatch.model_presets import sequence_kind
 from dynabatch.models.presets import build_config, build_model
 
 
@@ -119,7 +120,7 @@ def main() -> None:
         seed=0,
         use_cpu=not torch.cuda.is_available(),  # also makes torchrun on CPU data-parallel (gloo)
     )
-    family = family_of(cli.model)
+    family = sequence_kind(cli.model)
     tokenizer = load_tokenizer("builtin")
     spec = MixtureSpec.from_file(default_mixture_path())
     train_data = MixtureData.load(spec, tokenizer, family)

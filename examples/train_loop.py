@@ -29,8 +29,9 @@ from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import METHODS, DynaBatchDataLoader
-from dynabatch.integrations.example_args import EXAMPLE_MODELS, check_token_budget, family_of, length_limits, positive
+from dynabatch.integrations.example_args import EXAMPLE_MODELS, check_token_budget, length_limits, positive
 from dynabatch.models.forward import forward_loss
+from dynabatch.model_presets import sequence_kind
 from dynabatch.models.presets import build_model
 
 
@@ -60,7 +61,7 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
 
-    family = family_of(args.model)
+    family = sequence_kind(args.model)
     data = MixtureData.load(MixtureSpec.from_file(default_mixture_path()), load_tokenizer("builtin"), family)
     model = build_model(args.model, seed=0).to(device)  # same initial weights on every rank
     limits = length_limits(family)

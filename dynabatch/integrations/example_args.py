@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from dynabatch.data.batching import LengthLimits
+from dynabatch.model_presets import sequence_kind
 
 EXAMPLE_MODELS = ("t5-tiny", "t5-mini", "gpt2-tiny", "gpt2-mini")
 """The presets the examples train."""
@@ -19,11 +20,6 @@ def positive(text: str) -> int:
     return value
 
 
-def family_of(model: str) -> str:
-    """The sequence family of one of :data:`EXAMPLE_MODELS`."""
-    return "t5" if model.startswith("t5") else "gpt2"
-
-
 def length_limits(family: str) -> LengthLimits:
     """The examples' per-sample limits."""
     return LengthLimits(family, max_input_len=256, max_target_len=64, max_seq_len=320)
@@ -31,7 +27,7 @@ def length_limits(family: str) -> LengthLimits:
 
 def check_token_budget(parser: argparse.ArgumentParser, budget: int, model: str) -> None:
     """``parser.error`` (one line, exit 2) when ``--token-budget`` cannot hold one maximal sample of ``model``."""
-    longest = length_limits(family_of(model)).max_tokens
+    longest = length_limits(sequence_kind(model)).max_tokens
     if budget < longest:
         parser.error(f"--token-budget {budget} cannot hold one maximal sample ({longest} tokens); "
                      f"pass at least {longest}")
