@@ -34,7 +34,7 @@ from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import DynaBatchDataLoader
 from dynabatch.integrations.example_args import (EXAMPLE_MODELS, check_token_budget, length_limits,
-                                                   positive)
+                                                   positive, positive_float)
 from dynabatch.integrations.trainer import DynaBatchTrainer
 from dynabatch.model_presets import sequence_kind
 from dynabatch.models.presets import build_config, build_model
@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=positive, default=12,
                    help="optimizer steps of the run (with --resume: the total, counting the steps already trained)")
     p.add_argument("--token-budget", type=positive, default=4096, help="real tokens per global batch")
-    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (constant after 2 warm-up steps)")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate (constant after 2 warm-up steps)")
     p.add_argument("--threads", type=positive, default=1,
                    help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")

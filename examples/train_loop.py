@@ -8,8 +8,8 @@ gradient is that of the token-normalised loss however the batch was cut.
     python examples/train_loop.py --model gpt2-tiny --method packing
     torchrun --nproc_per_node 2 examples/train_loop.py     # data parallel (gloo on CPU, nccl on GPU)
 
-A ``--steps``, ``--threads`` or ``--token-budget`` it cannot run (below 1, or a budget below one maximal sample)
-is one line, exit 2, as in ``examples/hf_trainer.py``.
+A ``--steps``, ``--threads``, ``--lr`` or ``--token-budget`` it cannot run (below 1, an lr not above 0, or a budget
+below one maximal sample) is one line, exit 2, as in ``examples/hf_trainer.py``.
 
 With several processes every rank builds the same loader with its own ``replica_index``; gradients are
 summed (not averaged) over ranks, since each rank's loss is already divided by the global token count.
@@ -29,7 +29,8 @@ from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.tokenize import load_tokenizer
 from dynabatch.integrations.dataloader import METHODS, DynaBatchDataLoader
-from dynabatch.integrations.example_args import EXAMPLE_MODELS, check_token_budget, length_limits, positive
+from dynabatch.integrations.example_args import (EXAMPLE_MODELS, check_token_budget, length_limits, positive,
+                                                   positive_float)
 from dynabatch.models.forward import forward_loss
 from dynabatch.model_presets import sequence_kind
 from dynabatch.models.presets import build_model
@@ -41,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--method", default="dynamic", choices=METHODS)
     p.add_argument("--steps", type=positive, default=10)
     p.add_argument("--token-budget", type=positive, default=4096, help="real tokens per global batch")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--threads", type=positive, default=1,
                    help="CPU threads (tiny models are dispatch-bound: 1 is fastest)")
     args = p.parse_args()

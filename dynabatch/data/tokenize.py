@@ -173,16 +173,29 @@ def check_tokenizer_fits(info: TokenizerInfo, config, tokenizer: str, model: str
     if vocab is not None and info.vocab_size > vocab:
         raise ValueError(f"tokenizer {tokenizer} does not fit model {model}: its vocabulary has {info.vocab_size} "
                          f"tokens but the model's embedding has {vocab} rows; {fix}")
+    if diffs := special_id_diffs(info, config):
+        raise ValueError(f"tokenizer {tokenizer} does not match model {model}: {said_diffs(diffs)}; {fix}")
+
+
+def special_id_diffs(info: TokenizerInfo, config) -> dict[str, tuple[object, int]]:
+    """``{key: (config's value, tokenizer's id)}`` for each special id (pad, EOS, decoder start) the HF ``config``
+    sets to another value than the tokenizer ``info`` describes: training pads, ends and starts decoding with the
+    tokenizer's ids, ``generate`` with the config's. An unset id, or a list holding the tokenizer's, agrees; the BOS
+    comes from the tokenizer's own call (:func:`input_start`), never the config."""
     wanted = info.config_ids(bool(getattr(config, "is_encoder_decoder", False)))
-    wanted.pop("bos_token_id", None)  # a BOS comes from the tokenizer's own call (input_start), not the config
-    diffs = []
+    wanted.pop("bos_token_id", None)
+    diffs = {}
     for key, ours in wanted.items():
         theirs = getattr(config, key, None)
         if theirs is None or ours == theirs or (isinstance(theirs, (list, tuple)) and ours in theirs):
             continue
-        diffs.append(f"{key} {theirs} in the config, {ours} in the tokenizer")
-    if diffs:
-        raise ValueError(f"tokenizer {tokenizer} does not match model {model}: {'; '.join(diffs)}; {fix}")
+        diffs[key] = (theirs, ours)
+    return diffs
+
+
+def said_diffs(diffs: dict[str, tuple[object, int]]) -> str:
+    """:func:`special_id_diffs` in words: ``"eos_token_id 2 in the config, 1 in the tokenizer; ..."``."""
+    return "; ".join(f"{key} {theirs} in the config, {ours} in the tokenizer" for key, (theirs, ours) in diffs.items())
 
 
 def inference_tokenizer(tokenizer, family: str):

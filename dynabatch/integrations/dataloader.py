@@ -64,6 +64,7 @@ from dynabatch.cost.hardware import device_hardware, hardware_spec
 from dynabatch.cost.stages import StageCostModel, balanced_layout
 from dynabatch.data.inputs import load_data
 from dynabatch.data.sources import BadRowError
+from dynabatch.data.tokenize import TokenizerInfo, said_diffs, special_id_diffs
 
 
 def model_sequence_kind(config) -> str:
@@ -74,21 +75,28 @@ def model_sequence_kind(config) -> str:
     return family_for_config(config).sequence_kind
 
 
-def check_data_fits_model(config, limits: LengthLimits, vocab_size: int, name: str) -> None:
-    """One ``ValueError`` line, at build time, when data of ``limits`` tokenized with a vocabulary of ``vocab_size``
-    would fail inside the model of the HF ``config`` mid-run (``name``: the loader's name): a token id past the model's
-    embedding, or a sample longer than a learned position table (GPT-2's ``n_positions``); longer than a rotary
-    model's trained positions is a warning (:func:`~dynabatch.models.families.check_length_limit`, as ``dynabatch
-    train`` checks its flags at start)."""
+def check_data_fits_model(config, limits: LengthLimits, tokens: TokenizerInfo, name: str) -> None:
+    """One ``ValueError`` line, at build time, when data of ``limits`` tokenized with the tokenizer ``tokens``
+    describes would fail inside the model of the HF ``config`` mid-run (``name``: the loader's name): a token id past
+    the model's embedding, or a sample longer than a learned position table (GPT-2's ``n_positions``); longer than a
+    rotary model's trained positions is a warning (:func:`~dynabatch.models.families.check_length_limit`, as
+    ``dynabatch train`` checks its flags at start). A special id the config sets to another value than the
+    tokenizer's (:func:`~dynabatch.data.tokenize.special_id_diffs`) is a warning too: training pads, ends and starts
+    decoding with the tokenizer's ids, while the model's ``generate`` stops at and starts from the config's."""
     from dynabatch.models.families import check_length_limit  # lazy: keeps transformers out of the DataLoader import
 
     rows = getattr(config, "vocab_size", None)
-    if rows is not None and vocab_size > rows:
-        raise ValueError(f"{name}'s data is tokenized with a vocabulary of {vocab_size} tokens but the "
+    if rows is not None and tokens.vocab_size > rows:
+        raise ValueError(f"{name}'s data is tokenized with a vocabulary of {tokens.vocab_size} tokens but the "
                          f"{getattr(config, 'model_type', None)!r} model's embedding has {rows} rows; tokenize with "
                          "the model's own tokenizer (load_tokenizer(<model folder>))")
     if limits.family == "causal":
         check_length_limit(config, limits.max_seq_len, what=f"{name}'s LengthLimits max_seq_len")
+    if diffs := special_id_diffs(tokens, config):
+        sets = ", ".join(f"config.{key} = {ours}" for key, (_, ours) in diffs.items())
+        warnings.warn(f"{name}'s data and the {getattr(config, 'model_type', None)!r} model disagree on special ids "
+                      f"({said_diffs(diffs)}): training uses the tokenizer's, the model's generate() the config's; set {sets}, "
+                      "or tokenize with the model's own tokenizer")
 
 
 @dataclass(frozen=True)
@@ -320,7 +328,7 @@ class DynaBatchDataLoader:
                     f"model_config is a {getattr(self.model_config, 'model_type', None)!r} model ({kind}) but the "
                     f"data is tokenized for {self.family!r} models"
                 )
-            check_data_fits_model(self.model_config, self.limits, self.batcher.data.tokens.vocab_size, "the loader")
+            check_data_fits_model(self.model_config, self.limits, self.batcher.data.tokens, "the loader")
         tokens = self.batcher.data.tokens
         defaults = {f.name: f.default for f in fields(self)}
         unused = {k: getattr(self, k) for k in ("hardware", "device_memory_bytes", "dtype", "attention")

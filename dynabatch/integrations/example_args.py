@@ -20,6 +20,14 @@ def positive(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def length_limits(family: str) -> LengthLimits:
     """The examples' per-sample limits."""
     return LengthLimits(family, max_input_len=256, max_target_len=64, max_seq_len=320)

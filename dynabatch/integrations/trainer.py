@@ -175,7 +175,7 @@ class DynaBatchTrainer(Trainer):
             if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
                 raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
             if model_type is not None and loader.model_config is not self.model.config:  # else the loader checked
-                check_data_fits_model(self.model.config, loader.limits, loader.batcher.data.tokens.vocab_size, name)
+                check_data_fits_model(self.model.config, loader.limits, loader.batcher.data.tokens, name)
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")

@@ -610,6 +610,36 @@ def test_loader_and_trainer_refuse_data_the_model_cannot_embed(copy_spec, byt5, 
     DynaBatchTrainer(model=GPT2LMHeadModel(short), args=args, train_loader=fitting, eval_loader={"qa": evaluation})
 
 
+def test_loader_and_trainer_warn_when_the_model_config_has_other_special_ids(copy_spec, byt5, tmp_path):
+    """Training pads and ends samples with the tokenizer's ids; an HF model config built without them (GPT-2's
+    defaults say EOS 50256) would then ``generate`` past the EOS it learnt. ``dynabatch train`` refuses such a pair;
+    the loader given ``model_config``, and the trainer for every loader, warn once, naming the ids and the fix."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from dynabatch.data.tokenize import tokenizer_info
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    data = MixtureData.load(copy_spec, byt5, "causal")
+    eos = tokenizer_info(byt5).eos_id
+    other = GPT2Config(vocab_size=len(byt5), n_positions=256, n_embd=32, n_layer=1, n_head=2, eos_token_id=eos + 7)
+    said = (rf"^the loader's data and the 'gpt2' model disagree on special ids \(eos_token_id {eos + 7} in the config, "
+            rf"{eos} in the tokenizer\): training uses the tokenizer's, the model's generate\(\) the config's; set "
+            rf"config\.eos_token_id = {eos}, or tokenize with the model's own tokenizer$")
+    with pytest.warns(UserWarning, match=said):
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu", model_config=other)
+    train = DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, cost_model=PolynomialCostModel())
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
+    with pytest.warns(UserWarning, match=r"^train_loader's data and the 'gpt2' model disagree on special ids"):
+        DynaBatchTrainer(model=GPT2LMHeadModel(other), args=args, train_loader=train)
+    agreeing = GPT2Config(**{**other.to_dict(), "eos_token_id": eos})
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DynaBatchDataLoader(data, limits_for("causal"), token_budget=800, hardware="cpu", model_config=agreeing)
+    assert not [w for w in caught if "special ids" in str(w.message)]
+
+
 def test_trainer_refuses_label_smoothing_warns_of_sampling_arguments_and_names_a_missing_checkpoint(
         copy_spec, byt5, tmp_path):
     """``label_smoothing_factor`` was silently not applied (the loss is forward_loss's, not the Trainer's label
@@ -690,6 +720,7 @@ def test_the_hf_trainer_example_says_in_one_line_what_it_cannot_run(tmp_path, mo
             "n_layer 2 there, 4 for gpt2-mini; n_inner 256 there, 512 for gpt2-mini); pass the --model the run "
             "trained, or another --output-dir",
         ("--steps", "0"): "argument --steps: must be at least 1, got 0",
+        ("--lr", "0"): "argument --lr: must be a finite number > 0, got 0",
         ("--token-budget", "100"): "--token-budget 100 cannot hold one maximal sample (320 tokens); pass at least 320",
     }
     _assert_one_line_errors(script, cases, monkeypatch, capsys)
@@ -713,14 +744,16 @@ def _assert_one_line_errors(script: str, cases: dict, monkeypatch, capsys) -> No
 
 
 def test_the_train_loop_example_says_in_one_line_what_it_cannot_run(monkeypatch, capsys):
-    """examples/train_loop.py: ``--steps 0`` (or negative), ``--threads 0`` and a ``--token-budget`` below one maximal
-    sample ended in tracebacks (the loader's ``ValueError``, torch's ``set_num_threads``) after the data had loaded;
+    """examples/train_loop.py: ``--steps 0`` (or negative), ``--threads 0``, an ``--lr`` not above 0 (AdamW's
+    ``Invalid learning rate``) and a ``--token-budget`` below one maximal sample ended in tracebacks (the loader's ``ValueError``, torch's ``set_num_threads``) after the data had loaded;
     it now checks them as examples/hf_trainer.py does (``dynabatch.integrations.example_args``)."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "train_loop.py")
     cases = {
         ("--steps", "0"): "argument --steps: must be at least 1, got 0",
         ("--steps", "-3"): "argument --steps: must be at least 1, got -3",
         ("--threads", "0"): "argument --threads: must be at least 1, got 0",
+        ("--lr", "-0.003"): "argument --lr: must be a finite number > 0, got -0.003",
+        ("--lr", "nan"): "argument --lr: must be a finite number > 0, got nan",
         ("--model", "gpt2-tiny", "--token-budget", "100"):
             "--token-budget 100 cannot hold one maximal sample (320 tokens); pass at least 320",
     }
