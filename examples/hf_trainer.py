@@ -114,7 +114,6 @@ def main() -> None:
         eval_strategy="steps",
         eval_steps=max(cli.steps // 2, 1),
         save_steps=max(cli.steps // 2, 1),
-        ignore_data_skip=True,  # resuming restores the loader's position from the checkpoint
         report_to=[],
         disable_tqdm=True,
         seed=0,

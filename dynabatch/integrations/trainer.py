@@ -25,7 +25,8 @@ clipping, callbacks and mixed precision stay the Trainer's own:
   it also generates and adds ``compute_metrics(EvalPrediction(generated ids, label ids))``, prefixed.
   ``predict`` always generates and returns a ``PredictionOutput`` (``Seq2SeqTrainer``'s ``predict_with_generate``).
 * Checkpoints also hold the loader's stream position (``dynabatch_loader.json``); resuming restores it
-  instead of replaying batches (``TrainingArguments(ignore_data_skip=True)`` is required for that).
+  instead of replaying batches (whatever ``TrainingArguments(ignore_data_skip=...)`` says), and the ``Trainer``
+  counts the steps before it as trained, so ``state.epoch`` continues as in the uninterrupted run.
 
 Logs also carry ``padding_efficiency`` (real / computed tokens), ``micro_batches_per_step`` and
 ``plan_time_s`` of this process's replica, averaged since the previous log, and ``truncated``: the samples cut to
@@ -37,6 +38,7 @@ tokenized datasets without ``seed=`` is ordered by ``TrainingArguments``' ``data
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -439,11 +441,6 @@ class DynaBatchTrainer(Trainer):
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer.train raises its own error
         if isinstance(checkpoint, str) and self.train_loader is not None:
-            if not self.args.ignore_data_skip:
-                raise ValueError(
-                    "resuming a DynaBatchTrainer needs TrainingArguments(ignore_data_skip=True): the loader's stream "
-                    f"position is restored from {LOADER_STATE_NAME} instead of replaying batches"
-                )
             if not os.path.isdir(checkpoint):
                 raise ValueError(f"resume_from_checkpoint={checkpoint!r} is not a folder; pass a checkpoint-N folder "
                                  f"or True (the last checkpoint in output_dir {self.args.output_dir!r})")
@@ -457,7 +454,8 @@ class DynaBatchTrainer(Trainer):
         if self.cpu_allocator == "auto":
             self.resolved["cpu_allocator"] = (allocator, why)
         self._trained_samples = self._trained_truncated = 0
-        with freed_tensors_kept(allocator == "keep"):
+        resuming = isinstance(checkpoint, str) and self.train_loader is not None
+        with freed_tensors_kept(allocator == "keep"), _trained_steps_counted(self.args, resuming):
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         if self._trained_truncated and self.is_world_process_zero():
@@ -465,6 +463,11 @@ class DynaBatchTrainer(Trainer):
                           f"to the train loader's limits ({self.train_loader.limits.describe()}); the logs count "
                           "them as 'truncated'. Raise the LengthLimits to train on them whole")
         return output
+
+    def get_resumed_dataloader(self, dataloader: DynaBatchDataLoader, num_batches: int) -> DynaBatchDataLoader:
+        """The train loader as it is: :meth:`train` has restored its position from the checkpoint, so the
+        ``num_batches`` steps the ``Trainer`` would skip to reach it are behind it already."""
+        return dataloader
 
     def _decided_cpu_allocator(self) -> tuple[str, str | None]:
         """:attr:`cpu_allocator` as the resolver's ``cpu_allocator`` rule decides it for this process: its device, the
@@ -479,6 +482,23 @@ class DynaBatchTrainer(Trainer):
                          memory_gib=float(memory) / 2**30)
         value, why = decide_why(view, "cpu_allocator", found)
         return ("system", "the model's sequence kind is not known") if value == "auto" else (value, why)
+
+
+@contextlib.contextmanager
+def _trained_steps_counted(args: TrainingArguments, resuming: bool) -> Iterator[None]:
+    """While resuming, ``args.ignore_data_skip`` is ``False``: the ``Trainer`` then counts the checkpoint's steps of
+    the epoch it stopped in as trained (``state.epoch`` and that epoch's remaining steps continue as the
+    uninterrupted run's) and asks :meth:`DynaBatchTrainer.get_resumed_dataloader` for the loader past them, which
+    the loader's restored position already is. With ``True`` the ``Trainer`` would count that epoch from its first
+    step, though the data continues from the checkpoint either way."""
+    if not resuming or not args.ignore_data_skip:
+        yield
+        return
+    args.ignore_data_skip = False
+    try:
+        yield
+    finally:
+        args.ignore_data_skip = True
 
 
 def _padded(rows: list[list[int]], pad: int) -> np.ndarray:

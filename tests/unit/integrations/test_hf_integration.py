@@ -333,31 +333,41 @@ def test_trainer_evaluates_saves_and_resumes_at_the_same_data(copy_spec, byt5, t
         assert loss == pytest.approx(train_losses[k], rel=1e-5)
 
 
-def test_trainer_resumed_inside_an_epoch_of_a_restarting_loader_trains_on_the_same_batches(copy_spec, byt5, tmp_path):
-    """Epochs over a ``restart_on_iter`` loader (the same batches each epoch), resumed at step 2 of 3: the
-    resumed steps see the batches, and so the losses, of the uninterrupted run."""
+@pytest.mark.parametrize("ignore_data_skip", [True, False])
+@pytest.mark.parametrize("loader_steps", [3, None])
+def test_trainer_resumed_inside_an_epoch_trains_on_the_same_batches_at_the_same_epoch(
+    copy_spec, byt5, tmp_path, ignore_data_skip, loader_steps
+):
+    """Epochs over a ``restart_on_iter`` loader (the same batches each epoch; ``None``: an endless loader, one epoch
+    of ``max_steps``), resumed at step 2: the resumed steps see the batches, and so the losses, of the
+    uninterrupted run, and log its ``epoch`` (the Trainer counted the resumed epoch from its first step, so step 3
+    logged epoch 0.33 of an epoch of 3 steps, 0.2 of an endless one, with ``ignore_data_skip=True``; the default
+    ``False`` was refused)."""
     from transformers import TrainingArguments
 
     from dynabatch.integrations.trainer import DynaBatchTrainer
 
     data = MixtureData.load(copy_spec, byt5, "gpt2")
 
-    def run(resume: str | None = None) -> dict[int, float]:
+    def run(resume: str | None = None) -> dict[int, tuple[float, float]]:
         model = build_model("gpt2-tiny", vocab_size=len(byt5))
         loader = DynaBatchDataLoader(data, limits_for("gpt2"), token_budget=400, cost_model=PolynomialCostModel(),
-                                     max_steps=3, restart_on_iter=True)
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), num_train_epochs=2, save_steps=2, logging_steps=1,
-                                 learning_rate=3e-3, lr_scheduler_type="constant", ignore_data_skip=True,
+                                     max_steps=loader_steps, restart_on_iter=loader_steps is not None)
+        length = dict(num_train_epochs=2) if loader_steps else dict(max_steps=5)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), save_steps=2, logging_steps=1, **length,
+                                 learning_rate=3e-3, lr_scheduler_type="constant", ignore_data_skip=ignore_data_skip,
                                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
         trainer = DynaBatchTrainer(model=model, args=args, train_loader=loader)
         trainer.train(resume_from_checkpoint=resume)
-        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        assert args.ignore_data_skip is ignore_data_skip  # as given, after train()
+        return {h["step"]: (h["loss"], h["epoch"]) for h in trainer.state.log_history if "loss" in h}
 
     uninterrupted = run()
     resumed = run(str(tmp_path / "out" / "checkpoint-2"))
-    assert sorted(resumed) == list(range(1, 7))
-    for step in range(3, 7):
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 7 if loader_steps else 6))
+    for step in range(3, len(resumed) + 1):
+        assert resumed[step][0] == pytest.approx(uninterrupted[step][0], rel=1e-5)
+        assert resumed[step][1] == pytest.approx(uninterrupted[step][1])
 
 
 def test_evaluate_takes_the_name_of_one_eval_loader_as_trainer_evaluate_does(copy_spec, byt5, tmp_path):
@@ -413,8 +423,6 @@ def test_trainer_rejects_gradient_accumulation_and_wrong_replica(copy_spec, byt5
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
         trainer_setup(copy_spec, byt5, "t5", tmp_path, gradient_accumulation_steps=2)
     trainer, _, _ = trainer_setup(copy_spec, byt5, "t5", tmp_path, save_strategy="steps", save_steps=2)
-    with pytest.raises(ValueError, match="ignore_data_skip=True"):
-        trainer.train(resume_from_checkpoint=str(tmp_path))
     from dynabatch.integrations.trainer import DynaBatchTrainer
 
     loader = DynaBatchDataLoader(
