@@ -366,8 +366,10 @@ class DynaBatchTrainer(Trainer):
         ``args.generation_max_length``, else 32). ``predictions``: (N, L) generated ids cut at EOS, padded with
         the pad id; ``label_ids``: (N, T) target ids (EOS included) padded with -100; samples in loader order
         (replicas gathered in replica order). ``metrics``: ``{prefix}_loss`` and ``compute_metrics(EvalPrediction)``
-        prefixed with ``{prefix}_``."""
-        return self._evaluation_loop(test_dataset, metric_key_prefix, True, gen_kwargs)
+        prefixed with ``{prefix}_``. Callbacks' ``on_predict`` gets the metrics, as after ``Trainer.predict``."""
+        output = self._evaluation_loop(test_dataset, metric_key_prefix, True, gen_kwargs)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return output
 
     def _evaluation_loop(self, loader, prefix: str, generate: bool, gen_kwargs: dict) -> PredictionOutput:
         """Loss over every step of ``loader``; with ``generate``, predictions, labels and ``compute_metrics``."""

@@ -181,8 +181,9 @@ def test_eval_holdout_trains_on_the_other_rows(tmp_path, toy_mixture_dir):
 
 def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tmp_path):
     """``predict`` and ``evaluate(predict_with_generate)`` hand generated ids and labels to ``compute_metrics``
-    as Seq2SeqTrainer does: labels are the samples' targets, predictions what the model generates alone."""
-    from transformers import Seq2SeqTrainingArguments
+    as Seq2SeqTrainer does: labels are the samples' targets, predictions what the model generates alone; callbacks'
+    ``on_predict`` gets ``predict``'s metrics."""
+    from transformers import Seq2SeqTrainingArguments, TrainerCallback
 
     from dynabatch.data.batching import LengthLimits
     from dynabatch.integrations.dataloader import DynaBatchDataLoader
@@ -202,10 +203,17 @@ def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tm
         refs = [byt5.decode([t for t in row if t >= 0], skip_special_tokens=True) for row in p.label_ids]
         return {"exact_match": float(np.mean([a == b for a, b in zip(texts, refs)])), "num": len(texts)}
 
+    class Predicted(TrainerCallback):  # as after Trainer.predict, callbacks hear of it (on_predict was never called)
+        def on_predict(self, args, state, control, metrics=None, **kwargs):
+            heard.append(metrics)
+
+    heard = []
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, generation_max_length=5,
                                     report_to=[], use_cpu=True, disable_tqdm=True)
-    trainer = DynaBatchTrainer(model=model, args=args, eval_loader=loader, compute_metrics=compute_metrics)
+    trainer = DynaBatchTrainer(model=model, args=args, eval_loader=loader, compute_metrics=compute_metrics,
+                               callbacks=[Predicted()])
     out = trainer.predict(loader)
+    assert heard == [out.metrics]
     step = next(iter(loader))
     samples = [step.batch.samples[i] for mb in step.micro_batches for row in mb.sample_ids for i in row]
     assert out.metrics["test_num"] == len(samples) == out.predictions.shape[0] == out.label_ids.shape[0]
