@@ -74,14 +74,18 @@ LOADER_STATE_NAME = "dynabatch_loader.json"
 ALL_REDUCE_BUCKET_NUMEL = 2**25
 """Gradient elements per flat all-reduce (128 MiB of fp32): bounds the extra memory of the copy."""
 _NOT_ACCEPTED = ("train_dataset", "eval_dataset", "data_collator")
+_ROW_ORDER = ("the loader's seed orders the rows and its method groups them into micro-batches "
+              "(method='length_grouped' groups by length)")
 DECIDED_BY_LOADER = {
     "per_device_train_batch_size": "the train loader's token_budget decides the samples of each step",
     "per_device_eval_batch_size": "the eval loader's token_budget decides the samples of each batch",
     "dataloader_num_workers": "the loader plans and collates in the training process",
-    "train_sampling_strategy": "the loader's seed orders the rows and its method groups them into micro-batches "
-                               "(method='length_grouped' groups by length)",
+    "train_sampling_strategy": _ROW_ORDER,
     "auto_find_batch_size": "the train loader's token_budget sizes each step and the planner fits its micro-batches "
                             "to the cost model's memory (lower token_budget or device_memory_bytes if a step runs out)",
+    "dataloader_drop_last": "every training step is a whole token-budget global batch, and an each_row_once eval "
+                            "loader evaluates every row, its last global batch included",
+    "sortish_sampler": _ROW_ORDER,  # Seq2SeqTrainingArguments' own
 }
 """``TrainingArguments`` the stock ``Trainer`` uses to build its dataloaders, which a ``DynaBatchTrainer`` never
 builds: setting one is a warning naming what decides instead."""
@@ -228,10 +232,10 @@ class DynaBatchTrainer(Trainer):
 
     def _warn_ignored_arguments(self) -> None:
         """One warning per :data:`DECIDED_BY_LOADER` argument set to other than its default: it has no effect."""
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+        defaults = {f.name: f.default for f in dataclasses.fields(self.args)}
         for name, instead in DECIDED_BY_LOADER.items():
-            value = getattr(self.args, name, defaults.get(name))
-            if value != defaults.get(name):
+            value = getattr(self.args, name, None)
+            if name in defaults and value != defaults[name]:
                 warnings.warn(f"TrainingArguments({name}={value!r}) has no effect on a DynaBatchTrainer: {instead}")
 
     # ------------------------------------------------------------------ training
@@ -335,8 +339,9 @@ class DynaBatchTrainer(Trainer):
                  **gen_kwargs) -> dict[str, float]:
         """``{prefix}_loss``: summed token loss / loss tokens over every step of the eval loader(s) (``eval_dataset``:
         a loader, a dict of them, or the name of one in a dict ``eval_loader``, as ``Trainer.evaluate``). With
-        ``args.predict_with_generate`` (``Seq2SeqTrainingArguments``) it also generates for every sample and
-        adds ``compute_metrics``' metrics, prefixed, as ``Seq2SeqTrainer`` does (see :meth:`predict`)."""
+        ``args.predict_with_generate`` (``Seq2SeqTrainingArguments``) and without ``args.prediction_loss_only`` it
+        also generates for every sample and adds ``compute_metrics``' metrics, prefixed, as ``Seq2SeqTrainer`` does
+        (see :meth:`predict`)."""
         loader = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(loader, str):  # as Trainer.evaluate: the name of one loader of a dict eval_loader
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
@@ -352,7 +357,8 @@ class DynaBatchTrainer(Trainer):
             for name, sub in loader.items():
                 metrics.update(self.evaluate(sub, ignore_keys, f"{metric_key_prefix}_{name}", **gen_kwargs))
             return metrics
-        generate = bool(getattr(self.args, "predict_with_generate", False))
+        # as Seq2SeqTrainer: prediction_loss_only evaluates the loss alone, without generating
+        generate = bool(getattr(self.args, "predict_with_generate", False)) and not self.args.prediction_loss_only
         metrics = self._evaluation_loop(loader, metric_key_prefix, generate, gen_kwargs).metrics
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -506,9 +506,9 @@ def test_trainer_logs_and_warns_of_truncated_samples(copy_spec, byt5, tmp_path):
 
 
 def test_trainer_warns_of_arguments_the_loader_decides_and_counts_samples_trained(copy_spec, byt5, tmp_path):
-    """``per_device_train_batch_size`` and ``dataloader_num_workers`` do nothing here: each set is one warning
-    naming what decides instead; ``train_samples_per_second`` counts the samples the steps held, not
-    ``per_device_train_batch_size`` per step."""
+    """``per_device_train_batch_size``, ``dataloader_num_workers`` and ``dataloader_drop_last`` do nothing here: each
+    set is one warning naming what decides instead; ``train_samples_per_second`` counts the samples the steps held,
+    not ``per_device_train_batch_size`` per step."""
     import warnings
 
     with warnings.catch_warnings(record=True) as defaults:
@@ -523,6 +523,9 @@ def test_trainer_warns_of_arguments_the_loader_decides_and_counts_samples_traine
             "loader's token_budget decides the samples of each step") in messages
     assert ("TrainingArguments(dataloader_num_workers=2) has no effect on a DynaBatchTrainer: the loader plans and "
             "collates in the training process") in messages
+    with pytest.warns(UserWarning, match=r"^TrainingArguments\(dataloader_drop_last=True\) has no effect on a "
+                                         r"DynaBatchTrainer: every training step is a whole token-budget global batch"):
+        trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=2, dataloader_drop_last=True)  # was silent
     metrics = trainer.train().metrics
     samples = sum(len(twin.next_step().batch) for _ in range(2))
     assert metrics["train_samples_per_second"] == pytest.approx(samples / metrics["train_runtime"], rel=1e-2)

@@ -182,7 +182,7 @@ def test_eval_holdout_trains_on_the_other_rows(tmp_path, toy_mixture_dir):
 def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tmp_path):
     """``predict`` and ``evaluate(predict_with_generate)`` hand generated ids and labels to ``compute_metrics``
     as Seq2SeqTrainer does: labels are the samples' targets, predictions what the model generates alone; callbacks'
-    ``on_predict`` gets ``predict``'s metrics."""
+    ``on_predict`` gets ``predict``'s metrics; with ``prediction_loss_only`` ``evaluate`` reports the loss alone."""
     from transformers import Seq2SeqTrainingArguments, TrainerCallback
 
     from dynabatch.data.batching import LengthLimits
@@ -208,8 +208,9 @@ def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tm
             heard.append(metrics)
 
     heard = []
-    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, generation_max_length=5,
-                                    report_to=[], use_cpu=True, disable_tqdm=True)
+    settings = dict(output_dir=str(tmp_path), predict_with_generate=True, generation_max_length=5, report_to=[],
+                    use_cpu=True, disable_tqdm=True)
+    args = Seq2SeqTrainingArguments(**settings)
     trainer = DynaBatchTrainer(model=model, args=args, eval_loader=loader, compute_metrics=compute_metrics,
                                callbacks=[Predicted()])
     out = trainer.predict(loader)
@@ -231,6 +232,14 @@ def test_dynabatch_trainer_predict_and_evaluate_with_generate(toy_data, byt5, tm
     assert got[: len(alone)].tolist() == alone and (got[len(alone):] == tokens.pad_id).all()
     metrics = trainer.evaluate()
     assert set(metrics) >= {"eval_loss", "eval_exact_match", "eval_num"} and len(seen) == 2
+    assert metrics["eval_loss"] == pytest.approx(out.metrics["test_loss"])
+    # prediction_loss_only: the loss alone, as Seq2SeqTrainer evaluates it (it generated all the same); Seq2Seq's
+    # sortish_sampler, which the loader's order decides, is a warning
+    with pytest.warns(UserWarning, match=r"^TrainingArguments\(sortish_sampler=True\) has no effect"):
+        loss_only_args = Seq2SeqTrainingArguments(**settings, prediction_loss_only=True, sortish_sampler=True)
+        loss_only = DynaBatchTrainer(model=model, args=loss_only_args, eval_loader=loader, compute_metrics=compute_metrics)
+    metrics = loss_only.evaluate()
+    assert "eval_exact_match" not in metrics and len(seen) == 2
     assert metrics["eval_loss"] == pytest.approx(out.metrics["test_loss"])
 
 
