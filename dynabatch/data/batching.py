@@ -294,6 +294,10 @@ class EveryRowBatcher:
     """Rows per task at most (the same rows every pass); ``None``: every row."""
     seed: int = 0
     """Orders the rows (and picks them under ``per_task``); default: the mixture's seed."""
+    min_samples: int = 1
+    """Samples every global batch holds at least (a loader's data-parallel replicas, each of which needs one): a
+    shorter last batch takes the last rows of the batch before it (still within ``token_budget`` when the budget
+    holds ``min_samples`` maximal samples); fewer rows in all is a ``ValueError``."""
     batches: list[GlobalBatch] = field(init=False, repr=False)
     step: int = field(init=False, default=0)
 
@@ -303,20 +307,26 @@ class EveryRowBatcher:
                              f"{self.data.family!r}")
         check_token_budget(self.token_budget, self.limits)
         eos = self.data.tokens.eos_id
-        self.batches = []
-        current: list[TokenizedSample] = []
-        total = truncated = 0
+        groups: list[list[tuple[TokenizedSample, bool]]] = [[]]  # per batch: (sample, whether it was truncated)
+        total = 0
         for source, row in evaluation_rows(self.data, self.per_task, self.seed):
             raw = self.data.sample(source, row)
             sample = truncate_sample(raw, self.limits, eos)
-            if current and total + sample.num_tokens > self.token_budget:
-                self.batches.append(GlobalBatch(len(self.batches), tuple(current), num_truncated=truncated))
-                current, total, truncated = [], 0, 0
-            current.append(sample)
+            if groups[-1] and total + sample.num_tokens > self.token_budget:
+                groups.append([])
+                total = 0
+            groups[-1].append((sample, sample.num_tokens < raw.num_tokens))
             total += sample.num_tokens
-            truncated += sample.num_tokens < raw.num_tokens
-        if current:
-            self.batches.append(GlobalBatch(len(self.batches), tuple(current), num_truncated=truncated))
+        num_rows = sum(len(g) for g in groups)
+        if num_rows < self.min_samples:
+            raise ValueError(f"the evaluation data has {num_rows} rows, fewer than the {self.min_samples} data-parallel "
+                             "replicas that each need one; add rows, or evaluate on fewer replicas")
+        while len(groups) > 1 and len(groups[-1]) < self.min_samples:  # the last batch: one row per replica
+            groups[-1].insert(0, groups[-2].pop())
+            if not groups[-2]:
+                del groups[-2]
+        self.batches = [GlobalBatch(k, tuple(s for s, _ in g), num_truncated=sum(cut for _, cut in g))
+                        for k, g in enumerate(g for g in groups if g)]
 
     @property
     def num_rows(self) -> int:

@@ -53,7 +53,7 @@ from dynabatch.core.attention import ATTENTION_PATHS
 from dynabatch.core.dtypes import DTYPES
 from dynabatch.core.methods import METHODS  # the dynamic planner, then every baseline
 from dynabatch.data.baselines import BASELINES, Batcher, RowGroup, batcher_options_given, make_batcher
-from dynabatch.data.batching import EveryRowBatcher, GlobalBatcher, LengthLimits
+from dynabatch.data.batching import EveryRowBatcher, GlobalBatcher, LengthLimits, replica_budget_problem
 from dynabatch.data.collate import sample_loss_tokens as collate_loss_tokens
 from dynabatch.data.microbatch import MicroBatch
 from dynabatch.data.pipeline import MixtureData
@@ -317,6 +317,8 @@ class DynaBatchDataLoader:
                 f"need num_replicas >= 1 and 0 <= replica_index < num_replicas, "
                 f"got replica_index={self.replica_index}, num_replicas={self.num_replicas}"
             )
+        if (problem := replica_budget_problem(self.token_budget, self.num_replicas, self.limits, "token_budget")):
+            raise ValueError(problem)  # else a global batch of long samples leaves a replica without one, mid-run
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
         if self.restart_on_iter and self.max_steps is None:
@@ -369,7 +371,7 @@ class DynaBatchDataLoader:
         """A batcher at the start of ``data`` (``MixtureData``), ordered by its spec's seed."""
         if self.each_row_once:
             return EveryRowBatcher(self.data, self.limits, self.token_budget, per_task=self.eval_samples,
-                                   seed=self.data.spec.seed)
+                                   seed=self.data.spec.seed, min_samples=max(self.num_replicas, 1))
         return GlobalBatcher(self.data, self.limits, token_budget=self.token_budget)
 
     @property

@@ -830,3 +830,30 @@ def test_a_rotary_model_s_trained_positions_are_said_once_for_a_loader_and_its_t
     assert [str(w.message) for w in caught if "max_position_embeddings" in str(w.message)] == [
         "the loader's LengthLimits max_seq_len is 192 tokens but this llama model was trained for 64 positions "
         "(max_position_embeddings); longer samples use untrained rotary positions"]
+
+
+def test_replicas_each_get_a_sample_of_every_global_batch_or_the_loader_says_so_at_build(byt5):
+    """With replicas, a token budget under one maximal sample per replica is refused at build, as ``dynabatch train``
+    refuses ``--global-batch-tokens`` (a global batch of long samples failed mid-run in the planner: "need 1 <=
+    num_replicas <= number of samples"); an ``each_row_once`` loader's last global batch takes rows from the one
+    before it so that every replica gets one (an eval set of 4 rows of 3 a batch failed on its last, lone row),
+    and data with fewer rows than replicas is refused at build."""
+    import datasets
+
+    limits = LengthLimits("causal", max_seq_len=16)
+    rows = datasets.Dataset.from_dict({"q": ["abcd"] * 4, "a": ["efgh"] * 4})  # 10 tokens each: 3 to a batch of 32
+    options = dict(tokenizer=byt5, columns={"inputs": "q", "targets": "a"}, cost_model=PolynomialCostModel(),
+                   num_replicas=2)
+    with pytest.raises(ValueError, match=r"^token_budget 31 holds less than one maximal sample \(max_seq_len=16, 16 "
+                                         r"tokens\) per replica \(2\): .* raise it to at least 32"):
+        DynaBatchDataLoader(rows, limits, token_budget=31, **options)
+    alone = DynaBatchDataLoader(rows, limits, token_budget=32, each_row_once=True, cost_model=PolynomialCostModel(),
+                                tokenizer=byt5, columns=options["columns"])
+    assert [len(s.batch) for s in alone] == [3, 1]
+    loaders = [DynaBatchDataLoader(rows, limits, token_budget=32, each_row_once=True, replica_index=r, **options)
+               for r in range(2)]
+    for s0, s1 in zip(*loaders):
+        assert len(s0.batch) == 2 and s0.batch.num_tokens <= 32
+        assert sorted(step_sample_ids(s0) + step_sample_ids(s1)) == [0, 1] and step_sample_ids(s0)
+    with pytest.raises(ValueError, match=r"^the evaluation data has 1 rows, fewer than the 2 data-parallel replicas"):
+        DynaBatchDataLoader(rows.select([0]), limits, token_budget=32, each_row_once=True, **options)
