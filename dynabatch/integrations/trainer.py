@@ -172,12 +172,7 @@ class DynaBatchTrainer(Trainer):
                 continue
             if not isinstance(loader, DynaBatchDataLoader):
                 raise ValueError(f"{name} must be a DynaBatchDataLoader, got {type(loader).__name__}")
-            if (loader.num_replicas, loader.replica_index) != (args.world_size, args.process_index):
-                raise ValueError(
-                    f"{name} is replica {loader.replica_index} of {loader.num_replicas} but this process is "
-                    f"{args.process_index} of {args.world_size}; build it with num_replicas=args.world_size, "
-                    "replica_index=args.process_index"
-                )
+            self._check_replica(name, loader)
             if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
                 raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
             if model_type is not None and loader.model_config is not self.model.config:  # else the loader checked
@@ -185,6 +180,16 @@ class DynaBatchTrainer(Trainer):
             if name != "train_loader" and loader.max_steps is None:
                 raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
                                  "once per evaluation)")
+
+    def _check_replica(self, name: str, loader: DynaBatchDataLoader) -> None:
+        """A ``ValueError`` when ``loader`` is not this process's replica: its share would be another rank's (the
+        summed loss and gradients would count one share twice and miss another)."""
+        if (loader.num_replicas, loader.replica_index) != (self.args.world_size, self.args.process_index):
+            raise ValueError(
+                f"{name} is replica {loader.replica_index} of {loader.num_replicas} but this process is "
+                f"{self.args.process_index} of {self.args.world_size}; build it with num_replicas=args.world_size, "
+                "replica_index=args.process_index"
+            )
 
     def _warn_endless_epochs(self, loader: DynaBatchDataLoader | None) -> None:
         """An endless train loader makes the whole run one epoch: ``"epoch"`` strategies then act once, at the end."""
@@ -385,6 +390,7 @@ class DynaBatchTrainer(Trainer):
         if loader.max_steps is None:
             raise ValueError("evaluate() / predict() got an endless DynaBatchDataLoader (a training stream, which draws "
                              "rows with repetition and never ends); build it with each_row_once=True (every row once)")
+        self._check_replica("the loader of evaluate() / predict()", loader)
         self._memory_tracker.start()
         start = time.time()
         module = self.model

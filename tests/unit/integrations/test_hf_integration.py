@@ -430,6 +430,14 @@ def test_trainer_rejects_gradient_accumulation_and_wrong_replica(copy_spec, byt5
     )
     with pytest.raises(ValueError, match="replica 1 of 2 but this process is 0 of 1"):
         DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=loader)
+    # a loader given to evaluate() / predict() was not checked: its share, another rank's, was evaluated as this one's
+    other = DynaBatchDataLoader(trainer.train_loader.batcher.data, each_row_once=True, eval_samples=4,
+                                limits=trainer.train_loader.limits, token_budget=800,
+                                cost_model=PolynomialCostModel(), num_replicas=2, replica_index=1)
+    for call in (trainer.evaluate, trainer.predict):
+        with pytest.raises(ValueError, match=r"^the loader of evaluate\(\) / predict\(\) is replica 1 of 2 but this "
+                                             r"process is 0 of 1; build it with num_replicas=args.world_size"):
+            call(other)
     from transformers import TrainingArguments
 
     evaluating = TrainingArguments(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=2, report_to=[],
