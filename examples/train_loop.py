@@ -84,7 +84,7 @@ def main() -> None:
         start = time.perf_counter()
         loss_total = torch.zeros((), device=device)
         for mb in step.micro_batches:
-            loss = forward_loss(model, mb).loss_sum / step.num_loss_tokens
+            loss = forward_loss(model, mb, loader.attention).loss_sum / step.num_loss_tokens  # as the loader priced it
             loss.backward()  # frees this micro-batch's activations before the next one
             loss_total += loss.detach()
         if world_size > 1:
