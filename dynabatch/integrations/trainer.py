@@ -450,7 +450,8 @@ class DynaBatchTrainer(Trainer):
                 json.dump(self.train_loader.state_dict(), f)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """``Trainer.train``; when resuming, the train loader continues at the checkpoint's stream position."""
+        """``Trainer.train``; when resuming, the train loader continues at the checkpoint's stream position and the
+        ``Trainer`` counts the steps before it as trained (:func:`_trained_steps_counted`)."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer.train raises its own error
