@@ -250,11 +250,14 @@ class GlobalBatcher:
         saved, now = state.get("data"), self.data_fingerprint()
         if saved is not None and [list(x) for x in saved] != now:
             changed = next(((a, b) for a, b in zip(saved, now) if list(a) != b), None)
-            what = (f"source {changed[1][0]!r} had {changed[0][1]} rows of {changed[0][2]} tokens then, "
-                    f"{changed[1][1]} rows of {changed[1][2]} tokens now" if changed is not None else
-                    f"{len(saved)} sources then, {len(now)} now")
+            what = f"{len(saved)} sources then, {len(now)} now"
+            if changed is not None:
+                (old_name, *old), (name, *new) = changed
+                then = f"{old[0]} rows of {old[1]} tokens"
+                what = (f"source {name!r} had {then} then, {new[0]} rows of {new[1]} tokens now" if old_name == name
+                        else f"source {old_name!r} ({then}) then, {name!r} ({new[0]} rows of {new[1]} tokens) now")
             raise ValueError(f"the data changed since this position was saved ({what}); resume on the same data "
-                             "files, or start a new run in another --output-dir")
+                             "files, or start a new run in another output folder")
         self._sampler.load_state_dict(state["sampler"])
         self._pending = tuple(state["pending"]) if state["pending"] is not None else None
         self.step = int(state["step"])

@@ -44,7 +44,8 @@ def test_deterministic_and_resumable(toy_data):
 
 def test_a_position_saved_over_other_data_is_refused(toy_data):
     """A state names rows of the data it was saved over: the same rows with one row fewer in a source (a data file
-    edited between runs) are refused, naming the source, before any row is read."""
+    edited between runs) are refused, naming the source (both, when another source took its place), before any row is
+    read."""
     import json
 
     limits = _limits(toy_data.family)
@@ -57,6 +58,13 @@ def test_a_position_saved_over_other_data_is_refused(toy_data):
                                          + repr(state["data"][0][0]) + r" had \d+ rows"):
         GlobalBatcher(toy_data, limits, token_budget=1500).load_state_dict(
             state | {"data": [shrunk, *state["data"][1:]]})
+    renamed = ["other_task", *state["data"][0][1:]]  # another source in its place: each named with its own name
+    name = state["data"][0][0]
+    with pytest.raises(ValueError, match=r"\(source 'other_task' \(\d+ rows of \d+ tokens\) then, "
+                                         + repr(name) + r" \(\d+ rows of \d+ tokens\) now\); resume on the same data "
+                                         r"files, or start a new run in another output folder$"):
+        GlobalBatcher(toy_data, limits, token_budget=1500).load_state_dict(
+            state | {"data": [renamed, *state["data"][1:]]})
     old = {k: v for k, v in state.items() if k != "data"}  # saved before the count was recorded: not checked
     GlobalBatcher(toy_data, limits, token_budget=1500).load_state_dict(old)
 
