@@ -16,6 +16,9 @@ from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
 from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
+from dynabatch.cost.hardware import hardware_spec
+from dynabatch.model_presets import PRESETS as RUN_PRESETS, load_config
+from dynabatch.models.families import analytic_spec
 from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout, rebalanced_layout
 from dynabatch.data.builtin import default_mixture_path
 
@@ -61,8 +64,9 @@ PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_le
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     add_fields(p, SHARED_FIELDS, defaults=PAPER_SCALE, helps={
-        "model": f"analytic model preset ({', '.join(sorted(PRESETS))}), or a family ({', '.join(MODEL_FAMILIES)}) "
-                 "for its default preset (t5-large / gpt-1.3b / llama3-8b)",
+        "model": f"analytic model preset ({', '.join(sorted(PRESETS))}), a family ({', '.join(MODEL_FAMILIES)}) "
+                 "for its default preset (t5-large / gpt-1.3b / llama3-8b), or a model train runs (a model preset "
+                 "such as t5-d256, or a local checkpoint folder), priced from its config",
         "memory_gib": "device memory per stage in GiB, model states included (default: the hardware preset's)",
         "replicas": "data-parallel replicas of each stage, which --zero shards the model states across (the plans "
                     "and the simulated pipeline are one replica's, over the whole global batch)",
@@ -117,6 +121,22 @@ class Workload:
     what the command reports under ``resolved``."""
 
 
+def analytic_model(args: argparse.Namespace) -> AnalyticCostModel:
+    """The analytic cost model ``plan`` and ``simulate`` price ``--model`` with on ``--hardware``: an analytic preset
+    (a family stands for its default one, :data:`DEFAULT_PRESETS`), or the shape of a model ``train`` runs, a model
+    preset (``t5-d256``, ``llama-tiny``, ...) or a local Hugging Face checkpoint folder, read from its config
+    (:func:`~dynabatch.models.families.analytic_spec`; no weights load). One ``ValueError`` line otherwise."""
+    flash = bool(getattr(args, "flash_attention", False))
+    name = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
+    if name in PRESETS:
+        return AnalyticCostModel.from_names(name, args.hardware, flash_attention=flash)
+    if args.preset is None and (name in RUN_PRESETS or os.path.isdir(name)):
+        return AnalyticCostModel(analytic_spec(load_config(name)), hardware_spec(args.hardware), flash_attention=flash)
+    raise ValueError(f"--model {name!r} is neither an analytic preset ({', '.join(sorted(PRESETS))}), a family "
+                     f"({', '.join(MODEL_FAMILIES)}), a model preset ({', '.join(RUN_PRESETS)}) nor a model folder "
+                     "(config.json); plan and simulate price it analytically")
+
+
 def resolve(args: argparse.Namespace) -> Workload:
     """The workload of ``plan``/``simulate``'s flags, their ``auto`` values decided by the resolver's rules (with
     nothing found: these commands price analytic presets, not this machine) and then in the planners' spelling."""
@@ -126,12 +146,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     lower_args(args)  # the search names (per_step, ...) are the planners' auto
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
-    preset = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
-    if preset not in PRESETS:
-        raise ValueError(f"--model {preset!r} is neither an analytic preset ({', '.join(sorted(PRESETS))}) nor a family "
-                         f"({', '.join(MODEL_FAMILIES)}); plan and simulate price models analytically")
-    model = AnalyticCostModel.from_names(preset, args.hardware,
-                                         flash_attention=bool(getattr(args, "flash_attention", False)))
+    model = analytic_model(args)
     family = model.spec.family
     if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
         raise ValueError(f"preset {preset!r} is a {family} model but --model is {args.model}")

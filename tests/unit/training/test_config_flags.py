@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 
 import pytest
 
@@ -141,6 +142,47 @@ def test_plan_takes_an_analytic_preset_as_model_and_refuses_an_unknown_one(capsy
     assert main(["plan", "--model", "gpt-7z", "--num-batches", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "neither an analytic preset" in err[0]
+
+
+def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys, tmp_path):
+    """``--model`` of plan and simulate also takes what ``train`` takes, a model preset or a local checkpoint folder
+    (only its config.json is read), priced analytically from its config on ``--hardware``: a user sees the plans for
+    their own model before a run. A folder of an unsupported model is one line."""
+    from transformers import AutoConfig
+
+    from dynabatch.cli import main
+    from dynabatch.model_presets import build_config
+
+    lengths = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "heavy_tail_1024.npz")
+    small = ["--num-batches", "1", "--methods", "dynamic,padding", "--global-batch-tokens", "8192", "--max-input-len",
+             "1024", "--stages", "2", "--hardware", "cpu", "--lengths", lengths, "--json"]
+    assert main(["plan", "--model", "t5-d256", "--max-target-len", "128", *small]) == 0
+    t5 = json.loads(capsys.readouterr().out)
+    assert t5["baselines_compared"] == "fitting"
+    assert t5["layout"].count("t5_encoder") and "t5_decoderx4" in t5["layout"].replace(" ", "")  # t5-d256's 4 + 4 blocks
+    states = {}
+    for layers in (2, 4):  # a config, no weights: nothing loads
+        build_config("llama-tiny").__class__(**{**build_config("llama-tiny").to_dict(),
+                                               "num_hidden_layers": layers}).save_pretrained(tmp_path / f"llama{layers}")
+    for command, layers in (("plan", 2), ("simulate", 2), ("plan", 4)):
+        folder = str(tmp_path / f"llama{layers}")
+        assert main([command, "--model", folder, *small]) == 0, command
+        out = json.loads(capsys.readouterr().out)
+        assert out["model"] == folder and "lm_head" in out["layout"] and out["methods"]["dynamic"], command
+        states[layers] = sum(out["model_states"]["model_state_gib_per_device"])
+    assert states[4] > states[2]  # the folder's own config is priced: two more blocks, more states
+    # an 8,192-token sample alone outgrows 6 GiB in every whole-sample baseline: the ratio says it is against those
+    long_tail = ["--lengths", lengths.replace("heavy_tail_1024", "long_tail_32k"), "--max-input-len", "8192",
+                 "--global-batch-tokens", "32768", "--memory-gib", "6", "--packing-free-rows", "1", "--num-batches",
+                 "10", "--methods", "dynamic,packing_free", "--stages", "2", "--hardware", "cpu"]
+    assert main(["plan", "--model", "t5-d256", *long_tail]) == 0
+    said = capsys.readouterr().out
+    assert ("dynamic vs best baseline (no whole-sample baseline fits the memory: the best of those that do not; "
+            "predicted step time)") in said, said[-1500:]
+    AutoConfig.for_model("bart").save_pretrained(tmp_path / "bart")
+    assert main(["plan", "--model", str(tmp_path / "bart"), *small]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bart" in err[0], err
 
 
 @pytest.mark.parametrize("command", ("bench", "plan", "simulate"))
