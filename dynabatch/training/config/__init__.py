@@ -145,6 +145,10 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.split_blocks == "on" and self.cost_profile:
             raise ValueError("split_blocks on cuts inside blocks, which a profile does not price (it times whole "
                              "blocks); drop cost_profile or use split_blocks auto")
+        if self.full_determinism and self.plan_costs in ("scaled", "calibrated"):
+            raise ValueError(f"full_determinism plans with costs that do not depend on measured times; plan_costs "
+                             f"{self.plan_costs!r} follows the online fit: pass --plan-costs base (or auto) with "
+                             "--full-determinism, or drop --full-determinism")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
         for name in ("learning_rate", "memory_gib"):

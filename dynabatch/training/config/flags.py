@@ -13,6 +13,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import re
 from typing import Any
 
 # The package defines these before it imports this module (config/__init__.py's last lines), so they exist
@@ -233,10 +234,14 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
             from_file.pop(name, None)
     try:
         return TrainConfig(**values)
-    except ValueError as e:  # name the file when the offending field came from it
-        if any(str(e).startswith(f"{name} ") for name in from_file):
-            raise ValueError(f"config file {config_path}: {e}") from None
-        raise
+    except ValueError as e:  # name the file when a field the message names came from it
+        named = [name for name in from_file if re.search(rf"\b{name}\b", str(e))]
+        if not named:
+            raise
+        flags = [f"--{name.replace('_', '-')}" for name in sorted(given & defaults.keys())
+                 if re.search(rf"\b{name}\b", str(e))]
+        where = f" ({', '.join(named)} from the file, {', '.join(flags)} from the command line)" if flags else ""
+        raise ValueError(f"config file {config_path}: {e}{where}") from None
 
 
 def parse_config(p: argparse.ArgumentParser, argv: list[str]):
@@ -302,7 +307,8 @@ def _coerce(path: str, name: str, value: Any) -> Any:
         try:
             return number(value)
         except ValueError:
-            raise ValueError(f"config file {path}: {name} must be a number, got {value!r}") from None
+            kind = "a whole number" if number is int else "a number"
+            raise ValueError(f"config file {path}: {name} must be {kind}, got {value!r}") from None
     return value
 
 

@@ -157,3 +157,27 @@ def test_simulate_json_to_a_file_also_prints_the_table(tmp_path, capsys):
     assert main(["simulate", "--model", "t5", "--num-batches", "1", "--methods", "padding", "--global-batch-tokens",
                  "4096", "--max-input-len", "512", "--json", str(out)]) == 0
     assert "padding" in capsys.readouterr().out and json.loads(out.read_text())["methods"]["padding"]
+
+
+def test_a_flag_at_odds_with_a_config_file_value_is_refused_at_parse_time_naming_both(tmp_path):
+    """A run's config.yaml holds plan_costs resolved (calibrated for T5): --full-determinism on top of it is refused
+    when the flags are parsed, naming the file, which value came from where, and the flag that reconciles them."""
+    run = tmp_path / "config.yaml"
+    run.write_text("experimental:\n  plan_costs: calibrated\n")
+    with pytest.raises(ValueError, match=r"^config file .*config.yaml: full_determinism plans with costs that do not "
+                                         r"depend on measured times; plan_costs 'calibrated' follows the online fit: "
+                                         r"pass --plan-costs base \(or auto\) with --full-determinism, or drop "
+                                         r"--full-determinism \(plan_costs from the file, --full-determinism from "
+                                         r"the command line\)$"):
+        _train(["--config", str(run), "--full-determinism"])
+    cfg = _train(["--config", str(run), "--full-determinism", "--plan-costs", "base"])
+    assert (cfg.full_determinism, cfg.plan_costs) == (True, "base")
+    with pytest.raises(ValueError, match=r"^full_determinism plans .* or drop --full-determinism$"):
+        TrainConfig(full_determinism=True, plan_costs="scaled")  # refused where the configuration is made
+
+
+def test_a_config_file_integer_given_as_a_float_says_whole_number(tmp_path):
+    bad = tmp_path / "seed.yaml"
+    bad.write_text("seed: 1e3\n")  # YAML 1.1 reads it as a string
+    with pytest.raises(ValueError, match=r"^config file .*seed.yaml: seed must be a whole number, got '1e3'$"):
+        load_config_file(str(bad))
