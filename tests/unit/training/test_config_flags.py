@@ -181,3 +181,13 @@ def test_a_config_file_integer_given_as_a_float_says_whole_number(tmp_path):
     bad.write_text("seed: 1e3\n")  # YAML 1.1 reads it as a string
     with pytest.raises(ValueError, match=r"^config file .*seed.yaml: seed must be a whole number, got '1e3'$"):
         load_config_file(str(bad))
+
+
+def test_columns_are_recorded_in_one_spelling_whatever_their_order():
+    """config.yaml and a resume's comparison record --columns canonically: the same mapping given in another order
+    or with spaces is the same setting (a resume refused 'targets=a,inputs=q' -> 'inputs=q,targets=a')."""
+    from dynabatch.training.config.paths import canonical_columns, run_paths
+
+    spellings = ["inputs=q,targets=a,task=t", "targets=a, inputs=q ,task=t", "task=t,targets=a,inputs=q"]
+    assert {canonical_columns(s) for s in spellings} == {"task=t,inputs=q,targets=a"}
+    assert run_paths({"columns": "targets=a,inputs=q"}) == run_paths({"columns": "inputs=q, targets=a"})
