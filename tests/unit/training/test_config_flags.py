@@ -191,3 +191,10 @@ def test_columns_are_recorded_in_one_spelling_whatever_their_order():
     spellings = ["inputs=q,targets=a,task=t", "targets=a, inputs=q ,task=t", "task=t,targets=a,inputs=q"]
     assert {canonical_columns(s) for s in spellings} == {"task=t,inputs=q,targets=a"}
     assert run_paths({"columns": "targets=a,inputs=q"}) == run_paths({"columns": "inputs=q, targets=a"})
+
+
+def test_a_calibration_file_with_calibration_off_is_refused_not_ignored(tmp_path):
+    with pytest.raises(ValueError, match=r"^calibration_file 'c.json' warm-starts the online calibration, which "
+                                         r"calibrate off turns off: drop --calibration-file, or --calibrate off$"):
+        _train(["--calibrate", "off", "--calibration-file", "c.json"])
+    assert _train(["--calibration-file", "c.json"]).calibration_file == "c.json"  # read (and checked) at start
