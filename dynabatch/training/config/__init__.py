@@ -145,6 +145,10 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.split_blocks == "on" and self.cost_profile:
             raise ValueError("split_blocks on cuts inside blocks, which a profile does not price (it times whole "
                              "blocks); drop cost_profile or use split_blocks auto")
+        if self.cost_profile and self.recompute not in ("auto", "none"):  # a resolved file gives per_micro_batch
+            raise ValueError(f"recompute {self.recompute} needs a cost model that prices recomputation, and a cost "
+                             "profile does not: pass --recompute none (or auto) with --cost-profile, or drop "
+                             "--cost-profile")
         if self.calibration_file and self.calibrate == "off":  # else never read, not even checked to exist
             raise ValueError(f"calibration_file {self.calibration_file!r} warm-starts the online calibration, which "
                              "calibrate off turns off: drop --calibration-file, or --calibrate off")

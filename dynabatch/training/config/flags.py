@@ -235,13 +235,17 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
     try:
         return TrainConfig(**values)
     except ValueError as e:  # name the file when a field the message names came from it
-        named = [name for name in from_file if re.search(rf"\b{name}\b", str(e))]
+        named = [name for name in from_file if _names(str(e), name)]
         if not named:
             raise
-        flags = [f"--{name.replace('_', '-')}" for name in sorted(given & defaults.keys())
-                 if re.search(rf"\b{name}\b", str(e))]
+        flags = [f"--{name.replace('_', '-')}" for name in sorted(given & defaults.keys()) if _names(str(e), name)]
         where = f" ({', '.join(named)} from the file, {', '.join(flags)} from the command line)" if flags else ""
         raise ValueError(f"config file {config_path}: {e}{where}") from None
+
+
+def _names(message: str, field: str) -> bool:
+    """Whether an error ``message`` names ``field``, as a field (``cost_profile``) or as a flag (``--cost-profile``)."""
+    return bool(re.search(rf"(?<![\w-])({field}|--{field.replace('_', '-')})(?![\w-])", message))
 
 
 def parse_config(p: argparse.ArgumentParser, argv: list[str]):

@@ -198,3 +198,17 @@ def test_a_calibration_file_with_calibration_off_is_refused_not_ignored(tmp_path
                                          r"calibrate off turns off: drop --calibration-file, or --calibrate off$"):
         _train(["--calibrate", "off", "--calibration-file", "c.json"])
     assert _train(["--calibration-file", "c.json"]).calibration_file == "c.json"  # read (and checked) at start
+
+
+def test_a_run_config_file_with_a_cost_profile_flag_names_the_recompute_it_holds(tmp_path):
+    """A run's config.yaml holds recompute resolved (per_micro_batch), which a cost profile cannot price: --cost-profile
+    on top of it is refused when the flags are parsed, naming the file and the value it gives (the planner's check
+    at run start called it '--recompute auto', a value nobody had given)."""
+    run = tmp_path / "config.yaml"
+    run.write_text("experimental:\n  recompute: per_micro_batch\n  split_blocks: auto\n")
+    with pytest.raises(ValueError, match=r"^config file .*config.yaml: recompute per_micro_batch needs a cost model "
+                                         r"that prices recomputation, and a cost profile does not: pass --recompute "
+                                         r"none \(or auto\) with --cost-profile, or drop --cost-profile \(recompute "
+                                         r"from the file, --cost-profile from the command line\)$"):
+        _train(["--config", str(run), "--cost-profile", "p.json"])
+    assert _train(["--config", str(run), "--cost-profile", "p.json", "--recompute", "auto"]).recompute == "auto"
