@@ -244,8 +244,11 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
 
 
 def _names(message: str, field: str) -> bool:
-    """Whether an error ``message`` names ``field``, as a field (``cost_profile``) or as a flag (``--cost-profile``)."""
-    return bool(re.search(rf"(?<![\w-])({field}|--{field.replace('_', '-')})(?![\w-])", message))
+    """Whether an error ``message`` names ``field``: as a flag (``--cost-profile``), as a field with an underscore
+    (``cost_profile``) anywhere, or as its first word (a one-word name elsewhere may be plain English: "cost model")."""
+    spellings = [f"--{field.replace('_', '-')}"] + ([field] if "_" in field else [])
+    return (message.startswith(f"{field} ")
+            or bool(re.search(rf"(?<![\w-])({'|'.join(spellings)})(?![\w-])", message)))
 
 
 def parse_config(p: argparse.ArgumentParser, argv: list[str]):

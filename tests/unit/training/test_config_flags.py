@@ -205,7 +205,7 @@ def test_a_run_config_file_with_a_cost_profile_flag_names_the_recompute_it_holds
     on top of it is refused when the flags are parsed, naming the file and the value it gives (the planner's check
     at run start called it '--recompute auto', a value nobody had given)."""
     run = tmp_path / "config.yaml"
-    run.write_text("experimental:\n  recompute: per_micro_batch\n  split_blocks: auto\n")
+    run.write_text("model:\n  model: t5-tiny\nexperimental:\n  recompute: per_micro_batch\n  split_blocks: auto\n")
     with pytest.raises(ValueError, match=r"^config file .*config.yaml: recompute per_micro_batch needs a cost model "
                                          r"that prices recomputation, and a cost profile does not: pass --recompute "
                                          r"none \(or auto\) with --cost-profile, or drop --cost-profile \(recompute "
