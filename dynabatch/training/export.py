@@ -16,8 +16,9 @@ prompt has no special token but the BOS the tokenizer's own call puts first, if 
 records how to encode (docs/inference.md).
 
 Weights with a NaN or inf are refused (nothing is written), and so is an output folder that is not
-empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given, or that cannot be
-created or written (said before anything is loaded).
+empty unless it holds an earlier export (its :data:`EXPORT_MARKER`) or ``--force`` is given, that cannot be
+created or written, or that lies inside the checkpoints being exported, ``--force`` or not (said before anything
+is loaded).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 
 from dynabatch.training.config import TrainConfig
 from dynabatch.data.tokenize import inference_tokenizer
-from dynabatch.engine.checkpoint import CheckpointError, CheckpointInfo, first_non_finite, resolve_checkpoint
+from dynabatch.engine.checkpoint import (MANIFEST, CheckpointError, CheckpointInfo, first_non_finite,
+                                        resolve_checkpoint)
 from dynabatch.engine.outputs import listed, make_writable_dir
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.data.tokenize import PROBE_TEXT, encodes_like_training, input_start, load_tokenizer, tokenizer_info
@@ -57,6 +59,19 @@ def check_out_dir(out_dir: str, force: bool = False) -> None:
     if found:
         raise ValueError(f"output folder {out_dir!r} is not empty and holds no earlier export (it holds "
                          f"{listed(found)}); pass a new or empty folder, or --force to write into it")
+
+
+def check_not_in_checkpoints(checkpoint: str, out_dir: str) -> None:
+    """``ValueError`` if ``out_dir`` is the checkpoints being exported or lies inside them (a ``step-N`` folder, or
+    the ``checkpoints/`` folder that holds it): the files an export writes there are files no manifest lists, and
+    such a checkpoint is refused from then on, by ``--resume-from-checkpoint`` and by ``export`` alike. ``--force``
+    does not lift it."""
+    checkpoint = os.path.realpath(checkpoint)
+    root = os.path.dirname(checkpoint) if os.path.isfile(os.path.join(checkpoint, MANIFEST)) else checkpoint
+    relative = os.path.relpath(os.path.realpath(out_dir), root)
+    if relative == os.curdir or not relative.startswith(os.pardir):
+        raise ValueError(f"output folder {out_dir!r} is inside the checkpoints being exported ({root}); files "
+                         "written there would make those checkpoints unreadable: pass a folder outside it")
 
 
 def make_out_dir(out_dir: str) -> list[str]:
@@ -93,9 +108,11 @@ def remove_empty(folders: list[str]) -> None:
 
 def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str:
     """Write the HF model of ``checkpoint`` (a ``step-N`` folder, or a run's ``checkpoints`` folder for
-    the newest complete one) to ``out_dir``; returns ``out_dir``. ``out_dir`` is checked first (:func:`check_out_dir`,
-    :func:`make_out_dir`: one ``ValueError`` line before anything is loaded). ``CheckpointError`` (nothing written)
-    if a weight is not finite; a folder the export created is removed again when it fails."""
+    the newest complete one) to ``out_dir``; returns ``out_dir``. ``out_dir`` is checked first
+    (:func:`check_not_in_checkpoints`, :func:`check_out_dir`, :func:`make_out_dir`: one ``ValueError`` line before
+    anything is loaded). ``CheckpointError`` (nothing written) if a weight is not finite; a folder the export created
+    is removed again when it fails."""
+    check_not_in_checkpoints(checkpoint, out_dir)
     check_out_dir(out_dir, force)
     created = make_out_dir(out_dir)
     try:

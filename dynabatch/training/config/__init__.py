@@ -145,6 +145,17 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         if self.split_blocks == "on" and self.cost_profile:
             raise ValueError("split_blocks on cuts inside blocks, which a profile does not price (it times whole "
                              "blocks); drop cost_profile or use split_blocks auto")
+        if self.cost_profile and self.recompute not in ("auto", "none"):  # a resolved file gives per_micro_batch
+            raise ValueError(f"recompute {self.recompute} needs a cost model that prices recomputation, and a cost "
+                             "profile does not: pass --recompute none (or auto) with --cost-profile, or drop "
+                             "--cost-profile")
+        if self.calibration_file and self.calibrate == "off":  # else never read, not even checked to exist
+            raise ValueError(f"calibration_file {self.calibration_file!r} warm-starts the online calibration, which "
+                             "calibrate off turns off: drop --calibration-file, or --calibrate off")
+        if self.full_determinism and self.plan_costs in ("scaled", "calibrated"):
+            raise ValueError(f"full_determinism plans with costs that do not depend on measured times; plan_costs "
+                             f"{self.plan_costs!r} follows the online fit: pass --plan-costs base (or auto) with "
+                             "--full-determinism, or drop --full-determinism")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
         for name in ("learning_rate", "memory_gib"):

@@ -13,6 +13,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import re
 from typing import Any
 
 # The package defines these before it imports this module (config/__init__.py's last lines), so they exist
@@ -233,10 +234,21 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
             from_file.pop(name, None)
     try:
         return TrainConfig(**values)
-    except ValueError as e:  # name the file when the offending field came from it
-        if any(str(e).startswith(f"{name} ") for name in from_file):
-            raise ValueError(f"config file {config_path}: {e}") from None
-        raise
+    except ValueError as e:  # name the file when a field the message names came from it
+        named = [name for name in from_file if _names(str(e), name)]
+        if not named:
+            raise
+        flags = [f"--{name.replace('_', '-')}" for name in sorted(given & defaults.keys()) if _names(str(e), name)]
+        where = f" ({', '.join(named)} from the file, {', '.join(flags)} from the command line)" if flags else ""
+        raise ValueError(f"config file {config_path}: {e}{where}") from None
+
+
+def _names(message: str, field: str) -> bool:
+    """Whether an error ``message`` names ``field``: as a flag (``--cost-profile``), as a field with an underscore
+    (``cost_profile``) anywhere, or as its first word (a one-word name elsewhere may be plain English: "cost model")."""
+    spellings = [f"--{field.replace('_', '-')}"] + ([field] if "_" in field else [])
+    return (message.startswith(f"{field} ")
+            or bool(re.search(rf"(?<![\w-])({'|'.join(spellings)})(?![\w-])", message)))
 
 
 def parse_config(p: argparse.ArgumentParser, argv: list[str]):
@@ -302,7 +314,8 @@ def _coerce(path: str, name: str, value: Any) -> Any:
         try:
             return number(value)
         except ValueError:
-            raise ValueError(f"config file {path}: {name} must be a number, got {value!r}") from None
+            kind = "a whole number" if number is int else "a number"
+            raise ValueError(f"config file {path}: {name} must be {kind}, got {value!r}") from None
     return value
 
 

@@ -4,7 +4,7 @@ A run records its configuration twice: in ``OUTPUT/config.yaml`` (``dynabatch tr
 every checkpoint's manifest (``--resume-from-checkpoint`` compares the new settings with it). Paths as typed are
 relative to the folder the run was started from, so the record was only good from there: ``--config`` from another
 folder named a model folder that was not there, and a resume that spelled the same files otherwise
-(``./t5`` against ``/home/me/t5``, ``inputs=q, targets=a`` against ``inputs=q,targets=a``) was refused as a changed
+(``./t5`` against ``/home/me/t5``, ``targets=a, inputs=q`` against ``inputs=q,targets=a``) was refused as a changed
 setting. :func:`run_paths` writes each local path a run reads as an absolute path and ``--columns`` in one spelling;
 names that are not local paths (a model preset, ``builtin``, a cached hub dataset) stay as they are.
 """
@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from dynabatch.data.inputs import parse_columns
+from dynabatch.data.sources import CAST_FIELDS
 from dynabatch.data.tokenize import AUTO, TOKENIZER_NAMES
 
 PATH_FIELDS = ("model", "tokenizer", "mixture", "eval_mixture", "data", "cost_profile", "calibration_file")
@@ -33,13 +34,14 @@ def local_path(field: str, value: Any) -> Any:
 
 
 def canonical_columns(text: str | None) -> str | None:
-    """``--columns`` in one spelling (``inputs=question,targets=answer``); malformed text as it is (refused where it is
-    read)."""
+    """``--columns`` in one spelling (``inputs=question,targets=answer``: no spaces, the fields in
+    :data:`~dynabatch.data.sources.CAST_FIELDS` order, whatever order they were given in); malformed text as it is
+    (refused where it is read)."""
     try:
         columns = parse_columns(text)
     except ValueError:
         return text
-    return ",".join(f"{k}={v}" for k, v in columns.items()) if columns else text
+    return ",".join(f"{k}={columns[k]}" for k in CAST_FIELDS if k in columns) if columns else text
 
 
 def run_paths(values: dict[str, Any]) -> dict[str, Any]:

@@ -183,10 +183,7 @@ _by_cost_profile("calibrate",
 
 @rule("plan_costs")
 def _plan_costs(cfg, found: Found):
-    if getattr(cfg, "full_determinism", False):
-        if cfg.plan_costs not in ("auto", "base"):
-            raise ValueError(f"full_determinism plans with costs that do not depend on measured times; plan_costs "
-                             f"{cfg.plan_costs!r} follows the online fit: drop one of them or use plan_costs base")
+    if getattr(cfg, "full_determinism", False):  # TrainConfig refuses it with plan_costs scaled or calibrated
         return "base", "--full-determinism: plans from the base model, not from measured times"
     if cfg.plan_costs != "auto" or found.sequence_kind is None:
         return None

@@ -197,7 +197,7 @@ class PipelineArgs:
                 "shapes, the measured stage times), calibrated (the online fit) or auto (calibrated for "
                 "encoder-decoders, base for decoder-only models; docs/configuration.md says why)")
     calibration_file: str | None = experimental(None, "warm start from the calibration.json an earlier run on the same device, "
-                                             "model and layout wrote")
+                                             "model and layout wrote (not with --calibrate off)")
     plan_ahead: int = experimental(2, "steps the background planner prepares ahead of training")
     planner: Literal[PLANNERS] = experimental(
         "auto", "where rank 0 plans ahead: process (a child process: never holds the training loop's GIL), thread "

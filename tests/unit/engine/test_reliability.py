@@ -390,7 +390,7 @@ def test_bad_flag_values_are_one_line(tmp_path, capsys, flags, expected):
 
 @pytest.mark.parametrize("text, expected", [
     ("steps: [1, 2\nlr: 3", "YAML syntax error at line"),
-    ("steps: x", "steps must be a number, got 'x'"),
+    ("steps: x", "steps must be a whole number, got 'x'"),
     ("- steps\n- 3", "must hold a mapping of TrainConfig fields"),
     ("mixture: 5", "mixture must be str, got 5 (int)"),
     ("stepz: 3", "unknown config keys ['stepz']"),

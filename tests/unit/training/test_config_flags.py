@@ -199,3 +199,58 @@ def test_simulate_json_to_a_file_also_prints_the_table(tmp_path, capsys):
     assert main(["simulate", "--model", "t5", "--num-batches", "1", "--methods", "padding", "--global-batch-tokens",
                  "4096", "--max-input-len", "512", "--json", str(out)]) == 0
     assert "padding" in capsys.readouterr().out and json.loads(out.read_text())["methods"]["padding"]
+
+
+def test_a_flag_at_odds_with_a_config_file_value_is_refused_at_parse_time_naming_both(tmp_path):
+    """A run's config.yaml holds plan_costs resolved (calibrated for T5): --full-determinism on top of it is refused
+    when the flags are parsed, naming the file, which value came from where, and the flag that reconciles them."""
+    run = tmp_path / "config.yaml"
+    run.write_text("experimental:\n  plan_costs: calibrated\n")
+    with pytest.raises(ValueError, match=r"^config file .*config.yaml: full_determinism plans with costs that do not "
+                                         r"depend on measured times; plan_costs 'calibrated' follows the online fit: "
+                                         r"pass --plan-costs base \(or auto\) with --full-determinism, or drop "
+                                         r"--full-determinism \(plan_costs from the file, --full-determinism from "
+                                         r"the command line\)$"):
+        _train(["--config", str(run), "--full-determinism"])
+    cfg = _train(["--config", str(run), "--full-determinism", "--plan-costs", "base"])
+    assert (cfg.full_determinism, cfg.plan_costs) == (True, "base")
+    with pytest.raises(ValueError, match=r"^full_determinism plans .* or drop --full-determinism$"):
+        TrainConfig(full_determinism=True, plan_costs="scaled")  # refused where the configuration is made
+
+
+def test_a_config_file_integer_given_as_a_float_says_whole_number(tmp_path):
+    bad = tmp_path / "seed.yaml"
+    bad.write_text("seed: 1e3\n")  # YAML 1.1 reads it as a string
+    with pytest.raises(ValueError, match=r"^config file .*seed.yaml: seed must be a whole number, got '1e3'$"):
+        load_config_file(str(bad))
+
+
+def test_columns_are_recorded_in_one_spelling_whatever_their_order():
+    """config.yaml and a resume's comparison record --columns canonically: the same mapping given in another order
+    or with spaces is the same setting (a resume refused 'targets=a,inputs=q' -> 'inputs=q,targets=a')."""
+    from dynabatch.training.config.paths import canonical_columns, run_paths
+
+    spellings = ["inputs=q,targets=a,task=t", "targets=a, inputs=q ,task=t", "task=t,targets=a,inputs=q"]
+    assert {canonical_columns(s) for s in spellings} == {"task=t,inputs=q,targets=a"}
+    assert run_paths({"columns": "targets=a,inputs=q"}) == run_paths({"columns": "inputs=q, targets=a"})
+
+
+def test_a_calibration_file_with_calibration_off_is_refused_not_ignored(tmp_path):
+    with pytest.raises(ValueError, match=r"^calibration_file 'c.json' warm-starts the online calibration, which "
+                                         r"calibrate off turns off: drop --calibration-file, or --calibrate off$"):
+        _train(["--calibrate", "off", "--calibration-file", "c.json"])
+    assert _train(["--calibration-file", "c.json"]).calibration_file == "c.json"  # read (and checked) at start
+
+
+def test_a_run_config_file_with_a_cost_profile_flag_names_the_recompute_it_holds(tmp_path):
+    """A run's config.yaml holds recompute resolved (per_micro_batch), which a cost profile cannot price: --cost-profile
+    on top of it is refused when the flags are parsed, naming the file and the value it gives (the planner's check
+    at run start called it '--recompute auto', a value nobody had given)."""
+    run = tmp_path / "config.yaml"
+    run.write_text("model:\n  model: t5-tiny\nexperimental:\n  recompute: per_micro_batch\n  split_blocks: auto\n")
+    with pytest.raises(ValueError, match=r"^config file .*config.yaml: recompute per_micro_batch needs a cost model "
+                                         r"that prices recomputation, and a cost profile does not: pass --recompute "
+                                         r"none \(or auto\) with --cost-profile, or drop --cost-profile \(recompute "
+                                         r"from the file, --cost-profile from the command line\)$"):
+        _train(["--config", str(run), "--cost-profile", "p.json"])
+    assert _train(["--config", str(run), "--cost-profile", "p.json", "--recompute", "auto"]).recompute == "auto"

@@ -107,3 +107,17 @@ def test_the_export_check_compares_with_the_training_tokenizer_not_with_itself(t
     reloaded = type(trained).from_pretrained(folder)
     assert reloaded("Add 12", add_special_tokens=False)["input_ids"] == trained("Add 12", add_special_tokens=False)[
         "input_ids"] != []
+
+
+@pytest.mark.parametrize("into", ["step", "checkpoints", "step/hf"])
+def test_an_export_into_the_checkpoints_it_reads_is_refused_even_with_force(tmp_path, into, capsys):
+    step = tmp_path / "run" / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    out = {"step": step, "checkpoints": step.parent, "step/hf": step / "hf"}[into]
+    assert main(["export", str(step), str(out), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"dynabatch export: error: output folder {str(out)!r} is inside the checkpoints being exported "
+                   f"({step.parent}); files written there would make those checkpoints unreadable: pass a folder "
+                   "outside it"), err
+    assert sorted(os.listdir(step)) == ["manifest.json"] and sorted(os.listdir(step.parent)) == ["step-000002"]
