@@ -476,7 +476,8 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
 
     try:
         ds = ds.map(normalise, batched=True, with_indices=True, remove_columns=ds.column_names,
-                    features=_normalised_features(), desc=f"validate {spec.task}")
+                    features=_normalised_features(), desc=f"validate {spec.task}",
+                    cache_file_name=_cache_outside_user_folder(spec, ds, normalise))
     except UnicodeDecodeError as e:  # a value that is not UTF-8 surfaces only when rows are read
         where = list(spec.data_files) or spec.hf or spec.builtin or "the in-memory dataset"
         raise BadRowError(
@@ -493,6 +494,24 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
     casts = {f: int(((bits >> i) & 1).sum()) for i, f in enumerate(CAST_FIELDS)}
     ds = ds.remove_columns(["_bad", "_cast"] if num_bad else ["_bad", "_cast", "source_row"])
     return NormalisedSource(ds, num_bad + unreadable, {f: n for f, n in casts.items() if n})
+
+
+def _cache_outside_user_folder(spec: SourceSpec, ds, transform: Callable) -> str | None:
+    """Where the first ``map`` of a ``save_to_disk`` source writes its result: a file in the ``datasets`` cache
+    named by the dataset's fingerprint and the transform, so a second run reuses it. ``None`` (``datasets``'
+    own choice) for every other source, whose files ``datasets`` has already copied into its cache.
+
+    ``datasets`` memory-maps a saved folder's files in place and would write this map's ``cache-*.arrow``
+    (and every later map's: the skip filter, the tokenizing) into the user's folder, one more per tokenizer
+    and setting; the maps after this one write next to its result instead."""
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    if not (spec.hf and os.path.isdir(spec.hf) and datasets.is_caching_enabled() and ds.cache_files):
+        return None
+    folder = os.path.join(datasets.config.HF_DATASETS_CACHE, "dynabatch_saved_datasets")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"normalised-{Hasher.hash([ds._fingerprint, transform])}.arrow")
 
 
 def _normalised_features():

@@ -80,3 +80,21 @@ def test_a_line_that_is_not_json_is_named_and_skipped_with_skip(tmp_path):
     with pytest.warns(UserWarning, match="2 line"):
         ds, skipped = load_source(SourceSpec(task="cut", data_files=(str(p),)), bad_rows="skip")
     assert skipped == 2 and len(ds) == 5 and set(ds["targets"]) == {"ok"}
+
+
+def test_a_saved_dataset_folder_gets_no_cache_files(tmp_path):
+    """A ``save_to_disk`` folder is the user's: loading, normalising and tokenizing it twice writes nothing into it
+    (``datasets`` would put every map's ``cache-*.arrow`` next to its files), and the second load reuses the cache."""
+    import datasets
+
+    from dynabatch.data.tokenize import load_tokenizer, tokenize_dataset
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"q": ["a b", "c", "d e f"], "a": ["x", "", "z"]}).save_to_disk(str(folder))
+    before = sorted(p.name for p in folder.iterdir())
+    spec = SourceSpec(task="s", hf=str(folder), columns={"inputs": "q", "targets": "a"})
+    for _ in range(2):
+        ds, skipped = load_source(spec, bad_rows="skip")  # the skip's filter is a second map
+        tokenize_dataset(ds, load_tokenizer("byt5"), "t5")
+        assert skipped == 1 and ds["inputs"][:] == ["a b", "d e f"] and ds["source_row"][:] == [0, 2]
+    assert sorted(p.name for p in folder.iterdir()) == before
