@@ -206,6 +206,32 @@ def _is_saved_dataset(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, f)) for f in ("state.json", "dataset_dict.json"))
 
 
+FOLDER_FORMATS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv", ".parquet": "parquet",
+                  ".arrow": "arrow"}
+"""The format ``datasets`` reads each data file extension of a folder as (the extensions a source documents)."""
+FOLDER_METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+"""JSON files of a dataset folder that describe it and are not rows."""
+
+
+def _check_one_format(spec: SourceSpec) -> None:
+    """A ``ValueError`` when the ``hf:`` folder of data files holds files of several formats: ``datasets`` reads a
+    folder in the format most of its files have and skips the others without a word (hidden and ``_`` names, as
+    ``datasets`` skips them, and the folder's metadata files, :data:`FOLDER_METADATA`, are not counted)."""
+    found: dict[str, list[str]] = {}
+    for root, dirs, files in os.walk(spec.hf):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        for name in files:
+            kind = FOLDER_FORMATS.get(os.path.splitext(name)[1].lower())
+            if kind is not None and not name.startswith((".", "_")) and name not in FOLDER_METADATA:
+                found.setdefault(kind, []).append(os.path.relpath(os.path.join(root, name), spec.hf))
+    if len(found) > 1:
+        listed = "; ".join(f"{kind}: {', '.join(sorted(names)[:3])}{' ...' if len(names) > 3 else ''}"
+                           for kind, names in sorted(found.items()))
+        raise ValueError(f"source {spec.task!r}: folder {spec.hf} holds data files of {len(found)} formats ({listed}); "
+                         "datasets reads one format of a folder and would skip the other files: put each format in a "
+                         "folder of its own (a source each in a mixture spec), or convert the files to one format")
+
+
 def _load_hub(spec: SourceSpec):
     """``datasets.load_dataset`` of an ``hf:`` source (``load_from_disk`` for a ``save_to_disk`` folder); offline,
     uncached or unknown datasets are one-line errors."""
@@ -223,6 +249,8 @@ def _load_hub(spec: SourceSpec):
                                  f"split: in the mixture spec's source")
             saved = saved[spec.split]
         return saved
+    if os.path.isdir(spec.hf):
+        _check_one_format(spec)
     try:
         return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
     except ConnectionError as e:  # offline mode, or the hub unreachable, with no local cache of the dataset

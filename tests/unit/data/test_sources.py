@@ -98,3 +98,18 @@ def test_a_saved_dataset_folder_gets_no_cache_files(tmp_path):
         tokenize_dataset(ds, load_tokenizer("byt5"), "t5")
         assert skipped == 1 and ds["inputs"][:] == ["a b", "d e f"] and ds["source_row"][:] == [0, 2]
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_folder_of_data_files_in_two_formats_is_refused(tmp_path):
+    """``datasets`` reads a folder of data files in its most common format and skips the rest without a word: a
+    folder with a .jsonl and a .csv file is one line naming both, not a source with half its rows."""
+    folder = tmp_path / "mixed"
+    (folder / "more").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", [{"inputs": "a", "targets": "x"}])
+    (folder / "more" / "b.csv").write_text("inputs,targets\nb,y\n")
+    with pytest.raises(ValueError, match=r"source 'm': folder .*mixed holds data files of 2 formats \(csv: more/b.csv; "
+                                         r"json: a.jsonl\); .* put each format in a folder of its own"):
+        load_source(SourceSpec(task="m", hf=str(folder)))
+    (folder / "more" / "b.csv").unlink()
+    write_jsonl(folder / "more" / "b.json", [{"inputs": "b", "targets": "y"}])  # .json and .jsonl: one format
+    assert load_source(SourceSpec(task="m", hf=str(folder)))[0]["inputs"][:] == ["a", "b"]
