@@ -27,6 +27,8 @@ from typing import Any
 from dynabatch import __version__
 from dynabatch.data.builtin import BUILTIN_TASKS, generate_examples
 
+logger = logging.getLogger(__name__)
+
 FIELDS = ("inputs", "targets")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 BAD_ROW_POLICIES = ("error", "skip")
@@ -232,6 +234,33 @@ def _check_one_format(spec: SourceSpec) -> None:
                          "folder of its own (a source each in a mixture spec), or convert the files to one format")
 
 
+def _check_splits(spec: SourceSpec) -> None:
+    """Log when ``datasets`` sorts some files of the ``hf:`` folder into splits other than the source's (a
+    ``test.jsonl`` next to ``train.jsonl`` is split ``test``): those files are not read, and nothing else says so.
+    A ``ValueError`` when it sorts none into the source's split (``a.jsonl`` next to ``test.jsonl``: ``a.jsonl``
+    matches no split's name and is not read at all)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(spec.hf), base_path=spec.hf)
+    except Exception:  # no data files, or a layout datasets itself refuses: load_dataset says what is wrong
+        return
+    others = {str(name): [os.path.relpath(f, spec.hf) for f in found] for name, found in files.items()
+              if str(name) != spec.split and found}
+    if not others:
+        return
+    listed = "; ".join(f"{name}: {', '.join(sorted(found)[:3])}{' ...' if len(found) > 3 else ''}"
+                       for name, found in sorted(others.items()))
+    if not any(str(name) == spec.split for name in files):
+        raise ValueError(f"source {spec.task!r}: datasets sorts the files of folder {spec.hf} into splits by their "
+                         f"names ({listed}) and none into split {spec.split!r}, the one read; name the training files "
+                         "train*.jsonl (or .csv, ...), or pass a file as its own source (--data FILE, or data_files: in "
+                         "a mixture spec)")
+    logger.info(f"source {spec.task!r}: folder {spec.hf} reads split {spec.split!r}; datasets sorts its other files "
+                f"into other splits by their names, and they are not read ({listed}); pass such a file as its own "
+                "source (--data FILE, or data_files: in a mixture spec) to read it")
+
+
 def _load_hub(spec: SourceSpec):
     """``datasets.load_dataset`` of an ``hf:`` source (``load_from_disk`` for a ``save_to_disk`` folder); offline,
     uncached or unknown datasets are one-line errors."""
@@ -251,6 +280,7 @@ def _load_hub(spec: SourceSpec):
         return saved
     if os.path.isdir(spec.hf):
         _check_one_format(spec)
+        _check_splits(spec)
     try:
         return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
     except ConnectionError as e:  # offline mode, or the hub unreachable, with no local cache of the dataset

@@ -113,3 +113,24 @@ def test_a_folder_of_data_files_in_two_formats_is_refused(tmp_path):
     (folder / "more" / "b.csv").unlink()
     write_jsonl(folder / "more" / "b.json", [{"inputs": "b", "targets": "y"}])  # .json and .jsonl: one format
     assert load_source(SourceSpec(task="m", hf=str(folder)))[0]["inputs"][:] == ["a", "b"]
+
+
+def test_a_folder_whose_file_names_name_other_splits_says_so(tmp_path, caplog):
+    """``datasets`` sorts a folder's files into splits by their names and reads the source's split alone: the files of
+    other splits are named in the log, and a folder with none in the split read is one line, not datasets' own
+    ``Unknown split "train"``."""
+    import logging
+
+    folder = tmp_path / "split"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"inputs": "a", "targets": "x"}])
+    write_jsonl(folder / "test.jsonl", [{"inputs": "b", "targets": "y"}])
+    with caplog.at_level(logging.INFO, logger="dynabatch.data.sources"):
+        ds, _ = load_source(SourceSpec(task="s", hf=str(folder)))
+    assert ds["inputs"][:] == ["a"]
+    assert "reads split 'train'; datasets sorts its other files into other splits by their names, and they are not " \
+           "read (test: test.jsonl)" in caplog.text
+    (folder / "train.jsonl").rename(folder / "a.jsonl")
+    with pytest.raises(ValueError, match=r"source 's': datasets sorts the files of folder .*split into splits by their "
+                                         r"names \(test: test.jsonl\) and none into split 'train', the one read"):
+        load_source(SourceSpec(task="s", hf=str(folder)))
