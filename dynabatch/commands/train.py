@@ -15,7 +15,7 @@ from dynabatch.training.config.flags import add_config_arguments, config_from_ar
 from dynabatch.core.methods import objective_note
 from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.faults import INTERRUPTED_STATUS
-from dynabatch.data.batching import LengthLimits, replica_budget_problem
+from dynabatch.data.batching import LengthLimits, check_token_budget, replica_budget_problem
 from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA
 from dynabatch.data.tokenize import tokenizer_problem
 from dynabatch.model_presets import model_problem, sequence_kind, stages_problem
@@ -37,12 +37,14 @@ def interrupted_run(output_dir: str) -> BaseException:
 
 def _budget_problem(cfg) -> str | None:
     """The trainer's refusal of a global batch that holds less than one maximal sample per replica, said before the
-    launch where the model's sequence kind can be told from the file system (else each rank says it)."""
+    launch where the model's sequence kind can be told from the file system (else each rank says it); a batch that
+    cannot hold one maximal sample of that kind at all is a ``ValueError`` here."""
     kind = sequence_kind(cfg.model)
     if kind is None:
         return None
     limits = LengthLimits(kind, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                           max_seq_len=cfg.max_input_len)
+    check_token_budget(cfg.global_batch_tokens, limits, "--global-batch-tokens")
     return replica_budget_problem(cfg.global_batch_tokens, cfg.replicas, limits)
 
 

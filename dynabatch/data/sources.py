@@ -27,6 +27,8 @@ from typing import Any
 from dynabatch import __version__
 from dynabatch.data.builtin import BUILTIN_TASKS, generate_examples
 
+logger = logging.getLogger(__name__)
+
 FIELDS = ("inputs", "targets")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 BAD_ROW_POLICIES = ("error", "skip")
@@ -206,6 +208,59 @@ def _is_saved_dataset(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, f)) for f in ("state.json", "dataset_dict.json"))
 
 
+FOLDER_FORMATS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".csv": "csv", ".parquet": "parquet",
+                  ".arrow": "arrow"}
+"""The format ``datasets`` reads each data file extension of a folder as (the extensions a source documents)."""
+FOLDER_METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+"""JSON files of a dataset folder that describe it and are not rows."""
+
+
+def _check_one_format(spec: SourceSpec) -> None:
+    """A ``ValueError`` when the ``hf:`` folder of data files holds files of several formats: ``datasets`` reads a
+    folder in the format most of its files have and skips the others without a word (hidden and ``_`` names, as
+    ``datasets`` skips them, and the folder's metadata files, :data:`FOLDER_METADATA`, are not counted)."""
+    found: dict[str, list[str]] = {}
+    for root, dirs, files in os.walk(spec.hf):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        for name in files:
+            kind = FOLDER_FORMATS.get(os.path.splitext(name)[1].lower())
+            if kind is not None and not name.startswith((".", "_")) and name not in FOLDER_METADATA:
+                found.setdefault(kind, []).append(os.path.relpath(os.path.join(root, name), spec.hf))
+    if len(found) > 1:
+        listed = "; ".join(f"{kind}: {', '.join(sorted(names)[:3])}{' ...' if len(names) > 3 else ''}"
+                           for kind, names in sorted(found.items()))
+        raise ValueError(f"source {spec.task!r}: folder {spec.hf} holds data files of {len(found)} formats ({listed}); "
+                         "datasets reads one format of a folder and would skip the other files: put each format in a "
+                         "folder of its own (a source each in a mixture spec), or convert the files to one format")
+
+
+def _check_splits(spec: SourceSpec) -> None:
+    """Log when ``datasets`` sorts some files of the ``hf:`` folder into splits other than the source's (a
+    ``test.jsonl`` next to ``train.jsonl`` is split ``test``): those files are not read, and nothing else says so.
+    A ``ValueError`` when it sorts none into the source's split (``a.jsonl`` next to ``test.jsonl``: ``a.jsonl``
+    matches no split's name and is not read at all)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(spec.hf), base_path=spec.hf)
+    except Exception:  # no data files, or a layout datasets itself refuses: load_dataset says what is wrong
+        return
+    others = {str(name): [os.path.relpath(f, spec.hf) for f in found] for name, found in files.items()
+              if str(name) != spec.split and found}
+    if not others:
+        return
+    listed = "; ".join(f"{name}: {', '.join(sorted(found)[:3])}{' ...' if len(found) > 3 else ''}"
+                       for name, found in sorted(others.items()))
+    if not any(str(name) == spec.split for name in files):
+        raise ValueError(f"source {spec.task!r}: datasets sorts the files of folder {spec.hf} into splits by their "
+                         f"names ({listed}) and none into split {spec.split!r}, the one read; name the training files "
+                         "train*.jsonl (or .csv, ...), or pass a file as its own source (--data FILE, or data_files: in "
+                         "a mixture spec)")
+    logger.info(f"source {spec.task!r}: folder {spec.hf} reads split {spec.split!r}; datasets sorts its other files "
+                f"into other splits by their names, and they are not read ({listed}); pass such a file as its own "
+                "source (--data FILE, or data_files: in a mixture spec) to read it")
+
+
 def _load_hub(spec: SourceSpec):
     """``datasets.load_dataset`` of an ``hf:`` source (``load_from_disk`` for a ``save_to_disk`` folder); offline,
     uncached or unknown datasets are one-line errors."""
@@ -223,6 +278,9 @@ def _load_hub(spec: SourceSpec):
                                  f"split: in the mixture spec's source")
             saved = saved[spec.split]
         return saved
+    if os.path.isdir(spec.hf):
+        _check_one_format(spec)
+        _check_splits(spec)
     try:
         return datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split)
     except ConnectionError as e:  # offline mode, or the hub unreachable, with no local cache of the dataset
@@ -476,7 +534,8 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
 
     try:
         ds = ds.map(normalise, batched=True, with_indices=True, remove_columns=ds.column_names,
-                    features=_normalised_features(), desc=f"validate {spec.task}")
+                    features=_normalised_features(), desc=f"validate {spec.task}",
+                    cache_file_name=_cache_outside_user_folder(spec, ds, normalise))
     except UnicodeDecodeError as e:  # a value that is not UTF-8 surfaces only when rows are read
         where = list(spec.data_files) or spec.hf or spec.builtin or "the in-memory dataset"
         raise BadRowError(
@@ -493,6 +552,24 @@ def load_normalised(spec: SourceSpec, bad_rows: str | None = None, dataset=None)
     casts = {f: int(((bits >> i) & 1).sum()) for i, f in enumerate(CAST_FIELDS)}
     ds = ds.remove_columns(["_bad", "_cast"] if num_bad else ["_bad", "_cast", "source_row"])
     return NormalisedSource(ds, num_bad + unreadable, {f: n for f, n in casts.items() if n})
+
+
+def _cache_outside_user_folder(spec: SourceSpec, ds, transform: Callable) -> str | None:
+    """Where the first ``map`` of a ``save_to_disk`` source writes its result: a file in the ``datasets`` cache
+    named by the dataset's fingerprint and the transform, so a second run reuses it. ``None`` (``datasets``'
+    own choice) for every other source, whose files ``datasets`` has already copied into its cache.
+
+    ``datasets`` memory-maps a saved folder's files in place and would write this map's ``cache-*.arrow``
+    (and every later map's: the skip filter, the tokenizing) into the user's folder, one more per tokenizer
+    and setting; the maps after this one write next to its result instead."""
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    if not (spec.hf and os.path.isdir(spec.hf) and datasets.is_caching_enabled() and ds.cache_files):
+        return None
+    folder = os.path.join(datasets.config.HF_DATASETS_CACHE, "dynabatch_saved_datasets")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"normalised-{Hasher.hash([ds._fingerprint, transform])}.arrow")
 
 
 def _normalised_features():

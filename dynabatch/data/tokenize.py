@@ -204,11 +204,14 @@ def inference_tokenizer(tokenizer, family: str):
     :func:`input_start` when the tokenizer's own call puts one first). Fast tokenizers
     get that as their post-processor (saved in ``tokenizer.json``); a slow tokenizer is returned as it is (the
     export checks what it gives, :func:`encodes_like_training`). A decoder-only model's pads on the left, so
-    ``model.generate(**tok(texts, padding=True))`` continues each prompt from its last token."""
+    ``model.generate(**tok(texts, padding=True))`` continues each prompt from its last token; a tokenizer without a
+    pad token (a Llama or Qwen base model's) gets EOS as its pad, the one training padded with."""
     import copy
 
     start = input_start(tokenizer, family)
     out = copy.deepcopy(tokenizer)
+    if out.pad_token is None:  # training padded with EOS (tokenizer_info); without it padding=True raises
+        out.pad_token = out.eos_token
     if not is_seq2seq(family):
         out.padding_side = "left"
         out.init_kwargs["padding_side"] = "left"  # what save_pretrained writes to tokenizer_config.json

@@ -262,6 +262,10 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
         raise CheckpointError(f"no checkpoint in {empty}; start without "
                               "--resume-from-checkpoint, or pass a step-NNNNNN folder or a checkpoints/ folder that "
                               "holds one")
+    inner = os.path.join(path, "checkpoints")
+    if list_checkpoints(inner):  # a run's output folder
+        raise CheckpointError(f"{path!r} is not a checkpoint but a run's folder: pass {inner} for its newest "
+                              "checkpoint, or one of the step-NNNNNN folders in it")
     raise CheckpointError(f"{path!r} is not a checkpoint: pass a step-NNNNNN folder (with {MANIFEST}) or a run's "
                           "checkpoints/ folder")
 

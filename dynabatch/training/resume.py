@@ -39,6 +39,7 @@ from dynabatch.training.config.paths import run_paths
 from dynabatch.cost.online import OnlineFit
 from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, newest_saved, resolve_checkpoint,
                                           save_collective)
+from dynabatch.model_presets import sequence_kind
 from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.reshard import dcp_writer, load_stage_state, stage_state
 
@@ -58,16 +59,26 @@ def setting_changes(old: dict[str, Any], new: TrainConfig) -> list[tuple[str, st
             if name not in _NOT_COMPARED and name in old and old[name] != value]
 
 
+def fixed_on_resume(model: str) -> tuple[str, ...]:
+    """The settings a resume of a ``model`` run may not change: :data:`FIXED_ON_RESUME`, less ``max_target_len``
+    for a decoder-only model, whose samples ``max_input_len`` limits alone (the target limit is T5's)."""
+    if sequence_kind(model) == "causal":
+        return tuple(name for name in FIXED_ON_RESUME if name != "max_target_len")
+    return FIXED_ON_RESUME
+
+
 def compare_configs(old: dict[str, Any], new: TrainConfig, where: str) -> list[str]:
-    """Raise ``ValueError`` if a fixed field differs; return ``"name: old -> new"`` for the others."""
+    """Raise ``ValueError`` if a fixed field (:func:`fixed_on_resume`) differs; return ``"name: old -> new"`` for the
+    others."""
     changes = setting_changes(old, new)
-    fixed = [change for name, change in changes if name in FIXED_ON_RESUME]
+    fixed_names = fixed_on_resume(new.model)
+    fixed = [change for name, change in changes if name in fixed_names]
     if fixed:
         raise ValueError(
             f"--resume-from-checkpoint: checkpoint {where} was written with other settings that cannot change ({'; '.join(fixed)}); "
             "use the checkpoint's values, or start a new run in another --output-dir"
         )
-    return [change for name, change in changes if name not in FIXED_ON_RESUME]
+    return [change for name, change in changes if name not in fixed_names]
 
 
 def resume_settings_line(info: CheckpointInfo, cfg: TrainConfig, earlier: dict[str, Any] | None) -> str | None:

@@ -17,7 +17,7 @@ from dynabatch.cost.tables import CostTables
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.engine.checkpoint import CheckpointInfo
 from dynabatch.engine.dist import DistContext
-from dynabatch.model_presets import describe_dropout
+from dynabatch.model_presets import describe_dropout, sequence_kind
 from dynabatch.models.families import check_model
 from dynabatch.training.config import Found, Resolved, TrainConfig, resolve
 from dynabatch.training.config.flags import CONFIG_FILE, load_config_file, write_config_file
@@ -99,6 +99,23 @@ def describe_zero(zero: int, replicas: int) -> str | None:
         return (f"--zero {zero} with one replica: there is nothing to shard across replicas, so every stage keeps its "
                 "whole states (as --zero 0); pass --replicas 2 or more to shard them")
     return None
+
+
+def describe_target_len(cfg: TrainConfig) -> str | None:
+    """The line a decoder-only run logs when ``--max-target-len`` is not its default: the limit is T5's decoder
+    limit, and a decoder-only sample, inputs and targets together, is limited by ``--max-input-len`` alone; ``None``
+    otherwise (an encoder-decoder, the default, or a model whose kind the file system does not tell)."""
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "max_target_len")
+    if cfg.max_target_len == default or sequence_kind(cfg.model) != "causal":
+        return None
+    return (f"--max-target-len {cfg.max_target_len} has no effect on the decoder-only model {cfg.model}: its samples, "
+            f"inputs and targets together, are cut at --max-input-len {cfg.max_input_len}")
+
+
+def log_target_len(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 warns when ``--max-target-len`` is set for a decoder-only model (:func:`describe_target_len`)."""
+    if ctx.is_planner and (line := describe_target_len(cfg)) is not None:
+        logger.warning(line)
 
 
 def log_zero(cfg: TrainConfig, ctx: DistContext) -> None:

@@ -40,7 +40,7 @@ from dynabatch.core.policies import AUTO
 from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.p2p import loopback_store
-from dynabatch.data.batching import GlobalBatcher, LengthLimits, replica_budget_problem
+from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget, replica_budget_problem
 from dynabatch.data.inputs import data_notes, load_data
 from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.models.attention_kernels import (KERNEL_CALLS, attention_kernel, calls_since, kernel_problem,
@@ -63,8 +63,8 @@ from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
 from dynabatch.engine.outputs import prepare_output_dir, run_dirs, truncate_metrics
-from dynabatch.training.run_start import (check_same_settings, log_dropout, log_tokenizer, log_zero, record_resolved,
-                                         resolve_run)
+from dynabatch.training.run_start import (check_same_settings, log_dropout, log_target_len, log_tokenizer, log_zero,
+                                          record_resolved, resolve_run)
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
@@ -212,10 +212,12 @@ def load_training_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any =
 def _load_data(cfg: TrainConfig, tokenizer, family: str, datasets: Any) -> _Loaded:
     """The training data (``datasets`` in memory, else as ``cfg`` says) and its batcher: rank 0's, and every
     rank's when the ranks collate their own micro-batches (the same rows, held out alike). A budget that holds
-    less than one maximal sample per replica is refused first: a batch of long samples would leave a replica
+    less than one maximal sample of the model's kind (T5: input and target limits; decoder-only: the sequence
+    limit, ``max_input_len`` alone), or less than one per replica, is refused first: a batch of long samples would leave a replica
     without one (a global batch holds at least ``global_batch_tokens // max_tokens`` samples)."""
     limits = LengthLimits(family, max_input_len=cfg.max_input_len, max_target_len=cfg.max_target_len,
                           max_seq_len=cfg.max_input_len)
+    check_token_budget(cfg.global_batch_tokens, limits, "--global-batch-tokens")
     if (problem := replica_budget_problem(cfg.global_batch_tokens, cfg.replicas, limits)) is not None:
         raise ValueError(problem)
     data = load_training_data(cfg, tokenizer, family, datasets)
@@ -528,6 +530,7 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
             log_tokenizer(given, ctx)
             log_dropout(given, ctx)
             log_zero(given, ctx)
+            log_target_len(given, ctx)
             try:
                 summaries = [train_method(resolved, ctx, datasets=datasets)]  # creates and checks the output folder first
                 if cfg.compare_method:  # resolved afresh: its method's rules (a baseline recomputes nothing)

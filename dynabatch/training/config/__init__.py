@@ -130,10 +130,10 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be at least 1 second, got {getattr(self, name)}")
-        if self.global_batch_tokens < self.max_input_len + self.max_target_len:
+        if self.global_batch_tokens < self.max_input_len:  # the trainer checks the model's whole sample
             raise ValueError(
                 f"global_batch_tokens={self.global_batch_tokens} cannot hold one maximal sample "
-                f"(max_input_len {self.max_input_len} + max_target_len {self.max_target_len}); raise it"
+                f"(max_input_len {self.max_input_len}: a T5 input, or a decoder-only model's whole sequence); raise it"
             )
         if self.pack_rows in ("auto", "flat") and self.method == "dynamic" and self.attention == "dense":
             raise ValueError(f"--pack-rows {self.pack_rows} puts several samples in a padding-free row; it needs "

@@ -8,6 +8,7 @@ the message a user actually sees.
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import numpy as np
@@ -237,6 +238,27 @@ def test_a_global_batch_below_one_sample_per_replica_is_refused_before_the_launc
     assert ("--global-batch-tokens 256 holds less than one maximal sample (max_input_len=32, max_target_len=128, "
             "160 tokens) per replica (2)") in r.stderr and "raise it to at least 320" in r.stderr, r.stderr[-2000:]
     assert "[rank" not in r.stderr and not (tmp_path / "out").exists()  # no rank started
+
+
+def test_a_decoder_only_global_batch_needs_only_its_sequence_limit(tmp_path, capsys):
+    """A decoder-only sample is at most --max-input-len tokens in all (--max-target-len is T5's): a budget of one
+    such sequence trains; a T5 budget below its input + target limits is one line, before the launch and in the
+    trainer alike (the configuration used to add T5's default target limit for every model and refuse both)."""
+    from dynabatch.commands.train import _budget_problem
+    from dynabatch.training.config import TrainConfig
+
+    gpt = TrainConfig(model="gpt2-tiny", max_input_len=32, global_batch_tokens=32)
+    assert _budget_problem(gpt) is None
+    t5 = TrainConfig(model="t5-tiny", max_input_len=32, global_batch_tokens=32)
+    want = ("--global-batch-tokens 32 cannot hold one maximal sample (max_input_len=32, max_target_len=128, 160 "
+            "tokens); raise it to at least 160 or lower the length limits")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        _budget_problem(t5)
+    assert main(["train", "--model", "t5-tiny", "--max-input-len", "32", "--global-batch-tokens", "32",
+                 "--output-dir", str(tmp_path / "t5")]) == 2
+    assert capsys.readouterr().err.strip().endswith(want)
+    assert main(["train", "--model", "gpt2-tiny", "--max-input-len", "32", "--global-batch-tokens", "32",
+                 "--steps", "1", "--calibrate", "off", "--output-dir", str(tmp_path / "gpt")]) == 0
 
 
 def test_sequence_kind_of_a_preset_or_folder(tmp_path):

@@ -90,8 +90,13 @@ def test_a_checkpoint_path_that_does_not_exist_names_the_ones_there(tmp_path):
     with pytest.raises(CheckpointError, match=r"^checkpoint '.*/nowhere/step-000005' does not exist; pass a step-NNNNNN "
                                               r"folder \(with manifest.json\) or a run's checkpoints/ folder$"):
         resolve_checkpoint(str(tmp_path / "nowhere" / "step-000005"))
-    with pytest.raises(CheckpointError, match="is not a checkpoint"):  # a folder that exists but is none
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CheckpointError, match="is not a checkpoint: pass"):  # a folder that exists but is none
+        resolve_checkpoint(str(tmp_path / "other"))
+    with pytest.raises(CheckpointError) as e:  # the run's folder: its checkpoints/ folder is what to pass
         resolve_checkpoint(str(tmp_path))
+    assert str(e.value) == (f"{str(tmp_path)!r} is not a checkpoint but a run's folder: pass {root} for its newest "
+                            "checkpoint, or one of the step-NNNNNN folders in it")
 
 
 def test_a_run_folder_with_an_empty_checkpoints_folder_is_one_line_and_exit_2(tmp_path, capsys, toy_mixture_dir):

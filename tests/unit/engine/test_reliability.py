@@ -277,6 +277,20 @@ def test_output_dir_that_is_a_file_or_unwritable_is_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ resume
 
 
+def test_a_decoder_only_resume_may_change_max_target_len():
+    """--max-target-len is T5's limit: a GPT/Llama run resumed with another one goes on (the change is logged), where
+    it was refused as a setting that decides the data; a T5 run's resume still refuses it."""
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.resume import compare_configs
+
+    for model in ("gpt2-tiny", "llama-tiny"):
+        old = TrainConfig(model=model).to_dict()
+        assert compare_configs(old, TrainConfig(model=model, max_target_len=64), "CK") == ["max_target_len: 128 -> 64"]
+    with pytest.raises(ValueError, match=r"checkpoint CK was written with other settings that cannot change "
+                                         r"\(max_target_len: 128 -> 64\)"):
+        compare_configs(TrainConfig(model="t5-tiny").to_dict(), TrainConfig(model="t5-tiny", max_target_len=64), "CK")
+
+
 def test_resume_refuses_changed_data_settings_and_applies_a_new_lr(tmp_path, toy_mixture_dir, capsys):
     first = _cli(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "2", "--lr", "1e-3", "--warmup-steps", "0",
                  "--lr-schedule", "constant")

@@ -184,6 +184,24 @@ def test_a_decoder_only_prompt_starts_with_the_bos_the_tokenizer_itself_adds(tmp
     assert not encodes_like_training(saved, "causal", [])  # the check sees a BOS training did not put there
 
 
+def test_the_inference_tokenizer_of_one_without_a_pad_token_pads_with_eos(tmp_path):
+    """A Llama-style tokenizer has no pad token: training pads with EOS, and the export's tokenizer gets EOS as its
+    pad, so the documented ``tok(texts, return_tensors="pt", padding=True)`` works (it raised "Asking to pad but the
+    tokenizer does not have a padding token") and pads a prompt on the left with it."""
+    from transformers import AutoTokenizer
+
+    from dynabatch.data.tokenize import inference_tokenizer, tokenizer_info
+
+    tok = bos_tokenizer()
+    tok.pad_token = None
+    assert tok.pad_token_id is None and tokenizer_info(tok).pad_id == 1
+    inference_tokenizer(tok, "causal").save_pretrained(tmp_path / "saved")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    batch = saved(["alpha", "alpha beta gamma"], padding=True)["input_ids"]
+    assert saved.pad_token_id == 1 and batch[0][0] == 1 and batch[1][0] == 3
+    assert tok.pad_token is None  # the run's tokenizer is untouched
+
+
 def _refusal(capsys, *argv) -> str:
     code = main(list(argv))
     err = capsys.readouterr().err

@@ -236,6 +236,19 @@ def test_full_determinism_in_process_gives_equal_runs_and_puts_torch_back(tmp_pa
     assert records[0] == records[1] and len(records[0]) == 3
 
 
+def test_max_target_len_for_a_decoder_only_model_is_said_to_have_no_effect():
+    """--max-target-len is T5's decoder limit: a decoder-only run given another value warns that it has no effect
+    (it used to pass without a word); the default, or any value for T5, says nothing."""
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.run_start import describe_target_len
+
+    line = describe_target_len(TrainConfig(model="gpt2-tiny", max_input_len=256, max_target_len=32))
+    assert line == ("--max-target-len 32 has no effect on the decoder-only model gpt2-tiny: its samples, inputs and "
+                    "targets together, are cut at --max-input-len 256")
+    assert describe_target_len(TrainConfig(model="gpt2-tiny")) is None
+    assert describe_target_len(TrainConfig(model="t5-tiny", max_target_len=32)) is None
+
+
 def test_zero_with_one_replica_is_said_once_and_runs_as_zero_0(tmp_path, capsys):
     """``--zero 1`` on one replica has nothing to shard: the run warns once and keeps whole states (as ``--zero 0``);
     with two replicas there is no such line."""
