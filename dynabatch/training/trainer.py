@@ -364,8 +364,9 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                     logger.info(f"step {step} loss per task: " + ", ".join(f"{t} {v:.3f}" for t, v in task_loss.items()))
                 writer.write(record)
                 tracker.log(step_scalars(record), step)
+                # the postfix first: a plain line (not a terminal) is written by update, with this step's figures
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if cfg.logging_steps and (step + 1) % cfg.logging_steps == 0:
                     logger.info(step_line(record))
             if bad_steps >= cfg.max_bad_steps:

@@ -103,6 +103,9 @@ def test_train_writes_a_resolved_config_yaml_and_runs_the_same_again_from_it(tmp
     assert main(["train", "--max-steps", "2", "--output-dir", first, "--full-determinism", *SMALL]) == 0
     err = capsys.readouterr().err
     assert "resolved configuration" in err and "--policy" in err  # the table, once
+    # the progress line of the last step (plain lines off a terminal) shows that step's loss, not the one before
+    last = [line for line in err.splitlines() if " 2/2 " in line]
+    assert last and f"loss={_losses(first)[-1]:.3f}" in last[-1], last
     path = os.path.join(first, "config.yaml")
     with open(path, encoding="utf-8") as f:
         written = yaml.safe_load(f)
