@@ -310,6 +310,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                 planned, wait = ahead.get(timeout_s=max(600.0, cfg.timeout_s))
                 assert planned.step == step, (planned.step, step)
             kernels_before = Counter(KERNEL_CALLS)
+            lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses (train_step moves the schedule on)
             t0 = time.perf_counter()
             thin = run.step_data is not None  # plans and layouts travel; each rank collates its own micro-batches
             result = train_step(
@@ -342,7 +343,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
             if cfg.task_loss_every and ((step + 1) % cfg.task_loss_every == 0 or step + 1 == cfg.max_steps):
                 task_loss = gather_task_losses(ctx, result, planned)  # collective
             if ctx.is_planner:
-                record = _record(step, result, planned, elapsed, wait, run.scheduler.get_last_lr()[0])
+                record = _record(step, result, planned, elapsed, wait, lr)
                 record["attention"] = run.stage.attention
                 record["attention_kernels"] = calls_since(kernels_before)  # this rank's calls per kernel
                 record["dtype"] = cfg.dtype

@@ -106,6 +106,9 @@ def test_train_writes_a_resolved_config_yaml_and_runs_the_same_again_from_it(tmp
     # the progress line of the last step (plain lines off a terminal) shows that step's loss, not the one before
     last = [line for line in err.splitlines() if " 2/2 " in line]
     assert last and f"loss={_losses(first)[-1]:.3f}" in last[-1], last
+    with open(os.path.join(first, "metrics.jsonl"), encoding="utf-8") as f:  # the rate each step's update used
+        lrs = [r["lr"] for r in map(json.loads, f) if "loss" in r]
+    assert lrs == pytest.approx([1e-3 / 6, 2e-3 / 6]), lrs  # steps 0 and 1 of the 5-step warm-up, not 1 and 2
     path = os.path.join(first, "config.yaml")
     with open(path, encoding="utf-8") as f:
         written = yaml.safe_load(f)
