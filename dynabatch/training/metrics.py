@@ -71,7 +71,9 @@ def steps_logged(path: str) -> int:
 
 
 def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
-    """Loss at the start and end, throughput and efficiency over a run's step records."""
+    """Loss at the start and end, throughput and efficiency over a run's step records. ``loss_start`` and
+    ``loss_end`` are means over the first and last ``k`` steps (a third of the run, 1 to 3 steps), so one noisy
+    step does not decide them; throughput leaves out step 0, which pays the warm-up (numba, the allocator)."""
     if not records:
         return {"method": method, "steps": 0}
     losses = [r["loss"] for r in records]
