@@ -68,9 +68,11 @@ def resolve_tokenizer(name: str, model: str | None = None) -> str:
     return model if model and has_tokenizer_files(model) else "builtin"
 
 
-def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo", why: str | None = None) -> str:
+def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo", why: str | None = None,
+                       family: str | None = None) -> str:
     """The start-up line that says which tokenizer a run uses and why (``why``: the resolver's reason for the
-    already resolved ``name``)."""
+    already resolved ``name``), with its special ids: the decoder start only where an encoder-decoder has one
+    (``family`` the sequence kind; ``None``, data tokenized for both kinds, names it too)."""
     resolved = resolve_tokenizer(name, model)
     if why is not None:
         why = f"--tokenizer auto: {why}"
@@ -84,8 +86,8 @@ def describe_tokenizer(name: str, model: str | None, info: "TokenizerInfo", why:
         why = "--tokenizer auto with a model preset"
     else:
         why = "--tokenizer auto"
-    return (f"tokenizer: {resolved} ({why}; vocabulary {info.vocab_size}, pad {info.pad_id}, eos {info.eos_id}, "
-            f"decoder start {info.decoder_start_id})")
+    start = "" if family is not None and not is_seq2seq(family) else f", decoder start {info.decoder_start_id}"
+    return f"tokenizer: {resolved} ({why}; vocabulary {info.vocab_size}, pad {info.pad_id}, eos {info.eos_id}{start})"
 
 
 def tokenizer_problem(name: str, model: str | None = None) -> str | None:

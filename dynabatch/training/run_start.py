@@ -82,7 +82,7 @@ def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
     """Rank 0 logs which tokenizer the run uses and why (``cfg``: the configuration as given)."""
     if ctx.is_planner:
         info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
-        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info))
+        logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info, family=sequence_kind(cfg.model)))
 
 
 def log_dropout(cfg: TrainConfig, ctx: DistContext) -> None:
