@@ -177,6 +177,14 @@ def model_states(cost_model) -> dict:
             "activation_budget_gib": cost_model.memory_budget_bytes / 2**30}
 
 
+def compared_baselines(baselines_compared: str) -> str:
+    """The words of a ratio line of ``plan`` and ``simulate`` for the baselines the ratio is over (``fitting`` or
+    ``none fits``): when no whole-sample baseline fits the memory the ratio is over the best of those that do not,
+    which a reader must not take for a feasible setting."""
+    return ("whole-sample baselines that fit" if baselines_compared == "fitting" else
+            "no whole-sample baseline fits the memory: the best of those that do not")
+
+
 def describe_model_states(states: dict) -> str:
     """One line of :func:`model_states`."""
     per_stage = "/".join(f"{g:.1f}" for g in states["model_state_gib_per_device"])

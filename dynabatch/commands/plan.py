@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
@@ -216,8 +216,7 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
                   f"({stages} x stored + peak) of the {r['activation_budget_gib']:.2f} GiB of activation memory; tune "
                   f"its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory")
     if summary["dynamic_speedup_vs_best_baseline"] is not None:
-        which = ("whole-sample baselines that fit" if summary["baselines_compared"] == "fitting" else
-                 "no whole-sample baseline fits the memory: the best of those that do not")
+        which = compared_baselines(summary["baselines_compared"])
         print(f"{summary['dynamic_method']} vs best baseline ({which}; predicted step time): "
               f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x")
     if tuned:

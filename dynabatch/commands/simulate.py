@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -492,10 +492,11 @@ def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
 
 def _summary(args, w, batches, rows, tuned=None) -> dict:
 
-    # the whole-sample baselines: packing_free_split trains another objective and is reported beside them
+    # the whole-sample baselines (packing_free_split trains another objective and is reported beside them); the ratio
+    # is over those that fit the memory, as plan's; when none does, over all of them, and the table says so
     baselines = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
-    fitting = {k: v for k, v in baselines.items() if v.fits_memory} or baselines
-    best = max(fitting.values(), key=lambda r: r.tokens_per_s) if baselines else None
+    fitting = {k: v for k, v in baselines.items() if v.fits_memory}
+    best = max((fitting or baselines).values(), key=lambda r: r.tokens_per_s) if baselines else None
     planners = {k: v for k, v in rows.items() if is_planner(k)}
     planner = max(planners, key=lambda k: planners[k].tokens_per_s) if planners else None  # dynamic or dynamic_sliced
     dynamic = planners[planner].tokens_per_s if planner else None
@@ -516,6 +517,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
                     for k, v in rows.items()},
         "best_baseline": best.method if best else None,
+        "baselines_compared": "fitting" if fitting else "none fits",
         "dynamic_method": planner,
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
@@ -554,7 +556,8 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
         if objective_note(r.method):
             print(f"* {r.method} {objective_note(r.method)}")
     if summary["dynamic_throughput_vs_best_baseline"] is not None:
-        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; whole-sample baselines), real tokens/s: "
+        which = compared_baselines(summary["baselines_compared"])
+        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; {which}), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
     if tuned:
         print_tuned(tuned, {m: rows[m].tokens_per_s for m in tuned}, "simulated")
