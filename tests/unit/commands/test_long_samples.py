@@ -227,6 +227,14 @@ def test_data_report_lengths_refuses_a_mixture_too(tail_lengths, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_data_report_lengths_points_a_mixture_spec_to_mixture(capsys):
+    """plan, simulate and bench take a mixture spec as ``--lengths``; data-report's reads lengths files only, and a
+    spec given there says to pass it as ``--mixture`` (the line said only which suffixes lengths files have)."""
+    assert main(["data-report", "--lengths", "data/flan_mini.yaml"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "pass --mixture data/flan_mini.yaml" in err[0], err
+
+
 def test_train_runs_packing_free_split_and_says_it_changes_the_objective(tmp_path, capsys):
     assert main(["train", "--model", "gpt2-tiny", "--method", "packing_free_split", "--packing-free-split-tokens", "128",
                  "--max-steps", "1", "--stages", "1", "--max-input-len", "512", "--global-batch-tokens", "2048",
