@@ -158,7 +158,7 @@ def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys
              "1024", "--stages", "2", "--hardware", "cpu", "--lengths", lengths, "--json"]
     assert main(["plan", "--model", "t5-d256", "--max-target-len", "128", *small]) == 0
     t5 = json.loads(capsys.readouterr().out)
-    assert t5["baselines_compared"] == "fitting"
+    assert t5["baselines_compared"] == "fitting" and t5["best_baseline"] == "padding"  # plan names it, as simulate does
     assert t5["layout"].count("t5_encoder") and "t5_decoderx4" in t5["layout"].replace(" ", "")  # t5-d256's 4 + 4 blocks
     states = {}
     for layers in (2, 4):  # a config, no weights: nothing loads
@@ -177,7 +177,7 @@ def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys
                  "10", "--methods", "dynamic,packing_free", "--stages", "2", "--hardware", "cpu"]
     assert main(["plan", "--model", "t5-d256", *long_tail]) == 0
     said = capsys.readouterr().out
-    assert ("dynamic vs best baseline (no whole-sample baseline fits the memory: the best of those that do not; "
+    assert ("dynamic vs best baseline (packing_free; no whole-sample baseline fits the memory: the best of those that do not; "
             "predicted step time)") in said, said[-1500:]
     AutoConfig.for_model("bart").save_pretrained(tmp_path / "bart")
     assert main(["plan", "--model", str(tmp_path / "bart"), *small]) == 2
