@@ -177,6 +177,14 @@ def model_states(cost_model) -> dict:
             "activation_budget_gib": cost_model.memory_budget_bytes / 2**30}
 
 
+def flags_json(args: argparse.Namespace) -> dict:
+    """Every flag of a ``plan`` or ``simulate`` run as parsed (``--json``'s path aside), for its JSON's ``config``, as
+    ``bench`` records its own: the hardware preset, the batch size, the length limits and the baseline knobs decide
+    every number, and the results alone did not say which were given. An ``auto`` the command decided is recorded
+    decided (``--pack-rows off``), so the flags give the same run again."""
+    return {k: v for k, v in vars(args).items() if k not in ("json", "argv")}
+
+
 def compared_baselines(baselines_compared: str) -> str:
     """The words of a ratio line of ``plan`` and ``simulate`` for the baselines the ratio is over (``fitting`` or
     ``none fits``): when no whole-sample baseline fits the memory the ratio is over the best of those that do not,

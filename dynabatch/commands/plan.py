@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, compared_baselines, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
@@ -184,6 +184,7 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         "baselines_compared": "fitting" if fitting else "none fits",
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
+        "config": flags_json(args),
     }
     if tuned:
         entries, ratio = tuned_summary(tuned, rows[planner]["predicted_tokens_per_s"] if planner else None)

@@ -42,7 +42,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, compared_baselines, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -534,6 +534,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "truncated": sum(b.num_truncated for b in batches),
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
+        "config": flags_json(args),
         "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
                     for k, v in rows.items()},
         "best_baseline": best.method if best else None,

@@ -185,6 +185,31 @@ def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys
     assert len(err) == 1 and "bart" in err[0], err
 
 
+@pytest.mark.parametrize("command", ("plan", "simulate"))
+def test_plan_and_simulate_json_record_the_flags_that_reproduce_it(command, capsys):
+    """plan's and simulate's JSON hold every flag under ``config``, as bench's does: the results alone did not say the
+    hardware preset, batch size or baseline knobs, and the numbers could not be had again from the file. Run again
+    from its ``config``, the command gives the same numbers."""
+    from dynabatch.cli import main
+
+    argv = [command, "--model", "t5-d256", "--hardware", "cpu", "--stages", "2", "--num-batches", "1", "--methods",
+            "dynamic,packing_free", "--global-batch-tokens", "4096", "--max-input-len", "512", "--packing-free-rows",
+            "2", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    config = first["config"]
+    assert (config["hardware"], config["global_batch_tokens"], config["packing_free_rows"]) == ("cpu", 4096, 2)
+    again = [command]
+    for key, value in config.items():
+        if value is not None and value is not False:
+            again += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    assert main([*again, "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    keys = ("real_tokens", "computed_tokens", "micro_batches", "predicted_step_s" if command == "plan" else "step_s")
+    for m in ("dynamic", "packing_free"):
+        assert {k: second["methods"][m][k] for k in keys} == {k: first["methods"][m][k] for k in keys}
+
+
 @pytest.mark.parametrize("command", ("bench", "plan", "simulate"))
 def test_json_means_stdout_without_a_path_and_a_file_with_one(command, tmp_path):
     p = _parser(command)
