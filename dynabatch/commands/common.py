@@ -127,6 +127,10 @@ def analytic_model(args: argparse.Namespace) -> AnalyticCostModel:
     preset (``t5-d256``, ``llama-tiny``, ...) or a local Hugging Face checkpoint folder, read from its config
     (:func:`~dynabatch.models.families.analytic_spec`; no weights load). One ``ValueError`` line otherwise."""
     flash = bool(getattr(args, "flash_attention", False))
+    if args.preset is not None and args.model not in DEFAULT_PRESETS:  # else one of the two was dropped unsaid
+        raise ValueError(f"--preset {args.preset} names the analytic preset of a family given as --model "
+                         f"({', '.join(DEFAULT_PRESETS)}), and --model is {args.model}; pass one model: "
+                         f"--model {args.preset} or --model {args.model}")
     name = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
     if name in PRESETS:
         return AnalyticCostModel.from_names(name, args.hardware, flash_attention=flash)
@@ -149,7 +153,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     model = analytic_model(args)
     family = model.spec.family
     if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
-        raise ValueError(f"preset {preset!r} is a {family} model but --model is {args.model}")
+        raise ValueError(f"--preset {args.preset} is a {family} model but --model {args.model} is a "
+                         f"{MODEL_FAMILIES[args.model]} family; pass --model {args.preset}")
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
     e_ref = min(args.max_input_len, 512)

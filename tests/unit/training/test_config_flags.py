@@ -142,6 +142,13 @@ def test_plan_takes_an_analytic_preset_as_model_and_refuses_an_unknown_one(capsy
     assert main(["plan", "--model", "gpt-7z", "--num-batches", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "neither an analytic preset" in err[0]
+    # a --preset of another family than --model's was a NameError traceback; with --model not a family, --preset
+    # silently replaced it
+    for model, said in (("gpt", "--preset t5-base is a seq2seq model but --model gpt is a causal family"),
+                        ("t5-d256", "--preset t5-base names the analytic preset of a family given as --model")):
+        assert main(["plan", "--model", model, "--preset", "t5-base", *small]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0] and "Traceback" not in err[0], err
 
 
 def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys, tmp_path):
