@@ -127,6 +127,10 @@ def analytic_model(args: argparse.Namespace) -> AnalyticCostModel:
     preset (``t5-d256``, ``llama-tiny``, ...) or a local Hugging Face checkpoint folder, read from its config
     (:func:`~dynabatch.models.families.analytic_spec`; no weights load). One ``ValueError`` line otherwise."""
     flash = bool(getattr(args, "flash_attention", False))
+    if args.preset is not None and args.model not in DEFAULT_PRESETS:  # else one of the two was dropped unsaid
+        raise ValueError(f"--preset {args.preset} names the analytic preset of a family given as --model "
+                         f"({', '.join(DEFAULT_PRESETS)}), and --model is {args.model}; pass one model: "
+                         f"--model {args.preset} or --model {args.model}")
     name = args.preset or DEFAULT_PRESETS.get(args.model, args.model)
     if name in PRESETS:
         return AnalyticCostModel.from_names(name, args.hardware, flash_attention=flash)
@@ -149,7 +153,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     model = analytic_model(args)
     family = model.spec.family
     if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
-        raise ValueError(f"preset {preset!r} is a {family} model but --model is {args.model}")
+        raise ValueError(f"--preset {args.preset} is a {family} model but --model {args.model} is a "
+                         f"{MODEL_FAMILIES[args.model]} family; pass --model {args.preset}")
     limits = LengthLimits(family, max_input_len=args.max_input_len, max_target_len=args.max_target_len,
                           max_seq_len=args.max_input_len)
     e_ref = min(args.max_input_len, 512)
@@ -175,6 +180,22 @@ def model_states(cost_model) -> dict:
     return {"zero": cost_model.zero, "replicas": cost_model.replicas,
             "model_state_gib_per_device": [b / 2**30 for b in cost_model.model_state_bytes],
             "activation_budget_gib": cost_model.memory_budget_bytes / 2**30}
+
+
+def flags_json(args: argparse.Namespace) -> dict:
+    """Every flag of a ``plan`` or ``simulate`` run as parsed (``--json``'s path aside), for its JSON's ``config``, as
+    ``bench`` records its own: the hardware preset, the batch size, the length limits and the baseline knobs decide
+    every number, and the results alone did not say which were given. An ``auto`` the command decided is recorded
+    decided (``--pack-rows off``), so the flags give the same run again."""
+    return {k: v for k, v in vars(args).items() if k not in ("json", "argv")}
+
+
+def compared_baselines(baselines_compared: str) -> str:
+    """The words of a ratio line of ``plan`` and ``simulate`` for the baselines the ratio is over (``fitting`` or
+    ``none fits``): when no whole-sample baseline fits the memory the ratio is over the best of those that do not,
+    which a reader must not take for a feasible setting."""
+    return ("whole-sample baselines that fit" if baselines_compared == "fitting" else
+            "no whole-sample baseline fits the memory: the best of those that do not")
 
 
 def describe_model_states(states: dict) -> str:

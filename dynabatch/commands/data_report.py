@@ -266,6 +266,9 @@ def run_lengths(args: argparse.Namespace) -> int:
     """``--lengths FILE``: the file's tail as a table, or as JSON with ``--json``."""
     if args.mixture or args.data:
         raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
+    if args.lengths.endswith((".yaml", ".yml", ".json")):  # plan, simulate and bench --lengths take a mixture spec too
+        raise ValueError(f"--lengths {args.lengths}: data-report's --lengths reads a lengths file (.npz/.jsonl); "
+                         f"for a mixture spec's tables pass --mixture {args.lengths}")
     check_output_file(args.json)
     tail = lengths_tail(load_lengths(args.lengths, None if args.family == "both" else args.family))
     if args.json:

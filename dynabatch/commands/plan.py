@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
@@ -163,10 +163,11 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
     whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     fitting = {k: v for k, v in whole.items() if v["fits_memory"]}
-    baselines = [v["predicted_step_s"] for v in (fitting or whole).values()]
+    compared = fitting or whole
+    best = min(compared, key=lambda k: compared[k]["predicted_step_s"]) if compared else None
     planners = {k: v for k, v in rows.items() if is_planner(k)}
     planner = min(planners, key=lambda k: planners[k]["predicted_step_s"]) if planners else None  # dynamic(_sliced)
-    speedup = min(baselines) / rows[planner]["predicted_step_s"] if baselines and planner else None
+    speedup = compared[best]["predicted_step_s"] / rows[planner]["predicted_step_s"] if best and planner else None
     out = {
         "workload": w.path,
         "model": args.model,
@@ -177,11 +178,13 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
         "methods": rows,
+        "best_baseline": best,
         "dynamic_method": planner,
         "dynamic_speedup_vs_best_baseline": speedup,
         "baselines_compared": "fitting" if fitting else "none fits",
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
+        "config": flags_json(args),
     }
     if tuned:
         entries, ratio = tuned_summary(tuned, rows[planner]["predicted_tokens_per_s"] if planner else None)
@@ -216,9 +219,8 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
                   f"({stages} x stored + peak) of the {r['activation_budget_gib']:.2f} GiB of activation memory; tune "
                   f"its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory")
     if summary["dynamic_speedup_vs_best_baseline"] is not None:
-        which = ("whole-sample baselines that fit" if summary["baselines_compared"] == "fitting" else
-                 "no whole-sample baseline fits the memory: the best of those that do not")
-        print(f"{summary['dynamic_method']} vs best baseline ({which}; predicted step time): "
+        which = compared_baselines(summary["baselines_compared"])
+        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; {which}; predicted step time): "
               f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x")
     if tuned:
         print_tuned(tuned, {m: rows[m]["predicted_tokens_per_s"] for m in tuned}, "predicted")

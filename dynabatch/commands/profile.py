@@ -47,9 +47,20 @@ def _axis(text: str, flag: str) -> tuple[int, ...]:
     return axis
 
 
+def _check_not_a_lengths_file(text: str) -> None:
+    """``--seq-lengths``' older name is ``--lengths``, which in ``plan``, ``simulate``, ``bench`` and ``data-report``
+    names a lengths file: a file given here is one line that says what the flag takes, rather than that a path is
+    not an integer under a flag the user did not type."""
+    if os.path.isfile(text) or text.endswith((".npz", ".jsonl", ".yaml", ".yml", ".json")):
+        raise ValueError(f"--seq-lengths (also spelled --lengths) takes the grid's sequence lengths as a comma list, "
+                         f"e.g. 16,64,256, got the file {text!r}: profile times layers on a grid and reads no lengths "
+                         "file (plan, simulate and bench --lengths do)")
+
+
 def _grid(args) -> ProfileGrid:
     """The grid of ``--batch-sizes``, ``--seq-lengths``, ``--dec-lengths`` and ``--max-tokens``; a bad value is one
     line naming its flag."""
+    _check_not_a_lengths_file(args.seq_lengths)
     axes = [_axis(text, flag) for text, flag in ((args.batch_sizes, "--batch-sizes"),
                                                  (args.seq_lengths, "--seq-lengths"), (args.dec_lengths, "--dec-lengths"))]
     smallest = axes[0][0] * axes[1][0]

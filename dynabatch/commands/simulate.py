@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -41,7 +42,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -76,7 +77,8 @@ class SimulateArgs:
                                        "simulated step is kept")
     search_steps: int = arg(24, "local-search moves per step in choose_schedule")
     trace_dir: str | None = arg(None, "write Chrome traces (.json, open in Perfetto) and PNG timelines of the first "
-                                      "global batch for the dynamic and packing methods")
+                                      "global batch for the dynamic and packing methods, on the linear placement "
+                                      "(--placement auto: where it picks linear)")
     tune_baselines: bool = tune_baselines_arg("simulate")
 
 
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     w = simulation_workload(resolve(args))
     methods = compared_methods(args.methods, w.family, args.model)
-    check_trace_dir(args.trace_dir, methods)
+    check_trace_dir(args.trace_dir, methods, args.placement)
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long cuts decoder-only samples into token slices; drop it, or use --model gpt")
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
@@ -205,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     rows, split, placed = {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
-        trace_dir = args.trace_dir if method in TRACED_METHODS else None
+        # --placement auto: the trace is drawn once the linear placement is picked (else it shows a run not reported)
+        trace_dir = args.trace_dir if method in TRACED_METHODS and len(candidates) == 1 else None
         tried = {}  # --placement auto: each candidate simulated, the one pick_placement takes kept
         for placement in candidates:
             own = None
@@ -216,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
         name = pick_placement({k: r.step_s for k, (_, r) in tried.items()},
                               {p.describe(): p.chunks_per_device for p in candidates})
         placed[method], rows[method] = tried[name][0], dataclasses.replace(tried[name][1], placement=name)
+        if args.trace_dir and method in TRACED_METHODS and len(candidates) > 1:
+            _trace_picked(args.trace_dir, method, name, batches, split[method], options)
     tuned = {}
     if args.tune_baselines:
         def resplit(m):  # each knob value on its own layer split, as its default (--layer-split data)
@@ -464,11 +469,15 @@ def trace_paths(trace_dir: str, method: str) -> tuple[str, str]:
     return base + ".json", base + ".png"
 
 
-def check_trace_dir(trace_dir: str | None, methods) -> None:
-    """Before anything is simulated: ``--trace-dir`` is a folder (or none yet), and every file it would write is
-    new or one a dynabatch command wrote (:func:`~dynabatch.commands.output_files.check_output_file`)."""
+def check_trace_dir(trace_dir: str | None, methods, placement: str = "linear") -> None:
+    """Before anything is simulated: ``--trace-dir`` is a folder (or none yet), ``--placement`` runs the linear
+    placement, the one a trace draws (or may pick it: ``auto``), and every file it would write is new or one a
+    dynabatch command wrote (:func:`~dynabatch.commands.output_files.check_output_file`)."""
     if not trace_dir:
         return
+    if placement not in ("linear", "auto"):  # a virtual placement's steps are not drawn: nothing would be written
+        raise ValueError(f"--trace-dir draws steps on the linear placement (one chunk per device), and --placement "
+                         f"{placement} runs none; drop --trace-dir, or pass --placement linear (or auto)")
     if os.path.exists(trace_dir) and not os.path.isdir(trace_dir):
         raise ValueError(f"--trace-dir {trace_dir!r} is a file, not a folder; pass a folder path")
     if not any(method in TRACED_METHODS for method in methods):  # else nothing is written, without a word
@@ -479,6 +488,17 @@ def check_trace_dir(trace_dir: str | None, methods) -> None:
         if method in TRACED_METHODS:
             for path in trace_paths(trace_dir, method):
                 check_output_file(path, "--trace-dir")
+
+
+def _trace_picked(trace_dir: str, method: str, picked: str, batches, w, options: SimulateOptions) -> None:
+    """``--placement auto``'s trace of ``method``: its first step simulated again on the linear placement when
+    :func:`pick_placement` took it, the step the table reports (the same deterministic plan and schedule); a
+    virtual placement's steps are not drawn, which a line on stderr says."""
+    if picked == "linear":
+        simulate_method(method, batches[:1], w, options, trace_dir=trace_dir)
+    else:
+        print(f"--trace-dir: {method} ran on {picked}, whose steps are not drawn; no trace of it written",
+              file=sys.stderr)
 
 
 def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
@@ -492,10 +512,11 @@ def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
 
 def _summary(args, w, batches, rows, tuned=None) -> dict:
 
-    # the whole-sample baselines: packing_free_split trains another objective and is reported beside them
+    # the whole-sample baselines (packing_free_split trains another objective and is reported beside them); the ratio
+    # is over those that fit the memory, as plan's; when none does, over all of them, and the table says so
     baselines = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
-    fitting = {k: v for k, v in baselines.items() if v.fits_memory} or baselines
-    best = max(fitting.values(), key=lambda r: r.tokens_per_s) if baselines else None
+    fitting = {k: v for k, v in baselines.items() if v.fits_memory}
+    best = max((fitting or baselines).values(), key=lambda r: r.tokens_per_s) if baselines else None
     planners = {k: v for k, v in rows.items() if is_planner(k)}
     planner = max(planners, key=lambda k: planners[k].tokens_per_s) if planners else None  # dynamic or dynamic_sliced
     dynamic = planners[planner].tokens_per_s if planner else None
@@ -513,9 +534,11 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "truncated": sum(b.num_truncated for b in batches),
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
+        "config": flags_json(args),
         "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
                     for k, v in rows.items()},
         "best_baseline": best.method if best else None,
+        "baselines_compared": "fitting" if fitting else "none fits",
         "dynamic_method": planner,
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
@@ -554,7 +577,8 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
         if objective_note(r.method):
             print(f"* {r.method} {objective_note(r.method)}")
     if summary["dynamic_throughput_vs_best_baseline"] is not None:
-        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; whole-sample baselines), real tokens/s: "
+        which = compared_baselines(summary["baselines_compared"])
+        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; {which}), real tokens/s: "
               f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
     if tuned:
         print_tuned(tuned, {m: rows[m].tokens_per_s for m in tuned}, "simulated")

@@ -227,6 +227,14 @@ def test_data_report_lengths_refuses_a_mixture_too(tail_lengths, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_data_report_lengths_points_a_mixture_spec_to_mixture(capsys):
+    """plan, simulate and bench take a mixture spec as ``--lengths``; data-report's reads lengths files only, and a
+    spec given there says to pass it as ``--mixture`` (the line said only which suffixes lengths files have)."""
+    assert main(["data-report", "--lengths", "data/flan_mini.yaml"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "pass --mixture data/flan_mini.yaml" in err[0], err
+
+
 def test_train_runs_packing_free_split_and_says_it_changes_the_objective(tmp_path, capsys):
     assert main(["train", "--model", "gpt2-tiny", "--method", "packing_free_split", "--packing-free-split-tokens", "128",
                  "--max-steps", "1", "--stages", "1", "--max-input-len", "512", "--global-batch-tokens", "2048",
@@ -340,3 +348,18 @@ def test_simulated_dynamic_is_never_slower_than_a_baseline_plan_it_could_have_ke
                          "--tune-baselines", "--layer-split", "reference"])
     assert out["best_tuned_baseline"] == "packing_free"
     assert out["dynamic_throughput_vs_best_tuned_baseline"] >= 1.0 - 1e-9  # exactly 1 when it keeps that plan
+
+
+def test_simulate_says_when_its_best_baseline_does_not_fit_the_memory(capsys):
+    """``simulate``'s ratio falls back to every whole-sample baseline when none fits the memory, as ``plan``'s does,
+    and says so: t5-d256 at 3 GiB, where ``packing_free`` with one long sample per row peaks above the limit, was
+    printed as "vs best baseline (packing_free; whole-sample baselines)", as if it had fit."""
+    argv = ["simulate", "--model", "t5-d256", "--lengths", "data/long_tail_32k.npz", "--max-input-len", "8192",
+            "--global-batch-tokens", "32768", "--memory-gib", "3", "--packing-free-rows", "1", "--num-batches", "2",
+            "--methods", "dynamic,packing_free", "--stages", "2", "--hardware", "cpu", "--search-steps", "2"]
+    out = _json(capsys, argv)
+    assert not out["methods"]["packing_free"]["fits_memory"] and out["methods"]["dynamic"]["fits_memory"]
+    assert out["best_baseline"] == "packing_free" and out["baselines_compared"] == "none fits"
+    assert main(argv) == 0
+    assert ("dynamic vs best baseline (packing_free; no whole-sample baseline fits the memory: the best of those "
+            "that do not), real tokens/s") in capsys.readouterr().out

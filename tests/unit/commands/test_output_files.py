@@ -113,3 +113,22 @@ def test_trace_dir_without_a_traced_method_is_one_line(tmp_path, capsys):
     assert ("--trace-dir writes the first step of dynamic and packing, and --methods packing_free,padding runs neither; "
             "add dynamic or packing to --methods, or drop --trace-dir") in msg
     assert not traces.exists()
+
+
+def test_trace_dir_draws_only_the_linear_placement_the_table_reports(tmp_path, capsys):
+    """A trace draws a step on the linear placement: ``--placement cyclic`` wrote nothing and said nothing, and under
+    ``--placement auto`` the linear candidate's trace was written also when another placement was picked and
+    reported. Now a virtual placement is one line before any work, and ``auto`` writes the trace only of the linear
+    placement it picked (else says on stderr that none was written)."""
+    traces = tmp_path / "traces"
+    flags = ["simulate", "--model", "t5-d256", "--hardware", "cpu", "--stages", "2", "--num-batches", "1",
+             "--methods", "dynamic", "--lengths", _lengths(tmp_path), "--global-batch-tokens", "8192",
+             "--search-steps", "2", "--trace-dir", str(traces)]
+    msg = _one_line(capsys, "simulate", main([*flags, "--placement", "cyclic"]))
+    assert "--trace-dir draws steps on the linear placement" in msg and "--placement cyclic runs none" in msg
+    assert not traces.exists()
+    assert main([*flags, "--placement", "auto", "--json"]) == 0
+    out = capsys.readouterr()
+    picked = json.loads(out.out)["methods"]["dynamic"]["placement"]
+    assert (traces / "dynamic_step0.json").exists() == (picked == "linear")
+    assert ("no trace of it written" in out.err) == (picked != "linear")

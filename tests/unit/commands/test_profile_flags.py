@@ -21,6 +21,8 @@ def _one_line(capsys, code: int) -> str:
     (["--seq-lengths", "-5"], "--seq-lengths needs at least two strictly increasing values >= 1"),
     (["--seq-lengths", "16"], "--seq-lengths needs at least two"),
     (["--dec-lengths", "x"], "--dec-lengths expects comma-separated integers"),
+    # plan / simulate / bench --lengths is a lengths file; profile's is the grid's older flag name
+    (["--lengths", "data/heavy_tail_1024.npz"], "profile times layers on a grid and reads no lengths file"),
     (["--max-tokens", "1"], "--max-tokens 1 is below the smallest grid point"),
     (["--min-repeats", "0"], "--min-repeats must be >= 1"),
     (["--max-repeats", "1"], "--max-repeats 1 is below --min-repeats 3"),

@@ -142,6 +142,13 @@ def test_plan_takes_an_analytic_preset_as_model_and_refuses_an_unknown_one(capsy
     assert main(["plan", "--model", "gpt-7z", "--num-batches", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "neither an analytic preset" in err[0]
+    # a --preset of another family than --model's was a NameError traceback; with --model not a family, --preset
+    # silently replaced it
+    for model, said in (("gpt", "--preset t5-base is a seq2seq model but --model gpt is a causal family"),
+                        ("t5-d256", "--preset t5-base names the analytic preset of a family given as --model")):
+        assert main(["plan", "--model", model, "--preset", "t5-base", *small]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0] and "Traceback" not in err[0], err
 
 
 def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys, tmp_path):
@@ -158,7 +165,7 @@ def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys
              "1024", "--stages", "2", "--hardware", "cpu", "--lengths", lengths, "--json"]
     assert main(["plan", "--model", "t5-d256", "--max-target-len", "128", *small]) == 0
     t5 = json.loads(capsys.readouterr().out)
-    assert t5["baselines_compared"] == "fitting"
+    assert t5["baselines_compared"] == "fitting" and t5["best_baseline"] == "padding"  # plan names it, as simulate does
     assert t5["layout"].count("t5_encoder") and "t5_decoderx4" in t5["layout"].replace(" ", "")  # t5-d256's 4 + 4 blocks
     states = {}
     for layers in (2, 4):  # a config, no weights: nothing loads
@@ -177,12 +184,37 @@ def test_plan_and_simulate_price_a_model_preset_or_folder_that_train_runs(capsys
                  "10", "--methods", "dynamic,packing_free", "--stages", "2", "--hardware", "cpu"]
     assert main(["plan", "--model", "t5-d256", *long_tail]) == 0
     said = capsys.readouterr().out
-    assert ("dynamic vs best baseline (no whole-sample baseline fits the memory: the best of those that do not; "
+    assert ("dynamic vs best baseline (packing_free; no whole-sample baseline fits the memory: the best of those that do not; "
             "predicted step time)") in said, said[-1500:]
     AutoConfig.for_model("bart").save_pretrained(tmp_path / "bart")
     assert main(["plan", "--model", str(tmp_path / "bart"), *small]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bart" in err[0], err
+
+
+@pytest.mark.parametrize("command", ("plan", "simulate"))
+def test_plan_and_simulate_json_record_the_flags_that_reproduce_it(command, capsys):
+    """plan's and simulate's JSON hold every flag under ``config``, as bench's does: the results alone did not say the
+    hardware preset, batch size or baseline knobs, and the numbers could not be had again from the file. Run again
+    from its ``config``, the command gives the same numbers."""
+    from dynabatch.cli import main
+
+    argv = [command, "--model", "t5-d256", "--hardware", "cpu", "--stages", "2", "--num-batches", "1", "--methods",
+            "dynamic,packing_free", "--global-batch-tokens", "4096", "--max-input-len", "512", "--packing-free-rows",
+            "2", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    config = first["config"]
+    assert (config["hardware"], config["global_batch_tokens"], config["packing_free_rows"]) == ("cpu", 4096, 2)
+    again = [command]
+    for key, value in config.items():
+        if value is not None and value is not False:
+            again += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    assert main([*again, "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    keys = ("real_tokens", "computed_tokens", "micro_batches", "predicted_step_s" if command == "plan" else "step_s")
+    for m in ("dynamic", "packing_free"):
+        assert {k: second["methods"][m][k] for k in keys} == {k: first["methods"][m][k] for k in keys}
 
 
 @pytest.mark.parametrize("command", ("bench", "plan", "simulate"))
