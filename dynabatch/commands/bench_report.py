@@ -55,6 +55,13 @@ def _num(value, width: int, digits: int) -> str:
     return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
+COLUMNS = ("columns, over the timed steps: tok/s = real tokens / seconds of all of them; p50, p10-p90 = of each step's "
+           "tok/s; pad eff = real / computed tokens; bubble = predicted idle share (mean); mbs, slc = micro-batches "
+           "and sliced samples per step (mean); step s, pred s = measured and predicted step time (medians); vs best "
+           "= tok/s / the best whole-sample baseline's; paired = the per-step ratios to it")
+"""The legend printed under the table: what each column is computed over (a total, a mean or a median)."""
+
+
 def print_table(result: dict) -> None:
     c = result["config"]
     print(f"{c['model']} on {c.get('data') or c['lengths'] or 'the built-in mixture'}: {c['stages']} stages, policy {c['policy']}, "
@@ -75,6 +82,7 @@ def print_table(result: dict) -> None:
               f"{r['step_time_s']['median']:>7.3f} {_num(r['predicted_step_s_median'], 7, 3)} {_num(peak, 8, 1)} "
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
               f"{vs_pipe:>7}")
+    print(COLUMNS)
     for m, r in result["methods"].items():
         if r.get("candidates"):  # the dynamic method: the DP's plan (dp) or a baseline's, per timed step
             ran = ", ".join(f"{label} {n}" for label, n in sorted(r["candidates"].items(), key=lambda kv: -kv[1]))

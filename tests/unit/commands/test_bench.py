@@ -245,7 +245,15 @@ def test_bench_packed_rows_variants_plan_with_their_pack_rows(one_process_bench)
     """One process, T5: dynamic_packed and dynamic_flat are dynamic planned with --pack-rows auto and flat next to
     dynamic's --pack-rows (off), on the same global batches (same first loss: one long row of samples back to
     back computes what padded rows do); the report compares each with dynamic."""
-    stdout, rows = one_process_bench("t5-tiny", "dynamic,dynamic_packed,dynamic_flat", "--calibrate", "off")
+    stdout, rows = one_process_bench("t5-tiny", "dynamic,dynamic_packed,dynamic_flat", "--calibrate", "off",
+                                     "--untimed-steps", "1")
+    from dynabatch.commands.bench_report import COLUMNS
+
+    assert COLUMNS in stdout  # the legend: what each column is a total, mean or median of
+    for row in rows.values():  # padding efficiency over the timed steps, as tokens/s (the untimed one left out)
+        steps = row["per_step"]
+        assert len(steps) == 1 and row["padding_efficiency"] == pytest.approx(
+            steps[0]["real_tokens"] / steps[0]["computed_tokens"])
     for method, value in (("dynamic_packed", "auto"), ("dynamic_flat", "flat")):
         assert f"{method} (--pack-rows {value}) vs dynamic:" in stdout
         assert rows[method]["pack_rows"] == value
