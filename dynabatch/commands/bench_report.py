@@ -8,6 +8,7 @@ import sys
 
 from dynabatch.training.config.sections import PLAN_COSTS
 from dynabatch.commands.tuning import describe
+from dynabatch.core.words import counted
 
 PEER = "pipelining"
 """The external peer method (``torch.distributed.pipelining`` on packing's rows)."""
@@ -98,7 +99,7 @@ def print_table(result: dict) -> None:
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
     if "tuned" in result:
-        print(f"tuned baselines (fastest knob value that fits --memory-gib over {c['tune_steps']} measured steps each, "
+        print(f"tuned baselines (fastest knob value that fits --memory-gib over {counted(c['tune_steps'], 'measured step')} each, "
               f"then timed for {c['timed_steps']} steps; the default if that was faster):")
         for m, t in result["tuned"].items():
             print("  " + describe(m, t, result["methods"][m]["tokens_per_s"]))

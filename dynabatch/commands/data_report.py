@@ -32,6 +32,7 @@ from dynabatch.data.mixture import DEFAULT_NAME, MixtureSpec
 from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
+from dynabatch.core.words import counted
 from dynabatch.training.workload import Lengths, load_lengths
 
 TAIL_PERCENTILES = (50, 90, 99, 99.9)
@@ -255,11 +256,6 @@ def mixture_line(spec: MixtureSpec) -> str:
     first word already says), how many sources (``1 source``, ``2 sources``), its rule, cap and seed."""
     named = "mixture" if spec.name == DEFAULT_NAME else f"mixture {spec.name!r}"
     return f"{named}: {counted(len(spec.sources), 'source')}, rule {spec.rule}, cap {spec.cap}, seed {spec.seed}"
-
-
-def counted(count: int, noun: str) -> str:
-    """``1 source``, ``2 sources``: a count and its noun, plural unless one."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def run_lengths(args: argparse.Namespace) -> int:
