@@ -98,6 +98,41 @@ class ProcessId:
     """Start time in clock ticks since boot (-1 without ``/proc``): the same process, not a reused pid."""
 
 
+LAUNCHER_PID_ENV = "DYNABATCH_LAUNCHER_PID"
+"""Set by :mod:`dynabatch.engine.launch` in each rank's environment: the launcher's pid, which the rank follows
+(:func:`follow_launcher`)."""
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Linux: the kernel kills this process (``SIGKILL``) when its parent dies, however it dies (``SIGKILL``,
+    ``os._exit``, the out-of-memory killer), so no child outlives the process that would stop it: a planner child
+    holding its rank's output pipes open, or a rank training on (and writing checkpoints) after its launcher is
+    gone. ``parent``: the pid the parent must have; a process whose parent already differs (it died before the
+    request took effect) is killed now. Elsewhere nothing changes."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return
+    expected = os.getppid() if parent is None else parent
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != expected or os.getppid() == 1:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def follow_launcher() -> None:
+    """A rank started by ``dynabatch train --stages N`` (no torchrun) ends with its launcher: a launcher killed
+    by ``SIGKILL`` (which it cannot pass on, unlike Ctrl-C or ``SIGTERM``) left every rank training on as an
+    orphan, writing into the output folder a resumed run then shares. The variable is removed, so a process
+    this rank starts does not follow the launcher too."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is not None and launcher.isdigit():
+        die_with_parent(int(launcher))
+
+
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start ticks) of process ``pid`` from ``/proc``; ``None`` if unreadable or gone."""
     try:

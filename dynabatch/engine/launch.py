@@ -15,7 +15,9 @@ connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, 
 * Ctrl-C is the launcher's alone: the ranks start with SIGINT blocked (:func:`_start_ranks`), so none prints a
   traceback or a line of its own while the launcher stops them (as after a failure) and returns 130, for the
   command to print the run's one line (``dynabatch train: interrupted at step N; ...``). A SIGTERM or SIGHUP to the
-  launcher (a job scheduler ending the job) is passed on (exit 143 / 129), so no rank is left running without it.
+  launcher (a job scheduler ending the job) is passed on (exit 143 / 129), so no rank is left running without it;
+  a launcher killed outright (``SIGKILL``, the out-of-memory killer) takes its ranks with it, as each rank asks the
+  kernel at start (:func:`~dynabatch.engine.faults.follow_launcher`).
   The ranks share the launcher's process group, so Ctrl-Z still stops them all.
 
 Several machines still launch with ``torchrun`` (docs/user_guide/training.md, "Launching with torchrun").
@@ -30,6 +32,7 @@ import sys
 import time
 
 from dynabatch.cost.p2p import loopback_store
+from dynabatch.engine.faults import LAUNCHER_PID_ENV
 
 GRACE_S = 10.0
 """Seconds the other ranks get to exit after SIGTERM before SIGKILL."""
@@ -37,10 +40,12 @@ GRACE_S = 10.0
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment of rank ``rank``: this process's, plus what ``torchrun --standalone`` sets for a worker
-    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``)."""
+    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``), and the launcher's pid, which
+    every rank follows (it dies with the launcher: :func:`~dynabatch.engine.faults.follow_launcher`)."""
     return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                **{LAUNCHER_PID_ENV: str(os.getpid())})
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from dynabatch.engine.launch import launch_local
 
@@ -52,3 +55,44 @@ def test_a_second_sigterm_while_the_ranks_stop_is_no_traceback(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+
+
+RANK_OF_THE_CLI = ("import os, sys, time\n"
+                   "import dynabatch.cli as cli\n"
+                   "def run(argv):\n"  # the command a rank runs, after main() has set the rank up
+                   "    open(os.path.join(sys.argv[1], 'rank-' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                   "    time.sleep(60)\n"
+                   "cli._run_command = run\n"
+                   "cli.main([])\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):
+    """SIGKILL to the launcher (the out-of-memory killer, ``kill -9``, a scheduler past its grace period) cannot be
+    passed on: its ranks trained on as orphans, writing into the output folder a resumed run would then share."""
+    launcher = ("import sys\n"
+                "from dynabatch.engine.launch import launch_local\n"
+                f"sys.exit(launch_local(['-c', {RANK_OF_THE_CLI!r}, {str(tmp_path)!r}], 2))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    pids = [int(p.read_text() or 0) for p in tmp_path.glob("rank-*")]
+    assert len(pids) == 2 and all(pids), f"the ranks did not start: {proc.stderr.read()[-3000:]}"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
