@@ -94,13 +94,25 @@ def _run_status(failed: list[int]) -> int:
     return own[0] if own else 128 - failed[0]
 
 
+def _signal_cause(signum: int) -> str:
+    """What likely sent ``signum``: the out-of-memory killer sends only SIGKILL, and a SIGSEGV, SIGBUS, SIGFPE,
+    SIGILL or SIGABRT is the process's own crash in native code (torch, a kernel, a library), which the one guess
+    given for every signal ("out of memory, or killed by hand?") sent looking in the wrong place."""
+    if signum == signal.SIGKILL:
+        return "out of memory, or killed by hand?"
+    if signum in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT):
+        return "a crash in native code; its output above may say where"
+    return "killed by hand or by a job scheduler?"
+
+
 def _say_signalled(procs: list[subprocess.Popen]) -> None:
-    """One line per rank ended by a signal (the kernel's out-of-memory killer, a ``kill -9``): its peers' lines only
-    say the connection to it broke, and a rank killed so prints nothing of its own."""
+    """One line per rank ended by a signal (the kernel's out-of-memory killer, a ``kill -9``, a crash in native
+    code): its peers' lines only say the connection to it broke, and a rank killed so prints nothing of its own."""
     for rank, p in enumerate(procs):
         if p.returncode is not None and p.returncode < 0:
-            print(f"rank {rank} (pid {p.pid}) was killed by {signal.Signals(-p.returncode).name} (out of memory, or "
-                  "killed by hand?); the run stops", file=sys.stderr, flush=True)
+            signum = -p.returncode
+            print(f"rank {rank} (pid {p.pid}) was killed by {signal.Signals(signum).name} ({_signal_cause(signum)}); "
+                  "the run stops", file=sys.stderr, flush=True)
 
 
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:

@@ -31,6 +31,22 @@ def test_a_rank_killed_by_a_signal_is_named_and_exits_128_plus_the_signal(capfd)
     assert err.count("rank 1 (pid ") == 1 and "was killed by SIGKILL" in err
 
 
+CRASHED_RANK_1 = ("import os, signal, time\n"
+                  "if os.environ['RANK'] == '1':\n"
+                  "    time.sleep(0.5)\n"
+                  "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+                  "time.sleep(60)\n")
+
+
+def test_a_rank_crashed_in_native_code_is_not_called_out_of_memory(capfd):
+    """A SIGSEGV is the rank's own crash, not the out-of-memory killer (which sends only SIGKILL): the line says so."""
+    code = launch_local(["-c", CRASHED_RANK_1], 2)
+    assert code == 128 + signal.SIGSEGV
+    err = capfd.readouterr().err
+    assert "rank 1 (pid " in err and "was killed by SIGSEGV (a crash in native code;" in err
+    assert "out of memory" not in err
+
+
 SLOW_TO_STOP = ("import os, signal, sys, time\n"
                 "def stop(*_):\n"
                 "    time.sleep(1.5)\n"
