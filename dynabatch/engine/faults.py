@@ -175,12 +175,34 @@ def kill_stopped_peers(rank: int, processes: tuple[ProcessId, ...]) -> list[tupl
         stat = _proc_stat(p.pid)
         if stat is None or stat != ("T", p.start_ticks):
             continue
+        _store_set(killed_by_a_peer_key(p.pid))  # first, so the launcher never sees it dead before it is said
         try:
             os.kill(p.pid, signal.SIGKILL)
         except OSError:  # gone meanwhile, or not ours to kill
             continue
         killed.append((r, p.pid))
     return killed
+
+
+def killed_by_a_peer_key(pid: int) -> str:
+    """The store key a rank sets (in the job's store itself, under no group's prefix) before it kills the stopped
+    process ``pid``: the local launcher (:mod:`dynabatch.engine.launch`) then leaves that rank's SIGKILL to the
+    killer's own line (``killed rank 1 (pid P), which was stopped``) instead of guessing the out-of-memory killer."""
+    return f"dynabatch/killed_stopped/{pid}"
+
+
+def _store_set(key: str) -> None:
+    """Set ``key`` in the job's store, when one is reachable (a courtesy, as in :func:`claim_first_failure`)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        while isinstance(store, c10d.PrefixStore):  # the key as the store's host reads it, with no group prefix
+            store = store.underlying_store
+        store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+        store.set(key, "1")
+    except Exception:  # noqa: BLE001 - exiting anyway; the store is only a courtesy
+        pass
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import sys
 import time
 
 from dynabatch.cost.p2p import loopback_store
-from dynabatch.engine.faults import LAUNCHER_PID_ENV
+from dynabatch.engine.faults import LAUNCHER_PID_ENV, killed_by_a_peer_key
 
 GRACE_S = 10.0
 """Seconds the other ranks get to exit after SIGTERM before SIGKILL."""
@@ -105,11 +105,22 @@ def _signal_cause(signum: int) -> str:
     return "killed by hand or by a job scheduler?"
 
 
-def _say_signalled(procs: list[subprocess.Popen]) -> None:
+def _killed_by_a_peer(store, pid: int) -> bool:
+    """Whether a rank recorded that it killed ``pid``, a rank it found stopped (SIGSTOP): its own line says so."""
+    try:
+        return store.check([killed_by_a_peer_key(pid)])
+    except Exception:  # noqa: BLE001 - only a courtesy: without it the line guesses the cause
+        return False
+
+
+def _say_signalled(procs: list[subprocess.Popen], store=None) -> None:
     """One line per rank ended by a signal (the kernel's out-of-memory killer, a ``kill -9``, a crash in native
-    code): its peers' lines only say the connection to it broke, and a rank killed so prints nothing of its own."""
+    code): its peers' lines only say the connection to it broke, and a rank killed so prints nothing of its own. A
+    stopped rank a peer killed is that peer's news (the launcher's guess contradicted it)."""
     for rank, p in enumerate(procs):
         if p.returncode is not None and p.returncode < 0:
+            if store is not None and p.returncode == -signal.SIGKILL and _killed_by_a_peer(store, p.pid):
+                continue
             signum = -p.returncode
             print(f"rank {rank} (pid {p.pid}) was killed by {signal.Signals(signum).name} ({_signal_cause(signum)}); "
                   "the run stops", file=sys.stderr, flush=True)
@@ -127,7 +138,7 @@ def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> in
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:  # a rank failing because a peer went away exits 1; the peer's own bad-input 2 names the run
-                _say_signalled(procs)
+                _say_signalled(procs, store)
                 _stop(procs)
                 return _run_status(failed)
             if all(c == 0 for c in codes):

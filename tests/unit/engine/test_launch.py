@@ -47,6 +47,31 @@ def test_a_rank_crashed_in_native_code_is_not_called_out_of_memory(capfd):
     assert "out of memory" not in err
 
 
+STOPPED_RANK_1 = ("import os, signal, time\n"
+                  "import torch.distributed as dist\n"
+                  "from dynabatch.engine import faults\n"
+                  "dist.init_process_group('gloo')\n"
+                  "procs = [None, None]\n"
+                  "dist.all_gather_object(procs, faults.current_process())\n"
+                  "if dist.get_rank() == 1:\n"
+                  "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                  "else:\n"  # rank 0 finds its peer stopped, as fail_fast does after a timeout, and kills it
+                  "    while faults._proc_stat(procs[1].pid)[0] != 'T':\n"
+                  "        time.sleep(0.05)\n"
+                  "    assert faults.kill_stopped_peers(0, tuple(procs)) == [(1, procs[1].pid)]\n"
+                  "    time.sleep(1)\n"
+                  "    os._exit(1)\n"
+                  "time.sleep(60)\n")
+
+
+def test_a_stopped_rank_a_peer_killed_is_not_guessed_out_of_memory(capfd):
+    """A rank stopped (SIGSTOP) is killed by the peer that timed out on it, whose line says so; the launcher added
+    'rank 1 was killed by SIGKILL (out of memory, or killed by hand?)', contradicting it."""
+    code = launch_local(["-c", STOPPED_RANK_1], 2)
+    assert code in (1, 137)
+    assert "was killed by" not in capfd.readouterr().err
+
+
 SLOW_TO_STOP = ("import os, signal, sys, time\n"
                 "def stop(*_):\n"
                 "    time.sleep(1.5)\n"
