@@ -124,13 +124,15 @@ def die_with_parent(parent: int | None = None) -> None:
 
 
 def follow_launcher() -> None:
-    """A rank started by ``dynabatch train --stages N`` (no torchrun) ends with its launcher: a launcher killed
-    by ``SIGKILL`` (which it cannot pass on, unlike Ctrl-C or ``SIGTERM``) left every rank training on as an
-    orphan, writing into the output folder a resumed run then shares. The variable is removed, so a process
-    this rank starts does not follow the launcher too."""
+    """A rank started by ``dynabatch train --stages N`` ends with its launcher, and one started by torchrun with
+    torchrun's agent (its parent): a launcher killed by ``SIGKILL`` (which it cannot pass on, unlike Ctrl-C or
+    ``SIGTERM``) left every rank training on as an orphan, writing into the output folder a resumed run then
+    shares. The launcher's variable is removed, so a process this rank starts does not follow the launcher too."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     if launcher is not None and launcher.isdigit():
         die_with_parent(int(launcher))
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its parent is the node's agent
+        die_with_parent()
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:

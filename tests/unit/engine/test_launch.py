@@ -137,3 +137,27 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_torchrun_worker_ends_with_its_agent_killed_outright(tmp_path):
+    """torchrun starts its workers in sessions of their own and sets nothing to end them with it: an agent killed by
+    SIGKILL left them training on. A worker (TORCHELASTIC_RUN_ID set) follows its parent, the agent."""
+    agent = ("import os, subprocess, sys, time\n"
+             f"subprocess.Popen([sys.executable, '-c', {RANK_OF_THE_CLI!r}, {str(tmp_path)!r}], start_new_session=True,\n"
+             "                 env=dict(os.environ, RANK='0', TORCHELASTIC_RUN_ID='none'))\n"
+             "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", agent], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("rank-0")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    pid = int((tmp_path / "rank-0").read_text())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the worker outlived its agent")
