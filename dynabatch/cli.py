@@ -18,8 +18,8 @@ import re
 import sys
 
 from dynabatch.training.config.flags import HelpFormatter, add_help_levels
-from dynabatch.engine.faults import (INTERRUPTED_STATUS, error_line, interruption_message, is_user_error,  # no torch import:
-                                     user_message)  # `dynabatch --help` stays fast
+from dynabatch.engine.faults import (INTERRUPTED_STATUS, error_line, follow_launcher,  # no torch import:
+                                     interruption_message, is_user_error, user_message)  # `dynabatch --help` stays fast
 from dynabatch.engine.log import quiet_third_party, setup_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -67,6 +67,7 @@ def command_parser(name: str):
 def main(argv: list[str] | None = None) -> int:
     """Run ``dynabatch ARGV`` and return its exit status; Ctrl-C ends any command with one line and 130."""
     argv = sys.argv[1:] if argv is None else argv
+    follow_launcher()  # a rank of `dynabatch train --stages N` ends with its launcher, also one killed outright
     try:
         return _run_command(argv)
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a training run's says where it stopped), not a traceback

@@ -28,8 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def interrupted_run(output_dir: str) -> BaseException:
     """The :class:`~dynabatch.engine.errors.Interrupted` of a launched run stopped by Ctrl-C, read from its output
     folder: the step after the last one logged, and the newest complete checkpoint."""
-    from dynabatch.training.metrics import steps_logged  # lazy: torch is loaded by now (the launcher's store)
-    from dynabatch.training.resume import interruption_line  # lazy: as above
+    from dynabatch.engine.outputs import interruption_line, steps_logged  # lazy: torch (loaded by the launcher)
 
     step = steps_logged(os.path.join(output_dir, "metrics.jsonl"))
     return Interrupted(interruption_line(output_dir, step if step else None))

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from dynabatch.core.rank_warnings import EveryRankWarning
+
 MANIFEST = "manifest.json"
 RUN_ID_FILE = "run_id"
 """Written into a step folder when its save starts: the id of the run the folder belongs to."""
@@ -239,7 +241,8 @@ def latest_checkpoint(root: str, fallback: bool = True) -> CheckpointInfo | None
         except CheckpointError as e:
             if not fallback:
                 raise
-            warnings.warn(f"skipping broken checkpoint: {e}", stacklevel=2)
+            # every rank reads the same folder and finds the same: rank 0 says it once (it was one line per rank)
+            warnings.warn(f"skipping broken checkpoint: {e}", EveryRankWarning, stacklevel=2)
     return None
 
 

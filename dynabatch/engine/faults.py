@@ -98,6 +98,43 @@ class ProcessId:
     """Start time in clock ticks since boot (-1 without ``/proc``): the same process, not a reused pid."""
 
 
+LAUNCHER_PID_ENV = "DYNABATCH_LAUNCHER_PID"
+"""Set by :mod:`dynabatch.engine.launch` in each rank's environment: the launcher's pid, which the rank follows
+(:func:`follow_launcher`)."""
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Linux: the kernel kills this process (``SIGKILL``) when its parent dies, however it dies (``SIGKILL``,
+    ``os._exit``, the out-of-memory killer), so no child outlives the process that would stop it: a planner child
+    holding its rank's output pipes open, or a rank training on (and writing checkpoints) after its launcher is
+    gone. ``parent``: the pid the parent must have; a process whose parent already differs (it died before the
+    request took effect) is killed now. Elsewhere nothing changes."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return
+    expected = os.getppid() if parent is None else parent
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != expected or os.getppid() == 1:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def follow_launcher() -> None:
+    """A rank started by ``dynabatch train --stages N`` ends with its launcher, and one started by torchrun with
+    torchrun's agent (its parent): a launcher killed by ``SIGKILL`` (which it cannot pass on, unlike Ctrl-C or
+    ``SIGTERM``) left every rank training on as an orphan, writing into the output folder a resumed run then
+    shares. The launcher's variable is removed, so a process this rank starts does not follow the launcher too."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is not None and launcher.isdigit():
+        die_with_parent(int(launcher))
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its parent is the node's agent
+        die_with_parent()
+
+
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start ticks) of process ``pid`` from ``/proc``; ``None`` if unreadable or gone."""
     try:
@@ -140,12 +177,34 @@ def kill_stopped_peers(rank: int, processes: tuple[ProcessId, ...]) -> list[tupl
         stat = _proc_stat(p.pid)
         if stat is None or stat != ("T", p.start_ticks):
             continue
+        _store_set(killed_by_a_peer_key(p.pid))  # first, so the launcher never sees it dead before it is said
         try:
             os.kill(p.pid, signal.SIGKILL)
         except OSError:  # gone meanwhile, or not ours to kill
             continue
         killed.append((r, p.pid))
     return killed
+
+
+def killed_by_a_peer_key(pid: int) -> str:
+    """The store key a rank sets (in the job's store itself, under no group's prefix) before it kills the stopped
+    process ``pid``: the local launcher (:mod:`dynabatch.engine.launch`) then leaves that rank's SIGKILL to the
+    killer's own line (``killed rank 1 (pid P), which was stopped``) instead of guessing the out-of-memory killer."""
+    return f"dynabatch/killed_stopped/{pid}"
+
+
+def _store_set(key: str) -> None:
+    """Set ``key`` in the job's store, when one is reachable (a courtesy, as in :func:`claim_first_failure`)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        while isinstance(store, c10d.PrefixStore):  # the key as the store's host reads it, with no group prefix
+            store = store.underlying_store
+        store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+        store.set(key, "1")
+    except Exception:  # noqa: BLE001 - exiting anyway; the store is only a courtesy
+        pass
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ connections on 127.0.0.1 only (a plain ``TCPStore`` listens on every interface, 
 * Ctrl-C is the launcher's alone: the ranks start with SIGINT blocked (:func:`_start_ranks`), so none prints a
   traceback or a line of its own while the launcher stops them (as after a failure) and returns 130, for the
   command to print the run's one line (``dynabatch train: interrupted at step N; ...``). A SIGTERM or SIGHUP to the
-  launcher (a job scheduler ending the job) is passed on (exit 143 / 129), so no rank is left running without it.
+  launcher (a job scheduler ending the job) is passed on (exit 143 / 129), so no rank is left running without it;
+  a launcher killed outright (``SIGKILL``, the out-of-memory killer) takes its ranks with it, as each rank asks the
+  kernel at start (:func:`~dynabatch.engine.faults.follow_launcher`).
   The ranks share the launcher's process group, so Ctrl-Z still stops them all.
 
 Several machines still launch with ``torchrun`` (docs/user_guide/training.md, "Launching with torchrun").
@@ -30,6 +32,7 @@ import sys
 import time
 
 from dynabatch.cost.p2p import loopback_store
+from dynabatch.engine.faults import LAUNCHER_PID_ENV, killed_by_a_peer_key
 
 GRACE_S = 10.0
 """Seconds the other ranks get to exit after SIGTERM before SIGKILL."""
@@ -37,10 +40,12 @@ GRACE_S = 10.0
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment of rank ``rank``: this process's, plus what ``torchrun --standalone`` sets for a worker
-    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``)."""
+    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``), and the launcher's pid, which
+    every rank follows (it dies with the launcher: :func:`~dynabatch.engine.faults.follow_launcher`)."""
     return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                **{LAUNCHER_PID_ENV: str(os.getpid())})
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -89,13 +94,36 @@ def _run_status(failed: list[int]) -> int:
     return own[0] if own else 128 - failed[0]
 
 
-def _say_signalled(procs: list[subprocess.Popen]) -> None:
-    """One line per rank ended by a signal (the kernel's out-of-memory killer, a ``kill -9``): its peers' lines only
-    say the connection to it broke, and a rank killed so prints nothing of its own."""
+def _signal_cause(signum: int) -> str:
+    """What likely sent ``signum``: the out-of-memory killer sends only SIGKILL, and a SIGSEGV, SIGBUS, SIGFPE,
+    SIGILL or SIGABRT is the process's own crash in native code (torch, a kernel, a library), which the one guess
+    given for every signal ("out of memory, or killed by hand?") sent looking in the wrong place."""
+    if signum == signal.SIGKILL:
+        return "out of memory, or killed by hand?"
+    if signum in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT):
+        return "a crash in native code; its output above may say where"
+    return "killed by hand or by a job scheduler?"
+
+
+def _killed_by_a_peer(store, pid: int) -> bool:
+    """Whether a rank recorded that it killed ``pid``, a rank it found stopped (SIGSTOP): its own line says so."""
+    try:
+        return store.check([killed_by_a_peer_key(pid)])
+    except Exception:  # noqa: BLE001 - only a courtesy: without it the line guesses the cause
+        return False
+
+
+def _say_signalled(procs: list[subprocess.Popen], store=None) -> None:
+    """One line per rank ended by a signal (the kernel's out-of-memory killer, a ``kill -9``, a crash in native
+    code): its peers' lines only say the connection to it broke, and a rank killed so prints nothing of its own. A
+    stopped rank a peer killed is that peer's news (the launcher's guess contradicted it)."""
     for rank, p in enumerate(procs):
         if p.returncode is not None and p.returncode < 0:
-            print(f"rank {rank} (pid {p.pid}) was killed by {signal.Signals(-p.returncode).name} (out of memory, or "
-                  "killed by hand?); the run stops", file=sys.stderr, flush=True)
+            if store is not None and p.returncode == -signal.SIGKILL and _killed_by_a_peer(store, p.pid):
+                continue
+            signum = -p.returncode
+            print(f"rank {rank} (pid {p.pid}) was killed by {signal.Signals(signum).name} ({_signal_cause(signum)}); "
+                  "the run stops", file=sys.stderr, flush=True)
 
 
 def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> int:
@@ -110,7 +138,7 @@ def launch_local(command: list[str], world_size: int, poll_s: float = 0.1) -> in
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:  # a rank failing because a peer went away exits 1; the peer's own bad-input 2 names the run
-                _say_signalled(procs)
+                _say_signalled(procs, store)
                 _stop(procs)
                 return _run_status(failed)
             if all(c == 0 for c in codes):

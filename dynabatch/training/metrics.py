@@ -52,24 +52,6 @@ class MetricsWriter:
             )
 
 
-def steps_logged(path: str) -> int:
-    """How many steps the run logging to the metrics file ``path`` finished: one past the newest step record
-    (evaluation rows and a torn last line are skipped); 0 without the file."""
-    done = 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and "loss" in record and isinstance(record.get("step"), int):
-                    done = max(done, record["step"] + 1)
-    except OSError:
-        return 0
-    return done
-
-
 def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
     """Loss at the start and end, throughput and efficiency over a run's step records. ``loss_start`` and
     ``loss_end`` are means over the first and last ``k`` steps (a third of the run, 1 to 3 steps), so one noisy

@@ -40,6 +40,7 @@ import torch
 from dynabatch.data.microbatch import CausalMicroBatch, Seq2SeqMicroBatch
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.core.allocator import keep_freed_memory
+from dynabatch.engine.faults import die_with_parent
 from dynabatch.training.planner import StepPlanner
 
 _POLL_S = 0.1
@@ -115,7 +116,7 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
     """The child process: rebuild the planner, plan ``num_steps`` steps into ``out`` (pickled bytes)."""
     import os
 
-    _die_with_parent()
+    die_with_parent()  # no planner outlives its rank, holding the rank's inherited output pipes open
     if hasattr(os, "nice"):  # plans ahead of training: on cores the ranks fill, take what they leave idle
         os.nice(PLANNER_NICENESS)
     keep_freed_memory()  # the child only plans: its cost-model temporaries reuse heap pages (core.allocator)
@@ -128,26 +129,6 @@ def _child(state: dict, calibration: dict | None, num_steps: int, out, feed, sto
                 return
     except BaseException as e:  # delivered to the parent, never lost in the child
         _offer(out, _dumps(_Failure(type(e).__name__, str(e), isinstance(e, ValueError))), stop)
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this child when its parent dies, however it dies (``SIGKILL``, ``os._exit``, a
-    launcher's kill), so no planner outlives its rank, holding the rank's inherited output pipes open (a caller
-    waiting for them would hang). Elsewhere the child still stops when the parent closes it."""
-    import ctypes
-    import os
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(0)
 
 
 def _offer(out, item, stop) -> bool:

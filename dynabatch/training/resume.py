@@ -37,7 +37,7 @@ from dynabatch.training.config import FIXED_ON_RESUME, TrainConfig, canonical
 from dynabatch.training.config.flags import CONFIG_FILE, NOT_RUN_SETTINGS
 from dynabatch.training.config.paths import run_paths
 from dynabatch.cost.online import OnlineFit
-from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, newest_saved, resolve_checkpoint,
+from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint,
                                           save_collective)
 from dynabatch.model_presets import sequence_kind
 from dynabatch.training.model_files import ModelFiles
@@ -155,17 +155,6 @@ def _and_model_files(write: Callable[[str, dict], None], files: ModelFiles) -> C
         files.write(folder)
 
     return both
-
-
-def interruption_line(output_dir: str, step: int | None) -> str:
-    """The line a run stopped by Ctrl-C ends with: the step it was on (``None``: not known) and the newest
-    checkpoint to resume from, or that none was saved. A save the interrupt cut short has no manifest and is
-    never named."""
-    where = "interrupted" if step is None else f"interrupted at step {step}"
-    newest = newest_saved(os.path.join(output_dir, "checkpoints"))
-    if newest is None:
-        return f"{where}; no checkpoint was saved"
-    return f"{where}; the newest checkpoint is {newest}: resume with --resume-from-checkpoint"
 
 
 def find_resume_checkpoint(cfg: TrainConfig, ctx) -> CheckpointInfo | None:

@@ -62,13 +62,13 @@ from dynabatch.engine.log import log_result, quiet_third_party, setup_logging
 from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
-from dynabatch.engine.outputs import prepare_output_dir, run_dirs, truncate_metrics
+from dynabatch.engine.outputs import interruption_line, prepare_output_dir, run_dirs, truncate_metrics
 from dynabatch.training.run_start import (check_same_settings, log_dropout, log_target_len, log_tokenizer, log_zero,
                                           record_resolved, resolve_run)
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
-from dynabatch.training.resume import find_resume_checkpoint, interruption_line, resume, save_checkpoint
+from dynabatch.training.resume import find_resume_checkpoint, resume, save_checkpoint
 from dynabatch.training.run_layout import RunLayout, sampled_run_layout, share_run_layout
 from dynabatch.training.step_data import StepData, announce_data, data_ready
 from dynabatch.engine.step import train_step

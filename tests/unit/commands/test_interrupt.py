@@ -82,3 +82,22 @@ def test_ctrl_c_in_plan_is_one_line(tmp_path):
     code, err = _interrupt(proc, lambda: _torch_loaded(proc.pid))
     assert code == 130, err[-3000:]
     assert _only_line(err) == "dynabatch plan: interrupted"
+
+
+def test_launcher_says_the_interrupted_line_without_importing_the_training_stack(tmp_path):
+    """``dynabatch train --stages N`` says its Ctrl-C line after the ranks are gone: reading the step and the newest
+    checkpoint must not import transformers and the training loop (5-17 s of silence after Ctrl-C on 2 cores)."""
+    ckpt = tmp_path / "checkpoints" / "step-000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')  # a torn last line
+    code = ("import sys\n"
+            "import dynabatch.engine.launch\n"  # what the launcher has loaded when its ranks are stopped
+            "from dynabatch.commands.train import interrupted_run\n"
+            f"print(interrupted_run({str(tmp_path)!r}))\n"
+            "heavy = [m for m in ('transformers', 'dynabatch.training.trainer', 'dynabatch.models') if m in sys.modules]\n"
+            "print('heavy:', heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=DEADLINE_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"interrupted at step 6; the newest checkpoint is {ckpt}: resume with" in out.stdout
+    assert "heavy: []" in out.stdout

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dynabatch.core.rank_warnings import EveryRankWarning
 from dynabatch.engine.checkpoint import (
     MANIFEST,
     RUN_ID_FILE,
@@ -119,7 +120,7 @@ def test_crash_before_manifest_falls_back(tmp_path):
     _save(tmp_path, 10)
     os.makedirs(step_dir(tmp_path, 20))
     _file_writer(0)(step_dir(tmp_path, 20), {"model/w0": torch.zeros(2)})  # rank 1 never wrote, no manifest
-    with pytest.warns(UserWarning, match="incomplete"):
+    with pytest.warns(EveryRankWarning, match="incomplete"):  # every rank finds it: rank 0 alone says so
         info = latest_checkpoint(str(tmp_path))
     assert info.step == 10
     with pytest.raises(CheckpointError, match="incomplete"):

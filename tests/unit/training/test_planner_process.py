@@ -215,10 +215,10 @@ def test_a_planner_child_does_not_outlive_its_rank(tmp_path):
     pid_file = tmp_path / "child.pid"
     script = textwrap.dedent(f"""
         import multiprocessing as mp, os, time
-        from dynabatch.training.planner_process import _die_with_parent
+        from dynabatch.engine.faults import die_with_parent
 
         def child(path):
-            _die_with_parent()
+            die_with_parent()
             open(path, "w").write(str(os.getpid()))
             time.sleep(60)
 
