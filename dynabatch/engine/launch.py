@@ -40,12 +40,12 @@ GRACE_S = 10.0
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment of rank ``rank``: this process's, plus what ``torchrun --standalone`` sets for a worker
-    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``), and the launcher's pid, which
-    every rank follows (it dies with the launcher: :func:`~dynabatch.engine.faults.follow_launcher`)."""
+    (every rank a client of the launcher's rendezvous store on 127.0.0.1:``port``). :func:`launch_local` adds its
+    own pid, which the ranks it starts follow (:func:`~dynabatch.engine.faults.follow_launcher`); a caller that
+    starts the ranks otherwise (forked from a server, whose pid is their parent's) leaves it out."""
     return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                **{LAUNCHER_PID_ENV: str(os.getpid())})
+                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -79,7 +79,8 @@ def _start_ranks(command: list[str], world_size: int, port: int, procs: list[sub
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for r in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, *command], env=rank_environment(r, world_size, port)))
+            env = {**rank_environment(r, world_size, port), LAUNCHER_PID_ENV: str(os.getpid())}
+            procs.append(subprocess.Popen([sys.executable, *command], env=env))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
