@@ -296,7 +296,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     bar = progress(total=cfg.max_steps, initial=start, desc=f"train {cfg.method}", unit="steps", disable=not ctx.is_planner,
                    leave=False)  # a bar on a terminal, plain periodic lines in a file
     planned = result = None
-    step = start
+    unfinished = start  # the step a Ctrl-C interrupts: the first one not finished (its checkpoint, if due, saved)
     latch = InterruptLatch()
     try:
         latch.__enter__()
@@ -387,6 +387,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
             last = step + 1 == cfg.max_steps
             if checkpoints and ((cfg.save_steps and (step + 1) % cfg.save_steps == 0) or last):
                 save_checkpoint(run, step + 1, planned.batcher_state_after if ctx.is_planner else None)
+            unfinished = step + 1  # a Ctrl-C before the loop moves on interrupts the next step, not this one
         if cfg.timeline and result is not None:
             write_timeline(run, result, planned)
         if ctx.is_planner and run.calibration.enabled and result is not None:
@@ -395,7 +396,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
     except KeyboardInterrupt as e:  # Ctrl-C: _train names the step and the newest checkpoint in one line
         if isinstance(e, Interrupted):
             raise
-        raise Interrupted(step=step) from None
+        raise Interrupted(step=unfinished) from None
     finally:
         latch.__exit__()
         bar.close()
