@@ -44,7 +44,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -193,18 +193,23 @@ def killed_by_a_peer_key(pid: int) -> str:
     return f"dynabatch/killed_stopped/{pid}"
 
 
-def _store_set(key: str) -> None:
-    """Set ``key`` in the job's store, when one is reachable (a courtesy, as in :func:`claim_first_failure`)."""
-    try:
-        from torch.distributed import distributed_c10d as c10d
+def _job_store(unprefixed: bool = False):
+    """The job's rendezvous store, waiting at most :data:`_STORE_TIMEOUT_S` on it (``unprefixed``: under no group's
+    prefix, the keys as the store's host reads them); raises when there is none."""
+    from torch.distributed import distributed_c10d as c10d
 
-        store = c10d._get_default_store()
-        while isinstance(store, c10d.PrefixStore):  # the key as the store's host reads it, with no group prefix
-            store = store.underlying_store
-        store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
-        store.set(key, "1")
-    except Exception:  # noqa: BLE001 - exiting anyway; the store is only a courtesy
-        pass
+    store = c10d._get_default_store()
+    while unprefixed and isinstance(store, c10d.PrefixStore):
+        store = store.underlying_store
+    store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+    return store
+
+
+def _store_set(key: str) -> None:
+    """Set ``key`` in the job's store as its host reads it, when one is reachable (a courtesy, as in
+    :func:`claim_first_failure`)."""
+    with suppress(Exception):  # exiting anyway; the store is only a courtesy
+        _job_store(unprefixed=True).set(key, "1")
 
 
 @dataclass(frozen=True)
@@ -225,10 +230,7 @@ def claim_first_failure(mine: FailureRecord) -> FailureRecord:
     """Record ``mine`` as the job's first failure unless a rank did so before; returns the first one.
     Without a reachable store (its host gone, or no process group), ``mine``."""
     try:
-        from torch.distributed import distributed_c10d as c10d
-
-        store = c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+        store = _job_store()
         key = f"dynabatch/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         value = json.dumps([mine.rank, mine.message, mine.timestamp, mine.user_error, mine.interrupted])
         first = json.loads(store.compare_set(key, "", value))
