@@ -227,11 +227,16 @@ def _check_one_format(spec: SourceSpec) -> None:
             if kind is not None and not name.startswith((".", "_")) and name not in FOLDER_METADATA:
                 found.setdefault(kind, []).append(os.path.relpath(os.path.join(root, name), spec.hf))
     if len(found) > 1:
-        listed = "; ".join(f"{kind}: {', '.join(sorted(names)[:3])}{' ...' if len(names) > 3 else ''}"
-                           for kind, names in sorted(found.items()))
+        listed = _listed(found)
         raise ValueError(f"source {spec.task!r}: folder {spec.hf} holds data files of {len(found)} formats ({listed}); "
                          "datasets reads one format of a folder and would skip the other files: put each format in a "
                          "folder of its own (a source each in a mixture spec), or convert the files to one format")
+
+
+def _listed(groups: dict[str, list[str]]) -> str:
+    """``"csv: a.csv; json: b.jsonl, c.jsonl, d.jsonl ..."``: each group's first three files, groups by name."""
+    return "; ".join(f"{name}: {', '.join(sorted(files)[:3])}{' ...' if len(files) > 3 else ''}"
+                     for name, files in sorted(groups.items()))
 
 
 def _check_splits(spec: SourceSpec) -> None:
@@ -249,8 +254,7 @@ def _check_splits(spec: SourceSpec) -> None:
               if str(name) != spec.split and found}
     if not others:
         return
-    listed = "; ".join(f"{name}: {', '.join(sorted(found)[:3])}{' ...' if len(found) > 3 else ''}"
-                       for name, found in sorted(others.items()))
+    listed = _listed(others)
     if not any(str(name) == spec.split for name in files):
         raise ValueError(f"source {spec.task!r}: datasets sorts the files of folder {spec.hf} into splits by their "
                          f"names ({listed}) and none into split {spec.split!r}, the one read; name the training files "
