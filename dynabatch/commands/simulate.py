@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -57,7 +56,7 @@ from dynabatch.training.config.resolve import describe_choices, lower
 from dynabatch.schedule.policies import choose_schedule
 from dynabatch.schedule.simulate import with_message_buffers
 from dynabatch.schedule.virtual import placed_step
-from dynabatch.schedule.trace import plot_timeline, to_chrome_trace
+from dynabatch.commands.simulate_traces import TRACED_METHODS, check_trace_dir, write_traces
 from dynabatch.commands.tuning import Tuned, print_tuned, tune, tune_baselines_arg, tuned_summary
 
 
@@ -290,7 +289,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         fits &= result.fits_memory
         policies[policy] = policies.get(policy, 0) + 1
         if trace_dir and k == 0 and placed is None:
-            _write_traces(trace_dir, method, result, plan.shapes)
+            write_traces(trace_dir, method, result, plan.shapes)
     return MethodSummary(
         method=method, real_tokens=real, computed_tokens=computed, micro_batches=micro, sliced_samples=sliced,
         step_s=float(np.mean(steps)), ideal_s=float(np.mean(ideals)), tokens_per_s=real / float(np.sum(steps)),
@@ -459,37 +458,6 @@ class SingleSampleRelief:
         return t, stored, peak
 
 
-TRACED_METHODS = ("dynamic", "packing")
-"""The methods whose first step ``--trace-dir`` writes."""
-
-
-def trace_paths(trace_dir: str, method: str) -> tuple[str, str]:
-    """The Chrome trace (.json) and the timeline (.png) ``--trace-dir`` writes for ``method``."""
-    base = os.path.join(trace_dir, f"{method}_step0")
-    return base + ".json", base + ".png"
-
-
-def check_trace_dir(trace_dir: str | None, methods, placement: str = "linear") -> None:
-    """Before anything is simulated: ``--trace-dir`` is a folder (or none yet), ``--placement`` runs the linear
-    placement, the one a trace draws (or may pick it: ``auto``), and every file it would write is new or one a
-    dynabatch command wrote (:func:`~dynabatch.commands.output_files.check_output_file`)."""
-    if not trace_dir:
-        return
-    if placement not in ("linear", "auto"):  # a virtual placement's steps are not drawn: nothing would be written
-        raise ValueError(f"--trace-dir draws steps on the linear placement (one chunk per device), and --placement "
-                         f"{placement} runs none; drop --trace-dir, or pass --placement linear (or auto)")
-    if os.path.exists(trace_dir) and not os.path.isdir(trace_dir):
-        raise ValueError(f"--trace-dir {trace_dir!r} is a file, not a folder; pass a folder path")
-    if not any(method in TRACED_METHODS for method in methods):  # else nothing is written, without a word
-        raise ValueError(f"--trace-dir writes the first step of {' and '.join(TRACED_METHODS)}, and --methods "
-                         f"{','.join(methods)} runs neither; add {' or '.join(TRACED_METHODS)} to --methods, or drop "
-                         "--trace-dir")
-    for method in methods:
-        if method in TRACED_METHODS:
-            for path in trace_paths(trace_dir, method):
-                check_output_file(path, "--trace-dir")
-
-
 def _trace_picked(trace_dir: str, method: str, picked: str, batches, w, options: SimulateOptions) -> None:
     """``--placement auto``'s trace of ``method``: its first step simulated again on the linear placement when
     :func:`pick_placement` took it, the step the table reports (the same deterministic plan and schedule); a
@@ -499,15 +467,6 @@ def _trace_picked(trace_dir: str, method: str, picked: str, batches, w, options:
     else:
         print(f"--trace-dir: {method} ran on {picked}, whose steps are not drawn; no trace of it written",
               file=sys.stderr)
-
-
-def _write_traces(trace_dir: str, method: str, result, shapes) -> None:
-    """The Chrome trace and the timeline of ``method``'s first step, both marked as ``dynabatch simulate``'s."""
-    trace, png = trace_paths(trace_dir, method)
-    write_json(to_chrome_trace(result, shapes=shapes, process_name=f"{method} (simulated)"), trace, indent=None,
-               command="simulate")
-    plot_timeline(result, png, title=f"{method}: simulated step 0 ({result.schedule.policy})",
-                  software="dynabatch simulate")
 
 
 def _summary(args, w, batches, rows, tuned=None) -> dict:
