@@ -12,6 +12,10 @@ step time as measured and as estimated with the moves, and their ratio::
 
     python scripts/estimate_split_moves.py docs/benchmarks/long_tail/cpu_gpt2-d256-8k_8192_10steps_context_passes_2026-12-07.json
 
+With ``--per-micro-batch`` the boundary unit's side is chosen per micro-batch instead of per step, so any share of
+the unit's time in the step can move (up to all of it): the bound of a boundary that follows each micro-batch,
+assuming the micro-batches are fine enough to cut that share.
+
 An estimate, not a measurement: it assumes a unit's time moves with it unchanged and that idle time does not
 change. Decoder-only models; the layout is read from the result (``layouts.linear``).
 """
@@ -40,9 +44,26 @@ def _kinds(stage: str) -> list[str]:
     return out
 
 
+def busier_after_move(a: float, b: float, last: float, first: float, per_micro_batch: bool = False) -> float:
+    """The busier device's compute once the boundary unit is placed best.
+
+    ``a`` and ``b`` are the two devices' compute in a step, ``last`` the first stage's last unit's share of ``a``,
+    ``first`` the second stage's first unit's share of ``b``. Per step, a unit moves whole or not at all; per
+    micro-batch, any part of it up to the whole moves, at most what evens the two devices out.
+    """
+
+    if per_micro_batch:
+        to_second = min(last, max(a - b, 0.0) / 2)
+        to_first = min(first, max(b - a, 0.0) / 2)
+        return min(max(a - to_second, b + to_second), max(a + to_first, b - to_first))
+    return min(max(a, b), max(a - last, b + last), max(a + first, b - first))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result", help="a 2-stage `dynabatch bench --json` result of a decoder-only model")
+    p.add_argument("--per-micro-batch", action="store_true",
+                   help="choose the boundary unit's side per micro-batch (any share of it moves), not per step")
     p.add_argument("--vocab-size", type=int, default=8192, help="the run's vocabulary (default: the built-in tokenizer's)")
     args = p.parse_args(argv)
     with open(args.result) as f:
@@ -71,10 +92,11 @@ def main(argv=None) -> None:
             a, b = step["stage_compute_s_measured"]
             last = seconds(stages[0][-1]) / totals[0] * a  # the first stage's last unit, measured seconds
             first = seconds(stages[1][0]) / totals[1] * b  # the second stage's first unit
-            best = min(max(a, b), max(a - last, b + last), max(a + first, b - first))
+            best = busier_after_move(a, b, last, first, args.per_micro_batch)
             measured += step["time_s"]
             moved += step["time_s"] - (max(a, b) - best)
-        print(f"{method}: {measured:.1f} s measured, {moved:.1f} s with a moving boundary: {measured / moved:.4f}x")
+        print(f"{method}: {measured:.1f} s measured, {moved:.1f} s with a moving boundary"
+              f"{' (per micro-batch)' if args.per_micro_batch else ''}: {measured / moved:.4f}x")
 
 
 if __name__ == "__main__":

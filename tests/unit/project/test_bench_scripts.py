@@ -48,3 +48,37 @@ def test_simulated_paper_setting_dynamic_is_at_least_every_tuned_baseline(tmp_pa
     assert {r["model"] for r in rows} == {"t5", "gpt"}
     for r in rows:
         assert r["dyn_over_best_fitting_baseline"] >= 1.0 - 1e-9, (r["model"], r["dyn_over_best_fitting_baseline"])
+
+
+def _estimate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_split_moves", ROOT / "scripts" / "estimate_split_moves.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_boundary_moved_per_micro_batch_evens_what_a_whole_unit_overshoots():
+    """Per step a unit moves whole: 10 | 6 with a 3 s boundary unit stays 10 (moving it gives 7 | 9, busier 9); per
+    micro-batch 2 s of it move and both devices compute 8. A unit smaller than the gap moves entirely either way."""
+    busier = _estimate_module().busier_after_move
+    assert busier(10.0, 6.0, 3.0, 1.0) == 9.0
+    assert busier(10.0, 6.0, 3.0, 1.0, per_micro_batch=True) == 8.0
+    assert busier(10.0, 6.0, 1.0, 1.0) == busier(10.0, 6.0, 1.0, 1.0, per_micro_batch=True) == 9.0
+    assert busier(6.0, 10.0, 1.0, 5.0, per_micro_batch=True) == 8.0
+    assert busier(8.0, 8.0, 2.0, 2.0, per_micro_batch=True) == 8.0
+
+
+def test_estimate_split_moves_reads_a_stored_bench_result():
+    result = ROOT / "docs/benchmarks/long_tail/cpu_gpt2-d256-8k_8192_10steps_slice_candidates_2026-12-07.json"
+    per_step = _run("estimate_split_moves.py", str(result))
+    per_micro_batch = _run("estimate_split_moves.py", str(result), "--per-micro-batch")
+    ratios = {}
+    for printed, key in ((per_step, "step"), (per_micro_batch, "micro-batch")):
+        for line in printed.splitlines():
+            method, _, rest = line.partition(":")
+            ratios[method, key] = float(rest.rsplit(":", 1)[1].strip().rstrip("x"))
+    assert {m for m, _ in ratios} == {"dynamic_sliced", "dynamic", "length_grouped"}
+    for method in ("dynamic_sliced", "dynamic", "length_grouped"):
+        assert 1.0 <= ratios[method, "step"] <= ratios[method, "micro-batch"]
