@@ -238,16 +238,32 @@ def describe_dropout(model: str, dropout: float) -> str | None:
 
 UNSET_IDS_FILLED = ("eos_token_id",)
 """Special ids a model folder's config may leave unset (``Qwen2Config()`` has no ``eos_token_id``) that
-:func:`build_model` takes from the run's tokenizer: without EOS the exported model's ``generate`` never stops. Not the
-pad id: a Llama-style model makes it its embedding's ``padding_idx``, whose row then trains no more (decoder-only
-tokenizers often pad with EOS)."""
+:func:`build_model` takes from the run's tokenizer before it builds the model: without EOS the exported model's
+``generate`` never stops. The pad id is filled after (:data:`PAD_FILLED_AFTER_BUILD`)."""
+PAD_FILLED_AFTER_BUILD = "pad_token_id"
+"""An unset ``pad_token_id`` of a model folder's config takes the run tokenizer's pad (its EOS where it has no pad
+token, as training pads) once the model is built, as Hugging Face users set ``model.config.pad_token_id =
+tokenizer.eos_token_id``: a Llama-style model built with it would make that row its embedding's ``padding_idx``,
+which then trains no more. The exported config and generation config hold it (batched ``generate`` and
+``AutoModelForSequenceClassification`` need it)."""
+
+
+def describe_unset_pad(model: str, pad_id: int) -> str | None:
+    """The log line when the ``model`` folder's config leaves ``pad_token_id`` unset and the run sets it to the
+    tokenizer's ``pad_id`` (:data:`PAD_FILLED_AFTER_BUILD`), else ``None``."""
+    if not os.path.isdir(model) or getattr(load_config(model), PAD_FILLED_AFTER_BUILD, None) is not None:
+        return None
+    return (f"model {model}: its config has no pad_token_id; the run pads with the tokenizer's pad {pad_id} (its EOS "
+            "where it has no pad token) and the exported config holds it; set pad_token_id in its config.json to "
+            "choose another")
 
 
 def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout: float = 0.0, seed: int = 0,
                 special_ids: dict[str, int] | None = None):
     """A preset built from config (random init, seeded; ``special_ids`` as :func:`build_config`) or a local
     checkpoint directory, loaded in fp32 whatever dtype its weights were saved in, with ``dropout`` in its config
-    (:func:`folder_dropout`) and the ``special_ids`` of :data:`UNSET_IDS_FILLED` where its config leaves them unset.
+    (:func:`folder_dropout`) and the ``special_ids`` of :data:`UNSET_IDS_FILLED` and :data:`PAD_FILLED_AFTER_BUILD`
+    where its config leaves them unset.
 
     ``from_pretrained`` keeps a bf16/fp16 checkpoint's own dtype (transformers 5 loads ``dtype="auto"``); a run
     would then keep bf16 master weights and AdamW states that lose most small updates, while ``--dtype`` and the
@@ -264,6 +280,9 @@ def build_model(name_or_path: str, vocab_size: int = BUILTIN_VOCAB_SIZE, dropout
             setattr(config, key, value)
         model = model_class(config).from_pretrained(name_or_path, config=config, local_files_only=True,
                                                     dtype=torch.float32)
+        pad = PAD_FILLED_AFTER_BUILD
+        if getattr(config, pad, None) is None and pad in (special_ids or {}):  # after the embedding is built
+            filled[pad] = model.config.pad_token_id = special_ids[pad]
         for key, value in filled.items():  # the folder's generation_config.json leaves it unset too
             if getattr(model.generation_config, key, None) is None:
                 setattr(model.generation_config, key, value)

@@ -32,7 +32,11 @@ AUTO = "auto"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model", "vocab.model")
 """Files of which a tokenizer folder must hold at least one (fast ``tokenizer.json`` or a slow tokenizer's)."""
-EXPECTED_FILES = "tokenizer.json (a fast tokenizer) or a slow tokenizer's files (vocab.json + merges.txt, spiece.model, vocab.txt)"
+FILELESS_TOKENIZERS = ("ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer")
+"""Tokenizer classes that need no vocabulary file (bytes or code points): a folder's ``tokenizer_config.json``
+naming one (``"tokenizer_class"``) is a saved tokenizer, which is all ``ByT5Tokenizer.save_pretrained`` writes."""
+EXPECTED_FILES = ("tokenizer.json (a fast tokenizer), a slow tokenizer's files (vocab.json + merges.txt, spiece.model, "
+                  "vocab.txt) or a tokenizer_config.json naming a tokenizer without files (ByT5Tokenizer)")
 FAMILIES = SEQUENCE_KINDS
 """Sequence kinds data is tokenized for (legacy names ``t5``/``gpt2`` are accepted too)."""
 
@@ -56,8 +60,24 @@ class TokenizerInfo:
 
 
 def has_tokenizer_files(folder: str) -> bool:
-    """Whether ``folder`` holds one of :data:`TOKENIZER_FILES` (a saved tokenizer)."""
-    return os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+    """Whether ``folder`` holds one of :data:`TOKENIZER_FILES` or a ``tokenizer_config.json`` whose
+    ``tokenizer_class`` is one of :data:`FILELESS_TOKENIZERS` (a saved tokenizer)."""
+    if not os.path.isdir(folder):
+        return False
+    if any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        return True
+    return _fileless_class(folder) is not None
+
+
+def _fileless_class(folder: str) -> str | None:
+    """The :data:`FILELESS_TOKENIZERS` class ``folder``'s ``tokenizer_config.json`` names, else ``None``."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # none, unreadable, or not a JSON object
+        return None
+    named = named.removesuffix("Fast") if isinstance(named, str) else None
+    return named if named in FILELESS_TOKENIZERS else None
 
 
 def resolve_tokenizer(name: str, model: str | None = None) -> str:
@@ -130,10 +150,13 @@ def _folder_tokenizer(folder: str):
             f"tokenizer folder {folder!r} has no tokenizer files: it needs {EXPECTED_FILES}; save one there with "
             "tokenizer.save_pretrained(folder), or use --tokenizer builtin, gpt2 or byt5"
         )
-    from transformers import AutoTokenizer
+    import transformers
 
+    # a model folder's config.json would make AutoTokenizer build the model type's tokenizer, empty without its
+    # files (a Qwen2 config: an empty Qwen2Tokenizer), beside a saved ByT5Tokenizer: load the class it names
+    loader = getattr(transformers, _fileless_class(folder) or "AutoTokenizer")
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return loader.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:  # the ways transformers reports unusable files
         raise ValueError(
             f"tokenizer folder {folder!r} could not be loaded ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "

@@ -486,6 +486,13 @@ class DynaBatchDataLoader:
             state["pass_step"] = self._pass_step
         return state
 
+    def restart(self) -> None:
+        """Back at the loader's first position (its first global batch, a new iteration next), as built and
+        seeded: how a second ``DynaBatchTrainer.train()`` without a checkpoint starts over the data."""
+        self.batcher.load_state_dict(self._start_state)
+        self._resume_pass_step = None
+        self._pass_step = 0
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a :meth:`state_dict` position; a dict that is not one is a ``ValueError`` naming what it lacks.
         A position inside an iteration (``0 < pass_step < max_steps``) makes the next iteration finish that one."""

@@ -22,11 +22,15 @@ clipping, callbacks and mixed precision stay the Trainer's own:
   token-normalised loss, with no division by the world size.
 * ``evaluate`` runs an eval loader (or a dict of them) and reports ``eval_loss`` = summed token loss /
   loss tokens over the whole evaluation set; with ``predict_with_generate`` (``Seq2SeqTrainingArguments``)
-  it also generates and adds ``compute_metrics(EvalPrediction(generated ids, label ids))``, prefixed.
-  ``predict`` always generates and returns a ``PredictionOutput`` (``Seq2SeqTrainer``'s ``predict_with_generate``).
+  it also generates and adds ``compute_metrics(EvalPrediction(generated ids, label ids))``, prefixed (per eval step,
+  with ``compute_result``, under ``batch_eval_metrics``); ``Seq2SeqTrainingArguments(generation_config=...)`` is the
+  model's generation config, and ``bf16_full_eval`` / ``fp16_full_eval`` cast the model first outside ``train()``,
+  as ``Trainer`` does. ``predict`` always generates and returns a ``PredictionOutput`` (``Seq2SeqTrainer``'s
+  ``predict_with_generate``).
 * Checkpoints also hold the loader's stream position (``dynabatch_loader.json``); resuming restores it
   instead of replaying batches (whatever ``TrainingArguments(ignore_data_skip=...)`` says), and the ``Trainer``
-  counts the steps before it as trained, so ``state.epoch`` continues as in the uninterrupted run.
+  counts the steps before it as trained, so ``state.epoch`` continues as in the uninterrupted run. A later
+  ``train()`` without a checkpoint starts the train loader over, as the stock ``Trainer``'s new dataloader does.
 
 Logs also carry ``padding_efficiency`` (real / computed tokens), ``micro_batches_per_step`` and
 ``plan_time_s`` of this process's replica, averaged since the previous log, and ``truncated``: the samples cut to
@@ -132,6 +136,9 @@ class DynaBatchTrainer(Trainer):
         self._warn_endless_epochs(train_loader)
         self._seed_train_loader(train_loader)
         self._warn_ignored_arguments()
+        self._use_generation_config()
+        self._warn_unused_metrics_arguments()
+        self._train_calls = 0
         self._trained_samples = self._trained_truncated = 0
         self._num_non_embedding_params: int | None = None
         self._reset_step_stats()
@@ -242,6 +249,30 @@ class DynaBatchTrainer(Trainer):
             value = getattr(self.args, name, None)
             if name in defaults and value != defaults[name]:
                 warnings.warn(f"TrainingArguments({name}={value!r}) has no effect on a DynaBatchTrainer: {instead}")
+
+    def _warn_unused_metrics_arguments(self) -> None:
+        """A warning each for a ``compute_metrics`` that ``evaluate()`` would never call (it gets generated ids, so
+        only with ``predict_with_generate``; ``predict()`` always calls it) and for ``include_for_metrics``, which it
+        does not act on (the ``EvalPrediction`` holds predictions and labels only)."""
+        if self.compute_metrics is not None and not getattr(self.args, "predict_with_generate", False):
+            warnings.warn("compute_metrics gets generated ids, so a DynaBatchTrainer's evaluate() calls it only with "
+                          "Seq2SeqTrainingArguments(predict_with_generate=True) (predict() always does); without it "
+                          "evaluate() reports eval_loss alone")
+        if getattr(self.args, "include_for_metrics", None):
+            warnings.warn(f"TrainingArguments(include_for_metrics={self.args.include_for_metrics!r}) has no effect on "
+                          "a DynaBatchTrainer: compute_metrics' EvalPrediction holds the generated ids and labels only")
+
+    def _use_generation_config(self) -> None:
+        """``Seq2SeqTrainingArguments(generation_config=...)`` becomes the model's ``generation_config``, as
+        ``Seq2SeqTrainer`` makes it: ``predict`` and ``evaluate(predict_with_generate)`` generate with its settings
+        (its ``max_new_tokens``/``max_length`` and ``num_beams`` after ``gen_kwargs`` and ``generation_max_length``/
+        ``generation_num_beams``; its ``do_sample``)."""
+        given = getattr(self.args, "generation_config", None)
+        if given is None or self.model is None:
+            return
+        from transformers import Seq2SeqTrainer
+
+        self.model.generation_config = Seq2SeqTrainer.load_generation_config(given)
 
     # ------------------------------------------------------------------ training
 
@@ -364,7 +395,7 @@ class DynaBatchTrainer(Trainer):
             return metrics
         # as Seq2SeqTrainer: prediction_loss_only evaluates the loss alone, without generating
         generate = bool(getattr(self.args, "predict_with_generate", False)) and not self.args.prediction_loss_only
-        metrics = self._evaluation_loop(loader, metric_key_prefix, generate, gen_kwargs).metrics
+        metrics = self._evaluation_loop(loader, metric_key_prefix, generate, gen_kwargs, keep=False).metrics
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -382,8 +413,15 @@ class DynaBatchTrainer(Trainer):
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return output
 
-    def _evaluation_loop(self, loader, prefix: str, generate: bool, gen_kwargs: dict) -> PredictionOutput:
-        """Loss over every step of ``loader``; with ``generate``, predictions, labels and ``compute_metrics``."""
+    def _evaluation_loop(self, loader, prefix: str, generate: bool, gen_kwargs: dict,
+                         keep: bool = True) -> PredictionOutput:
+        """Loss over every step of ``loader``; with ``generate``, predictions, labels and ``compute_metrics``.
+
+        With ``args.batch_eval_metrics`` (as ``Trainer``'s evaluation loop) each step's samples are generated and
+        handed to ``compute_metrics(EvalPrediction, compute_result=<last step>)`` as the step ends, and the metrics
+        are those of the last call; the predictions are kept only for ``predict`` (``keep``). With
+        ``args.bf16_full_eval`` / ``fp16_full_eval`` outside ``train()`` the model is cast to that dtype first, as
+        ``Trainer`` casts it (in place: it stays in that dtype)."""
         if not isinstance(loader, DynaBatchDataLoader):
             raise ValueError(f"evaluate() / predict() take a DynaBatchDataLoader, got a {type(loader).__name__}; build "
                              "one on the data with each_row_once=True (every row once)")
@@ -393,22 +431,41 @@ class DynaBatchTrainer(Trainer):
         self._check_replica("the loader of evaluate() / predict()", loader)
         self._memory_tracker.start()
         start = time.time()
+        if not self.is_in_train and (self.args.fp16_full_eval or self.args.bf16_full_eval):
+            dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
+            self.model = self.model.to(dtype=dtype, device=self.args.device)
         module = self.model
         was_training = module.training
         module.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.args.device)
         num_tokens = num_samples = num_steps = num_truncated = 0
         samples = []
+        per_step = generate and self.args.batch_eval_metrics
+        generated: list[list[int]] = []
+        targets: list[list[int]] = []
+        computed = None
+        pad = loader.batcher.data.tokens.pad_id
         with torch.no_grad():
-            for step in loader:
+            for step, last in _with_last(loader):
+                step_samples = []
                 for mb in step.micro_batches:
                     with self.accelerator.autocast():
                         loss_sum += forward_loss(module, mb, self.attention).loss_sum.float().to(loss_sum.device)
-                    samples += [step.batch.samples[i] for row in mb.sample_ids for i in row]
+                    step_samples += [step.batch.samples[i] for row in mb.sample_ids for i in row]
                 num_tokens += step.num_loss_tokens
                 num_samples += len(step.batch)
                 num_truncated += step.batch.num_truncated
                 num_steps += 1
+                if not per_step:
+                    samples += step_samples
+                    continue
+                gen, tgt = self._generate(module, loader, step_samples, gen_kwargs)
+                if keep:
+                    generated += gen
+                    targets += tgt
+                if self.compute_metrics is not None:
+                    batch = EvalPrediction(predictions=_padded(gen, pad), label_ids=_padded(tgt, -100))
+                    computed = self.compute_metrics(batch, compute_result=last)
         if loader.num_replicas > 1:
             torch.distributed.all_reduce(loss_sum)
         module.train(was_training)
@@ -416,29 +473,41 @@ class DynaBatchTrainer(Trainer):
                    f"{prefix}_truncated": num_truncated}
         predictions = labels = None
         if generate:
-            predictions, labels = self._generate(module, loader, samples, gen_kwargs)
-            if self.compute_metrics is not None:
+            if not per_step:
+                generated, targets = self._generate(module, loader, samples, gen_kwargs)
+            if keep or not per_step:
+                predictions, labels = _padded(generated, pad), _padded(targets, -100)
+            if self.compute_metrics is not None and not per_step:
                 computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
+            if computed is not None:
                 metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in computed.items()})
         metrics.update(speed_metrics(prefix, start, num_samples=num_samples, num_steps=num_steps))
         self._memory_tracker.stop_and_update_metrics(metrics)
         return PredictionOutput(predictions=predictions, label_ids=labels, metrics=metrics)
 
     def _generate(self, module, loader: DynaBatchDataLoader, samples: list, gen_kwargs: dict):
-        """(predictions, label_ids) of ``samples`` (:meth:`predict`), gathered over the replicas."""
-
+        """(generated ids, target ids) of ``samples`` (:meth:`predict`), rows gathered over the replicas. Other
+        ``gen_kwargs`` than the lengths and ``num_beams`` go to ``model.generate`` as given (``Seq2SeqTrainer``'s)."""
         tokens = loader.batcher.data.tokens
+        config = {}
+        if getattr(self.args, "generation_config", None) is not None:  # _use_generation_config made it the model's
+            config = module.generation_config.to_diff_dict()
         max_new = (gen_kwargs.get("max_new_tokens") or gen_kwargs.get("max_length")
-                   or getattr(self.args, "generation_max_length", None) or 32)
-        beams = gen_kwargs.get("num_beams") or getattr(self.args, "generation_num_beams", None) or 1
-        generated = generate_ids(module, samples, tokens, int(max_new), num_beams=int(beams))
+                   or getattr(self.args, "generation_max_length", None)
+                   or config.get("max_new_tokens") or config.get("max_length") or 32)
+        beams = (gen_kwargs.get("num_beams") or getattr(self.args, "generation_num_beams", None)
+                 or config.get("num_beams") or 1)
+        extra = {k: v for k, v in gen_kwargs.items() if k not in ("max_new_tokens", "max_length", "num_beams")}
+        if "do_sample" in config:
+            extra.setdefault("do_sample", config["do_sample"])
+        generated = generate_ids(module, samples, tokens, int(max_new), num_beams=int(beams), extra=extra)
         targets = [s.target_ids.tolist() for s in samples]
         if loader.num_replicas > 1:
             parts: list = [None] * loader.num_replicas
             torch.distributed.all_gather_object(parts, (generated, targets))
             generated = [g for part in parts for g in part[0]]
             targets = [t for part in parts for t in part[1]]
-        return _padded(generated, tokens.pad_id), _padded(targets, -100)
+        return generated, targets
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -451,7 +520,9 @@ class DynaBatchTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``Trainer.train``; when resuming, the train loader continues at the checkpoint's stream position and the
-        ``Trainer`` counts the steps before it as trained (:func:`_trained_steps_counted`)."""
+        ``Trainer`` counts the steps before it as trained (:func:`_trained_steps_counted`). A later ``train()``
+        without a checkpoint starts the train loader over at its first step (:meth:`DynaBatchDataLoader.restart`), as
+        the stock ``Trainer``'s new dataloader does; the model keeps the weights it trained."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer.train raises its own error
@@ -465,6 +536,10 @@ class DynaBatchTrainer(Trainer):
                     self.train_loader.load_state_dict(json.load(f))
             else:
                 warnings.warn(f"{checkpoint} has no {LOADER_STATE_NAME}; the data stream continues from where the loader is")
+        elif self._train_calls and self.train_loader is not None:
+            # as Trainer.train, which builds a new dataloader: a second run without a checkpoint starts the data over
+            self.train_loader.restart()
+        self._train_calls += 1
         allocator, why = self._decided_cpu_allocator()
         if self.cpu_allocator == "auto":
             self.resolved["cpu_allocator"] = (allocator, why)
@@ -514,6 +589,19 @@ def _trained_steps_counted(args: TrainingArguments, resuming: bool) -> Iterator[
         yield
     finally:
         args.ignore_data_skip = True
+
+
+def _with_last(iterable) -> Iterator[tuple]:
+    """``(item, is_last)`` for each item of ``iterable``, looking one ahead."""
+    it = iter(iterable)
+    try:
+        item = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield item, False
+        item = following
+    yield item, True
 
 
 def _padded(rows: list[list[int]], pad: int) -> np.ndarray:

@@ -178,11 +178,12 @@ def _continuation(ids: np.ndarray, tokens: TokenizerInfo) -> list[int]:
 
 
 def generate_ids(model, samples, tokens: TokenizerInfo, max_new_tokens: int, *, num_beams: int = 1,
-                 batch_rows: int = 64) -> list[list[int]]:
+                 batch_rows: int = 64, extra: dict | None = None) -> list[list[int]]:
     """Per sample, the ids ``model.generate`` continues its ``input_ids`` with (greedy unless ``num_beams > 1``),
-    cut at EOS (:func:`_continuation`). Prompts go in batches of ``batch_rows``, sorted by length: right-padded
-    for an encoder-decoder, left-padded for a causal model (the prompt's end next to its continuation). The
-    model is in eval mode during the call and back in its mode after."""
+    cut at EOS (:func:`_continuation`); ``extra``: further ``generate`` keywords (``do_sample=True``,
+    ``repetition_penalty``...), over the defaults. Prompts go in batches of ``batch_rows``, sorted by length:
+    right-padded for an encoder-decoder, left-padded for a causal model (the prompt's end next to its continuation).
+    The model is in eval mode during the call and back in its mode after."""
     seq2seq = bool(model.config.is_encoder_decoder)
     device = next(model.parameters()).device
     order = sorted(range(len(samples)), key=lambda i: (len(samples[i].input_ids), i))
@@ -191,6 +192,7 @@ def generate_ids(model, samples, tokens: TokenizerInfo, max_new_tokens: int, *, 
                    eos_token_id=tokens.eos_id)
     if seq2seq:
         options["decoder_start_token_id"] = tokens.decoder_start_id
+    options.update(extra or {})
     was_training = model.training
     model.eval()
     try:

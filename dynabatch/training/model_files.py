@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from dynabatch.data.tokenize import load_tokenizer
+
 MODEL_FILES = "model"
 """The sub-folder of a checkpoint with the run's model config and tokenizer."""
 GENERATION_CONFIG = "generation_config.json"
@@ -52,9 +54,11 @@ def read_model_files(checkpoint_folder: str) -> ModelFiles | None:
     folder = os.path.join(checkpoint_folder, MODEL_FILES)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     generation = (GenerationConfig.from_pretrained(folder, local_files_only=True)
                   if os.path.isfile(os.path.join(folder, GENERATION_CONFIG)) else None)
-    return ModelFiles(config, generation, AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    # load_tokenizer, not AutoTokenizer: beside a Qwen2 config.json a saved ByT5Tokenizer would load as an empty
+    # Qwen2Tokenizer (load_tokenizer loads the class tokenizer_config.json names for one without files)
+    return ModelFiles(config, generation, load_tokenizer(folder))

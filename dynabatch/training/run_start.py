@@ -17,7 +17,7 @@ from dynabatch.cost.tables import CostTables
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.engine.checkpoint import CheckpointInfo
 from dynabatch.engine.dist import DistContext
-from dynabatch.model_presets import describe_dropout, sequence_kind
+from dynabatch.model_presets import describe_dropout, describe_unset_pad, sequence_kind
 from dynabatch.models.families import check_model
 from dynabatch.training.config import Found, Resolved, TrainConfig, resolve
 from dynabatch.training.config.flags import CONFIG_FILE, load_config_file, write_config_file
@@ -83,6 +83,15 @@ def log_tokenizer(cfg: TrainConfig, ctx: DistContext) -> None:
     if ctx.is_planner:
         info = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model))
         logger.info(describe_tokenizer(cfg.tokenizer, cfg.model, info, family=sequence_kind(cfg.model)))
+
+
+def log_unset_pad(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Rank 0 logs when the model folder's config has no ``pad_token_id`` and the run sets the tokenizer's
+    (:func:`~dynabatch.model_presets.describe_unset_pad`)."""
+    if ctx.is_planner and os.path.isdir(cfg.model):
+        pad = tokenizer_info(load_tokenizer(cfg.tokenizer, cfg.model)).pad_id
+        if (line := describe_unset_pad(cfg.model, pad)) is not None:
+            logger.info(line)
 
 
 def log_dropout(cfg: TrainConfig, ctx: DistContext) -> None:

@@ -63,8 +63,8 @@ from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.metrics import (MetricsWriter, efficiency_record, format_summary, peak_rss_bytes,
                                        planning_overlap, summarize)
 from dynabatch.engine.outputs import interruption_line, prepare_output_dir, run_dirs, truncate_metrics
-from dynabatch.training.run_start import (check_same_settings, log_dropout, log_target_len, log_tokenizer, log_zero,
-                                          record_resolved, resolve_run)
+from dynabatch.training.run_start import (check_same_settings, log_dropout, log_target_len, log_tokenizer,
+                                          log_unset_pad, log_zero, record_resolved, resolve_run)
 from dynabatch.training.plan_ahead import plan_ahead
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
@@ -532,6 +532,7 @@ def _train(given: TrainConfig, resolved: Resolved, datasets: Any) -> dict | None
                 check_trackers(cfg.report_to)  # a missing tracker package: one line before anything is loaded or logged
             log_tokenizer(given, ctx)
             log_dropout(given, ctx)
+            log_unset_pad(given, ctx)
             log_zero(given, ctx)
             log_target_len(given, ctx)
             try:

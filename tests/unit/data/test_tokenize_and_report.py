@@ -30,6 +30,35 @@ def test_builtin_tokenizer_info():
     assert (info.pad_id, info.eos_id, info.decoder_start_id, info.vocab_size) == (0, 1, 0, 8192)
 
 
+def test_tokenizer_auto_finds_a_byt5_tokenizer_saved_in_the_model_folder(tmp_path):
+    """``ByT5Tokenizer.save_pretrained`` writes no vocabulary file, only ``tokenizer_config.json`` (naming the class)
+    and ``added_tokens.json``: ``--tokenizer auto`` takes it as the folder's own, loaded as that class. A
+    ``tokenizer_config.json`` naming a tokenizer that needs files it lacks, or one that is not a JSON object, is no
+    tokenizer (``builtin``)."""
+    from transformers import ByT5Tokenizer, Qwen2Config
+
+    from dynabatch.data.tokenize import describe_tokenizer, has_tokenizer_files, resolve_tokenizer
+
+    folder = str(tmp_path / "byt5-model")
+    ByT5Tokenizer().save_pretrained(folder)
+    # a model's config.json beside it would make AutoTokenizer load an empty Qwen2Tokenizer: the named class loads
+    Qwen2Config(vocab_size=384, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(folder)
+    assert not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "vocab.json", "spiece.model"))
+    assert resolve_tokenizer("auto", folder) == folder
+    tok = load_tokenizer("auto", folder)
+    assert type(tok).__name__ == "ByT5Tokenizer"
+    ids = lambda t: t("héllo", add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert ids(tok) == ids(load_tokenizer("byt5"))
+    info = tokenizer_info(tok)
+    assert "the --model folder's own (--tokenizer auto)" in describe_tokenizer("auto", folder, info)
+    other = tmp_path / "llama-config-only"
+    other.mkdir()
+    (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    assert not has_tokenizer_files(str(other)) and resolve_tokenizer("auto", str(other)) == "builtin"
+    (other / "tokenizer_config.json").write_text("[1, 2]")
+    assert not has_tokenizer_files(str(other))
+
+
 def test_unknown_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="neither one of"):
         load_tokenizer(str(tmp_path / "missing"))

@@ -121,3 +121,32 @@ def test_an_export_into_the_checkpoints_it_reads_is_refused_even_with_force(tmp_
                    f"({step.parent}); files written there would make those checkpoints unreadable: pass a folder "
                    "outside it"), err
     assert sorted(os.listdir(step)) == ["manifest.json"] and sorted(os.listdir(step.parent)) == ["step-000002"]
+
+
+def test_a_byt5_qwen2_folder_without_pad_trains_with_its_own_tokenizer_and_exports_the_pad(
+        tmp_path, toy_mixture_dir, capsys):
+    """A model folder holding a ``ByT5Tokenizer`` (no vocabulary file: ``tokenizer_config.json`` names the class) is
+    its own tokenizer under ``--tokenizer auto``; its config has no ``pad_token_id``, which the run takes from the
+    tokenizer with one start line, and the exported config and generation config hold it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer, GenerationConfig, Qwen2Config
+
+    from dynabatch.data.tokenize import load_tokenizer
+
+    folder = str(tmp_path / "qwen2-byt5")
+    config = Qwen2Config(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, pad_token_id=None, eos_token_id=None)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    ByT5Tokenizer().save_pretrained(folder)
+    # bytes: a decoder-only sample of the toy mixture takes up to ~700 tokens
+    code = main(["train", "--model", folder, "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
+                 "--global-batch-tokens", "2048", "--max-input-len", "1024", "--max-steps", "1", "--calibrate",
+                 "off", "--no-timeline", "--task-loss-every", "0", "--output-dir", str(tmp_path / "run")])
+    said = "".join(capsys.readouterr())
+    assert code == 0, said[-2000:]
+    assert f"tokenizer: {folder} (the --model folder's own (--tokenizer auto)" in said
+    assert f"model {folder}: its config has no pad_token_id; the run pads with the tokenizer's pad 0" in said
+    assert main(["export", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    exported = AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (exported.pad_token_id, exported.eos_token_id) == (0, 1)
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").pad_token_id == 0
+    assert type(load_tokenizer(str(tmp_path / "hf"))).__name__ == "ByT5Tokenizer"

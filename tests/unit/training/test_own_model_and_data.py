@@ -376,20 +376,41 @@ def test_an_each_row_once_loader_evaluates_every_row_once(toy_data, tmp_path):
         DynaBatchDataLoader(held, limits, token_budget=600, eval_samples=3)
 
 
-def test_a_model_folder_without_eos_takes_the_tokenizers_and_keeps_its_own_otherwise(tmp_path):
-    """``Qwen2Config()`` leaves ``eos_token_id`` unset, so an exported model's ``generate`` would never stop: the run's
-    model takes the tokenizer's EOS (config and generation config); a folder's own EOS and an unset pad id stay."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def test_a_model_folder_without_eos_or_pad_takes_the_tokenizers_and_keeps_its_own_otherwise(tmp_path):
+    """``Qwen2Config()`` leaves ``eos_token_id`` and ``pad_token_id`` unset, so an exported model's ``generate`` would
+    never stop and its batched classification head would refuse: the run's model takes the tokenizer's EOS and pad
+    (EOS for a tokenizer without a pad token, as training pads; config and generation config), the pad after the
+    model is built, so that the EOS embedding row still trains; a start line says so. A folder's own ids stay, and a
+    tokenizer without EOS is refused in one line."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, ByT5Tokenizer, Qwen2Config
 
-    from dynabatch.model_presets import build_model
+    from dynabatch.data.tokenize import tokenizer_info
+    from dynabatch.model_presets import build_model, describe_unset_pad
 
     small = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128)
     bare, own = str(tmp_path / "bare"), str(tmp_path / "own")
     AutoModelForCausalLM.from_config(Qwen2Config(**small, eos_token_id=None, pad_token_id=None)).save_pretrained(bare)
-    AutoModelForCausalLM.from_config(Qwen2Config(**small, eos_token_id=7, pad_token_id=None)).save_pretrained(own)
-    ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
+    AutoModelForCausalLM.from_config(Qwen2Config(**small, eos_token_id=7, pad_token_id=5)).save_pretrained(own)
+    ids = {"pad_token_id": 1, "eos_token_id": 1, "bos_token_id": 1}  # a tokenizer without a pad token pads with EOS
     model = build_model(bare, special_ids=ids)
     assert model.config.eos_token_id == 1 and model.generation_config.eos_token_id == 1
-    assert model.config.pad_token_id is None and model.config.bos_token_id is None
-    assert build_model(own, special_ids=ids).config.eos_token_id == 7
+    assert model.config.pad_token_id == 1 and model.generation_config.pad_token_id == 1
+    assert model.config.bos_token_id is None
+    assert model.model.embed_tokens.padding_idx is None  # built without it: the EOS (= pad) row trains
+    model(input_ids=torch.tensor([[1, 3, 4]]), labels=torch.tensor([[1, 3, 4]])).loss.backward()
+    assert model.model.embed_tokens.weight.grad[1].abs().sum() > 0
+    line = describe_unset_pad(bare, 1)
+    assert line.startswith(f"model {bare}: its config has no pad_token_id; the run pads with the tokenizer's pad 1")
+    assert describe_unset_pad(own, 1) is None and describe_unset_pad("gpt2-tiny", 1) is None
+    exported = str(tmp_path / "exported")
+    model.save_pretrained(exported)
+    classifier = AutoModelForSequenceClassification.from_pretrained(exported, num_labels=2)
+    assert classifier(input_ids=torch.tensor([[3, 4, 1], [1, 3, 4]])).logits.shape == (2, 2)  # needs the pad id
+    kept = build_model(own, special_ids=ids)
+    assert (kept.config.eos_token_id, kept.config.pad_token_id) == (7, 5)
+    with pytest.raises(ValueError, match="^tokenizer ByT5Tokenizer has no EOS token; set tokenizer.eos_token$"):
+        no_eos = ByT5Tokenizer()
+        no_eos.eos_token = None
+        tokenizer_info(no_eos)
