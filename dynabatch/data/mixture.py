@@ -105,7 +105,7 @@ def _read_spec_file(path: str) -> Any:
     except UnicodeDecodeError as e:
         raise ValueError(f"mixture spec {path}: not UTF-8 text ({e}); a spec is a .yaml/.yml or .json text file") from e
     kind = "" if is_yaml or path.endswith(".json") else " (specs that are not .yaml/.yml are read as JSON)"
-    return parse_user_file(text, f"mixture spec {path}", is_yaml, hint=kind)
+    return parse_user_file(text, f"mixture spec {path}", "yaml" if is_yaml else "json", hint=kind)
 
 
 def require_keys(what: str, state: Any, keys: tuple[str, ...], owner: str) -> None:

@@ -252,8 +252,8 @@ class LoggingArgs:
                              "log_every")
     task_loss_every: int = advanced(10, "log the mean token loss of every task (from the last stage's per-sample losses) "
                                    "every N steps (0: never)")
-    report_to: str = arg("none", "experiment trackers, comma-separated: tensorboard, wandb (offline unless "
-                                 "WANDB_MODE says otherwise), all or none")
+    report_to: str = arg("none", "experiment trackers, comma-separated (a config file may give a list): "
+                                 "tensorboard, wandb (offline unless WANDB_MODE says otherwise), all or none")
     log_level: Literal[LOG_LEVELS] = advanced("info", "log level of rank 0 (other ranks log warnings and errors)")
     timeline: bool = advanced(True, "write the last step's measured timeline next to its simulated twin "
                                "(Chrome trace + PNG)")
