@@ -41,7 +41,7 @@ class WorkloadArgs:
     _argument_group_name = "workload"
 
     lengths: str | None = arg(None, ".npz (input_len, target_len[, task]) or .jsonl lengths file, or a mixture spec "
-                                    "(.yaml/.json); default: the built-in mixture")
+                                    "(.yaml/.json/.toml); default: the built-in mixture")
     preset: str | None = arg(None, "older spelling of an analytic --model preset (with --model a family)")
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")

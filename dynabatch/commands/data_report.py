@@ -33,7 +33,7 @@ from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
 from dynabatch.core.words import counted
-from dynabatch.training.workload import Lengths, load_lengths
+from dynabatch.training.workload import Lengths, is_mixture_spec, load_lengths
 
 TAIL_PERCENTILES = (50, 90, 99, 99.9)
 TAIL_THRESHOLDS = (4096, 8192, 16384)
@@ -263,7 +263,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     """``--lengths FILE``: the file's tail as a table, or as JSON with ``--json``."""
     if args.mixture or args.data:
         raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
-    if args.lengths.endswith((".yaml", ".yml", ".json")):  # plan, simulate and bench --lengths take a mixture spec too
+    if is_mixture_spec(args.lengths):  # plan, simulate and bench --lengths take a mixture spec too
         raise ValueError(f"--lengths {args.lengths}: data-report's --lengths reads a lengths file (.npz/.jsonl); "
                          f"for a mixture spec's tables pass --mixture {args.lengths}")
     check_output_file(args.json)

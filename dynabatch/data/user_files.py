@@ -17,15 +17,26 @@ from typing import Any
 SYNTAXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
 """File name ending -> the syntax :func:`parse_user_file` reads it with."""
 
+USER_FILE_ENDINGS = tuple(SYNTAXES)
+"""The endings of a config file or a mixture spec (what tells a mixture spec from a lengths file)."""
 
-def file_syntax(path: str, what: str, accepted: tuple[str, ...] = tuple(SYNTAXES)) -> str:
-    """``yaml``, ``json`` or ``toml``: how ``path`` is read, by its ending; an ending outside ``accepted`` is one
-    ``ValueError`` line naming ``what`` and the endings accepted."""
+USER_FILE_KINDS = ".yaml/.yml, .json or .toml"
+"""The endings, for help texts and error lines."""
+
+
+def is_user_file(path: str) -> bool:
+    """Whether ``path`` ends like a file :func:`parse_user_file` reads (a mixture spec, not a lengths file)."""
+    return path.lower().endswith(USER_FILE_ENDINGS)
+
+
+def file_syntax(path: str, what: str, hint: str = "") -> str:
+    """``yaml``, ``json`` or ``toml``: how ``path`` is read, by its ending; another ending is one ``ValueError``
+    line naming ``what`` and the endings accepted (``hint`` appended, e.g. where a data file goes instead)."""
     ending = os.path.splitext(path)[1].lower()
-    if ending not in accepted:
+    if ending not in SYNTAXES:
         got = f"'{ending}'" if ending else "no ending"
-        raise ValueError(f"{what}: unknown file type ({got}); accepted: {', '.join(accepted)} (YAML, JSON or TOML "
-                         "by that ending): rename or convert the file")
+        raise ValueError(f"{what}: unknown file type ({got}); accepted: {', '.join(SYNTAXES)} (YAML, JSON or TOML "
+                         f"by that ending): rename or convert the file{hint}")
     return SYNTAXES[ending]
 
 
