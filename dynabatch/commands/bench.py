@@ -100,7 +100,7 @@ class BenchArgs:
 
     _argument_group_name = "bench"
 
-    lengths: str | None = arg(None, "mixture spec (.yaml/.json) or lengths file (.npz/.jsonl with input_len, "
+    lengths: str | None = arg(None, "mixture spec (.yaml/.json/.toml) or lengths file (.npz/.jsonl with input_len, "
                                     "target_len; random token ids of exactly those lengths); default: the built-in mixture")
     methods: str | None = arg(None, f"comma list of {', '.join(METHODS)}; default: all ({SLICED}: decoder-only models only)")
     timed_steps: int = arg(8, "timed steps per method", "steps")

@@ -16,7 +16,7 @@ from dynabatch.commands.bench_report import PACK_ROWS_OF, PEER, PLAN_VARIANTS, p
 from dynabatch.commands.bench_data import LazyPlans, load_batches
 from dynabatch.commands.bench_layouts import ListBatcher, choose_layouts, placed_chunks, placed_methods
 from dynabatch.commands.bench_results import results
-from dynabatch.commands.common import check_output_file, parse_methods, write_json
+from dynabatch.commands.common import check_length_flags, check_output_file, parse_methods, write_json
 from dynabatch.training.config.resolve import Found, Resolved, lower, lower_args, resolve
 from dynabatch.data.tokenize import load_tokenizer, tokenizer_info
 from dynabatch.data.baselines import BASELINES as BASELINE_SPECS
@@ -25,7 +25,7 @@ from dynabatch.core.allocator import host_memory_gib
 from dynabatch.core.methods import CAUSAL_ONLY, check_method_family
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.sequence import is_seq2seq
-from dynabatch.data.batching import LengthLimits
+from dynabatch.data.batching import MIN_LENGTH_LIMIT, LengthLimits
 from dynabatch.commands.tuning import sweep_results, sweep_settings, tuned_key, with_tuned
 from dynabatch.training.config import TrainConfig
 from dynabatch.models.attention_kernels import kernel_problem, use_attention_kernel
@@ -54,8 +54,9 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         sliced = not seq2seq and not args.cost_profile  # slices are priced analytically
         args.methods = ",".join(m for m in DEFAULT_METHODS
                                 if (m != SLICED or sliced) and not (seq2seq and m in CAUSAL_ONLY))
+    check_length_flags(args)  # the one rule, before the default below is derived and before any launch
     if args.max_target_len is None:
-        args.max_target_len = max(1, args.max_input_len // 4)
+        args.max_target_len = max(MIN_LENGTH_LIMIT, args.max_input_len // 4)
 
 
 def _family(model: str) -> str:

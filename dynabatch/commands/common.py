@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, replace
 
-from dynabatch.data.batching import LengthLimits
+from dynabatch.data.batching import LengthLimits, check_length_limit_value
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.resolve import Found, args_view, decide, lower, lower_args, resolve_args
 from dynabatch.training.config.sections import arg
@@ -41,7 +41,7 @@ class WorkloadArgs:
     _argument_group_name = "workload"
 
     lengths: str | None = arg(None, ".npz (input_len, target_len[, task]) or .jsonl lengths file, or a mixture spec "
-                                    "(.yaml/.json); default: the built-in mixture")
+                                    "(.yaml/.json/.toml); default: the built-in mixture")
     preset: str | None = arg(None, "older spelling of an analytic --model preset (with --model a family)")
     hardware: str = arg("a100-40gb", "hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, cpu)")
     num_batches: int = arg(8, "global batches to plan")
@@ -104,6 +104,15 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def check_length_flags(args: argparse.Namespace) -> None:
+    """``--max-input-len`` and ``--max-target-len`` (when set) under the one rule of every command
+    (:func:`dynabatch.data.batching.check_length_limit_value`), before anything loads or launches."""
+    for name in ("max_input_len", "max_target_len"):
+        value = getattr(args, name, None)
+        if value is not None:
+            check_length_limit_value(f"--{name.replace('_', '-')}", value)
+
+
 @dataclass(frozen=True)
 class Workload:
     """What the shared arguments resolve to."""
@@ -146,6 +155,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     nothing found: these commands price analytic presets, not this machine) and then in the planners' spelling."""
 
     check_positive(args, "num_batches", "stages", "replicas", "global_batch_tokens", *option_users())
+    check_length_flags(args)
     decided = resolve_args(args, Found())
     lower_args(args)  # the search names (per_step, ...) are the planners' auto
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):

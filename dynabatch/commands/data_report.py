@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from dynabatch.commands.common import check_output_file, check_positive, parse_methods, write_json
+from dynabatch.commands.common import check_length_flags, check_output_file, check_positive, parse_methods, write_json
 from dynabatch.training.config.flags import add_fields
 from dynabatch.training.config.resolve import Found, resolve_args
 from dynabatch.core.methods import check_method_family, methods_for
 from dynabatch.data.baselines import BASELINES, BaselineOptions, make_batcher, option_users
-from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget
+from dynabatch.data.batching import MIN_LENGTH_LIMIT, GlobalBatcher, LengthLimits, check_token_budget
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.inputs import data_notes, data_spec, parse_columns
 from dynabatch.data.mixture import DEFAULT_NAME, MixtureSpec
@@ -33,7 +33,7 @@ from dynabatch.data.pipeline import MixtureData
 from dynabatch.data.tokenize import FAMILIES, describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.core.progress import progress
 from dynabatch.core.words import counted
-from dynabatch.training.workload import Lengths, load_lengths
+from dynabatch.training.workload import Lengths, is_mixture_spec, load_lengths
 
 TAIL_PERCENTILES = (50, 90, 99, 99.9)
 TAIL_THRESHOLDS = (4096, 8192, 16384)
@@ -168,20 +168,22 @@ def print_task_table(data: MixtureData, notes: bool = True) -> None:
 
 
 def parse_max_lens(text: str) -> list[int]:
-    """``--max-lens``: a comma list of integers >= 2."""
+    """``--max-lens``: a comma list of length limits, each under the one rule of every command (>=
+    :data:`~dynabatch.data.batching.MIN_LENGTH_LIMIT`)."""
     try:
         max_lens = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         max_lens = []
-    if not max_lens or min(max_lens) < 2:
-        raise ValueError(f"--max-lens takes a comma list of integers >= 2 (e.g. 512,1024), got {text!r}")
+    if not max_lens or min(max_lens) < MIN_LENGTH_LIMIT:
+        raise ValueError(f"--max-lens takes a comma list of integers >= {MIN_LENGTH_LIMIT} (a sample keeps its EOS "
+                         f"and one token; e.g. 512,1024), got {text!r}")
     return max_lens
 
 
 def report_limits(family: str, max_len: int, max_target_len: int | None) -> LengthLimits:
     """The length limits of one ``--max-lens`` entry: T5 inputs up to ``max_len``, targets up to
     ``--max-target-len`` (default ``max_len / 4``); decoder-only sequences up to ``max_len``."""
-    target_len = max_target_len if max_target_len is not None else max(max_len // 4, 2)
+    target_len = max_target_len if max_target_len is not None else max(max_len // 4, MIN_LENGTH_LIMIT)
     return LengthLimits(family, max_input_len=max_len, max_target_len=target_len, max_seq_len=max_len)
 
 
@@ -234,8 +236,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         raise ValueError("--json goes with --lengths (the mixture report is a table)")
     check_positive(args, "global_batch_tokens", "num_batches", *option_users())
-    if args.max_target_len is not None and args.max_target_len < 2:  # EOS and one token; before any table
-        raise ValueError(f"--max-target-len must be >= 2 (a target keeps its EOS and one token), got {args.max_target_len}")
+    check_length_flags(args)  # --max-target-len; before any table
     families = FAMILIES if args.family == "both" else (args.family,)
     check_report_args(args, families)
     spec = _spec(args)
@@ -262,7 +263,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     """``--lengths FILE``: the file's tail as a table, or as JSON with ``--json``."""
     if args.mixture or args.data:
         raise ValueError(f"give --lengths or a mixture (--mixture/--data), not both (got --lengths {args.lengths})")
-    if args.lengths.endswith((".yaml", ".yml", ".json")):  # plan, simulate and bench --lengths take a mixture spec too
+    if is_mixture_spec(args.lengths):  # plan, simulate and bench --lengths take a mixture spec too
         raise ValueError(f"--lengths {args.lengths}: data-report's --lengths reads a lengths file (.npz/.jsonl); "
                          f"for a mixture spec's tables pass --mixture {args.lengths}")
     check_output_file(args.json)

@@ -29,6 +29,7 @@ from dynabatch.training.config.sections import DTYPE_TORCH_NAMES, arg
 from dynabatch.cost.grid import AXIS_RULE, ProfileGrid, check_axis
 from dynabatch.model_presets import FAMILY_PRESETS
 from dynabatch.cost.tables import FORMAT, CostTables
+from dynabatch.data.user_files import is_user_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _check_not_a_lengths_file(text: str) -> None:
     """``--seq-lengths``' older name is ``--lengths``, which in ``plan``, ``simulate``, ``bench`` and ``data-report``
     names a lengths file: a file given here is one line that says what the flag takes, rather than that a path is
     not an integer under a flag the user did not type."""
-    if os.path.isfile(text) or text.endswith((".npz", ".jsonl", ".yaml", ".yml", ".json")):
+    if os.path.isfile(text) or text.endswith((".npz", ".jsonl")) or is_user_file(text):
         raise ValueError(f"--seq-lengths (also spelled --lengths) takes the grid's sequence lengths as a comma list, "
                          f"e.g. 16,64,256, got the file {text!r}: profile times layers on a grid and reads no lengths "
                          "file (plan, simulate and bench --lengths do)")

@@ -32,6 +32,19 @@ DEFAULT_GLOBAL_BATCH_TOKENS = 8192
 ``plan`` and ``simulate`` default to the papers' scale instead (``dynabatch.commands.common.PAPER_SCALE``)."""
 
 
+MIN_LENGTH_LIMIT = 2
+"""The smallest length limit every command and :class:`LengthLimits` accept (``--max-input-len``,
+``--max-target-len``, ``data-report --max-lens``): a sample keeps its EOS and one token. Sample lengths in a lengths
+file are another thing (a 1-token target is a sample; see ``dynabatch.training.workload.load_lengths``)."""
+
+
+def check_length_limit_value(name: str, value: int) -> None:
+    """One ``ValueError`` line when the length limit ``value``, given as ``name`` (a flag such as
+    ``--max-input-len``, or a field), is below :data:`MIN_LENGTH_LIMIT`: the one rule, the one message."""
+    if value < MIN_LENGTH_LIMIT:
+        raise ValueError(f"{name} must be >= {MIN_LENGTH_LIMIT} (a sample keeps its EOS and one token), got {value}")
+
+
 class OverlongSampleError(ValueError):
     """A sample exceeds the length limits under policy ``error``."""
 
@@ -53,8 +66,7 @@ class LengthLimits:
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", sequence_kind(self.family))
         for name in ("max_input_len", "max_target_len", "max_seq_len"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+            check_length_limit_value(name, getattr(self, name))
 
     @property
     def max_tokens(self) -> int:

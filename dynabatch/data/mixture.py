@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch.data.sources import BAD_ROW_POLICIES, SourceSpec, check_finite, check_spec_types
-from dynabatch.data.user_files import parse_user_file
+from dynabatch.data.user_files import USER_FILE_KINDS, file_syntax, is_user_file, parse_user_file
 
 RATE_RULES = ("examples_proportional", "fixed")
 MIXTURE_KINDS = {"rule": "a string", "cap": "a number", "seed": "an integer", "name": "a string", "bad_rows": "a string"}
@@ -64,16 +64,16 @@ class MixtureSpec:
 
     @staticmethod
     def from_file(path: str) -> "MixtureSpec":
-        """Read a ``.json`` or ``.yaml``/``.yml`` spec; relative data paths resolve against its folder.
+        """Read a ``.yaml``/``.yml``, ``.json`` or ``.toml`` spec; relative data paths resolve against its folder.
 
         Every problem with the file (syntax, types, values) is a one-line ``ValueError`` naming it.
         """
         if not os.path.exists(path):
             raise FileNotFoundError(f"mixture spec {path!r} not found")
         if os.path.isdir(path):
-            specs = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml", ".json")))
+            specs = sorted(f for f in os.listdir(path) if is_user_file(f))
             hint = f" (it holds {', '.join(specs[:5])})" if specs else ""
-            raise ValueError(f"mixture spec {path!r} is a directory{hint}; pass a .yaml/.yml or .json spec file")
+            raise ValueError(f"mixture spec {path!r} is a directory{hint}; pass a {USER_FILE_KINDS} spec file")
         raw = _read_spec_file(path)
         try:
             return MixtureSpec.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
@@ -97,15 +97,17 @@ class MixtureSpec:
 
 
 def _read_spec_file(path: str) -> Any:
-    """The parsed content of a spec file; syntax errors name the file, line and column (1-based)."""
-    is_yaml = path.endswith((".yaml", ".yml"))
+    """The parsed content of a spec file, read by its ending (YAML, JSON or TOML; another ending is one line);
+    syntax errors name the file, line and column (1-based)."""
+    what = f"mixture spec {path}"
+    syntax = file_syntax(path, what, hint=" (a mixture spec lists data files under 'sources'; one data file alone "
+                                          "is --data FILE)")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"mixture spec {path}: not UTF-8 text ({e}); a spec is a .yaml/.yml or .json text file") from e
-    kind = "" if is_yaml or path.endswith(".json") else " (specs that are not .yaml/.yml are read as JSON)"
-    return parse_user_file(text, f"mixture spec {path}", is_yaml, hint=kind)
+        raise ValueError(f"{what}: not UTF-8 text ({e}); a spec is a {USER_FILE_KINDS} text file") from e
+    return parse_user_file(text, what, syntax)
 
 
 def require_keys(what: str, state: Any, keys: tuple[str, ...], owner: str) -> None:

@@ -25,7 +25,8 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner  # noqa: F401 (METHODS re-exported)
 from dynabatch.cost.pairs import AttentionPairs, groups_pairs
 from dynabatch.data.baselines import GROUPING_TOKENS, BaselineOptions, RowGroup, attention_for, group_shape, make_batcher
-from dynabatch.data.batching import GlobalBatcher, LengthLimits, check_token_budget
+from dynabatch.data.user_files import USER_FILE_KINDS, is_user_file
+from dynabatch.data.batching import MIN_LENGTH_LIMIT, GlobalBatcher, LengthLimits, check_token_budget
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.data.mixture import MixtureSpec
@@ -78,7 +79,7 @@ def load_lengths(path: str, family: str | None = None) -> Lengths:
     elif path.endswith(".jsonl"):
         *columns, rows = _read_jsonl_lengths(path, where)
     else:
-        raise ValueError(f"{path}: lengths files are .npz or .jsonl (mixture specs are .yaml/.json)")
+        raise ValueError(f"{path}: lengths files are .npz or .jsonl (mixture specs are {USER_FILE_KINDS})")
     try:
         lengths = Lengths(*columns)
     except ValueError as e:
@@ -168,7 +169,8 @@ def _whole_number(row: dict, name: str, where: str) -> int:
 
 
 def is_mixture_spec(path: str) -> bool:
-    return path.endswith((".yaml", ".yml", ".json"))
+    """Whether ``path`` (a ``--lengths`` value) names a mixture spec by its ending, not a lengths file."""
+    return is_user_file(path)
 
 
 def global_batches(
@@ -225,10 +227,10 @@ def kept_limits(limits: LengthLimits, batches) -> LengthLimits:
     e = max((int(b.input_lens.max()) for b in batches if len(b)), default=0)
     d = max((int(b.target_lens.max()) for b in batches if len(b)), default=0)
     if is_seq2seq(limits.family):
-        return replace(limits, max_input_len=max(2, min(limits.max_input_len, e)),
-                       max_target_len=max(2, min(limits.max_target_len, d)))
+        return replace(limits, max_input_len=max(MIN_LENGTH_LIMIT, min(limits.max_input_len, e)),
+                       max_target_len=max(MIN_LENGTH_LIMIT, min(limits.max_target_len, d)))
     seq = max((int((b.input_lens + b.target_lens).max()) for b in batches if len(b)), default=0)
-    seq = max(2, min(limits.max_seq_len, seq))
+    seq = max(MIN_LENGTH_LIMIT, min(limits.max_seq_len, seq))
     return replace(limits, max_seq_len=seq, max_input_len=min(limits.max_input_len, seq))
 
 

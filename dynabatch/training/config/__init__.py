@@ -2,7 +2,7 @@
 
 A :class:`TrainConfig` holds every section of :mod:`dynabatch.training.config.sections` (model, data, batching,
 pipeline, optim, checkpoint, logging, evaluation) as one flat, frozen dataclass: ``cfg.learning_rate``, and
-``cfg.section(OptimArgs)`` for one section alone. It comes from defaults, then an optional YAML/JSON file
+``cfg.section(OptimArgs)`` for one section alone. It comes from defaults, then an optional YAML/JSON/TOML file
 (``--config``, flat or nested by section), then command-line flags (:mod:`dynabatch.training.config.flags`). Older
 field names (``lr``, ``steps``, ``checkpoint_every``, ...) are accepted everywhere a config is read.
 Cross-field checks run in ``__post_init__`` and raise ``ValueError`` with the actual values. The
@@ -48,6 +48,7 @@ from dynabatch.training.config.sections import (  # noqa: F401 (the registries a
 )
 from dynabatch.core.devices import check_device_name
 from dynabatch.data.baselines import attention_for
+from dynabatch.data.batching import check_length_limit_value
 from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA, parse_columns
 from dynabatch.training.config.placement_choice import check_placement
 
@@ -98,6 +99,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         return dataclasses.asdict(self)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "report_to", _trackers_text(self.report_to))
         _check_types(self)
         for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
@@ -105,6 +107,8 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
         for name in _NON_NEGATIVE:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_input_len", "max_target_len"):  # the rule of every command (dynabatch.data.batching)
+            check_length_limit_value(f"--{name.replace('_', '-')}", getattr(self, name))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.eval_samples is not None and self.eval_samples < 1:
@@ -170,8 +174,8 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             raise ValueError(f"max_grad_norm must be >= 0 and finite (0: no clipping), got {self.max_grad_norm}")
 
 
-_AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead", "max_input_len",
-                 "max_target_len", "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
+_AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead",
+                 "samples_per_micro_batch", "token_budget_tokens", "packing_rows",
                  "packing_free_rows", "packing_free_split_tokens", "max_micro_batch_samples", "save_total_limit", "max_bad_steps",
                  "generation_max_new_tokens")
 _NON_NEGATIVE = ("seed", "warmup_steps", "save_steps", "logging_steps", "task_loss_every", "weight_decay",
@@ -224,6 +228,18 @@ def _allowed(hint: Any) -> tuple[tuple[type, ...], tuple | None, bool]:
     choices = next((typing.get_args(a) for a in args if typing.get_origin(a) is Literal), None)
     types_ = (str,) if choices is not None else tuple(a for a in args if isinstance(a, type))
     return types_, choices, optional
+
+
+def _trackers_text(report_to: Any) -> Any:
+    """``report_to`` as comma-separated text: a list of tracker names (as Hugging Face's ``TrainingArguments``
+    takes it, e.g. ``report_to: [tensorboard]`` in a config file) is joined, an empty list is ``none``; anything
+    else is left for the type check."""
+    if not isinstance(report_to, (list, tuple)):
+        return report_to
+    bad = [t for t in report_to if not isinstance(t, str) or "," in t]
+    if bad:
+        raise ValueError(f"report_to: a list holds tracker names ({', '.join(TRACKERS)}, all, none), got {bad[0]!r}")
+    return ",".join(t.strip() for t in report_to) or "none"
 
 
 def _check_types(cfg: TrainConfig) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 # whichever of the two is imported first.
 from dynabatch.training.config import TrainConfig, _allowed, canonical, field_types
 from dynabatch.training.config.sections import SECTIONS
-from dynabatch.data.user_files import parse_user_file
+from dynabatch.data.user_files import file_syntax, parse_user_file
 
 _NOT_GIVEN = object()
 
@@ -204,7 +204,7 @@ def add_fields(p: argparse.ArgumentParser, names, defaults: dict[str, Any] | Non
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Every TrainConfig flag, grouped by section, plus ``--config FILE``."""
-    p.add_argument("--config", default=None, help="YAML/JSON file of these options, e.g. a run's config.yaml (flat, or "
+    p.add_argument("--config", default=None, help="YAML/JSON/TOML file of these options, e.g. a run's config.yaml (flat, or "
                                                   "nested by section); flags given with it override its values")
     add_sections(p, SECTIONS)
 
@@ -262,10 +262,11 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path!r} not found")
     if os.path.isdir(path):
-        raise ValueError(f"config file {path!r} is a folder; pass a YAML or JSON file of TrainConfig fields")
+        raise ValueError(f"config file {path!r} is a folder; pass a YAML, JSON or TOML file of TrainConfig fields")
+    syntax = file_syntax(path, f"config file {path}")
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    raw = parse_user_file(text, f"config file {path}", path.endswith((".yaml", ".yml")))
+    raw = parse_user_file(text, f"config file {path}", syntax)
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path} must hold a mapping of TrainConfig fields, got {type(raw).__name__}")

@@ -109,7 +109,7 @@ class ModelArgs:
 class DataArgs:
     _argument_group_name = "data"
 
-    mixture: str | None = arg(None, "mixture spec (.yaml/.json); default: the built-in offline mixture")
+    mixture: str | None = arg(None, "mixture spec (.yaml/.json/.toml); default: the built-in offline mixture")
     data: str | None = arg(None, "one data file (json/jsonl/csv/parquet/arrow) or a dataset in the local Hugging Face "
                                  "cache instead of a mixture")
     columns: str | None = arg(None, "with --data: map columns, e.g. inputs=question,targets=answer[,task=category]")
@@ -252,8 +252,8 @@ class LoggingArgs:
                              "log_every")
     task_loss_every: int = advanced(10, "log the mean token loss of every task (from the last stage's per-sample losses) "
                                    "every N steps (0: never)")
-    report_to: str = arg("none", "experiment trackers, comma-separated: tensorboard, wandb (offline unless "
-                                 "WANDB_MODE says otherwise), all or none")
+    report_to: str = arg("none", "experiment trackers, comma-separated (a config file may give a list): "
+                                 "tensorboard, wandb (offline unless WANDB_MODE says otherwise), all or none")
     log_level: Literal[LOG_LEVELS] = advanced("info", "log level of rank 0 (other ranks log warnings and errors)")
     timeline: bool = advanced(True, "write the last step's measured timeline next to its simulated twin "
                                "(Chrome trace + PNG)")
@@ -263,7 +263,7 @@ class LoggingArgs:
 class EvalArgs:
     _argument_group_name = "evaluation"
 
-    eval_mixture: str | None = arg(None, "mixture spec (.yaml/.json) of the evaluation data")
+    eval_mixture: str | None = arg(None, "mixture spec (.yaml/.json/.toml) of the evaluation data")
     eval_holdout: float = arg(0.0, "instead of --eval-mixture: this fraction of every task's rows is held out of "
                                    "training for evaluation")
     eval_steps: int = arg(0, "evaluate every N steps and at the end (0: only at the end when eval data is given)",

@@ -74,6 +74,29 @@ def test_key_given_twice_in_a_spec_is_one_line(tmp_path, capsys):
     assert f"mixture spec {path}: key 'sources' is given twice (line 2, first at line 1); keep one" in msg
 
 
+def test_a_toml_spec_reads_as_its_yaml_twin_and_a_key_given_twice_is_one_line(tmp_path, capsys):
+    _rows(tmp_path)
+    toml = _yaml(tmp_path, 'rule = "fixed"\n\n[[sources]]\ntask = "a"\ndata_files = "rows.jsonl"\nrate = 1.0\n',
+                 "mix.toml")
+    twin = _yaml(tmp_path, "rule: fixed\nsources:\n  - task: a\n    data_files: rows.jsonl\n    rate: 1.0\n")
+    assert MixtureSpec.from_file(toml) == MixtureSpec.from_file(twin)
+    msg = _error(capsys, "data-report", "--lengths", toml)  # a .toml --lengths is a spec, as .yaml/.json are
+    assert msg.endswith(f"--lengths {toml}: data-report's --lengths reads a lengths file (.npz/.jsonl); for a "
+                        f"mixture spec's tables pass --mixture {toml}")
+    twice = _yaml(tmp_path, '[[sources]]\ntask = "a"\ndata_files = "rows.jsonl"\ndata_files = "other.jsonl"\n',
+                  "twice.toml")
+    msg = _error(capsys, *REPORT, "--mixture", twice)
+    assert msg.endswith(f"mixture spec {twice}: key 'data_files' is given twice (line 4, first at line 3); keep one")
+
+
+def test_a_spec_of_another_ending_says_which_are_read(tmp_path, capsys):
+    data = _rows(tmp_path)  # a data file given as a spec: not read as a JSON spec (a syntax error at line 1)
+    msg = _error(capsys, *REPORT, "--mixture", data)
+    assert msg.endswith(f"mixture spec {data}: unknown file type ('.jsonl'); accepted: .yaml, .yml, .json, .toml "
+                        "(YAML, JSON or TOML by that ending): rename or convert the file (a mixture spec lists data "
+                        "files under 'sources'; one data file alone is --data FILE)")
+
+
 def test_json_syntax_error_names_file_line_and_column(tmp_path, capsys):
     path = tmp_path / "mix.json"
     path.write_text('{"sources": [\n  {"task": "a", }\n]}')
@@ -144,7 +167,7 @@ def test_mixture_that_is_a_directory(tmp_path, capsys):
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "mine.yaml").write_text("sources: []\n")
     msg = _train_error(tmp_path, capsys, "--mixture", str(tmp_path / "specs"))
-    assert "is a directory (it holds mine.yaml); pass a .yaml/.yml or .json spec file" in msg
+    assert "is a directory (it holds mine.yaml); pass a .yaml/.yml, .json or .toml spec file" in msg
 
 
 def test_hub_source_offline_names_source_and_dataset(tmp_path, capsys, monkeypatch):
