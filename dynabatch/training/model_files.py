@@ -11,6 +11,7 @@ their manifest records.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -57,4 +58,21 @@ def read_model_files(checkpoint_folder: str) -> ModelFiles | None:
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     generation = (GenerationConfig.from_pretrained(folder, local_files_only=True)
                   if os.path.isfile(os.path.join(folder, GENERATION_CONFIG)) else None)
-    return ModelFiles(config, generation, AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    return ModelFiles(config, generation, _saved_tokenizer(folder, AutoTokenizer))
+
+
+def _saved_tokenizer(folder: str, auto):
+    """The tokenizer saved in ``folder``, as the class its ``tokenizer_config.json`` names: ``AutoTokenizer`` takes
+    the class of the ``config.json`` beside it instead (transformers 5: a ``Qwen2Tokenizer`` for a qwen2 config, which
+    encodes digits and spaces unlike the builtin tokenizer the run trained with), so a run's own tokenizer is
+    reloaded as it was saved; ``auto`` (``AutoTokenizer``) where the file names no class transformers has."""
+    import transformers
+
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return (cls if cls is not None and hasattr(cls, "from_pretrained") else auto).from_pretrained(
+        folder, local_files_only=True)
