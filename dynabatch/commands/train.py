@@ -17,6 +17,7 @@ from dynabatch.engine.errors import Interrupted
 from dynabatch.engine.faults import INTERRUPTED_STATUS
 from dynabatch.data.batching import LengthLimits, check_token_budget, replica_budget_problem
 from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA
+from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.tokenize import tokenizer_problem
 from dynabatch.model_presets import model_problem, sequence_kind, stages_problem
 
@@ -47,6 +48,19 @@ def _budget_problem(cfg) -> str | None:
     return replica_budget_problem(cfg.global_batch_tokens, cfg.replicas, limits)
 
 
+def _eval_mixture_problem(path: str | None) -> str | None:
+    """What is wrong with the ``--eval-mixture`` spec file (missing, a directory, a data file rather than a spec,
+    bad fields), said before any rank loads a model: rank 0 reads it only after the model, the training data and the
+    start-up lines, and its message named no flag."""
+    if not path:
+        return None
+    try:
+        MixtureSpec.from_file(path)
+    except (OSError, ValueError) as e:
+        return f"--eval-mixture: {e}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     given = None
     argv = getattr(args, "argv", None)
@@ -57,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, given)  # bad flags stop here, before any rank starts
     if cfg.columns and not cfg.data:  # train() may map in-memory datasets; the command has only --data to map
         raise ValueError(COLUMNS_WITHOUT_DATA)
+    if (problem := _eval_mixture_problem(cfg.eval_mixture)) is not None:
+        raise ValueError(problem)
     if cfg.world_size > 1 and "RANK" not in os.environ and argv is not None:
         from dynabatch.engine.launch import launch_local  # lazy: keeps torch out of `dynabatch train --help`
 

@@ -78,6 +78,9 @@ class RunCalibration:
         """``None``: calibration off (the planner keeps ``base``)."""
         self.plan_ahead = plan_ahead
         self.recorded_through = recorded_through
+        self.startup_step: int | None = None
+        """On a resume whose checkpoint fit could not be restored (``--calibrate quick``): the step the start-up
+        calibration runs as (:func:`dynabatch.training.resume.resume`); ``None`` otherwise."""
         self._cond = threading.Condition()
         self._closed = False
 

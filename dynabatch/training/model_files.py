@@ -11,11 +11,10 @@ their manifest records.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
-
-from dynabatch.data.tokenize import load_tokenizer
 
 MODEL_FILES = "model"
 """The sub-folder of a checkpoint with the run's model config and tokenizer."""
@@ -54,11 +53,26 @@ def read_model_files(checkpoint_folder: str) -> ModelFiles | None:
     folder = os.path.join(checkpoint_folder, MODEL_FILES)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     generation = (GenerationConfig.from_pretrained(folder, local_files_only=True)
                   if os.path.isfile(os.path.join(folder, GENERATION_CONFIG)) else None)
-    # load_tokenizer, not AutoTokenizer: beside a Qwen2 config.json a saved ByT5Tokenizer would load as an empty
-    # Qwen2Tokenizer (load_tokenizer loads the class tokenizer_config.json names for one without files)
-    return ModelFiles(config, generation, load_tokenizer(folder))
+    return ModelFiles(config, generation, _saved_tokenizer(folder, AutoTokenizer))
+
+
+def _saved_tokenizer(folder: str, auto):
+    """The tokenizer saved in ``folder``, as the class its ``tokenizer_config.json`` names: ``AutoTokenizer`` takes
+    the class of the ``config.json`` beside it instead (transformers 5: a ``Qwen2Tokenizer`` for a qwen2 config, which
+    encodes digits and spaces unlike the builtin tokenizer the run trained with), so a run's own tokenizer is
+    reloaded as it was saved; ``auto`` (``AutoTokenizer``) where the file names no class transformers has."""
+    import transformers
+
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return (cls if cls is not None and hasattr(cls, "from_pretrained") else auto).from_pretrained(
+        folder, local_files_only=True)

@@ -208,12 +208,19 @@ def resume(run, info: CheckpointInfo | None, lr_lambda: Callable[[int], float]) 
 
 
 def _restore_calibration(run, saved: dict, where: str) -> None:
-    """Rank 0: the checkpoint's calibration fit when its key is this run's; else the fresh one stays."""
-
-    if run.calibration.enabled and saved.get("fit"):
+    """Rank 0: the checkpoint's calibration fit when its key is this run's; else the fresh one stays, and with
+    ``--calibrate quick`` it gets the start-up calibration a fresh run gets (``startup_step``), recorded as the
+    step the first resumed steps are planned as of, which the planner waits for."""
+    calibration, restored = run.calibration, False
+    if calibration.enabled and saved.get("fit"):
         if json.loads(json.dumps(run.calibration_key)) == saved.get("key"):
-            run.calibration.fit = OnlineFit.from_state_dict(saved["fit"])
+            calibration.fit = OnlineFit.from_state_dict(saved["fit"])
+            restored = True
         else:
             logger.info(f"--resume-from-checkpoint {where}: its calibration fit was measured on another layout or "
                         "device; the fit starts afresh")
-    run.calibration.recorded_through = run.planner.step - 1
+    calibration.recorded_through = run.planner.step - 1
+    if calibration.enabled and not restored and run.cfg.calibration_mode == "quick":
+        as_of = calibration.as_of(run.planner.step)
+        calibration.startup_step = as_of + 1  # quick_calibration records it as step as_of
+        calibration.recorded_through = as_of - 1

@@ -148,14 +148,21 @@ def open_trackers(report_to: str, output_dir: str, config: dict[str, Any], start
 def step_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """A training step's record as tracker metrics: :data:`_STEP_SCALARS`, per-task losses
     (``train/<task>/loss``), saved-activation memory per stage measured and predicted
-    (``memory/stage_<s>_measured_mib``, ``..._predicted_mib``) and the peak RSS (``memory/peak_rss_mib``)."""
+    (``memory/stage_<s>_measured_mib``, ``..._predicted_mib``) and the peak RSS (``memory/peak_rss_mib``).
+
+    On virtual stages the measured peaks are per device and the predicted ones per chunk (more of them): the
+    predictions are then ``memory/chunk_<c>_predicted_mib``, so that no device's peak sits beside a chunk's."""
     out = {name: float(record[key]) for key, name in _STEP_SCALARS.items() if record.get(key) is not None}
     for task, loss in (record.get("task_loss") or {}).items():
         out[f"train/{task}/loss"] = float(loss)
-    for kind in ("measured", "predicted"):
-        for s, value in enumerate(record.get(f"memory_{kind}_bytes") or ()):
+    measured = record.get("memory_measured_bytes") or ()
+    predicted = record.get("memory_predicted_bytes") or ()
+    chunks = bool(measured) and len(predicted) > len(measured)
+    for kind, values in (("measured", measured), ("predicted", predicted)):
+        unit = "chunk" if kind == "predicted" and chunks else "stage"
+        for s, value in enumerate(values):
             if value is not None:
-                out[f"memory/stage_{s}_{kind}_mib"] = value / _MIB
+                out[f"memory/{unit}_{s}_{kind}_mib"] = value / _MIB
     if record.get("peak_rss_bytes") is not None:
         out["memory/peak_rss_mib"] = record["peak_rss_bytes"] / _MIB
     return out

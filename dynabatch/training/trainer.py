@@ -256,6 +256,20 @@ def run_calibration(cfg: TrainConfig, cost_model, model_config: dict, layout):
     return RunCalibration(cost_model, fit, cfg.plan_ahead, recorded_through=-2 if mode == "quick" else -1), key
 
 
+def _startup_calibration_step(cfg: TrainConfig, ctx: DistContext, run, info, start: int) -> int | None:
+    """The step ``--calibrate quick``'s start-up calibration runs as, or ``None``: a fresh run's first step; on a
+    resume only where rank 0 could not restore the checkpoint's fit (another layout or device, or none saved),
+    which rank 0 tells the other ranks (collective)."""
+    if cfg.calibration_mode != "quick" or start >= cfg.max_steps:
+        return None
+    if info is None:
+        return start
+    shared = [run.calibration.startup_step if ctx.is_planner else None]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(shared, src=0, group=ctx.delivery_group)
+    return shared[0]
+
+
 def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = True, datasets: Any = None) -> dict | None:
     """Train ``max_steps`` steps of the resolved configuration (on ``datasets`` in memory when given); rank 0 prints
     the resolved choices, writes ``OUTPUT/config.yaml`` and returns the summary."""
@@ -283,9 +297,10 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
         evaluator = Evaluator.create(cfg, ctx, metrics_path, run.held_out)
     bad_steps = 0
     ahead = plan_ahead(run.planner, cfg.max_steps - start, cfg.plan_ahead, cfg.planner) if ctx.is_planner else None
-    if cfg.calibration_mode == "quick" and info is None and start < cfg.max_steps:
+    startup = _startup_calibration_step(cfg, ctx, run, info, start)  # collective on a resume
+    if startup is not None:
         try:
-            quick_calibration(run.executor, ctx, run.planner, run.spec, start,  # collective
+            quick_calibration(run.executor, ctx, run.planner, run.spec, startup,  # collective
                               startup_timeout_s=cfg.startup_timeout_s)
         except BaseException:
             if ahead is not None:

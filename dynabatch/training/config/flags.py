@@ -233,7 +233,7 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
             values[name] = getattr(args, name)
             from_file.pop(name, None)
     try:
-        return TrainConfig(**values)
+        cfg = TrainConfig(**values)
     except ValueError as e:  # name the file when a field the message names came from it
         named = [name for name in from_file if _names(str(e), name)]
         if not named:
@@ -241,6 +241,12 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None):
         flags = [f"--{name.replace('_', '-')}" for name in sorted(given & defaults.keys()) if _names(str(e), name)]
         where = f" ({', '.join(named)} from the file, {', '.join(flags)} from the command line)" if flags else ""
         raise ValueError(f"config file {config_path}: {e}{where}") from None
+    for name in ("generate_every", "generation_max_new_tokens"):  # defaults of their own: a value cannot tell
+        if name in given and not (cfg.eval_mixture or cfg.eval_holdout):
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} sets the generation metrics of evaluation, and no evaluation data is given: "
+                             f"pass --eval-mixture SPEC or --eval-holdout FRACTION, or drop {flag}")
+    return cfg
 
 
 def _names(message: str, field: str) -> bool:

@@ -217,6 +217,21 @@ def test_columns_without_data_is_one_line_with_the_fix_before_anything_loads(tmp
         assert "tokenizer:" not in err and not out.exists()  # nothing loaded, nothing written
 
 
+def test_a_bad_eval_mixture_is_one_line_naming_the_flag_before_anything_loads(tmp_path, capsys):
+    """A missing ``--eval-mixture`` file, or a data file passed as the spec: one line naming the flag, before the
+    model and the training data load (rank 0 read it only after them and the start-up lines, as 'mixture spec')."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"inputs": "a", "targets": "b"}\n{"inputs": "c", "targets": "d"}\n')
+    out = tmp_path / "out"
+    for spec, says in ((tmp_path / "missing.yaml", "not found"), (data, "syntax error")):
+        code = main(["train", "--eval-mixture", str(spec), "--steps", "1", "--output-dir", str(out)])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if "dynabatch train: error:" in ln]
+        assert code == 2 and len(lines) == 1, err[-2000:]
+        assert "--eval-mixture: mixture spec " in lines[0] and says in lines[0], lines[0]
+        assert "tokenizer:" not in err and not out.exists()  # nothing loaded, nothing written
+
+
 def test_bench_refuses_more_stages_than_blocks_before_the_launch(tmp_path, capsys):
     code = main(["bench", "--model", "gpt2-tiny", "--stages", "3", "--timed-steps", "1", "--untimed-steps", "0"])
     err = capsys.readouterr().err

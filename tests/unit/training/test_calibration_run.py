@@ -120,3 +120,21 @@ def test_resume_plans_with_the_checkpointed_fit(tmp_path, toy_mixture_dir, capsy
     assert after[3]["micro_batch_shapes"] == before[3]["micro_batch_shapes"]
     assert after[3]["predicted_step_s"] == before[3]["predicted_step_s"]
     assert after[3]["calibration"] == before[3]["calibration"] == "online as of step 0"
+
+
+def test_resume_whose_fit_cannot_be_restored_calibrates_at_start_again(tmp_path, toy_mixture_dir, capsys, monkeypatch):
+    """A checkpoint without a fit this run can use (here: saved under --calibrate off; likewise another layout or
+    device) leaves the resumed run a fresh fit: it gets the start-up calibration a fresh run gets, else its first
+    steps are planned and predicted with no measurement at all (an interleaved -> linear resume predicted 0.013 s
+    for 0.385 s steps). A restored fit is not recalibrated (test_resume_plans_with_the_checkpointed_fit)."""
+    from dynabatch.training import trainer
+
+    calls = []
+    real = trainer.quick_calibration
+    monkeypatch.setattr(trainer, "quick_calibration", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    _train_in_process(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "1", "--calibrate", "off")
+    assert calls == []
+    _train_in_process(capsys, tmp_path, toy_mixture_dir, "run", "--steps", "2", "--resume")
+    assert calls == [0]  # recorded as step -1 = as_of(1) with the default --plan-ahead 2: it plans step 1
+    resumed = _records(tmp_path / "run" / "metrics.jsonl")[1]
+    assert resumed["step"] == 1 and resumed["calibration"] == "online as of step -1"

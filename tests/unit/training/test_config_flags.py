@@ -286,3 +286,15 @@ def test_a_run_config_file_with_a_cost_profile_flag_names_the_recompute_it_holds
                                          r"from the file, --cost-profile from the command line\)$"):
         _train(["--config", str(run), "--cost-profile", "p.json"])
     assert _train(["--config", str(run), "--cost-profile", "p.json", "--recompute", "auto"]).recompute == "auto"
+
+
+@pytest.mark.parametrize("flag", ["--generate-every", "--generation-max-new-tokens"])
+def test_a_generation_flag_without_evaluation_data_is_refused_not_ignored(flag, tmp_path):
+    """Like --eval-steps / --eval-samples: a generation flag with nothing to evaluate would do nothing. Their
+    defaults are not 0, so the flag given is what counts; a run's config.yaml (which holds them) still loads."""
+    with pytest.raises(ValueError, match=f"{flag} sets the generation metrics of evaluation, and no evaluation data"):
+        _train([flag, "2"])
+    assert _train([flag, "2", "--eval-holdout", "0.1"]).eval_holdout == 0.1
+    saved = tmp_path / "config.yaml"
+    saved.write_text("generate_every: 2\ngeneration_max_new_tokens: 8\n")
+    assert _train(["--config", str(saved)]).generate_every == 2

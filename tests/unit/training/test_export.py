@@ -109,6 +109,26 @@ def test_the_export_check_compares_with_the_training_tokenizer_not_with_itself(t
         "input_ids"] != []
 
 
+@pytest.mark.parametrize("tokenizer", ["builtin", "byt5"])
+def test_a_checkpoint_of_a_qwen2_model_reloads_the_tokenizer_training_used(tmp_path, tokenizer):
+    """The export reads the run's tokenizer back from the checkpoint's ``model/``, beside the qwen2 ``config.json``:
+    ``AutoTokenizer`` would load a ``Qwen2Tokenizer`` there (it split "12" into digits with the builtin tokenizer's
+    files, and encoded nothing with ByT5's), and the export's check, comparing it with itself, passed it unwarned."""
+    from transformers import Qwen2Config
+
+    from dynabatch.data.tokenize import PROBE_TEXT, load_tokenizer
+    from dynabatch.training.model_files import ModelFiles, read_model_files
+
+    trained = load_tokenizer(tokenizer)
+    config = Qwen2Config(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+    ModelFiles(config, None, trained).write(str(tmp_path))
+    reloaded = read_model_files(str(tmp_path)).tokenizer
+    assert type(reloaded) is type(trained)
+    ids = trained(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    assert reloaded(PROBE_TEXT, add_special_tokens=False)["input_ids"] == ids != []
+
+
 @pytest.mark.parametrize("into", ["step", "checkpoints", "step/hf"])
 def test_an_export_into_the_checkpoints_it_reads_is_refused_even_with_force(tmp_path, into, capsys):
     step = tmp_path / "run" / "checkpoints" / "step-000002"

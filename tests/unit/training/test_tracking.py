@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from dynabatch.cli import main
-from dynabatch.training.tracking import check_trackers, open_trackers
+from dynabatch.training.tracking import check_trackers, open_trackers, step_scalars
 
 BASE = ["--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024", "--max-input-len", "128",
         "--max-target-len", "32", "--logging-steps", "0", "--no-timeline", "--calibrate", "off"]
@@ -85,6 +85,19 @@ def test_eval_metrics_go_through_log(tmp_path):
     assert scalars["eval/loss"] == [(10, 2.5), (20, 2.0)]
     assert scalars["eval/short/exact_match"] == [(10, 0.25), (20, 0.5)]
     assert "eval/short/rouge_l" not in scalars
+
+
+def test_virtual_stage_memory_is_not_labelled_as_a_device_stage():
+    """Interleaved/cyclic runs: measured peaks per device (2), predicted per chunk (4). A chunk's prediction must not
+    be logged as ``stage_<s>_predicted`` beside device s's measured peak (chunk 1 is half of device 1)."""
+    mib = 1024 * 1024
+    virtual = step_scalars({"memory_measured_bytes": [1 * mib, 17 * mib],
+                            "memory_predicted_bytes": [0.25 * mib, 0.25 * mib, 0.5 * mib, 16.5 * mib]})
+    assert virtual["memory/stage_1_measured_mib"] == 17
+    assert [virtual[f"memory/chunk_{c}_predicted_mib"] for c in range(4)] == [0.25, 0.25, 0.5, 16.5]
+    assert not any(k.startswith("memory/stage_") and k.endswith("_predicted_mib") for k in virtual)
+    linear = step_scalars({"memory_measured_bytes": [mib, 2 * mib], "memory_predicted_bytes": [mib, 3 * mib]})
+    assert linear["memory/stage_1_predicted_mib"] == 3 and linear["memory/stage_1_measured_mib"] == 2
 
 
 def test_report_to_none_and_all(tmp_path):
