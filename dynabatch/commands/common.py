@@ -15,7 +15,7 @@ from dynabatch.commands.output_files import WRITTEN_BY, check_output_file, write
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.cost.model_states import describe_zero
 from dynabatch.data.baselines import BaselineOptions, option_users
-from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
+from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner, methods_for
 from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
@@ -210,6 +210,16 @@ def dynamic_compared(planners, chosen: str | None) -> str | None:
     if not planners:
         return None
     return "fitting" if chosen is not None else "none fits"
+
+
+def dynamic_left_out(method: str, methods, error: Exception) -> str | None:
+    """The warning ``plan`` and ``simulate`` print when ``dynamic`` cannot plan a batch (a sample that does not fit
+    the memory even alone) while ``dynamic_sliced``, which cuts such samples into token slices, is compared too: the
+    run goes on without ``dynamic`` (it does not fit, so it is never the one chosen). ``None`` otherwise: the error
+    stands."""
+    if method != "dynamic" or DYNAMIC_SLICED not in methods:
+        return None
+    return f"dynamic does not fit the memory and is left out ({DYNAMIC_SLICED} cuts such samples into token slices): {error}"
 
 
 def describe_dynamic_compared(compared: str | None, planners) -> str | None:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.scheduled import memory_limit_bytes, schedule_plan
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
@@ -61,12 +62,15 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
-    rows = {}
+    rows, left_out = {}, {}
     for method in methods:
         cost_model = _method_cost_model(method, batches, w, args)
         try:
             rows[method] = plan_method(method, batches, w, cost_model, args)
         except ValueError as e:  # a sample the planner cannot admit even alone
+            if (line := dynamic_left_out(method, methods, e)) is not None:
+                left_out[method] = line  # said once every other method has run (else their error alone)
+                continue
             hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
                     if method == "dynamic" and not is_seq2seq(w.family) and not args.slice_long else "")
             raise ValueError(f"{e}{hint}") from e
@@ -74,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tune_baselines:
         tuned = {m: tune(m, batches, w.limits, w.options, _trial(m, batches, w, args, rows[m]))
                  for m in methods if not is_planner(m)}
-    summary = _summary(args, w, batches, rows, tuned)
+    for line in left_out.values():
+        print(f"warning: {line}", file=sys.stderr)
+    summary = _summary(args, w, batches, rows, tuned, left_out)
     if args.json and write_json(summary, args.json, command="plan"):
         return 0
     _print_table(summary, rows, tuned)
@@ -171,7 +177,7 @@ def _trial(method: str, batches, w, args: argparse.Namespace, default_row: dict)
     return run
 
 
-def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> dict:
+def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left_out: dict | None = None) -> dict:
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
     whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     fitting = {k: v for k, v in whole.items() if v["fits_memory"]}
@@ -195,6 +201,7 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         "best_baseline": best,
         "dynamic_method": planner,
         "dynamic_methods_compared": dynamic_compared([k for k in rows if is_planner(k)], planner),
+        "left_out": left_out or {},  # {method: warning}: dynamic that cannot plan a sample alone, beside dynamic_sliced
         "dynamic_speedup_vs_best_baseline": speedup,
         "baselines_compared": "fitting" if fitting else "none fits",
         "model_states": model_states(w.cost_model),

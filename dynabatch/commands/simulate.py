@@ -43,7 +43,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -204,18 +204,24 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     candidates = [Placement.parse(name, stages) for name in
                   placement_candidates(args.placement, stages, is_seq2seq(w.family))]
-    rows, split, placed = {}, {}, {}
+    rows, split, placed, left_out = {}, {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
         # --placement auto: the trace is drawn once the linear placement is picked (else it shows a run not reported)
         trace_dir = args.trace_dir if method in TRACED_METHODS and len(candidates) == 1 else None
         tried = {}  # --placement auto: each candidate simulated, the one pick_placement takes kept
-        for placement in candidates:
-            own = None
-            if placement.kind != "linear":
-                own = Placed(placement, placement_cost_model(split[method], batches, method, placement))
-            tried[placement.describe()] = (own, simulate_method(method, batches, split[method], options,
-                                                                trace_dir=trace_dir, placed=own))
+        try:
+            for placement in candidates:
+                own = None
+                if placement.kind != "linear":
+                    own = Placed(placement, placement_cost_model(split[method], batches, method, placement))
+                tried[placement.describe()] = (own, simulate_method(method, batches, split[method], options,
+                                                                    trace_dir=trace_dir, placed=own))
+        except ValueError as e:  # a sample the planner cannot admit even alone
+            if (line := dynamic_left_out(method, methods, e)) is None:
+                raise
+            left_out[method] = line  # said once every other method has run (else their error alone)
+            continue
         name = pick_placement({k: r.step_s for k, (_, r) in tried.items()},
                               {p.describe(): p.chunks_per_device for p in candidates})
         placed[method], rows[method] = tried[name][0], dataclasses.replace(tried[name][1], placement=name)
@@ -228,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
 
         tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m], resplit(m))
                  for m in methods if not is_planner(m)}
-    summary = _summary(args, w, batches, rows, tuned)
+    for line in left_out.values():
+        print(f"warning: {line}", file=sys.stderr)
+    summary = _summary(args, w, batches, rows, tuned, left_out)
     if args.json and write_json(summary, args.json, command="simulate"):
         return 0
     _print_table(summary, rows, tuned)
@@ -463,7 +471,7 @@ def _trace_picked(trace_dir: str, method: str, picked: str, batches, w, options:
               file=sys.stderr)
 
 
-def _summary(args, w, batches, rows, tuned=None) -> dict:
+def _summary(args, w, batches, rows, tuned=None, left_out=None) -> dict:
 
     # the whole-sample baselines (packing_free_split trains another objective and is reported beside them); the ratio
     # is over those that fit the memory, as plan's; when none does, over all of them, and the table says so
@@ -495,6 +503,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "baselines_compared": "fitting" if fitting else "none fits",
         "dynamic_method": planner,
         "dynamic_methods_compared": dynamic_compared([k for k in rows if is_planner(k)], planner),
+        "left_out": left_out or {},  # {method: warning}: dynamic that cannot plan a sample alone, beside dynamic_sliced
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
     if tuned:

@@ -94,3 +94,33 @@ def test_zero_with_one_replica_warns_as_train_does(command, capsys):
     assert "--zero 1 with one replica: there is nothing to shard" in err[0]
     assert main([*argv, "--zero", "2", "--replicas", "2"]) == 0
     assert capsys.readouterr().err.strip() == ""
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_dynamic_that_cannot_plan_a_sample_is_left_out_beside_dynamic_sliced(command, capsys, monkeypatch):
+    """A sample the whole-sample planner cannot admit even alone (the planner's ``ValueError``, as on the 32k long
+    tail at 40 GiB) no longer ends a run that compares ``dynamic_sliced`` too: ``dynamic`` does not fit, so it is
+    left out with one warning line and ``dynamic_sliced`` is the one chosen; without ``dynamic_sliced`` the error
+    stands (one line, exit 2)."""
+    module, name = (plan_command, "plan_method") if command == "plan" else (simulate_command, "simulate_method")
+    real = getattr(module, name)
+
+    def refusing(method, *a, **k):
+        if method == "dynamic":
+            raise ValueError("sample 3 of global batch 0 alone needs 9 GiB of activation memory")
+        return real(method, *a, **k)
+
+    monkeypatch.setattr(module, name, refusing)
+    argv = [command, *GPT, "--methods", "dynamic,dynamic_sliced,token_budget"]
+    out = _json(capsys, argv)
+    assert "dynamic" not in out["methods"] and out["dynamic_method"] == "dynamic_sliced"
+    assert list(out["left_out"]) == ["dynamic"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "warning: dynamic does not fit the memory and is left out (dynamic_sliced cuts such samples into token "
+        "slices): sample 3 of global batch 0 alone needs 9 GiB of activation memory"]
+    assert "dynamic_sliced vs best baseline" in captured.out
+    assert main([command, *GPT, "--methods", "dynamic,token_budget"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "alone needs 9 GiB" in err[0]
