@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field, replace
 
 from dynabatch.data.batching import LengthLimits, check_length_limit_value
@@ -12,8 +13,9 @@ from dynabatch.training.config.resolve import Found, args_view, decide, lower, l
 from dynabatch.training.config.sections import arg
 from dynabatch.commands.output_files import WRITTEN_BY, check_output_file, write_json  # noqa: F401 (re-exported)
 from dynabatch.cost.model_specs import PRESETS
+from dynabatch.cost.model_states import describe_zero
 from dynabatch.data.baselines import BaselineOptions, option_users
-from dynabatch.core.methods import COMPARED_METHODS, METHODS, check_method_family, is_planner, methods_for
+from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner, methods_for
 from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
@@ -175,6 +177,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
     cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"),
                           zero=getattr(args, "zero", 0), replicas=getattr(args, "replicas", 1))
+    if (line := describe_zero(cost.zero, cost.replicas)) is not None:  # as train warns
+        print(f"warning: {line}", file=sys.stderr)
     options = BaselineOptions.of(args)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options, split_blocks, decided)
 
@@ -206,6 +210,35 @@ def compared_baselines(baselines_compared: str) -> str:
     which a reader must not take for a feasible setting."""
     return ("whole-sample baselines that fit" if baselines_compared == "fitting" else
             "no whole-sample baseline fits the memory: the best of those that do not")
+
+
+def dynamic_compared(planners, chosen: str | None) -> str | None:
+    """``--json``'s ``dynamic_methods_compared`` of ``plan`` and ``simulate``: ``fitting`` when ``chosen``, the
+    faster of the dynamic methods in ``--methods`` (``planners``) that fit the memory, was found; ``none fits`` when
+    none of them fits (no dynamic method is chosen and no speedup reported: a plan that does not fit cannot run);
+    ``None`` without a dynamic method."""
+    if not planners:
+        return None
+    return "fitting" if chosen is not None else "none fits"
+
+
+def dynamic_left_out(method: str, methods, error: Exception) -> str | None:
+    """The warning ``plan`` and ``simulate`` print when ``dynamic`` cannot plan a batch (a sample that does not fit
+    the memory even alone) while ``dynamic_sliced``, which cuts such samples into token slices, is compared too: the
+    run goes on without ``dynamic`` (it does not fit, so it is never the one chosen). ``None`` otherwise: the error
+    stands."""
+    if method != "dynamic" or DYNAMIC_SLICED not in methods:
+        return None
+    return f"dynamic does not fit the memory and is left out ({DYNAMIC_SLICED} cuts such samples into token slices): {error}"
+
+
+def describe_dynamic_compared(compared: str | None, planners) -> str | None:
+    """The line ``plan`` and ``simulate`` print when no dynamic method of ``planners`` fits (:func:`dynamic_compared`),
+    else ``None``."""
+    if compared != "none fits":
+        return None
+    return (f"no dynamic method ({', '.join(planners)}) fits the memory: none is chosen and no speedup over the "
+            "baselines is reported; give it more memory (--memory-gib), more stages or shorter length limits")
 
 
 def describe_model_states(states: dict) -> str:

@@ -3,12 +3,14 @@
 Forms global batches by the token budget (over-long samples truncated) from a lengths file or a
 mixture, cuts each with the dynamic planner and with every baseline, prices every micro-batch with
 the same analytic cost model (attention per segment, as the padding-free runtime computes it), and prints per method: real tokens, computed tokens, micro-batches,
-predicted step time ``sum(t) + (S - 1) max(t)``, whether every micro-batch fits the memory under the planner's
-bound (``S x stored + peak``, each method priced with the recomputation it runs with: a baseline's none) and the
+predicted step time ``sum(t) + (S - 1) max(t)``, the peak memory and whether it fits the device (``simulate``'s
+check, :mod:`dynabatch.commands.scheduled`: the simulated peak of the schedule ``choose_schedule`` gives each plan;
+each method priced with the recomputation it runs with: a baseline's none; a plan that fits only with fewer than
+``S`` micro-batches in flight, which the step formula assumes, is named under the table) and the
 method's own wall time per global batch (median, p10-p90 and max over the batches;
 ``scripts/bench_plan_time.py`` times the dynamic method over more rounds). The speedup of the faster of
-``dynamic`` and ``dynamic_sliced`` (those in ``--methods``) is over the best whole-sample baseline that fits
-(over all of them when none does; ``dynabatch simulate`` checks the memory timeline of a whole schedule).
+``dynamic`` and ``dynamic_sliced`` (those in ``--methods`` that fit; none when neither does) is over the best
+whole-sample baseline that fits (over all of them when none does).
 ``--tune-baselines`` plans each baseline at every value of its knob's grid as well and compares dynamic with each
 one's best setting that fits (:mod:`dynabatch.commands.tuning`).
 """
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, compared_baselines, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.commands.scheduled import memory_limit_bytes, schedule_plan
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
 from dynabatch.training.config.resolve import describe_choices
@@ -58,12 +62,15 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long needs --model gpt (token slicing is for decoder-only models)")
-    rows = {}
+    rows, left_out = {}, {}
     for method in methods:
         cost_model = _method_cost_model(method, batches, w, args)
         try:
             rows[method] = plan_method(method, batches, w, cost_model, args)
         except ValueError as e:  # a sample the planner cannot admit even alone
+            if (line := dynamic_left_out(method, methods, e)) is not None:
+                left_out[method] = line  # said once every other method has run (else their error alone)
+                continue
             hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
                     if method == "dynamic" and not is_seq2seq(w.family) and not args.slice_long else "")
             raise ValueError(f"{e}{hint}") from e
@@ -71,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tune_baselines:
         tuned = {m: tune(m, batches, w.limits, w.options, _trial(m, batches, w, args, rows[m]))
                  for m in methods if not is_planner(m)}
-    summary = _summary(args, w, batches, rows, tuned)
+    for line in left_out.values():
+        print(f"warning: {line}", file=sys.stderr)
+    summary = _summary(args, w, batches, rows, tuned, left_out)
     if args.json and write_json(summary, args.json, command="plan"):
         return 0
     _print_table(summary, rows, tuned)
@@ -93,7 +102,8 @@ def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -
     stages = cost_model.num_stages
     slice_model = _slicer(cost_model, method, args.slice_long, w.limits) if is_planner(method) else None
     real = computed = micro = sliced = 0
-    need = 0.0  # the largest S x stored + peak of a micro-batch (the planner's memory bound)
+    peak, fits = 0.0, True  # simulate's memory check: the peak of the schedule choose_schedule gives each plan
+    need = 0.0  # the largest S x stored + peak of a whole-sample micro-batch (the step formula's S in flight)
     step_times, wall, kept = [], [], {}
     for batch in batches:
         extra = {"slice_cost_model": slice_model, "pack_rows": args.pack_rows} if is_planner(method) else {}
@@ -101,9 +111,12 @@ def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -
         if plan.predicted_times_s is not None and plan.num_sliced_samples:
             t = plan.predicted_times_s  # token slices are priced with their context by the planner
         else:  # per-segment (padding-free) attention, as the runtime computes it
-            t, stored, peak = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
-                                                  pairs=plan.pairs)
-            need = max(need, float(np.max(stages * np.asarray(stored) + np.asarray(peak))))
+            t, stored, peak_act = cost_model.evaluate(plan.shapes[:, 0], plan.shapes[:, 1], plan.shapes[:, 2],
+                                                      pairs=plan.pairs)
+            need = max(need, float(np.max(stages * np.asarray(stored) + np.asarray(peak_act))))
+        _, result = schedule_plan(cost_model, slice_model, plan, batch.step)
+        peak = max(peak, float(result.peak_memory_bytes.max()))
+        fits &= bool(result.fits_memory)
         sliced += plan.num_sliced_samples
         step_times.append(float(t.sum() + (stages - 1) * t.max()))
         real += plan.real_tokens
@@ -121,8 +134,13 @@ def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -
         "sliced_samples": sliced,
         "predicted_step_s": float(np.mean(step_times)),
         "predicted_tokens_per_s": real / float(np.sum(step_times)),
-        # token slices are admitted by the planner's slice model, which prices them with their context
-        "fits_memory": bool(need <= cost_model.memory_budget_bytes),
+        # simulate's check (dynabatch.commands.scheduled): every batch's scheduled peak within the device limit
+        "fits_memory": bool(fits),
+        "peak_memory_gib": peak / 2**30,  # model states included, of its own layer split
+        "memory_limit_gib": memory_limit_bytes(cost_model) / 2**30,
+        # the step formula's assumption: S micro-batches in flight, S x stored + peak within the activation memory
+        # (token slices: admitted by the planner's slice model, not counted here)
+        "fits_in_flight": bool(need <= cost_model.memory_budget_bytes),
         "largest_micro_batch_gib": need / 2**30,
         "activation_budget_gib": cost_model.memory_budget_bytes / 2**30,  # of its own layer split
         "plan_wall_ms_median": 1e3 * float(np.median(wall)),
@@ -152,27 +170,29 @@ def _trial(method: str, batches, w, args: argparse.Namespace, default_row: dict)
         tried = dataclasses.replace(w, options=w.options.with_value(method, value))
         row = default_row if value == default else plan_method(
             method, batches, tried, _method_cost_model(method, batches, tried, args), args)
-        note = "" if row["fits_memory"] else (f"does not fit memory (a micro-batch needs "
-                                              f"{row['largest_micro_batch_gib']:.2f} of {row['activation_budget_gib']:.2f} GiB)")
+        note = "" if row["fits_memory"] else (f"does not fit memory (peak {row['peak_memory_gib']:.1f} of "
+                                              f"{row['memory_limit_gib']:.1f} GiB)")
         return row["predicted_tokens_per_s"], note
 
     return run
 
 
-def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> dict:
+def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left_out: dict | None = None) -> dict:
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
     whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     fitting = {k: v for k, v in whole.items() if v["fits_memory"]}
     compared = fitting or whole
     best = min(compared, key=lambda k: compared[k]["predicted_step_s"]) if compared else None
-    planners = {k: v for k, v in rows.items() if is_planner(k)}
-    planner = min(planners, key=lambda k: planners[k]["predicted_step_s"]) if planners else None  # dynamic(_sliced)
+    # the faster of dynamic and dynamic_sliced among those that fit the memory; none when neither does
+    planners = {k: v for k, v in rows.items() if is_planner(k) and v["fits_memory"]}
+    planner = min(planners, key=lambda k: planners[k]["predicted_step_s"]) if planners else None
     speedup = compared[best]["predicted_step_s"] / rows[planner]["predicted_step_s"] if best and planner else None
     out = {
         "workload": w.path,
         "model": args.model,
         "layout": w.cost_model.layout.describe(),
         "stages": w.cost_model.num_stages,
+        "memory_limit_gib": memory_limit_bytes(w.cost_model) / 2**30,
         "row_limits": w.limits.describe(),
         "global_batches": len(batches),
         "samples": sum(len(b) for b in batches),
@@ -180,6 +200,8 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
         "methods": rows,
         "best_baseline": best,
         "dynamic_method": planner,
+        "dynamic_methods_compared": dynamic_compared([k for k in rows if is_planner(k)], planner),
+        "left_out": left_out or {},  # {method: warning}: dynamic that cannot plan a sample alone, beside dynamic_sliced
         "dynamic_speedup_vs_best_baseline": speedup,
         "baselines_compared": "fitting" if fitting else "none fits",
         "model_states": model_states(w.cost_model),
@@ -195,16 +217,18 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict) -> d
 def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
     stages = summary["stages"]
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
-          f"{stages} stages, reference split: {summary['layout']}; baseline rows up to the longest kept sample "
+          f"{stages} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} "
+          "GiB/device; baseline rows up to the longest kept sample "
           f"({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
     if summary["resolved"]:
         print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
-    print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'fits':>4}  "
+    print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'peak GiB':>8} {'fits':>4}  "
           "plan ms/batch p50 [p10-p90] max")
     for method, r in rows.items():
         print(f"{method + ('*' if 'changes_objective' in r else ''):<19} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "
-              f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} {'yes' if r['fits_memory'] else 'NO':>4} "
+              f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} {r['peak_memory_gib']:>8.1f} "
+              f"{'yes' if r['fits_memory'] else 'NO':>4} "
               f"{r['plan_wall_ms_median']:>8.1f} [{r['plan_wall_ms_p10']:.1f}-{r['plan_wall_ms_p90']:.1f}] "
               f"{r['plan_wall_ms_max']:.1f}")
     for method, r in rows.items():
@@ -215,13 +239,26 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
             print(f"* {method} {r['changes_objective']}")
     for method, r in rows.items():
         if not r["fits_memory"]:
-            print(f"  {method} does not fit: a micro-batch needs {r['largest_micro_batch_gib']:.2f} GiB "
-                  f"({stages} x stored + peak) of the {r['activation_budget_gib']:.2f} GiB of activation memory; tune "
-                  f"its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory")
+            advice = (f"tune its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory"
+                      if not is_planner(method) else "give it more memory, more stages or shorter length limits")
+            print(f"  {method} does not fit: its simulated schedule peaks at {r['peak_memory_gib']:.2f} GiB of the "
+                  f"{r['memory_limit_gib']:.2f} GiB device limit; {advice}")
+    for method, r in rows.items():
+        if r["fits_memory"] and not r["fits_in_flight"]:
+            print(f"  {method} fits only with fewer than {stages} micro-batches in flight: a micro-batch needs "
+                  f"{r['largest_micro_batch_gib']:.2f} GiB ({stages} x stored + peak) of the "
+                  f"{r['activation_budget_gib']:.2f} GiB of activation memory, so its predicted step "
+                  "(which assumes them) is optimistic; dynabatch simulate times its schedule")
+    planners = [m for m in rows if is_planner(m)]
+    if (line := describe_dynamic_compared(summary["dynamic_methods_compared"], planners)) is not None:
+        print(line)
     if summary["dynamic_speedup_vs_best_baseline"] is not None:
         which = compared_baselines(summary["baselines_compared"])
-        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; {which}; predicted step time): "
-              f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x")
+        best = summary["best_baseline"]
+        optimistic = (f"; {best}'s step assumes {stages} micro-batches in flight, which do not fit: see above"
+                      if rows[best]["fits_memory"] and not rows[best]["fits_in_flight"] else "")
+        print(f"{summary['dynamic_method']} vs best baseline ({best}; {which}; predicted step time): "
+              f"{summary['dynamic_speedup_vs_best_baseline']:.2f}x{optimistic}")
     if tuned:
         print_tuned(tuned, {m: rows[m]["predicted_tokens_per_s"] for m in tuned}, "predicted")
         if summary["dynamic_speedup_vs_best_tuned_baseline"] is not None:

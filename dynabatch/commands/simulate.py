@@ -6,7 +6,8 @@ sample's own block of every row, :attr:`~dynabatch.training.workload.MethodPlan.
 memory-aware adaptive policy over a few micro-batch orders) -> simulated step. Prints per method:
 real tokens/s (real tokens / simulated step time), padding efficiency (real / computed tokens),
 bubble fraction, the busiest stage's utilisation, peak memory per device (and whether every step
-fits), the policies chosen, schedule wall time, and
+fits: the check ``plan`` makes too, :mod:`dynabatch.commands.scheduled`), the policies chosen, schedule wall
+time, and
 
     efficiency = ideal / simulated step time,  ideal = sum over samples of the sample's own unpadded
     (b = 1, E = e_i, D = d_i) fwd + bwd time on its bottleneck stage (the slowest stage for that sample).
@@ -24,7 +25,8 @@ fastest (the adaptive schedule hides most of a large micro-batch's fill behind o
 max penalty than the real ``S - 1`` often wins); one-sample micro-batches only need to fit alone
 (:class:`SingleSampleRelief`), since the adaptive policy admits micro-batches by actual memory.
 
-``--methods`` picks the methods (default: ``dynamic`` and every baseline of the registry);
+``--methods`` picks the methods (default: ``dynamic`` and every baseline of the registry); the ratio line is
+the faster of ``dynamic`` and ``dynamic_sliced`` among those that fit (none, said plainly, when neither does);
 ``--tune-baselines`` also simulates each baseline at every value of its knob's grid and reports its
 fastest setting that fits memory next to the default (:mod:`dynabatch.commands.tuning`).
 """
@@ -41,7 +43,7 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, compared_baselines, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -53,9 +55,8 @@ from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.training.config.resolve import describe_choices, lower
-from dynabatch.schedule.policies import choose_schedule
-from dynabatch.schedule.simulate import with_message_buffers
 from dynabatch.schedule.virtual import placed_step
+from dynabatch.commands.scheduled import memory_limit_bytes, schedule_pieces, schedule_plan
 from dynabatch.commands.simulate_traces import TRACED_METHODS, check_trace_dir, write_traces
 from dynabatch.commands.tuning import Tuned, print_tuned, tune, tune_baselines_arg, tuned_summary
 
@@ -203,18 +204,24 @@ def run(args: argparse.Namespace) -> int:
     stages = w.cost_model.num_stages
     candidates = [Placement.parse(name, stages) for name in
                   placement_candidates(args.placement, stages, is_seq2seq(w.family))]
-    rows, split, placed = {}, {}, {}
+    rows, split, placed, left_out = {}, {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w
         # --placement auto: the trace is drawn once the linear placement is picked (else it shows a run not reported)
         trace_dir = args.trace_dir if method in TRACED_METHODS and len(candidates) == 1 else None
         tried = {}  # --placement auto: each candidate simulated, the one pick_placement takes kept
-        for placement in candidates:
-            own = None
-            if placement.kind != "linear":
-                own = Placed(placement, placement_cost_model(split[method], batches, method, placement))
-            tried[placement.describe()] = (own, simulate_method(method, batches, split[method], options,
-                                                                trace_dir=trace_dir, placed=own))
+        try:
+            for placement in candidates:
+                own = None
+                if placement.kind != "linear":
+                    own = Placed(placement, placement_cost_model(split[method], batches, method, placement))
+                tried[placement.describe()] = (own, simulate_method(method, batches, split[method], options,
+                                                                    trace_dir=trace_dir, placed=own))
+        except ValueError as e:  # a sample the planner cannot admit even alone
+            if (line := dynamic_left_out(method, methods, e)) is None:
+                raise
+            left_out[method] = line  # said once every other method has run (else their error alone)
+            continue
         name = pick_placement({k: r.step_s for k, (_, r) in tried.items()},
                               {p.describe(): p.chunks_per_device for p in candidates})
         placed[method], rows[method] = tried[name][0], dataclasses.replace(tried[name][1], placement=name)
@@ -227,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
 
         tuned = {m: tune_simulated(m, batches, split[m], options, rows[m], placed[m], resplit(m))
                  for m in methods if not is_planner(m)}
-    summary = _summary(args, w, batches, rows, tuned)
+    for line in left_out.values():
+        print(f"warning: {line}", file=sys.stderr)
+    summary = _summary(args, w, batches, rows, tuned, left_out)
     if args.json and write_json(summary, args.json, command="simulate"):
         return 0
     _print_table(summary, rows, tuned)
@@ -315,7 +324,6 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
     """
 
     cm = w.cost_model
-    limit = cm.device_memory_bytes * (1 - cm.memory_margin)
     variants = [None] if not is_planner(method) else list(dict.fromkeys(
         cm.num_stages if v is None else min(v, cm.num_stages) for v in options.objective_stages))
     # auto recomputation is judged like the objective: the plan without recomputation (when it can be made) is
@@ -335,14 +343,11 @@ def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOpti
                 raise
             continue  # a sample that fits only with recomputation
         plan_s += plan.plan_time_s
-        # per-segment (padding-free) attention; token slices priced with their context, scheduled as chains
-        costs = with_message_buffers(piece_costs(model, _slicer(model, options, w), plan.shapes, plan.contexts,
-                                                 plan.slice_links, plan.pairs))
-        send = cm.model.send_time(costs.send_bytes, options.link)
+        # per-segment (padding-free) attention; token slices priced with their context, scheduled as chains; the
+        # memory check plan makes too (dynabatch.commands.scheduled)
         start = time.perf_counter()
-        schedule, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
-                                           num_search_steps=options.search_steps, seed=batch.step,
-                                           links=plan.slice_links)
+        schedule, result = schedule_plan(model, _slicer(model, options, w), plan, batch.step, link=options.link,
+                                         search_steps=options.search_steps)
         sched_s += time.perf_counter() - start
         key = (not result.fits_memory, result.makespan_s)
         if best is None or key < best[0]:
@@ -376,7 +381,7 @@ class Placed:
             send = np.asarray(cm.model.send_time(costs.send_bytes, options.link), dtype=np.float64)
             start = time.perf_counter()
             result = placed_step(costs, self.placement, cm.model_state_bytes,
-                                 cm.device_memory_bytes * (1 - cm.memory_margin), send, links=plan.slice_links)
+                                 memory_limit_bytes(cm), send, links=plan.slice_links)
             sched_s += time.perf_counter() - start
             key = (not result.fits_memory, result.makespan_s)
             if best is None or key < best[0]:
@@ -406,17 +411,14 @@ def _simulated_price(w, batch, options: SimulateOptions):
     although its best schedule was faster: T5-large at 4,096 tokens kept the DP's plan and simulated at 0.96x the
     tuned ``packing_free`` whose plan it had (``scripts/bench_sweep.py``)."""
     cm = w.cost_model
-    limit = cm.device_memory_bytes * (1 - cm.memory_margin)
     slicer = _slicer(cm, options, w)
 
     def price(plan) -> float:
         plan = with_pairs(plan, batch.input_lens, batch.target_lens)
-        pieces, links = plan.replicas[0], plan.slice_links(0)
-        costs = with_message_buffers(piece_costs(cm, slicer, [p.shape for p in pieces], plan.contexts(0), links,
-                                                 plan.pairs(0)))
-        send = cm.model.send_time(costs.send_bytes, options.link)
-        _, result = choose_schedule(costs, limit, send_time=send, model_state_bytes=cm.model_state_bytes,
-                                    num_search_steps=options.search_steps, seed=batch.step, links=links)
+        pieces = plan.replicas[0]
+        _, result = schedule_pieces(cm, slicer, [p.shape for p in pieces], plan.contexts(0), plan.slice_links(0),
+                                    plan.pairs(0), seed=batch.step, link=options.link,
+                                    search_steps=options.search_steps)
         return result.makespan_s if result.fits_memory else float("inf")
 
     return price
@@ -469,15 +471,16 @@ def _trace_picked(trace_dir: str, method: str, picked: str, batches, w, options:
               file=sys.stderr)
 
 
-def _summary(args, w, batches, rows, tuned=None) -> dict:
+def _summary(args, w, batches, rows, tuned=None, left_out=None) -> dict:
 
     # the whole-sample baselines (packing_free_split trains another objective and is reported beside them); the ratio
     # is over those that fit the memory, as plan's; when none does, over all of them, and the table says so
     baselines = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
     fitting = {k: v for k, v in baselines.items() if v.fits_memory}
     best = max((fitting or baselines).values(), key=lambda r: r.tokens_per_s) if baselines else None
-    planners = {k: v for k, v in rows.items() if is_planner(k)}
-    planner = max(planners, key=lambda k: planners[k].tokens_per_s) if planners else None  # dynamic or dynamic_sliced
+    # the faster of dynamic and dynamic_sliced among those whose simulated peak fits; none when neither fits
+    planners = {k: v for k, v in rows.items() if is_planner(k) and v.fits_memory}
+    planner = max(planners, key=lambda k: planners[k].tokens_per_s) if planners else None
     dynamic = planners[planner].tokens_per_s if planner else None
     out = {
         "workload": w.path,
@@ -487,7 +490,7 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "layer_split": args.layer_split,
         "placement": args.placement,
         "stages": w.cost_model.num_stages,
-        "memory_limit_gib": w.cost_model.device_memory_bytes * (1 - w.cost_model.memory_margin) / 2**30,
+        "memory_limit_gib": memory_limit_bytes(w.cost_model) / 2**30,
         "global_batches": len(batches),
         "samples": sum(len(b) for b in batches),
         "truncated": sum(b.num_truncated for b in batches),
@@ -499,6 +502,8 @@ def _summary(args, w, batches, rows, tuned=None) -> dict:
         "best_baseline": best.method if best else None,
         "baselines_compared": "fitting" if fitting else "none fits",
         "dynamic_method": planner,
+        "dynamic_methods_compared": dynamic_compared([k for k in rows if is_planner(k)], planner),
+        "left_out": left_out or {},  # {method: warning}: dynamic that cannot plan a sample alone, beside dynamic_sliced
         "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
     }
     if tuned:
@@ -535,6 +540,9 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     for r in rows.values():
         if objective_note(r.method):
             print(f"* {r.method} {objective_note(r.method)}")
+    planners = [m for m in rows if is_planner(m)]
+    if (line := describe_dynamic_compared(summary["dynamic_methods_compared"], planners)) is not None:
+        print(line)
     if summary["dynamic_throughput_vs_best_baseline"] is not None:
         which = compared_baselines(summary["baselines_compared"])
         print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; {which}), real tokens/s: "

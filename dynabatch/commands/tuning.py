@@ -8,8 +8,9 @@ same global batches; a value whose micro-batches equal an earlier value's on tho
 again, and a value that does not fit the memory limit is skipped. Both are reported.
 
 - ``plan``: every value is planned and priced like the default (the predicted real tokens/s over the predicted
-  steps ``sum(t) + (S - 1) max(t)``); feasible means every micro-batch fits the activation memory under the
-  planner's bound (``S x stored + peak``).
+  steps ``sum(t) + (S - 1) max(t)``); feasible means what it means in ``simulate``: the schedule
+  ``choose_schedule`` gives each step keeps every device's peak within the device memory
+  (:mod:`dynabatch.commands.scheduled`, the one check of both commands).
 - ``simulate``: every value is priced by the cost model and scheduled exactly like the default (the
   predicted real tokens/s of :func:`~dynabatch.commands.simulate.simulate_method`); feasible means
   every step's simulated peak fits the device memory (``--memory-gib``, else the hardware preset's).

@@ -51,3 +51,13 @@ def gradient_peak_bytes(full_bytes: float, largest_bytes: float, shards: int) ->
     if shards == 1:
         return float(full_bytes)
     return float(full_bytes) / shards + float(largest_bytes)
+
+
+def describe_zero(zero: int, replicas: int) -> str | None:
+    """The line ``train``, ``plan`` and ``simulate`` warn with when ``--zero`` has nothing to shard: with one replica
+    every stage keeps its whole states, as under ``--zero 0`` (the trainer shards only across two or more replicas);
+    ``None`` otherwise."""
+    if zero >= 1 and replicas == 1:
+        return (f"--zero {zero} with one replica: there is nothing to shard across replicas, so every stage keeps its "
+                "whole states (as --zero 0); pass --replicas 2 or more to shard them")
+    return None

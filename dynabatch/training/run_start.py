@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dynabatch.core.allocator import host_memory_gib
+from dynabatch.cost.model_states import describe_zero
 from dynabatch.cost.tables import CostTables
 from dynabatch.data.tokenize import describe_tokenizer, load_tokenizer, tokenizer_info
 from dynabatch.engine.checkpoint import CheckpointInfo
@@ -99,15 +100,6 @@ def log_dropout(cfg: TrainConfig, ctx: DistContext) -> None:
     (:func:`~dynabatch.model_presets.describe_dropout`)."""
     if ctx.is_planner and (line := describe_dropout(cfg.model, cfg.dropout)) is not None:
         logger.info(line)
-
-
-def describe_zero(zero: int, replicas: int) -> str | None:
-    """The line a run logs when ``--zero`` has nothing to shard: with one replica every stage keeps its whole
-    states, as under ``--zero 0`` (the trainer shards only across two or more replicas); ``None`` otherwise."""
-    if zero >= 1 and replicas == 1:
-        return (f"--zero {zero} with one replica: there is nothing to shard across replicas, so every stage keeps its "
-                "whole states (as --zero 0); pass --replicas 2 or more to shard them")
-    return None
 
 
 def describe_target_len(cfg: TrainConfig) -> str | None:

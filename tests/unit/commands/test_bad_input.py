@@ -112,7 +112,12 @@ def test_gpt_sample_too_big_for_memory_names_it_and_hints_slicing(tmp_path, caps
     np.savez(path, input_len=e, target_len=rng.integers(1, 20, 200))
     args = ["plan", "--lengths", str(path), "--model", "gpt", "--preset", "gpt-6.7b", "--stages", "4",
             "--max-input-len", "8192", "--num-batches", "1", "--global-batch-tokens", "20000"]
+    # every method (the default): dynamic is left out, and dynamic_sliced cannot fit the sample either: its error,
+    # one line (the left-out warning is said only when the run goes on)
     assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sample 5 of global batch 0" in err[0] and "even when sliced" in err[0]
+    assert main([*args, "--methods", "dynamic,token_budget"]) == 2
     msg = capsys.readouterr().err
     assert "dynabatch plan: error: sample 5 of global batch 0 (input_len=8000, target_len=" in msg
     assert "The smallest budget that fits every sample is" in msg
