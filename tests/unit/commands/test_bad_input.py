@@ -228,7 +228,7 @@ def test_a_bad_eval_mixture_is_one_line_naming_the_flag_before_anything_loads(tm
     data = tmp_path / "qa.jsonl"
     data.write_text('{"inputs": "a", "targets": "b"}\n{"inputs": "c", "targets": "d"}\n')
     out = tmp_path / "out"
-    for spec, says in ((tmp_path / "missing.yaml", "not found"), (data, "syntax error")):
+    for spec, says in ((tmp_path / "missing.yaml", "not found"), (data, "unknown file type ('.jsonl')")):
         code = main(["train", "--eval-mixture", str(spec), "--steps", "1", "--output-dir", str(out)])
         err = capsys.readouterr().err
         lines = [ln for ln in err.splitlines() if "dynabatch train: error:" in ln]
