@@ -41,6 +41,7 @@ takes ~1-20 ms (numba, warm); collating is numpy + ``torch.from_numpy``.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -64,7 +65,7 @@ from dynabatch.cost.hardware import device_hardware, hardware_spec
 from dynabatch.cost.stages import StageCostModel, balanced_layout
 from dynabatch.data.inputs import load_data
 from dynabatch.data.sources import BadRowError
-from dynabatch.data.tokenize import TokenizerInfo, said_diffs, special_id_diffs
+from dynabatch.data.tokenize import TokenizerInfo, load_tokenizer, said_diffs, special_id_diffs
 
 
 def model_sequence_kind(config) -> str:
@@ -194,7 +195,29 @@ def resolved_hardware(hardware: str) -> tuple[str, str | None]:
 
 @dataclass(eq=False)
 class DynaBatchDataLoader:
-    """Endless (or ``max_steps``-long) iterable of :class:`StepBatch`, one per optimizer step."""
+    """Endless (or ``max_steps``-long) iterable of :class:`StepBatch`, one per optimizer step (more: the module
+    docstring and ``docs/huggingface.md``)::
+
+        loader = DynaBatchDataLoader({"qa": dataset}, LengthLimits("causal", max_seq_len=1024), token_budget=65_536,
+                                     model_config=model.config, tokenizer=tok,
+                                     columns={"inputs": "question", "targets": "answer"})
+        for step in loader:
+            for mb in step.micro_batches:
+                (forward_loss(model, mb, loader.attention).loss_sum / step.num_loss_tokens).backward()
+            optimizer.step(); optimizer.zero_grad()
+
+    Main arguments (every field has its own docstring in the source):
+
+    * ``data``: ``datasets.Dataset`` / ``IterableDataset`` objects (one, or a dict of task names to them, tokenized
+      with ``tokenizer``, columns mapped by ``columns``), a ``MixtureData`` or a batcher.
+    * ``limits``: :class:`~dynabatch.data.batching.LengthLimits`; ``token_budget``: real tokens per global batch.
+    * ``model_config``: the model's Hugging Face config, for the planner's cost model and checks at build.
+    * ``method`` (``dynamic`` or a baseline), ``method_options``; ``num_replicas`` / ``replica_index`` for data
+      parallelism; ``max_steps`` (gives a ``len()``); ``each_row_once=True`` for evaluation.
+
+    It is itself the loader: iterate it directly, not through ``torch.utils.data.DataLoader``.
+    :meth:`state_dict` / :meth:`load_state_dict` save and resume the position.
+    """
 
     data: Any = field(repr=False)
     """A tokenized mixture (``MixtureData``), a batcher (its position is shared: the loader advances it), or
@@ -252,7 +275,8 @@ class DynaBatchDataLoader:
     """With ``each_row_once``: at most this many rows per task (the same rows every iteration, as ``dynabatch
     train --eval-samples``); ``None``: every row."""
     tokenizer: Any = None
-    """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
+    """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``), or a name
+    or folder :func:`~dynabatch.data.tokenize.load_tokenizer` loads (``"builtin"``, ``"gpt2"``, ``"byt5"``, a path)."""
     columns: Mapping[str, str] | str | None = None
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
     bad_rows: str = "error"
@@ -402,6 +426,11 @@ class DynaBatchDataLoader:
                              f"mapping of task names to them, got {type(datasets).__name__}")
         if self.tokenizer is None:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
+        if isinstance(self.tokenizer, (str, os.PathLike)):  # a name or folder, as dynabatch train --tokenizer takes
+            self.tokenizer = load_tokenizer(os.fspath(self.tokenizer))
+        elif not hasattr(self.tokenizer, "eos_token_id"):
+            raise ValueError(f"tokenizer= must be a Hugging Face tokenizer or a name load_tokenizer takes ('builtin', "
+                             f"'gpt2', 'byt5' or a folder), got {type(self.tokenizer).__name__}")
         try:
             data = load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
                              bad_rows=self.bad_rows, seed=self.seed or 0)
@@ -473,7 +502,14 @@ class DynaBatchDataLoader:
             self._pass_step = num_steps  # before yielding: a checkpoint saved while the step trains counts it
             yield step
 
+    def __getitem__(self, index):
+        """Not a dataset: ``torch.utils.data.DataLoader(loader)`` indexes its dataset, so it gets this one line."""
+        raise TypeError("DynaBatchDataLoader is itself the data loader, not a dataset to index or to wrap in "
+                        "torch.utils.data.DataLoader: iterate it directly (for step in loader: ...); it plans and "
+                        "collates in this process, so there are no worker processes (num_workers) to set")
+
     def __len__(self) -> int:
+        """``max_steps``: the steps of one iteration; an endless loader (no ``max_steps``) has no ``len()``."""
         if self.max_steps is None:
             raise TypeError("an endless DynaBatchDataLoader has no len(); set max_steps")
         return self.max_steps

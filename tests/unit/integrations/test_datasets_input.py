@@ -256,3 +256,31 @@ def test_train_on_datasets_in_memory_and_on_a_csv_with_columns(tmp_path, capsys)
     cfg = TrainConfig(**TINY, data=str(path), columns="inputs=question,targets=answer", output_dir=str(tmp_path / "csv"))
     assert train(cfg)["runs"][0]["steps"] == 2
     assert "data: source 'qa': 20 numbers/bools cast to text (targets 20)" in capsys.readouterr().err  # the run's log
+
+
+def test_the_tokenizer_may_be_a_name_and_another_object_is_one_line(byt5):
+    """``tokenizer="byt5"`` (a name, as ``--tokenizer`` takes) was an ``AttributeError`` from deep inside the
+    tokenization ('str' object has no attribute 'eos_token_id'); it is loaded as ``load_tokenizer`` loads it."""
+    options = dict(token_budget=256, columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=16)
+    by_name = DynaBatchDataLoader(_qa(8), limits, tokenizer="byt5", **options)
+    by_object = DynaBatchDataLoader(_qa(8), limits, tokenizer=byt5, **options)
+    assert by_name.batcher.data.tokens == by_object.batcher.data.tokens
+    assert [mb.sample_ids for mb in next(iter(by_name)).micro_batches] == [
+        mb.sample_ids for mb in next(iter(by_object)).micro_batches]
+    with pytest.raises(ValueError, match=r"^tokenizer= must be a Hugging Face tokenizer or a name load_tokenizer "
+                                         r"takes .*, got int$"):
+        DynaBatchDataLoader(_qa(8), limits, tokenizer=3, **options)
+
+
+def test_wrapping_the_loader_in_a_torch_dataloader_is_one_line_saying_to_iterate_it(byt5):
+    """``torch.utils.data.DataLoader(loader)`` indexed it as a dataset: "'DynaBatchDataLoader' object is not
+    subscriptable" from inside torch. It now says that the loader is iterated directly."""
+    import torch
+
+    loader = DynaBatchDataLoader(_qa(8), LengthLimits("seq2seq", max_input_len=32, max_target_len=16),
+                                 token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"},
+                                 max_steps=2)
+    with pytest.raises(TypeError, match=r"^DynaBatchDataLoader is itself the data loader, .*iterate it directly"):
+        next(iter(torch.utils.data.DataLoader(loader, batch_size=None)))
+    assert len(list(loader)) == 2
