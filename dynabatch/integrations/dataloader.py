@@ -515,12 +515,21 @@ class DynaBatchDataLoader:
         return self.max_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The stream position (the batcher's state; the next step is the next global batch) and, with
-        ``max_steps``, ``pass_step``: the steps already yielded by the current iteration."""
+        """The stream position (the batcher's state; the next step is the next global batch), with ``max_steps``
+        ``pass_step`` (the steps already yielded by the current iteration), and ``stream``: the settings that decide
+        the stream (``token_budget``, ``limits``, ``seed``), which :meth:`load_state_dict` checks."""
         state = self.batcher.state_dict()
         if self.max_steps is not None:
             state["pass_step"] = self._pass_step
+        state["stream"] = self._stream_settings()
         return state
+
+    def _stream_settings(self) -> dict[str, Any]:
+        """What decides the global batches besides the data (which the batcher's state checks itself)."""
+        limits = self.limits
+        lens = (("max_input_len", "max_target_len") if limits.family == "seq2seq" else ("max_seq_len",))
+        return {"token_budget": self.token_budget, "limits": {"family": limits.family, **{k: getattr(limits, k) for k in lens}},
+                "seed": self.data_seed}
 
     def restart(self) -> None:
         """Back at the loader's first position (its first global batch, a new iteration next), as built and
@@ -531,7 +540,16 @@ class DynaBatchDataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a :meth:`state_dict` position; a dict that is not one is a ``ValueError`` naming what it lacks.
-        A position inside an iteration (``0 < pass_step < max_steps``) makes the next iteration finish that one."""
+        A position inside an iteration (``0 < pass_step < max_steps``) makes the next iteration finish that one.
+        A position saved by a loader with another ``token_budget``, ``limits`` or ``seed`` is a ``ValueError`` naming
+        them: the same position would cut other global batches than the saved run's."""
+        saved, now = state.get("stream"), self._stream_settings()
+        if isinstance(saved, Mapping):
+            diffs = [f"{k}={saved[k]!r} then, {now[k]!r} now" for k in now if k in saved and saved[k] != now[k]]
+            if diffs:
+                raise ValueError(f"this position was saved by a loader with other stream settings ({'; '.join(diffs)}); "
+                                 "build the loader with the settings it was saved with to resume, or start over "
+                                 "without load_state_dict")
         self.batcher.load_state_dict(state)
         pass_step = int(state.get("pass_step", 0))
         self._resume_pass_step = pass_step if self.max_steps is not None and 0 < pass_step < self.max_steps else None

@@ -106,6 +106,29 @@ def test_deterministic_and_resumable(toy_data):
         assert [mb.sample_ids for mb in got.micro_batches] == [mb.sample_ids for mb in want.micro_batches]
 
 
+def test_a_position_saved_with_other_stream_settings_is_refused_naming_them(toy_data):
+    """A position loaded into a loader of another token budget, length limits or seed silently cut other global
+    batches than the saved run's (the batcher's state does not hold them); it is one ``ValueError`` naming each,
+    while another method (which cuts the same global batches differently) still resumes."""
+    state = make_loader(toy_data).state_dict()
+    family = toy_data.family
+    other_limits = LengthLimits(family, max_input_len=96, max_target_len=64, max_seq_len=96)
+    for kwargs, said in ((dict(token_budget=4000), "token_budget=3000 then, 4000 now"),
+                         (dict(limits=other_limits), "limits="),
+                         (dict(seed=5), "seed=")):
+        options = dict(token_budget=3000, hardware="cpu", model_config=build_config(
+            "t5-tiny" if family == "seq2seq" else "gpt2-tiny"))
+        options.update(kwargs)
+        limits = options.pop("limits", limits_for(family))
+        loader = DynaBatchDataLoader(toy_data, limits, **options)
+        with pytest.raises(ValueError, match=r"^this position was saved by a loader with other stream settings "
+                                             rf"\({said}"):
+            loader.load_state_dict(state)
+    padding = make_loader(toy_data, "padding")
+    padding.load_state_dict(state)
+    assert padding.next_step().step == 0
+
+
 def test_length_restart_and_shared_batcher(toy_data):
     endless = make_loader(toy_data)
     with pytest.raises(TypeError, match="max_steps"):
