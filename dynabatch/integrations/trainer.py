@@ -545,6 +545,11 @@ class DynaBatchTrainer(Trainer):
         ``Trainer`` counts the steps before it as trained (:func:`_trained_steps_counted`). A later ``train()``
         without a checkpoint starts the train loader over at its first step (:meth:`DynaBatchDataLoader.restart`), as
         the stock ``Trainer``'s new dataloader does; the model keeps the weights it trained."""
+        if self.train_loader is not None and self.train_loader.max_steps is None and self.args.max_steps <= 0:
+            # else Trainer's own "args.max_steps must be set to a positive value if dataloader does not have a length"
+            raise ValueError("the train_loader is endless (no max_steps), so the run's length is yours to set: pass "
+                             "TrainingArguments(max_steps=N), or build the loader with max_steps=N (steps per epoch) "
+                             "to train num_train_epochs epochs of N steps")
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer.train raises its own error

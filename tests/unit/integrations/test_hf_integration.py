@@ -840,6 +840,18 @@ def test_trainer_warns_that_epoch_strategies_act_once_on_an_endless_loader(copy_
     assert not [w for w in quiet if "endless train_loader" in str(w.message)]
 
 
+def test_an_endless_train_loader_without_max_steps_is_one_line_naming_both_ways(copy_spec, byt5, tmp_path):
+    """TrainingArguments without ``max_steps`` on an endless train loader was Trainer's own "args.max_steps must be
+    set to a positive value if dataloader does not have a length, was -1" from inside ``Trainer.train``; it is one
+    line naming both fixes, before any step."""
+    trainer, _, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=-1)
+    with pytest.raises(ValueError, match=r"^the train_loader is endless \(no max_steps\), so the run's length is "
+                                         r"yours to set: pass TrainingArguments\(max_steps=N\), or build the loader "
+                                         r"with max_steps=N"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def test_a_rotary_model_s_trained_positions_are_said_once_for_a_loader_and_its_trainer(copy_spec, byt5, tmp_path):
     """Above a rotary model's ``max_position_embeddings`` the loader built with the model's config warns; the trainer
     given that loader does not say it again (it checks loaders built without the model's config)."""
