@@ -283,6 +283,9 @@ class DynaBatchDataLoader:
     """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
     naming it) or ``skip`` (dropped, counted in ``data.sources[i].num_skipped`` and said in a warning), as
     ``--bad-rows``."""
+    max_stream_rows: int | None = None
+    """With a ``datasets.IterableDataset`` in ``data``: the rows read from it into memory (the sampler draws rows by
+    index); ``None``: :data:`~dynabatch.data.pipeline.DEFAULT_STREAM_ROWS`, with a warning when the stream has more."""
     seed: int | None = None
     """Orders the rows: the mixture sampler's draws (``each_row_once``: the row order). ``None``: 0 for datasets as
     ``data`` (the seed a :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` replaces with
@@ -433,7 +436,7 @@ class DynaBatchDataLoader:
                              f"'gpt2', 'byt5' or a folder), got {type(self.tokenizer).__name__}")
         try:
             data = load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
-                             bad_rows=self.bad_rows, seed=self.seed or 0)
+                             bad_rows=self.bad_rows, seed=self.seed or 0, max_stream_rows=self.max_stream_rows)
         except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
             advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
             raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None

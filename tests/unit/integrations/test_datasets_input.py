@@ -284,3 +284,19 @@ def test_wrapping_the_loader_in_a_torch_dataloader_is_one_line_saying_to_iterate
     with pytest.raises(TypeError, match=r"^DynaBatchDataLoader is itself the data loader, .*iterate it directly"):
         next(iter(torch.utils.data.DataLoader(loader, batch_size=None)))
     assert len(list(loader)) == 2
+
+
+def test_the_loader_takes_max_stream_rows_as_the_stream_warning_says(byt5):
+    """A stream longer than the row limit warned "raise max_stream_rows / max_examples", which a DynaBatchDataLoader
+    did not take: a loader user could not read more of an IterableDataset. The loader takes ``max_stream_rows``."""
+    import warnings
+
+    options = dict(token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("causal", max_seq_len=64)
+    with pytest.warns(UserWarning, match=r"the first 10 are used \(raise max_stream_rows= of DynaBatchDataLoader"):
+        short = DynaBatchDataLoader({"s": _stream(30)}, limits, max_stream_rows=10, **options)
+    assert len(short.batcher.data.sources[0]) == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        whole = DynaBatchDataLoader({"s": _stream(30)}, limits, max_stream_rows=30, **options)
+    assert len(whole.batcher.data.sources[0]) == 30
