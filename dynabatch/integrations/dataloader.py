@@ -328,6 +328,14 @@ class DynaBatchDataLoader:
             elif self.seed is not None:
                 self.data = replace(self.data, spec=replace(self.data.spec, seed=self.seed))
             self.batcher = self._new_batcher()
+        if not self.tokenized_here:
+            loading = {k: getattr(self, k) for k in ("tokenizer", "columns", "max_stream_rows")
+                       if getattr(self, k) is not None}
+            loading.update({"bad_rows": self.bad_rows} if self.bad_rows != "error" else {})
+            if loading:
+                warnings.warn(f"{sorted(loading)} apply to datasets given as data, which this loader tokenizes; its "
+                              f"data is a {type(self.data).__name__}, already tokenized, so they have no effect",
+                              stacklevel=3)
         if isinstance(self.batcher, EveryRowBatcher):
             if self.max_steps not in (None, len(self.batcher)):
                 raise ValueError(f"max_steps={self.max_steps} with each_row_once: the data makes {len(self.batcher)} "

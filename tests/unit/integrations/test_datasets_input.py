@@ -300,3 +300,20 @@ def test_the_loader_takes_max_stream_rows_as_the_stream_warning_says(byt5):
         warnings.simplefilter("error", UserWarning)
         whole = DynaBatchDataLoader({"s": _stream(30)}, limits, max_stream_rows=30, **options)
     assert len(whole.batcher.data.sources[0]) == 30
+
+
+def test_dataset_options_given_with_tokenized_data_are_a_warning_not_silently_dropped(byt5):
+    """``tokenizer=`` / ``columns=`` / ``bad_rows=`` with a ``MixtureData`` (already tokenized) were ignored without a
+    word, e.g. a tokenizer other than the mixture's; a warning names them."""
+    data = MixtureData.from_datasets(_qa(8), byt5, "seq2seq", columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=16)
+    with pytest.warns(UserWarning, match=r"^\['bad_rows', 'columns', 'tokenizer'\] apply to datasets given as data, "
+                                         r"which this loader tokenizes; its data is a MixtureData, already tokenized"):
+        DynaBatchDataLoader(data, limits, token_budget=256, tokenizer="gpt2", columns={"inputs": "q"}, bad_rows="skip")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        DynaBatchDataLoader(data, limits, token_budget=256)
+        DynaBatchDataLoader(_qa(8), limits, token_budget=256, tokenizer=byt5, bad_rows="skip",
+                            columns={"inputs": "question", "targets": "answer"})
