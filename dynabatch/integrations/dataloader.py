@@ -257,7 +257,7 @@ class DynaBatchDataLoader:
     with ``attention="segments"``, ``packing_free``, at their tuning grids' values) by the cost model and keep the
     cheapest when it beats the DP's (:class:`~dynabatch.plan.global_plan.GlobalPlanner`)."""
     loss_on_inputs: bool = False
-    """Decoder-only: also take loss on input tokens."""
+    """Decoder-only: also take loss on input tokens (with seq2seq data a ``ValueError``)."""
     num_replicas: int = 1
     """Data-parallel replicas (processes) sharing each global batch."""
     replica_index: int = 0
@@ -342,6 +342,10 @@ class DynaBatchDataLoader:
                                  "global batches, each row once; leave max_steps unset")
             self.max_steps, self.restart_on_iter, self.each_row_once = len(self.batcher), True, True
         self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
+        if self.loss_on_inputs and self.family != "causal":
+            raise ValueError(f"loss_on_inputs=True takes loss on a decoder-only model's input tokens, but the data is "
+                             f"tokenized for {self.family!r} models, whose inputs go to the encoder and have no loss; "
+                             "leave loss_on_inputs unset")
         if self.method not in METHODS:
             raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")
         for name, value, valid in (("dtype", self.dtype, DTYPES), ("attention", self.attention, ATTENTION_PATHS)):

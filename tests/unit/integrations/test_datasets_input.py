@@ -317,3 +317,15 @@ def test_dataset_options_given_with_tokenized_data_are_a_warning_not_silently_dr
         DynaBatchDataLoader(data, limits, token_budget=256)
         DynaBatchDataLoader(_qa(8), limits, token_budget=256, tokenizer=byt5, bad_rows="skip",
                             columns={"inputs": "question", "targets": "answer"})
+
+
+def test_loss_on_inputs_with_encoder_decoder_data_is_one_line(byt5):
+    """``loss_on_inputs=True`` on seq2seq data was ignored without a word (the encoder's inputs have no loss)."""
+    options = dict(token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    with pytest.raises(ValueError, match=r"^loss_on_inputs=True takes loss on a decoder-only model's input tokens, but "
+                                         r"the data is tokenized for 'seq2seq' models"):
+        DynaBatchDataLoader(_qa(8), LengthLimits("seq2seq", max_input_len=32, max_target_len=16), loss_on_inputs=True,
+                            **options)
+    causal = DynaBatchDataLoader(_qa(8), LengthLimits("causal", max_seq_len=48), loss_on_inputs=True, **options)
+    plain = DynaBatchDataLoader(_qa(8), LengthLimits("causal", max_seq_len=48), **options)
+    assert next(iter(causal)).num_loss_tokens > next(iter(plain)).num_loss_tokens
