@@ -72,11 +72,13 @@ def load_data(
     datasets: Any = None,
     bad_rows: str | None = None,
     seed: int = 0,
+    max_stream_rows: int | None = None,
 ) -> MixtureData:
     """The tokenized data of exactly one of ``datasets`` (a ``Dataset`` / ``IterableDataset`` or a mapping of task
     names to them: :meth:`MixtureData.from_datasets`), ``data`` (:func:`data_spec`) or ``mixture`` (a spec file);
     none of them: the built-in mixture. ``columns`` maps the columns of ``data`` or ``datasets``; ``seed`` orders
-    their rows (a mixture spec has its own)."""
+    their rows (a mixture spec has its own); ``max_stream_rows`` the rows read from an ``IterableDataset`` of
+    ``datasets`` (default :data:`~dynabatch.data.pipeline.DEFAULT_STREAM_ROWS`)."""
     given = [n for n, v in (("mixture", mixture), ("data", data), ("datasets", datasets)) if v is not None]
     if len(given) > 1:
         raise ValueError(f"give one of mixture, data or datasets, got {' and '.join(given)}")
@@ -84,8 +86,9 @@ def load_data(
         raise ValueError(COLUMNS_WITHOUT_DATA)
     if datasets is not None:
         cols = parse_columns(columns) if isinstance(columns, str) else columns
+        stream = {} if max_stream_rows is None else {"max_stream_rows": max_stream_rows}
         return MixtureData.from_datasets(datasets, tokenizer, family, columns=cols, seed=seed,
-                                         bad_rows=bad_rows or "error")
+                                         bad_rows=bad_rows or "error", **stream)
     if data is not None:
         spec = data_spec(data, columns, seed)
     else:

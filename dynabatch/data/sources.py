@@ -471,7 +471,8 @@ def _in_memory_rows(spec: SourceSpec, dataset):
         raise ValueError(f"source {spec.task!r} has no rows: the IterableDataset yielded none")
     if len(rows) > spec.max_examples:
         warnings.warn(f"source {spec.task!r}: the IterableDataset has more than {spec.max_examples} rows; the first "
-                      f"{spec.max_examples} are used (raise max_stream_rows / max_examples to use more)", stacklevel=2)
+                      f"{spec.max_examples} are used (raise max_stream_rows= of DynaBatchDataLoader or "
+                      "MixtureData.from_datasets, or its max_examples, to use more)", stacklevel=2)
         rows.pop()
     return datasets.Dataset.from_list(rows)
 

@@ -41,6 +41,7 @@ takes ~1-20 ms (numba, warm); collating is numpy + ``torch.from_numpy``.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -64,7 +65,7 @@ from dynabatch.cost.hardware import device_hardware, hardware_spec
 from dynabatch.cost.stages import StageCostModel, balanced_layout
 from dynabatch.data.inputs import load_data
 from dynabatch.data.sources import BadRowError
-from dynabatch.data.tokenize import TokenizerInfo, said_diffs, special_id_diffs
+from dynabatch.data.tokenize import TokenizerInfo, load_tokenizer, said_diffs, special_id_diffs
 
 
 def model_sequence_kind(config) -> str:
@@ -194,7 +195,29 @@ def resolved_hardware(hardware: str) -> tuple[str, str | None]:
 
 @dataclass(eq=False)
 class DynaBatchDataLoader:
-    """Endless (or ``max_steps``-long) iterable of :class:`StepBatch`, one per optimizer step."""
+    """Endless (or ``max_steps``-long) iterable of :class:`StepBatch`, one per optimizer step (more: the module
+    docstring and ``docs/huggingface.md``)::
+
+        loader = DynaBatchDataLoader({"qa": dataset}, LengthLimits("causal", max_seq_len=1024), token_budget=65_536,
+                                     model_config=model.config, tokenizer=tok,
+                                     columns={"inputs": "question", "targets": "answer"})
+        for step in loader:
+            for mb in step.micro_batches:
+                (forward_loss(model, mb, loader.attention).loss_sum / step.num_loss_tokens).backward()
+            optimizer.step(); optimizer.zero_grad()
+
+    Main arguments (every field has its own docstring in the source):
+
+    * ``data``: ``datasets.Dataset`` / ``IterableDataset`` objects (one, or a dict of task names to them, tokenized
+      with ``tokenizer``, columns mapped by ``columns``), a ``MixtureData`` or a batcher.
+    * ``limits``: :class:`~dynabatch.data.batching.LengthLimits`; ``token_budget``: real tokens per global batch.
+    * ``model_config``: the model's Hugging Face config, for the planner's cost model and checks at build.
+    * ``method`` (``dynamic`` or a baseline), ``method_options``; ``num_replicas`` / ``replica_index`` for data
+      parallelism; ``max_steps`` (gives a ``len()``); ``each_row_once=True`` for evaluation.
+
+    It is itself the loader: iterate it directly, not through ``torch.utils.data.DataLoader``.
+    :meth:`state_dict` / :meth:`load_state_dict` save and resume the position.
+    """
 
     data: Any = field(repr=False)
     """A tokenized mixture (``MixtureData``), a batcher (its position is shared: the loader advances it), or
@@ -234,7 +257,7 @@ class DynaBatchDataLoader:
     with ``attention="segments"``, ``packing_free``, at their tuning grids' values) by the cost model and keep the
     cheapest when it beats the DP's (:class:`~dynabatch.plan.global_plan.GlobalPlanner`)."""
     loss_on_inputs: bool = False
-    """Decoder-only: also take loss on input tokens."""
+    """Decoder-only: also take loss on input tokens (with seq2seq data a ``ValueError``)."""
     num_replicas: int = 1
     """Data-parallel replicas (processes) sharing each global batch."""
     replica_index: int = 0
@@ -252,13 +275,17 @@ class DynaBatchDataLoader:
     """With ``each_row_once``: at most this many rows per task (the same rows every iteration, as ``dynabatch
     train --eval-samples``); ``None``: every row."""
     tokenizer: Any = None
-    """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``)."""
+    """With datasets as ``data``: the tokenizer (e.g. ``dynabatch.data.tokenize.load_tokenizer("builtin")``), or a name
+    or folder :func:`~dynabatch.data.tokenize.load_tokenizer` loads (``"builtin"``, ``"gpt2"``, ``"byt5"``, a path)."""
     columns: Mapping[str, str] | str | None = None
     """With datasets as ``data``: ``{"inputs": "question", "targets": "answer"}`` (or ``--columns`` text)."""
     bad_rows: str = "error"
     """With datasets as ``data``: ``error`` (a malformed row, e.g. a ``None`` or empty target, is a ``ValueError``
     naming it) or ``skip`` (dropped, counted in ``data.sources[i].num_skipped`` and said in a warning), as
     ``--bad-rows``."""
+    max_stream_rows: int | None = None
+    """With a ``datasets.IterableDataset`` in ``data``: the rows read from it into memory (the sampler draws rows by
+    index); ``None``: :data:`~dynabatch.data.pipeline.DEFAULT_STREAM_ROWS`, with a warning when the stream has more."""
     seed: int | None = None
     """Orders the rows: the mixture sampler's draws (``each_row_once``: the row order). ``None``: 0 for datasets as
     ``data`` (the seed a :class:`~dynabatch.integrations.trainer.DynaBatchTrainer` replaces with
@@ -301,12 +328,24 @@ class DynaBatchDataLoader:
             elif self.seed is not None:
                 self.data = replace(self.data, spec=replace(self.data.spec, seed=self.seed))
             self.batcher = self._new_batcher()
+        if not self.tokenized_here:
+            loading = {k: getattr(self, k) for k in ("tokenizer", "columns", "max_stream_rows")
+                       if getattr(self, k) is not None}
+            loading.update({"bad_rows": self.bad_rows} if self.bad_rows != "error" else {})
+            if loading:
+                warnings.warn(f"{sorted(loading)} apply to datasets given as data, which this loader tokenizes; its "
+                              f"data is a {type(self.data).__name__}, already tokenized, so they have no effect",
+                              stacklevel=3)
         if isinstance(self.batcher, EveryRowBatcher):
             if self.max_steps not in (None, len(self.batcher)):
                 raise ValueError(f"max_steps={self.max_steps} with each_row_once: the data makes {len(self.batcher)} "
                                  "global batches, each row once; leave max_steps unset")
             self.max_steps, self.restart_on_iter, self.each_row_once = len(self.batcher), True, True
         self.limits, self.token_budget = self.batcher.limits, self.batcher.token_budget
+        if self.loss_on_inputs and self.family != "causal":
+            raise ValueError(f"loss_on_inputs=True takes loss on a decoder-only model's input tokens, but the data is "
+                             f"tokenized for {self.family!r} models, whose inputs go to the encoder and have no loss; "
+                             "leave loss_on_inputs unset")
         if self.method not in METHODS:
             raise ValueError(f"unknown batching method {self.method!r}; valid: {', '.join(METHODS)}")
         for name, value, valid in (("dtype", self.dtype, DTYPES), ("attention", self.attention, ATTENTION_PATHS)):
@@ -402,9 +441,14 @@ class DynaBatchDataLoader:
                              f"mapping of task names to them, got {type(datasets).__name__}")
         if self.tokenizer is None:
             raise ValueError("with datasets as data give tokenizer= (e.g. dynabatch.data.tokenize.load_tokenizer('builtin'))")
+        if isinstance(self.tokenizer, (str, os.PathLike)):  # a name or folder, as dynabatch train --tokenizer takes
+            self.tokenizer = load_tokenizer(os.fspath(self.tokenizer))
+        elif not hasattr(self.tokenizer, "eos_token_id"):
+            raise ValueError(f"tokenizer= must be a Hugging Face tokenizer or a name load_tokenizer takes ('builtin', "
+                             f"'gpt2', 'byt5' or a folder), got {type(self.tokenizer).__name__}")
         try:
             data = load_data(self.tokenizer, self.limits.family, datasets=datasets, columns=self.columns,
-                             bad_rows=self.bad_rows, seed=self.seed or 0)
+                             bad_rows=self.bad_rows, seed=self.seed or 0, max_stream_rows=self.max_stream_rows)
         except BadRowError as e:  # its advice names the spec and command-line spellings; add this class's own
             advice = "In DynaBatchDataLoader: columns={'inputs': <column>, 'targets': <column>}, bad_rows='skip'."
             raise BadRowError(f"{str(e).rstrip('.')}. {advice}") from None
@@ -473,18 +517,34 @@ class DynaBatchDataLoader:
             self._pass_step = num_steps  # before yielding: a checkpoint saved while the step trains counts it
             yield step
 
+    def __getitem__(self, index):
+        """Not a dataset: ``torch.utils.data.DataLoader(loader)`` indexes its dataset, so it gets this one line."""
+        raise TypeError("DynaBatchDataLoader is itself the data loader, not a dataset to index or to wrap in "
+                        "torch.utils.data.DataLoader: iterate it directly (for step in loader: ...); it plans and "
+                        "collates in this process, so there are no worker processes (num_workers) to set")
+
     def __len__(self) -> int:
+        """``max_steps``: the steps of one iteration; an endless loader (no ``max_steps``) has no ``len()``."""
         if self.max_steps is None:
             raise TypeError("an endless DynaBatchDataLoader has no len(); set max_steps")
         return self.max_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The stream position (the batcher's state; the next step is the next global batch) and, with
-        ``max_steps``, ``pass_step``: the steps already yielded by the current iteration."""
+        """The stream position (the batcher's state; the next step is the next global batch), with ``max_steps``
+        ``pass_step`` (the steps already yielded by the current iteration), and ``stream``: the settings that decide
+        the stream (``token_budget``, ``limits``, ``seed``), which :meth:`load_state_dict` checks."""
         state = self.batcher.state_dict()
         if self.max_steps is not None:
             state["pass_step"] = self._pass_step
+        state["stream"] = self._stream_settings()
         return state
+
+    def _stream_settings(self) -> dict[str, Any]:
+        """What decides the global batches besides the data (which the batcher's state checks itself)."""
+        limits = self.limits
+        lens = (("max_input_len", "max_target_len") if limits.family == "seq2seq" else ("max_seq_len",))
+        return {"token_budget": self.token_budget, "limits": {"family": limits.family, **{k: getattr(limits, k) for k in lens}},
+                "seed": self.data_seed}
 
     def restart(self) -> None:
         """Back at the loader's first position (its first global batch, a new iteration next), as built and
@@ -495,7 +555,16 @@ class DynaBatchDataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a :meth:`state_dict` position; a dict that is not one is a ``ValueError`` naming what it lacks.
-        A position inside an iteration (``0 < pass_step < max_steps``) makes the next iteration finish that one."""
+        A position inside an iteration (``0 < pass_step < max_steps``) makes the next iteration finish that one.
+        A position saved by a loader with another ``token_budget``, ``limits`` or ``seed`` is a ``ValueError`` naming
+        them: the same position would cut other global batches than the saved run's."""
+        saved, now = state.get("stream"), self._stream_settings()
+        if isinstance(saved, Mapping):
+            diffs = [f"{k}={saved[k]!r} then, {now[k]!r} now" for k in now if k in saved and saved[k] != now[k]]
+            if diffs:
+                raise ValueError(f"this position was saved by a loader with other stream settings ({'; '.join(diffs)}); "
+                                 "build the loader with the settings it was saved with to resume, or start over "
+                                 "without load_state_dict")
         self.batcher.load_state_dict(state)
         pass_step = int(state.get("pass_step", 0))
         self._resume_pass_step = pass_step if self.max_steps is not None and 0 < pass_step < self.max_steps else None

@@ -96,7 +96,28 @@ builds: setting one is a warning naming what decides instead."""
 
 
 class DynaBatchTrainer(Trainer):
-    """``Trainer`` that trains on a :class:`DynaBatchDataLoader` (see the module docstring)."""
+    """``Trainer`` whose optimizer step is one :class:`DynaBatchDataLoader` step (more: the module docstring and
+    ``docs/huggingface.md``)::
+
+        args = TrainingArguments(output_dir="out", max_steps=1000, eval_strategy="steps", eval_steps=200,
+                                 save_steps=200, report_to=[])
+        train = DynaBatchDataLoader(data, limits, token_budget=65_536, model_config=model.config, tokenizer=tok,
+                                    num_replicas=args.world_size, replica_index=args.process_index)
+        evals = DynaBatchDataLoader(eval_data, limits, token_budget=65_536, model_config=model.config,
+                                    tokenizer=tok, num_replicas=args.world_size,
+                                    replica_index=args.process_index, each_row_once=True)
+        DynaBatchTrainer(model=model, args=args, train_loader=train, eval_loader=evals).train()
+
+    Arguments besides ``Trainer``'s own (``model``, ``args``, ``compute_metrics``, ``callbacks``, ...):
+
+    * ``train_loader``: the :class:`DynaBatchDataLoader` :meth:`train` runs (in place of ``train_dataset``).
+    * ``eval_loader``: an ``each_row_once=True`` loader, or a dict of named ones (in place of ``eval_dataset``).
+    * ``attention``: the :func:`~dynabatch.models.forward.forward_loss` path, ``segments`` (padding-free, default)
+      or ``dense`` (4-D masks).
+    * ``cpu_allocator``: ``auto``, ``keep`` or ``system``, as ``dynabatch train --cpu-allocator``.
+
+    ``train_dataset``, ``eval_dataset`` and ``data_collator`` are refused, and so is ``gradient_accumulation_steps`` other than 1 (the token budget sets the step).
+    """
 
     def __init__(
         self,
@@ -277,6 +298,7 @@ class DynaBatchTrainer(Trainer):
     # ------------------------------------------------------------------ training
 
     def get_train_dataloader(self) -> DynaBatchDataLoader:
+        """The ``train_loader`` as it is (no ``torch`` ``DataLoader``, sampler or workers: it plans and collates)."""
         if self.train_loader is None:
             raise ValueError("DynaBatchTrainer: training needs train_loader=DynaBatchDataLoader(...)")
         return self.train_loader
@@ -523,6 +545,11 @@ class DynaBatchTrainer(Trainer):
         ``Trainer`` counts the steps before it as trained (:func:`_trained_steps_counted`). A later ``train()``
         without a checkpoint starts the train loader over at its first step (:meth:`DynaBatchDataLoader.restart`), as
         the stock ``Trainer``'s new dataloader does; the model keeps the weights it trained."""
+        if self.train_loader is not None and self.train_loader.max_steps is None and self.args.max_steps <= 0:
+            # else Trainer's own "args.max_steps must be set to a positive value if dataloader does not have a length"
+            raise ValueError("the train_loader is endless (no max_steps), so the run's length is yours to set: pass "
+                             "TrainingArguments(max_steps=N), or build the loader with max_steps=N (steps per epoch) "
+                             "to train num_train_epochs epochs of N steps")
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer.train raises its own error

@@ -374,11 +374,27 @@ def _dense_attention(module):
     return eager if name == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
 
 
+def _dense_mask(*args, config=None, **kwargs):
+    """The ``transformers.AttentionMaskInterface`` entry: the mask the implementation the config had before
+    :func:`use_segment_attention` would get (sdpa's boolean mask, eager's additive one), since
+    :func:`segment_attention_forward` hands every mask but :class:`Segments` to that implementation. Without an entry
+    HF builds no mask at all for an unknown implementation, so a switched model called the Hugging Face way
+    (``model(input_ids, attention_mask=...)``, ``generate`` on a padded batch) attended to padding."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    name = _DENSE_IMPLEMENTATION.get(id(config), "sdpa") if config is not None else "sdpa"
+    make = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    return None if make is None else make(*args, config=config, **kwargs)  # None: as HF does for a maskless one
+
+
 def register() -> None:
-    """Register :data:`SEGMENT_ATTENTION` with ``transformers.AttentionInterface`` (idempotent)."""
+    """Register :data:`SEGMENT_ATTENTION` with ``transformers.AttentionInterface``, and its dense masks with
+    ``AttentionMaskInterface`` (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(SEGMENT_ATTENTION, segment_attention_forward)
+    AttentionMaskInterface.register(SEGMENT_ATTENTION, _dense_mask)
 
 
 def use_segment_attention(module: torch.nn.Module) -> None:

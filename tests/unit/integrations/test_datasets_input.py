@@ -256,3 +256,76 @@ def test_train_on_datasets_in_memory_and_on_a_csv_with_columns(tmp_path, capsys)
     cfg = TrainConfig(**TINY, data=str(path), columns="inputs=question,targets=answer", output_dir=str(tmp_path / "csv"))
     assert train(cfg)["runs"][0]["steps"] == 2
     assert "data: source 'qa': 20 numbers/bools cast to text (targets 20)" in capsys.readouterr().err  # the run's log
+
+
+def test_the_tokenizer_may_be_a_name_and_another_object_is_one_line(byt5):
+    """``tokenizer="byt5"`` (a name, as ``--tokenizer`` takes) was an ``AttributeError`` from deep inside the
+    tokenization ('str' object has no attribute 'eos_token_id'); it is loaded as ``load_tokenizer`` loads it."""
+    options = dict(token_budget=256, columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=16)
+    by_name = DynaBatchDataLoader(_qa(8), limits, tokenizer="byt5", **options)
+    by_object = DynaBatchDataLoader(_qa(8), limits, tokenizer=byt5, **options)
+    assert by_name.batcher.data.tokens == by_object.batcher.data.tokens
+    assert [mb.sample_ids for mb in next(iter(by_name)).micro_batches] == [
+        mb.sample_ids for mb in next(iter(by_object)).micro_batches]
+    with pytest.raises(ValueError, match=r"^tokenizer= must be a Hugging Face tokenizer or a name load_tokenizer "
+                                         r"takes .*, got int$"):
+        DynaBatchDataLoader(_qa(8), limits, tokenizer=3, **options)
+
+
+def test_wrapping_the_loader_in_a_torch_dataloader_is_one_line_saying_to_iterate_it(byt5):
+    """``torch.utils.data.DataLoader(loader)`` indexed it as a dataset: "'DynaBatchDataLoader' object is not
+    subscriptable" from inside torch. It now says that the loader is iterated directly."""
+    import torch
+
+    loader = DynaBatchDataLoader(_qa(8), LengthLimits("seq2seq", max_input_len=32, max_target_len=16),
+                                 token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"},
+                                 max_steps=2)
+    with pytest.raises(TypeError, match=r"^DynaBatchDataLoader is itself the data loader, .*iterate it directly"):
+        next(iter(torch.utils.data.DataLoader(loader, batch_size=None)))
+    assert len(list(loader)) == 2
+
+
+def test_the_loader_takes_max_stream_rows_as_the_stream_warning_says(byt5):
+    """A stream longer than the row limit warned "raise max_stream_rows / max_examples", which a DynaBatchDataLoader
+    did not take: a loader user could not read more of an IterableDataset. The loader takes ``max_stream_rows``."""
+    import warnings
+
+    options = dict(token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("causal", max_seq_len=64)
+    with pytest.warns(UserWarning, match=r"the first 10 are used \(raise max_stream_rows= of DynaBatchDataLoader"):
+        short = DynaBatchDataLoader({"s": _stream(30)}, limits, max_stream_rows=10, **options)
+    assert len(short.batcher.data.sources[0]) == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        whole = DynaBatchDataLoader({"s": _stream(30)}, limits, max_stream_rows=30, **options)
+    assert len(whole.batcher.data.sources[0]) == 30
+
+
+def test_dataset_options_given_with_tokenized_data_are_a_warning_not_silently_dropped(byt5):
+    """``tokenizer=`` / ``columns=`` / ``bad_rows=`` with a ``MixtureData`` (already tokenized) were ignored without a
+    word, e.g. a tokenizer other than the mixture's; a warning names them."""
+    data = MixtureData.from_datasets(_qa(8), byt5, "seq2seq", columns={"inputs": "question", "targets": "answer"})
+    limits = LengthLimits("seq2seq", max_input_len=32, max_target_len=16)
+    with pytest.warns(UserWarning, match=r"^\['bad_rows', 'columns', 'tokenizer'\] apply to datasets given as data, "
+                                         r"which this loader tokenizes; its data is a MixtureData, already tokenized"):
+        DynaBatchDataLoader(data, limits, token_budget=256, tokenizer="gpt2", columns={"inputs": "q"}, bad_rows="skip")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        DynaBatchDataLoader(data, limits, token_budget=256)
+        DynaBatchDataLoader(_qa(8), limits, token_budget=256, tokenizer=byt5, bad_rows="skip",
+                            columns={"inputs": "question", "targets": "answer"})
+
+
+def test_loss_on_inputs_with_encoder_decoder_data_is_one_line(byt5):
+    """``loss_on_inputs=True`` on seq2seq data was ignored without a word (the encoder's inputs have no loss)."""
+    options = dict(token_budget=256, tokenizer=byt5, columns={"inputs": "question", "targets": "answer"})
+    with pytest.raises(ValueError, match=r"^loss_on_inputs=True takes loss on a decoder-only model's input tokens, but "
+                                         r"the data is tokenized for 'seq2seq' models"):
+        DynaBatchDataLoader(_qa(8), LengthLimits("seq2seq", max_input_len=32, max_target_len=16), loss_on_inputs=True,
+                            **options)
+    causal = DynaBatchDataLoader(_qa(8), LengthLimits("causal", max_seq_len=48), loss_on_inputs=True, **options)
+    plain = DynaBatchDataLoader(_qa(8), LengthLimits("causal", max_seq_len=48), **options)
+    assert next(iter(causal)).num_loss_tokens > next(iter(plain)).num_loss_tokens

@@ -106,6 +106,29 @@ def test_deterministic_and_resumable(toy_data):
         assert [mb.sample_ids for mb in got.micro_batches] == [mb.sample_ids for mb in want.micro_batches]
 
 
+def test_a_position_saved_with_other_stream_settings_is_refused_naming_them(toy_data):
+    """A position loaded into a loader of another token budget, length limits or seed silently cut other global
+    batches than the saved run's (the batcher's state does not hold them); it is one ``ValueError`` naming each,
+    while another method (which cuts the same global batches differently) still resumes."""
+    state = make_loader(toy_data).state_dict()
+    family = toy_data.family
+    other_limits = LengthLimits(family, max_input_len=96, max_target_len=64, max_seq_len=96)
+    for kwargs, said in ((dict(token_budget=4000), "token_budget=3000 then, 4000 now"),
+                         (dict(limits=other_limits), "limits="),
+                         (dict(seed=5), "seed=")):
+        options = dict(token_budget=3000, hardware="cpu", model_config=build_config(
+            "t5-tiny" if family == "seq2seq" else "gpt2-tiny"))
+        options.update(kwargs)
+        limits = options.pop("limits", limits_for(family))
+        loader = DynaBatchDataLoader(toy_data, limits, **options)
+        with pytest.raises(ValueError, match=r"^this position was saved by a loader with other stream settings "
+                                             rf"\({said}"):
+            loader.load_state_dict(state)
+    padding = make_loader(toy_data, "padding")
+    padding.load_state_dict(state)
+    assert padding.next_step().step == 0
+
+
 def test_length_restart_and_shared_batcher(toy_data):
     endless = make_loader(toy_data)
     with pytest.raises(TypeError, match="max_steps"):
@@ -815,6 +838,18 @@ def test_trainer_warns_that_epoch_strategies_act_once_on_an_endless_loader(copy_
         DynaBatchTrainer(model=trainer.model, args=trainer.args, train_loader=epochs,
                          eval_loader=trainer.eval_dataset)
     assert not [w for w in quiet if "endless train_loader" in str(w.message)]
+
+
+def test_an_endless_train_loader_without_max_steps_is_one_line_naming_both_ways(copy_spec, byt5, tmp_path):
+    """TrainingArguments without ``max_steps`` on an endless train loader was Trainer's own "args.max_steps must be
+    set to a positive value if dataloader does not have a length, was -1" from inside ``Trainer.train``; it is one
+    line naming both fixes, before any step."""
+    trainer, _, _ = trainer_setup(copy_spec, byt5, "gpt2", tmp_path, max_steps=-1)
+    with pytest.raises(ValueError, match=r"^the train_loader is endless \(no max_steps\), so the run's length is "
+                                         r"yours to set: pass TrainingArguments\(max_steps=N\), or build the loader "
+                                         r"with max_steps=N"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def test_a_rotary_model_s_trained_positions_are_said_once_for_a_loader_and_its_trainer(copy_spec, byt5, tmp_path):

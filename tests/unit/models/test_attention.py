@@ -125,6 +125,32 @@ def test_a_switched_model_still_runs_dense_masks_and_generation(implementation):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_switched_model_called_the_hf_way_keeps_its_padding_mask(family, implementation):
+    """After ``forward_loss(model, mb, "segments")`` (and so after ``DynaBatchTrainer``) the model's config names
+    the padding-free implementation, for which transformers built no mask: ``model(ids, attention_mask=...)`` and
+    ``generate`` on a padded batch attended to the padding (T5's encoder outputs off by ~1 on real tokens)."""
+    import copy
+
+    model = MODELS[family]().eval()
+    for sub in model.modules():
+        if getattr(sub, "config", None) is not None:
+            sub.config._attn_implementation = implementation
+    reference = copy.deepcopy(model)
+    attention.use_segment_attention(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])  # a left-padded row, as decoder-only generation pads
+    mask = (ids != 0).long()
+    extra = {"decoder_input_ids": torch.tensor([[0, 5, 6], [0, 7, 8]])} if family == "t5" else {}
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, **extra).logits
+        want = reference(input_ids=ids, attention_mask=mask, **extra).logits
+        real = torch.ones(got.shape[:2], dtype=torch.bool) if family == "t5" else mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+        kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD_ID)
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("family", list(MODELS))
 def test_whole_model_padding_free_loss_equals_the_dense_one(family):
     model = MODELS[family]()
     mb = _micro_batch(family, ROWS["mixed"])
