@@ -335,6 +335,7 @@ def test_disk_full_through_dcp_keeps_a_folder_this_save_did_not_create(tmp_path,
     import safetensors.torch
 
     os.makedirs(step_dir(tmp_path, 4))
+    (tmp_path / "step-000004" / RUN_ID_FILE).write_text("r")  # this run's folder (an earlier unfinished save)
     (tmp_path / "step-000004" / "notes.txt").write_text("not ours")
     monkeypatch.setattr(safetensors.torch, "save", _disk_full)  # what DCP's safetensors writer calls
     with pytest.raises(CheckpointWriteError, match="rank 0: No space left on device"):
@@ -515,3 +516,23 @@ def test_disk_full_during_train_is_one_line_and_exit_2(tmp_path, capsys, toy_mix
     assert f"could not write checkpoint {step_dir(tmp_path / 'run' / 'checkpoints', 1)}" in line
     assert "No space left on device (ENOSPC)" in line and "free disk space" in line
     assert _steps(tmp_path / "run" / "checkpoints") == []
+
+
+@pytest.mark.parametrize("theirs", ["other-run", "user-files"])
+def test_a_save_never_claims_a_step_folder_of_another_run_or_of_the_user(tmp_path, theirs):
+    """A run resumed into a folder holding another run's checkpoints at the steps it saves (or a step-NNNNNN folder
+    of the user's) used to delete their data files and claim the folder (which pruning later deleted whole): the
+    save is refused in one line, and that folder is left byte for byte."""
+    folder = step_dir(tmp_path, 4)
+    if theirs == "other-run":
+        _save(tmp_path, 4, run_id="other")
+    else:
+        os.makedirs(folder)
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("mine")
+        _file_writer(0)(folder, {"mine": torch.ones(2)})
+    before = {n: open(os.path.join(folder, n), "rb").read() for n in os.listdir(folder)}
+    with pytest.raises(CheckpointWriteError, match="not writing checkpoint .*step-000004: it already holds"):
+        save_collective(str(tmp_path), 4, 0, {"model/v": torch.ones(1)}, gather=_one_rank, write=_file_writer(0),
+                        manifest_extra={}, run_id="r", keep=1)
+    assert {n: open(os.path.join(folder, n), "rb").read() for n in os.listdir(folder)} == before
