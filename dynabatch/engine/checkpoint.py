@@ -251,7 +251,10 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
     one (broken newer ones skipped with a warning); :class:`CheckpointError` in one line otherwise."""
     if os.path.isdir(path) and (_STEP_DIR.match(os.path.basename(os.path.normpath(path)))
                                 or os.path.exists(os.path.join(path, MANIFEST))):
-        return verify(path)
+        try:
+            return verify(path)
+        except CheckpointError as e:  # named on purpose: no fallback, but say which ones to pass instead
+            raise CheckpointError(f"{e}{_others_beside(path)}") from e
     if list_checkpoints(path):
         info = latest_checkpoint(path)
         if info is None:
@@ -281,6 +284,18 @@ def _empty_checkpoints_folder(path: str) -> str | None:
         return path
     inside = os.path.join(path, "checkpoints")
     return inside if os.path.isdir(inside) and not list_checkpoints(inside) else None
+
+
+def _others_beside(path: str) -> str:
+    """For a broken step folder named on purpose: the other saved checkpoints beside it (with a manifest, newest
+    first; not checksummed here), or nothing when there are none."""
+    root = os.path.dirname(os.path.normpath(path)) or "."
+    others = [os.path.basename(p) for p in reversed(list_checkpoints(root))
+              if os.path.normpath(p) != os.path.normpath(path) and os.path.isfile(os.path.join(p, MANIFEST))]
+    if not others:
+        return ""
+    return (f"; pass another checkpoint ({root} also holds {', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}), or {root} for its newest complete one")
 
 
 def _saved_beside(path: str) -> str:

@@ -163,6 +163,10 @@ def test_truncated_file_detected(tmp_path):
         verify(step_dir(tmp_path, 20))
     with pytest.warns(UserWarning):
         assert latest_checkpoint(str(tmp_path)).step == 10
+    # named on purpose (--resume-from-checkpoint PATH, export PATH): no fallback, but the line says what to pass
+    with pytest.raises(CheckpointError, match=r"truncated .*; pass another checkpoint \(.* also holds step-000010\), "
+                                              r"or .* for its newest complete one$"):
+        resolve_checkpoint(step_dir(tmp_path, 20))
 
 
 def test_unlisted_data_file_and_older_format_are_refused(tmp_path):
