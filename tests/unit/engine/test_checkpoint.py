@@ -403,7 +403,7 @@ def test_a_one_stage_checkpoint_loads_into_two_stages_with_tied_weights_and_mome
 # --- export -------------------------------------------------------------------------------------------
 
 
-def _model_checkpoint(root, step: int, poison: str | None = None):
+def _model_checkpoint(root, step: int, poison: str | None = None, tokenizer: str = "byt5"):
     """A one-stage t5-tiny checkpoint with ``poison`` (a stage parameter name) holding a NaN, written
     without the save's finiteness check (as by hand). Returns (folder, stage)."""
     from dynabatch.training.config import TrainConfig
@@ -411,7 +411,7 @@ def _model_checkpoint(root, step: int, poison: str | None = None):
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for
 
-    cfg = TrainConfig(model="t5-tiny", tokenizer="byt5", output_dir=str(root))
+    cfg = TrainConfig(model="t5-tiny", tokenizer=tokenizer, output_dir=str(root))
     model = build_model(cfg.model, vocab_size=tokenizer_info(load_tokenizer(cfg.tokenizer)).vocab_size, seed=1)
     stage = build_stage(model, layout_for(model, 1), 0)
     state = stage_state(stage, torch.optim.AdamW(stage.parameters()), 0)
@@ -540,3 +540,20 @@ def test_a_save_never_claims_a_step_folder_of_another_run_or_of_the_user(tmp_pat
         save_collective(str(tmp_path), 4, 0, {"model/v": torch.ones(1)}, gather=_one_rank, write=_file_writer(0),
                         manifest_extra={}, run_id="r", keep=1)
     assert {n: open(os.path.join(folder, n), "rb").read() for n in os.listdir(folder)} == before
+
+
+def test_a_re_export_that_does_not_load_names_the_files_it_did_not_write(tmp_path, capsys):
+    """Re-exporting into an earlier export's folder keeps files the new export does not write (a model card, a
+    tokenizer file of the earlier one): one that breaks AutoTokenizer's load was a bare `Expecting value: line 1
+    column 1` and left the earlier export's record, naming another checkpoint, beside the new weights."""
+    _model_checkpoint(tmp_path / "ckpt", 2, tokenizer="builtin")  # a fast tokenizer: it writes no special_tokens_map
+    out = tmp_path / "hf"
+    assert _cli(capsys, "export", str(tmp_path / "ckpt"), str(out))[0] == 0
+    (out / "README.md").write_text("card")
+    (out / "special_tokens_map.json").write_text("{bad")
+    code, err = _cli(capsys, "export", str(tmp_path / "ckpt"), str(out))
+    lines = [line for line in err.splitlines() if line.startswith("dynabatch export: error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert "does not load with AutoTokenizer.from_pretrained" in lines[0]
+    assert "did not write (README.md, special_tokens_map.json): export into a new or empty folder" in lines[0]
+    assert (out / "README.md").read_text() == "card" and not (out / "dynabatch_export.json").exists()
