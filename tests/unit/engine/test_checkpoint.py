@@ -557,3 +557,26 @@ def test_a_re_export_that_does_not_load_names_the_files_it_did_not_write(tmp_pat
     assert "does not load with AutoTokenizer.from_pretrained" in lines[0]
     assert "did not write (README.md, special_tokens_map.json): export into a new or empty folder" in lines[0]
     assert (out / "README.md").read_text() == "card" and not (out / "dynabatch_export.json").exists()
+
+
+def test_resume_latest_where_every_finished_save_is_corrupt_is_one_line_not_a_fresh_start(tmp_path):
+    """``--resume-from-checkpoint`` (latest) with every checkpoint corrupt started from step 0 with a warning, a new
+    run id, and wrote over those folders at its saves: it is an error naming them. A folder with no finished save (a
+    crash in the first save) still starts from step 0."""
+    from types import SimpleNamespace
+
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.resume import find_resume_checkpoint
+
+    root = tmp_path / "checkpoints"
+    cfg = TrainConfig(model="t5-tiny", output_dir=str(tmp_path), resume_from_checkpoint="latest")
+    ctx = SimpleNamespace(is_planner=True)
+    os.makedirs(step_dir(root, 2))  # the first save crashed: nothing finished, start over
+    with pytest.warns(UserWarning):
+        assert find_resume_checkpoint(cfg, ctx) is None
+    _save(root, 4)
+    with open(os.path.join(step_dir(root, 4), "shard-00001.safetensors"), "r+b") as f:
+        f.truncate(10)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"every checkpoint in .*checkpoints is corrupt "
+                                                                     r"\(step-000004: see the warnings above\)"):
+        find_resume_checkpoint(cfg, ctx)
