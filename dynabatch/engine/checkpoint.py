@@ -251,7 +251,10 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
     one (broken newer ones skipped with a warning); :class:`CheckpointError` in one line otherwise."""
     if os.path.isdir(path) and (_STEP_DIR.match(os.path.basename(os.path.normpath(path)))
                                 or os.path.exists(os.path.join(path, MANIFEST))):
-        return verify(path)
+        try:
+            return verify(path)
+        except CheckpointError as e:  # named on purpose: no fallback, but say which ones to pass instead
+            raise CheckpointError(f"{e}{_others_beside(path)}") from e
     if list_checkpoints(path):
         info = latest_checkpoint(path)
         if info is None:
@@ -281,6 +284,18 @@ def _empty_checkpoints_folder(path: str) -> str | None:
         return path
     inside = os.path.join(path, "checkpoints")
     return inside if os.path.isdir(inside) and not list_checkpoints(inside) else None
+
+
+def _others_beside(path: str) -> str:
+    """For a broken step folder named on purpose: the other saved checkpoints beside it (with a manifest, newest
+    first; not checksummed here), or nothing when there are none."""
+    root = os.path.dirname(os.path.normpath(path)) or "."
+    others = [os.path.basename(p) for p in reversed(list_checkpoints(root))
+              if os.path.normpath(p) != os.path.normpath(path) and os.path.isfile(os.path.join(p, MANIFEST))]
+    if not others:
+        return ""
+    return (f"; pass another checkpoint ({root} also holds {', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}), or {root} for its newest complete one")
 
 
 def _saved_beside(path: str) -> str:
@@ -394,18 +409,45 @@ def save_collective(root: str, step: int, rank: int, state: dict[str, Any], *, g
             "written and the earlier checkpoints are kept. Lower --learning-rate or --max-grad-norm and "
             "--resume-from-checkpoint the newest checkpoint"
         )
-    error = _prepare_folder(folder, run_id) if rank == 0 else None
+    refusal = _not_ours(folder, run_id) if rank == 0 else None
+    error = refusal or (_prepare_folder(folder, run_id) if rank == 0 else None)
     if gather(error)[0] is None:  # every rank writes, or (rank 0 could not prepare the folder) none does
         try:
             write(folder, state)
         except OSError as e:
             error = f"rank {rank}: {_os_error(e)}"
     errors = [e for e in gather(error) if e is not None]
-    problem = _finish_save(root, step, errors, manifest_extra or {}, run_id, keep, created) if rank == 0 else None
+    if refusal is not None:  # nothing was written, and nothing of that folder may be removed
+        problem = refusal
+    else:
+        problem = _finish_save(root, step, errors, manifest_extra or {}, run_id, keep, created) if rank == 0 else None
     problem = gather(problem)[0]
     if problem is not None:
         raise CheckpointWriteError(problem)
     return folder
+
+
+def _not_ours(folder: str, run_id: str) -> str | None:
+    """Rank 0, before any write: why this run must not save into the existing step folder ``folder`` (another
+    run's checkpoint, or files of no run: a save would delete their data files and claim the folder, which
+    pruning would later delete whole), else ``None``. A folder of this run (an unfinished or abandoned save of
+    its own), or one holding only data files and ``model/`` (an unfinished save that wrote no run id), is
+    cleared and reused."""
+    if not os.path.isdir(folder):
+        return None
+    owner = folder_run_id(folder)
+    if owner == run_id:
+        return None
+    if owner is not None:
+        what = f"a checkpoint of another run (run id {owner})"
+    else:  # no run id: an unfinished save (data files, model/, no manifest) is reused, anything else is not ours
+        entries = sorted(n for n in os.listdir(folder) if not n.startswith(".tmp-"))
+        foreign = [n for n in entries if not n.endswith(DATA_SUFFIX) and n != "model"]
+        if not foreign:
+            return None
+        what = f"files no save of this run wrote ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+    return (f"not writing checkpoint {folder}: it already holds {what}, which this run never deletes or "
+            "overwrites; move that folder away and rerun the same command, or pass another --output-dir")
 
 
 def _prepare_folder(folder: str, run_id: str) -> str | None:

@@ -9,7 +9,7 @@ anything is loaded, rank 0 inspects the folder (:func:`output_dir_problem`):
   the folder is touched;
 * with ``--overwrite-output-dir`` the entries the earlier run wrote are deleted first (its checkpoints, metrics,
   summary, configuration, calibration, timelines, tracker logs and compare runs); anything else in the folder is left
-  alone. What counts as the earlier run's is what its run file says (:data:`RUN_FILE`): a run starting in a folder
+  alone, and so is a file or folder of the user's inside the run's ``checkpoints/`` (only its checkpoints go). What counts as the earlier run's is what its run file says (:data:`RUN_FILE`): a run starting in a folder
   records there what the folder held before it, and the folders it writes (:data:`RUN_DIRS`: ``checkpoints/``, and
   ``runs/``, ``wandb/``, ``compare-<method>/`` when its settings write them), so an entry named like a run's that was
   there first, or a folder the run did not write (a ``runs/`` added after a run without TensorBoard), is never
@@ -34,7 +34,7 @@ import os
 import shutil
 import tempfile
 
-from dynabatch.engine.checkpoint import newest_saved
+from dynabatch.engine.checkpoint import MANIFEST, RUN_ID_FILE, list_checkpoints, newest_saved
 
 RUN_FILE = "dynabatch-run.json"
 """Written when a run starts in a folder: the entries the folder held before it (``present_before``), so that
@@ -145,29 +145,54 @@ def make_writable_dir(path: str) -> None:
     os.remove(probe)
 
 
-def _delete(path: str, names) -> None:
+def _delete(path: str, names) -> list[str]:
+    """Delete the entries ``names`` of ``path``; returns those kept: a run's ``checkpoints/`` that holds entries of
+    the user's beside the run's checkpoints (:func:`_delete_checkpoints`)."""
+    kept = []
     for name in names:
         target = os.path.join(path, name)
-        if os.path.isdir(target) and not os.path.islink(target):
+        if name == "checkpoints" and os.path.isdir(target) and not os.path.islink(target):
+            if not _delete_checkpoints(target):
+                kept.append(name)
+        elif os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
         else:
             os.remove(target)
+    return kept
 
 
-def _clear_earlier_run(path: str, found: list[str]) -> str | None:
+def _delete_checkpoints(folder: str) -> bool:
+    """Delete the checkpoints in a run's ``checkpoints/`` (step folders with a manifest or a run id: what saves
+    write) and then the folder, unless it holds anything else (a file or folder of the user's: kept, and so the
+    folder); returns whether the folder is gone."""
+    for step in list_checkpoints(folder):
+        if os.path.isdir(step) and any(os.path.exists(os.path.join(step, n)) for n in (MANIFEST, RUN_ID_FILE)):
+            shutil.rmtree(step)
+    for name in os.listdir(folder):
+        if name.startswith(".tmp-"):  # an atomic write cut short
+            os.remove(os.path.join(folder, name))
+    try:
+        os.rmdir(folder)
+    except OSError:
+        return False
+    return True
+
+
+def _clear_earlier_run(path: str, found: list[str]) -> tuple[str | None, list[str]]:
     """``--overwrite-output-dir``: delete the entries of ``found`` the earlier run wrote (by its run file), or say
-    why none can be deleted (entries named like a run's and no run file to tell whose they are)."""
+    why none can be deleted (entries named like a run's and no run file to tell whose they are). Returns that line
+    (or ``None``) and the run's folders kept for the user's files in them (still the run's: ``checkpoints/``)."""
     record = _run_file(path)
     named = [n for n in found if _is_run_entry(n)]
     if record is None:
         if not named:
-            return None
+            return None, []
         return (f"--overwrite-output-dir: {path!r} holds {listed(named)} but no {RUN_FILE} saying a dynabatch run "
-                "wrote them, so nothing was deleted; move them away, or pass another --output-dir")
+                "wrote them, so nothing was deleted; move them away, or pass another --output-dir"), []
     before = set(record["present_before"])  # there before that run started: not its own
     claimed = record.get("claimed")  # the folders it wrote (None: a run file older than claims)
-    _delete(path, [n for n in named if n not in before and (claimed is None or not _is_run_dir(n) or n in claimed)])
-    return None
+    return None, _delete(path, [n for n in named
+                                if n not in before and (claimed is None or not _is_run_dir(n) or n in claimed)])
 
 
 def output_dir_problem(path: str, *, resume: bool, overwrite: bool, claims=()) -> str | None:
@@ -202,11 +227,12 @@ def output_dir_problem(path: str, *, resume: bool, overwrite: bool, claims=()) -
     if found and not overwrite:
         return (f"--output-dir {path!r} is not empty (it holds {listed(found)}); pass --resume-from-checkpoint to continue the run that "
                 "wrote it, --overwrite-output-dir to replace that run's files, or another --output-dir")
+    kept = []
     if found:
-        problem = _clear_earlier_run(path, found)
+        problem, kept = _clear_earlier_run(path, found)
         if problem is not None:
             return problem
-    _record_start(path, sorted(os.listdir(path)), claims)
+    _record_start(path, sorted(n for n in os.listdir(path) if n not in kept), claims)
     return None
 
 

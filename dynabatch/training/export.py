@@ -115,21 +115,42 @@ def export_checkpoint(checkpoint: str, out_dir: str, force: bool = False) -> str
     check_not_in_checkpoints(checkpoint, out_dir)
     check_out_dir(out_dir, force)
     created = make_out_dir(out_dir)
+    before = _stamps(out_dir)
     try:
         info = resolve_checkpoint(checkpoint)
         model, tokenizer, family = _model_and_tokenizer(info)
         _load_weights(model, info.path)
+        marker = os.path.join(out_dir, EXPORT_MARKER)
+        if os.path.exists(marker):  # from here the folder no longer holds that export: never leave its record behind
+            os.remove(marker)
         model.save_pretrained(out_dir)
         inference_tokenizer(tokenizer, family).save_pretrained(out_dir)
         start = input_start(tokenizer, family)
     except BaseException:
         remove_empty(created)
         raise
-    encoding = _check_encoding(out_dir, family, start, tokenizer)
+    try:
+        encoding = _check_encoding(out_dir, family, start, tokenizer)
+    except Exception as e:  # files this export did not write (an earlier export's, or yours) can break the load
+        after = _stamps(out_dir)
+        left = sorted(n for n, stamp in before.items() if after.get(n) == stamp and n != EXPORT_MARKER)
+        beside = f"; {out_dir} also holds files this export did not write ({listed(left)})" if left else ""
+        raise ValueError(f"the tokenizer written to {out_dir!r} does not load with AutoTokenizer.from_pretrained "
+                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}){beside}: export into a new or empty folder") from e
     with open(os.path.join(out_dir, EXPORT_MARKER), "w", encoding="utf-8") as f:
         json.dump({"checkpoint": os.path.abspath(info.path), "step": info.step, "run_id": info.run_id,
                    "sequence_kind": family, "encoding": encoding}, f, indent=1)
     return out_dir
+
+
+def _stamps(folder: str) -> dict[str, tuple[int, int]]:
+    """``{name: (size, mtime_ns)}`` of the plain files in ``folder``: which of them a write left as they were."""
+    stamps = {}
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            stamps[entry.name] = (st.st_size, st.st_mtime_ns)
+    return stamps
 
 
 def _model_and_tokenizer(info: CheckpointInfo):

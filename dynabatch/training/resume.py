@@ -37,8 +37,8 @@ from dynabatch.training.config import FIXED_ON_RESUME, TrainConfig, canonical
 from dynabatch.training.config.flags import CONFIG_FILE, NOT_RUN_SETTINGS
 from dynabatch.training.config.paths import run_paths
 from dynabatch.cost.online import OnlineFit
-from dynabatch.engine.checkpoint import (CheckpointInfo, latest_checkpoint, new_run_id, resolve_checkpoint,
-                                          save_collective)
+from dynabatch.engine.checkpoint import (MANIFEST, CheckpointInfo, latest_checkpoint, list_checkpoints, new_run_id,
+                                          resolve_checkpoint, save_collective)
 from dynabatch.model_presets import sequence_kind
 from dynabatch.training.model_files import ModelFiles
 from dynabatch.training.reshard import dcp_writer, load_stage_state, stage_state
@@ -159,12 +159,20 @@ def _and_model_files(write: Callable[[str, dict], None], files: ModelFiles) -> C
 
 def find_resume_checkpoint(cfg: TrainConfig, ctx) -> CheckpointInfo | None:
     """The checkpoint ``cfg.resume_from_checkpoint`` names (``latest`` with none in the output folder:
-    ``None``, start at step 0 with a warning; a PATH that is no checkpoint: ``ValueError``), after
+    ``None``, start at step 0 with a warning; ``latest`` where every finished save is broken since, or a PATH that is
+    no checkpoint: ``ValueError``), after
     checking that no setting that cannot change did (:func:`resume_settings_line` is the line rank 0 logs about
     those that may). Runs before any data is loaded."""
     flag = "--resume-from-checkpoint"
     if cfg.resume_from_checkpoint == "latest":
         info = latest_checkpoint(checkpoint_root(cfg))
+        saved = [os.path.basename(p) for p in list_checkpoints(checkpoint_root(cfg))
+                 if os.path.isfile(os.path.join(p, MANIFEST))]
+        if info is None and saved:  # saves that finished, all broken since: starting over would write over them
+            raise ValueError(f"{flag}: every checkpoint in {checkpoint_root(cfg)} is corrupt ({', '.join(saved[-3:])}: "
+                             "see the warnings above), so there is nothing to resume and a run from step 0 would "
+                             "write over them; restore one, pass a checkpoint elsewhere as --resume-from-checkpoint "
+                             "PATH, or start afresh: --overwrite-output-dir instead of --resume-from-checkpoint (it deletes them)")
         if info is None:
             if ctx.is_planner:
                 logger.warning(f"{flag}: no complete checkpoint in {checkpoint_root(cfg)}; starting from step 0")

@@ -163,6 +163,10 @@ def test_truncated_file_detected(tmp_path):
         verify(step_dir(tmp_path, 20))
     with pytest.warns(UserWarning):
         assert latest_checkpoint(str(tmp_path)).step == 10
+    # named on purpose (--resume-from-checkpoint PATH, export PATH): no fallback, but the line says what to pass
+    with pytest.raises(CheckpointError, match=r"truncated .*; pass another checkpoint \(.* also holds step-000010\), "
+                                              r"or .* for its newest complete one$"):
+        resolve_checkpoint(step_dir(tmp_path, 20))
 
 
 def test_unlisted_data_file_and_older_format_are_refused(tmp_path):
@@ -335,6 +339,7 @@ def test_disk_full_through_dcp_keeps_a_folder_this_save_did_not_create(tmp_path,
     import safetensors.torch
 
     os.makedirs(step_dir(tmp_path, 4))
+    (tmp_path / "step-000004" / RUN_ID_FILE).write_text("r")  # this run's folder (an earlier unfinished save)
     (tmp_path / "step-000004" / "notes.txt").write_text("not ours")
     monkeypatch.setattr(safetensors.torch, "save", _disk_full)  # what DCP's safetensors writer calls
     with pytest.raises(CheckpointWriteError, match="rank 0: No space left on device"):
@@ -398,7 +403,7 @@ def test_a_one_stage_checkpoint_loads_into_two_stages_with_tied_weights_and_mome
 # --- export -------------------------------------------------------------------------------------------
 
 
-def _model_checkpoint(root, step: int, poison: str | None = None):
+def _model_checkpoint(root, step: int, poison: str | None = None, tokenizer: str = "byt5"):
     """A one-stage t5-tiny checkpoint with ``poison`` (a stage parameter name) holding a NaN, written
     without the save's finiteness check (as by hand). Returns (folder, stage)."""
     from dynabatch.training.config import TrainConfig
@@ -406,7 +411,7 @@ def _model_checkpoint(root, step: int, poison: str | None = None):
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import build_stage, layout_for
 
-    cfg = TrainConfig(model="t5-tiny", tokenizer="byt5", output_dir=str(root))
+    cfg = TrainConfig(model="t5-tiny", tokenizer=tokenizer, output_dir=str(root))
     model = build_model(cfg.model, vocab_size=tokenizer_info(load_tokenizer(cfg.tokenizer)).vocab_size, seed=1)
     stage = build_stage(model, layout_for(model, 1), 0)
     state = stage_state(stage, torch.optim.AdamW(stage.parameters()), 0)
@@ -515,3 +520,63 @@ def test_disk_full_during_train_is_one_line_and_exit_2(tmp_path, capsys, toy_mix
     assert f"could not write checkpoint {step_dir(tmp_path / 'run' / 'checkpoints', 1)}" in line
     assert "No space left on device (ENOSPC)" in line and "free disk space" in line
     assert _steps(tmp_path / "run" / "checkpoints") == []
+
+
+@pytest.mark.parametrize("theirs", ["other-run", "user-files"])
+def test_a_save_never_claims_a_step_folder_of_another_run_or_of_the_user(tmp_path, theirs):
+    """A run resumed into a folder holding another run's checkpoints at the steps it saves (or a step-NNNNNN folder
+    of the user's) used to delete their data files and claim the folder (which pruning later deleted whole): the
+    save is refused in one line, and that folder is left byte for byte."""
+    folder = step_dir(tmp_path, 4)
+    if theirs == "other-run":
+        _save(tmp_path, 4, run_id="other")
+    else:
+        os.makedirs(folder)
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("mine")
+        _file_writer(0)(folder, {"mine": torch.ones(2)})
+    before = {n: open(os.path.join(folder, n), "rb").read() for n in os.listdir(folder)}
+    with pytest.raises(CheckpointWriteError, match="not writing checkpoint .*step-000004: it already holds"):
+        save_collective(str(tmp_path), 4, 0, {"model/v": torch.ones(1)}, gather=_one_rank, write=_file_writer(0),
+                        manifest_extra={}, run_id="r", keep=1)
+    assert {n: open(os.path.join(folder, n), "rb").read() for n in os.listdir(folder)} == before
+
+
+def test_a_re_export_that_does_not_load_names_the_files_it_did_not_write(tmp_path, capsys):
+    """Re-exporting into an earlier export's folder keeps files the new export does not write (a model card, a
+    tokenizer file of the earlier one): one that breaks AutoTokenizer's load was a bare `Expecting value: line 1
+    column 1` and left the earlier export's record, naming another checkpoint, beside the new weights."""
+    _model_checkpoint(tmp_path / "ckpt", 2, tokenizer="builtin")  # a fast tokenizer: it writes no special_tokens_map
+    out = tmp_path / "hf"
+    assert _cli(capsys, "export", str(tmp_path / "ckpt"), str(out))[0] == 0
+    (out / "README.md").write_text("card")
+    (out / "special_tokens_map.json").write_text("{bad")
+    code, err = _cli(capsys, "export", str(tmp_path / "ckpt"), str(out))
+    lines = [line for line in err.splitlines() if line.startswith("dynabatch export: error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert "does not load with AutoTokenizer.from_pretrained" in lines[0]
+    assert "did not write (README.md, special_tokens_map.json): export into a new or empty folder" in lines[0]
+    assert (out / "README.md").read_text() == "card" and not (out / "dynabatch_export.json").exists()
+
+
+def test_resume_latest_where_every_finished_save_is_corrupt_is_one_line_not_a_fresh_start(tmp_path):
+    """``--resume-from-checkpoint`` (latest) with every checkpoint corrupt started from step 0 with a warning, a new
+    run id, and wrote over those folders at its saves: it is an error naming them. A folder with no finished save (a
+    crash in the first save) still starts from step 0."""
+    from types import SimpleNamespace
+
+    from dynabatch.training.config import TrainConfig
+    from dynabatch.training.resume import find_resume_checkpoint
+
+    root = tmp_path / "checkpoints"
+    cfg = TrainConfig(model="t5-tiny", output_dir=str(tmp_path), resume_from_checkpoint="latest")
+    ctx = SimpleNamespace(is_planner=True)
+    os.makedirs(step_dir(root, 2))  # the first save crashed: nothing finished, start over
+    with pytest.warns(UserWarning):
+        assert find_resume_checkpoint(cfg, ctx) is None
+    _save(root, 4)
+    with open(os.path.join(step_dir(root, 4), "shard-00001.safetensors"), "r+b") as f:
+        f.truncate(10)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"every checkpoint in .*checkpoints is corrupt "
+                                                                     r"\(step-000004: see the warnings above\)"):
+        find_resume_checkpoint(cfg, ctx)

@@ -207,10 +207,32 @@ def test_overwrite_deletes_the_folders_a_run_claimed_and_no_others(tmp_path):
     for name in ("checkpoints", "runs", "compare-packing_free", "wandb", "compare-other"):  # the run's three, then two
         (out / name).mkdir()                                                              # folders of the user's
         (out / name / "f").write_text(name)
+    (out / "checkpoints" / "f").unlink()  # checkpoints/ holds the run's checkpoints (user files there are kept)
+    (out / "checkpoints" / "step-000002").mkdir()
+    (out / "checkpoints" / "step-000002" / "run_id").write_text("r")
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     assert output_dir_problem(str(out), resume=False, overwrite=True, claims=["checkpoints"]) is None
     assert sorted(os.listdir(out)) == sorted(["wandb", "compare-other", RUN_FILE])
     assert json.loads((out / RUN_FILE).read_text())["present_before"] == ["compare-other", "wandb"]
+
+
+def test_overwrite_keeps_the_users_files_inside_the_runs_checkpoints_folder(tmp_path):
+    """The run's checkpoints (a manifest or run id in a step folder) go; a file or a step-named folder of the user's
+    in checkpoints/ stays (it was deleted with the whole folder), and checkpoints/ stays the new run's to claim."""
+    from dynabatch.engine.outputs import RUN_FILE, output_dir_problem
+
+    out = tmp_path / "run"
+    assert output_dir_problem(str(out), resume=False, overwrite=False, claims=["checkpoints"]) is None
+    ckpts = out / "checkpoints"
+    for step, marker in (("step-000002", "manifest.json"), ("step-000004", "run_id"), ("step-000003", "my.txt")):
+        (ckpts / step).mkdir(parents=True)
+        (ckpts / step / marker).write_text("x")
+    (ckpts / "README.txt").write_text("mine")
+    assert output_dir_problem(str(out), resume=False, overwrite=True, claims=["checkpoints"]) is None
+    assert sorted(os.listdir(ckpts)) == ["README.txt", "step-000003"]
+    assert (ckpts / "step-000003" / "my.txt").read_text() == "x" and (ckpts / "README.txt").read_text() == "mine"
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["present_before"] == [] and record["claimed"] == ["checkpoints"]
 
 
 def test_resume_writes_only_into_a_folder_a_run_wrote(tmp_path):
