@@ -1,8 +1,10 @@
 # Shared set-up for run.sh and test.sh (sourced, not executed).
 # Creates .venv if missing and installs the project into it. Torch goes first:
-# an importable torch (in .venv or the calling Python) is kept; otherwise the
-# CPU wheel torch==2.13.0 is installed, so the `torch>=2.4` range in pyproject
-# never pulls a multi-GB CUDA build. A stamp file makes the second run fast.
+# an importable torch (in .venv or the calling Python) is kept; otherwise
+# torch==2.13.0 is installed from pip's index (a CPU wheel where the index or
+# --find-links holds one; on Linux, PyPI alone gives the multi-GB CUDA build:
+# install the CPU wheel into the calling Python first, README "Install").
+# A stamp file makes the second run fast.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -440,10 +440,11 @@ def generate_examples(task: str, num_examples: int, seed: int) -> Iterator[dict[
 
 
 def default_mixture_path() -> str:
-    """The built-in mixture spec (``flan_mini.yaml``: the repository's ``data/`` folder, else the installed package's
-    assets): what ``train``, ``data-report``, ``plan`` and ``bench`` read without ``--mixture``."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "..", "..", "data", "flan_mini.yaml"), os.path.join(here, "..", "assets", "flan_mini.yaml")):
-        if os.path.exists(candidate):
-            return os.path.normpath(candidate)
-    raise FileNotFoundError("built-in mixture spec flan_mini.yaml not found; pass --mixture")
+    """The built-in mixture spec, ``dynabatch/assets/flan_mini.yaml``: package data, so a non-editable install
+    (``pip install .``) has it too (the repository's ``data/flan_mini.yaml`` links to it); what ``train``,
+    ``data-report``, ``plan`` and ``bench`` read without ``--mixture``."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets", "flan_mini.yaml")
+    if os.path.exists(path):
+        return os.path.normpath(path)
+    raise FileNotFoundError(f"built-in mixture spec {os.path.normpath(path)} not found (an incomplete install: "
+                            "reinstall dynabatch-pipeline); pass --mixture")

@@ -107,7 +107,10 @@ _TOML_WHERE = re.compile(r"\s*\(at (?:line (\d+), column (\d+)|end of document)\
 
 
 def _parse_toml(text: str, what: str) -> Any:
-    import tomllib
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # Python 3.10: tomli, the package tomllib was taken from (a dependency there)
+        import tomli as tomllib
 
     try:
         return tomllib.loads(text)

@@ -130,7 +130,9 @@ def check_world(world_size: int, num_stages: int, num_replicas: int | None) -> i
     if world_size != num_stages * num_replicas:
         raise ValueError(
             f"world size {world_size} != num_stages {num_stages} x num_replicas {num_replicas} "
-            f"(= {num_stages * num_replicas}); launch that many processes or change the configuration"
+            f"(= {num_stages * num_replicas}); launch that many processes or change the configuration: "
+            f"--stages and --replicas whose product is {world_size} (torchrun --nproc-per-node {world_size} ... "
+            f"--stages {world_size})"
         )
     return num_replicas
 
