@@ -66,7 +66,7 @@ def _family(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
-    check_output_file(args.json)
+    check_output_file(args.json, command="bench")
     methods = parse_methods(args.methods, METHODS)
     if args.data and args.lengths:
         raise ValueError(f"give --data or --lengths, not both (got {args.data!r} and {args.lengths!r})")

@@ -266,7 +266,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     if is_mixture_spec(args.lengths):  # plan, simulate and bench --lengths take a mixture spec too
         raise ValueError(f"--lengths {args.lengths}: data-report's --lengths reads a lengths file (.npz/.jsonl); "
                          f"for a mixture spec's tables pass --mixture {args.lengths}")
-    check_output_file(args.json)
+    check_output_file(args.json, command="data-report")
     tail = lengths_tail(load_lengths(args.lengths, None if args.family == "both" else args.family))
     if args.json:
         if write_json({"lengths": args.lengths, **asdict(tail)}, args.json, command="data-report"):

@@ -213,7 +213,7 @@ def run(args) -> int:
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
     out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
-    check_output_file(out, "--out", ours=lambda obj: obj.get("format") == FORMAT)  # replaces a profile only
+    check_output_file(out, "--out", ours=lambda obj: obj.get("format") == FORMAT, command="profile")  # replaces a profile only
     p2p = None if args.p2p == "none" else args.p2p
     # a bad kind or model is a ValueError before the first point: the CLI prints it as its one error line
     profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],
