@@ -287,3 +287,13 @@ def test_an_in_process_bench_gives_the_process_its_attention_kernel_and_threads_
     assert code == 2
     assert "needs 0.010 GiB for model states alone" in capsys.readouterr().err
     assert attention_kernels.attention_kernel() == "auto"
+
+
+def test_the_legend_names_every_column_of_the_table():
+    """The legend under ``dynabatch bench``'s table said what each column is computed over but left out ``peak MiB``
+    (measured or predicted, the largest step's) and ``vs pipe``."""
+    from dynabatch.commands.bench_report import COLUMNS
+
+    for label in ("tok/s =", "p50, p10-p90 =", "pad eff =", "bubble =", "mbs, slc =", "step s, pred s =",
+                  "peak MiB =", "vs best =", "paired =", "vs pipe ="):
+        assert label in COLUMNS
