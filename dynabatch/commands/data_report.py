@@ -113,7 +113,9 @@ def _spec(args: argparse.Namespace) -> MixtureSpec:
 
 
 def _pct(x: np.ndarray) -> str:
-    return " ".join(f"{int(v):>5d}" for v in np.percentile(x, PERCENTILES)) + f" {int(x.max()):>6d}"
+    """p50/p90/p95/p99 rounded, as ``--lengths``' tail prints them (they were truncated: a p99 of 9.9 read 9), then
+    the maximum."""
+    return " ".join(f"{v:>5.0f}" for v in np.percentile(x, PERCENTILES)) + f" {int(x.max()):>6d}"
 
 
 def _histogram(lengths: np.ndarray) -> str:
