@@ -67,7 +67,11 @@ def _family(model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     check_output_file(args.json, command="bench")
-    methods = parse_methods(args.methods, METHODS)
+    named = args.methods is not None and PROFILED in {m.strip() for m in args.methods.split(",")}
+    if named and not args.compare_profile:  # it was "unknown method", though the report and --help name it
+        raise ValueError(f"{PROFILED} is dynamic planned with a `dynabatch profile` JSON: pass --compare-profile "
+                         f"PROFILE.json (which adds {PROFILED} by itself), or drop it from --methods")
+    methods = parse_methods(args.methods, (*METHODS, PROFILED) if named else METHODS)
     if args.data and args.lengths:
         raise ValueError(f"give --data or --lengths, not both (got {args.data!r} and {args.lengths!r})")
     if args.columns and not args.data:

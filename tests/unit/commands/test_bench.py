@@ -297,3 +297,15 @@ def test_the_legend_names_every_column_of_the_table():
     for label in ("tok/s =", "p50, p10-p90 =", "pad eff =", "bubble =", "mbs, slc =", "step s, pred s =",
                   "peak MiB =", "vs best =", "paired =", "vs pipe ="):
         assert label in COLUMNS
+
+
+def test_dynamic_profiled_in_methods_asks_for_compare_profile(capsys):
+    """The report, the JSON and --compare-profile's help name the method dynamic_profiled, but --methods naming it
+    was "unknown method 'dynamic_profiled'" even with --compare-profile given. Without the profile it now says which
+    flag it needs; with it the name is taken."""
+    from dynabatch.cli import main
+
+    code = main(["bench", "--model", "t5-tiny", "--stages", "1", "--methods", "dynamic,dynamic_profiled"])
+    err = capsys.readouterr().err
+    assert code == 2 and "dynamic_profiled is dynamic planned with a `dynabatch profile` JSON: pass --compare-profile" \
+        in err, err[-2000:]
