@@ -309,3 +309,16 @@ def test_dynamic_profiled_in_methods_asks_for_compare_profile(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "dynamic_profiled is dynamic planned with a `dynabatch profile` JSON: pass --compare-profile" \
         in err, err[-2000:]
+
+
+def test_a_missing_profile_is_one_line_before_the_ranks_start(tmp_path, capsys):
+    """``bench --cost-profile`` / ``--compare-profile`` and ``train --stages 2 --cost-profile`` naming a file that is
+    not there were said by rank 0 after the launch, the model build and the data; now before any rank starts."""
+    from dynabatch.cli import main
+
+    for command, flag in (("bench", "--compare-profile"), ("bench", "--cost-profile"), ("train", "--cost-profile")):
+        code = main([command, "--model", "t5-tiny", "--stages", "2", flag, str(tmp_path / "nope.json"),
+                     *(["--output-dir", str(tmp_path / "run")] if command == "train" else [])])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{flag}: cost profile '{tmp_path / 'nope.json'}' not found" in err, err[-2000:]
+        assert "[rank" not in err and not (tmp_path / "run").exists()
