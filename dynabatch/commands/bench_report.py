@@ -58,8 +58,10 @@ def _num(value, width: int, digits: int) -> str:
 
 COLUMNS = ("columns, over the timed steps: tok/s = real tokens / seconds of all of them; p50, p10-p90 = of each step's "
            "tok/s; pad eff = real / computed tokens; bubble = predicted idle share (mean); mbs, slc = micro-batches "
-           "and sliced samples per step (mean); step s, pred s = measured and predicted step time (medians); vs best "
-           "= tok/s / the best whole-sample baseline's; paired = the per-step ratios to it")
+           "and sliced samples per step (mean); step s, pred s = measured and predicted step time (medians); peak MiB = "
+           "peak memory per device, the largest step's (measured on CUDA, predicted on CPU: the line below says which); "
+           "vs best = tok/s / the best whole-sample baseline's; paired = the per-step ratios to it; vs pipe = tok/s / "
+           "pipelining's (- without --methods pipelining)")
 """The legend printed under the table: what each column is computed over (a total, a mean or a median)."""
 
 

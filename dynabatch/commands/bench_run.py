@@ -37,6 +37,7 @@ from dynabatch.engine.faults import INTERRUPTED_STATUS, fail_fast
 from dynabatch.engine.executor import Executor
 from dynabatch.engine.launch import launch_local
 from dynabatch.model_presets import stages_problem
+from dynabatch.commands.output_files import profile_file_problem
 from dynabatch.training.metrics import peak_rss_bytes
 from dynabatch.training.planner import StepPlanner
 from dynabatch.engine.precision import autocast_dtype
@@ -66,8 +67,12 @@ def _family(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
-    check_output_file(args.json)
-    methods = parse_methods(args.methods, METHODS)
+    check_output_file(args.json, command="bench")
+    named = args.methods is not None and PROFILED in {m.strip() for m in args.methods.split(",")}
+    if named and not args.compare_profile:  # it was "unknown method", though the report and --help name it
+        raise ValueError(f"{PROFILED} is dynamic planned with a `dynabatch profile` JSON: pass --compare-profile "
+                         f"PROFILE.json (which adds {PROFILED} by itself), or drop it from --methods")
+    methods = parse_methods(args.methods, (*METHODS, PROFILED) if named else METHODS)
     if args.data and args.lengths:
         raise ValueError(f"give --data or --lengths, not both (got {args.data!r} and {args.lengths!r})")
     if args.columns and not args.data:
@@ -83,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if (problem := stages_problem(args.model, args.stages)) is not None:  # before the launch, not once per rank
         raise ValueError(problem)
+    for flag in ("--cost-profile", "--compare-profile"):
+        if (problem := profile_file_problem(getattr(args, flag[2:].replace("-", "_"), None), flag)) is not None:
+            raise ValueError(problem)
     if args.stages > 1 and "RANK" not in os.environ:
         method_configs(args, methods, found_here(args))  # checked once here, not once per rank after the launch
         code = launch_local(["-m", "dynabatch", "bench", *as_argv(args)], args.stages)

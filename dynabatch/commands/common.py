@@ -72,6 +72,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "memory_gib": "device memory per stage in GiB, model states included (default: the hardware preset's)",
         "replicas": "data-parallel replicas of each stage, which --zero shards the model states across (the plans "
                     "and the simulated pipeline are one replica's, over the whole global batch)",
+        # train's and bench's texts name --cost-profile, which plan and simulate do not take (they price analytically)
+        "split_blocks": "the layer split may also cut inside a block, between its attention and MLP halves "
+                        "(decoder-only blocks, T5 encoder blocks), where that takes more than a hundredth off the "
+                        "slowest stage's time: auto and on (the analytic model prices halves) or off (whole blocks)",
+        "recompute": "activation recomputation: none (keep every activation), auto (per micro-batch and stage, the "
+                     "fastest of none / selective / full that fits memory), selective (recompute attention cores) or "
+                     "full (recompute every block) (none wherever memory does not bind), which resolves to "
+                     "per_micro_batch (none for a baseline)",
     })
     add_sections(p, [WorkloadArgs])
 

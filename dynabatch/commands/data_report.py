@@ -113,7 +113,9 @@ def _spec(args: argparse.Namespace) -> MixtureSpec:
 
 
 def _pct(x: np.ndarray) -> str:
-    return " ".join(f"{int(v):>5d}" for v in np.percentile(x, PERCENTILES)) + f" {int(x.max()):>6d}"
+    """p50/p90/p95/p99 rounded, as ``--lengths``' tail prints them (they were truncated: a p99 of 9.9 read 9), then
+    the maximum."""
+    return " ".join(f"{v:>5.0f}" for v in np.percentile(x, PERCENTILES)) + f" {int(x.max()):>6d}"
 
 
 def _histogram(lengths: np.ndarray) -> str:
@@ -266,7 +268,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     if is_mixture_spec(args.lengths):  # plan, simulate and bench --lengths take a mixture spec too
         raise ValueError(f"--lengths {args.lengths}: data-report's --lengths reads a lengths file (.npz/.jsonl); "
                          f"for a mixture spec's tables pass --mixture {args.lengths}")
-    check_output_file(args.json)
+    check_output_file(args.json, command="data-report")
     tail = lengths_tail(load_lengths(args.lengths, None if args.family == "both" else args.family))
     if args.json:
         if write_json({"lengths": args.lengths, **asdict(tail)}, args.json, command="data-report"):

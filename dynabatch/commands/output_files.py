@@ -21,6 +21,19 @@ PNG_MARK = b"tEXtSoftware\x00dynabatch"
 (:func:`dynabatch.schedule.trace.plot_timeline` writes it)."""
 
 
+def _written_by(path: str) -> str | None:
+    """The :data:`WRITTEN_BY` mark of the JSON object at ``path`` (``"dynabatch bench"``, ...); ``None`` if none."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    mark = obj.get(WRITTEN_BY) if isinstance(obj, dict) else None
+    return mark if isinstance(mark, str) and mark.startswith("dynabatch") else None
+
+
 def _is_ours(path: str, ours) -> bool:
     """Whether the existing file at ``path`` is a dynabatch output: a PNG marked :data:`PNG_MARK`, a JSON object with
     :data:`WRITTEN_BY`, or one ``ours(obj)`` accepts (a command's older output, a profile)."""
@@ -41,11 +54,13 @@ def _is_ours(path: str, ours) -> bool:
                                       or (ours is not None and bool(ours(obj))))
 
 
-def check_output_file(path: str | None, flag: str = "--json", ours=None) -> None:
+def check_output_file(path: str | None, flag: str = "--json", ours=None, command: str = "") -> None:
     """Before a command does its work: a one-line ``ValueError`` when its output file ``path`` cannot be written
-    or must not be: a folder, a path under a file, or an existing file no dynabatch command wrote (the command's own
-    input named by mistake, the user's file), which is never replaced. ``-`` (stdout) and ``None`` pass; a missing
-    parent folder is created when the file is written (:func:`write_json`)."""
+    or must not be: a folder, a path under a file, an existing file no dynabatch command wrote (the command's own
+    input named by mistake, the user's file), or, given the writing ``command`` (``"plan"``, ...), the output of
+    another dynabatch command (``dynabatch plan --json`` over a bench result, ``profile --out`` over it), which is
+    never replaced. ``-`` (stdout) and ``None`` pass; a missing parent folder is created when the file is written
+    (:func:`write_json`)."""
     if not path or path == "-":
         return
     if os.path.isdir(path):
@@ -58,6 +73,10 @@ def check_output_file(path: str | None, flag: str = "--json", ours=None) -> None
     if os.path.exists(path) and not _is_ours(path, ours):
         raise ValueError(f"{flag} {path!r} exists and no dynabatch command wrote it, so it is left as it is; pass "
                          "another path (or move that file away)")
+    writer = _written_by(path) if command and os.path.exists(path) else None
+    if writer is not None and writer != f"dynabatch {command}":
+        raise ValueError(f"{flag} {path!r} holds the output of `{writer}`, not of `dynabatch {command}`, so it is left "
+                         "as it is; pass another path (or move that file away)")
 
 
 def write_json(obj, target: str, indent: int = 2, command: str = "") -> bool:
@@ -77,3 +96,13 @@ def write_json(obj, target: str, indent: int = 2, command: str = "") -> bool:
         json.dump(obj, f, indent=indent)
     os.replace(tmp, target)
     return False
+
+
+def profile_file_problem(path: str | None, flag: str = "--cost-profile") -> str | None:
+    """A ``--cost-profile`` / ``--compare-profile`` file that is not there, said before the ranks start (the file
+    system only), in the words :meth:`dynabatch.cost.tables.CostTables.load` uses after they have: a missing file was
+    said by every rank after the launch, the model build and the data (10-20 s on 2 cores)."""
+    if path and not os.path.isfile(path):
+        what = "is a folder" if os.path.isdir(path) else "not found"
+        return f"{flag}: cost profile {path!r} {what}; pass a file written by `dynabatch profile`"
+    return None

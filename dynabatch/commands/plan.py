@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
-    check_output_file(args.json)
+    check_output_file(args.json, command="plan")
     w = resolve(args)
     methods = compared_methods(args.methods, w.family, args.model)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)

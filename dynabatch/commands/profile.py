@@ -95,7 +95,7 @@ class ProfileArgs:
 
     _argument_group_name = "profile"
 
-    out: str | None = arg(None, "output JSON (default runs/profiles/<model>.<device>.json)")
+    out: str | None = arg(None, "output JSON (default runs/profiles/<model>.<device>.json; a --model folder: its name)")
     batch_sizes: str = arg(_grid_default("batch_sizes"), f"b axis of the grid (comma list, {AXIS_RULE})")
     seq_lengths: str = arg(_grid_default("enc_lengths"), f"sequence / encoder length axis (comma list, {AXIS_RULE})",
                            "lengths")
@@ -196,6 +196,14 @@ def _log_choices(decided: dict) -> None:
         logger.info(describe_choices(decided))
 
 
+def default_out(model: str, device: str) -> str:
+    """Where a profile goes without ``--out``: ``runs/profiles/<model>.<device>.json``, ``<model>`` a preset's name or
+    a local model folder's own name (``./models/my-gpt/`` -> ``my-gpt``: the whole path made a hidden
+    ``._models_my-gpt_`` file, and an absolute path another name for the same folder)."""
+    name = os.path.basename(os.path.abspath(model)) if os.path.isdir(model) else model.replace("/", "_")
+    return f"runs/profiles/{name}.{device.replace(':', '')}.json"
+
+
 def run(args) -> int:
     args.model = FAMILY_PRESETS.get(args.model, args.model)
     if args.check:
@@ -212,8 +220,8 @@ def run(args) -> int:
 
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     settings = MeasureSettings(args.min_repeats, args.max_repeats, args.min_time, args.clock)
-    out = args.out or f"runs/profiles/{args.model.replace('/', '_')}.{args.device.replace(':', '')}.json"
-    check_output_file(out, "--out", ours=lambda obj: obj.get("format") == FORMAT)  # replaces a profile only
+    out = args.out or default_out(args.model, args.device)
+    check_output_file(out, "--out", ours=lambda obj: obj.get("format") == FORMAT, command="profile")  # replaces a profile only
     p2p = None if args.p2p == "none" else args.p2p
     # a bad kind or model is a ValueError before the first point: the CLI prints it as its one error line
     profile = run_profile(args.model, grid, settings, device=args.device, dtype=DTYPE_TORCH_NAMES[args.dtype],

@@ -185,7 +185,7 @@ class SimulateOptions:
 def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
     check_positive(args, "in_flight", "max_samples")
-    check_output_file(args.json)
+    check_output_file(args.json, command="simulate")
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     w = simulation_workload(resolve(args))

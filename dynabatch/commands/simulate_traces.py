@@ -37,7 +37,7 @@ def check_trace_dir(trace_dir: str | None, methods, placement: str = "linear") -
     for method in methods:
         if method in TRACED_METHODS:
             for path in trace_paths(trace_dir, method):
-                check_output_file(path, "--trace-dir")
+                check_output_file(path, "--trace-dir", command="simulate")
 
 
 def write_traces(trace_dir: str, method: str, result, shapes) -> None:

@@ -20,6 +20,7 @@ from dynabatch.data.inputs import COLUMNS_WITHOUT_DATA
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.tokenize import tokenizer_problem
 from dynabatch.model_presets import model_problem, sequence_kind, stages_problem
+from dynabatch.commands.output_files import profile_file_problem
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
         # what every rank would refuse alike, said once here (the file system only: no transformers import)
         for problem in (model_problem(cfg.model), tokenizer_problem(cfg.tokenizer, cfg.model),
-                        stages_problem(cfg.model, cfg.stages), _budget_problem(cfg)):
+                        stages_problem(cfg.model, cfg.stages), _budget_problem(cfg),
+                        profile_file_problem(cfg.cost_profile)):
             if problem is not None:
                 raise ValueError(problem)
 

@@ -230,7 +230,8 @@ def summarize(rows: list[CheckRow]) -> dict[str, dict[str, float]]:
 
 
 def format_summary(summary: dict[str, dict[str, float]]) -> str:
-    head = f"{'group':24s} {'n':>4s}  {'time med':>8s} {'time p90':>8s}  {'stored med':>10s} {'stored p90':>10s}  " \
+    w = max([24, *map(len, summary)])  # a group such as 'segments:gpt2_block_attention' widens the first column
+    head = f"{'group':{w}s} {'n':>4s}  {'time med':>8s} {'time p90':>8s}  {'stored med':>10s} {'stored p90':>10s}  " \
            f"{'peak med':>8s} {'peak p90':>8s}"
     lines = [head, "-" * len(head)]
     pooled = ("model", "layers", "segments", "saving")
@@ -239,7 +240,7 @@ def format_summary(summary: dict[str, dict[str, float]]) -> str:
         if name not in summary:
             continue
         s = summary[name]
-        lines.append(f"{name:24s} {s['n']:4d}  {s['time_median']:8.1%} {s['time_p90']:8.1%}  "
+        lines.append(f"{name:{w}s} {s['n']:4d}  {s['time_median']:8.1%} {s['time_p90']:8.1%}  "
                      f"{s['stored_median']:10.1%} {s['stored_p90']:10.1%}  "
                      f"{s['peak_median']:8.1%} {s['peak_p90']:8.1%}")
     return "\n".join(lines)

@@ -61,14 +61,23 @@ PROFILE_CONFIG_KEYS = (
 present in either); the widths and depths of every family's HF config."""
 
 
-def check_profile_config(profile_config: dict, model_config: dict, path: str = "the profile") -> None:
-    """Raise ``ValueError`` naming every architecture field where the profile's model config differs."""
+def check_profile_config(profile_config: dict, model_config: dict, path: str = "the profile", model: str = "",
+                         profile_model: str = "") -> None:
+    """Raise ``ValueError`` naming every architecture field where the profile's model config differs; a profile of
+    another model family (``model_type``) is said in those words alone, not as every field of both families.
+    ``model`` (the run's ``--model``) and ``profile_model`` (the profiled model's name) make the line name them."""
+    fix = f"profile this model with `dynabatch profile --model {model or '...'}`"
+    kinds = profile_config.get("model_type"), model_config.get("model_type")
+    if all(kinds) and kinds[0] != kinds[1]:
+        named = f" ({profile_model})" if profile_model else ""
+        run = f" ({model})" if model else ""
+        raise ValueError(f"cost profile {path} was measured on a {kinds[0]} model{named}, and this run's model{run} "
+                         f"is a {kinds[1]}; {fix}")
     diffs = [f"{k}: profile {profile_config.get(k)!r} != model {model_config.get(k)!r}"
              for k in PROFILE_CONFIG_KEYS
              if (k in profile_config or k in model_config) and profile_config.get(k) != model_config.get(k)]
     if diffs:
-        raise ValueError(f"cost profile {path} was measured on a different model config ({'; '.join(diffs)}); "
-                         "profile this model with `dynabatch profile --model ...`")
+        raise ValueError(f"cost profile {path} was measured on a different model config ({'; '.join(diffs)}); {fix}")
 
 
 def model_state_bytes(num_params: int, optimizer: str = "adam") -> int:

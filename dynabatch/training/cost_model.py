@@ -24,7 +24,8 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     ``selective`` / ``full`` with a profile is refused with one line)."""
     if cfg.cost_profile:
         tables = CostTables.load(cfg.cost_profile)
-        check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile)
+        check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile, model=cfg.model,
+                             profile_model=(tables.meta.get("model") or {}).get("name") or "")
         check_profile_covers(tables, cfg)
         layer_model = ProfiledLayerModel(tables)
     else:

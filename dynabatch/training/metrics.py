@@ -157,7 +157,9 @@ def format_prediction_report(records: list[dict[str, Any]]) -> str:
         lines.append(f"{r['step']:5d} {r['step_time_s']:10.3f} {r['predicted_step_s']:11.3f} {r['prediction_error']:7.1%} "
                      f"{r['prediction_error_median']:8.1%}  {stages}")
     s = prediction_summary(records)
-    lines.append(f"{s['steps']} steps ({s['calibration']} at the last): median |predicted - measured| / measured of the "
+    # step -1 is the start-up round (calibration.as_of): the fit a run's first steps are planned with
+    how = s["calibration"].replace("as of step -1", "as of the start-up round")
+    lines.append(f"{s['steps']} steps ({how} at the last): median |predicted - measured| / measured of the "
                  f"step time {s['median']:.1%}, last 10 steps {s['last10_median']:.1%}; per stage (forward + backward) "
                  + ", ".join(f"{x:.1%}" for x in s["stage_median"]))
     return "\n".join(lines)

@@ -287,3 +287,38 @@ def test_an_in_process_bench_gives_the_process_its_attention_kernel_and_threads_
     assert code == 2
     assert "needs 0.010 GiB for model states alone" in capsys.readouterr().err
     assert attention_kernels.attention_kernel() == "auto"
+
+
+def test_the_legend_names_every_column_of_the_table():
+    """The legend under ``dynabatch bench``'s table said what each column is computed over but left out ``peak MiB``
+    (measured or predicted, the largest step's) and ``vs pipe``."""
+    from dynabatch.commands.bench_report import COLUMNS
+
+    for label in ("tok/s =", "p50, p10-p90 =", "pad eff =", "bubble =", "mbs, slc =", "step s, pred s =",
+                  "peak MiB =", "vs best =", "paired =", "vs pipe ="):
+        assert label in COLUMNS
+
+
+def test_dynamic_profiled_in_methods_asks_for_compare_profile(capsys):
+    """The report, the JSON and --compare-profile's help name the method dynamic_profiled, but --methods naming it
+    was "unknown method 'dynamic_profiled'" even with --compare-profile given. Without the profile it now says which
+    flag it needs; with it the name is taken."""
+    from dynabatch.cli import main
+
+    code = main(["bench", "--model", "t5-tiny", "--stages", "1", "--methods", "dynamic,dynamic_profiled"])
+    err = capsys.readouterr().err
+    assert code == 2 and "dynamic_profiled is dynamic planned with a `dynabatch profile` JSON: pass --compare-profile" \
+        in err, err[-2000:]
+
+
+def test_a_missing_profile_is_one_line_before_the_ranks_start(tmp_path, capsys):
+    """``bench --cost-profile`` / ``--compare-profile`` and ``train --stages 2 --cost-profile`` naming a file that is
+    not there were said by rank 0 after the launch, the model build and the data; now before any rank starts."""
+    from dynabatch.cli import main
+
+    for command, flag in (("bench", "--compare-profile"), ("bench", "--cost-profile"), ("train", "--cost-profile")):
+        code = main([command, "--model", "t5-tiny", "--stages", "2", flag, str(tmp_path / "nope.json"),
+                     *(["--output-dir", str(tmp_path / "run")] if command == "train" else [])])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{flag}: cost profile '{tmp_path / 'nope.json'}' not found" in err, err[-2000:]
+        assert "[rank" not in err and not (tmp_path / "run").exists()

@@ -187,3 +187,13 @@ def test_tune_baselines_help_says_which_settings_it_tries(command):
     action = next(a for a in command_parser(command)[1]._actions if a.dest == "tune_baselines")
     rows = ", ".join(map(str, baseline_spec("packing_free").grid))
     assert f"packing_free: {rows} rows per micro-batch" in action.help and "knob" not in action.help
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_plan_and_simulate_help_names_no_cost_profile(command, capsys):
+    """plan and simulate price with the analytic model and take no --cost-profile, yet their --split-blocks and
+    --recompute help (train's text) said what happens "with --cost-profile", as if they did."""
+    with pytest.raises(SystemExit):
+        main([command, "--help-all"])
+    text = capsys.readouterr().out
+    assert "--split-blocks" in text and "--recompute" in text and "cost-profile" not in text

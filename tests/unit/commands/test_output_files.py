@@ -132,3 +132,17 @@ def test_trace_dir_draws_only_the_linear_placement_the_table_reports(tmp_path, c
     picked = json.loads(out.out)["methods"]["dynamic"]["placement"]
     assert (traces / "dynamic_step0.json").exists() == (picked == "linear")
     assert ("no trace of it written" in out.err) == (picked != "linear")
+
+
+def test_output_of_another_command_is_never_replaced(tmp_path, capsys):
+    """A bench result (minutes to hours of measurement) named by mistake as ``plan --json`` or ``profile --out`` was
+    replaced without a word: any ``written_by: dynabatch ...`` file counted as the command's own. Now a file another
+    dynabatch command wrote is one line before any work and is left as it is."""
+    bench = tmp_path / "bench.json"
+    text = json.dumps({WRITTEN_BY: "dynabatch bench", "methods": {"dynamic": {"tokens_per_s": 1.0}}})
+    bench.write_text(text)
+    msg = _one_line(capsys, "plan", main([*PLAN, "--lengths", _lengths(tmp_path), "--json", str(bench)]))
+    assert "holds the output of `dynabatch bench`, not of `dynabatch plan`" in msg and bench.read_text() == text
+    code = main(["profile", "--model", "gpt2-tiny", "--out", str(bench), "--batch-sizes", "1,2", "--seq-lengths",
+                 "16,32", "--p2p", "none", "--no-progress"])
+    assert "holds the output of `dynabatch bench`" in _one_line(capsys, "profile", code) and bench.read_text() == text

@@ -46,3 +46,16 @@ def test_nccl_without_two_cuda_devices_is_refused_before_profiling(tmp_path, cap
     code = main(["profile", "--model", "gpt2-tiny", "--device", "cpu", "--out", str(out), "--p2p", "nccl"])
     assert "p2p backend nccl needs two CUDA devices" in _one_line(capsys, code)
     assert not out.exists()
+
+
+def test_default_out_of_a_model_folder_is_its_name(tmp_path, monkeypatch):
+    """Without ``--out`` a local model folder's profile was named after the whole path given: ``./models/my-gpt/``
+    wrote the hidden ``runs/profiles/._models_my-gpt_.cpu.json`` and the absolute path another file for the same
+    folder. Now both are ``runs/profiles/my-gpt.cpu.json``; a preset keeps its name."""
+    from dynabatch.commands.profile import default_out
+
+    (tmp_path / "models" / "my-gpt").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for given in ("./models/my-gpt/", "models/my-gpt", str(tmp_path / "models" / "my-gpt")):
+        assert default_out(given, "cpu") == "runs/profiles/my-gpt.cpu.json"
+    assert default_out("gpt2-tiny", "cuda:1") == "runs/profiles/gpt2-tiny.cuda1.json"

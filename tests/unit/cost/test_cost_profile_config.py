@@ -55,6 +55,23 @@ def test_mismatched_cost_profile_is_a_clear_error(tmp_path, t5_tiny):
         planner_cost_model(cfg, config, layout)
 
 
+def test_a_profile_of_another_model_family_says_so_alone(tmp_path, t5_tiny):
+    """A GPT-2 profile given to a T5 run listed every field of both families (``d_model: profile None != model 64;
+    ... n_embd: profile 64 != model None; ...``, 16 of them) and ended with ``--model ...``; it now names the two
+    families and the model to profile."""
+    config, layout = t5_tiny
+    gpt = {"model_type": "gpt2", "vocab_size": config.vocab_size, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    path = _profile(tmp_path, gpt)
+    profile = json.loads(open(path).read())
+    profile["model"]["name"] = "gpt2-tiny"
+    open(path, "w").write(json.dumps(profile))
+    cfg = TrainConfig(model="t5-tiny", stages=2, cost_profile=path, max_input_len=256)
+    with pytest.raises(ValueError) as e:
+        planner_cost_model(cfg, config, layout)
+    assert str(e.value) == (f"cost profile {path} was measured on a gpt2 model (gpt2-tiny), and this run's model "
+                            "(t5-tiny) is a t5; profile this model with `dynabatch profile --model t5-tiny`")
+
+
 def test_a_profile_whose_grid_stops_below_the_length_limits_is_one_line(tmp_path, t5_tiny):
     config, layout = t5_tiny
     path = _profile(tmp_path, config.to_dict())  # encoder lengths up to 256, decoder lengths up to 128

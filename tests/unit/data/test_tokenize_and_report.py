@@ -152,3 +152,11 @@ def test_python_dash_m_entry_point():
     assert "data-report" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "dynabatch", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2
+
+
+def test_task_table_percentiles_are_rounded_as_the_tail_prints_them():
+    """data-report's per-task p50/p90/p95/p99 were truncated (``int``): a p99 of 9.9 read 9 where ``--lengths``'
+    tail of the same lengths reads 10."""
+    from dynabatch.commands.data_report import _pct
+
+    assert _pct(np.array([0, 10])).split() == ["5", "9", "10", "10", "10"]  # p50 5.0, p90 9.0, p95 9.5, p99 9.9

@@ -82,3 +82,35 @@ def test_estimate_split_moves_reads_a_stored_bench_result():
     assert {m for m, _ in ratios} == {"dynamic_sliced", "dynamic", "length_grouped"}
     for method in ("dynamic_sliced", "dynamic", "length_grouped"):
         assert 1.0 <= ratios[method, "step"] <= ratios[method, "micro-batch"]
+
+
+def test_plot_plan_prices_packed_rows_per_segment_as_plan_does(tmp_path):
+    """``scripts/plot_plan.py`` (docs/algorithms/planner.md's figure) priced every micro-batch as dense attention over
+    its padded shape, so a dynamic plan of packed rows was drawn with a predicted step slower than the token-budget
+    baseline below it; it now prices as ``dynabatch plan`` does (per segment, ``plan.pairs``)."""
+    import argparse
+    import importlib.util
+
+    import numpy as np
+
+    from dynabatch.commands.common import add_workload_arguments, resolve
+    from dynabatch.training.workload import global_batches, method_micro_batches
+
+    spec = importlib.util.spec_from_file_location("plot_plan", ROOT / "scripts" / "plot_plan.py")
+    plot_plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_plan)
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "lens.npz", input_len=rng.integers(5, 300, 200), target_len=rng.integers(2, 60, 200))
+    args = p.parse_args(["--model", "t5", "--global-batch-tokens", "16384", "--stages", "2",
+                         "--lengths", str(tmp_path / "lens.npz")])
+    w = resolve(args)
+    batch = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, 1, args.tokenizer)[0]
+    plan = method_micro_batches("packing_free", batch, w.limits, w.cost_model, 2, w.options)
+    assert plan.pairs is not None and any(len(row) > 1 for g in plan.groups for row in g.rows)  # packed rows
+    shapes = plan.shapes
+    t, _, _ = w.cost_model.evaluate(shapes[:, 0], shapes[:, 1], shapes[:, 2], pairs=plan.pairs)
+    dense, _, _ = w.cost_model.evaluate(shapes[:, 0], shapes[:, 1], shapes[:, 2])
+    step = plot_plan.predicted_step(plan, w.cost_model, 2)
+    assert step == float(t.sum() + t.max()) and not np.isclose(step, float(dense.sum() + dense.max()))

@@ -47,3 +47,15 @@ def test_summary_counts_the_candidate_plans_that_ran():
     assert "plans run: packing_free=4 3, dp 2, token_budget=2048 1 (steps)" in format_summary(s)
     baseline = summarize([{**_record(k, 0.1, 0.0), "candidate": ""} for k in range(3)], "packing_free")
     assert "candidates" not in baseline and "plans run" not in format_summary(baseline)
+
+
+def test_prediction_report_names_the_start_up_round_not_step_minus_one():
+    """``profile --check RUN_DIR`` of a run of a few steps ended with "(online as of step -1 at the last)": step -1 is
+    the start-up calibration round the first steps are planned with; the report now says so."""
+    from dynabatch.training.metrics import format_prediction_report
+
+    records = [{"step": k, "step_time_s": 1.0, "predicted_step_s": 0.9, "prediction_error": 0.1,
+                "prediction_error_median": 0.1, "stage_time_measured_s": [0.5], "stage_time_predicted_s": [0.45],
+                "calibration": "online as of step -1"} for k in range(2)]
+    assert format_prediction_report(records).splitlines()[-1].startswith(
+        "2 steps (online as of the start-up round at the last)")
