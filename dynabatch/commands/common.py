@@ -252,7 +252,8 @@ def describe_dynamic_compared(compared: str | None, planners) -> str | None:
 def describe_model_states(states: dict) -> str:
     """One line of :func:`model_states`."""
     per_stage = "/".join(f"{g:.1f}" for g in states["model_state_gib_per_device"])
-    return (f"model states per device (--zero {states['zero']}, {states['replicas']} replicas): {per_stage} GiB by "
+    replicas = f"{states['replicas']} replica" + ("s" if states["replicas"] != 1 else "")
+    return (f"model states per device (--zero {states['zero']}, {replicas}): {per_stage} GiB by "
             f"stage; {states['activation_budget_gib']:.1f} GiB left for activations")
 
 

@@ -355,8 +355,10 @@ class Executor:
         if zero is not None:  # the shards of a stage's replicas partition its summed gradients
             sq = zero.squared_norm()
         elif grads:
-            norms = torch._foreach_norm(grads)
-            sq = torch.stack([n.double() for n in norms]).square().sum()
+            # float64: torch's fp32 norm on CPU loses up to 1e-3 on a large token table's gradient; the shards of
+            # --zero 1/2 are summed in float64 as well, so every --zero computes the same norm
+            # (the public vector_norm, whose dtype argument every supported torch has; _foreach_norm's is private)
+            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
         totals = torch.stack([sq, self.loss_sum])  # the loss sum is zero except where the last stage is
         if ctx.world_size > 1:
             dist.all_reduce(totals)  # world: every replica's norm (equal after REDUCE) and every loss

@@ -91,3 +91,12 @@ def test_train_takes_zero_2_with_a_baseline_and_on_virtual_stages():
                               ("dynamic", "cyclic")):
         cfg = TrainConfig.of(zero=2, replicas=2, stages=2, method=method, placement=placement)
         assert (cfg.zero, cfg.method, cfg.placement) == (2, method, placement)
+
+
+def test_the_model_states_line_says_one_replica_in_the_singular():
+    """``plan --zero 1`` with one replica printed ``(--zero 1, 1 replicas)``."""
+    from dynabatch.commands.common import describe_model_states
+
+    states = {"zero": 1, "replicas": 1, "model_state_gib_per_device": [1.0, 2.0], "activation_budget_gib": 3.0}
+    assert "(--zero 1, 1 replica)" in describe_model_states(states)
+    assert "(--zero 1, 2 replicas)" in describe_model_states({**states, "replicas": 2})
