@@ -70,10 +70,15 @@ def test_a_boundary_moved_per_micro_batch_evens_what_a_whole_unit_overshoots():
     assert busier(8.0, 8.0, 2.0, 2.0, per_micro_batch=True) == 8.0
 
 
-def test_estimate_split_moves_reads_a_stored_bench_result():
+def test_estimate_split_moves_reads_a_stored_bench_result(capsys):
+    """The script the long-tail page cites, run in this process on the result it names (a subprocess would import
+    torch twice more)."""
     result = ROOT / "docs/benchmarks/long_tail/cpu_gpt2-d256-8k_8192_10steps_slice_candidates_2026-12-07.json"
-    per_step = _run("estimate_split_moves.py", str(result))
-    per_micro_batch = _run("estimate_split_moves.py", str(result), "--per-micro-batch")
+    main = _estimate_module().main
+    main([str(result)])
+    per_step = capsys.readouterr().out
+    main([str(result), "--per-micro-batch"])
+    per_micro_batch = capsys.readouterr().out
     ratios = {}
     for printed, key in ((per_step, "step"), (per_micro_batch, "micro-batch")):
         for line in printed.splitlines():
