@@ -315,6 +315,8 @@ def test_a_check_every_rank_makes_alike_is_said_once(tmp_path, mixture):
     assert sorted(os.listdir(out)) == ["notes.txt"]
 
 
+@pytest.mark.slow  # ~20 s; test_user_error_on_rank_0_is_its_own_line_and_the_root_cause runs the same path under
+# torchrun (rank 1, failing only because rank 0 left, records no traceback in its error file) through train
 def test_bench_under_torchrun_a_rank_that_fails_after_rank_0_s_bad_input_records_no_traceback(tmp_path):
     """``torchrun ... dynabatch bench`` where only rank 0 finds the input bad (a sample over the memory budget, found
     while planning): rank 1, waiting in a collective, fails with gloo's "Connection closed by peer". It printed no

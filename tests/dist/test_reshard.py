@@ -22,7 +22,8 @@ RTOL = 1e-5
 def _flags(out, toy_mixture_dir, *extra: str) -> list[str]:
     return ["train", "--model", "gpt2-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024",
             "--max-input-len", "128", "--max-target-len", "32", "--logging-steps", "0", "--no-timeline",
-            "--task-loss-every", "0", "--mixture", os.path.join(toy_mixture_dir, "toy.json"), "--output-dir", str(out),
+            "--task-loss-every", "0", "--calibrate", "off", "--mixture", os.path.join(toy_mixture_dir, "toy.json"),
+            "--output-dir", str(out),
             "--max-steps", str(STEPS), "--save-steps", str(SAVE_AT), "--timeout-s", "60", *extra]
 
 

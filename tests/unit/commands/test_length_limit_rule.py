@@ -96,9 +96,9 @@ def test_plan_and_simulate_accept_two(command, tiny_lengths, capsys):
     assert code == 0, capsys.readouterr().err[-2000:]
 
 
-def test_data_report_accepts_two(capsys):
-    code = main(["data-report", *COMMANDS["data-report"], "--methods", "padding", "--global-batch-tokens", "64",
-                 "--max-lens", "2", "--max-target-len", "2"])
+def test_data_report_accepts_two(capsys, toy_mixture_dir):
+    code = main(["data-report", *COMMANDS["data-report"], "--mixture", f"{toy_mixture_dir}/toy.json", "--methods",
+                 "padding", "--global-batch-tokens", "64", "--max-lens", "2", "--max-target-len", "2"])
     out = capsys.readouterr().out
     assert code == 0
     assert "padding" in out

@@ -3,21 +3,37 @@ an error once ``packing_free_split`` (decoder-only) joined the method list, and 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def _script(name: str):
+    """``scripts/NAME`` imported as a module (its ``main(argv)`` runs in this process: a subprocess per script would
+    import torch again for each)."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run(script: str, *argv: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    """What ``python scripts/SCRIPT ARGV`` prints, asserting it ends without an error."""
+    out = io.StringIO()
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out):
+            code = _script(script).main(list(argv))
+    finally:
+        os.chdir(cwd)
+    assert code in (None, 0), out.getvalue()[-2000:]
+    return out.getvalue()
 
 
 def test_bench_sweep_runs_every_whole_sample_method_for_both_families(tmp_path):
@@ -50,19 +66,10 @@ def test_simulated_paper_setting_dynamic_is_at_least_every_tuned_baseline(tmp_pa
         assert r["dyn_over_best_fitting_baseline"] >= 1.0 - 1e-9, (r["model"], r["dyn_over_best_fitting_baseline"])
 
 
-def _estimate_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("estimate_split_moves", ROOT / "scripts" / "estimate_split_moves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_boundary_moved_per_micro_batch_evens_what_a_whole_unit_overshoots():
     """Per step a unit moves whole: 10 | 6 with a 3 s boundary unit stays 10 (moving it gives 7 | 9, busier 9); per
     micro-batch 2 s of it move and both devices compute 8. A unit smaller than the gap moves entirely either way."""
-    busier = _estimate_module().busier_after_move
+    busier = _script("estimate_split_moves.py").busier_after_move
     assert busier(10.0, 6.0, 3.0, 1.0) == 9.0
     assert busier(10.0, 6.0, 3.0, 1.0, per_micro_batch=True) == 8.0
     assert busier(10.0, 6.0, 1.0, 1.0) == busier(10.0, 6.0, 1.0, 1.0, per_micro_batch=True) == 9.0
@@ -70,15 +77,11 @@ def test_a_boundary_moved_per_micro_batch_evens_what_a_whole_unit_overshoots():
     assert busier(8.0, 8.0, 2.0, 2.0, per_micro_batch=True) == 8.0
 
 
-def test_estimate_split_moves_reads_a_stored_bench_result(capsys):
-    """The script the long-tail page cites, run in this process on the result it names (a subprocess would import
-    torch twice more)."""
+def test_estimate_split_moves_reads_a_stored_bench_result():
+    """The script the long-tail page cites, on the result it names."""
     result = ROOT / "docs/benchmarks/long_tail/cpu_gpt2-d256-8k_8192_10steps_slice_candidates_2026-12-07.json"
-    main = _estimate_module().main
-    main([str(result)])
-    per_step = capsys.readouterr().out
-    main([str(result), "--per-micro-batch"])
-    per_micro_batch = capsys.readouterr().out
+    per_step = _run("estimate_split_moves.py", str(result))
+    per_micro_batch = _run("estimate_split_moves.py", str(result), "--per-micro-batch")
     ratios = {}
     for printed, key in ((per_step, "step"), (per_micro_batch, "micro-batch")):
         for line in printed.splitlines():
