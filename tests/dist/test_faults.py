@@ -194,6 +194,7 @@ def test_user_error_on_rank_0_is_its_own_line_and_the_root_cause(tmp_path, mixtu
     # rank 1 fails only because rank 0's bad input ended the run: it adds no line (nor a traceback) of its own
     rank1 = [ln for ln in r.stderr.splitlines() if ln.startswith("dynabatch train: error: [rank 1] ")]
     assert not rank1, rank1
+    assert "Traceback" not in r.stderr.split("Failures:", 1)[-1], r.stderr[-3000:]  # nor in its error file
 
 
 def direct(mixture: str, out: str, *extra: str, timeout: float = 120):
