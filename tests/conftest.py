@@ -169,3 +169,15 @@ def toy_data(request, toy_mixture_dir, byt5):
 
     spec = MixtureSpec.from_file(os.path.join(toy_mixture_dir, "toy.json"))
     return MixtureData.load(spec, byt5, request.param)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models are dispatch-bound: one thread is several times faster than two on a busy machine (a module takes
+    it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -50,7 +50,6 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 
-import numpy as np
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import (
@@ -69,13 +68,14 @@ from dynabatch.integrations.dataloader import (
     check_data_fits_model,
     model_sequence_kind,
 )
+from dynabatch.integrations.eval_rows import generation_settings, padded, with_last
+from dynabatch.integrations.grad_sum import all_reduce_sum
 from dynabatch.models.forward import forward_loss
 from dynabatch.training.config.resolve import Found, args_view, decide_why
 from dynabatch.training.evaluate import generate_ids
 
 LOADER_STATE_NAME = "dynabatch_loader.json"
 """File in each checkpoint folder holding the train loader's stream position."""
-ALL_REDUCE_BUCKET_NUMEL = 2**25
 """Gradient elements per flat all-reduce (128 MiB of fp32): bounds the extra memory of the copy."""
 _NOT_ACCEPTED = ("train_dataset", "eval_dataset", "data_collator")
 _ROW_ORDER = ("the loader's seed orders the rows and its method groups them into micro-batches "
@@ -330,7 +330,7 @@ class DynaBatchTrainer(Trainer):
                 self.accelerator.backward(loss)
                 loss_total += loss.detach().to(loss_total.device)
         if inputs.num_replicas > 1:
-            _all_reduce_sum(module, loss_total)
+            all_reduce_sum(module, loss_total)
         self._record_step_stats(inputs)
         return loss_total
 
@@ -468,7 +468,7 @@ class DynaBatchTrainer(Trainer):
         computed = None
         pad = loader.batcher.data.tokens.pad_id
         with torch.no_grad():
-            for step, last in _with_last(loader):
+            for step, last in with_last(loader):
                 step_samples = []
                 for mb in step.micro_batches:
                     with self.accelerator.autocast():
@@ -486,7 +486,7 @@ class DynaBatchTrainer(Trainer):
                     generated += gen
                     targets += tgt
                 if self.compute_metrics is not None:
-                    batch = EvalPrediction(predictions=_padded(gen, pad), label_ids=_padded(tgt, -100))
+                    batch = EvalPrediction(predictions=padded(gen, pad), label_ids=padded(tgt, -100))
                     computed = self.compute_metrics(batch, compute_result=last)
         if loader.num_replicas > 1:
             torch.distributed.all_reduce(loss_sum)
@@ -498,7 +498,7 @@ class DynaBatchTrainer(Trainer):
             if not per_step:
                 generated, targets = self._generate(module, loader, samples, gen_kwargs)
             if keep or not per_step:
-                predictions, labels = _padded(generated, pad), _padded(targets, -100)
+                predictions, labels = padded(generated, pad), padded(targets, -100)
             if self.compute_metrics is not None and not per_step:
                 computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
             if computed is not None:
@@ -510,19 +510,8 @@ class DynaBatchTrainer(Trainer):
     def _generate(self, module, loader: DynaBatchDataLoader, samples: list, gen_kwargs: dict):
         """(generated ids, target ids) of ``samples`` (:meth:`predict`), rows gathered over the replicas. Other
         ``gen_kwargs`` than the lengths and ``num_beams`` go to ``model.generate`` as given (``Seq2SeqTrainer``'s)."""
-        tokens = loader.batcher.data.tokens
-        config = {}
-        if getattr(self.args, "generation_config", None) is not None:  # _use_generation_config made it the model's
-            config = module.generation_config.to_diff_dict()
-        max_new = (gen_kwargs.get("max_new_tokens") or gen_kwargs.get("max_length")
-                   or getattr(self.args, "generation_max_length", None)
-                   or config.get("max_new_tokens") or config.get("max_length") or 32)
-        beams = (gen_kwargs.get("num_beams") or getattr(self.args, "generation_num_beams", None)
-                 or config.get("num_beams") or 1)
-        extra = {k: v for k, v in gen_kwargs.items() if k not in ("max_new_tokens", "max_length", "num_beams")}
-        if "do_sample" in config:
-            extra.setdefault("do_sample", config["do_sample"])
-        generated = generate_ids(module, samples, tokens, int(max_new), num_beams=int(beams), extra=extra)
+        max_new, beams, extra = generation_settings(self.args, module, gen_kwargs)
+        generated = generate_ids(module, samples, loader.batcher.data.tokens, max_new, num_beams=beams, extra=extra)
         targets = [s.target_ids.tolist() for s in samples]
         if loader.num_replicas > 1:
             parts: list = [None] * loader.num_replicas
@@ -616,59 +605,3 @@ def _trained_steps_counted(args: TrainingArguments, resuming: bool) -> Iterator[
         yield
     finally:
         args.ignore_data_skip = True
-
-
-def _with_last(iterable) -> Iterator[tuple]:
-    """``(item, is_last)`` for each item of ``iterable``, looking one ahead."""
-    it = iter(iterable)
-    try:
-        item = next(it)
-    except StopIteration:
-        return
-    for following in it:
-        yield item, False
-        item = following
-    yield item, True
-
-
-def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
-    """Rows of ids as one (N, longest) int64 array, right-padded with ``pad``."""
-    out = np.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
-def _all_reduce_sum(module: torch.nn.Module, loss: torch.Tensor) -> None:
-    """Sum every gradient and ``loss`` over the default process group.
-
-    Missing gradients become zeros, so every rank runs the same collectives. Gradients go in flat
-    buckets of at most :data:`ALL_REDUCE_BUCKET_NUMEL` elements per (device, dtype), in parameter
-    order (the same on every rank).
-    """
-    import torch.distributed as dist
-
-    buckets: list[list[torch.Tensor]] = []
-    sizes: list[int] = []
-    filling: dict[tuple, int] = {}  # (device, dtype) -> index of the bucket being filled
-    for p in module.parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        key = (p.grad.device, p.grad.dtype)
-        k = filling.get(key)
-        if k is None or sizes[k] + p.grad.numel() > ALL_REDUCE_BUCKET_NUMEL:
-            k = filling[key] = len(buckets)
-            buckets.append([])
-            sizes.append(0)
-        buckets[k].append(p.grad)
-        sizes[k] += p.grad.numel()
-    for grads in buckets:
-        flat = torch.cat([g.reshape(-1) for g in grads])  # (numel,)
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    dist.all_reduce(loss)

@@ -28,6 +28,8 @@ LOADER_METHODS = {
     "packing": {"rows_per_micro_batch": 2},
 }
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 
 def limits_for(family: str) -> LengthLimits:
     return LengthLimits(family, max_input_len=128, max_target_len=64, max_seq_len=192)
@@ -248,15 +250,6 @@ def test_loader_rejects_bad_settings(toy_data):
 # ---------------------------------------------------------------------------------------------- trainer
 
 WORDS = "red green blue cyan black white gold pink".split()
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models are dispatch-bound: one thread is several times faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

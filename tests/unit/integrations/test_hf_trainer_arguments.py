@@ -21,13 +21,7 @@ from dynabatch.plan.costs import PolynomialCostModel
 WORDS = "red green blue cyan black white gold pink".split()
 ROWS = 12
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
