@@ -115,6 +115,9 @@ class BenchArgs:
                                     "encoder chunk d and decoder chunk d on device d), interleaved:V (V chunks per "
                                     "device); a method under another than linear is reported as METHOD@PLACEMENT "
                                     "(calibrated like the linear methods, with one fit per placement)")
+    moving_baselines: bool = arg(False, "with --moving-boundaries: the baselines' stage boundaries move per "
+                                        "micro-batch too (default: only the dynamic methods', the baselines keep one "
+                                        "split as users run them)")
     json: str | None = json_arg()
     quiet: bool = arg(False, "no table (with --json)")
 
@@ -122,7 +125,7 @@ class BenchArgs:
 BENCH_FIELDS = ("model", "tokenizer", "data", "columns", "dtype",
                 "stages", "policy", "layer_split", "split_blocks", "pack_rows", "attention", "attention_kernel",
                 "global_batch_tokens", "max_input_len",
-                "max_target_len", *option_users(), "memory_gib", "recompute", "threads", "cpu_allocator", "cost_profile",
+                "max_target_len", *option_users(), "memory_gib", "moving_boundaries", "recompute", "threads", "cpu_allocator", "cost_profile",
                 "calibrate", "plan_costs", "seed", "timeout_s")
 """The TrainConfig fields ``bench`` takes: the same flags as ``train``'s."""
 

@@ -149,8 +149,18 @@ def resolved_json(resolved: dict[str, Resolved]) -> dict:
     return {m: {name: [getattr(r.config, name), why] for name, why in r.reasons.items()} for m, r in resolved.items()}
 
 
+def _moves(args, method: str) -> bool:
+    """Whether ``method`` runs with stage boundaries that move per micro-batch: the dynamic methods under
+    ``--moving-boundaries``, the baselines too with ``--moving-baselines`` (never the torch pipelining peer)."""
+    if not getattr(args, "moving_boundaries", False) or method == PEER:
+        return False
+    return getattr(args, "moving_baselines", False) or method in ("dynamic", SLICED, *PACK_ROWS_OF, *OWN_BASE,
+                                                                  *PLAN_VARIANTS)
+
+
 def _config(args, method: str):
     return TrainConfig(
+        moving_boundaries=_moves(args, method),
         model=args.model, tokenizer=args.tokenizer, attention_kernel=args.attention_kernel, stages=args.stages, method="dynamic" if method in (SLICED, *PACK_ROWS_OF, *OWN_BASE, *PLAN_VARIANTS) else method,
         policy=args.policy,
         global_batch_tokens=args.global_batch_tokens, max_input_len=args.max_input_len,
@@ -252,11 +262,14 @@ def _measure_connected(args, methods: list[str], resolved: dict[str, Resolved], 
     layout = layouts["linear"].layout
     spec = pipeline_spec_for(model, layout, "float32")
     base = [build_stage(model, layout, ctx.stage_index)]
+    moving = [build_stage(model, layout, ctx.stage_index, moving_boundaries=True)] \
+        if any(c.moving_boundaries for c in cfgs.values()) else base  # the units beside each cut held on both sides
     placed = placed_chunks(layouts, model, ctx.stage_index)  # placement -> (layout, spec, this rank's chunks)
 
     def new_run(name: str, cfg, measure_memory: bool = True, placement=None) -> _Method:
         """Collective: every rank builds the runs in the same order."""
-        own_layout, own_spec, chunks = placed[placement.describe()] if placement is not None else (layout, spec, base)
+        own_layout, own_spec, chunks = placed[placement.describe()] if placement is not None else \
+            (layout, spec, moving if cfg.moving_boundaries else base)
         chunks = [copy.deepcopy(c).to(ctx.device) for c in chunks]
         for c in chunks:
             c.attention = cfg.attention_path  # the copy's HF attention serves segments and dense masks

@@ -72,15 +72,17 @@ def _exec_forward(ex: Executor, ins: Instr) -> None:
     st = ex._state(ins)
     chunk = ex.chunks[s]
     prev = ex.links[m] if ex.links else -1
-    with ex._forward_context(s, m), recompute_mode(ex.inputs.plan.recompute_of(s, m)):
+    plan = ex.inputs.plan
+    moved = {"moves": plan.moves_of(m)} if plan.moves else {}  # moving stage boundaries: the units this one runs
+    with ex._forward_context(s, m), recompute_mode(plan.recompute_of(s, m)):
         if prev >= 0 or m in ex.next_slice:
             if prev >= 0 and (s, m) not in ex.contexts:
                 raise ValueError(f"token slice {m} runs before slice {prev}, whose keys/values it extends")
-            out = chunk(st.received, st.loaded, ex.contexts.pop((s, m), None), sliced=True)
+            out = chunk(st.received, st.loaded, ex.contexts.pop((s, m), None), sliced=True, **moved)
             if m in ex.next_slice:
                 ex.contexts[s, ex.next_slice[m]] = out.slice_record.extend()
         else:
-            out = chunk(st.received, st.loaded)
+            out = chunk(st.received, st.loaded, **moved)
     st.output, st.loaded = out, None
     if s == ex.num_stages - 1:
         if out.loss_sum is None:

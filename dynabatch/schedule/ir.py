@@ -402,6 +402,10 @@ class ExecutionPlan:
     num_devices: int = 0
     """Devices (ranks) of one replica; ``0`` means ``num_stages`` (one chunk per device). ``stage`` is the
     rank's device index, which is also its first chunk."""
+    moves: tuple[int, ...] = ()
+    """Moving stage boundaries (:mod:`dynabatch.cost.boundary_moves`): per micro-batch, its move at the boundary
+    below this rank's stage and at the one above it, two entries each (:meth:`moves_of`); empty when no
+    micro-batch moves a unit. One chunk per device only."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instructions", tuple(self.instructions))
@@ -418,6 +422,14 @@ class ExecutionPlan:
             check_recompute(self.recompute, self.num_micro_batches * len(self.stages))
         else:
             object.__setattr__(self, "recompute", ())
+        object.__setattr__(self, "moves", tuple(int(x) for x in self.moves))
+        if not any(self.moves):
+            object.__setattr__(self, "moves", ())
+        elif len(self.moves) != 2 * self.num_micro_batches or not set(self.moves) <= {-1, 0, 1}:
+            raise ValueError(f"moves must hold two entries of -1, 0 or 1 per micro-batch ({2 * self.num_micro_batches}), "
+                             f"got {len(self.moves)}")
+        elif self.num_devices != self.num_stages:
+            raise ValueError("moving stage boundaries need one chunk per device (no virtual stages)")
         if not (0 <= self.stage < self.num_devices and 0 <= self.replica_index < self.num_replicas):
             raise ValueError(
                 f"device {self.stage} / replica {self.replica_index} out of range "
@@ -444,6 +456,13 @@ class ExecutionPlan:
         if not self.recompute:
             return "none"
         return self.recompute[(stage - self.stage) // self.num_devices * self.num_micro_batches + micro_batch]
+
+    def moves_of(self, micro_batch: int) -> tuple[int, int]:
+        """``(lower, upper)``: ``micro_batch``'s moves at the boundaries below and above this rank's stage
+        (``(0, 0)`` without moves)."""
+        if not self.moves:
+            return 0, 0
+        return self.moves[2 * micro_batch], self.moves[2 * micro_batch + 1]
 
     def __str__(self) -> str:
         return " ".join(str(i) for i in self.instructions)

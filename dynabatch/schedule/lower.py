@@ -354,6 +354,7 @@ def lower(
     check: bool = True,
     links=(),
     recompute=None,
+    moves=None,
 ) -> dict[int, ExecutionPlan]:
     """Per-rank plans of one pipeline replica; rank ``replica_index * S + s`` runs stage ``s``.
 
@@ -364,6 +365,8 @@ def lower(
     chains (:mod:`dynabatch.schedule.chains`); the schedule must respect them and every plan carries them.
     ``recompute``: optional ``(S, M)`` activation recomputation codes (``StageCosts.recompute``, indices into
     :data:`~dynabatch.schedule.ir.RECOMPUTE_MODES`); stage ``s``'s plan carries row ``s``.
+    ``moves``: optional ``(M, S - 1)`` moving stage boundaries (``StageCosts.moves``,
+    :mod:`dynabatch.cost.boundary_moves`); stage ``s``'s plan carries each micro-batch's moves below and above it.
     """
     S, M = schedule.num_stages, schedule.num_micro_batches
     if spec.num_stages != S:
@@ -386,11 +389,24 @@ def lower(
         instrs = instrs + [Instr(Op.REDUCE_GRADS, s), Instr(Op.OPTIMIZER_STEP, s)]
         modes = () if recompute is None else tuple(RECOMPUTE_MODES[int(c)] for c in np.asarray(recompute)[s])
         plans[offset + s] = ExecutionPlan(
-            offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links), modes
+            offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links), modes,
+            moves=stage_move_pairs(moves, s, S, M),
         )
     if check:
         validate_or_raise(plans)
     return plans
+
+
+def stage_move_pairs(moves, stage: int, num_stages: int, num_micro_batches: int) -> tuple[int, ...]:
+    """Stage ``stage``'s :attr:`~dynabatch.schedule.ir.ExecutionPlan.moves` from a replica's ``(M, S - 1)``
+    boundary moves (``None``: none): each micro-batch's move below the stage, then above it."""
+    if moves is None or num_stages < 2:
+        return ()
+    arr = np.asarray(moves, dtype=np.int64).reshape(num_micro_batches, num_stages - 1)
+    zero = np.zeros((num_micro_batches, 1), dtype=np.int64)
+    lower = arr[:, stage - 1:stage] if stage > 0 else zero
+    upper = arr[:, stage:stage + 1] if stage < num_stages - 1 else zero
+    return tuple(int(x) for x in np.concatenate([lower, upper], axis=1).reshape(-1))
 
 
 def reference_lists(schedule: ComputeSchedule, shapes, spec: PipelineSpec, fwd_s=None, bwd_s=None,

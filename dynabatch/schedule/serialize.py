@@ -8,13 +8,14 @@ Binary: ``b"DBXP"``, the format version as a little-endian uint16, then zlib-com
      "instrs": [[op, stage, micro_batch, peer, slot, tag, waits_on or "", group or -1], ...],
      "links": [previous slice or -1, ...],               # only when some micro-batch is a token slice
      "recompute": [mode, ...],                           # only when some micro-batch recomputes
-     "devices": num_devices}                             # only with virtual stages (devices < stages)
+     "devices": num_devices,                             # only with virtual stages (devices < stages)
+     "moves": [lower, upper, ...]}                       # only when some micro-batch moves a stage boundary
 
 Opcodes are their stable string values, so the format does not depend on enum order. A 1F1B plan of
 100 micro-batches on a middle stage (about 1000 instructions) is about 6.4 KB.
 
 Text: a header ``dynabatch-plan v1 rank=.. stage=.. ...`` (plus ``links=-1,0,1,-1`` when the step has
-token slices, ``recompute=none,full,..`` when some micro-batch recomputes, ``devices=N`` with virtual stages) and one :meth:`Instr.to_text` line per instruction. Both readers raise ``ValueError`` naming the version they found when it is not
+token slices, ``recompute=none,full,..`` when some micro-batch recomputes, ``devices=N`` with virtual stages, ``moves=0,-1,..`` when a micro-batch moves a stage boundary) and one :meth:`Instr.to_text` line per instruction. Both readers raise ``ValueError`` naming the version they found when it is not
 :data:`~dynabatch.schedule.ir.PLAN_FORMAT_VERSION`.
 """
 
@@ -66,6 +67,8 @@ def plan_to_bytes(plan: ExecutionPlan) -> bytes:
         doc["recompute"] = list(plan.recompute)
     if plan.num_devices != plan.num_stages:
         doc["devices"] = plan.num_devices
+    if plan.moves:
+        doc["moves"] = list(plan.moves)
     payload = json.dumps(doc, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<H", PLAN_FORMAT_VERSION) + zlib.compress(payload, 6)
 
@@ -87,6 +90,7 @@ def plan_from_bytes(data: bytes) -> ExecutionPlan:
         links = tuple(doc.get("links", ()))
         recompute = tuple(doc.get("recompute", ()))
         header["num_devices"] = int(doc.get("devices", 0))
+        header["moves"] = tuple(doc.get("moves", ()))
     except (zlib.error, ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"corrupt execution plan (format version {version}): {e}") from e
     return ExecutionPlan(instructions=instrs, slice_links=links, recompute=recompute, **header)
@@ -100,6 +104,8 @@ def plan_to_text(plan: ExecutionPlan) -> str:
         header += " recompute=" + ",".join(plan.recompute)
     if plan.num_devices != plan.num_stages:
         header += f" devices={plan.num_devices}"
+    if plan.moves:
+        header += " moves=" + ",".join(map(str, plan.moves))
     lines = [f"{TEXT_HEADER} v{PLAN_FORMAT_VERSION} {header}"]
     lines.extend(ins.to_text() for ins in plan.instructions)
     return "\n".join(lines) + "\n"
@@ -123,9 +129,12 @@ def plan_from_text(text: str) -> ExecutionPlan:
         if key == "devices" and value.isdigit():
             header["num_devices"] = int(value)
             continue
+        if key == "moves":
+            header["moves"] = tuple(int(x) for x in value.split(","))
+            continue
         if key not in _HEADER_FIELDS:
             raise ValueError(f"unknown plan header field {key!r}; valid fields: "
-                             f"{', '.join(_HEADER_FIELDS)}, links, recompute, devices")
+                             f"{', '.join(_HEADER_FIELDS)}, links, recompute, devices, moves")
         header[key] = int(value)
     missing = [f for f in _HEADER_FIELDS if f not in header]
     if missing:

@@ -160,6 +160,12 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
             raise ValueError(f"full_determinism plans with costs that do not depend on measured times; plan_costs "
                              f"{self.plan_costs!r} follows the online fit: pass --plan-costs base (or auto) with "
                              "--full-determinism, or drop --full-determinism")
+        if self.moving_boundaries and self.zero:
+            raise ValueError(f"moving_boundaries holds the units beside each cut on both stages, which --zero "
+                             f"{self.zero} does not shard yet: use --zero 0 or drop --moving-boundaries")
+        if self.moving_boundaries and self.placement not in ("linear", "auto"):
+            raise ValueError(f"moving_boundaries moves the cuts of a linear layout; placement {self.placement!r} has "
+                             "several chunks per device: use --placement linear or drop --moving-boundaries")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero {self.zero}: use --zero 0 (no sharding), 1 (optimizer states) or 2 (gradients too)")
         for name in ("learning_rate", "memory_gib"):

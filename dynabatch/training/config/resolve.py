@@ -247,6 +247,8 @@ def _placement(cfg, found: Found):
         return None
     if cfg.stages < 2:
         return "linear", "one stage"
+    if cfg.moving_boundaries:
+        return "linear", "--moving-boundaries moves the cuts of one chunk per device"
     return None  # chosen at start from the run's first global batches (Resolved.with_choice)
 
 

@@ -175,6 +175,10 @@ class PipelineArgs:
                 "blocks, T5 encoder blocks), where that takes more than a hundredth off the slowest stage's time: auto (wherever the cost "
                 "model prices halves: the analytic model, not --cost-profile), on (an error with --cost-profile) or "
                 "off (whole blocks)")
+    moving_boundaries: bool = experimental(
+        False, "every micro-batch chooses on which side of each stage cut the unit beside it runs (a block or block "
+               "half, held by both stages, its gradients summed like tied weights), so the planner evens the stages' "
+               "work out within each step (linear placement; decoder-only blocks and T5 encoder blocks)")
     memory_gib: float = arg(4.0, "device memory per rank the planner may use (activations + model states), GiB")
     zero: int = advanced(0, "shard model states across the data-parallel replicas of each stage (DeepSpeed's ZeRO "
                        "stages): 0 (every replica keeps full weights, gradients and AdamW states), 1 (AdamW "

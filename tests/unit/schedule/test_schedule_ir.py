@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import subprocess
 import sys
@@ -185,23 +186,39 @@ def test_send_bytes_match_the_cost_model(family, num_stages):
 # ------------------------------------------------------------------------------ serialization
 
 
-def _plans(family="t5", seed=0):
+def _plans(family="t5", seed=0, moves=None):
     rng = np.random.default_rng(seed)
     S, M = 3, 5
     text = "\n".join(" ".join([f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)]) for _ in range(S))
     spec = PipelineSpec.t5(1, 2, 16) if family == "t5" else PipelineSpec.gpt(S, 16)
     shapes = np.stack([rng.integers(1, 5, M), rng.integers(1, 64, M), rng.integers(1, 32, M)], axis=1)
-    return lower(ComputeSchedule.from_str(text), shapes, spec, step=7)
+    return lower(ComputeSchedule.from_str(text), shapes, spec, step=7, moves=moves)
 
 
-@pytest.mark.parametrize("family", ["t5", "gpt"])
-def test_bytes_and_text_round_trip(family):
-    for plan in _plans(family).values():
+MOVES = np.array([[0, 0], [-1, 0], [1, -1], [0, 1], [-1, -1]])
+"""(M, S - 1) moving stage boundaries of the 3 stages and 5 micro-batches of :func:`_plans`."""
+
+
+@pytest.mark.parametrize("family, moves", [("t5", None), ("gpt", None), ("gpt", MOVES)])
+def test_bytes_and_text_round_trip(family, moves):
+    for plan in _plans(family, moves=moves).values():
         data = plan.to_bytes()
         assert data[:4] == b"DBXP"
         assert ExecutionPlan.from_bytes(data) == plan
         assert ExecutionPlan.from_text(plan.to_text()) == plan
         assert ExecutionPlan.from_text(plan.to_text()).step == 7
+
+
+def test_each_stage_carries_its_micro_batches_moves():
+    plans = _plans("gpt", moves=MOVES)
+    for m, (below, above) in enumerate(MOVES):
+        assert plans[0].moves_of(m) == (0, int(below))
+        assert plans[1].moves_of(m) == (int(below), int(above))
+        assert plans[2].moves_of(m) == (int(above), 0)
+    assert _plans("gpt", moves=np.zeros_like(MOVES))[1].moves == ()  # no move: nothing carried
+    assert _plans("gpt")[1].moves_of(3) == (0, 0)
+    with pytest.raises(ValueError, match="two entries of -1, 0 or 1 per micro-batch"):
+        dataclasses.replace(plans[1], moves=(0, 2) * 5)
 
 
 def test_binary_form_is_compact():

@@ -267,3 +267,12 @@ def test_zero_with_one_replica_is_said_once_and_runs_as_zero_0(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("--zero 1 with one replica: there is nothing to shard") == 1, err[-2000:]
     assert len(_losses(out)) == 1
+
+
+def test_moving_boundaries_keep_one_chunk_per_device_and_refuse_what_they_do_not_handle():
+    resolved = resolve(TrainConfig(stages=2, placement="auto", moving_boundaries=True), CPU_T5)
+    assert resolved.config.placement == "linear" and "--moving-boundaries" in resolved.reasons["placement"]
+    with pytest.raises(ValueError, match="moving_boundaries moves the cuts of a linear layout; placement 'cyclic'"):
+        TrainConfig(stages=2, placement="cyclic", moving_boundaries=True)
+    with pytest.raises(ValueError, match="--zero 1 does not shard yet: use --zero 0 or drop --moving-boundaries"):
+        TrainConfig(stages=2, replicas=2, zero=1, moving_boundaries=True)
