@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
+from dynabatch.models.boundary_copies import boundary_tied_parameters, hold_copies, units_to_run
 from dynabatch.models.hf_compat import cache_kwargs
 from dynabatch.models.recompute import run_block
 from dynabatch.models.slice_kv import SliceCache, SliceContext
@@ -56,9 +57,9 @@ class GPT2Stage(StageModule):
     """Stage parameter name -> the original model's parameter name (tied copies map to the canonical
     name, ``transformer.wte.weight``); filled by :func:`dynabatch.models.split.build_stage`."""
 
-    def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
+    def __init__(self, model: nn.Module, layout, stage_index: int, moving_boundaries: bool = False) -> None:
         super().__init__()
-        self._place(layout, stage_index)
+        self._place(layout, stage_index, moving_boundaries)
         transformer = model.transformer
         self.tied_head = model.lm_head.weight is transformer.wte.weight
         if self.has_embedding:
@@ -66,17 +67,19 @@ class GPT2Stage(StageModule):
             self.wpe = transformer.wpe
             self.drop = transformer.drop
         self.blocks = block_parts(transformer.h, layout, stage_index, GPT2_BLOCK)
+        hold_copies(self, lambda i: block_parts(transformer.h, layout, i, GPT2_BLOCK))
         if self.has_head:
             self.ln_f = transformer.ln_f
             self.lm_head = model.lm_head
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
-        """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage)."""
-        groups = gpt2_tied_groups(self.kinds, self.tied_head)
-        if not groups:
-            return {}
+        """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage); under
+        moving boundaries also the units either side of a boundary may run (by original parameter name)."""
+        moving = boundary_tied_parameters(self)
+        if not gpt2_tied_groups(self.kinds, self.tied_head):
+            return moving
         weight = self.wte.weight if self.has_embedding else self.lm_head.weight
-        return {SHARED_EMBEDDING: weight}
+        return {SHARED_EMBEDDING: weight, **moving}
 
     supports_slices = True
 
@@ -87,7 +90,10 @@ class GPT2Stage(StageModule):
         context: SliceContext | None = None,
         *,
         sliced: bool = False,
+        moves: tuple[int, int] = (0, 0),
     ) -> StageOutput:
+        """``moves``: the micro-batch's moves at the boundaries below and above the stage (which units run,
+        :func:`~dynabatch.models.boundary_copies.units_to_run`); a token slice's chain keeps one."""
         device, dtype = self._device_dtype()
         segment_ids = loaded["segment_ids"].to(device, non_blocking=True)  # (B, T)
         if self.has_embedding:
@@ -96,10 +102,11 @@ class GPT2Stage(StageModule):
             hidden = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, d)
         else:
             hidden = received["hidden"]  # (B, T, d)
-        cache = SliceCache(context, attention_layer_ids(self.blocks, GPT2_BLOCK)) if sliced else None
+        blocks = units_to_run(self, moves)
+        cache = SliceCache(context, attention_layer_ids(blocks, GPT2_BLOCK)) if sliced else None
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
-        for block in self.blocks:
+        for block in blocks:
             hidden = run_block(block, hidden, attention_mask=mask, use_cache=False,
                                **cache_kwargs(block, cache))  # (B, T, d)
         return self.causal_output(hidden, loaded, segment_ids, cache, "ln_f")

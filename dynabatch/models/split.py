@@ -12,7 +12,9 @@ spec and stage inputs a model has; this module only composes them.
    inside one stage survive the copy) and the full model can be dropped. Each runtime rank builds only
    its own stage from an identically seeded full model. Parameters several stages hold (the token
    table / tied head, T5's relative-position tables) are reported by ``tied_parameters()`` under group
-   names; :func:`tied_parameter_stages` says which stages hold each group without building them.
+   names; :func:`tied_parameter_stages` says which stages hold each group without building them. With
+   ``moving_boundaries`` a stage also holds copies of the neighbours' units that may move to it
+   (:mod:`dynabatch.models.boundary_copies`), each parameter a tied group named by its original name.
 3. ``stage.parameter_map`` (also ``stage.original_names()``) maps every stage parameter name to the
    original model's parameter name (the canonical one ``model.named_parameters()`` yields, e.g.
    ``transformer.wte.weight`` for GPT-2's tied head). Summing the gradients of the stage parameters that
@@ -40,6 +42,7 @@ from torch import nn
 
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
+from dynabatch.cost.boundary_moves import held_kinds
 from dynabatch.cost.model_specs import layer_kinds
 from dynabatch.cost.stages import (
     BLOCK_KINDS,
@@ -51,6 +54,7 @@ from dynabatch.cost.stages import (
 )
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import check_attention_path, use_segment_attention
+from dynabatch.models.boundary_copies import moving_parameters
 from dynabatch.models.families import analytic_spec, family_for_config
 from dynabatch.model_presets import stages_line
 from dynabatch.models.stage import StageModule
@@ -138,8 +142,13 @@ def _own_copy(stage: StageModule, model: nn.Module) -> StageModule:
     return owned
 
 
-def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attention: str = "segments") -> StageModule:
+def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attention: str = "segments",
+                moving_boundaries: bool = False) -> StageModule:
     """Stage ``stage_index`` of ``layout``, owning deep copies of the parameters it needs.
+
+    ``moving_boundaries``: the stage also holds copies of the neighbours' units that may move to it
+    (:mod:`dynabatch.models.boundary_copies`), mapped to their original names in ``parameter_map``; its forward
+    then takes ``moves=(lower, upper)``. Off, the stage is exactly the one without the option.
 
     ``attention``: ``segments`` (padding-free, :mod:`dynabatch.models.attention`) or ``dense`` (4-D masks
     under the model's own attention implementation, the reference). Either way the stage's own copy of the
@@ -152,7 +161,7 @@ def build_stage(model: nn.Module, layout: StageLayout, stage_index: int, attenti
         raise ValueError(f"stage_index must be in [0, {layout.num_stages}), got {stage_index}")
     check_attention_path(attention)
     _check_layout(model, layout)
-    stage = family_for_config(model.config).stage_class(model, layout, stage_index)
+    stage = family_for_config(model.config).stage_class(model, layout, stage_index, moving_boundaries=moving_boundaries)
     owned = _own_copy(stage, model).train(model.training)
     owned.attention = attention
     use_segment_attention(owned)
@@ -176,26 +185,38 @@ class DeviceChunks(nn.Module):
 
 
 def build_device_stages(model: nn.Module, layout: StageLayout, device: int, num_devices: int,
-                        attention: str = "segments") -> list[StageModule]:
+                        attention: str = "segments", moving_boundaries: bool = False) -> list[StageModule]:
     """The chunks ``device`` of ``num_devices`` holds: stages ``device, device + num_devices, ...`` of ``layout``."""
-    return [build_stage(model, layout, v, attention) for v in range(device, layout.num_stages, num_devices)]
+    return [build_stage(model, layout, v, attention, moving_boundaries)
+            for v in range(device, layout.num_stages, num_devices)]
 
 
-def build_stages(model: nn.Module, layout: StageLayout, attention: str = "segments") -> list[StageModule]:
+def build_stages(model: nn.Module, layout: StageLayout, attention: str = "segments",
+                 moving_boundaries: bool = False) -> list[StageModule]:
     """Every stage of ``layout`` (for single-process tests and tools; the runtime builds one per rank)."""
-    return [build_stage(model, layout, i, attention) for i in range(layout.num_stages)]
+    return [build_stage(model, layout, i, attention, moving_boundaries) for i in range(layout.num_stages)]
 
 
-def tied_parameter_stages(model: nn.Module, layout: StageLayout) -> dict[str, tuple[int, ...]]:
+def tied_parameter_stages(model: nn.Module, layout: StageLayout,
+                          moving_boundaries: bool = False) -> dict[str, tuple[int, ...]]:
     """Tied-parameter group -> indices of the stages holding a copy (groups held by one stage included).
 
-    The runtime sums each group's gradient over these stages (within a replica) before the optimizer step.
+    The runtime sums each group's gradient over these stages (within a replica) before the optimizer step. With
+    ``moving_boundaries`` every parameter of a unit that may cross a boundary is a group of the two stages holding
+    it, named by its original name (:mod:`dynabatch.models.boundary_copies`); the stages are then only referenced
+    (their constructors copy nothing), not built.
     """
     tied_head = model.lm_head.weight is model.get_input_embeddings().weight
-    groups_of = family_for_config(model.config).tied_groups
+    family = family_for_config(model.config)
+    canonical = {id(p): name for name, p in model.named_parameters()}
     out: dict[str, list[int]] = {}
-    for i, kinds in enumerate(layout.stages):
-        for group in groups_of(tuple(kinds), tied_head):
+    for i in range(layout.num_stages):
+        kinds = held_kinds(layout, i) if moving_boundaries else tuple(layout.stages[i])
+        groups = list(family.tied_groups(kinds, tied_head))
+        if moving_boundaries:
+            reference = family.stage_class(model, layout, i, moving_boundaries=True)
+            groups += [canonical[id(p)] for p in moving_parameters(reference).values()]
+        for group in groups:
             out.setdefault(group, []).append(i)
     return {g: tuple(v) for g, v in out.items()}
 

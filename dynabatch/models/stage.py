@@ -17,6 +17,12 @@ backpropagates ``loss_sum / total loss tokens of the global batch`` on the last 
 Parameters that several stages hold copies of (tied embeddings, T5's relative-position bias that
 every layer of a stack uses) are listed by :meth:`StageModule.tied_parameters`; the runtime sums
 their gradients across the stages that hold them so every copy takes the same optimizer step.
+
+Moving boundaries. A stage built with ``moving_boundaries=True`` also holds copies of the neighbouring
+stages' units that may cross its boundaries (:mod:`dynabatch.models.boundary_copies`); its forward takes
+the keyword ``moves=(lower, upper)`` (:func:`~dynabatch.cost.boundary_moves.stage_moves` of the
+micro-batch's row) and runs exactly :func:`~dynabatch.cost.boundary_moves.run_kinds`. The copies are tied
+parameters grouped by their original names.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.masks import _token_losses, bidirectional_segment_mask, causal_segment_mask
 from dynabatch.models.attention import build_segments
+from dynabatch.models.boundary_copies import NO_SIDES, BoundarySides, boundary_sides
+from dynabatch.cost.boundary_moves import held_kinds
 
 if TYPE_CHECKING:
     from dynabatch.models.slice_kv import SliceRecord
@@ -100,18 +108,35 @@ class StageModule(torch.nn.Module):
     supports_slices: bool = False
     attention: str = "dense"
     """``segments`` (padding-free) or ``dense`` (4-D masks); set by :func:`dynabatch.models.split.build_stage`."""
+    held_kinds: tuple[str, ...]
+    """:attr:`kinds` plus, under moving boundaries, the neighbours' units this stage holds copies of
+    (:func:`~dynabatch.cost.boundary_moves.held_kinds`)."""
+    moving_boundaries: bool = False
+    """Built with ``moving_boundaries`` (:func:`dynabatch.models.split.build_stage`)."""
+    boundary_sides: BoundarySides = NO_SIDES
+    """Which boundary copies the stage holds and which of its units it lends
+    (:mod:`~dynabatch.models.boundary_copies`)."""
 
-    def _place(self, layout, stage_index: int) -> tuple[str, ...]:
+    def _place(self, layout, stage_index: int, moving_boundaries: bool = False) -> tuple[str, ...]:
         """Record where this stage sits in ``layout`` (index, count, its kinds, whether it holds the embedding and the
-        head; an empty :attr:`parameter_map`); returns its kinds. Every family's ``__init__`` starts with it."""
+        head; an empty :attr:`parameter_map`; with ``moving_boundaries`` its :attr:`boundary_sides` and held kinds);
+        returns its kinds. Every family's ``__init__`` starts with it."""
         kinds = tuple(layout.stages[stage_index])
         self.stage_index = stage_index
         self.num_stages = layout.num_stages
         self.kinds = kinds
+        self.moving_boundaries = moving_boundaries
+        self.held_kinds = held_kinds(layout, stage_index) if moving_boundaries else kinds
+        self.boundary_sides = boundary_sides(layout, stage_index) if moving_boundaries else NO_SIDES
         self.has_embedding = "embedding" in kinds
         self.has_head = "lm_head" in kinds
         self.parameter_map = {}
         return kinds
+
+    def movable_units(self) -> torch.nn.ModuleList:
+        """The stage's own units of the stack a boundary may move within, in order (decoder-only: its ``blocks``);
+        :mod:`~dynabatch.models.boundary_copies` lends their first/last and runs them per move."""
+        return self.blocks
 
     def original_names(self) -> dict[str, str]:
         """Stage parameter name -> original HF parameter name (see :attr:`parameter_map`)."""

@@ -47,6 +47,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 from dynabatch.cost.model_specs import BLOCK_HALVES, ENCODER_ATTENTION_KINDS
 from dynabatch.models.attention import Segments, build_segments
 from dynabatch.models.block_parts import stage_blocks
+from dynabatch.models.boundary_copies import boundary_tied_parameters, hold_copies, units_to_run
 from dynabatch.models.masks import cross_segment_mask
 from dynabatch.models.recompute import run_block
 from dynabatch.models.stage import StageModule, StageOutput, loss_output
@@ -155,9 +156,9 @@ class T5Stage(StageModule):
     names ``shared.weight`` and ``{encoder,decoder}.block.0.layer.0.SelfAttention.relative_attention_bias.weight``);
     filled by :func:`dynabatch.models.split.build_stage`."""
 
-    def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
+    def __init__(self, model: nn.Module, layout, stage_index: int, moving_boundaries: bool = False) -> None:
         super().__init__()
-        kinds = self._place(layout, stage_index)
+        kinds = self._place(layout, stage_index, moving_boundaries)
         self.config = model.config
         self.has_seam = "decoder_embedding" in kinds
         self.is_decoder_role = any(k in DECODER_KINDS for k in kinds)
@@ -168,13 +169,14 @@ class T5Stage(StageModule):
         # Relative-bias tables are registered before the blocks: on the stage holding layer 0 the
         # table is layer 0's own module, and the stage-level name is the one named_parameters keeps.
         first_dec, num_dec = _blocks_before(layout, stage_index, "t5_decoder"), kinds.count("t5_decoder")
-        if any(k in ENCODER_ATTENTION_KINDS for k in kinds):
+        if any(k in ENCODER_ATTENTION_KINDS for k in self.held_kinds):  # a held copy's attention needs it too
             self.encoder_relative_bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
         if num_dec:
             self.decoder_relative_bias = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
         if self.has_embedding or self.has_seam:
             self.encoder_dropout = model.encoder.dropout
         self.encoder_blocks = nn.ModuleList(encoder_parts(model, layout, stage_index))
+        hold_copies(self, lambda i: encoder_parts(model, layout, i))  # units move within the encoder only
         if self.has_seam:
             self.encoder_final_layer_norm = model.encoder.final_layer_norm
         if self.has_seam or self.has_head:
@@ -185,9 +187,10 @@ class T5Stage(StageModule):
             self.lm_head = model.lm_head
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
-        """The stage's copies of ``shared_embedding``, ``encoder_relative_bias``, ``decoder_relative_bias``."""
-        out = {}
-        for group in t5_tied_groups(self.kinds, self.tied_head):
+        """The stage's copies of ``shared_embedding``, ``encoder_relative_bias``, ``decoder_relative_bias``; under
+        moving boundaries also the encoder units either side of a boundary may run (by original parameter name)."""
+        out = boundary_tied_parameters(self)
+        for group in t5_tied_groups(self.held_kinds, self.tied_head):
             if group == SHARED_EMBEDDING:
                 out[group] = self.shared.weight
             elif group == ENCODER_RELATIVE_BIAS:
@@ -196,7 +199,14 @@ class T5Stage(StageModule):
                 out[group] = self.decoder_relative_bias.weight
         return out
 
-    def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> StageOutput:
+    def movable_units(self) -> nn.ModuleList:
+        """The encoder units (units never cross the encoder/decoder seam)."""
+        return self.encoder_blocks
+
+    def forward(self, received: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], *,
+                moves: tuple[int, int] = (0, 0)) -> StageOutput:
+        """``moves``: the micro-batch's moves at the boundaries below and above the stage (which encoder units run,
+        :func:`~dynabatch.models.boundary_copies.units_to_run`)."""
         device, dtype = self._device_dtype()
         enc_seg = loaded["segment_ids"]  # (B, E), host: masks are built from it
         dec_seg = loaded["decoder_segment_ids"] if self.is_decoder_role else None  # (B, D), host
@@ -206,8 +216,9 @@ class T5Stage(StageModule):
         if self.has_embedding:
             input_ids = loaded["input_ids"].to(device, non_blocking=True)  # (B, E)
             enc_hidden = self.encoder_dropout(self.shared(input_ids))  # (B, E, d)
-        if self.encoder_blocks:
-            enc_hidden = self._run_encoder(enc_hidden, enc_seg, dtype)
+        encoder_units = units_to_run(self, moves)
+        if encoder_units:
+            enc_hidden = self._run_encoder(encoder_units, enc_hidden, enc_seg, dtype)
         if self.has_seam:
             enc_out = self.encoder_dropout(self.encoder_final_layer_norm(enc_hidden))  # (B, E, d)
             decoder_input_ids = loaded["decoder_input_ids"].to(device, non_blocking=True)  # (B, D)
@@ -222,11 +233,11 @@ class T5Stage(StageModule):
             enc_out = enc_out.view_as(enc_out)
         return StageOutput(sends={"dec_hidden": dec_hidden, "enc_out": enc_out})
 
-    def _run_encoder(self, hidden: torch.Tensor, enc_seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Encoder blocks (or halves) on (B, E, d) with the bidirectional segment mask (or Segments) and the
-        stack's bias, both built only when a block here runs self-attention."""
+    def _run_encoder(self, units, hidden: torch.Tensor, enc_seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Encoder ``units`` (blocks or halves) on (B, E, d) with the bidirectional segment mask (or Segments) and
+        the stack's bias, both built only when a unit run here has self-attention."""
         attention = None
-        for block in self.encoder_blocks:
+        for block in units:
             if isinstance(block, EncoderFeedForwardHalf):
                 hidden = run_block(block, hidden)[0]  # (B, E, d)
                 continue

@@ -43,7 +43,8 @@ class ModelFamily:
     sequence_kind: str
     """``causal`` or ``seq2seq``."""
     stage_class: type
-    """The :class:`~dynabatch.models.stage.StageModule` subclass: ``stage_class(model, layout, stage_index)``."""
+    """The :class:`~dynabatch.models.stage.StageModule` subclass: ``stage_class(model, layout, stage_index,
+    moving_boundaries=False)`` (:mod:`~dynabatch.models.boundary_copies`)."""
     tied_groups: Callable[[tuple[str, ...], bool], tuple[str, ...]]
     """Tied-parameter groups a stage with these layer kinds holds (second argument: the head is tied)."""
     analytic_spec: Callable[..., TransformerSpec]

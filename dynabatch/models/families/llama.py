@@ -36,6 +36,7 @@ from dynabatch.cost.layers import KindSpec, ModelLayers, Step, count_params, hid
 from dynabatch.cost.model_specs import TransformerSpec
 from dynabatch.data.microbatch import IGNORE_INDEX
 from dynabatch.models.block_parts import BlockNames, attention_layer_ids, block_parts
+from dynabatch.models.boundary_copies import boundary_tied_parameters, hold_copies, units_to_run
 from dynabatch.models.hf_compat import cache_kwargs
 from dynabatch.models.families import ModelFamily, register_family
 from dynabatch.models.masks import _token_losses, causal_segment_mask
@@ -61,24 +62,27 @@ class LlamaStage(StageModule):
 
     supports_slices = True
 
-    def __init__(self, model: nn.Module, layout, stage_index: int) -> None:
+    def __init__(self, model: nn.Module, layout, stage_index: int, moving_boundaries: bool = False) -> None:
         super().__init__()
-        self._place(layout, stage_index)
+        self._place(layout, stage_index, moving_boundaries)
         inner = model.model
         self.tied_head = model.lm_head.weight is inner.embed_tokens.weight
         if self.has_embedding:
             self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb  # buffers only (inv_freq), no parameters
         self.blocks = block_parts(inner.layers, layout, stage_index, LLAMA_BLOCK)
+        hold_copies(self, lambda i: block_parts(inner.layers, layout, i, LLAMA_BLOCK))
         if self.has_head:
             self.norm = inner.norm
             self.lm_head = model.lm_head
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
-        """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage)."""
+        """``shared_embedding``: the token table (embedding stage) or the tied head weight (last stage); under
+        moving boundaries also the units either side of a boundary may run (by original parameter name)."""
+        moving = boundary_tied_parameters(self)
         if not llama_tied_groups(self.kinds, self.tied_head):
-            return {}
-        return {SHARED_EMBEDDING: self.embed_tokens.weight if self.has_embedding else self.lm_head.weight}
+            return moving
+        return {SHARED_EMBEDDING: self.embed_tokens.weight if self.has_embedding else self.lm_head.weight, **moving}
 
     def forward(
         self,
@@ -87,7 +91,10 @@ class LlamaStage(StageModule):
         context: SliceContext | None = None,
         *,
         sliced: bool = False,
+        moves: tuple[int, int] = (0, 0),
     ) -> StageOutput:
+        """``moves``: the micro-batch's moves at the boundaries below and above the stage (which units run,
+        :func:`~dynabatch.models.boundary_copies.units_to_run`); a token slice's chain keeps one."""
         device, dtype = self._device_dtype()
         segment_ids = loaded["segment_ids"].to(device, non_blocking=True)  # (B, T)
         position_ids = loaded["position_ids"].to(device, non_blocking=True)  # (B, T), continue across slices
@@ -96,10 +103,11 @@ class LlamaStage(StageModule):
         else:
             hidden = received["hidden"]  # (B, T, d)
         rotary = self.rotary_emb(hidden, position_ids)  # cos, sin: (B, T, head_dim)
-        cache = SliceCache(context, attention_layer_ids(self.blocks, LLAMA_BLOCK)) if sliced else None
+        blocks = units_to_run(self, moves)
+        cache = SliceCache(context, attention_layer_ids(blocks, LLAMA_BLOCK)) if sliced else None
         context_ids = context.segment_ids if context is not None else None
         mask = self.self_attention_mask("causal", loaded["segment_ids"], dtype, device, context_ids)
-        for block in self.blocks:
+        for block in blocks:
             hidden = run_block(block, hidden, attention_mask=mask, position_ids=position_ids, use_cache=False,
                                position_embeddings=rotary, **cache_kwargs(block, cache))  # (B, T, d)
         return self.causal_output(hidden, loaded, segment_ids, cache, "norm")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from dynabatch.cost.boundary_moves import stage_moves
 from dynabatch.cost.stages import StageLayout
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.microbatch import token_slices
@@ -51,11 +52,12 @@ def _micro_batch(family: str):
     return collate_causal(samples, rows, pad_id=PAD_ID)
 
 
-def run_chain(stages, spec, pieces, mode: str, sliced: bool = False):
+def run_chain(stages, spec, pieces, mode: str, sliced: bool = False, moves=None):
     """Forward each piece through the chained stages (piece ``j`` on stage ``i`` under ``forked_rng(seed_for(0,
     0, j, i))`` and ``recompute_mode(mode)``, as the executor runs it), then backward in reverse piece order
     (a token slice chain's order). Returns the loss, the gradients by original parameter name (tied copies
-    summed) and the meter's peak saved bytes."""
+    summed, a copy that did not run counting as zeros) and the meter's peak saved bytes. ``moves``: one row of
+    boundary moves for every piece (stages built with ``moving_boundaries``)."""
     for s in stages:
         s.zero_grad(set_to_none=True)
     meter = SavedActivationMeter(exclude=[p for s in stages for p in s.parameters()])
@@ -65,8 +67,12 @@ def run_chain(stages, spec, pieces, mode: str, sliced: bool = False):
             received, row = {}, []
             for i, stage in enumerate(stages):
                 loaded = micro_batch_inputs(piece, spec, i)
+                kwargs = {} if moves is None else {"moves": stage_moves(moves, i, len(stages))}
                 with forked_rng(seed_for(0, 0, j, i)), recompute_mode(mode):
-                    out = stage(received, loaded, contexts[i], sliced=True) if sliced else stage(received, loaded)
+                    if sliced:
+                        out = stage(received, loaded, contexts[i], sliced=True, **kwargs)
+                    else:
+                        out = stage(received, loaded, **kwargs)
                 if sliced:
                     contexts[i] = out.slice_record.extend()
                 row.append((received, out))
@@ -95,8 +101,8 @@ def run_chain(stages, spec, pieces, mode: str, sliced: bool = False):
     by_name: dict[str, torch.Tensor] = {}
     for s in stages:
         for n, p in s.named_parameters():
-            name = s.parameter_map[n]
-            by_name[name] = p.grad.clone() if name not in by_name else by_name[name] + p.grad
+            name, g = s.parameter_map[n], p.grad if p.grad is not None else torch.zeros_like(p)
+            by_name[name] = g.clone() if name not in by_name else by_name[name] + g
     return loss, by_name, peak
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from dynabatch.cost.boundary_moves import stage_moves
 from dynabatch.cost.stages import StageLayout
 from dynabatch.data.collate import collate_causal, collate_seq2seq
 from dynabatch.data.sample import TokenizedSample
@@ -91,14 +92,16 @@ def _model(name: str, dropout: float = 0.0):
     return build_model(name, vocab_size=VOCAB, dropout=dropout, seed=0).train()
 
 
-def _run_pipeline(stages, spec, mb):
-    """Forward and backward through the stages like a pipeline; returns (loss_sum, num_loss_tokens)."""
+def _run_pipeline(stages, spec, mb, moves=None):
+    """Forward and backward through the stages like a pipeline; returns (loss_sum, num_loss_tokens). ``moves``: the
+    micro-batch's row of boundary moves (stages built with ``moving_boundaries``)."""
     b, e = mb.input_ids.shape
     d = mb.decoder_input_ids.shape[1] if hasattr(mb, "decoder_input_ids") else 0
     received, inputs, outputs = {}, [], []
     for s, stage in enumerate(stages):
         recv = {k: v.detach().requires_grad_() for k, v in received.items()}
-        out = stage(recv, micro_batch_inputs(mb, spec, s))
+        kwargs = {} if moves is None else {"moves": stage_moves(moves, s, len(stages))}
+        out = stage(recv, micro_batch_inputs(mb, spec, s), **kwargs)
         expected = spec.send_tensors(s, b, e, d)
         assert [t.name for t in expected] == list(out.sends), f"stage {s} sends"
         assert [t.shape for t in expected] == [tuple(v.shape) for v in out.sends.values()]
@@ -135,6 +138,11 @@ def _check_chained(model, layout: StageLayout, mb) -> None:
 
     torch.testing.assert_close(loss_sum, ref.loss_sum)
     assert num_loss_tokens == ref.num_loss_tokens == mb.num_loss_tokens
+    _assert_model_grads(model, stages)
+
+
+def _assert_model_grads(model, stages) -> None:
+    """The stages' gradients, summed over tied copies by ``parameter_map``, equal the whole model's."""
     grads = _summed_stage_grads(stages)
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     assert grads.keys() == ref_grads.keys()  # every parameter lives on some stage, nothing extra
