@@ -99,13 +99,15 @@ class CalibratedStageCostModel(StageCostModel):
     def of(cls, base: StageCostModel, coefficients=None, memory_scale=None) -> "CalibratedStageCostModel":
         base = base.base if isinstance(base, CalibratedStageCostModel) else base
         return cls(base.model, base.layout, base.device_memory_bytes, base.optimizer, base.memory_margin,
-                   base.recompute, zero=base.zero, replicas=base.replicas, coefficients=coefficients,
+                   base.recompute, zero=base.zero, replicas=base.replicas,
+                   moving_boundaries=base.moving_boundaries, coefficients=coefficients,
                    memory_scale=memory_scale)
 
     @property
     def base(self) -> StageCostModel:
         return StageCostModel(self.model, self.layout, self.device_memory_bytes, self.optimizer, self.memory_margin,
-                              self.recompute, zero=self.zero, replicas=self.replicas)
+                              self.recompute, zero=self.zero, replicas=self.replicas,
+                              moving_boundaries=self.moving_boundaries)
 
     @property
     def seq2seq(self) -> bool:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynabatch.cost.boundary_moves import boundary_units, held_kinds
 from dynabatch.cost.model_specs import BLOCK_HALVES, BLOCK_KINDS, join_halves, split_halves
 from dynabatch.cost.model_states import per_rank_state_bytes
 from dynabatch.cost._kernels import _planner_view, _planner_view_plain
@@ -252,6 +253,10 @@ class StageCosts:
     load_bytes: np.ndarray | None = None
     """Host inputs a stage loads for the micro-batch (token, segment and position ids, labels), live in its
     buffer slot from ``LOAD`` to ``FREE`` as the validator counts them; ``None``: not priced (0)."""
+    moves: np.ndarray | None = None
+    """Moving stage boundaries (:mod:`dynabatch.cost.boundary_moves`): ``(M, S - 1)`` ``int8``, each micro-batch's
+    side of every boundary, the costs priced with them (:mod:`dynabatch.cost.boundary_prices`); unlike the other
+    fields one *row* per micro-batch. ``None``: every micro-batch at the layout's cuts."""
 
 
 LOAD_BYTES_PER_TOKEN = 4 * 8
@@ -292,6 +297,10 @@ class StageCostModel:
     """``--zero``: which model states are sharded across the replicas of a stage (:mod:`dynabatch.cost.model_states`)."""
     replicas: int = 1
     """Data-parallel replicas of each stage, over which ``zero`` shards."""
+    moving_boundaries: bool = False
+    """Stage boundaries that move per micro-batch (:mod:`dynabatch.cost.boundary_moves`, linear layouts): each stage
+    holds a copy of the units that may cross its boundaries (their model states count on both stages), and
+    :func:`~dynabatch.plan.slice_costs.piece_costs` chooses each micro-batch's side of every boundary."""
     model_state_bytes: tuple[float, ...] = field(init=False)
     """Parameters + gradients + optimizer states of each stage, per rank (the sharded parts divided by ``replicas``)."""
     memory_budget_bytes: float = field(init=False)
@@ -315,7 +324,7 @@ class StageCostModel:
                              f"{type(self.model).__name__} does not (use the analytic model, or --recompute none)")
 
         tied = getattr(self.model, "tied_copy_count", lambda kinds: 0)  # a tied token table's copy on a later stage
-        counts = [sum(self.model.param_count(k) for k in s) + tied(s) for s in self.layout.stages]
+        counts = [sum(self.model.param_count(k) for k in s) + tied(s) for s in self._held_stages()]
         states = tuple(per_rank_state_bytes(self.model.model_state_bytes(n, optimizer=self.optimizer), n, self.optimizer,
                                             self.zero, self.replicas) for n in counts)
         object.__setattr__(self, "model_state_bytes", states)
@@ -331,6 +340,14 @@ class StageCostModel:
         programs = programs_of(self.model, self.layout.stages) if getattr(self.model, "shares_layer_costs", False) \
             else None
         object.__setattr__(self, "programs", programs)
+
+    def _held_stages(self) -> tuple[tuple[str, ...], ...]:
+        """The layer kinds each stage holds parameters of: its own, and with :attr:`moving_boundaries` the copies of
+        the units that may cross its boundaries (:func:`~dynabatch.cost.boundary_moves.held_kinds`)."""
+        if not self.moving_boundaries:
+            return self.layout.stages
+        units = boundary_units(self.layout)
+        return tuple(held_kinds(self.layout, s, units) for s in range(self.layout.num_stages))
 
     @property
     def num_stages(self) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 
 from dynabatch.cost.model_specs import BLOCK_HALVES, CAUSAL_ATTENTION_KINDS
 from dynabatch.cost.roofline import Op, memory_op
+from dynabatch.plan.boundary_choice import with_moves
 from dynabatch.plan.costs import PolynomialCostModel, check_non_negative_fields
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.cost.stages import StageCosts, in_flight_buffer_bytes
@@ -399,26 +400,38 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c,
     )
 
 
-def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None) -> "StageCosts":
+def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None,
+                moves: np.ndarray | str | None = "choose") -> "StageCosts":
     """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)`` under ``stage_model`` (a
     :class:`~dynabatch.cost.stages.StageCostModel`); with slice ``links``, later slices priced with their
     ``contexts`` (:func:`slice_stage_costs`); ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,))
-    prices per-segment attention. What the trainer's planner and ``dynabatch simulate`` price a step with."""
+    prices per-segment attention. What the trainer's planner and ``dynabatch simulate`` price a step with.
+
+    Moving stage boundaries (:attr:`StageCostModel.moving_boundaries <dynabatch.cost.stages.StageCostModel.
+    moving_boundaries>`): ``moves="choose"`` picks each micro-batch's side of every boundary the layout lets a unit
+    cross (:func:`~dynabatch.plan.boundary_choice.choose_moves`, the slices of a chain on one row) and returns the
+    costs with those moves (:attr:`StageCosts.moves`); an ``(M, S - 1)`` array prices those moves (another model's
+    choice: what the step runs); ``None`` prices the layout's cuts (micro-batches of several replicas priced in one
+    call, each replica's moves chosen after, :func:`~dynabatch.plan.boundary_choice.with_moves`). A model without
+    moving boundaries ignores ``"choose"``."""
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
     contexts = np.asarray(contexts, dtype=np.float64).reshape(-1)
     costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
-    if not links:
+    timed_pairs = pairs
+    if links:
+        keys = getattr(slice_model, "keys", None)
+        priced = pairs is not None and keys is not None
+        costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], contexts, memory_only=priced)
+        if priced:  # times from the slices' own score pairs; memory as scaled above (score bytes counted once)
+            timed_pairs = slice_context_pairs(pairs, arr, contexts, keys)
+            timed = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], timed_pairs)
+            ratios = getattr(slice_model, "context_time_ratios", None)
+            passes = ratios(arr[:, 0], arr[:, 1], contexts) if ratios is not None else None
+            scale = passes if passes is not None and passes.shape == timed.fwd_s.shape else 1.0
+            costs = dataclasses.replace(costs, fwd_s=timed.fwd_s * scale, bwd_s=timed.bwd_s * scale)
+    if moves is None or (isinstance(moves, str) and not getattr(stage_model, "moving_boundaries", False)):
         return costs
-    keys = getattr(slice_model, "keys", None)
-    priced = pairs is not None and keys is not None
-    costs = slice_stage_costs(costs, slice_model, arr[:, 0], arr[:, 1], contexts, memory_only=priced)
-    if priced:  # times from the slices' own score pairs; memory as scaled above (score bytes counted once)
-        timed = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], slice_context_pairs(pairs, arr, contexts, keys))
-        ratios = getattr(slice_model, "context_time_ratios", None)
-        passes = ratios(arr[:, 0], arr[:, 1], contexts) if ratios is not None else None
-        scale = passes if passes is not None and passes.shape == timed.fwd_s.shape else 1.0
-        costs = dataclasses.replace(costs, fwd_s=timed.fwd_s * scale, bwd_s=timed.bwd_s * scale)
-    return costs
+    return with_moves(stage_model, costs, arr, timed_pairs, links, None if isinstance(moves, str) else moves)
 
 
 def slice_context_pairs(pairs, shapes: np.ndarray, contexts: np.ndarray, keys):

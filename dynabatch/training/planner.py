@@ -51,6 +51,8 @@ from dynabatch.cost.online import CalibratedStageCostModel
 from dynabatch.schedule.placement import Placement
 from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
+from dynabatch.plan.boundary_choice import with_moves
+from dynabatch.cost.boundary_prices import move_ratios, moved_features
 from dynabatch.training.step_score import columns, fits_without_recompute, send_time_of, simulated_step_time
 from dynabatch.training.units import (
     Unit, collate_group, micro_batches_of, plan_units, synthetic_units, units_layout, units_pairs)
@@ -292,14 +294,15 @@ class StepPlanner:
         predicted_costs = costs
         if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
             predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, predict_model,
-                                                                  schedules)
+                                                                  schedules, moves_in=[c.moves for c in costs])
         saved = simulate(schedules[0], replace(predicted_costs[0],
                                                peak_bytes=np.zeros_like(predicted_costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
         features = ()
         overhead = 0.0
         if self.calibration is not None and self.calibration.enabled:
-            features = tuple(self._features(s, lk, pr, c.recompute) for s, lk, pr, c in zip(shapes, links, pairs, costs))
+            features = tuple(self._features(s, lk, pr, c.recompute, c.moves)
+                             for s, lk, pr, c in zip(shapes, links, pairs, costs))
             overhead = self.calibration.overhead_for(step)
         return PlannedStep(
             step=step, batch=batch, drawn=None, replica_units=tuple(tuple(u) for u in replica_units), shapes=shapes,
@@ -312,13 +315,17 @@ class StepPlanner:
             family=self.family, tokens=self.tokens,
         )
 
-    def _features(self, shapes, links, pairs, recompute=None) -> np.ndarray:
+    def _features(self, shapes, links, pairs, recompute=None, moves=None) -> np.ndarray:
         """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices), priced
-        with the ``recompute`` modes they run with."""
+        with the ``recompute`` modes they run with; with the ``moves`` they run with (moving stage boundaries),
+        each row scaled by its move's time ratio, so the fit learns the layout's times
+        (:func:`~dynabatch.cost.boundary_prices.moved_features`)."""
 
         arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
         model = CalibratedStageCostModel.of(self.cost_model)
         x = model.features(arr[:, 0], arr[:, 1], arr[:, 2], pairs, modes=recompute)
+        if moves is not None:
+            x = moved_features(x, move_ratios(model, arr[:, 0], arr[:, 1], arr[:, 2], pairs), moves)
         for chain in chains(links) if links else ():
             x[:, :, list(chain), :] = np.nan
         return x
@@ -431,15 +438,18 @@ class StepPlanner:
                         pairs_work.append(work_of[rows])
                 spans.append((lo, len(shapes)))
         pairs = stacked_pairs(pairs_work) if self.padding_free else None
-        costs = piece_costs(model, None, shapes, [0] * len(shapes), (), pairs)
+        costs = piece_costs(model, None, shapes, [0] * len(shapes), (), pairs, moves=None)
         out, k = [], 0
         for plan in plans:
             replicas = []
             for _ in plan.replicas:
                 lo, hi = spans[k]
                 k += 1
-                replicas.append((columns(costs, lo, hi), shapes[lo:hi], (), [0] * (hi - lo),
-                                 None if pairs is None else pairs[lo:hi]))
+                part = None if pairs is None else pairs[lo:hi]
+                replica = columns(costs, lo, hi)
+                if model.moving_boundaries:  # each replica's moves chosen for its own stages
+                    replica = with_moves(model, replica, shapes[lo:hi], part)
+                replicas.append((replica, shapes[lo:hi], (), [0] * (hi - lo), part))
             out.append(tuple(map(list, zip(*replicas))))
         return out
 
@@ -492,8 +502,9 @@ class StepPlanner:
                                 model_state_bytes=np.array(model.model_state_bytes))
 
     def _predict(self, shapes, links, contexts, pairs, model=None, schedules_in=None, costs_in=None,
-                 check_memory: bool = False):
-        """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced), the
+                 check_memory: bool = False, moves_in=None):
+        """Per replica: costs under ``model`` (default the planning model; ``costs_in``: already priced; ``moves_in``:
+        priced with these boundary moves, the planning model's choice the step runs, not ``model``'s own), the
         compute schedule (``schedules_in``, or chosen under those costs) and its simulation (makespan, bubble).
         With ``check_memory`` a fifth value says whether every replica's simulated step fits the memory limit."""
 
@@ -504,7 +515,8 @@ class StepPlanner:
         states, send = np.array(model.model_state_bytes), send_time_of(model)
         first = None  # --zero 2 on virtual stages: replica 0's placed step, whose device orders every replica runs
         for k, (s, lk, ctx, pr) in enumerate(zip(shapes, links, contexts, pairs)):
-            c = costs_in[k] if costs_in is not None else piece_costs(model, self.slice_model, s, ctx, lk, pr)
+            c = costs_in[k] if costs_in is not None else piece_costs(
+                model, self.slice_model, s, ctx, lk, pr, **({} if moves_in is None else {"moves": moves_in[k]}))
             if self.placement is not None:  # virtual stages: the placed order plan_step lowers
                 if first is not None:
                     result = replayed_step(first, c, self.placement, states, memory, send, links=lk)

@@ -11,6 +11,7 @@ import numpy as np
 from dynabatch.cost.stages import StageCostModel, StageCosts
 from dynabatch.plan.formula import concatenated_pairs
 from dynabatch.plan.costs import evaluate_costs
+from dynabatch.plan.boundary_choice import with_moves
 from dynabatch.plan.slice_costs import piece_costs
 from dynabatch.plan.step import with_pairs
 from dynabatch.schedule.policies import adaptive
@@ -19,10 +20,10 @@ from dynabatch.schedule.virtual import placed_step
 
 
 def columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
-    """Micro-batches ``lo:hi`` of per-stage ``costs`` (every array ``(S, M)``)."""
+    """Micro-batches ``lo:hi`` of per-stage ``costs`` (every array ``(S, M)``; the moves ``(M, S - 1)``)."""
     return StageCosts(*(None if a is None else a[:, lo:hi] for a in (
         costs.fwd_s, costs.bwd_s, costs.stored_bytes, costs.peak_bytes, costs.send_bytes, costs.recompute,
-        costs.load_bytes)))
+        costs.load_bytes)), moves=None if costs.moves is None else costs.moves[lo:hi])
 
 
 def fits_without_recompute(plan, model: StageCostModel) -> bool:
@@ -93,14 +94,18 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
         if len(whole) < 2 or len({x is None for x in pairs}) > 1:
             return [score(p) for p in plans]
         shapes = [q.shape for p in whole for pieces in p.replicas for q in pieces]
-        costs = piece_costs(stage_model, slice_model, shapes, [0] * len(shapes), (),
-                            None if pairs[0] is None else concatenated_pairs(pairs))
+        joined = None if pairs[0] is None else concatenated_pairs(pairs)
+        costs = piece_costs(stage_model, slice_model, shapes, [0] * len(shapes), (), joined, moves=None)
         out, lo = {}, 0
         for p in whole:
             worst = 0.0
             for pieces in p.replicas:
-                worst = max(worst, makespan(columns(costs, lo, lo + len(pieces)), ()))
-                lo += len(pieces)
+                hi = lo + len(pieces)
+                replica = columns(costs, lo, hi)
+                if getattr(stage_model, "moving_boundaries", False):  # each replica's moves for its own stages
+                    replica = with_moves(stage_model, replica, shapes[lo:hi], None if joined is None else joined[lo:hi])
+                worst = max(worst, makespan(replica, ()))
+                lo = hi
             out[id(p)] = worst
         return [out[id(p)] if id(p) in out else score(p) for p in plans]
 

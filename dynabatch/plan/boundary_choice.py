@@ -1,0 +1,168 @@
+"""Choosing each micro-batch's side of every movable stage boundary (:mod:`dynabatch.cost.boundary_moves`).
+
+A replica's step is about as long as its busiest stage's summed forward + backward time (the bottleneck the
+pipeline's other stages wait on). :func:`choose_moves` picks each micro-batch's moves to lower that maximum,
+greedily:
+
+* Start with every micro-batch at the layout's cut (all zeros).
+* Visit the boundaries in order, a few passes (:data:`PASSES`, until a pass changes nothing). At boundary ``s``
+  the moves at the other boundaries stay fixed, so only stages ``s`` and ``s + 1`` change: while one of them is
+  busier, the micro-batches (a token-slice chain counts as one, its slices share a move row) that may step one
+  notch towards the other side (``+1 -> 0 -> -1`` sends work down, the other way up) are tried biggest unit time
+  first (ties by index), and a step is kept only where it lowers the larger of the two stages' sums.
+* Every kept step lowers the larger of two stages and leaves the others, so the bottleneck never rises; the
+  result is compared with all zeros at the end all the same, and all zeros is returned where it is not better.
+
+Deterministic: the order of visits and ties depends on indices only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynabatch.cost.boundary_moves import BoundaryUnits
+from dynabatch.cost.boundary_prices import allowed_moves, move_ratios, move_times, moved_costs
+
+PASSES = 3
+"""Passes over the boundaries at most."""
+TOLERANCE = 1e-12
+"""A step is kept where it lowers the pair's larger sum by more than this fraction of it (no float churn)."""
+
+
+def chain_groups(num_micro_batches: int, links=()) -> np.ndarray:
+    """``(M,)`` group of each micro-batch: the first slice of its token-slice chain (``links``, ``-1``: no
+    predecessor, :mod:`dynabatch.schedule.chains`), or itself."""
+    if links is None or len(links) == 0:
+        return np.arange(num_micro_batches)
+    return np.array([_head(links, m) for m in range(num_micro_batches)])
+
+
+def _head(links, m: int) -> int:
+    while links[m] >= 0:
+        m = links[m]
+    return m
+
+
+def bottleneck(times: dict[tuple[int, int, int], np.ndarray], moves: np.ndarray, num_stages: int) -> float:
+    """The largest stage's summed time of micro-batches with ``moves`` (``times``: :func:`~dynabatch.cost.
+    boundary_prices.move_times`)."""
+    return float(stage_sums(times, moves, num_stages).max())
+
+
+def stage_sums(times, moves: np.ndarray, num_stages: int) -> np.ndarray:
+    """``(S,)`` each stage's summed time of micro-batches with ``moves`` ``(M, S - 1)``."""
+    moves = np.asarray(moves)
+    out = np.zeros(num_stages)
+    for s in range(num_stages):
+        lo = moves[:, s - 1] if s > 0 else np.zeros(len(moves), np.int8)
+        up = moves[:, s] if s < num_stages - 1 else np.zeros(len(moves), np.int8)
+        for (stage, lower, upper), t in times.items():
+            if stage == s:
+                out[s] += float(t[(lo == lower) & (up == upper)].sum())
+    return out
+
+
+def choose_moves(times: dict[tuple[int, int, int], np.ndarray], units: BoundaryUnits, num_micro_batches: int,
+                 links=()) -> np.ndarray:
+    """``(M, S - 1)`` ``int8`` moves of one replica's micro-batches lowering its bottleneck stage's summed time
+    (module docstring). ``times``: ``(stage, lower, upper) -> (M,)`` fwd + bwd seconds for every pair of moves
+    ``units`` allows (:func:`~dynabatch.cost.boundary_prices.move_times`); ``links``: token-slice links (the
+    slices of a chain get one move row)."""
+    num_stages = units.num_boundaries + 1
+    zeros = np.zeros((num_micro_batches, num_stages - 1), dtype=np.int8)
+    if not units.any or num_micro_batches == 0:
+        return zeros
+    group = chain_groups(num_micro_batches, links)
+    heads = np.unique(group)
+    index = np.searchsorted(heads, group)  # (M,) group index of each micro-batch
+    gmoves = np.zeros((len(heads), num_stages - 1), dtype=np.int8)
+
+    def per_group(t: np.ndarray) -> np.ndarray:
+        return np.bincount(index, weights=t, minlength=len(heads))
+
+    gtimes = {key: per_group(np.asarray(t, dtype=np.float64)) for key, t in times.items()}
+    for _ in range(PASSES):
+        changed = False
+        for s in range(num_stages - 1):
+            changed |= _balance(gtimes, gmoves, units, s, num_stages)
+        if not changed:
+            break
+    moves = gmoves[index]
+    if bottleneck(times, moves, num_stages) > bottleneck(times, zeros, num_stages):
+        return zeros
+    return moves
+
+
+def _balance(gtimes, gmoves: np.ndarray, units: BoundaryUnits, s: int, num_stages: int) -> bool:
+    """Steps at boundary ``s`` (groups' moves ``gmoves``, changed in place) that lower the larger of stages ``s``
+    and ``s + 1`` (module docstring); whether any was kept."""
+    n = len(gmoves)
+    allowed = allowed_moves(units, s)
+    if len(allowed) == 1:
+        return False
+    lo = gmoves[:, s - 1] if s > 0 else np.zeros(n, np.int8)
+    up = gmoves[:, s + 1] if s + 1 < num_stages - 1 else np.zeros(n, np.int8)
+    # per group and move v at s: its time on stage s (lower fixed, upper v) and on stage s + 1 (lower v, upper fixed)
+    upper_t = np.full((n, 3), np.nan)
+    lower_t = np.full((n, 3), np.nan)
+    for v in allowed:
+        upper_t[:, v + 1] = _pick(gtimes, s, lo, np.full(n, v), n)
+        lower_t[:, v + 1] = _pick(gtimes, s + 1, np.full(n, v), up, n)
+    rows = np.arange(n)
+    cur = gmoves[:, s].astype(np.int64)
+    a, b = float(upper_t[rows, cur + 1].sum()), float(lower_t[rows, cur + 1].sum())
+    changed = False
+    for _ in range(2 * len(allowed)):  # each round steps every group at most one notch, one direction
+        step = -1 if a > b else 1  # towards the lighter side: down sends stage s's work to s + 1
+        target = cur + step
+        ok = (target >= -1) & (target <= 1)
+        ok[ok] = ~np.isnan(upper_t[rows[ok], target[ok] + 1])
+        cand = np.flatnonzero(ok)
+        if not len(cand):
+            break
+        da = upper_t[cand, target[cand] + 1] - upper_t[cand, cur[cand] + 1]
+        db = lower_t[cand, target[cand] + 1] - lower_t[cand, cur[cand] + 1]
+        size = np.abs(da if step < 0 else db)  # the unit time leaving the busier side
+        kept = False
+        for i in np.lexsort((cand, -size)):  # biggest first, ties by index
+            g = cand[i]
+            if cur[g] + step != target[g]:
+                continue
+            worst = max(a, b)
+            na, nb = a + da[i], b + db[i]
+            if max(na, nb) < worst * (1 - TOLERANCE):
+                a, b, cur[g] = na, nb, target[g]
+                kept = changed = True
+                if (na > nb) != (step < 0):  # the busier side flipped: steps this way only make it worse
+                    break
+        if not kept:
+            break
+    gmoves[:, s] = cur
+    return changed
+
+
+def _pick(gtimes, stage: int, lower: np.ndarray, upper: np.ndarray, n: int) -> np.ndarray:
+    """``(n,)`` each group's time on ``stage`` with its own ``(lower, upper)``; NaN where that pair is not priced."""
+    out = np.full(n, np.nan)
+    for (st, lo, up), t in gtimes.items():
+        if st == stage:
+            where = (lower == lo) & (upper == up)
+            out[where] = t[where]
+    return out
+
+
+def with_moves(stage_model, costs, shapes, pairs=None, links=(), moves: np.ndarray | None = None):
+    """One replica's ``costs`` (:class:`~dynabatch.cost.stages.StageCosts` as laid out, of micro-batches of padded
+    ``shapes`` ``(M, 3)``, ``pairs`` as they were priced with) with each micro-batch's moves (``moves``, or chosen
+    by :func:`choose_moves` with ``links``) and the costs they run at (:func:`~dynabatch.cost.boundary_prices.
+    moved_costs`). ``costs`` unchanged where the layout allows no move."""
+    arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
+    ratios = move_ratios(stage_model, arr[:, 0], arr[:, 1], arr[:, 2], pairs)
+    if not ratios.units.any:
+        return costs
+    if moves is None:
+        moves = choose_moves(move_times(costs, ratios), ratios.units, len(arr), links)
+    return moved_costs(costs, ratios, moves)
+
+
+__all__ = ["PASSES", "bottleneck", "chain_groups", "choose_moves", "stage_sums", "with_moves"]
