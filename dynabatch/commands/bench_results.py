@@ -56,7 +56,8 @@ def step_stats(r, cost_model) -> list[dict]:
                      "sliced": 0 if r.peer_steps is not None else p.num_sliced_samples,
                      "order": "1f1b" if r.peer_steps is not None else p.schedules[0].policy,
                      "candidate": "" if r.peer_steps is not None else p.candidate,
-                     "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values())})
+                     "recomputed": 0 if r.peer_steps is not None else sum(p.recompute_counts.values()),
+                     "moved": 0 if r.peer_steps is not None else sum(p.moved_micro_batches.values())})
     return out
 
 
@@ -178,6 +179,7 @@ def results(args, methods, runs, times, losses, measured_peak, rss, cost_model, 
             "fits_memory_measured": _fits_measured(measured_saved, m, cost_model, runs[m].cfg.memory_gib),
             "micro_batches_per_step": float(np.mean([x["mbs"] for x in timed])),
             "sliced_samples_per_step": float(np.mean([x["sliced"] for x in timed])),
+            "moved_micro_batches_per_step": float(np.mean([x["moved"] for x in timed])),  # --moving-boundaries
             "recomputed_forwards_per_step": float(np.mean([x["recomputed"] for x in timed])),
             "schedule_policies": dict(Counter(x["order"] for x in timed)),  # linear: the policy; virtual: the order
             "candidates": dict(Counter(x["candidate"] for x in timed if x["candidate"])),  # dynamic: which plan ran

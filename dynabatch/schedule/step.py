@@ -114,7 +114,7 @@ def lower_step(
         links = tuple(slice_links[p]) if slice_links is not None else ()
         c = costs[p] if costs is not None else token_costs(shapes, spec.num_stages)
         if placed:
-            if getattr(c, "moves", None) is not None and np.any(c.moves):
+            if c.moves is not None and np.any(c.moves):
                 raise ValueError("moving stage boundaries need one chunk per device; use --placement linear")
             plans.update(_lower_placed(shapes, spec, c, placement, p, num_replicas, step, links, memory_limit_bytes,
                                        model_state_bytes, schedules[p] if schedules is not None else None))
@@ -137,7 +137,7 @@ def lower_step(
                 links=links,
                 check=False,
                 recompute=c.recompute,
-                moves=getattr(c, "moves", None),
+                moves=c.moves,
             )
         )
     if costs is not None and memory_limit_bytes is not None and all(_priced(c) for c in costs):

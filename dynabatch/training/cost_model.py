@@ -33,7 +33,7 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
                                      attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
     recompute = lower("recompute", decide(cfg, "recompute"))  # the resolver's rule (a profile: none)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
-                          zero=cfg.zero, replicas=cfg.replicas)
+                          zero=cfg.zero, replicas=cfg.replicas, moving_boundaries=cfg.moving_boundaries)
 
 
 def _reaching(axis, need: int) -> str:

@@ -157,6 +157,15 @@ class PlannedStep:
         return sum(len(s) for s in self.shapes)
 
     @property
+    def moved_micro_batches(self) -> dict[str, int]:
+        """Moving stage boundaries: how many (micro-batch, boundary) pairs of the step ran a unit on the stage after
+        the cut (``down``) or before it (``up``); ``{}`` when none moved."""
+        moves = [np.asarray(c.moves) for c in self.costs if c.moves is not None]
+        down = sum(int((m < 0).sum()) for m in moves)
+        up = sum(int((m > 0).sum()) for m in moves)
+        return {"down": down, "up": up} if down or up else {}
+
+    @property
     def recompute_counts(self) -> dict[str, int]:
         """How many (micro-batch, stage) forwards of the step run each recomputing mode (``{}``: none)."""
 
@@ -209,10 +218,13 @@ class StepPlanner:
                 cost_model, ref_length=cfg.max_input_len, attention="causal" if self.padding_free else "dense")
 
     def _own(self, model: StageCostModel) -> StageCostModel:
-        """``model`` with this method's :attr:`recompute` (the same object when it has it already)."""
-        if getattr(model, "recompute", self.recompute) == self.recompute:
+        """``model`` with this method's :attr:`recompute` and ``--moving-boundaries`` (the same object when it has
+        them already)."""
+        moving = bool(getattr(self.cfg, "moving_boundaries", False))
+        if getattr(model, "recompute", self.recompute) == self.recompute and \
+                getattr(model, "moving_boundaries", moving) == moving:
             return model
-        return replace(model, recompute=self.recompute)
+        return replace(model, recompute=self.recompute, moving_boundaries=moving)
 
     @property
     def plan_costs(self) -> str:
@@ -290,7 +302,14 @@ class StepPlanner:
         if wants_equal_counts(self.cost_model) and len({len(s) for s in shapes}) > 1:  # would hang under --zero 2
             raise ValueError(f"step {step}: --zero 2 needs as many micro-batches on every replica, but the plan has "
                              f"{[len(s) for s in shapes]}")
-        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model)
+        moves = None
+        if getattr(plan_model, "moving_boundaries", False) and self.predict_model is not self.cost_model and \
+                not getattr(self.cfg, "full_determinism", False):  # which plans come from measured times alone
+            # how the stages' work compares is what the fit measures and a base model misjudges (the output head
+            # on a CPU): the fit chooses each micro-batch's side of the cuts, the plan is priced with that choice
+            moves = [piece_costs(predict_model, self.slice_model, s, ctx, lk, pr).moves
+                     for s, lk, ctx, pr in zip(shapes, links, contexts, pairs)]
+        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model, moves_in=moves)
         predicted_costs = costs
         if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
             predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, predict_model,

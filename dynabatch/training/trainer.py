@@ -164,7 +164,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, datasets: Any = None) -> _Run:
     cfg = dataclasses.replace(cfg, placement=chosen.placement.describe())
     layout, placement = chosen.layout, chosen.placement
     spec = pipeline_spec_for(model, layout, "float32")
-    chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path)]
+    chunks = [c.to(ctx.device) for c in build_device_stages(model, layout, ctx.stage_index, cfg.stages, cfg.attention_path,
+                                                            moving_boundaries=cfg.moving_boundaries)]
     stage = chunks[0] if len(chunks) == 1 else DeviceChunks(chunks)
     zero = None
     if cfg.zero >= 1 and ctx.num_replicas > 1:  # AdamW over this replica's flat shards (engine.zero)
@@ -465,6 +466,7 @@ def _record(step, result, planned, elapsed: float, wait: float, lr: float) -> di
         "sliced_samples": planned.num_sliced_samples,
         "candidate": planned.candidate,
         "recompute": planned.recompute_counts,
+        "boundary_moves": planned.moved_micro_batches,
         "micro_batch_shapes": [list(map(list, s)) for s in planned.shapes],
         "tokens_per_s": planned.real_tokens / elapsed,
         "step_time_s": elapsed,
