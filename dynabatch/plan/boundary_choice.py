@@ -13,6 +13,11 @@ greedily:
 * Every kept step lowers the larger of two stages and leaves the others, so the bottleneck never rises; the
   result is compared with all zeros at the end all the same, and all zeros is returned where it is not better.
 
+Each stage's sum carries a *lead* (:func:`pipeline_leads`): the time it waits however the work is split, for the
+first micro-batch's forwards on the stages before it and, at the end of the step, for their backwards of the last
+one. Even sums would leave the later stages idle for that long; the lead keeps them lighter by it (measured on 2
+CPU stages, balancing the sums alone turned 3% of balance into 2% more idle time).
+
 Deterministic: the order of visits and ties depends on indices only.
 """
 
@@ -43,10 +48,22 @@ def _head(links, m: int) -> int:
     return m
 
 
-def bottleneck(times: dict[tuple[int, int, int], np.ndarray], moves: np.ndarray, num_stages: int) -> float:
+def bottleneck(times: dict[tuple[int, int, int], np.ndarray], moves: np.ndarray, num_stages: int,
+               lead: np.ndarray | None = None) -> float:
     """The largest stage's summed time of micro-batches with ``moves`` (``times``: :func:`~dynabatch.cost.
-    boundary_prices.move_times`)."""
-    return float(stage_sums(times, moves, num_stages).max())
+    boundary_prices.move_times`), each stage's ``lead`` (:func:`pipeline_leads`) added."""
+    sums = stage_sums(times, moves, num_stages)
+    return float((sums if lead is None else sums + lead).max())
+
+
+def pipeline_leads(costs) -> np.ndarray:
+    """``(S,)`` the time each stage waits whatever the split (module docstring): the forwards of the first
+    micro-batch on the stages before it and the backwards of the last one there (execution order, at the cuts)."""
+    fwd, bwd = np.asarray(costs.fwd_s, dtype=np.float64), np.asarray(costs.bwd_s, dtype=np.float64)
+    if fwd.ndim != 2 or fwd.shape[1] == 0:
+        return np.zeros(fwd.shape[0] if fwd.ndim else 0)
+    edge = fwd[:, 0] + bwd[:, -1]  # (S,)
+    return np.concatenate([[0.0], np.cumsum(edge)[:-1]])
 
 
 def stage_sums(times, moves: np.ndarray, num_stages: int) -> np.ndarray:
@@ -63,12 +80,14 @@ def stage_sums(times, moves: np.ndarray, num_stages: int) -> np.ndarray:
 
 
 def choose_moves(times: dict[tuple[int, int, int], np.ndarray], units: BoundaryUnits, num_micro_batches: int,
-                 links=()) -> np.ndarray:
+                 links=(), lead: np.ndarray | None = None) -> np.ndarray:
     """``(M, S - 1)`` ``int8`` moves of one replica's micro-batches lowering its bottleneck stage's summed time
     (module docstring). ``times``: ``(stage, lower, upper) -> (M,)`` fwd + bwd seconds for every pair of moves
     ``units`` allows (:func:`~dynabatch.cost.boundary_prices.move_times`); ``links``: token-slice links (the
-    slices of a chain get one move row)."""
+    slices of a chain get one move row); ``lead``: ``(S,)`` seconds each stage waits whatever the split
+    (:func:`pipeline_leads`; ``None``: none)."""
     num_stages = units.num_boundaries + 1
+    lead = np.zeros(num_stages) if lead is None else np.asarray(lead, dtype=np.float64)
     zeros = np.zeros((num_micro_batches, num_stages - 1), dtype=np.int8)
     if not units.any or num_micro_batches == 0:
         return zeros
@@ -84,16 +103,16 @@ def choose_moves(times: dict[tuple[int, int, int], np.ndarray], units: BoundaryU
     for _ in range(PASSES):
         changed = False
         for s in range(num_stages - 1):
-            changed |= _balance(gtimes, gmoves, units, s, num_stages)
+            changed |= _balance(gtimes, gmoves, units, s, num_stages, lead)
         if not changed:
             break
     moves = gmoves[index]
-    if bottleneck(times, moves, num_stages) > bottleneck(times, zeros, num_stages):
+    if bottleneck(times, moves, num_stages, lead) > bottleneck(times, zeros, num_stages, lead):
         return zeros
     return moves
 
 
-def _balance(gtimes, gmoves: np.ndarray, units: BoundaryUnits, s: int, num_stages: int) -> bool:
+def _balance(gtimes, gmoves: np.ndarray, units: BoundaryUnits, s: int, num_stages: int, lead: np.ndarray) -> bool:
     """Steps at boundary ``s`` (groups' moves ``gmoves``, changed in place) that lower the larger of stages ``s``
     and ``s + 1`` (module docstring); whether any was kept."""
     n = len(gmoves)
@@ -110,7 +129,8 @@ def _balance(gtimes, gmoves: np.ndarray, units: BoundaryUnits, s: int, num_stage
         lower_t[:, v + 1] = _pick(gtimes, s + 1, np.full(n, v), up, n)
     rows = np.arange(n)
     cur = gmoves[:, s].astype(np.int64)
-    a, b = float(upper_t[rows, cur + 1].sum()), float(lower_t[rows, cur + 1].sum())
+    a = float(upper_t[rows, cur + 1].sum()) + float(lead[s])
+    b = float(lower_t[rows, cur + 1].sum()) + float(lead[s + 1])
     changed = False
     for _ in range(2 * len(allowed)):  # each round steps every group at most one notch, one direction
         step = -1 if a > b else 1  # towards the lighter side: down sends stage s's work to s + 1
@@ -161,8 +181,8 @@ def with_moves(stage_model, costs, shapes, pairs=None, links=(), moves: np.ndarr
     if not ratios.units.any:
         return costs
     if moves is None:
-        moves = choose_moves(move_times(costs, ratios), ratios.units, len(arr), links)
+        moves = choose_moves(move_times(costs, ratios), ratios.units, len(arr), links, pipeline_leads(costs))
     return moved_costs(costs, ratios, moves)
 
 
-__all__ = ["PASSES", "bottleneck", "chain_groups", "choose_moves", "stage_sums", "with_moves"]
+__all__ = ["PASSES", "bottleneck", "chain_groups", "choose_moves", "pipeline_leads", "stage_sums", "with_moves"]

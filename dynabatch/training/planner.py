@@ -314,6 +314,13 @@ class StepPlanner:
         if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
             predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, predict_model,
                                                                   schedules, moves_in=[c.moves for c in costs])
+        if any(c.moves is not None for c in costs):  # the moves run only where the step simulates shorter with them
+            cut = self._predict(shapes, links, contexts, pairs, plan_model, moves_in=[None] * len(shapes))
+            cut_predicted = cut if self.predict_model is self.cost_model else self._predict(
+                shapes, links, contexts, pairs, predict_model, cut[1], moves_in=[None] * len(shapes))
+            if cut_predicted[2] <= predicted:
+                costs, schedules = cut[0], cut[1]
+                predicted_costs, predicted, bubble = cut_predicted[0], cut_predicted[2], cut_predicted[3]
         saved = simulate(schedules[0], replace(predicted_costs[0],
                                                peak_bytes=np.zeros_like(predicted_costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)

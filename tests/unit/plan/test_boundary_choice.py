@@ -17,7 +17,7 @@ from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit, prior_coe
 from dynabatch.cost.stages import StageCostModel, StageLayout, balanced_layout
 from dynabatch.model_presets import build_config
 from dynabatch.models.families import run_cost_model
-from dynabatch.plan.boundary_choice import bottleneck, choose_moves, with_moves
+from dynabatch.plan.boundary_choice import bottleneck, choose_moves, pipeline_leads, stage_sums, with_moves
 from dynabatch.plan.slice_costs import piece_costs
 
 MEMORY = 8 * 2**30
@@ -96,13 +96,14 @@ def test_choice_is_never_slower_than_the_layout(name, layout, seq2seq, seed):
     laid = piece_costs(model, None, shapes, [0] * len(shapes), (), moves=None)
     ratios = move_ratios(model, *shapes.T.astype(np.float64))
     times = move_times(laid, ratios)
-    moves = choose_moves(times, ratios.units, len(shapes))
+    lead = pipeline_leads(laid)
+    moves = choose_moves(times, ratios.units, len(shapes), lead=lead)
     zeros = np.zeros_like(moves)
-    assert bottleneck(times, moves, 2) <= bottleneck(times, zeros, 2)
+    assert bottleneck(times, moves, 2, lead) <= bottleneck(times, zeros, 2, lead)
     chosen = piece_costs(model, None, shapes, [0] * len(shapes), ())
     np.testing.assert_array_equal(chosen.moves, moves)
     assert (chosen.fwd_s + chosen.bwd_s).sum(axis=1).max() <= (laid.fwd_s + laid.bwd_s).sum(axis=1).max() * (1 + 1e-12)
-    np.testing.assert_array_equal(choose_moves(times, ratios.units, len(shapes)), moves)  # deterministic
+    np.testing.assert_array_equal(choose_moves(times, ratios.units, len(shapes), lead=lead), moves)  # deterministic
 
 
 def unbalanced_times(m: int, unit: float = 1.0) -> dict:
@@ -203,3 +204,14 @@ def test_fit_learns_the_layouts_times_from_moved_observations():
     error = {name: np.abs(np.einsum("sdmf,sdf->sdm", x, fit.coefficients(5)) / want - 1).max()
              for name, fit in fits.items()}
     assert error["moved"] < 0.01 and error["laid"] > 0.05  # 0.5% (the prior's ridge) against 10%
+
+
+def test_a_lead_keeps_the_later_stage_lighter_by_it():
+    """Stage 1 waits 4 s whatever the split (the first forward and last backward on stage 0): the choice evens
+    stage 0's sum with stage 1's plus 4, not the sums alone."""
+    times, units = unbalanced_times(8), BoundaryUnits((True,), (True,))
+    even = choose_moves(times, units, 8)
+    led = choose_moves(times, units, 8, lead=np.array([0.0, 4.0]))
+    assert list(stage_sums(times, even, 2)) == [20.0, 20.0]  # 24 + 16 evened out
+    assert list(stage_sums(times, led, 2)) == [22.0, 18.0]  # 22 against 18 + 4
+    assert bottleneck(times, led, 2, np.array([0.0, 4.0])) < bottleneck(times, even, 2, np.array([0.0, 4.0]))

@@ -3,7 +3,6 @@ prediction with the online fit prices the same moves, and the fit's features are
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -23,9 +22,10 @@ def test_planned_step_carries_its_moves(toy_data):
     from dynabatch.training.trainer import planner_cost_model
 
     cfg = TrainConfig(model="gpt2-mini", stages=2, global_batch_tokens=2048, max_input_len=128, max_target_len=32,
-                      plan_ahead=1, plan_costs="base")
+                      plan_ahead=1, plan_costs="base", moving_boundaries=True)
     model = build_model("gpt2-mini", vocab_size=384)
-    base = dataclasses.replace(planner_cost_model(cfg, model.config, layout_for(model, 2)), moving_boundaries=True)
+    base = planner_cost_model(cfg, model.config, layout_for(model, 2))
+    assert base.moving_boundaries  # --moving-boundaries reaches the planner's model
     fit = OnlineFit(2, False)
     fit.theta0[1, :, 0] = 3.0  # the fit predicts the second stage 3x the base: another choice of moves than the base's
     cal = RunCalibration(base, fit, cfg.plan_ahead, -1)
