@@ -57,7 +57,7 @@ class WorkloadArgs:
 
 
 SHARED_FIELDS = ("model", "tokenizer", "stages", "replicas", "zero", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
-                 "recompute", "pack_rows", "layer_split", "split_blocks", *option_users())
+                 "recompute", "pack_rows", "layer_split", "split_blocks", "moving_boundaries", *option_users())
 """The TrainConfig fields ``plan`` and ``simulate`` take (the same flags as ``train``'s, at paper scale)."""
 PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_len": 256, "global_batch_tokens": 65_536,
                "memory_gib": None}
@@ -184,7 +184,8 @@ def resolve(args: argparse.Namespace) -> Workload:
     memory_gib = getattr(args, "memory_gib", None)
     memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
     cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"),
-                          zero=getattr(args, "zero", 0), replicas=getattr(args, "replicas", 1))
+                          zero=getattr(args, "zero", 0), replicas=getattr(args, "replicas", 1),
+                          moving_boundaries=bool(getattr(args, "moving_boundaries", False)))
     if (line := describe_zero(cost.zero, cost.replicas)) is not None:  # as train warns
         print(f"warning: {line}", file=sys.stderr)
     options = BaselineOptions.of(args)

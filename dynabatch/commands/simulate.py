@@ -193,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     check_trace_dir(args.trace_dir, methods, args.placement)
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long cuts decoder-only samples into token slices; drop it, or use --model gpt")
+    if args.moving_boundaries and args.placement not in ("linear", "auto"):
+        raise ValueError(f"--moving-boundaries moves the cuts of a linear layout; --placement {args.placement} has "
+                         "several chunks per device: use --placement linear or drop --moving-boundaries")
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     # rows and budgets of the baselines as long as the longest kept sample, not the (maybe far longer) limit
     w = dataclasses.replace(w, limits=kept_limits(w.limits, batches))
@@ -202,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
         link=args.link, search_steps=args.search_steps, pack_rows=args.pack_rows, slice_long=args.slice_long,
     )
     stages = w.cost_model.num_stages
-    candidates = [Placement.parse(name, stages) for name in
-                  placement_candidates(args.placement, stages, is_seq2seq(w.family))]
+    candidates = [Placement.parse(name, stages) for name in  # moving boundaries: the linear placement alone
+                  placement_candidates("linear" if args.moving_boundaries else args.placement, stages,
+                                       is_seq2seq(w.family))]
     rows, split, placed, left_out = {}, {}, {}, {}
     for method in methods:  # --layer-split data: each method's split balanced over its own micro-batches
         split[method] = split_from_data(w, batches, method) if args.layer_split == "data" else w

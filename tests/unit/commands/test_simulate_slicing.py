@@ -64,3 +64,10 @@ def test_a_sample_that_fits_only_recomputed_says_recompute_full(capsys):
     assert main([*flags, "--recompute", "full"]) == 0
     assert main([*flags, "--recompute", "full", "--memory-gib", "9"]) == 2  # recomputed too: no advice to recompute
     assert "even when sliced" in (err := capsys.readouterr().err) and "--recompute full" not in err, err
+
+
+def test_moving_boundaries_in_simulate_keep_the_linear_placement(tmp_path, capsys):
+    moving = _run(tmp_path, capsys, "--moving-boundaries", "--slice-long")
+    assert moving["placement"] == "linear" and moving["fits_memory"] and moving["sliced_samples"] > 0
+    with pytest.raises(ValueError, match="--moving-boundaries moves the cuts of a linear layout; --placement cyclic"):
+        _run(tmp_path, capsys, "--moving-boundaries", "--placement", "cyclic")
