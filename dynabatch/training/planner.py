@@ -51,9 +51,8 @@ from dynabatch.cost.online import CalibratedStageCostModel
 from dynabatch.schedule.placement import Placement
 from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
-from dynabatch.plan.boundary_choice import with_moves
 from dynabatch.cost.boundary_prices import move_ratios, moved_features
-from dynabatch.training.step_score import columns, fits_without_recompute, send_time_of, simulated_step_time
+from dynabatch.training.step_score import fits_without_recompute, replica_columns, send_time_of, simulated_step_time
 from dynabatch.training.units import (
     Unit, collate_group, micro_batches_of, plan_units, synthetic_units, units_layout, units_pairs)
 
@@ -471,11 +470,8 @@ class StepPlanner:
             for _ in plan.replicas:
                 lo, hi = spans[k]
                 k += 1
-                part = None if pairs is None else pairs[lo:hi]
-                replica = columns(costs, lo, hi)
-                if model.moving_boundaries:  # each replica's moves chosen for its own stages
-                    replica = with_moves(model, replica, shapes[lo:hi], part)
-                replicas.append((replica, shapes[lo:hi], (), [0] * (hi - lo), part))
+                replicas.append((replica_columns(model, costs, shapes, pairs, lo, hi), shapes[lo:hi], (),
+                                 [0] * (hi - lo), None if pairs is None else pairs[lo:hi]))
             out.append(tuple(map(list, zip(*replicas))))
         return out
 

@@ -26,6 +26,16 @@ def columns(costs: StageCosts, lo: int, hi: int) -> StageCosts:
         costs.load_bytes)), moves=None if costs.moves is None else costs.moves[lo:hi])
 
 
+def replica_columns(stage_model, costs: StageCosts, shapes, pairs, lo: int, hi: int) -> StageCosts:
+    """Micro-batches ``lo:hi`` (one replica's) of ``costs`` priced in one call at the layout's cuts, with that replica's
+    own boundary moves chosen where ``stage_model`` moves boundaries (:func:`~dynabatch.plan.boundary_choice.with_moves`:
+    the moves even out the stages of one replica, not of the call). ``pairs``: the call's, or ``None``."""
+    replica = columns(costs, lo, hi)
+    if not getattr(stage_model, "moving_boundaries", False):
+        return replica
+    return with_moves(stage_model, replica, shapes[lo:hi], None if pairs is None else pairs[lo:hi])
+
+
 def fits_without_recompute(plan, model: StageCostModel) -> bool:
     """Whether every whole-sample piece of ``plan`` fits ``model``'s memory bound without recomputation (the
     planner's maxima over stages, ``S`` in flight); token slices are judged by the slice planner."""
@@ -101,10 +111,7 @@ def simulated_step_time(stage_model: StageCostModel, slice_model, memory_limit_b
             worst = 0.0
             for pieces in p.replicas:
                 hi = lo + len(pieces)
-                replica = columns(costs, lo, hi)
-                if getattr(stage_model, "moving_boundaries", False):  # each replica's moves for its own stages
-                    replica = with_moves(stage_model, replica, shapes[lo:hi], None if joined is None else joined[lo:hi])
-                worst = max(worst, makespan(replica, ()))
+                worst = max(worst, makespan(replica_columns(stage_model, costs, shapes, joined, lo, hi), ()))
                 lo = hi
             out[id(p)] = worst
         return [out[id(p)] if id(p) in out else score(p) for p in plans]
