@@ -89,7 +89,8 @@ def simulated(a) -> list[dict]:
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
     from dynabatch.cost.model_specs import model_spec
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.schedule.policies import choose_schedule
 

@@ -32,7 +32,8 @@ import numpy as np
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import model_spec
-from dynabatch.cost.stages import StageCostModel, StageCosts, balanced_layout
+from dynabatch.cost.stages import StageCostModel, StageCosts
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.plan.costs import PolynomialCostModel
 from dynabatch.plan.slice_costs import PolynomialSliceCostModel
 from dynabatch.plan.step import plan_step

@@ -135,7 +135,8 @@ def terapipe_hardware():
 def run_terapipe(a) -> list[dict]:
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.model_specs import model_spec
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.plan.slicing import plan_slices
 

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     from dynabatch.commands.simulate import SimulateOptions, simulate_method, simulation_workload
     from dynabatch.commands.simulate import tune_simulated
     from dynabatch.cost.planner_model import UNPRICED, ProfiledLayerModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.cost.tables import CostTables
     from dynabatch.data.baselines import BaselineOptions
     from dynabatch.data.batching import LengthLimits

@@ -21,7 +21,8 @@ from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.model_presets import PRESETS as RUN_PRESETS, load_config
 from dynabatch.models.families import analytic_spec
-from dynabatch.cost.stages import StageCostModel, balanced_layout, placement_layout, rebalanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout, placement_layout, rebalanced_layout
 from dynabatch.data.builtin import default_mixture_path
 
 DEFAULT_PRESETS = {"t5": "t5-large", "gpt": "gpt-1.3b", "gpt2": "gpt-1.3b", "llama": "llama3-8b"}
@@ -263,7 +264,7 @@ def split_from_data(w: Workload, batches, method: str = "dynamic") -> Workload:
     with ``w``'s reference split). A baseline's micro-batches do not depend on the split: one round. The dynamic
     planner's do (it keeps the DP's plan or a baseline's, whichever is predicted faster under the split), so its
     split is balanced again over the plan it makes under the new split, up to
-    :data:`~dynabatch.cost.stages.SPLIT_ROUNDS` splits, and the
+    :data:`~dynabatch.cost.layer_split.SPLIT_ROUNDS` splits, and the
     split whose plans are predicted fastest (``sum(t) + (S - 1) max(t)`` per batch) is kept: balanced over the
     DP's plan, a split can make a baseline's plan the faster one, which the next split then serves better. A
     workload the method cannot plan whole (a sample that does not fit memory) keeps the reference split: its error

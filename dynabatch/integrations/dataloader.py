@@ -62,7 +62,8 @@ from dynabatch.data.sample import GlobalBatch
 from dynabatch.plan.costs import MicroBatchCostModel, PolynomialCostModel
 from dynabatch.plan.global_plan import GlobalPlanner
 from dynabatch.cost.hardware import device_hardware, hardware_spec
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.data.inputs import load_data
 from dynabatch.data.sources import BadRowError
 from dynabatch.data.tokenize import TokenizerInfo, load_tokenizer, said_diffs, special_id_diffs

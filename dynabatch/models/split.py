@@ -5,7 +5,7 @@ spec and stage inputs a model has; this module only composes them.
 
 1. :func:`layout_for` cuts the model's layer kinds (``embedding, gpt x L, lm_head`` or
    ``embedding, t5_encoder x L, decoder_embedding, t5_decoder x L, lm_head``) into ``S`` contiguous
-   stages with :func:`~dynabatch.cost.stages.balanced_layout` under the analytic cost model (CPU
+   stages with :func:`~dynabatch.cost.layer_split.balanced_layout` under the analytic cost model (CPU
    preset; only the relative layer times matter for the cut).
 2. :func:`build_stage` builds one :class:`~dynabatch.models.stage.StageModule` that references the
    model's submodules for its layers, then deep-copies it, so the stage owns its parameters (ties
@@ -43,15 +43,9 @@ from torch import nn
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.boundary_moves import held_kinds
-from dynabatch.cost.model_specs import layer_kinds
-from dynabatch.cost.stages import (
-    BLOCK_KINDS,
-    StageLayout,
-    balanced_layout,
-    join_halves,
-    placement_layout,
-    split_halves,
-)
+from dynabatch.cost.model_specs import BLOCK_KINDS, join_halves, layer_kinds, split_halves
+from dynabatch.cost.stages import StageLayout
+from dynabatch.cost.layer_split import balanced_layout, placement_layout
 from dynabatch.data.microbatch import CausalMicroBatch, MicroBatch, Seq2SeqMicroBatch
 from dynabatch.models.attention import check_attention_path, use_segment_attention
 from dynabatch.models.boundary_copies import moving_parameters
@@ -92,7 +86,7 @@ def check_num_stages(model: nn.Module, num_stages: int, placement=None) -> None:
 def layout_for(model: nn.Module, num_stages: int, placement=None, split_blocks: bool = False) -> StageLayout:
     """Balanced stage layout of ``model`` (any registered family's HF model) in ``num_stages`` stages; with the
     ``cyclic`` :class:`~dynabatch.schedule.placement.Placement` of ``num_stages`` chunks, the encoder and the
-    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.stages.cyclic_layout`).
+    decoder each cut into one balanced chunk per device (:func:`~dynabatch.cost.layer_split.cyclic_layout`).
     ``split_blocks``: cuts may fall between a block's attention and MLP halves (decoder-only, T5 encoder)."""
     check_num_stages(model, num_stages if placement is None else placement.num_devices, placement)
     dtype_bytes = next(model.parameters()).element_size()

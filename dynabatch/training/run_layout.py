@@ -13,10 +13,10 @@ The choice (:func:`choose_run_layout`):
 2. **Split.** For each candidate placement, the run's planner (its method, flags and base cost model: the
    analytic preset or ``--cost-profile``, never a calibration) plans the sampled batches on the reference
    split (``models.split.layout_for``), and the chunks are re-cut to balance the summed per-layer time of
-   those micro-batches (:func:`~dynabatch.cost.stages.balanced_layout`, :func:`~dynabatch.cost.stages.cyclic_layout`
+   those micro-batches (:func:`~dynabatch.cost.layer_split.balanced_layout`, :func:`~dynabatch.cost.layer_split.cyclic_layout`
    for T5's cyclic placement). A baseline's micro-batches do not depend on the split: one round. The dynamic
    planner's do (it keeps the DP's plan or a baseline's, whichever is predicted faster on the split), so its split
-   is balanced again over the plans made on the new one, up to :data:`~dynabatch.cost.stages.SPLIT_ROUNDS`
+   is balanced again over the plans made on the new one, up to :data:`~dynabatch.cost.layer_split.SPLIT_ROUNDS`
    splits, and the one its steps are predicted shortest on is kept. Where that split cuts
    inside a block (``--split-blocks``), the whole-block split is planned too and kept when its steps are predicted
    no longer: the cut balances the stages' summed compute, and on a pipeline whose lighter stage hid the bubble,
@@ -47,7 +47,8 @@ from dynabatch.training.config.placement_choice import VIRTUAL_MARGIN, pick_plac
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import is_planner
 from dynabatch.cost.model_specs import join_halves, split_halves
-from dynabatch.cost.stages import StageLayout, placement_layout, rebalanced_layout
+from dynabatch.cost.stages import StageLayout
+from dynabatch.cost.layer_split import placement_layout, rebalanced_layout
 from dynabatch.data.batching import GlobalBatcher
 from dynabatch.models.families import family_for_config
 from dynabatch.models.split import layout_for
@@ -149,7 +150,7 @@ def _data_split(own, reference: StageLayout, placement, layer_model, plans, pred
     layout)`` makes on the reference split; the whole-block split instead where a cut inside a block is not
     predicted faster. A baseline's micro-batches do not depend on the split: one round. The dynamic planner's do,
     so its split is balanced again over the plans made on the new one, up to
-    :data:`~dynabatch.cost.stages.SPLIT_ROUNDS` splits, and the one its steps are predicted shortest on is kept
+    :data:`~dynabatch.cost.layer_split.SPLIT_ROUNDS` splits, and the one its steps are predicted shortest on is kept
     (the first on a tie)."""
     def balance(sampled) -> StageLayout:
         layout = placement_layout(layer_model, placement, sampled, split_blocks=own.cuts_inside_blocks)

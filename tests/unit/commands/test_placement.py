@@ -10,7 +10,8 @@ import pytest
 
 from dynabatch.commands import simulate
 from dynabatch.cost.analytic import AnalyticCostModel
-from dynabatch.cost.stages import StageCosts, cyclic_layout
+from dynabatch.cost.stages import StageCosts
+from dynabatch.cost.layer_split import cyclic_layout
 from dynabatch.schedule.placement import Placement, list_schedule
 
 

@@ -13,7 +13,8 @@ from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.pairs import AttentionPairs, groups_pairs, row_pairs, sample_pairs
 from dynabatch.cost.planner_model import ProfiledCostModel, ProfiledLayerModel
 from dynabatch.cost.segments import equivalent_shape
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.cost.tables import CostTables
 from test_cost_tables import B, D, E, synthetic_profile  # tests/unit is on sys.path (pytest's prepend import)
 

@@ -278,7 +278,8 @@ def test_planner_adapter_is_the_bottleneck_stage():
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
 def test_layer_model_adapter_runs_the_stage_layer(family):
     from dynabatch.cost.planner_model import ProfiledLayerModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout, in_flight_buffer_bytes, message_buffer_bytes
+    from dynabatch.cost.stages import StageCostModel, in_flight_buffer_bytes, message_buffer_bytes
+    from dynabatch.cost.layer_split import balanced_layout
 
     t = CostTables.from_profile(synthetic_profile(family))
     lm = ProfiledLayerModel(t)
@@ -303,7 +304,8 @@ def test_stage_layer_and_planner_adapter_share_one_path(family):
     """``StageCostModel(ProfiledLayerModel)`` answers through the fused kernel: equal to reducing its own
     ``per_stage`` over stages, and to ``ProfiledCostModel`` on the same stages."""
     from dynabatch.cost.planner_model import ProfiledLayerModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout, in_flight_buffer_bytes
+    from dynabatch.cost.stages import StageCostModel, in_flight_buffer_bytes
+    from dynabatch.cost.layer_split import balanced_layout
 
     t = CostTables.from_profile(synthetic_profile(family, max_tokens=2048))
     lm = ProfiledLayerModel(t)

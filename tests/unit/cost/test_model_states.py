@@ -14,7 +14,8 @@ from dynabatch.training.config import TrainConfig
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.model_specs import layer_param_count
 from dynabatch.cost.model_states import per_rank_state_bytes
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout
 
 
 @pytest.mark.parametrize("zero, per_param", [(0, 18.0), (1, 4 + 2 + 4 + 8 / 8), (2, 4 + 2 + (4 + 8) / 8)])

@@ -11,7 +11,8 @@ import pytest
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.model_specs import model_spec
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.plan.step import plan_step
 
 B = np.array([1.0, 4.0, 16.0, 64.0])

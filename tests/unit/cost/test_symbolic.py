@@ -13,7 +13,8 @@ from dynabatch.cost.model_specs import model_spec
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.cost.model_specs import ATTENTION_HALVES, FFN_HALVES
 from dynabatch.cost.model_specs import split_halves
-from dynabatch.cost.stages import StageCostModel, StageLayout, balanced_layout
+from dynabatch.cost.stages import StageCostModel, StageLayout
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.cost.symbolic import NotTraceable, Sym, VARIABLES, compile_forms, maximum
 
 RTOL = 1e-12

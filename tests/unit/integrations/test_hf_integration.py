@@ -181,7 +181,7 @@ def test_default_cost_model_prices_memory_as_the_trainer(model_name, dtype):
     activation bytes per micro-batch, the half-precision weight copy, fused-attention memory but for T5 on CPU, and
     the dense path's masks when the loop runs it."""
     from dynabatch.training.config import TrainConfig
-    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.integrations.dataloader import default_cost_model
     from dynabatch.training.trainer import planner_cost_model
 

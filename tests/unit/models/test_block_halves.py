@@ -19,7 +19,8 @@ from dynabatch.models.families import run_cost_model
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.cost.pairs import AttentionPairs
 from dynabatch.cost.model_specs import join_halves, split_halves
-from dynabatch.cost.stages import SPLIT_GAIN, StageCostModel, StageLayout, balanced_layout
+from dynabatch.cost.stages import StageCostModel, StageLayout
+from dynabatch.cost.layer_split import SPLIT_GAIN, balanced_layout
 
 FIELDS = ("fwd_time_s", "bwd_time_s", "fwd_flops", "stored_activation_bytes")
 

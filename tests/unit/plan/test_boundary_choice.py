@@ -14,7 +14,8 @@ from dynabatch.cost.boundary_moves import DOWN, STAY, UP, BoundaryUnits, boundar
 from dynabatch.cost.boundary_prices import (
     allowed_moves, move_ratios, move_times, moved_costs, moved_features, stage_move_pairs)
 from dynabatch.cost.online import CalibratedStageCostModel, OnlineFit, prior_coefficients
-from dynabatch.cost.stages import StageCostModel, StageLayout, balanced_layout
+from dynabatch.cost.stages import StageCostModel, StageLayout
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.model_presets import build_config
 from dynabatch.models.families import run_cost_model
 from dynabatch.plan.boundary_choice import bottleneck, choose_moves, pipeline_leads, stage_sums, with_moves

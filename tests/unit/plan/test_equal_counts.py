@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dynabatch.cost.analytic import AnalyticCostModel
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.data.baselines import BaselineOptions
 from dynabatch.data.batching import LengthLimits
 from dynabatch.data.sample import GlobalBatch, TokenizedSample

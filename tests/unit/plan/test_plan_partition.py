@@ -450,7 +450,8 @@ def test_runs_are_priced_by_the_models_own_evaluate():
     wrapper that forwards that method but prices otherwise, and a subclass pricing otherwise, price through their own
     ``evaluate``."""
     from dynabatch.cost.analytic import AnalyticCostModel
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.plan import partition
 
     class Halved(StageCostModel):

@@ -294,7 +294,8 @@ def test_a_samples_slices_cost_its_whole_cost_on_every_stage(preset, hardware):
     unsliced cost (within the slices' fixed costs, kernel launches, a small share at 4,096-token slices); their
     passes over the context's keys and values come on top. The bottleneck stage's ratio on every stage overprices
     the head's stage."""
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
 
     base = AnalyticCostModel.from_names(preset, hardware, flash_attention=True)
     stages = StageCostModel(base, balanced_layout(base, 4), base.hardware.memory_bytes)
@@ -325,7 +326,8 @@ def test_slices_priced_by_pairs_take_the_stage_models_per_pair_cost():
     and values, which pairs do not count), not the unsliced cost scaled by the analytic ratio; its memory is the
     ratio-scaled one either way."""
     from dynabatch.cost.pairs import AttentionPairs
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.plan.slice_costs import piece_costs
     from dynabatch.schedule.chains import links_for
 
@@ -366,7 +368,8 @@ def test_analytic_adapter_validates_and_plans():
         AnalyticSliceCostModel(GPT, ("gpt", "t5_decoder"), 1e9)
     with pytest.raises(ValueError, match="attention"):
         AnalyticSliceCostModel(GPT, ("gpt",), 1e9, attention="flash")
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
 
     stages = StageCostModel(GPT, balanced_layout(GPT, 4), GPT.hardware.memory_bytes)
     cost = AnalyticSliceCostModel.from_stage_model(stages)
@@ -388,7 +391,8 @@ def test_planned_chain_fits_the_validators_accounting(stages, recompute):
     the run stopped when the validator refused the schedule. Under ``--recompute full`` the slices are priced
     recomputed, as they run (they were priced storing everything, so such budgets refused the sample)."""
     from dynabatch.training.config import TrainConfig
-    from dynabatch.cost.stages import balanced_layout, in_flight_buffer_bytes
+    from dynabatch.cost.stages import in_flight_buffer_bytes
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_config
     from dynabatch.training.trainer import planner_cost_model
@@ -422,7 +426,7 @@ def test_tightening_excludes_a_chain_the_validator_refuses():
     validator's timeline at 27.5 MiB against a 27.4 MiB budget. Each re-solve tightened the budget by the 0.07 MiB
     overrun alone, so the DP picked the same single slice eight times and ``train --slice-long --recompute full
     --memory-gib 0.04`` stopped ("no slicing ... after 8 tightenings"). A re-solve must exclude the refused chain."""
-    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_config
     from dynabatch.training.config import TrainConfig
@@ -445,7 +449,7 @@ def test_the_bound_counts_the_stage_whose_memory_binds():
     through slices the validator refused, and the tightenings then refused every slice:
     ``train --model gpt2-mini --stages 2 --slice-long --memory-gib 0.06`` stopped ("no slice reaches past
     token 224") for a 427-token sample that three slices run within the budget."""
-    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_config
     from dynabatch.training.config import TrainConfig
@@ -523,7 +527,8 @@ def test_the_passes_over_the_context_make_the_dp_cut_fewer_longer_slices():
     (``CONTEXT_KV_PASSES``), work its score pairs do not count and that grows with the context: priced, the DP
     stops cutting where a slice's passes cost more than the bubble it removes. Unpriced, a CPU model cut an
     8,192-token sample into 40 slices, each one's passes unpaid for."""
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.plan.slice_costs import CONTEXT_KV_PASSES
 
     base = AnalyticCostModel.from_names("gpt-350m", "cpu", flash_attention=True)

@@ -77,7 +77,7 @@ def test_a_sample_the_partition_cannot_run_whole_is_sliced(recompute):
     tokens needed 26.5 MiB, the partition's 28.4 MiB, at a 27.4 MiB budget) the sample was left whole for the
     slicer and refused by the partition: ``train --slice-long --recompute full --memory-gib 0.04`` stopped with
     "do not fit alone". A sample the partition cannot run whole must be sliced."""
-    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_config
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel

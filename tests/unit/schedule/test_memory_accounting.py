@@ -218,7 +218,8 @@ def test_the_planners_bound_counts_the_loaded_inputs(tmp_path, toy_mixture_dir, 
     import os
 
     from dynabatch.cli import main
-    from dynabatch.cost.stages import LOAD_BYTES_PER_TOKEN, StageCostModel, balanced_layout
+    from dynabatch.cost.stages import LOAD_BYTES_PER_TOKEN, StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.cost.analytic import AnalyticCostModel
 
     model = AnalyticCostModel.from_names("gpt-350m", "a100-40gb")

@@ -170,7 +170,7 @@ def test_send_bytes_match_the_cost_model(family, num_stages):
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
     from dynabatch.cost.model_specs import TransformerSpec
-    from dynabatch.cost.stages import balanced_layout
+    from dynabatch.cost.layer_split import balanced_layout
 
     spec = TransformerSpec(family, d_model=64, num_heads=4, d_kv=16, d_ff=128, num_layers=4,
                            num_decoder_layers=4 if family == "t5" else 0, vocab_size=100)

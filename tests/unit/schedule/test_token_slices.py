@@ -307,7 +307,8 @@ def test_bubble_slicing_is_kept_only_when_the_simulated_step_is_faster():
     from dynabatch.cost.analytic import AnalyticCostModel
     from dynabatch.cost.hardware import hardware_spec
     from dynabatch.cost.model_specs import model_spec
-    from dynabatch.cost.stages import StageCostModel, balanced_layout
+    from dynabatch.cost.stages import StageCostModel
+    from dynabatch.cost.layer_split import balanced_layout
     from dynabatch.plan.slice_costs import AnalyticSliceCostModel
     from dynabatch.plan.step import plan_step as plan_batch
     from dynabatch.training.step_score import simulated_step_time

@@ -11,7 +11,8 @@ import pytest
 
 from dynabatch.commands import simulate
 from dynabatch.commands.common import resolve, split_from_data
-from dynabatch.cost.stages import StageCostModel, balanced_layout
+from dynabatch.cost.stages import StageCostModel
+from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.training.workload import global_batches, method_micro_batches
 
 

@@ -29,7 +29,7 @@ def _setup(toy_data, **overrides):
 
 def _busiest(layer_model, layout, micro_batches) -> float:
     """The largest per-chunk sum of layer times over ``micro_batches`` (what the split minimises)."""
-    from dynabatch.cost.stages import layer_times
+    from dynabatch.cost.layer_split import layer_times
 
     kinds = [k for s in layout.stages for k in s]
     times = layer_times(layer_model, kinds, None, micro_batches)
@@ -203,7 +203,7 @@ def test_the_dynamic_planners_split_is_balanced_again_over_the_plan_it_keeps(sec
     micro-batches do not depend on the split: one balancing, one plan."""
     from types import SimpleNamespace
 
-    from dynabatch.cost.stages import placement_layout
+    from dynabatch.cost.layer_split import placement_layout
     from dynabatch.models.families import run_cost_model
     from dynabatch.models.presets import build_model
     from dynabatch.models.split import layout_for
