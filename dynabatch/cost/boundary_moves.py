@@ -114,13 +114,21 @@ def run_kinds(layout, stage: int, lower: int = STAY, upper: int = STAY) -> tuple
     return tuple(head + kinds + tail)
 
 
-def stage_moves(moves: np.ndarray, stage: int, num_stages: int) -> tuple[int, int]:
-    """``(lower, upper)``: a micro-batch's moves (one row of the ``(M, S - 1)`` array) at the boundaries below and
-    above ``stage`` (``0`` where the stage has none)."""
-    row = np.asarray(moves).reshape(-1)
-    lower = int(row[stage - 1]) if stage > 0 else STAY
-    upper = int(row[stage]) if stage < num_stages - 1 else STAY
+def stage_columns(moves: np.ndarray, stage: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(lower, upper)``: every micro-batch's move at the boundaries below and above ``stage``, two ``(M,)`` arrays
+    of the ``(M, S - 1)`` ``moves`` (zeros where the stage has no such boundary)."""
+    moves = np.asarray(moves).reshape(-1, num_stages - 1)
+    zeros = np.zeros(len(moves), dtype=moves.dtype)
+    lower = moves[:, stage - 1] if stage > 0 else zeros
+    upper = moves[:, stage] if stage < num_stages - 1 else zeros
     return lower, upper
 
 
-__all__ = ["DOWN", "STAY", "UP", "STACKS", "BoundaryUnits", "boundary_units", "held_kinds", "run_kinds", "stage_moves"]
+def stage_moves(moves: np.ndarray, stage: int, num_stages: int) -> tuple[int, int]:
+    """``(lower, upper)``: a micro-batch's moves (one row of the ``(M, S - 1)`` array) at the boundaries below and
+    above ``stage`` (``0`` where the stage has none)."""
+    lower, upper = stage_columns(np.asarray(moves).reshape(1, -1), stage, num_stages)
+    return int(lower[0]), int(upper[0])
+
+
+__all__ = ["DOWN", "STAY", "UP", "STACKS", "BoundaryUnits", "boundary_units", "held_kinds", "run_kinds", "stage_columns", "stage_moves"]

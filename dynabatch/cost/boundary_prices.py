@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.cost.boundary_moves import STAY, BoundaryUnits, boundary_units, run_kinds
+from dynabatch.cost.boundary_moves import STAY, BoundaryUnits, boundary_units, run_kinds, stage_columns
 
 RATIO_FIELDS = ("fwd_s", "bwd_s", "stored_bytes", "peak_bytes")
 """The :class:`~dynabatch.cost.stages.StageCosts` fields a move scales."""
@@ -64,8 +64,7 @@ class MoveRatios:
         moves = np.asarray(moves, dtype=np.int8).reshape(self.num_micro_batches, self.num_stages - 1)
         out = {f: np.ones((self.num_stages, self.num_micro_batches)) for f in RATIO_FIELDS}
         for (s, lower, upper), r in self.ratios.items():
-            lo = moves[:, s - 1] if s > 0 else np.zeros(self.num_micro_batches, np.int8)
-            up = moves[:, s] if s < self.num_stages - 1 else np.zeros(self.num_micro_batches, np.int8)
+            lo, up = stage_columns(moves, s, self.num_stages)
             where = (lo == lower) & (up == upper)
             for f in RATIO_FIELDS:
                 out[f][s, where] = r[f][where]

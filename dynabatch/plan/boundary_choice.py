@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynabatch.cost.boundary_moves import BoundaryUnits
+from dynabatch.cost.boundary_moves import BoundaryUnits, stage_columns
 from dynabatch.cost.boundary_prices import allowed_moves, move_ratios, move_times, moved_costs
 
 PASSES = 3
@@ -71,8 +71,7 @@ def stage_sums(times, moves: np.ndarray, num_stages: int) -> np.ndarray:
     moves = np.asarray(moves)
     out = np.zeros(num_stages)
     for s in range(num_stages):
-        lo = moves[:, s - 1] if s > 0 else np.zeros(len(moves), np.int8)
-        up = moves[:, s] if s < num_stages - 1 else np.zeros(len(moves), np.int8)
+        lo, up = stage_columns(moves, s, num_stages)
         for (stage, lower, upper), t in times.items():
             if stage == s:
                 out[s] += float(t[(lo == lower) & (up == upper)].sum())

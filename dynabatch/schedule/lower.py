@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynabatch.cost.boundary_moves import stage_columns
 from dynabatch.schedule.chains import check_schedule
 from dynabatch.schedule.compute import ComputeSchedule, Phase
 from dynabatch.schedule.ir import RECOMPUTE_MODES, ExecutionPlan, Instr, Op, PipelineSpec, message_tag
@@ -390,23 +391,21 @@ def lower(
         modes = () if recompute is None else tuple(RECOMPUTE_MODES[int(c)] for c in np.asarray(recompute)[s])
         plans[offset + s] = ExecutionPlan(
             offset + s, s, S, replica_index, num_replicas, M, num_slots, tuple(instrs), step, tuple(links), modes,
-            moves=stage_move_pairs(moves, s, S, M),
+            moves=rank_moves(moves, s, S, M),
         )
     if check:
         validate_or_raise(plans)
     return plans
 
 
-def stage_move_pairs(moves, stage: int, num_stages: int, num_micro_batches: int) -> tuple[int, ...]:
+def rank_moves(moves, stage: int, num_stages: int, num_micro_batches: int) -> tuple[int, ...]:
     """Stage ``stage``'s :attr:`~dynabatch.schedule.ir.ExecutionPlan.moves` from a replica's ``(M, S - 1)``
     boundary moves (``None``: none): each micro-batch's move below the stage, then above it."""
     if moves is None or num_stages < 2:
         return ()
-    arr = np.asarray(moves, dtype=np.int64).reshape(num_micro_batches, num_stages - 1)
-    zero = np.zeros((num_micro_batches, 1), dtype=np.int64)
-    lower = arr[:, stage - 1:stage] if stage > 0 else zero
-    upper = arr[:, stage:stage + 1] if stage < num_stages - 1 else zero
-    return tuple(int(x) for x in np.concatenate([lower, upper], axis=1).reshape(-1))
+    lower, upper = stage_columns(np.asarray(moves, dtype=np.int64).reshape(num_micro_batches, num_stages - 1),
+                                 stage, num_stages)
+    return tuple(int(x) for x in np.stack([lower, upper], axis=1).reshape(-1))
 
 
 def reference_lists(schedule: ComputeSchedule, shapes, spec: PipelineSpec, fwd_s=None, bwd_s=None,
