@@ -401,19 +401,20 @@ def slice_stage_costs(costs: "StageCosts", slice_model: SliceCostModel, b, s, c,
 
 
 def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None,
-                moves: np.ndarray | str | None = "choose") -> "StageCosts":
+                moves: np.ndarray | str | None = "stage_sums") -> "StageCosts":
     """Per-stage costs of one replica's micro-batches of padded ``shapes`` ``(M, 3)`` under ``stage_model`` (a
     :class:`~dynabatch.cost.stages.StageCostModel`); with slice ``links``, later slices priced with their
     ``contexts`` (:func:`slice_stage_costs`); ``pairs`` (:class:`~dynabatch.cost.pairs.AttentionPairs`, (M,))
     prices per-segment attention. What the trainer's planner and ``dynabatch simulate`` price a step with.
 
     Moving stage boundaries (:attr:`StageCostModel.moving_boundaries <dynabatch.cost.stages.StageCostModel.
-    moving_boundaries>`): ``moves="choose"`` picks each micro-batch's side of every boundary the layout lets a unit
-    cross (:func:`~dynabatch.plan.boundary_choice.choose_moves`, the slices of a chain on one row) and returns the
-    costs with those moves (:attr:`StageCosts.moves`); an ``(M, S - 1)`` array prices those moves (another model's
-    choice: what the step runs); ``None`` prices the layout's cuts (micro-batches of several replicas priced in one
-    call, each replica's moves chosen after, :func:`~dynabatch.plan.boundary_choice.with_moves`). A model without
-    moving boundaries ignores ``"choose"``."""
+    moving_boundaries>`): a chooser's name (:data:`~dynabatch.plan.boundary_choice.MOVE_CHOOSERS`, default
+    ``"stage_sums"``) picks each micro-batch's side of every boundary the layout lets a unit cross (the slices of a
+    chain on one row) and returns the costs with those moves (:attr:`StageCosts.moves`); an ``(M, S - 1)`` array
+    prices those moves (another model's choice: what the step runs); ``None`` prices the layout's cuts
+    (micro-batches of several replicas priced in one call, each replica's moves chosen after,
+    :func:`~dynabatch.plan.boundary_choice.with_moves`). A model without moving boundaries ignores a chooser's
+    name."""
     arr = np.asarray(shapes, dtype=np.float64).reshape(-1, 3)
     contexts = np.asarray(contexts, dtype=np.float64).reshape(-1)
     costs = stage_model.per_stage(arr[:, 0], arr[:, 1], arr[:, 2], pairs)
@@ -431,7 +432,7 @@ def piece_costs(stage_model, slice_model, shapes, contexts, links, pairs=None,
             costs = dataclasses.replace(costs, fwd_s=timed.fwd_s * scale, bwd_s=timed.bwd_s * scale)
     if moves is None or (isinstance(moves, str) and not getattr(stage_model, "moving_boundaries", False)):
         return costs
-    return with_moves(stage_model, costs, arr, timed_pairs, links, None if isinstance(moves, str) else moves)
+    return with_moves(stage_model, costs, arr, timed_pairs, links, moves)
 
 
 def slice_context_pairs(pairs, shapes: np.ndarray, contexts: np.ndarray, keys):

@@ -51,6 +51,7 @@ from dynabatch.cost.online import CalibratedStageCostModel
 from dynabatch.schedule.placement import Placement
 from dynabatch.schedule.virtual import chunk_schedule, placed_step, replayed_step
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
+from dynabatch.plan.boundary_choice import MOVE_CHOOSERS
 from dynabatch.cost.boundary_prices import move_ratios, moved_features
 from dynabatch.training.step_score import fits_without_recompute, replica_columns, send_time_of, simulated_step_time
 from dynabatch.training.units import (
@@ -301,25 +302,8 @@ class StepPlanner:
         if wants_equal_counts(self.cost_model) and len({len(s) for s in shapes}) > 1:  # would hang under --zero 2
             raise ValueError(f"step {step}: --zero 2 needs as many micro-batches on every replica, but the plan has "
                              f"{[len(s) for s in shapes]}")
-        moves = None
-        if getattr(plan_model, "moving_boundaries", False) and self.predict_model is not self.cost_model and \
-                not getattr(self.cfg, "full_determinism", False):  # which plans come from measured times alone
-            # how the stages' work compares is what the fit measures and a base model misjudges (the output head
-            # on a CPU): the fit chooses each micro-batch's side of the cuts, the plan is priced with that choice
-            moves = [piece_costs(predict_model, self.slice_model, s, ctx, lk, pr).moves
-                     for s, lk, ctx, pr in zip(shapes, links, contexts, pairs)]
-        costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model, moves_in=moves)
-        predicted_costs = costs
-        if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
-            predicted_costs, _, predicted, bubble = self._predict(shapes, links, contexts, pairs, predict_model,
-                                                                  schedules, moves_in=[c.moves for c in costs])
-        if any(c.moves is not None for c in costs):  # the moves run only where the step simulates shorter with them
-            cut = self._predict(shapes, links, contexts, pairs, plan_model, moves_in=[None] * len(shapes))
-            cut_predicted = cut if self.predict_model is self.cost_model else self._predict(
-                shapes, links, contexts, pairs, predict_model, cut[1], moves_in=[None] * len(shapes))
-            if cut_predicted[2] <= predicted:
-                costs, schedules = cut[0], cut[1]
-                predicted_costs, predicted, bubble = cut_predicted[0], cut_predicted[2], cut_predicted[3]
+        costs, schedules, predicted_costs, predicted, bubble = self._priced_moves(
+            shapes, links, contexts, pairs, plan_model, predict_model)
         saved = simulate(schedules[0], replace(predicted_costs[0],
                                                peak_bytes=np.zeros_like(predicted_costs[0].peak_bytes)))
         computed = sum(b * (e + d) for s in shapes for b, e, d in s)
@@ -339,6 +323,35 @@ class StepPlanner:
             features=features, predicted_costs=predicted_costs, pairs=tuple(pairs), plan_model=self.cost_model,
             family=self.family, tokens=self.tokens,
         )
+
+    def _priced_moves(self, shapes, links, contexts, pairs, plan_model, predict_model):
+        """One step's ``(costs, schedules, predicted_costs, predicted_s, bubble)``: planned with ``plan_model``,
+        predicted with ``predict_model``, with the boundary moves that simulate shortest. Without moving boundaries
+        only the layout's cuts; with them, each chooser's moves too (:data:`~dynabatch.plan.boundary_choice.
+        MOVE_CHOOSERS`), chosen by the online fit where it predicts (how the stages' work compares is what the fit
+        measures and a base model misjudges: the output head on a CPU), else by the planning model (which plans come
+        from measured times alone: ``--full-determinism``). Ties keep the cuts, then the earlier chooser."""
+        candidates = [[None] * len(shapes)]
+        if getattr(plan_model, "moving_boundaries", False):
+            fit_chooses = self.predict_model is not self.cost_model and not getattr(self.cfg, "full_determinism", False)
+            chooser = predict_model if fit_chooses else plan_model
+            for name in MOVE_CHOOSERS:
+                moves = [piece_costs(chooser, self.slice_model, s, ctx, lk, pr, moves=name).moves
+                         for s, lk, ctx, pr in zip(shapes, links, contexts, pairs)]
+                if any(m is not None and np.any(m) for m in moves) and not any(
+                        _same_moves(moves, c) for c in candidates):
+                    candidates.append(moves)
+        best = None
+        for moves in candidates:
+            costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model,
+                                                                moves_in=moves)
+            predicted_costs = costs
+            if self.predict_model is not self.cost_model:  # planned with the base model, predicted with the fit
+                predicted_costs, _, predicted, bubble = self._predict(
+                    shapes, links, contexts, pairs, predict_model, schedules, moves_in=[c.moves for c in costs])
+            if best is None or predicted < best[3]:
+                best = (costs, schedules, predicted_costs, predicted, bubble)
+        return best
 
     def _features(self, shapes, links, pairs, recompute=None, moves=None) -> np.ndarray:
         """(S, 2, M, F) calibration features of one replica's micro-batches (NaN for token slices), priced
@@ -561,6 +574,12 @@ class StepPlanner:
             bubbles.append(result.bubble_fraction)
         out = tuple(costs), tuple(schedules), float(max(makespans)), float(np.mean(bubbles))
         return (*out, fits) if check_memory else out
+
+
+def _same_moves(a, b) -> bool:
+    """Whether two replicas' lists of moves (``None``: the cuts) are the same."""
+    return all((x is None and (y is None or not np.any(y))) or (y is None and not np.any(x)) or
+               (x is not None and y is not None and np.array_equal(x, y)) for x, y in zip(a, b))
 
 
 def prepared_batch(cfg: TrainConfig, limits: LengthLimits, tokens: TokenizerInfo, batch: GlobalBatch) -> GlobalBatch:

@@ -18,7 +18,8 @@ from dynabatch.cost.stages import StageCostModel, StageLayout
 from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.model_presets import build_config
 from dynabatch.models.families import run_cost_model
-from dynabatch.plan.boundary_choice import bottleneck, choose_moves, pipeline_leads, stage_sums, with_moves
+from dynabatch.plan.boundary_choice import (
+    MOVE_CHOOSERS, balance_each, bottleneck, choose_moves, pipeline_leads, stage_sums, with_moves)
 from dynabatch.plan.slice_costs import piece_costs
 
 MEMORY = 8 * 2**30
@@ -105,6 +106,58 @@ def test_choice_is_never_slower_than_the_layout(name, layout, seq2seq, seed):
     np.testing.assert_array_equal(chosen.moves, moves)
     assert (chosen.fwd_s + chosen.bwd_s).sum(axis=1).max() <= (laid.fwd_s + laid.bwd_s).sum(axis=1).max() * (1 + 1e-12)
     np.testing.assert_array_equal(choose_moves(times, ratios.units, len(shapes), lead=lead), moves)  # deterministic
+
+
+def slowest_stage(times: dict, moves: np.ndarray) -> np.ndarray:
+    """``(M,)`` each micro-batch's time on its slowest stage with ``moves`` (two stages, one boundary)."""
+    m = len(moves)
+    t0 = np.array([times[(0, 0, int(moves[i, 0]))][i] for i in range(m)])
+    t1 = np.array([times[(1, int(moves[i, 0]), 0)][i] for i in range(m)])
+    return np.maximum(t0, t1)
+
+
+@pytest.mark.parametrize("name,layout,seq2seq", CASES)
+@pytest.mark.parametrize("seed", range(3))
+def test_each_micro_batch_gets_its_own_best_side(name, layout, seq2seq, seed):
+    model = stage_model(name, layout=layout)
+    shapes = sample_shapes(seed, 24, seq2seq)
+    laid = piece_costs(model, None, shapes, [0] * len(shapes), (), moves=None)
+    ratios = move_ratios(model, *shapes.T.astype(np.float64))
+    times = move_times(laid, ratios)
+    moves = balance_each(times, ratios.units, len(shapes))
+    allowed = allowed_moves(ratios.units, 0)
+    assert set(moves[:, 0].tolist()) <= set(allowed)
+    chosen = slowest_stage(times, moves)
+    assert np.all(chosen <= slowest_stage(times, np.zeros_like(moves)) * (1 + 1e-12))  # never worse than the cut
+    for v in allowed:  # with one boundary the pass is exact: no other side is faster for any micro-batch
+        assert np.all(chosen <= slowest_stage(times, np.full_like(moves, v)) * (1 + 1e-12))
+    assert bool(np.any(moves)) == bool(np.any(chosen < slowest_stage(times, np.zeros_like(moves))))
+    by_name = piece_costs(model, None, shapes, [0] * len(shapes), (), moves="each_micro_batch")
+    np.testing.assert_array_equal(by_name.moves, moves)
+
+
+def test_each_micro_batch_keeps_a_chain_on_one_row_and_the_cut_on_ties():
+    m = 8
+    times, units = unbalanced_times(m), BoundaryUnits((True,), (True,))
+    # stage 0: 3, stage 1: 2 a micro-batch; a down move makes it 2 / 3: the same slowest stage, so each stays
+    assert not balance_each(times, units, m).any()
+    times[(0, 0, DOWN)] = times[(0, 0, DOWN)] - 0.5  # down now 1.5 / 3 against 3 / 2: still worse, stays
+    assert not balance_each(times, units, m).any()
+    times[(1, DOWN, 0)] = times[(1, DOWN, 0)] - np.arange(m) * 0.3  # down: 1.5 / (3 - 0.3 i): a tie at i = 0
+    moves = balance_each(times, units, m)
+    np.testing.assert_array_equal(moves[:, 0], np.where(np.arange(m) > 0, DOWN, STAY))
+    links = (-1, 0, 1, -1, 3, -1, -1, -1)  # chains 0 <- 1 <- 2 and 3 <- 4: each chooses by its summed times
+    moves = balance_each(times, units, m, links)
+    assert moves[0, 0] == moves[1, 0] == moves[2, 0] and moves[3, 0] == moves[4, 0]
+    assert moves[0, 0] == DOWN  # 4.5 / (9 - 0.9) down against 9 / 6 at the cut
+
+
+def test_an_unknown_chooser_is_one_line():
+    model = stage_model("gpt2-mini")
+    shapes = sample_shapes(0, 4)
+    with pytest.raises(ValueError, match="unknown boundary move chooser 'nope'; valid: "
+                       + ", ".join(MOVE_CHOOSERS)):
+        piece_costs(model, None, shapes, [0] * len(shapes), (), moves="nope")
 
 
 def unbalanced_times(m: int, unit: float = 1.0) -> dict:

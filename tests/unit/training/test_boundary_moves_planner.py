@@ -46,3 +46,37 @@ def test_planned_step_carries_its_moves(toy_data):
             np.testing.assert_allclose(x, moved_features(laid, ratios, costs.moves), rtol=1e-12)
             moved += int(np.count_nonzero(costs.moves))
     assert moved > 0
+
+
+@pytest.mark.parametrize("toy_data", ["gpt2"], indirect=True)
+def test_the_step_runs_the_moves_that_simulate_shortest(toy_data):
+    from dynabatch.data.batching import GlobalBatcher, LengthLimits
+    from dynabatch.models.presets import build_model
+    from dynabatch.models.split import layout_for
+    from dynabatch.plan.boundary_choice import MOVE_CHOOSERS
+    from dynabatch.plan.slice_costs import piece_costs
+    from dynabatch.training.planner import StepPlanner
+    from dynabatch.training.trainer import planner_cost_model
+
+    cfg = TrainConfig(model="gpt2-mini", stages=2, global_batch_tokens=2048, max_input_len=128, max_target_len=32,
+                      plan_ahead=1, moving_boundaries=True, full_determinism=True)
+    model = build_model("gpt2-mini", vocab_size=384)
+    base = planner_cost_model(cfg, model.config, layout_for(model, 2))
+    limits = LengthLimits("causal", max_input_len=128, max_target_len=32, max_seq_len=128)
+    planner = StepPlanner(GlobalBatcher(toy_data, limits, token_budget=2048), cfg, base, toy_data.tokens)
+    for _ in range(3):
+        planned = planner()
+        shapes, links = planned.shapes, planned.slice_links
+        contexts = [np.zeros(len(s)) for s in shapes]
+        options = {"cuts": [None] * len(shapes)}
+        for name in MOVE_CHOOSERS:
+            options[name] = [piece_costs(base, None, s, c, lk, pr, moves=name).moves
+                             for s, c, lk, pr in zip(shapes, contexts, links, planned.pairs)]
+        predicted = {name: planner._predict(shapes, links, contexts, planned.pairs, moves_in=moves)[2]
+                     for name, moves in options.items()}
+        assert planned.predicted_makespan_s == pytest.approx(min(predicted.values()), rel=1e-12)
+        ran = [c.moves for c in planned.costs]
+        runs = [name for name, moves in options.items() if all(
+            (m is None or not np.any(m)) if r is None or not np.any(r) else m is not None and np.array_equal(r, m)
+            for r, m in zip(ran, moves))]
+        assert runs and predicted[runs[0]] == pytest.approx(min(predicted.values()), rel=1e-12)
