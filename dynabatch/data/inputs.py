@@ -20,7 +20,7 @@ from typing import Any
 from dynabatch.data.builtin import default_mixture_path
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import CAST_FIELDS, FILE_BUILDERS, SourceSpec
+from dynabatch.data.source_spec import CAST_FIELDS, FILE_BUILDERS, SourceSpec
 
 COLUMNS_EXAMPLE = "inputs=question,targets=answer[,task=category]"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch.data.sources import BAD_ROW_POLICIES, SourceSpec, check_finite, check_spec_types
+from dynabatch.data.source_spec import BAD_ROW_POLICIES, SourceSpec, check_finite, check_spec_types
 from dynabatch.data.user_files import USER_FILE_KINDS, file_syntax, is_user_file, parse_user_file
 
 RATE_RULES = ("examples_proportional", "fixed")

@@ -18,7 +18,8 @@ import numpy as np
 
 from dynabatch.data.mixture import MixtureSampler, MixtureSpec, mixture_rates
 from dynabatch.data.sample import GlobalBatch, TokenizedSample
-from dynabatch.data.sources import NormalisedSource, SourceSpec, load_normalised
+from dynabatch.data.source_spec import SourceSpec
+from dynabatch.data.sources import NormalisedSource, load_normalised
 from dynabatch.data.tokenize import TokenizerInfo, tokenize_dataset, tokenizer_info
 from dynabatch.core.sequence import sequence_kind
 

@@ -10,184 +10,32 @@ normalised: columns renamed by ``columns`` (FLAN names ``inputs``/``targets`` by
 column) are cast to their text and counted per field (:attr:`NormalisedSource.casts`). A malformed row (missing
 field, ``None``, a list or a mapping, empty target) is an error naming the source, the row and the fix, or -
 with ``bad_rows: skip`` - is dropped and counted.
+
+What a source spec holds and the row rules are in :mod:`dynabatch.data.source_spec`; the JSON files re-read row
+by row (mixed-type columns, lines that are not JSON objects) in :mod:`dynabatch.data.json_rows`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from dynabatch import __version__
 from dynabatch.data.builtin import BUILTIN_TASKS, generate_examples
+from dynabatch.data.json_rows import exact_mixed_columns, json_lines
+from dynabatch.data.source_spec import (BAD_ROW_ADVICE, BAD_ROW_POLICIES, CAST_FIELDS, FIELDS, FILE_BUILDERS,
+                                        BadRowError, SourceSpec, as_text, check_row)
 
 logger = logging.getLogger(__name__)
-
-FIELDS = ("inputs", "targets")
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-BAD_ROW_POLICIES = ("error", "skip")
-BAD_ROW_ADVICE = "set bad_rows: skip in the mixture spec (or pass --bad-rows skip) to drop and count such rows"
-"""How to skip malformed rows, for error messages: the spec key and the command-line flag both exist."""
-
-SPEC_KINDS: dict[str, Callable[[Any], bool]] = {
-    "a string": lambda v: isinstance(v, str),
-    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "a mapping of names to strings": lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
-    "a file path or a list of file paths": lambda v: isinstance(v, str) or (
-        isinstance(v, list) and all(isinstance(x, str) for x in v)),
-}
-"""What a spec value may be, by the description used in error messages."""
-
-
-def check_spec_types(raw: dict[str, Any], kinds: dict[str, str], nullable: set[str], where: str = "") -> None:
-    """``ValueError`` naming the first key of ``raw`` whose value is not of its kind in ``kinds``.
-
-    ``where`` follows the key in the message (e.g. `` of source 'qa'``); keys in ``nullable`` may be null.
-    """
-    for key, kind in kinds.items():
-        if key not in raw or (raw[key] is None and key in nullable):
-            continue
-        value = raw[key]
-        if not SPEC_KINDS[kind](value):
-            raise ValueError(f"{key!r}{where} must be {kind}, got {type(value).__name__} {value!r:.60}")
-
-
-def check_finite(name: str, value: float | None, minimum: float, inclusive: bool = True) -> None:
-    """``ValueError`` unless ``value`` is ``None`` or a finite number ``>= minimum`` (``>`` if not inclusive)."""
-    if value is None:
-        return
-    ok = math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {minimum:g}, got {value}")
-
-
-SOURCE_KINDS = {
-    "task": "a string", "hf": "a string", "hf_config": "a string", "data_files": "a file path or a list of file paths",
-    "builtin": "a string", "num_examples": "an integer", "seed": "an integer", "split": "a string",
-    "columns": "a mapping of names to strings", "template": "a mapping of names to strings", "rate": "a number",
-    "max_examples": "an integer", "bad_rows": "a string",
-}
-"""The kind of every :class:`SourceSpec` key in a spec file."""
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """One entry of a mixture spec."""
-
-    task: str
-    """Task name attached to every row of this source (a ``task`` column, if present, wins)."""
-    hf: str | None = None
-    """Hub dataset name for ``datasets.load_dataset`` (needs internet, or the local Hugging Face cache of it), or a
-    local dataset folder (``save_to_disk`` output, or data files ``load_dataset`` can read)."""
-    hf_config: str | None = None
-    """Hub dataset configuration name."""
-    data_files: tuple[str, ...] = ()
-    """Local files; relative paths are resolved against the spec file's folder."""
-    builtin: str | None = None
-    """Name of a built-in offline task (see :mod:`dynabatch.data.builtin`)."""
-    num_examples: int = 2000
-    """Examples generated for a built-in task."""
-    seed: int = 0
-    """Seed of a built-in task's generator."""
-    split: str = "train"
-    columns: dict[str, str] = field(default_factory=dict)
-    """Map from our field (``task``, ``inputs``, ``targets``) to the source's column name."""
-    template: dict[str, str] = field(default_factory=dict)
-    """Optional ``str.format`` templates for ``inputs``/``targets`` over the row's columns."""
-    rate: float | None = None
-    """Fixed mixing rate (all sources or none must set it)."""
-    max_examples: int | None = None
-    """Use at most this many rows of the source."""
-    bad_rows: str | None = None
-    """Malformed rows of this source: ``error`` or ``skip`` (``None``: the mixture's ``bad_rows``)."""
-    in_memory: bool = False
-    """The rows are a ``datasets.Dataset`` / ``IterableDataset`` given with the spec (Python only, not in spec
-    files): :func:`load_normalised`'s ``dataset``. An ``IterableDataset`` is read up to ``max_examples`` rows."""
-
-    def __post_init__(self) -> None:
-        kinds = [k for k, v in (("hf", self.hf), ("data_files", self.data_files), ("builtin", self.builtin),
-                                ("in_memory", self.in_memory)) if v]
-        if len(kinds) != 1:
-            raise ValueError(
-                f"source {self.task!r}: give exactly one of 'hf', 'data_files' or 'builtin' (got {kinds or 'none'})"
-            )
-        unknown = set(self.columns) - {"task", *FIELDS}
-        if unknown:
-            raise ValueError(f"source {self.task!r}: unknown keys in 'columns': {sorted(unknown)}; valid: task, inputs, targets")
-        unknown = set(self.template) - set(FIELDS)
-        if unknown:
-            raise ValueError(f"source {self.task!r}: unknown keys in 'template': {sorted(unknown)}; valid: inputs, targets")
-        check_finite(f"source {self.task!r}: rate", self.rate, 0)
-        if self.builtin and self.num_examples <= 0:
-            raise ValueError(f"source {self.task!r}: num_examples must be > 0, got {self.num_examples}")
-        if self.max_examples is not None and self.max_examples < 1:
-            raise ValueError(f"source {self.task!r}: max_examples must be >= 1, got {self.max_examples}")
-        if self.seed < 0:
-            raise ValueError(f"source {self.task!r}: seed must be >= 0, got {self.seed}")
-        if self.bad_rows is not None and self.bad_rows not in BAD_ROW_POLICIES:
-            raise ValueError(f"source {self.task!r}: bad_rows must be one of {BAD_ROW_POLICIES}, got {self.bad_rows!r}")
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any], base_dir: str = ".") -> "SourceSpec":
-        """Build from a spec-file entry; ``data_files`` may be a string or list. Types are checked first."""
-        if not isinstance(raw, dict) or not isinstance(raw.get("task"), str) or not raw["task"].strip():
-            raise ValueError(f"each mixture source is a mapping with a 'task' name (a non-empty string), got {raw!r:.80}")
-        known = set(SourceSpec.__dataclass_fields__) - {"in_memory"}  # in-memory datasets come from Python only
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"source {raw['task']!r}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
-        nullable = {f.name for f in fields(SourceSpec) if f.default is None} | {"data_files"}
-        check_spec_types(raw, SOURCE_KINDS, nullable, where=f" of source {raw['task']!r}")
-        raw = dict(raw)
-        files = raw.get("data_files") or ()
-        files = [files] if isinstance(files, str) else list(files)
-        raw["data_files"] = tuple(f if os.path.isabs(f) else os.path.normpath(os.path.join(base_dir, f)) for f in files)
-        return SourceSpec(**raw)
 
 
 def _builtin_rows(task: str, num_examples: int, seed: int, version: str):
     yield from generate_examples(task, num_examples, seed)
-
-
-class BadRowError(ValueError):
-    """A row of a source cannot be used."""
-
-
-def check_row(row: dict[str, Any], source: str, row_index: int) -> str | None:
-    """Why a normalised row is malformed, or ``None`` if it is fine."""
-    for name in ("task", *FIELDS):
-        if name not in row or row[name] is None:
-            return f"missing field {name!r}"
-        if not isinstance(row[name], str):
-            return f"field {name!r} must be text or a number, got {type(row[name]).__name__} {row[name]!r:.40}"
-    if not row["targets"].strip():
-        return "empty 'targets'"
-    if not row["task"].strip():
-        return "empty 'task'"
-    return None
-
-
-def as_text(value: Any) -> tuple[Any, bool]:
-    """``(value as text, whether it was cast)``: an int, float or bool (a CSV's numeric column) becomes its text
-    (cast), NaN (an empty numeric cell) becomes missing; text, ``None``, lists and mappings stay as they are (the
-    latter are malformed rows, :func:`check_row`)."""
-    if isinstance(value, float) and math.isnan(value):
-        return None, False
-    if isinstance(value, (int, float)):  # bool included: "True" / "False"
-        return str(value), True
-    return value, False
-
-
-CAST_FIELDS = ("task", *FIELDS)
-"""Fields whose casts are counted, in the order of :attr:`NormalisedSource.casts`."""
 
 
 @dataclass(frozen=True)
@@ -335,9 +183,9 @@ def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
     try:
         with _builder_log_quiet(builder):
             ds = datasets.load_dataset(builder, data_files=list(spec.data_files), split="train")
-        return (_exact_mixed_columns(ds, spec.data_files) if builder == "json" else ds), 0
+        return (exact_mixed_columns(ds, spec.data_files) if builder == "json" else ds), 0
     except Exception as e:  # datasets wraps parse and decode errors several levels deep
-        lines = _json_lines(spec.data_files) if exts == {".jsonl"} else None
+        lines = json_lines(spec.data_files) if exts == {".jsonl"} else None
         if lines is not None and lines.bad:
             path, line, why = lines.bad[0]
             if bad_rows == "skip" and lines.rows:
@@ -353,56 +201,6 @@ def _load_raw(spec: SourceSpec, dataset=None, bad_rows: str = "error"):
         ) from e
 
 
-def _exact_mixed_columns(ds, files):
-    """``ds``, read from the JSON ``files``, with every mixed-type column (text in some rows, numbers, booleans or
-    objects in others: a ``datasets.Json`` column) holding the values the files wrote.
-
-    ``datasets`` stores such a column's strings unquoted when they parse as JSON, so reading it back turns the text
-    ``"007"`` into 7, ``"1.50"`` into 1.5, ``"1e3"`` into 1000.0, ``"null"`` into a missing value and ``"[1, 2]"``
-    into a list: targets would change silently, or a row be refused for a value it does not hold. The rows are
-    read again with the ``json`` module and the column rebuilt as properly quoted JSON text, so text stays text
-    and only real numbers and booleans are cast (and counted) later. When the files cannot be read back row for
-    row as ``datasets`` read them, ``ds`` is returned as it is."""
-    import datasets
-    import pyarrow as pa
-
-    mixed = [name for name, feature in ds.features.items() if isinstance(feature, datasets.Json)]
-    if not mixed:
-        return ds
-    rows = _json_file_rows(files)
-    if rows is None or len(rows) != len(ds):
-        return ds
-    table = ds.data.table
-    for name in mixed:
-        text = pa.array([None if row.get(name) is None else json.dumps(row[name], ensure_ascii=False)
-                         for row in rows], pa.string())
-        column = pa.ExtensionArray.from_storage(table.schema.field(name).type, text)
-        table = table.set_column(table.schema.get_field_index(name), name, column)
-    return datasets.Dataset(datasets.table.InMemoryTable(table), info=ds.info)
-
-
-def _json_file_rows(files) -> list | None:
-    """The rows of JSON ``files`` in file order, as the ``json`` module reads them: a file holding one JSON list of
-    objects, or one object per line (:func:`_json_lines`); ``None`` when a file is neither."""
-    rows: list = []
-    for path in files:
-        try:
-            with open(path, encoding="utf-8") as f:
-                whole = json.load(f)
-        except (OSError, UnicodeDecodeError):
-            return None
-        except json.JSONDecodeError:  # JSON lines
-            whole = None
-        if isinstance(whole, list) and all(isinstance(row, dict) for row in whole):
-            rows += whole
-            continue
-        lines = _json_lines([path])
-        if lines is None or lines.bad:
-            return None
-        rows += lines.rows
-    return rows
-
-
 @contextlib.contextmanager
 def _builder_log_quiet(builder: str):
     """``datasets``' file builder ``builder`` (``json``, ``csv``, ...) logs a parse error ("Failed to load JSON
@@ -415,39 +213,6 @@ def _builder_log_quiet(builder: str):
         yield
     finally:
         builder_logger.setLevel(level)
-
-
-@dataclass(frozen=True)
-class _JsonLines:
-    rows: list
-    """Every line that is a JSON object, in file order."""
-    bad: list
-    """``(file, line number from 1, why)`` of every other non-blank line."""
-
-
-def _json_lines(files) -> _JsonLines | None:
-    """The .jsonl ``files`` read line by line (what ``datasets`` could not parse, found and named); ``None`` when a
-    file cannot be read at all."""
-    rows, bad = [], []
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                for number, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    try:
-                        obj = json.loads(raw.decode("utf-8").strip())
-                    except UnicodeDecodeError as e:
-                        bad.append((path, number, f"not valid UTF-8: {e.reason}"))
-                        continue
-                    except json.JSONDecodeError as e:
-                        bad.append((path, number, f"{e.msg} at column {e.colno}"))
-                        continue
-                    (rows.append(obj) if isinstance(obj, dict) else
-                     bad.append((path, number, f"a JSON {type(obj).__name__}, not an object")))
-        except OSError:
-            return None
-    return _JsonLines(rows, bad)
 
 
 def _in_memory_rows(spec: SourceSpec, dataset):

@@ -65,7 +65,7 @@ from dynabatch.cost.hardware import device_hardware, hardware_spec
 from dynabatch.cost.stages import StageCostModel
 from dynabatch.cost.layer_split import balanced_layout
 from dynabatch.data.inputs import load_data
-from dynabatch.data.sources import BadRowError
+from dynabatch.data.source_spec import BadRowError
 from dynabatch.data.tokenize import TokenizerInfo, load_tokenizer, said_diffs, special_id_diffs
 
 

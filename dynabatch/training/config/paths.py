@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from dynabatch.data.inputs import parse_columns
-from dynabatch.data.sources import CAST_FIELDS
+from dynabatch.data.source_spec import CAST_FIELDS
 from dynabatch.data.tokenize import AUTO, TOKENIZER_NAMES
 
 PATH_FIELDS = ("model", "tokenizer", "mixture", "eval_mixture", "data", "cost_profile", "calibration_file")
@@ -35,7 +35,7 @@ def local_path(field: str, value: Any) -> Any:
 
 def canonical_columns(text: str | None) -> str | None:
     """``--columns`` in one spelling (``inputs=question,targets=answer``: no spaces, the fields in
-    :data:`~dynabatch.data.sources.CAST_FIELDS` order, whatever order they were given in); malformed text as it is
+    :data:`~dynabatch.data.source_spec.CAST_FIELDS` order, whatever order they were given in); malformed text as it is
     (refused where it is read)."""
     try:
         columns = parse_columns(text)

@@ -19,7 +19,8 @@ from dynabatch.cli import main
 from dynabatch.data.batching import GlobalBatcher, LengthLimits
 from dynabatch.data.mixture import MixtureSpec, mixture_rates
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import SourceSpec, load_normalised, load_source
+from dynabatch.data.source_spec import SourceSpec
+from dynabatch.data.sources import load_normalised, load_source
 
 TRAIN = ["train", "--model", "t5-tiny", "--tokenizer", "byt5", "--global-batch-tokens", "1024",
          "--max-input-len", "128", "--max-target-len", "32", "--log-every", "0", "--no-timeline", "--steps", "1"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dynabatch.data.mixture import MixtureSampler, MixtureSpec, mixture_rates
-from dynabatch.data.sources import SourceSpec
+from dynabatch.data.source_spec import SourceSpec
 
 
 def _spec(rule="examples_proportional", cap=None, rates=None):

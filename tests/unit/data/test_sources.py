@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import write_jsonl
-from dynabatch.data.sources import BadRowError, SourceSpec, load_source
+from dynabatch.data.source_spec import BadRowError, SourceSpec
+from dynabatch.data.sources import load_source
 
 
 def test_column_mapping_and_template(tmp_path):

@@ -14,7 +14,8 @@ from conftest import random_rows, write_jsonl
 from dynabatch.cli import main
 from dynabatch.data.mixture import MixtureSpec
 from dynabatch.data.pipeline import MixtureData
-from dynabatch.data.sources import SourceSpec, load_source
+from dynabatch.data.source_spec import SourceSpec
+from dynabatch.data.sources import load_source
 from dynabatch.data.tokenize import load_tokenizer, tokenize_dataset, tokenizer_info
 
 

@@ -133,7 +133,8 @@ def test_a_preset_uses_the_builtin_tokenizer_and_a_causal_export_encodes_prompts
 def test_the_saved_inference_tokenizer_encodes_inputs_as_tokenize_dataset(tmp_path, name, family):
     from transformers import AutoTokenizer
 
-    from dynabatch.data.sources import SourceSpec, load_source
+    from dynabatch.data.source_spec import SourceSpec
+    from dynabatch.data.sources import load_source
     from dynabatch.data.tokenize import inference_tokenizer, load_tokenizer, tokenize_dataset
 
     text = "Reverse the words: alpha beta gamma"
@@ -167,7 +168,8 @@ def test_a_decoder_only_prompt_starts_with_the_bos_the_tokenizer_itself_adds(tmp
     export's tokenizer gives the same ids; targets get no BOS, and an encoder-decoder's inputs none either."""
     from transformers import AutoTokenizer
 
-    from dynabatch.data.sources import SourceSpec, load_source
+    from dynabatch.data.source_spec import SourceSpec
+    from dynabatch.data.sources import load_source
     from dynabatch.data.tokenize import encodes_like_training, inference_tokenizer, input_start, tokenize_dataset
 
     text, target = "alpha beta gamma", "gamma beta alpha"
