@@ -102,7 +102,7 @@ def print_table(result: dict) -> None:
           f"{result['peak_rss_mib_rank0']:.0f} MiB (all methods together)")
     if "tuned" in result:
         print(f"tuned baselines (fastest knob value that fits --memory-gib over {counted(c['tune_steps'], 'measured step')} each, "
-              f"then timed for {c['timed_steps']} steps; the default if that was faster):")
+              f"then timed for {counted(c['timed_steps'], 'step')}; the default if that was faster):")
         for m, t in result["tuned"].items():
             print("  " + describe(m, t, result["methods"][m]["tokens_per_s"]))
         top = result["best_tuned_baseline"]

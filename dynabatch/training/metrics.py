@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch.core.words import counted
 from dynabatch.cost.planner_model import UNPRICED
 from dynabatch.plan.ideal import (AMORTISED_TOKENS, balanced_efficiency, busy_fractions, ideal_step_time, ideal_work,
                                   measured_efficiency, planned_work, without_recompute)
@@ -159,7 +160,7 @@ def format_prediction_report(records: list[dict[str, Any]]) -> str:
     s = prediction_summary(records)
     # step -1 is the start-up round (calibration.as_of): the fit a run's first steps are planned with
     how = s["calibration"].replace("as of step -1", "as of the start-up round")
-    lines.append(f"{s['steps']} steps ({how} at the last): median |predicted - measured| / measured of the "
+    lines.append(f"{counted(s['steps'], 'step')} ({how} at the last): median |predicted - measured| / measured of the "
                  f"step time {s['median']:.1%}, last 10 steps {s['last10_median']:.1%}; per stage (forward + backward) "
                  + ", ".join(f"{x:.1%}" for x in s["stage_median"]))
     return "\n".join(lines)
@@ -169,7 +170,7 @@ def format_summary(s: dict[str, Any]) -> str:
     if not s.get("steps"):
         return f"{s['method']}: no steps"
     return (
-        f"{s['method']}: {s['steps']} steps, loss {s['loss_start']:.3f} -> {s['loss_end']:.3f}, "
+        f"{s['method']}: {counted(s['steps'], 'step')}, loss {s['loss_start']:.3f} -> {s['loss_end']:.3f}, "
         f"{s['tokens_per_s']:.0f} real tokens/s, padding efficiency {s['padding_efficiency']:.3f}, "
         f"predicted bubble {s['bubble_fraction_predicted']:.3f}, {s['micro_batches_per_step']:.1f} micro-batches/step, "
         f"step {s['step_time_s_median']:.3f} s measured vs {s['predicted_step_s_median']:.3f} s predicted, "

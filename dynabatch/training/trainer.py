@@ -36,6 +36,7 @@ import torch.distributed as dist
 from dynabatch.training.config import Resolved, TrainConfig, lower
 from dynabatch.training.config.resolve import BY_METHOD
 from dynabatch.core.allocator import freed_tensors_kept
+from dynabatch.core.words import counted
 from dynabatch.core.policies import AUTO
 from dynabatch.core.progress import progress
 from dynabatch.cost.model_specs import layer_kinds
@@ -390,7 +391,7 @@ def train_method(resolved: Resolved, ctx: DistContext, *, checkpoints: bool = Tr
                 if ctx.world_size > 1:  # every rank decides alike; wait so rank 0 has written this step's record
                     dist.barrier(group=ctx.delivery_group)
                 raise TrainingDivergedError(
-                    f"training diverged: {bad_steps} steps in a row up to step {step} had a non-finite loss or "
+                    f"training diverged: {counted(bad_steps, 'step')} in a row up to step {step} had a non-finite loss or "
                     f"gradient norm (step {step}: {_non_finite(result)}) and were skipped (--max-bad-steps "
                     f"{cfg.max_bad_steps}); no checkpoint holds non-finite weights. Lower --learning-rate (now {cfg.learning_rate:g}) or "
                     "--max-grad-norm, or check the data; --resume-from-checkpoint continues from the newest checkpoint"

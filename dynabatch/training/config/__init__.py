@@ -238,14 +238,16 @@ def _allowed(hint: Any) -> tuple[tuple[type, ...], tuple | None, bool]:
 
 def _trackers_text(report_to: Any) -> Any:
     """``report_to`` as comma-separated text: a list of tracker names (as Hugging Face's ``TrainingArguments``
-    takes it, e.g. ``report_to: [tensorboard]`` in a config file) is joined, an empty list is ``none``; anything
-    else is left for the type check."""
+    takes it, e.g. ``report_to: [tensorboard]`` in a config file) is joined, an empty list is ``none``; names are
+    taken in lower case (``TensorBoard`` is ``tensorboard``); anything else is left for the type check."""
+    if isinstance(report_to, str):
+        return ",".join(t.strip().lower() for t in report_to.split(","))
     if not isinstance(report_to, (list, tuple)):
         return report_to
     bad = [t for t in report_to if not isinstance(t, str) or "," in t]
     if bad:
         raise ValueError(f"report_to: a list holds tracker names ({', '.join(TRACKERS)}, all, none), got {bad[0]!r}")
-    return ",".join(t.strip() for t in report_to) or "none"
+    return ",".join(t.strip().lower() for t in report_to) or "none"
 
 
 def _check_types(cfg: TrainConfig) -> None:

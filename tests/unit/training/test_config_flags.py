@@ -57,6 +57,8 @@ def test_bools_and_choices_come_from_the_field_types():
         TrainConfig(policy="zigzag")
     with pytest.raises(ValueError, match="report_to: unknown tracker 'mlflow'"):
         TrainConfig(report_to="tensorboard,mlflow")
+    assert TrainConfig(report_to=" TensorBoard").report_to == "tensorboard"  # names in any case, as typed in docs
+    assert TrainConfig(report_to=["TensorBoard", "WandB"]).report_to == "tensorboard,wandb"
 
 
 def test_config_file_flat_or_nested_with_older_names_and_flags_on_top(tmp_path):

@@ -59,3 +59,10 @@ def test_prediction_report_names_the_start_up_round_not_step_minus_one():
                 "calibration": "online as of step -1"} for k in range(2)]
     assert format_prediction_report(records).splitlines()[-1].startswith(
         "2 steps (online as of the start-up round at the last)")
+
+
+def test_summary_counts_one_step_in_the_singular():
+    one = summarize([_record(0, 0.1, 0.0)], "dynamic")
+    assert one["steps"] == 1 and format_summary(one).startswith("dynamic: 1 step, loss ")
+    two = summarize([_record(0, 0.1, 0.0), _record(1, 0.1, 0.0)], "dynamic")
+    assert format_summary(two).startswith("dynamic: 2 steps, loss ")
