@@ -26,7 +26,9 @@ clipping, callbacks and mixed precision stay the Trainer's own:
   with ``compute_result``, under ``batch_eval_metrics``); ``Seq2SeqTrainingArguments(generation_config=...)`` is the
   model's generation config, and ``bf16_full_eval`` / ``fp16_full_eval`` cast the model first outside ``train()``,
   as ``Trainer`` does. ``predict`` always generates and returns a ``PredictionOutput`` (``Seq2SeqTrainer``'s
-  ``predict_with_generate``).
+  ``predict_with_generate``). Generated ids go to the host batch by batch as ``generate`` makes them and the loss is one
+  scalar, so no outputs pile up on the device: ``eval_accumulation_steps`` (how many steps of outputs ``Trainer``
+  keeps there) holds for any value, and the results do not depend on it.
 * Checkpoints also hold the loader's stream position (``dynabatch_loader.json``); resuming restores it
   instead of replaying batches (whatever ``TrainingArguments(ignore_data_skip=...)`` says), and the ``Trainer``
   counts the steps before it as trained, so ``state.epoch`` continues as in the uninterrupted run. A later
@@ -35,15 +37,15 @@ clipping, callbacks and mixed precision stay the Trainer's own:
 Logs also carry ``padding_efficiency`` (real / computed tokens), ``micro_batches_per_step`` and
 ``plan_time_s`` of this process's replica, averaged since the previous log, and ``truncated``: the samples cut to
 the loader's limits since then (one warning after ``train()`` gives the total). ``train_samples_per_second``
-counts the samples the steps held, not ``per_device_train_batch_size`` per step; the ``TrainingArguments`` of the
-stock dataloaders (:data:`DECIDED_BY_LOADER`) have no effect, and setting one is a warning. A train loader that
-tokenized datasets without ``seed=`` is ordered by ``TrainingArguments``' ``data_seed`` or ``seed``.
+counts the samples the steps held, not ``per_device_train_batch_size`` per step. What the constructor refuses,
+warns about or takes from ``TrainingArguments`` is :mod:`dynabatch.integrations.trainer_checks`: the
+``TrainingArguments`` of the stock dataloaders (its ``DECIDED_BY_LOADER``) have no effect, and setting one is a
+warning; a train loader that tokenized datasets without ``seed=`` is ordered by ``data_seed`` or ``seed``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -60,39 +62,28 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from dynabatch.core.allocator import CPU_ALLOCATORS, freed_tensors_kept, host_memory_gib
-from dynabatch.core.attention import ATTENTION_PATHS
-from dynabatch.integrations.dataloader import (
-    DynaBatchDataLoader,
-    StepBatch,
-    check_data_fits_model,
-    model_sequence_kind,
-)
+from dynabatch.core.allocator import freed_tensors_kept, host_memory_gib
+from dynabatch.integrations.dataloader import DynaBatchDataLoader, StepBatch, model_sequence_kind
 from dynabatch.integrations.eval_rows import generation_settings, padded, with_last
 from dynabatch.integrations.grad_sum import all_reduce_sum
+from dynabatch.integrations.trainer_checks import (
+    check_arguments,
+    check_constructor,
+    check_loaders,
+    check_pricing,
+    check_replica,
+    seed_train_loader,
+    use_generation_config,
+    warn_endless_epochs,
+    warn_ignored_arguments,
+    warn_unused_metrics_arguments,
+)
 from dynabatch.models.forward import forward_loss
 from dynabatch.training.config.resolve import Found, args_view, decide_why
 from dynabatch.training.evaluate import generate_ids
 
 LOADER_STATE_NAME = "dynabatch_loader.json"
 """File in each checkpoint folder holding the train loader's stream position."""
-"""Gradient elements per flat all-reduce (128 MiB of fp32): bounds the extra memory of the copy."""
-_NOT_ACCEPTED = ("train_dataset", "eval_dataset", "data_collator")
-_ROW_ORDER = ("the loader's seed orders the rows and its method groups them into micro-batches "
-              "(method='length_grouped' groups by length)")
-DECIDED_BY_LOADER = {
-    "per_device_train_batch_size": "the train loader's token_budget decides the samples of each step",
-    "per_device_eval_batch_size": "the eval loader's token_budget decides the samples of each batch",
-    "dataloader_num_workers": "the loader plans and collates in the training process",
-    "train_sampling_strategy": _ROW_ORDER,
-    "auto_find_batch_size": "the train loader's token_budget sizes each step and the planner fits its micro-batches "
-                            "to the cost model's memory (lower token_budget or device_memory_bytes if a step runs out)",
-    "dataloader_drop_last": "every training step is a whole token-budget global batch, and an each_row_once eval "
-                            "loader evaluates every row, its last global batch included",
-    "sortish_sampler": _ROW_ORDER,  # Seq2SeqTrainingArguments' own
-}
-"""``TrainingArguments`` the stock ``Trainer`` uses to build its dataloaders, which a ``DynaBatchTrainer`` never
-builds: setting one is a warning naming what decides instead."""
 
 
 class DynaBatchTrainer(Trainer):
@@ -116,7 +107,9 @@ class DynaBatchTrainer(Trainer):
       or ``dense`` (4-D masks).
     * ``cpu_allocator``: ``auto``, ``keep`` or ``system``, as ``dynabatch train --cpu-allocator``.
 
-    ``train_dataset``, ``eval_dataset`` and ``data_collator`` are refused, and so is ``gradient_accumulation_steps`` other than 1 (the token budget sets the step).
+    ``train_dataset``, ``eval_dataset`` and ``data_collator`` are refused, and so is ``gradient_accumulation_steps``
+    other than 1 (the token budget sets the step); the other set-up checks are
+    :mod:`~dynabatch.integrations.trainer_checks`.
     """
 
     def __init__(
@@ -129,18 +122,7 @@ class DynaBatchTrainer(Trainer):
         cpu_allocator: str = "auto",
         **kwargs,
     ):
-        if attention not in ATTENTION_PATHS:  # the choices of --attention
-            raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_PATHS)}")
-        if cpu_allocator not in CPU_ALLOCATORS:  # the choices of --cpu-allocator
-            raise ValueError(f"unknown cpu_allocator {cpu_allocator!r}; valid: {', '.join(CPU_ALLOCATORS)}")
-        given = [k for k in _NOT_ACCEPTED if kwargs.get(k) is not None]
-        if given:
-            raise ValueError(f"DynaBatchTrainer takes train_loader= and eval_loader=, not {given}")
-        strategy = getattr(getattr(args, "eval_strategy", "no"), "value", "no")
-        if strategy != "no" and eval_loader is None:  # before Trainer's own error, which asks for eval_dataset
-            raise ValueError(f"TrainingArguments(eval_strategy={strategy!r}) evaluates during training, but no "
-                             "eval_loader was given: pass eval_loader=DynaBatchDataLoader(..., each_row_once=True), "
-                             "or set eval_strategy='no'")
+        check_constructor(args, eval_loader, attention, cpu_allocator, kwargs)
         super().__init__(model=model, args=args, eval_dataset=eval_loader, **kwargs)
         self.train_loader = train_loader
         self.attention = attention
@@ -152,148 +134,20 @@ class DynaBatchTrainer(Trainer):
         self.resolved: dict = {}
         """``{field: (value, reason)}`` of the options decided for the user: ``data_seed`` (the train loader's,
         from ``TrainingArguments``) and ``cpu_allocator`` (by the resolver, when :meth:`train` starts)."""
-        self._check_setup(train_loader, eval_loader)
-        self._check_pricing(train_loader)
-        self._warn_endless_epochs(train_loader)
-        self._seed_train_loader(train_loader)
-        self._warn_ignored_arguments()
-        self._use_generation_config()
-        self._warn_unused_metrics_arguments()
+        check_arguments(self.args)
+        check_loaders(self.args, self.model, train_loader, eval_loader)
+        check_pricing(self.args, attention, train_loader)
+        warn_endless_epochs(self.args, train_loader)
+        seeded = seed_train_loader(self.args, train_loader)
+        if seeded is not None:
+            self.resolved["data_seed"] = seeded
+        warn_ignored_arguments(self.args)
+        use_generation_config(self.args, self.model)
+        warn_unused_metrics_arguments(self.args, self.compute_metrics)
         self._train_calls = 0
         self._trained_samples = self._trained_truncated = 0
         self._num_non_embedding_params: int | None = None
         self._reset_step_stats()
-
-    # ------------------------------------------------------------------ set-up checks
-
-    def _check_setup(self, train_loader, eval_loader) -> None:
-        args = self.args
-        if args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one StepBatch is one optimizer "
-                "step already (its size is the loader's token_budget); set gradient_accumulation_steps=1"
-            )
-        if args.label_smoothing_factor:
-            raise ValueError(
-                f"label_smoothing_factor={args.label_smoothing_factor}: a DynaBatchTrainer trains on forward_loss's "
-                "summed token cross-entropy, without label smoothing; set label_smoothing_factor=0"
-            )
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"{args.n_gpu} GPUs in one process (nn.DataParallel) are not supported; "
-                "run one process per device with torchrun"
-            )
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched > 1 and args.world_size == 1:
-            warnings.warn(
-                f"launched with WORLD_SIZE={launched} but TrainingArguments is not distributed, so every process "
-                "trains alone on the whole batch; on CPU set TrainingArguments(use_cpu=True)"
-            )
-        loaders = {"train_loader": train_loader}
-        if isinstance(eval_loader, Mapping):
-            loaders.update({f"eval_loader[{k!r}]": v for k, v in eval_loader.items()})
-        else:
-            loaders["eval_loader"] = eval_loader
-        model_type = getattr(getattr(self.model, "config", None), "model_type", None)
-        for name, loader in loaders.items():
-            if loader is None:
-                continue
-            if not isinstance(loader, DynaBatchDataLoader):
-                raise ValueError(f"{name} must be a DynaBatchDataLoader, got {type(loader).__name__}")
-            self._check_replica(name, loader)
-            if model_type is not None and model_sequence_kind(self.model.config) != loader.family:
-                raise ValueError(f"{name} holds {loader.family!r} data but the model is {model_type!r}")
-            if model_type is not None and loader.model_config is not self.model.config:  # else the loader checked
-                check_data_fits_model(self.model.config, loader.limits, loader.batcher.data.tokens, name)
-            if name != "train_loader" and loader.max_steps is None:
-                raise ValueError(f"{name} is endless; build eval loaders with each_row_once=True (every row "
-                                 "once per evaluation)")
-
-    def _check_replica(self, name: str, loader: DynaBatchDataLoader) -> None:
-        """A ``ValueError`` when ``loader`` is not this process's replica: its share would be another rank's (the
-        summed loss and gradients would count one share twice and miss another)."""
-        if (loader.num_replicas, loader.replica_index) != (self.args.world_size, self.args.process_index):
-            raise ValueError(
-                f"{name} is replica {loader.replica_index} of {loader.num_replicas} but this process is "
-                f"{self.args.process_index} of {self.args.world_size}; build it with num_replicas=args.world_size, "
-                "replica_index=args.process_index"
-            )
-
-    def _warn_endless_epochs(self, loader: DynaBatchDataLoader | None) -> None:
-        """An endless train loader makes the whole run one epoch: ``"epoch"`` strategies then act once, at the end."""
-        if loader is None or loader.max_steps is not None:
-            return
-        for name in ("eval_strategy", "save_strategy", "logging_strategy"):
-            if getattr(getattr(self.args, name, None), "value", None) == "epoch":
-                warnings.warn(f"TrainingArguments({name}='epoch') with an endless train_loader: the run is one epoch, "
-                              f"so it acts only after the last step; use {name}='steps', or build the loader with "
-                              "max_steps=N (an epoch of N steps)")
-
-    def _check_pricing(self, loader: DynaBatchDataLoader | None) -> None:
-        """A warning when the train loader's default cost model prices another ``dtype`` or ``attention`` than this
-        trainer runs (``TrainingArguments(bf16=/fp16=)``, ``attention=``): its micro-batches are then sized for memory
-        the steps do not take (too large a share of the device when it prices fp32 or segments for bf16 or dense)."""
-        if loader is None or not loader.priced_for_run:
-            return
-        dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
-        runs = {"dtype": dtype, "attention": self.attention}
-        differ = {k: v for k, v in runs.items() if getattr(loader, k) != v}
-        if differ:
-            priced = ", ".join(f"{k}={getattr(loader, k)!r}" for k in differ)
-            wanted = ", ".join(f"{k}={v!r}" for k, v in differ.items())
-            warnings.warn(f"train_loader prices micro-batch memory for {priced} but this trainer runs {wanted} "
-                          f"(TrainingArguments bf16/fp16, DynaBatchTrainer attention); build it with {wanted}")
-
-    def _seed_train_loader(self, loader: DynaBatchDataLoader | None) -> None:
-        """Let ``TrainingArguments``' ``data_seed`` (else ``seed``) order the training data, as the stock ``Trainer``'s
-        sampler does, which an HF user expects: a train loader that tokenized datasets without ``seed=`` is re-seeded
-        with it. A seed given to the loader (or a mixture's own) stays; a given one that differs is a warning."""
-        if loader is None:
-            return
-        name = "data_seed" if self.args.data_seed is not None else "seed"
-        seed = getattr(self.args, name)
-        if loader.seed is None and loader.tokenized_here:
-            try:
-                loader.reseed(seed)
-            except ValueError as e:
-                warnings.warn(f"train_loader keeps seed {loader.data_seed}, not TrainingArguments.{name}={seed}: {e}")
-                return
-            self.resolved["data_seed"] = (seed, f"TrainingArguments.{name}; the train loader was built without seed=")
-        elif loader.seed is not None and loader.seed != seed:
-            warnings.warn(f"train_loader was built with seed={loader.seed}, which orders its data instead of "
-                          f"TrainingArguments.{name}={seed}; build it with seed=args.{name} to follow TrainingArguments")
-
-    def _warn_ignored_arguments(self) -> None:
-        """One warning per :data:`DECIDED_BY_LOADER` argument set to other than its default: it has no effect."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self.args)}
-        for name, instead in DECIDED_BY_LOADER.items():
-            value = getattr(self.args, name, None)
-            if name in defaults and value != defaults[name]:
-                warnings.warn(f"TrainingArguments({name}={value!r}) has no effect on a DynaBatchTrainer: {instead}")
-
-    def _warn_unused_metrics_arguments(self) -> None:
-        """A warning each for a ``compute_metrics`` that ``evaluate()`` would never call (it gets generated ids, so
-        only with ``predict_with_generate``; ``predict()`` always calls it) and for ``include_for_metrics``, which it
-        does not act on (the ``EvalPrediction`` holds predictions and labels only)."""
-        if self.compute_metrics is not None and not getattr(self.args, "predict_with_generate", False):
-            warnings.warn("compute_metrics gets generated ids, so a DynaBatchTrainer's evaluate() calls it only with "
-                          "Seq2SeqTrainingArguments(predict_with_generate=True) (predict() always does); without it "
-                          "evaluate() reports eval_loss alone")
-        if getattr(self.args, "include_for_metrics", None):
-            warnings.warn(f"TrainingArguments(include_for_metrics={self.args.include_for_metrics!r}) has no effect on "
-                          "a DynaBatchTrainer: compute_metrics' EvalPrediction holds the generated ids and labels only")
-
-    def _use_generation_config(self) -> None:
-        """``Seq2SeqTrainingArguments(generation_config=...)`` becomes the model's ``generation_config``, as
-        ``Seq2SeqTrainer`` makes it: ``predict`` and ``evaluate(predict_with_generate)`` generate with its settings
-        (its ``max_new_tokens``/``max_length`` and ``num_beams`` after ``gen_kwargs`` and ``generation_max_length``/
-        ``generation_num_beams``; its ``do_sample``)."""
-        given = getattr(self.args, "generation_config", None)
-        if given is None or self.model is None:
-            return
-        from transformers import Seq2SeqTrainer
-
-        self.model.generation_config = Seq2SeqTrainer.load_generation_config(given)
 
     # ------------------------------------------------------------------ training
 
@@ -450,7 +304,7 @@ class DynaBatchTrainer(Trainer):
         if loader.max_steps is None:
             raise ValueError("evaluate() / predict() got an endless DynaBatchDataLoader (a training stream, which draws "
                              "rows with repetition and never ends); build it with each_row_once=True (every row once)")
-        self._check_replica("the loader of evaluate() / predict()", loader)
+        check_replica(self.args, "the loader of evaluate() / predict()", loader)
         self._memory_tracker.start()
         start = time.time()
         if not self.is_in_train and (self.args.fp16_full_eval or self.args.bf16_full_eval):

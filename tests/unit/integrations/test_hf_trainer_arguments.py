@@ -1,7 +1,8 @@
 """DynaBatchTrainer and the TrainingArguments a stock Trainer acts on in evaluation and across train() calls:
 ``batch_eval_metrics`` (compute_metrics per eval step with ``compute_result``), ``bf16_full_eval`` (the model cast
-before evaluating), ``Seq2SeqTrainingArguments(generation_config=...)`` and ``gen_kwargs`` (used by generation), and
-a second ``train()`` without a checkpoint (the data starts over, as the stock Trainer's new dataloader does)."""
+before evaluating), ``Seq2SeqTrainingArguments(generation_config=...)`` and ``gen_kwargs`` (used by generation),
+``eval_accumulation_steps`` (accepted: nothing piles up on the device), and a second ``train()`` without a checkpoint
+(the data starts over, as the stock Trainer's new dataloader does)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,35 @@ def test_generation_config_and_gen_kwargs_shape_generation(copy_data, byt5, tmp_
     model.generation_config = GenerationConfig()  # as before: the gen_kwargs alone
     forced = default.predict(loader, max_new_tokens=5, min_new_tokens=5, suppress_tokens=[0]).predictions
     assert forced.shape == (6, 5) and not (forced == eos).any() and (forced != 0).all()
+
+
+def test_eval_accumulation_steps_is_accepted_and_changes_nothing(copy_data, byt5, tmp_path):
+    """``eval_accumulation_steps`` bounds how many steps of outputs ``Trainer`` keeps on the device; a
+    DynaBatchTrainer keeps none there (generated ids go to the host as ``generate`` makes them), so any value holds:
+    no warning, and ``evaluate()`` / ``predict()`` give what they give without it."""
+    import warnings
+
+    from transformers import Seq2SeqTrainingArguments
+
+    from dynabatch.integrations.trainer import DynaBatchTrainer
+
+    model = build_model("t5-tiny", vocab_size=len(byt5), seed=1)
+    loader = eval_loader(copy_data)
+    common = dict(predict_with_generate=True, generation_max_length=4)
+    rows = lambda p: {"rows": len(p.predictions)}  # noqa: E731
+    plain = DynaBatchTrainer(model=model, eval_loader=loader, compute_metrics=rows,
+                             args=Seq2SeqTrainingArguments(**settings(tmp_path, **common)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumulating = DynaBatchTrainer(model=model, eval_loader=loader, compute_metrics=rows,
+                                        args=Seq2SeqTrainingArguments(**settings(tmp_path, eval_accumulation_steps=1,
+                                                                                 **common)))
+        metrics = accumulating.evaluate()
+        out = accumulating.predict(loader)
+    assert len(loader) >= 3 and metrics["eval_rows"] == ROWS == out.predictions.shape[0]
+    assert metrics["eval_loss"] == plain.evaluate()["eval_loss"]
+    expected = plain.predict(loader)
+    assert np.array_equal(out.predictions, expected.predictions) and np.array_equal(out.label_ids, expected.label_ids)
 
 
 def test_a_second_train_starts_the_data_over_as_trainer_does(copy_data, byt5, tmp_path):
