@@ -9,18 +9,20 @@ from dataclasses import dataclass, field, replace
 
 from dynabatch.data.batching import LengthLimits, check_length_limit_value
 from dynabatch.training.config.flags import add_fields, add_sections
+from dynabatch.training.config import check_cost_profile
 from dynabatch.training.config.resolve import Found, args_view, decide, lower, lower_args, resolve_args
 from dynabatch.training.config.sections import arg
-from dynabatch.commands.output_files import WRITTEN_BY, check_output_file, write_json  # noqa: F401 (re-exported)
+from dynabatch.commands.output_files import WRITTEN_BY, check_output_file, profile_file_problem, write_json  # noqa: F401 (re-exported)
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.cost.model_states import describe_zero
 from dynabatch.data.baselines import BaselineOptions, option_users
 from dynabatch.core.methods import COMPARED_METHODS, DYNAMIC_SLICED, METHODS, check_method_family, is_planner, methods_for
+from dynabatch.training.cost_model import profiled_layer_model
 from dynabatch.training.workload import MODEL_FAMILIES, method_micro_batches
 from dynabatch.cost.analytic import AnalyticCostModel
 from dynabatch.cost.hardware import hardware_spec
 from dynabatch.model_presets import PRESETS as RUN_PRESETS, load_config
-from dynabatch.models.families import analytic_spec
+from dynabatch.models.families import analytic_spec, check_config_limit
 from dynabatch.cost.stages import StageCostModel
 from dynabatch.cost.layer_split import balanced_layout, placement_layout, rebalanced_layout
 from dynabatch.data.builtin import default_mixture_path
@@ -58,7 +60,8 @@ class WorkloadArgs:
 
 
 SHARED_FIELDS = ("model", "tokenizer", "stages", "replicas", "zero", "max_input_len", "max_target_len", "global_batch_tokens", "memory_gib",
-                 "recompute", "pack_rows", "layer_split", "split_blocks", "moving_boundaries", *option_users())
+                 "recompute", "pack_rows", "layer_split", "split_blocks", "moving_boundaries", "cost_profile",
+                 *option_users())
 """The TrainConfig fields ``plan`` and ``simulate`` take (the same flags as ``train``'s, at paper scale)."""
 PAPER_SCALE = {"model": "t5", "stages": 4, "max_input_len": 1024, "max_target_len": 256, "global_batch_tokens": 65_536,
                "memory_gib": None}
@@ -73,14 +76,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "memory_gib": "device memory per stage in GiB, model states included (default: the hardware preset's)",
         "replicas": "data-parallel replicas of each stage, which --zero shards the model states across (the plans "
                     "and the simulated pipeline are one replica's, over the whole global batch)",
-        # train's and bench's texts name --cost-profile, which plan and simulate do not take (they price analytically)
-        "split_blocks": "the layer split may also cut inside a block, between its attention and MLP halves "
-                        "(decoder-only blocks, T5 encoder blocks), where that takes more than a hundredth off the "
-                        "slowest stage's time: auto and on (the analytic model prices halves) or off (whole blocks)",
-        "recompute": "activation recomputation: none (keep every activation), auto (per micro-batch and stage, the "
-                     "fastest of none / selective / full that fits memory), selective (recompute attention cores) or "
-                     "full (recompute every block) (none wherever memory does not bind), which resolves to "
-                     "per_micro_batch (none for a baseline)",
+        "cost_profile": "profile JSON from `dynabatch profile` to price --model (the model preset or folder it "
+                        "measured) with its measured costs instead of --hardware's analytic ones (--hardware then "
+                        "gives only the default --memory-gib); default: the analytic model",
     })
     add_sections(p, [WorkloadArgs])
 
@@ -98,12 +96,19 @@ def parse_methods(text: str | None, valid: tuple[str, ...]) -> list[str]:
     return methods
 
 
-def compared_methods(text: str | None, family: str, model: str = "") -> list[str]:
+def compared_methods(text: str | None, family: str, model: str = "", cost_profile: str | None = None) -> list[str]:
     """``--methods`` of ``plan`` and ``simulate``: names of :data:`COMPARED_METHODS`; by default every one a model of
-    ``family`` can run, and a decoder-only method named for an encoder-decoder model is one clear error."""
-    methods = parse_methods(text, tuple(methods_for(family)) if text is None else COMPARED_METHODS)
+    ``family`` can run, and a decoder-only method named for an encoder-decoder model is one clear error. With a
+    ``cost_profile`` :data:`DYNAMIC_SLICED` is left out by default and refused when named: its token slices are
+    priced with the analytic model (as ``bench`` leaves it out and ``train`` refuses ``--slice-long``)."""
+    valid = tuple(m for m in methods_for(family) if not (cost_profile and m == DYNAMIC_SLICED))
+    methods = parse_methods(text, valid if text is None else COMPARED_METHODS)
     for m in methods:
         check_method_family(m, family, model)
+        if cost_profile and m == DYNAMIC_SLICED:
+            raise ValueError(f"{DYNAMIC_SLICED} prices its token slices with the analytic cost model, and "
+                             f"--cost-profile {cost_profile} times whole samples: drop {DYNAMIC_SLICED} from "
+                             "--methods, or drop --cost-profile")
     return methods
 
 
@@ -132,7 +137,7 @@ class Workload:
     family: str
     limits: LengthLimits
     cost_model: object
-    """A StageCostModel over the analytic model (planner and simulator view)."""
+    """A StageCostModel over the analytic model, or ``--cost-profile``'s tables (planner and simulator view)."""
     options: BaselineOptions
     split_blocks: bool = True
     """``--split-blocks`` resolved to ``on``: layer splits may cut inside blocks (decoder-only, T5 encoder)."""
@@ -155,10 +160,38 @@ def analytic_model(args: argparse.Namespace) -> AnalyticCostModel:
     if name in PRESETS:
         return AnalyticCostModel.from_names(name, args.hardware, flash_attention=flash)
     if args.preset is None and (name in RUN_PRESETS or os.path.isdir(name)):
-        return AnalyticCostModel(analytic_spec(load_config(name)), hardware_spec(args.hardware), flash_attention=flash)
+        return AnalyticCostModel(analytic_spec(run_config(args)), hardware_spec(args.hardware), flash_attention=flash)
     raise ValueError(f"--model {name!r} is neither an analytic preset ({', '.join(sorted(PRESETS))}), a family "
                      f"({', '.join(MODEL_FAMILIES)}), a model preset ({', '.join(RUN_PRESETS)}) nor a model folder "
                      "(config.json); plan and simulate price it analytically")
+
+
+def run_config(args: argparse.Namespace):
+    """The Hugging Face config of ``--model`` given as a model ``train`` runs (a model preset or a local folder),
+    checked at its length limit as ``train`` checks it at start (:func:`~dynabatch.models.families.check_config_limit`:
+    positions, Mistral's sliding window): one ``ValueError`` line for a model the run could not train."""
+    config = load_config(args.model)
+    check_config_limit(config, args.max_input_len)
+    return config
+
+
+def layer_model(args: argparse.Namespace):
+    """The layer model ``plan`` and ``simulate`` price with: the analytic model (:func:`analytic_model`), or with
+    ``--cost-profile`` the profile's measured tables, read as ``train`` reads them
+    (:func:`~dynabatch.training.cost_model.profiled_layer_model`: the profile's model config must be ``--model``'s
+    and its grid must reach the length limits). One ``ValueError`` line otherwise."""
+    if not args.cost_profile:
+        return analytic_model(args)
+    if (problem := profile_file_problem(args.cost_profile)) is not None:
+        raise ValueError(problem)
+    if args.flash_attention:
+        raise ValueError("--flash-attention chooses how the analytic model prices attention, and a cost profile "
+                         "holds measured kernels: drop --flash-attention or --cost-profile")
+    if args.preset is not None or not (args.model in RUN_PRESETS or os.path.isdir(args.model)):
+        raise ValueError(f"--cost-profile prices the model it measured, given as --model (a model preset such as "
+                         f"{next(iter(RUN_PRESETS))}, or a model folder); --model {args.preset or args.model} is an "
+                         "analytic preset: pass the profiled model, or drop --cost-profile")
+    return profiled_layer_model(args, run_config(args))
 
 
 def resolve(args: argparse.Namespace) -> Workload:
@@ -167,12 +200,13 @@ def resolve(args: argparse.Namespace) -> Workload:
 
     check_positive(args, "num_batches", "stages", "replicas", "global_batch_tokens", *option_users())
     check_length_flags(args)
+    check_cost_profile(args_view(args))  # as given: train's refusals (token slices, block halves, recomputation)
     decided = resolve_args(args, Found())
     lower_args(args)  # the search names (per_step, ...) are the planners' auto
     if getattr(args, "memory_gib", None) is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(f"--memory-gib must be a finite number > 0, got {args.memory_gib}")
-    model = analytic_model(args)
-    family = model.spec.family
+    model = layer_model(args)
+    family = model.tables.family if args.cost_profile else model.spec.family
     if args.preset and args.model in MODEL_FAMILIES and MODEL_FAMILIES[args.model] != family:
         raise ValueError(f"--preset {args.preset} is a {family} model but --model {args.model} is a "
                          f"{MODEL_FAMILIES[args.model]} family; pass --model {args.preset}")
@@ -183,7 +217,7 @@ def resolve(args: argparse.Namespace) -> Workload:
     layout = balanced_layout(model, args.stages, ref_shape=(4, e_ref, min(args.max_target_len, 128)),
                              split_blocks=split_blocks)
     memory_gib = getattr(args, "memory_gib", None)
-    memory = model.hardware.memory_bytes if memory_gib is None else memory_gib * 2**30
+    memory = hardware_spec(args.hardware).memory_bytes if memory_gib is None else memory_gib * 2**30
     cost = StageCostModel(model, layout, memory, recompute=getattr(args, "recompute", "none"),
                           zero=getattr(args, "zero", 0), replicas=getattr(args, "replicas", 1),
                           moving_boundaries=bool(getattr(args, "moving_boundaries", False)))
@@ -191,6 +225,21 @@ def resolve(args: argparse.Namespace) -> Workload:
         print(f"warning: {line}", file=sys.stderr)
     options = BaselineOptions.of(args)
     return Workload(args.lengths or default_mixture_path(), family, limits, cost, options, split_blocks, decided)
+
+
+def cost_model_json(args: argparse.Namespace) -> str:
+    """``--json``'s ``cost_model``: what the times are priced with, ``--cost-profile``'s file or the analytic model
+    on ``--hardware``."""
+    return f"cost profile {args.cost_profile}" if args.cost_profile else f"analytic, {args.hardware}"
+
+
+def describe_cost_model(summary: dict) -> str | None:
+    """The line ``plan`` and ``simulate`` print when a cost profile prices the run (:func:`cost_model_json`), else
+    ``None`` (the analytic model, the default)."""
+    if not summary["cost_model"].startswith("cost profile"):
+        return None
+    return (f"priced with {summary['cost_model']} (measured costs; --hardware {summary['config']['hardware']} "
+            "gives only the default memory)")
 
 
 def resolved_json(w: Workload) -> dict:

@@ -2,7 +2,7 @@
 
 Forms global batches by the token budget (over-long samples truncated) from a lengths file or a
 mixture, cuts each with the dynamic planner and with every baseline, prices every micro-batch with
-the same analytic cost model (attention per segment, as the padding-free runtime computes it), and prints per method: real tokens, computed tokens, micro-batches,
+the same cost model (the analytic one, or ``--cost-profile``'s measured tables; attention per segment, as the padding-free runtime computes it), and prints per method: real tokens, computed tokens, micro-batches,
 predicted step time ``sum(t) + (S - 1) max(t)``, the peak memory and whether it fits the device (``simulate``'s
 check, :mod:`dynabatch.commands.scheduled`: the simulated peak of the schedule ``choose_schedule`` gives each plan;
 each method priced with the recomputation it runs with: a baseline's none; a plan that fits only with fewer than
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, cost_model_json, describe_cost_model, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.scheduled import memory_limit_bytes, schedule_plan
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     keep_freed_memory()  # the planner's numpy temporaries reuse mapped pages (dynabatch.core.allocator)
     check_output_file(args.json, command="plan")
     w = resolve(args)
-    methods = compared_methods(args.methods, w.family, args.model)
+    methods = compared_methods(args.methods, w.family, args.model, args.cost_profile)
     batches = global_batches(w.path, w.family, w.limits, args.global_batch_tokens, args.num_batches, args.tokenizer)
     # rows and budgets of the baselines as long as the longest kept sample, not the (maybe far longer) limit
     w = dataclasses.replace(w, limits=kept_limits(w.limits, batches))
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 left_out[method] = line  # said once every other method has run (else their error alone)
                 continue
             hint = (f" (or use --methods {DYNAMIC_SLICED} to cut such samples into token slices)"
-                    if method == "dynamic" and not is_seq2seq(w.family) and not args.slice_long else "")
+                    if method == "dynamic" and not is_seq2seq(w.family) and not args.slice_long
+                    and not args.cost_profile else "")
             raise ValueError(f"{e}{hint}") from e
     tuned = {}
     if args.tune_baselines:
@@ -206,6 +207,7 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left
         "baselines_compared": "fitting" if fitting else "none fits",
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
+        "cost_model": cost_model_json(args),
         "config": flags_json(args),
     }
     if tuned:
@@ -221,6 +223,8 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
           "GiB/device; baseline rows up to the longest kept sample "
           f"({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
+    if (line := describe_cost_model(summary)) is not None:
+        print(line)
     if summary["resolved"]:
         print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
     print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'peak GiB':>8} {'fits':>4}  "

@@ -22,13 +22,21 @@ def memory_limit_bytes(cost_model) -> float:
     return cost_model.device_memory_bytes * (1 - cost_model.memory_margin)
 
 
+def send_times(cost_model, send_bytes, link: str = DEFAULT_LINK):
+    """Seconds of each message of ``send_bytes`` to a pipeline neighbour over ``link``, as the layer model prices
+    it (the analytic model's); ``None`` (free) for a model without link costs (``--cost-profile``'s tables, as the
+    trainer's planner takes them: :func:`~dynabatch.training.step_score.send_time_of`)."""
+    send_time = getattr(cost_model.model, "send_time", None)
+    return None if send_time is None else send_time(send_bytes, link)
+
+
 def schedule_pieces(cost_model, slicer, shapes, contexts, links, pairs, *, seed: int,
                     link: str = DEFAULT_LINK, search_steps: int = DEFAULT_SEARCH_STEPS):
     """``(schedule, result)`` of micro-batches ``shapes`` (per segment: ``pairs``; token slices with their
     ``contexts`` and chain ``links``, priced by ``slicer``) under ``cost_model`` on the linear placement:
     ``result.fits_memory`` and ``result.peak_memory_bytes`` are the check."""
     costs = with_message_buffers(piece_costs(cost_model, slicer, shapes, contexts, links, pairs))
-    send = cost_model.model.send_time(costs.send_bytes, link)
+    send = send_times(cost_model, costs.send_bytes, link)
     return choose_schedule(costs, memory_limit_bytes(cost_model), send_time=send,
                            model_state_bytes=cost_model.model_state_bytes, num_search_steps=search_steps,
                            seed=seed, links=links)

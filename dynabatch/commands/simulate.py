@@ -1,7 +1,7 @@
 """``dynabatch simulate``: plan and schedule global batches with every method, simulate each step.
 
 For each method (the dynamic planner and every baseline) and each global batch: micro-batches ->
-per-stage analytic costs, attention priced per segment as the padding-free runtime computes it (each
+per-stage costs (the analytic model, or ``--cost-profile``'s measured tables), attention priced per segment as the padding-free runtime computes it (each
 sample's own block of every row, :attr:`~dynabatch.training.workload.MethodPlan.pairs`) -> :func:`~dynabatch.schedule.policies.choose_schedule` (GPipe, 1F1B and the
 memory-aware adaptive policy over a few micro-batch orders) -> simulated step. Prints per method:
 real tokens/s (real tokens / simulated step time), padding efficiency (real / computed tokens),
@@ -43,10 +43,11 @@ from typing import Literal
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import check_output_file, cost_model_json, describe_cost_model, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
+from dynabatch.cost.planner_model import UNPRICED
 from dynabatch.plan.ideal import AMORTISED_TOKENS, ideal_step_time
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, with_pairs
@@ -56,7 +57,7 @@ from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.training.config.resolve import describe_choices, lower
 from dynabatch.schedule.virtual import placed_step
-from dynabatch.commands.scheduled import memory_limit_bytes, schedule_pieces, schedule_plan
+from dynabatch.commands.scheduled import memory_limit_bytes, schedule_pieces, schedule_plan, send_times
 from dynabatch.commands.simulate_traces import TRACED_METHODS, check_trace_dir, write_traces
 from dynabatch.commands.tuning import Tuned, print_tuned, tune, tune_baselines_arg, tuned_summary
 
@@ -111,15 +112,17 @@ class MethodSummary:
     """Real / computed tokens."""
     efficiency: float
     """Sum of ideal / sum of simulated step times."""
-    efficiency_amortised: float
+    efficiency_amortised: float | None
     """Like ``efficiency`` with each sample priced as its share of a batch of identical copies of it
-    (about ``AMORTISED_TOKENS`` tokens): a stricter ideal without per-sample launch and weight-read costs."""
-    efficiency_balanced: float
+    (about ``AMORTISED_TOKENS`` tokens): a stricter ideal without per-sample launch and weight-read costs.
+    ``None`` (and so ``efficiency_balanced`` and ``work_efficiency``) where a ``--cost-profile``'s grid does not
+    reach such batches."""
+    efficiency_balanced: float | None
     """The physical limit: the whole model's amortised per-sample work (every stage's, summed) divided by the
     number of devices, over the simulated step time (``efficiency_amortised`` divides by the bottleneck stage's
     work instead, so it hides an imbalance between stages). The same quantity as the measured one of ``bench``
     and the train metrics, :func:`~dynabatch.plan.ideal.balanced_efficiency` with the simulated busy times."""
-    work_efficiency: float
+    work_efficiency: float | None
     """``W_ideal / W_plan`` (:mod:`dynabatch.plan.ideal`): the amortised whole-model ideal's work over the work of
     the plan's micro-batches (what padding, micro-batches smaller than the ideal's copies and recomputation add),
     summed over the steps. ``efficiency_balanced = work_efficiency x busy_fraction``: no schedule or placement
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if not (np.isfinite(args.cap_tolerance) and args.cap_tolerance >= 0):
         raise ValueError(f"--cap-tolerance must be a finite number >= 0, got {args.cap_tolerance}")
     w = simulation_workload(resolve(args))
-    methods = compared_methods(args.methods, w.family, args.model)
+    methods = compared_methods(args.methods, w.family, args.model, args.cost_profile)
     check_trace_dir(args.trace_dir, methods, args.placement)
     if args.slice_long and is_seq2seq(w.family):
         raise ValueError("--slice-long cuts decoder-only samples into token slices; drop it, or use --model gpt")
@@ -307,9 +310,10 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         method=method, real_tokens=real, computed_tokens=computed, micro_batches=micro, sliced_samples=sliced,
         step_s=float(np.mean(steps)), ideal_s=float(np.mean(ideals)), tokens_per_s=real / float(np.sum(steps)),
         padding_efficiency=real / computed, efficiency=float(np.sum(ideals) / np.sum(steps)),
-        efficiency_amortised=float(np.sum(amortised) / np.sum(steps)),
-        efficiency_balanced=float(np.sum(balanced) / np.sum(steps)),
-        work_efficiency=float(np.sum(balanced)) * len(busy[0]) / busy_total,
+        # a cost profile prices no batch beyond its grid (UNPRICED): no amortised efficiency rather than ~1e30
+        efficiency_amortised=_priced(np.sum(amortised) / np.sum(steps), amortised),
+        efficiency_balanced=_priced(np.sum(balanced) / np.sum(steps), balanced),
+        work_efficiency=_priced(np.sum(balanced) * len(busy[0]) / busy_total, balanced),
         busy_fraction=busy_total / len(busy[0]) / float(np.sum(steps)),
         stage_busy=tuple(float(x) for x in np.mean(busy, axis=0)),
         layout=(cm if placed is None else placed.cost_model).layout.describe(),
@@ -318,6 +322,13 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
         schedule_ms_max=1e3 * float(np.max(sched_wall)), plan_ms_median=1e3 * float(np.median(plan_wall)),
     )
+
+
+def _priced(value, ideals) -> float | None:
+    """``value``, a ratio of the ideal steps ``ideals``, or ``None`` when one of them is beyond a cost profile's
+    grid (:data:`~dynabatch.cost.planner_model.UNPRICED`: the amortised copies of a sample, ~8k tokens, outgrow its
+    batch sizes), as ``train`` and ``bench`` leave such efficiencies out."""
+    return None if max(ideals) >= UNPRICED else float(value)
 
 
 def simulate_step(method: str, batch, w, options: SimulateOptions = SimulateOptions()):
@@ -382,7 +393,7 @@ class Placed:
             plan = _plan(method, batch, w, options, objective_stages)
             plan_s += plan.plan_time_s
             costs = piece_costs(cm, _slicer(cm, options, w), plan.shapes, plan.contexts, plan.slice_links, plan.pairs)
-            send = np.asarray(cm.model.send_time(costs.send_bytes, options.link), dtype=np.float64)
+            send = send_times(cm, costs.send_bytes, options.link)
             start = time.perf_counter()
             result = placed_step(costs, self.placement, cm.model_state_bytes,
                                  memory_limit_bytes(cm), send, links=plan.slice_links)
@@ -500,6 +511,7 @@ def _summary(args, w, batches, rows, tuned=None, left_out=None) -> dict:
         "truncated": sum(b.num_truncated for b in batches),
         "model_states": model_states(w.cost_model),
         "resolved": resolved_json(w),
+        "cost_model": cost_model_json(args),
         "config": flags_json(args),
         "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
                     for k, v in rows.items()},
@@ -516,12 +528,19 @@ def _summary(args, w, batches, rows, tuned=None, left_out=None) -> dict:
     return out
 
 
+def _ratio(value: float | None, width: int) -> str:
+    """A table cell of an efficiency: ``-`` where a cost profile could not price it (:func:`_priced`)."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.3f}"
+
+
 def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
           f"({summary['truncated']} truncated), "
           f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device; "
           f"baseline rows up to the longest kept sample ({summary['row_limits']})")
     print(describe_model_states(summary["model_states"]))
+    if (line := describe_cost_model(summary)) is not None:
+        print(line)
     if summary["resolved"]:
         print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
     print(f"{'method':<19} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
@@ -531,7 +550,7 @@ def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
     for r in rows.values():
         pol = ",".join(f"{k}:{v}" for k, v in sorted(r.policies.items()))
         print(f"{r.method + ('*' if objective_note(r.method) else ''):<19} {r.tokens_per_s:>9.0f} {r.padding_efficiency:>7.3f} {r.efficiency:>6.3f} "
-              f"{r.efficiency_amortised:>6.3f} {r.efficiency_balanced:>7.3f} "
+              f"{_ratio(r.efficiency_amortised, 6)} {_ratio(r.efficiency_balanced, 7)} "
               f"{r.bubble_fraction:>6.3f} {r.step_s:>7.3f} {r.peak_memory_gib:>8.1f} "
               f"{'yes' if r.fits_memory else 'NO':>4} "
               f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} "

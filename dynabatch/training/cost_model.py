@@ -1,7 +1,8 @@
 """The training run's cost model: the :class:`~dynabatch.cost.stages.StageCostModel` its planner prices with.
 
 Shared by the training loop (:mod:`dynabatch.training.trainer`), the start-up layout choice
-(:mod:`dynabatch.training.run_layout`) and ``dynabatch bench``, which price one configuration the same way.
+(:mod:`dynabatch.training.run_layout`) and ``dynabatch bench``, which price one configuration the same way;
+``dynabatch plan`` and ``simulate`` read a ``--cost-profile`` through :func:`profiled_layer_model` too.
 """
 
 from __future__ import annotations
@@ -23,17 +24,26 @@ def planner_cost_model(cfg: TrainConfig, model_config, layout):
     for the dynamic planner, none for a baseline or with profiled tables, which do not price it; an explicit
     ``selective`` / ``full`` with a profile is refused with one line)."""
     if cfg.cost_profile:
-        tables = CostTables.load(cfg.cost_profile)
-        check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile, model=cfg.model,
-                             profile_model=(tables.meta.get("model") or {}).get("name") or "")
-        check_profile_covers(tables, cfg)
-        layer_model = ProfiledLayerModel(tables)
+        layer_model = profiled_layer_model(cfg, model_config)
     else:
         layer_model = run_cost_model(model_config, device_type(cfg.device), dtype=cfg.dtype,
                                      attention_path=cfg.attention_path, dropout=cfg.dropout > 0)
     recompute = lower("recompute", decide(cfg, "recompute"))  # the resolver's rule (a profile: none)
     return StageCostModel(layer_model, layout, cfg.memory_gib * 2**30, memory_margin=0.0, recompute=recompute,
                           zero=cfg.zero, replicas=cfg.replicas, moving_boundaries=cfg.moving_boundaries)
+
+
+def profiled_layer_model(cfg, model_config) -> ProfiledLayerModel:
+    """``cfg.cost_profile``'s tables as the planner's layer model, after the two checks that make them this run's
+    prices, each one ``ValueError`` line: the profile's model config is ``model_config`` (``cfg.model`` names it;
+    :func:`~dynabatch.cost.tables.check_profile_config`) and its grid reaches the length limits
+    (:func:`check_profile_covers`). ``cfg``: a :class:`TrainConfig`, or a command's parsed flags with the same
+    fields (``plan`` and ``simulate``)."""
+    tables = CostTables.load(cfg.cost_profile)
+    check_profile_config(tables.meta.get("config") or {}, model_config.to_dict(), cfg.cost_profile, model=cfg.model,
+                         profile_model=(tables.meta.get("model") or {}).get("name") or "")
+    check_profile_covers(tables, cfg)
+    return ProfiledLayerModel(tables)
 
 
 def _reaching(axis, need: int) -> str:
@@ -44,7 +54,7 @@ def _reaching(axis, need: int) -> str:
     return ",".join(map(str, values))
 
 
-def check_profile_covers(tables: CostTables, cfg: TrainConfig) -> None:
+def check_profile_covers(tables: CostTables, cfg) -> None:
     """One ``ValueError`` line when the lengths of ``cfg.cost_profile``'s grid stop below the run's length limits
     (``--max-input-len``; T5 also ``--max-target-len``): a sample beyond the grid has no price, and the planner
     would find it needs "infinite" memory only once the data is loaded. Said before anything loads."""

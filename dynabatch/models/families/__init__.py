@@ -175,6 +175,18 @@ def check_length_limit(config, max_len: int, what: str = "the length limit") -> 
         family.check_config(config, max_len)
 
 
+def check_config_limit(config, max_len: int | None) -> ModelFamily:
+    """The family of a supported HF ``config`` (:func:`family_for_config`), after the start-up check of a
+    decoder-only model's per-sample token limit ``max_len`` (``None``: not checked) against its positions and its
+    family's own rules (:func:`check_length_limit`: a learned position table, Mistral's sliding window): what
+    ``train`` checks of its model (:func:`check_model`), and ``plan`` and ``simulate`` of a model they price from
+    its config."""
+    family = family_for_config(config)
+    if family.sequence_kind == CAUSAL and max_len is not None:
+        check_length_limit(config, max_len, what="the length limit (--max-input-len)")
+    return family
+
+
 def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False) -> ModelFamily:
     """Start-up checks of a model to train, from its config alone (before any weights or data load).
 
@@ -192,8 +204,7 @@ def check_model(name_or_path: str, max_len: int | None, slice_long: bool = False
             f"slice_long cuts decoder-only samples into token slices; {name_or_path} is a {family.sequence_kind} "
             f"({family.name}) model"
         )
-    if family.sequence_kind == CAUSAL and max_len is not None:
-        check_length_limit(config, max_len, what="the length limit (--max-input-len)")
+    check_config_limit(config, max_len)
     if problem is not None:  # a folder without weights: after what its config alone says
         raise ValueError(problem)
     return family

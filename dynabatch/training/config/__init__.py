@@ -144,15 +144,7 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                              "--attention segments (got dense): drop --pack-rows or use --attention segments")
         if self.slice_long and self.method != "dynamic":
             raise ValueError(f"slice_long plans token slices with the dynamic planner; got method {self.method!r}")
-        if self.slice_long and self.cost_profile:
-            raise ValueError("slice_long prices slices with the analytic cost model; drop cost_profile or slice_long")
-        if self.split_blocks == "on" and self.cost_profile:
-            raise ValueError("split_blocks on cuts inside blocks, which a profile does not price (it times whole "
-                             "blocks); drop cost_profile or use split_blocks auto")
-        if self.cost_profile and self.recompute not in ("auto", "none"):  # a resolved file gives per_micro_batch
-            raise ValueError(f"recompute {self.recompute} needs a cost model that prices recomputation, and a cost "
-                             "profile does not: pass --recompute none (or auto) with --cost-profile, or drop "
-                             "--cost-profile")
+        check_cost_profile(self)
         if self.calibration_file and self.calibrate == "off":  # else never read, not even checked to exist
             raise ValueError(f"calibration_file {self.calibration_file!r} warm-starts the online calibration, which "
                              "calibrate off turns off: drop --calibration-file, or --calibrate off")
@@ -178,6 +170,24 @@ class TrainConfig(ModelArgs, DataArgs, BatchingArgs, PipelineArgs, OptimArgs, Ch
                                  f"--eval-mixture SPEC or --eval-holdout FRACTION, or drop {flag}")
         if not 0 <= self.max_grad_norm < float("inf"):
             raise ValueError(f"max_grad_norm must be >= 0 and finite (0: no clipping), got {self.max_grad_norm}")
+
+
+def check_cost_profile(cfg) -> None:
+    """The settings a ``cost_profile`` cannot price, each refused with one ``ValueError`` line: token slices
+    (priced with the analytic model), block halves (a profile times whole blocks) and an explicit activation
+    recomputation (a profile does not price it). ``cfg``: a :class:`TrainConfig`, or a command's parsed flags with
+    these fields as given (``plan`` and ``simulate``, before their ``auto`` values are decided)."""
+    if not cfg.cost_profile:
+        return
+    if cfg.slice_long:
+        raise ValueError("slice_long prices slices with the analytic cost model; drop cost_profile or slice_long")
+    if cfg.split_blocks == "on":
+        raise ValueError("split_blocks on cuts inside blocks, which a profile does not price (it times whole "
+                         "blocks); drop cost_profile or use split_blocks auto")
+    if cfg.recompute not in ("auto", "none"):  # a resolved file gives per_micro_batch
+        raise ValueError(f"recompute {cfg.recompute} needs a cost model that prices recomputation, and a cost "
+                         "profile does not: pass --recompute none (or auto) with --cost-profile, or drop "
+                         "--cost-profile")
 
 
 _AT_LEAST_ONE = ("stages", "replicas", "max_steps", "global_batch_tokens", "threads", "plan_ahead",
