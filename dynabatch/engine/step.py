@@ -139,7 +139,7 @@ def train_step(
     no state change; the result's ``loss`` is the global token-normalised loss, ``segment_losses`` per row.
     ``placement`` (rank 0): virtual stages (:func:`~dynabatch.schedule.step.lower_step`); ``spec`` and ``costs`` then describe the chunks.
     ``plans`` (rank 0): every rank's plans, already lowered and validated by :func:`~dynabatch.schedule.step.lower_step` from exactly these
-    arguments (the background planner's, :attr:`~dynabatch.training.planner.PlannedStep.plans`); else lowered here.
+    arguments (the background planner's, :attr:`~dynabatch.training.planned_step.PlannedStep.plans`); else lowered here.
     ``replica_layouts`` (rank 0, with ``plans`` and ``global_loss_tokens``, instead of ``replica_micro_batches``):
     each replica's layout, sent to its ranks; ``collate`` (every rank, ``spec`` too): makes a rank's micro-batches
     of its layout (:func:`own_inputs`), so each rank collates its own and no token is delivered.

@@ -7,7 +7,7 @@ planner deterministic:
 * :func:`gather_measurements` (collective, once per step) brings every rank's forward and backward
   durations (its :attr:`~dynabatch.engine.executor.StepResult.timeline`) and saved-activation peak to
   rank 0; :meth:`RunCalibration.record` turns replica by replica, stage by stage, each micro-batch's
-  measured time and its planned features (:attr:`~dynabatch.training.planner.PlannedStep.features`) into
+  measured time and its planned features (:attr:`~dynabatch.training.planned_step.PlannedStep.features`) into
   observations, and the step's measured minus predicted makespan into the overhead term.
 * :meth:`RunCalibration.cost_model_for` gives the planner thread the model as of step
   ``k - plan_ahead - 1``, waiting (rarely: the loop records step ``j`` before it asks for step ``j + 1``)

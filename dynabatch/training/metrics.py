@@ -88,7 +88,7 @@ def summarize(records: list[dict[str, Any]], method: str) -> dict[str, Any]:
 
 
 def candidate_counts(records: list[dict[str, Any]]) -> dict[str, int]:
-    """How many steps ran each candidate plan (:attr:`~dynabatch.training.planner.PlannedStep.candidate`: ``dp``,
+    """How many steps ran each candidate plan (:attr:`~dynabatch.training.planned_step.PlannedStep.candidate`: ``dp``,
     or a baseline at a knob value such as ``packing_free=4``), most frequent first."""
     counts: dict[str, int] = {}
     for r in records:

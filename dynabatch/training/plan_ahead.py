@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 
-from dynabatch.training.planner import PlannedStep, StepPlanner
+from dynabatch.training.planned_step import PlannedStep
+from dynabatch.training.planner import StepPlanner
 from dynabatch.training.planner_process import ProcessPlanAhead
 
 

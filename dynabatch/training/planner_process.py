@@ -4,12 +4,12 @@
 (``multiprocessing`` spawn context: nothing of the parent's threads or CUDA state is inherited) that rebuilds the
 :class:`~dynabatch.training.planner.StepPlanner` from its picklable parts (batcher with its data and position,
 config, cost models, tokenizer info; once, at the start) and plans ``num_steps`` steps, at most ``depth`` ahead of the
-training loop (the queue's size). Each :class:`~dynabatch.training.planner.PlannedStep` comes back pickled as bytes,
-plans only (:meth:`~dynabatch.training.planner.PlannedStep.without_data`): the global batch as the ``(source, row)``
+training loop (the queue's size). Each :class:`~dynabatch.training.planned_step.PlannedStep` comes back pickled as bytes,
+plans only (:meth:`~dynabatch.training.planned_step.PlannedStep.without_data`): the global batch as the ``(source, row)``
 ids of its samples, each replica's micro-batches as units (rows of sample indices, token-slice bounds), shapes,
 costs, schedules and the lowered plans; no token ids and no tensors (:func:`_dumps` refuses them). The parent
 rebuilds the batch from its own copy of the data (:meth:`~dynabatch.training.planner.StepPlanner.with_data`) and
-collates the micro-batches where they are used (:attr:`~dynabatch.training.planner.PlannedStep.replica_micro_batches`).
+collates the micro-batches where they are used (:attr:`~dynabatch.training.planned_step.PlannedStep.replica_micro_batches`).
 
 Online calibration: the child's planner asks :class:`_FedCalibration` for the cost model of step ``k``; a feeder
 thread in the parent takes exactly that model from the run's

@@ -110,7 +110,7 @@ def candidate_placements(cfg, seq2seq: bool) -> list[Placement]:
 def choose_run_layout(cfg, model, layer_model, preview: Callable[[object, StageLayout], list]) -> RunLayout:
     """Rank 0: the split and placement of the run (module docstring). ``preview(cfg, layout)`` plans the sampled
     batches with ``cfg``'s method and its base cost model over ``layout`` and returns the
-    :class:`~dynabatch.training.planner.PlannedStep` of each; ``layer_model`` (that cost model's per-layer
+    :class:`~dynabatch.training.planned_step.PlannedStep` of each; ``layer_model`` (that cost model's per-layer
     model) prices the layers the split balances."""
     seq2seq = is_seq2seq(family_for_config(model.config).sequence_kind)
     planned: dict = {}

@@ -5,7 +5,7 @@ tensors: every rank of a run whose data comes from its configuration loads and t
 (:func:`dynabatch.training.trainer.build_run`, rank 0 first, the others then from the tokenizing cache), so a
 sample is named by its ``(source, row)`` and any rank rebuilds it. :class:`StepData` is that shared knowledge:
 
-* rank 0 turns a :class:`~dynabatch.training.planner.PlannedStep` into one *layout* per replica
+* rank 0 turns a :class:`~dynabatch.training.planned_step.PlannedStep` into one *layout* per replica
   (:meth:`StepData.layouts`): the ``(source, row)`` ids of the global batch, its counts, and the replica's
   units (rows of sample indices, fixed row lengths, token-slice bounds), a few KB of plain integers, plus the
   step's loss-token count from lengths alone (:meth:`StepData.loss_tokens`);
@@ -37,7 +37,8 @@ from dynabatch.data.tokenize import TokenizerInfo
 from dynabatch.engine.dist import DistContext, PipelineError
 from dynabatch.engine.step import receive_failure
 from dynabatch.training.config import TrainConfig
-from dynabatch.training.planner import PlannedStep, prepared_batch
+from dynabatch.training.planned_step import PlannedStep
+from dynabatch.training.planner import prepared_batch
 from dynabatch.training.units import Unit, collate_group, micro_batches_of
 
 LAYOUT_VERSION = 1
