@@ -7,6 +7,7 @@ import json
 import sys
 
 from dynabatch.training.config.sections import PLAN_COSTS
+from dynabatch.commands.common import describe_off_grid, num_cell
 from dynabatch.commands.tuning import describe
 from dynabatch.core.words import counted
 
@@ -50,12 +51,6 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _num(value, width: int, digits: int) -> str:
-    """``value`` right-aligned in ``width`` with ``digits`` decimals; ``n/a`` for ``None`` (a prediction off the
-    cost profile's grid)."""
-    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
-
-
 COLUMNS = ("columns, over the timed steps: tok/s = real tokens / seconds of all of them; p50, p10-p90 = of each step's "
            "tok/s; pad eff = real / computed tokens; bubble = predicted idle share (mean); mbs, slc = micro-batches "
            "and sliced samples per step (mean); step s, pred s = measured and predicted step time (medians); peak MiB = "
@@ -81,8 +76,8 @@ def print_table(result: dict) -> None:
         pr = f"{paired['median']:.2f} [{paired['p10']:.2f},{paired['p90']:.2f}]" if paired else "-"
         vs_pipe = f"{r['ratio_to_pipelining']:.2f}x" if "ratio_to_pipelining" in r else "-"
         print(f"{m + ('*' if r.get('changes_objective') else ''):<{w}} {r['tokens_per_s']:>8.0f} {s['median']:>9.0f} {s['p10']:>6.0f}-{s['p90']:<6.0f} "
-              f"{r['padding_efficiency']:>7.3f} {_num(r['bubble_fraction_predicted'], 6, 3)} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
-              f"{r['step_time_s']['median']:>7.3f} {_num(r['predicted_step_s_median'], 7, 3)} {_num(peak, 8, 1)} "
+              f"{r['padding_efficiency']:>7.3f} {num_cell(r['bubble_fraction_predicted'], 6, 3)} {r['micro_batches_per_step']:>5.1f} {r.get('sliced_samples_per_step', 0):>4.1f} "
+              f"{r['step_time_s']['median']:>7.3f} {num_cell(r['predicted_step_s_median'], 7, 3)} {num_cell(peak, 8, 1)} "
               f"{_ratio(r.get('ratio_to_best_baseline')):>7} {pr:>21} "
               f"{vs_pipe:>7}")
     print(COLUMNS)
@@ -93,9 +88,8 @@ def print_table(result: dict) -> None:
     for m, r in result["methods"].items():
         if r.get("changes_objective"):
             print(f"* {m} {r['changes_objective']}")
-    off_grid = [m for m, r in result["methods"].items() if r.get("priced_off_grid")]
-    if off_grid:
-        print(f"n/a: {', '.join(off_grid)} ran micro-batches beyond the cost profile's grid, which it cannot price")
+    if (line := describe_off_grid([m for m, r in result["methods"].items() if r.get("priced_off_grid")])) is not None:
+        print(line)
     kind = "measured (CUDA, max over ranks)" if result["methods"][next(iter(result["methods"]))][
         "measured_peak_memory_mib"] is not None else "predicted by the cost model (CPU)"
     print(f"best baseline: {result['best_baseline']}; peak memory per device {kind}; rank-0 peak RSS "

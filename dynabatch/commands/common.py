@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 from dynabatch.data.batching import LengthLimits, check_length_limit_value
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config import check_cost_profile
-from dynabatch.training.config.resolve import Found, args_view, decide, lower, lower_args, resolve_args
+from dynabatch.training.config.resolve import Found, args_view, decide, describe_choices, lower, lower_args, resolve_args
 from dynabatch.training.config.sections import arg
+from dynabatch.commands.scheduled import memory_limit_bytes
 from dynabatch.commands.output_files import WRITTEN_BY, check_output_file, profile_file_problem, write_json  # noqa: F401 (re-exported)
 from dynabatch.cost.model_specs import PRESETS
 from dynabatch.cost.model_states import describe_zero
@@ -240,6 +241,61 @@ def describe_cost_model(summary: dict) -> str | None:
         return None
     return (f"priced with {summary['cost_model']} (measured costs; --hardware {summary['config']['hardware']} "
             "gives only the default memory)")
+
+
+def num_cell(value: float | None, width: int, digits: int) -> str:
+    """``value`` right-aligned in ``width`` with ``digits`` decimals; ``n/a`` for ``None`` (a price off the cost
+    profile's grid, :func:`describe_off_grid`)."""
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+OFF_GRID_NOTE = "has micro-batches beyond the cost profile's grid"
+"""``--tune-baselines``' note of a knob value that :func:`describe_off_grid` would name (not counted as fitting)."""
+
+
+def describe_off_grid(methods) -> str | None:
+    """The line under ``plan``'s, ``simulate``'s and ``bench``'s tables naming the methods whose micro-batches lie
+    beyond the cost profile's grid (priced :data:`~dynabatch.cost.planner_model.UNPRICED`: their predicted fields
+    are ``None``, ``n/a`` in the table, and ``priced_off_grid`` is true), and what to do; ``None`` when there are
+    none."""
+    if not methods:
+        return None
+    return (f"n/a: {', '.join(methods)} ran micro-batches beyond the cost profile's grid, which it cannot price; "
+            "profile with larger --batch-sizes / longer --lengths (dynabatch profile), or leave "
+            f"{'it' if len(methods) == 1 else 'them'} out of --methods")
+
+
+def workload_summary(args: argparse.Namespace, w: Workload, batches) -> dict:
+    """The entries of ``plan``'s and ``simulate``'s ``--json`` about the run itself (workload, model, layout, memory,
+    global batches, model states, resolved choices, cost model, flags); :func:`print_workload` prints them."""
+    return {
+        "workload": w.path,
+        "model": args.model,
+        "layout": w.cost_model.layout.describe(),
+        "stages": w.cost_model.num_stages,
+        "memory_limit_gib": memory_limit_bytes(w.cost_model) / 2**30,
+        "row_limits": w.limits.describe(),
+        "global_batches": len(batches),
+        "samples": sum(len(b) for b in batches),
+        "truncated": sum(b.num_truncated for b in batches),
+        "model_states": model_states(w.cost_model),
+        "resolved": resolved_json(w),
+        "cost_model": cost_model_json(args),
+        "config": flags_json(args),
+    }
+
+
+def print_workload(summary: dict) -> None:
+    """The lines above ``plan``'s and ``simulate``'s tables (:func:`workload_summary`'s entries)."""
+    print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
+          f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit "
+          f"{summary['memory_limit_gib']:.1f} GiB/device; baseline rows up to the longest kept sample "
+          f"({summary['row_limits']})")
+    print(describe_model_states(summary["model_states"]))
+    if (line := describe_cost_model(summary)) is not None:
+        print(line)
+    if summary["resolved"]:
+        print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
 
 
 def resolved_json(w: Workload) -> dict:

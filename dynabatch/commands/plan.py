@@ -12,7 +12,9 @@ method's own wall time per global batch (median, p10-p90 and max over the batche
 ``dynamic`` and ``dynamic_sliced`` (those in ``--methods`` that fit; none when neither does) is over the best
 whole-sample baseline that fits (over all of them when none does).
 ``--tune-baselines`` plans each baseline at every value of its knob's grid as well and compares dynamic with each
-one's best setting that fits (:mod:`dynabatch.commands.tuning`).
+one's best setting that fits (:mod:`dynabatch.commands.tuning`). A method with micro-batches beyond a
+``--cost-profile``'s grid has no price: ``n/a`` in the table (``None`` and ``priced_off_grid`` in ``--json``), never
+the best nor fitting, and a line under the table names it.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynabatch.commands.common import check_output_file, cost_model_json, describe_cost_model, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, resolved_json, split_from_data, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import OFF_GRID_NOTE, check_output_file, compared_baselines, describe_dynamic_compared, describe_off_grid, dynamic_compared, dynamic_left_out, num_cell, print_workload, split_from_data, workload_summary, write_json, add_workload_arguments, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.commands.scheduled import memory_limit_bytes, schedule_plan
 from dynabatch.commands.tuning import print_tuned, tune, tune_baselines_arg, tuned_summary
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.training.config.resolve import describe_choices
 from dynabatch.core.sequence import is_seq2seq
 from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
 from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
 from dynabatch.plan.slice_costs import AnalyticSliceCostModel
+from dynabatch.cost.planner_model import UNPRICED
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -
         wall.append(plan.plan_time_s)
         if plan.candidate:
             kept[plan.candidate] = kept.get(plan.candidate, 0) + 1
-    return {
+    row = {
         "layout": cost_model.layout.describe(),
         "real_tokens": real,
         "computed_tokens": computed,
@@ -150,7 +152,17 @@ def plan_method(method: str, batches, w, cost_model, args: argparse.Namespace) -
         "plan_wall_ms_max": 1e3 * float(np.max(wall)),
         **({"candidates": kept} if kept else {}),
         **({"changes_objective": objective_note(method)} if objective_note(method) else {}),
+        # a micro-batch beyond a cost profile's grid (UNPRICED): its prices are n/a, not ~1e30 s (as bench's)
+        "priced_off_grid": max(step_times) >= UNPRICED or peak >= UNPRICED,
     }
+    if row["priced_off_grid"]:
+        row.update(dict.fromkeys(PRICED_FIELDS), fits_memory=False)
+    return row
+
+
+PRICED_FIELDS = ("predicted_step_s", "predicted_tokens_per_s", "peak_memory_gib", "fits_in_flight",
+                 "largest_micro_batch_gib")
+"""A :func:`plan_method` row's fields that come from the cost model's prices (``None`` off a profile's grid)."""
 
 
 def _method_cost_model(method: str, batches, w, args: argparse.Namespace):
@@ -171,8 +183,8 @@ def _trial(method: str, batches, w, args: argparse.Namespace, default_row: dict)
         tried = dataclasses.replace(w, options=w.options.with_value(method, value))
         row = default_row if value == default else plan_method(
             method, batches, tried, _method_cost_model(method, batches, tried, args), args)
-        note = "" if row["fits_memory"] else (f"does not fit memory (peak {row['peak_memory_gib']:.1f} of "
-                                              f"{row['memory_limit_gib']:.1f} GiB)")
+        note = "" if row["fits_memory"] else OFF_GRID_NOTE if row["priced_off_grid"] else (
+            f"does not fit memory (peak {row['peak_memory_gib']:.1f} of {row['memory_limit_gib']:.1f} GiB)")
         return row["predicted_tokens_per_s"], note
 
     return run
@@ -180,7 +192,8 @@ def _trial(method: str, batches, w, args: argparse.Namespace, default_row: dict)
 
 def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left_out: dict | None = None) -> dict:
     # the ratio is over the baselines that train on the whole samples (packing_free_split changes the objective)
-    whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
+    # and that the cost model prices (one beyond a profile's grid has no step)
+    whole = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k) and not v["priced_off_grid"]}
     fitting = {k: v for k, v in whole.items() if v["fits_memory"]}
     compared = fitting or whole
     best = min(compared, key=lambda k: compared[k]["predicted_step_s"]) if compared else None
@@ -189,15 +202,7 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left
     planner = min(planners, key=lambda k: planners[k]["predicted_step_s"]) if planners else None
     speedup = compared[best]["predicted_step_s"] / rows[planner]["predicted_step_s"] if best and planner else None
     out = {
-        "workload": w.path,
-        "model": args.model,
-        "layout": w.cost_model.layout.describe(),
-        "stages": w.cost_model.num_stages,
-        "memory_limit_gib": memory_limit_bytes(w.cost_model) / 2**30,
-        "row_limits": w.limits.describe(),
-        "global_batches": len(batches),
-        "samples": sum(len(b) for b in batches),
-        "truncated": sum(b.num_truncated for b in batches),
+        **workload_summary(args, w, batches),
         "methods": rows,
         "best_baseline": best,
         "dynamic_method": planner,
@@ -205,10 +210,6 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left
         "left_out": left_out or {},  # {method: warning}: dynamic that cannot plan a sample alone, beside dynamic_sliced
         "dynamic_speedup_vs_best_baseline": speedup,
         "baselines_compared": "fitting" if fitting else "none fits",
-        "model_states": model_states(w.cost_model),
-        "resolved": resolved_json(w),
-        "cost_model": cost_model_json(args),
-        "config": flags_json(args),
     }
     if tuned:
         entries, ratio = tuned_summary(tuned, rows[planner]["predicted_tokens_per_s"] if planner else None)
@@ -218,21 +219,13 @@ def _summary(args: argparse.Namespace, w, batches, rows: dict, tuned: dict, left
 
 def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
     stages = summary["stages"]
-    print(f"{summary['global_batches']} global batches, {summary['samples']} samples ({summary['truncated']} truncated), "
-          f"{stages} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} "
-          "GiB/device; baseline rows up to the longest kept sample "
-          f"({summary['row_limits']})")
-    print(describe_model_states(summary["model_states"]))
-    if (line := describe_cost_model(summary)) is not None:
-        print(line)
-    if summary["resolved"]:
-        print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
+    print_workload(summary)
     print(f"{'method':<19} {'real tok':>10} {'computed':>10} {'eff':>6} {'mbs':>5} {'step s':>8} {'peak GiB':>8} {'fits':>4}  "
           "plan ms/batch p50 [p10-p90] max")
     for method, r in rows.items():
         print(f"{method + ('*' if 'changes_objective' in r else ''):<19} {r['real_tokens']:>10d} {r['computed_tokens']:>10d} {r['efficiency']:>6.3f} "
-              f"{r['micro_batches']:>5d} {r['predicted_step_s']:>8.3f} {r['peak_memory_gib']:>8.1f} "
-              f"{'yes' if r['fits_memory'] else 'NO':>4} "
+              f"{r['micro_batches']:>5d} {num_cell(r['predicted_step_s'], 8, 3)} {num_cell(r['peak_memory_gib'], 8, 1)} "
+              f"{'n/a' if r['priced_off_grid'] else 'yes' if r['fits_memory'] else 'NO':>4} "
               f"{r['plan_wall_ms_median']:>8.1f} [{r['plan_wall_ms_p10']:.1f}-{r['plan_wall_ms_p90']:.1f}] "
               f"{r['plan_wall_ms_max']:.1f}")
     for method, r in rows.items():
@@ -241,8 +234,10 @@ def _print_table(summary: dict, rows: dict, tuned: dict) -> None:
     for method, r in rows.items():
         if "changes_objective" in r:
             print(f"* {method} {r['changes_objective']}")
+    if (line := describe_off_grid([m for m, r in rows.items() if r["priced_off_grid"]])) is not None:
+        print(line)
     for method, r in rows.items():
-        if not r["fits_memory"]:
+        if not r["fits_memory"] and not r["priced_off_grid"]:
             advice = (f"tune its knob ({'see below' if tuned else '--tune-baselines'}) or give it more memory"
                       if not is_planner(method) else "give it more memory, more stages or shorter length limits")
             print(f"  {method} does not fit: its simulated schedule peaks at {r['peak_memory_gib']:.2f} GiB of the "

@@ -28,7 +28,9 @@ max penalty than the real ``S - 1`` often wins); one-sample micro-batches only n
 ``--methods`` picks the methods (default: ``dynamic`` and every baseline of the registry); the ratio line is
 the faster of ``dynamic`` and ``dynamic_sliced`` among those that fit (none, said plainly, when neither does);
 ``--tune-baselines`` also simulates each baseline at every value of its knob's grid and reports its
-fastest setting that fits memory next to the default (:mod:`dynabatch.commands.tuning`).
+fastest setting that fits memory next to the default (:mod:`dynabatch.commands.tuning`). The table and ``--json``
+are :mod:`dynabatch.commands.simulate_report`'s; a method with micro-batches beyond a ``--cost-profile``'s grid
+reads ``n/a`` there, as in ``plan`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ import argparse
 import dataclasses
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from dynabatch.core.allocator import keep_freed_memory
-from dynabatch.commands.common import check_output_file, cost_model_json, describe_cost_model, compared_baselines, describe_dynamic_compared, dynamic_compared, dynamic_left_out, flags_json, describe_model_states, model_states, placement_cost_model, resolved_json, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
+from dynabatch.commands.common import OFF_GRID_NOTE, check_output_file, dynamic_left_out, placement_cost_model, split_from_data, write_json, add_workload_arguments, check_positive, compared_methods, method_recompute, resolve
 from dynabatch.training.config.flags import add_fields, add_sections
 from dynabatch.training.config.placement_choice import pick_placement, placement_candidates
 from dynabatch.training.config.sections import arg
@@ -53,13 +55,13 @@ from dynabatch.plan.slice_costs import AnalyticSliceCostModel, piece_costs
 from dynabatch.plan.step import DEFAULT_PACK_ROWS, with_pairs
 from dynabatch.schedule.placement import Placement
 from dynabatch.core.sequence import is_seq2seq
-from dynabatch.core.methods import DYNAMIC_SLICED, is_planner, objective_note
+from dynabatch.core.methods import DYNAMIC_SLICED, is_planner
 from dynabatch.training.workload import global_batches, kept_limits, method_micro_batches
-from dynabatch.training.config.resolve import describe_choices, lower
 from dynabatch.schedule.virtual import placed_step
 from dynabatch.commands.scheduled import memory_limit_bytes, schedule_pieces, schedule_plan, send_times
+from dynabatch.commands.simulate_report import MethodSummary, off_grid, print_table, summary as simulate_summary
 from dynabatch.commands.simulate_traces import TRACED_METHODS, check_trace_dir, write_traces
-from dynabatch.commands.tuning import Tuned, print_tuned, tune, tune_baselines_arg, tuned_summary
+from dynabatch.commands.tuning import Tuned, tune, tune_baselines_arg
 
 
 @dataclass(frozen=True)
@@ -87,70 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     add_fields(p, ["slice_long", "placement"])  # train's --placement: the same choices, auto included
     add_sections(p, [SimulateArgs])
-
-
-@dataclass(frozen=True)
-class MethodSummary:
-    """Simulated steps of one method over the global batches."""
-
-    method: str
-    real_tokens: int
-    """Real (unpadded) tokens over all steps."""
-    computed_tokens: int
-    """Tokens computed on, padding included."""
-    micro_batches: int
-    """Micro-batches over all steps."""
-    sliced_samples: int
-    """Samples cut into token slices over all steps (``--slice-long``)."""
-    step_s: float
-    """Mean simulated step time."""
-    ideal_s: float
-    """Mean ideal step time (sum of per-sample unpadded bottleneck-stage times)."""
-    tokens_per_s: float
-    """Real tokens / simulated time, over all steps."""
-    padding_efficiency: float
-    """Real / computed tokens."""
-    efficiency: float
-    """Sum of ideal / sum of simulated step times."""
-    efficiency_amortised: float | None
-    """Like ``efficiency`` with each sample priced as its share of a batch of identical copies of it
-    (about ``AMORTISED_TOKENS`` tokens): a stricter ideal without per-sample launch and weight-read costs.
-    ``None`` (and so ``efficiency_balanced`` and ``work_efficiency``) where a ``--cost-profile``'s grid does not
-    reach such batches."""
-    efficiency_balanced: float | None
-    """The physical limit: the whole model's amortised per-sample work (every stage's, summed) divided by the
-    number of devices, over the simulated step time (``efficiency_amortised`` divides by the bottleneck stage's
-    work instead, so it hides an imbalance between stages). The same quantity as the measured one of ``bench``
-    and the train metrics, :func:`~dynabatch.plan.ideal.balanced_efficiency` with the simulated busy times."""
-    work_efficiency: float | None
-    """``W_ideal / W_plan`` (:mod:`dynabatch.plan.ideal`): the amortised whole-model ideal's work over the work of
-    the plan's micro-batches (what padding, micro-batches smaller than the ideal's copies and recomputation add),
-    summed over the steps. ``efficiency_balanced = work_efficiency x busy_fraction``: no schedule or placement
-    can lift ``efficiency_balanced`` above it."""
-    busy_fraction: float
-    """Summed busy time of every device / (devices x summed step time): what the schedule leaves idle."""
-    stage_busy: tuple
-    """Per stage, the mean over steps of its busy time / step time."""
-    layout: str
-    """The stage layout the method ran with (``--layer-split data``: balanced over its own micro-batches)."""
-    bubble_fraction: float
-    """Mean over steps of the simulated idle share of all stages."""
-    bottleneck_utilisation: float
-    """Mean over steps of the busiest stage's busy time / step time (1: the schedule is as short as the
-    busiest stage's work; the rest of the bubble is stage imbalance)."""
-    peak_memory_gib: float
-    """Largest simulated memory of any device in any step (model states included)."""
-    fits_memory: bool
-    """Every step stays within the device limit."""
-    policies: dict
-    """How often each policy was chosen."""
-    schedule_ms_median: float
-    """Wall time of choose_schedule per step (median)."""
-    schedule_ms_max: float
-    plan_ms_median: float
-    """Wall time of the method's micro-batching per step (median)."""
-    placement: str = "linear"
-    """The placement the method ran on (``--placement auto``: the one :func:`pick_placement` took)."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                 raise
             left_out[method] = line  # said once every other method has run (else their error alone)
             continue
-        name = pick_placement({k: r.step_s for k, (_, r) in tried.items()},
+        name = pick_placement({k: float("inf") if r.priced_off_grid else r.step_s for k, (_, r) in tried.items()},
                               {p.describe(): p.chunks_per_device for p in candidates})
         placed[method], rows[method] = tried[name][0], dataclasses.replace(tried[name][1], placement=name)
         if args.trace_dir and method in TRACED_METHODS and len(candidates) > 1:
@@ -243,10 +181,10 @@ def run(args: argparse.Namespace) -> int:
                  for m in methods if not is_planner(m)}
     for line in left_out.values():
         print(f"warning: {line}", file=sys.stderr)
-    summary = _summary(args, w, batches, rows, tuned, left_out)
+    summary = simulate_summary(args, w, batches, rows, tuned, left_out)
     if args.json and write_json(summary, args.json, command="simulate"):
         return 0
-    _print_table(summary, rows, tuned)
+    print_table(summary, rows, tuned)
     return 0
 
 
@@ -306,7 +244,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         policies[policy] = policies.get(policy, 0) + 1
         if trace_dir and k == 0 and placed is None:
             write_traces(trace_dir, method, result, plan.shapes)
-    return MethodSummary(
+    return off_grid(MethodSummary(
         method=method, real_tokens=real, computed_tokens=computed, micro_batches=micro, sliced_samples=sliced,
         step_s=float(np.mean(steps)), ideal_s=float(np.mean(ideals)), tokens_per_s=real / float(np.sum(steps)),
         padding_efficiency=real / computed, efficiency=float(np.sum(ideals) / np.sum(steps)),
@@ -321,7 +259,7 @@ def simulate_method(method: str, batches, w, options: SimulateOptions = Simulate
         peak_memory_gib=max(peaks) / 2**30, fits_memory=bool(fits),
         policies=policies, schedule_ms_median=1e3 * float(np.median(sched_wall)),
         schedule_ms_max=1e3 * float(np.max(sched_wall)), plan_ms_median=1e3 * float(np.median(plan_wall)),
-    )
+    ), steps, peaks)  # a price beyond a cost profile's grid: n/a, not ~1e30 s
 
 
 def _priced(value, ideals) -> float | None:
@@ -486,98 +424,6 @@ def _trace_picked(trace_dir: str, method: str, picked: str, batches, w, options:
               file=sys.stderr)
 
 
-def _summary(args, w, batches, rows, tuned=None, left_out=None) -> dict:
-
-    # the whole-sample baselines (packing_free_split trains another objective and is reported beside them); the ratio
-    # is over those that fit the memory, as plan's; when none does, over all of them, and the table says so
-    baselines = {k: v for k, v in rows.items() if not is_planner(k) and not objective_note(k)}
-    fitting = {k: v for k, v in baselines.items() if v.fits_memory}
-    best = max((fitting or baselines).values(), key=lambda r: r.tokens_per_s) if baselines else None
-    # the faster of dynamic and dynamic_sliced among those whose simulated peak fits; none when neither fits
-    planners = {k: v for k, v in rows.items() if is_planner(k) and v.fits_memory}
-    planner = max(planners, key=lambda k: planners[k].tokens_per_s) if planners else None
-    dynamic = planners[planner].tokens_per_s if planner else None
-    out = {
-        "workload": w.path,
-        "model": args.model,
-        "layout": w.cost_model.layout.describe(),
-        "row_limits": w.limits.describe(),
-        "layer_split": args.layer_split,
-        "placement": args.placement,
-        "stages": w.cost_model.num_stages,
-        "memory_limit_gib": memory_limit_bytes(w.cost_model) / 2**30,
-        "global_batches": len(batches),
-        "samples": sum(len(b) for b in batches),
-        "truncated": sum(b.num_truncated for b in batches),
-        "model_states": model_states(w.cost_model),
-        "resolved": resolved_json(w),
-        "cost_model": cost_model_json(args),
-        "config": flags_json(args),
-        "methods": {k: {**asdict(v), **({"changes_objective": objective_note(k)} if objective_note(k) else {})}
-                    for k, v in rows.items()},
-        "best_baseline": best.method if best else None,
-        "baselines_compared": "fitting" if fitting else "none fits",
-        "dynamic_method": planner,
-        "dynamic_methods_compared": dynamic_compared([k for k in rows if is_planner(k)], planner),
-        "left_out": left_out or {},  # {method: warning}: dynamic that cannot plan a sample alone, beside dynamic_sliced
-        "dynamic_throughput_vs_best_baseline": dynamic / best.tokens_per_s if best and dynamic else None,
-    }
-    if tuned:
-        entries, ratio = tuned_summary(tuned, dynamic)
-        out.update(entries, dynamic_throughput_vs_best_tuned_baseline=ratio)
-    return out
-
-
-def _ratio(value: float | None, width: int) -> str:
-    """A table cell of an efficiency: ``-`` where a cost profile could not price it (:func:`_priced`)."""
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.3f}"
-
-
-def _print_table(summary: dict, rows: dict, tuned: dict | None = None) -> None:
-    print(f"{summary['global_batches']} global batches, {summary['samples']} samples "
-          f"({summary['truncated']} truncated), "
-          f"{summary['stages']} stages, reference split: {summary['layout']}; memory limit {summary['memory_limit_gib']:.1f} GiB/device; "
-          f"baseline rows up to the longest kept sample ({summary['row_limits']})")
-    print(describe_model_states(summary["model_states"]))
-    if (line := describe_cost_model(summary)) is not None:
-        print(line)
-    if summary["resolved"]:
-        print(describe_choices({k: tuple(v) for k, v in summary["resolved"].items()}))
-    print(f"{'method':<19} {'tok/s':>9} {'pad eff':>7} {'eff':>6} {'eff am':>6} {'eff bal':>7} {'bubble':>6} "
-          f"{'step s':>7} "
-          f"{'peak GiB':>8} {'fits':>4} "
-          f"{'mbs':>5} {'sched ms p50/max':>16}  stage busy  policies")
-    for r in rows.values():
-        pol = ",".join(f"{k}:{v}" for k, v in sorted(r.policies.items()))
-        print(f"{r.method + ('*' if objective_note(r.method) else ''):<19} {r.tokens_per_s:>9.0f} {r.padding_efficiency:>7.3f} {r.efficiency:>6.3f} "
-              f"{_ratio(r.efficiency_amortised, 6)} {_ratio(r.efficiency_balanced, 7)} "
-              f"{r.bubble_fraction:>6.3f} {r.step_s:>7.3f} {r.peak_memory_gib:>8.1f} "
-              f"{'yes' if r.fits_memory else 'NO':>4} "
-              f"{r.micro_batches:>5d} {r.schedule_ms_median:>7.1f}/{r.schedule_ms_max:<8.1f} "
-              f"{'/'.join(f'{100 * b:.0f}' for b in r.stage_busy)}%  {pol}")
-    if summary["placement"] == "auto":
-        print("--placement auto: " + ", ".join(f"{r.method} {r.placement}" for r in rows.values()))
-    for r in rows.values():
-        if r.layout != summary["layout"]:
-            print(f"  {r.method} layer split (balanced over its micro-batches): {r.layout}")
-    for r in rows.values():
-        if objective_note(r.method):
-            print(f"* {r.method} {objective_note(r.method)}")
-    planners = [m for m in rows if is_planner(m)]
-    if (line := describe_dynamic_compared(summary["dynamic_methods_compared"], planners)) is not None:
-        print(line)
-    if summary["dynamic_throughput_vs_best_baseline"] is not None:
-        which = compared_baselines(summary["baselines_compared"])
-        print(f"{summary['dynamic_method']} vs best baseline ({summary['best_baseline']}; {which}), real tokens/s: "
-              f"{summary['dynamic_throughput_vs_best_baseline']:.2f}x")
-    if tuned:
-        print_tuned(tuned, {m: rows[m].tokens_per_s for m in tuned}, "simulated")
-        if summary["dynamic_throughput_vs_best_tuned_baseline"] is not None:
-            print(f"{summary['dynamic_method']} vs best tuned baseline ({summary['best_tuned_baseline']}; whole-sample baselines), "
-                  "real tokens/s: "
-                  f"{summary['dynamic_throughput_vs_best_tuned_baseline']:.2f}x")
-
-
 def tune_simulated(method: str, batches, w, options, default_summary=None, placed=None, resplit=None) -> Tuned:
     """``simulate --tune-baselines`` for one baseline (``w``: a resolved Workload; ``placed``: the placement
     it is simulated on, as in :func:`simulate_method`); ``default_summary``, the
@@ -592,7 +438,8 @@ def tune_simulated(method: str, batches, w, options, default_summary=None, place
         else:
             tried = dataclasses.replace(w, options=w.options.with_value(method, value))
             s = simulate_method(method, batches, tried if resplit is None else resplit(tried), options, placed=placed)
-        note = "" if s.fits_memory else f"does not fit memory (peak {s.peak_memory_gib:.1f} GiB)"
+        note = ("" if s.fits_memory else OFF_GRID_NOTE if s.priced_off_grid
+                else f"does not fit memory (peak {s.peak_memory_gib:.1f} GiB)")
         return s.tokens_per_s, note
 
     return tune(method, batches, w.limits, w.options, run)

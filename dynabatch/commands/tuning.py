@@ -94,13 +94,14 @@ def _tuned(method: str, options: BaselineOptions, trials: tuple[Trial, ...]) -> 
                  best.tokens_per_s if best else None)
 
 
-def describe(method: str, tuned: dict, default_tokens_per_s: float) -> str:
+def describe(method: str, tuned: dict, default_tokens_per_s: float | None) -> str:
     """One line of a :meth:`Tuned.to_dict`: default -> tuned value and tokens/s, and the values skipped."""
     skipped = "; ".join(f"{t['value']}: {t['note']}" for t in tuned["trials"] if t["note"])
     if tuned["value"] is None:
         best = "no value fits memory"
     else:
-        best = (f"{tuned['default']} -> {tuned['value']}: {default_tokens_per_s:.0f} -> "
+        default = "n/a" if default_tokens_per_s is None else f"{default_tokens_per_s:.0f}"  # off a profile's grid
+        best = (f"{tuned['default']} -> {tuned['value']}: {default} -> "
                 f"{tuned['tokens_per_s']:.0f} tok/s")
     if tuned.get("sweep_value") is not None:
         best += f" (the sweep's {tuned['sweep_value']} was slower over the full run)"
@@ -118,7 +119,7 @@ def tuned_summary(tuned: dict[str, Tuned], planner_tokens_per_s: float | None) -
     return entries, (planner_tokens_per_s / tuned[top].tokens_per_s if top and planner_tokens_per_s else None)
 
 
-def print_tuned(tuned: dict[str, Tuned], default_tokens_per_s: dict[str, float], what: str) -> None:
+def print_tuned(tuned: dict[str, Tuned], default_tokens_per_s: dict[str, float | None], what: str) -> None:
     """One :func:`describe` line per tuned baseline (``what``: how its tokens/s were had, e.g. ``simulated``)."""
     print(f"tuned baselines (best knob value that fits memory, {what} tokens/s):")
     for m, t in tuned.items():

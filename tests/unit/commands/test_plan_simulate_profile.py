@@ -79,6 +79,29 @@ def test_plan_and_simulate_price_with_the_profiles_measured_costs(profiles, comm
     assert f"priced with cost profile {path}" in out
 
 
+@pytest.mark.parametrize("command, step, peak", [("plan", "predicted_step_s", "peak_memory_gib"),
+                                                 ("simulate", "step_s", "peak_memory_gib")])
+def test_a_method_beyond_the_profiles_grid_reads_n_a_and_is_never_the_best(profiles, command, step, peak, capsys):
+    # token_budget's default budget puts the whole global batch (~20 samples) in one micro-batch, beyond the
+    # profile's batch sizes (up to 8): priced n/a, not ~1e30 s, not fitting, not compared, and one line says so
+    path, _, lengths = profiles
+    flags = [command, *_flags(lengths)[:-1], "dynamic,padding,token_budget", "--cost-profile", path]
+    rows = _json(capsys, *flags)
+    off = rows["methods"]["token_budget"]
+    assert off["priced_off_grid"] is True and off[step] is None and off[peak] is None and off["fits_memory"] is False
+    assert all(rows["methods"][m]["priced_off_grid"] is False and 0 < rows["methods"][m][step] < 1e3
+               for m in ("dynamic", "padding"))
+    assert rows["best_baseline"] == "padding" and rows["baselines_compared"] == "fitting"
+    assert main(flags) == 0
+    table = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()}
+    assert table["token_budget"].count("n/a") >= 3 and "NO" not in table["token_budget"]
+    assert "n/a" not in table["padding"]
+    line = [ln for ln in table.values() if ln[0] == "n/a:"]
+    assert len(line) == 1 and " ".join(line[0]) == (
+        "n/a: token_budget ran micro-batches beyond the cost profile's grid, which it cannot price; profile with "
+        "larger --batch-sizes / longer --lengths (dynabatch profile), or leave it out of --methods")
+
+
 @pytest.mark.parametrize("command, extra, expected", [
     ("plan", ["--methods", "dynamic_sliced"], "dynamic_sliced prices its token slices with the analytic cost model"),
     ("simulate", ["--slice-long"], "slice_long prices slices with the analytic cost model"),
