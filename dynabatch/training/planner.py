@@ -207,18 +207,16 @@ class StepPlanner:
         MOVE_CHOOSERS`), chosen by the online fit where it predicts (how the stages' work compares is what the fit
         measures and a base model misjudges: the output head on a CPU), else by the planning model (which plans come
         from measured times alone: ``--full-determinism``). Ties keep the cuts, then the earlier chooser."""
-        candidates = [[None] * len(shapes)]
+        candidates = {_moves_key([None] * len(shapes)): [None] * len(shapes)}  # by moves, the cuts first
         if getattr(plan_model, "moving_boundaries", False):
             fit_chooses = self.predict_model is not self.cost_model and not getattr(self.cfg, "full_determinism", False)
             chooser = predict_model if fit_chooses else plan_model
             for name in MOVE_CHOOSERS:
                 moves = [piece_costs(chooser, self.slice_model, s, ctx, lk, pr, moves=name).moves
                          for s, lk, ctx, pr in zip(shapes, links, contexts, pairs)]
-                if any(m is not None and np.any(m) for m in moves) and not any(
-                        _same_moves(moves, c) for c in candidates):
-                    candidates.append(moves)
+                candidates.setdefault(_moves_key(moves), moves)
         best = None
-        for moves in candidates:
+        for moves in candidates.values():
             costs, schedules, predicted, bubble = self._predict(shapes, links, contexts, pairs, plan_model,
                                                                 moves_in=moves)
             predicted_costs = costs
@@ -452,10 +450,9 @@ class StepPlanner:
         return (*out, fits) if check_memory else out
 
 
-def _same_moves(a, b) -> bool:
-    """Whether two replicas' lists of moves (``None``: the cuts) are the same."""
-    return all((x is None and (y is None or not np.any(y))) or (y is None and not np.any(x)) or
-               (x is not None and y is not None and np.array_equal(x, y)) for x, y in zip(a, b))
+def _moves_key(moves) -> tuple:
+    """Replicas' moves (``None``: the cuts) as a key equal for the same moves; all zeros is the cuts."""
+    return tuple(None if m is None or not np.any(m) else np.asarray(m).tobytes() for m in moves)
 
 
 def prepared_batch(cfg: TrainConfig, limits: LengthLimits, tokens: TokenizerInfo, batch: GlobalBatch) -> GlobalBatch:

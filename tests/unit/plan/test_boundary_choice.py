@@ -90,14 +90,20 @@ def test_calibrated_costs_scale_by_the_layer_models_ratio():
     np.testing.assert_allclose(scaled.fwd_s, base.fwd_s * np.array([[2.0], [3.0]]), rtol=1e-9)
 
 
-@pytest.mark.parametrize("name,layout,seq2seq", CASES)
-@pytest.mark.parametrize("seed", range(4))
-def test_choice_is_never_slower_than_the_layout(name, layout, seq2seq, seed):
+def priced_at_the_cut(name, layout, seq2seq: bool, seed: int):
+    """A moving-boundaries model, 24 sampled shapes, their costs at the layout's cuts, the move ratios and the
+    per-move times the choosers take."""
     model = stage_model(name, layout=layout)
     shapes = sample_shapes(seed, 24, seq2seq)
     laid = piece_costs(model, None, shapes, [0] * len(shapes), (), moves=None)
     ratios = move_ratios(model, *shapes.T.astype(np.float64))
-    times = move_times(laid, ratios)
+    return model, shapes, laid, ratios, move_times(laid, ratios)
+
+
+@pytest.mark.parametrize("name,layout,seq2seq", CASES)
+@pytest.mark.parametrize("seed", range(4))
+def test_choice_is_never_slower_than_the_layout(name, layout, seq2seq, seed):
+    model, shapes, laid, ratios, times = priced_at_the_cut(name, layout, seq2seq, seed)
     lead = pipeline_leads(laid)
     moves = choose_moves(times, ratios.units, len(shapes), lead=lead)
     zeros = np.zeros_like(moves)
@@ -119,11 +125,7 @@ def slowest_stage(times: dict, moves: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name,layout,seq2seq", CASES)
 @pytest.mark.parametrize("seed", range(3))
 def test_each_micro_batch_gets_its_own_best_side(name, layout, seq2seq, seed):
-    model = stage_model(name, layout=layout)
-    shapes = sample_shapes(seed, 24, seq2seq)
-    laid = piece_costs(model, None, shapes, [0] * len(shapes), (), moves=None)
-    ratios = move_ratios(model, *shapes.T.astype(np.float64))
-    times = move_times(laid, ratios)
+    model, shapes, laid, ratios, times = priced_at_the_cut(name, layout, seq2seq, seed)
     moves = balance_each(times, ratios.units, len(shapes))
     allowed = allowed_moves(ratios.units, 0)
     assert set(moves[:, 0].tolist()) <= set(allowed)
